@@ -1,0 +1,84 @@
+"""Every error p2pcoll raises on purpose.
+
+```
+P2PCollError
+├── RendezvousError              join() could not form the group
+├── ProtocolError                a message broke the wire format
+├── PeerLost                     a peer closed or vanished while it was needed
+├── CollectiveTimeout            a collective missed its deadline
+├── CollectiveMismatch           ranks called the collective differently
+├── GroupBroken                  the group failed earlier and cannot be used
+└── StrategyError
+    ├── UnknownStrategy          no strategy of that name for that collective
+    └── PluginValidationError    an installed strategy plugin is malformed
+```
+
+Bad arguments at the API boundary raise ``ValueError`` / ``TypeError`` as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class P2PCollError(Exception):
+    """Base class of every p2pcoll error."""
+
+
+class RendezvousError(P2PCollError):
+    """The group could not be formed (timeout, duplicate rank, size disagreement, ...)."""
+
+
+class ProtocolError(P2PCollError):
+    """A message does not follow the wire format."""
+
+
+class PeerLost(P2PCollError):
+    """A peer left or disappeared while a collective needed it."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class CollectiveTimeout(P2PCollError):
+    """A collective did not finish before its deadline."""
+
+    def __init__(
+        self, message: str, *, collective: str = "", seq: int = -1, waiting_on: Iterable[int] = ()
+    ) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.seq = seq
+        self.waiting_on = sorted(set(waiting_on))
+
+
+class CollectiveMismatch(P2PCollError):
+    """Ranks called the same collective with different arguments (shape, dtype, op, ...)."""
+
+
+class GroupBroken(P2PCollError):
+    """An earlier collective failed part-way, so the peers' states are unknown.
+
+    Every call on the group raises this until the group is closed; the original error is
+    the ``__cause__``.
+    """
+
+
+class StrategyError(P2PCollError):
+    """Base class of strategy lookup and plugin errors."""
+
+
+class UnknownStrategy(StrategyError, ValueError):
+    """No strategy of the requested name is installed for the collective."""
+
+
+class PluginValidationError(StrategyError):
+    """An installed strategy plugin does not satisfy the strategy API."""
+
+
+# Errors that may be reported by a peer in an abort message and re-raised here.
+REMOTE_ERRORS: dict[str, type[P2PCollError]] = {
+    cls.__name__: cls
+    for cls in (CollectiveTimeout, CollectiveMismatch, PeerLost, ProtocolError, P2PCollError)
+}

@@ -1,0 +1,202 @@
+"""Runs a strategy's schedule over the mesh: the one place that touches buffers and messages.
+
+For each pipeline segment the executor walks the schedule: it sends chunk views zero-copy,
+receives frames into ``np.frombuffer`` views and copies or reduces them straight into the
+preallocated data (``ufunc(dst, src, out=dst)``), checks each message's signature against
+its own, and never writes into memory that a zero-copy send still reads. Up to ``depth``
+segments run at once, so transfer and reduction overlap. Deadlines are the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .errors import CollectiveMismatch, PluginValidationError
+from .layout import Layout
+from .strategy import ALL, Context, Op, Recv, Reduce, Send, Strategy, _All
+from .transport.mailbox import Mailbox
+from .transport.mesh import Mesh
+from .wire import Header
+
+SIGNATURE_FIELDS = ("collective", "strategy", "op", "root", "data")
+
+
+def describe_mismatch(mine: list[Any], theirs: list[Any], src: int, rank: int) -> str:
+    """Say which fields of two collective signatures differ."""
+    diffs = [
+        f"{name}: rank {rank} has {a!r}, rank {src} has {b!r}"
+        for name, a, b in zip(SIGNATURE_FIELDS, mine, theirs, strict=False)
+        if a != b
+    ]
+    if len(mine) != len(theirs):
+        diffs.append(f"signature length {len(mine)} vs {len(theirs)}")
+    return "; ".join(diffs)
+
+
+@lru_cache(maxsize=1024)
+def plan(strategy: Strategy, ctx: Context, nchunks: int) -> tuple[tuple[Op, ...], ...]:
+    """Materialise and validate one rank's schedule (cached: it depends on nothing else)."""
+    steps: list[tuple[Op, ...]] = []
+    where = f"strategy {strategy.name!r} ({strategy.collective}) on rank {ctx.rank} of {ctx.size}"
+    for step in strategy.schedule(ctx):
+        ops = (step,) if isinstance(step, (Send, Recv, Reduce)) else tuple(step)
+        peers_out: set[int] = set()
+        peers_in: set[int] = set()
+        for op in ops:
+            if not isinstance(op, (Send, Recv, Reduce)):
+                raise PluginValidationError(f"{where} yielded {op!r}, not Send/Recv/Reduce")
+            peer = op.to if isinstance(op, Send) else op.frm
+            if not (0 <= peer < ctx.size) or peer == ctx.rank:
+                raise PluginValidationError(f"{where} yielded {op!r}: no such peer")
+            seen = peers_out if isinstance(op, Send) else peers_in
+            if peer in seen:
+                raise PluginValidationError(f"{where} yielded two ops with rank {peer} in one step")
+            seen.add(peer)
+            _check_chunk(op, nchunks, where)
+        steps.append(ops)
+    return tuple(steps)
+
+
+def _check_chunk(op: Op, nchunks: int, where: str) -> None:
+    c = op.chunk
+    ok = (
+        isinstance(c, _All)
+        or (isinstance(c, int) and 0 <= c < nchunks)
+        or (isinstance(c, range) and c.step == 1 and 0 <= c.start <= c.stop <= nchunks)
+    )
+    if not ok:
+        raise PluginValidationError(f"{where} yielded {op!r}: chunk outside 0..{nchunks - 1}")
+
+
+class Executor:
+    """Runs schedules for one group."""
+
+    def __init__(
+        self, mesh: Mesh, mailbox: Mailbox, *, segment_bytes: int, depth: int
+    ) -> None:
+        self.mesh = mesh
+        self.mailbox = mailbox
+        self.segment_bytes = segment_bytes
+        self.depth = depth
+
+    async def run(
+        self,
+        *,
+        seq: int,
+        strategy: Strategy,
+        ctx: Context,
+        layout: Layout,
+        ufunc: Callable[..., Any] | None,
+        sig: list[Any],
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Run ``strategy`` for collective ``seq`` over ``layout``, in place.
+
+        Raises:
+            CollectiveMismatch: a peer's message carried another signature or size.
+            PeerLost, P2PCollError: a peer is gone or reported a failure (abort).
+        Cancellation: leaves the data partly updated; the caller must break the group.
+        """
+        steps = plan(strategy, ctx, len(layout.chunks))
+        nseg = layout.segment(self.segment_bytes)
+        run = self._segment
+        if nseg == 1:
+            await run(seq, 0, steps, layout, ufunc, sig, meta, ctx.rank)
+            return
+        window = asyncio.Semaphore(self.depth)
+
+        async def one(seg: int) -> None:
+            async with window:
+                await run(seq, seg, steps, layout, ufunc, sig, meta, ctx.rank)
+
+        async with asyncio.TaskGroup() as tg:
+            for seg in range(nseg):
+                tg.create_task(one(seg))
+
+    async def _segment(
+        self,
+        seq: int,
+        seg: int,
+        steps: tuple[tuple[Op, ...], ...],
+        layout: Layout,
+        ufunc: Callable[..., Any] | None,
+        sig: list[Any],
+        meta: dict[str, Any] | None,
+        rank: int,
+    ) -> None:
+        sent: defaultdict[int, int] = defaultdict(int)
+        received: defaultdict[int, int] = defaultdict(int)
+        # Zero-copy sends still in flight, with the chunks they read.
+        inflight: list[tuple[range, zmq.MessageTracker]] = []
+        seg_meta = meta if seg == 0 else None
+        for ops in steps:
+            for op in ops:
+                if isinstance(op, Send):
+                    header = Header(
+                        "data", self.mesh.group_id, rank, seq, seg, sent[op.to], sig, meta=seg_meta
+                    )
+                    sent[op.to] += 1
+                    tracker = await self.mesh.send(op.to, header, layout.pieces(op.chunk, seg))
+                    if tracker is not None:
+                        inflight.append((layout.chunk_ids(op.chunk), tracker))
+            for op in ops:
+                if isinstance(op, Send):
+                    continue
+                key = (seq, seg, op.frm, received[op.frm])
+                received[op.frm] += 1
+                header, frames = await self.mailbox.get(key)
+                if header.sig != sig:
+                    raise CollectiveMismatch(
+                        f"collective #{seq} {sig[0]}: "
+                        + describe_mismatch(sig, header.sig, op.frm, rank)
+                    )
+                targets = layout.pieces(op.chunk, seg)
+                sizes = [t.nbytes for t in targets]
+                if header.nbytes != sizes:
+                    raise CollectiveMismatch(
+                        f"collective #{seq} {sig[0]}: rank {op.frm} sent pieces of {header.nbytes}"
+                        f" bytes for chunk {op.chunk!r}, rank {rank} expected {sizes}"
+                    )
+                if inflight:
+                    await _release(inflight, layout.chunk_ids(op.chunk))
+                reduce = ufunc if isinstance(op, Reduce) else None
+                _combine(targets, frames, reduce)
+        await _release(inflight, None)
+
+
+def _combine(
+    targets: list[np.ndarray], frames: list[zmq.Frame], ufunc: Callable[..., Any] | None
+) -> None:
+    with np.errstate(all="ignore"):
+        for dst, frame in zip(targets, frames, strict=True):
+            if dst.size == 0:
+                continue
+            src = np.frombuffer(frame.buffer, dtype=dst.dtype)
+            if ufunc is None:
+                np.copyto(dst, src)
+            else:
+                ufunc(dst, src, out=dst)
+
+
+async def _release(inflight: list[tuple[range, zmq.MessageTracker]], chunks: range | None) -> None:
+    """Wait until libzmq has let go of the zero-copy sends that read ``chunks`` (None: all)."""
+    keep = []
+    for ids, tracker in inflight:
+        if chunks is None or (ids.start < chunks.stop and chunks.start < ids.stop):
+            delay = 0.0
+            while not tracker.done:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2 or 5e-5, 2e-3)
+        else:
+            keep.append((ids, tracker))
+    inflight[:] = keep
+
+
+__all__ = ["ALL", "Executor", "plan"]

@@ -1,0 +1,98 @@
+"""How a collective's data is cut into chunks and pipeline segments.
+
+The data of a collective is a list of flat, C-contiguous arrays (the leaves of a pytree, or
+the per-rank parts of an allgather). A *chunk* is a set of pieces ``(array, start, stop)``;
+a strategy addresses chunks by index. Large data is additionally cut into *segments*: piece
+``[start, stop)`` of a chunk is split into ``nseg`` sub-pieces, and segment s of the whole
+schedule works on the s-th sub-piece of every piece. Segments are independent copies of the
+schedule, so the executor can pipeline them: the reduction of one overlaps the transfer of
+the next, and no single message is larger than about ``segment_bytes``.
+
+Chunks are split first and segments second, so the bytes a rank sends for a chunk are the
+chunk's size exactly, whatever the segmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .strategy import ALL, Chunk
+
+Piece = tuple[int, int, int]  # (array index, start, stop) in elements
+
+
+def _split_point(length: int, parts: int, i: int) -> int:
+    """Start of part i when ``length`` items are split like ``numpy.array_split``."""
+    q, r = divmod(length, parts)
+    return i * q + min(i, r)
+
+
+class Layout:
+    """Chunks and segments over a list of flat arrays."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], chunks: list[list[Piece]]) -> None:
+        self.arrays = list(arrays)
+        self.chunks = chunks
+        self.nseg = 1
+
+    @classmethod
+    def split(
+        cls, arrays: Sequence[np.ndarray], nchunks: int, row_sizes: Sequence[int] | None = None
+    ) -> Layout:
+        """Cut every array into ``nchunks`` pieces; chunk c is piece c of every array.
+
+        With ``row_sizes`` the cut falls between rows (``array_split`` along axis 0 of the
+        original array, whose rows have that many elements); otherwise between elements.
+        """
+        chunks: list[list[Piece]] = [[] for _ in range(nchunks)]
+        for i, a in enumerate(arrays):
+            row = row_sizes[i] if row_sizes is not None else 1
+            nrows = a.size // row if row else 0
+            for c in range(nchunks):
+                lo = _split_point(nrows, nchunks, c) * row
+                hi = _split_point(nrows, nchunks, c + 1) * row
+                chunks[c].append((i, lo, hi))
+        return cls(arrays, chunks)
+
+    @classmethod
+    def parts(cls, arrays: Sequence[np.ndarray]) -> Layout:
+        """One chunk per array: chunk r is array r whole."""
+        return cls(arrays, [[(i, 0, a.size)] for i, a in enumerate(arrays)])
+
+    def segment(self, segment_bytes: int) -> int:
+        """Choose the number of pipeline segments so that no piece exceeds ``segment_bytes``."""
+        largest = max(
+            ((hi - lo) * self.arrays[i].itemsize for chunk in self.chunks for i, lo, hi in chunk),
+            default=0,
+        )
+        self.nseg = max(1, math.ceil(largest / segment_bytes)) if segment_bytes > 0 else 1
+        return self.nseg
+
+    def chunk_ids(self, chunk: Chunk) -> range:
+        if chunk is ALL:
+            return range(len(self.chunks))
+        if isinstance(chunk, range):
+            return chunk
+        return range(chunk, chunk + 1)  # type: ignore[operator]
+
+    def pieces(self, chunk: Chunk, seg: int) -> list[np.ndarray]:
+        """The array views that make up ``chunk`` in segment ``seg``."""
+        out = []
+        for c in self.chunk_ids(chunk):
+            for i, lo, hi in self.chunks[c]:
+                n = hi - lo
+                a = lo + _split_point(n, self.nseg, seg)
+                b = lo + _split_point(n, self.nseg, seg + 1)
+                out.append(self.arrays[i][a:b])
+        return out
+
+    def nbytes(self, chunk: Chunk) -> int:
+        """Payload bytes of ``chunk`` over all segments."""
+        return sum(
+            (hi - lo) * self.arrays[i].itemsize
+            for c in self.chunk_ids(chunk)
+            for i, lo, hi in self.chunks[c]
+        )

@@ -1,0 +1,149 @@
+"""Finds strategies: entry points of the group ``p2pcoll.strategies``, validated as they load.
+
+The built-ins in ``p2pcoll_plugins`` are registered through the same entry points as any
+third-party package. ``"auto"`` picks a strategy from the data size and the world size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from .errors import PluginValidationError, UnknownStrategy
+from .strategy import COLLECTIVES, Strategy
+
+ENTRY_POINT_GROUP = "p2pcoll.strategies"
+
+# "auto" thresholds (payload bytes). Below SMALL_ALLREDUCE the latency terms dominate and
+# recursive doubling's lg p rounds beat the ring's 2(p-1); above, the ring's bandwidth wins.
+SMALL_ALLREDUCE = 64 * 1024
+DEFAULTS = {
+    "broadcast": "binomial",
+    "reduce": "binomial",
+    "allreduce": "ring",
+    "allgather": "ring",
+    "reduce_scatter": "ring",
+    "gather": "root",
+    "scatter": "root",
+    "barrier": "dissemination",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    strategy: Strategy
+    origin: str  # where it came from, for `p2pcoll strategies`
+
+
+def validate(obj: object, where: str) -> type[Strategy]:
+    """Check that ``obj`` is a usable Strategy class, or raise PluginValidationError."""
+    if not (inspect.isclass(obj) and issubclass(obj, Strategy)):
+        raise PluginValidationError(f"{where}: {obj!r} is not a p2pcoll.strategy.Strategy subclass")
+    name = getattr(obj, "name", None)
+    collective = getattr(obj, "collective", None)
+    if not isinstance(name, str) or not name.isidentifier() or name == "auto":
+        raise PluginValidationError(f"{where}: {obj.__name__}.name must be an identifier, got {name!r}")
+    if collective not in COLLECTIVES:
+        raise PluginValidationError(
+            f"{where}: {obj.__name__}.collective is {collective!r}; expected one of {COLLECTIVES}"
+        )
+    if obj.schedule is Strategy.schedule:
+        raise PluginValidationError(f"{where}: {obj.__name__} does not define schedule()")
+    return obj
+
+
+class Registry:
+    """All strategies known to this process, by collective and name."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, dict[str, Entry]] = {c: {} for c in COLLECTIVES}
+        self._loaded = False
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            where = f"plugin {ep.name!r} = {ep.value!r} from {dist}"
+            try:
+                obj = ep.load()
+            except Exception as exc:
+                raise PluginValidationError(f"{where} failed to import: {exc!r}") from exc
+            self.register(validate(obj, where), origin=f"{dist}: {ep.value}")
+
+    def register(self, cls: type[Strategy], origin: str = "registered at runtime") -> None:
+        """Add a strategy class. Raises PluginValidationError on a bad class or a name clash."""
+        self._load()
+        validate(cls, origin)
+        table = self._entries[cls.collective]
+        old = table.get(cls.name)
+        if old is not None and type(old.strategy) is not cls:
+            raise PluginValidationError(
+                f"{cls.collective} strategy {cls.name!r} from {origin} clashes with the one "
+                f"from {old.origin}"
+            )
+        table[cls.name] = Entry(cls(), origin)
+
+    def unregister(self, collective: str, name: str) -> None:
+        self._entries[collective].pop(name, None)
+
+    def available(self) -> dict[str, list[str]]:
+        self._load()
+        return {c: sorted(t) for c, t in self._entries.items()}
+
+    def entries(self) -> dict[str, dict[str, Entry]]:
+        self._load()
+        return self._entries
+
+    def get(self, collective: str, name: str) -> Strategy:
+        """The strategy ``name`` for ``collective``; raises UnknownStrategy listing the choices."""
+        self._load()
+        if collective not in self._entries:
+            raise ValueError(f"unknown collective {collective!r}")
+        entry = self._entries[collective].get(name)
+        if entry is None:
+            names = ", ".join(["auto", *sorted(self._entries[collective])])
+            raise UnknownStrategy(
+                f"no {collective} strategy named {name!r}; available: {names}"
+            )
+        return entry.strategy
+
+    def auto(self, collective: str, nbytes: int, size: int) -> Strategy:
+        """The strategy "auto" means for this size of data and of group."""
+        self._load()
+        name = DEFAULTS[collective]
+        if collective == "allreduce" and nbytes <= SMALL_ALLREDUCE:
+            name = "recursive_doubling"
+        table = self._entries[collective]
+        if name not in table:  # a built-in was unregistered: fall back to anything
+            if not table:
+                raise UnknownStrategy(f"no {collective} strategy is installed")
+            name = sorted(table)[0]
+        return table[name].strategy
+
+    def choose(
+        self, collective: str, requested: str | None, group_default: str | None,
+        nbytes: int, size: int,
+    ) -> Strategy:
+        """Resolve a strategy: per call, else per group, else ``$P2PCOLL_<COLLECTIVE>``, else auto."""
+        name = requested or group_default or os.environ.get(f"P2PCOLL_{collective.upper()}")
+        if not name or name == "auto":
+            return self.auto(collective, nbytes, size)
+        return self.get(collective, name)
+
+
+registry = Registry()
+
+
+def available_strategies() -> dict[str, list[str]]:
+    """``{collective: [strategy names]}`` for every installed strategy ("auto" not listed)."""
+    return registry.available()
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    """Register a strategy class in this process (usable as a class decorator)."""
+    registry.register(cls, origin=f"{cls.__module__}.{cls.__qualname__} (runtime)")
+    return cls

@@ -1,0 +1,237 @@
+"""The peer mesh: one bound ROUTER per peer for receiving, one DEALER link per peer for sending.
+
+Rank r binds one ROUTER and connects one DEALER (identity ``b"r"``) to every other peer's
+ROUTER. So every message arrives with the identity of the link it came on, which must agree
+with the source rank in its header; each link has its own ZeroMQ queue with a high-water
+mark, which gives backpressure per destination; and a dead link is seen on exactly one
+socket, which carries ZMTP heartbeats and a monitor.
+
+One reader task drains the ROUTER, validates every message against the wire format and hands
+good ones to ``on_message``; bad ones are dropped, counted and logged, and the peer goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ..errors import PeerLost, ProtocolError
+from ..wire import Header, decode_header, encode_header
+from .base import Transport
+
+log = logging.getLogger("p2pcoll.transport")
+
+# Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
+ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+LINGER_MS = 2000
+HWM = 1000
+
+MessageHandler = Callable[[Header, list[zmq.Frame]], None]
+LinkDownHandler = Callable[[int], None]
+
+
+@dataclass
+class Counters:
+    """Traffic of one peer since it joined. Bytes are tensor payload, not headers."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    messages_dropped: int = 0
+
+
+class Mesh:
+    """Frames between the peers of one group over ZeroMQ sockets."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        host: str,
+        *,
+        max_message_bytes: int,
+        on_message: MessageHandler,
+        on_link_down: LinkDownHandler,
+    ) -> None:
+        self.transport = transport
+        self.host = host
+        self.max_message_bytes = max_message_bytes
+        self.on_message = on_message
+        self.on_link_down = on_link_down
+        self.counters = Counters()
+        self.endpoint = ""
+        self.group_id = ""
+        self.rank = -1
+        self._ctx = zmq.asyncio.Context.instance()
+        self._router: zmq.asyncio.Socket | None = None
+        self._links: dict[int, zmq.asyncio.Socket] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def bind(self) -> str:
+        """Bind this peer's ROUTER and return the endpoint the others should connect to."""
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.RCVHWM, HWM)
+        router.setsockopt(zmq.LINGER, 0)
+        # A hard per-frame cap; a peer that exceeds it is disconnected by libzmq.
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        router.bind(self.transport.bind_address(self.host))
+        self._router = router
+        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def connect(self, group_id: str, rank: int, endpoints: Sequence[str]) -> None:
+        """Open a link to every other peer and start reading."""
+        assert self._router is not None, "bind() first"
+        self.group_id, self.rank = group_id, rank
+        monitored = not endpoints[rank].startswith("inproc://")
+        for peer, endpoint in enumerate(endpoints):
+            if peer == rank:
+                continue
+            link = self._ctx.socket(zmq.DEALER)
+            link.setsockopt(zmq.IDENTITY, b"%d" % rank)
+            link.setsockopt(zmq.SNDHWM, HWM)
+            link.setsockopt(zmq.LINGER, LINGER_MS)
+            if monitored:
+                link.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+                link.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+                link.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+                monitor = link.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
+            link.connect(endpoint)
+            self._links[peer] = link
+        self._tasks.append(asyncio.create_task(self._read()))
+
+    async def send(
+        self, dst: int, header: Header, payload: Sequence[np.ndarray] = ()
+    ) -> zmq.MessageTracker | None:
+        """Queue one message to ``dst``.
+
+        Returns a tracker when some payload went zero-copy: the arrays must not be written
+        until ``tracker.done``. Returns None when everything was copied.
+        """
+        link = self._links.get(dst)
+        if link is None:
+            if self._closed:
+                raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
+            raise ValueError(f"no link to rank {dst} (rank {self.rank}, {len(self._links)} links)")
+        header.nbytes = [a.nbytes for a in payload]
+        frames: list[object] = [encode_header(header)]
+        tracked: list[zmq.Frame] = []
+        for piece in payload:
+            if piece.nbytes >= ZERO_COPY_BYTES:
+                frame = zmq.Frame(piece, copy=False, track=True)
+                tracked.append(frame)
+                frames.append(frame)
+            else:
+                frames.append(piece.tobytes() if piece.nbytes else b"")
+        await link.send_multipart(frames, copy=False)
+        c = self.counters
+        if header.kind == "data":
+            c.messages_sent += 1
+            c.bytes_sent += sum(header.nbytes)
+        return zmq.MessageTracker(*tracked) if tracked else None
+
+    def post(self, dst: int, header: Header) -> None:
+        """Send a control message (no payload) without waiting; never raises."""
+        link = self._links.get(dst)
+        if link is None or link.closed:
+            return
+        try:
+            link.send(encode_header(header), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("control message to rank %d not sent: %s", dst, exc)
+
+    def broadcast_control(self, header: Header) -> None:
+        """Post a control message to every other peer."""
+        for peer in self._links:
+            self.post(peer, header)
+
+    async def _read(self) -> None:
+        assert self._router is not None
+        router = self._router
+        while True:
+            try:
+                frames = await router.recv_multipart(copy=False)
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                return
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                log.error("rank %d: receive failed: %s", self.rank, exc)
+                continue
+            try:
+                header, payload = self._validate(frames)
+            except ProtocolError as exc:
+                self.counters.messages_dropped += 1
+                log.warning("rank %d: dropped a malformed message: %s", self.rank, exc)
+                continue
+            if header.kind == "data":
+                self.counters.messages_received += 1
+                self.counters.bytes_received += sum(header.nbytes)
+            try:
+                self.on_message(header, payload)
+            except ProtocolError as exc:
+                self.counters.messages_dropped += 1
+                log.warning("rank %d: dropped a message: %s", self.rank, exc)
+
+    def _validate(self, frames: list[zmq.Frame]) -> tuple[Header, list[zmq.Frame]]:
+        if len(frames) < 2:
+            raise ProtocolError("message has no header frame")
+        identity = frames[0].bytes
+        size = sum(len(f) for f in frames[1:])
+        if size > self.max_message_bytes:
+            raise ProtocolError(f"message of {size} bytes exceeds the {self.max_message_bytes} cap")
+        header = decode_header(frames[1].bytes)
+        if header.group != self.group_id:
+            raise ProtocolError(f"message for group {header.group!r}, this is {self.group_id!r}")
+        if identity != b"%d" % header.src:
+            raise ProtocolError(f"header claims rank {header.src} but came on link {identity!r}")
+        payload = frames[2:]
+        if len(payload) != len(header.nbytes):
+            raise ProtocolError(
+                f"header lists {len(header.nbytes)} payload frames, message has {len(payload)}"
+            )
+        for i, (frame, n) in enumerate(zip(payload, header.nbytes, strict=True)):
+            if len(frame) != n:
+                raise ProtocolError(f"payload frame {i} has {len(frame)} bytes, header says {n}")
+        return header, payload
+
+    async def _watch(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
+                    self.on_link_down(peer)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            monitor.close(linger=0)
+
+    async def aclose(self) -> None:
+        """Stop reading and close every socket; queued outgoing messages get LINGER_MS."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self._links.values():
+            try:
+                link.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            link.close()
+        self._links.clear()
+        if self._router is not None:
+            self._router.close(linger=0)
+            self.transport.cleanup(self.endpoint)

@@ -1,0 +1,56 @@
+"""Binomial trees (MPICH ``MPIR_Bcast_intra_binomial`` / ``MPIR_Reduce_intra_binomial``).
+
+Ranks are renumbered relative to the root, ``q = (rank - root) mod p``. In the broadcast,
+rank q receives once, from its parent ``q - lowbit(q)`` (q with its lowest set bit cleared),
+then passes the data on to ``q + 2^k`` for every ``2^k < lowbit(q)`` that exists, farthest
+first. The root's lowbit is the first power of two >= p. ceil(lg p) rounds, p-1 messages of
+the whole data in all; the root sends ceil(lg p) of them. The reduce is the same tree run
+backwards: fold in the children nearest first, then send the partial result to the parent.
+"""
+
+from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
+
+
+class BinomialBroadcast(Strategy):
+    name = "binomial"
+    collective = "broadcast"
+    description = "binomial tree, ceil(lg p) rounds; the root sends ceil(lg p)·n bytes"
+
+    def schedule(self, ctx: Context) -> Schedule:
+        p, q = ctx.size, (ctx.rank - ctx.root) % ctx.size
+
+        def real(v: int) -> int:
+            return (v + ctx.root) % p
+
+        mask = 1
+        while mask < p:  # receive from the parent: clear q's lowest set bit
+            if q & mask:
+                yield Recv(real(q - mask))
+                break
+            mask <<= 1
+        mask >>= 1
+        while mask > 0:  # then feed the subtrees below, farthest first
+            if q + mask < p:
+                yield Send(real(q + mask))
+            mask >>= 1
+
+
+class BinomialReduce(Strategy):
+    name = "binomial"
+    collective = "reduce"
+    description = "binomial tree towards the root, ceil(lg p) rounds"
+
+    def schedule(self, ctx: Context) -> Schedule:
+        p, q = ctx.size, (ctx.rank - ctx.root) % ctx.size
+
+        def real(v: int) -> int:
+            return (v + ctx.root) % p
+
+        mask = 1
+        while mask < p:
+            if q & mask:  # my subtree is complete: hand it to the parent
+                yield Send(real(q - mask))
+                break
+            if q + mask < p:  # fold in the child at this distance
+                yield Reduce(real(q + mask))
+            mask <<= 1
