@@ -25,21 +25,6 @@ from .transport.mailbox import Mailbox
 from .transport.mesh import Mesh
 from .wire import Header
 
-SIGNATURE_FIELDS = ("collective", "strategy", "op", "root", "data")
-
-
-def describe_mismatch(mine: list[Any], theirs: list[Any], src: int, rank: int) -> str:
-    """Say which fields of two collective signatures differ."""
-    diffs = [
-        f"{name}: rank {rank} has {a!r}, rank {src} has {b!r}"
-        for name, a, b in zip(SIGNATURE_FIELDS, mine, theirs, strict=False)
-        if a != b
-    ]
-    if len(mine) != len(theirs):
-        diffs.append(f"signature length {len(mine)} vs {len(theirs)}")
-    return "; ".join(diffs)
-
-
 @lru_cache(maxsize=1024)
 def plan(strategy: Strategy, ctx: Context, nchunks: int) -> tuple[tuple[Op, ...], ...]:
     """Materialise and validate one rank's schedule (cached: it depends on nothing else)."""
@@ -105,6 +90,7 @@ class Executor:
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
         steps = plan(strategy, ctx, len(layout.chunks))
+        self.mailbox.expect(seq, sig, ctx.rank)
         nseg = layout.segment(self.segment_bytes)
         run = self._segment
         if nseg == 1:
@@ -151,12 +137,7 @@ class Executor:
                     continue
                 key = (seq, seg, op.frm, received[op.frm])
                 received[op.frm] += 1
-                header, frames = await self.mailbox.get(key)
-                if header.sig != sig:
-                    raise CollectiveMismatch(
-                        f"collective #{seq} {sig[0]}: "
-                        + describe_mismatch(sig, header.sig, op.frm, rank)
-                    )
+                header, frames = await self.mailbox.get(key)  # signature checked there
                 targets = layout.pieces(op.chunk, seg)
                 sizes = [t.nbytes for t in targets]
                 if header.nbytes != sizes:

@@ -201,11 +201,26 @@ class Group:
         if not (0 <= header.src < self.world_size) or header.src == self.rank:
             raise ProtocolError(f"message from invalid source rank {header.src}")
         if kind == "data":
-            self._mailbox.put(header, frames)
+            if not self._mailbox.put(header, frames) and self._broken is None:
+                # Every message of a collective is received before it finishes, so a
+                # message for a finished collective means the ranks disagreed about it.
+                err = CollectiveMismatch(
+                    f"rank {header.src} sent a message for collective #{header.seq} "
+                    f"({header.sig[:2]}) that rank {self.rank} did not expect"
+                )
+                self._fail(header.seq, err)
         elif kind == "abort":
             assert header.err is not None
             cls = REMOTE_ERRORS.get(header.err[0], P2PCollError)
-            exc = cls(f"rank {header.src} failed collective #{header.seq}: {header.err[1]}")
+            message = f"rank {header.src} failed collective #{header.seq}: {header.err[1]}"
+            meta = header.meta or {}
+            if cls is CollectiveTimeout:
+                exc: P2PCollError = CollectiveTimeout(
+                    message, collective=str(meta.get("collective", "")), seq=header.seq,
+                    waiting_on=[r for r in meta.get("waiting_on", []) if isinstance(r, int)],
+                )
+            else:
+                exc = cls(message)
             exc.remote = True  # type: ignore[attr-defined]
             if not self._mailbox.fail(header.seq, exc) and self._broken is None:
                 self._broken = exc  # it had finished here: the next call must not go on
@@ -271,6 +286,12 @@ class Group:
             failure = self._mailbox.failure(seq)
             if failure is not None:
                 raise failure
+            stray = self._mailbox.leftover(seq)
+            if stray:
+                raise CollectiveMismatch(
+                    f"{collective} #{seq}: ranks {stray} sent messages that rank {self.rank} "
+                    f"did not expect; the ranks disagree about this collective"
+                )
             return result
         except TimeoutError:
             waiting = self._mailbox.waiting_on(seq)
@@ -295,9 +316,12 @@ class Group:
         if self._broken is None:
             self._broken = err
         if not getattr(err, "remote", False) and not self._closed:
+            meta = None
+            if isinstance(err, CollectiveTimeout):
+                meta = {"collective": err.collective, "waiting_on": err.waiting_on}
             self._mesh.broadcast_control(
                 Header("abort", self.membership.group_id, self.rank, seq,
-                       err=[type(err).__name__, str(err)])
+                       err=[type(err).__name__, str(err)], meta=meta)
             )
         for other in self._active - {seq}:
             self._mailbox.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))

@@ -106,3 +106,19 @@ def decode_header(raw: bytes | memoryview) -> Header:
         raise ProtocolError(f"header field 'meta' must be a map, got {meta!r}")
     h.meta = meta
     return h
+
+
+# The signature every data message carries: what the sender thinks the collective is.
+SIGNATURE_FIELDS = ("collective", "strategy", "op", "root", "data")
+
+
+def describe_mismatch(mine: list[Any], theirs: list[Any], me: int, them: int) -> str:
+    """Say which fields of two collective signatures differ."""
+    diffs = [
+        f"{name}: rank {me} has {a!r}, rank {them} has {b!r}"
+        for name, a, b in zip(SIGNATURE_FIELDS, mine, theirs, strict=False)
+        if a != b
+    ]
+    if len(mine) != len(theirs):
+        diffs.append(f"signature length {len(mine)} vs {len(theirs)}")
+    return "; ".join(diffs)

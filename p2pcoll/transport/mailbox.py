@@ -6,6 +6,8 @@ this (seq, segment). Messages between two ranks are delivered in order (as MPI p
 a strategy only has to post its sends and receives in a consistent order, and several
 collectives can be in flight at once without mixing.
 
+Every message's signature (what its sender thinks the collective is) is compared with this
+rank's own as soon as both are known, so ranks that disagree fail at the first message.
 A message that arrives before its receive is buffered. A receive that is cancelled leaves
 nothing behind and consumes nothing. Failures are recorded so a later receive fails at once.
 """
@@ -17,8 +19,8 @@ from typing import Any
 
 import zmq
 
-from ..errors import P2PCollError, ProtocolError
-from ..wire import Header
+from ..errors import CollectiveMismatch, P2PCollError, ProtocolError
+from ..wire import Header, describe_mismatch
 
 Key = tuple[int, int, int, int]
 Message = tuple[Header, list[zmq.Frame]]
@@ -34,14 +36,23 @@ class Mailbox:
         self._failed: dict[int, P2PCollError] = {}
         self._lost: dict[int, P2PCollError] = {}
         self._finished: set[int] = set()
+        self._expected: dict[int, tuple[list[Any], int]] = {}  # seq -> (signature, my rank)
+        self._stalled: dict[int, set[int]] = {}  # seq -> sources of cancelled receives
         self._watermark = 0  # every seq below this has finished
 
     def put(self, header: Header, frames: list[zmq.Frame]) -> bool:
-        """Deliver a data message. Returns False if it was stale and dropped."""
+        """Deliver a data message.
+
+        Returns False, dropping it, when collective ``seq`` has already finished here.
+        """
         seq = header.seq
-        if seq < self._watermark or seq in self._finished or seq in self._failed:
+        if seq in self._failed:
+            return True  # that collective already failed here: late traffic is expected
+        if seq < self._watermark or seq in self._finished:
             return False
         key = header.key
+        if seq in self._expected and not self._check(header):
+            return True
         if header.seg == 0:
             first = self._first.get(seq)
             if first is None:
@@ -57,24 +68,46 @@ class Mailbox:
             self._buffered[key] = (header, frames)
         return True
 
+    def expect(self, seq: int, sig: list[Any], rank: int) -> None:
+        """Declare this rank's signature of collective ``seq`` and check what already came."""
+        self._expected[seq] = (sig, rank)
+        for key, (header, _) in list(self._buffered.items()):
+            if key[0] == seq and not self._check(header):
+                return
+
+    def _check(self, header: Header) -> bool:
+        sig, rank = self._expected[header.seq]
+        if header.sig == sig:
+            return True
+        diff = describe_mismatch(sig, header.sig, rank, header.src)
+        self.fail(header.seq, CollectiveMismatch(f"collective #{header.seq} {sig[0]}: {diff}"))
+        return False
+
+    def leftover(self, seq: int) -> list[int]:
+        """Source ranks of messages of ``seq`` that arrived but were never received."""
+        return sorted({k[2] for k in self._buffered if k[0] == seq})
+
     async def get(self, key: Key) -> Message:
         """Wait for the message with this key.
 
         Raises:
             P2PCollError: the collective was aborted, or the source rank is gone.
         """
-        msg = self._buffered.pop(key, None)
-        if msg is not None:
-            return msg
         seq, _, src, _ = key
         if seq in self._failed:
             raise self._failed[seq]
+        msg = self._buffered.pop(key, None)
+        if msg is not None:
+            return msg
         if src in self._lost:
             raise self._lost[src]
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._waiting[key] = fut
         try:
             return await fut
+        except asyncio.CancelledError:
+            self._stalled.setdefault(seq, set()).add(src)  # for the timeout's message
+            raise
         finally:
             if self._waiting.get(key) is fut:
                 del self._waiting[key]
@@ -94,7 +127,8 @@ class Mailbox:
 
     def waiting_on(self, seq: int) -> list[int]:
         """Source ranks that receives of collective ``seq`` are waiting for."""
-        return sorted({k[2] for k in self._waiting if k[0] == seq})
+        now = {k[2] for k in self._waiting if k[0] == seq}
+        return sorted(now | self._stalled.get(seq, set()))
 
     def fail(self, seq: int, exc: P2PCollError) -> bool:
         """Fail collective ``seq`` now and later. Returns False if it had already finished."""
@@ -121,6 +155,8 @@ class Mailbox:
         """Forget everything about collective ``seq``; later messages for it are stale."""
         self._finished.add(seq)
         self._failed.pop(seq, None)
+        self._expected.pop(seq, None)
+        self._stalled.pop(seq, None)
         first = self._first.pop(seq, None)
         if first is not None and not first.done():
             first.cancel()

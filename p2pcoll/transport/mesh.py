@@ -76,6 +76,7 @@ class Mesh:
         self._links: dict[int, zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._monitored = False
 
     async def bind(self) -> str:
         """Bind this peer's ROUTER and return the endpoint the others should connect to."""
@@ -93,7 +94,8 @@ class Mesh:
         """Open a link to every other peer and start reading."""
         assert self._router is not None, "bind() first"
         self.group_id, self.rank = group_id, rank
-        monitored = not endpoints[rank].startswith("inproc://")
+        # Heartbeats and monitors need a real connection; inproc has neither.
+        monitored = self._monitored = not endpoints[rank].startswith("inproc://")
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -222,14 +224,15 @@ class Mesh:
         if self._closed:
             return
         self._closed = True
+        # Stop the monitors while their PAIR sockets are still open: libzmq sends a final
+        # event on stop, and a send to a PAIR whose peer has closed blocks forever.
+        for link in self._links.values():
+            if self._monitored:
+                link.disable_monitor()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for link in self._links.values():
-            try:
-                link.disable_monitor()
-            except zmq.ZMQError:
-                pass
             link.close()
         self._links.clear()
         if self._router is not None:

@@ -1,0 +1,228 @@
+"""The ``p2pcoll`` command. ``python -m p2pcoll`` is the same program.
+
+    p2pcoll launch -n 4 -- python train.py          N processes on this host, one group
+    p2pcoll strategies                               installed strategies and their origin
+    p2pcoll rendezvous --host 0.0.0.0 --port 29500   a standalone rendezvous server
+    p2pcoll bench --collective allreduce -n 4        time a collective (see p2pcoll.bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+import zmq
+
+from . import __version__
+from .errors import P2PCollError, UnknownStrategy
+from .launch import launch
+from .registry import Registry, registry
+from .rendezvous import RendezvousServer
+
+PROG = "p2pcoll"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.subcommand == "bench":
+            return _bench(extra)
+        if extra:
+            hint = " (put the command after --)" if args.subcommand == "launch" else ""
+            parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    except SystemExit as exc:  # --help, --version and usage errors
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    if args.subcommand is None:
+        parser.print_help(sys.stderr)
+        return 2
+    handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous}
+    return handler[args.subcommand](args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Peer-to-peer collective communication over ZeroMQ."
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+
+    launch = sub.add_parser(
+        "launch",
+        help="start N processes on this host that form one group (like torchrun)",
+        description=(
+            "Start N copies of COMMAND with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+            "MASTER_ADDR, MASTER_PORT and P2PCOLL_RENDEZVOUS set, so that p2pcoll.join() needs "
+            "no arguments. Output lines are prefixed with the rank. SIGINT, SIGTERM and SIGHUP "
+            "are passed on to every rank. When a rank exits non-zero the others are stopped "
+            "(SIGTERM, SIGKILL after --grace seconds) and its exit code is returned."
+        ),
+        usage="%(prog)s [-h] -n N [--rendezvous tcp://HOST:PORT] [--grace SECONDS] "
+              "[--no-prefix] -- COMMAND ...",
+        epilog="example: p2pcoll launch -n 4 -- python examples/allreduce_demo.py",
+    )
+    launch.add_argument("-n", "--nprocs", type=_positive_int, required=True, metavar="N",
+                        help="number of processes (the world size)")
+    launch.add_argument("--rendezvous", metavar="tcp://HOST:PORT",
+                        help="where the ranks meet (default: a free port on 127.0.0.1); "
+                             "rank 0 hosts it unless a server already listens there")
+    launch.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                        help="time between SIGTERM and SIGKILL when stopping ranks "
+                             "(default: 5)")
+    launch.add_argument("--no-prefix", dest="prefix", action="store_false",
+                        help="do not prefix output lines with the rank")
+    launch.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the program to run and its arguments")
+
+    sub.add_parser(
+        "strategies",
+        help="list the installed strategies of every collective",
+        description="List the installed strategies of every collective, what 'auto' picks, "
+                    "and the package and entry point each strategy comes from.",
+    )
+
+    rendezvous = sub.add_parser(
+        "rendezvous",
+        help="run a standalone rendezvous server",
+        description="Host the rendezvous at tcp://HOST:PORT for peers on other machines, until "
+                    "SIGINT or SIGTERM. Peers join it with p2pcoll.join('tcp://HOST:PORT').",
+    )
+    rendezvous.add_argument("--host", default="0.0.0.0",
+                            help="address to listen on (default: 0.0.0.0, every interface)")
+    rendezvous.add_argument("--port", type=_port, default=29500,
+                            help="port to listen on (default: 29500)")
+
+    # Its options are added by p2pcoll.bench, imported only when it runs (see _bench).
+    sub.add_parser("bench", add_help=False, help="time a collective between peer processes")
+    return parser
+
+
+# --- launch ---------------------------------------------------------------------------------
+
+
+def _launch(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        return _fail("launch: no command given; usage: p2pcoll launch -n N -- COMMAND ...")
+    try:
+        return launch(args.nprocs, command, rendezvous=args.rendezvous,
+                      prefix_output=args.prefix, grace=args.grace)
+    except (ValueError, P2PCollError) as exc:
+        return _fail(f"launch: {exc}")
+
+
+# --- strategies -----------------------------------------------------------------------------
+
+
+def _strategies(args: argparse.Namespace) -> int:
+    try:
+        print(format_strategies(registry), end="")
+    except P2PCollError as exc:  # a broken plugin
+        return _fail(f"strategies: {exc}")
+    return 0
+
+
+def format_strategies(registry: Registry) -> str:
+    """The text of ``p2pcoll strategies``: per collective, what "auto" picks, then each
+    strategy with its description and where it comes from."""
+    lines: list[str] = []
+    for collective, table in registry.entries().items():
+        try:
+            # "auto" may depend on the data size: ask it about tiny and huge data.
+            small = registry.auto(collective, 0, 2).name
+            large = registry.auto(collective, 1 << 40, 2).name
+            auto = small if small == large else f"{small} for small data, {large} for large"
+        except UnknownStrategy:
+            auto = "nothing installed"
+        lines.append(f"{collective} (auto: {auto})")
+        if not table:
+            lines.append("  (none installed)")
+        width = max((len(name) for name in table), default=0)
+        for name in sorted(table):
+            entry = table[name]
+            description = type(entry.strategy).description or "(no description)"
+            lines.append(f"  {name:<{width}}  {description}")
+            lines.append(f"  {'':<{width}}  from {entry.origin}")
+    return "\n".join(lines) + "\n"
+
+
+# --- rendezvous -----------------------------------------------------------------------------
+
+
+def _rendezvous(args: argparse.Namespace) -> int:
+    try:
+        host = args.host if args.host in ("*", "0.0.0.0") else socket.gethostbyname(args.host)
+    except OSError as exc:
+        return _fail(f"rendezvous: cannot resolve {args.host!r}: {exc}")
+    return asyncio.run(_serve_rendezvous(f"tcp://{host}:{args.port}"))
+
+
+async def _serve_rendezvous(url: str) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = RendezvousServer(url)
+    try:
+        server.bind()
+    except zmq.ZMQError as exc:
+        return _fail(f"rendezvous: cannot listen on {url}: {exc}")
+    print(f"p2pcoll rendezvous: serving at {url} (SIGINT or SIGTERM stops it)", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.aclose()
+    print("p2pcoll rendezvous: stopped", flush=True)
+    return 0
+
+
+# --- bench ----------------------------------------------------------------------------------
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        from . import bench  # noqa: PLC0415 (may pull in heavy optional dependencies)
+    except ImportError as exc:
+        return _fail(f"bench is not available: {exc}")
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} bench", description="Time a collective between peer processes."
+    )
+    bench.configure_parser(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    return bench.main(args)
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG} {message}", file=sys.stderr)
+    return 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
+    return value

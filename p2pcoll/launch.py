@@ -1,0 +1,364 @@
+"""Start N local processes that form one p2pcoll group, like torchrun or mpirun on one host.
+
+    p2pcoll launch -n 4 -- python train.py
+
+Each child gets the environment :func:`p2pcoll.join` reads (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``P2PCOLL_RENDEZVOUS``) and ``PYTHONUNBUFFERED=1``. Rank 0's ``join`` hosts the rendezvous, so
+the launcher itself only starts, watches and stops processes:
+
+- Output: each line a child writes is prefixed with its rank (``[2] loss 0.1``), its stdout
+  on our stdout and its stderr on our stderr. Children read stdin from ``/dev/null``.
+- Failure: the first child to exit non-zero gives the exit code (128+signum if a signal killed
+  it). The others get SIGTERM, then SIGKILL after ``grace`` seconds.
+- Signals: SIGINT, SIGTERM and SIGHUP are forwarded to every child, which gets ``grace``
+  seconds to exit before SIGKILL; a second signal kills at once. The launcher then returns
+  128+signum.
+- No orphans: each child leads its own process group, and it is the group that is signalled,
+  so whatever a child started stops with it; once every child has exited, what is left in
+  their groups is killed. On Linux a child also dies if the launcher is killed outright
+  (``PR_SET_PDEATHSIG``).
+
+POSIX only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+from .rendezvous import parse_url
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LAUNCHER_VARS = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "P2PCOLL_RENDEZVOUS",
+})
+DRAIN_TIMEOUT = 2.0  # seconds to wait for output still in the pipes once every child exited
+MAX_LINE = 64 * 1024  # a longer line without a newline is passed on in pieces
+
+
+def launch(
+    n: int,
+    command: Sequence[str],
+    *,
+    rendezvous: str | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    prefix_output: bool = True,
+    grace: float = 5.0,
+) -> int:
+    """Run ``command`` as ranks 0..n-1 of one group on this host and wait for all of them.
+
+    Args:
+        n: the number of processes (the world size).
+        command: the program and its arguments, run as is (no shell).
+        rendezvous: ``tcp://HOST:PORT`` for the children to meet at; default a free port on
+            127.0.0.1. Rank 0 hosts it, unless something else already listens there.
+        extra_env: more environment variables for every child (not the ones listed above).
+        prefix_output: prefix each output line with ``[rank] ``; if False the children write
+            straight to our stdout and stderr.
+        grace: seconds between SIGTERM (or a forwarded signal) and SIGKILL.
+
+    Returns:
+        0 if every child exited 0; else the exit code of the first one that did not
+        (128+signum if a signal killed it); 128+signum if the launcher was sent signum;
+        127 (126) if the command was not found (not executable).
+
+    Raises:
+        ValueError: n < 1, an empty command, a negative grace, or ``extra_env`` setting a
+            variable the launcher sets per rank.
+        RendezvousError: ``rendezvous`` is not ``tcp://HOST:PORT``.
+
+    It runs its own event loop (``asyncio.run``), so call it from synchronous code.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one process, got n={n}")
+    if not command:
+        raise ValueError("no command to launch")
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+    clash = sorted(LAUNCHER_VARS.intersection(extra_env or {}))
+    if clash:
+        raise ValueError(f"extra_env may not set {', '.join(clash)}: the launcher sets them")
+    if rendezvous is None:
+        host, port = "127.0.0.1", _free_port("127.0.0.1")
+        rendezvous = f"tcp://{host}:{port}"
+    else:
+        host, port = parse_url(rendezvous)
+    base = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    envs = [
+        {
+            **base,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(n),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(n),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": str(port),
+            "P2PCOLL_RENDEZVOUS": rendezvous,
+        }
+        for rank in range(n)
+    ]
+    return asyncio.run(_Job(list(command), envs, prefix_output, grace).run())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit code: a death by signal s (returncode -s) becomes 128+s."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (exit code {exit_code(returncode)})"
+    return f"exited with code {returncode}"
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn making the child get SIGKILL when the launcher dies (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+    pr_set_pdeathsig = ctypes.c_int(1)
+    sigkill = ctypes.c_ulong(signal.SIGKILL)
+    zero = ctypes.c_ulong(0)
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sigkill, zero, zero, zero)
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class _Sink:
+    """Writes bytes to a text stream's binary buffer; goes quiet if the reader went away."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._broken = False
+
+    def write(self, data: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            buffer = getattr(self._stream, "buffer", None)
+            self._stream.flush()
+            if buffer is None:
+                self._stream.write(data.decode(errors="replace"))
+                self._stream.flush()
+            else:
+                buffer.write(data)
+                buffer.flush()
+        except (BrokenPipeError, ValueError):  # closed pipe or closed stream
+            self._broken = True
+
+
+class _Child(asyncio.SubprocessProtocol):
+    """One child process: passes its output on line by line, prefixed, and notes its exit."""
+
+    def __init__(self, rank: int, prefix: bytes, sinks: Mapping[int, _Sink]) -> None:
+        loop = asyncio.get_running_loop()
+        self.rank = rank
+        self.transport: asyncio.SubprocessTransport | None = None
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.closed: asyncio.Future[None] = loop.create_future()  # exited and pipes closed
+        self._prefix = prefix
+        self._sinks = sinks
+        self._partial = {fd: bytearray() for fd in sinks}
+
+    @property
+    def pid(self) -> int:
+        assert self.transport is not None
+        return self.transport.get_pid()
+
+    @property
+    def returncode(self) -> int | None:
+        assert self.transport is not None
+        return self.transport.get_returncode()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.SubprocessTransport)
+        self.transport = transport
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        pending = self._partial[fd]
+        pending += data
+        end = pending.rfind(b"\n") + 1
+        if end == 0:
+            if len(pending) < MAX_LINE:
+                return
+            end = len(pending)
+        self._emit(fd, bytes(pending[:end]))
+        del pending[:end]
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        pending = self._partial.get(fd)
+        if pending:
+            self._emit(fd, bytes(pending))
+            pending.clear()
+
+    def _emit(self, fd: int, data: bytes) -> None:
+        lines = data.removesuffix(b"\n").split(b"\n")
+        self._sinks[fd].write(b"".join(self._prefix + line + b"\n" for line in lines))
+
+    def process_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+class _Job:
+    """The children of one launch, and what happens to them."""
+
+    def __init__(
+        self, command: list[str], envs: list[dict[str, str]], prefix_output: bool, grace: float
+    ) -> None:
+        self._command = command
+        self._envs = envs
+        self._prefix_output = prefix_output
+        self._grace = grace
+        self._preexec = _die_with_parent()
+        self._children: list[_Child] = []
+        self._failure: int | None = None  # exit code of the first child that failed
+        self._interrupted: int | None = None  # the first signal the launcher got
+        self._stopping = False
+        self._kill_timer: asyncio.TimerHandle | None = None
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        previous = self._forward_signals(loop)
+        try:
+            for rank, env in enumerate(self._envs):
+                if self._stopping:
+                    break
+                try:
+                    self._children.append(await self._spawn(rank, env))
+                except OSError as exc:
+                    self._say(f"cannot run {self._command[0]!r}: {exc.strerror or exc}")
+                    self._failure = 127 if isinstance(exc, FileNotFoundError) else 126
+                    self._stop(signal.SIGTERM)
+            await asyncio.gather(*(self._watch(child) for child in self._children))
+            self._sweep()
+            if self._children:
+                await asyncio.wait([c.closed for c in self._children], timeout=DRAIN_TIMEOUT)
+        finally:
+            if self._kill_timer is not None:
+                self._kill_timer.cancel()
+            for child in self._children:  # on cancellation this kills what still runs
+                if child.returncode is None:
+                    self._signal(child, signal.SIGKILL)
+                assert child.transport is not None
+                child.transport.close()
+            for sig, handler in previous.items():
+                loop.remove_signal_handler(sig)
+                if handler is not None:  # None: installed from C, cannot be restored
+                    signal.signal(sig, handler)
+        if self._failure is not None:
+            return self._failure
+        if self._interrupted is not None:
+            return 128 + self._interrupted
+        return 0
+
+    async def _spawn(self, rank: int, env: dict[str, str]) -> _Child:
+        loop = asyncio.get_running_loop()
+        width = len(str(len(self._envs) - 1))
+        prefix = f"[{rank:>{width}}] ".encode()
+        sinks = {1: _Sink(sys.stdout), 2: _Sink(sys.stderr)} if self._prefix_output else {}
+        pipe = subprocess.PIPE if self._prefix_output else None
+        child = _Child(rank, prefix, sinks)
+        await loop.subprocess_exec(
+            lambda: child, *self._command,
+            stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, env=env,
+            start_new_session=True, preexec_fn=self._preexec,
+        )
+        return child
+
+    async def _watch(self, child: _Child) -> None:
+        await child.exited
+        returncode = child.returncode
+        assert returncode is not None
+        if returncode == 0 or self._stopping:
+            return
+        self._failure = exit_code(returncode)
+        running = sum(c.returncode is None for c in self._children)
+        others = f"; stopping the other {running}" if running else ""
+        self._say(f"rank {child.rank} {_describe_exit(returncode)}{others}")
+        self._stop(signal.SIGTERM)
+
+    def _forward_signals(self, loop: asyncio.AbstractEventLoop) -> dict[int, Any]:
+        """Route SIGINT/SIGTERM/SIGHUP to the children; returns the handlers it replaced."""
+        previous: dict[int, Any] = {}
+        for sig in FORWARDED_SIGNALS:
+            handler = signal.getsignal(sig)
+            if handler is signal.SIG_IGN:  # e.g. SIGHUP under nohup: the children inherit it
+                continue
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            except (ValueError, RuntimeError):  # not the main thread: nothing to forward
+                break
+            previous[sig] = handler
+        return previous
+
+    def _on_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self._interrupted is None:
+            self._interrupted = sig
+        if self._stopping:
+            self._say(f"got {name} again; killing every rank")
+            self._signal_all(signal.SIGKILL)
+        else:
+            self._say(f"got {name}; passing it on to every rank")
+            self._stop(sig)
+
+    def _stop(self, sig: int) -> None:
+        """Send ``sig`` to every child still running, and SIGKILL after the grace period."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._signal_all(sig)
+        loop = asyncio.get_running_loop()
+        self._kill_timer = loop.call_later(self._grace, self._signal_all, signal.SIGKILL)
+
+    def _signal_all(self, sig: int) -> None:
+        for child in self._children:
+            if child.returncode is None:
+                self._signal(child, sig)
+
+    @staticmethod
+    def _signal(child: _Child, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, sig)  # the child leads its own process group
+
+    def _sweep(self) -> None:
+        """Kill whatever the (exited) children left running in their process groups."""
+        for child in self._children:
+            self._signal(child, signal.SIGKILL)
+
+    @staticmethod
+    def _say(message: str) -> None:
+        print(f"p2pcoll launch: {message}", file=sys.stderr, flush=True)
