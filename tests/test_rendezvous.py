@@ -1,0 +1,180 @@
+"""Rendezvous: rank assignment, environment variables, and every way forming a group fails."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll import env
+from p2pcoll.testing import free_port
+
+
+def url() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+async def test_ranks_assigned_in_arrival_order_fill_the_gaps() -> None:
+    address = url()
+
+    async def peer(rank: int | None, delay: float) -> tuple[int, int]:
+        await asyncio.sleep(delay)
+        async with p2pcoll.join(address, world_size=4, rank=rank, timeout=10) as g:
+            await g.barrier(timeout=10)
+            return g.rank, g.world_size
+
+    got = await asyncio.gather(peer(None, 0.0), peer(2, 0.05), peer(None, 0.1), peer(None, 0.15))
+    ranks = [r for r, _ in got]
+    assert sorted(ranks) == [0, 1, 2, 3] and ranks[1] == 2
+    assert ranks[0] < ranks[2] < ranks[3], "unranked peers are numbered in arrival order"
+    assert {s for _, s in got} == {4}
+
+
+async def test_peers_may_start_before_the_rendezvous_host() -> None:
+    address = url()
+
+    async def peer(rank: int, delay: float) -> float:
+        await asyncio.sleep(delay)
+        async with p2pcoll.join(address, world_size=3, rank=rank, timeout=10) as g:
+            out = await g.allreduce(np.array([rank + 1.0]), timeout=10)
+            return float(out[0])
+
+    # Rank 0 hosts the rendezvous; it comes last.
+    assert await asyncio.gather(peer(1, 0), peer(2, 0.1), peer(0, 0.8)) == [6.0, 6.0, 6.0]
+
+
+async def test_timeout_names_arrivals_and_missing_ranks() -> None:
+    address = url()
+
+    async def peer(rank: int) -> BaseException:
+        with pytest.raises(p2pcoll.RendezvousError) as info:
+            await p2pcoll.join(address, world_size=4, rank=rank, timeout=1.0)
+        return info.value
+
+    start = time.monotonic()
+    errors = await asyncio.gather(peer(0), peer(2))
+    assert time.monotonic() - start < 4
+    for err in errors:
+        assert "2 of 4 peers arrived" in str(err)
+        assert "missing ranks [1, 3]" in str(err)
+
+
+async def test_timeout_with_no_rendezvous_host() -> None:
+    with pytest.raises(p2pcoll.RendezvousError, match="no answer"):
+        await p2pcoll.join(url(), world_size=2, rank=1, timeout=0.5)
+
+
+async def test_duplicate_rank_fails_both_peers_at_once() -> None:
+    address = url()
+
+    async def peer(rank: int) -> tuple[float, BaseException | None]:
+        start = time.monotonic()
+        try:
+            g = await p2pcoll.join(address, world_size=3, rank=rank, timeout=20)
+        except p2pcoll.RendezvousError as exc:
+            return time.monotonic() - start, exc
+        await g.close()
+        return time.monotonic() - start, None
+
+    async def host() -> None:  # rank 0 hosts the rendezvous, then waits for a rank 1 in vain
+        with pytest.raises(p2pcoll.RendezvousError, match="missing ranks"):
+            await p2pcoll.join(address, world_size=3, rank=0, timeout=2)
+
+    (t0, e0), (t1, e1), _ = await asyncio.gather(peer(1), peer(1), host())
+    assert e0 is not None and e1 is not None
+    assert "rank 1 was requested by two peers" in str(e0)
+    assert max(t0, t1) < 5, "duplicate ranks are reported at once, not at the timeout"
+
+
+async def test_world_size_disagreement() -> None:
+    address = url()
+
+    async def first() -> None:
+        g = await p2pcoll.join(address, world_size=2, rank=0, timeout=3)
+        await g.close()
+
+    async def second() -> None:
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        with pytest.raises(p2pcoll.RendezvousError, match="world_size 3 disagrees"):
+            await p2pcoll.join(address, world_size=3, rank=1, timeout=20)
+        assert time.monotonic() - start < 3
+
+    results = await asyncio.gather(first(), second(), return_exceptions=True)
+    assert results[1] is None
+    assert isinstance(results[0], p2pcoll.RendezvousError)  # its partner never came
+
+
+async def test_rank_out_of_range() -> None:
+    with pytest.raises(p2pcoll.RendezvousError, match="out of range"):
+        await p2pcoll.join(url(), world_size=2, rank=2, timeout=5)
+    address = url()
+
+    async def host() -> None:  # world_size known only from the other peer
+        with pytest.raises(p2pcoll.RendezvousError):
+            await p2pcoll.join(address, world_size=2, rank=0, timeout=1.5)
+
+    async def stray() -> None:
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        with pytest.raises(p2pcoll.RendezvousError, match="rank 5"):
+            await p2pcoll.join(address, rank=5, timeout=20)
+        assert time.monotonic() - start < 3
+
+    await asyncio.gather(host(), stray())
+
+
+async def test_bad_url() -> None:
+    with pytest.raises(p2pcoll.RendezvousError, match="tcp://HOST:PORT"):
+        await p2pcoll.join("http://example:80", world_size=2)
+
+
+async def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("P2PCOLL_RENDEZVOUS", "MASTER_ADDR", "MASTER_PORT", *env.WORLD_SIZE_VARS,
+                 *env.RANK_VARS):
+        monkeypatch.delenv(name, raising=False)
+    assert env.rendezvous_url() is None and env.world_size() is None and env.rank() is None
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert env.rendezvous_url() == "tcp://10.1.2.3:29500"
+    monkeypatch.setenv("P2PCOLL_RENDEZVOUS", "tcp://127.0.0.1:1")
+    assert env.rendezvous_url() == "tcp://127.0.0.1:1"
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "5")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "4")
+    assert (env.world_size(), env.rank()) == (5, 4)
+    monkeypatch.setenv("SLURM_NTASKS", "6")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert (env.world_size(), env.rank()) == (6, 3)
+    monkeypatch.setenv("WORLD_SIZE", "7")
+    monkeypatch.setenv("RANK", "2")
+    assert (env.world_size(), env.rank()) == (7, 2)
+    monkeypatch.setenv("RANK", "two")
+    with pytest.raises(p2pcoll.RendezvousError, match="RANK"):
+        env.rank()
+
+
+async def test_join_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    address = url()
+    monkeypatch.setenv("P2PCOLL_RENDEZVOUS", address)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    async def peer() -> int:
+        async with p2pcoll.join(timeout=10) as g:
+            return int((await g.allreduce(np.array([1]), timeout=10))[0]) * 10 + g.world_size
+
+    assert await asyncio.gather(peer(), peer()) == [22, 22]
+
+
+async def test_single_peer_without_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("P2PCOLL_RENDEZVOUS", "MASTER_ADDR", *env.WORLD_SIZE_VARS, *env.RANK_VARS):
+        monkeypatch.delenv(name, raising=False)
+    async with p2pcoll.join() as g:
+        assert (g.rank, g.world_size) == (0, 1)
+        np.testing.assert_array_equal(await g.allreduce(np.arange(3)), np.arange(3))
+    with pytest.raises(p2pcoll.RendezvousError, match="no rendezvous"):
+        await p2pcoll.join(world_size=2)
