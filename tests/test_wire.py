@@ -1,0 +1,102 @@
+"""Wire format, pytrees, layouts and exports: the pieces below the group API."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll.errors import ProtocolError
+from p2pcoll.layout import Layout
+from p2pcoll.strategy import ALL
+from p2pcoll.types import check_dtype, flatten, unflatten
+from p2pcoll.wire import WIRE_VERSION, Header, decode_header, encode_header
+
+
+def test_header_round_trip() -> None:
+    h = Header("data", "g1", 3, seq=7, seg=2, step=1, sig=["allreduce", "ring", "sum", -1, "x"],
+               nbytes=[4, 0], meta={"strategy": "ring"})
+    back = decode_header(encode_header(h))
+    assert back == h and back.key == (7, 2, 3, 1)
+    abort = Header("abort", "g1", 0, seq=4, err=["CollectiveTimeout", "late"])
+    assert decode_header(encode_header(abort)).err == ["CollectiveTimeout", "late"]
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"\xc1", "not valid msgpack"),
+        (msgpack.packb("text"), "expected a map"),
+        (msgpack.packb({"v": WIRE_VERSION + 1, "k": "data"}), "wire version"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "pickle", "g": "", "r": 0}), "unknown message kind"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": 5, "r": 0}), "'g'"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": "x", "r": True}), "'r'"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "data", "g": "x", "r": 0, "q": 0, "seg": 0,
+                        "s": 0, "sig": [], "n": [-1]}), "frame sizes"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "abort", "g": "x", "r": 0, "q": 0,
+                        "err": ["only one"]}), "abort"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": "x", "r": 0, "meta": [1]}), "meta"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": "x", "r": 0, b"\x00": 1}),
+         "not valid msgpack"),
+    ],
+)
+def test_bad_headers_are_rejected(raw: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        decode_header(raw)
+
+
+def test_msgpack_extension_types_are_not_executed() -> None:
+    ext = msgpack.packb(msgpack.ExtType(1, b"\x80\x04K\x01."))  # a pickle inside an ext type
+    with pytest.raises(ProtocolError):
+        decode_header(ext)
+
+
+def test_pytree_round_trip_and_key_order() -> None:
+    tree = {"b": [np.zeros(2), (np.ones((2, 3), np.int8),)], "a": np.float32(3.5)}
+    leaves, treedef = flatten(tree)
+    assert [leaf.shape for leaf in leaves] == [(), (2,), (2, 3)]  # keys sorted: a, b
+    back = unflatten(treedef, leaves)
+    assert isinstance(back["b"], list) and isinstance(back["b"][1], tuple)
+    assert back["a"] == np.float32(3.5)
+    with pytest.raises(TypeError, match="None"):
+        flatten({"x": None})
+    with pytest.raises(TypeError, match="keys must be str"):
+        flatten({1: np.zeros(1)})
+
+
+def test_dtype_allow_list() -> None:
+    assert check_dtype(np.dtype(">f4")) == np.dtype("<f4")
+    for bad in (np.dtype(object), np.dtype("U3"), np.dtype([("a", "i4")]), np.dtype("M8[s]")):
+        with pytest.raises(TypeError, match="cannot be communicated"):
+            check_dtype(bad)
+
+
+def test_layout_chunks_then_segments() -> None:
+    a = np.arange(10, dtype=np.float32)
+    layout = Layout.split([a], 3)
+    assert [layout.nbytes(c) for c in range(3)] == [16, 12, 12]  # array_split: 4, 3, 3
+    assert layout.segment(8) == 2
+    pieces = [layout.pieces(0, s)[0].tolist() for s in range(2)]
+    assert pieces == [[0, 1], [2, 3]]
+    # Every element belongs to exactly one (chunk, segment) piece.
+    seen = np.concatenate([layout.pieces(c, s)[0] for c in range(3) for s in range(2)])
+    np.testing.assert_array_equal(np.sort(seen), a)
+    assert layout.nbytes(ALL) == a.nbytes and layout.nbytes(range(1, 3)) == 24
+
+
+def test_layout_split_by_rows() -> None:
+    a = np.arange(12.0).reshape(6, 2)
+    layout = Layout.split([a.reshape(-1)], 4, row_sizes=[2])
+    parts = np.array_split(a, 4, axis=0)
+    for c in range(4):
+        np.testing.assert_array_equal(layout.pieces(c, 0)[0], parts[c].reshape(-1))
+
+
+def test_public_exports() -> None:
+    for name in p2pcoll.__all__:
+        assert hasattr(p2pcoll, name), name
+    for err in ("RendezvousError", "CollectiveTimeout", "PeerLost", "CollectiveMismatch",
+                "ProtocolError", "UnknownStrategy"):
+        assert issubclass(getattr(p2pcoll, err), p2pcoll.P2PCollError)
+    assert p2pcoll.ReduceOp("avg") is p2pcoll.ReduceOp.AVG and p2pcoll.ReduceOp.SUM == "sum"
