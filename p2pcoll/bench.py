@@ -36,6 +36,7 @@ import gc
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -136,8 +137,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
                         help="the collective to time (default: allreduce)")
     parser.add_argument("--strategy", default="auto", metavar="NAME|all|auto",
-                        help="a strategy name, 'all' (every installed strategy of the "
-                             "collective, one table block each) or 'auto' (default)")
+                        help="a strategy name (or several, comma-separated), 'all' (every "
+                             "installed strategy of the collective, one table block each) or "
+                             "'auto' (default: the library's own choice per size)")
     parser.add_argument("-n", "--world-size", type=_positive, default=2, metavar="N",
                         help="number of peer processes (default: 2)")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
@@ -273,18 +275,26 @@ def _collective_call(g: Any, collective: str, strategy: str | None) -> Call:
 
 def _check(collective: str, result: Any, rank: int, p: int, count: int, dtype: str) -> None:
     """Raise AssertionError unless ``result`` is what rank ``rank`` must get."""
-    total = np.array(p * (p + 1) // 2).astype(dtype)
-    if collective in ("allreduce", "reduce_scatter") or (collective == "reduce" and rank == ROOT):
-        n = count if collective != "reduce_scatter" else len(np.array_split(np.empty(count), p)[rank])
-        ok = result.shape == (n,) and bool(np.all(result == total))
-    elif collective == "reduce":
-        ok = result is None
+    total = p * (p + 1) // 2  # rank r passes r + 1
+    expected: list[tuple[int, int]] | None  # (value, length) of each array, None for no result
+    if collective == "reduce" and rank != ROOT:
+        expected = None
+    elif collective == "allgather":
+        expected = [(r + 1, count) for r in range(p)]
     elif collective == "broadcast":
-        ok = result.shape == (count,) and bool(np.all(result == np.array(ROOT + 1).astype(dtype)))
-    else:  # allgather
-        ok = len(result) == p and all(
-            part.shape == (count,) and bool(np.all(part == np.array(r + 1).astype(dtype)))
-            for r, part in enumerate(result)
+        expected = [(ROOT + 1, count)]
+    elif collective == "reduce_scatter":
+        q, extra = divmod(count, p)
+        expected = [(total, q + (rank < extra))]
+    else:  # allreduce, reduce on the root
+        expected = [(total, count)]
+    if expected is None:
+        ok = result is None
+    else:
+        arrays = result if collective == "allgather" else [result]
+        ok = len(arrays) == len(expected) and all(
+            a.shape == (n,) and bool(np.all(a == np.array(value).astype(dtype)))
+            for a, (value, n) in zip(arrays, expected, strict=True)
         )
     if not ok:
         raise AssertionError(f"rank {rank}: wrong {collective} result for {count} elements")
@@ -298,8 +308,9 @@ async def _slowest(g: Any, times: list[float]) -> list[float]:
     return [float(t) for t in result]
 
 
-async def _bench_size(g: Any, config: dict[str, Any], strategy: str, nbytes: int
-                      ) -> dict[str, Any]:
+async def _bench_size(
+    g: Any, config: dict[str, Any], strategy: str, nbytes: int
+) -> dict[str, Any]:
     collective, dtype, p = config["collective"], config["dtype"], g.world_size
     itemsize = np.dtype(dtype).itemsize
     count = nbytes // itemsize
@@ -499,6 +510,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if not args.worker:
         return main(args)
     config = _config(args, resolve_strategies(args.collective, args.strategy))
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` shows where a worker is stuck
     asyncio.run(_worker(config, args.out))
     return 0
 

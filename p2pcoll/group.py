@@ -230,9 +230,7 @@ class Group:
                 self._all_hello.set()
         elif kind == "bye":
             self._left.add(header.src)
-            self._mailbox.fail_source(
-                header.src, PeerLost(f"rank {header.src} left the group", header.src)
-            )
+            self._peer_gone(PeerLost(f"rank {header.src} left the group", header.src))
 
     def _on_link_down(self, peer: int) -> None:
         if self._closed or peer in self._left:
@@ -242,16 +240,19 @@ class Group:
             if self._closed or peer in self._left:
                 return
             log.warning("rank %d: lost the connection to rank %d", self.rank, peer)
-            self._mailbox.fail_source(
+            self._peer_gone(PeerLost(
+                f"rank {self.rank} lost the connection to rank {peer} "
+                f"({self.membership.endpoints[peer]}): it closed or stopped answering",
                 peer,
-                PeerLost(
-                    f"rank {self.rank} lost the connection to rank {peer} "
-                    f"({self.membership.endpoints[peer]}): it closed or stopped answering",
-                    peer,
-                ),
-            )
+            ))
 
         asyncio.get_running_loop().call_later(LINK_LOSS_GRACE, declare)
+
+    def _peer_gone(self, exc: PeerLost) -> None:
+        """Every receive from and send to ``exc.rank`` fails with ``exc`` from now on."""
+        assert exc.rank is not None
+        self._mailbox.fail_source(exc.rank, exc)
+        self._mesh.mark_gone(exc.rank, exc)
 
     # --- running collectives ------------------------------------------------------------
 
@@ -303,6 +304,12 @@ class Group:
             self._fail(seq, err)
             raise err from None
         except P2PCollError as err:
+            # A failure a peer reported for this collective is the root cause; a lost link
+            # or a refused send that followed it is only a symptom.
+            cause = self._mailbox.failure(seq)
+            if cause is not None and cause is not err:
+                self._fail(seq, cause)
+                raise cause from err
             self._fail(seq, err)
             raise
         except BaseException as exc:

@@ -77,6 +77,7 @@ class Mesh:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._monitored = False
+        self._gone: dict[int, PeerLost] = {}
 
     async def bind(self) -> str:
         """Bind this peer's ROUTER and return the endpoint the others should connect to."""
@@ -121,6 +122,9 @@ class Mesh:
         Returns a tracker when some payload went zero-copy: the arrays must not be written
         until ``tracker.done``. Returns None when everything was copied.
         """
+        gone = self._gone.get(dst)
+        if gone is not None:
+            raise gone
         link = self._links.get(dst)
         if link is None:
             if self._closed:
@@ -142,6 +146,10 @@ class Mesh:
             c.messages_sent += 1
             c.bytes_sent += sum(header.nbytes)
         return zmq.MessageTracker(*tracked) if tracked else None
+
+    def mark_gone(self, peer: int, exc: PeerLost) -> None:
+        """Peer ``peer`` has left or died: sending to it raises ``exc`` from now on."""
+        self._gone.setdefault(peer, exc)
 
     def post(self, dst: int, header: Header) -> None:
         """Send a control message (no payload) without waiting; never raises."""
