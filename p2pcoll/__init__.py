@@ -13,6 +13,7 @@ from .errors import (
     PluginValidationError,
     ProtocolError,
     RendezvousError,
+    ReplicaDivergence,
     StrategyError,
     UnknownStrategy,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "ProtocolError",
     "ReduceOp",
     "RendezvousError",
+    "ReplicaDivergence",
     "StrategyError",
     "UnknownStrategy",
     "available_strategies",

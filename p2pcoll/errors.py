@@ -8,6 +8,7 @@ P2PCollError
 ├── CollectiveTimeout            a collective missed its deadline
 ├── CollectiveMismatch           ranks called the collective differently
 ├── GroupBroken                  the group failed earlier and cannot be used
+├── ReplicaDivergence            replicas that must be identical are not (training)
 └── StrategyError
     ├── UnknownStrategy          no strategy of that name for that collective
     └── PluginValidationError    an installed strategy plugin is malformed
@@ -63,6 +64,15 @@ class GroupBroken(P2PCollError):
     Every call on the group raises this until the group is closed; the original error is
     the ``__cause__``.
     """
+
+
+class ReplicaDivergence(P2PCollError):
+    """Model replicas that must hold the same bits differ (see p2pcoll.training)."""
+
+    def __init__(self, message: str, ranks: Iterable[int] = (), tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.ranks = sorted(set(ranks))
+        self.tensor = tensor
 
 
 class StrategyError(P2PCollError):
