@@ -87,8 +87,12 @@ class PluginValidationError(StrategyError):
     """An installed strategy plugin does not satisfy the strategy API."""
 
 
-# Errors that may be reported by a peer in an abort message and re-raised here.
+# Errors that may be reported by a peer in an abort message and re-raised here, by name.
 REMOTE_ERRORS: dict[str, type[P2PCollError]] = {
     cls.__name__: cls
-    for cls in (CollectiveTimeout, CollectiveMismatch, PeerLost, ProtocolError, P2PCollError)
+    for cls in (
+        P2PCollError, RendezvousError, ProtocolError, PeerLost, CollectiveTimeout,
+        CollectiveMismatch, GroupBroken, ReplicaDivergence, StrategyError, UnknownStrategy,
+        PluginValidationError,
+    )
 }

@@ -307,7 +307,7 @@ class Group:
             # A failure a peer reported for this collective is the root cause; a lost link
             # or a refused send that followed it is only a symptom.
             cause = self._mailbox.failure(seq)
-            if cause is not None and cause is not err:
+            if isinstance(err, (PeerLost, GroupBroken)) and cause is not None and cause is not err:
                 self._fail(seq, cause)
                 raise cause from err
             self._fail(seq, err)
