@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from .errors import CollectiveMismatch, PluginValidationError
+from .errors import CollectiveMismatch, P2PCollError, PluginValidationError
 from .layout import Layout
 from .strategy import ALL, Context, Op, Recv, Reduce, Send, Strategy, _All
 from .transport.mailbox import Mailbox
@@ -102,9 +102,13 @@ class Executor:
             async with window:
                 await run(seq, seg, steps, layout, ufunc, sig, meta, ctx.rank)
 
-        async with asyncio.TaskGroup() as tg:
-            for seg in range(nseg):
-                tg.create_task(one(seg))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for seg in range(nseg):
+                    tg.create_task(one(seg))
+        except BaseExceptionGroup as group:
+            # The first segment to fail cancels the others; report its error, not a group.
+            raise _root_error(group) from None
 
     async def _segment(
         self,
@@ -149,7 +153,24 @@ class Executor:
                     await _release(inflight, layout.chunk_ids(op.chunk))
                 reduce = ufunc if isinstance(op, Reduce) else None
                 _combine(targets, frames, reduce)
+                del frames  # release the sender's buffer now (inproc shares it)
         await _release(inflight, None)
+
+
+def _root_error(group: BaseExceptionGroup) -> BaseException:
+    """The most telling error in a task group's failure: a p2pcoll error if there is one."""
+    flat: list[BaseException] = []
+
+    def walk(g: BaseExceptionGroup) -> None:
+        for exc in g.exceptions:
+            walk(exc) if isinstance(exc, BaseExceptionGroup) else flat.append(exc)
+
+    walk(group)
+    for kind in (P2PCollError, Exception, BaseException):
+        for exc in flat:
+            if isinstance(exc, kind):
+                return exc
+    return group
 
 
 def _combine(

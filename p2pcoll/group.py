@@ -89,7 +89,8 @@ def _native(a: Any) -> np.ndarray:
     """Validate a leaf and return it C-contiguous in native byte order (no copy if it is)."""
     arr = a if isinstance(a, np.ndarray) else np.asarray(a)
     dtype = check_dtype(arr.dtype)
-    return np.ascontiguousarray(arr, dtype=dtype)
+    # ascontiguousarray turns 0-d arrays into 1-d ones; keep the caller's shape.
+    return np.ascontiguousarray(arr, dtype=dtype).reshape(arr.shape)
 
 
 class Group:

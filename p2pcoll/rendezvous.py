@@ -78,18 +78,24 @@ class RendezvousServer:
         self._complete = False
         self._arrivals = 0
 
-    def bind(self) -> None:
-        """Bind the rendezvous port. Raises zmq.ZMQError if it is taken or not local."""
+    def bind(self) -> str:
+        """Bind the rendezvous port and return the URL (port 0: the OS picks one).
+
+        Raises:
+            zmq.ZMQError: the port is taken or the host is not a local address.
+        """
         host, port = parse_url(self.url)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         try:
-            sock.bind(f"tcp://{host}:{port}")
+            sock.bind(f"tcp://{host}:{port or '*'}")
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
+        self.url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         self._task = asyncio.create_task(self._serve())
+        return self.url
 
     async def _serve(self) -> None:
         assert self._sock is not None

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .group import Group, join
+from .rendezvous import RendezvousServer
 
 T = TypeVar("T")
 
@@ -39,7 +40,9 @@ async def run_ranks(
     Returns the results in rank order. With ``return_exceptions`` an exception raised by
     ``fn`` on a rank is returned in that rank's place instead of cancelling the others.
     """
-    url = f"tcp://127.0.0.1:{free_port()}"
+    # Host the rendezvous here on a port the OS picks, so concurrent test runs never collide.
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    url = server.bind()
 
     async def peer(rank: int) -> Any:
         async with join(url, world_size=n, rank=rank, timeout=join_timeout, **join_kwargs) as g:
@@ -50,4 +53,7 @@ async def run_ranks(
                     return exc
             return await fn(g)
 
-    return list(await asyncio.gather(*(peer(r) for r in range(n))))
+    try:
+        return list(await asyncio.gather(*(peer(r) for r in range(n))))
+    finally:
+        await server.aclose()

@@ -78,6 +78,7 @@ class Mesh:
         self._closed = False
         self._monitored = False
         self._gone: dict[int, PeerLost] = {}
+        self._zero_copy_bytes: int | None = ZERO_COPY_BYTES
 
     async def bind(self) -> str:
         """Bind this peer's ROUTER and return the endpoint the others should connect to."""
@@ -95,8 +96,13 @@ class Mesh:
         """Open a link to every other peer and start reading."""
         assert self._router is not None, "bind() first"
         self.group_id, self.rank = group_id, rank
-        # Heartbeats and monitors need a real connection; inproc has neither.
-        monitored = self._monitored = not endpoints[rank].startswith("inproc://")
+        # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
+        # zero-copy frame is shared with the receiver until it frees it, so two peers that
+        # each hold the other's frame while waiting to reuse their own would deadlock:
+        # inproc copies instead.
+        inproc = endpoints[rank].startswith("inproc://")
+        monitored = self._monitored = not inproc
+        self._zero_copy_bytes = None if inproc else ZERO_COPY_BYTES
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -133,8 +139,9 @@ class Mesh:
         header.nbytes = [a.nbytes for a in payload]
         frames: list[object] = [encode_header(header)]
         tracked: list[zmq.Frame] = []
+        zero_copy = self._zero_copy_bytes
         for piece in payload:
-            if piece.nbytes >= ZERO_COPY_BYTES:
+            if zero_copy is not None and piece.nbytes >= zero_copy:
                 frame = zmq.Frame(piece, copy=False, track=True)
                 tracked.append(frame)
                 frames.append(frame)
@@ -193,6 +200,9 @@ class Mesh:
             except ProtocolError as exc:
                 self.counters.messages_dropped += 1
                 log.warning("rank %d: dropped a message: %s", self.rank, exc)
+            # Let go of the frames before waiting: over inproc a zero-copy send is complete
+            # only when the receiver frees its frame, and the sender may be waiting for that.
+            del frames, payload
 
     def _validate(self, frames: list[zmq.Frame]) -> tuple[Header, list[zmq.Frame]]:
         if len(frames) < 2:
