@@ -40,7 +40,7 @@ from .layout import Layout
 from .registry import registry
 from .rendezvous import RendezvousServer, advertised_host, parse_url, rendezvous
 from .strategy import COLLECTIVES, Context, Strategy
-from .transport import Transport, get_transport
+from .transport import Transport, get_transport, host_identity
 from .transport.mailbox import Mailbox
 from .transport.mesh import Mesh
 from .types import (
@@ -163,9 +163,9 @@ class Group:
     ) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        endpoint = await self._mesh.bind()
+        endpoints = await self._mesh.bind()
         if url is None:
-            self.membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoint,))
+            self.membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
         else:
             host, port = parse_url(url)
             ip = (await loop.getaddrinfo(host, port, family=socket.AF_INET))[0][4][0]
@@ -176,9 +176,12 @@ class Group:
                     self._server = server
                 except zmq.ZMQError:
                     pass  # another peer (or a standalone server) hosts it
+            me = host_identity()
+            transport = self._mesh.transport
             self.membership = await rendezvous(
-                f"tcp://{ip}:{port}", endpoint=endpoint, world_size=world_size, rank=rank,
-                timeout=timeout, host_id=socket.gethostname(),
+                f"tcp://{ip}:{port}", endpoints=endpoints, world_size=world_size, rank=rank,
+                timeout=timeout, host_id=me,
+                choose=lambda host, addresses: transport.choose(me, host, addresses),
             )
         m = self.membership
         self._mesh.connect(m.group_id, m.rank, m.endpoints)
@@ -739,7 +742,8 @@ def join(
         timeout: seconds to wait for the whole group to form.
         strategies: per-group strategy choice, e.g. ``{"allreduce": "ring"}``.
         collective_timeout: default deadline of each collective (``$P2PCOLL_TIMEOUT``, 300 s).
-        transport: "tcp", "ipc" or "inproc" (``$P2PCOLL_TRANSPORT``, default tcp).
+        transport: "auto" (ipc to peers on this host, tcp to the others), "tcp", "ipc" or
+            "inproc" (``$P2PCOLL_TRANSPORT``, default auto).
 
     Raises:
         RendezvousError: the group did not form in time (naming how many peers arrived and

@@ -20,6 +20,7 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,7 +61,7 @@ async def advertised_host(rendezvous_host: str) -> str:
 class _Entry:
     identity: bytes
     rank: int | None
-    endpoint: str
+    endpoints: list[str]
     host: str
     order: int
 
@@ -130,8 +131,9 @@ class RendezvousServer:
         if self._complete:
             return fail(f"the group of {self._world_size} at {self.url} is already complete")
         rank, size = msg.get("rank"), msg.get("world_size")
-        endpoint, host = msg.get("endpoint"), msg.get("host")
-        if not (rank is None or isinstance(rank, int)) or not isinstance(endpoint, str):
+        endpoints, host = msg.get("endpoints"), msg.get("host")
+        if (not (rank is None or isinstance(rank, int)) or not isinstance(endpoints, list)
+                or not endpoints or not all(isinstance(e, str) for e in endpoints)):
             return fail("malformed join request")
         if size is not None:
             if not isinstance(size, int) or size < 1:
@@ -155,7 +157,7 @@ class RendezvousServer:
                     self._reply(other.identity, op="error", reason=reason)
                     return fail(reason)
         self._arrivals += 1
-        self._entries[identity] = _Entry(identity, rank, endpoint, str(host), self._arrivals)
+        self._entries[identity] = _Entry(identity, rank, endpoints, str(host), self._arrivals)
         self._progress()
 
     def _progress(self) -> None:
@@ -180,7 +182,7 @@ class RendezvousServer:
             e.rank = r
         by_rank = sorted(entries, key=lambda e: e.rank or 0)
         group_id = uuid.uuid4().hex[:16]
-        endpoints = [e.endpoint for e in by_rank]
+        endpoints = [e.endpoints for e in by_rank]
         hosts = [e.host for e in by_rank]
         for e in by_rank:
             self._reply(e.identity, op="roster", group=group_id, epoch=0, rank=e.rank,
@@ -199,13 +201,16 @@ class RendezvousServer:
 async def rendezvous(
     url: str,
     *,
-    endpoint: str,
+    endpoints: list[str],
     world_size: int | None,
     rank: int | None,
     timeout: float,
     host_id: str,
+    choose: Callable[[str, list[str]], str],
 ) -> Membership:
-    """Register ``endpoint`` at the rendezvous and wait for the roster.
+    """Register ``endpoints`` at the rendezvous and wait for the roster.
+
+    ``choose(host, endpoints)`` picks which of a peer's endpoints this peer will use.
 
     Raises:
         RendezvousError: on timeout (saying how many peers arrived and which ranks are
@@ -219,7 +224,7 @@ async def rendezvous(
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
     sock.connect(f"tcp://{host}:{port}")
     request = {"v": WIRE_VERSION, "op": "join", "rank": rank, "world_size": world_size,
-               "endpoint": endpoint, "host": host_id}
+               "endpoints": endpoints, "host": host_id}
     status: dict[str, Any] | None = None
     deadline = time.monotonic() + timeout
     try:
@@ -242,10 +247,13 @@ async def rendezvous(
             elif msg.get("op") == "error":
                 raise RendezvousError(f"rendezvous at {url} rejected this peer: {msg['reason']}")
             elif msg.get("op") == "roster":
+                hosts = tuple(msg["hosts"])
                 return Membership(
                     group_id=msg["group"], epoch=msg["epoch"], rank=msg["rank"],
-                    size=msg["world_size"], endpoints=tuple(msg["endpoints"]),
-                    hosts=tuple(msg["hosts"]),
+                    size=msg["world_size"],
+                    endpoints=tuple(choose(h, e) for h, e in zip(hosts, msg["endpoints"],
+                                                                  strict=True)),
+                    hosts=hosts,
                 )
     finally:
         sock.close(linger=0)

@@ -79,7 +79,7 @@ class Membership:
     epoch: int
     rank: Rank
     size: int
-    endpoints: tuple[str, ...]  # endpoints[r] is where rank r receives
+    endpoints: tuple[str, ...]  # endpoints[r]: where this peer reaches rank r
     hosts: tuple[str, ...] = ()  # host identity of each rank, for transport choice
 
 

@@ -538,9 +538,10 @@ async def test_matrix(collective: str, p: int) -> None:
     await run_matrix(p, WALKS[collective]())
 
 
-@pytest.mark.parametrize("transport", ["ipc", "inproc"])
+@pytest.mark.parametrize("transport", ["tcp", "ipc", "inproc"])
 async def test_matrix_over_transport(transport: str) -> None:
-    """The whole matrix at one world size over the other transports, in one group each."""
+    """The whole matrix at one world size over each transport forced, in one group each
+    (the other tests use the default, auto: ipc between peers of one host)."""
     await run_matrix(4, *(make() for make in WALKS.values()), transport=transport)
 
 

@@ -100,3 +100,30 @@ def test_public_exports() -> None:
                 "ProtocolError", "UnknownStrategy"):
         assert issubclass(getattr(p2pcoll, err), p2pcoll.P2PCollError)
     assert p2pcoll.ReduceOp("avg") is p2pcoll.ReduceOp.AVG and p2pcoll.ReduceOp.SUM == "sum"
+
+
+def test_transport_choice() -> None:
+    from p2pcoll.transport import get_transport
+
+    auto = get_transport("auto")
+    addresses = auto.bind_addresses("127.0.0.1")
+    assert addresses[0] == "tcp://127.0.0.1:*" and addresses[1].startswith("ipc://")
+    theirs = ["tcp://10.0.0.2:5000", "ipc:///tmp/x.sock"]
+    assert auto.choose("hostA/boot1", "hostA/boot1", theirs) == "ipc:///tmp/x.sock"
+    assert auto.choose("hostA/boot1", "hostB/boot1", theirs) == "tcp://10.0.0.2:5000"
+    assert get_transport("tcp").choose("a", "a", ["tcp://h:1"]) == "tcp://h:1"
+    with pytest.raises(ValueError, match="unknown transport 'udp'"):
+        get_transport("udp")
+
+
+async def test_auto_transport_uses_ipc_on_one_host() -> None:
+    from p2pcoll.testing import run_ranks
+
+    async def fn(g: p2pcoll.Group) -> tuple[str, ...]:
+        await g.barrier(timeout=10)
+        return g.membership.endpoints
+
+    for endpoints in await run_ranks(3, fn, transport="auto"):
+        assert all(e.startswith("ipc://") for e in endpoints), endpoints
+    for endpoints in await run_ranks(2, fn, transport="tcp"):
+        assert all(e.startswith("tcp://127.0.0.1:") for e in endpoints), endpoints

@@ -50,6 +50,11 @@ class Counters:
     messages_dropped: int = 0
 
 
+def _discard_outcome(fut: asyncio.Future[object]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("control message not sent: %s", fut.exception())
+
+
 class Mesh:
     """Frames between the peers of one group over ZeroMQ sockets."""
 
@@ -68,7 +73,8 @@ class Mesh:
         self.on_message = on_message
         self.on_link_down = on_link_down
         self.counters = Counters()
-        self.endpoint = ""
+        self.endpoint = ""  # the first of self.endpoints
+        self.endpoints: list[str] = []
         self.group_id = ""
         self.rank = -1
         self._ctx = zmq.asyncio.Context.instance()
@@ -80,17 +86,19 @@ class Mesh:
         self._gone: dict[int, PeerLost] = {}
         self._zero_copy_bytes: int | None = ZERO_COPY_BYTES
 
-    async def bind(self) -> str:
-        """Bind this peer's ROUTER and return the endpoint the others should connect to."""
+    async def bind(self) -> list[str]:
+        """Bind this peer's ROUTER and return the endpoints the others may connect to."""
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.RCVHWM, HWM)
         router.setsockopt(zmq.LINGER, 0)
         # A hard per-frame cap; a peer that exceeds it is disconnected by libzmq.
         router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        router.bind(self.transport.bind_address(self.host))
         self._router = router
-        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        return self.endpoint
+        for address in self.transport.bind_addresses(self.host):
+            router.bind(address)
+            self.endpoints.append(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.endpoint = self.endpoints[0]
+        return self.endpoints
 
     def connect(self, group_id: str, rank: int, endpoints: Sequence[str]) -> None:
         """Open a link to every other peer and start reading."""
@@ -100,7 +108,7 @@ class Mesh:
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
         # inproc copies instead.
-        inproc = endpoints[rank].startswith("inproc://")
+        inproc = self.transport.name == "inproc"
         monitored = self._monitored = not inproc
         self._zero_copy_bytes = None if inproc else ZERO_COPY_BYTES
         for peer, endpoint in enumerate(endpoints):
@@ -164,9 +172,12 @@ class Mesh:
         if link is None or link.closed:
             return
         try:
-            link.send(encode_header(header), zmq.NOBLOCK)
+            sent = link.send(encode_header(header), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("control message to rank %d not sent: %s", dst, exc)
+            return
+        # An asyncio socket reports a full queue (EAGAIN) through the returned future.
+        sent.add_done_callback(_discard_outcome)
 
     def broadcast_control(self, header: Header) -> None:
         """Post a control message to every other peer."""
@@ -255,4 +266,5 @@ class Mesh:
         self._links.clear()
         if self._router is not None:
             self._router.close(linger=0)
-            self.transport.cleanup(self.endpoint)
+            for endpoint in self.endpoints:
+                self.transport.cleanup(endpoint)
