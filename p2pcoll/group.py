@@ -353,16 +353,22 @@ class Group:
 
     async def _reduction(
         self, collective: str, value: Pytree, op: str | ReduceOp, root: int | None,
-        strategy: str | None, timeout: float | None,
+        strategy: str | None, timeout: float | None, out: Pytree | None = None,
     ) -> tuple[list[np.ndarray], TreeDef]:
         red = as_op(op)
         leaves, treedef = flatten(value)
+        targets = _out_leaves(out, treedef, leaves) if out is not None else None
         work = []
-        for leaf in leaves:
+        for i, leaf in enumerate(leaves):
             arr = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
             dtype = check_dtype(arr.dtype)
             check_op_dtype(red, dtype)
-            work.append(np.array(arr, dtype=dtype, order="C", copy=True))
+            if targets is None:
+                work.append(np.array(arr, dtype=dtype, order="C", copy=True))
+            else:
+                if targets[i] is not arr:
+                    np.copyto(targets[i], arr)
+                work.append(targets[i])
         flat = [w.reshape(-1) for w in work]
         nbytes = sum(w.nbytes for w in work)
         strat = self._choose(collective, strategy, nbytes)
@@ -382,7 +388,7 @@ class Group:
 
     async def allreduce(
         self, value: Pytree, op: str | ReduceOp = "sum", *,
-        strategy: str | None = None, timeout: float | None = None,
+        strategy: str | None = None, timeout: float | None = None, out: Pytree | None = None,
     ) -> Pytree:
         """Reduce ``value`` over all ranks and return the result on every rank.
 
@@ -392,10 +398,13 @@ class Group:
             strategy: a strategy name (``p2pcoll.available_strategies()["allreduce"]``);
                 None means the group's choice, ``$P2PCOLL_ALLREDUCE``, or "auto".
             timeout: seconds for the whole collective (default: the group's).
+            out: where to put the result: arrays of the same structure, shapes and dtypes,
+                C-contiguous and writable; ``out=value`` reduces in place. Reusing ``out``
+                across calls saves allocating (and page-faulting) a result every time.
 
         Returns:
-            New arrays of the same structure; ``value`` is not modified. Every rank gets the
-            same bits.
+            ``out`` if given, else new arrays of the same structure; ``value`` is not
+            modified unless it is ``out``. Every rank gets the same bits.
 
         Raises:
             CollectiveTimeout, CollectiveMismatch, PeerLost, GroupBroken.
@@ -405,8 +414,9 @@ class Group:
 
             total = await g.allreduce(np.array([g.rank]))   # every rank -> [0 + 1 + ... ]
         """
-        work, treedef = await self._reduction("allreduce", value, op, None, strategy, timeout)
-        return unflatten(treedef, work)
+        work, treedef = await self._reduction("allreduce", value, op, None, strategy, timeout,
+                                              out)
+        return out if out is not None else unflatten(treedef, work)
 
     async def reduce(
         self, value: Pytree, root: int = 0, op: str | ReduceOp = "sum", *,
@@ -662,6 +672,23 @@ class Group:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "broken" if self._broken else "ok"
         return f"<Group rank {self.rank}/{self.world_size} {self.endpoint} {state}>"
+
+
+def _out_leaves(out: Pytree, treedef: TreeDef, leaves: list[np.ndarray]) -> list[np.ndarray]:
+    """Validate an ``out=`` argument against the input and return its leaves."""
+    targets, out_def = flatten(out)
+    if out_def != treedef:
+        raise ValueError("out= must have the same pytree structure as the input")
+    for target, leaf in zip(targets, leaves, strict=True):
+        want = (np.asarray(leaf).shape, check_dtype(np.asarray(leaf).dtype))
+        if (target.shape, target.dtype) != want:
+            raise ValueError(
+                f"out= array {target.dtype}{list(target.shape)} does not match the input "
+                f"{want[1]}{list(want[0])}"
+            )
+        if not (target.flags.c_contiguous and target.flags.writeable):
+            raise ValueError("out= arrays must be C-contiguous and writable")
+    return targets
 
 
 def describe_data_specs(specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]) -> str:

@@ -262,3 +262,26 @@ async def test_local_argument_errors() -> None:
 
     for out in await run_ranks(2, fn):
         np.testing.assert_array_equal(out, [2, 2, 2])
+
+
+async def test_allreduce_out_in_place_and_validation() -> None:
+    async def fn(g: p2pcoll.Group) -> object:
+        x = np.arange(6, dtype=np.float32) + g.rank
+        same = await g.allreduce(x, out=x)  # in place
+        assert same is x
+        tree = {"a": np.ones(3), "b": [np.zeros(2, np.int32) + g.rank]}
+        out = {"a": np.empty(3), "b": [np.empty(2, np.int32)]}
+        got = await g.allreduce(tree, out=out)
+        assert got is out and tree["a"][0] == 1.0  # the input is untouched
+        with pytest.raises(ValueError, match="does not match"):
+            await g.allreduce(x, out=np.empty(6, np.float64))
+        with pytest.raises(ValueError, match="structure"):
+            await g.allreduce(tree, out=[np.empty(3)])
+        with pytest.raises(ValueError, match="contiguous"):
+            await g.allreduce(x, out=np.empty(12, np.float32)[::2])
+        return x, out
+
+    for x, out in await run_ranks(3, fn):
+        np.testing.assert_array_equal(x, np.arange(6) * 3 + 3)
+        np.testing.assert_array_equal(out["a"], [3, 3, 3])
+        np.testing.assert_array_equal(out["b"][0], [3, 3])
