@@ -310,6 +310,17 @@ class Group:
         except P2PCollError as err:
             # A failure a peer reported for this collective is the root cause; a lost link
             # or a refused send that followed it is only a symptom.
+            if isinstance(err, CollectiveTimeout) and getattr(err, "remote", False):
+                # Another rank's deadline passed first: say whom this rank was waiting for
+                # too, which is closer to the rank that never came.
+                mine = self._mailbox.waiting_on(seq)
+                err = CollectiveTimeout(
+                    f"{err}; rank {self.rank} was still waiting for ranks {mine}",
+                    collective=collective, seq=seq, waiting_on=mine or err.waiting_on,
+                )
+                err.remote = True  # type: ignore[attr-defined]
+                self._fail(seq, err)
+                raise err from None
             cause = self._mailbox.failure(seq)
             if isinstance(err, (PeerLost, GroupBroken)) and cause is not None and cause is not err:
                 self._fail(seq, cause)
@@ -500,7 +511,7 @@ class Group:
         seq = self._start()
 
         async def receive() -> Pytree:
-            header = await self._mailbox.first(seq)
+            header = await self._mailbox.first(seq, root)
             treedef, specs, strat = self._read_meta(header, strategy, "broadcast")
             shapes = [(np.dtype(d), tuple(s)) for d, s in specs]
             if mine is not None:
@@ -617,7 +628,7 @@ class Group:
         seq = self._start()
 
         async def receive() -> np.ndarray:
-            header = await self._mailbox.first(seq)
+            header = await self._mailbox.first(seq, root)
             _, specs, strat = self._read_meta(header, strategy, "scatter")
             # Only this rank's part is ever written; np.empty of the rest touches no memory.
             out = [np.empty(s, d) for d, s in specs]

@@ -37,10 +37,14 @@ def assert_equal(got: object, want: np.ndarray, what: str) -> None:
     assert np.array_equal(got, want), f"{what}: wrong values"
 
 
-@pytest.mark.parametrize("p", [2, 3, 5, 8])
-async def test_different_collectives_in_flight_together(p: int) -> None:
+@pytest.mark.parametrize(
+    ("p", "transport"),
+    [(2, None), (3, None), (5, None), (8, None), (4, "tcp"), (4, "ipc"), (4, "inproc")],
+)
+async def test_different_collectives_in_flight_together(p: int, transport: str | None) -> None:
     """An allreduce of 3 MiB, small allreduces with two strategies, a broadcast, an
-    allgather, a reduce_scatter and a barrier, all started at once with asyncio.gather."""
+    allgather, a reduce_scatter and a barrier, all started at once with asyncio.gather
+    (over the default transport, then over each one forced)."""
 
     async def fn(g: p2pcoll.Group) -> None:
         r = g.rank
@@ -75,7 +79,7 @@ async def test_different_collectives_in_flight_together(p: int) -> None:
         else:
             assert reduced is None
 
-    await run_ranks(p, fn, collective_timeout=TIMEOUT)
+    await run_ranks(p, fn, collective_timeout=TIMEOUT, transport=transport)
 
 
 async def test_many_collectives_in_flight() -> None:

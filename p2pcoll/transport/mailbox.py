@@ -38,6 +38,7 @@ class Mailbox:
         self._finished: set[int] = set()
         self._expected: dict[int, tuple[list[Any], int]] = {}  # seq -> (signature, my rank)
         self._stalled: dict[int, set[int]] = {}  # seq -> sources of cancelled receives
+        self._first_origin: dict[int, int] = {}  # seq -> the rank a first() waits on
         self._watermark = 0  # every seq below this has finished
 
     def put(self, header: Header, frames: list[zmq.Frame]) -> bool:
@@ -105,21 +106,34 @@ class Mailbox:
         self._waiting[key] = fut
         try:
             return await fut
-        except asyncio.CancelledError:
-            self._stalled.setdefault(seq, set()).add(src)  # for the timeout's message
+        except BaseException:
+            self._stalled.setdefault(seq, set()).add(src)  # for the error's message
             raise
         finally:
             if self._waiting.get(key) is fut:
                 del self._waiting[key]
 
-    async def first(self, seq: int) -> Header:
-        """The header of the first segment-0 message of collective ``seq`` from anyone."""
+    async def first(self, seq: int, origin: int) -> Header:
+        """The header of the first segment-0 message of collective ``seq`` from anyone.
+
+        ``origin`` is the rank the data comes from (a root): it is named while this waits,
+        and its loss fails the wait.
+        """
         if seq in self._failed:
             raise self._failed[seq]
         fut = self._first.get(seq)
         if fut is None:
             fut = self._first[seq] = asyncio.get_running_loop().create_future()
-        return await asyncio.shield(fut)
+        if not fut.done() and origin in self._lost:
+            raise self._lost[origin]
+        self._first_origin[seq] = origin
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self._stalled.setdefault(seq, set()).add(origin)  # for the timeout's message
+            raise
+        finally:
+            self._first_origin.pop(seq, None)
 
     def failure(self, seq: int) -> P2PCollError | None:
         """The recorded failure of collective ``seq``, if a peer aborted it."""
@@ -128,6 +142,8 @@ class Mailbox:
     def waiting_on(self, seq: int) -> list[int]:
         """Source ranks that receives of collective ``seq`` are waiting for."""
         now = {k[2] for k in self._waiting if k[0] == seq}
+        if seq in self._first_origin:
+            now.add(self._first_origin[seq])
         return sorted(now | self._stalled.get(seq, set()))
 
     def fail(self, seq: int, exc: P2PCollError) -> bool:
@@ -150,6 +166,10 @@ class Mailbox:
         for key, fut in list(self._waiting.items()):
             if key[2] == src and not fut.done():
                 fut.set_exception(exc)
+        for seq, origin in self._first_origin.items():
+            first = self._first.get(seq)
+            if origin == src and first is not None and not first.done():
+                first.set_exception(exc)
 
     def finish(self, seq: int) -> None:
         """Forget everything about collective ``seq``; later messages for it are stale."""
