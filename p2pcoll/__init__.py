@@ -17,6 +17,7 @@ from .errors import (
     StrategyError,
     UnknownStrategy,
 )
+from . import training
 from .group import Group, join
 from .registry import available_strategies, register_strategy
 from .types import Membership, ReduceOp
@@ -41,4 +42,5 @@ __all__ = [
     "available_strategies",
     "join",
     "register_strategy",
+    "training",
 ]

@@ -50,7 +50,7 @@ from .registry import available_strategies, registry
 from .types import check_dtype
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
-TRANSPORTS = ("tcp", "ipc", "inproc")
+TRANSPORTS = ("auto", "tcp", "ipc", "inproc")
 ROOT = 0  # root of broadcast and reduce
 DEFAULT_SIZES = "4K,64K,1M,16M"
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -155,9 +155,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipelined", type=_non_negative, default=4, metavar="K",
                         help="collectives issued together for the pipelined figure "
                              "(default: 4; 0 skips it)")
-    parser.add_argument("--transport", choices=TRANSPORTS, default="tcp",
-                        help="tcp (default) or ipc between peer processes; inproc runs the "
-                             "peers as tasks in this process")
+    parser.add_argument("--transport", choices=TRANSPORTS,
+                        default=os.environ.get("P2PCOLL_TRANSPORT") or "auto",
+                        help="between the peer processes: auto (ipc on one host), tcp or ipc "
+                             "(default: $P2PCOLL_TRANSPORT, else auto); inproc runs the peers "
+                             "as tasks in this process")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the rows as JSON to PATH ('-' for stdout, no table)")
 

@@ -92,23 +92,27 @@ class Executor:
         steps = plan(strategy, ctx, len(layout.chunks))
         self.mailbox.expect(seq, sig, ctx.rank)
         nseg = layout.segment(self.segment_bytes)
+        # Zero-copy sends whose segment has finished: the caller may reuse the data only
+        # once libzmq has let go of them, so they are awaited once, at the very end.
+        pending: list[tuple[range, zmq.MessageTracker]] = []
         run = self._segment
         if nseg == 1:
-            await run(seq, 0, steps, layout, ufunc, sig, meta, ctx.rank)
-            return
-        window = asyncio.Semaphore(self.depth)
+            await run(seq, 0, steps, layout, ufunc, sig, meta, ctx.rank, pending)
+        else:
+            window = asyncio.Semaphore(self.depth)
 
-        async def one(seg: int) -> None:
-            async with window:
-                await run(seq, seg, steps, layout, ufunc, sig, meta, ctx.rank)
+            async def one(seg: int) -> None:
+                async with window:
+                    await run(seq, seg, steps, layout, ufunc, sig, meta, ctx.rank, pending)
 
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for seg in range(nseg):
-                    tg.create_task(one(seg))
-        except BaseExceptionGroup as group:
-            # The first segment to fail cancels the others; report its error, not a group.
-            raise _root_error(group) from None
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for seg in range(nseg):
+                        tg.create_task(one(seg))
+            except BaseExceptionGroup as group:
+                # The first segment to fail cancels the others; report its error.
+                raise _root_error(group) from None
+        await _release(pending, None)
 
     async def _segment(
         self,
@@ -120,6 +124,7 @@ class Executor:
         sig: list[Any],
         meta: dict[str, Any] | None,
         rank: int,
+        pending: list[tuple[range, zmq.MessageTracker]],
     ) -> None:
         sent: defaultdict[int, int] = defaultdict(int)
         received: defaultdict[int, int] = defaultdict(int)
@@ -154,7 +159,7 @@ class Executor:
                 reduce = ufunc if isinstance(op, Reduce) else None
                 _combine(targets, frames, reduce)
                 del frames  # release the sender's buffer now (inproc shares it)
-        await _release(inflight, None)
+        pending.extend(inflight)
 
 
 def _root_error(group: BaseExceptionGroup) -> BaseException:
@@ -192,10 +197,14 @@ async def _release(inflight: list[tuple[range, zmq.MessageTracker]], chunks: ran
     keep = []
     for ids, tracker in inflight:
         if chunks is None or (ids.start < chunks.stop and chunks.start < ids.stop):
-            delay = 0.0
+            # libzmq signals completion on no file descriptor, so poll: a few turns of the
+            # event loop first (usually enough), then sleeps growing to 1 ms.
+            spins, delay = 0, 0.0
             while not tracker.done:
                 await asyncio.sleep(delay)
-                delay = min(delay * 2 or 5e-5, 2e-3)
+                spins += 1
+                if spins > 8:
+                    delay = min(delay * 2 or 2e-5, 1e-3)
         else:
             keep.append((ids, tracker))
     inflight[:] = keep
