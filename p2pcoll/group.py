@@ -348,6 +348,24 @@ class Group:
         for other in self._active - {seq}:
             self._mailbox.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))
 
+    async def _execute(
+        self, collective: str, strategy: Strategy, root: int, layout: Layout,
+        ufunc: Callable[..., Any] | None, sig: list[Any], timeout: float | None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Run one collective whose data this rank already knows, under the group's rules.
+
+        The sequence number is taken before the first await, so collectives started in
+        the same order on every rank match up even when several are in flight.
+        """
+        seq = self._start()
+
+        async def body() -> None:
+            await self._executor.run(seq=seq, strategy=strategy, ctx=self._ctx(root),
+                                     layout=layout, ufunc=ufunc, sig=sig, meta=meta)
+
+        await self._guard(seq, collective, timeout, body)
+
     def _sig(self, collective: str, strategy: Strategy, op: ReduceOp | None, root: int | None,
              data: str) -> list[Any]:
         return [collective, strategy.name, op.value if op else "", -1 if root is None else root,
@@ -385,13 +403,7 @@ class Group:
         strat = self._choose(collective, strategy, nbytes)
         layout = Layout.split(flat, strat.chunks(self.world_size))
         sig = self._sig(collective, strat, red, root, describe_data(work, treedef))
-        seq = self._start()
-
-        async def body() -> None:
-            await self._executor.run(seq=seq, strategy=strat, ctx=self._ctx(root or 0),
-                                     layout=layout, ufunc=UFUNCS[red], sig=sig)
-
-        await self._guard(seq, collective, timeout, body)
+        await self._execute(collective, strat, root or 0, layout, UFUNCS[red], sig, timeout)
         if red is ReduceOp.AVG and (root is None or root == self.rank):
             for w in flat:
                 np.divide(w, self.world_size, out=w)
@@ -462,13 +474,7 @@ class Group:
         row = int(np.prod(work.shape[1:], dtype=np.int64))
         layout = Layout.split([work.reshape(-1)], p, row_sizes=[row])
         sig = self._sig("reduce_scatter", strat, red, None, describe_data([work]))
-        seq = self._start()
-
-        async def body() -> None:
-            await self._executor.run(seq=seq, strategy=strat, ctx=self._ctx(), layout=layout,
-                                     ufunc=UFUNCS[red], sig=sig)
-
-        await self._guard(seq, "reduce_scatter", timeout, body)
+        await self._execute("reduce_scatter", strat, 0, layout, UFUNCS[red], sig, timeout)
         part = np.array_split(work, p, axis=0)[self.rank].copy()
         if red is ReduceOp.AVG:
             np.divide(part, p, out=part)
@@ -498,13 +504,7 @@ class Group:
                     "leaves": [[a.dtype.str, list(a.shape)] for a in send]}
             layout = Layout.split([a.reshape(-1) for a in send], strat.chunks(self.world_size))
             sig = self._sig("broadcast", strat, None, root, describe_data(send, treedef))
-            seq = self._start()
-
-            async def body() -> None:
-                await self._executor.run(seq=seq, strategy=strat, ctx=self._ctx(root),
-                                         layout=layout, ufunc=None, sig=sig, meta=meta)
-
-            await self._guard(seq, "broadcast", timeout, body)
+            await self._execute("broadcast", strat, root, layout, None, sig, timeout, meta=meta)
             return value
 
         mine = flatten(value) if value is not None else None
@@ -567,13 +567,7 @@ class Group:
         strat = self._choose("allgather", strategy, mine.nbytes * self.world_size)
         layout = Layout.parts([p.reshape(-1) for p in parts])
         sig = self._sig("allgather", strat, None, None, describe_data([mine]))
-        seq = self._start()
-
-        async def body() -> None:
-            await self._executor.run(seq=seq, strategy=strat, ctx=self._ctx(), layout=layout,
-                                     ufunc=None, sig=sig)
-
-        await self._guard(seq, "allgather", timeout, body)
+        await self._execute("allgather", strat, 0, layout, None, sig, timeout)
         parts[self.rank] = mine.copy()
         return parts
 
@@ -588,13 +582,7 @@ class Group:
         strat = self._choose("gather", strategy, mine.nbytes * self.world_size)
         layout = Layout.parts([p.reshape(-1) for p in parts])
         sig = self._sig("gather", strat, None, root, describe_data([mine]))
-        seq = self._start()
-
-        async def body() -> None:
-            await self._executor.run(seq=seq, strategy=strat, ctx=self._ctx(root),
-                                     layout=layout, ufunc=None, sig=sig)
-
-        await self._guard(seq, "gather", timeout, body)
+        await self._execute("gather", strat, root, layout, None, sig, timeout)
         if self.rank != root:
             return None
         parts[self.rank] = mine.copy()
@@ -616,13 +604,7 @@ class Group:
             meta = {"strategy": strat.name, "leaves": [[a.dtype.str, list(a.shape)] for a in send]}
             layout = Layout.parts([a.reshape(-1) for a in send])
             sig = self._sig("scatter", strat, None, root, describe_data(send))
-            seq = self._start()
-
-            async def body() -> None:
-                await self._executor.run(seq=seq, strategy=strat, ctx=self._ctx(root),
-                                         layout=layout, ufunc=None, sig=sig, meta=meta)
-
-            await self._guard(seq, "scatter", timeout, body)
+            await self._execute("scatter", strat, root, layout, None, sig, timeout, meta=meta)
             return send[self.rank].copy()
 
         seq = self._start()
@@ -645,13 +627,7 @@ class Group:
         strat = self._choose("barrier", strategy, 0)
         layout = Layout([], [[]])
         sig = self._sig("barrier", strat, None, None, "")
-        seq = self._start()
-
-        async def body() -> None:
-            await self._executor.run(seq=seq, strategy=strat, ctx=self._ctx(), layout=layout,
-                                     ufunc=None, sig=sig)
-
-        await self._guard(seq, "barrier", timeout, body)
+        await self._execute("barrier", strat, 0, layout, None, sig, timeout)
 
     # --- the rest -----------------------------------------------------------------------
 
