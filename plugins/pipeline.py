@@ -1,0 +1,30 @@
+"""Pipelined chain broadcast (MPICH's "pipelined" / Open MPI's ``bcast_intra_pipeline``).
+
+Ranks are renumbered relative to the root, ``q = (rank - root) mod p``, and form a chain
+0 -> 1 -> ... -> p-1: each rank receives the data from its predecessor and passes it on to
+its successor. Unsegmented that would take p-1 full transfers one after the other; the
+executor cuts data above about 1 MiB into segments and runs several at once, so rank q+1
+forwards segment s while rank q is already receiving segment s+1. For S segments the chain
+then takes about (p - 2 + S) segment times: close to one transfer of n for large data,
+whatever p. Every rank but the last sends n bytes, in one message per segment; the last
+sends nothing. Small data gets no pipelining: use ``binomial`` there.
+"""
+
+from p2pcoll.strategy import Context, Recv, Schedule, Send, Strategy
+
+
+class PipelineBroadcast(Strategy):
+    name = "pipeline"
+    collective = "broadcast"
+    description = "chain from the root, pipelined in ~1 MiB segments; n bytes from all but the last"
+
+    def schedule(self, ctx: Context) -> Schedule:
+        p, q = ctx.size, (ctx.rank - ctx.root) % ctx.size
+
+        def real(v: int) -> int:
+            return (v + ctx.root) % p
+
+        if q > 0:
+            yield Recv(real(q - 1))
+        if q < p - 1:
+            yield Send(real(q + 1))

@@ -1,0 +1,85 @@
+"""Rabenseifner's allreduce (MPICH ``MPIR_Allreduce_intra_reduce_scatter_allgather``).
+
+A reduce-scatter by recursive halving, then an allgather by recursive doubling. With p a
+power of two, the data is cut into p blocks. In the first round every rank pairs with
+``rank XOR 1``: the lower of the two keeps the lower half of the blocks, sends the upper half
+to its partner and folds in the lower half it receives; the upper one does the opposite. Each
+later round pairs with ``rank XOR 2^k`` and halves the kept range again, so after lg p rounds
+every rank holds one fully reduced block (rank q the block whose index is q's bits reversed).
+The allgather retraces those rounds backwards: each rank sends the range it holds to the
+partner of that round and receives the partner's, doubling its range, until it holds all.
+
+Each phase sends n/2 + n/4 + ... + n/p bytes, so 2(p-1)/p·n per rank, the same as the ring,
+in 2 lg p rounds instead of 2(p-1). Every block is reduced by exactly one rank and copied
+from there, so the results are bitwise identical on every rank.
+
+Other p, the MPICH fold (as in plugins/recursive_doubling.py): let p' be the largest power
+of two <= p and r = p - p'. Among the first 2r ranks each even rank hands all its data to
+the odd rank above it and sits out; the p' others (renumbered 0..p'-1) run the rounds above
+on p' blocks; then each odd rank below 2r hands the result back. The even ranks send n, the
+odd ones below 2r 2(p'-1)/p'·n + n, the rest 2(p'-1)/p'·n; 2 lg p' + 2 rounds.
+"""
+
+from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
+
+
+def _largest_power_of_two(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+class RabenseifnerAllreduce(Strategy):
+    name = "rabenseifner"
+    collective = "allreduce"
+    description = (
+        "recursive-halving reduce-scatter + recursive-doubling allgather; 2(p-1)/p·n bytes,"
+        " 2 lg p rounds"
+    )
+
+    def chunks(self, size: int) -> int:
+        return _largest_power_of_two(size)  # the p' blocks that the halving splits
+
+    def schedule(self, ctx: Context) -> Schedule:
+        p, rank = ctx.size, ctx.rank
+        pof2 = _largest_power_of_two(p)
+        extra = p - pof2
+
+        # Fold the extra ranks in.
+        if rank < 2 * extra:
+            if rank % 2 == 0:
+                yield Send(rank + 1)
+                newrank = -1
+            else:
+                yield Reduce(rank - 1)
+                newrank = rank // 2
+        else:
+            newrank = rank - extra
+
+        if newrank >= 0:
+
+            def real(d: int) -> int:
+                return 2 * d + 1 if d < extra else d + extra
+
+            # Reduce-scatter by recursive halving: keep one half of my range, send the other.
+            kept = range(pof2)
+            rounds = []  # (partner, the half I kept, the half I gave away), in order
+            mask = 1
+            while mask < pof2:
+                partner = real(newrank ^ mask)
+                half = (kept.start + kept.stop) // 2
+                lower, upper = range(kept.start, half), range(half, kept.stop)
+                keep, give = (lower, upper) if newrank & mask == 0 else (upper, lower)
+                yield [Send(partner, give), Reduce(partner, keep)]
+                rounds.append((partner, keep, give))
+                kept = keep
+                mask <<= 1
+
+            # Allgather by recursive doubling: the same rounds backwards, copying instead.
+            for partner, keep, give in reversed(rounds):
+                yield [Send(partner, keep), Recv(partner, give)]
+
+        # Fold them back out.
+        if rank < 2 * extra:
+            if rank % 2:
+                yield Send(rank - 1)
+            else:
+                yield Recv(rank + 1)
