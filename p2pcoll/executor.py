@@ -49,6 +49,36 @@ def plan(strategy: Strategy, ctx: Context, nchunks: int) -> tuple[tuple[Op, ...]
     return tuple(steps)
 
 
+@lru_cache(maxsize=1024)
+def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tuple[int, int]]:
+    """The sends (step, op index) whose chunk is written again later in the schedule.
+
+    Those are sent as copies; every other send goes zero-copy from the data. So no receive
+    ever waits for libzmq to let go of memory it is about to overwrite (which over a busy
+    link can take as long as the transfer itself).
+    """
+    def ids(chunk: object) -> range:
+        if isinstance(chunk, _All):
+            return range(nchunks)
+        return chunk if isinstance(chunk, range) else range(chunk, chunk + 1)  # type: ignore[operator]
+
+    out = set()
+    for i, ops in enumerate(steps):
+        for j, op in enumerate(ops):
+            if not isinstance(op, Send):
+                continue
+            sent = ids(op.chunk)
+            for later in steps[i:]:
+                if any(not isinstance(w, Send) and _overlap(sent, ids(w.chunk)) for w in later):
+                    out.add((i, j))
+                    break
+    return frozenset(out)
+
+
+def _overlap(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop and len(a) > 0 and len(b) > 0
+
+
 def _check_chunk(op: Op, nchunks: int, where: str) -> None:
     c = op.chunk
     ok = (
@@ -90,20 +120,21 @@ class Executor:
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
         steps = plan(strategy, ctx, len(layout.chunks))
+        copies = snapshots(steps, len(layout.chunks))
         self.mailbox.expect(seq, sig, ctx.rank)
         nseg = layout.segment(self.segment_bytes)
         # Zero-copy sends whose segment has finished: the caller may reuse the data only
         # once libzmq has let go of them, so they are awaited once, at the very end.
-        pending: list[tuple[range, zmq.MessageTracker]] = []
+        pending: list[zmq.MessageTracker] = []
         run = self._segment
         if nseg == 1:
-            await run(seq, 0, steps, layout, ufunc, sig, meta, ctx.rank, pending)
+            await run(seq, 0, steps, copies, layout, ufunc, sig, meta, ctx.rank, pending)
         else:
             window = asyncio.Semaphore(self.depth)
 
             async def one(seg: int) -> None:
                 async with window:
-                    await run(seq, seg, steps, layout, ufunc, sig, meta, ctx.rank, pending)
+                    await run(seq, seg, steps, copies, layout, ufunc, sig, meta, ctx.rank, pending)
 
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -112,35 +143,35 @@ class Executor:
             except BaseExceptionGroup as group:
                 # The first segment to fail cancels the others; report its error.
                 raise _root_error(group) from None
-        await _release(pending, None)
+        await _released(pending)
 
     async def _segment(
         self,
         seq: int,
         seg: int,
         steps: tuple[tuple[Op, ...], ...],
+        copies: frozenset[tuple[int, int]],
         layout: Layout,
         ufunc: Callable[..., Any] | None,
         sig: list[Any],
         meta: dict[str, Any] | None,
         rank: int,
-        pending: list[tuple[range, zmq.MessageTracker]],
+        pending: list[zmq.MessageTracker],
     ) -> None:
         sent: defaultdict[int, int] = defaultdict(int)
         received: defaultdict[int, int] = defaultdict(int)
-        # Zero-copy sends still in flight, with the chunks they read.
-        inflight: list[tuple[range, zmq.MessageTracker]] = []
         seg_meta = meta if seg == 0 else None
-        for ops in steps:
-            for op in ops:
+        for i, ops in enumerate(steps):
+            for j, op in enumerate(ops):
                 if isinstance(op, Send):
                     header = Header(
                         "data", self.mesh.group_id, rank, seq, seg, sent[op.to], sig, meta=seg_meta
                     )
                     sent[op.to] += 1
-                    tracker = await self.mesh.send(op.to, header, layout.pieces(op.chunk, seg))
+                    tracker = await self.mesh.send(op.to, header, layout.pieces(op.chunk, seg),
+                                                   copy=(i, j) in copies)
                     if tracker is not None:
-                        inflight.append((layout.chunk_ids(op.chunk), tracker))
+                        pending.append(tracker)
             for op in ops:
                 if isinstance(op, Send):
                     continue
@@ -154,12 +185,9 @@ class Executor:
                         f"collective #{seq} {sig[0]}: rank {op.frm} sent pieces of {header.nbytes}"
                         f" bytes for chunk {op.chunk!r}, rank {rank} expected {sizes}"
                     )
-                if inflight:
-                    await _release(inflight, layout.chunk_ids(op.chunk))
                 reduce = ufunc if isinstance(op, Reduce) else None
                 _combine(targets, frames, reduce)
                 del frames  # release the sender's buffer now (inproc shares it)
-        pending.extend(inflight)
 
 
 def _root_error(group: BaseExceptionGroup) -> BaseException:
@@ -192,22 +220,19 @@ def _combine(
                 ufunc(dst, src, out=dst)
 
 
-async def _release(inflight: list[tuple[range, zmq.MessageTracker]], chunks: range | None) -> None:
-    """Wait until libzmq has let go of the zero-copy sends that read ``chunks`` (None: all)."""
-    keep = []
-    for ids, tracker in inflight:
-        if chunks is None or (ids.start < chunks.stop and chunks.start < ids.stop):
-            # libzmq signals completion on no file descriptor, so poll: a few turns of the
-            # event loop first (usually enough), then sleeps growing to 1 ms.
-            spins, delay = 0, 0.0
-            while not tracker.done:
-                await asyncio.sleep(delay)
-                spins += 1
-                if spins > 8:
-                    delay = min(delay * 2 or 2e-5, 1e-3)
-        else:
-            keep.append((ids, tracker))
-    inflight[:] = keep
+async def _released(trackers: list[zmq.MessageTracker]) -> None:
+    """Wait until libzmq has let go of every zero-copy send, so the caller may reuse its data.
+
+    libzmq signals completion on no file descriptor, so poll: a few turns of the event loop
+    first (usually enough), then sleeps growing to 1 ms.
+    """
+    for tracker in trackers:
+        spins, delay = 0, 0.0
+        while not tracker.done:
+            await asyncio.sleep(delay)
+            spins += 1
+            if spins > 8:
+                delay = min(delay * 2 or 2e-5, 1e-3)
 
 
 __all__ = ["ALL", "Executor", "plan"]

@@ -129,12 +129,13 @@ class Mesh:
         self._tasks.append(asyncio.create_task(self._read()))
 
     async def send(
-        self, dst: int, header: Header, payload: Sequence[np.ndarray] = ()
+        self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
     ) -> zmq.MessageTracker | None:
         """Queue one message to ``dst``.
 
-        Returns a tracker when some payload went zero-copy: the arrays must not be written
-        until ``tracker.done``. Returns None when everything was copied.
+        Payload pieces of ZERO_COPY_BYTES and more go zero-copy unless ``copy``; then a
+        tracker is returned and the arrays must not be written until ``tracker.done``.
+        Returns None when everything was copied.
         """
         gone = self._gone.get(dst)
         if gone is not None:
@@ -147,7 +148,7 @@ class Mesh:
         header.nbytes = [a.nbytes for a in payload]
         frames: list[object] = [encode_header(header)]
         tracked: list[zmq.Frame] = []
-        zero_copy = self._zero_copy_bytes
+        zero_copy = None if copy else self._zero_copy_bytes
         for piece in payload:
             if zero_copy is not None and piece.nbytes >= zero_copy:
                 frame = zmq.Frame(piece, copy=False, track=True)
