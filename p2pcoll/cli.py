@@ -133,9 +133,10 @@ def format_strategies(registry: Registry) -> str:
     lines: list[str] = []
     for collective, table in registry.entries().items():
         try:
-            # "auto" may depend on the data size: ask it about tiny and huge data.
-            small = registry.auto(collective, 0, 2).name
-            large = registry.auto(collective, 1 << 40, 2).name
+            # "auto" may depend on the data and group sizes: ask about tiny and huge data
+            # in a group of 4 (see p2pcoll.registry for the thresholds).
+            small = registry.auto(collective, 0, 4).name
+            large = registry.auto(collective, 1 << 40, 4).name
             auto = small if small == large else f"{small} for small data, {large} for large"
         except UnknownStrategy:
             auto = "nothing installed"

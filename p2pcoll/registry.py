@@ -16,13 +16,17 @@ from .strategy import COLLECTIVES, Strategy
 
 ENTRY_POINT_GROUP = "p2pcoll.strategies"
 
-# "auto" thresholds (payload bytes). Below SMALL_ALLREDUCE the latency terms dominate and
-# recursive doubling's lg p rounds beat the ring's 2(p-1); above, the ring's bandwidth wins.
-SMALL_ALLREDUCE = 64 * 1024
+# "auto" for allreduce, from `p2pcoll bench --strategy all --compare gloo` on the 2-core
+# development machine (benchmarks/README.md): with 2 peers recursive doubling (one full swap)
+# sends the same bytes as the ring in half the steps and won at every size; with more peers
+# it won up to 1 MiB (latency terms dominate), and Rabenseifner (bandwidth-optimal like the
+# ring, but 2 lg p steps instead of 2(p-1)) won at 16 and 64 MiB. MPICH draws the same line
+# at 2 KiB; on this machine a message costs ~100-250 us, which moves it up.
+MEDIUM_ALLREDUCE = 1 << 20
 DEFAULTS = {
     "broadcast": "binomial",
     "reduce": "binomial",
-    "allreduce": "ring",
+    "allreduce": "rabenseifner",
     "allgather": "ring",
     "reduce_scatter": "ring",
     "gather": "root",
@@ -115,7 +119,7 @@ class Registry:
         """The strategy "auto" means for this size of data and of group."""
         self._load()
         name = DEFAULTS[collective]
-        if collective == "allreduce" and nbytes <= SMALL_ALLREDUCE:
+        if collective == "allreduce" and (size <= 2 or nbytes <= MEDIUM_ALLREDUCE):
             name = "recursive_doubling"
         table = self._entries[collective]
         if name not in table:  # a built-in was unregistered: fall back to anything
