@@ -6,16 +6,26 @@ strategy and every size:
 
 1. allocate the input once (rank r's array is filled with r + 1);
 2. run ``warmup`` untimed collectives;
-3. run ``iters`` timed ones: ``await g.barrier()``, then time the collective alone with
+3. run ``iters`` timed ones: refill the input with r + 1 (outside the timed region: an
+   allreduce runs in place, ``out=x``, as Gloo's does, and a broadcast writes into the
+   non-roots' input), ``await g.barrier()``, then time the collective alone with
    ``time.perf_counter()``; the per-iteration times are reduced with ``max`` over the ranks
    once after the loop, so an iteration's time is its slowest rank's;
-4. time ``pipelined`` collectives started together with ``asyncio.gather`` (after a
+4. check the last result against the value it must have, and note the peak resident set size
+   since just before the input was allocated (the peak is reset there on Linux);
+5. time ``pipelined`` collectives started together with ``asyncio.gather`` (after a
    barrier, slowest rank again) and divide by their number: the time per operation when
-   operations are issued back to back;
-5. check the last result against the value it must have.
+   operations are issued back to back.
 
 Rank 0 writes the raw times as JSON to a file the driver named; the driver turns them into
-rows (median, min, p10-p90 spread, algbw, busbw) and prints a table, or writes them as JSON.
+rows (median, min, p10-p90 spread, algbw, busbw, peak RSS) and prints a table, or writes them
+as JSON.
+
+``--compare gloo`` then runs the same measurement with torch.distributed's Gloo backend
+(:mod:`p2pcoll.bench_gloo`, started by the same launcher, same sizes, dtype, world size,
+iterations and warmup) and prints Gloo's rows and, per p2pcoll row, the ratios to Gloo's row
+of the same size. ``--plot PATH`` draws busbw (and time) against size as a PNG. Both need the
+``bench`` extra (torch, matplotlib).
 
 Bandwidths follow nccl-tests: ``algbw = S / time`` with S the bytes of the collective's data
 (the tensor each rank passes; for allgather, the gathered result: world_size times each
@@ -24,7 +34,8 @@ rank's part, as nccl-tests counts it), and ``busbw = algbw * factor`` with facto
 reduce. busbw is comparable across world sizes and strategies.
 
 With ``--transport inproc`` the peers cannot be processes (an inproc endpoint lives in one
-process), so they run as tasks in this process's event loop instead.
+process), so they run as tasks in this process's event loop instead (and the peak RSS is
+that of the whole process).
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import argparse
 import asyncio
 import faulthandler
 import gc
+import importlib.util
+import io
 import json
 import os
 import re
@@ -131,6 +144,11 @@ def _non_negative(text: str) -> int:
 
 # --- command line -------------------------------------------------------------------------
 
+BENCH_EXTRA = "pip install 'p2pcoll[bench]'"
+PEERS = {  # --compare NAME: (the modules its worker needs, the worker module)
+    "gloo": (("torch",), "p2pcoll.bench_gloo"),
+}
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``p2pcoll bench`` to ``parser``."""
@@ -160,6 +178,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="between the peer processes: auto (ipc on one host), tcp or ipc "
                              "(default: $P2PCOLL_TRANSPORT, else auto); inproc runs the peers "
                              "as tasks in this process")
+    parser.add_argument("--compare", choices=tuple(PEERS), action="append", default=[],
+                        metavar="|".join(PEERS),
+                        help="after p2pcoll, time the same collective, sizes and world size "
+                             "with torch.distributed's Gloo backend (processes started the same "
+                             f"way) and print the ratios per row; needs {BENCH_EXTRA}")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="draw busbw and time against size as a PNG at PATH, one line per "
+                             f"strategy and compared library; needs matplotlib ({BENCH_EXTRA})")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the rows as JSON to PATH ('-' for stdout, no table)")
 
@@ -179,6 +205,25 @@ def resolve_strategies(collective: str, requested: str) -> list[str]:
     return names or ["auto"]
 
 
+def missing_extras(args: argparse.Namespace) -> str | None:
+    """Why the options cannot run here (an optional dependency is absent), or None."""
+    needs = [(module, f"--compare {peer}") for peer in args.compare
+             for module in PEERS[peer][0]]
+    if args.plot is not None:
+        needs.append(("matplotlib", "--plot"))
+    for module, option in needs:
+        if not _importable(module):
+            return f"{option} needs {module}, which is not installed: {BENCH_EXTRA}"
+    return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules[module] is None
+        return False
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark the options describe; print the table. Returns an exit code."""
     try:
@@ -186,30 +231,38 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"p2pcoll bench: {exc}", file=sys.stderr)
         return 2
+    problem = missing_extras(args)
+    if problem is not None:
+        print(f"p2pcoll bench: {problem}", file=sys.stderr)
+        return 2
     config = _config(args, strategies)
-    fd, out_path = tempfile.mkstemp(prefix="p2pcoll-bench-", suffix=".json")
-    os.close(fd)
-    try:
-        if args.transport == "inproc":
-            code = asyncio.run(_run_inproc(config, out_path))
-        else:
-            code = _run_processes(config, out_path)
+    if config["transport"] == "inproc":
+        code, raw = _collect(lambda path: asyncio.run(_run_inproc(config, path)))
+    else:
+        code, raw = _collect(lambda path: _run_processes(config, path))
+    if code != 0:
+        print(f"p2pcoll bench: a peer failed (exit code {code})", file=sys.stderr)
+        return code
+    rows = [summarize(r, config, "p2pcoll") for r in raw]
+    compared: dict[str, list[dict[str, Any]]] = {}
+    for peer in config["compare"]:
+        code, raw = _collect(lambda path, peer=peer: _run_peer(peer, config, path))
         if code != 0:
-            print(f"p2pcoll bench: a peer failed (exit code {code})", file=sys.stderr)
+            print(f"p2pcoll bench: a {peer} peer failed (exit code {code})", file=sys.stderr)
             return code
-        with open(out_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    finally:
-        os.unlink(out_path)
-    rows = [summarize(r, config) for r in raw["rows"]]
+        compared[peer] = [summarize(r, config, peer) for r in raw]
+    if args.plot is not None:
+        plot(args.plot, rows, compared, config)
     if args.json is not None:
-        doc = json.dumps({"config": config, "rows": rows}, indent=2)
+        doc = json.dumps({"config": config, "rows": rows, "compare": compared,
+                          "ratios": {peer: ratios(rows, theirs)
+                                     for peer, theirs in compared.items()}}, indent=2)
         if args.json == "-":
             print(doc)
             return 0
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(doc + "\n")
-    print(format_table(rows, config), end="")
+    print(format_table(rows, config, compared), end="")
     return 0
 
 
@@ -224,7 +277,22 @@ def _config(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, An
         "warmup": args.warmup,
         "pipelined": args.pipelined,
         "transport": args.transport,
+        "compare": list(dict.fromkeys(getattr(args, "compare", None) or [])),
     }
+
+
+def _collect(run: Callable[[str], int]) -> tuple[int, list[dict[str, Any]]]:
+    """``run(path)`` has rank 0 write its raw rows to ``path``: (exit code, those rows)."""
+    fd, path = tempfile.mkstemp(prefix="p2pcoll-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        code = run(path)
+        if code != 0:
+            return code, []
+        with open(path, encoding="utf-8") as f:
+            return 0, list(json.load(f)["rows"])
+    finally:
+        os.unlink(path)
 
 
 def _run_processes(config: dict[str, Any], out_path: str) -> int:
@@ -255,36 +323,40 @@ async def _run_inproc(config: dict[str, Any], out_path: str) -> int:
     return 0
 
 
-# --- the worker ---------------------------------------------------------------------------
+def _run_peer(peer: str, config: dict[str, Any], out_path: str) -> int:
+    """Run the ``--compare`` worker of ``peer`` as ``world_size`` processes."""
+    from .launch import launch  # noqa: PLC0415
 
-Call = Callable[[Any], Awaitable[Any]]
-
-
-def _collective_call(g: Any, collective: str, strategy: str | None) -> Call:
-    """``call(x)`` runs the collective once on input ``x``."""
-    if collective == "allreduce":
-        return lambda x: g.allreduce(x, strategy=strategy)
-    if collective == "broadcast":
-        return lambda x: g.broadcast(x, root=ROOT, strategy=strategy)
-    if collective == "reduce":
-        return lambda x: g.reduce(x, root=ROOT, strategy=strategy)
-    if collective == "allgather":
-        return lambda x: g.allgather(x, strategy=strategy)
-    if collective == "reduce_scatter":
-        return lambda x: g.reduce_scatter(x, strategy=strategy)
-    raise ValueError(f"unknown collective {collective!r}")
+    worker = PEERS[peer][1]
+    command = [sys.executable, "-m", worker, "--out", out_path, "--config", json.dumps(config)]
+    # Gloo picks its interface by resolving the hostname unless told; the peers are local.
+    return launch(config["world_size"], command, prefix_output=False,
+                  extra_env={"GLOO_SOCKET_IFNAME": "lo"})
 
 
-def _check(collective: str, result: Any, rank: int, p: int, count: int, dtype: str) -> None:
-    """Raise AssertionError unless ``result`` is what rank ``rank`` must get."""
-    total = p * (p + 1) // 2  # rank r passes r + 1
+# --- what every worker does ---------------------------------------------------------------
+# Shared with the workers of --compare, so that both sides check and measure the same way.
+
+
+def fill_value(rank: int) -> int:
+    """Rank r passes an array filled with r + 1."""
+    return rank + 1
+
+
+def check_result(collective: str, result: Any, rank: int, p: int, count: int,
+                 dtype: str) -> None:
+    """Raise AssertionError unless ``result`` is what rank ``rank`` must get.
+
+    ``result`` is an array; for allgather a list of the p parts; None for reduce on a non-root.
+    """
+    total = sum(fill_value(r) for r in range(p))
     expected: list[tuple[int, int]] | None  # (value, length) of each array, None for no result
     if collective == "reduce" and rank != ROOT:
         expected = None
     elif collective == "allgather":
-        expected = [(r + 1, count) for r in range(p)]
+        expected = [(fill_value(r), count) for r in range(p)]
     elif collective == "broadcast":
-        expected = [(ROOT + 1, count)]
+        expected = [(fill_value(ROOT), count)]
     elif collective == "reduce_scatter":
         q, extra = divmod(count, p)
         expected = [(total, q + (rank < extra))]
@@ -302,11 +374,56 @@ def _check(collective: str, result: Any, rank: int, p: int, count: int, dtype: s
         raise AssertionError(f"rank {rank}: wrong {collective} result for {count} elements")
 
 
-async def _slowest(g: Any, times: list[float]) -> list[float]:
+def reset_peak_rss() -> tuple[int, bool]:
+    """Start measuring the peak resident set size afresh (Linux: ``/proc/self/clear_refs``).
+
+    Returns:
+        (the resident set size now in bytes, whether the peak was reset). Where it cannot be
+        reset, :func:`peak_rss` keeps reporting the whole process's peak.
+    """
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # resets the "high water mark" of the RSS to the current RSS
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), True
+    except (OSError, ValueError, IndexError):
+        return peak_rss(), False
+
+
+def peak_rss() -> int:
+    """Bytes: ``getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    import resource  # noqa: PLC0415 (POSIX only)
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+# --- the p2pcoll worker -------------------------------------------------------------------
+
+Call = Callable[[Any], Awaitable[Any]]
+
+
+def _collective_call(g: Any, collective: str, strategy: str | None) -> Call:
+    """``call(x)`` runs the collective once on input ``x`` (allreduce and broadcast in place)."""
+    if collective == "allreduce":
+        return lambda x: g.allreduce(x, strategy=strategy, out=x)
+    if collective == "broadcast":
+        return lambda x: g.broadcast(x, root=ROOT, strategy=strategy)
+    if collective == "reduce":
+        return lambda x: g.reduce(x, root=ROOT, strategy=strategy)
+    if collective == "allgather":
+        return lambda x: g.allgather(x, strategy=strategy)
+    if collective == "reduce_scatter":
+        return lambda x: g.reduce_scatter(x, strategy=strategy)
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+async def _slowest(g: Any, values: list[float]) -> list[float]:
     """Each entry's maximum over the ranks (one collective for the whole list)."""
-    if not times:
+    if not values:
         return []
-    result = await g.allreduce(np.array(times, dtype=np.float64), op="max")
+    result = await g.allreduce(np.array(values, dtype=np.float64), op="max")
     return [float(t) for t in result]
 
 
@@ -320,38 +437,44 @@ async def _bench_size(
     chosen = registry.choose(collective, requested, None,
                              data_bytes(collective, count * itemsize, p), p).name
     call = _collective_call(g, collective, requested)
+    value = fill_value(g.rank)
 
-    # The input, allocated once. A broadcast fills the non-roots' buffer in place; each of
-    # the pipelined broadcasts gets a buffer of its own.
-    x = np.full(count, g.rank + 1, dtype=dtype)
-    k = config["pipelined"]
-    inputs = [x] * k
-    if collective == "broadcast" and g.rank != ROOT:
-        inputs = [np.full(count, g.rank + 1, dtype=dtype) for _ in range(k)]
-    gc.collect()
+    rss_before, rss_reset = reset_peak_rss()
+    x = np.full(count, value, dtype=dtype)  # the input, allocated once, refilled every time
 
     for _ in range(config["warmup"]):
+        x.fill(value)
         await g.barrier()
         await call(x)
 
     times = []
     result = None
     for _ in range(config["iters"]):
+        x.fill(value)
         await g.barrier()
         t0 = time.perf_counter()
         result = await call(x)
         times.append(time.perf_counter() - t0)
-    _check(collective, result, g.rank, p, count, dtype)
+    check_result(collective, result, g.rank, p, count, dtype)
+    rss_peak = peak_rss()
     del result
 
+    # Collectives that write into their input (allreduce, broadcast) get a buffer each.
+    k = config["pipelined"]
+    inputs = [x] * k
+    if collective in ("allreduce", "broadcast"):
+        inputs = [x, *(np.full(count, value, dtype=dtype) for _ in range(k - 1))][:k]
     pipelined = []
     if k:
         for _ in range(max(3, config["iters"] // k)):
+            for inp in inputs:
+                inp.fill(value)
             await g.barrier()
             t0 = time.perf_counter()
             await asyncio.gather(*(call(inp) for inp in inputs))
             pipelined.append((time.perf_counter() - t0) / k)
 
+    rss = await _slowest(g, [rss_before, rss_peak])
     return {
         "strategy": strategy,
         "chosen": chosen,
@@ -359,6 +482,9 @@ async def _bench_size(
         "count": count,
         "times": await _slowest(g, times),
         "pipelined": await _slowest(g, pipelined),
+        "rss_before": int(rss[0]),
+        "rss_peak": int(rss[1]),
+        "rss_reset": rss_reset,
     }
 
 
@@ -400,8 +526,11 @@ def _write_json(path: str, doc: Any) -> None:
 
 # --- results ------------------------------------------------------------------------------
 
+MIB = 1 << 20
 
-def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+
+def summarize(raw: dict[str, Any], config: dict[str, Any],
+              library: str = "p2pcoll") -> dict[str, Any]:
     """One output row from a worker's raw times (seconds, slowest rank per iteration)."""
     collective, p = config["collective"], config["world_size"]
     times = np.array(raw["times"]) * 1e6
@@ -409,9 +538,10 @@ def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     moved = data_bytes(collective, raw["size"], p)
     algbw = moved / (median * 1e-6) / GB if median > 0 else 0.0
     row = {
+        "library": library,
         "collective": collective,
         "world_size": p,
-        "transport": config["transport"],
+        "transport": config["transport"] if library == "p2pcoll" else "tcp",
         "size": raw["size"],
         "count": raw["count"],
         "dtype": config["dtype"],
@@ -426,6 +556,11 @@ def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
         "pipelined_us": None,
         "pipelined_busbw_gbps": None,
         "iters": len(times),
+        # Peak RSS of the largest peer while the row was timed; "before": just before the
+        # input was allocated. Without a reset the peak is the process's whole lifetime's.
+        "rss_peak_bytes": raw.get("rss_peak"),
+        "rss_before_bytes": raw.get("rss_before"),
+        "rss_peak_reset": raw.get("rss_reset"),
     }
     if raw["pipelined"]:
         per_op = float(np.median(raw["pipelined"])) * 1e6
@@ -437,51 +572,162 @@ def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def ratios(rows: Sequence[dict[str, Any]],
+           theirs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per p2pcoll row, the ratios p2pcoll / peer of time and busbw at the same size."""
+    by_size = {row["size"]: row for row in theirs}
+    out = []
+    for row in rows:
+        other = by_size.get(row["size"])
+        if other is None:
+            continue
+        out.append({
+            "size": row["size"],
+            "strategy": row["strategy"],
+            "chosen": row["chosen"],
+            "time_us": row["time_us"],
+            "peer_time_us": other["time_us"],
+            "time_ratio": _ratio(row["time_us"], other["time_us"]),
+            "busbw_gbps": row["busbw_gbps"],
+            "peer_busbw_gbps": other["busbw_gbps"],
+            "busbw_ratio": _ratio(row["busbw_gbps"], other["busbw_gbps"]),
+        })
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
 COLUMNS = (  # (title, unit, width)
     ("size", "(B)", 9), ("count", "(elems)", 11), ("type", "", 8), ("strategy", "", 24),
     ("time", "(us)", 10), ("min", "(us)", 10), ("p10-p90", "(us)", 19),
     ("algbw", "(GB/s)", 9), ("busbw", "(GB/s)", 9), ("pipelined", "(us/op)", 10),
+    ("peak rss", "(MiB)", 9),
 )
 
 
-def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:
-    """The rows as an nccl-tests-style text table, one block per strategy."""
+def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any],
+                 compared: dict[str, list[dict[str, Any]]] | None = None) -> str:
+    """The rows as an nccl-tests-style text table, one block per strategy.
+
+    Rows of compared libraries (``compared``: name -> rows) follow as blocks of their own,
+    then one table of ratios per library.
+    """
+    compared = compared or {}
     c, p = config["collective"], config["world_size"]
     where = ("tasks in one process" if config["transport"] == "inproc"
              else f"processes, {config['transport']}")
     size_note = ("size = each rank's part; algbw counts the gathered world_size x size bytes"
                  if c == "allgather" else "size = bytes of the tensor each rank passes")
     root_note = f", root {ROOT}" if c in ("broadcast", "reduce") else ""
+    in_place = {"allreduce": "; allreduce runs in place (out=x)",
+                "broadcast": "; broadcast writes into the non-roots' input"}.get(c, "")
+    peers = "".join(f"; {peer} after it" for peer in compared)
     lines = [
-        f"# p2pcoll bench: {c}{root_note}, {p} peers ({where}), {config['dtype']}, "
+        f"# p2pcoll bench: {c}{root_note}, {p} peers ({where}){peers}, {config['dtype']}, "
         f"{config['iters']} iters after {config['warmup']} warmup",
         f"# {size_note}",
         "# time: median over iterations of the slowest rank (each iteration starts after a "
         "barrier); min, p10-p90 the same",
+        f"# the input is refilled before each iteration, outside the timed region{in_place}",
         f"# busbw = algbw x {_factor_text(c)} (nccl-tests); pipelined: {config['pipelined']} "
         "collectives started together, time per collective",
+        "# peak rss: the largest peer's peak resident set size while the row was timed",
         "#",
         "#" + "".join(f"{t:>{w}}" for t, _, w in COLUMNS)[1:],
         "#" + "".join(f"{u:>{w}}" for _, u, w in COLUMNS)[1:],
     ]
     previous = None
-    for row in rows:
-        if previous is not None and row["strategy"] != previous:
+    all_rows = [*rows, *(row for theirs in compared.values() for row in theirs)]
+    for row in all_rows:
+        block = (row["library"], row["strategy"])
+        if previous is not None and block != previous:
             lines.append("")
-        previous = row["strategy"]
-        name = row["strategy"]
-        if name == "auto":
-            name = f"auto:{row['chosen']}"
-        pipe = row["pipelined_us"]
+        previous = block
+        pipe, rss = row["pipelined_us"], row["rss_peak_bytes"]
         cells = (
-            format_size(row["size"]), str(row["count"]), row["dtype"], name,
+            format_size(row["size"]), str(row["count"]), row["dtype"], _row_name(row),
             _us(row["time_us"]), _us(row["min_us"]),
             f"{_us(row['p10_us'])}-{_us(row['p90_us'])}",
             f"{row['algbw_gbps']:.4f}", f"{row['busbw_gbps']:.4f}",
             "-" if pipe is None else _us(pipe),
+            "-" if rss is None else f"{rss / MIB:.0f}",
         )
         lines.append("".join(f"{v:>{w}}" for v, (_, _, w) in zip(cells, COLUMNS, strict=True)))
+    lines.extend(_memory_notes(all_rows))
+    for peer, theirs in compared.items():
+        lines.append("")
+        lines.extend(_ratio_table(peer, ratios(rows, theirs)))
     return "\n".join(lines) + "\n"
+
+
+def _row_name(row: dict[str, Any]) -> str:
+    if row["library"] != "p2pcoll":
+        return str(row["library"])
+    if row["strategy"] == "auto":
+        return f"auto:{row['chosen']}"
+    return str(row["strategy"])
+
+
+def _memory_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per block: the peak RSS at its largest size (1 MiB or more) against that size."""
+    largest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        block = (row["library"], _row_name(row))
+        if row["rss_peak_bytes"] and row["size"] >= MIB and (
+                block not in largest or row["size"] >= largest[block]["size"]):
+            largest[block] = row
+    if not largest:
+        return []
+    lines = ["#", "# peak RSS of the largest peer at the largest size (before = just before the "
+             "input was allocated; growth = peak - before):"]
+    for (_, name), row in largest.items():
+        peak = row["rss_peak_bytes"]
+        before = min(row["rss_before_bytes"] or 0, peak)
+        reset = "" if row["rss_peak_reset"] else " (not reset: the process's lifetime peak)"
+        lines.append(
+            f"#   {name:>24} {format_size(row['size']):>5}: peak {peak / MIB:.0f} MiB = "
+            f"{peak / row['size']:.1f}x the tensor; before {before / MIB:.0f} MiB; growth "
+            f"{(peak - before) / MIB:.0f} MiB = {(peak - before) / row['size']:.1f}x{reset}"
+        )
+    return lines
+
+
+RATIO_COLUMNS = (  # (title, unit, width)
+    ("size", "(B)", 9), ("strategy", "", 24), ("time", "(us)", 10), ("{peer} time", "(us)", 11),
+    ("ratio", "time", 8), ("busbw", "(GB/s)", 9), ("{peer} busbw", "(GB/s)", 12),
+    ("ratio", "busbw", 8),
+)
+
+
+def _ratio_table(peer: str, pairs: Sequence[dict[str, Any]]) -> list[str]:
+    columns = [(t.format(peer=peer), u, w) for t, u, w in RATIO_COLUMNS]
+    lines = [
+        f"# p2pcoll vs {peer}, same sizes, one after the other in this run: ratio = p2pcoll / "
+        f"{peer} (time ratio < 1 and busbw ratio > 1: p2pcoll is faster)",
+        "#" + "".join(f"{t:>{w}}" for t, _, w in columns)[1:],
+        "#" + "".join(f"{u:>{w}}" for _, u, w in columns)[1:],
+    ]
+    previous = None
+    for pair in pairs:
+        if previous is not None and pair["strategy"] != previous:
+            lines.append("")
+        previous = pair["strategy"]
+        name = pair["strategy"]
+        if name == "auto":
+            name = f"auto:{pair['chosen']}"
+        cells = (
+            format_size(pair["size"]), name, _us(pair["time_us"]), _us(pair["peer_time_us"]),
+            _times(pair["time_ratio"]), f"{pair['busbw_gbps']:.4f}",
+            f"{pair['peer_busbw_gbps']:.4f}", _times(pair["busbw_ratio"]),
+        )
+        lines.append("".join(f"{v:>{w}}" for v, (_, _, w) in zip(cells, columns, strict=True)))
+    return lines
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _factor_text(collective: str) -> str:
@@ -491,6 +737,57 @@ def _factor_text(collective: str) -> str:
 
 def _us(value: float) -> str:
     return f"{value:.1f}" if value < 10_000 else f"{value:.0f}"
+
+
+# --- the plot -----------------------------------------------------------------------------
+
+
+def plot(path: str, rows: Sequence[dict[str, Any]],
+         compared: dict[str, list[dict[str, Any]]], config: dict[str, Any]) -> None:
+    """Write a PNG: busbw (left) and time (right) against size, one line per strategy and one
+    per compared library. Needs matplotlib (drawn with its Agg backend, no display)."""
+    from matplotlib.figure import Figure  # noqa: PLC0415 (optional dependency)
+
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        lines.setdefault(f"p2pcoll {row['strategy']}", []).append(row)
+    for peer, theirs in compared.items():
+        lines[peer] = list(theirs)
+
+    fig = Figure(figsize=(11, 4.4), dpi=90, layout="constrained")
+    ax_bw, ax_time = fig.subplots(1, 2)
+    for label, points in lines.items():
+        points = sorted(points, key=lambda r: r["size"])
+        sizes = [r["size"] for r in points]
+        style = ({"color": "black", "linestyle": "--", "marker": "s", "linewidth": 2}
+                 if label in compared else {"marker": "o"})
+        ax_bw.plot(sizes, [r["busbw_gbps"] for r in points], label=label, **style)
+        ax_time.plot(sizes, [r["time_us"] for r in points], label=label, **style)
+    ticks = sorted({r["size"] for points in lines.values() for r in points})
+    for ax in (ax_bw, ax_time):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [format_size(s) for s in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("size (bytes per rank)")
+        ax.grid(True, alpha=0.3)
+    ax_bw.set_ylabel("busbw (GB/s, higher is better)")
+    ax_bw.set_ylim(bottom=0)
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("time (us, lower is better)")
+    ax_bw.legend(fontsize="small")
+    where = "one process" if config["transport"] == "inproc" else config["transport"]
+    fig.suptitle(
+        f"{config['collective']}, {config['world_size']} peers (p2pcoll over {where}), "
+        f"{config['dtype']}: median of {config['iters']} iterations, slowest rank; "
+        f"busbw = algbw x {_factor_text(config['collective'])}"
+    )
+    # Few colours are drawn: a 64-colour palette keeps the file small enough to commit.
+    canvas = io.BytesIO()
+    fig.savefig(canvas, format="png")
+    from PIL import Image  # noqa: PLC0415 (pillow comes with matplotlib)
+
+    with Image.open(canvas) as image:
+        image.convert("RGB").quantize(colors=64).save(path, format="PNG", optimize=True)
 
 
 # --- python -m p2pcoll.bench --------------------------------------------------------------

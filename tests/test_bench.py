@@ -1,4 +1,5 @@
-"""Smoke test of ``p2pcoll bench``: real peer processes, tiny sizes, a table and JSON out."""
+"""Smoke tests of ``p2pcoll bench``: real peer processes, tiny sizes, a table and JSON out;
+the side-by-side comparison with Gloo (torch is installed in CI) and the plot."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from p2pcoll import available_strategies
@@ -15,7 +17,7 @@ from p2pcoll.bench import bus_factor, configure_parser, data_bytes, main, parse_
 
 ROW_FIELDS = {
     "size", "count", "dtype", "strategy", "chosen", "time_us", "min_us", "p10_us", "p90_us",
-    "algbw_gbps", "busbw_gbps", "pipelined_us",
+    "algbw_gbps", "busbw_gbps", "pipelined_us", "library", "rss_peak_bytes",
 }
 
 
@@ -62,6 +64,7 @@ def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
         assert 0 < min_us <= p10 <= time_us <= p90
         assert algbw >= 0 and busbw == algbw  # 2(p-1)/p = 1 at p = 2
         assert pipelined > 0
+        assert 10 < int(r[10]) < 1000  # peak RSS of a peer, MiB
 
     doc = json.loads(out.read_text())
     assert doc["config"]["world_size"] == 2 and doc["config"]["strategies"] == strategies
@@ -94,13 +97,82 @@ def test_unknown_strategy_is_refused_before_starting_peers() -> None:
     assert "no allreduce strategy named 'nope'" in done.stderr and "ring" in done.stderr
 
 
-def test_main_inproc_through_configure_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    # The way `p2pcoll bench` calls it; inproc peers are tasks in this process.
+def parse(*argv: str) -> argparse.Namespace:
+    # The way `p2pcoll bench` parses its options.
     parser = argparse.ArgumentParser()
     configure_parser(parser)
-    args = parser.parse_args(["--collective", "reduce_scatter", "-n", "3", "--sizes", "96K",
-                              "--iters", "3", "--warmup", "1", "--transport", "inproc"])
+    return parser.parse_args(argv)
+
+
+def test_main_inproc_through_configure_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    # inproc peers are tasks in this process.
+    args = parse("--collective", "reduce_scatter", "-n", "3", "--sizes", "96K",
+                 "--iters", "3", "--warmup", "1", "--transport", "inproc")
     assert main(args) == 0
     rows = table_rows(capsys.readouterr().out)
     assert len(rows) == 1 and rows[0][:3] == ["96K", str(96 * 1024 // 4), "float32"]
     assert rows[0][3].startswith("auto:")
+
+
+def test_compare_gloo_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    text = run_bench("-n", "2", "--strategy", "ring,recursive_doubling", "--sizes", "1K,8K",
+                     "--iters", "2", "--warmup", "1", "--pipelined", "2", "--compare", "gloo",
+                     "--json", str(out))
+
+    doc = json.loads(out.read_text())
+    gloo = doc["compare"]["gloo"]
+    assert [(r["library"], r["size"], r["iters"]) for r in gloo] == [
+        ("gloo", 1024, 2), ("gloo", 8192, 2)]
+    assert all(r["time_us"] > 0 and r["busbw_gbps"] > 0 and r["rss_peak_bytes"] > 0
+               for r in gloo)
+    ratios = doc["ratios"]["gloo"]
+    assert [(r["strategy"], r["size"]) for r in ratios] == [
+        (name, size) for name in ("ring", "recursive_doubling") for size in (1024, 8192)]
+    for pair, mine in zip(ratios, doc["rows"], strict=True):
+        theirs = gloo[0 if pair["size"] == 1024 else 1]
+        assert pair["time_ratio"] == pytest.approx(mine["time_us"] / theirs["time_us"])
+        assert pair["busbw_ratio"] == pytest.approx(mine["busbw_gbps"] / theirs["busbw_gbps"])
+
+    # The table: Gloo's rows as a block of the main table, then p2pcoll next to Gloo with
+    # the ratio per row.
+    main_table, ratio_table = text.split("# p2pcoll vs gloo")
+    ratio_table = ratio_table.split("\n", 1)[1]  # past the title line
+    assert [(r[0], r[3]) for r in table_rows(main_table)][-2:] == [("1K", "gloo"), ("8K", "gloo")]
+    header = [line for line in ratio_table.splitlines() if line.startswith("#")]
+    assert "gloo time" in header[0] and "gloo busbw" in header[0] and "ratio" in header[0]
+    rows = table_rows(ratio_table)
+    assert len(rows) == len(ratios)
+    for cells, pair in zip(rows, ratios, strict=True):
+        assert cells[1] == pair["strategy"]
+        assert float(cells[4].rstrip("x")) == pytest.approx(pair["time_ratio"], abs=0.006)
+        assert float(cells[7].rstrip("x")) == pytest.approx(pair["busbw_ratio"], abs=0.006)
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from matplotlib.image import imread
+
+    path = tmp_path / "busbw.png"
+    args = parse("-n", "2", "--strategy", "all", "--sizes", "1K,4K,16K", "--iters", "2",
+                 "--warmup", "0", "--pipelined", "0", "--transport", "inproc",
+                 "--plot", str(path))
+    assert main(args) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = imread(path)
+    assert image.shape[0] >= 300 and image.shape[1] >= 600
+    assert float(np.std(image)) > 0.05  # not a blank canvas
+    assert len(table_rows(capsys.readouterr().out)) == 3 * len(available_strategies()["allreduce"])
+
+
+@pytest.mark.parametrize(("option", "module", "says"), [
+    (("--compare", "gloo"), "torch", "--compare gloo needs torch"),
+    (("--plot", "x.png"), "matplotlib", "--plot needs matplotlib"),
+])
+def test_missing_bench_extra_is_a_clear_error(
+    option: tuple[str, str], module: str, says: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    assert main(parse(*option, "--sizes", "1K", "--transport", "inproc")) == 2
+    err = capsys.readouterr().err
+    assert says in err and "pip install 'p2pcoll[bench]'" in err
