@@ -24,8 +24,10 @@ as JSON.
 ``--compare gloo`` then runs the same measurement with torch.distributed's Gloo backend
 (:mod:`p2pcoll.bench_gloo`, started by the same launcher, same sizes, dtype, world size,
 iterations and warmup) and prints Gloo's rows and, per p2pcoll row, the ratios to Gloo's row
-of the same size. ``--plot PATH`` draws busbw (and time) against size as a PNG. Both need the
-``bench`` extra (torch, matplotlib).
+of the same size. ``--compare mpi`` does the same with mpi4py over Open MPI's TCP transport
+(:mod:`p2pcoll.bench_mpi`, started by ``mpirun``). Both share :func:`measure_blocking`.
+``--plot PATH`` draws busbw (and time) against size as a PNG. Gloo and the plot need the
+``bench`` extra (torch, matplotlib); MPI needs ``pip install 'p2pcoll[mpi]'``.
 
 Bandwidths follow nccl-tests: ``algbw = S / time`` with S the bytes of the collective's data
 (the tensor each rank passes; for allgather, the gathered result: world_size times each
@@ -43,19 +45,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import functools
 import gc
 import importlib.util
 import io
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -145,8 +150,10 @@ def _non_negative(text: str) -> int:
 # --- command line -------------------------------------------------------------------------
 
 BENCH_EXTRA = "pip install 'p2pcoll[bench]'"
-PEERS = {  # --compare NAME: (the modules its worker needs, the worker module)
-    "gloo": (("torch",), "p2pcoll.bench_gloo"),
+MPI_INSTALL = "pip install 'p2pcoll[mpi]'"
+PEERS = {  # --compare NAME: (what its worker needs: (module or program, how to install it))
+    "gloo": (("torch", BENCH_EXTRA),),
+    "mpi": (("mpi4py", MPI_INSTALL), ("mpirun", MPI_INSTALL)),
 }
 
 
@@ -182,7 +189,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         metavar="|".join(PEERS),
                         help="after p2pcoll, time the same collective, sizes and world size "
                              "with torch.distributed's Gloo backend (processes started the same "
-                             f"way) and print the ratios per row; needs {BENCH_EXTRA}")
+                             "way) or mpi4py over Open MPI's TCP transport (started by mpirun) and "
+                             f"print the ratios per row; gloo needs {BENCH_EXTRA}, mpi needs "
+                             f"{MPI_INSTALL}; may be given twice"),
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="draw busbw and time against size as a PNG at PATH, one line per "
                              f"strategy and compared library; needs matplotlib ({BENCH_EXTRA})")
@@ -207,13 +216,14 @@ def resolve_strategies(collective: str, requested: str) -> list[str]:
 
 def missing_extras(args: argparse.Namespace) -> str | None:
     """Why the options cannot run here (an optional dependency is absent), or None."""
-    needs = [(module, f"--compare {peer}") for peer in args.compare
-             for module in PEERS[peer][0]]
+    needs = [(f"--compare {peer}", what, install) for peer in args.compare
+             for what, install in PEERS[peer]]
     if args.plot is not None:
-        needs.append(("matplotlib", "--plot"))
-    for module, option in needs:
-        if not _importable(module):
-            return f"{option} needs {module}, which is not installed: {BENCH_EXTRA}"
+        needs.append(("--plot", "matplotlib", BENCH_EXTRA))
+    for option, what, install in needs:
+        found = shutil.which(what) is not None if what == "mpirun" else _importable(what)
+        if not found:
+            return f"{option} needs {what}, which is not installed: {install}"
     return None
 
 
@@ -246,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
     rows = [summarize(r, config, "p2pcoll") for r in raw]
     compared: dict[str, list[dict[str, Any]]] = {}
     for peer in config["compare"]:
-        code, raw = _collect(lambda path, peer=peer: _run_peer(peer, config, path))
+        code, raw = _collect(functools.partial(_run_peer, peer, config))
         if code != 0:
             print(f"p2pcoll bench: a {peer} peer failed (exit code {code})", file=sys.stderr)
             return code
@@ -325,10 +335,16 @@ async def _run_inproc(config: dict[str, Any], out_path: str) -> int:
 
 def _run_peer(peer: str, config: dict[str, Any], out_path: str) -> int:
     """Run the ``--compare`` worker of ``peer`` as ``world_size`` processes."""
+    if peer == "mpi":  # MPI ranks need MPI's own launcher
+        from . import bench_mpi  # noqa: PLC0415
+
+        command = bench_mpi.command(config["world_size"], out_path, config)
+        return subprocess.run(command, env={**os.environ, **bench_mpi.environment()},
+                              stdin=subprocess.DEVNULL, check=False).returncode
     from .launch import launch  # noqa: PLC0415
 
-    worker = PEERS[peer][1]
-    command = [sys.executable, "-m", worker, "--out", out_path, "--config", json.dumps(config)]
+    command = [sys.executable, "-m", "p2pcoll.bench_gloo", "--out", out_path,
+               "--config", json.dumps(config)]
     # Gloo picks its interface by resolving the hostname unless told; the peers are local.
     return launch(config["world_size"], command, prefix_output=False,
                   extra_env={"GLOO_SOCKET_IFNAME": "lo"})
@@ -397,6 +413,89 @@ def peak_rss() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class BlockingCollective(Protocol):
+    """One collective of a --compare library on buffers of its own (:func:`measure_blocking`)."""
+
+    def refill(self) -> None:
+        """Write this rank's input value into the input again."""
+
+    def start(self, wait: bool = True) -> Any:
+        """Run the collective once and wait for it; or, if not ``wait``, start it and return
+        something with a ``wait()`` method."""
+
+    def result(self) -> Any:
+        """What the p2pcoll call would return (numpy arrays), for :func:`check_result`."""
+
+
+def measure_blocking(
+    config: dict[str, Any], nbytes: int, rank: int, p: int, name: str,
+    new: Callable[[int], BlockingCollective], barrier: Callable[[], None],
+    slowest: Callable[[list[float]], list[float]],
+) -> dict[str, Any]:
+    """Time one size of a blocking library's collective exactly as the p2pcoll worker does.
+
+    Args:
+        config: the bench configuration (collective, dtype, iters, warmup, pipelined).
+        nbytes: bytes of each rank's input.
+        rank, p: this process's rank and the world size.
+        name: the row's strategy name (the library's).
+        new: ``new(count)`` allocates one collective on ``count`` elements, input filled.
+        barrier: the library's barrier.
+        slowest: each entry's maximum over the ranks.
+
+    Returns:
+        The raw row (the fields of the p2pcoll worker's rows).
+    """
+    collective, dtype = config["collective"], config["dtype"]
+    itemsize = np.dtype(dtype).itemsize
+    count = nbytes // itemsize
+
+    rss_before, rss_reset = reset_peak_rss()
+    op = new(count)
+
+    for _ in range(config["warmup"]):
+        op.refill()
+        barrier()
+        op.start()
+
+    times = []
+    for _ in range(config["iters"]):
+        op.refill()
+        barrier()
+        t0 = time.perf_counter()
+        op.start()
+        times.append(time.perf_counter() - t0)
+    check_result(collective, op.result(), rank, p, count, dtype)
+    rss_peak = peak_rss()
+
+    k = config["pipelined"]
+    ops = [op, *(new(count) for _ in range(k - 1))][:k]
+    pipelined = []
+    if k:
+        for _ in range(max(3, config["iters"] // k)):
+            for each in ops:
+                each.refill()
+            barrier()
+            t0 = time.perf_counter()
+            pending = [each.start(wait=False) for each in ops]
+            for request in pending:
+                request.wait()
+            pipelined.append((time.perf_counter() - t0) / k)
+
+    rss = slowest([rss_before, rss_peak])
+    return {
+        "strategy": name,
+        "chosen": name,
+        "size": count * itemsize,
+        "count": count,
+        "times": slowest(times),
+        "pipelined": slowest(pipelined),
+        "rss_before": int(rss[0]),
+        "rss_peak": int(rss[1]),
+        "rss_reset": rss_reset,
+    }
 
 
 # --- the p2pcoll worker -------------------------------------------------------------------
@@ -625,14 +724,14 @@ def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any],
                 "broadcast": "; broadcast writes into the non-roots' input"}.get(c, "")
     peers = "".join(f"; {peer} after it" for peer in compared)
     lines = [
-        f"# p2pcoll bench: {c}{root_note}, {p} peers ({where}){peers}, {config['dtype']}, "
-        f"{config['iters']} iters after {config['warmup']} warmup",
+        (f"# p2pcoll bench: {c}{root_note}, {p} peers ({where}){peers}, {config['dtype']}, "
+         f"{config['iters']} iters after {config['warmup']} warmup"),
         f"# {size_note}",
-        "# time: median over iterations of the slowest rank (each iteration starts after a "
-        "barrier); min, p10-p90 the same",
+        ("# time: median over iterations of the slowest rank (each iteration starts after a "
+         "barrier); min, p10-p90 the same"),
         f"# the input is refilled before each iteration, outside the timed region{in_place}",
-        f"# busbw = algbw x {_factor_text(c)} (nccl-tests); pipelined: {config['pipelined']} "
-        "collectives started together, time per collective",
+        (f"# busbw = algbw x {_factor_text(c)} (nccl-tests); pipelined: {config['pipelined']} "
+         "collectives started together, time per collective"),
         "# peak rss: the largest peer's peak resident set size while the row was timed",
         "#",
         "#" + "".join(f"{t:>{w}}" for t, _, w in COLUMNS)[1:],
@@ -680,8 +779,8 @@ def _memory_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
             largest[block] = row
     if not largest:
         return []
-    lines = ["#", "# peak RSS of the largest peer at the largest size (before = just before the "
-             "input was allocated; growth = peak - before):"]
+    lines = ["#", ("# peak RSS of the largest peer at the largest size (before = just before "
+                  "the input was allocated; growth = peak - before):")]
     for (_, name), row in largest.items():
         peak = row["rss_peak_bytes"]
         before = min(row["rss_before_bytes"] or 0, peak)
@@ -704,8 +803,8 @@ RATIO_COLUMNS = (  # (title, unit, width)
 def _ratio_table(peer: str, pairs: Sequence[dict[str, Any]]) -> list[str]:
     columns = [(t.format(peer=peer), u, w) for t, u, w in RATIO_COLUMNS]
     lines = [
-        f"# p2pcoll vs {peer}, same sizes, one after the other in this run: ratio = p2pcoll / "
-        f"{peer} (time ratio < 1 and busbw ratio > 1: p2pcoll is faster)",
+        (f"# p2pcoll vs {peer}, same sizes, one after the other in this run: ratio = p2pcoll / "
+         f"{peer} (time ratio < 1 and busbw ratio > 1: p2pcoll is faster)"),
         "#" + "".join(f"{t:>{w}}" for t, _, w in columns)[1:],
         "#" + "".join(f"{u:>{w}}" for _, u, w in columns)[1:],
     ]
@@ -742,6 +841,12 @@ def _us(value: float) -> str:
 # --- the plot -----------------------------------------------------------------------------
 
 
+PEER_STYLES = {
+    "gloo": {"color": "black", "linestyle": "--", "marker": "s", "linewidth": 2},
+    "mpi": {"color": "dimgray", "linestyle": ":", "marker": "^", "linewidth": 2},
+}
+
+
 def plot(path: str, rows: Sequence[dict[str, Any]],
          compared: dict[str, list[dict[str, Any]]], config: dict[str, Any]) -> None:
     """Write a PNG: busbw (left) and time (right) against size, one line per strategy and one
@@ -759,8 +864,7 @@ def plot(path: str, rows: Sequence[dict[str, Any]],
     for label, points in lines.items():
         points = sorted(points, key=lambda r: r["size"])
         sizes = [r["size"] for r in points]
-        style = ({"color": "black", "linestyle": "--", "marker": "s", "linewidth": 2}
-                 if label in compared else {"marker": "o"})
+        style = PEER_STYLES.get(label, {"marker": "o"}) if label in compared else {"marker": "o"}
         ax_bw.plot(sizes, [r["busbw_gbps"] for r in points], label=label, **style)
         ax_time.plot(sizes, [r["time_us"] for r in points], label=label, **style)
     ticks = sorted({r["size"] for points in lines.values() for r in points})
@@ -775,10 +879,11 @@ def plot(path: str, rows: Sequence[dict[str, Any]],
     ax_time.set_yscale("log")
     ax_time.set_ylabel("time (us, lower is better)")
     ax_bw.legend(fontsize="small")
-    where = "one process" if config["transport"] == "inproc" else config["transport"]
+    where = ("peers as tasks of one process" if config["transport"] == "inproc"
+             else f"transport {config['transport']}")
     fig.suptitle(
-        f"{config['collective']}, {config['world_size']} peers (p2pcoll over {where}), "
-        f"{config['dtype']}: median of {config['iters']} iterations, slowest rank; "
+        f"{config['collective']}, {config['world_size']} peers, {config['dtype']} (p2pcoll: "
+        f"{where}): median of {config['iters']} iterations, slowest rank; "
         f"busbw = algbw x {_factor_text(config['collective'])}"
     )
     # Few colours are drawn: a 64-colour palette keeps the file small enough to commit.

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import ROOT, check_result, fill_value, peak_rss, reset_peak_rss
+from .bench import ROOT, fill_value, measure_blocking
 
 TIMEOUT = timedelta(seconds=300)  # Gloo's own deadline for each collective
 
@@ -46,28 +45,27 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
 
 
 class _Collective:
-    """One collective on buffers of its own: ``start()`` runs it, ``result()`` reads it."""
+    """One Gloo collective on buffers of its own (a :class:`p2pcoll.bench.BlockingCollective`)."""
 
-    def __init__(self, dist: Any, torch: Any, collective: str, count: int, dtype: str,
-                 rank: int, p: int) -> None:
-        self._dist, self._collective, self._rank, self._p = dist, collective, rank, p
-        self._value = fill_value(rank)
+    def __init__(self, dist: Any, torch: Any, collective: str, count: int, dtype: str) -> None:
+        self._dist, self._collective = dist, collective
+        self._rank, self._p = dist.get_rank(), dist.get_world_size()
+        self._value = fill_value(self._rank)
         self.x = np.full(count, self._value, dtype=dtype)
         self._input = torch.from_numpy(self.x)
         self._output = None
         self._parts: list[Any] = []
         if collective == "allgather":
-            self._output = torch.empty(p * count, dtype=self._input.dtype)
+            self._output = torch.empty(self._p * count, dtype=self._input.dtype)
         elif collective == "reduce_scatter":
-            self._parts = list(torch.tensor_split(self._input, p))
-            self._output = torch.empty_like(self._parts[rank])
+            self._parts = list(torch.tensor_split(self._input, self._p))
+            self._output = torch.empty_like(self._parts[self._rank])
 
     def refill(self) -> None:
         self.x.fill(self._value)
 
-    def start(self, async_op: bool = False) -> Any:
-        """Run the collective (wait for it unless ``async_op``); returns its torch Work."""
-        dist, c, x = self._dist, self._collective, self._input
+    def start(self, wait: bool = True) -> Any:
+        dist, c, x, async_op = self._dist, self._collective, self._input, not wait
         if c == "allreduce":
             return dist.all_reduce(x, async_op=async_op)
         if c == "broadcast":
@@ -86,7 +84,6 @@ class _Collective:
         raise ValueError(f"unknown collective {c!r}")
 
     def result(self) -> Any:
-        """What the p2pcoll worker's call would return, as numpy, for ``check_result``."""
         c = self._collective
         if c == "reduce" and self._rank != ROOT:
             return None
@@ -99,66 +96,21 @@ class _Collective:
         return self.x
 
 
-def _slowest(dist: Any, torch: Any, values: list[float]) -> list[float]:
-    if not values:
-        return []
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t.tolist()]
-
-
 def bench_size(dist: Any, torch: Any, config: dict[str, Any], nbytes: int) -> dict[str, Any]:
     """Time one size the way ``p2pcoll.bench`` does; returns the raw row (max over ranks)."""
-    collective, dtype = config["collective"], config["dtype"]
-    rank, p = dist.get_rank(), dist.get_world_size()
-    itemsize = np.dtype(dtype).itemsize
-    count = nbytes // itemsize
 
-    rss_before, rss_reset = reset_peak_rss()
-    op = _Collective(dist, torch, collective, count, dtype, rank, p)
+    def slowest(values: list[float]) -> list[float]:
+        if not values:
+            return []
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
 
-    for _ in range(config["warmup"]):
-        op.refill()
-        dist.barrier()
-        op.start()
-
-    times = []
-    for _ in range(config["iters"]):
-        op.refill()
-        dist.barrier()
-        t0 = time.perf_counter()
-        op.start()
-        times.append(time.perf_counter() - t0)
-    check_result(collective, op.result(), rank, p, count, dtype)
-    rss_peak = peak_rss()
-
-    k = config["pipelined"]
-    ops = [op, *(_Collective(dist, torch, collective, count, dtype, rank, p)
-                 for _ in range(k - 1))][:k]
-    pipelined = []
-    if k:
-        for _ in range(max(3, config["iters"] // k)):
-            for each in ops:
-                each.refill()
-            dist.barrier()
-            t0 = time.perf_counter()
-            works = [each.start(async_op=True) for each in ops]
-            for work in works:
-                work.wait()
-            pipelined.append((time.perf_counter() - t0) / k)
-
-    rss = _slowest(dist, torch, [rss_before, rss_peak])
-    return {
-        "strategy": "gloo",
-        "chosen": "gloo",
-        "size": count * itemsize,
-        "count": count,
-        "times": _slowest(dist, torch, times),
-        "pipelined": _slowest(dist, torch, pipelined),
-        "rss_before": int(rss[0]),
-        "rss_peak": int(rss[1]),
-        "rss_reset": rss_reset,
-    }
+    return measure_blocking(
+        config, nbytes, dist.get_rank(), dist.get_world_size(), "gloo",
+        lambda count: _Collective(dist, torch, config["collective"], count, config["dtype"]),
+        dist.barrier, slowest,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,141 @@
+"""The MPI side of ``p2pcoll bench --compare mpi``: the same measurement, mpi4py over Open MPI.
+
+Optional (``pip install 'p2pcoll[mpi]'``: the Open MPI wheel brings ``mpirun``). MPI processes
+need MPI's own launcher, so the driver in :mod:`p2pcoll.bench` runs
+
+    mpirun -n N --oversubscribe --bind-to none --mca pml ob1 --mca btl self,tcp \\
+        --mca btl_tcp_if_include lo python -m p2pcoll.bench_mpi --out PATH --config JSON
+
+(:func:`command`): Open MPI's TCP transport on loopback with its default algorithm choice, as
+``../shared/ANCHORS.md`` measured it. Each rank measures with
+:func:`p2pcoll.bench.measure_blocking`, exactly as the p2pcoll and Gloo workers do, on the
+buffer forms of the collectives: ``Allreduce(IN_PLACE, x)``, ``Bcast`` and ``Reduce`` from/to
+rank 0 (in place on the root), ``Allgather`` into one preallocated array, ``Reduce_scatter``
+with the parts of ``numpy.array_split``, summing; the pipelined figure uses their nonblocking
+forms (``Iallreduce`` ...). Rank 0 writes the raw rows (strategy ``"mpi"``) as JSON to PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .bench import ROOT, fill_value, measure_blocking
+
+MCA = ("--mca", "pml", "ob1", "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo")
+
+
+def command(world_size: int, out_path: str, config: dict[str, Any]) -> list[str]:
+    """The ``mpirun`` command line that runs this worker on ``world_size`` ranks."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise FileNotFoundError("mpirun not found: pip install 'p2pcoll[mpi]'")
+    return [mpirun, "-n", str(world_size), "--oversubscribe", "--bind-to", "none", *MCA,
+            sys.executable, "-m", "p2pcoll.bench_mpi", "--out", out_path,
+            "--config", json.dumps(config)]
+
+
+def environment() -> dict[str, str]:
+    """Variables ``mpirun`` needs here: Open MPI refuses to run as root unless told."""
+    if os.geteuid() != 0:
+        return {}
+    return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+class _Collective:
+    """One MPI collective on buffers of its own (a :class:`p2pcoll.bench.BlockingCollective`)."""
+
+    def __init__(self, mpi: Any, comm: Any, collective: str, count: int, dtype: str) -> None:
+        self._mpi, self._comm, self._collective = mpi, comm, collective
+        self._rank, self._p = comm.Get_rank(), comm.Get_size()
+        self._value = fill_value(self._rank)
+        self.x = np.full(count, self._value, dtype=dtype)
+        self._output: np.ndarray | None = None
+        self._counts: list[int] = []
+        if collective == "allgather":
+            self._output = np.empty(self._p * count, dtype=dtype)
+        elif collective == "reduce_scatter":
+            self._counts = [len(part) for part in np.array_split(self.x, self._p)]
+            self._output = np.empty(self._counts[self._rank], dtype=dtype)
+
+    def refill(self) -> None:
+        self.x.fill(self._value)
+
+    def start(self, wait: bool = True) -> Any:
+        c, comm, x, in_place = self._collective, self._comm, self.x, self._mpi.IN_PLACE
+        if c == "allreduce":
+            return comm.Allreduce(in_place, x) if wait else comm.Iallreduce(in_place, x)
+        if c == "broadcast":
+            return comm.Bcast(x, root=ROOT) if wait else comm.Ibcast(x, root=ROOT)
+        if c == "reduce":
+            send, recv = (in_place, x) if self._rank == ROOT else (x, None)
+            return (comm.Reduce(send, recv, root=ROOT) if wait
+                    else comm.Ireduce(send, recv, root=ROOT))
+        if c == "allgather":
+            return comm.Allgather(x, self._output) if wait else comm.Iallgather(x, self._output)
+        if c == "reduce_scatter":
+            if wait:
+                return comm.Reduce_scatter(x, self._output, recvcounts=self._counts)
+            return comm.Ireduce_scatter(x, self._output, recvcounts=self._counts)
+        raise ValueError(f"unknown collective {c!r}")
+
+    def result(self) -> Any:
+        c = self._collective
+        if c == "reduce" and self._rank != ROOT:
+            return None
+        if c == "allgather":
+            assert self._output is not None
+            return list(self._output.reshape(self._p, -1))
+        if c == "reduce_scatter":
+            return self._output
+        return self.x
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m p2pcoll.bench_mpi",
+        description="MPI worker of `p2pcoll bench --compare mpi` (started by mpirun).",
+    )
+    parser.add_argument("--out", required=True, help="where rank 0 writes the raw rows")
+    parser.add_argument("--config", required=True, help="the bench configuration, as JSON")
+    args = parser.parse_args(argv)
+    config = json.loads(args.config)
+
+    from mpi4py import MPI  # noqa: PLC0415 (optional dependency)
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != config["world_size"]:
+        raise SystemExit(f"{comm.Get_size()} MPI ranks, but the configuration says "
+                         f"{config['world_size']}")
+
+    def slowest(values: list[float]) -> list[float]:
+        if not values:
+            return []
+        mine = np.array(values, dtype=np.float64)
+        comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        return [float(v) for v in mine]
+
+    rows = [
+        measure_blocking(
+            config, nbytes, comm.Get_rank(), comm.Get_size(), "mpi",
+            lambda count: _Collective(MPI, comm, config["collective"], count, config["dtype"]),
+            comm.Barrier, slowest,
+        )
+        for nbytes in config["sizes"]
+    ]
+    if comm.Get_rank() == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"rows": rows}, f)
+    comm.Barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
