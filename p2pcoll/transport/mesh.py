@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ..errors import PeerLost, ProtocolError
 from ..wire import Header, decode_header, encode_header
 from .base import Transport
+from .memory import SnapshotPool, tune_malloc
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -84,7 +85,10 @@ class Mesh:
         self._closed = False
         self._monitored = False
         self._gone: dict[int, PeerLost] = {}
-        self._zero_copy_bytes: int | None = ZERO_COPY_BYTES
+        # Over inproc every large piece goes as a snapshot (see connect).
+        self._snapshot_all = False
+        self._pool = SnapshotPool()
+        tune_malloc()
 
     async def bind(self) -> list[str]:
         """Bind this peer's ROUTER and return the endpoints the others may connect to."""
@@ -107,10 +111,10 @@ class Mesh:
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
-        # inproc copies instead.
+        # inproc sends snapshots (pooled copies nobody waits for) instead.
         inproc = self.transport.name == "inproc"
         monitored = self._monitored = not inproc
-        self._zero_copy_bytes = None if inproc else ZERO_COPY_BYTES
+        self._snapshot_all = inproc
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -133,9 +137,11 @@ class Mesh:
     ) -> zmq.MessageTracker | None:
         """Queue one message to ``dst``.
 
-        Payload pieces of ZERO_COPY_BYTES and more go zero-copy unless ``copy``; then a
-        tracker is returned and the arrays must not be written until ``tracker.done``.
-        Returns None when everything was copied.
+        Payload pieces of ZERO_COPY_BYTES and more go zero-copy; then a tracker is returned
+        and the arrays must not be written until ``tracker.done``. With ``copy`` they go as
+        snapshots instead (copied into a pooled buffer, which the pool reclaims), and the
+        arrays may be written as soon as this returns. Returns None when nothing needs
+        waiting for. Smaller pieces are always copied.
         """
         gone = self._gone.get(dst)
         if gone is not None:
@@ -148,14 +154,16 @@ class Mesh:
         header.nbytes = [a.nbytes for a in payload]
         frames: list[object] = [encode_header(header)]
         tracked: list[zmq.Frame] = []
-        zero_copy = None if copy else self._zero_copy_bytes
+        snapshot = copy or self._snapshot_all
         for piece in payload:
-            if zero_copy is not None and piece.nbytes >= zero_copy:
+            if piece.nbytes < ZERO_COPY_BYTES:
+                frames.append(piece.tobytes() if piece.nbytes else b"")
+            elif snapshot:
+                frames.append(self._pool.snapshot(piece))
+            else:
                 frame = zmq.Frame(piece, copy=False, track=True)
                 tracked.append(frame)
                 frames.append(frame)
-            else:
-                frames.append(piece.tobytes() if piece.nbytes else b"")
         await link.send_multipart(frames, copy=False)
         c = self.counters
         if header.kind == "data":
@@ -265,6 +273,7 @@ class Mesh:
         for link in self._links.values():
             link.close()
         self._links.clear()
+        self._pool.clear()
         if self._router is not None:
             self._router.close(linger=0)
             for endpoint in self.endpoints:
