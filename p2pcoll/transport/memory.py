@@ -1,16 +1,11 @@
-"""Memory on the fast path: reusable snapshot buffers and the allocator's thresholds.
+"""Memory on the fast path: the allocator's thresholds.
 
-Two costs dominate large collectives once the sockets are busy, and neither is the copy
-itself: fresh 1 MiB buffers are fresh ``mmap`` regions that page-fault on first touch, and
-the ``munmap`` of each one after use. Both come from glibc's default of serving requests
-above its mmap threshold (128 KiB at start) with their own mapping.
-
-- :class:`SnapshotPool` gives a send that must not read the caller's array after ``send``
-  returns (the executor's snapshots, every send over inproc) a pooled buffer to copy into;
-  the buffer goes out zero-copy and returns to the pool once libzmq has let go of it.
-- :func:`tune_malloc` raises glibc's mmap and trim thresholds once per process, so the
-  buffers libzmq allocates for every received frame come from the reused heap instead.
-  ``P2PCOLL_TUNE_MALLOC=0`` leaves the allocator alone.
+Every received frame, and every snapshot sent, is a buffer that libzmq mallocs and frees.
+With glibc's defaults a buffer above the mmap threshold (128 KiB at start, raised only
+after large frees) is a fresh mapping: it page-faults on first touch and is unmapped
+after use, which made a 64 MiB allreduce take 1.5-2x as long in a fresh process as in a
+warmed one. :func:`tune_malloc` raises the mmap and trim thresholds once per process, so
+those buffers come from a reused heap. ``P2PCOLL_TUNE_MALLOC=0`` leaves the allocator alone.
 """
 
 from __future__ import annotations
@@ -18,10 +13,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections import deque
-
-import numpy as np
-import zmq
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -58,42 +49,3 @@ def tune_malloc() -> bool:
         log.debug("mallopt refused the thresholds; the allocator is unchanged")
     _tuned = ok
     return ok
-
-
-class SnapshotPool:
-    """Buffers to copy send payloads into, reused once libzmq has let go of them.
-
-    Buffers come in power-of-two size classes; each class is a FIFO of (buffer, tracker)
-    in send order, so its oldest entry is the one most likely released. Taking a snapshot
-    looks at that entry only: reuse it if released, else allocate another buffer. At most
-    ``max_bytes`` are kept; beyond that a snapshot gets a buffer of its own that is dropped
-    after the send.
-    """
-
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
-        self.max_bytes = max_bytes
-        self.kept_bytes = 0
-        self._classes: dict[int, deque[tuple[np.ndarray, zmq.MessageTracker]]] = {}
-
-    def snapshot(self, piece: np.ndarray) -> zmq.Frame:
-        """A zero-copy frame holding a copy of ``piece`` (any contiguous-able array)."""
-        n = piece.nbytes
-        size = 1 << max(n - 1, 0).bit_length()
-        queue = self._classes.setdefault(size, deque())
-        if queue and queue[0][1].done:
-            buf, _ = queue.popleft()
-        else:
-            buf = np.empty(size, np.uint8)
-            if self.kept_bytes + size > self.max_bytes:
-                np.copyto(buf[:n].view(piece.dtype).reshape(piece.shape), piece)
-                return zmq.Frame(buf[:n], copy=False)
-            self.kept_bytes += size
-        np.copyto(buf[:n].view(piece.dtype).reshape(piece.shape), piece)
-        frame = zmq.Frame(buf[:n], copy=False, track=True)
-        queue.append((buf, frame.tracker))
-        return frame
-
-    def clear(self) -> None:
-        """Forget every buffer (those still in flight stay alive until libzmq frees them)."""
-        self._classes.clear()
-        self.kept_bytes = 0

@@ -25,7 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ..errors import PeerLost, ProtocolError
 from ..wire import Header, decode_header, encode_header
 from .base import Transport
-from .memory import SnapshotPool, tune_malloc
+from .memory import tune_malloc
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -87,7 +87,6 @@ class Mesh:
         self._gone: dict[int, PeerLost] = {}
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
-        self._pool = SnapshotPool()
         tune_malloc()
 
     async def bind(self) -> list[str]:
@@ -111,7 +110,7 @@ class Mesh:
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
-        # inproc sends snapshots (pooled copies nobody waits for) instead.
+        # inproc sends snapshots (copies owned by libzmq, nobody waits for them) instead.
         inproc = self.transport.name == "inproc"
         monitored = self._monitored = not inproc
         self._snapshot_all = inproc
@@ -139,8 +138,10 @@ class Mesh:
 
         Payload pieces of ZERO_COPY_BYTES and more go zero-copy; then a tracker is returned
         and the arrays must not be written until ``tracker.done``. With ``copy`` they go as
-        snapshots instead (copied into a pooled buffer, which the pool reclaims), and the
-        arrays may be written as soon as this returns. Returns None when nothing needs
+        snapshots instead: libzmq copies them into buffers it owns (one copy, and no
+        release to track: a tracked frame's release goes through pyzmq's garbage-collector
+        thread, which must take the GIL), and the arrays may be written as soon as this
+        returns. Returns None when nothing needs
         waiting for. Smaller pieces are always copied.
         """
         gone = self._gone.get(dst)
@@ -159,7 +160,7 @@ class Mesh:
             if piece.nbytes < ZERO_COPY_BYTES:
                 frames.append(piece.tobytes() if piece.nbytes else b"")
             elif snapshot:
-                frames.append(self._pool.snapshot(piece))
+                frames.append(zmq.Frame(piece, copy=True))
             else:
                 frame = zmq.Frame(piece, copy=False, track=True)
                 tracked.append(frame)
@@ -273,7 +274,6 @@ class Mesh:
         for link in self._links.values():
             link.close()
         self._links.clear()
-        self._pool.clear()
         if self._router is not None:
             self._router.close(linger=0)
             for endpoint in self.endpoints:
