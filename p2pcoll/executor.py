@@ -75,6 +75,22 @@ def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tupl
     return frozenset(out)
 
 
+@lru_cache(maxsize=1024)
+def final_sends(steps: tuple[tuple[Op, ...], ...]) -> frozenset[tuple[int, int]]:
+    """The sends (step, op index) of the last step that sends anything.
+
+    In the last segments these go as copies: the collective returns only once libzmq has
+    let go of every zero-copy send, and the last ones are still on the wire when the last
+    receive completes. Copying them (at most ``depth`` segments' worth) costs less than
+    waiting for their release, which pyzmq reports through a thread that needs the GIL.
+    """
+    for i in range(len(steps) - 1, -1, -1):
+        sends = [(i, j) for j, op in enumerate(steps[i]) if isinstance(op, Send)]
+        if sends:
+            return frozenset(sends)
+    return frozenset()
+
+
 def _overlap(a: range, b: range) -> bool:
     return a.start < b.stop and b.start < a.stop and len(a) > 0 and len(b) > 0
 
@@ -120,20 +136,23 @@ class Executor:
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
         steps = plan(strategy, ctx, len(layout.chunks))
-        copies = snapshots(steps, len(layout.chunks))
         self.mailbox.expect(seq, sig, ctx.rank)
         nseg = layout.segment(self.segment_bytes)
+        early = snapshots(steps, len(layout.chunks))
+        late = early | final_sends(steps)
+        first_late = max(nseg - self.depth, 0)
         # Zero-copy sends whose segment has finished: the caller may reuse the data only
         # once libzmq has let go of them, so they are awaited once, at the very end.
         pending: list[zmq.MessageTracker] = []
         run = self._segment
         if nseg == 1:
-            await run(seq, 0, steps, copies, layout, ufunc, sig, meta, ctx.rank, pending)
+            await run(seq, 0, steps, late, layout, ufunc, sig, meta, ctx.rank, pending)
         else:
             window = asyncio.Semaphore(self.depth)
 
             async def one(seg: int) -> None:
                 async with window:
+                    copies = late if seg >= first_late else early
                     await run(seq, seg, steps, copies, layout, ufunc, sig, meta, ctx.rank, pending)
 
             try:

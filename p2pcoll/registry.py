@@ -17,10 +17,12 @@ from .strategy import COLLECTIVES, Strategy
 ENTRY_POINT_GROUP = "p2pcoll.strategies"
 
 # "auto" for allreduce, from `p2pcoll bench --strategy all --compare gloo` on the 2-core
-# development machine (benchmarks/README.md): with 2 peers recursive doubling (one full swap)
-# sends the same bytes as the ring in half the steps and won at every size; with more peers
-# it won up to 1 MiB (latency terms dominate), and Rabenseifner (bandwidth-optimal like the
-# ring, but 2 lg p steps instead of 2(p-1)) won at 16 and 64 MiB. MPICH draws the same line
+# development machine (benchmarks/README.md): up to 1 MiB recursive doubling (lg p full
+# swaps) wins, as latency terms dominate; above, Rabenseifner (bandwidth-optimal like the
+# ring, but 2 lg p steps instead of 2(p-1)) won at 16 and 64 MiB. With 2 peers Rabenseifner
+# is the ring, and above 1 MiB it beat recursive doubling once sends stopped copying through
+# fresh buffers: it copies and reduces half the data (one swap of halves, then the reduced
+# halves) where recursive doubling snapshots and reduces all of it. MPICH draws the same line
 # at 2 KiB; on this machine a message costs ~100-250 us, which moves it up.
 MEDIUM_ALLREDUCE = 1 << 20
 DEFAULTS = {
@@ -119,7 +121,7 @@ class Registry:
         """The strategy "auto" means for this size of data and of group."""
         self._load()
         name = DEFAULTS[collective]
-        if collective == "allreduce" and (size <= 2 or nbytes <= MEDIUM_ALLREDUCE):
+        if collective == "allreduce" and nbytes <= MEDIUM_ALLREDUCE:
             name = "recursive_doubling"
         table = self._entries[collective]
         if name not in table:  # a built-in was unregistered: fall back to anything
