@@ -7,11 +7,15 @@ A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack ma
     q    collective sequence number           seg  pipeline segment
     s    index of the message on its link     sig  collective signature (data only)
          within (q, seg)
-    n    byte length of each payload frame    meta optional extras (tree layout, strategy)
+    n    byte length of each payload piece    meta optional extras (tree layout, strategy)
     err  [error class name, message]          (abort only)
+    m    [segment name, [offset per piece]]   pieces in a shared-memory ring (offset -1:
+                                              this piece is a frame); data only, optional
 
 Payload frames are the raw bytes of C-contiguous arrays, sent without copying and read back
-with ``np.frombuffer``. Nothing in a message can run code: no pickle, only msgpack scalars,
+with ``np.frombuffer``. Between peers of one host large pieces may instead lie in the
+sender's shared-memory ring (:mod:`.transport.shm`); then the message has frames only for
+the other pieces. Nothing in a message can run code: no pickle, only msgpack scalars,
 strings, lists and maps, and dtypes from an allow-list.
 """
 
@@ -42,6 +46,7 @@ class Header:
     nbytes: list[int] = field(default_factory=list)
     meta: dict[str, Any] | None = None
     err: list[str] | None = None
+    shm: list[Any] | None = None  # [segment name, [offset or -1 per piece]]
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -54,6 +59,8 @@ def encode_header(h: Header) -> bytes:
     d: dict[str, Any] = {"v": WIRE_VERSION, "k": h.kind, "g": h.group, "r": h.src}
     if h.kind == "data":
         d.update(q=h.seq, seg=h.seg, s=h.step, sig=h.sig, n=h.nbytes)
+        if h.shm is not None:
+            d["m"] = h.shm
     elif h.kind == "abort":
         d.update(q=h.seq, err=h.err)
     if h.meta is not None:
@@ -96,6 +103,18 @@ def decode_header(raw: bytes | memoryview) -> Header:
         h.nbytes = _field(d, "n", list)
         if not all(isinstance(n, int) and n >= 0 for n in h.nbytes):
             raise ProtocolError(f"header field 'n' must list frame sizes, got {h.nbytes!r}")
+        shm = d.get("m")
+        if shm is not None:
+            if not (
+                isinstance(shm, list) and len(shm) == 2 and isinstance(shm[0], str)
+                and isinstance(shm[1], list) and len(shm[1]) == len(h.nbytes)
+                and all(isinstance(o, int) and not isinstance(o, bool) and o >= -1
+                        for o in shm[1])
+            ):
+                raise ProtocolError(
+                    f"header field 'm' must be [name, [offset per piece]], got {shm!r}"
+                )
+            h.shm = shm
     elif kind == "abort":
         err = _field(d, "err", list)
         if len(err) != 2 or not all(isinstance(e, str) for e in err):

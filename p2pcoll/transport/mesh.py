@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ..errors import PeerLost, ProtocolError
 from ..wire import Header, decode_header, encode_header
 from .base import Transport
+from . import shm
 from .memory import tune_malloc
 
 log = logging.getLogger("p2pcoll.transport")
@@ -36,7 +37,10 @@ HEARTBEAT_TIMEOUT_MS = 5000
 LINGER_MS = 2000
 HWM = 1000
 
-MessageHandler = Callable[[Header, list[zmq.Frame]], None]
+# A received payload piece: a ZeroMQ frame, or a piece in a peer's shared-memory ring.
+# Both expose ``.buffer`` and ``len()``.
+Piece = zmq.Frame | shm.ShmFrame
+MessageHandler = Callable[[Header, list[Piece]], None]
 LinkDownHandler = Callable[[int], None]
 
 
@@ -54,6 +58,26 @@ class Counters:
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.debug("control message not sent: %s", fut.exception())
+
+
+# How long a send waits for room in a shared-memory ring before it goes over the socket
+# instead. The receiver frees room as it consumes, so a short wait usually suffices; the
+# bound keeps two peers whose rings are both full from waiting on each other.
+RING_WAIT_S = 0.005
+
+
+async def _put(outbox: shm.Outbox, piece: np.ndarray) -> int | None:
+    at = outbox.put(piece)
+    if at is not None or piece.nbytes > outbox.ring:
+        return at
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RING_WAIT_S
+    delay = 0.0
+    while at is None and loop.time() < deadline:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2 or 2e-5, 5e-4)
+        at = outbox.put(piece)
+    return at
 
 
 class Mesh:
@@ -87,6 +111,7 @@ class Mesh:
         self._gone: dict[int, PeerLost] = {}
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
+        self._rings: shm.SharedRings | None = None
         tune_malloc()
 
     async def bind(self) -> list[str]:
@@ -114,6 +139,13 @@ class Mesh:
         inproc = self.transport.name == "inproc"
         monitored = self._monitored = not inproc
         self._snapshot_all = inproc
+        if not inproc and shm.enabled():
+            # Peers reached over ipc share this host: large pieces go through shared memory.
+            self._rings = shm.SharedRings()
+            self._rings.peers = {
+                peer for peer, endpoint in enumerate(endpoints)
+                if peer != rank and endpoint.startswith("ipc://")
+            }
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -153,10 +185,19 @@ class Mesh:
                 raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
             raise ValueError(f"no link to rank {dst} (rank {self.rank}, {len(self._links)} links)")
         header.nbytes = [a.nbytes for a in payload]
-        frames: list[object] = [encode_header(header)]
         tracked: list[zmq.Frame] = []
+        frames: list[object] = []
         snapshot = copy or self._snapshot_all
+        outbox = self._rings.outbox(dst) if self._rings is not None else None
+        offsets: list[int] = []
         for piece in payload:
+            at = -1
+            if outbox is not None and piece.nbytes >= ZERO_COPY_BYTES:
+                at = await _put(outbox, piece)  # None: the ring stayed full, use the socket
+                at = -1 if at is None else at
+            offsets.append(at)
+            if at >= 0:
+                continue
             if piece.nbytes < ZERO_COPY_BYTES:
                 frames.append(piece.tobytes() if piece.nbytes else b"")
             elif snapshot:
@@ -165,6 +206,9 @@ class Mesh:
                 frame = zmq.Frame(piece, copy=False, track=True)
                 tracked.append(frame)
                 frames.append(frame)
+        if outbox is not None and any(at >= 0 for at in offsets):
+            header.shm = [outbox.name, offsets]
+        frames.insert(0, encode_header(header))
         await link.send_multipart(frames, copy=False)
         c = self.counters
         if header.kind == "data":
@@ -225,7 +269,7 @@ class Mesh:
             # only when the receiver frees its frame, and the sender may be waiting for that.
             del frames, payload
 
-    def _validate(self, frames: list[zmq.Frame]) -> tuple[Header, list[zmq.Frame]]:
+    def _validate(self, frames: list[zmq.Frame]) -> tuple[Header, list[Piece]]:
         if len(frames) < 2:
             raise ProtocolError("message has no header frame")
         identity = frames[0].bytes
@@ -237,15 +281,26 @@ class Mesh:
             raise ProtocolError(f"message for group {header.group!r}, this is {self.group_id!r}")
         if identity != b"%d" % header.src:
             raise ProtocolError(f"header claims rank {header.src} but came on link {identity!r}")
-        payload = frames[2:]
-        if len(payload) != len(header.nbytes):
+        payload: list[Piece] = list(frames[2:])
+        offsets = header.shm[1] if header.shm is not None else [-1] * len(header.nbytes)
+        inline = offsets.count(-1)
+        if len(payload) != inline:
             raise ProtocolError(
-                f"header lists {len(header.nbytes)} payload frames, message has {len(payload)}"
+                f"header lists {inline} payload frames, message has {len(payload)}"
             )
-        for i, (frame, n) in enumerate(zip(payload, header.nbytes, strict=True)):
+        for i, (frame, n) in enumerate(zip(payload, (n for n, at in zip(header.nbytes, offsets)
+                                                      if at == -1), strict=True)):
             if len(frame) != n:
                 raise ProtocolError(f"payload frame {i} has {len(frame)} bytes, header says {n}")
-        return header, payload
+        if header.shm is None:
+            return header, payload
+        if self._rings is None:
+            raise ProtocolError("message names a shared-memory ring, this peer uses none")
+        inbox = self._rings.inbox(header.src, header.shm[0])
+        inline_frames = iter(payload)
+        pieces = [next(inline_frames) if at == -1 else inbox.take(at, n)
+                  for n, at in zip(header.nbytes, offsets, strict=True)]
+        return header, pieces
 
     async def _watch(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
         try:
@@ -274,6 +329,8 @@ class Mesh:
         for link in self._links.values():
             link.close()
         self._links.clear()
+        if self._rings is not None:
+            self._rings.close()
         if self._router is not None:
             self._router.close(linger=0)
             for endpoint in self.endpoints:
