@@ -633,7 +633,8 @@ class Group:
 
     def stats(self) -> dict[str, int]:
         """Traffic since join: payload bytes and data messages sent and received, messages
-        dropped as malformed or stale, and collectives started."""
+        dropped as malformed or stale, the part of ``bytes_sent`` that went through shared
+        memory, and collectives started."""
         c = self._mesh.counters
         return {
             "bytes_sent": c.bytes_sent,
@@ -641,6 +642,7 @@ class Group:
             "messages_sent": c.messages_sent,
             "messages_received": c.messages_received,
             "messages_dropped": c.messages_dropped,
+            "bytes_sent_shm": c.bytes_sent_shm,
             "collectives": self._seq,
         }
 

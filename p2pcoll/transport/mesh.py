@@ -49,6 +49,7 @@ class Counters:
     """Traffic of one peer since it joined. Bytes are tensor payload, not headers."""
 
     bytes_sent: int = 0
+    bytes_sent_shm: int = 0  # of bytes_sent, those that went through shared memory
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
@@ -214,6 +215,8 @@ class Mesh:
         if header.kind == "data":
             c.messages_sent += 1
             c.bytes_sent += sum(header.nbytes)
+            if header.shm is not None:
+                c.bytes_sent_shm += sum(n for n, at in zip(header.nbytes, offsets) if at >= 0)
         return zmq.MessageTracker(*tracked) if tracked else None
 
     def mark_gone(self, peer: int, exc: PeerLost) -> None:
