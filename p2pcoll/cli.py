@@ -134,10 +134,13 @@ def format_strategies(registry: Registry) -> str:
     for collective, table in registry.entries().items():
         try:
             # "auto" may depend on the data and group sizes: ask about tiny and huge data
-            # in a group of 4 (see p2pcoll.registry for the thresholds).
-            small = registry.auto(collective, 0, 4).name
-            large = registry.auto(collective, 1 << 40, 4).name
-            auto = small if small == large else f"{small} for small data, {large} for large"
+            # in a group of 4 and one of 16 (see p2pcoll.registry for the thresholds).
+            picks = {}
+            for peers in (4, 16):
+                small = registry.auto(collective, 0, peers).name
+                large = registry.auto(collective, 1 << 40, peers).name
+                picks[peers] = small if small == large else f"{small} for small data, {large} for large"
+            auto = picks[4] if picks[4] == picks[16] else f"4 peers: {picks[4]}; 16 peers: {picks[16]}"
         except UnknownStrategy:
             auto = "nothing installed"
         lines.append(f"{collective} (auto: {auto})")
