@@ -21,7 +21,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # glibc's largest mmap threshold on 64-bit platforms; every pipeline segment fits below it.
 MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 256 << 20
+TRIM_THRESHOLD = 64 << 20  # glibc pairs its dynamic mmap threshold with twice it
 
 _tuned = False
 
