@@ -91,6 +91,25 @@ def final_sends(steps: tuple[tuple[Op, ...], ...]) -> frozenset[tuple[int, int]]
     return frozenset()
 
 
+@lru_cache(maxsize=1024)
+def send_groups(
+    steps: tuple[tuple[Op, ...], ...],
+) -> tuple[tuple[tuple[Any, tuple[tuple[int, int], ...]], ...], ...]:
+    """Per step, its sends grouped by chunk: ((chunk, ((op index, peer), ...)), ...).
+
+    A chunk sent to several peers in one step (a root's broadcast) is handed to the mesh
+    once, which then copies it into shared memory once for all of them.
+    """
+    out = []
+    for ops in steps:
+        groups: dict[Any, list[tuple[int, int]]] = {}
+        for j, op in enumerate(ops):
+            if isinstance(op, Send):
+                groups.setdefault(op.chunk, []).append((j, op.to))
+        out.append(tuple((chunk, tuple(g)) for chunk, g in groups.items()))
+    return tuple(out)
+
+
 def _overlap(a: range, b: range) -> bool:
     return a.start < b.stop and b.start < a.stop and len(a) > 0 and len(b) > 0
 
@@ -180,17 +199,21 @@ class Executor:
         sent: defaultdict[int, int] = defaultdict(int)
         received: defaultdict[int, int] = defaultdict(int)
         seg_meta = meta if seg == 0 else None
+        groups = send_groups(steps)
         for i, ops in enumerate(steps):
-            for j, op in enumerate(ops):
-                if isinstance(op, Send):
-                    header = Header(
-                        "data", self.mesh.group_id, rank, seq, seg, sent[op.to], sig, meta=seg_meta
-                    )
-                    sent[op.to] += 1
-                    tracker = await self.mesh.send(op.to, header, layout.pieces(op.chunk, seg),
-                                                   copy=(i, j) in copies)
-                    if tracker is not None:
-                        pending.append(tracker)
+            for chunk, group in groups[i]:
+                headers = []
+                for _, to in group:
+                    headers.append(Header(
+                        "data", self.mesh.group_id, rank, seq, seg, sent[to], sig, meta=seg_meta
+                    ))
+                    sent[to] += 1
+                tracker = await self.mesh.send_many(
+                    [to for _, to in group], headers, layout.pieces(chunk, seg),
+                    copy=any((i, j) in copies for j, _ in group),
+                )
+                if tracker is not None:
+                    pending.append(tracker)
             for op in ops:
                 if isinstance(op, Send):
                     continue

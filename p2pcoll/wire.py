@@ -9,8 +9,9 @@ A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack ma
          within (q, seg)
     n    byte length of each payload piece    meta optional extras (tree layout, strategy)
     err  [error class name, message]          (abort only)
-    m    [segment name, [offset per piece]]   pieces in a shared-memory ring (offset -1:
-                                              this piece is a frame); data only, optional
+    m    [ring name, [offset per piece],      pieces in the sender's shared-memory ring
+          [reader index per piece]]           (offset -1: this piece is a frame); data only,
+                                              optional
 
 Payload frames are the raw bytes of C-contiguous arrays, sent without copying and read back
 with ``np.frombuffer``. Between peers of one host large pieces may instead lie in the
@@ -46,7 +47,7 @@ class Header:
     nbytes: list[int] = field(default_factory=list)
     meta: dict[str, Any] | None = None
     err: list[str] | None = None
-    shm: list[Any] | None = None  # [segment name, [offset or -1 per piece]]
+    shm: list[Any] | None = None  # [ring name, [offset or -1 per piece], [index per piece]]
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -106,13 +107,14 @@ def decode_header(raw: bytes | memoryview) -> Header:
         shm = d.get("m")
         if shm is not None:
             if not (
-                isinstance(shm, list) and len(shm) == 2 and isinstance(shm[0], str)
-                and isinstance(shm[1], list) and len(shm[1]) == len(h.nbytes)
+                isinstance(shm, list) and len(shm) == 3 and isinstance(shm[0], str)
+                and all(isinstance(v, list) and len(v) == len(h.nbytes) for v in shm[1:])
                 and all(isinstance(o, int) and not isinstance(o, bool) and o >= -1
-                        for o in shm[1])
+                        for v in shm[1:] for o in v)
             ):
                 raise ProtocolError(
-                    f"header field 'm' must be [name, [offset per piece]], got {shm!r}"
+                    f"header field 'm' must be [name, [offset per piece], [index per piece]],"
+                    f" got {shm!r}"
                 )
             h.shm = shm
     elif kind == "abort":

@@ -28,47 +28,58 @@ def _ours() -> set[str]:
 
 @pytest.fixture
 def pair() -> tuple[shm.Outbox, shm.Inbox]:
-    out = shm.Outbox(RING)
-    inbox = shm.Inbox(out.name)
+    out = shm.Outbox(RING, readers=3)
+    inbox = shm.Inbox(out.name, me=1)
     yield out, inbox
     inbox.close()
     out.close()
 
 
-def test_receiver_maps_and_unlinks_the_ring(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
-    out, _ = pair
-    assert not os.path.exists(out.path)  # the receiver unlinked it once both had it mapped
-
-
 def test_a_piece_round_trips_and_its_space_comes_back(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
     out, inbox = pair
     x = np.arange(1001, dtype=np.float64)  # 8008 bytes
-    at = out.put(x)
-    assert at == 0
-    frame = inbox.take(at, x.nbytes)
+    assert out.put(x, [1]) == (0, [0])
+    frame = inbox.take(0, x.nbytes, 0)
     x[:] = -1  # the ring holds a copy
     np.testing.assert_array_equal(np.frombuffer(frame.buffer, np.float64), np.arange(1001.0))
-    assert int(out._tail[0]) == 0
+    assert out._tail() == 0
     del frame
-    assert int(out._tail[0]) == 8064  # reservations are whole cache lines
-    assert out.put(x) == 8064
+    assert out._tail() == 8064 == out.head  # reservations are whole cache lines
+    assert out.put(x, [1]) == (8064, [1])  # reader 1's second piece
 
 
 def test_full_ring_refuses_and_frees_in_order(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
     out, inbox = pair
     piece = np.ones(RING // 4, np.uint8)  # four pieces fill the ring
-    offsets = [out.put(piece) for _ in range(4)]
-    assert offsets == [0, RING // 4, RING // 2, 3 * RING // 4]
-    assert out.put(piece) is None
-    frames = [inbox.take(at, piece.nbytes) for at in offsets]
-    del frames[2]  # released out of order: the tail cannot move past piece 0 yet
-    assert int(out._tail[0]) == 0
-    assert out.put(piece) is None
-    del frames[0]  # piece 0 goes: the tail moves over piece 0 only (piece 1 is still held)
-    assert int(out._tail[0]) == RING // 4
-    del frames[0]  # piece 1 goes: the tail jumps over 1 and the already-freed 2
-    assert int(out._tail[0]) == 3 * RING // 4
-    assert out.put(piece) == RING  # room again, wrapping to the ring's start
+    placed = [out.put(piece, [1]) for _ in range(4)]
+    assert placed == [(i * RING // 4, [i]) for i in range(4)]
+    assert out.put(piece, [1]) is None
+    frames = [inbox.take(at, piece.nbytes, k[0]) for at, k in placed]
+    del frames[2]  # released out of order: nothing before it is free yet
+    assert out.put(piece, [1]) is None
+    del frames[0]  # piece 0 goes: only its space comes back (piece 1 is still held)
+    assert out._tail() == RING // 4
+    del frames[0]  # piece 1 goes: the tail moves over 1 and the already released 2
+    assert out._tail() == 3 * RING // 4
+    assert out.put(piece, [1]) == (RING, [4])  # room again, at the ring's start
+
+
+def test_a_piece_for_several_readers_is_copied_once_and_freed_by_the_last(
+    pair: tuple[shm.Outbox, shm.Inbox],
+) -> None:
+    out, one = pair
+    two = shm.Inbox(out.name, me=2)
+    try:
+        x = np.arange(5000, dtype=np.int32)
+        at, (k1, k2) = out.put(x, [1, 2])
+        a, b = one.take(at, x.nbytes, k1), two.take(at, x.nbytes, k2)
+        assert bytes(a.buffer) == bytes(b.buffer) == x.tobytes()
+        del a
+        assert out._tail() == 0  # reader 2 still holds it
+        del b
+        assert out._tail() == out.head
+    finally:
+        two.close()
 
 
 def test_a_piece_that_does_not_fit_before_the_end_starts_the_ring_again(
@@ -76,50 +87,86 @@ def test_a_piece_that_does_not_fit_before_the_end_starts_the_ring_again(
 ) -> None:
     out, inbox = pair
     big = np.full(RING // 2 + 64, 7, np.uint8)
-    first = out.put(big)
-    del_me = inbox.take(first, big.nbytes)
+    first = out.put(big, [1])
+    del_me = inbox.take(first[0], big.nbytes, 0)
     del del_me
-    second = out.put(big)  # does not fit in what is left before the end
+    second, _ = out.put(big, [1])  # does not fit in what is left before the end
     assert second == RING // 2 + 64
     assert shm.placement(second, big.nbytes, RING) == (0, RING + RING // 2 + 64)
-    frame = inbox.take(second, big.nbytes)
+    frame = inbox.take(second, big.nbytes, 1)
     assert bytes(frame.buffer) == bytes(big)
     del frame
-    assert int(out._tail[0]) == RING + RING // 2 + 64
+    assert out._tail() == RING + RING // 2 + 64
 
 
 def test_a_piece_larger_than_the_ring_is_refused(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
     out, _ = pair
-    assert out.put(np.zeros(RING + 1, np.uint8)) is None
+    assert out.put(np.zeros(RING + 1, np.uint8), [1]) is None
 
 
-@pytest.mark.parametrize(
-    ("start", "n", "why"),
-    [(-64, 8, "outside"), (RING, 64, "outside"), (0, RING + 1, "outside")],
-)
+@pytest.mark.parametrize(("start", "n", "index"), [(-64, 8, 0), (0, RING + 1, 0), (64, 8, -1)])
 def test_bad_offsets_are_protocol_errors(
-    pair: tuple[shm.Outbox, shm.Inbox], start: int, n: int, why: str
+    pair: tuple[shm.Outbox, shm.Inbox], start: int, n: int, index: int
 ) -> None:
     _, inbox = pair
-    with pytest.raises(ProtocolError, match=why):
-        inbox.take(start, n)
+    with pytest.raises(ProtocolError, match="outside ring"):
+        inbox.take(start, n, index)
 
 
 def test_a_piece_cannot_be_taken_twice(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
     out, inbox = pair
-    at = out.put(np.ones(100, np.uint8))
-    frame = inbox.take(at, 100)
-    with pytest.raises(ProtocolError, match="outside"):
-        inbox.take(at, 100)
+    at, (k,) = out.put(np.ones(100, np.uint8), [1])
+    frame = inbox.take(at, 100, k)
+    with pytest.raises(ProtocolError, match="taken already"):
+        inbox.take(at, 100, k)
     del frame
+    with pytest.raises(ProtocolError, match="taken already"):  # and not after release
+        inbox.take(at, 100, k)
 
 
-def test_only_our_segment_names_are_opened() -> None:
+def test_only_our_well_formed_segments_are_opened() -> None:
     for name in ("../etc/passwd", "p2pcoll-1-xyz", "other-1-0123456789abcdef"):
         with pytest.raises(ProtocolError, match="not one of ours"):
-            shm.Inbox(name)
+            shm.Inbox(name, 0)
     with pytest.raises(ProtocolError, match="cannot open"):
-        shm.Inbox("p2pcoll-1-0123456789abcdef")
+        shm.Inbox("p2pcoll-1-0123456789abcdef", 0)
+    name = f"p2pcoll-{os.getpid()}-{'d' * 16}"
+    path = os.path.join(shm.SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(bytes(2 * shm.PAGE))  # a header of zeros: no readers
+    try:
+        with pytest.raises(ProtocolError, match="bad header"):
+            shm.Inbox(name, 0)
+    finally:
+        os.unlink(path)
+    out = shm.Outbox(RING, readers=2)
+    try:
+        with pytest.raises(ProtocolError, match="bad header"):
+            shm.Inbox(out.name, 2)  # no slot for reader 2
+    finally:
+        out.close()
+
+
+def test_the_file_goes_once_the_sender_closed_and_every_reader_mapped() -> None:
+    out = shm.Outbox(RING, readers=3)
+    out.put(np.ones(10, np.uint8), [1, 2])
+    one = shm.Inbox(out.name, 1)
+    out.close()  # reader 2 has not mapped it yet: the file must stay
+    assert os.path.exists(out.path)
+    two = shm.Inbox(out.name, 2)  # the last reader unlinks it
+    assert not os.path.exists(out.path)
+    one.close()
+    two.close()
+    early = shm.Outbox(RING, readers=2)
+    early.put(np.ones(10, np.uint8), [1])
+    reader = shm.Inbox(early.name, 1)
+    assert os.path.exists(early.path)  # the sender may still address others
+    early.close()
+    assert not os.path.exists(early.path)
+    reader.close()
+    unused = shm.Outbox(RING, readers=2)
+    unused.close()
+    assert not os.path.exists(unused.path)
 
 
 def test_sweep_removes_stale_rings_of_dead_creators_only() -> None:
@@ -210,7 +257,7 @@ async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ctx = zmq.asyncio.Context.instance()
-    out = shm.Outbox(RING)
+    out = shm.Outbox(RING, readers=2)
     try:
         async def fn(g: p2pcoll.Group) -> object:
             if g.rank == 0:
@@ -221,10 +268,10 @@ async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
                 bad.connect(g.endpoint)
                 junk = [
                     {**header, "m": "not a list"},
-                    {**header, "m": ["p2pcoll-1-zz", [0]]},  # not one of our names
-                    {**header, "m": ["p2pcoll-1-0123456789abcdef", [0]]},  # no such file
-                    {**header, "m": [out.name, [RING]]},  # beyond what it may use
-                    {**header, "m": [out.name, [0, 0]]},  # offsets do not match pieces
+                    {**header, "m": ["p2pcoll-1-zz", [0], [0]]},  # not one of our names
+                    {**header, "m": ["p2pcoll-1-0123456789abcdef", [0], [0]]},  # no such file
+                    {**header, "m": [out.name, [0], [-1]]},  # a reader index it cannot have
+                    {**header, "m": [out.name, [0, 0], [0, 0]]},  # more offsets than pieces
                 ]
                 for h in junk:
                     await bad.send_multipart([msgpack.packb(h)])
@@ -243,5 +290,5 @@ async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
     assert results[0][0] == 5
     for _, total in results:
         np.testing.assert_array_equal(total, np.full(1 << 18, 3.0))
-    for reason in ("field 'm'", "not one of ours", "cannot open", "outside the part"):
+    for reason in ("field 'm'", "not one of ours", "cannot open", "outside ring"):
         assert reason in caplog.text

@@ -67,8 +67,10 @@ def _discard_outcome(fut: asyncio.Future[object]) -> None:
 RING_WAIT_S = 0.005
 
 
-async def _put(outbox: shm.Outbox, piece: np.ndarray) -> int | None:
-    at = outbox.put(piece)
+async def _put(
+    outbox: shm.Outbox, piece: np.ndarray, readers: Sequence[int]
+) -> tuple[int, list[int]] | None:
+    at = outbox.put(piece, readers)
     if at is not None or piece.nbytes > outbox.ring:
         return at
     loop = asyncio.get_running_loop()
@@ -77,7 +79,7 @@ async def _put(outbox: shm.Outbox, piece: np.ndarray) -> int | None:
     while at is None and loop.time() < deadline:
         await asyncio.sleep(delay)
         delay = min(delay * 2 or 2e-5, 5e-4)
-        at = outbox.put(piece)
+        at = outbox.put(piece, readers)
     return at
 
 
@@ -142,11 +144,11 @@ class Mesh:
         self._snapshot_all = inproc
         if not inproc and shm.enabled():
             # Peers reached over ipc share this host: large pieces go through shared memory.
-            self._rings = shm.SharedRings()
-            self._rings.peers = {
+            near = {
                 peer for peer, endpoint in enumerate(endpoints)
                 if peer != rank and endpoint.startswith("ipc://")
             }
+            self._rings = shm.SharedRings(rank, len(endpoints), near)
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -167,16 +169,70 @@ class Mesh:
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
     ) -> zmq.MessageTracker | None:
-        """Queue one message to ``dst``.
+        """Queue one message to ``dst``; see :meth:`send_many`."""
+        return await self.send_many([dst], [header], payload, copy=copy)
 
-        Payload pieces of ZERO_COPY_BYTES and more go zero-copy; then a tracker is returned
-        and the arrays must not be written until ``tracker.done``. With ``copy`` they go as
-        snapshots instead: libzmq copies them into buffers it owns (one copy, and no
-        release to track: a tracked frame's release goes through pyzmq's garbage-collector
-        thread, which must take the GIL), and the arrays may be written as soon as this
-        returns. Returns None when nothing needs
-        waiting for. Smaller pieces are always copied.
+    async def send_many(
+        self, dsts: Sequence[int], headers: Sequence[Header], payload: Sequence[np.ndarray] = (),
+        *, copy: bool = False,
+    ) -> zmq.MessageTracker | None:
+        """Queue one message with the same payload to each of ``dsts`` (one header each).
+
+        Payload pieces of ZERO_COPY_BYTES and more go to peers of this host through the
+        shared-memory ring, copied in once for all of them (see :mod:`.shm`); to the others
+        zero-copy, and then a tracker is returned and the arrays must not be written until
+        ``tracker.done``. With ``copy`` they go as snapshots instead: libzmq copies them into
+        buffers it owns (one copy, and no release to track: a tracked frame's release goes
+        through pyzmq's garbage-collector thread, which must take the GIL), and the arrays
+        may be written as soon as this returns. Returns None when nothing needs waiting
+        for. Smaller pieces are always copied.
         """
+        links = [self._link(dst) for dst in dsts]
+        nbytes = [a.nbytes for a in payload]
+        rings = self._rings
+        near = [dst for dst in dsts if rings is not None and dst in rings.peers]
+        outbox = rings.outbox() if near and rings is not None else None
+        # Where each piece went in the ring: (offset, reader indices), or None.
+        placed: list[tuple[int, list[int]] | None] = []
+        for piece in payload:
+            spot = None
+            if outbox is not None and piece.nbytes >= ZERO_COPY_BYTES:
+                spot = await _put(outbox, piece, near)  # None: the ring stayed full
+            placed.append(spot)
+        tracked: list[zmq.Frame] = []
+        snapshot = copy or self._snapshot_all
+        for dst, link, header in zip(dsts, links, headers, strict=True):
+            header.nbytes = nbytes
+            frames: list[object] = []
+            reader = near.index(dst) if dst in near else -1
+            offsets, indices = [], []
+            for piece, spot in zip(payload, placed, strict=True):
+                if spot is not None and reader >= 0:
+                    offsets.append(spot[0])
+                    indices.append(spot[1][reader])
+                    continue
+                offsets.append(-1)
+                indices.append(-1)
+                if piece.nbytes < ZERO_COPY_BYTES:
+                    frames.append(piece.tobytes() if piece.nbytes else b"")
+                elif snapshot:
+                    frames.append(zmq.Frame(piece, copy=True))
+                else:
+                    frame = zmq.Frame(piece, copy=False, track=True)
+                    tracked.append(frame)
+                    frames.append(frame)
+            if outbox is not None and any(at >= 0 for at in offsets):
+                header.shm = [outbox.name, offsets, indices]
+            frames.insert(0, encode_header(header))
+            await link.send_multipart(frames, copy=False)
+            if header.kind == "data":
+                c = self.counters
+                c.messages_sent += 1
+                c.bytes_sent += sum(nbytes)
+                c.bytes_sent_shm += sum(n for n, at in zip(nbytes, offsets) if at >= 0)
+        return zmq.MessageTracker(*tracked) if tracked else None
+
+    def _link(self, dst: int) -> zmq.asyncio.Socket:
         gone = self._gone.get(dst)
         if gone is not None:
             raise gone
@@ -185,39 +241,7 @@ class Mesh:
             if self._closed:
                 raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
             raise ValueError(f"no link to rank {dst} (rank {self.rank}, {len(self._links)} links)")
-        header.nbytes = [a.nbytes for a in payload]
-        tracked: list[zmq.Frame] = []
-        frames: list[object] = []
-        snapshot = copy or self._snapshot_all
-        outbox = self._rings.outbox(dst) if self._rings is not None else None
-        offsets: list[int] = []
-        for piece in payload:
-            at = -1
-            if outbox is not None and piece.nbytes >= ZERO_COPY_BYTES:
-                at = await _put(outbox, piece)  # None: the ring stayed full, use the socket
-                at = -1 if at is None else at
-            offsets.append(at)
-            if at >= 0:
-                continue
-            if piece.nbytes < ZERO_COPY_BYTES:
-                frames.append(piece.tobytes() if piece.nbytes else b"")
-            elif snapshot:
-                frames.append(zmq.Frame(piece, copy=True))
-            else:
-                frame = zmq.Frame(piece, copy=False, track=True)
-                tracked.append(frame)
-                frames.append(frame)
-        if outbox is not None and any(at >= 0 for at in offsets):
-            header.shm = [outbox.name, offsets]
-        frames.insert(0, encode_header(header))
-        await link.send_multipart(frames, copy=False)
-        c = self.counters
-        if header.kind == "data":
-            c.messages_sent += 1
-            c.bytes_sent += sum(header.nbytes)
-            if header.shm is not None:
-                c.bytes_sent_shm += sum(n for n, at in zip(header.nbytes, offsets) if at >= 0)
-        return zmq.MessageTracker(*tracked) if tracked else None
+        return link
 
     def mark_gone(self, peer: int, exc: PeerLost) -> None:
         """Peer ``peer`` has left or died: sending to it raises ``exc`` from now on."""
@@ -301,8 +325,8 @@ class Mesh:
             raise ProtocolError("message names a shared-memory ring, this peer uses none")
         inbox = self._rings.inbox(header.src, header.shm[0])
         inline_frames = iter(payload)
-        pieces = [next(inline_frames) if at == -1 else inbox.take(at, n)
-                  for n, at in zip(header.nbytes, offsets, strict=True)]
+        pieces = [next(inline_frames) if at == -1 else inbox.take(at, n, k)
+                  for n, at, k in zip(header.nbytes, offsets, header.shm[2], strict=True)]
         return header, pieces
 
     async def _watch(self, peer: int, monitor: zmq.asyncio.Socket) -> None:

@@ -7,25 +7,34 @@ that reach each other over ipc (same host), a sender instead copies a large piec
 a ring buffer in shared memory that only it writes, and the message carries where the piece
 lies instead of the piece; the receiver reduces or copies straight out of the ring.
 
-One ring per direction of a link (an :class:`Outbox` for the sender, an :class:`Inbox` for
-the receiver), a file in ``/dev/shm`` of ``ring_bytes`` plus one page of header, created by
-the sender on its first large send, opened and unlinked by the receiver when the first
-message naming it arrives (so nothing is left behind once both have it mapped; the sender
-unlinks it too when it closes). The space is reserved with ``posix_fallocate``: a full
-``/dev/shm`` fails cleanly there instead of crashing a later write with SIGBUS.
+One ring per sending peer, read by every peer it sends large pieces to: a file in
+``/dev/shm``, created by the sender on its first large send and mapped by each receiver
+when the first message naming it arrives. A piece sent to several peers (the root of a
+broadcast) is copied in once and read by all of them. The space is reserved with
+``posix_fallocate``: a full ``/dev/shm`` fails cleanly there instead of crashing a later
+write with SIGBUS.
 
-Flow control: the sender allocates ring space in order (``head``, a running byte count);
-the receiver gives it back by advancing ``tail`` (the first 8 bytes of the header page)
-once every piece before it has been released, in whatever order the pieces were consumed.
-A piece is released when the last reference to its :class:`ShmFrame` goes (the executor
-drops frames right after reducing them). A send that finds no room goes over the socket as
-usual, so a slow receiver never blocks a sender and nothing can deadlock on the ring.
+The header page holds, per reader rank, how many of the pieces addressed to it it has
+released (in order of the per-reader index each message carries, though pieces may be
+consumed in any order), whether it has mapped the file, and whether it was ever addressed.
+The sender reserves space in order (``head``, a running byte count) and frees the oldest
+reservations once every reader they were addressed to has released them. A piece is
+released when the last reference to its :class:`ShmFrame` goes (the executor drops frames
+right after reducing them). A send that finds no room goes over the socket as usual, so a
+slow receiver never blocks a sender and nothing can deadlock on the ring.
 
-Ordering: the sender writes the piece before the message naming it is sent, and the
-receiver writes ``tail`` after it has read the piece; a lock round trip on each side (a
-full memory barrier) keeps those orders on every architecture.
+Clean-up: the file is unlinked by whichever side finds, after announcing its own part, the
+sender closed and every addressed reader mapped: the sender when it closes, or the last
+reader to map it. (The sender cannot simply unlink it when it closes: its last messages
+may not have been read yet.) A file whose reader never came, because it died first, is
+removed by the next peer on the host that starts, once its creator is gone and it is a
+minute old.
 
-``P2PCOLL_SHM=0`` turns this off; ``P2PCOLL_SHM_BYTES`` sets the ring size (8 MiB).
+Ordering: the sender writes the piece before the message naming it is sent, and a reader
+publishes its release after it has read the piece; a lock round trip on each side (a full
+memory barrier) keeps those orders on every architecture.
+
+``P2PCOLL_SHM=0`` turns this off; ``P2PCOLL_SHM_BYTES`` sets the ring size (16 MiB).
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ import os
 import re
 import threading
 import uuid
-from typing import Any
+from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,7 +55,10 @@ from ..errors import ProtocolError
 log = logging.getLogger("p2pcoll.transport")
 
 SHM_DIR = "/dev/shm"
-HEADER_BYTES = 4096  # one page: the receiver's tail counter lives at offset 0
+PAGE = 4096
+# The header: four int64 (header bytes, ring bytes, readers, sender closed), then per reader
+# rank its released count, its mapped flag and its addressed flag (int64 each).
+PREAMBLE = 4
 ALIGN = 64  # pieces start on cache lines
 NAME = re.compile(r"p2pcoll-[0-9]+-[0-9a-f]{16}")
 MAX_INBOXES_PER_PEER = 4
@@ -65,8 +78,8 @@ def enabled() -> bool:
 
 
 def ring_bytes() -> int:
-    """The ring size of each outbox (``P2PCOLL_SHM_BYTES``, default 8 MiB)."""
-    raw = os.environ.get("P2PCOLL_SHM_BYTES", str(8 << 20))
+    """The ring size of each peer's outbox (``P2PCOLL_SHM_BYTES``, default 16 MiB)."""
+    raw = os.environ.get("P2PCOLL_SHM_BYTES", str(16 << 20))
     try:
         value = int(raw)
     except ValueError:
@@ -93,28 +106,72 @@ def placement(start: int, n: int, ring: int) -> tuple[int, int]:
     return pos, start + size
 
 
-class Outbox:
-    """The sending side of one link's ring: copies pieces in, hands out their offsets."""
+def header_bytes(readers: int) -> int:
+    """Bytes of the header page(s) of a ring with ``readers`` reader slots."""
+    n = 8 * (PREAMBLE + 3 * readers)
+    return (n + PAGE - 1) // PAGE * PAGE
 
-    def __init__(self, ring: int) -> None:
+
+class _Header:
+    """Views of a ring file's header (both sides map the same one)."""
+
+    def __init__(self, buf: mmap.mmap, readers: int) -> None:
+        words = np.frombuffer(buf, np.int64, count=PREAMBLE + 3 * readers)
+        self.preamble = words[:PREAMBLE]
+        self.released = words[PREAMBLE:PREAMBLE + readers]
+        self.mapped = words[PREAMBLE + readers:PREAMBLE + 2 * readers]
+        self.addressed = words[PREAMBLE + 2 * readers:]
+
+    def everyone_in(self) -> bool:
+        """The sender has closed and every reader it addressed has mapped the file."""
+        _barrier()
+        return bool(self.preamble[3]) and bool(np.all(self.mapped[self.addressed != 0]))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class Outbox:
+    """A peer's sending ring: copies pieces in once, for one or several readers."""
+
+    def __init__(self, ring: int, readers: int) -> None:
         self.name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.ring = ring
+        self.readers = readers
+        head = header_bytes(readers)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, HEADER_BYTES + ring)
-            self._map = mmap.mmap(fd, HEADER_BYTES + ring)
+            os.posix_fallocate(fd, 0, head + ring)
+            self._map = mmap.mmap(fd, head + ring)
         except BaseException:
             os.unlink(self.path)
             raise
         finally:
             os.close(fd)
-        self._tail = np.frombuffer(self._map, np.int64, count=1)
-        self._data = np.frombuffer(self._map, np.uint8, offset=HEADER_BYTES)
+        self._header = _Header(self._map, readers)
+        self._header.preamble[:3] = (head, ring, readers)
+        self._data = np.frombuffer(self._map, np.uint8, offset=head)
         self.head = 0
+        # Reservations not yet freed, oldest first: (start, end, ((reader, index), ...)).
+        self._live: deque[tuple[int, int, tuple[tuple[int, int], ...]]] = deque()
+        self._next: dict[int, int] = {}  # per reader: the index of its next piece
 
-    def put(self, piece: np.ndarray) -> int | None:
-        """Copy ``piece`` (C-contiguous) into the ring; its running offset, or None if full.
+    def _tail(self) -> int:
+        """Free the oldest reservations every reader has released; where the used part starts."""
+        live = self._live
+        released = self._header.released
+        while live and all(released[r] > k for r, k in live[0][2]):
+            live.popleft()
+        return live[0][0] if live else self.head
+
+    def put(self, piece: np.ndarray, readers: Sequence[int]) -> tuple[int, list[int]] | None:
+        """Copy ``piece`` (C-contiguous) in for ``readers``; its running offset and each
+        reader's index, or None if the ring is full.
 
         The offset is where the piece's reservation starts. A piece never wraps: if it does
         not fit before the end of the ring, its reservation also covers the rest of the ring
@@ -122,23 +179,28 @@ class Outbox:
         """
         start = self.head
         pos, end = placement(start, piece.nbytes, self.ring)
-        tail = int(self._tail[0])
-        _barrier()  # read tail before overwriting what it frees
+        tail = self._tail()
+        _barrier()  # read the released counts before overwriting what they free
         if end - tail > self.ring:
             return None
         np.copyto(self._data[pos:pos + piece.nbytes], piece.reshape(-1).view(np.uint8))
+        indices = []
+        for r in readers:
+            k = self._next.get(r, 0)
+            self._next[r] = k + 1
+            indices.append(k)
+            self._header.addressed[r] = 1
+        self._live.append((start, end, tuple(zip(readers, indices))))
         self.head = end
         _barrier()  # the piece is in memory before the message naming it leaves
-        return start
+        return start, indices
 
     def close(self) -> None:
-        """Drop this side's mapping (the receiver unlinks the file; see the module doc)."""
-        if self.head == 0:  # never named in a message: nobody else will unlink it
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        del self._tail, self._data
+        """Drop this side's mapping; unlink the file if no reader still has to map it."""
+        self._header.preamble[3] = 1
+        if self.head == 0 or self._header.everyone_in():
+            _unlink(self.path)
+        del self._header, self._data
         try:
             self._map.close()
         except BufferError:  # a view is still alive somewhere; the GC unmaps it later
@@ -148,13 +210,12 @@ class Outbox:
 class ShmFrame:
     """A received piece in a peer's ring; the space returns to the sender when it goes."""
 
-    __slots__ = ("buffer", "_inbox", "_start", "_end")
+    __slots__ = ("buffer", "_inbox", "_index")
 
-    def __init__(self, inbox: Inbox, start: int, end: int, buffer: memoryview) -> None:
+    def __init__(self, inbox: Inbox, index: int, buffer: memoryview) -> None:
         self.buffer = buffer
         self._inbox = inbox
-        self._start = start
-        self._end = end
+        self._index = index
 
     def __len__(self) -> int:
         return len(self.buffer)
@@ -169,13 +230,13 @@ class ShmFrame:
             return
         except Exception:  # interpreter teardown
             return
-        self._inbox.release(self._start, self._end)
+        self._inbox.release(self._index)
 
 
 class Inbox:
-    """The receiving side of one link's ring: turns offsets into frames, frees them in order."""
+    """A reader's view of one peer's ring: offsets to frames, releases published in order."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, me: int) -> None:
         if not NAME.fullmatch(name):
             raise ProtocolError(f"shared-memory segment name {name!r} is not one of ours")
         path = os.path.join(SHM_DIR, name)
@@ -185,59 +246,68 @@ class Inbox:
             raise ProtocolError(f"cannot open shared-memory segment {name!r}: {exc}") from None
         try:
             size = os.fstat(fd).st_size
-            if size <= HEADER_BYTES or (size - HEADER_BYTES) % ALIGN:
+            if size < PAGE:
                 raise ProtocolError(f"shared-memory segment {name!r} has a bad size {size}")
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-            try:  # both sides have it mapped now: nothing to leave behind on a crash
-                os.unlink(path)
-            except OSError:
-                pass
+        head, ring, readers = (int(v) for v in np.frombuffer(self._map, np.int64, count=3))
+        if (readers <= me or head != header_bytes(readers) or head + ring != size
+                or ring <= 0 or ring % ALIGN):
+            self._map.close()
+            raise ProtocolError(
+                f"shared-memory segment {name!r} has a bad header ({head}, {ring}, {readers}) "
+                f"for {size} bytes and reader {me}"
+            )
         self.name = name
-        self.ring = size - HEADER_BYTES
-        self._tail = np.frombuffer(self._map, np.int64, count=1)
-        self._data = memoryview(self._map)[HEADER_BYTES:]
-        self._taken: set[int] = set()  # reservations handed out as frames, not yet freed
-        self._freed: dict[int, int] = {}  # start -> end of released reservations
-        self._tail_value = int(self._tail[0])
+        self.path = path
+        self.ring = ring
+        self._header = _Header(self._map, readers)
+        self._me = me
+        self._data = memoryview(self._map)[head:]
+        self._count = int(self._header.released[me])  # pieces released, in index order
+        self._taken: set[int] = set()  # indices handed out as frames, not yet released
+        self._done: set[int] = set()  # indices released out of order
         self.closed = False
+        self._header.mapped[me] = 1
+        if self._header.everyone_in():  # the sender left first: this reader was the last
+            _unlink(path)
 
-    def take(self, start: int, n: int) -> ShmFrame:
-        """The frame for a piece of ``n`` bytes reserved at running offset ``start``.
-
-        Pieces may arrive in any order (a sender's segments interleave), but each may be
-        taken once, and only from the part of the ring the sender may have written.
+    def take(self, start: int, n: int, index: int) -> ShmFrame:
+        """The frame for a piece of ``n`` bytes reserved at running offset ``start``,
+        this reader's piece number ``index``.
 
         Raises:
-            ProtocolError: the piece is outside that part, too large, or taken twice.
+            ProtocolError: the piece does not fit in the ring, or was taken already.
         """
-        pos, end = placement(start, n, self.ring)
-        if start < self._tail_value or end - self._tail_value > self.ring or start in self._taken:
+        pos, _ = placement(start, n, self.ring)
+        if start < 0 or n > self.ring or pos + n > self.ring or index < self._count \
+                or index in self._taken or index in self._done:
             raise ProtocolError(
-                f"shared-memory piece at {start} (+{n} bytes) is outside the part of ring "
-                f"{self.name} its sender may use (tail {self._tail_value}, size {self.ring})"
+                f"shared-memory piece {index} at {start} (+{n} bytes) is outside ring "
+                f"{self.name} (size {self.ring}) or was taken already"
             )
-        self._taken.add(start)
-        return ShmFrame(self, start, end, self._data[pos:pos + n])
+        self._taken.add(index)
+        return ShmFrame(self, index, self._data[pos:pos + n])
 
-    def release(self, start: int, end: int) -> None:
-        """Give ``[start, end)`` back; advance the shared tail over everything contiguous."""
+    def release(self, index: int) -> None:
+        """Give piece ``index`` back; publish the count of pieces released in order."""
         if self.closed:
             return
-        self._taken.discard(start)
-        self._freed[start] = end
-        tail = self._tail_value
-        while tail in self._freed:
-            tail = self._freed.pop(tail)
-        if tail != self._tail_value:
+        self._taken.discard(index)
+        self._done.add(index)
+        count = self._count
+        while count in self._done:
+            self._done.remove(count)
+            count += 1
+        if count != self._count:
             _barrier()  # every read of the freed pieces is done before the sender sees it
-            self._tail[0] = tail
-            self._tail_value = tail
+            self._header.released[self._me] = count
+            self._count = count
 
     def close(self) -> None:
         self.closed = True
-        del self._tail
+        del self._header
         try:
             self._data.release()
             self._map.close()
@@ -284,31 +354,30 @@ _swept = False
 
 
 class SharedRings:
-    """The outboxes and inboxes of one peer, by peer rank."""
+    """A peer's outbox and the inboxes of the peers that send it shared-memory pieces."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int, world_size: int, peers: set[int]) -> None:
         global _swept
         if not _swept:
             _swept = True
             sweep()
         self.ring = ring_bytes()
-        self.peers: set[int] = set()  # the peers that may be sent shared-memory pieces
-        self._out: dict[int, Outbox | None] = {}
+        self.rank = rank
+        self.world_size = world_size
+        self.peers = peers  # the peers that may be sent shared-memory pieces
+        self._out: Outbox | None = None
+        self._failed = False
         self._in: dict[tuple[int, str], Inbox] = {}
 
-    def outbox(self, peer: int) -> Outbox | None:
-        """This peer's ring towards ``peer``, created on first use; None if it cannot be."""
-        if peer not in self.peers:
-            return None
-        if peer not in self._out:
+    def outbox(self) -> Outbox | None:
+        """This peer's ring, created on first use; None if it cannot be."""
+        if self._out is None and not self._failed:
             try:
-                self._out[peer] = Outbox(self.ring)
+                self._out = Outbox(self.ring, self.world_size)
             except OSError as exc:  # /dev/shm full or unusable: use the socket
-                log.warning(
-                    "no shared memory towards rank %d (%s); sending over the socket", peer, exc
-                )
-                self._out[peer] = None
-        return self._out[peer]
+                log.warning("no shared-memory ring (%s); sending over the socket", exc)
+                self._failed = True
+        return self._out
 
     def inbox(self, peer: int, name: str) -> Inbox:
         key = (peer, name)
@@ -316,17 +385,16 @@ class SharedRings:
         if box is None:
             if sum(1 for p, _ in self._in if p == peer) >= MAX_INBOXES_PER_PEER:
                 raise ProtocolError(f"rank {peer} named too many shared-memory segments")
-            box = self._in[key] = Inbox(name)
+            box = self._in[key] = Inbox(name, self.rank)
         return box
 
     def close(self) -> None:
-        for box in self._out.values():
-            if box is not None:
-                box.close()
+        if self._out is not None:
+            self._out.close()
+            self._out = None
         for inbox in self._in.values():
             inbox.close()
-        self._out.clear()
         self._in.clear()
 
 
-__all__: list[Any] = ["Inbox", "Outbox", "SharedRings", "ShmFrame", "enabled", "ring_bytes"]
+__all__ = ["Inbox", "Outbox", "SharedRings", "ShmFrame", "enabled", "ring_bytes", "sweep"]
