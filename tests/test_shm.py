@@ -292,3 +292,29 @@ async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
         np.testing.assert_array_equal(total, np.full(1 << 18, 3.0))
     for reason in ("field 'm'", "not one of ours", "cannot open", "outside ring"):
         assert reason in caplog.text
+
+
+async def test_a_stalled_ring_costs_one_wait_not_one_per_piece(
+    pair: tuple[shm.Outbox, shm.Inbox],
+) -> None:
+    from p2pcoll.transport.mesh import RING_WAIT_S, _put
+
+    out, inbox = pair
+    piece = np.ones(RING // 2, np.uint8)
+    held = [inbox.take(*_spot(await _put(out, piece, [1]))) for _ in range(2)]  # ring full
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    assert await _put(out, piece, [1]) is None  # waited for room, in vain
+    assert loop.time() - t >= RING_WAIT_S
+    assert out.stalled
+    t = loop.time()
+    assert await _put(out, piece, [1]) is None  # no second wait
+    assert loop.time() - t < RING_WAIT_S
+    del held[:]
+    assert await _put(out, piece, [1]) is not None  # room again: back to normal
+    assert not out.stalled
+
+
+def _spot(placed: tuple[int, list[int]] | None) -> tuple[int, int, int]:
+    assert placed is not None
+    return placed[0], RING // 2, placed[1][0]

@@ -63,7 +63,9 @@ def _discard_outcome(fut: asyncio.Future[object]) -> None:
 
 # How long a send waits for room in a shared-memory ring before it goes over the socket
 # instead. The receiver frees room as it consumes, so a short wait usually suffices; the
-# bound keeps two peers whose rings are both full from waiting on each other.
+# bound keeps two peers whose rings are both full from waiting on each other. After a wait
+# that ran out, later sends do not wait until one finds room again, so a stalled reader
+# costs one wait, not one per piece.
 RING_WAIT_S = 0.005
 
 
@@ -71,7 +73,8 @@ async def _put(
     outbox: shm.Outbox, piece: np.ndarray, readers: Sequence[int]
 ) -> tuple[int, list[int]] | None:
     at = outbox.put(piece, readers)
-    if at is not None or piece.nbytes > outbox.ring:
+    if at is not None or outbox.stalled or piece.nbytes > outbox.ring:
+        outbox.stalled = outbox.stalled and at is None
         return at
     loop = asyncio.get_running_loop()
     deadline = loop.time() + RING_WAIT_S
@@ -80,6 +83,7 @@ async def _put(
         await asyncio.sleep(delay)
         delay = min(delay * 2 or 2e-5, 5e-4)
         at = outbox.put(piece, readers)
+    outbox.stalled = at is None
     return at
 
 

@@ -160,6 +160,7 @@ class Outbox:
         # Reservations not yet freed, oldest first: (start, end, ((reader, index), ...)).
         self._live: deque[tuple[int, int, tuple[tuple[int, int], ...]]] = deque()
         self._next: dict[int, int] = {}  # per reader: the index of its next piece
+        self.stalled = False  # the last wait for room ran out (see mesh._put)
 
     def _tail(self) -> int:
         """Free the oldest reservations every reader has released; where the used part starts."""
