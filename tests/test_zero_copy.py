@@ -71,3 +71,18 @@ def test_which_sends_go_as_copies() -> None:
     assert final_sends(bcast) == {(0, 0), (0, 1)}
     leaf = plan(registry.get("broadcast", "root"), Context(rank=0, size=3, root=1), 1)
     assert final_sends(leaf) == frozenset()  # receives only
+
+
+def test_a_chunk_sent_to_several_peers_in_one_step_is_one_send() -> None:
+    """The root of a root broadcast hands each segment to the mesh once for all peers (so a
+    same-host ring copies it in once); a ring step's sends stay apart."""
+    from p2pcoll.executor import plan, send_groups
+    from p2pcoll.registry import registry
+    from p2pcoll.strategy import ALL, Context
+
+    root = plan(registry.get("broadcast", "root"), Context(rank=0, size=4, root=0), 1)
+    assert send_groups(root) == (((ALL, ((0, 1), (1, 2), (2, 3))),),)
+    ring = plan(registry.get("allreduce", "ring"), Context(rank=1, size=3, root=0), 3)
+    for step, groups in zip(ring, send_groups(ring), strict=True):
+        sends = [op for op in step if type(op).__name__ == "Send"]
+        assert [len(g) for _, g in groups] == [1] * len(sends)
