@@ -188,7 +188,7 @@ class Group:
         if m.size == 1:
             return
         # Make sure every link works before the first collective: hello to all, wait for all.
-        self._mesh.broadcast_control(Header("hello", m.group_id, m.rank))
+        self._mesh.greet(Header("hello", m.group_id, m.rank))
         try:
             await asyncio.wait_for(self._all_hello.wait(), max(0.0, deadline - loop.time()))
         except TimeoutError:

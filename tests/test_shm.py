@@ -20,6 +20,7 @@ from p2pcoll.transport import shm
 from p2pcoll.wire import WIRE_VERSION
 
 RING = 1 << 16
+TAG = shm.group_tag("test-group")
 
 
 def _ours() -> set[str]:
@@ -28,8 +29,9 @@ def _ours() -> set[str]:
 
 @pytest.fixture
 def pair() -> tuple[shm.Outbox, shm.Inbox]:
-    out = shm.Outbox(RING, readers=3)
-    inbox = shm.Inbox(out.name, me=1)
+    out = shm.Outbox(RING, readers=3, creator=0, tag=TAG)
+    out.announce({1, 2})
+    inbox = shm.Inbox(out.name, me=1, creator=0, tag=TAG)
     yield out, inbox
     inbox.close()
     out.close()
@@ -42,10 +44,11 @@ def test_a_piece_round_trips_and_its_space_comes_back(pair: tuple[shm.Outbox, sh
     frame = inbox.take(0, x.nbytes, 0)
     x[:] = -1  # the ring holds a copy
     np.testing.assert_array_equal(np.frombuffer(frame.buffer, np.float64), np.arange(1001.0))
+    assert out.put(x, [1]) == (8064, [1])  # reservations are whole cache lines
     assert out._tail() == 0
     del frame
-    assert out._tail() == 8064 == out.head  # reservations are whole cache lines
-    assert out.put(x, [1]) == (8064, [1])  # reader 1's second piece
+    assert out._tail() == 8064
+    assert out._header.released[1] == 1
 
 
 def test_full_ring_refuses_and_frees_in_order(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
@@ -68,7 +71,7 @@ def test_a_piece_for_several_readers_is_copied_once_and_freed_by_the_last(
     pair: tuple[shm.Outbox, shm.Inbox],
 ) -> None:
     out, one = pair
-    two = shm.Inbox(out.name, me=2)
+    two = shm.Inbox(out.name, me=2, creator=0, tag=TAG)
     try:
         x = np.arange(5000, dtype=np.int32)
         at, (k1, k2) = out.put(x, [1, 2])
@@ -86,17 +89,28 @@ def test_a_piece_that_does_not_fit_before_the_end_starts_the_ring_again(
     pair: tuple[shm.Outbox, shm.Inbox],
 ) -> None:
     out, inbox = pair
-    big = np.full(RING // 2 + 64, 7, np.uint8)
-    first = out.put(big, [1])
-    del_me = inbox.take(first[0], big.nbytes, 0)
-    del del_me
-    second, _ = out.put(big, [1])  # does not fit in what is left before the end
-    assert second == RING // 2 + 64
-    assert shm.placement(second, big.nbytes, RING) == (0, RING + RING // 2 + 64)
-    frame = inbox.take(second, big.nbytes, 1)
+    q = RING // 4
+    a = inbox.take(*_spot(out.put(np.ones(q, np.uint8), [1]), q))
+    b = inbox.take(*_spot(out.put(np.ones(2 * q, np.uint8), [1]), 2 * q))
+    d = inbox.take(*_spot(out.put(np.ones(64, np.uint8), [1]), 64))  # held: keeps the tail
+    del a, b
+    assert out._tail() == 3 * q
+    big = np.full(2 * q, 7, np.uint8)
+    start, (k,) = out.put(big, [1])  # does not fit in what is left before the end
+    assert start == 3 * q + 64
+    assert shm.placement(start, big.nbytes, RING) == (0, RING + 2 * q)
+    frame = inbox.take(start, big.nbytes, k)
     assert bytes(frame.buffer) == bytes(big)
-    del frame
-    assert out._tail() == RING + RING // 2 + 64
+    del d, frame
+    assert out._tail() == out.head == 2 * RING  # all free: the next piece starts the ring
+
+
+def test_when_all_is_free_any_piece_up_to_the_ring_fits(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
+    out, inbox = pair
+    f = inbox.take(*_spot(out.put(np.ones(3 * RING // 8, np.uint8), [1]), 3 * RING // 8))
+    del f
+    big = np.ones(5 * RING // 8, np.uint8)  # more than what is left before the end
+    assert out.put(big, [1]) is not None
 
 
 def test_a_piece_larger_than_the_ring_is_refused(pair: tuple[shm.Outbox, shm.Inbox]) -> None:
@@ -124,49 +138,53 @@ def test_a_piece_cannot_be_taken_twice(pair: tuple[shm.Outbox, shm.Inbox]) -> No
         inbox.take(at, 100, k)
 
 
-def test_only_our_well_formed_segments_are_opened() -> None:
-    for name in ("../etc/passwd", "p2pcoll-1-xyz", "other-1-0123456789abcdef"):
+def test_only_the_announcing_ranks_ring_of_this_group_is_mapped() -> None:
+    for name in ("../etc/passwd", "p2pcoll-1-xyz", "other-1-0123456789abcdef",
+                 "p2pcoll-99999999999-0123456789abcdef"):
         with pytest.raises(ProtocolError, match="not one of ours"):
-            shm.Inbox(name, 0)
-    with pytest.raises(ProtocolError, match="cannot open"):
-        shm.Inbox("p2pcoll-1-0123456789abcdef", 0)
+            shm.Inbox(name, 0, 1, TAG)
+    with pytest.raises(ProtocolError, match="cannot map"):
+        shm.Inbox("p2pcoll-1-0123456789abcdef", 0, 1, TAG)
     name = f"p2pcoll-{os.getpid()}-{'d' * 16}"
     path = os.path.join(shm.SHM_DIR, name)
     with open(path, "wb") as f:
         f.write(bytes(2 * shm.PAGE))  # a header of zeros: no readers
     try:
-        with pytest.raises(ProtocolError, match="bad header"):
-            shm.Inbox(name, 0)
+        with pytest.raises(ProtocolError, match="not rank 1's ring"):
+            shm.Inbox(name, 0, 1, TAG)
     finally:
         os.unlink(path)
-    out = shm.Outbox(RING, readers=2)
+    out = shm.Outbox(RING, readers=2, creator=1, tag=TAG)
     try:
-        with pytest.raises(ProtocolError, match="bad header"):
-            shm.Inbox(out.name, 2)  # no slot for reader 2
+        for me, creator, tag in ((2, 1, TAG), (0, 0, TAG), (0, 1, shm.group_tag("other"))):
+            with pytest.raises(ProtocolError, match="not rank"):
+                shm.Inbox(out.name, me, creator, tag)
+        assert not out.ready(0)
+        shm.Inbox(out.name, 0, 1, TAG).close()
+        assert out.ready(0)
     finally:
         out.close()
 
 
-def test_the_file_goes_once_the_sender_closed_and_every_reader_mapped() -> None:
-    out = shm.Outbox(RING, readers=3)
-    out.put(np.ones(10, np.uint8), [1, 2])
-    one = shm.Inbox(out.name, 1)
-    out.close()  # reader 2 has not mapped it yet: the file must stay
-    assert os.path.exists(out.path)
-    two = shm.Inbox(out.name, 2)  # the last reader unlinks it
+def test_the_file_goes_once_every_peer_mapped_it_or_the_sender_closes() -> None:
+    out = shm.Outbox(RING, readers=3, creator=0, tag=TAG)
+    out.announce({1, 2})
+    one = shm.Inbox(out.name, 1, 0, TAG)
+    out.unlink_when_all_mapped()
+    assert os.path.exists(out.path)  # rank 2 has not mapped it yet
+    two = shm.Inbox(out.name, 2, 0, TAG)  # the last to map it unlinks it
     assert not os.path.exists(out.path)
+    out.unlink_when_all_mapped()  # nothing left to do
+    x = np.arange(10, dtype=np.uint8)  # both still read through their mappings
+    frames = [box.take(*_spot(out.put(x, [1, 2]), 10, i)) for i, box in enumerate((one, two))]
+    assert [bytes(f.buffer) for f in frames] == [x.tobytes()] * 2
+    del frames
     one.close()
     two.close()
-    early = shm.Outbox(RING, readers=2)
-    early.put(np.ones(10, np.uint8), [1])
-    reader = shm.Inbox(early.name, 1)
-    assert os.path.exists(early.path)  # the sender may still address others
-    early.close()
-    assert not os.path.exists(early.path)
-    reader.close()
-    unused = shm.Outbox(RING, readers=2)
-    unused.close()
-    assert not os.path.exists(unused.path)
+    out.close()
+    lonely = shm.Outbox(RING, readers=2, creator=0, tag=TAG)
+    lonely.close()
+    assert not os.path.exists(lonely.path)
 
 
 def test_sweep_removes_stale_rings_of_dead_creators_only() -> None:
@@ -257,7 +275,7 @@ async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ctx = zmq.asyncio.Context.instance()
-    out = shm.Outbox(RING, readers=2)
+    out = shm.Outbox(RING, readers=2, creator=5, tag=TAG)
     try:
         async def fn(g: p2pcoll.Group) -> object:
             if g.rank == 0:
@@ -290,7 +308,7 @@ async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
     assert results[0][0] == 5
     for _, total in results:
         np.testing.assert_array_equal(total, np.full(1 << 18, 3.0))
-    for reason in ("field 'm'", "not one of ours", "cannot open", "outside ring"):
+    for reason in ("field 'm'", "not its own"):
         assert reason in caplog.text
 
 
@@ -315,6 +333,37 @@ async def test_a_stalled_ring_costs_one_wait_not_one_per_piece(
     assert not out.stalled
 
 
-def _spot(placed: tuple[int, list[int]] | None) -> tuple[int, int, int]:
+def _spot(
+    placed: tuple[int, list[int]] | None, n: int = RING // 2, reader: int = 0
+) -> tuple[int, int, int]:
     assert placed is not None
-    return placed[0], RING // 2, placed[1][0]
+    return placed[0], n, placed[1][reader]
+
+
+async def test_a_peer_that_cannot_map_a_ring_gets_the_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another /dev/shm, another user, or shared memory off on that peer: it does not map
+    the rings announced to it, and the others send it everything over the socket."""
+    real = shm.SharedRings.accept
+
+    def refuse_on_rank_1(self: shm.SharedRings, peer: int, name: str) -> None:
+        if self.rank == 1:
+            raise ProtocolError("cannot map (simulated)")
+        real(self, peer, name)
+
+    monkeypatch.setattr(shm.SharedRings, "accept", refuse_on_rank_1)
+
+    async def fn(g: p2pcoll.Group) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        x = np.arange(1 << 20, dtype=np.float32) * (g.rank + 1)
+        total = await g.allreduce(x, strategy="ring")
+        sent = await g.broadcast(x if g.rank == 0 else None, root=0, strategy="root")
+        return total, sent, g.stats()
+
+    results = await run_ranks(3, fn, transport="ipc")
+    base = np.arange(1 << 20, dtype=np.float32)
+    for total, sent, _ in results:
+        np.testing.assert_array_equal(total, base * 6)
+        np.testing.assert_array_equal(sent, base)
+    # rank 0 sends to 1 over the socket and to 2 through the ring
+    assert 0 < results[0][2]["bytes_sent_shm"] < results[0][2]["bytes_sent"]

@@ -13,6 +13,7 @@ good ones to ``on_message``; bad ones are dropped, counted and logged, and the p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -146,13 +147,14 @@ class Mesh:
         inproc = self.transport.name == "inproc"
         monitored = self._monitored = not inproc
         self._snapshot_all = inproc
-        if not inproc and shm.enabled():
-            # Peers reached over ipc share this host: large pieces go through shared memory.
-            near = {
-                peer for peer, endpoint in enumerate(endpoints)
-                if peer != rank and endpoint.startswith("ipc://")
-            }
-            self._rings = shm.SharedRings(rank, len(endpoints), near)
+        near = {
+            peer for peer, endpoint in enumerate(endpoints)
+            if peer != rank and endpoint.startswith("ipc://")
+        }
+        if near and not inproc and shm.enabled():
+            # Peers reached over ipc share this host: large pieces may go through shared
+            # memory, to those of them that map the ring announced in the hello.
+            self._rings = shm.SharedRings(rank, len(endpoints), near, group_id)
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -194,8 +196,8 @@ class Mesh:
         links = [self._link(dst) for dst in dsts]
         nbytes = [a.nbytes for a in payload]
         rings = self._rings
-        near = [dst for dst in dsts if rings is not None and dst in rings.peers]
-        outbox = rings.outbox() if near and rings is not None else None
+        near = rings.readers(dsts) if rings is not None else []
+        outbox = rings.outbox if near and rings is not None else None
         # Where each piece went in the ring: (offset, reader indices), or None.
         placed: list[tuple[int, list[int]] | None] = []
         for piece in payload:
@@ -264,6 +266,14 @@ class Mesh:
         # An asyncio socket reports a full queue (EAGAIN) through the returned future.
         sent.add_done_callback(_discard_outcome)
 
+    def greet(self, header: Header) -> None:
+        """Post a hello to every other peer; to those of this host it names this peer's
+        shared-memory ring, which they map if they can (see :mod:`.shm`)."""
+        outbox = self._rings.outbox if self._rings is not None else None
+        for peer in self._links:
+            meta = {"ring": outbox.name} if outbox and peer in self._rings.peers else None
+            self.post(peer, dataclasses.replace(header, meta=meta))
+
     def broadcast_control(self, header: Header) -> None:
         """Post a control message to every other peer."""
         for peer in self._links:
@@ -291,6 +301,8 @@ class Mesh:
             if header.kind == "data":
                 self.counters.messages_received += 1
                 self.counters.bytes_received += sum(header.nbytes)
+            elif header.kind == "hello" and header.meta and "ring" in header.meta:
+                self._accept_ring(header.src, header.meta["ring"])
             try:
                 self.on_message(header, payload)
             except ProtocolError as exc:
@@ -299,6 +311,18 @@ class Mesh:
             # Let go of the frames before waiting: over inproc a zero-copy send is complete
             # only when the receiver frees its frame, and the sender may be waiting for that.
             del frames, payload
+
+    def _accept_ring(self, peer: int, name: object) -> None:
+        """Map the shared-memory ring a peer of this host announced; if that fails, the
+        peer keeps sending to this one over the socket."""
+        if self._rings is None or peer not in self._rings.peers:
+            return
+        try:
+            if not isinstance(name, str):
+                raise ProtocolError(f"ring name {name!r} is not a string")
+            self._rings.accept(peer, name)
+        except ProtocolError as exc:
+            log.info("rank %d: no shared memory from rank %d: %s", self.rank, peer, exc)
 
     def _validate(self, frames: list[zmq.Frame]) -> tuple[Header, list[Piece]]:
         if len(frames) < 2:
@@ -326,7 +350,7 @@ class Mesh:
         if header.shm is None:
             return header, payload
         if self._rings is None:
-            raise ProtocolError("message names a shared-memory ring, this peer uses none")
+            raise ProtocolError("message names a shared-memory ring, this peer maps none")
         inbox = self._rings.inbox(header.src, header.shm[0])
         inline_frames = iter(payload)
         pieces = [next(inline_frames) if at == -1 else inbox.take(at, n, k)

@@ -7,38 +7,42 @@ that reach each other over ipc (same host), a sender instead copies a large piec
 a ring buffer in shared memory that only it writes, and the message carries where the piece
 lies instead of the piece; the receiver reduces or copies straight out of the ring.
 
-One ring per sending peer, read by every peer it sends large pieces to: a file in
-``/dev/shm``, created by the sender on its first large send and mapped by each receiver
-when the first message naming it arrives. A piece sent to several peers (the root of a
-broadcast) is copied in once and read by all of them. The space is reserved with
-``posix_fallocate``: a full ``/dev/shm`` fails cleanly there instead of crashing a later
-write with SIGBUS.
+One ring per sending peer, read by every peer of its host it sends large pieces to: a file
+in ``/dev/shm`` created when the peer connects and named in its hello to the other peers.
+A peer that can map it (same ``/dev/shm``, same user, shared memory not turned off) marks
+its slot in the ring's header as mapped; only then does the sender give it pieces through
+the ring, so peers that cannot share memory simply keep the socket. The header also names
+the creating rank and group, so a peer can only ever read the ring of the peer that
+announced it. A piece sent to several peers (the root of a broadcast) is copied in once
+and read by all of them. The space is reserved with ``posix_fallocate``: a full
+``/dev/shm`` fails cleanly there instead of crashing a later write with SIGBUS.
 
 The header page holds, per reader rank, how many of the pieces addressed to it it has
 released (in order of the per-reader index each message carries, though pieces may be
-consumed in any order), whether it has mapped the file, and whether it was ever addressed.
-The sender reserves space in order (``head``, a running byte count) and frees the oldest
-reservations once every reader they were addressed to has released them. A piece is
-released when the last reference to its :class:`ShmFrame` goes (the executor drops frames
-right after reducing them). A send that finds no room goes over the socket as usual, so a
-slow receiver never blocks a sender and nothing can deadlock on the ring.
+consumed in any order) and whether it has mapped the file. The sender reserves space in
+order (``head``, a running byte count) and frees the oldest reservations once every reader
+they were addressed to has released them. A piece is released when its :class:`ShmFrame`
+is dropped; whoever holds a frame must not keep views of its buffer beyond that (the
+executor reduces or copies out of it at once). A send that finds no room waits briefly
+(see ``mesh._put``) and then goes over the socket, so a slow receiver never blocks a sender
+and nothing can deadlock on the ring.
 
-Clean-up: the file is unlinked by whichever side finds, after announcing its own part, the
-sender closed and every addressed reader mapped: the sender when it closes, or the last
-reader to map it. (The sender cannot simply unlink it when it closes: its last messages
-may not have been read yet.) A file whose reader never came, because it died first, is
-removed by the next peer on the host that starts, once its creator is gone and it is a
-minute old.
+Clean-up: the file is unlinked as soon as every peer it was announced to has mapped it (by
+that last peer, or by the sender), and in any case when the sender closes (a mapping
+outlives the name). A file left by a crash before
+that is removed by the next group that starts on the host, once its creator is gone and the
+file has not been written for a minute.
 
 Ordering: the sender writes the piece before the message naming it is sent, and a reader
 publishes its release after it has read the piece; a lock round trip on each side (a full
-memory barrier) keeps those orders on every architecture.
+memory barrier on common platforms) keeps those orders.
 
 ``P2PCOLL_SHM=0`` turns this off; ``P2PCOLL_SHM_BYTES`` sets the ring size (16 MiB).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
@@ -46,7 +50,7 @@ import re
 import threading
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -56,12 +60,12 @@ log = logging.getLogger("p2pcoll.transport")
 
 SHM_DIR = "/dev/shm"
 PAGE = 4096
-# The header: four int64 (header bytes, ring bytes, readers, sender closed), then per reader
-# rank its released count, its mapped flag and its addressed flag (int64 each).
-PREAMBLE = 4
+# The header: six int64 (header bytes, ring bytes, readers, creator rank, group tag, unused),
+# then per reader rank its released count, its mapped flag and whether the creator announced
+# the ring to it (int64 each).
+PREAMBLE = 6
 ALIGN = 64  # pieces start on cache lines
-NAME = re.compile(r"p2pcoll-[0-9]+-[0-9a-f]{16}")
-MAX_INBOXES_PER_PEER = 4
+NAME = re.compile(r"p2pcoll-([0-9]{1,10})-[0-9a-f]{16}")
 
 _barrier_lock = threading.Lock()
 
@@ -112,6 +116,11 @@ def header_bytes(readers: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
+def group_tag(group_id: str) -> int:
+    """A 56-bit tag of a group id, stored in the rings of its peers."""
+    return int.from_bytes(hashlib.blake2b(group_id.encode(), digest_size=7).digest(), "big")
+
+
 class _Header:
     """Views of a ring file's header (both sides map the same one)."""
 
@@ -120,12 +129,12 @@ class _Header:
         self.preamble = words[:PREAMBLE]
         self.released = words[PREAMBLE:PREAMBLE + readers]
         self.mapped = words[PREAMBLE + readers:PREAMBLE + 2 * readers]
-        self.addressed = words[PREAMBLE + 2 * readers:]
+        self.announced = words[PREAMBLE + 2 * readers:]
 
-    def everyone_in(self) -> bool:
-        """The sender has closed and every reader it addressed has mapped the file."""
+    def all_mapped(self) -> bool:
+        """Every peer the ring was announced to has mapped it: the name is no longer needed."""
         _barrier()
-        return bool(self.preamble[3]) and bool(np.all(self.mapped[self.addressed != 0]))
+        return bool(np.all(self.mapped[self.announced != 0]))
 
 
 def _unlink(path: str) -> None:
@@ -138,7 +147,7 @@ def _unlink(path: str) -> None:
 class Outbox:
     """A peer's sending ring: copies pieces in once, for one or several readers."""
 
-    def __init__(self, ring: int, readers: int) -> None:
+    def __init__(self, ring: int, readers: int, creator: int, tag: int) -> None:
         self.name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.ring = ring
@@ -154,13 +163,30 @@ class Outbox:
         finally:
             os.close(fd)
         self._header = _Header(self._map, readers)
-        self._header.preamble[:3] = (head, ring, readers)
+        self._header.preamble[:5] = (head, ring, readers, creator, tag)
         self._data = np.frombuffer(self._map, np.uint8, offset=head)
         self.head = 0
         # Reservations not yet freed, oldest first: (start, end, ((reader, index), ...)).
         self._live: deque[tuple[int, int, tuple[tuple[int, int], ...]]] = deque()
         self._next: dict[int, int] = {}  # per reader: the index of its next piece
         self.stalled = False  # the last wait for room ran out (see mesh._put)
+        self.closed = False
+        self.linked = True
+
+    def ready(self, reader: int) -> bool:
+        """Whether ``reader`` has mapped this ring (only then may it be sent pieces)."""
+        return not self.closed and bool(self._header.mapped[reader])
+
+    def announce(self, readers: Iterable[int]) -> None:
+        """Record the peers the ring is announced to (the file goes once all have mapped it)."""
+        for r in readers:
+            self._header.announced[r] = 1
+
+    def unlink_when_all_mapped(self) -> None:
+        """Unlink the file once every announced peer has mapped it: nothing left on a crash."""
+        if self.linked and self._header.all_mapped():
+            _unlink(self.path)
+            self.linked = False
 
     def _tail(self) -> int:
         """Free the oldest reservations every reader has released; where the used part starts."""
@@ -168,20 +194,25 @@ class Outbox:
         released = self._header.released
         while live and all(released[r] > k for r, k in live[0][2]):
             live.popleft()
-        return live[0][0] if live else self.head
+        if not live:  # all free: start again at the ring's start, so any piece <= ring fits
+            self.head += -self.head % self.ring
+            return self.head
+        return live[0][0]
 
     def put(self, piece: np.ndarray, readers: Sequence[int]) -> tuple[int, list[int]] | None:
         """Copy ``piece`` (C-contiguous) in for ``readers``; its running offset and each
-        reader's index, or None if the ring is full.
+        reader's index, or None if the ring is full (or closed).
 
         The offset is where the piece's reservation starts. A piece never wraps: if it does
         not fit before the end of the ring, its reservation also covers the rest of the ring
         and its data starts at the ring's start (see :func:`placement`).
         """
-        start = self.head
-        pos, end = placement(start, piece.nbytes, self.ring)
+        if self.closed:
+            return None
         tail = self._tail()
         _barrier()  # read the released counts before overwriting what they free
+        start = self.head
+        pos, end = placement(start, piece.nbytes, self.ring)
         if end - tail > self.ring:
             return None
         np.copyto(self._data[pos:pos + piece.nbytes], piece.reshape(-1).view(np.uint8))
@@ -190,16 +221,17 @@ class Outbox:
             k = self._next.get(r, 0)
             self._next[r] = k + 1
             indices.append(k)
-            self._header.addressed[r] = 1
         self._live.append((start, end, tuple(zip(readers, indices))))
         self.head = end
         _barrier()  # the piece is in memory before the message naming it leaves
         return start, indices
 
     def close(self) -> None:
-        """Drop this side's mapping; unlink the file if no reader still has to map it."""
-        self._header.preamble[3] = 1
-        if self.head == 0 or self._header.everyone_in():
+        """Unlink the file (readers keep their mappings) and drop this side's mapping."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.linked:
             _unlink(self.path)
         del self._header, self._data
         try:
@@ -209,7 +241,11 @@ class Outbox:
 
 
 class ShmFrame:
-    """A received piece in a peer's ring; the space returns to the sender when it goes."""
+    """A received piece in a peer's ring; the space returns to the sender when it is dropped.
+
+    ``buffer`` must not be used, nor views of it kept, after the frame is dropped: the
+    sender may then overwrite the bytes.
+    """
 
     __slots__ = ("buffer", "_inbox", "_index")
 
@@ -223,45 +259,46 @@ class ShmFrame:
 
     def __del__(self) -> None:
         try:
-            self.buffer.release()
-        except BufferError:
-            # An array still views the piece: never let the sender overwrite it. The space
-            # stays taken (later sends that find no room go over the socket).
-            log.warning("a view of a shared-memory piece outlived its frame; space not reused")
-            return
-        except Exception:  # interpreter teardown
-            return
-        self._inbox.release(self._index)
+            self._inbox.release(self._index)
+        except Exception:  # interpreter teardown: modules may be gone
+            pass
 
 
 class Inbox:
     """A reader's view of one peer's ring: offsets to frames, releases published in order."""
 
-    def __init__(self, name: str, me: int) -> None:
+    def __init__(self, name: str, me: int, creator: int, tag: int) -> None:
+        """Map the ring ``name`` that rank ``creator`` of the group tagged ``tag`` announced.
+
+        Raises:
+            ProtocolError: the name is not a p2pcoll ring, it cannot be opened or mapped, or
+                its header does not match (another rank's or group's ring, no slot for ``me``).
+        """
         if not NAME.fullmatch(name):
-            raise ProtocolError(f"shared-memory segment name {name!r} is not one of ours")
+            raise ProtocolError(f"shared-memory ring name {name!r} is not one of ours")
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                if size < PAGE:
+                    raise ProtocolError(f"shared-memory ring {name!r} has a bad size {size}")
+                self._map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
         except OSError as exc:
-            raise ProtocolError(f"cannot open shared-memory segment {name!r}: {exc}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < PAGE:
-                raise ProtocolError(f"shared-memory segment {name!r} has a bad size {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        head, ring, readers = (int(v) for v in np.frombuffer(self._map, np.int64, count=3))
+            raise ProtocolError(f"cannot map shared-memory ring {name!r}: {exc}") from None
+        head, ring, readers, owner, owner_tag = (
+            int(v) for v in np.frombuffer(self._map, np.int64, count=5)
+        )
         if (readers <= me or head != header_bytes(readers) or head + ring != size
-                or ring <= 0 or ring % ALIGN):
+                or ring <= 0 or ring % ALIGN or owner != creator or owner_tag != tag):
             self._map.close()
             raise ProtocolError(
-                f"shared-memory segment {name!r} has a bad header ({head}, {ring}, {readers}) "
-                f"for {size} bytes and reader {me}"
+                f"shared-memory ring {name!r} is not rank {creator}'s ring of this group with a "
+                f"slot for rank {me} (header {head}, {ring}, {readers}, {owner}; {size} bytes)"
             )
         self.name = name
-        self.path = path
         self.ring = ring
         self._header = _Header(self._map, readers)
         self._me = me
@@ -269,9 +306,12 @@ class Inbox:
         self._count = int(self._header.released[me])  # pieces released, in index order
         self._taken: set[int] = set()  # indices handed out as frames, not yet released
         self._done: set[int] = set()  # indices released out of order
+        # Frames may be dropped by the garbage collector on another thread.
+        self._lock = threading.Lock()
         self.closed = False
+        _barrier()
         self._header.mapped[me] = 1
-        if self._header.everyone_in():  # the sender left first: this reader was the last
+        if self._header.all_mapped():  # the last to map it: nobody needs the name any more
             _unlink(path)
 
     def take(self, start: int, n: int, index: int) -> ShmFrame:
@@ -282,32 +322,35 @@ class Inbox:
             ProtocolError: the piece does not fit in the ring, or was taken already.
         """
         pos, _ = placement(start, n, self.ring)
-        if start < 0 or n > self.ring or pos + n > self.ring or index < self._count \
-                or index in self._taken or index in self._done:
-            raise ProtocolError(
-                f"shared-memory piece {index} at {start} (+{n} bytes) is outside ring "
-                f"{self.name} (size {self.ring}) or was taken already"
-            )
-        self._taken.add(index)
+        with self._lock:
+            if start < 0 or n > self.ring or pos + n > self.ring or index < self._count \
+                    or index in self._taken or index in self._done:
+                raise ProtocolError(
+                    f"shared-memory piece {index} at {start} (+{n} bytes) is outside ring "
+                    f"{self.name} (size {self.ring}) or was taken already"
+                )
+            self._taken.add(index)
         return ShmFrame(self, index, self._data[pos:pos + n])
 
     def release(self, index: int) -> None:
         """Give piece ``index`` back; publish the count of pieces released in order."""
-        if self.closed:
-            return
-        self._taken.discard(index)
-        self._done.add(index)
-        count = self._count
-        while count in self._done:
-            self._done.remove(count)
-            count += 1
-        if count != self._count:
-            _barrier()  # every read of the freed pieces is done before the sender sees it
-            self._header.released[self._me] = count
-            self._count = count
+        with self._lock:
+            if self.closed or index not in self._taken:
+                return
+            self._taken.discard(index)
+            self._done.add(index)
+            count = self._count
+            while count in self._done:
+                self._done.remove(count)
+                count += 1
+            if count != self._count:
+                _barrier()  # every read of the freed pieces is done before the sender sees it
+                self._header.released[self._me] = count
+                self._count = count
 
     def close(self) -> None:
-        self.closed = True
+        with self._lock:
+            self.closed = True
         del self._header
         try:
             self._data.release()
@@ -327,9 +370,10 @@ def sweep(min_age: float = 60.0) -> int:
     except OSError:
         return 0
     for name in names:
-        if not NAME.fullmatch(name):
+        match = NAME.fullmatch(name)
+        if match is None:
             continue
-        pid = int(name.split("-")[1])
+        pid = int(match.group(1))
         path = os.path.join(SHM_DIR, name)
         try:
             if now - os.stat(path).st_mtime < min_age or _alive(pid):
@@ -344,7 +388,7 @@ def sweep(min_age: float = 60.0) -> int:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True
@@ -355,44 +399,50 @@ _swept = False
 
 
 class SharedRings:
-    """A peer's outbox and the inboxes of the peers that send it shared-memory pieces."""
+    """A peer's outbox and the inboxes of the peers of its host that announced theirs."""
 
-    def __init__(self, rank: int, world_size: int, peers: set[int]) -> None:
+    def __init__(self, rank: int, world_size: int, peers: set[int], group_id: str) -> None:
         global _swept
         if not _swept:
             _swept = True
             sweep()
-        self.ring = ring_bytes()
         self.rank = rank
-        self.world_size = world_size
-        self.peers = peers  # the peers that may be sent shared-memory pieces
-        self._out: Outbox | None = None
-        self._failed = False
-        self._in: dict[tuple[int, str], Inbox] = {}
+        self.peers = peers  # the peers of this host (reached over ipc)
+        self.tag = group_tag(group_id)
+        self.outbox: Outbox | None = None
+        self._in: dict[int, Inbox] = {}
+        try:
+            self.outbox = Outbox(ring_bytes(), world_size, rank, self.tag)
+            self.outbox.announce(peers)
+        except OSError as exc:  # /dev/shm full or unusable: use the socket
+            log.warning("rank %d: no shared-memory ring (%s); sending over the socket", rank, exc)
 
-    def outbox(self) -> Outbox | None:
-        """This peer's ring, created on first use; None if it cannot be."""
-        if self._out is None and not self._failed:
-            try:
-                self._out = Outbox(self.ring, self.world_size)
-            except OSError as exc:  # /dev/shm full or unusable: use the socket
-                log.warning("no shared-memory ring (%s); sending over the socket", exc)
-                self._failed = True
-        return self._out
+    def readers(self, dsts: Sequence[int]) -> list[int]:
+        """Those of ``dsts`` that may be sent pieces through the ring (they have mapped it)."""
+        out = self.outbox
+        if out is None:
+            return []
+        ready = [d for d in dsts if d in self.peers and out.ready(d)]
+        if ready and out.linked:
+            out.unlink_when_all_mapped()
+        return ready
+
+    def accept(self, peer: int, name: str) -> None:
+        """Map the ring ``peer`` announced (once); ProtocolError if it cannot be."""
+        if peer not in self.peers or peer in self._in:
+            raise ProtocolError(f"rank {peer} may not announce a shared-memory ring here")
+        self._in[peer] = Inbox(name, self.rank, peer, self.tag)
 
     def inbox(self, peer: int, name: str) -> Inbox:
-        key = (peer, name)
-        box = self._in.get(key)
-        if box is None:
-            if sum(1 for p, _ in self._in if p == peer) >= MAX_INBOXES_PER_PEER:
-                raise ProtocolError(f"rank {peer} named too many shared-memory segments")
-            box = self._in[key] = Inbox(name, self.rank)
+        """The ring ``peer`` announced under ``name``; ProtocolError for any other."""
+        box = self._in.get(peer)
+        if box is None or box.name != name:
+            raise ProtocolError(f"rank {peer} names shared-memory ring {name!r}, not its own")
         return box
 
     def close(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+        if self.outbox is not None:
+            self.outbox.close()
         for inbox in self._in.values():
             inbox.close()
         self._in.clear()
