@@ -192,6 +192,12 @@ class Mesh:
         through pyzmq's garbage-collector thread, which must take the GIL), and the arrays
         may be written as soon as this returns. Returns None when nothing needs waiting
         for. Smaller pieces are always copied.
+
+        Raises:
+            PeerLost: a destination has left, or this peer has closed.
+        Cancellation: some destinations may have been sent the message and others not;
+        ring space reserved for the others stays taken until the group closes (the
+        caller breaks the group on cancellation anyway).
         """
         links = [self._link(dst) for dst in dsts]
         nbytes = [a.nbytes for a in payload]
