@@ -429,6 +429,24 @@ class BlockingCollective(Protocol):
         """What the p2pcoll call would return (numpy arrays), for :func:`check_result`."""
 
 
+def worker_options(
+    prog: str, description: str, argv: Sequence[str] | None
+) -> tuple[str, dict[str, Any]]:
+    """The command line of a compared library's worker: where rank 0 writes the raw rows,
+    and the bench configuration."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--out", required=True, help="where rank 0 writes the raw rows")
+    parser.add_argument("--config", required=True, help="the bench configuration, as JSON")
+    args = parser.parse_args(argv)
+    return args.out, json.loads(args.config)
+
+
+def write_rows(path: str, rows: list[dict[str, Any]]) -> None:
+    """Rank 0 of a compared library's worker: hand its rows to the bench command."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"rows": rows}, f)
+
+
 def measure_blocking(
     config: dict[str, Any], nbytes: int, rank: int, p: int, name: str,
     new: Callable[[int], BlockingCollective], barrier: Callable[[], None],

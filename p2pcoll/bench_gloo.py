@@ -26,8 +26,6 @@ JSON to ``PATH``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import warnings
@@ -37,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import ROOT, fill_value, measure_blocking
+from .bench import ROOT, fill_value, measure_blocking, worker_options, write_rows
 
 TIMEOUT = timedelta(seconds=300)  # Gloo's own deadline for each collective
 
@@ -114,14 +112,11 @@ def bench_size(dist: Any, torch: Any, config: dict[str, Any], nbytes: int) -> di
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m p2pcoll.bench_gloo",
-        description="Gloo worker of `p2pcoll bench --compare gloo` (started by the launcher).",
+    out, config = worker_options(
+        "python -m p2pcoll.bench_gloo",
+        "Gloo worker of `p2pcoll bench --compare gloo` (started by the launcher).",
+        argv,
     )
-    parser.add_argument("--out", required=True, help="where rank 0 writes the raw rows")
-    parser.add_argument("--config", required=True, help="the bench configuration, as JSON")
-    args = parser.parse_args(argv)
-    config = json.loads(args.config)
 
     import torch  # noqa: PLC0415 (optional dependency: the bench extra)
     import torch.distributed as dist  # noqa: PLC0415
@@ -137,8 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rows = [bench_size(dist, torch, config, nbytes) for nbytes in config["sizes"]]
         if rank == 0:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump({"rows": rows}, f)
+            write_rows(out, rows)
         dist.barrier()
     finally:
         dist.destroy_process_group()

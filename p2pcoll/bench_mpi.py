@@ -17,7 +17,6 @@ forms (``Iallreduce`` ...). Rank 0 writes the raw rows (strategy ``"mpi"``) as J
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import ROOT, fill_value, measure_blocking
+from .bench import ROOT, fill_value, measure_blocking, worker_options, write_rows
 
 MCA = ("--mca", "pml", "ob1", "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo")
 
@@ -99,14 +98,11 @@ class _Collective:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m p2pcoll.bench_mpi",
-        description="MPI worker of `p2pcoll bench --compare mpi` (started by mpirun).",
+    out, config = worker_options(
+        "python -m p2pcoll.bench_mpi",
+        "MPI worker of `p2pcoll bench --compare mpi` (started by mpirun).",
+        argv,
     )
-    parser.add_argument("--out", required=True, help="where rank 0 writes the raw rows")
-    parser.add_argument("--config", required=True, help="the bench configuration, as JSON")
-    args = parser.parse_args(argv)
-    config = json.loads(args.config)
 
     from mpi4py import MPI  # noqa: PLC0415 (optional dependency)
 
@@ -131,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for nbytes in config["sizes"]
     ]
     if comm.Get_rank() == 0:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"rows": rows}, f)
+        write_rows(out, rows)
     comm.Barrier()
     return 0
 

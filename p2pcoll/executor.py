@@ -76,19 +76,23 @@ def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tupl
 
 
 @lru_cache(maxsize=1024)
-def final_sends(steps: tuple[tuple[Op, ...], ...]) -> frozenset[tuple[int, int]]:
-    """The sends (step, op index) of the last step that sends anything.
+def copies(
+    steps: tuple[tuple[Op, ...], ...], nchunks: int
+) -> tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]]]:
+    """The sends that go as copies: in every segment, and in the last ``depth`` segments.
 
-    In the last segments these go as copies: the collective returns only once libzmq has
-    let go of every zero-copy send, and the last ones are still on the wire when the last
-    receive completes. Copying them (at most ``depth`` segments' worth) costs less than
-    waiting for their release, which pyzmq reports through a thread that needs the GIL.
+    Every segment copies its :func:`snapshots`. The last segments also copy the sends of
+    the last step that sends anything: the collective returns only once libzmq has let go
+    of every zero-copy send, and the last ones are still on the wire when the last receive
+    completes. Copying them (at most ``depth`` segments' worth) costs less than waiting for
+    their release, which pyzmq reports through a thread that needs the GIL.
     """
+    early = snapshots(steps, nchunks)
     for i in range(len(steps) - 1, -1, -1):
-        sends = [(i, j) for j, op in enumerate(steps[i]) if isinstance(op, Send)]
-        if sends:
-            return frozenset(sends)
-    return frozenset()
+        final = frozenset((i, j) for j, op in enumerate(steps[i]) if isinstance(op, Send))
+        if final:
+            return early, early | final
+    return early, early
 
 
 @lru_cache(maxsize=1024)
@@ -157,8 +161,7 @@ class Executor:
         steps = plan(strategy, ctx, len(layout.chunks))
         self.mailbox.expect(seq, sig, ctx.rank)
         nseg = layout.segment(self.segment_bytes)
-        early = snapshots(steps, len(layout.chunks))
-        late = early | final_sends(steps)
+        early, late = copies(steps, len(layout.chunks))
         first_late = max(nseg - self.depth, 0)
         # Zero-copy sends whose segment has finished: the caller may reuse the data only
         # once libzmq has let go of them, so they are awaited once, at the very end.
@@ -171,8 +174,8 @@ class Executor:
 
             async def one(seg: int) -> None:
                 async with window:
-                    copies = late if seg >= first_late else early
-                    await run(seq, seg, steps, copies, layout, ufunc, sig, meta, ctx.rank, pending)
+                    copy = late if seg >= first_late else early
+                    await run(seq, seg, steps, copy, layout, ufunc, sig, meta, ctx.rank, pending)
 
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -188,7 +191,7 @@ class Executor:
         seq: int,
         seg: int,
         steps: tuple[tuple[Op, ...], ...],
-        copies: frozenset[tuple[int, int]],
+        copied: frozenset[tuple[int, int]],
         layout: Layout,
         ufunc: Callable[..., Any] | None,
         sig: list[Any],
@@ -210,7 +213,7 @@ class Executor:
                     sent[to] += 1
                 tracker = await self.mesh.send_many(
                     [to for _, to in group], headers, layout.pieces(chunk, seg),
-                    copy=any((i, j) in copies for j, _ in group),
+                    copy=any((i, j) in copied for j, _ in group),
                 )
                 if tracker is not None:
                     pending.append(tracker)

@@ -12,10 +12,9 @@ import time
 import msgpack
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
 import p2pcoll
+from conftest import ROGUE_RANK, Inject
 from p2pcoll.testing import free_port, run_ranks
 from p2pcoll.wire import WIRE_VERSION
 
@@ -122,20 +121,15 @@ async def test_broadcast_buffer_of_wrong_shape() -> None:
 
 
 async def test_malformed_messages_are_dropped_and_counted(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, inject: Inject
 ) -> None:
     monkeypatch.setenv("P2PCOLL_MAX_MESSAGE_BYTES", str(1 << 20))
-    ctx = zmq.asyncio.Context.instance()
-
     async def fn(g: p2pcoll.Group) -> object:
         if g.rank == 0:
-            bad = ctx.socket(zmq.DEALER)
-            bad.setsockopt(zmq.IDENTITY, b"5")  # a link identity no member uses
-            bad.connect(g.endpoint)
             gid = g.membership.group_id
-            header = {"v": WIRE_VERSION, "k": "data", "g": gid, "r": 5, "q": 0, "seg": 0,
-                      "s": 0, "sig": [], "n": [8]}
-            junk = [
+            header = {"v": WIRE_VERSION, "k": "data", "g": gid, "r": ROGUE_RANK, "q": 0,
+                      "seg": 0, "s": 0, "sig": [], "n": [8]}
+            dropped = await inject(g, [
                 [b"\xc1 not msgpack"],
                 [msgpack.packb([1, 2, 3])],
                 [msgpack.packb({**header, "v": 99}), b"12345678"],
@@ -146,12 +140,7 @@ async def test_malformed_messages_are_dropped_and_counted(
                 [msgpack.packb({**header, "n": [2 << 20]}), bytes(2 << 20)],  # oversize
                 [msgpack.packb({**header, "k": "exec"})],
                 [msgpack.packb(header), b"12345678"],  # well-formed, but rank 5 is no member
-            ]
-            for frames in junk:
-                await bad.send_multipart(frames)
-            await asyncio.sleep(0.5)
-            bad.close(linger=0)
-            dropped = g.stats()["messages_dropped"]
+            ])
         else:
             await asyncio.sleep(0.5)
             dropped = None

@@ -10,10 +10,9 @@ import time
 import msgpack
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
 import p2pcoll
+from conftest import ROGUE_RANK, Inject
 from p2pcoll.errors import ProtocolError
 from p2pcoll.testing import run_ranks
 from p2pcoll.transport import shm
@@ -272,30 +271,22 @@ async def test_a_full_ring_falls_back_to_the_socket(monkeypatch: pytest.MonkeyPa
 
 
 async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, inject: Inject
 ) -> None:
-    ctx = zmq.asyncio.Context.instance()
-    out = shm.Outbox(RING, readers=2, creator=5, tag=TAG)
+    out = shm.Outbox(RING, readers=2, creator=ROGUE_RANK, tag=TAG)
     try:
         async def fn(g: p2pcoll.Group) -> object:
             if g.rank == 0:
-                bad = ctx.socket(zmq.DEALER)
-                bad.setsockopt(zmq.IDENTITY, b"5")  # a link identity no member uses
-                header = {"v": WIRE_VERSION, "k": "data", "g": g.membership.group_id, "r": 5,
-                          "q": 999, "seg": 0, "s": 0, "sig": [], "n": [1 << 16]}
-                bad.connect(g.endpoint)
-                junk = [
+                header = {"v": WIRE_VERSION, "k": "data", "g": g.membership.group_id,
+                          "r": ROGUE_RANK, "q": 999, "seg": 0, "s": 0, "sig": [],
+                          "n": [1 << 16]}
+                dropped = await inject(g, [[msgpack.packb(h)] for h in (
                     {**header, "m": "not a list"},
                     {**header, "m": ["p2pcoll-1-zz", [0], [0]]},  # not one of our names
                     {**header, "m": ["p2pcoll-1-0123456789abcdef", [0], [0]]},  # no such file
                     {**header, "m": [out.name, [0], [-1]]},  # a reader index it cannot have
                     {**header, "m": [out.name, [0, 0], [0, 0]]},  # more offsets than pieces
-                ]
-                for h in junk:
-                    await bad.send_multipart([msgpack.packb(h)])
-                await asyncio.sleep(0.5)
-                bad.close(linger=0)
-                dropped = g.stats()["messages_dropped"]
+                )])
             else:
                 await asyncio.sleep(0.5)
                 dropped = None

@@ -58,19 +58,18 @@ def test_which_sends_go_as_copies() -> None:
     """Ring allreduce, 2 peers: the reduce-scatter send is written again by the allgather
     (a snapshot in every segment); the allgather send is the last one (a copy only in the
     last segments, so the collective does not wait for its release)."""
-    from p2pcoll.executor import final_sends, plan, snapshots
+    from p2pcoll.executor import copies, plan
     from p2pcoll.registry import registry
     from p2pcoll.strategy import Context
 
     steps = plan(registry.get("allreduce", "ring"), Context(rank=0, size=2, root=0), 2)
     assert len(steps) == 2
-    assert snapshots(steps, 2) == {(0, 0)}
-    assert final_sends(steps) == {(1, 0)}
+    assert copies(steps, 2) == ({(0, 0)}, {(0, 0), (1, 0)})
     bcast = plan(registry.get("broadcast", "root"), Context(rank=1, size=3, root=1), 1)
-    assert snapshots(bcast, 1) == frozenset()  # the root never writes what it sends
-    assert final_sends(bcast) == {(0, 0), (0, 1)}
+    # the root never writes what it sends; its last sends are copied in the last segments
+    assert copies(bcast, 1) == (frozenset(), {(0, 0), (0, 1)})
     leaf = plan(registry.get("broadcast", "root"), Context(rank=0, size=3, root=1), 1)
-    assert final_sends(leaf) == frozenset()  # receives only
+    assert copies(leaf, 1) == (frozenset(), frozenset())  # receives only
 
 
 def test_a_chunk_sent_to_several_peers_in_one_step_is_one_send() -> None:

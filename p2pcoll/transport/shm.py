@@ -48,6 +48,7 @@ import mmap
 import os
 import re
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -151,7 +152,6 @@ class Outbox:
         self.name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.ring = ring
-        self.readers = readers
         head = header_bytes(readers)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -361,8 +361,6 @@ class Inbox:
 
 def sweep(min_age: float = 60.0) -> int:
     """Remove ring files whose creator has exited and that are older than ``min_age`` s."""
-    import time
-
     removed = 0
     now = time.time()
     try:
