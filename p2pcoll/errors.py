@@ -2,6 +2,7 @@
 
 ```
 P2PCollError
+├── SettingsError                an argument or environment variable has a bad value
 ├── RendezvousError              join() could not form the group
 ├── ProtocolError                a message broke the wire format
 ├── PeerLost                     a peer closed or vanished while it was needed
@@ -24,6 +25,24 @@ from collections.abc import Iterable
 
 class P2PCollError(Exception):
     """Base class of every p2pcoll error."""
+
+
+class SettingsError(P2PCollError, ValueError):
+    """A setting (an argument of join() or a ``P2PCOLL_*`` / launcher variable) is bad.
+
+    Attributes:
+        name: the variable (``$P2PCOLL_TIMEOUT``) or argument (``collective_timeout=``).
+        value: the value that was given.
+        allowed: what would have been accepted.
+    """
+
+    def __init__(self, name: str, value: object, allowed: str) -> None:
+        super().__init__(f"{name}{value!r} is not allowed: expected {allowed}"
+                         if name.endswith("=") else
+                         f"{name}={value!r} is not allowed: expected {allowed}")
+        self.name = name
+        self.value = value
+        self.allowed = allowed
 
 
 class RendezvousError(P2PCollError):

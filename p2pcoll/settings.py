@@ -1,0 +1,322 @@
+"""Every setting of a group in one frozen, validated value.
+
+``Settings.resolve(...)`` reads the arguments of :func:`p2pcoll.join` and, for what they
+leave unset, the environment (``P2PCOLL_*`` and the launchers' variables), once, when a
+group is formed. Nothing else in p2pcoll reads ``os.environ``; the layers below get the
+value they need from here. A bad value is a :class:`~p2pcoll.SettingsError` naming the
+variable (or argument), the value, and what is allowed, raised before any socket exists.
+
+=============================  ======================================================
+variable                       meaning (default)
+=============================  ======================================================
+``P2PCOLL_RENDEZVOUS``         rendezvous URL ``tcp://HOST:PORT`` (else torchrun's
+                               ``MASTER_ADDR``/``MASTER_PORT``)
+``P2PCOLL_HOST``               address this peer advertises (the interface routing
+                               to the rendezvous host)
+``P2PCOLL_TRANSPORT``          ``auto``, ``tcp``, ``ipc`` or ``inproc`` (auto)
+``P2PCOLL_TIMEOUT``            collective deadline in seconds, > 0 (300)
+``P2PCOLL_JOIN_TIMEOUT``       join deadline in seconds, > 0 (60)
+``P2PCOLL_<COLLECTIVE>``       default strategy of that collective (auto)
+``P2PCOLL_SEGMENT_BYTES``      pipeline segment size, >= 1K (1M)
+``P2PCOLL_PIPELINE_DEPTH``     segments in flight per collective, 1..64 (4)
+``P2PCOLL_MAX_MESSAGE_BYTES``  larger incoming messages are dropped, >= 4K (256M)
+``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
+``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
+``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
+=============================  ======================================================
+
+Byte counts take ``K``, ``M``, ``G`` suffixes (powers of 1024, ``KiB`` and ``KB`` alike);
+switches take ``1/0``, ``true/false``, ``yes/no``, ``on/off``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import SettingsError
+from .strategy import COLLECTIVES
+
+log = logging.getLogger("p2pcoll")
+
+TRANSPORT_NAMES = ("auto", "tcp", "ipc", "inproc")
+WORLD_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+
+_SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", re.IGNORECASE)
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+# Every variable this module knows, for the warning about unknown ones.
+KNOWN_VARS = frozenset(
+    {
+        "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_TRANSPORT", "P2PCOLL_TIMEOUT",
+        "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
+        "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
+        *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
+    }
+)
+
+
+def parse_bytes(text: str) -> int:
+    """``"64K"`` -> 65536. Raises ValueError on anything else than a count with a suffix."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a byte count (like 65536, 64K, 16M, 1G)")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def format_bytes(n: int) -> str:
+    """65536 -> ``"64K"``; the inverse of :func:`parse_bytes` for round sizes."""
+    for shift, suffix in ((30, "G"), (20, "M"), (10, "K")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one group runs with. Made by :meth:`resolve`; fields are validated there.
+
+    Attributes:
+        rendezvous: ``tcp://HOST:PORT``, or None (allowed only for a group of one).
+        world_size: the number of peers, or None when the rendezvous learns it from others.
+        rank: this peer's rank, or None to be assigned in arrival order.
+        host: the address to advertise, or None to use the interface that routes to the
+            rendezvous host.
+        transport: one of ``auto``, ``tcp``, ``ipc``, ``inproc``.
+        join_timeout: seconds for the whole group to form.
+        collective_timeout: default deadline of every collective, seconds.
+        strategies: default strategy per collective (arguments over environment).
+        segment_bytes: pipeline segment size.
+        pipeline_depth: segments of one collective in flight at once.
+        max_message_bytes: incoming messages larger than this are dropped.
+        shm: whether peers of one host use shared-memory rings.
+        shm_bytes: the size of each peer's ring.
+        tune_malloc: whether to raise glibc's mmap and trim thresholds.
+    """
+
+    rendezvous: str | None = None
+    world_size: int | None = None
+    rank: int | None = None
+    host: str | None = None
+    transport: str = "auto"
+    join_timeout: float = 60.0
+    collective_timeout: float = 300.0
+    strategies: Mapping[str, str] = field(default_factory=dict)
+    segment_bytes: int = 1 << 20
+    pipeline_depth: int = 4
+    max_message_bytes: int = 256 << 20
+    shm: bool = True
+    shm_bytes: int = 16 << 20
+    tune_malloc: bool = True
+
+    @classmethod
+    def resolve(
+        cls, environ: Mapping[str, str] | None = None, **arguments: Any
+    ) -> Settings:
+        """Settings from keyword ``arguments`` (None meaning unset) over ``environ``.
+
+        ``arguments`` are the field names above; ``environ`` defaults to ``os.environ``.
+
+        Raises:
+            SettingsError: a value is malformed or out of range; the message names the
+                variable or argument, the value and what is allowed.
+            TypeError: an unknown argument name.
+        """
+        env = os.environ if environ is None else environ
+        strays = sorted(k for k in env if k.startswith("P2PCOLL_") and k not in KNOWN_VARS)
+        if strays:  # most likely a typo: say so rather than ignore it silently
+            log.warning("ignoring unknown environment variables %s", ", ".join(strays))
+        unknown = set(arguments) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise TypeError(f"unknown settings {sorted(unknown)}")
+        given = {k: v for k, v in arguments.items() if v is not None}
+        reader = _Reader(env)
+        values: dict[str, Any] = {
+            "rendezvous": reader.rendezvous(),
+            "world_size": reader.launcher_int(WORLD_SIZE_VARS, minimum=1),
+            "rank": reader.launcher_int(RANK_VARS, minimum=0),
+            "host": reader.text("P2PCOLL_HOST"),
+            "transport": reader.choice("P2PCOLL_TRANSPORT", TRANSPORT_NAMES),
+            "join_timeout": reader.seconds("P2PCOLL_JOIN_TIMEOUT"),
+            "collective_timeout": reader.seconds("P2PCOLL_TIMEOUT"),
+            "strategies": reader.strategies(),
+            "segment_bytes": reader.size("P2PCOLL_SEGMENT_BYTES", minimum=1 << 10),
+            "pipeline_depth": reader.integer("P2PCOLL_PIPELINE_DEPTH", 1, 64),
+            "max_message_bytes": reader.size("P2PCOLL_MAX_MESSAGE_BYTES", minimum=4 << 10),
+            "shm": reader.switch("P2PCOLL_SHM"),
+            "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
+            "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),
+        }
+        merged = {k: v for k, v in values.items() if v is not None}
+        if "strategies" in given:
+            merged["strategies"] = {**values["strategies"], **_check_strategies(
+                given.pop("strategies"))}
+        merged.update(given)
+        settings = cls(**merged)
+        settings._check_arguments(given)
+        return settings
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes``, validated like arguments."""
+        new = replace(self, **changes)
+        new._check_arguments(changes)
+        return new
+
+    def _check_arguments(self, given: Mapping[str, Any]) -> None:
+        """Validate what came from arguments (the environment is checked as it is read)."""
+        for name in ("join_timeout", "collective_timeout"):
+            if name in given:
+                check_seconds(given[name], f"{name}=")
+        if "world_size" in given:
+            _check_int(given["world_size"], "world_size=", 1)
+        if "rank" in given:
+            _check_int(given["rank"], "rank=", 0)
+        if "transport" in given and given["transport"] not in TRANSPORT_NAMES:
+            raise SettingsError(
+                "transport=", given["transport"], f"one of {', '.join(TRANSPORT_NAMES)}"
+            )
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise SettingsError(
+                "rank", self.rank, f"a rank below world_size {self.world_size}"
+            )
+        for name, low in (("segment_bytes", 1 << 10), ("max_message_bytes", 4 << 10),
+                          ("shm_bytes", 64 << 10)):
+            if name in given:
+                _check_int(given[name], f"{name}=", low)
+        if "pipeline_depth" in given:
+            _check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
+
+
+def check_seconds(value: object, where: str) -> float:
+    """A deadline: a positive number of seconds (``math.inf`` for none). Returns it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if not ok or math.isnan(value):  # type: ignore[arg-type]
+        raise SettingsError(where, value, "a number of seconds > 0 (math.inf for no deadline)")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _check_int(value: object, where: str, low: int, high: int | None = None) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):  # type: ignore[operator]
+        span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+        raise SettingsError(where, value, span)
+    return value  # type: ignore[return-value]
+
+
+def _check_strategies(value: object) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise SettingsError("strategies=", value, "a mapping {collective: strategy name}")
+    for coll, name in value.items():
+        if coll not in COLLECTIVES:
+            raise SettingsError(f"strategies[{coll!r}]", name, f"a key from {COLLECTIVES}")
+        if not isinstance(name, str) or not name:
+            raise SettingsError(f"strategies[{coll!r}]", name, "a strategy name")
+    return dict(value)
+
+
+class _Reader:
+    """Reads and checks one environment; every method returns None for an unset variable."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def raw(self, name: str) -> str | None:
+        value = self.env.get(name)
+        return None if value is None or value.strip() == "" else value.strip()
+
+    def text(self, name: str) -> str | None:
+        return self.raw(name)
+
+    def rendezvous(self) -> str | None:
+        url = self.raw("P2PCOLL_RENDEZVOUS")
+        if url:
+            return url
+        addr, port = self.raw("MASTER_ADDR"), self.raw("MASTER_PORT")
+        if addr and port:
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise SettingsError("$MASTER_PORT", port, "a TCP port number 1..65535")
+            return f"tcp://{addr}:{port}"
+        return None
+
+    def launcher_int(self, names: tuple[str, ...], minimum: int) -> int | None:
+        for name in names:
+            value = self.raw(name)
+            if value is None:
+                continue
+            try:
+                number = int(value)
+            except ValueError:
+                raise SettingsError(f"${name}", value, f"an integer >= {minimum}") from None
+            if number < minimum:
+                raise SettingsError(f"${name}", value, f"an integer >= {minimum}")
+            return number
+        return None
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
+        value = self.raw(name)
+        if value is not None and value not in allowed:
+            raise SettingsError(f"${name}", value, f"one of {', '.join(allowed)}")
+        return value
+
+    def seconds(self, name: str) -> float | None:
+        value = self.raw(name)
+        if value is None:
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not number > 0:
+            raise SettingsError(f"${name}", value, "a number of seconds > 0 (inf for none)")
+        return number
+
+    def integer(self, name: str, low: int, high: int) -> int | None:
+        value = self.raw(name)
+        if value is None:
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            number = low - 1
+        if not low <= number <= high:
+            raise SettingsError(f"${name}", value, f"an integer from {low} to {high}")
+        return number
+
+    def size(self, name: str, minimum: int) -> int | None:
+        value = self.raw(name)
+        if value is None:
+            return None
+        try:
+            number = parse_bytes(value)
+        except ValueError:
+            number = -1
+        if number < minimum:
+            raise SettingsError(
+                f"${name}", value, f"a byte count >= {format_bytes(minimum)} (like 64K, 16M)"
+            )
+        return number
+
+    def switch(self, name: str) -> bool | None:
+        value = self.raw(name)
+        if value is None:
+            return None
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise SettingsError(f"${name}", value, "1 or 0 (true/false, yes/no, on/off)")
+
+    def strategies(self) -> dict[str, str]:
+        out = {}
+        for coll in COLLECTIVES:
+            value = self.raw(f"P2PCOLL_{coll.upper()}")
+            if value is not None:
+                out[coll] = value
+        return out
