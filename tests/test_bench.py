@@ -1,5 +1,6 @@
 """Smoke tests of ``p2pcoll bench``: real peer processes, tiny sizes, a table and JSON out;
-the side-by-side comparison with Gloo (torch is installed in CI) and the plot."""
+the side-by-side comparison with Gloo (torch is installed in CI) and the plot; the package
+``p2pcoll.bench`` is loaded only by that command, and its workers run as modules."""
 
 from __future__ import annotations
 
@@ -41,6 +42,30 @@ def test_parse_sizes_and_factors() -> None:
     assert bus_factor("allgather", 4) == bus_factor("reduce_scatter", 4) == 0.75
     assert bus_factor("broadcast", 4) == bus_factor("reduce", 4) == 1.0
     assert data_bytes("allgather", 100, 4) == 400 and data_bytes("allreduce", 100, 4) == 100
+
+
+def test_bad_sizes_are_usage_errors() -> None:
+    for text, says in (("4K,4X", "'4X' is not a byte count"), (" , ", "no sizes given")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            parse_sizes(text)
+
+
+def test_import_p2pcoll_does_not_load_the_bench() -> None:
+    code = ("import sys, p2pcoll, p2pcoll.cli\n"
+            "assert p2pcoll.cli.main(['strategies']) == 0\n"
+            "assert 'p2pcoll.bench' not in sys.modules, 'p2pcoll.bench was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("module", ["p2pcoll.bench", "p2pcoll.bench.worker",
+                                    "p2pcoll.bench.gloo", "p2pcoll.bench.mpi"])
+def test_modules_run_with_python_m(module: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert done.returncode == 0 and done.stderr == ""  # no runpy warning either
+    assert done.stdout.startswith(f"usage: python -m {module} ")
 
 
 def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
@@ -105,6 +130,22 @@ def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     configure_parser(parser)
     return parser.parse_args(argv)
+
+
+def test_transport_defaults_to_the_environment_which_is_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("P2PCOLL_TRANSPORT", raising=False)
+    assert parse().transport == "auto"
+    monkeypatch.setenv("P2PCOLL_TRANSPORT", " tcp ")
+    assert parse().transport == "tcp"
+    monkeypatch.setenv("P2PCOLL_TRANSPORT", "bogus")
+    assert parse("--transport", "ipc").transport == "ipc"  # the variable is not needed
+    with pytest.raises(SystemExit) as exc:
+        parse()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "$P2PCOLL_TRANSPORT='bogus' is not allowed" in err and "auto, tcp, ipc" in err
 
 
 def test_main_inproc_through_configure_parser(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,55 +1,34 @@
 """The MPI side of ``p2pcoll bench --compare mpi``: the same measurement, mpi4py over Open MPI.
 
 Optional (``pip install 'p2pcoll[mpi]'``: the Open MPI wheel brings ``mpirun``). MPI processes
-need MPI's own launcher, so the driver in :mod:`p2pcoll.bench` runs
+need MPI's own launcher, so the driver (:mod:`p2pcoll.bench.runner`) runs
 
     mpirun -n N --oversubscribe --bind-to none --mca pml ob1 --mca btl self,tcp \\
-        --mca btl_tcp_if_include lo python -m p2pcoll.bench_mpi --out PATH --config JSON
+        --mca btl_tcp_if_include lo python -m p2pcoll.bench.mpi --out PATH --config JSON
 
-(:func:`command`): Open MPI's TCP transport on loopback with its default algorithm choice, as
+Open MPI's TCP transport on loopback with its default algorithm choice, as
 ``../shared/ANCHORS.md`` measured it. Each rank measures with
-:func:`p2pcoll.bench.measure_blocking`, exactly as the p2pcoll and Gloo workers do, on the
-buffer forms of the collectives: ``Allreduce(IN_PLACE, x)``, ``Bcast`` and ``Reduce`` from/to
-rank 0 (in place on the root), ``Allgather`` into one preallocated array, ``Reduce_scatter``
-with the parts of ``numpy.array_split``, summing; the pipelined figure uses their nonblocking
-forms (``Iallreduce`` ...). Rank 0 writes the raw rows (strategy ``"mpi"``) as JSON to PATH.
+:func:`p2pcoll.bench.measure.measure_blocking`, exactly as the p2pcoll and Gloo workers do, on
+the buffer forms of the collectives: ``Allreduce(IN_PLACE, x)``, ``Bcast`` and ``Reduce``
+from/to rank 0 (in place on the root), ``Allgather`` into one preallocated array,
+``Reduce_scatter`` with the parts of ``numpy.array_split``, summing; the pipelined figure uses
+their nonblocking forms (``Iallreduce`` ...). Rank 0 writes the raw rows (strategy ``"mpi"``)
+as JSON to PATH.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .bench import ROOT, fill_value, measure_blocking, worker_options, write_rows
-
-MCA = ("--mca", "pml", "ob1", "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo")
-
-
-def command(world_size: int, out_path: str, config: dict[str, Any]) -> list[str]:
-    """The ``mpirun`` command line that runs this worker on ``world_size`` ranks."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        raise FileNotFoundError("mpirun not found: pip install 'p2pcoll[mpi]'")
-    return [mpirun, "-n", str(world_size), "--oversubscribe", "--bind-to", "none", *MCA,
-            sys.executable, "-m", "p2pcoll.bench_mpi", "--out", out_path,
-            "--config", json.dumps(config)]
-
-
-def environment() -> dict[str, str]:
-    """Variables ``mpirun`` needs here: Open MPI refuses to run as root unless told."""
-    if os.geteuid() != 0:
-        return {}
-    return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+from .measure import ROOT, fill_value, measure_blocking, worker_options, write_rows
 
 
 class _Collective:
-    """One MPI collective on buffers of its own (a :class:`p2pcoll.bench.BlockingCollective`)."""
+    """One MPI collective on buffers of its own (a :class:`.measure.BlockingCollective`)."""
 
     def __init__(self, mpi: Any, comm: Any, collective: str, count: int, dtype: str) -> None:
         self._mpi, self._comm, self._collective = mpi, comm, collective
@@ -99,7 +78,7 @@ class _Collective:
 
 def main(argv: Sequence[str] | None = None) -> int:
     out, config = worker_options(
-        "python -m p2pcoll.bench_mpi",
+        "python -m p2pcoll.bench.mpi",
         "MPI worker of `p2pcoll bench --compare mpi` (started by mpirun).",
         argv,
     )

@@ -1,19 +1,19 @@
 """The Gloo side of ``p2pcoll bench --compare gloo``: the same measurement, torch.distributed.
 
-The driver in :mod:`p2pcoll.bench` starts ``world_size`` copies of
+The driver (:mod:`p2pcoll.bench.runner`) starts ``world_size`` copies of
 
-    python -m p2pcoll.bench_gloo --out PATH --config JSON
+    python -m p2pcoll.bench.gloo --out PATH --config JSON
 
 with :func:`p2pcoll.launch.launch` (which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT``) and ``GLOO_SOCKET_IFNAME=lo``, after the p2pcoll peers have finished. Each
 copy calls ``torch.set_num_threads(1)``, joins a Gloo process group at
 ``tcp://MASTER_ADDR:MASTER_PORT`` and, for every size, measures exactly as the p2pcoll worker
-does: the input is allocated once (rank r's filled with r + 1) and refilled before each
-iteration; ``warmup`` untimed collectives; ``iters`` timed ones, each after
-``dist.barrier()``, timed with ``time.perf_counter()`` around the collective alone; the
-per-iteration times reduced with ``max`` over the ranks after the loop; the last result
-checked; the peak RSS noted; then ``pipelined`` collectives started together
-(``async_op=True``) and waited for, the time divided by their number.
+does (:func:`p2pcoll.bench.measure.measure_blocking`): the input is allocated once (rank r's
+filled with r + 1) and refilled before each iteration; ``warmup`` untimed collectives;
+``iters`` timed ones, each after ``dist.barrier()``, timed with ``time.perf_counter()``
+around the collective alone; the per-iteration times reduced with ``max`` over the ranks
+after the loop; the last result checked; the peak RSS noted; then ``pipelined`` collectives
+started together (``async_op=True``) and waited for, the time divided by their number.
 
 The collectives are torch's in-place or preallocated forms: ``all_reduce`` (in place),
 ``broadcast`` and ``reduce`` from/to rank 0 (in place), ``all_gather_single`` into one
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import ROOT, fill_value, measure_blocking, worker_options, write_rows
+from .measure import ROOT, fill_value, measure_blocking, worker_options, write_rows
 
 TIMEOUT = timedelta(seconds=300)  # Gloo's own deadline for each collective
 
@@ -43,7 +43,7 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
 
 
 class _Collective:
-    """One Gloo collective on buffers of its own (a :class:`p2pcoll.bench.BlockingCollective`)."""
+    """One Gloo collective on buffers of its own (a :class:`.measure.BlockingCollective`)."""
 
     def __init__(self, dist: Any, torch: Any, collective: str, count: int, dtype: str) -> None:
         self._dist, self._collective = dist, collective
@@ -95,7 +95,7 @@ class _Collective:
 
 
 def bench_size(dist: Any, torch: Any, config: dict[str, Any], nbytes: int) -> dict[str, Any]:
-    """Time one size the way ``p2pcoll.bench`` does; returns the raw row (max over ranks)."""
+    """Time one size the way the p2pcoll worker does; returns the raw row (max over ranks)."""
 
     def slowest(values: list[float]) -> list[float]:
         if not values:
@@ -113,7 +113,7 @@ def bench_size(dist: Any, torch: Any, config: dict[str, Any], nbytes: int) -> di
 
 def main(argv: Sequence[str] | None = None) -> int:
     out, config = worker_options(
-        "python -m p2pcoll.bench_gloo",
+        "python -m p2pcoll.bench.gloo",
         "Gloo worker of `p2pcoll bench --compare gloo` (started by the launcher).",
         argv,
     )

@@ -1,0 +1,203 @@
+"""The command line of ``p2pcoll bench``: its options, their checks, and the configuration
+every worker gets (:func:`bench_config`).
+
+Bad values are argparse errors (exit code 2, before any peer starts), including a bad
+``$P2PCOLL_TRANSPORT`` when it stands in for ``--transport``. A missing optional dependency
+is reported by :func:`missing_extras`, naming what to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import SettingsError
+from ..registry import available_strategies
+from ..settings import TRANSPORT_NAMES, parse_bytes
+from ..types import check_dtype
+
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+DEFAULT_SIZES = "4K,64K,1M,16M"
+TRANSPORT_VARIABLE = "P2PCOLL_TRANSPORT"  # the default of --transport
+
+BENCH_EXTRA = "pip install 'p2pcoll[bench]'"
+MPI_INSTALL = "pip install 'p2pcoll[mpi]'"
+PEERS = {  # --compare NAME: (what its worker needs: (module or program, how to install it))
+    "gloo": (("torch", BENCH_EXTRA),),
+    "mpi": (("mpi4py", MPI_INSTALL), ("mpirun", MPI_INSTALL)),
+}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``p2pcoll bench`` to ``parser``."""
+    parser.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
+                        help="the collective to time (default: allreduce)")
+    parser.add_argument("--strategy", default="auto", metavar="NAME|all|auto",
+                        help="a strategy name (or several, comma-separated), 'all' (every "
+                             "installed strategy of the collective, one table block each) or "
+                             "'auto' (default: the library's own choice per size)")
+    parser.add_argument("-n", "--world-size", type=_positive, default=2, metavar="N",
+                        help="number of peer processes (default: 2)")
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
+                        metavar="LIST",
+                        help="bytes of each rank's tensor, comma-separated, K/M/G = 2^10/2^20/"
+                             f"2^30 (default: {DEFAULT_SIZES}); for allgather, each rank's part")
+    parser.add_argument("--dtype", type=_dtype, default="float32",
+                        help="element type (default: float32)")
+    parser.add_argument("--iters", type=_positive, default=20,
+                        help="timed iterations per size (default: 20)")
+    parser.add_argument("--warmup", type=_non_negative, default=3,
+                        help="untimed iterations per size before timing (default: 3)")
+    parser.add_argument("--pipelined", type=_non_negative, default=4, metavar="K",
+                        help="collectives issued together for the pipelined figure "
+                             "(default: 4; 0 skips it)")
+    parser.add_argument("--transport", choices=TRANSPORT_NAMES, type=_transport,
+                        default=_FromEnvironment.read(TRANSPORT_VARIABLE, "auto"),
+                        help="between the peer processes: auto (ipc on one host), tcp or ipc "
+                             f"(default: ${TRANSPORT_VARIABLE}, else auto); inproc runs the "
+                             "peers as tasks in this process")
+    parser.add_argument("--compare", choices=tuple(PEERS), action="append", default=[],
+                        metavar="|".join(PEERS),
+                        help="after p2pcoll, time the same collective, sizes and world size "
+                             "with torch.distributed's Gloo backend (processes started the same "
+                             "way) or mpi4py over Open MPI's TCP transport (started by mpirun) and "
+                             f"print the ratios per row; gloo needs {BENCH_EXTRA}, mpi needs "
+                             f"{MPI_INSTALL}; may be given twice")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="draw busbw and time against size as a PNG at PATH, one line per "
+                             f"strategy and compared library; needs matplotlib ({BENCH_EXTRA})")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the rows as JSON to PATH ('-' for stdout, no table)")
+
+
+# --- checks of single values ----------------------------------------------------------------
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of byte counts, e.g. ``"4K,64K,1M"`` (see
+    :func:`p2pcoll.settings.parse_bytes`)."""
+    try:
+        sizes = [parse_bytes(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("no sizes given")
+    return sizes
+
+
+def _dtype(text: str) -> str:
+    try:
+        return check_dtype(np.dtype(text)).name
+    except TypeError as exc:  # a dtype p2pcoll does not send
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except Exception:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}") from None
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text}")
+    return value
+
+
+class _FromEnvironment(str):
+    """An option's default read from an environment variable, which its check names.
+
+    argparse passes a string default through the option's ``type`` when the option is not
+    given, but does not check it against ``choices``: :func:`_transport` does that.
+    """
+
+    variable: str
+
+    @classmethod
+    def read(cls, variable: str, fallback: str) -> str:
+        """``$variable`` (stripped, as :mod:`p2pcoll.settings` reads it), else ``fallback``."""
+        value = os.environ.get(variable, "").strip()
+        if not value:
+            return fallback
+        default = cls(value)
+        default.variable = variable
+        return default
+
+
+def _transport(text: str) -> str:
+    # A value given on the command line is checked against `choices` by argparse.
+    if isinstance(text, _FromEnvironment) and text not in TRANSPORT_NAMES:
+        allowed = "one of " + ", ".join(TRANSPORT_NAMES)
+        raise argparse.ArgumentTypeError(str(SettingsError(f"${text.variable}", text, allowed)))
+    return str(text)
+
+
+# --- checks of the whole command ------------------------------------------------------------
+
+
+def resolve_strategies(collective: str, requested: str) -> list[str]:
+    """The strategy names to run: ``all`` expands, unknown names raise ``ValueError``."""
+    installed = available_strategies()[collective]
+    if requested == "all":
+        return installed
+    names = [name.strip() for name in requested.split(",") if name.strip()]
+    for name in names:
+        if name != "auto" and name not in installed:
+            raise ValueError(
+                f"no {collective} strategy named {name!r}; available: "
+                + ", ".join(["auto", "all", *installed])
+            )
+    return names or ["auto"]
+
+
+def missing_extras(args: argparse.Namespace) -> str | None:
+    """Why the options cannot run here (an optional dependency is absent), or None."""
+    needs = [(f"--compare {peer}", what, install) for peer in args.compare
+             for what, install in PEERS[peer]]
+    if args.plot is not None:
+        needs.append(("--plot", "matplotlib", BENCH_EXTRA))
+    for option, what, install in needs:
+        found = shutil.which(what) is not None if what == "mpirun" else _importable(what)
+        if not found:
+            return f"{option} needs {what}, which is not installed: {install}"
+    return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules[module] is None
+        return False
+
+
+def bench_config(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, Any]:
+    """What every worker is told (as JSON), and the ``config`` of the JSON output."""
+    return {
+        "collective": args.collective,
+        "strategies": list(strategies),
+        "world_size": args.world_size,
+        "sizes": list(args.sizes),
+        "dtype": args.dtype,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "pipelined": args.pipelined,
+        "transport": args.transport,
+        "compare": list(dict.fromkeys(getattr(args, "compare", None) or [])),
+    }
