@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import p2pcoll
+from p2pcoll.pytree import named_leaves, replace_leaves
 
 N = 1000
 
@@ -36,20 +37,14 @@ def inputs(rank: int) -> list[Any]:
 
 
 def tree_map(fn: Any, *trees: Any) -> Any:
-    first = trees[0]
-    if isinstance(first, dict):
-        return {k: tree_map(fn, *(t[k] for t in trees)) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(tree_map(fn, *children) for children in zip(*trees, strict=True))
-    return fn(*trees)
+    """``fn`` applied leaf by leaf across trees of one structure (the same leaf order)."""
+    columns = zip(*([leaf for _, leaf in named_leaves(t)] for t in trees), strict=True)
+    return replace_leaves(trees[0], [fn(*column) for column in columns])
 
 
-def leaves(tree: Any, path: str = "") -> list[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        return [kv for k in sorted(tree) for kv in leaves(tree[k], f"{path}.{k}")]
-    if isinstance(tree, (list, tuple)):
-        return [kv for j, t in enumerate(tree) for kv in leaves(t, f"{path}[{j}]")]
-    return [(path or "array", tree)]
+def leaves(tree: Any) -> list[tuple[str, Any]]:
+    """The leaves with their paths ("layers.0"), in the order the collectives use."""
+    return [(path or "array", leaf) for path, leaf in named_leaves(tree)]
 
 
 def describe(value: Any) -> str:

@@ -14,12 +14,14 @@ from .errors import (
     ProtocolError,
     RendezvousError,
     ReplicaDivergence,
+    SettingsError,
     StrategyError,
     UnknownStrategy,
 )
-from . import training
-from .group import Group, join
+from .api import Group, join
 from .registry import available_strategies, register_strategy
+from .session.failure import GroupState
+from .settings import Settings
 from .types import Membership, ReduceOp
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __all__ = [
     "CollectiveTimeout",
     "Group",
     "GroupBroken",
+    "GroupState",
     "Membership",
     "P2PCollError",
     "PeerLost",
@@ -37,6 +40,8 @@ __all__ = [
     "ReduceOp",
     "RendezvousError",
     "ReplicaDivergence",
+    "Settings",
+    "SettingsError",
     "StrategyError",
     "UnknownStrategy",
     "available_strategies",
@@ -44,3 +49,12 @@ __all__ = [
     "register_strategy",
     "training",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # p2pcoll.training is imported on first use, so `import p2pcoll` stays light.
+    if name == "training":
+        import importlib
+
+        return importlib.import_module(".training", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import zmq
 
 from . import __version__
-from .errors import P2PCollError, UnknownStrategy
+from .errors import P2PCollError
 from .launch import launch
 from .registry import Registry, registry
 from .rendezvous import RendezvousServer
@@ -129,20 +129,18 @@ def _strategies(args: argparse.Namespace) -> int:
 
 def format_strategies(registry: Registry) -> str:
     """The text of ``p2pcoll strategies``: per collective, what "auto" picks, then each
-    strategy with its description and where it comes from."""
+    strategy with its description and where it comes from; last, the plugins that are
+    installed but broken, each with its problem."""
     lines: list[str] = []
     for collective, table in registry.entries().items():
-        try:
-            # "auto" may depend on the data and group sizes: ask about tiny and huge data
-            # in a group of 4 and one of 16 (see p2pcoll.registry for the thresholds).
-            picks = {}
-            for peers in (4, 16):
-                small = registry.auto(collective, 0, peers).name
-                large = registry.auto(collective, 1 << 40, peers).name
-                picks[peers] = small if small == large else f"{small} for small data, {large} for large"
-            auto = picks[4] if picks[4] == picks[16] else f"4 peers: {picks[4]}; 16 peers: {picks[16]}"
-        except UnknownStrategy:
-            auto = "nothing installed"
+        # "auto" may depend on the data and group sizes: ask about tiny and huge data
+        # in a group of 4 and one of 16 (see p2pcoll.registry for the thresholds).
+        picks = {}
+        for peers in (4, 16):
+            small = _auto_pick(registry, collective, 0, peers)
+            large = _auto_pick(registry, collective, 1 << 40, peers)
+            picks[peers] = small if small == large else f"{small} for small data, {large} for large"
+        auto = picks[4] if picks[4] == picks[16] else f"4 peers: {picks[4]}; 16 peers: {picks[16]}"
         lines.append(f"{collective} (auto: {auto})")
         if not table:
             lines.append("  (none installed)")
@@ -152,7 +150,24 @@ def format_strategies(registry: Registry) -> str:
             description = type(entry.strategy).description or "(no description)"
             lines.append(f"  {name:<{width}}  {description}")
             lines.append(f"  {'':<{width}}  from {entry.origin}")
+    broken = registry.broken()
+    if broken:
+        lines.append(f"broken plugins ({len(broken)}, not available):")
+        for plugin in broken:
+            lines.append(f"  {plugin.where}")
+            lines.append(f"    {plugin.problem}")
     return "\n".join(lines) + "\n"
+
+
+def _auto_pick(registry: Registry, collective: str, nbytes: int, peers: int) -> str:
+    """The name "auto" picks, or that name marked as not installed or broken."""
+    try:
+        return registry.auto(collective, nbytes, peers).name
+    except P2PCollError:
+        name = registry.auto_name(collective, nbytes, peers)
+        if any((b.collective, b.name) == (collective, name) for b in registry.broken()):
+            return f"{name} (broken)"
+        return f"{name} (not installed)"
 
 
 # --- rendezvous -----------------------------------------------------------------------------

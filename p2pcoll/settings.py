@@ -182,10 +182,6 @@ class Settings:
             raise SettingsError(
                 "transport=", given["transport"], f"one of {', '.join(TRANSPORT_NAMES)}"
             )
-        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
-            raise SettingsError(
-                "rank", self.rank, f"a rank below world_size {self.world_size}"
-            )
         for name, low in (("segment_bytes", 1 << 10), ("max_message_bytes", 4 << 10),
                           ("shm_bytes", 64 << 10)):
             if name in given:

@@ -33,12 +33,42 @@ Example, the ring allreduce::
                        Reduce(left, (ctx.rank - s - 1) % ctx.size)]
             ...
 
+Helpers for the two renumberings that textbook algorithms use, so a plugin reads like the
+algorithm instead of re-deriving the index arithmetic:
+
+``ctx.relative`` and ``ctx.real(q)``
+    Rooted algorithms (binomial trees, chains, scatter-allgather) are written as if the root
+    were rank 0: ``ctx.relative`` is this rank counted from the root, ``(rank - root) mod
+    size``, and ``ctx.real(q)`` turns a relative rank back into a real one.
+
+``Fold(ctx)``
+    MPICH's fold of a group whose size is not a power of two. With ``pof2`` the largest power
+    of two <= size and ``extra = size - pof2``: among the first ``2 * extra`` ranks each even
+    rank hands its whole data to the odd rank above it (``fold_in()``: a Send there, a Reduce
+    here) and sits out (``newrank`` is None); the ``pof2`` others are renumbered
+    ``0 .. pof2-1`` (``newrank``; ``real(newrank)`` maps back) and run the power-of-two
+    algorithm; then every odd rank below ``2 * extra`` hands the result back to its even
+    neighbour (``fold_out()``). For a power of two both generators yield nothing::
+
+        fold = Fold(ctx)
+        yield from fold.fold_in()
+        if fold.newrank is not None:
+            mask = 1
+            while mask < fold.pof2:
+                partner = fold.real(fold.newrank ^ mask)
+                yield [Send(partner), Reduce(partner)]
+                mask <<= 1
+        yield from fold.fold_out()
+
+``largest_power_of_two(n)``
+    The ``pof2`` above, for ``chunks(size)``, which has no context.
+
 Strategies are registered under the entry-point group ``p2pcoll.strategies``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
@@ -46,12 +76,14 @@ __all__ = [
     "ALL",
     "COLLECTIVES",
     "Context",
+    "Fold",
     "Reduce",
     "Recv",
     "Schedule",
     "Send",
     "Step",
     "Strategy",
+    "largest_power_of_two",
 ]
 
 
@@ -120,6 +152,83 @@ class Context:
     rank: int
     size: int
     root: int = 0
+
+    @property
+    def relative(self) -> int:
+        """My rank counted from the root, ``(rank - root) mod size``: the root is 0.
+
+        Example: size 5, root 3: ranks 3, 4, 0, 1, 2 are relative ranks 0, 1, 2, 3, 4.
+        """
+        return (self.rank - self.root) % self.size
+
+    def real(self, q: int) -> int:
+        """The real rank of relative rank ``q`` (taken mod size, so ``q - 1`` of 0 works)."""
+        return (q + self.root) % self.size
+
+
+def largest_power_of_two(n: int) -> int:
+    """The largest power of two <= ``n`` (``n`` >= 1): 1, 2, 2, 4, 4, 4, 4, 8, ..."""
+    if n < 1:
+        raise ValueError(f"largest_power_of_two needs n >= 1, got {n}")
+    return 1 << (n.bit_length() - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Fold:
+    """MPICH's fold of a group of any size onto the largest power of two below it.
+
+    Let ``pof2`` be the largest power of two <= size and ``extra = size - pof2``. Among the
+    first ``2 * extra`` ranks each even rank hands all its data to the odd rank above it and
+    sits out; the ``pof2`` other ranks are renumbered ``0 .. pof2-1`` and run the
+    power-of-two algorithm; then every odd rank below ``2 * extra`` hands the result back.
+    With size a power of two nothing is folded: ``newrank == rank`` and ``fold_in()`` and
+    ``fold_out()`` yield nothing. Used by ``recursive_doubling`` and ``rabenseifner``.
+
+    Example, size 6 (pof2 4, extra 2)::
+
+        rank      0     1   2     3   4   5
+        newrank   None  0   None  1   2   3
+        fold_in   Send(1) Reduce(0) Send(3) Reduce(2)   (ranks 4, 5: nothing)
+        fold_out  Recv(1) Send(0)   Recv(3) Send(2)
+    """
+
+    ctx: Context
+
+    @property
+    def pof2(self) -> int:
+        """How many ranks run the power-of-two core: the largest power of two <= size."""
+        return largest_power_of_two(self.ctx.size)
+
+    @property
+    def extra(self) -> int:
+        """``size - pof2``: how many ranks sit out (the even ones below ``2 * extra``)."""
+        return self.ctx.size - self.pof2
+
+    @property
+    def newrank(self) -> int | None:
+        """My rank among the ``pof2`` ranks of the core, or None if I sit out."""
+        rank, extra = self.ctx.rank, self.extra
+        if rank < 2 * extra:
+            return rank // 2 if rank % 2 else None
+        return rank - extra
+
+    def real(self, newrank: int) -> int:
+        """The real rank of core rank ``newrank`` (the inverse of :attr:`newrank`)."""
+        return 2 * newrank + 1 if newrank < self.extra else newrank + self.extra
+
+    def fold_in(self) -> Iterator[Op]:
+        """The steps before the core: an even rank below ``2 * extra`` sends its data up,
+        the odd rank above it folds that in; every other rank yields nothing."""
+        rank = self.ctx.rank
+        if rank < 2 * self.extra:
+            yield Send(rank + 1) if rank % 2 == 0 else Reduce(rank - 1)
+
+    def fold_out(self) -> Iterator[Op]:
+        """The steps after the core: each odd rank below ``2 * extra`` sends the result to
+        the even rank below it, which receives it; every other rank yields nothing."""
+        rank = self.ctx.rank
+        if rank < 2 * self.extra:
+            yield Send(rank - 1) if rank % 2 else Recv(rank + 1)
 
 
 class Strategy:

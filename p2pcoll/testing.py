@@ -1,10 +1,13 @@
-"""Helpers for testing code that uses p2pcoll: run N real peers as tasks in one event loop.
+"""Helpers for testing code that uses p2pcoll.
 
     results = await run_ranks(4, lambda g: g.allreduce(np.ones(3)))
 
-Each peer is a real :class:`~p2pcoll.Group` with its own sockets (tcp on 127.0.0.1 by
-default, or ``transport="ipc"`` / ``"inproc"``), so this tests exactly what runs in
-production, minus the process boundary.
+:func:`run_ranks` runs N real peers as tasks in one event loop: each is a real
+:class:`~p2pcoll.Group` with its own sockets (tcp on 127.0.0.1 by default, or
+``transport="ipc"`` / ``"inproc"``), so this tests exactly what runs in production, minus
+the process boundary. :func:`memory_groups` forms N groups over the in-memory transport
+instead (no sockets, no rendezvous), whose network can drop, delay and reorder messages
+or cut a peer off.
 """
 
 from __future__ import annotations
@@ -14,8 +17,13 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from .group import Group, join
+from .api import Group, join
 from .rendezvous import RendezvousServer
+from .session.forming import handshake
+from .session.session import Session
+from .settings import Settings
+from .transport.memory import Faults, MemoryNetwork
+from .types import Membership
 
 T = TypeVar("T")
 
@@ -57,3 +65,31 @@ async def run_ranks(
         return list(await asyncio.gather(*(peer(r) for r in range(n))))
     finally:
         await server.aclose()
+
+
+async def memory_groups(
+    n: int, *, faults: Faults | None = None, network: MemoryNetwork | None = None,
+    **settings: Any,
+) -> list[Group]:
+    """Form ``n`` groups over one in-memory network (``faults`` applied to data messages).
+
+    ``settings`` are :class:`~p2pcoll.Settings` fields (``collective_timeout=2`` ...). Close
+    the groups when done. ``groups[r].session.transport.network.cut(endpoint)`` simulates
+    the crash of a peer.
+    """
+    net = network or MemoryNetwork(faults or Faults())
+    base = Settings.resolve({}, **settings)
+    transports = [net.transport() for _ in range(n)]
+    endpoints = tuple([(await t.bind())[0] for t in transports])
+    group_id = f"memory-{id(net):x}"
+    groups = []
+    for rank, transport in enumerate(transports):
+        group = Group(base)
+        session = Session(Membership(group_id, 0, rank, n, endpoints), transport, base,
+                          group._failures)
+        session.start()
+        group._adopt(session)
+        groups.append(group)
+    await asyncio.gather(*(handshake(g.session, base.join_timeout, base.join_timeout)
+                           for g in groups))
+    return groups

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import numpy as np
+
+# The pytree helpers live in p2pcoll.pytree; re-exported here for the layers that use them.
+from .pytree import TreeDef as TreeDef
+from .pytree import flatten as flatten
+from .pytree import unflatten as unflatten
 
 Rank = int
 Pytree = Any  # an ndarray, or a dict / list / tuple of pytrees
@@ -81,51 +86,3 @@ class Membership:
     size: int
     endpoints: tuple[str, ...]  # endpoints[r]: where this peer reaches rank r
     hosts: tuple[str, ...] = ()  # host identity of each rank, for transport choice
-
-
-# --- pytrees ------------------------------------------------------------------------------
-# A pytree is flattened into leaves in a fixed order (dict keys sorted) plus a treedef, a
-# plain nested structure of lists/strings that msgpack can carry and that compares equal on
-# every rank with the same structure.
-
-TreeDef = Any
-
-
-def flatten(tree: Pytree) -> tuple[list[np.ndarray], TreeDef]:
-    """Split a pytree into its array leaves and a msgpack-able description of its shape."""
-    leaves: list[np.ndarray] = []
-
-    def walk(node: Any) -> TreeDef:
-        if isinstance(node, dict):
-            keys = sorted(node)
-            for k in keys:
-                if not isinstance(k, str):
-                    raise TypeError(f"pytree dict keys must be str, got {k!r}")
-            return ["d", [[k, walk(node[k])] for k in keys]]
-        if isinstance(node, (list, tuple)):
-            return ["l" if isinstance(node, list) else "t", [walk(x) for x in node]]
-        if node is None:
-            raise TypeError("pytree leaves must be arrays, got None")
-        arr = node if isinstance(node, np.ndarray) else np.asarray(node)
-        if arr.dtype == object:
-            raise TypeError(f"pytree leaf of type {type(node).__name__} is not a numeric array")
-        leaves.append(arr)
-        return "*"
-
-    return leaves, walk(tree)
-
-
-def unflatten(treedef: TreeDef, leaves: Sequence[np.ndarray]) -> Pytree:
-    """Inverse of :func:`flatten`."""
-    it = iter(leaves)
-
-    def build(td: TreeDef) -> Any:
-        if td == "*":
-            return next(it)
-        kind, children = td
-        if kind == "d":
-            return {k: build(c) for k, c in children}
-        items = [build(c) for c in children]
-        return items if kind == "l" else tuple(items)
-
-    return build(treedef)

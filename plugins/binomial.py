@@ -1,6 +1,7 @@
 """Binomial trees (MPICH ``MPIR_Bcast_intra_binomial`` / ``MPIR_Reduce_intra_binomial``).
 
-Ranks are renumbered relative to the root, ``q = (rank - root) mod p``. In the broadcast,
+Ranks are renumbered relative to the root, ``q = (rank - root) mod p`` (``ctx.relative``;
+``ctx.real(v)`` maps back). In the broadcast,
 rank q receives once, from its parent ``q - lowbit(q)`` (q with its lowest set bit cleared),
 then passes the data on to ``q + 2^k`` for every ``2^k < lowbit(q)`` that exists, farthest
 first. The root's lowbit is the first power of two >= p. ceil(lg p) rounds, p-1 messages of
@@ -17,11 +18,7 @@ class BinomialBroadcast(Strategy):
     description = "binomial tree, ceil(lg p) rounds; the root sends ceil(lg p)·n bytes"
 
     def schedule(self, ctx: Context) -> Schedule:
-        p, q = ctx.size, (ctx.rank - ctx.root) % ctx.size
-
-        def real(v: int) -> int:
-            return (v + ctx.root) % p
-
+        p, q, real = ctx.size, ctx.relative, ctx.real
         mask = 1
         while mask < p:  # receive from the parent: clear q's lowest set bit
             if q & mask:
@@ -41,11 +38,7 @@ class BinomialReduce(Strategy):
     description = "binomial tree towards the root, ceil(lg p) rounds"
 
     def schedule(self, ctx: Context) -> Schedule:
-        p, q = ctx.size, (ctx.rank - ctx.root) % ctx.size
-
-        def real(v: int) -> int:
-            return (v + ctx.root) % p
-
+        p, q, real = ctx.size, ctx.relative, ctx.real
         mask = 1
         while mask < p:
             if q & mask:  # my subtree is complete: hand it to the parent

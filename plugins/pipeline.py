@@ -1,6 +1,7 @@
 """Pipelined chain broadcast (MPICH's "pipelined" / Open MPI's ``bcast_intra_pipeline``).
 
-Ranks are renumbered relative to the root, ``q = (rank - root) mod p``, and form a chain
+Ranks are renumbered relative to the root, ``q = (rank - root) mod p`` (``ctx.relative``;
+``ctx.real(v)`` maps back), and form a chain
 0 -> 1 -> ... -> p-1: each rank receives the data from its predecessor and passes it on to
 its successor. Unsegmented that would take p-1 full transfers one after the other; the
 executor cuts data above about 1 MiB into segments and runs several at once, so rank q+1
@@ -19,12 +20,8 @@ class PipelineBroadcast(Strategy):
     description = "chain from the root, pipelined in ~1 MiB segments; n bytes from all but the last"
 
     def schedule(self, ctx: Context) -> Schedule:
-        p, q = ctx.size, (ctx.rank - ctx.root) % ctx.size
-
-        def real(v: int) -> int:
-            return (v + ctx.root) % p
-
+        p, q = ctx.size, ctx.relative
         if q > 0:
-            yield Recv(real(q - 1))
+            yield Recv(ctx.real(q - 1))
         if q < p - 1:
-            yield Send(real(q + 1))
+            yield Send(ctx.real(q + 1))

@@ -13,18 +13,23 @@ Each phase sends n/2 + n/4 + ... + n/p bytes, so 2(p-1)/p·n per rank, the same 
 in 2 lg p rounds instead of 2(p-1). Every block is reduced by exactly one rank and copied
 from there, so the results are bitwise identical on every rank.
 
-Other p, the MPICH fold (as in plugins/recursive_doubling.py): let p' be the largest power
-of two <= p and r = p - p'. Among the first 2r ranks each even rank hands all its data to
+Other p, the MPICH fold (``p2pcoll.strategy.Fold``, as in plugins/recursive_doubling.py):
+let p' be the largest power of two <= p and r = p - p'. Among the first 2r ranks each even rank hands all its data to
 the odd rank above it and sits out; the p' others (renumbered 0..p'-1) run the rounds above
 on p' blocks; then each odd rank below 2r hands the result back. The even ranks send n, the
 odd ones below 2r 2(p'-1)/p'·n + n, the rest 2(p'-1)/p'·n; 2 lg p' + 2 rounds.
 """
 
-from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
-
-
-def _largest_power_of_two(p: int) -> int:
-    return 1 << (p.bit_length() - 1)
+from p2pcoll.strategy import (
+    Context,
+    Fold,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    Strategy,
+    largest_power_of_two,
+)
 
 
 class RabenseifnerAllreduce(Strategy):
@@ -36,35 +41,19 @@ class RabenseifnerAllreduce(Strategy):
     )
 
     def chunks(self, size: int) -> int:
-        return _largest_power_of_two(size)  # the p' blocks that the halving splits
+        return largest_power_of_two(size)  # the p' blocks that the halving splits
 
     def schedule(self, ctx: Context) -> Schedule:
-        p, rank = ctx.size, ctx.rank
-        pof2 = _largest_power_of_two(p)
-        extra = p - pof2
-
-        # Fold the extra ranks in.
-        if rank < 2 * extra:
-            if rank % 2 == 0:
-                yield Send(rank + 1)
-                newrank = -1
-            else:
-                yield Reduce(rank - 1)
-                newrank = rank // 2
-        else:
-            newrank = rank - extra
-
-        if newrank >= 0:
-
-            def real(d: int) -> int:
-                return 2 * d + 1 if d < extra else d + extra
-
+        fold = Fold(ctx)
+        yield from fold.fold_in()  # the extra ranks hand their data in
+        newrank = fold.newrank
+        if newrank is not None:
             # Reduce-scatter by recursive halving: keep one half of my range, send the other.
-            kept = range(pof2)
+            kept = range(fold.pof2)
             rounds = []  # (partner, the half I kept, the half I gave away), in order
             mask = 1
-            while mask < pof2:
-                partner = real(newrank ^ mask)
+            while mask < fold.pof2:
+                partner = fold.real(newrank ^ mask)
                 half = (kept.start + kept.stop) // 2
                 lower, upper = range(kept.start, half), range(half, kept.stop)
                 keep, give = (lower, upper) if newrank & mask == 0 else (upper, lower)
@@ -76,10 +65,4 @@ class RabenseifnerAllreduce(Strategy):
             # Allgather by recursive doubling: the same rounds backwards, copying instead.
             for partner, keep, give in reversed(rounds):
                 yield [Send(partner, keep), Recv(partner, give)]
-
-        # Fold them back out.
-        if rank < 2 * extra:
-            if rank % 2:
-                yield Send(rank - 1)
-            else:
-                yield Recv(rank + 1)
+        yield from fold.fold_out()  # and get the result back

@@ -1,6 +1,7 @@
 """Scatter + allgather broadcast (van de Geijn; MPICH ``MPIR_Bcast_intra_scatter_ring_allgather``).
 
-Ranks are renumbered relative to the root, ``q = (rank - root) mod p``, and the data is cut
+Ranks are renumbered relative to the root, ``q = (rank - root) mod p`` (``ctx.relative``;
+``ctx.real(v)`` maps back), and the data is cut
 into p chunks, chunk q being the one relative rank q is responsible for. First a binomial
 scatter: rank q receives the chunks of its subtree, ``[q, q + lowbit(q))`` (cut at p), from
 its parent ``q - lowbit(q)``, then hands each child ``q + 2^k`` (for every ``2^k < lowbit(q)``,
@@ -27,10 +28,7 @@ class ScatterAllgatherBroadcast(Strategy):
         return size
 
     def schedule(self, ctx: Context) -> Schedule:
-        p, q = ctx.size, (ctx.rank - ctx.root) % ctx.size
-
-        def real(v: int) -> int:
-            return (v + ctx.root) % p
+        p, q, real = ctx.size, ctx.relative, ctx.real
 
         def subtree(v: int, width: int) -> range:
             return range(v, min(v + width, p))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -124,11 +125,13 @@ async def test_malformed_messages_are_dropped_and_counted(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, inject: Inject
 ) -> None:
     monkeypatch.setenv("P2PCOLL_MAX_MESSAGE_BYTES", str(1 << 20))
+    caplog.set_level(logging.DEBUG, logger="p2pcoll.transport")
+
     async def fn(g: p2pcoll.Group) -> object:
         if g.rank == 0:
             gid = g.membership.group_id
             header = {"v": WIRE_VERSION, "k": "data", "g": gid, "r": ROGUE_RANK, "q": 0,
-                      "seg": 0, "s": 0, "sig": [], "n": [8]}
+                      "seg": 0, "s": 0, "sig": b"\0" * 8, "n": [8]}
             dropped = await inject(g, [
                 [b"\xc1 not msgpack"],
                 [msgpack.packb([1, 2, 3])],
@@ -155,6 +158,9 @@ async def test_malformed_messages_are_dropped_and_counted(
                    "payload frame 0 has 3 bytes", "lists 1 payload frames", "claims rank 2",
                    "unknown message kind", "invalid source rank 5"):
         assert reason in caplog.text, reason
+    # Each drop is logged at DEBUG; WARNING lines are limited to one per source and interval.
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "dropped" in r.msg]
+    assert len(warnings) <= 2, [r.getMessage() for r in warnings]
     for _, out in results:
         np.testing.assert_array_equal(out, np.arange(5.0) * 3)
 

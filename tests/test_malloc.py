@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from p2pcoll.transport import memory
-from p2pcoll.transport.memory import tune_malloc
+from p2pcoll.transport import malloc
+from p2pcoll.transport.malloc import tune_malloc
 
 
 def test_tune_malloc_is_idempotent_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "_tuned", False)
-    monkeypatch.setenv("P2PCOLL_TUNE_MALLOC", "0")
-    assert tune_malloc() is False
-    monkeypatch.delenv("P2PCOLL_TUNE_MALLOC")
+    monkeypatch.setattr(malloc, "_tuned", False)
+    assert tune_malloc(False) is False
     first = tune_malloc()
     assert tune_malloc() is first
     try:

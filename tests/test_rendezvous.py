@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import p2pcoll
-from p2pcoll import env
+from p2pcoll.settings import RANK_VARS, WORLD_SIZE_VARS, Settings
 from p2pcoll.testing import free_port
 
 
@@ -132,28 +132,27 @@ async def test_bad_url() -> None:
         await p2pcoll.join("http://example:80", world_size=2)
 
 
-async def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("P2PCOLL_RENDEZVOUS", "MASTER_ADDR", "MASTER_PORT", *env.WORLD_SIZE_VARS,
-                 *env.RANK_VARS):
-        monkeypatch.delenv(name, raising=False)
-    assert env.rendezvous_url() is None and env.world_size() is None and env.rank() is None
-    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    assert env.rendezvous_url() == "tcp://10.1.2.3:29500"
-    monkeypatch.setenv("P2PCOLL_RENDEZVOUS", "tcp://127.0.0.1:1")
-    assert env.rendezvous_url() == "tcp://127.0.0.1:1"
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "5")
-    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "4")
-    assert (env.world_size(), env.rank()) == (5, 4)
-    monkeypatch.setenv("SLURM_NTASKS", "6")
-    monkeypatch.setenv("SLURM_PROCID", "3")
-    assert (env.world_size(), env.rank()) == (6, 3)
-    monkeypatch.setenv("WORLD_SIZE", "7")
-    monkeypatch.setenv("RANK", "2")
-    assert (env.world_size(), env.rank()) == (7, 2)
-    monkeypatch.setenv("RANK", "two")
-    with pytest.raises(p2pcoll.RendezvousError, match="RANK"):
-        env.rank()
+def test_launcher_variables() -> None:
+    env: dict[str, str] = {}
+
+    def read() -> tuple[str | None, int | None, int | None]:
+        s = Settings.resolve(env)
+        return s.rendezvous, s.world_size, s.rank
+
+    assert read() == (None, None, None)
+    env.update(MASTER_ADDR="10.1.2.3", MASTER_PORT="29500")
+    assert read()[0] == "tcp://10.1.2.3:29500"
+    env["P2PCOLL_RENDEZVOUS"] = "tcp://127.0.0.1:1"
+    assert read()[0] == "tcp://127.0.0.1:1"
+    env.update(OMPI_COMM_WORLD_SIZE="5", OMPI_COMM_WORLD_RANK="4")
+    assert read()[1:] == (5, 4)
+    env.update(SLURM_NTASKS="6", SLURM_PROCID="3")
+    assert read()[1:] == (6, 3)
+    env.update(WORLD_SIZE="7", RANK="2")
+    assert read()[1:] == (7, 2)
+    env["RANK"] = "two"
+    with pytest.raises(p2pcoll.SettingsError, match="RANK='two'"):
+        read()
 
 
 async def test_join_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,7 +170,7 @@ async def test_join_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_single_peer_without_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("P2PCOLL_RENDEZVOUS", "MASTER_ADDR", *env.WORLD_SIZE_VARS, *env.RANK_VARS):
+    for name in ("P2PCOLL_RENDEZVOUS", "MASTER_ADDR", *WORLD_SIZE_VARS, *RANK_VARS):
         monkeypatch.delenv(name, raising=False)
     async with p2pcoll.join() as g:
         assert (g.rank, g.world_size) == (0, 1)

@@ -4,6 +4,7 @@ clean-up, and real groups that use them (and fall back to the socket when they a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 
@@ -206,15 +207,15 @@ def test_sweep_removes_stale_rings_of_dead_creators_only() -> None:
                 os.unlink(path)
 
 
-def test_ring_size_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("P2PCOLL_SHM_BYTES", "100000")
-    assert shm.ring_bytes() == 100000 - 100000 % shm.ALIGN
-    monkeypatch.setenv("P2PCOLL_SHM_BYTES", "lots")
-    with pytest.raises(ValueError, match="P2PCOLL_SHM_BYTES"):
-        shm.ring_bytes()
-    monkeypatch.setenv("P2PCOLL_SHM_BYTES", "1000")
-    with pytest.raises(ValueError, match="at least"):
-        shm.ring_bytes()
+def test_ring_size_from_the_environment() -> None:
+    from p2pcoll.settings import Settings
+
+    assert Settings.resolve({"P2PCOLL_SHM_BYTES": "100000"}).shm_bytes == 100000
+    assert Settings.resolve({"P2PCOLL_SHM_BYTES": "1M"}).shm_bytes == 1 << 20
+    with pytest.raises(ValueError, match="P2PCOLL_SHM_BYTES='lots'"):
+        Settings.resolve({"P2PCOLL_SHM_BYTES": "lots"})
+    with pytest.raises(ValueError, match=">= 64K"):
+        Settings.resolve({"P2PCOLL_SHM_BYTES": "1000"})
 
 
 # --- real groups -------------------------------------------------------------------------
@@ -273,12 +274,13 @@ async def test_a_full_ring_falls_back_to_the_socket(monkeypatch: pytest.MonkeyPa
 async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
     caplog: pytest.LogCaptureFixture, inject: Inject
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="p2pcoll.transport")
     out = shm.Outbox(RING, readers=2, creator=ROGUE_RANK, tag=TAG)
     try:
         async def fn(g: p2pcoll.Group) -> object:
             if g.rank == 0:
                 header = {"v": WIRE_VERSION, "k": "data", "g": g.membership.group_id,
-                          "r": ROGUE_RANK, "q": 999, "seg": 0, "s": 0, "sig": [],
+                          "r": ROGUE_RANK, "q": 999, "seg": 0, "s": 0, "sig": b"\0" * 8,
                           "n": [1 << 16]}
                 dropped = await inject(g, [[msgpack.packb(h)] for h in (
                     {**header, "m": "not a list"},
@@ -306,7 +308,7 @@ async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
 async def test_a_stalled_ring_costs_one_wait_not_one_per_piece(
     pair: tuple[shm.Outbox, shm.Inbox],
 ) -> None:
-    from p2pcoll.transport.mesh import RING_WAIT_S, _put
+    from p2pcoll.transport.zmq_mesh import RING_WAIT_S, _put
 
     out, inbox = pair
     piece = np.ones(RING // 2, np.uint8)

@@ -2,7 +2,7 @@
 
 The simulator below follows the executor's rules exactly (see p2pcoll/strategy.py):
 
-- each rank walks the steps that ``p2pcoll.executor.plan`` gives it, in order;
+- each rank walks the steps that ``p2pcoll.engine.plan.plan`` gives it, in order;
 - within a step it posts every Send first (a send never blocks, and its payload is what
   the chunk holds at that moment), then performs the Recv/Reduce ops in list order;
 - the k-th message rank a sends to rank b is the k-th one b receives from a.
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2pcoll.executor import plan
+from p2pcoll.engine.plan import plan
 from p2pcoll.registry import registry
 from p2pcoll.strategy import (
     ALL,

@@ -8,6 +8,8 @@ with the same weights as one process taking full-batch steps on all the data.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +32,34 @@ async def each_rank(n: int, fn: Callable[[p2pcoll.Group], Awaitable[Any]]) -> li
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+# --- the package: imported on first use, errors under P2PCollError ---------------------------
+
+
+def run_python(code: str) -> None:
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_import_p2pcoll_does_not_import_training() -> None:
+    run_python("import sys, p2pcoll\n"
+               "assert 'p2pcoll.training' not in sys.modules, 'training was imported'\n")
+
+
+def test_p2pcoll_training_is_imported_on_first_use() -> None:
+    run_python("import p2pcoll\n"
+               "fn = p2pcoll.training.allreduce_gradients\n"
+               "from p2pcoll import training\n"
+               "from p2pcoll.training import allreduce_gradients\n"
+               "assert fn is training.allreduce_gradients is allreduce_gradients\n"
+               "assert 'training' in p2pcoll.__all__\n")
+
+
+def test_training_errors_are_p2pcoll_errors() -> None:
+    assert issubclass(training.NonFiniteGradients, p2pcoll.P2PCollError)
+    assert issubclass(training.NonFiniteGradients, FloatingPointError)
+    assert issubclass(training.RoundError, p2pcoll.P2PCollError)
+    assert issubclass(training.RoundError, RuntimeError)
 
 
 # --- names and buckets (no communication) ----------------------------------------------------
@@ -56,9 +86,10 @@ def awkward_tree() -> Tree:
     }
 
 
-def test_named_leaves_are_paths_in_tree_order() -> None:
+def test_named_leaves_are_paths_in_leaf_order() -> None:
     tree = {"fc": {"w": np.ones(1), "b": np.ones(1)}, "blocks": [np.ones(1), (np.ones(1),)]}
-    assert [name for name, _ in named_leaves(tree)] == ["fc.w", "fc.b", "blocks.0", "blocks.1.0"]
+    # The one pytree order (p2pcoll.pytree): dict keys sorted at each level, items by position.
+    assert [name for name, _ in named_leaves(tree)] == ["blocks.0", "blocks.1.0", "fc.b", "fc.w"]
     assert [name for name, _ in named_leaves(np.ones(2))] == [""]
     with pytest.raises(ValueError, match=r"'a\.b'"):
         named_leaves({"a": {"b": np.ones(1)}, "a.b": np.ones(1)})
@@ -151,6 +182,36 @@ async def test_allreduce_gradients_reduces_every_tensor(n: int, op: str) -> None
             assert got.shape == want.shape and got.dtype == want.dtype
             np.testing.assert_array_equal(got, expect, err_msg=name)
             assert same_bits(got, dict(named_leaves(results[0]))[name])
+
+
+async def test_gradients_in_a_long_list_come_back_in_their_places() -> None:
+    # Leaf order takes list positions as numbers ("10" after "9"), on every rank alike.
+    async def fn(g: p2pcoll.Group) -> Tree:
+        grads = {"layers": [np.full(i + 1, float(i + g.rank)) for i in range(12)]}
+        return await training.allreduce_gradients(g, grads, "sum", bucket_bytes=48)
+
+    for out in await run_ranks(2, fn):
+        assert len(out["layers"]) == 12
+        for i, got in enumerate(out["layers"]):
+            np.testing.assert_array_equal(got, np.full(i + 1, 2.0 * i + 1))
+
+
+async def test_round_numbers_belong_to_the_group() -> None:
+    async def reducer_round(reducer: training.GradientReducer) -> int:
+        async with reducer.start_round() as rnd:
+            rnd.add("w", np.ones(2))
+            await rnd.wait()
+        return rnd.number
+
+    async def fn(g: p2pcoll.Group) -> None:
+        await training.allreduce_gradients(g, {"w": np.ones(2)})           # round 0
+        reducer = training.GradientReducer(g, {"w": np.ones(2)})
+        assert await reducer_round(reducer) == 1                            # the group's next
+        await training.allreduce_gradients(g, {"w": np.ones(2)}, round=7)  # jumps ahead
+        assert await reducer_round(reducer) == 8
+
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)  # a new group counts from 0 again
 
 
 async def test_empty_gradients_are_a_no_op_without_communication() -> None:
@@ -447,8 +508,10 @@ async def test_nan_or_inf_in_the_result_is_reported_by_name() -> None:
         if g.rank == 1:
             grads["bad"][2] = np.nan
             grads["ok"][0] = np.inf
-        with pytest.raises(FloatingPointError, match=r"'ok' \(1 of 3 values\)"):
+        with pytest.raises(FloatingPointError, match=r"'ok' \(1 of 3 values\)") as info:
             await training.allreduce_gradients(g, grads, "sum")
+        assert isinstance(info.value, training.NonFiniteGradients)
+        assert info.value.round == 0 and sorted(info.value.tensors) == ["bad", "ok"]
         await training.allreduce_gradients(g, grads, "sum", nonfinite="warn")
         return await training.allreduce_gradients(g, grads, "sum", nonfinite="ignore")
 
@@ -512,7 +575,7 @@ async def test_round_misuse_is_refused() -> None:
         reducer = training.GradientReducer(g, {"a": np.zeros(2), "b": np.zeros(3)},
                                            bucket_bytes=0)
         async with reducer.start_round() as rnd:
-            with pytest.raises(RuntimeError, match="round 0 is still open"):
+            with pytest.raises(training.RoundError, match="round 0 is still open"):
                 reducer.start_round()
             with pytest.raises(ValueError, match="'c' is not one of"):
                 rnd.add("c", np.zeros(2))
@@ -528,6 +591,18 @@ async def test_round_misuse_is_refused() -> None:
             training.GradientReducer(g, {"a": np.zeros(2)}, order=["a", "b"])
 
     await run_ranks(2, fn, collective_timeout=TIMEOUT)
+
+
+async def test_reducer_buckets_follow_the_backward_pass_of_a_listed_model() -> None:
+    # The default order is the parameters as listed, reversed, even past ten layers, where
+    # the leaf order ("10" before "2") would not be the order a backward pass produces.
+    async def fn(g: p2pcoll.Group) -> list[str]:
+        params = {f"{i}.weight": np.zeros(4) for i in range(12)}
+        reducer = training.GradientReducer(g, params, bucket_bytes=0)
+        return [spec.name for spec in reducer.plan.specs]
+
+    (names,) = await run_ranks(1, fn)
+    assert names == [f"{i}.weight" for i in reversed(range(12))]
 
 
 # --- torch tensors ---------------------------------------------------------------------------

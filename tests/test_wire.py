@@ -8,15 +8,16 @@ import pytest
 
 import p2pcoll
 from p2pcoll.errors import ProtocolError
-from p2pcoll.layout import Layout
+from p2pcoll.engine.layout import Layout
 from p2pcoll.strategy import ALL
 from p2pcoll.types import check_dtype, flatten, unflatten
-from p2pcoll.wire import WIRE_VERSION, Header, decode_header, encode_header
+from p2pcoll.wire import WIRE_VERSION, Header, Signature, decode_header, encode_header
 
 
 def test_header_round_trip() -> None:
-    h = Header("data", "g1", 3, seq=7, seg=2, step=1, sig=["allreduce", "ring", "sum", -1, "x"],
-               nbytes=[4, 0], meta={"strategy": "ring"})
+    sig = Signature.of("allreduce", "ring", "sum", -1, "x")
+    h = Header("data", "g1", 3, seq=7, seg=2, step=1, sig=sig.digest, nbytes=[4, 0],
+               meta={"strategy": "ring", "leaves": [["<f4", [1]]]}, described=list(sig.fields))
     back = decode_header(encode_header(h))
     assert back == h and back.key == (7, 2, 3, 1)
     abort = Header("abort", "g1", 0, seq=4, err=["CollectiveTimeout", "late"])
@@ -33,12 +34,15 @@ def test_header_round_trip() -> None:
         (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": 5, "r": 0}), "'g'"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": "x", "r": True}), "'r'"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "data", "g": "x", "r": 0, "q": 0, "seg": 0,
-                        "s": 0, "sig": [], "n": [-1]}), "frame sizes"),
+                        "s": 0, "sig": b"12345678", "n": [-1]}), "'n'"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": "data", "g": "x", "r": 0, "q": 0, "seg": 0,
+                        "s": 0, "sig": [], "n": []}), "digest"),
+        (msgpack.packb({"v": WIRE_VERSION, "k": [1]}), "unknown message kind"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "abort", "g": "x", "r": 0, "q": 0,
                         "err": ["only one"]}), "abort"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": "x", "r": 0, "meta": [1]}), "meta"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": "x", "r": 0, b"\x00": 1}),
-         "not valid msgpack"),
+         "unknown keys"),
     ],
 )
 def test_bad_headers_are_rejected(raw: bytes, reason: str) -> None:
@@ -103,7 +107,7 @@ def test_public_exports() -> None:
 
 
 def test_transport_choice() -> None:
-    from p2pcoll.transport import get_transport
+    from p2pcoll.transport import endpoint_policy as get_transport
 
     auto = get_transport("auto")
     addresses = auto.bind_addresses("127.0.0.1")

@@ -58,7 +58,7 @@ def test_which_sends_go_as_copies() -> None:
     """Ring allreduce, 2 peers: the reduce-scatter send is written again by the allgather
     (a snapshot in every segment); the allgather send is the last one (a copy only in the
     last segments, so the collective does not wait for its release)."""
-    from p2pcoll.executor import copies, plan
+    from p2pcoll.engine.plan import copies, plan
     from p2pcoll.registry import registry
     from p2pcoll.strategy import Context
 
@@ -75,7 +75,7 @@ def test_which_sends_go_as_copies() -> None:
 def test_a_chunk_sent_to_several_peers_in_one_step_is_one_send() -> None:
     """The root of a root broadcast hands each segment to the mesh once for all peers (so a
     same-host ring copies it in once); a ring step's sends stay apart."""
-    from p2pcoll.executor import plan, send_groups
+    from p2pcoll.engine.plan import plan, send_groups
     from p2pcoll.registry import registry
     from p2pcoll.strategy import ALL, Context
 

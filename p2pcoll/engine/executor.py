@@ -1,10 +1,11 @@
-"""Runs a strategy's schedule over the mesh: the one place that touches buffers and messages.
+"""Runs a strategy's plan over a transport: the one place that touches buffers and messages.
 
-For each pipeline segment the executor walks the schedule: it sends chunk views zero-copy,
-receives frames into ``np.frombuffer`` views and copies or reduces them straight into the
-preallocated data (``ufunc(dst, src, out=dst)``), checks each message's signature against
-its own, and never writes into memory that a zero-copy send still reads. Up to ``depth``
-segments run at once, so transfer and reduction overlap. Deadlines are the caller's.
+For each pipeline segment the executor walks the plan: it sends chunk views zero-copy,
+receives pieces into ``np.frombuffer`` views and copies or reduces them straight into the
+preallocated data (``ufunc(dst, src, out=dst)``), has each message's signature checked
+against its own, and never writes into memory that a zero-copy send still reads. Up to
+``depth`` segments run at once, so transfer and reduction overlap. Deadlines are the
+caller's.
 """
 
 from __future__ import annotations
@@ -12,131 +13,30 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
-import zmq
 
-from .errors import CollectiveMismatch, P2PCollError, PluginValidationError
+from ..errors import CollectiveMismatch, P2PCollError
+from ..strategy import Context, Reduce, Send, Strategy
+from ..transport.base import Piece, Tracker, Transport
+from ..wire import Header, Signature
 from .layout import Layout
-from .strategy import ALL, Context, Op, Recv, Reduce, Send, Strategy, _All
-from .transport.mailbox import Mailbox
-from .transport.mesh import Mesh
-from .wire import Header
-
-@lru_cache(maxsize=1024)
-def plan(strategy: Strategy, ctx: Context, nchunks: int) -> tuple[tuple[Op, ...], ...]:
-    """Materialise and validate one rank's schedule (cached: it depends on nothing else)."""
-    steps: list[tuple[Op, ...]] = []
-    where = f"strategy {strategy.name!r} ({strategy.collective}) on rank {ctx.rank} of {ctx.size}"
-    for step in strategy.schedule(ctx):
-        ops = (step,) if isinstance(step, (Send, Recv, Reduce)) else tuple(step)
-        peers_out: set[int] = set()
-        peers_in: set[int] = set()
-        for op in ops:
-            if not isinstance(op, (Send, Recv, Reduce)):
-                raise PluginValidationError(f"{where} yielded {op!r}, not Send/Recv/Reduce")
-            peer = op.to if isinstance(op, Send) else op.frm
-            if not (0 <= peer < ctx.size) or peer == ctx.rank:
-                raise PluginValidationError(f"{where} yielded {op!r}: no such peer")
-            seen = peers_out if isinstance(op, Send) else peers_in
-            if peer in seen:
-                raise PluginValidationError(f"{where} yielded two ops with rank {peer} in one step")
-            seen.add(peer)
-            _check_chunk(op, nchunks, where)
-        steps.append(ops)
-    return tuple(steps)
-
-
-@lru_cache(maxsize=1024)
-def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tuple[int, int]]:
-    """The sends (step, op index) whose chunk is written again later in the schedule.
-
-    Those are sent as copies; every other send goes zero-copy from the data. So no receive
-    ever waits for libzmq to let go of memory it is about to overwrite (which over a busy
-    link can take as long as the transfer itself).
-    """
-    def ids(chunk: object) -> range:
-        if isinstance(chunk, _All):
-            return range(nchunks)
-        return chunk if isinstance(chunk, range) else range(chunk, chunk + 1)  # type: ignore[operator]
-
-    out = set()
-    for i, ops in enumerate(steps):
-        for j, op in enumerate(ops):
-            if not isinstance(op, Send):
-                continue
-            sent = ids(op.chunk)
-            for later in steps[i:]:
-                if any(not isinstance(w, Send) and _overlap(sent, ids(w.chunk)) for w in later):
-                    out.add((i, j))
-                    break
-    return frozenset(out)
-
-
-@lru_cache(maxsize=1024)
-def copies(
-    steps: tuple[tuple[Op, ...], ...], nchunks: int
-) -> tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]]]:
-    """The sends that go as copies: in every segment, and in the last ``depth`` segments.
-
-    Every segment copies its :func:`snapshots`. The last segments also copy the sends of
-    the last step that sends anything: the collective returns only once libzmq has let go
-    of every zero-copy send, and the last ones are still on the wire when the last receive
-    completes. Copying them (at most ``depth`` segments' worth) costs less than waiting for
-    their release, which pyzmq reports through a thread that needs the GIL.
-    """
-    early = snapshots(steps, nchunks)
-    for i in range(len(steps) - 1, -1, -1):
-        final = frozenset((i, j) for j, op in enumerate(steps[i]) if isinstance(op, Send))
-        if final:
-            return early, early | final
-    return early, early
-
-
-@lru_cache(maxsize=1024)
-def send_groups(
-    steps: tuple[tuple[Op, ...], ...],
-) -> tuple[tuple[tuple[Any, tuple[tuple[int, int], ...]], ...], ...]:
-    """Per step, its sends grouped by chunk: ((chunk, ((op index, peer), ...)), ...).
-
-    A chunk sent to several peers in one step (a root's broadcast) is handed to the mesh
-    once, which then copies it into shared memory once for all of them.
-    """
-    out = []
-    for ops in steps:
-        groups: dict[Any, list[tuple[int, int]]] = {}
-        for j, op in enumerate(ops):
-            if isinstance(op, Send):
-                groups.setdefault(op.chunk, []).append((j, op.to))
-        out.append(tuple((chunk, tuple(g)) for chunk, g in groups.items()))
-    return tuple(out)
-
-
-def _overlap(a: range, b: range) -> bool:
-    return a.start < b.stop and b.start < a.stop and len(a) > 0 and len(b) > 0
-
-
-def _check_chunk(op: Op, nchunks: int, where: str) -> None:
-    c = op.chunk
-    ok = (
-        isinstance(c, _All)
-        or (isinstance(c, int) and 0 <= c < nchunks)
-        or (isinstance(c, range) and c.step == 1 and 0 <= c.start <= c.stop <= nchunks)
-    )
-    if not ok:
-        raise PluginValidationError(f"{where} yielded {op!r}: chunk outside 0..{nchunks - 1}")
+from .matching import Departures, Matcher
+from .plan import Steps, copies, plan, send_groups
 
 
 class Executor:
     """Runs schedules for one group."""
 
     def __init__(
-        self, mesh: Mesh, mailbox: Mailbox, *, segment_bytes: int, depth: int
+        self, transport: Transport, matcher: Matcher, departures: Departures, group_id: str,
+        *, segment_bytes: int, depth: int,
     ) -> None:
-        self.mesh = mesh
-        self.mailbox = mailbox
+        self.transport = transport
+        self.matcher = matcher
+        self.departures = departures
+        self.group_id = group_id
         self.segment_bytes = segment_bytes
         self.depth = depth
 
@@ -148,7 +48,7 @@ class Executor:
         ctx: Context,
         layout: Layout,
         ufunc: Callable[..., Any] | None,
-        sig: list[Any],
+        sig: Signature,
         meta: dict[str, Any] | None = None,
     ) -> None:
         """Run ``strategy`` for collective ``seq`` over ``layout``, in place.
@@ -159,13 +59,13 @@ class Executor:
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
         steps = plan(strategy, ctx, len(layout.chunks))
-        self.mailbox.expect(seq, sig, ctx.rank)
+        self.matcher.expect(seq, sig, ctx.rank)
         nseg = layout.segment(self.segment_bytes)
         early, late = copies(steps, len(layout.chunks))
         first_late = max(nseg - self.depth, 0)
         # Zero-copy sends whose segment has finished: the caller may reuse the data only
         # once libzmq has let go of them, so they are awaited once, at the very end.
-        pending: list[zmq.MessageTracker] = []
+        pending: list[Tracker] = []
         run = self._segment
         if nseg == 1:
             await run(seq, 0, steps, late, layout, ufunc, sig, meta, ctx.rank, pending)
@@ -190,14 +90,14 @@ class Executor:
         self,
         seq: int,
         seg: int,
-        steps: tuple[tuple[Op, ...], ...],
+        steps: Steps,
         copied: frozenset[tuple[int, int]],
         layout: Layout,
         ufunc: Callable[..., Any] | None,
-        sig: list[Any],
+        sig: Signature,
         meta: dict[str, Any] | None,
         rank: int,
-        pending: list[zmq.MessageTracker],
+        pending: list[Tracker],
     ) -> None:
         sent: defaultdict[int, int] = defaultdict(int)
         received: defaultdict[int, int] = defaultdict(int)
@@ -207,11 +107,18 @@ class Executor:
             for chunk, group in groups[i]:
                 headers = []
                 for _, to in group:
+                    gone = self.departures.lost(to)
+                    if gone is not None:
+                        raise gone
+                    # The first message on a link also says what the signature is, so a
+                    # mismatch can be described field by field.
+                    first = seg == 0 and sent[to] == 0
                     headers.append(Header(
-                        "data", self.mesh.group_id, rank, seq, seg, sent[to], sig, meta=seg_meta
+                        "data", self.group_id, rank, seq, seg, sent[to], sig.digest,
+                        meta=seg_meta, described=list(sig.fields) if first else None,
                     ))
                     sent[to] += 1
-                tracker = await self.mesh.send_many(
+                tracker = await self.transport.send_many(
                     [to for _, to in group], headers, layout.pieces(chunk, seg),
                     copy=any((i, j) in copied for j, _ in group),
                 )
@@ -222,12 +129,12 @@ class Executor:
                     continue
                 key = (seq, seg, op.frm, received[op.frm])
                 received[op.frm] += 1
-                header, frames = await self.mailbox.get(key)  # signature checked there
+                header, frames = await self.matcher.get(key)  # signature checked there
                 targets = layout.pieces(op.chunk, seg)
                 sizes = [t.nbytes for t in targets]
                 if header.nbytes != sizes:
                     raise CollectiveMismatch(
-                        f"collective #{seq} {sig[0]}: rank {op.frm} sent pieces of {header.nbytes}"
+                        f"collective #{seq} {sig.collective}: rank {op.frm} sent pieces of {header.nbytes}"
                         f" bytes for chunk {op.chunk!r}, rank {rank} expected {sizes}"
                     )
                 reduce = ufunc if isinstance(op, Reduce) else None
@@ -252,7 +159,7 @@ def _root_error(group: BaseExceptionGroup) -> BaseException:
 
 
 def _combine(
-    targets: list[np.ndarray], frames: list[zmq.Frame], ufunc: Callable[..., Any] | None
+    targets: list[np.ndarray], frames: list[Piece], ufunc: Callable[..., Any] | None
 ) -> None:
     with np.errstate(all="ignore"):
         for dst, frame in zip(targets, frames, strict=True):
@@ -265,7 +172,7 @@ def _combine(
                 ufunc(dst, src, out=dst)
 
 
-async def _released(trackers: list[zmq.MessageTracker]) -> None:
+async def _released(trackers: list[Tracker]) -> None:
     """Wait until libzmq has let go of every zero-copy send, so the caller may reuse its data.
 
     libzmq signals completion on no file descriptor, so poll: a few turns of the event loop
@@ -280,4 +187,4 @@ async def _released(trackers: list[zmq.MessageTracker]) -> None:
                 delay = min(delay * 2 or 2e-5, 1e-3)
 
 
-__all__ = ["ALL", "Executor", "plan"]
+__all__ = ["Executor"]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .strategy import ALL, Chunk
+from ..strategy import ALL, Chunk
 
 Piece = tuple[int, int, int]  # (array index, start, stop) in elements
 

@@ -2,49 +2,64 @@
 
 A message's key is ``(seq, segment, src, index)``: the collective's sequence number, the
 pipeline segment, the sending rank, and how many messages that rank had already sent us in
-this (seq, segment). Messages between two ranks are delivered in order (as MPI promises), so
-a strategy only has to post its sends and receives in a consistent order, and several
-collectives can be in flight at once without mixing.
+this (seq, segment). Because the index is in the key, messages may even arrive out of order;
+a strategy only has to post its sends and receives in a consistent order per pair of ranks,
+and several collectives can be in flight at once without mixing.
 
-Every message's signature (what its sender thinks the collective is) is compared with this
-rank's own as soon as both are known, so ranks that disagree fail at the first message.
-A message that arrives before its receive is buffered. A receive that is cancelled leaves
-nothing behind and consumes nothing. Failures are recorded so a later receive fails at once.
+Every message's signature digest (what its sender thinks the collective is) is compared
+with this rank's own as soon as both are known, so ranks that disagree fail at the first
+message. A message that arrives before its receive is buffered. A receive that is cancelled
+leaves nothing behind and consumes nothing. Whether a peer has gone is not recorded here:
+a receive asks the session's one record (:class:`Departures`) about the peer it needs.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
-import zmq
-
-from ..errors import CollectiveMismatch, P2PCollError, ProtocolError
-from ..wire import Header, describe_mismatch
+from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
+from ..wire import Header, Signature
+from ..transport.base import Piece
 
 Key = tuple[int, int, int, int]
-Message = tuple[Header, list[zmq.Frame]]
+Message = tuple[Header, list[Piece]]
 
 
-class Mailbox:
-    """Per-group store of early messages and of receives still waiting."""
+class Departures(Protocol):
+    """The session's record of peers that have gone (see p2pcoll.session.peers)."""
 
-    def __init__(self) -> None:
+    def lost(self, rank: int) -> PeerLost | None:
+        """The error for ``rank`` if it has left or been lost, else None."""
+        ...
+
+    def abandoned(self, rank: int, seq: int) -> bool:
+        """Whether ``rank`` is gone without having taken part in collective ``seq``."""
+        ...
+
+
+class Matcher:
+    """Per-session store of early messages and of receives still waiting."""
+
+    def __init__(self, departures: Departures) -> None:
+        self.departures = departures
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
         self._first: dict[int, asyncio.Future[Header]] = {}
         self._failed: dict[int, P2PCollError] = {}
-        self._lost: dict[int, P2PCollError] = {}
         self._finished: set[int] = set()
-        self._expected: dict[int, tuple[list[Any], int]] = {}  # seq -> (signature, my rank)
+        self._expected: dict[int, tuple[Signature, int]] = {}  # seq -> (signature, my rank)
         self._stalled: dict[int, set[int]] = {}  # seq -> sources of cancelled receives
         self._first_origin: dict[int, int] = {}  # seq -> the rank a first() waits on
         self._watermark = 0  # every seq below this has finished
 
-    def put(self, header: Header, frames: list[zmq.Frame]) -> bool:
+    def put(self, header: Header, frames: list[Piece]) -> bool:
         """Deliver a data message.
 
         Returns False, dropping it, when collective ``seq`` has already finished here.
+
+        Raises:
+            ProtocolError: a second message with the same key.
         """
         seq = header.seq
         if seq in self._failed:
@@ -52,6 +67,8 @@ class Mailbox:
         if seq < self._watermark or seq in self._finished:
             return False
         key = header.key
+        if key in self._buffered:
+            raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)")
         if seq in self._expected and not self._check(header):
             return True
         if header.seg == 0:
@@ -63,13 +80,11 @@ class Mailbox:
         waiter = self._waiting.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result((header, frames))
-        elif key in self._buffered:
-            raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)")
         else:
             self._buffered[key] = (header, frames)
         return True
 
-    def expect(self, seq: int, sig: list[Any], rank: int) -> None:
+    def expect(self, seq: int, sig: Signature, rank: int) -> None:
         """Declare this rank's signature of collective ``seq`` and check what already came."""
         self._expected[seq] = (sig, rank)
         for key, (header, _) in list(self._buffered.items()):
@@ -78,10 +93,11 @@ class Mailbox:
 
     def _check(self, header: Header) -> bool:
         sig, rank = self._expected[header.seq]
-        if header.sig == sig:
+        if header.sig == sig.digest:
             return True
-        diff = describe_mismatch(sig, header.sig, rank, header.src)
-        self.fail(header.seq, CollectiveMismatch(f"collective #{header.seq} {sig[0]}: {diff}"))
+        diff = sig.describe_difference(header.described, rank, header.src)
+        self.fail(header.seq, CollectiveMismatch(
+            f"collective #{header.seq} {sig.collective}: {diff}"))
         return False
 
     def leftover(self, seq: int) -> list[int]:
@@ -93,6 +109,7 @@ class Mailbox:
 
         Raises:
             P2PCollError: the collective was aborted, or the source rank is gone.
+        Cancellation: consumes nothing; a message that arrives later is buffered.
         """
         seq, _, src, _ = key
         if seq in self._failed:
@@ -100,8 +117,9 @@ class Mailbox:
         msg = self._buffered.pop(key, None)
         if msg is not None:
             return msg
-        if src in self._lost:
-            raise self._lost[src]
+        gone = self.departures.lost(src)
+        if gone is not None:
+            raise gone
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._waiting[key] = fut
         try:
@@ -116,16 +134,20 @@ class Mailbox:
     async def first(self, seq: int, origin: int) -> Header:
         """The header of the first segment-0 message of collective ``seq`` from anyone.
 
-        ``origin`` is the rank the data comes from (a root): it is named while this waits,
-        and its loss fails the wait.
+        ``origin`` is the rank the data comes from (a root), named while this waits. Which
+        rank actually sends the first message depends on the strategy, which this rank learns
+        only from that message, so the wait fails on ``origin``'s departure only if it left
+        without taking its part (it was lost, or said goodbye before starting collective
+        ``seq``): a root that finished its part and left may still have its data come
+        through another rank, whose own loss then fails the receive that needs it.
         """
         if seq in self._failed:
             raise self._failed[seq]
         fut = self._first.get(seq)
         if fut is None:
             fut = self._first[seq] = asyncio.get_running_loop().create_future()
-        if not fut.done() and origin in self._lost:
-            raise self._lost[origin]
+        if not fut.done() and self.departures.abandoned(origin, seq):
+            raise self.departures.lost(origin)  # type: ignore[misc]
         self._first_origin[seq] = origin
         try:
             return await asyncio.shield(fut)
@@ -160,16 +182,20 @@ class Mailbox:
             first.exception()  # mark retrieved; a waiter may have gone
         return True
 
-    def fail_source(self, src: int, exc: P2PCollError) -> None:
-        """Rank ``src`` is gone: fail every receive from it that is not already buffered."""
-        self._lost.setdefault(src, exc)
+    def peer_departed(self, rank: int) -> None:
+        """``rank`` has gone (the record says how): wake the receives that need it."""
+        exc = self.departures.lost(rank)
+        if exc is None:
+            return
         for key, fut in list(self._waiting.items()):
-            if key[2] == src and not fut.done():
+            if key[2] == rank and not fut.done():
                 fut.set_exception(exc)
         for seq, origin in self._first_origin.items():
-            first = self._first.get(seq)
-            if origin == src and first is not None and not first.done():
-                first.set_exception(exc)
+            if origin == rank and self.departures.abandoned(rank, seq):
+                first = self._first.get(seq)
+                if first is not None and not first.done():
+                    first.set_exception(exc)
+                    first.exception()
 
     def finish(self, seq: int) -> None:
         """Forget everything about collective ``seq``; later messages for it are stale."""

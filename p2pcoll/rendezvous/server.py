@@ -1,15 +1,12 @@
-"""Rendezvous: how peers find each other and get their ranks.
+"""The rendezvous server: collects ``world_size`` join requests and hands out the roster.
 
-One process hosts a small ZeroMQ ROUTER at the rendezvous address ``tcp://HOST:PORT``: the
-peer that wants rank 0 (or, when ranks are assigned by arrival, whichever peer binds the port
-first), or a standalone ``p2pcoll rendezvous`` server. Every peer, the host included, sends it
-a join request with its endpoint, requested rank and world size. When ``world_size`` peers
-are there, the server assigns the missing ranks in arrival order and sends every peer the
-roster (a :class:`~p2pcoll.types.Membership`). Errors that concern one peer (duplicate rank,
-rank out of range, world size disagreement) are sent to the peers concerned at once.
-
-Messages are msgpack maps over a DEALER/ROUTER pair; join requests are queued by ZeroMQ until
-the server is up, so peers may start in any order.
+One process hosts it at the rendezvous address ``tcp://HOST:PORT``: the peer that wants
+rank 0 (or, when ranks are assigned by arrival, whichever peer binds the port first), or a
+standalone ``p2pcoll rendezvous`` server. Every peer, the host included, sends it a join
+request with its endpoints, requested rank and world size. When ``world_size`` peers are
+there, it assigns the missing ranks in arrival order and sends every peer the roster.
+Errors that concern one peer (duplicate rank, rank out of range, world size disagreement)
+are sent to the peers concerned at once. A malformed request is logged and dropped.
 """
 
 from __future__ import annotations
@@ -17,44 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from .errors import RendezvousError
-from .types import Membership
-from .wire import WIRE_VERSION
+from ..transport.sockets import SocketFactory
+from ..wire import WIRE_VERSION
+from .url import parse_url
 
 log = logging.getLogger("p2pcoll.rendezvous")
-
-
-def parse_url(url: str) -> tuple[str, int]:
-    """Split ``tcp://HOST:PORT`` into host and port, or raise RendezvousError."""
-    parts = urlsplit(url)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-        raise RendezvousError(f"rendezvous must look like tcp://HOST:PORT, got {url!r}")
-    return parts.hostname, parts.port
-
-
-async def advertised_host(rendezvous_host: str) -> str:
-    """The local IP address of the interface that routes to the rendezvous host.
-
-    A UDP socket ``connect`` picks the route without sending anything.
-    """
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(rendezvous_host, None, family=socket.AF_INET)
-    target = infos[0][4][0]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((target, 9))
-        return str(s.getsockname()[0])
 
 
 @dataclass
@@ -69,9 +41,9 @@ class _Entry:
 class RendezvousServer:
     """Collects ``world_size`` join requests and hands out the roster."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, sockets: SocketFactory | None = None) -> None:
         self.url = url
-        self._ctx = zmq.asyncio.Context.instance()
+        self._sockets = sockets or SocketFactory()
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._entries: dict[bytes, _Entry] = {}
@@ -86,8 +58,7 @@ class RendezvousServer:
             zmq.ZMQError: the port is taken or the host is not a local address.
         """
         host, port = parse_url(self.url)
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 1000)
+        sock = self._sockets.rendezvous_server()
         try:
             sock.bind(f"tcp://{host}:{port or '*'}")
         except zmq.ZMQError:
@@ -102,16 +73,19 @@ class RendezvousServer:
         assert self._sock is not None
         while True:
             try:
-                identity, raw = await self._sock.recv_multipart()
-                msg = msgpack.unpackb(raw, raw=False)
-                if not isinstance(msg, dict):
-                    raise ValueError("not a map")
+                frames = await self._sock.recv_multipart()
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
-            except Exception as exc:  # a malformed request must not stop the server
+            try:
+                if len(frames) != 2:
+                    raise ValueError(f"{len(frames) - 1} frames, expected 1")
+                identity, raw = frames
+                msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
+                if not isinstance(msg, dict):
+                    raise ValueError("not a map")
+                self._handle(identity, msg)
+            except Exception as exc:  # noqa: BLE001 - a malformed request must not stop it
                 log.warning("rendezvous: dropped a malformed request: %s", exc)
-                continue
-            self._handle(identity, msg)
 
     def _reply(self, identity: bytes, **msg: Any) -> None:
         assert self._sock is not None
@@ -132,8 +106,10 @@ class RendezvousServer:
             return fail(f"the group of {self._world_size} at {self.url} is already complete")
         rank, size = msg.get("rank"), msg.get("world_size")
         endpoints, host = msg.get("endpoints"), msg.get("host")
-        if (not (rank is None or isinstance(rank, int)) or not isinstance(endpoints, list)
-                or not endpoints or not all(isinstance(e, str) for e in endpoints)):
+        if (not (rank is None or isinstance(rank, int) and not isinstance(rank, bool))
+                or not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
+                or not all(isinstance(e, str) and len(e) <= 256 for e in endpoints)
+                or not isinstance(host, str) or len(host) > 256):
             return fail("malformed join request")
         if size is not None:
             if not isinstance(size, int) or size < 1:
@@ -196,64 +172,3 @@ class RendezvousServer:
                 await self._task
         if self._sock is not None:
             self._sock.close()
-
-
-async def rendezvous(
-    url: str,
-    *,
-    endpoints: list[str],
-    world_size: int | None,
-    rank: int | None,
-    timeout: float,
-    host_id: str,
-    choose: Callable[[str, list[str]], str],
-) -> Membership:
-    """Register ``endpoints`` at the rendezvous and wait for the roster.
-
-    ``choose(host, endpoints)`` picks which of a peer's endpoints this peer will use.
-
-    Raises:
-        RendezvousError: on timeout (saying how many peers arrived and which ranks are
-            missing), or at once when the server rejects this peer.
-    """
-    host, port = parse_url(url)
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RECONNECT_IVL, 50)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-    sock.connect(f"tcp://{host}:{port}")
-    request = {"v": WIRE_VERSION, "op": "join", "rank": rank, "world_size": world_size,
-               "endpoints": endpoints, "host": host_id}
-    status: dict[str, Any] | None = None
-    deadline = time.monotonic() + timeout
-    try:
-        await sock.send(msgpack.packb(request))
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not await sock.poll(int(left * 1000) + 1):
-                if status is None:
-                    raise RendezvousError(
-                        f"rendezvous at {url} timed out after {timeout:g}s with no answer "
-                        f"from the rendezvous host (is it up and reachable?)"
-                    )
-                raise RendezvousError(
-                    f"rendezvous at {url} timed out after {timeout:g}s: {status['arrived']} of "
-                    f"{status['world_size']} peers arrived; missing ranks {status['missing']}"
-                )
-            msg = msgpack.unpackb(await sock.recv(), raw=False)
-            if msg.get("op") == "status":
-                status = msg
-            elif msg.get("op") == "error":
-                raise RendezvousError(f"rendezvous at {url} rejected this peer: {msg['reason']}")
-            elif msg.get("op") == "roster":
-                hosts = tuple(msg["hosts"])
-                return Membership(
-                    group_id=msg["group"], epoch=msg["epoch"], rank=msg["rank"],
-                    size=msg["world_size"],
-                    endpoints=tuple(choose(h, e) for h, e in zip(hosts, msg["endpoints"],
-                                                                  strict=True)),
-                    hosts=hosts,
-                )
-    finally:
-        sock.close(linger=0)

@@ -1,8 +1,7 @@
-"""The transport interface: where a peer binds, and which address reaches a given peer.
+"""Endpoint policies: where a ZeroMQ peer binds, and which address reaches a given peer.
 
-Every transport is a ZeroMQ endpoint family, so all of them share one mesh implementation
-(:class:`p2pcoll.transport.mesh.Mesh`) and one wire format; they differ in the addresses a
-peer binds and advertises:
+The ZeroMQ mesh (:mod:`.zmq_mesh`) takes one of these; the policies differ in the addresses
+a peer binds and advertises:
 
 - ``tcp``: ``tcp://HOST:PORT`` on the interface that routes to the rendezvous host (any host);
 - ``ipc``: a Unix socket path (peers on one host);
@@ -20,7 +19,7 @@ import uuid
 from abc import ABC, abstractmethod
 
 
-class Transport(ABC):
+class EndpointPolicy(ABC):
     """Chooses the endpoints a peer binds and the address it uses for each peer."""
 
     name: str
@@ -47,28 +46,28 @@ def _ipc_address() -> str:
     return "ipc://" + os.path.join(tempfile.gettempdir(), f"p2pcoll-{uuid.uuid4().hex[:16]}.sock")
 
 
-class TcpTransport(Transport):
+class TcpEndpoints(EndpointPolicy):
     name = "tcp"
 
     def bind_addresses(self, host: str) -> list[str]:
         return [f"tcp://{host}:*"]
 
 
-class IpcTransport(Transport):
+class IpcEndpoints(EndpointPolicy):
     name = "ipc"
 
     def bind_addresses(self, host: str) -> list[str]:
         return [_ipc_address()]
 
 
-class InprocTransport(Transport):
+class InprocEndpoints(EndpointPolicy):
     name = "inproc"
 
     def bind_addresses(self, host: str) -> list[str]:
         return [f"inproc://p2pcoll-{uuid.uuid4().hex}"]
 
 
-class AutoTransport(Transport):
+class AutoEndpoints(EndpointPolicy):
     name = "auto"
 
     def bind_addresses(self, host: str) -> list[str]:
@@ -82,8 +81,8 @@ class AutoTransport(Transport):
         return their_endpoints[0]
 
 
-TRANSPORTS: dict[str, type[Transport]] = {
-    t.name: t for t in (AutoTransport, TcpTransport, IpcTransport, InprocTransport)
+POLICIES: dict[str, type[EndpointPolicy]] = {
+    t.name: t for t in (AutoEndpoints, TcpEndpoints, IpcEndpoints, InprocEndpoints)
 }
 
 
@@ -97,12 +96,11 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def get_transport(name: str | None = None) -> Transport:
-    """The transport named by ``name``, else ``$P2PCOLL_TRANSPORT``, else auto."""
-    name = name or os.environ.get("P2PCOLL_TRANSPORT") or "auto"
+def endpoint_policy(name: str) -> EndpointPolicy:
+    """The policy named ``name`` (one of :data:`POLICIES`); names are checked by Settings."""
     try:
-        return TRANSPORTS[name]()
+        return POLICIES[name]()
     except KeyError:
         raise ValueError(
-            f"unknown transport {name!r}; expected one of {', '.join(TRANSPORTS)}"
+            f"unknown transport {name!r}; expected one of {', '.join(POLICIES)}"
         ) from None

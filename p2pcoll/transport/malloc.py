@@ -5,14 +5,14 @@ With glibc's defaults a buffer above the mmap threshold (128 KiB at start, raise
 after large frees) is a fresh mapping: it page-faults on first touch and is unmapped
 after use, which made a 64 MiB allreduce take 1.5-2x as long in a fresh process as in a
 warmed one. :func:`tune_malloc` raises the mmap and trim thresholds once per process, so
-those buffers come from a reused heap. ``P2PCOLL_TUNE_MALLOC=0`` leaves the allocator alone.
+those buffers come from a reused heap. ``P2PCOLL_TUNE_MALLOC=0`` (``Settings.tune_malloc``)
+leaves the allocator alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -26,16 +26,15 @@ TRIM_THRESHOLD = 64 << 20  # glibc pairs its dynamic mmap threshold with twice i
 _tuned = False
 
 
-def tune_malloc() -> bool:
+def tune_malloc(enabled: bool = True) -> bool:
     """Raise glibc's mmap and trim thresholds for this process (once); True if done.
 
-    Does nothing where the C library has no ``mallopt`` (not glibc) or when
-    ``P2PCOLL_TUNE_MALLOC=0``.
+    Does nothing where the C library has no ``mallopt`` (not glibc) or when not ``enabled``.
     """
     global _tuned
     if _tuned:
         return True
-    if os.environ.get("P2PCOLL_TUNE_MALLOC", "1") == "0":
+    if not enabled:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

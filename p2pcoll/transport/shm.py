@@ -37,7 +37,8 @@ Ordering: the sender writes the piece before the message naming it is sent, and 
 publishes its release after it has read the piece; a lock round trip on each side (a full
 memory barrier on common platforms) keeps those orders.
 
-``P2PCOLL_SHM=0`` turns this off; ``P2PCOLL_SHM_BYTES`` sets the ring size (16 MiB).
+``P2PCOLL_SHM=0`` turns this off; ``P2PCOLL_SHM_BYTES`` sets the ring size (16 MiB); both
+reach this module through :class:`p2pcoll.settings.Settings`.
 """
 
 from __future__ import annotations
@@ -77,21 +78,9 @@ def _barrier() -> None:
         pass
 
 
-def enabled() -> bool:
-    """Whether same-host links may use shared memory (``P2PCOLL_SHM``, default on)."""
-    return os.environ.get("P2PCOLL_SHM", "1") != "0" and os.path.isdir(SHM_DIR)
-
-
-def ring_bytes() -> int:
-    """The ring size of each peer's outbox (``P2PCOLL_SHM_BYTES``, default 16 MiB)."""
-    raw = os.environ.get("P2PCOLL_SHM_BYTES", str(16 << 20))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"P2PCOLL_SHM_BYTES must be a byte count, got {raw!r}") from None
-    if value < 1 << 16:
-        raise ValueError(f"P2PCOLL_SHM_BYTES must be at least 65536, got {value}")
-    return value - value % ALIGN
+def available() -> bool:
+    """Whether this host has a shared-memory filesystem to put rings in."""
+    return os.path.isdir(SHM_DIR)
 
 
 def _aligned(n: int) -> int:
@@ -399,7 +388,8 @@ _swept = False
 class SharedRings:
     """A peer's outbox and the inboxes of the peers of its host that announced theirs."""
 
-    def __init__(self, rank: int, world_size: int, peers: set[int], group_id: str) -> None:
+    def __init__(self, rank: int, world_size: int, peers: set[int], group_id: str,
+                 ring_bytes: int) -> None:
         global _swept
         if not _swept:
             _swept = True
@@ -410,7 +400,7 @@ class SharedRings:
         self.outbox: Outbox | None = None
         self._in: dict[int, Inbox] = {}
         try:
-            self.outbox = Outbox(ring_bytes(), world_size, rank, self.tag)
+            self.outbox = Outbox(ring_bytes - ring_bytes % ALIGN, world_size, rank, self.tag)
             self.outbox.announce(peers)
         except OSError as exc:  # /dev/shm full or unusable: use the socket
             log.warning("rank %d: no shared-memory ring (%s); sending over the socket", rank, exc)
@@ -446,4 +436,4 @@ class SharedRings:
         self._in.clear()
 
 
-__all__ = ["Inbox", "Outbox", "SharedRings", "ShmFrame", "enabled", "ring_bytes", "sweep"]
+__all__ = ["Inbox", "Outbox", "SharedRings", "ShmFrame", "available", "sweep"]

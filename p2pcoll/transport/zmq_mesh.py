@@ -6,8 +6,11 @@ with the source rank in its header; each link has its own ZeroMQ queue with a hi
 mark, which gives backpressure per destination; and a dead link is seen on exactly one
 socket, which carries ZMTP heartbeats and a monitor.
 
-One reader task drains the ROUTER, validates every message against the wire format and hands
-good ones to ``on_message``; bad ones are dropped, counted and logged, and the peer goes on.
+One reader task drains the ROUTER and passes every message through the one validation point
+(:func:`p2pcoll.wire.validate`) before handing it to ``on_message``; a message that fails it,
+or whose handling raises anything at all, is dropped, counted and logged (at most one line
+per source every few seconds), and the reader goes on. Sockets come from the
+:class:`~.sockets.SocketFactory`, which owns their options.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import zmq
@@ -24,37 +26,19 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import PeerLost, ProtocolError
-from ..wire import Header, decode_header, encode_header
-from .base import Transport
+from ..settings import Settings
+from ..types import Membership
+from ..wire import Header, Limits, encode_header, link_rank, validate
 from . import shm
-from .memory import tune_malloc
+from .base import Counters, Drops, LinkDownHandler, MessageHandler, Piece
+from .endpoints import EndpointPolicy
+from .malloc import tune_malloc
+from .sockets import SocketFactory
 
 log = logging.getLogger("p2pcoll.transport")
 
 # Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
-LINGER_MS = 2000
-HWM = 1000
-
-# A received payload piece: a ZeroMQ frame, or a piece in a peer's shared-memory ring.
-# Both expose ``.buffer`` and ``len()``.
-Piece = zmq.Frame | shm.ShmFrame
-MessageHandler = Callable[[Header, list[Piece]], None]
-LinkDownHandler = Callable[[int], None]
-
-
-@dataclass
-class Counters:
-    """Traffic of one peer since it joined. Bytes are tensor payload, not headers."""
-
-    bytes_sent: int = 0
-    bytes_sent_shm: int = 0  # of bytes_sent, those that went through shared memory
-    bytes_received: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
-    messages_dropped: int = 0
 
 
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
@@ -88,84 +72,77 @@ async def _put(
     return at
 
 
-class Mesh:
-    """Frames between the peers of one group over ZeroMQ sockets."""
+class ZmqMesh:
+    """The production transport: frames between the peers of one group over ZeroMQ."""
 
     def __init__(
         self,
-        transport: Transport,
+        policy: EndpointPolicy,
         host: str,
-        *,
-        max_message_bytes: int,
-        on_message: MessageHandler,
-        on_link_down: LinkDownHandler,
+        settings: Settings,
+        sockets: SocketFactory | None = None,
     ) -> None:
-        self.transport = transport
+        self.policy = policy
+        self.name = policy.name
         self.host = host
-        self.max_message_bytes = max_message_bytes
-        self.on_message = on_message
-        self.on_link_down = on_link_down
+        self.settings = settings
+        self.sockets = sockets or SocketFactory()
+        self.on_message: MessageHandler = lambda header, pieces: None
+        self.on_link_down: LinkDownHandler = lambda peer: None
         self.counters = Counters()
-        self.endpoint = ""  # the first of self.endpoints
+        self.drops = Drops(self.counters, lambda: self.rank)
         self.endpoints: list[str] = []
         self.group_id = ""
         self.rank = -1
-        self._ctx = zmq.asyncio.Context.instance()
+        self._limits: Limits | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._links: dict[int, zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._monitored = False
-        self._gone: dict[int, PeerLost] = {}
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
         self._rings: shm.SharedRings | None = None
-        tune_malloc()
+        tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
         """Bind this peer's ROUTER and return the endpoints the others may connect to."""
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.RCVHWM, HWM)
-        router.setsockopt(zmq.LINGER, 0)
-        # A hard per-frame cap; a peer that exceeds it is disconnected by libzmq.
-        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        router = self.sockets.mesh_router(max_message_bytes=self.settings.max_message_bytes)
         self._router = router
-        for address in self.transport.bind_addresses(self.host):
+        for address in self.policy.bind_addresses(self.host):
             router.bind(address)
             self.endpoints.append(router.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.endpoint = self.endpoints[0]
         return self.endpoints
 
-    def connect(self, group_id: str, rank: int, endpoints: Sequence[str]) -> None:
+    def connect(self, membership: Membership, on_message: MessageHandler,
+                on_link_down: LinkDownHandler) -> None:
         """Open a link to every other peer and start reading."""
         assert self._router is not None, "bind() first"
+        self.on_message, self.on_link_down = on_message, on_link_down
+        group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
+        self._limits = Limits(group_id, rank, membership.size, self.settings.max_message_bytes)
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
         # inproc sends snapshots (copies owned by libzmq, nobody waits for them) instead.
-        inproc = self.transport.name == "inproc"
+        inproc = self.policy.name == "inproc"
         monitored = self._monitored = not inproc
         self._snapshot_all = inproc
         near = {
             peer for peer, endpoint in enumerate(endpoints)
             if peer != rank and endpoint.startswith("ipc://")
         }
-        if near and not inproc and shm.enabled():
+        if near and not inproc and self.settings.shm and shm.available():
             # Peers reached over ipc share this host: large pieces may go through shared
             # memory, to those of them that map the ring announced in the hello.
-            self._rings = shm.SharedRings(rank, len(endpoints), near, group_id)
+            self._rings = shm.SharedRings(rank, len(endpoints), near, group_id,
+                                          self.settings.shm_bytes)
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
-            link = self._ctx.socket(zmq.DEALER)
-            link.setsockopt(zmq.IDENTITY, b"%d" % rank)
-            link.setsockopt(zmq.SNDHWM, HWM)
-            link.setsockopt(zmq.LINGER, LINGER_MS)
+            link = self.sockets.mesh_link(rank, heartbeats=monitored)
             if monitored:
-                link.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-                link.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-                link.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
                 monitor = link.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
             link.connect(endpoint)
@@ -245,19 +222,12 @@ class Mesh:
         return zmq.MessageTracker(*tracked) if tracked else None
 
     def _link(self, dst: int) -> zmq.asyncio.Socket:
-        gone = self._gone.get(dst)
-        if gone is not None:
-            raise gone
         link = self._links.get(dst)
         if link is None:
             if self._closed:
                 raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
             raise ValueError(f"no link to rank {dst} (rank {self.rank}, {len(self._links)} links)")
         return link
-
-    def mark_gone(self, peer: int, exc: PeerLost) -> None:
-        """Peer ``peer`` has left or died: sending to it raises ``exc`` from now on."""
-        self._gone.setdefault(peer, exc)
 
     def post(self, dst: int, header: Header) -> None:
         """Send a control message (no payload) without waiting; never raises."""
@@ -280,12 +250,13 @@ class Mesh:
             meta = {"ring": outbox.name} if outbox and peer in self._rings.peers else None
             self.post(peer, dataclasses.replace(header, meta=meta))
 
-    def broadcast_control(self, header: Header) -> None:
+    def broadcast(self, header: Header) -> None:
         """Post a control message to every other peer."""
         for peer in self._links:
             self.post(peer, header)
 
     async def _read(self) -> None:
+        """Drain the ROUTER for good: whatever one message does, the next is read."""
         assert self._router is not None
         router = self._router
         while True:
@@ -298,25 +269,39 @@ class Mesh:
                     return
                 log.error("rank %d: receive failed: %s", self.rank, exc)
                 continue
-            try:
-                header, payload = self._validate(frames)
-            except ProtocolError as exc:
-                self.counters.messages_dropped += 1
-                log.warning("rank %d: dropped a malformed message: %s", self.rank, exc)
-                continue
+            self._deliver(frames)
+            # Let go of the frames before waiting: over inproc a zero-copy send is complete
+            # only when the receiver frees its frame, and the sender may be waiting for that.
+            del frames
+
+    def _deliver(self, frames: list[zmq.Frame]) -> None:
+        """Validate one message and hand it on; drop and count it if anything fails."""
+        source: object = frames[0].bytes[:16] if frames else b""
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("message has no header frame")
+            source = link_rank(frames[0].bytes)
+            assert self._limits is not None
+            header = validate(source, frames[1].buffer, [len(f) for f in frames[2:]],
+                              self._limits)
+            payload = self._pieces(header, frames[2:])
             if header.kind == "data":
                 self.counters.messages_received += 1
                 self.counters.bytes_received += sum(header.nbytes)
             elif header.kind == "hello" and header.meta and "ring" in header.meta:
                 self._accept_ring(header.src, header.meta["ring"])
-            try:
-                self.on_message(header, payload)
-            except ProtocolError as exc:
-                self.counters.messages_dropped += 1
-                log.warning("rank %d: dropped a message: %s", self.rank, exc)
-            # Let go of the frames before waiting: over inproc a zero-copy send is complete
-            # only when the receiver frees its frame, and the sender may be waiting for that.
-            del frames, payload
+        except ProtocolError as exc:
+            self.drops.drop(source, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - the reader must outlive any one message
+            self.drops.drop(source, exc, bug=True)
+            return
+        try:
+            self.on_message(header, payload)
+        except ProtocolError as exc:
+            self.drops.drop(source, exc)
+        except Exception as exc:  # noqa: BLE001
+            self.drops.drop(source, exc, bug=True)
 
     def _accept_ring(self, peer: int, name: object) -> None:
         """Map the shared-memory ring a peer of this host announced; if that fails, the
@@ -330,38 +315,16 @@ class Mesh:
         except ProtocolError as exc:
             log.info("rank %d: no shared memory from rank %d: %s", self.rank, peer, exc)
 
-    def _validate(self, frames: list[zmq.Frame]) -> tuple[Header, list[Piece]]:
-        if len(frames) < 2:
-            raise ProtocolError("message has no header frame")
-        identity = frames[0].bytes
-        size = sum(len(f) for f in frames[1:])
-        if size > self.max_message_bytes:
-            raise ProtocolError(f"message of {size} bytes exceeds the {self.max_message_bytes} cap")
-        header = decode_header(frames[1].bytes)
-        if header.group != self.group_id:
-            raise ProtocolError(f"message for group {header.group!r}, this is {self.group_id!r}")
-        if identity != b"%d" % header.src:
-            raise ProtocolError(f"header claims rank {header.src} but came on link {identity!r}")
-        payload: list[Piece] = list(frames[2:])
-        offsets = header.shm[1] if header.shm is not None else [-1] * len(header.nbytes)
-        inline = offsets.count(-1)
-        if len(payload) != inline:
-            raise ProtocolError(
-                f"header lists {inline} payload frames, message has {len(payload)}"
-            )
-        for i, (frame, n) in enumerate(zip(payload, (n for n, at in zip(header.nbytes, offsets)
-                                                      if at == -1), strict=True)):
-            if len(frame) != n:
-                raise ProtocolError(f"payload frame {i} has {len(frame)} bytes, header says {n}")
+    def _pieces(self, header: Header, frames: Sequence[zmq.Frame]) -> list[Piece]:
+        """The payload pieces: the frames, and pieces in the sender's shared-memory ring."""
         if header.shm is None:
-            return header, payload
+            return list(frames)
         if self._rings is None:
             raise ProtocolError("message names a shared-memory ring, this peer maps none")
         inbox = self._rings.inbox(header.src, header.shm[0])
-        inline_frames = iter(payload)
-        pieces = [next(inline_frames) if at == -1 else inbox.take(at, n, k)
-                  for n, at, k in zip(header.nbytes, offsets, header.shm[2], strict=True)]
-        return header, pieces
+        inline_frames = iter(frames)
+        return [next(inline_frames) if at == -1 else inbox.take(at, n, k)
+                for n, at, k in zip(header.nbytes, header.shm[1], header.shm[2], strict=True)]
 
     async def _watch(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
         try:
@@ -395,4 +358,4 @@ class Mesh:
         if self._router is not None:
             self._router.close(linger=0)
             for endpoint in self.endpoints:
-                self.transport.cleanup(endpoint)
+                self.policy.cleanup(endpoint)

@@ -1,41 +1,45 @@
-"""The wire format: one msgpack header frame, then one raw frame per array piece.
+"""Message headers: what a message says about itself, and how that is encoded.
 
 A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack map::
 
     v    format version (WIRE_VERSION)        k    kind: "data" | "abort" | "hello" | "bye"
     g    group id                             r    source rank
-    q    collective sequence number           seg  pipeline segment
-    s    index of the message on its link     sig  collective signature (data only)
-         within (q, seg)
-    n    byte length of each payload piece    meta optional extras (tree layout, strategy)
+    q    collective sequence number (bye:     seg  pipeline segment
+         how many the peer had started)
+    s    index of the message on its link     sig  8-byte digest of the collective's
+         within (q, seg)                           signature (data only)
+    d    the signature itself, readable       n    byte length of each payload piece
+         (first message of a link only)       meta optional extras (tree layout, strategy)
     err  [error class name, message]          (abort only)
     m    [ring name, [offset per piece],      pieces in the sender's shared-memory ring
-          [reader index per piece]]           (offset -1: this piece is a frame); data only,
-                                              optional
+          [reader index per piece]]           (offset -1: this piece is a frame); optional
 
-Payload frames are the raw bytes of C-contiguous arrays, sent without copying and read back
-with ``np.frombuffer``. Between peers of one host large pieces may instead lie in the
-sender's shared-memory ring (:mod:`.transport.shm`); then the message has frames only for
-the other pieces. Nothing in a message can run code: no pickle, only msgpack scalars,
-strings, lists and maps, and dtypes from an allow-list.
+Payload frames are the raw bytes of C-contiguous arrays, read back with ``np.frombuffer``.
+Nothing in a message can run code: no pickle, only msgpack scalars, strings, lists and
+maps. Decoding and checking a received message happens in one place, :mod:`.validate`.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from .errors import ProtocolError
-
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 KINDS = frozenset({"data", "abort", "hello", "bye"})
+DIGEST_BYTES = 8
+
+# The signature of a collective: what the sender thinks the collective is. Every data
+# message carries its digest; two ranks whose digests differ called different collectives.
+SIGNATURE_FIELDS = ("collective", "strategy", "op", "root", "data")
 
 
 @dataclass(slots=True)
 class Header:
-    """A decoded message header."""
+    """A message header (decoded, or about to be encoded)."""
 
     kind: str
     group: str
@@ -43,16 +47,50 @@ class Header:
     seq: int = 0
     seg: int = 0
     step: int = 0
-    sig: list[Any] = field(default_factory=list)
+    sig: bytes = b""
     nbytes: list[int] = field(default_factory=list)
     meta: dict[str, Any] | None = None
     err: list[str] | None = None
     shm: list[Any] | None = None  # [ring name, [offset or -1 per piece], [index per piece]]
+    described: list[Any] | None = None  # the readable signature, on a link's first message
 
     @property
     def key(self) -> tuple[int, int, int, int]:
-        """The mailbox key that matches this message to the receive waiting for it."""
+        """The key that matches this message to the receive waiting for it."""
         return (self.seq, self.seg, self.src, self.step)
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What a rank thinks a collective is; equal on every rank that agrees."""
+
+    fields: tuple[Any, ...]
+    digest: bytes
+
+    @classmethod
+    def of(cls, collective: str, strategy: str, op: str, root: int, data: str) -> Signature:
+        fields = (collective, strategy, op, root, data)
+        raw = msgpack.packb(list(fields), use_bin_type=True)
+        return cls(fields, hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest())
+
+    @property
+    def collective(self) -> str:
+        return str(self.fields[0])
+
+    def describe_difference(self, theirs: Sequence[Any] | None, me: int, them: int) -> str:
+        """Say which fields differ from another rank's readable signature."""
+        if theirs is None:
+            return (f"rank {them} sent a message of another collective signature than "
+                    f"rank {me}'s {self.text()}")
+        diffs = [
+            f"{name}: rank {me} has {a!r}, rank {them} has {b!r}"
+            for name, a, b in zip(SIGNATURE_FIELDS, self.fields, theirs, strict=False)
+            if a != b
+        ]
+        return "; ".join(diffs) or f"rank {them}'s signature differs from rank {me}'s"
+
+    def text(self) -> str:
+        return ", ".join(f"{n}={v!r}" for n, v in zip(SIGNATURE_FIELDS, self.fields, strict=True))
 
 
 def encode_header(h: Header) -> bytes:
@@ -62,84 +100,12 @@ def encode_header(h: Header) -> bytes:
         d.update(q=h.seq, seg=h.seg, s=h.step, sig=h.sig, n=h.nbytes)
         if h.shm is not None:
             d["m"] = h.shm
+        if h.described is not None:
+            d["d"] = h.described
     elif h.kind == "abort":
         d.update(q=h.seq, err=h.err)
+    elif h.kind == "bye":
+        d["q"] = h.seq  # how many collectives the peer had started when it left
     if h.meta is not None:
         d["meta"] = h.meta
     return msgpack.packb(d, use_bin_type=True)
-
-
-def _field(d: dict[str, Any], name: str, typ: type | tuple[type, ...]) -> Any:
-    value = d.get(name)
-    if not isinstance(value, typ) or isinstance(value, bool) and typ is int:
-        raise ProtocolError(f"header field {name!r} is {value!r}, expected {typ}")
-    return value
-
-
-def decode_header(raw: bytes | memoryview) -> Header:
-    """Parse and validate a header frame.
-
-    Raises:
-        ProtocolError: the frame is not msgpack, has another version, or a field is missing
-            or of the wrong type.
-    """
-    try:
-        d = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
-    if not isinstance(d, dict):
-        raise ProtocolError(f"header is a {type(d).__name__}, expected a map")
-    if d.get("v") != WIRE_VERSION:
-        raise ProtocolError(f"wire version {d.get('v')!r}, expected {WIRE_VERSION}")
-    kind = d.get("k")
-    if kind not in KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    h = Header(kind=kind, group=_field(d, "g", str), src=_field(d, "r", int))
-    if kind in ("data", "abort"):
-        h.seq = _field(d, "q", int)
-    if kind == "data":
-        h.seg = _field(d, "seg", int)
-        h.step = _field(d, "s", int)
-        h.sig = _field(d, "sig", list)
-        h.nbytes = _field(d, "n", list)
-        if not all(isinstance(n, int) and n >= 0 for n in h.nbytes):
-            raise ProtocolError(f"header field 'n' must list frame sizes, got {h.nbytes!r}")
-        shm = d.get("m")
-        if shm is not None:
-            if not (
-                isinstance(shm, list) and len(shm) == 3 and isinstance(shm[0], str)
-                and all(isinstance(v, list) and len(v) == len(h.nbytes) for v in shm[1:])
-                and all(isinstance(o, int) and not isinstance(o, bool) and o >= -1
-                        for v in shm[1:] for o in v)
-            ):
-                raise ProtocolError(
-                    f"header field 'm' must be [name, [offset per piece], [index per piece]],"
-                    f" got {shm!r}"
-                )
-            h.shm = shm
-    elif kind == "abort":
-        err = _field(d, "err", list)
-        if len(err) != 2 or not all(isinstance(e, str) for e in err):
-            raise ProtocolError(f"abort header 'err' must be [class, message], got {err!r}")
-        h.err = err
-    meta = d.get("meta")
-    if meta is not None and not isinstance(meta, dict):
-        raise ProtocolError(f"header field 'meta' must be a map, got {meta!r}")
-    h.meta = meta
-    return h
-
-
-# The signature every data message carries: what the sender thinks the collective is.
-SIGNATURE_FIELDS = ("collective", "strategy", "op", "root", "data")
-
-
-def describe_mismatch(mine: list[Any], theirs: list[Any], me: int, them: int) -> str:
-    """Say which fields of two collective signatures differ."""
-    diffs = [
-        f"{name}: rank {me} has {a!r}, rank {them} has {b!r}"
-        for name, a, b in zip(SIGNATURE_FIELDS, mine, theirs, strict=False)
-        if a != b
-    ]
-    if len(mine) != len(theirs):
-        diffs.append(f"signature length {len(mine)} vs {len(theirs)}")
-    return "; ".join(diffs)

@@ -1,0 +1,83 @@
+"""``join()``: form a group, awaited or as an async context manager."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from typing import Any
+
+from ..settings import Settings
+from .group import Group
+
+
+async def _join(settings: Settings) -> Group:
+    group = Group(settings)
+    try:
+        await group._form()
+    except BaseException:
+        await group.close()
+        raise
+    return group
+
+
+class Join:
+    """What :func:`join` returns: await it for a Group, or use it with ``async with``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._group: Group | None = None
+
+    def __await__(self) -> Generator[Any, None, Group]:
+        return _join(self.settings).__await__()
+
+    async def __aenter__(self) -> Group:
+        self._group = await _join(self.settings)
+        return self._group
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._group is not None:
+            await self._group.close()
+
+
+def join(
+    rendezvous: str | None = None,
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    timeout: float | None = None,
+    strategies: Mapping[str, str] | None = None,
+    collective_timeout: float | None = None,
+    transport: str | None = None,
+) -> Join:
+    """Join a group of peers.
+
+    ``g = await join(...)`` or ``async with join(...) as g:``. Every argument left None is
+    read from the environment (see :mod:`p2pcoll.settings`), once, here.
+
+    Args:
+        rendezvous: ``"tcp://HOST:PORT"``; None reads ``$P2PCOLL_RENDEZVOUS``, else
+            ``$MASTER_ADDR``/``$MASTER_PORT``. May be None when world_size is 1.
+        world_size: number of peers; None reads ``$WORLD_SIZE``, ``$SLURM_NTASKS`` or
+            ``$OMPI_COMM_WORLD_SIZE`` (some peer must give it).
+        rank: this peer's rank; None reads ``$RANK``, ``$SLURM_PROCID`` or
+            ``$OMPI_COMM_WORLD_RANK``, else the rendezvous assigns one in arrival order.
+        timeout: seconds for the whole group to form (``$P2PCOLL_JOIN_TIMEOUT``, 60 s).
+        strategies: per-group strategy choice, e.g. ``{"allreduce": "ring"}``, over the
+            ``$P2PCOLL_<COLLECTIVE>`` variables.
+        collective_timeout: default deadline of each collective (``$P2PCOLL_TIMEOUT``, 300 s);
+            ``math.inf`` for none.
+        transport: "auto" (ipc to peers on this host, tcp to the others), "tcp", "ipc" or
+            "inproc" (``$P2PCOLL_TRANSPORT``, default auto).
+
+    Raises:
+        SettingsError: an argument or environment variable has a bad value (raised here,
+            before anything is awaited).
+        RendezvousError: the group did not form in time (naming how many peers arrived and
+            which ranks are missing), or this peer's rank/world size was rejected.
+        UnknownStrategy: ``strategies`` names a strategy that is not installed.
+    Cancellation: every socket opened so far is closed.
+    """
+    settings = Settings.resolve(
+        rendezvous=rendezvous, world_size=world_size, rank=rank, join_timeout=timeout,
+        strategies=strategies, collective_timeout=collective_timeout, transport=transport,
+    )
+    return Join(settings)

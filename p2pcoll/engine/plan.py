@@ -1,0 +1,117 @@
+"""A strategy's schedule turned into a checked, cached plan, and what the executor derives
+from it once per plan: which sends go as copies, and which sends share a chunk.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from ..errors import PluginValidationError
+from ..strategy import Context, Op, Recv, Reduce, Send, Strategy, _All
+
+Steps = tuple[tuple[Op, ...], ...]
+
+
+@lru_cache(maxsize=1024)
+def plan(strategy: Strategy, ctx: Context, nchunks: int) -> tuple[tuple[Op, ...], ...]:
+    """Materialise and validate one rank's schedule (cached: it depends on nothing else)."""
+    steps: list[tuple[Op, ...]] = []
+    where = f"strategy {strategy.name!r} ({strategy.collective}) on rank {ctx.rank} of {ctx.size}"
+    for step in strategy.schedule(ctx):
+        ops = (step,) if isinstance(step, (Send, Recv, Reduce)) else tuple(step)
+        peers_out: set[int] = set()
+        peers_in: set[int] = set()
+        for op in ops:
+            if not isinstance(op, (Send, Recv, Reduce)):
+                raise PluginValidationError(f"{where} yielded {op!r}, not Send/Recv/Reduce")
+            peer = op.to if isinstance(op, Send) else op.frm
+            if not (0 <= peer < ctx.size) or peer == ctx.rank:
+                raise PluginValidationError(f"{where} yielded {op!r}: no such peer")
+            seen = peers_out if isinstance(op, Send) else peers_in
+            if peer in seen:
+                raise PluginValidationError(f"{where} yielded two ops with rank {peer} in one step")
+            seen.add(peer)
+            _check_chunk(op, nchunks, where)
+        steps.append(ops)
+    return tuple(steps)
+
+
+@lru_cache(maxsize=1024)
+def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tuple[int, int]]:
+    """The sends (step, op index) whose chunk is written again later in the schedule.
+
+    Those are sent as copies; every other send goes zero-copy from the data. So no receive
+    ever waits for libzmq to let go of memory it is about to overwrite (which over a busy
+    link can take as long as the transfer itself).
+    """
+    def ids(chunk: object) -> range:
+        if isinstance(chunk, _All):
+            return range(nchunks)
+        return chunk if isinstance(chunk, range) else range(chunk, chunk + 1)  # type: ignore[operator]
+
+    out = set()
+    for i, ops in enumerate(steps):
+        for j, op in enumerate(ops):
+            if not isinstance(op, Send):
+                continue
+            sent = ids(op.chunk)
+            for later in steps[i:]:
+                if any(not isinstance(w, Send) and _overlap(sent, ids(w.chunk)) for w in later):
+                    out.add((i, j))
+                    break
+    return frozenset(out)
+
+
+@lru_cache(maxsize=1024)
+def copies(
+    steps: tuple[tuple[Op, ...], ...], nchunks: int
+) -> tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]]]:
+    """The sends that go as copies: in every segment, and in the last ``depth`` segments.
+
+    Every segment copies its :func:`snapshots`. The last segments also copy the sends of
+    the last step that sends anything: the collective returns only once libzmq has let go
+    of every zero-copy send, and the last ones are still on the wire when the last receive
+    completes. Copying them (at most ``depth`` segments' worth) costs less than waiting for
+    their release, which pyzmq reports through a thread that needs the GIL.
+    """
+    early = snapshots(steps, nchunks)
+    for i in range(len(steps) - 1, -1, -1):
+        final = frozenset((i, j) for j, op in enumerate(steps[i]) if isinstance(op, Send))
+        if final:
+            return early, early | final
+    return early, early
+
+
+@lru_cache(maxsize=1024)
+def send_groups(
+    steps: tuple[tuple[Op, ...], ...],
+) -> tuple[tuple[tuple[Any, tuple[tuple[int, int], ...]], ...], ...]:
+    """Per step, its sends grouped by chunk: ((chunk, ((op index, peer), ...)), ...).
+
+    A chunk sent to several peers in one step (a root's broadcast) is handed to the mesh
+    once, which then copies it into shared memory once for all of them.
+    """
+    out = []
+    for ops in steps:
+        groups: dict[Any, list[tuple[int, int]]] = {}
+        for j, op in enumerate(ops):
+            if isinstance(op, Send):
+                groups.setdefault(op.chunk, []).append((j, op.to))
+        out.append(tuple((chunk, tuple(g)) for chunk, g in groups.items()))
+    return tuple(out)
+
+
+def _overlap(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop and len(a) > 0 and len(b) > 0
+
+
+def _check_chunk(op: Op, nchunks: int, where: str) -> None:
+    c = op.chunk
+    ok = (
+        isinstance(c, _All)
+        or (isinstance(c, int) and 0 <= c < nchunks)
+        or (isinstance(c, range) and c.step == 1 and 0 <= c.start <= c.stop <= nchunks)
+    )
+    if not ok:
+        raise PluginValidationError(f"{where} yielded {op!r}: chunk outside 0..{nchunks - 1}")

@@ -1,0 +1,32 @@
+"""Dispatch of incoming messages by kind, to the part of the session that handles it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..transport.base import Piece
+from ..wire import Header
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+def dispatch(session: Session, header: Header, pieces: list[Piece]) -> None:
+    """Hand one validated message to its handler.
+
+    Raises:
+        ProtocolError: the message is inconsistent with the session's state (the transport
+            then drops and counts it).
+    """
+    kind = header.kind
+    if kind == "data":
+        if not session.matcher.put(header, pieces):
+            # Every message of a collective is received before it finishes, so a message
+            # for a finished collective means the ranks disagreed about it.
+            session.failures.on_stray(header)
+    elif kind == "abort":
+        session.failures.on_abort(header)
+    elif kind == "hello":
+        session.hello_from(header.src)
+    elif kind == "bye":
+        session.peers.left(header.src, started=header.seq)

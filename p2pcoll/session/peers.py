@@ -1,0 +1,83 @@
+"""The one record of which peers of a session have gone, and how.
+
+A peer goes by saying goodbye (a ``bye`` message: it closed after finishing its part) or is
+lost (its link went down, or its heartbeats stopped, and it did not come back within a
+short grace period). The record is consulted by the receives and sends that need that
+peer, and by nobody else: a broadcast whose root has said goodbye goes on as long as the
+rank it actually receives from is there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import PeerLost
+from ..types import Membership
+
+log = logging.getLogger("p2pcoll")
+
+LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
+
+
+@dataclass(frozen=True)
+class Departure:
+    error: PeerLost
+    graceful: bool  # said goodbye, as opposed to lost
+    started: int = 0  # with a goodbye: how many collectives the peer had started
+
+
+class Peers:
+    """Who of a session's peers has gone. ``on_departure(rank)`` is called once per peer."""
+
+    def __init__(self, membership: Membership, on_departure: Callable[[int], None]) -> None:
+        self.membership = membership
+        self.on_departure = on_departure
+        self._gone: dict[int, Departure] = {}
+        self._closed = False
+
+    def lost(self, rank: int) -> PeerLost | None:
+        gone = self._gone.get(rank)
+        return gone.error if gone else None
+
+    def abandoned(self, rank: int, seq: int) -> bool:
+        """Whether ``rank`` is gone without having taken its part in collective ``seq``:
+        lost, or said goodbye before it started that collective."""
+        gone = self._gone.get(rank)
+        return gone is not None and (not gone.graceful or gone.started <= seq)
+
+    def gone(self) -> dict[int, Departure]:
+        return dict(self._gone)
+
+    def left(self, rank: int, started: int) -> None:
+        """``rank`` said goodbye, having started ``started`` collectives."""
+        self._record(rank, Departure(PeerLost(f"rank {rank} left the group", rank), True,
+                                     started))
+
+    def link_down(self, rank: int) -> None:
+        """The link to ``rank`` went down: declare it lost unless it says goodbye meanwhile."""
+        if self._closed or rank in self._gone:
+            return
+
+        def declare() -> None:
+            if self._closed or rank in self._gone:
+                return
+            me = self.membership.rank
+            log.warning("rank %d: lost the connection to rank %d", me, rank)
+            self._record(rank, Departure(PeerLost(
+                f"rank {me} lost the connection to rank {rank} "
+                f"({self.membership.endpoints[rank]}): it closed or stopped answering", rank,
+            ), False))
+
+        asyncio.get_running_loop().call_later(LINK_LOSS_GRACE, declare)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _record(self, rank: int, departure: Departure) -> None:
+        if self._closed or rank in self._gone:
+            return
+        self._gone[rank] = departure
+        self.on_departure(rank)

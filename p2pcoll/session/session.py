@@ -1,0 +1,88 @@
+"""A session: one membership epoch of a group.
+
+Everything that belongs to one roster lives here and nowhere else: the membership, the
+collective sequence numbers, the record of departed peers, the matching of messages to
+receives and the executor over the transport. A group that re-forms (a new epoch) gets a
+new session; nothing of the old one leaks into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..engine.executor import Executor
+from ..engine.matching import Matcher
+from ..settings import Settings
+from ..transport.base import Piece, Transport
+from ..types import Membership
+from ..wire import Header
+from . import control
+from .failure import FailureModel
+from .peers import Peers
+
+
+class Session:
+    """The state of one epoch of a group; see the module docstring."""
+
+    def __init__(self, membership: Membership, transport: Transport, settings: Settings,
+                 failures: FailureModel) -> None:
+        self.membership = membership
+        self.transport = transport
+        self.settings = settings
+        self.failures = failures
+        self.peers = Peers(membership, self._departed)
+        self.matcher = Matcher(self.peers)
+        self.executor = Executor(
+            transport, self.matcher, self.peers, membership.group_id,
+            segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
+        )
+        self.seq = 0
+        self.hellos: set[int] = set()
+        self.all_hello = asyncio.Event()
+        if membership.size == 1:
+            self.all_hello.set()
+        failures.attach(membership.rank, membership.group_id, self.matcher, transport)
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank
+
+    @property
+    def size(self) -> int:
+        return self.membership.size
+
+    def start(self) -> None:
+        """Connect the transport; incoming messages are dispatched from now on."""
+        self.transport.connect(self.membership, self.on_message, self.peers.link_down)
+
+    def next_seq(self) -> int:
+        """The next collective's sequence number; the same on every rank that agrees."""
+        self.failures.check_usable()
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    def on_message(self, header: Header, pieces: list[Piece]) -> None:
+        control.dispatch(self, header, pieces)
+
+    def _departed(self, rank: int) -> None:
+        self.matcher.peer_departed(rank)
+
+    def header(self, kind: str) -> Header:
+        return Header(kind, self.membership.group_id, self.membership.rank)
+
+    def hello_from(self, rank: int) -> None:
+        self.hellos.add(rank)
+        if len(self.hellos) == self.size - 1:
+            self.all_hello.set()
+
+    def close(self) -> None:
+        """Say goodbye to the peers and fail everything pending (the transport stays open)."""
+        from ..errors import GroupBroken
+
+        if self.size > 1:
+            bye = self.header("bye")
+            bye.seq = self.seq  # the peers learn which collectives this peer took part in
+            self.transport.broadcast(bye)
+        self.peers.close()
+        self.matcher.close(GroupBroken("the group was closed"))

@@ -1,0 +1,132 @@
+"""The transport interface: what the session and the engine need to move frames.
+
+A transport connects one peer to the others of its group and moves messages (a
+:class:`~p2pcoll.wire.Header` and payload pieces) between them. Every received message goes
+through :func:`p2pcoll.wire.validate` before it is handed to ``on_message``; a message that
+fails it, or whose handler raises, is dropped and counted, and the transport goes on
+reading. Two implementations: the ZeroMQ mesh (:mod:`.zmq_mesh`, production) and the
+in-memory network (:mod:`.memory`, tests that inject loss, delay and reordering).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..types import Membership
+from ..wire import Header
+
+log = logging.getLogger("p2pcoll.transport")
+
+
+class Piece(Protocol):
+    """A received payload piece: a ZeroMQ frame, a shared-memory piece, or bytes in memory."""
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+    def __len__(self) -> int: ...
+
+
+class Tracker(Protocol):
+    """Reports when the transport has let go of memory it sends from without copying."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+MessageHandler = Callable[[Header, list[Piece]], None]
+LinkDownHandler = Callable[[int], None]
+
+
+@dataclass
+class Counters:
+    """Traffic of one peer since it joined. Bytes are tensor payload, not headers."""
+
+    bytes_sent: int = 0
+    bytes_sent_shm: int = 0  # of bytes_sent, those that went through shared memory
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    messages_dropped: int = 0
+
+
+class Transport(Protocol):
+    """Moves messages between the peers of one group."""
+
+    name: str
+    counters: Counters
+    endpoints: list[str]
+
+    async def bind(self) -> list[str]:
+        """Start receiving; returns the endpoints other peers may reach this one at."""
+        ...
+
+    def connect(self, membership: Membership, on_message: MessageHandler,
+                on_link_down: LinkDownHandler) -> None:
+        """Open links to every other peer of ``membership`` and start delivering."""
+        ...
+
+    async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
+                        payload: Sequence[np.ndarray] = (), *,
+                        copy: bool = False) -> Tracker | None:
+        """Queue one message with the same payload to each of ``dsts`` (one header each).
+
+        Without ``copy`` large pieces may be sent from the arrays themselves: then a tracker
+        is returned and the arrays must not be written until it is done.
+
+        Raises:
+            PeerLost: this peer has closed.
+        """
+        ...
+
+    def post(self, dst: int, header: Header) -> None:
+        """Send a control message (no payload) without waiting; never raises."""
+        ...
+
+    def broadcast(self, header: Header) -> None:
+        """Post a control message to every other peer; never raises."""
+        ...
+
+    def greet(self, header: Header) -> None:
+        """Post a hello to every other peer, with whatever the transport needs to announce."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop delivering and release every resource; idempotent."""
+        ...
+
+
+class Drops:
+    """Counts dropped messages and logs them: each at DEBUG, and at most one WARNING line
+    per source per interval (a flood of bad messages must not become a flood of logs)."""
+
+    def __init__(self, counters: Counters, rank: Callable[[], int], interval: float = 10.0):
+        self.counters = counters
+        self._rank = rank
+        self.interval = interval
+        self._last: dict[object, float] = {}
+        self._quiet: dict[object, int] = {}
+
+    def drop(self, source: object, reason: BaseException, *, bug: bool = False) -> None:
+        """Count one dropped message from ``source`` (a rank or a link identity)."""
+        self.counters.messages_dropped += 1
+        log.debug("rank %d: dropped a message from %s: %s", self._rank(), source, reason)
+        now = time.monotonic()
+        if now - self._last.get(source, -self.interval) < self.interval:
+            self._quiet[source] = self._quiet.get(source, 0) + 1
+            return
+        self._last[source] = now
+        quiet = self._quiet.pop(source, 0)
+        more = f" ({quiet} more from there since the last report)" if quiet else ""
+        if bug:  # not a bad message but a failure handling a good one: show where
+            log.error("rank %d: dropped a message from %s%s", self._rank(), source, more,
+                      exc_info=reason)
+        else:
+            log.warning("rank %d: dropped a message from %s: %s%s", self._rank(), source,
+                        reason, more)

@@ -1,0 +1,183 @@
+"""An in-memory transport: peers of one event loop, no sockets, with faults on demand.
+
+For tests of everything above the transport (matching, the executor, the failure model):
+a :class:`MemoryNetwork` connects :class:`MemoryTransport` peers, and can drop, delay and
+reorder data messages (seeded, so a failing run can be replayed) or cut a peer off as a
+crash would. Messages are encoded and go through the same validation point as the ZeroMQ
+mesh's, so what a test sees is what a real peer would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import PeerLost, ProtocolError
+from ..types import Membership
+from ..wire import Header, Limits, encode_header, validate
+from .base import Counters, Drops, LinkDownHandler, MessageHandler, Piece
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What the network does to data messages (control messages always arrive, in order).
+
+    Attributes:
+        drop: probability that a data message is lost.
+        delay: (low, high) seconds each data message is held back, uniformly.
+        reorder: deliver in a random order within the delay window (needs a delay).
+        seed: for the random choices, so a run can be replayed.
+    """
+
+    drop: float = 0.0
+    delay: tuple[float, float] = (0.0, 0.0)
+    reorder: bool = False
+    seed: int = 0
+
+
+class _Bytes:
+    """A received piece held in memory."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+
+@dataclass
+class MemoryNetwork:
+    """The peers of one in-memory group, by endpoint."""
+
+    faults: Faults = field(default_factory=Faults)
+    peers: dict[str, MemoryTransport] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.random = random.Random(self.faults.seed)
+        self._last: dict[tuple[str, str], float] = {}
+
+    def transport(self) -> MemoryTransport:
+        return MemoryTransport(self)
+
+    def cut(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` vanishes as if killed: no bye, its links go down."""
+        victim = self.peers.pop(endpoint, None)
+        if victim is None:
+            return
+        victim.closed = True
+        for peer in self.peers.values():
+            if peer.membership is not None and endpoint in peer.membership.endpoints:
+                peer.on_link_down(peer.membership.endpoints.index(endpoint))
+
+    def deliver(self, sender: str, dst: str, frames: list[bytes], data: bool) -> None:
+        target = self.peers.get(dst)
+        if target is None:
+            return
+        loop = asyncio.get_running_loop()
+        f = self.faults
+        if not data:
+            # Control messages keep their order behind the data sent before them.
+            at = self._last.get((sender, dst), 0.0)
+            loop.call_at(max(at, loop.time()), target.receive, sender, frames)
+            return
+        if f.drop and self.random.random() < f.drop:
+            return
+        delay = self.random.uniform(*f.delay) if f.delay[1] > 0 else 0.0
+        when = loop.time() + delay
+        if not f.reorder:  # no overtaking between two peers
+            when = max(when, self._last.get((sender, dst), 0.0))
+        self._last[(sender, dst)] = max(when, self._last.get((sender, dst), 0.0))
+        loop.call_at(when, target.receive, sender, frames)
+
+
+class MemoryTransport:
+    """One peer's end of a :class:`MemoryNetwork`."""
+
+    name = "memory"
+
+    def __init__(self, network: MemoryNetwork, max_message_bytes: int = 256 << 20) -> None:
+        self.network = network
+        self.counters = Counters()
+        self.endpoints: list[str] = []
+        self.membership: Membership | None = None
+        self.on_message: MessageHandler = lambda header, pieces: None
+        self.on_link_down: LinkDownHandler = lambda peer: None
+        self.max_message_bytes = max_message_bytes
+        self.drops = Drops(self.counters, lambda: self.membership.rank if self.membership else -1)
+        self.closed = False
+        self._limits: Limits | None = None
+
+    async def bind(self) -> list[str]:
+        endpoint = f"mem://{len(self.network.peers)}-{id(self)}"
+        self.network.peers[endpoint] = self
+        self.endpoints = [endpoint]
+        return self.endpoints
+
+    def connect(self, membership: Membership, on_message: MessageHandler,
+                on_link_down: LinkDownHandler) -> None:
+        self.membership = membership
+        self.on_message, self.on_link_down = on_message, on_link_down
+        self._limits = Limits(membership.group_id, membership.rank, membership.size,
+                              self.max_message_bytes)
+
+    async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
+                        payload: Sequence[np.ndarray] = (), *, copy: bool = False) -> None:
+        if self.closed or self.membership is None:
+            raise PeerLost("cannot send: this peer has closed", dsts[0] if dsts else None)
+        pieces = [a.tobytes() for a in payload]
+        for dst, header in zip(dsts, headers, strict=True):
+            header.nbytes = [len(p) for p in pieces]
+            self.network.deliver(self.endpoints[0], self.membership.endpoints[dst],
+                                 [encode_header(header), *pieces], header.kind == "data")
+            if header.kind == "data":
+                self.counters.messages_sent += 1
+                self.counters.bytes_sent += sum(header.nbytes)
+        await asyncio.sleep(0)  # a send is a turn of the loop, as over a socket
+
+    def post(self, dst: int, header: Header) -> None:
+        if self.closed or self.membership is None:
+            return
+        self.network.deliver(self.endpoints[0], self.membership.endpoints[dst],
+                             [encode_header(header)], False)
+
+    def greet(self, header: Header) -> None:
+        self.broadcast(header)
+
+    def broadcast(self, header: Header) -> None:
+        assert self.membership is not None
+        for peer in range(self.membership.size):
+            if peer != self.membership.rank:
+                self.post(peer, header)
+
+    def receive(self, sender: str, frames: list[bytes]) -> None:
+        """Validate and hand on one message that ``sender`` (an endpoint) sent here."""
+        if self.closed or self._limits is None or self.membership is None:
+            return
+        try:
+            link = self.membership.endpoints.index(sender)
+        except ValueError:
+            link = -1  # not a member: validate() refuses it like any other stranger
+        try:
+            if not frames:
+                raise ProtocolError("message has no header frame")
+            header = validate(link, frames[0], [len(f) for f in frames[1:]], self._limits)
+            if header.kind == "data":
+                self.counters.messages_received += 1
+                self.counters.bytes_received += sum(header.nbytes)
+            pieces: list[Piece] = [_Bytes(f) for f in frames[1:]]
+            self.on_message(header, pieces)
+        except ProtocolError as exc:
+            self.drops.drop(link, exc)
+        except Exception as exc:  # noqa: BLE001 - like the mesh's reader, never stop
+            self.drops.drop(link, exc, bug=True)
+
+    async def aclose(self) -> None:
+        self.closed = True
+        for endpoint in self.endpoints:
+            self.network.peers.pop(endpoint, None)

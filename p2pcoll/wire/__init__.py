@@ -1,0 +1,10 @@
+"""The wire format: msgpack headers (:mod:`.header`) and their one validation point
+(:mod:`.validate`)."""
+
+from .header import DIGEST_BYTES, KINDS, WIRE_VERSION, Header, Signature, encode_header
+from .validate import Limits, decode_header, link_rank, validate
+
+__all__ = [
+    "DIGEST_BYTES", "KINDS", "WIRE_VERSION", "Header", "Limits", "Signature",
+    "decode_header", "encode_header", "link_rank", "validate",
+]

@@ -1,0 +1,265 @@
+"""The one validation point for everything a peer receives.
+
+Every received message goes through :func:`validate` before anything else looks at it: the
+header's schema (types, not only keys), the claimed source against the link it came on and
+the group's roster, the frame count and sizes against the header, the size cap, the dtype
+allow-list and shape bounds of a broadcast's layout, the signature digest. It returns a typed
+:class:`~.header.Header` or raises :class:`~p2pcoll.ProtocolError`, never anything else, for
+any bytes at all (a property test feeds it arbitrary msgpack and byte strings). Pieces that
+lie in a peer's shared-memory ring are then resolved by the transport, whose own bounds
+checks raise ProtocolError too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..errors import ProtocolError
+from ..types import ALLOWED_DTYPES
+from .header import DIGEST_BYTES, KINDS, SIGNATURE_FIELDS, WIRE_VERSION, Header
+
+# Bounds on what a header may describe; far above any real use, far below what would let a
+# few bytes make a peer allocate gigabytes or recurse without end.
+MAX_HEADER_BYTES = 4 << 20
+MAX_PIECES = 1 << 16
+MAX_LEAVES = 1 << 20
+MAX_NDIM = 32
+MAX_TREE_DEPTH = 64
+MAX_LEAF_BYTES = 1 << 46
+MAX_TEXT = 1 << 16
+FIELDS = frozenset({"v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta"})
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a message must agree with: this peer's group, rank, group size and size cap."""
+
+    group: str
+    rank: int
+    world_size: int
+    max_message_bytes: int
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(d: dict[str, Any], name: str, low: int = 0, high: int = 1 << 62) -> int:
+    value = d.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ProtocolError(f"header field {name!r} is {_short(value)}, expected an integer "
+                            f"from {low} to {high}")
+    return value
+
+
+def _str(d: dict[str, Any], name: str, limit: int = 256) -> str:
+    value = d.get(name)
+    if not isinstance(value, str) or len(value) > limit:
+        raise ProtocolError(f"header field {name!r} is {_short(value)}, expected a string")
+    return value
+
+
+def _int_list(value: Any, name: str, low: int, count: int | None = None) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_PIECES or (
+            count is not None and len(value) != count):
+        raise ProtocolError(f"header field {name!r} is {_short(value)}, expected a list of "
+                            f"{count if count is not None else 'at most %d' % MAX_PIECES} "
+                            f"integers")
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v < 1 << 48:
+            raise ProtocolError(f"header field {name!r} holds {_short(v)}, expected integers "
+                                f">= {low}")
+    return value
+
+
+def decode_header(raw: bytes | memoryview) -> Header:
+    """Parse and check a header frame on its own (no roster needed).
+
+    Raises:
+        ProtocolError: not msgpack, another version, an unknown kind, or a field that is
+            missing, of the wrong type or out of bounds.
+    """
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        d = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=1 << 16,
+                            max_str_len=MAX_HEADER_BYTES, max_array_len=MAX_LEAVES,
+                            max_map_len=1 << 10, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"header is not valid msgpack: {_short(exc)}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError(f"header is a {type(d).__name__}, expected a map")
+    strange = [k for k in d if not isinstance(k, str) or k not in FIELDS]
+    if strange:
+        raise ProtocolError(f"header has unknown keys {_short(strange)}")
+    version = d.get("v")
+    if version != WIRE_VERSION or isinstance(version, bool):
+        raise ProtocolError(f"wire version {_short(version)}, expected {WIRE_VERSION}")
+    kind = d.get("k")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ProtocolError(f"unknown message kind {_short(kind)}")
+    h = Header(kind=kind, group=_str(d, "g"), src=_int(d, "r", 0, 1 << 20))
+    if kind in ("data", "abort", "bye"):
+        h.seq = _int(d, "q")
+    if kind == "data":
+        h.seg = _int(d, "seg", 0, 1 << 32)
+        h.step = _int(d, "s", 0, 1 << 32)
+        sig = d.get("sig")
+        if not isinstance(sig, bytes) or len(sig) != DIGEST_BYTES:
+            raise ProtocolError(f"header field 'sig' is {_short(sig)}, expected a "
+                                f"{DIGEST_BYTES}-byte digest")
+        h.sig = sig
+        h.nbytes = _int_list(d.get("n"), "n", 0)
+        shm = d.get("m")
+        if shm is not None:
+            if not (isinstance(shm, list) and len(shm) == 3 and isinstance(shm[0], str)
+                    and len(shm[0]) <= 256):
+                raise ProtocolError(f"header field 'm' is {_short(shm)}, expected "
+                                    f"[ring name, [offset per piece], [index per piece]]")
+            _int_list(shm[1], "m offsets", -1, len(h.nbytes))
+            _int_list(shm[2], "m indices", -1, len(h.nbytes))
+            h.shm = shm
+        described = d.get("d")
+        if described is not None:
+            ok = (isinstance(described, list) and len(described) == len(SIGNATURE_FIELDS)
+                  and all(isinstance(v, (str, int)) and not isinstance(v, bool)
+                          and (not isinstance(v, str) or len(v) <= 1024) for v in described))
+            if not ok:
+                raise ProtocolError(f"header field 'd' is {_short(described)}, expected the "
+                                    f"{len(SIGNATURE_FIELDS)} fields of a signature")
+            h.described = described
+    elif kind == "abort":
+        err = d.get("err")
+        if not (isinstance(err, list) and len(err) == 2
+                and all(isinstance(e, str) and len(e) <= MAX_TEXT for e in err)):
+            raise ProtocolError(f"abort header 'err' is {_short(err)}, expected "
+                                f"[class, message]")
+        h.err = err
+    meta = d.get("meta")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"header field 'meta' is {_short(meta)}, expected a map")
+        _check_meta(kind, meta)
+        h.meta = meta
+    return h
+
+
+def _check_meta(kind: str, meta: dict[str, Any]) -> None:
+    """The extras each kind may carry; anything else is refused."""
+    if kind == "hello":
+        ring = meta.get("ring")
+        if set(meta) - {"ring"} or not (ring is None or isinstance(ring, str) and len(ring) < 256):
+            raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name}}")
+    elif kind == "abort":
+        coll, waiting = meta.get("collective", ""), meta.get("waiting_on", [])
+        if set(meta) - {"collective", "waiting_on"} or not isinstance(coll, str):
+            raise ProtocolError(f"abort meta is {_short(meta)}")
+        _int_list(waiting, "waiting_on", 0)
+    elif kind == "data":
+        check_layout(meta)
+    else:
+        raise ProtocolError(f"a {kind} message carries no meta, got {_short(meta)}")
+
+
+def check_layout(meta: dict[str, Any]) -> None:
+    """The layout a broadcast or scatter root sends: strategy, leaf dtypes/shapes, tree."""
+    if set(meta) - {"strategy", "leaves", "tree"}:
+        raise ProtocolError(f"data meta has unknown keys {_short(sorted(map(str, meta)))}")
+    name, leaves = meta.get("strategy"), meta.get("leaves")
+    if not isinstance(name, str) or not name.isidentifier() or len(name) > 64:
+        raise ProtocolError(f"layout names strategy {_short(name)}, expected an identifier")
+    if not isinstance(leaves, list) or len(leaves) > MAX_LEAVES:
+        raise ProtocolError(f"layout leaves are {_short(leaves)}, expected a list")
+    for spec in leaves:
+        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str)
+                and isinstance(spec[1], list) and len(spec[1]) <= MAX_NDIM):
+            raise ProtocolError(f"layout leaf {_short(spec)}, expected [dtype, shape]")
+        if spec[0] not in ALLOWED_DTYPES:
+            raise ProtocolError(f"layout leaf dtype {_short(spec[0])} is not allowed")
+        count = 1
+        for n in spec[1]:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ProtocolError(f"layout leaf shape {_short(spec[1])} is not a shape")
+            count *= n
+            if count > MAX_LEAF_BYTES:
+                raise ProtocolError(f"layout leaf shape {_short(spec[1])} is too large")
+        if count * np.dtype(spec[0]).itemsize > MAX_LEAF_BYTES:
+            raise ProtocolError(f"layout leaf shape {_short(spec[1])} is too large")
+    if "tree" in meta and meta["tree"] is not None:
+        found = _tree_leaves(meta["tree"], 0)
+        if found != len(leaves):
+            raise ProtocolError(f"layout tree has {found} leaves, the layout {len(leaves)}")
+
+
+def _tree_leaves(td: Any, depth: int) -> int:
+    """Check a pytree definition (see p2pcoll.pytree) and count its leaves."""
+    if td == "*":
+        return 1
+    if depth > MAX_TREE_DEPTH or not (isinstance(td, list) and len(td) == 2
+                                      and td[0] in ("d", "l", "t") and isinstance(td[1], list)):
+        raise ProtocolError(f"layout tree node {_short(td)} is malformed")
+    if td[0] == "d":
+        total = 0
+        for item in td[1]:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise ProtocolError(f"layout tree entry {_short(item)} is malformed")
+            total += _tree_leaves(item[1], depth + 1)
+        return total
+    return sum(_tree_leaves(child, depth + 1) for child in td[1])
+
+
+def link_rank(identity: bytes) -> int:
+    """The rank a ZeroMQ link identity names (``b"3"``), or ProtocolError."""
+    if not (0 < len(identity) <= 7 and identity.isdigit()):
+        raise ProtocolError(f"link identity {_short(identity)} is not a rank")
+    return int(identity)
+
+
+def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequence[int],
+             limits: Limits) -> Header:
+    """Check one received message against the wire format and this peer's group.
+
+    Args:
+        link: the rank of the link the message came on (from its identity).
+        header_frame: the first frame.
+        payload_sizes: the byte length of each further frame.
+        limits: this peer's group, rank, group size and size cap.
+
+    Returns:
+        The decoded header; the caller resolves pieces that lie in shared memory.
+
+    Raises:
+        ProtocolError: for anything that does not fit; the message must be dropped.
+    """
+    total = len(header_frame) + sum(payload_sizes)
+    if total > limits.max_message_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the "
+                            f"{limits.max_message_bytes}-byte cap")
+    header = decode_header(header_frame)
+    offsets = header.shm[1] if header.shm is not None else [-1] * len(header.nbytes)
+    inline = [n for n, at in zip(header.nbytes, offsets, strict=True) if at == -1]
+    if header.kind != "data" and payload_sizes:
+        raise ProtocolError(f"a {header.kind} message has {len(payload_sizes)} payload frames")
+    if len(payload_sizes) != len(inline):
+        raise ProtocolError(f"header lists {len(inline)} payload frames, message has "
+                            f"{len(payload_sizes)}")
+    for i, (got, want) in enumerate(zip(payload_sizes, inline, strict=True)):
+        if got != want:
+            raise ProtocolError(f"payload frame {i} has {got} bytes, header says {want}")
+    if sum(header.nbytes) > limits.max_message_bytes:
+        raise ProtocolError(f"message names {sum(header.nbytes)} payload bytes, over the "
+                            f"{limits.max_message_bytes}-byte cap")
+    if header.group != limits.group:
+        raise ProtocolError(f"message for group {_short(header.group)}, this is "
+                            f"{limits.group!r}")
+    if header.src != link:
+        raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link")
+    if not 0 <= header.src < limits.world_size or header.src == limits.rank:
+        raise ProtocolError(f"message from invalid source rank {header.src}")
+    return header
