@@ -25,9 +25,9 @@ names ``torch.nn.Module.named_parameters()`` gives::
     {"fc": {"w": a, "b": b}, "blocks": [c, (d,)]}
     -> [("blocks.0", c), ("blocks.1.0", d), ("fc.b", b), ("fc.w", a)]
 
-A bare leaf's path is ``""``. The order is by key at each level, not by the joined path:
-``{"a": {"x": p}, "a-b": q}`` gives ``"a.x"`` before ``"a-b"``, and ``[..11 items]`` gives
-``"10"`` after ``"9"``.
+A bare leaf's path is ``""``. The order is by key at each level and by position, not by the
+joined path: ``{"a": {"x": p}, "a-b": q}`` gives ``"a.x"`` before ``"a-b"``, and a list of
+eleven leaves gives ``"10"`` after ``"9"``.
 
 Torch tensors are read through ``tensor.detach().numpy()``, which shares their memory. This
 module never imports torch: a tensor can only exist once its program has imported torch.

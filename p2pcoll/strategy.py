@@ -186,10 +186,13 @@ class Fold:
 
     Example, size 6 (pof2 4, extra 2)::
 
-        rank      0     1   2     3   4   5
-        newrank   None  0   None  1   2   3
-        fold_in   Send(1) Reduce(0) Send(3) Reduce(2)   (ranks 4, 5: nothing)
-        fold_out  Recv(1) Send(0)   Recv(3) Send(2)
+        rank  newrank  fold_in()  fold_out()
+        0     None     Send(1)    Recv(1)
+        1     0        Reduce(0)  Send(0)
+        2     None     Send(3)    Recv(3)
+        3     1        Reduce(2)  Send(2)
+        4     2        -          -
+        5     3        -          -
     """
 
     ctx: Context

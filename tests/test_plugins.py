@@ -170,14 +170,11 @@ async def test_unknown_strategy_per_group_fails_at_join() -> None:
 
 
 async def test_unknown_strategy_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unknown name in the environment fails join() at once, before any socket."""
     monkeypatch.setenv("P2PCOLL_ALLREDUCE", "nope")
-
-    async def fn(g: p2pcoll.Group) -> object:
-        return await g.allreduce(np.ones(4), timeout=10)
-
-    for result in await run_ranks(2, fn, return_exceptions=True):
-        assert isinstance(result, p2pcoll.UnknownStrategy), repr(result)
-        assert_lists_available(result)
+    with pytest.raises(p2pcoll.UnknownStrategy) as info:
+        await p2pcoll.join(world_size=1)
+    assert_lists_available(info.value)
 
 
 # --- register_strategy validation --------------------------------------------------------

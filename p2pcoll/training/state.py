@@ -9,7 +9,7 @@ the next call: fresh memory costs a page fault per 4 KiB on first touch, which m
 
 Everything else lives in objects the caller holds (a GradientReducer keeps its own buffers).
 The :class:`Group` offers no slot for a layer's state, so this module keeps a weak mapping
-from group to :class:`GroupState`: a closed, unreferenced group is forgotten with it.
+from group to :class:`TrainingState`: a closed, unreferenced group is forgotten with it.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import numpy as np
 if TYPE_CHECKING:
     from .. import Group
 
-__all__ = ["GroupState", "state_of"]
+__all__ = ["TrainingState", "state_of"]
 
 
 @dataclass
-class GroupState:
+class TrainingState:
     """Training's state for one group.
 
     Attributes:
@@ -57,12 +57,12 @@ class GroupState:
         return buffers
 
 
-_states: weakref.WeakKeyDictionary[Group, GroupState] = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary[Group, TrainingState] = weakref.WeakKeyDictionary()
 
 
-def state_of(group: Group) -> GroupState:
+def state_of(group: Group) -> TrainingState:
     """The training state of ``group``, created empty on first use."""
     state = _states.get(group)
     if state is None:
-        state = _states[group] = GroupState()
+        state = _states[group] = TrainingState()
     return state
