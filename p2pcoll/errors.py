@@ -15,7 +15,9 @@ P2PCollError
     └── PluginValidationError    an installed strategy plugin is malformed
 ```
 
-Bad arguments at the API boundary raise ``ValueError`` / ``TypeError`` as usual.
+Bad arguments at the API boundary raise ``ValueError`` / ``TypeError`` as usual (a bad
+setting is a SettingsError, which is a ValueError too). Every error takes its message first
+and any details as keywords.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ class SettingsError(P2PCollError, ValueError):
         allowed: what would have been accepted.
     """
 
-    def __init__(self, name: str, value: object, allowed: str) -> None:
-        super().__init__(f"{name}{value!r} is not allowed: expected {allowed}"
-                         if name.endswith("=") else
-                         f"{name}={value!r} is not allowed: expected {allowed}")
+    def __init__(
+        self, message: str, *, name: str = "", value: object = None, allowed: str = ""
+    ) -> None:
+        super().__init__(message)
         self.name = name
         self.value = value
         self.allowed = allowed

@@ -83,6 +83,6 @@ class Membership:
     group_id: str
     epoch: int
     rank: Rank
-    size: int
+    world_size: int
     endpoints: tuple[str, ...]  # endpoints[r]: where this peer reaches rank r
     hosts: tuple[str, ...] = ()  # host identity of each rank, for transport choice

@@ -114,7 +114,7 @@ class Group:
     @property
     def world_size(self) -> int:
         """The number of peers."""
-        return self.membership.size
+        return self.membership.world_size
 
     @property
     def endpoint(self) -> str:

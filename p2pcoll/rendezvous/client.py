@@ -38,7 +38,7 @@ def _roster(msg: dict[str, Any], url: str, choose: Callable[[str, list[str]], st
         if not (len(hosts) == len(endpoints) == size and 0 <= rank < size):
             raise ValueError("sizes disagree")
         return Membership(
-            group_id=str(msg["group"]), epoch=int(msg["epoch"]), rank=rank, size=size,
+            group_id=str(msg["group"]), epoch=int(msg["epoch"]), rank=rank, world_size=size,
             endpoints=tuple(choose(h, e) for h, e in zip(hosts, endpoints, strict=True)),
             hosts=hosts,
         )

@@ -100,13 +100,13 @@ async def handshake(session: Session, left: float, timeout: float) -> None:
         RendezvousError: naming the ranks (and their endpoints) that were not heard from.
     """
     m = session.membership
-    if m.size == 1:
+    if m.world_size == 1:
         return
     session.transport.greet(session.header("hello"))
     try:
         await asyncio.wait_for(session.all_hello.wait(), left)
     except TimeoutError:
-        missing = sorted(set(range(m.size)) - session.hellos - {m.rank})
+        missing = sorted(set(range(m.world_size)) - session.hellos - {m.rank})
         raise RendezvousError(
             f"rank {m.rank} could not reach ranks {missing} of the group within {timeout:g}s "
             f"(endpoints {[m.endpoints[r] for r in missing]})"

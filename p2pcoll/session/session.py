@@ -39,7 +39,7 @@ class Session:
         self.seq = 0
         self.hellos: set[int] = set()
         self.all_hello = asyncio.Event()
-        if membership.size == 1:
+        if membership.world_size == 1:
             self.all_hello.set()
         failures.attach(membership.rank, membership.group_id, self.matcher, transport)
 
@@ -48,8 +48,8 @@ class Session:
         return self.membership.rank
 
     @property
-    def size(self) -> int:
-        return self.membership.size
+    def world_size(self) -> int:
+        return self.membership.world_size
 
     def start(self) -> None:
         """Connect the transport; incoming messages are dispatched from now on."""
@@ -73,14 +73,14 @@ class Session:
 
     def hello_from(self, rank: int) -> None:
         self.hellos.add(rank)
-        if len(self.hellos) == self.size - 1:
+        if len(self.hellos) == self.world_size - 1:
             self.all_hello.set()
 
     def close(self) -> None:
         """Say goodbye to the peers and fail everything pending (the transport stays open)."""
         from ..errors import GroupBroken
 
-        if self.size > 1:
+        if self.world_size > 1:
             bye = self.header("bye")
             bye.seq = self.seq  # the peers learn which collectives this peer took part in
             self.transport.broadcast(bye)

@@ -123,7 +123,7 @@ class MemoryTransport:
                 on_link_down: LinkDownHandler) -> None:
         self.membership = membership
         self.on_message, self.on_link_down = on_message, on_link_down
-        self._limits = Limits(membership.group_id, membership.rank, membership.size,
+        self._limits = Limits(membership.group_id, membership.rank, membership.world_size,
                               self.max_message_bytes)
 
     async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
@@ -151,7 +151,7 @@ class MemoryTransport:
 
     def broadcast(self, header: Header) -> None:
         assert self.membership is not None
-        for peer in range(self.membership.size):
+        for peer in range(self.membership.world_size):
             if peer != self.membership.rank:
                 self.post(peer, header)
 

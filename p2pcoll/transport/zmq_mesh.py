@@ -121,7 +121,7 @@ class ZmqMesh:
         self.on_message, self.on_link_down = on_message, on_link_down
         group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
-        self._limits = Limits(group_id, rank, membership.size, self.settings.max_message_bytes)
+        self._limits = Limits(group_id, rank, membership.world_size, self.settings.max_message_bytes)
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
