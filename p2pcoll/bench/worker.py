@@ -91,7 +91,8 @@ async def bench_size(
     count = element_count(nbytes, dtype)
     requested = None if strategy == "auto" else strategy
     moved = data_bytes(collective, count * np.dtype(dtype).itemsize, p)
-    chosen = registry.choose(collective, requested, None, moved, p).name
+    chosen = registry.choose(collective, requested, g.settings.strategies.get(collective), moved,
+                             p).name
     call = _collective_call(g, collective, requested)
     value = fill_value(g.rank)
 
