@@ -1,0 +1,475 @@
+"""Property tests of the one validation point: for any input, a typed Header or ProtocolError.
+
+``p2pcoll.wire.decode_header`` and ``validate`` see every byte a peer receives, so whatever
+those bytes are (random bytes, arbitrary msgpack, a valid header with one field changed, a
+nesting as deep as msgpack allows, a layout naming exabytes) they must raise nothing but
+:class:`~p2pcoll.ProtocolError`, and whatever they return must have the documented types.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2pcoll.errors import ProtocolError
+from p2pcoll.types import ALLOWED_DTYPES
+from p2pcoll.wire import (
+    DIGEST_BYTES,
+    KINDS,
+    WIRE_VERSION,
+    Header,
+    Limits,
+    decode_header,
+    encode_header,
+    validate,
+)
+
+GROUP = "g-fuzz"
+LIMITS = Limits(GROUP, rank=0, world_size=4, max_message_bytes=1 << 20)
+# The link the valid headers below come on: a member, not this peer.
+LINK = 1
+
+FUZZ = settings(max_examples=300, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=100, deadline=None, database=None,
+               suppress_health_check=[HealthCheck.too_slow])
+
+
+# --- what a returned header must look like ----------------------------------------------
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def assert_typed(h: Header) -> None:
+    """The documented types of a decoded header's fields."""
+    assert isinstance(h, Header)
+    assert h.kind in KINDS
+    assert isinstance(h.group, str)
+    for name in ("src", "seq", "seg", "step"):
+        value = getattr(h, name)
+        assert _is_int(value) and value >= 0, (name, value)
+    assert isinstance(h.sig, bytes)
+    assert isinstance(h.nbytes, list) and all(_is_int(n) and n >= 0 for n in h.nbytes)
+    if h.kind == "data":
+        assert len(h.sig) == DIGEST_BYTES
+    assert h.meta is None or isinstance(h.meta, dict)
+    if h.meta is not None:
+        assert all(isinstance(k, str) for k in h.meta), h.meta
+    if h.err is not None:
+        assert h.kind == "abort"
+        assert isinstance(h.err, list) and len(h.err) == 2
+        assert all(isinstance(e, str) for e in h.err)
+    if h.shm is not None:
+        assert h.kind == "data"
+        name, offsets, indices = h.shm
+        assert isinstance(name, str)
+        assert len(offsets) == len(indices) == len(h.nbytes)
+        assert all(_is_int(v) and v >= -1 for v in offsets + indices)
+    if h.described is not None:
+        assert all(_is_int(v) or isinstance(v, str) for v in h.described)
+    if h.kind == "data" and h.meta is not None:
+        leaves = h.meta["leaves"]
+        assert isinstance(h.meta["strategy"], str) and isinstance(leaves, list)
+        for dtype, shape in leaves:
+            assert dtype in ALLOWED_DTYPES
+            assert all(_is_int(n) and n >= 0 for n in shape)
+
+
+def inline_sizes(h: Header) -> list[int]:
+    """The byte lengths of the payload frames a message with header ``h`` carries."""
+    offsets = h.shm[1] if h.shm is not None else [-1] * len(h.nbytes)
+    return [n for n, at in zip(h.nbytes, offsets, strict=True) if at == -1]
+
+
+def only_protocol_error(fn: Callable[[], Header]) -> Header | None:
+    """Run ``fn``: a Header with the documented types, or None for a ProtocolError."""
+    try:
+        h = fn()
+    except ProtocolError:
+        return None
+    assert_typed(h)
+    return h
+
+
+def check_frame(raw: bytes, link: int = LINK, sizes: list[int] | None = None) -> None:
+    """Both entry points on one header frame."""
+    decoded = only_protocol_error(lambda: decode_header(raw))
+    if sizes is None:
+        sizes = inline_sizes(decoded) if decoded is not None else []
+    h = only_protocol_error(lambda: validate(link, raw, sizes, LIMITS))
+    if h is not None:
+        assert decoded == h
+        assert inline_sizes(h) == list(sizes)
+        assert h.group == GROUP and h.src == link and h.src != LIMITS.rank
+
+
+# --- arbitrary input ----------------------------------------------------------------------
+
+scalars = (
+    st.none() | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)  # all msgpack can carry, huge and negative
+    | st.sampled_from([0, 1, 2, -1, WIRE_VERSION, 1 << 62, (1 << 62) + 1, 1 << 63])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["data", "hello", "abort", "bye", GROUP, "*", "d", "l", "t", "<f4"])
+    | st.binary(max_size=12)
+    | st.builds(bytes, st.just(DIGEST_BYTES))
+)
+keys = (st.text(max_size=6) | st.sampled_from(sorted(
+    ["v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta",
+     "strategy", "leaves", "tree", "ring", "collective", "waiting_on"]))
+    | st.integers(-5, 5) | st.binary(max_size=4) | st.none() | st.booleans() | st.floats())
+msgpack_objects = st.recursive(
+    scalars,
+    lambda children: (st.lists(children, max_size=5)
+                      | st.dictionaries(keys, children, max_size=5)),
+    max_leaves=25,
+)
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@FUZZ
+@given(st.binary(max_size=300), st.integers(-3, 8))
+def test_arbitrary_bytes_are_a_header_or_protocol_error(raw: bytes, link: int) -> None:
+    check_frame(raw, link)
+    check_frame(raw, link, sizes=[len(raw)])
+
+
+@FUZZ
+@given(msgpack_objects)
+def test_arbitrary_msgpack_is_a_header_or_protocol_error(obj: Any) -> None:
+    check_frame(pack(obj))
+
+
+@FEW
+@given(st.dictionaries(keys, msgpack_objects, max_size=8))
+def test_arbitrary_msgpack_maps_are_a_header_or_protocol_error(obj: dict[Any, Any]) -> None:
+    check_frame(pack(obj))
+    check_frame(pack({"v": WIRE_VERSION, "g": GROUP, "r": LINK, **obj}))
+
+
+# --- valid headers, one field mutated -----------------------------------------------------
+
+SIG = bytes(range(DIGEST_BYTES))
+VALID: dict[str, dict[str, Any]] = {
+    "data": {"v": WIRE_VERSION, "k": "data", "g": GROUP, "r": LINK, "q": 3, "seg": 1, "s": 2,
+             "sig": SIG, "n": [8, 0, 24],
+             "d": ["allreduce", "ring", "sum", -1, "(3,)<f8"]},
+    "hello": {"v": WIRE_VERSION, "k": "hello", "g": GROUP, "r": LINK,
+              "meta": {"ring": "p2pcoll-ring-1"}},
+    "abort": {"v": WIRE_VERSION, "k": "abort", "g": GROUP, "r": LINK, "q": 4,
+              "err": ["CollectiveTimeout", "allreduce #4 timed out"],
+              "meta": {"collective": "allreduce", "waiting_on": [2, 3]}},
+    "bye": {"v": WIRE_VERSION, "k": "bye", "g": GROUP, "r": LINK, "q": 9},
+    "layout": {"v": WIRE_VERSION, "k": "data", "g": GROUP, "r": LINK, "q": 0, "seg": 0,
+               "s": 0, "sig": SIG, "n": [24, 8],
+               "meta": {"strategy": "binomial",
+                        "leaves": [["<f4", [2, 3]], ["<i8", []]],
+                        "tree": ["d", [["a", "*"], ["b", ["l", ["*"]]]]]},
+               "m": ["p2pcoll-ring-1", [-1, 4096], [-1, 0]]},
+}
+
+
+def test_the_valid_headers_are_valid() -> None:
+    for name, d in VALID.items():
+        h = validate(LINK, pack(d), inline_sizes(decode_header(pack(d))), LIMITS)
+        assert_typed(h)
+        assert h.kind == d["k"], name
+
+
+def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a nested dict/list, as a path of keys and indices."""
+    found = [prefix] if prefix else []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found += _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found += _paths(v, (*prefix, i))
+    return found
+
+
+@st.composite
+def mutated_headers(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A valid header with one place changed: replaced, deleted, or a key added next to it."""
+    name = draw(st.sampled_from(sorted(VALID)))
+    d = copy.deepcopy(VALID[name])
+    path = draw(st.sampled_from(_paths(d)))
+    parent: Any = d
+    for step in path[:-1]:
+        parent = parent[step]
+    last = path[-1]
+    how = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
+    if how == "replace":
+        parent[last] = draw(msgpack_objects)
+    elif how == "delete":
+        del parent[last]
+    elif isinstance(parent, dict):
+        parent[draw(keys.filter(lambda k: k not in parent))] = draw(msgpack_objects)
+    else:
+        parent.insert(last, draw(msgpack_objects))
+    return name, d
+
+
+@FUZZ
+@given(mutated_headers())
+def test_mutated_valid_headers(case: tuple[str, dict[str, Any]]) -> None:
+    _, d = case
+    check_frame(pack(d))
+
+
+@FEW
+@given(st.sampled_from(sorted(VALID)), st.sampled_from(
+    ["v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta"]),
+    msgpack_objects)
+def test_each_top_level_field_set_to_anything(name: str, field: str, value: Any) -> None:
+    check_frame(pack({**VALID[name], field: value}))
+
+
+# --- payload sizes and links --------------------------------------------------------------
+
+@FUZZ
+@given(
+    st.sampled_from(["data", "layout", "hello", "abort", "bye"]),
+    st.lists(st.integers(-(1 << 70), 1 << 70) | st.sampled_from([0, 8, 24, 4096]),
+             max_size=6),
+    st.integers(-(1 << 40), 1 << 40) | st.integers(-2, 6),
+)
+def test_payload_sizes_and_links(name: str, sizes: list[int], link: int) -> None:
+    raw = pack(VALID[name])
+    h = only_protocol_error(lambda: validate(link, raw, sizes, LIMITS))
+    if h is not None:
+        assert inline_sizes(h) == sizes
+        assert h.src == link and 0 <= link < LIMITS.world_size and link != LIMITS.rank
+    right = inline_sizes(decode_header(raw))
+    h = only_protocol_error(lambda: validate(link, raw, right, LIMITS))
+    assert (h is not None) == (link in (1, 2, 3) and link == VALID[name]["r"])
+
+
+@FEW
+@given(st.integers(0, (1 << 20) + 10), st.integers(0, 3))
+def test_the_size_cap(extra: int, frames: int) -> None:
+    d = {**VALID["data"], "n": [extra] * frames}
+    h = only_protocol_error(lambda: validate(LINK, pack(d), [extra] * frames, LIMITS))
+    total = len(pack(d)) + extra * frames
+    assert (h is not None) == (total <= LIMITS.max_message_bytes)
+
+
+# --- round trip of generated valid headers ------------------------------------------------
+
+names = st.text(st.characters(codec="utf-8"), max_size=20)
+small = st.integers(0, 1 << 32)
+treedefs = st.recursive(
+    st.just("*"),
+    lambda children: (
+        st.builds(lambda kind, kids: [kind, kids], st.sampled_from(["l", "t"]),
+                  st.lists(children, max_size=3))
+        | st.builds(lambda d: ["d", [[k, v] for k, v in sorted(d.items())]],
+                    st.dictionaries(st.text(max_size=4), children, max_size=3))
+    ),
+    max_leaves=6,
+)
+
+
+def _count(td: Any) -> int:
+    if td == "*":
+        return 1
+    if td[0] == "d":
+        return sum(_count(v) for _, v in td[1])
+    return sum(_count(c) for c in td[1])
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> dict[str, Any]:
+    tree = draw(st.none() | treedefs)
+    count = _count(tree) if tree is not None else draw(st.integers(0, 4))
+    leaves = [[draw(st.sampled_from(sorted(ALLOWED_DTYPES))),
+               draw(st.lists(st.integers(0, 64), max_size=4))] for _ in range(count)]
+    meta = {"strategy": draw(st.sampled_from(["binomial", "pipeline", "root", "x_1"])),
+            "leaves": leaves}
+    if tree is not None or draw(st.booleans()):
+        meta["tree"] = tree
+    return meta
+
+
+@st.composite
+def valid_headers(draw: st.DrawFn) -> Header:
+    kind = draw(st.sampled_from(sorted(KINDS)))
+    src = draw(st.integers(1, LIMITS.world_size - 1))
+    h = Header(kind, GROUP, src)
+    if kind in ("data", "abort", "bye"):
+        h.seq = draw(st.integers(0, 1 << 62))
+    if kind == "data":
+        h.seg, h.step = draw(small), draw(small)
+        h.sig = draw(st.binary(min_size=DIGEST_BYTES, max_size=DIGEST_BYTES))
+        h.nbytes = draw(st.lists(st.integers(0, 4096), max_size=5))
+        if draw(st.booleans()):
+            offsets = [draw(st.sampled_from([-1, 0, 64, 1 << 40])) for _ in h.nbytes]
+            h.shm = [draw(names.filter(lambda s: len(s) <= 256)), offsets,
+                     [draw(st.integers(-1, 8)) for _ in h.nbytes]]
+        if draw(st.booleans()):
+            h.described = [draw(st.text(max_size=30) | st.integers(-1, 1 << 40))
+                           for _ in range(5)]
+        if draw(st.booleans()):
+            h.meta = draw(layouts())
+    elif kind == "abort":
+        h.err = [draw(st.sampled_from(["CollectiveTimeout", "PeerLost", "Nope"])),
+                 draw(st.text(max_size=100))]
+        if draw(st.booleans()):
+            h.meta = {"collective": draw(st.text(max_size=20)),
+                      "waiting_on": draw(st.lists(st.integers(0, 7), max_size=4))}
+    elif kind == "hello" and draw(st.booleans()):
+        h.meta = {"ring": draw(st.none() | st.text(max_size=40))}
+    return h
+
+
+@FUZZ
+@given(valid_headers())
+def test_valid_round_trip(h: Header) -> None:
+    raw = encode_header(h)
+    back = validate(h.src, raw, inline_sizes(h), LIMITS)
+    assert back == h
+    assert_typed(back)
+
+
+# --- depth and size bombs -----------------------------------------------------------------
+
+def _nested_list(depth: int) -> bytes:
+    return b"\x91" * depth + b"\xc0"  # [[[...[None]...]]]
+
+
+def _nested_map(depth: int) -> bytes:
+    return b"\x81\xa1a" * depth + b"\xc0"  # {"a": {"a": ... None}}
+
+
+def _with_raw_field(d: dict[str, Any], field: str, raw_value: bytes) -> bytes:
+    """``d`` packed with ``field``'s value replaced by already-encoded msgpack."""
+    d = {**d, field: None}
+    out = bytes([0x80 | len(d)])
+    for k, v in d.items():
+        out += pack(k) + (raw_value if k == field else pack(v))
+    return out
+
+
+DEPTHS = [64, 500, 1000, 1022, 10_000]
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("nest", [_nested_list, _nested_map], ids=["list", "map"])
+def test_deep_nesting_as_the_whole_header(depth: int, nest: Callable[[int], bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        decode_header(nest(depth))
+    with pytest.raises(ProtocolError):
+        validate(LINK, nest(depth), [], LIMITS)
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("field", ["v", "k", "g", "r", "q", "sig", "n", "m", "d", "meta"])
+def test_deep_nesting_in_a_field(depth: int, field: str) -> None:
+    """A value nested as deep as msgpack allows (about 1,023 levels inside the header map)
+    must be refused, not crash the checks (or the repr of their error messages)."""
+    for nest in (_nested_list, _nested_map):
+        raw = _with_raw_field(VALID["data"], field, nest(depth))
+        with pytest.raises(ProtocolError):
+            decode_header(raw)
+        with pytest.raises(ProtocolError):
+            validate(LINK, raw, [8, 0, 24], LIMITS)
+
+
+@pytest.mark.parametrize("depth", [100, 1000, 1020])
+@pytest.mark.parametrize("where", ["tree", "leaves", "shape", "abort", "hello", "err"])
+def test_deep_nesting_inside_meta(depth: int, where: str) -> None:
+    deep = msgpack.unpackb(_nested_list(depth - 4))  # room for the enclosing maps and lists
+    layout = VALID["layout"]
+    d = copy.deepcopy(layout)
+    if where == "tree":
+        d["meta"]["tree"] = deep
+    elif where == "leaves":
+        d["meta"]["leaves"] = [deep]
+    elif where == "shape":
+        d["meta"]["leaves"] = [["<f4", deep]]
+    elif where == "abort":
+        d = {**VALID["abort"], "meta": {"collective": "x", "waiting_on": deep}}
+    elif where == "hello":
+        d = {**VALID["hello"], "meta": {"ring": deep}}
+    else:
+        d = {**VALID["abort"], "err": ["x", deep]}
+    try:
+        raw = pack(d)
+    except ValueError:  # deeper than msgpack's packer goes: build the bytes by hand
+        pytest.skip("msgpack cannot pack it")
+    with pytest.raises(ProtocolError):
+        validate(LINK, raw, [24], LIMITS)
+
+
+def test_a_deep_tree_definition_is_refused_without_recursing() -> None:
+    deep: Any = "*"
+    for _ in range(500):
+        deep = ["l", [deep]]
+    d = copy.deepcopy(VALID["layout"])
+    d["meta"]["tree"] = deep
+    d["meta"]["leaves"] = [["<f4", [1]]]
+    with pytest.raises(ProtocolError, match="tree"):
+        validate(LINK, pack(d), [24], LIMITS)
+
+
+@pytest.mark.parametrize("shape", [
+    [2**40, 2**40],
+    [2**63 - 1],
+    [2**64 - 1, 2**64 - 1],
+    [2**40] * 32,
+    [2**20] * 33,
+    [0, 2**64 - 1, 2**64 - 1],  # zero elements, but an overflowing product without the zero
+    [2**23, 2**23, 2**23],
+])
+def test_huge_declared_shapes(shape: list[int]) -> None:
+    d = copy.deepcopy(VALID["layout"])
+    d["meta"]["leaves"] = [["<f4", shape], ["<i8", []]]
+    if 0 in shape and len(shape) <= 32:
+        h = validate(LINK, pack(d), [24], LIMITS)  # no elements: a valid, empty leaf
+        assert_typed(h)
+        return
+    with pytest.raises(ProtocolError, match="too large|not a shape|shape"):
+        validate(LINK, pack(d), [24], LIMITS)
+
+
+def test_many_huge_leaves_are_refused_quickly() -> None:
+    d = copy.deepcopy(VALID["layout"])
+    d["meta"]["leaves"] = [["<c16", [2**40, 2**40]]] * 50_000
+    del d["meta"]["tree"]
+    with pytest.raises(ProtocolError):
+        validate(LINK, pack(d), [24], LIMITS)
+
+
+@FEW
+@given(st.lists(st.integers(0, (1 << 64) - 1) | st.sampled_from([0, 1, 2**32, 2**46]),
+                max_size=40),
+       st.sampled_from(sorted(ALLOWED_DTYPES)))
+def test_any_shape_is_bounded_or_refused(shape: list[int], dtype: str) -> None:
+    d = copy.deepcopy(VALID["layout"])
+    d["meta"]["leaves"] = [[dtype, shape], ["<i8", []]]
+    h = only_protocol_error(lambda: validate(LINK, pack(d), [24], LIMITS))
+    if h is not None:
+        assert len(shape) <= 32 and math.prod(shape) < 1 << 47
+
+
+def test_bounds_on_lengths() -> None:
+    too_many = {**VALID["data"], "n": [0] * ((1 << 16) + 1)}
+    with pytest.raises(ProtocolError):
+        validate(LINK, pack(too_many), [0] * ((1 << 16) + 1), LIMITS)
+    big = pack({**VALID["data"], "g": "x" * (5 << 20)})
+    with pytest.raises(ProtocolError):
+        decode_header(big)
+    with pytest.raises(ProtocolError):
+        validate(LINK, big, [8, 0, 24], Limits(GROUP, 0, 4, 64 << 20))
