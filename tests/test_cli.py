@@ -71,7 +71,7 @@ def test_strategies_say_what_auto_picks_and_where_each_comes_from(
             description = type(entry.strategy).description
             pattern = rf"^  {name} +{re.escape(description)}\n +from {re.escape(entry.origin)}$"
             assert re.search(pattern, out, re.MULTILINE), name
-    assert "from p2pcoll 0.1.0: p2pcoll_plugins.ring:RingAllreduce" in out
+    assert f"from p2pcoll {p2pcoll.__version__}: p2pcoll_plugins.ring:RingAllreduce" in out
 
 
 @pytest.mark.parametrize("subcommand", ["launch", "strategies", "rendezvous", "bench"])
