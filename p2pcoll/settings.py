@@ -63,7 +63,7 @@ KNOWN_VARS = frozenset(
 )
 
 
-def _bad(name: str, value: object, allowed: str) -> SettingsError:
+def bad_value(name: str, value: object, allowed: str) -> SettingsError:
     """The error for a bad ``value`` of variable or argument ``name``."""
     shown = f"{name}{value!r}" if name.endswith("=") else f"{name}={value!r}"
     return SettingsError(f"{shown} is not allowed: expected {allowed}", name=name, value=value,
@@ -186,7 +186,7 @@ class Settings:
         if "rank" in given:
             _check_int(given["rank"], "rank=", 0)
         if "transport" in given and given["transport"] not in TRANSPORT_NAMES:
-            raise _bad(
+            raise bad_value(
                 "transport=", given["transport"], f"one of {', '.join(TRANSPORT_NAMES)}"
             )
         for name, low in (("segment_bytes", 1 << 10), ("max_message_bytes", 4 << 10),
@@ -201,7 +201,7 @@ def check_seconds(value: object, where: str) -> float:
     """A deadline: a positive number of seconds (``math.inf`` for none). Returns it."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     if not ok or math.isnan(value):  # type: ignore[arg-type]
-        raise _bad(where, value, "a number of seconds > 0 (math.inf for no deadline)")
+        raise bad_value(where, value, "a number of seconds > 0 (math.inf for no deadline)")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -209,18 +209,18 @@ def _check_int(value: object, where: str, low: int, high: int | None = None) -> 
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
     if not ok or (high is not None and value > high):  # type: ignore[operator]
         span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-        raise _bad(where, value, span)
+        raise bad_value(where, value, span)
     return value  # type: ignore[return-value]
 
 
 def _check_strategies(value: object) -> dict[str, str]:
     if not isinstance(value, Mapping):
-        raise _bad("strategies=", value, "a mapping {collective: strategy name}")
+        raise bad_value("strategies=", value, "a mapping {collective: strategy name}")
     for coll, name in value.items():
         if coll not in COLLECTIVES:
-            raise _bad(f"strategies[{coll!r}]", name, f"a key from {COLLECTIVES}")
+            raise bad_value(f"strategies[{coll!r}]", name, f"a key from {COLLECTIVES}")
         if not isinstance(name, str) or not name:
-            raise _bad(f"strategies[{coll!r}]", name, "a strategy name")
+            raise bad_value(f"strategies[{coll!r}]", name, "a strategy name")
     return dict(value)
 
 
@@ -244,7 +244,7 @@ class _Reader:
         addr, port = self.raw("MASTER_ADDR"), self.raw("MASTER_PORT")
         if addr and port:
             if not port.isdigit() or not 0 < int(port) < 65536:
-                raise _bad("$MASTER_PORT", port, "a TCP port number 1..65535")
+                raise bad_value("$MASTER_PORT", port, "a TCP port number 1..65535")
             return f"tcp://{addr}:{port}"
         return None
 
@@ -256,16 +256,16 @@ class _Reader:
             try:
                 number = int(value)
             except ValueError:
-                raise _bad(f"${name}", value, f"an integer >= {minimum}") from None
+                raise bad_value(f"${name}", value, f"an integer >= {minimum}") from None
             if number < minimum:
-                raise _bad(f"${name}", value, f"an integer >= {minimum}")
+                raise bad_value(f"${name}", value, f"an integer >= {minimum}")
             return number
         return None
 
     def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
         value = self.raw(name)
         if value is not None and value not in allowed:
-            raise _bad(f"${name}", value, f"one of {', '.join(allowed)}")
+            raise bad_value(f"${name}", value, f"one of {', '.join(allowed)}")
         return value
 
     def seconds(self, name: str) -> float | None:
@@ -277,7 +277,7 @@ class _Reader:
         except ValueError:
             number = math.nan
         if not number > 0:
-            raise _bad(f"${name}", value, "a number of seconds > 0 (inf for none)")
+            raise bad_value(f"${name}", value, "a number of seconds > 0 (inf for none)")
         return number
 
     def integer(self, name: str, low: int, high: int) -> int | None:
@@ -289,7 +289,7 @@ class _Reader:
         except ValueError:
             number = low - 1
         if not low <= number <= high:
-            raise _bad(f"${name}", value, f"an integer from {low} to {high}")
+            raise bad_value(f"${name}", value, f"an integer from {low} to {high}")
         return number
 
     def size(self, name: str, minimum: int) -> int | None:
@@ -301,7 +301,7 @@ class _Reader:
         except ValueError:
             number = -1
         if number < minimum:
-            raise _bad(
+            raise bad_value(
                 f"${name}", value, f"a byte count >= {format_bytes(minimum)} (like 64K, 16M)"
             )
         return number
@@ -314,7 +314,7 @@ class _Reader:
             return True
         if value.lower() in _FALSE:
             return False
-        raise _bad(f"${name}", value, "1 or 0 (true/false, yes/no, on/off)")
+        raise bad_value(f"${name}", value, "1 or 0 (true/false, yes/no, on/off)")
 
     def strategies(self) -> dict[str, str]:
         out = {}

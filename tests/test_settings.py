@@ -163,7 +163,6 @@ def test_unknown_variable_is_named_in_a_warning_and_ignored(
     ({"join_timeout": 0.0}, "join_timeout", 0.0, "seconds"),
     ({"world_size": 0}, "world_size", 0, "integer"),
     ({"rank": -1}, "rank", -1, "integer"),
-    ({"rank": 3, "world_size": 2}, "rank", 3, "world_size"),
     ({"transport": "udp"}, "transport", "udp", "tcp"),
     ({"strategies": {"allreduc": "ring"}}, "allreduc", "ring", "allreduce"),
     ({"strategies": {"allreduce": ""}}, "allreduce", "''", "strategy name"),
@@ -176,10 +175,17 @@ def test_arguments_bad(arguments: dict[str, Any], name: str, value: object, allo
     assert_names(caught.value, name, value, allowed)
 
 
-def test_rank_out_of_range_from_the_environment() -> None:
-    with pytest.raises(SettingsError) as caught:
-        Settings.resolve({"RANK": "3", "WORLD_SIZE": "2"})
-    assert_names(caught.value, "rank", 3, "world_size")
+async def test_rank_out_of_range_is_a_rendezvous_error_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each value is fine alone; together they are the RendezvousError the API pins."""
+    assert Settings.resolve({"RANK": "3", "WORLD_SIZE": "2"}).rank == 3
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(p2pcoll.RendezvousError, match="rank 3 is out of range for world_size 2"):
+        await asyncio.wait_for(p2pcoll.join("tcp://127.0.0.1:1"), 10)
+    with pytest.raises(p2pcoll.RendezvousError, match="out of range"):
+        await asyncio.wait_for(p2pcoll.join("tcp://127.0.0.1:1", rank=3, world_size=2), 10)
 
 
 def test_unknown_argument_is_a_type_error() -> None:

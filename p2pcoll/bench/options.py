@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SettingsError
 from ..registry import available_strategies
-from ..settings import TRANSPORT_NAMES, parse_bytes
+from ..settings import TRANSPORT_NAMES, bad_value, parse_bytes
 from ..types import check_dtype
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
@@ -145,7 +144,7 @@ def _transport(text: str) -> str:
     # A value given on the command line is checked against `choices` by argparse.
     if isinstance(text, _FromEnvironment) and text not in TRANSPORT_NAMES:
         allowed = "one of " + ", ".join(TRANSPORT_NAMES)
-        raise argparse.ArgumentTypeError(str(SettingsError(f"${text.variable}", text, allowed)))
+        raise argparse.ArgumentTypeError(str(bad_value(f"${text.variable}", text, allowed)))
     return str(text)
 
 

@@ -12,6 +12,7 @@ checks raise ProtocolError too.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +26,9 @@ from .header import DIGEST_BYTES, KINDS, SIGNATURE_FIELDS, WIRE_VERSION, Header
 
 # Bounds on what a header may describe; far above any real use, far below what would let a
 # few bytes make a peer allocate gigabytes or recurse without end.
-MAX_HEADER_BYTES = 4 << 20
+MAX_HEADER_BYTES = 1 << 20
 MAX_PIECES = 1 << 16
-MAX_LEAVES = 1 << 20
+MAX_LEAVES = 1 << 16
 MAX_NDIM = 32
 MAX_TREE_DEPTH = 64
 MAX_LEAF_BYTES = 1 << 46
@@ -45,9 +46,13 @@ class Limits:
     max_message_bytes: int
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 60, 60, 6, 6
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """A bounded repr: a hostile value may be huge or nested thousands deep."""
+    return _REPR.repr(value)
 
 
 def _int(d: dict[str, Any], name: str, low: int = 0, high: int = 1 << 62) -> int:
