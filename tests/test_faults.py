@@ -152,12 +152,11 @@ async def test_malformed_messages_are_dropped_and_counted(
 
     results = await run_ranks(2, fn)
     # The oversize message is cut by ZeroMQ's MAXMSGSIZE (which drops the connection) or by
-    # our own check; everything else is counted and logged with its reason.
+    # our own check; everything else is counted and logged. A stranger's link is refused
+    # before its header is even decoded (each reason of a member's message is checked
+    # against the validation point itself in tests/test_wire.py).
     assert results[0][0] >= 9
-    for reason in ("not valid msgpack", "expected a map", "wire version 99", "another-group",
-                   "payload frame 0 has 3 bytes", "lists 1 payload frames", "claims rank 2",
-                   "unknown message kind", "invalid source rank 5"):
-        assert reason in caplog.text, reason
+    assert "rank 5, which is no other member of this group of 2" in caplog.text
     # Each drop is logged at DEBUG; WARNING lines are limited to one per source and interval.
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "dropped" in r.msg]
     assert len(warnings) <= 2, [r.getMessage() for r in warnings]

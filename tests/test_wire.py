@@ -131,3 +131,30 @@ async def test_auto_transport_uses_ipc_on_one_host() -> None:
         assert all(e.startswith("ipc://") for e in endpoints), endpoints
     for endpoints in await run_ranks(2, fn, transport="tcp"):
         assert all(e.startswith("tcp://127.0.0.1:") for e in endpoints), endpoints
+
+
+def test_validate_names_what_is_wrong_with_a_members_message() -> None:
+    """What the live peer's reader drops (tests/test_faults.py), reason by reason."""
+    from p2pcoll.wire import Limits, validate
+
+    limits = Limits("gid", rank=0, world_size=3, max_message_bytes=1 << 20)
+    header = {"v": WIRE_VERSION, "k": "data", "g": "gid", "r": 1, "q": 0, "seg": 0, "s": 0,
+              "sig": b"\0" * 8, "n": [8]}
+    cases = [
+        (1, b"\xc1 not msgpack", [], "not valid msgpack"),
+        (1, msgpack.packb([1, 2, 3]), [], "expected a map"),
+        (1, msgpack.packb({**header, "v": 99}), [8], "wire version 99"),
+        (1, msgpack.packb({**header, "v": 2.0}), [8], "wire version 2.0"),
+        (1, msgpack.packb({**header, "g": "another-group"}), [8], "another-group"),
+        (1, msgpack.packb(header), [3], "payload frame 0 has 3 bytes"),
+        (1, msgpack.packb(header), [], "lists 1 payload frames"),
+        (1, msgpack.packb({**header, "r": 2}), [8], "claims rank 2"),
+        (1, msgpack.packb({**header, "n": [2 << 20]}), [2 << 20], "cap"),
+        (1, msgpack.packb({**header, "k": "exec"}), [], "unknown message kind"),
+        (0, msgpack.packb({**header, "r": 0}), [8], "no other member"),  # my own rank
+        (5, msgpack.packb({**header, "r": 5}), [8], "no other member"),
+    ]
+    for link, raw, sizes, reason in cases:
+        with pytest.raises(ProtocolError, match=reason):
+            validate(link, raw, sizes, limits)
+    assert validate(1, msgpack.packb(header), [8], limits).key == (0, 0, 1, 0)

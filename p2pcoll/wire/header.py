@@ -16,7 +16,7 @@ A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack ma
 
 Payload frames are the raw bytes of C-contiguous arrays, read back with ``np.frombuffer``.
 Nothing in a message can run code: no pickle, only msgpack scalars, strings, lists and
-maps. Decoding and checking a received message happens in one place, :mod:`.validate`.
+maps. Decoding and checking a received message happens in one place, :mod:`.validation`.
 """
 
 from __future__ import annotations
