@@ -305,3 +305,27 @@ async def test_non_root_of_a_departed_root_fails_fast() -> None:
 
     elapsed = await run_ranks(3, fn)
     assert elapsed[0] < 5 and elapsed[2] < 5
+
+
+async def test_a_members_list_kind_header_is_dropped_and_the_peer_keeps_answering() -> None:
+    """The header that once killed a peer's reader ({"v": ..., "k": [1]}: a TypeError out of
+    the decoder), sent on a member's own link (the in-memory network lets a test do that;
+    over ZeroMQ a stranger's link is refused before decoding)."""
+    from p2pcoll.testing import memory_groups
+
+    groups = await memory_groups(2, collective_timeout=10)
+    try:
+        net = groups[0].session.transport.network  # type: ignore[attr-defined]
+        ends = groups[0].membership.endpoints
+        for bad in ({"v": WIRE_VERSION, "k": [1]}, {"v": WIRE_VERSION, "k": {"x": 1}},
+                    {"v": [WIRE_VERSION], "k": "data"}):
+            net.deliver(ends[1], ends[0], [msgpack.packb(bad)], data=False)
+        await asyncio.sleep(0.05)
+        assert groups[0].stats()["messages_dropped"] == 3
+        outs = await asyncio.gather(*(g.allreduce(np.full(3, g.rank + 1.0)) for g in groups))
+        for out in outs:
+            np.testing.assert_array_equal(out, np.full(3, 3.0))
+        assert groups[0].state == "ready"
+    finally:
+        for g in groups:
+            await g.close()

@@ -68,3 +68,17 @@ def test_readme_names_every_builtin_strategy() -> None:
             if name == "direct":  # the example plugin, documented in its own README
                 continue
             assert f"`{name}`" in text, f"README does not mention {collective} strategy {name}"
+
+
+def test_how_it_is_built_names_every_module() -> None:
+    """The README's tree is the package's: every subpackage and module is in it."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## How it is built", 1)[1].split("```", 2)[1]
+    package = ROOT / "p2pcoll"
+    for path in sorted(package.rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = path.relative_to(package)
+        assert path.name in block or path.stem in block, f"README's tree lacks {rel}"
+    for folder in sorted(p for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        assert f"{folder.name}/" in block, f"README's tree lacks {folder.name}/"

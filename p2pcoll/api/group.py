@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from ..types import (
     unflatten,
 )
 from ..wire import Header, Signature
+
+T = TypeVar("T")
+
 
 def describe_data(arrays: Sequence[np.ndarray], treedef: TreeDef = None) -> str:
     """A short string that equals on two ranks iff their data has the same layout."""
@@ -76,6 +79,7 @@ class Group:
         self._failures = FailureModel()
         self._session: Session | None = None
         self._server: RendezvousServer | None = None
+        self._extensions: dict[str, Any] = {}
 
     async def _form(self) -> None:
         try:
@@ -102,19 +106,23 @@ class Group:
     @property
     def membership(self) -> Membership:
         """The roster this group was formed with (a frozen value)."""
-        if self._session is None:
-            raise GroupBroken("the group has not formed")
-        return self._session.membership
+        return self.session.membership
 
     @property
     def rank(self) -> int:
         """This peer's rank, 0..world_size-1."""
-        return self.membership.rank
+        session = self._session
+        if session is None:
+            return self.membership.rank  # raises GroupBroken, saying why
+        return session.membership.rank
 
     @property
     def world_size(self) -> int:
         """The number of peers."""
-        return self.membership.world_size
+        session = self._session
+        if session is None:
+            return self.membership.world_size  # raises GroupBroken, saying why
+        return session.membership.world_size
 
     @property
     def endpoint(self) -> str:
@@ -128,9 +136,21 @@ class Group:
 
     @property
     def session(self) -> Session:
+        """The current membership epoch (raises GroupBroken before forming or after close)."""
         if self._session is None:
-            raise GroupBroken("the group has not formed")
+            closed = self._failures.state is GroupState.CLOSED
+            raise GroupBroken("the group is closed" if closed else "the group has not formed")
         return self._session
+
+    def extension(self, key: str, factory: Callable[[], T]) -> T:
+        """The state a layer built on this group keeps with it (``p2pcoll.training`` keeps its
+        round counter here), made by ``factory()`` on first use and gone with the group.
+
+        ``key`` names the layer, e.g. its module name.
+        """
+        if key not in self._extensions:
+            self._extensions[key] = factory()
+        return self._extensions[key]  # type: ignore[no-any-return]
 
     # --- running collectives ------------------------------------------------------------
 

@@ -12,8 +12,6 @@ the group and join anew.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from enum import StrEnum
 
 from ..engine.matching import Matcher
@@ -72,64 +70,59 @@ class FailureModel:
     def close(self) -> None:
         self.state = GroupState.CLOSED
 
-    @contextlib.asynccontextmanager
-    async def collective(self, seq: int, collective: str, limit: float) -> AsyncIterator[None]:
-        """Run one collective's body under its deadline; turn every failure into a broken group.
+    def collective(self, seq: int, collective: str, limit: float) -> Collective:
+        """``async with`` this around one collective's body: it runs under its deadline,
+        and every failure turns into a broken group (see :class:`Collective`)."""
+        assert self._matcher is not None, "attach() first"
+        return Collective(self, self._matcher, seq, collective, limit)
 
-        Raises:
-            CollectiveTimeout: the deadline passed (naming the ranks still awaited).
-            P2PCollError: whatever failed, a peer's reported cause preferred to its symptoms.
-        """
-        matcher = self._matcher
-        assert matcher is not None, "attach() first"
-        self._active.add(seq)
-        try:
-            async with asyncio.timeout(limit):
-                yield
+    def _outcome(self, c: Collective, err: BaseException | None) -> BaseException | None:
+        """What a collective that ended with ``err`` (None: its body returned) raises."""
+        matcher, seq, name = c.matcher, c.seq, c.name
+        if err is None:
             failure = matcher.failure(seq)
             if failure is not None:
-                raise failure
-            stray = matcher.leftover(seq)
-            if stray:
-                raise CollectiveMismatch(
-                    f"{collective} #{seq}: ranks {stray} sent messages that rank {self._rank} "
+                err = failure
+            else:
+                stray = matcher.leftover(seq)
+                if not stray:
+                    return None
+                err = CollectiveMismatch(
+                    f"{name} #{seq}: ranks {stray} sent messages that rank {self._rank} "
                     f"did not expect; the ranks disagree about this collective"
                 )
-        except TimeoutError:
+        if isinstance(err, TimeoutError):
             waiting = matcher.waiting_on(seq)
-            err = CollectiveTimeout(
-                f"{collective} #{seq} timed out after {limit:g}s on rank {self._rank}; "
+            timeout = CollectiveTimeout(
+                f"{name} #{seq} timed out after {c.limit:g}s on rank {self._rank}; "
                 f"still waiting for ranks {waiting}",
-                collective=collective, seq=seq, waiting_on=waiting,
+                collective=name, seq=seq, waiting_on=waiting,
             )
-            self.fail(seq, err)
-            raise err from None
-        except P2PCollError as err:
+            self.fail(seq, timeout)
+            return timeout
+        if isinstance(err, P2PCollError):
             if isinstance(err, CollectiveTimeout) and getattr(err, "remote", False):
                 # Another rank's deadline passed first: say whom this rank was waiting for
                 # too, which is closer to the rank that never came.
                 mine = matcher.waiting_on(seq)
                 local = CollectiveTimeout(
                     f"{err}; rank {self._rank} was still waiting for ranks {mine}",
-                    collective=collective, seq=seq, waiting_on=mine or err.waiting_on,
+                    collective=name, seq=seq, waiting_on=mine or err.waiting_on,
                 )
                 local.remote = True  # type: ignore[attr-defined]
                 self.fail(seq, local)
-                raise local from None
+                return local
             # A failure a peer reported for this collective is the root cause; a lost link
             # or a refused send that followed it is only a symptom.
             cause = matcher.failure(seq)
             if isinstance(err, (PeerLost, GroupBroken)) and cause is not None and cause is not err:
                 self.fail(seq, cause)
-                raise cause from err
+                cause.__cause__ = err
+                return cause
             self.fail(seq, err)
-            raise
-        except BaseException as exc:
-            self.fail(seq, GroupBroken(f"{collective} #{seq} was interrupted: {exc!r}"))
-            raise
-        finally:
-            self._active.discard(seq)
-            matcher.finish(seq)
+            return err
+        self.fail(seq, GroupBroken(f"{name} #{seq} was interrupted: {err!r}"))
+        return err
 
     def fail(self, seq: int, err: P2PCollError) -> None:
         """Break the group with ``err``; tell the peers unless they told us."""
@@ -179,3 +172,46 @@ class FailureModel:
                 f"rank {header.src} sent a message for collective #{header.seq} "
                 f"that rank {self._rank} did not expect"
             ))
+
+
+class Collective:
+    """One collective under the failure model: its deadline, and what its end means.
+
+    A class rather than a generator-based context manager because it wraps every
+    collective: entering and leaving it is on the fast path.
+
+    Raises (on leaving):
+        CollectiveTimeout: the deadline passed (naming the ranks still awaited).
+        P2PCollError: whatever failed, a peer's reported cause preferred to its symptoms.
+    Cancellation: breaks the group (the peers get an abort) and propagates.
+    """
+
+    __slots__ = ("model", "matcher", "seq", "name", "limit", "_deadline")
+
+    def __init__(self, model: FailureModel, matcher: Matcher, seq: int, name: str,
+                 limit: float) -> None:
+        self.model, self.matcher, self.seq, self.name, self.limit = (
+            model, matcher, seq, name, limit)
+        self._deadline = asyncio.timeout(limit)
+
+    async def __aenter__(self) -> None:
+        self.model._active.add(self.seq)
+        await self._deadline.__aenter__()
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> bool:
+        try:
+            try:
+                await self._deadline.__aexit__(et, exc, tb)  # type: ignore[arg-type]
+            except TimeoutError as expired:
+                outcome = self.model._outcome(self, expired)
+            else:
+                outcome = self.model._outcome(self, exc)
+        finally:
+            self.model._active.discard(self.seq)
+            self.matcher.finish(self.seq)
+        if outcome is None or outcome is exc:
+            return False  # the body's own error (or none) goes on as it is
+        if isinstance(outcome, CollectiveTimeout) and outcome.__cause__ is None:
+            raise outcome from None
+        raise outcome

@@ -68,20 +68,23 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                 raise RendezvousError(f"cannot resolve the rendezvous host of {url}: {exc}"
                                       ) from None
             address = f"tcp://{infos[0][4][0]}:{port}"
+            host_task = None
             if settings.rank in (None, 0):
-                candidate = RendezvousServer(address, sockets)
-                try:
-                    candidate.bind()
-                    server = candidate
-                except zmq.ZMQError as exc:
-                    log.info("not hosting the rendezvous at %s (%s): another peer or a "
-                             "standalone server does", address, exc)
+                hosting = _Hosting(address, sockets)
+                host_task = asyncio.create_task(hosting.run())
             me = host_identity()
-            membership = await rendezvous(
-                address, endpoints=endpoints, world_size=settings.world_size,
-                rank=settings.rank, timeout=max(0.0, deadline - loop.time()), host_id=me,
-                choose=lambda h, addresses: policy.choose(me, h, addresses), sockets=sockets,
-            )
+            try:
+                membership = await rendezvous(
+                    address, endpoints=endpoints, world_size=settings.world_size,
+                    rank=settings.rank, timeout=max(0.0, deadline - loop.time()), host_id=me,
+                    choose=lambda h, addresses: policy.choose(me, h, addresses),
+                    sockets=sockets,
+                )
+            finally:
+                if host_task is not None:
+                    host_task.cancel()
+                    await asyncio.gather(host_task, return_exceptions=True)
+                    server = hosting.server
         session = Session(membership, transport, settings, failures)
         session.start()
         await handshake(session, max(0.0, deadline - loop.time()), settings.join_timeout)
@@ -91,6 +94,38 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
         if server is not None:
             await server.aclose()
         raise
+
+
+class _Hosting:
+    """Hosts the rendezvous if the port can be had, trying again while the group forms.
+
+    The port may be busy for a moment (the previous group's server of this very process is
+    still letting go of it) or for good (another peer, or a standalone server, hosts); a
+    bind is cheap, so this tries every RETRY seconds until the roster has come.
+    """
+
+    RETRY = 0.1
+
+    def __init__(self, address: str, sockets: SocketFactory) -> None:
+        self.address = address
+        self.sockets = sockets
+        self.server: RendezvousServer | None = None
+
+    async def run(self) -> None:
+        reason = ""
+        while self.server is None:
+            candidate = RendezvousServer(self.address, self.sockets)
+            try:
+                candidate.bind()
+            except zmq.ZMQError as exc:
+                if str(exc) != reason:
+                    reason = str(exc)
+                    log.info("not hosting the rendezvous at %s (%s): another peer or a "
+                             "standalone server does, or it is still being released",
+                             self.address, exc)
+                await asyncio.sleep(self.RETRY)
+                continue
+            self.server = candidate
 
 
 async def handshake(session: Session, left: float, timeout: float) -> None:

@@ -8,13 +8,12 @@ the next call: fresh memory costs a page fault per 4 KiB on first touch, which m
 100 MB five times slower.
 
 Everything else lives in objects the caller holds (a GradientReducer keeps its own buffers).
-The :class:`Group` offers no slot for a layer's state, so this module keeps a weak mapping
-from group to :class:`TrainingState`: a closed, unreferenced group is forgotten with it.
+The state is kept with the group itself (:meth:`Group.extension`), so it goes with it and
+no module holds any.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,12 +56,6 @@ class TrainingState:
         return buffers
 
 
-_states: weakref.WeakKeyDictionary[Group, TrainingState] = weakref.WeakKeyDictionary()
-
-
 def state_of(group: Group) -> TrainingState:
     """The training state of ``group``, created empty on first use."""
-    state = _states.get(group)
-    if state is None:
-        state = _states[group] = TrainingState()
-    return state
+    return group.extension("p2pcoll.training", TrainingState)

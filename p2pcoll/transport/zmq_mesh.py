@@ -95,6 +95,7 @@ class ZmqMesh:
         self.group_id = ""
         self.rank = -1
         self._limits: Limits | None = None
+        self._ranks: dict[bytes, int] = {}  # link identity -> rank, for the members
         self._router: zmq.asyncio.Socket | None = None
         self._links: dict[int, zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -121,7 +122,9 @@ class ZmqMesh:
         self.on_message, self.on_link_down = on_message, on_link_down
         group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
-        self._limits = Limits(group_id, rank, membership.world_size, self.settings.max_message_bytes)
+        self._limits = Limits(group_id, rank, membership.world_size,
+                              self.settings.max_message_bytes)
+        self._ranks = {b"%d" % r: r for r in range(membership.world_size)}
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
@@ -276,11 +279,14 @@ class ZmqMesh:
 
     def _deliver(self, frames: list[zmq.Frame]) -> None:
         """Validate one message and hand it on; drop and count it if anything fails."""
-        source: object = frames[0].bytes[:16] if frames else b""
+        identity = frames[0].bytes if frames else b""
+        source: object = identity[:16]
         try:
             if len(frames) < 2:
                 raise ProtocolError("message has no header frame")
-            source = link_rank(frames[0].bytes)
+            source = self._ranks.get(identity)
+            if source is None:
+                source = link_rank(identity)
             assert self._limits is not None
             header = validate(source, frames[1].buffer, [len(f) for f in frames[2:]],
                               self._limits)

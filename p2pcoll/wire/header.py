@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -69,9 +70,7 @@ class Signature:
 
     @classmethod
     def of(cls, collective: str, strategy: str, op: str, root: int, data: str) -> Signature:
-        fields = (collective, strategy, op, root, data)
-        raw = msgpack.packb(list(fields), use_bin_type=True)
-        return cls(fields, hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest())
+        return _signature(collective, strategy, op, root, data)
 
     @property
     def collective(self) -> str:
@@ -91,6 +90,14 @@ class Signature:
 
     def text(self) -> str:
         return ", ".join(f"{n}={v!r}" for n, v in zip(SIGNATURE_FIELDS, self.fields, strict=True))
+
+
+@lru_cache(maxsize=4096)
+def _signature(collective: str, strategy: str, op: str, root: int, data: str) -> Signature:
+    # A training loop asks for the same few signatures every round: hash each once.
+    fields = (collective, strategy, op, root, data)
+    raw = msgpack.packb(list(fields), use_bin_type=True)
+    return Signature(fields, hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest())
 
 
 def encode_header(h: Header) -> bytes:
