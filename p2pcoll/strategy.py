@@ -48,17 +48,10 @@ algorithm instead of re-deriving the index arithmetic:
     here) and sits out (``newrank`` is None); the ``pof2`` others are renumbered
     ``0 .. pof2-1`` (``newrank``; ``real(newrank)`` maps back) and run the power-of-two
     algorithm; then every odd rank below ``2 * extra`` hands the result back to its even
-    neighbour (``fold_out()``). For a power of two both generators yield nothing::
-
-        fold = Fold(ctx)
-        yield from fold.fold_in()
-        if fold.newrank is not None:
-            mask = 1
-            while mask < fold.pof2:
-                partner = fold.real(fold.newrank ^ mask)
-                yield [Send(partner), Reduce(partner)]
-                mask <<= 1
-        yield from fold.fold_out()
+    neighbour (``fold_out()``). For a power of two both generators yield nothing. A schedule
+    reads ``yield from fold.fold_in()``, the power-of-two core over ``fold.newrank`` and
+    ``fold.real(...)`` when ``fold.newrank is not None``, then ``yield from fold.fold_out()``
+    (see ``plugins/recursive_doubling.py``, the shortest such schedule).
 
 ``largest_power_of_two(n)``
     The ``pof2`` above, for ``chunks(size)``, which has no context.
