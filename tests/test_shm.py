@@ -257,6 +257,9 @@ async def test_a_full_ring_falls_back_to_the_socket(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("P2PCOLL_SHM_BYTES", str(1 << 20))  # room for two or three pieces
 
     async def fn(g: p2pcoll.Group) -> tuple[list[np.ndarray], dict[str, int]]:
+        # A peer maps a ring when the announcing hello arrives, which on a loaded machine can
+        # be after the first sends were made: one barrier first, so the rings are in use.
+        await g.barrier(timeout=10)
         xs = [np.arange(1 << 20, dtype=np.float32) * (g.rank + 1) + i for i in range(4)]
         outs = await asyncio.gather(*(g.allreduce(x) for x in xs))
         bcast = await g.broadcast(xs[0] if g.rank == 1 else None, root=1)
