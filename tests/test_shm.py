@@ -271,7 +271,12 @@ async def test_a_full_ring_falls_back_to_the_socket(monkeypatch: pytest.MonkeyPa
         for i, out in enumerate(outs[:4]):
             np.testing.assert_array_equal(out, base * 6 + 3 * i)
         np.testing.assert_array_equal(outs[4], base * 2)
-        assert 0 < stats["bytes_sent_shm"] < stats["bytes_sent"]
+        assert stats["bytes_sent_shm"] <= stats["bytes_sent"]
+    # Across the group some pieces went through the rings and some, finding them full, over
+    # the socket. Per rank either can be all: rank 0 of 3 only sends whole 1 MiB segments
+    # (Rabenseifner's fold), which fit a 1 MiB ring only while it is empty.
+    shm = sum(stats["bytes_sent_shm"] for _, stats in results)
+    assert 0 < shm < sum(stats["bytes_sent"] for _, stats in results)
 
 
 async def test_bad_shared_memory_descriptors_are_dropped_and_counted(
