@@ -35,7 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from .measure import ROOT, fill_value, measure_blocking, worker_options, write_rows
+from .measure import (
+    ROOT,
+    blocking_result,
+    fill_value,
+    measure_blocking,
+    worker_options,
+    write_rows,
+)
 
 TIMEOUT = timedelta(seconds=300)  # Gloo's own deadline for each collective
 
@@ -82,16 +89,8 @@ class _Collective:
         raise ValueError(f"unknown collective {c!r}")
 
     def result(self) -> Any:
-        c = self._collective
-        if c == "reduce" and self._rank != ROOT:
-            return None
-        if c == "allgather":
-            assert self._output is not None
-            return list(self._output.numpy().reshape(self._p, -1))
-        if c == "reduce_scatter":
-            assert self._output is not None
-            return self._output.numpy()
-        return self.x
+        output = self._output.numpy() if self._output is not None else None
+        return blocking_result(self._collective, self._rank, self._p, self.x, output)
 
 
 def bench_size(dist: Any, torch: Any, config: dict[str, Any], nbytes: int) -> dict[str, Any]:

@@ -66,6 +66,22 @@ def fill_value(rank: int) -> int:
     return rank + 1
 
 
+def blocking_result(collective: str, rank: int, p: int, data: np.ndarray,
+                    output: np.ndarray | None) -> Any:
+    """What a compared library's collective left as its result, in the form
+    :func:`check_result` takes: ``data`` is the in-place buffer, ``output`` the separate
+    one that allgather and reduce_scatter write (as numpy arrays)."""
+    if collective == "reduce" and rank != ROOT:
+        return None
+    if collective == "allgather":
+        assert output is not None
+        return list(output.reshape(p, -1))
+    if collective == "reduce_scatter":
+        assert output is not None
+        return output
+    return data
+
+
 def element_count(nbytes: int, dtype: str) -> int:
     """Elements of ``dtype`` in ``nbytes`` (rounded down; the row reports the bytes used)."""
     return nbytes // np.dtype(dtype).itemsize

@@ -24,7 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from .measure import ROOT, fill_value, measure_blocking, worker_options, write_rows
+from .measure import (
+    ROOT,
+    blocking_result,
+    fill_value,
+    measure_blocking,
+    worker_options,
+    write_rows,
+)
 
 
 class _Collective:
@@ -65,15 +72,7 @@ class _Collective:
         raise ValueError(f"unknown collective {c!r}")
 
     def result(self) -> Any:
-        c = self._collective
-        if c == "reduce" and self._rank != ROOT:
-            return None
-        if c == "allgather":
-            assert self._output is not None
-            return list(self._output.reshape(self._p, -1))
-        if c == "reduce_scatter":
-            return self._output
-        return self.x
+        return blocking_result(self._collective, self._rank, self._p, self.x, self._output)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
