@@ -36,7 +36,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SettingsError
@@ -149,7 +149,7 @@ class Settings:
             "rendezvous": reader.rendezvous(),
             "world_size": reader.launcher_int(WORLD_SIZE_VARS, minimum=1),
             "rank": reader.launcher_int(RANK_VARS, minimum=0),
-            "host": reader.text("P2PCOLL_HOST"),
+            "host": reader.raw("P2PCOLL_HOST"),
             "transport": reader.choice("P2PCOLL_TRANSPORT", TRANSPORT_NAMES),
             "join_timeout": reader.seconds("P2PCOLL_JOIN_TIMEOUT"),
             "collective_timeout": reader.seconds("P2PCOLL_TIMEOUT"),
@@ -169,12 +169,6 @@ class Settings:
         settings = cls(**merged)
         settings._check_arguments(given)
         return settings
-
-    def replace(self, **changes: Any) -> Settings:
-        """A copy with ``changes``, validated like arguments."""
-        new = replace(self, **changes)
-        new._check_arguments(changes)
-        return new
 
     def _check_arguments(self, given: Mapping[str, Any]) -> None:
         """Validate what came from arguments (the environment is checked as it is read)."""
@@ -233,9 +227,6 @@ class _Reader:
     def raw(self, name: str) -> str | None:
         value = self.env.get(name)
         return None if value is None or value.strip() == "" else value.strip()
-
-    def text(self, name: str) -> str | None:
-        return self.raw(name)
 
     def rendezvous(self) -> str | None:
         url = self.raw("P2PCOLL_RENDEZVOUS")

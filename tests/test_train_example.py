@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 90  # seconds; a run takes a few, mostly importing scikit-learn (and torch)

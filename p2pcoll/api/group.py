@@ -106,23 +106,18 @@ class Group:
     @property
     def membership(self) -> Membership:
         """The roster this group was formed with (a frozen value)."""
-        return self.session.membership
+        session = self._session  # read directly: rank and world_size are on the fast path
+        return (session if session is not None else self.session).membership
 
     @property
     def rank(self) -> int:
         """This peer's rank, 0..world_size-1."""
-        session = self._session
-        if session is None:
-            return self.membership.rank  # raises GroupBroken, saying why
-        return session.membership.rank
+        return self.membership.rank
 
     @property
     def world_size(self) -> int:
         """The number of peers."""
-        session = self._session
-        if session is None:
-            return self.membership.world_size  # raises GroupBroken, saying why
-        return session.membership.world_size
+        return self.membership.world_size
 
     @property
     def endpoint(self) -> str:
@@ -326,7 +321,7 @@ class Group:
         limit = self._limit(timeout)
         seq = session.next_seq()
 
-        async def receive() -> Pytree:
+        async with self._failures.collective(seq, "broadcast", limit):
             header = await session.matcher.first(seq, root)
             treedef, specs, strat = self._read_meta(header, strategy, "broadcast")
             shapes = [(np.dtype(d), tuple(s)) for d, s in specs]
@@ -349,18 +344,15 @@ class Group:
             # Forward the layout too: in a tree, this rank may be someone's first sender.
             await session.executor.run(seq=seq, strategy=strat, ctx=self._ctx(root),
                                        layout=layout, ufunc=None, sig=sig, meta=header.meta)
-            return unflatten(treedef, out)
-
-        async with self._failures.collective(seq, "broadcast", limit):
-            return await receive()
-        raise AssertionError("unreachable")  # pragma: no cover
+        return unflatten(treedef, out)
 
     def _read_meta(
         self, header: Header, requested: str | None, collective: str
     ) -> tuple[TreeDef, list[tuple[str, list[int]]], Strategy]:
-        """The root's layout (already checked by :func:`p2pcoll.wire.validate`)."""
+        """The root's layout; :func:`p2pcoll.wire.validate` has checked its schema (a data
+        meta always names the strategy and the leaves)."""
         meta = header.meta
-        if meta is None or "leaves" not in meta or "strategy" not in meta:
+        if meta is None:
             raise ProtocolError(f"{collective} message from rank {header.src} lacks its layout")
         strat = registry.get(collective, requested if requested not in (None, "auto")
                              else meta["strategy"])
@@ -419,7 +411,7 @@ class Group:
         limit = self._limit(timeout)
         seq = session.next_seq()
 
-        async def receive() -> np.ndarray:
+        async with self._failures.collective(seq, "scatter", limit):
             header = await session.matcher.first(seq, root)
             _, specs, strat = self._read_meta(header, strategy, "scatter")
             # Only this rank's part is ever written; np.empty of the rest touches no memory.
@@ -428,11 +420,7 @@ class Group:
             sig = self._sig("scatter", strat, None, root, describe_data(out))
             await session.executor.run(seq=seq, strategy=strat, ctx=self._ctx(root),
                                        layout=layout, ufunc=None, sig=sig, meta=header.meta)
-            return out[self.rank]
-
-        async with self._failures.collective(seq, "scatter", limit):
-            return await receive()
-        raise AssertionError("unreachable")  # pragma: no cover
+        return out[self.rank]
 
     async def barrier(self, *, strategy: str | None = None, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""

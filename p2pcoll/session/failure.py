@@ -199,7 +199,7 @@ class Collective:
         await self._deadline.__aenter__()
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
-                        tb: object) -> bool:
+                        tb: object) -> None:  # never suppresses: the body's error goes on
         try:
             try:
                 await self._deadline.__aexit__(et, exc, tb)  # type: ignore[arg-type]
@@ -211,7 +211,7 @@ class Collective:
             self.model._active.discard(self.seq)
             self.matcher.finish(self.seq)
         if outcome is None or outcome is exc:
-            return False  # the body's own error (or none) goes on as it is
+            return  # the body's own error (or none) goes on as it is
         if isinstance(outcome, CollectiveTimeout) and outcome.__cause__ is None:
             raise outcome from None
         raise outcome

@@ -12,6 +12,7 @@ import asyncio
 
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
+from ..errors import GroupBroken
 from ..settings import Settings
 from ..transport.base import Piece, Transport
 from ..types import Membership
@@ -78,8 +79,6 @@ class Session:
 
     def close(self) -> None:
         """Say goodbye to the peers and fail everything pending (the transport stays open)."""
-        from ..errors import GroupBroken
-
         if self.world_size > 1:
             bye = self.header("bye")
             bye.seq = self.seq  # the peers learn which collectives this peer took part in
