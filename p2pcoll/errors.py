@@ -52,7 +52,15 @@ class RendezvousError(P2PCollError):
 
 
 class ProtocolError(P2PCollError):
-    """A message does not follow the wire format."""
+    """A message does not follow the wire format (or comes from outside the group).
+
+    ``reason`` is a short code saying which rule it broke (``stranger``, ``oversize``,
+    ``malformed``, ...): dropped messages are counted by it in ``Group.stats()``.
+    """
+
+    def __init__(self, message: str, *, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class PeerLost(P2PCollError):

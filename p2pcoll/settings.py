@@ -23,6 +23,11 @@ variable                       meaning (default)
 ``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
+``P2PCOLL_HEARTBEAT_TIMEOUT``  seconds of silence after which a peer is lost, > 0 (5)
+``P2PCOLL_KEY_FILE``           the job key file (``p2pcoll keygen``): secure every socket
+``P2PCOLL_JOB_ID``             which job of a shared rendezvous server this peer joins
+``P2PCOLL_MIN_WORLD_SIZE``     elastic groups: form with at least this many peers
+``P2PCOLL_MAX_WORLD_SIZE``     elastic groups: form with at most this many peers
 =============================  ======================================================
 
 Byte counts take ``K``, ``M``, ``G`` suffixes (powers of 1024, ``KiB`` and ``KB`` alike);
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SettingsError
+from .security.keys import JobKey
 from .strategy import COLLECTIVES
 
 log = logging.getLogger("p2pcoll")
@@ -49,6 +55,8 @@ WORLD_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 _SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", re.IGNORECASE)
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_JOB_ID_ALLOWED = "up to 128 letters, digits and . _ : - (starting with a letter or digit)"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -58,6 +66,8 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_TRANSPORT", "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
+        "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
+        "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
 )
@@ -102,10 +112,20 @@ class Settings:
         strategies: default strategy per collective (arguments over environment).
         segment_bytes: pipeline segment size.
         pipeline_depth: segments of one collective in flight at once.
-        max_message_bytes: incoming messages larger than this are dropped.
+        max_message_bytes: no message is larger: outgoing data is cut to fit, incoming
+            messages larger than this are dropped (and libzmq refuses far larger frames).
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
+        heartbeat_timeout: seconds without a sign of life after which a peer (or the
+            rendezvous host) counts as lost, while joining and after.
+        key: the job key every socket uses (CurveZMQ), or None for an insecure group.
+        job_id: the job to join at a rendezvous server that serves several.
+        min_world_size, max_world_size: for an elastic group (``world_size`` None): it
+            forms once ``max_world_size`` peers are there, or ``min_world_size`` are and no
+            more arrived for a moment (see :mod:`p2pcoll.rendezvous.server`).
+        order: where this peer goes when ranks are assigned (lower first, then arrival);
+            the elastic training layer passes the previous rank.
     """
 
     rendezvous: str | None = None
@@ -122,6 +142,12 @@ class Settings:
     shm: bool = True
     shm_bytes: int = 16 << 20
     tune_malloc: bool = True
+    heartbeat_timeout: float = 5.0
+    key: JobKey | None = None
+    job_id: str = ""
+    min_world_size: int | None = None
+    max_world_size: int | None = None
+    order: int | None = None
 
     @classmethod
     def resolve(
@@ -129,7 +155,8 @@ class Settings:
     ) -> Settings:
         """Settings from keyword ``arguments`` (None meaning unset) over ``environ``.
 
-        ``arguments`` are the field names above; ``environ`` defaults to ``os.environ``.
+        ``arguments`` are the field names above, and ``key_file`` (a path: the job key is
+        read from it, over ``$P2PCOLL_KEY_FILE``); ``environ`` defaults to ``os.environ``.
 
         Raises:
             SettingsError: a value is malformed or out of range; the message names the
@@ -140,7 +167,7 @@ class Settings:
         strays = sorted(k for k in env if k.startswith("P2PCOLL_") and k not in KNOWN_VARS)
         if strays:  # most likely a typo: say so rather than ignore it silently
             log.warning("ignoring unknown environment variables %s", ", ".join(strays))
-        unknown = set(arguments) - {f for f in cls.__dataclass_fields__}
+        unknown = set(arguments) - {f for f in cls.__dataclass_fields__} - {"key_file"}
         if unknown:
             raise TypeError(f"unknown settings {sorted(unknown)}")
         given = {k: v for k, v in arguments.items() if v is not None}
@@ -160,11 +187,19 @@ class Settings:
             "shm": reader.switch("P2PCOLL_SHM"),
             "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),
+            "heartbeat_timeout": reader.seconds("P2PCOLL_HEARTBEAT_TIMEOUT"),
+            "key": reader.key(),
+            "job_id": reader.job_id(),
+            "min_world_size": reader.integer("P2PCOLL_MIN_WORLD_SIZE", 1, 1 << 20),
+            "max_world_size": reader.integer("P2PCOLL_MAX_WORLD_SIZE", 1, 1 << 20),
         }
         merged = {k: v for k, v in values.items() if v is not None}
         if "strategies" in given:
             merged["strategies"] = {**values["strategies"], **_check_strategies(
                 given.pop("strategies"))}
+        key_file = given.pop("key_file", None)
+        if key_file is not None:
+            merged["key"] = JobKey.load(key_file, where="key_file=")
         merged.update(given)
         settings = cls(**merged)
         settings._check_arguments(given)
@@ -189,6 +224,24 @@ class Settings:
                 _check_int(given[name], f"{name}=", low)
         if "pipeline_depth" in given:
             _check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
+        if "heartbeat_timeout" in given:
+            check_seconds(given["heartbeat_timeout"], "heartbeat_timeout=")
+        if math.isinf(self.heartbeat_timeout):  # from either: a peer must be lost at some point
+            where = "heartbeat_timeout=" if "heartbeat_timeout" in given else \
+                "$P2PCOLL_HEARTBEAT_TIMEOUT"
+            raise bad_value(where, self.heartbeat_timeout, "a finite number of seconds > 0")
+        for name in ("min_world_size", "max_world_size", "order"):
+            if name in given:
+                _check_int(given[name], f"{name}=", 0 if name == "order" else 1)
+        if "job_id" in given and not _JOB_ID.fullmatch(str(given["job_id"])):
+            raise bad_value("job_id=", given["job_id"], _JOB_ID_ALLOWED)
+        if "key" in given and not isinstance(given["key"], JobKey):
+            raise bad_value("key=", given["key"], "a p2pcoll.security.JobKey")
+        low, high = self.min_world_size, self.max_world_size
+        if low is not None and high is not None and low > high:
+            raise SettingsError(
+                f"min_world_size {low} is larger than max_world_size {high}",
+                name="min_world_size", value=low, allowed=f"at most {high}")
 
 
 def check_seconds(value: object, where: str) -> float:
@@ -306,6 +359,16 @@ class _Reader:
         if value.lower() in _FALSE:
             return False
         raise bad_value(f"${name}", value, "1 or 0 (true/false, yes/no, on/off)")
+
+    def key(self) -> JobKey | None:
+        path = self.raw("P2PCOLL_KEY_FILE")
+        return None if path is None else JobKey.load(path, where="$P2PCOLL_KEY_FILE=")
+
+    def job_id(self) -> str | None:
+        value = self.raw("P2PCOLL_JOB_ID")
+        if value is not None and not _JOB_ID.fullmatch(value):
+            raise bad_value("$P2PCOLL_JOB_ID", value, _JOB_ID_ALLOWED)
+        return value
 
     def strategies(self) -> dict[str, str]:
         out = {}

@@ -90,6 +90,6 @@ async def memory_groups(
         session.start()
         group._adopt(session)
         groups.append(group)
-    await asyncio.gather(*(handshake(g.session, base.join_timeout, base.join_timeout)
+    await asyncio.gather(*(handshake(g.session, base.join_timeout)
                            for g in groups))
     return groups

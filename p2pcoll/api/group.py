@@ -75,7 +75,7 @@ class Group:
             if name != "auto":
                 registry.get(coll, name)  # raises UnknownStrategy early
         self.settings = settings
-        self._sockets = sockets or SocketFactory()
+        self._sockets = sockets or SocketFactory.for_settings(settings)
         self._failures = FailureModel()
         self._session: Session | None = None
         self._server: RendezvousServer | None = None
@@ -462,6 +462,7 @@ class Group:
         if self._server is not None:
             server, self._server = self._server, None
             await server.aclose()
+        self._sockets.close()
 
     def __repr__(self) -> str:
         if self._session is None:

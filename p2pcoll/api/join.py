@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Mapping
 from typing import Any
 
@@ -47,6 +48,9 @@ def join(
     strategies: Mapping[str, str] | None = None,
     collective_timeout: float | None = None,
     transport: str | None = None,
+    key_file: str | os.PathLike[str] | None = None,
+    heartbeat_timeout: float | None = None,
+    job_id: str | None = None,
 ) -> Join:
     """Join a group of peers.
 
@@ -67,17 +71,27 @@ def join(
             ``math.inf`` for none.
         transport: "auto" (ipc to peers on this host, tcp to the others), "tcp", "ipc" or
             "inproc" (``$P2PCOLL_TRANSPORT``, default auto).
+        key_file: the job key file (``p2pcoll keygen PATH``; ``$P2PCOLL_KEY_FILE``): every
+            socket of the group runs CurveZMQ with it, and only holders of the same key can
+            join or be heard. None and no variable: plain sockets.
+        heartbeat_timeout: seconds of silence after which a peer, or the rendezvous host,
+            is lost (``$P2PCOLL_HEARTBEAT_TIMEOUT``, 5 s), while joining and after.
+        job_id: the job to join at a rendezvous server that serves several
+            (``$P2PCOLL_JOB_ID``).
 
     Raises:
         SettingsError: an argument or environment variable has a bad value (raised here,
             before anything is awaited).
         RendezvousError: the group did not form in time (naming how many peers arrived and
-            which ranks are missing), or this peer's rank/world size was rejected.
+            which ranks are missing), this peer's rank/world size was rejected, a peer that
+            had registered was lost, the rendezvous host went away, or the handshake with
+            it failed (a different job key, or one side secured and the other not).
         UnknownStrategy: ``strategies`` names a strategy that is not installed.
     Cancellation: every socket opened so far is closed.
     """
     settings = Settings.resolve(
         rendezvous=rendezvous, world_size=world_size, rank=rank, join_timeout=timeout,
         strategies=strategies, collective_timeout=collective_timeout, transport=transport,
+        key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
     )
     return Join(settings)

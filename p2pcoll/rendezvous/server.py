@@ -1,12 +1,31 @@
-"""The rendezvous server: collects ``world_size`` join requests and hands out the roster.
+"""The rendezvous server: collects join requests, forms groups, hands out their rosters.
 
 One process hosts it at the rendezvous address ``tcp://HOST:PORT``: the peer that wants
 rank 0 (or, when ranks are assigned by arrival, whichever peer binds the port first), or a
-standalone ``p2pcoll rendezvous`` server. Every peer, the host included, sends it a join
-request with its endpoints, requested rank and world size. When ``world_size`` peers are
-there, it assigns the missing ranks in arrival order and sends every peer the roster.
-Errors that concern one peer (duplicate rank, rank out of range, world size disagreement)
-are sent to the peers concerned at once. A malformed request is logged and dropped.
+standalone ``p2pcoll rendezvous`` server. It serves any number of groups over its life:
+each job (a job id, ``P2PCOLL_JOB_ID``, empty by default) has at most one group forming at a
+time, and once a group has formed the next requests of that job start the next group.
+
+The protocol (msgpack maps over a ROUTER; every client keeps one routing identity for the
+whole join, across reconnections):
+
+- ``join``: endpoints, host, pid, requested rank, world size (or, for an elastic group,
+  ``min``/``max``) and ``order``. Clients re-send it every :data:`RESEND` seconds until
+  the roster comes; that is their heartbeat, and it is how a restarted server learns the
+  peers again. Each one is answered with a ``status`` (how many arrived, which ranks are
+  missing), an ``error`` for the peers concerned (duplicate rank, rank out of range, world
+  size disagreement, a registered peer lost), or the ``roster`` once the group is complete
+  (the roster is sent again to a peer that asks again, in case it was lost).
+- ``leave``: a client gives up (its join was cancelled or timed out).
+- ``waiting``: how many peers of a job are waiting for its next group (the elastic training
+  layer asks this at round boundaries).
+
+A group of fixed size forms when every rank is there. An elastic group (world size None,
+``min`` given) forms when ``max`` peers are there, or at least ``min`` are and nobody new
+arrived for :data:`SETTLE` seconds. Ranks go to the requested ones first, then by ``order``
+(lower first), then by arrival. A registered peer that has not re-sent its request for its
+heartbeat timeout is lost: the others of a fixed-size group fail at once naming it (an
+elastic group just goes on without it). A malformed request is logged and dropped.
 """
 
 from __future__ import annotations
@@ -14,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -28,6 +48,11 @@ from .url import parse_url
 
 log = logging.getLogger("p2pcoll.rendezvous")
 
+RESEND = 0.5  # seconds between a client's re-sent join requests (its heartbeat)
+SETTLE = 1.0  # an elastic group with enough peers forms after this long without arrivals
+TICK = 0.1  # how often the server looks for lost peers and settled elastic groups
+FORMED_KEPT = 4096  # rosters kept to answer peers that ask again
+
 
 @dataclass
 class _Entry:
@@ -35,21 +60,59 @@ class _Entry:
     rank: int | None
     endpoints: list[str]
     host: str
-    order: int
+    pid: int
+    order: float  # None (no preference) sorts last
+    arrival: int
+    heartbeat: float
+    seen: float
+
+    def describe(self) -> str:
+        asked = f", asking for rank {self.rank}" if self.rank is not None else ""
+        return f"the peer on {self.host} (pid {self.pid}{asked})"
+
+
+@dataclass
+class _Forming:
+    """The group of one job that is forming."""
+
+    job: str
+    world_size: int | None = None
+    low: int | None = None  # elastic bounds
+    high: int | None = None
+    entries: dict[bytes, _Entry] = field(default_factory=dict)
+    last_arrival: float = 0.0
+
+    @property
+    def elastic(self) -> bool:
+        return self.world_size is None and self.low is not None
+
+
+class _Rejected(Exception):
+    """A request that gets an error reply."""
+
+
+def _int(msg: dict[str, Any], name: str, low: int) -> int | None:
+    value = msg.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise _Rejected(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
 
 
 class RendezvousServer:
-    """Collects ``world_size`` join requests and hands out the roster."""
+    """Forms the groups of the peers that join at one address; see the module docstring."""
 
     def __init__(self, url: str, sockets: SocketFactory | None = None) -> None:
         self.url = url
+        self._own_sockets = sockets is None
         self._sockets = sockets or SocketFactory()
         self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._entries: dict[bytes, _Entry] = {}
-        self._world_size: int | None = None
-        self._complete = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._forming: dict[str, _Forming] = {}
+        self._formed: dict[bytes, tuple[str, dict[str, Any]]] = {}  # identity -> roster
         self._arrivals = 0
+        self.groups_formed = 0
 
     def bind(self) -> str:
         """Bind the rendezvous port and return the URL (port 0: the OS picks one).
@@ -66,7 +129,7 @@ class RendezvousServer:
             raise
         self.url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
-        self._task = asyncio.create_task(self._serve())
+        self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch())]
         return self.url
 
     async def _serve(self) -> None:
@@ -83,9 +146,24 @@ class RendezvousServer:
                 msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
                 if not isinstance(msg, dict):
                     raise ValueError("not a map")
-                self._handle(identity, msg)
             except Exception as exc:  # noqa: BLE001 - a malformed request must not stop it
                 log.warning("rendezvous: dropped a malformed request: %s", exc)
+                continue
+            try:
+                self._handle(identity, msg)
+            except _Rejected as exc:
+                self._reply(identity, op="error", reason=str(exc))
+            except Exception:  # noqa: BLE001 - one request must not stop the server
+                log.exception("rendezvous: failed to handle a request")
+
+    async def _watch(self) -> None:
+        """Lost peers and settled elastic groups, every TICK seconds."""
+        while True:
+            await asyncio.sleep(TICK)
+            now = time.monotonic()
+            for forming in list(self._forming.values()):
+                self._expire(forming, now)
+                self._progress(forming, now)
 
     def _reply(self, identity: bytes, **msg: Any) -> None:
         assert self._sock is not None
@@ -95,80 +173,160 @@ class RendezvousServer:
             log.warning("rendezvous: reply not sent: %s", exc)
 
     def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
-        def fail(reason: str) -> None:
-            self._reply(identity, op="error", reason=reason)
-
-        if msg.get("op") != "join":
-            return fail(f"unknown request {msg.get('op')!r}")
+        op = msg.get("op")
         if msg.get("v") != WIRE_VERSION:
-            return fail(f"wire version {msg.get('v')!r}, the rendezvous speaks {WIRE_VERSION}")
-        if self._complete:
-            return fail(f"the group of {self._world_size} at {self.url} is already complete")
-        rank, size = msg.get("rank"), msg.get("world_size")
-        endpoints, host = msg.get("endpoints"), msg.get("host")
-        if (not (rank is None or isinstance(rank, int) and not isinstance(rank, bool))
-                or not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
+            raise _Rejected(f"wire version {msg.get('v')!r}, the rendezvous speaks {WIRE_VERSION}")
+        job = msg.get("job", "")
+        if not isinstance(job, str) or len(job) > 128:
+            raise _Rejected("malformed job id")
+        if op == "waiting":
+            forming = self._forming.get(job)
+            self._reply(identity, op="waiting", count=len(forming.entries) if forming else 0)
+        elif op == "leave":
+            forming = self._forming.get(job)
+            if forming is not None and forming.entries.pop(identity, None) is not None:
+                self._status(forming)
+        elif op == "join":
+            self._join(identity, job, msg)
+        else:
+            raise _Rejected(f"unknown request {op!r}")
+
+    def _join(self, identity: bytes, job: str, msg: dict[str, Any]) -> None:
+        formed = self._formed.get(identity)
+        if formed is not None and formed[0] == job:
+            self._reply(identity, **formed[1])  # it asked again: its roster was lost
+            return
+        rank, size = _int(msg, "rank", 0), _int(msg, "world_size", 1)
+        low, high = _int(msg, "min", 1), _int(msg, "max", 1)
+        order, pid = _int(msg, "order", 0), _int(msg, "pid", 0) or 0
+        endpoints, host, heartbeat = msg.get("endpoints"), msg.get("host"), msg.get("heartbeat")
+        if (not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
                 or not all(isinstance(e, str) and len(e) <= 256 for e in endpoints)
-                or not isinstance(host, str) or len(host) > 256):
-            return fail("malformed join request")
+                or not isinstance(host, str) or len(host) > 256
+                or not isinstance(heartbeat, (int, float)) or not 0 < heartbeat < 1e6):
+            raise _Rejected("malformed join request")
+        forming = self._forming.setdefault(job, _Forming(job))
+        entry = forming.entries.get(identity)
+        now = time.monotonic()
+        if entry is not None:  # a re-sent request: it is alive
+            entry.seen = now
+            self._status(forming, [entry])
+            return
         if size is not None:
-            if not isinstance(size, int) or size < 1:
-                return fail(f"world_size must be a positive integer, got {size!r}")
-            if self._world_size is None:
-                self._world_size = size
-            elif size != self._world_size:
-                n = len(self._entries)
-                return fail(
-                    f"world_size {size} disagrees with world_size {self._world_size} "
-                    f"of the {n} peer(s) already at the rendezvous"
+            if forming.world_size is None and not forming.entries:
+                forming.world_size = size
+            elif size != forming.world_size:
+                raise _Rejected(
+                    f"world_size {size} disagrees with "
+                    + (f"world_size {forming.world_size}" if forming.world_size else
+                       "an elastic group")
+                    + f" of the {len(forming.entries)} peer(s) already at the rendezvous"
                 )
-        self._entries.pop(identity, None)
+        elif low is not None:
+            if forming.entries and (forming.world_size is not None
+                                    or (low, high) != (forming.low, forming.high)):
+                raise _Rejected(f"elastic bounds {low}..{high} disagree with those of the "
+                                f"{len(forming.entries)} peer(s) already at the rendezvous")
+            forming.low, forming.high = low, high
+            if rank is not None:
+                raise _Rejected("an elastic group assigns every rank: do not ask for one")
         if rank is not None:
-            if rank < 0 or (self._world_size is not None and rank >= self._world_size):
-                return fail(f"rank {rank} is out of range for world_size {self._world_size}")
-            for other in list(self._entries.values()):
+            if forming.world_size is not None and rank >= forming.world_size:
+                raise _Rejected(f"rank {rank} is out of range for world_size "
+                                f"{forming.world_size}")
+            for other in list(forming.entries.values()):
                 if other.rank == rank:
                     reason = f"rank {rank} was requested by two peers ({other.host} and {host})"
-                    del self._entries[other.identity]
+                    del forming.entries[other.identity]
                     self._reply(other.identity, op="error", reason=reason)
-                    return fail(reason)
+                    raise _Rejected(reason)
         self._arrivals += 1
-        self._entries[identity] = _Entry(identity, rank, endpoints, str(host), self._arrivals)
-        self._progress()
+        forming.entries[identity] = _Entry(
+            identity, rank, endpoints, host, pid, float("inf") if order is None else order,
+            self._arrivals, float(heartbeat), now)
+        forming.last_arrival = now
+        if not self._progress(forming, now):
+            self._status(forming)  # an arrival: tell everyone how far the group is
 
-    def _progress(self) -> None:
-        size = self._world_size
-        if size is None:
+    def _status(self, forming: _Forming, to: list[_Entry] | None = None) -> None:
+        size = forming.world_size or forming.low
+        taken = {e.rank for e in forming.entries.values() if e.rank is not None}
+        unranked = sum(e.rank is None for e in forming.entries.values())
+        missing = ([r for r in range(size) if r not in taken][unranked:]
+                   if forming.world_size else [])
+        for e in to if to is not None else list(forming.entries.values()):
+            self._reply(e.identity, op="status", arrived=len(forming.entries),
+                        world_size=size, missing=missing)
+
+    def _expire(self, forming: _Forming, now: float) -> None:
+        """Peers that stopped re-sending their request are lost."""
+        lost = [e for e in forming.entries.values() if now - e.seen > e.heartbeat]
+        if not lost:
             return
-        for e in list(self._entries.values()):  # ranks that arrived before the size was known
-            if e.rank is not None and e.rank >= size:
-                del self._entries[e.identity]
-                self._reply(e.identity, op="error", reason=f"rank {e.rank} >= world_size {size}")
-        entries = sorted(self._entries.values(), key=lambda e: e.order)
+        for e in lost:
+            del forming.entries[e.identity]
+        names = "; ".join(f"{e.describe()} registered and then stopped answering for "
+                          f"{now - e.seen:.1f}s" for e in lost)
+        log.warning("rendezvous: job %r: %s", forming.job, names)
+        if forming.elastic:
+            return
+        for e in forming.entries.values():
+            self._reply(e.identity, op="error", reason=f"{names}: it was lost while the "
+                        f"group formed")
+        del self._forming[forming.job]
+
+    def _progress(self, forming: _Forming, now: float) -> bool:
+        """Form the group if it is complete; returns whether it formed."""
+        entries = sorted(forming.entries.values(), key=lambda e: e.arrival)
+        if forming.elastic:
+            assert forming.low is not None
+            full = forming.high is not None and len(entries) >= forming.high
+            settled = len(entries) >= forming.low and now - forming.last_arrival >= SETTLE
+            if not (full or settled):
+                return False
+            entries = sorted(entries, key=lambda e: (e.order, e.arrival))[:forming.high]
+            size = len(entries)
+        else:
+            size = forming.world_size
+            if size is None:
+                return False
+            for e in entries:  # ranks that arrived before the size was known
+                if e.rank is not None and e.rank >= size:
+                    del forming.entries[e.identity]
+                    self._reply(e.identity, op="error",
+                                reason=f"rank {e.rank} is out of range for world_size {size}")
+            entries = sorted(forming.entries.values(), key=lambda e: (e.order, e.arrival))
+            if len(entries) < size:
+                return False
         taken = {e.rank for e in entries if e.rank is not None}
-        free = [r for r in range(size) if r not in taken]
-        unranked = [e for e in entries if e.rank is None]
-        if len(entries) < size:
-            missing = free[len(unranked):]
-            for e in entries:
-                self._reply(e.identity, op="status", arrived=len(entries), world_size=size,
-                            missing=missing)
-            return
-        for e, r in zip(unranked, free, strict=False):
-            e.rank = r
-        by_rank = sorted(entries, key=lambda e: e.rank or 0)
+        free = iter(r for r in range(size) if r not in taken)
+        ranks = {e.identity: e.rank if e.rank is not None else next(free) for e in entries}
+        by_rank = sorted(entries, key=lambda e: ranks[e.identity])
         group_id = uuid.uuid4().hex[:16]
-        endpoints = [e.endpoints for e in by_rank]
-        hosts = [e.host for e in by_rank]
+        roster = {"op": "roster", "group": group_id, "epoch": 0, "world_size": size,
+                  "endpoints": [e.endpoints for e in by_rank],
+                  "hosts": [e.host for e in by_rank]}
         for e in by_rank:
-            self._reply(e.identity, op="roster", group=group_id, epoch=0, rank=e.rank,
-                        world_size=size, endpoints=endpoints, hosts=hosts)
-        self._complete = True
+            reply = {**roster, "rank": ranks[e.identity]}
+            self._formed[e.identity] = (forming.job, reply)
+            self._reply(e.identity, **reply)
+            del forming.entries[e.identity]
+        while len(self._formed) > FORMED_KEPT:
+            del self._formed[next(iter(self._formed))]
+        self.groups_formed += 1
+        log.info("rendezvous: job %r: formed group %s of %d", forming.job, group_id, size)
+        if not forming.entries:  # peers left over from an elastic group start the next
+            del self._forming[forming.job]
+        return True
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
+        if self._own_sockets:
+            self._sockets.close()

@@ -61,13 +61,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
         if url is None:
             membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
         else:
-            rhost, port = parse_url(url)
-            try:
-                infos = await loop.getaddrinfo(rhost, port, family=socket.AF_INET)
-            except OSError as exc:
-                raise RendezvousError(f"cannot resolve the rendezvous host of {url}: {exc}"
-                                      ) from None
-            address = f"tcp://{infos[0][4][0]}:{port}"
+            address = await _resolve(url, deadline)
             host_task = None
             if settings.rank in (None, 0):
                 hosting = _Hosting(address, sockets)
@@ -78,7 +72,8 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                     address, endpoints=endpoints, world_size=settings.world_size,
                     rank=settings.rank, timeout=max(0.0, deadline - loop.time()), host_id=me,
                     choose=lambda h, addresses: policy.choose(me, h, addresses),
-                    sockets=sockets,
+                    sockets=sockets, heartbeat=settings.heartbeat_timeout, job=settings.job_id,
+                    elastic=elastic(settings), order=settings.order,
                 )
             finally:
                 if host_task is not None:
@@ -87,13 +82,49 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                     server = hosting.server
         session = Session(membership, transport, settings, failures)
         session.start()
-        await handshake(session, max(0.0, deadline - loop.time()), settings.join_timeout)
+        await handshake(session, min(max(0.0, deadline - loop.time()),
+                                     max(settings.heartbeat_timeout, HELLO_MIN_WAIT)))
         return session, server
     except BaseException:
         await transport.aclose()
         if server is not None:
             await server.aclose()
         raise
+
+
+HELLO_MIN_WAIT = 2.0  # seconds the hellos may take after the roster, at the least
+RESOLVE_RETRY = 0.5  # seconds between attempts to resolve the rendezvous host's name
+
+
+def elastic(settings: Settings) -> tuple[int, int | None] | None:
+    """``(min, max)`` world size if the settings ask for an elastic group."""
+    if settings.world_size is None and settings.min_world_size is not None:
+        return settings.min_world_size, settings.max_world_size
+    return None
+
+
+async def _resolve(url: str, deadline: float) -> str:
+    """``tcp://IP:PORT`` for the rendezvous URL. A name that does not resolve yet (a pod
+    whose DNS record is not there yet) is tried again until the join deadline.
+
+    Raises:
+        RendezvousError: naming the URL, when the deadline passes.
+    """
+    loop = asyncio.get_running_loop()
+    host, port = parse_url(url)
+    while True:
+        try:
+            infos = await loop.getaddrinfo(host, port, family=socket.AF_INET,
+                                           type=socket.SOCK_STREAM)
+            return f"tcp://{infos[0][4][0]}:{port}"
+        except OSError as exc:
+            if loop.time() + RESOLVE_RETRY > deadline:
+                raise RendezvousError(
+                    f"cannot resolve the rendezvous host of {url} ({exc}); tried until the "
+                    f"join deadline"
+                ) from None
+            log.info("rendezvous host of %s does not resolve yet (%s); trying again", url, exc)
+            await asyncio.sleep(RESOLVE_RETRY)
 
 
 class _Hosting:
@@ -128,8 +159,12 @@ class _Hosting:
             self.server = candidate
 
 
-async def handshake(session: Session, left: float, timeout: float) -> None:
+async def handshake(session: Session, left: float) -> None:
     """Hello to every peer, then wait for every peer's hello (at most ``left`` seconds).
+
+    Every peer has bound its endpoints before it registers, so once the roster is out the
+    hellos take milliseconds; a peer not heard from within ``left`` (the heartbeat timeout,
+    unless the join deadline is nearer) was lost after it registered.
 
     Raises:
         RendezvousError: naming the ranks (and their endpoints) that were not heard from.
@@ -143,6 +178,7 @@ async def handshake(session: Session, left: float, timeout: float) -> None:
     except TimeoutError:
         missing = sorted(set(range(m.world_size)) - session.hellos - {m.rank})
         raise RendezvousError(
-            f"rank {m.rank} could not reach ranks {missing} of the group within {timeout:g}s "
-            f"(endpoints {[m.endpoints[r] for r in missing]})"
+            f"rank {m.rank} could not reach ranks {missing} of the group within {left:.3g}s "
+            f"of the roster (endpoints {[m.endpoints[r] for r in missing]}): lost while the "
+            f"group formed"
         ) from None

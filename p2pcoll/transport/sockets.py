@@ -1,8 +1,18 @@
 """The one place every ZeroMQ socket of p2pcoll is made, with its options.
 
 The mesh's ROUTER and DEALER links and the rendezvous server and client all come from a
-:class:`SocketFactory`, so a socket option (high-water marks, size caps, linger, heartbeats,
-and the job's CURVE keys once they exist) is set in one place for every socket of a peer.
+:class:`SocketFactory`, so every socket option is set in one place for every socket of a
+peer: high-water marks and size caps (so excess or oversize traffic is refused by libzmq
+before it is buffered), linger, heartbeats, and the job's CurveZMQ key:
+
+- With a job key (:class:`~p2pcoll.security.JobKey`), every server socket (the mesh's
+  ROUTER, the rendezvous server) is a CURVE server holding the job's secret key, in the
+  job's ZAP domain, and the process's ZAP gate (:mod:`p2pcoll.security.zap`) lets in only
+  clients that hold the same key; every client socket (mesh links, rendezvous client)
+  proves it holds the job key. A socket without the key cannot complete a handshake with
+  one that has it, in either direction, and what goes over the wire is encrypted.
+- Without one, sockets are plain (ZeroMQ's NULL mechanism): anyone who can reach a port can
+  connect. Keep such groups on networks only the job can reach.
 """
 
 from __future__ import annotations
@@ -10,53 +20,128 @@ from __future__ import annotations
 import zmq
 import zmq.asyncio
 
-HWM = 1000  # messages queued per link before a send waits (backpressure per destination)
+from ..security import Gate, JobKey
+from ..settings import Settings
+
 LINGER_MS = 2000  # how long queued messages may still go out after a link closes
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
 RENDEZVOUS_MAX_BYTES = 1 << 20  # a join request or a roster; larger ones are refused
+# What may wait in one link's queue, at either end, before a send waits (backpressure per
+# destination) or libzmq stops reading the connection: a bound in bytes, turned into
+# ZeroMQ's bound in messages by the largest message the group sends.
+QUEUE_BYTES = 64 << 20
+MIN_HWM, MAX_HWM = 16, 1000
+
+
+def queue_messages(message_bytes: int) -> int:
+    """The high-water mark (messages) that keeps one link's queue near QUEUE_BYTES."""
+    return max(MIN_HWM, min(MAX_HWM, QUEUE_BYTES // max(1, message_bytes)))
 
 
 class SocketFactory:
-    """Makes the sockets of one peer (or of one rendezvous server)."""
+    """Makes the sockets of one peer (or of one rendezvous server).
 
-    def __init__(self, context: zmq.asyncio.Context | None = None) -> None:
+    Args:
+        context: the ZeroMQ context (default the process's shared asyncio context).
+        key: the job key; None for plain sockets.
+        max_message_bytes: the largest payload frame a receiving socket accepts; libzmq
+            drops a connection that sends a larger frame.
+        message_bytes: the largest message this group sends (its segment size), which sets
+            the high-water marks.
+        heartbeat_s: a link that is silent this long is closed (and its peer lost).
+
+    Call :meth:`close` when every socket it made is closed: it lets go of the ZAP gate.
+    """
+
+    def __init__(self, context: zmq.asyncio.Context | None = None, *,
+                 key: JobKey | None = None, max_message_bytes: int = 256 << 20,
+                 message_bytes: int = 1 << 20, heartbeat_s: float = 5.0) -> None:
         self.context = context or zmq.asyncio.Context.instance()
+        self.key = key
+        self.max_frame_bytes = max(max_message_bytes, RENDEZVOUS_MAX_BYTES)
+        self.hwm = queue_messages(message_bytes)
+        self.heartbeat_ms = max(100, int(heartbeat_s * 1000))
+        self._gate: Gate | None = None
 
-    def _socket(self, kind: int) -> zmq.asyncio.Socket:
-        return self.context.socket(kind)
+    @property
+    def secure(self) -> bool:
+        return self.key is not None
 
-    def mesh_router(self, *, max_message_bytes: int) -> zmq.asyncio.Socket:
-        """The socket a peer receives every message of its group on."""
-        sock = self._socket(zmq.ROUTER)
-        sock.setsockopt(zmq.RCVHWM, HWM)
-        sock.setsockopt(zmq.LINGER, 0)
-        # A hard per-frame cap: libzmq drops the connection of a peer that exceeds it.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    def _server(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.context.socket(kind)
+        if self.key is not None:
+            if self._gate is None:
+                self._gate = Gate.admit(self.context, self.key)
+            sock.setsockopt(zmq.ZAP_DOMAIN, self.key.domain.encode())
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.key.secret)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.key.public)
         return sock
 
-    def mesh_link(self, rank: int, *, heartbeats: bool) -> zmq.asyncio.Socket:
-        """A sending link to one peer; its identity is this peer's rank (``b"3"``)."""
-        sock = self._socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"%d" % rank)
-        sock.setsockopt(zmq.SNDHWM, HWM)
+    def _client(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.context.socket(kind)
+        if self.key is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.key.public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.key.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.key.secret)
+        return sock
+
+    def mesh_router(self) -> zmq.asyncio.Socket:
+        """The socket a peer receives every message of its group on."""
+        sock = self._server(zmq.ROUTER)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A hard per-frame cap: libzmq drops the connection of a peer that exceeds it.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        # A handshake that does not complete in time (a client that connects and says
+        # nothing, or speaks something else) is closed rather than held.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_ms)
+        return sock
+
+    def mesh_link(self, identity: bytes, *, heartbeats: bool) -> zmq.asyncio.Socket:
+        """A sending link to one peer, with routing ``identity`` (the sender's rank)."""
+        sock = self._client(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         if heartbeats:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self.heartbeat_ms // 5))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_ms)
         return sock
 
     def rendezvous_server(self) -> zmq.asyncio.Socket:
-        sock = self._socket(zmq.ROUTER)
+        sock = self._server(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, RENDEZVOUS_MAX_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_ms)
         return sock
 
-    def rendezvous_client(self) -> zmq.asyncio.Socket:
-        sock = self._socket(zmq.DEALER)
+    def rendezvous_client(self, identity: bytes) -> zmq.asyncio.Socket:
+        """A client of the rendezvous; ``identity`` stays the same across reconnections,
+        so the server knows a re-sent request for the one it already has."""
+        sock = self._client(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * RENDEZVOUS_MAX_BYTES)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, 2000)
         return sock
+
+    def close(self) -> None:
+        """Every socket this factory made is closed: release the ZAP gate."""
+        if self._gate is not None and self.key is not None:
+            self._gate.release(self.key)
+            self._gate = None
+
+    def refused(self) -> int:
+        """Clients the ZAP gate has refused for this factory's job (0 when insecure)."""
+        return Gate.refusals(self.context, self.key) if self.key is not None else 0
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> SocketFactory:
+        """The factory of a group with these settings."""
+        return cls(key=settings.key, max_message_bytes=settings.max_message_bytes,
+                   message_bytes=min(settings.segment_bytes, settings.max_message_bytes),
+                   heartbeat_s=settings.heartbeat_timeout)

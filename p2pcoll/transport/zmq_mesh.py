@@ -1,6 +1,6 @@
 """The peer mesh: one bound ROUTER per peer for receiving, one DEALER link per peer for sending.
 
-Rank r binds one ROUTER and connects one DEALER (identity ``b"r"``) to every other peer's
+Rank r binds one ROUTER and connects one DEALER (identity ``b"r@group"``) to every other peer's
 ROUTER. So every message arrives with the identity of the link it came on, which must agree
 with the source rank in its header; each link has its own ZeroMQ queue with a high-water
 mark, which gives backpressure per destination; and a dead link is seen on exactly one
@@ -28,7 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
-from ..wire import Header, Limits, encode_header, link_rank, validate
+from ..wire import Header, Limits, encode_header, validate
 from . import shm
 from .base import Counters, Drops, LinkDownHandler, MessageHandler, Piece
 from .endpoints import EndpointPolicy
@@ -39,6 +39,14 @@ log = logging.getLogger("p2pcoll.transport")
 
 # Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
+
+
+def link_identity(rank: int, group_id: str) -> bytes:
+    """The routing identity of rank's links in a group: ``b"3@<group id>"``. The group id
+    in it means that an outsider who does not know the group cannot connect as a member
+    (ZeroMQ ignores a second connection with a live identity, but would queue what it
+    sends); with a job key no outsider can connect at all."""
+    return b"%d@%s" % (rank, group_id.encode())
 
 
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
@@ -108,7 +116,7 @@ class ZmqMesh:
 
     async def bind(self) -> list[str]:
         """Bind this peer's ROUTER and return the endpoints the others may connect to."""
-        router = self.sockets.mesh_router(max_message_bytes=self.settings.max_message_bytes)
+        router = self.sockets.mesh_router()
         self._router = router
         for address in self.policy.bind_addresses(self.host):
             router.bind(address)
@@ -124,7 +132,7 @@ class ZmqMesh:
         self.group_id, self.rank = group_id, rank
         self._limits = Limits(group_id, rank, membership.world_size,
                               self.settings.max_message_bytes)
-        self._ranks = {b"%d" % r: r for r in range(membership.world_size)}
+        self._ranks = {link_identity(r, group_id): r for r in range(membership.world_size)}
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
@@ -144,7 +152,7 @@ class ZmqMesh:
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
-            link = self.sockets.mesh_link(rank, heartbeats=monitored)
+            link = self.sockets.mesh_link(link_identity(rank, group_id), heartbeats=monitored)
             if monitored:
                 monitor = link.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
@@ -286,7 +294,8 @@ class ZmqMesh:
                 raise ProtocolError("message has no header frame")
             source = self._ranks.get(identity)
             if source is None:
-                source = link_rank(identity)
+                raise ProtocolError(f"link identity {identity[:40]!r} is not a member of "
+                                    f"this group", reason="stranger")
             assert self._limits is not None
             header = validate(source, frames[1].buffer, [len(f) for f in frames[2:]],
                               self._limits)
