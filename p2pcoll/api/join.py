@@ -51,6 +51,9 @@ def join(
     key_file: str | os.PathLike[str] | None = None,
     heartbeat_timeout: float | None = None,
     job_id: str | None = None,
+    min_world_size: int | None = None,
+    max_world_size: int | None = None,
+    order: int | None = None,
 ) -> Join:
     """Join a group of peers.
 
@@ -78,6 +81,12 @@ def join(
             is lost (``$P2PCOLL_HEARTBEAT_TIMEOUT``, 5 s), while joining and after.
         job_id: the job to join at a rendezvous server that serves several
             (``$P2PCOLL_JOB_ID``).
+        min_world_size, max_world_size: an elastic group (world_size None): it forms once
+            ``max_world_size`` peers are there, or ``min_world_size`` are and nobody new
+            arrived for a second (``$P2PCOLL_MIN_WORLD_SIZE``, ``$P2PCOLL_MAX_WORLD_SIZE``).
+            Ranks are assigned by ``order`` (lower first), then arrival.
+        order: this peer's place when ranks are assigned (the elastic training layer
+            passes the previous rank, so survivors keep their order).
 
     Raises:
         SettingsError: an argument or environment variable has a bad value (raised here,
@@ -93,5 +102,6 @@ def join(
         rendezvous=rendezvous, world_size=world_size, rank=rank, join_timeout=timeout,
         strategies=strategies, collective_timeout=collective_timeout, transport=transport,
         key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
+        min_world_size=min_world_size, max_world_size=max_world_size, order=order,
     )
     return Join(settings)

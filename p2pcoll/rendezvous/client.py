@@ -27,7 +27,9 @@ from ..wire import WIRE_VERSION
 from .server import RESEND
 from .url import parse_url
 
-HANDSHAKE_FAILURES = 2  # connections closed before their handshake, before giving up
+# Connections closed during their handshake, with no reason given, before giving up (one
+# may be a server restarting); a handshake that fails with a reason is an error at once.
+HANDSHAKE_FAILURES = 2
 
 _HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "it closed the handshake",
@@ -105,15 +107,16 @@ class _Link:
             elif kind == zmq.EVENT_DISCONNECTED and self._pending:
                 self._pending = False
                 self._failures.append("it closed the connection during the handshake")
-        refused = "it refused this peer's key" in self._failures
-        if refused or len(self._failures) >= HANDSHAKE_FAILURES:
-            mine = ("this peer has a job key (P2PCOLL_KEY_FILE / key_file=)" if self.secure
-                    else "this peer has no job key")
+        decisive = any(f in _HANDSHAKE_FAILED.values() for f in self._failures)
+        if decisive or len(self._failures) >= HANDSHAKE_FAILURES:
+            why = ("this peer uses a job key (P2PCOLL_KEY_FILE / key_file=): the rendezvous "
+                   "holds a different one, or none" if self.secure else
+                   "this peer has no job key: the rendezvous is secured (set "
+                   "P2PCOLL_KEY_FILE to the job's key file)")
             raise RendezvousError(
-                f"the handshake with the rendezvous at {self.url} failed ({self._failures[-1]})"
-                f": {mine}, so it holds a different job key, or is "
-                f"{'not secured' if self.secure else 'secured'}, or what listens there is "
-                f"not a p2pcoll rendezvous"
+                f"the handshake with the rendezvous at {self.url} failed "
+                f"({self._failures[-1]}): {why}; or what listens there is not a p2pcoll "
+                f"rendezvous"
             )
 
     def send(self, request: dict[str, Any]) -> None:

@@ -46,9 +46,9 @@ class Gate:
             zmq.ZMQError: another ZAP handler is bound in this context.
         """
         with cls._lock:
-            gate = cls._gates.get(id(context.underlying))
+            gate = cls._gates.get(context.underlying)
             if gate is None:
-                gate = cls._gates[id(context.underlying)] = cls(context)
+                gate = cls._gates[context.underlying] = cls(context)
             if gate._auth is None:
                 auth = ThreadAuthenticator(context, log=log)
                 auth.start()
@@ -86,5 +86,5 @@ class Gate:
     @classmethod
     def refusals(cls, context: zmq.Context, key: JobKey) -> int:
         """How many clients the gate has refused for ``key``'s job in ``context``."""
-        gate = cls._gates.get(id(context.underlying))
+        gate = cls._gates.get(context.underlying)
         return gate.refused[key.domain] if gate is not None else 0
