@@ -3,6 +3,7 @@
     p2pcoll launch -n 4 -- python train.py          N processes on this host, one group
     p2pcoll strategies                               installed strategies and their origin
     p2pcoll rendezvous --host 0.0.0.0 --port 29500   a standalone rendezvous server
+    p2pcoll keygen job.key                           a new job key file (mode 0600)
     p2pcoll bench --collective allreduce -n 4        time a collective (see p2pcoll.bench)
 """
 
@@ -18,10 +19,13 @@ from collections.abc import Sequence
 import zmq
 
 from . import __version__
-from .errors import P2PCollError
+from .errors import P2PCollError, SettingsError
 from .launch import launch
 from .registry import Registry, registry
 from .rendezvous import RendezvousServer
+from .security import JobKey, write_key_file
+from .settings import Settings
+from .transport.sockets import SocketFactory
 
 PROG = "p2pcoll"
 
@@ -41,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.subcommand is None:
         parser.print_help(sys.stderr)
         return 2
-    handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous}
+    handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous,
+               "keygen": _keygen}
     return handler[args.subcommand](args)
 
 
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(SIGTERM, SIGKILL after --grace seconds) and its exit code is returned."
         ),
         usage="%(prog)s [-h] -n N [--rendezvous tcp://HOST:PORT] [--grace SECONDS] "
-              "[--no-prefix] -- COMMAND ...",
+              "[--no-prefix] [--insecure] -- COMMAND ...",
         epilog="example: p2pcoll launch -n 4 -- python examples/allreduce_demo.py",
     )
     launch.add_argument("-n", "--nprocs", type=_positive_int, required=True, metavar="N",
@@ -76,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: 5)")
     launch.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="do not prefix output lines with the rank")
+    launch.add_argument("--insecure", dest="secure", action="store_false",
+                        help="plain sockets: no job key (by default the ranks get an "
+                             "ephemeral one, or the one $P2PCOLL_KEY_FILE names, and every "
+                             "socket runs CurveZMQ)")
     launch.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                         help="the program to run and its arguments")
 
@@ -96,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
                             help="address to listen on (default: 0.0.0.0, every interface)")
     rendezvous.add_argument("--port", type=_port, default=29500,
                             help="port to listen on (default: 29500)")
+    rendezvous.epilog = ("With $P2PCOLL_KEY_FILE set it is secured with that job key, and only "
+                         "peers holding the same key can join.")
+
+    keygen = sub.add_parser(
+        "keygen",
+        help="write a new job key file (mode 0600)",
+        description="Write a new CurveZMQ job key to PATH (mode 0600; an existing file is "
+                    "never overwritten). Give every peer of the job the file, by path, in "
+                    "$P2PCOLL_KEY_FILE (or join(key_file=PATH)): every socket of the job is "
+                    "then encrypted and only holders of the key can join. Keys are read "
+                    "from files, never from the command line.",
+    )
+    keygen.add_argument("path", metavar="PATH", help="the file to create")
 
     # Its options are added by p2pcoll.bench, imported only when it runs (see _bench).
     sub.add_parser("bench", add_help=False, help="time a collective between peer processes")
@@ -111,7 +133,7 @@ def _launch(args: argparse.Namespace) -> int:
         return _fail("launch: no command given; usage: p2pcoll launch -n N -- COMMAND ...")
     try:
         return launch(args.nprocs, command, rendezvous=args.rendezvous,
-                      prefix_output=args.prefix, grace=args.grace)
+                      prefix_output=args.prefix, grace=args.grace, secure=args.secure)
     except (ValueError, P2PCollError) as exc:
         return _fail(f"launch: {exc}")
 
@@ -178,25 +200,49 @@ def _rendezvous(args: argparse.Namespace) -> int:
         host = args.host if args.host in ("*", "0.0.0.0") else socket.gethostbyname(args.host)
     except OSError as exc:
         return _fail(f"rendezvous: cannot resolve {args.host!r}: {exc}")
-    return asyncio.run(_serve_rendezvous(f"tcp://{host}:{args.port}"))
+    try:
+        key = Settings.resolve().key  # $P2PCOLL_KEY_FILE, checked like join() checks it
+    except SettingsError as exc:
+        return _fail(f"rendezvous: {exc}")
+    return asyncio.run(_serve_rendezvous(f"tcp://{host}:{args.port}", key))
 
 
-async def _serve_rendezvous(url: str) -> int:
+async def _serve_rendezvous(url: str, key: JobKey | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = RendezvousServer(url)
+    sockets = SocketFactory(key=key)
+    server = RendezvousServer(url, sockets)
     try:
         server.bind()
     except zmq.ZMQError as exc:
+        sockets.close()
         return _fail(f"rendezvous: cannot listen on {url}: {exc}")
-    print(f"p2pcoll rendezvous: serving at {url} (SIGINT or SIGTERM stops it)", flush=True)
+    secured = f"secured with the job key of {key.source}" if key else "not secured"
+    print(f"p2pcoll rendezvous: serving at {url}, {secured} (SIGINT or SIGTERM stops it)",
+          flush=True)
     try:
         await stop.wait()
     finally:
         await server.aclose()
+        sockets.close()
     print("p2pcoll rendezvous: stopped", flush=True)
+    return 0
+
+
+# --- keygen ---------------------------------------------------------------------------------
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    try:
+        key = write_key_file(args.path)
+    except FileExistsError:
+        return _fail(f"keygen: {args.path} exists; a job key is never overwritten")
+    except OSError as exc:
+        return _fail(f"keygen: cannot write {args.path}: {exc.strerror or exc}")
+    print(f"p2pcoll keygen: wrote a job key to {args.path} (mode 0600; public key "
+          f"{key.public.decode()})")
     return 0
 
 

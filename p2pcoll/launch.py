@@ -4,8 +4,15 @@
 
 Each child gets the environment :func:`p2pcoll.join` reads (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``P2PCOLL_RENDEZVOUS``) and ``PYTHONUNBUFFERED=1``. Rank 0's ``join`` hosts the rendezvous, so
-the launcher itself only starts, watches and stops processes:
+``P2PCOLL_RENDEZVOUS``, ``P2PCOLL_KEY_FILE``) and ``PYTHONUNBUFFERED=1``. Rank 0's ``join``
+hosts the rendezvous, so the launcher itself only starts, watches and stops processes:
+
+- Security: secure by default. The launcher makes an ephemeral job key for its ranks, in a
+  0600 file of a 0700 directory of its own, hands it over by path (``P2PCOLL_KEY_FILE``),
+  and removes it when it exits; so every socket of the job runs CurveZMQ and nothing else
+  on the host or the network can join or read it. A ``P2PCOLL_KEY_FILE`` already in the
+  environment is used instead (the job's key, for peers on other hosts too); ``secure=False``
+  (``--insecure``) gives plain sockets.
 
 - Output: each line a child writes is prefixed with its rank (``[2] loss 0.1``), its stdout
   on our stdout and its stderr on our stderr. Children read stdin from ``/dev/null``.
@@ -30,12 +37,15 @@ import ctypes
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from .rendezvous import parse_url
+from .security import write_key_file
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LAUNCHER_VARS = frozenset({
@@ -54,6 +64,7 @@ def launch(
     extra_env: Mapping[str, str] | None = None,
     prefix_output: bool = True,
     grace: float = 5.0,
+    secure: bool = True,
 ) -> int:
     """Run ``command`` as ranks 0..n-1 of one group on this host and wait for all of them.
 
@@ -66,6 +77,8 @@ def launch(
         prefix_output: prefix each output line with ``[rank] ``; if False the children write
             straight to our stdout and stderr.
         grace: seconds between SIGTERM (or a forwarded signal) and SIGKILL.
+        secure: give the ranks a job key (an ephemeral one, unless ``$P2PCOLL_KEY_FILE``
+            names one); False: plain sockets, and ``P2PCOLL_KEY_FILE`` is not passed on.
 
     Returns:
         0 if every child exited 0; else the exit code of the first one that did not
@@ -94,7 +107,29 @@ def launch(
     else:
         host, port = parse_url(rendezvous)
     base = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    envs = [
+    given_key = base.pop("P2PCOLL_KEY_FILE", "").strip()
+    with contextlib.ExitStack() as cleanup:
+        if secure:
+            base["P2PCOLL_KEY_FILE"] = given_key or cleanup.enter_context(_ephemeral_key())
+        envs = _rank_envs(n, base, host, port, rendezvous)
+        return asyncio.run(_Job(list(command), envs, prefix_output, grace).run())
+
+
+@contextlib.contextmanager
+def _ephemeral_key() -> Iterator[str]:
+    """A new job key in a 0600 file of a private directory, removed afterwards."""
+    folder = tempfile.mkdtemp(prefix="p2pcoll-key-")  # mode 0700
+    path = os.path.join(folder, "job.key")
+    try:
+        write_key_file(path)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rank_envs(n: int, base: Mapping[str, str], host: str, port: int, rendezvous: str
+               ) -> list[dict[str, str]]:
+    return [
         {
             **base,
             "RANK": str(rank),
@@ -107,7 +142,6 @@ def launch(
         }
         for rank in range(n)
     ]
-    return asyncio.run(_Job(list(command), envs, prefix_output, grace).run())
 
 
 def _free_port(host: str) -> int:

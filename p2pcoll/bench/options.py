@@ -61,6 +61,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="between the peer processes: auto (ipc on one host), tcp or ipc "
                              f"(default: ${TRANSPORT_VARIABLE}, else auto); inproc runs the "
                              "peers as tasks in this process")
+    parser.add_argument("--insecure", dest="secure", action="store_false",
+                        help="plain sockets between the p2pcoll peers; by default they run "
+                             "CurveZMQ with an ephemeral job key, as `p2pcoll launch` does "
+                             "(run both to see the cost of encryption)")
     parser.add_argument("--compare", choices=tuple(PEERS), action="append", default=[],
                         metavar="|".join(PEERS),
                         help="after p2pcoll, time the same collective, sizes and world size "
@@ -198,5 +202,6 @@ def bench_config(args: argparse.Namespace, strategies: Sequence[str]) -> dict[st
         "warmup": args.warmup,
         "pipelined": args.pipelined,
         "transport": args.transport,
+        "secure": getattr(args, "secure", True),
         "compare": list(dict.fromkeys(getattr(args, "compare", None) or [])),
     }

@@ -56,7 +56,8 @@ def _p2pcoll(config: dict[str, Any], out_path: str) -> int:
     if config["transport"] == "inproc":
         return asyncio.run(_p2pcoll_inproc(config, out_path))
     return launch(config["world_size"], _command("p2pcoll.bench.worker", config, out_path),
-                  prefix_output=False, extra_env={"P2PCOLL_TRANSPORT": config["transport"]})
+                  prefix_output=False, extra_env={"P2PCOLL_TRANSPORT": config["transport"]},
+                  secure=config.get("secure", True))
 
 
 async def _p2pcoll_inproc(config: dict[str, Any], out_path: str) -> int:
