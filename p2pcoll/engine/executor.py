@@ -31,13 +31,14 @@ class Executor:
 
     def __init__(
         self, transport: Transport, matcher: Matcher, departures: Departures, group_id: str,
-        *, segment_bytes: int, depth: int,
+        *, segment_bytes: int, depth: int, max_message_bytes: int = 256 << 20,
     ) -> None:
         self.transport = transport
         self.matcher = matcher
         self.departures = departures
         self.group_id = group_id
         self.segment_bytes = segment_bytes
+        self.max_message_bytes = max_message_bytes
         self.depth = depth
 
     async def run(
@@ -60,7 +61,7 @@ class Executor:
         """
         steps = plan(strategy, ctx, len(layout.chunks))
         self.matcher.expect(seq, sig, ctx.rank)
-        nseg = layout.segment(self.segment_bytes)
+        nseg = layout.segment(self.segment_bytes, self.max_message_bytes)
         early, late = copies(steps, len(layout.chunks))
         first_late = max(nseg - self.depth, 0)
         # Zero-copy sends whose segment has finished: the caller may reuse the data only

@@ -22,6 +22,7 @@ import numpy as np
 from ..strategy import ALL, Chunk
 
 Piece = tuple[int, int, int]  # (array index, start, stop) in elements
+HEADER_ROOM = 4096  # bytes of a message's cap left for its header frame
 
 
 def _split_point(length: int, parts: int, i: int) -> int:
@@ -62,13 +63,27 @@ class Layout:
         """One chunk per array: chunk r is array r whole."""
         return cls(arrays, [[(i, 0, a.size)] for i, a in enumerate(arrays)])
 
-    def segment(self, segment_bytes: int) -> int:
-        """Choose the number of pipeline segments so that no piece exceeds ``segment_bytes``."""
+    def segment(self, segment_bytes: int, max_message_bytes: int | None = None) -> int:
+        """Choose the number of pipeline segments so that no piece exceeds ``segment_bytes``
+        and no message (at most every chunk of one segment) exceeds ``max_message_bytes``,
+        the receivers' cap: a group whose cap is below its segment size still works."""
         largest = max(
             ((hi - lo) * self.arrays[i].itemsize for chunk in self.chunks for i, lo, hi in chunk),
             default=0,
         )
-        self.nseg = max(1, math.ceil(largest / segment_bytes)) if segment_bytes > 0 else 1
+        nseg = max(1, math.ceil(largest / segment_bytes)) if segment_bytes > 0 else 1
+        if max_message_bytes:
+            # A piece of n elements splits into parts of at most ceil(n / nseg) elements,
+            # so a segment is at most the total divided by nseg, plus one element per piece;
+            # the header frame counts against the cap too.
+            pieces = sum(len(chunk) for chunk in self.chunks)
+            item = max((a.itemsize for a in self.arrays), default=1)
+            header = min(max_message_bytes // 2, HEADER_ROOM)
+            room = max_message_bytes - header - pieces * item
+            total = sum(a.nbytes for a in self.arrays)
+            if room > 0 and total > room:
+                nseg = max(nseg, math.ceil(total / room))
+        self.nseg = nseg
         return self.nseg
 
     def chunk_ids(self, chunk: Chunk) -> range:

@@ -50,10 +50,11 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
             "P2PCOLL_RENDEZVOUS (or MASTER_ADDR and MASTER_PORT)"
         )
     policy = endpoint_policy(settings.transport)
-    if url is None:
+    address = None if url is None else await _resolve(url, deadline)
+    if address is None:
         host = "127.0.0.1"
     else:
-        host = settings.host or await advertised_host(parse_url(url)[0])
+        host = settings.host or await advertised_host(parse_url(address)[0])
     transport = ZmqMesh(policy, host, settings, sockets)
     server: RendezvousServer | None = None
     try:
@@ -61,7 +62,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
         if url is None:
             membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
         else:
-            address = await _resolve(url, deadline)
+            assert address is not None
             host_task = None
             if settings.rank in (None, 0):
                 hosting = _Hosting(address, sockets)

@@ -36,6 +36,7 @@ class Session:
         self.executor = Executor(
             transport, self.matcher, self.peers, membership.group_id,
             segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
+            max_message_bytes=settings.max_message_bytes,
         )
         self.seq = 0
         self.hellos: set[int] = set()

@@ -1,0 +1,223 @@
+"""Joining fails fast and says why: a peer lost after it registered, a rendezvous host that
+went away or restarted, a cap smaller than the segments, join/close cycles back to back.
+
+Peers that die are real processes, killed or frozen by their pid."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll.rendezvous import RendezvousServer
+
+HEARTBEAT = 2.0  # seconds: the bound every detection here must keep (plus slack)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+REGISTER = """
+    import asyncio, sys, p2pcoll
+    async def main():
+        await p2pcoll.join(sys.argv[1], world_size=4, rank=int(sys.argv[2]), timeout=60,
+                           heartbeat_timeout=%r)
+    asyncio.run(main())
+""" % HEARTBEAT
+
+
+def _start_registering(url: str, rank: int) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(REGISTER), url, str(rank)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def _await_arrivals(url: str, count: int) -> None:
+    """Wait until ``count`` peers are registered (asked through the protocol itself)."""
+    from p2pcoll.rendezvous.client import waiting  # noqa: PLC0415
+
+    for _ in range(200):
+        if await waiting(url) >= count:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{count} peers never registered at {url}")
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+async def test_a_peer_lost_after_registering_fails_the_others_fast(how: signal.Signals) -> None:
+    """Probe: a peer killed at the rendezvous made every other peer wait out the whole join
+    timeout ("could not reach ranks [3]"). Now: within the heartbeat bound, naming it."""
+    port = _free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    server = RendezvousServer(url)
+    server.bind()
+    victim = _start_registering(url, 2)
+    try:
+        joins = [asyncio.create_task(_join(url, r)) for r in (0, 1)]
+        await _await_arrivals(url, 3)
+        os.kill(victim.pid, how)
+        start = time.monotonic()
+        errors = await asyncio.gather(*joins, return_exceptions=True)
+        took = time.monotonic() - start
+    finally:
+        if how == signal.SIGSTOP:
+            os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        await server.aclose()
+    for err in errors:
+        assert isinstance(err, p2pcoll.RendezvousError), err
+        assert f"pid {victim.pid}" in str(err) and "rank 2" in str(err), err
+        assert "stopped answering" in str(err)
+    assert took < HEARTBEAT + 3, took  # not the 60 s join timeout
+
+
+async def _join(url: str, rank: int, world_size: int = 4, timeout: float = 60
+                ) -> p2pcoll.Group:
+    return await p2pcoll.join(url, world_size=world_size, rank=rank, timeout=timeout,
+                              heartbeat_timeout=HEARTBEAT)
+
+
+async def test_the_rendezvous_survives_its_host_restarting() -> None:
+    """Probe: a host restarted 0.5 s later never re-formed the group (requests were sent
+    once). Now clients re-send until their deadline."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    server = RendezvousServer(url)
+    server.bind()
+    # Ranks 1 and 2: rank 0 would host the rendezvous itself once the port is free.
+    joins = [asyncio.create_task(_join(url, r, 3)) for r in (1, 2)]
+    await _await_arrivals(url, 2)
+    await server.aclose()
+    await asyncio.sleep(0.5)
+    server = RendezvousServer(url)
+    server.bind()
+    try:
+        joins.insert(0, asyncio.create_task(_join(url, 0, 3)))
+        groups = await asyncio.gather(*joins)
+        sums = await asyncio.gather(*(g.allreduce(np.ones(2)) for g in groups))
+        assert [g.rank for g in groups] == [0, 1, 2]
+        for s in sums:
+            np.testing.assert_array_equal(s, [3.0, 3.0])
+        await asyncio.gather(*(g.close() for g in groups))
+    finally:
+        await server.aclose()
+
+
+async def test_a_host_that_is_gone_is_named() -> None:
+    """Probe: the host dying during join gave a stale "3 of 4 peers arrived"."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    server = RendezvousServer(url)
+    server.bind()
+    joins = [asyncio.create_task(_join(url, r)) for r in (1, 2, 3)]
+    await _await_arrivals(url, 3)
+    await server.aclose()
+    start = time.monotonic()
+    errors = await asyncio.gather(*joins, return_exceptions=True)
+    took = time.monotonic() - start
+    for err in errors:
+        assert isinstance(err, p2pcoll.RendezvousError), err
+        assert str(err).startswith(f"no rendezvous host at {url}"), err
+        assert "3 of 4 peers arrived" in str(err)  # what it knew, as a fact of the past
+    assert took < HEARTBEAT + 3, took
+
+
+HOSTED = """
+    import asyncio, os, sys, p2pcoll
+    async def main():
+        g = await p2pcoll.join(sys.argv[1], world_size=3, rank=0, timeout=60,
+                               heartbeat_timeout=%r)
+    asyncio.run(main())
+""" % HEARTBEAT
+
+
+async def test_a_hosting_peer_killed_during_join_is_named() -> None:
+    """Rank 0 hosts the rendezvous in its own process and is SIGKILLed before the group
+    completes: the others say the host is gone, within the bound."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
+    host = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOSTED), url], env=env)
+    try:
+        joins = [asyncio.create_task(_join(url, 1, 3))]
+        await _await_arrivals(url, 2)
+        host.kill()
+        start = time.monotonic()
+        errors = await asyncio.gather(*joins, return_exceptions=True)
+        took = time.monotonic() - start
+    finally:
+        host.kill()
+        host.wait()
+    assert isinstance(errors[0], p2pcoll.RendezvousError), errors[0]
+    assert "no rendezvous host at" in str(errors[0])
+    assert took < HEARTBEAT + 3, took
+
+
+async def test_join_close_cycles_back_to_back() -> None:
+    """Probe: three join/allreduce/close cycles in one script failed in 4 of 5 runs."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    for cycle in range(5):
+        groups = await asyncio.gather(*(_join(url, r, 4, timeout=20) for r in range(4)))
+        sums = await asyncio.gather(*(g.allreduce(np.full(3, cycle, np.float64))
+                                      for g in groups))
+        for s in sums:
+            np.testing.assert_array_equal(s, np.full(3, 4.0 * cycle))
+        await asyncio.gather(*(g.close() for g in groups))
+
+
+async def test_one_server_forms_group_after_group() -> None:
+    """A standalone server serves many groups, and jobs side by side."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    server = RendezvousServer(url)
+    server.bind()
+    try:
+        for _ in range(2):
+            a = [p2pcoll.join(url, world_size=2, rank=r, job_id="a", timeout=20)
+                 for r in range(2)]
+            b = [p2pcoll.join(url, world_size=3, job_id="b", timeout=20) for _ in range(3)]
+            groups = await asyncio.gather(*a, *b)
+            sums = await asyncio.gather(*(g.allreduce(np.ones(1)) for g in groups))
+            assert [float(s[0]) for s in sums] == [2.0] * 2 + [3.0] * 3
+            await asyncio.gather(*(g.close() for g in groups))
+        assert server.groups_formed == 4
+    finally:
+        await server.aclose()
+
+
+async def test_a_cap_below_the_segment_size_still_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe: P2PCOLL_MAX_MESSAGE_BYTES=1000 with P2PCOLL_SHM=0 gave PeerLost ("stopped
+    answering"). The smallest cap allowed is 4K; every message is cut to fit it."""
+    monkeypatch.setenv("P2PCOLL_MAX_MESSAGE_BYTES", "4K")
+    monkeypatch.setenv("P2PCOLL_SHM", "0")
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    groups = await asyncio.gather(*(_join(url, r, 3, timeout=20) for r in range(3)))
+    try:
+        data = np.arange(100_000, dtype=np.float32)
+        sums = await asyncio.gather(*(g.allreduce(data) for g in groups))
+        got = await asyncio.gather(*(g.broadcast(data if g.rank == 0 else None, root=0)
+                                     for g in groups))
+        for s, b in zip(sums, got, strict=True):
+            np.testing.assert_array_equal(s, data * 3)
+            np.testing.assert_array_equal(b, data)
+        assert all(g.stats()["messages_dropped"] == 0 for g in groups)
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+    with pytest.raises(p2pcoll.SettingsError, match="P2PCOLL_MAX_MESSAGE_BYTES"):
+        p2pcoll.Settings.resolve({"P2PCOLL_MAX_MESSAGE_BYTES": "1000"})
+
+
+async def test_an_unresolvable_host_is_named_after_retrying() -> None:
+    start = time.monotonic()
+    with pytest.raises(p2pcoll.RendezvousError, match="cannot resolve.*no-such-host.invalid"):
+        await p2pcoll.join("tcp://no-such-host.invalid:29500", world_size=2, rank=1,
+                           timeout=1.5)
+    assert time.monotonic() - start >= 1.0  # it tried again until the deadline
