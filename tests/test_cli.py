@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import signal
@@ -144,28 +145,38 @@ asyncio.run(main())
 
 def test_standalone_rendezvous_server(tmp_path: Path) -> None:
     port = free_port()
+    key = tmp_path / "job.key"
+    assert run(sys.executable, "-m", "p2pcoll", "keygen", str(key)).returncode == 0
+    env = {**os.environ, "P2PCOLL_KEY_FILE": str(key)}
     server = subprocess.Popen(
         [sys.executable, "-m", "p2pcoll", "rendezvous", "--host", "127.0.0.1", "--port",
          str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )
     try:
         assert server.stdout is not None
         banner = server.stdout.readline()
-        assert banner.startswith(f"p2pcoll rendezvous: serving at tcp://127.0.0.1:{port}")
-        # The ranks meet at the server; rank 0 finds the port taken and does not host.
-        peers = run(sys.executable, "-m", "p2pcoll", "launch", "-n", "3", "--rendezvous",
-                    f"tcp://127.0.0.1:{port}", "--", sys.executable, "-c", JOIN_AND_SUM)
-        assert peers.returncode == 0, peers.stdout + peers.stderr
-        want = np.full(3, 1.0 + 2.0 + 3.0).tolist()
-        assert sorted(peers.stdout.splitlines()) == [f"[{r}] {r} 3 {want}" for r in range(3)]
-        # The server (not rank 0) formed that group: it refuses anyone arriving later.
-        async def join_late() -> None:
+        assert banner.startswith(f"p2pcoll rendezvous: serving at tcp://127.0.0.1:{port}, "
+                                 f"secured with the job key of {key}")
+        # The ranks meet at the server (rank 0 finds the port taken and does not host),
+        # twice: the server forms one group after the other. The launcher passes the job
+        # key it was given on to the ranks.
+        for _ in range(2):
+            peers = subprocess.run(
+                [sys.executable, "-m", "p2pcoll", "launch", "-n", "3", "--rendezvous",
+                 f"tcp://127.0.0.1:{port}", "--", sys.executable, "-c", JOIN_AND_SUM],
+                capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+            assert peers.returncode == 0, peers.stdout + peers.stderr
+            want = np.full(3, 1.0 + 2.0 + 3.0).tolist()
+            assert sorted(peers.stdout.splitlines()) == [f"[{r}] {r} 3 {want}"
+                                                         for r in range(3)]
+        # A peer without the key is turned away at the handshake.
+        async def join_without_key() -> None:
             group = await p2pcoll.join(f"tcp://127.0.0.1:{port}", world_size=3, timeout=10)
             await group.close()
 
-        with pytest.raises(p2pcoll.RendezvousError, match="already complete"):
-            asyncio.run(join_late())
+        with pytest.raises(p2pcoll.RendezvousError, match="has no job key"):
+            asyncio.run(join_without_key())
         server.send_signal(signal.SIGTERM)
         out, err = server.communicate(timeout=10)
         assert server.returncode == 0, err

@@ -156,7 +156,7 @@ async def test_malformed_messages_are_dropped_and_counted(
     # before its header is even decoded (each reason of a member's message is checked
     # against the validation point itself in tests/test_wire.py).
     assert results[0][0] >= 9
-    assert "rank 5, which is no other member of this group of 2" in caplog.text
+    assert "link identity b'5' is not a member of this group" in caplog.text
     # Each drop is logged at DEBUG; WARNING lines are limited to one per source and interval.
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "dropped" in r.msg]
     assert len(warnings) <= 2, [r.getMessage() for r in warnings]

@@ -431,10 +431,12 @@ class Group:
 
     # --- the rest -----------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
-        """Traffic since join: payload bytes and data messages sent and received, messages
-        dropped as malformed or stale, the part of ``bytes_sent`` that went through shared
-        memory, and collectives started."""
+    def stats(self) -> dict[str, Any]:
+        """Traffic since join: payload bytes and data messages sent and received, the part
+        of ``bytes_sent`` that went through shared memory, and collectives started; messages
+        dropped (malformed, from strangers, over the cap, ...), in all and, under
+        ``messages_dropped_by_reason``, by reason (``{"stranger": 3, "malformed": 1}``: only
+        reasons seen; the codes are listed in :mod:`p2pcoll.wire.validation`)."""
         session = self.session
         c = session.transport.counters
         return {
@@ -443,6 +445,7 @@ class Group:
             "messages_sent": c.messages_sent,
             "messages_received": c.messages_received,
             "messages_dropped": c.messages_dropped,
+            "messages_dropped_by_reason": dict(c.dropped_by_reason),
             "bytes_sent_shm": c.bytes_sent_shm,
             "collectives": session.seq,
         }

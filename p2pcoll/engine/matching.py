@@ -19,8 +19,9 @@ import asyncio
 from typing import Any, Protocol
 
 from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
-from ..wire import Header, Signature
 from ..transport.base import Piece
+from ..types import Membership
+from ..wire import Header, Signature
 
 Key = tuple[int, int, int, int]
 Message = tuple[Header, list[Piece]]
@@ -28,6 +29,11 @@ Message = tuple[Header, list[Piece]]
 
 class Departures(Protocol):
     """The session's record of peers that have gone (see p2pcoll.session.peers)."""
+
+    @property
+    def membership(self) -> Membership:
+        """The roster whose peers it records."""
+        ...
 
     def lost(self, rank: int) -> PeerLost | None:
         """The error for ``rank`` if it has left or been lost, else None."""
@@ -68,7 +74,8 @@ class Matcher:
             return False
         key = header.key
         if key in self._buffered:
-            raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)")
+            raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)",
+                                reason="duplicate")
         if seq in self._expected and not self._check(header):
             return True
         if header.seg == 0:
@@ -161,8 +168,13 @@ class Matcher:
         """The recorded failure of collective ``seq``, if a peer aborted it."""
         return self._failed.get(seq)
 
+    def finished(self, seq: int) -> bool:
+        """Whether collective ``seq`` has finished here (returned or failed)."""
+        return seq < self._watermark or seq in self._finished
+
     def waiting_on(self, seq: int) -> list[int]:
-        """Source ranks that receives of collective ``seq`` are waiting for."""
+        """Source ranks that receives of collective ``seq`` are waiting for (or were, when
+        they were cancelled: the deadline's cancellation leaves its answer here)."""
         now = {k[2] for k in self._waiting if k[0] == seq}
         if seq in self._first_origin:
             now.add(self._first_origin[seq])

@@ -30,3 +30,9 @@ def dispatch(session: Session, header: Header, pieces: list[Piece]) -> None:
         session.hello_from(header.src)
     elif kind == "bye":
         session.peers.left(header.src, started=header.seq)
+    elif kind == "why":
+        # A peer's deadline passed: answer at once whatever this rank is doing (waiting in
+        # that collective, failing it, not there yet), from what its receives wait for.
+        session.failures.answer(header)
+    elif kind == "waiting":
+        session.failures.on_answer(header)

@@ -7,6 +7,22 @@ every later call raises :class:`~p2pcoll.GroupBroken` chained to the first failu
 the group and join anew.
 
 ``async with failures.collective(seq, name, timeout):`` is the one place this happens.
+
+A timeout names the ranks that really did not arrive. The rank whose deadline passed first
+only knows whom *it* waits for, which in a ring is its neighbour, itself waiting further up
+the chain. So before it breaks the group it asks every peer ``why`` (one control message
+each) and waits a moment (:func:`inquiry_time`, less once everyone has answered) for their
+``waiting`` answers: each peer's state in that collective (waiting, finished, not started,
+failed) and the ranks it waits for. Every peer answers at once from its control dispatch,
+whatever its own collectives are doing. Then it blames, in this order:
+
+1. the peers that did not answer: frozen, overloaded or cut off;
+2. else the peers that somebody waits for and that have not started the collective;
+3. else the ranks it waits for itself.
+
+Its abort carries the blamed ranks and which rule found them; for the first two, the peers'
+errors name the same ranks (the third is only the sender's view: each peer names whom it
+waits for itself). None of this runs unless a deadline passes.
 """
 
 from __future__ import annotations
@@ -24,7 +40,16 @@ from ..errors import (
     PeerLost,
 )
 from ..transport.base import Transport
-from ..wire import Header
+from ..wire import ABSENT, FAILED, FINISHED, NOT_STARTED, OWN, SILENT, WAITING, Header
+
+# The longest a rank whose deadline passed waits for its peers' answers (see inquiry_time).
+INQUIRY_S = 1.0
+
+
+def inquiry_time(limit: float) -> float:
+    """How long to wait for the peers' answers after a deadline of ``limit`` seconds passed:
+    long enough for a live peer on a busy host to answer, short against the deadline."""
+    return min(INQUIRY_S, max(0.1, limit / 2))
 
 
 class GroupState(StrEnum):
@@ -48,6 +73,8 @@ class FailureModel:
         self._matcher: Matcher | None = None
         self._transport: Transport | None = None
         self._active: set[int] = set()
+        self._failed: dict[int, list[int]] = {}  # seq -> whom it waited for when it failed
+        self._inquiries: dict[int, Inquiry] = {}  # seq -> the answers to this rank's why
 
     def attach(self, rank: int, group_id: str, matcher: Matcher, transport: Transport) -> None:
         """The session is formed: failures from now on are reported to its peers."""
@@ -91,25 +118,24 @@ class FailureModel:
                     f"{name} #{seq}: ranks {stray} sent messages that rank {self._rank} "
                     f"did not expect; the ranks disagree about this collective"
                 )
-        if isinstance(err, TimeoutError):
-            waiting = matcher.waiting_on(seq)
-            timeout = CollectiveTimeout(
-                f"{name} #{seq} timed out after {c.limit:g}s on rank {self._rank}; "
-                f"still waiting for ranks {waiting}",
-                collective=name, seq=seq, waiting_on=waiting,
-            )
+        if isinstance(err, TimeoutError):  # raised by the body, not by the deadline
+            timeout = self._blame(c, None)
             self.fail(seq, timeout)
             return timeout
         if isinstance(err, P2PCollError):
             if isinstance(err, CollectiveTimeout) and getattr(err, "remote", False):
-                # Another rank's deadline passed first: say whom this rank was waiting for
-                # too, which is closer to the rank that never came.
+                # Another rank's deadline passed first. If it found the ranks that did not
+                # come, name the same ones; if it only knew whom it waited for, name whom
+                # this rank waits for. Say both.
                 mine = matcher.waiting_on(seq)
+                blame = getattr(err, "blame", OWN)
                 local = CollectiveTimeout(
                     f"{err}; rank {self._rank} was still waiting for ranks {mine}",
-                    collective=name, seq=seq, waiting_on=mine or err.waiting_on,
+                    collective=name, seq=seq,
+                    waiting_on=(mine or err.waiting_on) if blame == OWN else err.waiting_on,
                 )
                 local.remote = True  # type: ignore[attr-defined]
+                local.blame = blame  # type: ignore[attr-defined]
                 self.fail(seq, local)
                 return local
             # A failure a peer reported for this collective is the root cause; a lost link
@@ -124,8 +150,147 @@ class FailureModel:
         self.fail(seq, GroupBroken(f"{name} #{seq} was interrupted: {err!r}"))
         return err
 
+    async def _expired(self, c: Collective) -> BaseException:
+        """The deadline of ``c`` passed: ask the peers why, blame, break the group.
+
+        A peer that found whom to blame first (its abort came before or during the
+        inquiry) is followed, so every rank names the same ranks.
+
+        Cancellation: blames with the answers so far, breaks the group, propagates.
+        """
+        assert self._matcher is not None
+        remote = self._remote_timeout(c.seq)
+        if remote is None:
+            inquiry = self._inquire(c.seq)
+            try:
+                async with asyncio.timeout(inquiry_time(c.limit)):
+                    await inquiry.complete.wait()
+            except TimeoutError:
+                pass  # some did not answer: those are the ones to blame
+            except asyncio.CancelledError:
+                self.fail(c.seq, self._blame(c, inquiry))
+                raise
+            finally:
+                del self._inquiries[c.seq]
+            remote = self._remote_timeout(c.seq)
+            if remote is None:
+                timeout = self._blame(c, inquiry)
+                self.fail(c.seq, timeout)
+                return timeout
+        outcome = self._outcome(c, remote)
+        assert outcome is not None
+        return outcome
+
+    def _remote_timeout(self, seq: int) -> CollectiveTimeout | None:
+        """The timeout a peer reported for collective ``seq``, if it found the ranks that
+        did not come (not only whom it waited for)."""
+        assert self._matcher is not None
+        failure = self._matcher.failure(seq)
+        if (isinstance(failure, CollectiveTimeout) and getattr(failure, "remote", False)
+                and getattr(failure, "blame", OWN) != OWN):
+            return failure
+        return None
+
+    def _inquire(self, seq: int) -> Inquiry:
+        """Ask every peer that is still there what it waits for in collective ``seq``."""
+        assert self._matcher is not None
+        departures = self._matcher.departures
+        asked = {p for p in range(departures.membership.world_size)
+                 if p != self._rank and departures.lost(p) is None}
+        inquiry = self._inquiries[seq] = Inquiry(asked)
+        if asked and self._transport is not None:
+            self._transport.broadcast(Header("why", self._group, self._rank, seq))
+        return inquiry
+
+    def _blame(self, c: Collective, inquiry: Inquiry | None) -> CollectiveTimeout:
+        """The timeout of ``c``, naming the ranks to blame given the peers' answers (see
+        the module docstring); without an inquiry, the ranks this rank waits for."""
+        assert self._matcher is not None
+        mine = self._matcher.waiting_on(c.seq)
+        states = {self._rank: (WAITING, mine)}
+        silent: list[int] = []
+        if inquiry is not None:
+            states.update(inquiry.answers)
+            departures = self._matcher.departures
+            # A peer that said goodbye meanwhile, having started this collective, had
+            # done its part: it is not one that did not come.
+            silent = sorted(p for p in inquiry.asked - inquiry.answers.keys()
+                            if departures.lost(p) is None or departures.abandoned(p, c.seq))
+        waited = sorted({r for state, on in states.values() if state in (WAITING, FAILED)
+                         for r in on})
+        absent = [r for r in waited if states.get(r, ("",))[0] == NOT_STARTED]
+        report: list[str] = []
+        if silent:
+            # Of several that did not answer, those somebody waits for are the likelier
+            # cause (another may just be slow to answer).
+            blamed, blame = [r for r in silent if r in waited] or silent, SILENT
+            report.append(f"{_text(blamed)} did not answer (frozen, overloaded or cut off)")
+        elif absent:
+            blamed, blame = absent, ABSENT
+            report.append(f"{_text(absent)} {'has' if len(absent) == 1 else 'have'} "
+                          f"not started it")
+        else:
+            blamed, blame = mine or waited, OWN
+            report.append(f"still waiting for ranks {blamed}")
+        if inquiry is not None:
+            waiting = [f"rank {r} for {on}" + (" (failed)" if state == FAILED else "")
+                       for r, (state, on) in sorted(states.items())
+                       if state in (WAITING, FAILED)]
+            report.append("waiting: " + (", ".join(waiting) or "nobody"))
+            rest = sorted(states.keys() - set(blamed))
+            for what, ranks in (
+                (FINISHED, [r for r in rest if states[r][0] == FINISHED]),
+                (NOT_STARTED, [r for r in rest if states[r][0] == NOT_STARTED]),
+                ("no answer", [r for r in silent if r not in blamed]),
+            ):
+                if ranks:
+                    report.append(f"{what}: {_text(ranks)}")
+        timeout = CollectiveTimeout(
+            f"{c.name} #{c.seq} timed out after {c.limit:g}s on rank {self._rank}: "
+            + "; ".join(report),
+            collective=c.name, seq=c.seq, waiting_on=blamed,
+        )
+        timeout.blame = blame  # type: ignore[attr-defined]  # for the abort (see fail)
+        return timeout
+
+    def status(self, seq: int) -> tuple[str, list[int]]:
+        """This rank's state in collective ``seq`` and the ranks its receives of it wait
+        for: what it answers a peer's ``why``."""
+        assert self._matcher is not None
+        matcher = self._matcher
+        if seq in self._failed:
+            return FAILED, self._failed[seq]
+        if seq in self._active:
+            return (WAITING if matcher.failure(seq) is None else FAILED), matcher.waiting_on(seq)
+        if matcher.finished(seq):
+            return FINISHED, []
+        return NOT_STARTED, []
+
+    def answer(self, header: Header) -> None:
+        """A peer whose deadline passed asks what this rank waits for in ``header.seq``."""
+        if self._transport is None:
+            return
+        state, waiting = self.status(header.seq)
+        self._transport.post(header.src, Header(
+            "waiting", self._group, self._rank, header.seq,
+            meta={"state": state, "waiting_on": waiting},
+        ))
+
+    def on_answer(self, header: Header) -> None:
+        """A peer's answer to this rank's ``why``; late or unasked-for answers are ignored."""
+        inquiry = self._inquiries.get(header.seq)
+        if inquiry is None or header.src not in inquiry.asked:
+            return
+        meta = header.meta or {}
+        inquiry.answers[header.src] = (str(meta.get("state", WAITING)),
+                                       list(meta.get("waiting_on", [])))
+        if len(inquiry.answers) == len(inquiry.asked):
+            inquiry.complete.set()
+
     def fail(self, seq: int, err: P2PCollError) -> None:
         """Break the group with ``err``; tell the peers unless they told us."""
+        if seq not in self._failed and self._matcher is not None:
+            self._failed[seq] = self._matcher.waiting_on(seq)
         if self.cause is None:
             self.cause = err
             if self.state is GroupState.READY:
@@ -133,7 +298,8 @@ class FailureModel:
         if not getattr(err, "remote", False) and self.state is not GroupState.CLOSED:
             meta = None
             if isinstance(err, CollectiveTimeout):
-                meta = {"collective": err.collective, "waiting_on": err.waiting_on}
+                meta = {"collective": err.collective, "waiting_on": err.waiting_on,
+                        "blame": getattr(err, "blame", OWN)}
             if self._transport is not None:
                 self._transport.broadcast(Header(
                     "abort", self._group, self._rank, seq,
@@ -158,7 +324,17 @@ class FailureModel:
             exc = PeerLost(message)
         else:
             exc = cls(message)
+        blame = meta.get("blame", OWN)
         exc.remote = True  # type: ignore[attr-defined]
+        exc.blame = blame  # type: ignore[attr-defined]
+        inquiry = self._inquiries.get(header.seq)
+        if inquiry is not None and header.src in inquiry.asked:
+            # This rank is asking why the collective is stuck: the peer is alive, and if it
+            # has found the ranks that did not come, that is the answer (see _expired).
+            inquiry.answers.setdefault(header.src, (FAILED, []))
+            found = cls is CollectiveTimeout and blame != OWN
+            if found or len(inquiry.answers) == len(inquiry.asked):
+                inquiry.complete.set()
         if not self._matcher.fail(header.seq, exc) and self.cause is None:
             # It had finished here: the next call must not go on.
             self.cause = exc
@@ -174,6 +350,23 @@ class FailureModel:
             ))
 
 
+class Inquiry:
+    """The answers to one rank's ``why`` about one collective, by peer: (state, waits)."""
+
+    __slots__ = ("asked", "answers", "complete")
+
+    def __init__(self, asked: set[int]) -> None:
+        self.asked = asked
+        self.answers: dict[int, tuple[str, list[int]]] = {}
+        self.complete = asyncio.Event()
+        if not asked:
+            self.complete.set()
+
+
+def _text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 class Collective:
     """One collective under the failure model: its deadline, and what its end means.
 
@@ -181,7 +374,8 @@ class Collective:
     collective: entering and leaving it is on the fast path.
 
     Raises (on leaving):
-        CollectiveTimeout: the deadline passed (naming the ranks still awaited).
+        CollectiveTimeout: the deadline passed (naming the ranks to blame, after asking
+            the peers: up to :func:`inquiry_time` later).
         P2PCollError: whatever failed, a peer's reported cause preferred to its symptoms.
     Cancellation: breaks the group (the peers get an abort) and propagates.
     """
@@ -203,8 +397,8 @@ class Collective:
         try:
             try:
                 await self._deadline.__aexit__(et, exc, tb)  # type: ignore[arg-type]
-            except TimeoutError as expired:
-                outcome = self.model._outcome(self, expired)
+            except TimeoutError:
+                outcome = await self.model._expired(self)
             else:
                 outcome = self.model._outcome(self, exc)
         finally:

@@ -3,9 +3,10 @@
 A transport connects one peer to the others of its group and moves messages (a
 :class:`~p2pcoll.wire.Header` and payload pieces) between them. Every received message goes
 through :func:`p2pcoll.wire.validate` before it is handed to ``on_message``; a message that
-fails it, or whose handler raises, is dropped and counted, and the transport goes on
-reading. Two implementations: the ZeroMQ mesh (:mod:`.zmq_mesh`, production) and the
-in-memory network (:mod:`.memory`, tests that inject loss, delay and reordering).
+fails it, or whose handler raises, is dropped and counted by reason (:class:`Drops`), and
+the transport goes on reading. Two implementations: the ZeroMQ mesh (:mod:`.zmq_mesh`,
+production) and the in-memory network (:mod:`.memory`, tests that inject loss, delay and
+reordering).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from ..errors import ProtocolError
 from ..types import Membership
 from ..wire import Header
 
@@ -54,6 +56,9 @@ class Counters:
     messages_sent: int = 0
     messages_received: int = 0
     messages_dropped: int = 0
+    # of messages_dropped, how many for each reason: a ProtocolError's reason (see
+    # p2pcoll.wire.validation), or "error" for a failure to handle a message (a bug)
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class Transport(Protocol):
@@ -103,30 +108,44 @@ class Transport(Protocol):
 
 
 class Drops:
-    """Counts dropped messages and logs them: each at DEBUG, and at most one WARNING line
-    per source per interval (a flood of bad messages must not become a flood of logs)."""
+    """Counts dropped messages by reason and logs them: each at DEBUG, and at most one
+    WARNING line per source per interval, which names the reason and counts the drops it
+    did not report (a flood of bad messages must not become a flood of logs)."""
 
     def __init__(self, counters: Counters, rank: Callable[[], int], interval: float = 10.0):
         self.counters = counters
         self._rank = rank
         self.interval = interval
         self._last: dict[object, float] = {}
-        self._quiet: dict[object, int] = {}
+        self._quiet: dict[object, dict[str, int]] = {}  # source -> unreported drops by reason
 
     def drop(self, source: object, reason: BaseException, *, bug: bool = False) -> None:
-        """Count one dropped message from ``source`` (a rank or a link identity)."""
-        self.counters.messages_dropped += 1
-        log.debug("rank %d: dropped a message from %s: %s", self._rank(), source, reason)
+        """Count one dropped message from ``source`` (a rank or a link identity).
+
+        ``reason`` is the ProtocolError it broke, or (``bug``) whatever else handling it
+        raised, which is counted as ``"error"``.
+        """
+        code = reason.reason if isinstance(reason, ProtocolError) and not bug else "error"
+        c = self.counters
+        c.messages_dropped += 1
+        c.dropped_by_reason[code] = c.dropped_by_reason.get(code, 0) + 1
+        log.debug("rank %d: dropped a message from %s (%s): %s", self._rank(), source, code,
+                  reason)
         now = time.monotonic()
         if now - self._last.get(source, -self.interval) < self.interval:
-            self._quiet[source] = self._quiet.get(source, 0) + 1
+            quiet = self._quiet.setdefault(source, {})
+            quiet[code] = quiet.get(code, 0) + 1
             return
         self._last[source] = now
-        quiet = self._quiet.pop(source, 0)
-        more = f" ({quiet} more from there since the last report)" if quiet else ""
-        if bug:  # not a bad message but a failure handling a good one: show where
-            log.error("rank %d: dropped a message from %s%s", self._rank(), source, more,
-                      exc_info=reason)
+        more = ""
+        quiet = self._quiet.pop(source, None)
+        if quiet:
+            counts = ", ".join(f"{n} {why}" for why, n in sorted(quiet.items()))
+            more = (f" ({sum(quiet.values())} more from there since the last report: "
+                    f"{counts})")
+        if code == "error":  # not a bad message but a failure handling a good one: show where
+            log.error("rank %d: dropped a message from %s (error)%s", self._rank(), source,
+                      more, exc_info=reason)
         else:
-            log.warning("rank %d: dropped a message from %s: %s%s", self._rank(), source,
-                        reason, more)
+            log.warning("rank %d: dropped a message from %s (%s): %s%s", self._rank(), source,
+                        code, reason, more)

@@ -2,9 +2,11 @@
 
 For tests of everything above the transport (matching, the executor, the failure model):
 a :class:`MemoryNetwork` connects :class:`MemoryTransport` peers, and can drop, delay and
-reorder data messages (seeded, so a failing run can be replayed) or cut a peer off as a
-crash would. Messages are encoded and go through the same validation point as the ZeroMQ
-mesh's, so what a test sees is what a real peer would.
+reorder data messages (seeded, so a failing run can be replayed), cut a peer off as a
+crash would, or freeze one as SIGSTOP would. Messages are encoded and go through the same
+validation point as the ZeroMQ mesh's, and dropped ones are counted by reason with the same
+:class:`~.base.Counters` and :class:`~.base.Drops`, so what a test sees is what a real peer
+would.
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ class MemoryNetwork:
     def __post_init__(self) -> None:
         self.random = random.Random(self.faults.seed)
         self._last: dict[tuple[str, str], float] = {}
+        self.frozen: set[str] = set()
+        self._held: list[tuple[str, str, list[bytes], bool]] = []
+
+    def freeze(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` stops as a stopped process would: its links stay up, but
+        nothing reaches it and nothing it sends goes out, until :meth:`thaw`."""
+        self.frozen.add(endpoint)
+
+    def thaw(self, endpoint: str) -> None:
+        """The frozen peer goes on: what was held back to and from it is delivered."""
+        self.frozen.discard(endpoint)
+        held, self._held = self._held, []
+        for sender, dst, frames, data in held:
+            self.deliver(sender, dst, frames, data)
 
     def transport(self) -> MemoryTransport:
         return MemoryTransport(self)
@@ -78,6 +94,9 @@ class MemoryNetwork:
     def deliver(self, sender: str, dst: str, frames: list[bytes], data: bool) -> None:
         target = self.peers.get(dst)
         if target is None:
+            return
+        if sender in self.frozen or dst in self.frozen:
+            self._held.append((sender, dst, frames, data))
             return
         loop = asyncio.get_running_loop()
         f = self.faults

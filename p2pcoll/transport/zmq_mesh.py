@@ -292,10 +292,11 @@ class ZmqMesh:
         try:
             if len(frames) < 2:
                 raise ProtocolError("message has no header frame")
-            source = self._ranks.get(identity)
-            if source is None:
+            member = self._ranks.get(identity)
+            if member is None:
                 raise ProtocolError(f"link identity {identity[:40]!r} is not a member of "
                                     f"this group", reason="stranger")
+            source = member
             assert self._limits is not None
             header = validate(source, frames[1].buffer, [len(f) for f in frames[2:]],
                               self._limits)

@@ -1,10 +1,27 @@
 """The wire format: msgpack headers (:mod:`.header`) and their one validation point
 (:mod:`.validation`)."""
 
-from .header import DIGEST_BYTES, KINDS, WIRE_VERSION, Header, Signature, encode_header
-from .validation import Limits, decode_header, link_rank, validate
+from .header import (
+    ABSENT,
+    BLAMES,
+    DIGEST_BYTES,
+    FAILED,
+    FINISHED,
+    KINDS,
+    NOT_STARTED,
+    OWN,
+    SILENT,
+    STATES,
+    WAITING,
+    WIRE_VERSION,
+    Header,
+    Signature,
+    encode_header,
+)
+from .validation import REASONS, Limits, decode_header, validate
 
 __all__ = [
-    "DIGEST_BYTES", "KINDS", "WIRE_VERSION", "Header", "Limits", "Signature",
-    "decode_header", "encode_header", "link_rank", "validate",
+    "ABSENT", "BLAMES", "DIGEST_BYTES", "FAILED", "FINISHED", "KINDS", "NOT_STARTED", "OWN",
+    "REASONS", "SILENT", "STATES", "WAITING", "WIRE_VERSION", "Header", "Limits",
+    "Signature", "decode_header", "encode_header", "validate",
 ]

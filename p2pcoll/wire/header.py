@@ -3,16 +3,28 @@
 A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack map::
 
     v    format version (WIRE_VERSION)        k    kind: "data" | "abort" | "hello" | "bye"
+                                                   | "why" | "waiting" (see below)
     g    group id                             r    source rank
     q    collective sequence number (bye:     seg  pipeline segment
          how many the peer had started)
     s    index of the message on its link     sig  8-byte digest of the collective's
          within (q, seg)                           signature (data only)
     d    the signature itself, readable       n    byte length of each payload piece
-         (first message of a link only)       meta optional extras (tree layout, strategy)
+         (first message of a link only)       meta optional extras (tree layout, strategy;
+                                                   abort and waiting: see below)
     err  [error class name, message]          (abort only)
     m    [ring name, [offset per piece],      pieces in the sender's shared-memory ring
           [reader index per piece]]           (offset -1: this piece is a frame); optional
+
+Kinds: ``data`` carries a collective's payload; ``hello`` and ``bye`` open and close a
+peer's part in the session; ``abort`` reports that collective ``q`` failed at its sender
+(meta ``{collective, waiting_on, blame}``: the ranks it blamed for a timeout, and how it
+found them, one of :data:`BLAMES`: they did not answer, they had not started, or only whom
+it waits for itself, which its peers need not take for theirs). ``why`` and
+``waiting`` are how a rank whose deadline passed finds out whom to blame before it aborts:
+it asks every peer ``why`` about collective ``q``, and each answers at once with
+``waiting``, meta ``{state, waiting_on}``: one of :data:`STATES` and the ranks its receives
+of ``q`` are waiting for.
 
 Payload frames are the raw bytes of C-contiguous arrays, read back with ``np.frombuffer``.
 Nothing in a message can run code: no pickle, only msgpack scalars, strings, lists and
@@ -30,7 +42,13 @@ from typing import Any
 import msgpack
 
 WIRE_VERSION = 2
-KINDS = frozenset({"data", "abort", "hello", "bye"})
+KINDS = frozenset({"data", "abort", "hello", "bye", "why", "waiting"})
+# What a peer answers about a collective, in a "waiting" message.
+WAITING, FINISHED, NOT_STARTED, FAILED = "waiting", "finished", "not started", "failed"
+STATES = frozenset({WAITING, FINISHED, NOT_STARTED, FAILED})
+# How the rank that timed out found whom to blame, in its "abort" message.
+SILENT, ABSENT, OWN = "silent", "absent", "own"
+BLAMES = frozenset({SILENT, ABSENT, OWN})
 DIGEST_BYTES = 8
 
 # The signature of a collective: what the sender thinks the collective is. Every data
@@ -113,6 +131,8 @@ def encode_header(h: Header) -> bytes:
         d.update(q=h.seq, err=h.err)
     elif h.kind == "bye":
         d["q"] = h.seq  # how many collectives the peer had started when it left
+    elif h.kind in ("why", "waiting"):
+        d["q"] = h.seq
     if h.meta is not None:
         d["meta"] = h.meta
     return msgpack.packb(d, use_bin_type=True)

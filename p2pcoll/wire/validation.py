@@ -8,6 +8,22 @@ allow-list and shape bounds of a broadcast's layout, the signature digest. It re
 any bytes at all (a property test feeds it arbitrary msgpack and byte strings). Pieces that
 lie in a peer's shared-memory ring are then resolved by the transport, whose own bounds
 checks raise ProtocolError too.
+
+Each ProtocolError carries a ``reason``, one of :data:`REASONS`, by which the transport
+counts the messages it drops (``Group.stats()["messages_dropped_by_reason"]``):
+
+    stranger    the link (or the source rank) is no other member of this group
+    oversize    the message, its header or the payload it names is over a size cap
+    version     another wire version
+    group       a header for another group (another job, or an earlier one on this port)
+    mismatch    the header disagrees with the message it heads or the link it came on: the
+                number or sizes of its frames, or a source rank other than the link's
+    duplicate   a second message with the same key (raised by the matcher, after this)
+    malformed   anything else: not msgpack, unknown kinds or keys, wrong types, bounds
+                (ProtocolError's default, so the checks below name only the others)
+
+The transport counts a message whose handling raised anything but a ProtocolError (a bug
+in p2pcoll, not a bad message) as ``error``.
 """
 
 from __future__ import annotations
@@ -22,7 +38,17 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ..types import ALLOWED_DTYPES
-from .header import DIGEST_BYTES, KINDS, SIGNATURE_FIELDS, WIRE_VERSION, Header
+from .header import (
+    BLAMES,
+    DIGEST_BYTES,
+    KINDS,
+    SIGNATURE_FIELDS,
+    STATES,
+    WIRE_VERSION,
+    Header,
+)
+
+REASONS = ("stranger", "oversize", "version", "group", "mismatch", "duplicate", "malformed")
 
 # Bounds on what a header may describe; far above any real use, far below what would let a
 # few bytes make a peer allocate gigabytes or recurse without end.
@@ -33,6 +59,7 @@ MAX_NDIM = 32
 MAX_TREE_DEPTH = 64
 MAX_LEAF_BYTES = 1 << 46
 MAX_TEXT = 1 << 16
+MAX_RANK = 1 << 20
 FIELDS = frozenset({"v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta"})
 
 
@@ -87,6 +114,16 @@ def _int_list(value: Any, name: str, low: int, count: int | None = None) -> list
     return value
 
 
+def _ranks(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_PIECES:
+        raise ProtocolError(f"header field {name!r} is {_short(value)}, expected a list of "
+                            f"ranks")
+    for v in value:
+        if type(v) is not int or not 0 <= v < MAX_RANK:
+            raise ProtocolError(f"header field {name!r} holds {_short(v)}, expected ranks")
+    return value
+
+
 def decode_header(raw: bytes | memoryview) -> Header:
     """Parse and check a header frame on its own (no roster needed).
 
@@ -95,7 +132,8 @@ def decode_header(raw: bytes | memoryview) -> Header:
             missing, of the wrong type or out of bounds.
     """
     if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}",
+                            reason="oversize")
     try:
         d = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=1 << 16,
                             max_str_len=MAX_HEADER_BYTES, max_array_len=MAX_LEAVES,
@@ -104,17 +142,18 @@ def decode_header(raw: bytes | memoryview) -> Header:
         raise ProtocolError(f"header is not valid msgpack: {_short(exc)}") from None
     if not isinstance(d, dict):
         raise ProtocolError(f"header is a {type(d).__name__}, expected a map")
+    version = d.get("v")  # first: another version may well have other keys
+    if type(version) is not int or version != WIRE_VERSION:
+        raise ProtocolError(f"wire version {_short(version)}, expected {WIRE_VERSION}",
+                            reason="version")
     if not FIELDS.issuperset(d):
         strange = [k for k in d if k not in FIELDS]
         raise ProtocolError(f"header has unknown keys {_short(strange)}")
-    version = d.get("v")
-    if type(version) is not int or version != WIRE_VERSION:
-        raise ProtocolError(f"wire version {_short(version)}, expected {WIRE_VERSION}")
     kind = d.get("k")
     if not isinstance(kind, str) or kind not in KINDS:
         raise ProtocolError(f"unknown message kind {_short(kind)}")
-    h = Header(kind=kind, group=_str(d, "g"), src=_int(d, "r", 0, 1 << 20))
-    if kind in ("data", "abort", "bye"):
+    h = Header(kind=kind, group=_str(d, "g"), src=_int(d, "r", 0, MAX_RANK))
+    if kind in ("data", "abort", "bye", "why", "waiting"):
         h.seq = _int(d, "q")
     if kind == "data":
         h.seg = _int(d, "seg", 0, 1 << 32)
@@ -168,9 +207,19 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
             raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name}}")
     elif kind == "abort":
         coll, waiting = meta.get("collective", ""), meta.get("waiting_on", [])
-        if set(meta) - {"collective", "waiting_on"} or not isinstance(coll, str):
+        blame = meta.get("blame", "own")
+        if (set(meta) - {"collective", "waiting_on", "blame"}
+                or not (isinstance(coll, str) and len(coll) <= 256)
+                or not (isinstance(blame, str) and blame in BLAMES)):
             raise ProtocolError(f"abort meta is {_short(meta)}")
         _int_list(waiting, "waiting_on", 0)
+    elif kind == "waiting":
+        state = meta.get("state", "waiting")
+        if set(meta) - {"state", "waiting_on"} or not (isinstance(state, str)
+                                                        and state in STATES):
+            raise ProtocolError(f"waiting meta is {_short(meta)}, expected {{'state': one of "
+                                f"{sorted(STATES)}, 'waiting_on': [rank, ...]}}")
+        _ranks(meta.get("waiting_on", []), "waiting_on")
     elif kind == "data":
         check_layout(meta)
     else:
@@ -224,13 +273,6 @@ def _tree_leaves(td: Any, depth: int) -> int:
     return sum(_tree_leaves(child, depth + 1) for child in td[1])
 
 
-def link_rank(identity: bytes) -> int:
-    """The rank a ZeroMQ link identity names (``b"3"``), or ProtocolError."""
-    if not (0 < len(identity) <= 7 and identity.isdigit()):
-        raise ProtocolError(f"link identity {_short(identity)} is not a rank")
-    return int(identity)
-
-
 def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequence[int],
              limits: Limits) -> Header:
     """Check one received message against the wire format and this peer's group.
@@ -251,30 +293,39 @@ def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequenc
     # header costs the event loop a good part of a second.
     if not 0 <= link < limits.world_size or link == limits.rank:
         raise ProtocolError(f"message on the link of rank {link}, which is no other member "
-                            f"of this group of {limits.world_size}")
+                            f"of this group of {limits.world_size}", reason="stranger")
     total = len(header_frame) + sum(payload_sizes)
     if total > limits.max_message_bytes:
         raise ProtocolError(f"message of {total} bytes exceeds the "
-                            f"{limits.max_message_bytes}-byte cap")
+                            f"{limits.max_message_bytes}-byte cap", reason="oversize")
     header = decode_header(header_frame)
     offsets = header.shm[1] if header.shm is not None else [-1] * len(header.nbytes)
     inline = [n for n, at in zip(header.nbytes, offsets, strict=True) if at == -1]
     if header.kind != "data" and payload_sizes:
-        raise ProtocolError(f"a {header.kind} message has {len(payload_sizes)} payload frames")
+        raise ProtocolError(f"a {header.kind} message has {len(payload_sizes)} payload frames",
+                            reason="mismatch")
     if len(payload_sizes) != len(inline):
         raise ProtocolError(f"header lists {len(inline)} payload frames, message has "
-                            f"{len(payload_sizes)}")
+                            f"{len(payload_sizes)}", reason="mismatch")
     for i, (got, want) in enumerate(zip(payload_sizes, inline, strict=True)):
         if got != want:
-            raise ProtocolError(f"payload frame {i} has {got} bytes, header says {want}")
+            raise ProtocolError(f"payload frame {i} has {got} bytes, header says {want}",
+                                reason="mismatch")
     if sum(header.nbytes) > limits.max_message_bytes:
         raise ProtocolError(f"message names {sum(header.nbytes)} payload bytes, over the "
-                            f"{limits.max_message_bytes}-byte cap")
+                            f"{limits.max_message_bytes}-byte cap", reason="oversize")
     if header.group != limits.group:
         raise ProtocolError(f"message for group {_short(header.group)}, this is "
-                            f"{limits.group!r}")
+                            f"{limits.group!r}", reason="group")
     if header.src != link:
-        raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link")
+        raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link",
+                            reason="mismatch")
     if not 0 <= header.src < limits.world_size or header.src == limits.rank:
-        raise ProtocolError(f"message from invalid source rank {header.src}")
+        raise ProtocolError(f"message from invalid source rank {header.src}",
+                            reason="stranger")
+    if header.kind == "waiting" and header.meta is not None:
+        strange = [r for r in header.meta.get("waiting_on", ()) if r >= limits.world_size]
+        if strange:
+            raise ProtocolError(f"waiting message names ranks {_short(strange)}, not in this "
+                                f"group of {limits.world_size}")
     return header
