@@ -46,6 +46,14 @@ Overlap (:mod:`.reducer`). :func:`allreduce_gradients` takes gradients that are 
 :class:`GradientReducer` takes them one at a time as the backward pass produces them
 (:meth:`Round.add`) and starts each bucket's allreduce as soon as the bucket is full.
 
+Elastic rounds (:mod:`.elastic`). :func:`train_elastic` runs the rounds itself, in groups
+that change: ``step(group, round, state)`` gives this rank's gradients, the loop reduces
+them and ``apply(state, grads, round)`` updates the state. When a peer dies the survivors
+form a new group at once (ranks in their old order); peers that arrive are let in at the
+next round boundary; every new group starts from the state of its most advanced member,
+so no round is applied twice or skipped. Fewer peers than ``min_world_size`` stop the job
+with :class:`WorldTooSmall`. The module docstring gives the argument for exactly-once.
+
 Every coroutine here is a sequence of the group's collectives and raises what they raise
 (:class:`~p2pcoll.CollectiveTimeout`, :class:`~p2pcoll.PeerLost`,
 :class:`~p2pcoll.GroupBroken`, ...), besides the errors of :mod:`.errors`. Cancellation in the
@@ -55,14 +63,16 @@ group between rounds, not during one.
 Modules: ``buckets`` (TensorSpec, Bucket, BucketPlan), ``agreement`` (the header and the
 first-difference report), ``replicas`` (check_replicas), ``gradients``
 (allreduce_gradients), ``parameters`` (broadcast_parameters), ``reducer`` (GradientReducer,
-Round), ``nonfinite`` (NaN/Inf reports), ``state`` (round numbers per group), ``errors``.
+Round), ``nonfinite`` (NaN/Inf reports), ``state`` (round numbers per group), ``elastic``
+(train_elastic, ElasticResult, Formation), ``errors``.
 """
 
 from __future__ import annotations
 
 from ..pytree import named_leaves, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketPlan, TensorSpec
-from .errors import NonFiniteGradients, RoundError
+from .elastic import ElasticResult, Formation, train_elastic
+from .errors import NonFiniteGradients, RoundError, WorldTooSmall
 from .gradients import allreduce_gradients
 from .nonfinite import Nonfinite
 from .parameters import broadcast_parameters
@@ -73,15 +83,19 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Bucket",
     "BucketPlan",
+    "ElasticResult",
+    "Formation",
     "GradientReducer",
     "NonFiniteGradients",
     "Nonfinite",
     "Round",
     "RoundError",
     "TensorSpec",
+    "WorldTooSmall",
     "allreduce_gradients",
     "broadcast_parameters",
     "check_replicas",
     "named_leaves",
     "replace_leaves",
+    "train_elastic",
 ]

@@ -1,0 +1,477 @@
+"""Elastic training: rounds that go on when peers die, and take in peers that arrive.
+
+    async def step(group, round, params):          # this rank's gradients for this round
+        shard = batch_of(round)[group.rank::group.world_size]
+        return gradients(params, shard)
+
+    def apply(params, grads, round):               # the same update on every rank, in place
+        for name, p in params.items():
+            p -= lr * grads[name]
+
+    result = await training.train_elastic(step, apply, params, rounds=1000,
+                                          min_world_size=2, max_world_size=4)
+
+Like torchelastic, Horovod elastic or torchft, but in the process: nothing restarts. Each
+peer runs :func:`train_elastic`, which joins an elastic group (:func:`p2pcoll.join` with
+``min_world_size``/``max_world_size``) and runs rounds in it. In round ``r`` every rank
+calls ``step(group, r, state)`` for its gradients, the group reduces them
+(:func:`allreduce_gradients`) and every rank calls ``apply(state, reduced, r)``. When a
+peer dies (the round fails with :class:`~p2pcoll.PeerLost`, :class:`~p2pcoll.GroupBroken`
+or :class:`~p2pcoll.CollectiveTimeout`), the survivors close the group and join anew,
+passing their old rank as ``order`` so they keep their order; when peers wait at the
+rendezvous, everyone closes and joins anew at the next round boundary so they get in. Each
+new group starts with a *formation*: the ranks compare their round counters (one small
+allgather), and the rank with the highest counter (ties: the lowest rank, so the lowest
+old rank among the survivors) broadcasts its state to all; a newcomer has no counter and
+always receives. Everyone then goes on from that same (round, state).
+
+Exactly once. A rank's round counter ``c`` and its state ``S`` change only together, and
+only in two ways, each with no ``await`` inside, so nothing (no failure, no cancellation)
+can come between the two halves:
+
+- *applying* round ``c``: once the allreduce of round ``c`` has returned on this rank,
+  ``apply`` runs and ``c`` becomes ``c + 1``. If the allreduce fails, neither changes.
+- *adopting* at a formation: the source's state is received into fresh buffers and
+  copied over ``S``, with its counter, only once the whole broadcast has arrived (a
+  broadcast cut off half-way leaves ``S`` and ``c`` as they were).
+
+So a rank's pair always satisfies: ``S`` is the initial state updated by rounds
+``0 .. c-1``, each exactly once, in order (by induction: applying extends such a pair by
+one round, adopting replaces it by another such pair). A round is reduced over the group
+that ran it, and its result is the same bits on every rank that completed it, so ranks with
+the same counter in one group hold the same state, and after every formation all members
+hold the source's pair. The ambiguous case is a failure during round ``r``'s allreduce,
+which may complete on some ranks and not on others: those hold ``(r + 1, S')``, the others
+``(r, S)``. At the formation the highest counter wins, so everyone takes ``(r + 1, S')`` and
+nobody runs round ``r`` again; if every rank that completed it died, the survivors all hold
+``(r, S)`` and run round ``r`` again in the new group, exactly once in what survives. Counters
+of one group differ by at most one (a rank cannot finish round ``r + 1`` without the
+others' part of it). The state broadcast never reads a half-applied state, since ``apply``
+is a plain function, not a coroutine. Finishing is the one place no protocol can agree
+(two generals): if round ``rounds - 1``'s allreduce completes on some ranks, which return,
+and fails on others, the others run it again without them and may end with other bits.
+
+Admission. At each round boundary rank 0 asks the rendezvous how many peers wait
+(:func:`p2pcoll.rendezvous.client.waiting`), in the background and at most every
+``poll_every`` seconds, and the answer rides in that round's allreduce as one extra element
+(``"p2pcoll.admit"``, in a bucket of the gradients' own dtype), instead of a broadcast of
+its own: no extra message per round, and every rank that completes the round learns the
+decision with the round itself. A full group (``max_world_size`` members) does not ask.
+
+Formation. The rendezvous forms a group once ``max_world_size`` peers are there, or at
+least ``min_world_size`` are and nobody new arrived for a second. A join that fails for a
+passing reason (a peer lost while the group formed, the rendezvous host gone while another
+takes over) is tried again until the join timeout; when that passes with fewer than
+``min_world_size`` peers at the rendezvous, :class:`WorldTooSmall` says how many there were.
+
+What to know:
+
+- Put everything that must survive in ``state`` (weights and optimizer moments): it is
+  what the formation copies. ``step`` must not change it; ``apply`` changes it in place.
+- The data shard of a round must depend only on ``(round, group.rank, group.world_size)``
+  for a redone round to be the same computation on the new group. With ``op="sum"`` and
+  gradients divided by the global batch size, each round's update is the mean over the whole
+  global batch, whatever the world size (see ``examples/train_elastic.py``); with
+  ``op="avg"`` it is the mean of the ranks' means.
+- Two groups of one job can run at once if ``2 * min_world_size`` peers or more are alive:
+  peers beyond ``max_world_size`` that wait while a full group runs form a group of their
+  own once ``min_world_size`` of them are there (and start from round 0), and so do the
+  sides of a partition. Each is a valid run; where they meet at a later formation, the
+  most advanced state wins and the other's rounds are dropped, never mixed. Start at most
+  ``max_world_size`` peers, or keep ``min_world_size`` above half of them.
+- A peer that arrives after the job finished waits for the join timeout and then raises
+  :class:`WorldTooSmall`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from ..api import join
+from ..errors import CollectiveTimeout, GroupBroken, PeerLost, RendezvousError, SettingsError
+from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from ..rendezvous.client import waiting
+from ..settings import Settings, check_seconds
+from ..transport.sockets import SocketFactory
+from .errors import WorldTooSmall
+from .gradients import allreduce_gradients
+from .nonfinite import Nonfinite
+from .parameters import broadcast_parameters
+
+if TYPE_CHECKING:
+    from .. import Group
+
+__all__ = ["ADMIT", "ElasticResult", "Formation", "train_elastic"]
+
+log = logging.getLogger("p2pcoll.training")
+
+Step = Callable[["Group", int, Pytree], Awaitable[Mapping[str, Any]]]
+Apply = Callable[[Pytree, dict[str, Any], int], None]
+
+ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
+# The failures of a round or a formation after which the survivors form a new group.
+RECOVERABLE = (PeerLost, GroupBroken, CollectiveTimeout)
+RETRY_S = 0.2  # pause before joining again after a join that failed for a passing reason
+CENSUS_S = 1.0  # how often the peers at the rendezvous are counted while joining
+ASK_TIMEOUT_S = 1.0  # for one waiting() question
+# A RendezvousError with one of these in its message does not pass by trying again.
+_LASTING = ("rejected this peer", "the handshake with the rendezvous")
+
+
+@dataclass
+class Formation:
+    """One group this rank trained in, from its formation to its close.
+
+    Attributes:
+        rank, world_size: this rank's place in the group, and its size.
+        round: the round the group started from (the source's counter).
+        source: the rank whose state every member took.
+        applied: the rounds this rank applied in this group, in order.
+        ended: why the group ended: ``"finished"``, ``"admitting"`` (peers were waiting),
+            or the failure (``"PeerLost: ..."``).
+    """
+
+    rank: int
+    world_size: int
+    round: int  # noqa: A003 - the natural name
+    source: int
+    applied: list[int] = field(default_factory=list)
+    ended: str = ""
+
+    @property
+    def received(self) -> bool:
+        """Whether this rank took another rank's state at the formation."""
+        return self.rank != self.source
+
+
+@dataclass
+class ElasticResult:
+    """What :func:`train_elastic` did on this rank.
+
+    Attributes:
+        state: the trained state (the caller's own pytree, updated in place).
+        formations: the groups this rank trained in, in order. Groups that broke before
+            their state was in sync are not listed.
+        redone: how many rounds this rank computed a second time, after a failure lost them.
+    """
+
+    state: Pytree
+    formations: list[Formation]
+    redone: int
+
+    @property
+    def applied(self) -> list[int]:
+        """Every round this rank applied itself, in order; the rounds missing from it came
+        with another rank's state at a formation."""
+        return [r for f in self.formations for r in f.applied]
+
+    @property
+    def rounds_done(self) -> int:
+        """How many rounds this rank applied itself."""
+        return sum(len(f.applied) for f in self.formations)
+
+    @property
+    def joined_at(self) -> int:
+        """The round this rank started from: 0 for the first peers, later for a newcomer."""
+        return self.formations[0].round
+
+
+async def train_elastic(
+    step: Step,
+    apply: Apply,
+    state: Pytree,
+    *,
+    rounds: int,
+    min_world_size: int | None = None,
+    max_world_size: int | None = None,
+    rendezvous: str | None = None,
+    timeout: float | None = None,
+    poll_every: float = 1.0,
+    op: Literal["avg", "sum"] = "avg",
+    bucket_bytes: int | None = None,
+    strategy: str | None = None,
+    nonfinite: Nonfinite = "raise",
+    **join_kwargs: Any,
+) -> ElasticResult:
+    """Run rounds ``0 .. rounds-1`` in elastic groups, each exactly once (module docstring).
+
+    Args:
+        step: ``await step(group, round, state)`` returns this rank's gradients for the
+            round, a dict of name -> array (or pytree), the same names, shapes and dtypes on
+            every rank. It reads ``state``, never changes it; it may run collectives on
+            ``group`` if every rank runs the same ones.
+        apply: ``apply(state, grads, round)`` applies the reduced gradients to ``state`` in
+            place. A plain function: it must not await, so a round is applied whole or not.
+        state: a pytree of writable arrays (numpy, or CPU torch tensors): the weights and
+            whatever else must survive. A newcomer passes arrays of the right shapes and
+            dtypes (its initial weights): they are overwritten by the group's.
+        rounds: how many rounds the job runs.
+        min_world_size, max_world_size: the elastic bounds (``$P2PCOLL_MIN_WORLD_SIZE``,
+            ``$P2PCOLL_MAX_WORLD_SIZE``); the minimum must be given, no maximum means no bound.
+        rendezvous: ``"tcp://HOST:PORT"`` (``$P2PCOLL_RENDEZVOUS``, ...): required.
+        timeout: seconds each (re)formation may take (``$P2PCOLL_JOIN_TIMEOUT``, 60 s), the
+            time a replacement has to arrive when the survivors are too few.
+        poll_every: rank 0 asks the rendezvous whether peers wait at most this often.
+        op: "avg" or "sum" (see the module docstring); bucket_bytes, strategy, nonfinite:
+            as :func:`allreduce_gradients`.
+        **join_kwargs: other arguments of :func:`p2pcoll.join` (``key_file``,
+            ``heartbeat_timeout``, ``job_id``, ``collective_timeout``, ``transport``,
+            ``strategies``); not ``world_size``, ``rank`` or ``order``.
+
+    Returns:
+        An :class:`ElasticResult`; ``state`` holds round ``rounds - 1``'s update.
+
+    Raises:
+        WorldTooSmall: a (re)formation found fewer than ``min_world_size`` peers within
+            the join timeout.
+        SettingsError: a bad setting, no rendezvous address or no minimum, or a fixed
+            world size or rank in the environment (``$WORLD_SIZE``, ``$RANK``: a launcher's).
+        TypeError, ValueError: bad arguments; ``step`` returned something that is not a
+            dict, or one that holds ``"p2pcoll.admit"``.
+        RendezvousError: the rendezvous rejected this peer (bounds that disagree with the
+            others') or the handshake with it failed (another job key).
+        CollectiveMismatch, NonFiniteGradients: as :func:`allreduce_gradients` (the ranks
+            disagree about the gradients; NaN or Inf): these are not recovered from.
+        Whatever ``step`` or ``apply`` raise, other than the failures recovered from.
+
+    Cancellation: closes the group; ``state`` holds a whole number of rounds (the round in
+        progress is not applied).
+    """
+    for name in ("world_size", "rank", "order"):
+        if name in join_kwargs:
+            raise TypeError(f"train_elastic assigns {name}; do not pass {name}=")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+        raise ValueError(f"rounds must be an int >= 0, got {rounds!r}")
+    check_seconds(poll_every, "poll_every=")
+    if op not in ("avg", "sum"):
+        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    run = _Run(step, apply, state, rounds, poll_every,
+               {"op": op, "bucket_bytes": bucket_bytes, "strategy": strategy,
+                "nonfinite": nonfinite},
+               {"rendezvous": rendezvous, "min_world_size": min_world_size,
+                "max_world_size": max_world_size, "timeout": timeout, **join_kwargs})
+    return await run.run()
+
+
+class _Run:
+    """One rank's elastic run: its (round, state) pair and the groups it goes through."""
+
+    def __init__(self, step: Step, apply: Apply, state: Pytree, rounds: int,
+                 poll_every: float, reduce: dict[str, Any], joining: dict[str, Any]) -> None:
+        self.step, self.apply, self.state, self.rounds = step, apply, state, rounds
+        self.poll_every, self.reduce, self.joining = poll_every, reduce, joining
+        self.leaves = [as_array(leaf, path) for path, leaf in named_leaves(state)]
+        for (path, _), array in zip(named_leaves(state), self.leaves, strict=True):
+            if not array.flags.writeable:
+                raise ValueError(f"state {path!r} is read-only; a formation writes into it")
+        self.settings = _elastic_settings(join(**joining).settings)  # checked, nothing opened
+        self.round = 0
+        self.synced = False  # whether (round, state) came from a formation: a newcomer's not
+        self.order: int | None = None  # the last group's rank, this rank's place in the next
+        self.started = -1  # the highest round whose step this rank ran
+        self.redone = 0
+        self.formations: list[Formation] = []
+
+    async def run(self) -> ElasticResult:
+        while True:
+            group = await self._join()
+            self.order = group.rank
+            formation: Formation | None = None
+            try:
+                formation = await self._sync(group)
+                formation.ended = await self._train(group, formation)
+            except RECOVERABLE as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                if formation is not None:
+                    formation.ended = why
+                log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
+                            group.rank, group.world_size, self.round, why)
+            finally:
+                await group.close()
+            if self.round >= self.rounds:
+                return ElasticResult(self.state, self.formations, self.redone)
+
+    async def _join(self) -> Group:
+        """A new elastic group, trying again after passing failures until the join timeout.
+
+        Raises:
+            WorldTooSmall: the timeout passed with fewer than the minimum at the rendezvous.
+            RendezvousError: this peer was rejected or the handshake failed; or the timeout
+                passed although enough peers were there (the last attempt's error).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.join_timeout
+        census = _Census(self.settings, CENSUS_S)
+        counts: list[int] = []
+        counting = asyncio.create_task(census.count_into(counts))
+        last: RendezvousError | None = None
+        try:
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    return await join(**{**self.joining, "order": self.order, "timeout": left})
+                except RendezvousError as exc:
+                    if any(words in str(exc) for words in _LASTING):
+                        raise
+                    last = exc
+                    log.info("elastic: joining again: %s", exc)
+                await asyncio.sleep(min(RETRY_S, max(0.0, deadline - loop.time())))
+        finally:
+            counting.cancel()
+            await asyncio.gather(counting, return_exceptions=True)
+            await census.aclose()
+        low = self.settings.min_world_size
+        assert low is not None  # checked by _elastic_settings
+        found = max(counts, default=None)  # the most that were there at once
+        if found is not None and found >= low and last is not None:
+            raise last  # enough peers came, and the group still did not form
+        raise WorldTooSmall(
+            f"elastic training needs at least {low} peers, and "
+            + (f"only {found} {'was' if found == 1 else 'were'} at the rendezvous"
+               if found is not None else "fewer came to the rendezvous")
+            + f" {self.settings.rendezvous} for {self.settings.join_timeout:g}s (at round "
+            f"{self.round}); start more peers, or lower min_world_size",
+            minimum=low, found=found, round=self.round,
+        ) from last
+
+    async def _sync(self, group: Group) -> Formation:
+        """The formation: everyone takes the (round, state) of the most advanced member.
+
+        Cancellation, or a failure: ``state`` and the round are as they were, or the
+        source's, never a mix.
+        """
+        mine = self.round if self.synced else -1  # a newcomer has no state to offer
+        counters = await group.allgather(np.array([mine], np.int64))
+        have = [int(c[0]) for c in counters]
+        source = have.index(max(have))  # the first of the highest: the lowest rank
+        if group.world_size > 1 and group.rank == source:
+            await broadcast_parameters(group, self.state, root=source)
+        elif group.world_size > 1:
+            incoming = replace_leaves(self.state, [np.empty_like(a) for a in self.leaves])
+            got = await broadcast_parameters(group, incoming, root=source)
+            for own, (_, new) in zip(self.leaves, named_leaves(got), strict=True):
+                np.copyto(own, as_array(new))  # all of it, or (above) none of it
+        self.round, self.synced = max(have[source], 0), True
+        formation = Formation(group.rank, group.world_size, self.round, source)
+        self.formations.append(formation)
+        log.info("elastic: rank %d of %d from round %d (state of rank %d)", group.rank,
+                 group.world_size, self.round, source)
+        return formation
+
+    async def _train(self, group: Group, formation: Formation) -> str:
+        """Rounds in ``group`` until the last, or until peers wait to get in."""
+        high = self.settings.max_world_size
+        census = (_Census(group.settings, self.poll_every)
+                  if group.rank == 0 and (high is None or group.world_size < high) else None)
+        try:
+            while self.round < self.rounds:
+                r = self.round
+                if r <= self.started:
+                    self.redone += 1
+                self.started = max(self.started, r)
+                grads = await self.step(group, r, self.state)
+                payload = _with_flag(grads, census is not None and bool(census.fresh()),
+                                     group.world_size, self.reduce["op"])
+                reduced = await allreduce_gradients(group, payload, round=r, **self.reduce)
+                admit = float(reduced[ADMIT][0]) > 0.5
+                # No await from here on: round r is applied whole, with the counter.
+                self.apply(self.state, {k: v for k, v in reduced.items() if k != ADMIT}, r)
+                self.round = r + 1
+                formation.applied.append(r)
+                if admit and self.round < self.rounds:
+                    log.info("elastic: peers wait to join; forming a new group after round %d",
+                             r)
+                    return "admitting"
+            return "finished"
+        finally:
+            if census is not None:
+                await census.aclose()
+
+
+def _elastic_settings(settings: Settings) -> Settings:
+    """``settings`` if they describe an elastic group.
+
+    Raises:
+        SettingsError: a fixed world size or rank, no minimum, or no rendezvous.
+    """
+    if settings.world_size is not None or settings.rank is not None:
+        raise SettingsError(
+            "train_elastic forms elastic groups, but a fixed world size or rank is set (by "
+            "$WORLD_SIZE / $RANK, or a launcher's equivalents): start the peers without them",
+            name="world_size", value=settings.world_size, allowed="unset")
+    if settings.min_world_size is None:
+        raise SettingsError(
+            "train_elastic needs min_world_size= (or $P2PCOLL_MIN_WORLD_SIZE)",
+            name="min_world_size=", allowed="an integer >= 1")
+    if settings.rendezvous is None:
+        raise SettingsError(
+            "train_elastic needs a rendezvous address: rendezvous='tcp://HOST:PORT' or "
+            "$P2PCOLL_RENDEZVOUS", name="rendezvous=", allowed="tcp://HOST:PORT")
+    return settings
+
+
+def _with_flag(grads: Mapping[str, Any], admit: bool, world_size: int, op: str
+               ) -> dict[str, Any]:
+    """``grads`` and rank 0's admission flag, in the dtype of the first float gradient (so
+    it shares a bucket); reduced, the flag is 1 if rank 0 set it, else 0."""
+    if not isinstance(grads, Mapping):
+        raise TypeError(f"step must return a dict of gradients, got {type(grads).__name__}")
+    if ADMIT in grads:
+        raise ValueError(f"a gradient is named {ADMIT!r}, the name train_elastic uses")
+    dtypes = [as_array(leaf, path).dtype for path, leaf in named_leaves(dict(grads))]
+    dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
+    scale = world_size if op == "avg" else 1  # avg divides by the world size
+    return {**grads, ADMIT: np.array([scale if admit else 0], dtype)}
+
+
+class _Census:
+    """Counts the peers waiting at the rendezvous for the job's next group, with the job's
+    key. ``fresh()`` never waits: it asks in the background, at most every ``every`` s."""
+
+    def __init__(self, settings: Settings, every: float) -> None:
+        assert settings.rendezvous is not None
+        self.url, self.job, self.every = settings.rendezvous, settings.job_id, every
+        self.sockets = SocketFactory.for_settings(settings)
+        self.task: asyncio.Task[int | None] | None = None
+        self.due = 0.0  # loop time of the next question
+
+    async def ask(self) -> int | None:
+        """How many wait, or None if the rendezvous did not answer."""
+        try:
+            return await waiting(self.url, job=self.job, sockets=self.sockets,
+                                 timeout=ASK_TIMEOUT_S)
+        except RendezvousError as exc:
+            log.debug("elastic: no answer from the rendezvous: %s", exc)
+            return None
+
+    def fresh(self) -> int | None:
+        """The answer that came since the last call, if one did; asks again when due."""
+        answer = None
+        if self.task is not None and self.task.done():
+            answer, self.task = self.task.result(), None
+        now = asyncio.get_running_loop().time()
+        if self.task is None and now >= self.due:
+            self.due = now + self.every
+            self.task = asyncio.create_task(self.ask())
+        return answer
+
+    async def count_into(self, counts: list[int]) -> None:
+        """Append each answer to ``counts``, every ``every`` seconds, until cancelled."""
+        while True:
+            count = await self.ask()
+            if count is not None:
+                counts.append(count)
+            await asyncio.sleep(self.every)
+
+    async def aclose(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        self.sockets.close()
