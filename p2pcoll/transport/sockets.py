@@ -25,6 +25,7 @@ from ..settings import Settings
 
 LINGER_MS = 2000  # how long queued messages may still go out after a link closes
 RENDEZVOUS_MAX_BYTES = 1 << 20  # a join request or a roster; larger ones are refused
+LINK_RECEIVE_BYTES = 1024  # what a sending link accepts back (nothing is ever sent back)
 # What may wait in one link's queue, at either end, before a send waits (backpressure per
 # destination) or libzmq stops reading the connection: a bound in bytes, turned into
 # ZeroMQ's bound in messages by the largest message the group sends.
@@ -102,6 +103,10 @@ class SocketFactory:
         sock = self._client(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
+        # A link only sends: whatever the far end sends back is never read, so it may
+        # neither be large nor pile up.
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, LINK_RECEIVE_BYTES)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         if heartbeats:
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self.heartbeat_ms // 5))
@@ -126,6 +131,7 @@ class SocketFactory:
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * RENDEZVOUS_MAX_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 64)
         sock.setsockopt(zmq.HANDSHAKE_IVL, 2000)
         return sock
 
