@@ -8,15 +8,24 @@ a peer binds and advertises:
 - ``inproc``: an in-process queue (peers in one process; tests and simulations);
 - ``auto`` (the default): binds both tcp and ipc, and reaches each peer over ipc when it runs
   on the same host (same hostname and kernel boot id), over tcp otherwise.
+
+An ipc socket file is named after the process that binds it, ``p2pcoll-<pid>-<16 hex>.sock``
+in the temporary directory. A peer that closes removes its file; one that is killed
+(SIGKILL, the OOM killer) cannot, so every group that binds ipc endpoints first removes the
+files of processes that are gone (:func:`sweep_ipc`, one ``listdir``). A peer that creates
+a shared-memory ring does the same for the rings of dead peers (:func:`.shm.sweep`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+import stat
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 
 class EndpointPolicy(ABC):
@@ -41,9 +50,92 @@ class EndpointPolicy(ABC):
                 pass
 
 
+# The name of an ipc socket file; group 1 is the pid of the process that bound it.
+IPC_NAME = re.compile(r"p2pcoll-([1-9][0-9]{0,9})-[0-9a-f]{16}\.sock")
+
+
 def _ipc_address() -> str:
     # Unix socket paths are limited to ~107 bytes, so keep this short.
-    return "ipc://" + os.path.join(tempfile.gettempdir(), f"p2pcoll-{uuid.uuid4().hex[:16]}.sock")
+    name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}.sock"
+    return "ipc://" + os.path.join(tempfile.gettempdir(), name)
+
+
+def owner_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (no such process, or a zombie not yet reaped).
+
+    Only a definite answer counts: a process of another user (``PermissionError``) is alive,
+    and a number that is no pid at all (too large for the kernel) names nothing we made.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError, ValueError):
+        return False
+    try:  # a killed process whose parent has not reaped it yet holds nothing any more
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False
+    return state == [b"Z"]
+
+
+def remove_orphans(directory: str, pattern: re.Pattern[str],
+                   is_kind: Callable[[int], bool],
+                   in_use: Callable[[str], bool] = lambda path: False) -> list[str]:
+    """Remove the files p2pcoll made in ``directory`` for processes that have exited.
+
+    A file goes only if its name matches ``pattern`` in full (group 1 is the pid of the
+    process that made it), that process is gone (:func:`owner_gone`), the file belongs to
+    this user and is of the expected type (``is_kind`` of its ``lstat`` mode, which rules
+    out symbolic links), and ``in_use(path)`` is False. Costs one ``listdir``, plus a
+    ``kill(pid, 0)`` per name that matches. Never raises; returns the paths removed.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    uid = os.geteuid()
+    removed = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or not owner_gone(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+            if info.st_uid != uid or not is_kind(info.st_mode) or in_use(path):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _listened_on(path: str) -> bool:
+    """Whether some process accepts connections on the Unix socket file ``path``.
+
+    The pid in a file's name is that of its creator's pid namespace: a container that shares
+    the temporary directory but not the pid namespace may see it as gone while it serves.
+    Only a refused connection proves that nobody listens.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # a full backlog, a path too long to connect to: leave it be
+            return True
+    return True
+
+
+def sweep_ipc(directory: str | None = None) -> list[str]:
+    """Remove the ipc socket files of processes that have exited (from ``directory``, by
+    default the temporary directory, where :func:`_ipc_address` puts them); returns them."""
+    return remove_orphans(directory or tempfile.gettempdir(), IPC_NAME, stat.S_ISSOCK,
+                          _listened_on)
 
 
 class TcpEndpoints(EndpointPolicy):
@@ -57,6 +149,7 @@ class IpcEndpoints(EndpointPolicy):
     name = "ipc"
 
     def bind_addresses(self, host: str) -> list[str]:
+        sweep_ipc()
         return [_ipc_address()]
 
 
@@ -71,6 +164,7 @@ class AutoEndpoints(EndpointPolicy):
     name = "auto"
 
     def bind_addresses(self, host: str) -> list[str]:
+        sweep_ipc()
         return [f"tcp://{host}:*", _ipc_address()]
 
     def choose(self, my_host: str, their_host: str, their_endpoints: list[str]) -> str:

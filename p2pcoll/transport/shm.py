@@ -29,9 +29,9 @@ and nothing can deadlock on the ring.
 
 Clean-up: the file is unlinked as soon as every peer it was announced to has mapped it (by
 that last peer, or by the sender), and in any case when the sender closes (a mapping
-outlives the name). A file left by a crash before
-that is removed by the next group that starts on the host, once its creator is gone and the
-file has not been written for a minute.
+outlives the name). A file left by a crash before that (a peer killed before all its peers
+mapped its ring) is named after its creator, ``p2pcoll-<pid>-<16 hex>``: the next group that
+creates a ring on the host removes it as soon as that process is gone (:func:`sweep`).
 
 Ordering: the sender writes the piece before the message naming it is sent, and a reader
 publishes its release after it has read the piece; a lock round trip on each side (a full
@@ -48,8 +48,8 @@ import logging
 import mmap
 import os
 import re
+import stat
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -57,6 +57,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import ProtocolError
+from .endpoints import remove_orphans
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -67,7 +68,8 @@ PAGE = 4096
 # the ring to it (int64 each).
 PREAMBLE = 6
 ALIGN = 64  # pieces start on cache lines
-NAME = re.compile(r"p2pcoll-([0-9]{1,10})-[0-9a-f]{16}")
+# A ring file's name; group 1 is the pid of the creator.
+NAME = re.compile(r"p2pcoll-([1-9][0-9]{0,9})-[0-9a-f]{16}")
 
 _barrier_lock = threading.Lock()
 
@@ -348,41 +350,16 @@ class Inbox:
             pass
 
 
-def sweep(min_age: float = 60.0) -> int:
-    """Remove ring files whose creator has exited and that are older than ``min_age`` s."""
-    removed = 0
-    now = time.time()
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        match = NAME.fullmatch(name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if now - os.stat(path).st_mtime < min_age or _alive(pid):
-                continue
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            continue
-    return removed
+def sweep(directory: str | None = None) -> int:
+    """Remove the ring files of ``directory`` (by default :data:`SHM_DIR`) whose creator
+    has exited; how many went.
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_swept = False
+    Only files named like ours, of this user, whose creator is gone (see
+    :func:`~.endpoints.remove_orphans`). A creator that only seems gone (it runs in another
+    pid namespace that shares ``/dev/shm``) loses no more than the readers that had not
+    mapped its ring yet: they cannot, and it sends to them over the socket instead.
+    """
+    return len(remove_orphans(directory or SHM_DIR, NAME, stat.S_ISREG))
 
 
 class SharedRings:
@@ -390,10 +367,7 @@ class SharedRings:
 
     def __init__(self, rank: int, world_size: int, peers: set[int], group_id: str,
                  ring_bytes: int) -> None:
-        global _swept
-        if not _swept:
-            _swept = True
-            sweep()
+        sweep()  # one listdir: what peers of this host killed earlier left behind
         self.rank = rank
         self.peers = peers  # the peers of this host (reached over ipc)
         self.tag = group_tag(group_id)
