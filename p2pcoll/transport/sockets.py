@@ -27,15 +27,16 @@ LINGER_MS = 2000  # how long queued messages may still go out after a link close
 RENDEZVOUS_MAX_BYTES = 1 << 20  # a join request or a roster; larger ones are refused
 LINK_RECEIVE_BYTES = 1024  # what a sending link accepts back (nothing is ever sent back)
 # What may wait in one link's queue, at either end, before a send waits (backpressure per
-# destination) or libzmq stops reading the connection: a bound in bytes, turned into
-# ZeroMQ's bound in messages by the largest message the group sends.
+# destination) or libzmq stops reading that connection (while the receiver's event loop is
+# busy): a bound in bytes, turned into ZeroMQ's bound in messages by the largest message
+# the group sends.
 QUEUE_BYTES = 64 << 20
 MIN_HWM, MAX_HWM = 16, 1000
 
 
-def queue_messages(message_bytes: int) -> int:
-    """The high-water mark (messages) that keeps one link's queue near QUEUE_BYTES."""
-    return max(MIN_HWM, min(MAX_HWM, QUEUE_BYTES // max(1, message_bytes)))
+def queue_messages(message_bytes: int, budget: int = QUEUE_BYTES) -> int:
+    """The high-water mark (messages) that keeps one link's queue near ``budget`` bytes."""
+    return max(MIN_HWM, min(MAX_HWM, budget // max(1, message_bytes)))
 
 
 class SocketFactory:
@@ -91,6 +92,11 @@ class SocketFactory:
         sock = self._server(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        # A second connection with an identity already taken replaces the first instead
+        # of being ignored: an ignored connection is never read, so what it sends would
+        # stay queued (pinned) for good; and a member's link that reconnects before the
+        # old connection is seen to be dead takes its place at once.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A hard per-frame cap: libzmq drops the connection of a peer that exceeds it.
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         # A handshake that does not complete in time (a client that connects and says
@@ -98,7 +104,7 @@ class SocketFactory:
         sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_ms)
         return sock
 
-    def mesh_link(self, identity: bytes, *, heartbeats: bool) -> zmq.asyncio.Socket:
+    def mesh_link(self, identity: bytes) -> zmq.asyncio.Socket:
         """A sending link to one peer, with routing ``identity`` (the sender's rank)."""
         sock = self._client(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity)
@@ -108,10 +114,22 @@ class SocketFactory:
         sock.setsockopt(zmq.RCVHWM, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, LINK_RECEIVE_BYTES)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
-        if heartbeats:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self.heartbeat_ms // 5))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_ms)
+        return sock
+
+    def mesh_probe(self, identity: bytes) -> zmq.asyncio.Socket:
+        """A link to one peer that carries no messages, only ZMTP heartbeats: the peer is
+        alive while its libzmq answers them. Liveness is not measured on the data link
+        because a receiver whose queue is full (its event loop busy) reads nothing of that
+        connection, heartbeats included, and would look dead though it is only slow."""
+        sock = self._client(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.SNDHWM, 1)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, LINK_RECEIVE_BYTES)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self.heartbeat_ms // 5))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_ms)
         return sock
 
     def rendezvous_server(self) -> zmq.asyncio.Socket:

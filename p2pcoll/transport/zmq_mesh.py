@@ -4,7 +4,9 @@ Rank r binds one ROUTER and connects one DEALER (identity ``b"r@group"``) to eve
 ROUTER. So every message arrives with the identity of the link it came on, which must agree
 with the source rank in its header; each link has its own ZeroMQ queue with a high-water
 mark, which gives backpressure per destination; and a dead link is seen on exactly one
-socket, which carries ZMTP heartbeats and a monitor.
+socket's monitor. Beside each link runs a probe, a second connection to the same peer that
+carries only ZMTP heartbeats, so that a peer that freezes is lost after the heartbeat
+timeout while one that is merely slow (its queue full) is not.
 
 One reader task drains the ROUTER and passes every message through the one validation point
 (:func:`p2pcoll.wire.validate`) before handing it to ``on_message``; a message that fails it,
@@ -106,6 +108,7 @@ class ZmqMesh:
         self._ranks: dict[bytes, int] = {}  # link identity -> rank, for the members
         self._router: zmq.asyncio.Socket | None = None
         self._links: dict[int, zmq.asyncio.Socket] = {}
+        self._probes: list[zmq.asyncio.Socket] = []  # heartbeat-only links, one per peer
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._monitored = False
@@ -152,11 +155,19 @@ class ZmqMesh:
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
-            link = self.sockets.mesh_link(link_identity(rank, group_id), heartbeats=monitored)
+            link = self.sockets.mesh_link(link_identity(rank, group_id))
+            watched = [link]
             if monitored:
-                monitor = link.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
-            link.connect(endpoint)
+                # The data link's monitor sees a peer that closes or dies at once; the
+                # probe's heartbeats see one that freezes or is cut off (see mesh_probe).
+                probe = self.sockets.mesh_probe(link_identity(rank, group_id) + b"~probe")
+                self._probes.append(probe)
+                watched.append(probe)
+                for sock in watched:
+                    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                    self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
+            for sock in watched:
+                sock.connect(endpoint)
             self._links[peer] = link
         self._tasks.append(asyncio.create_task(self._read()))
 
@@ -360,15 +371,18 @@ class ZmqMesh:
         self._closed = True
         # Stop the monitors while their PAIR sockets are still open: libzmq sends a final
         # event on stop, and a send to a PAIR whose peer has closed blocks forever.
-        for link in self._links.values():
-            if self._monitored:
-                link.disable_monitor()
+        if self._monitored:
+            for sock in [*self._links.values(), *self._probes]:
+                sock.disable_monitor()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for link in self._links.values():
             link.close()
+        for probe in self._probes:
+            probe.close(linger=0)
         self._links.clear()
+        self._probes.clear()
         if self._rings is not None:
             self._rings.close()
         if self._router is not None:
