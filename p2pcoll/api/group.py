@@ -453,6 +453,11 @@ class Group:
     async def close(self) -> None:
         """Leave the group: tell the peers, then close every socket. Idempotent.
 
+        It waits until every peer still there has read the goodbye, and so everything this
+        peer sent before it (a millisecond when they are responsive; at most the heartbeat
+        timeout for one that is busy), so a rank that returns from its last send and closes
+        loses nothing in flight.
+
         Cancellation: the sockets may stay open until the process exits.
         """
         if self._failures.state is GroupState.CLOSED and self._session is None:
@@ -460,7 +465,9 @@ class Group:
         session, self._session = self._session, None
         self._failures.close()
         if session is not None:
-            session.close()
+            # Wait for the peers to read the goodbye (and so all before it), at most as
+            # long as a silent peer takes to count as lost.
+            await session.close(self.settings.heartbeat_timeout)
             await session.transport.aclose()
         if self._server is not None:
             server, self._server = self._server, None

@@ -29,7 +29,9 @@ def dispatch(session: Session, header: Header, pieces: list[Piece]) -> None:
     elif kind == "hello":
         session.hello_from(header.src)
     elif kind == "bye":
-        session.peers.left(header.src, started=header.seq)
+        session.bye_from(header.src, started=header.seq)
+    elif kind == "farewell":
+        session.farewell_from(header.src)
     elif kind == "why":
         # A peer's deadline passed: answer at once whatever this rank is doing (waiting in
         # that collective, failing it, not there yet), from what its receives wait for.

@@ -9,6 +9,7 @@ new session; nothing of the old one leaks into it.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
@@ -20,6 +21,8 @@ from ..wire import Header
 from . import control
 from .failure import FailureModel
 from .peers import Peers
+
+log = logging.getLogger("p2pcoll")
 
 
 class Session:
@@ -41,6 +44,8 @@ class Session:
         self.seq = 0
         self.hellos: set[int] = set()
         self.all_hello = asyncio.Event()
+        self.farewells: set[int] = set()  # peers that have read this peer's goodbye
+        self._progress = asyncio.Event()  # set on each farewell or departure
         if membership.world_size == 1:
             self.all_hello.set()
         failures.attach(membership.rank, membership.group_id, self.matcher, transport)
@@ -69,6 +74,7 @@ class Session:
 
     def _departed(self, rank: int) -> None:
         self.matcher.peer_departed(rank)
+        self._progress.set()
 
     def header(self, kind: str) -> Header:
         return Header(kind, self.membership.group_id, self.membership.rank)
@@ -78,11 +84,43 @@ class Session:
         if len(self.hellos) == self.world_size - 1:
             self.all_hello.set()
 
-    def close(self) -> None:
-        """Say goodbye to the peers and fail everything pending (the transport stays open)."""
+    async def close(self, drain: float) -> None:
+        """Say goodbye to the peers, fail everything pending, and wait (at most ``drain``
+        seconds) until every peer still there has read the goodbye (the transport stays
+        open).
+
+        Every peer answers a goodbye when its reader takes it from the link, which is
+        after everything sent before it on that link, so once all have answered nothing
+        this peer sent is still in flight: it may close its sockets. (Closing while a
+        receiver's queue is full may otherwise lose the tail over ipc, in libzmq.)
+        """
+        self.matcher.close(GroupBroken("the group was closed"))
         if self.world_size > 1:
             bye = self.header("bye")
             bye.seq = self.seq  # the peers learn which collectives this peer took part in
             self.transport.broadcast(bye)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + drain
+            while (waiting := self._unacknowledged()) and loop.time() < deadline:
+                self._progress.clear()
+                try:
+                    await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
+                except TimeoutError:
+                    break
+            if waiting:
+                log.debug("rank %d: closing before ranks %s read its goodbye", self.rank,
+                          sorted(waiting))
         self.peers.close()
-        self.matcher.close(GroupBroken("the group was closed"))
+
+    def _unacknowledged(self) -> set[int]:
+        return (set(range(self.world_size)) - {self.rank} - self.farewells
+                - set(self.peers.gone()))
+
+    def bye_from(self, rank: int, started: int) -> None:
+        """``rank`` said goodbye: record it, and answer that everything before was read."""
+        self.peers.left(rank, started=started)
+        self.transport.post(rank, self.header("farewell"))
+
+    def farewell_from(self, rank: int) -> None:
+        self.farewells.add(rank)
+        self._progress.set()

@@ -3,6 +3,7 @@
 A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack map::
 
     v    format version (WIRE_VERSION)        k    kind: "data" | "abort" | "hello" | "bye"
+                                                   | "farewell" (a bye was read)
                                                    | "why" | "waiting" (see below)
     g    group id                             r    source rank
     q    collective sequence number (bye:     seg  pipeline segment
@@ -42,7 +43,7 @@ from typing import Any
 import msgpack
 
 WIRE_VERSION = 2
-KINDS = frozenset({"data", "abort", "hello", "bye", "why", "waiting"})
+KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting"})
 # What a peer answers about a collective, in a "waiting" message.
 WAITING, FINISHED, NOT_STARTED, FAILED = "waiting", "finished", "not started", "failed"
 STATES = frozenset({WAITING, FINISHED, NOT_STARTED, FAILED})
