@@ -300,6 +300,8 @@ class FailureModel:
             if isinstance(err, CollectiveTimeout):
                 meta = {"collective": err.collective, "waiting_on": err.waiting_on,
                         "blame": getattr(err, "blame", OWN)}
+            elif isinstance(err, PeerLost) and err.rank is not None:
+                meta = {"lost": err.rank}  # so the peers' PeerLost names it too
             if self._transport is not None:
                 self._transport.broadcast(Header(
                     "abort", self._group, self._rank, seq,
@@ -321,7 +323,7 @@ class FailureModel:
                 waiting_on=meta.get("waiting_on", []),
             )
         elif cls is PeerLost:
-            exc = PeerLost(message)
+            exc = PeerLost(message, meta.get("lost"))
         else:
             exc = cls(message)
         blame = meta.get("blame", OWN)

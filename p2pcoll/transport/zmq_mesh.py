@@ -62,6 +62,7 @@ def _discard_outcome(fut: asyncio.Future[object]) -> None:
 # that ran out, later sends do not wait until one finds room again, so a stalled reader
 # costs one wait, not one per piece.
 RING_WAIT_S = 0.005
+YIELD_EVERY = 64  # messages the reader takes in a row before it lets other tasks run
 
 
 async def _put(
@@ -281,6 +282,7 @@ class ZmqMesh:
         """Drain the ROUTER for good: whatever one message does, the next is read."""
         assert self._router is not None
         router = self._router
+        read = 0
         while True:
             try:
                 frames = await router.recv_multipart(copy=False)
@@ -295,6 +297,11 @@ class ZmqMesh:
             # Let go of the frames before waiting: over inproc a zero-copy send is complete
             # only when the receiver frees its frame, and the sender may be waiting for that.
             del frames
+            read += 1
+            if read % YIELD_EVERY == 0:
+                # A receive that finds a message waiting completes without yielding, so a
+                # flood would otherwise hold the event loop until the queue is empty.
+                await asyncio.sleep(0)
 
     def _deliver(self, frames: list[zmq.Frame]) -> None:
         """Validate one message and hand it on; drop and count it if anything fails."""

@@ -208,7 +208,9 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
     elif kind == "abort":
         coll, waiting = meta.get("collective", ""), meta.get("waiting_on", [])
         blame = meta.get("blame", "own")
-        if (set(meta) - {"collective", "waiting_on", "blame"}
+        if "lost" in meta:
+            _int(meta, "lost", 0, MAX_RANK)
+        if (set(meta) - {"collective", "waiting_on", "blame", "lost"}
                 or not (isinstance(coll, str) and len(coll) <= 256)
                 or not (isinstance(blame, str) and blame in BLAMES)):
             raise ProtocolError(f"abort meta is {_short(meta)}")
