@@ -456,18 +456,20 @@ class Group:
         It waits until every peer still there has read the goodbye, and so everything this
         peer sent before it (a millisecond when they are responsive; at most the heartbeat
         timeout for one that is busy), so a rank that returns from its last send and closes
-        loses nothing in flight.
+        loses nothing in flight. A broken group closes at once.
 
         Cancellation: the sockets may stay open until the process exits.
         """
         if self._failures.state is GroupState.CLOSED and self._session is None:
             return
         session, self._session = self._session, None
+        healthy = self._failures.state is GroupState.READY
         self._failures.close()
         if session is not None:
             # Wait for the peers to read the goodbye (and so all before it), at most as
-            # long as a silent peer takes to count as lost.
-            await session.close(self.settings.heartbeat_timeout)
+            # long as a silent peer takes to count as lost; a broken group's data in
+            # flight is of no use to anyone, so it does not wait.
+            await session.close(self.settings.heartbeat_timeout if healthy else 0.0)
             await session.transport.aclose()
         if self._server is not None:
             server, self._server = self._server, None
