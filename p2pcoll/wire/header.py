@@ -42,7 +42,7 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting"})
 # What a peer answers about a collective, in a "waiting" message.
 WAITING, FINISHED, NOT_STARTED, FAILED = "waiting", "finished", "not started", "failed"
