@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hostile import mutate, random_key, random_object
 
 CAP = 1 << 20  # P2PCOLL_MAX_MESSAGE_BYTES of the flooded groups
 FLOOD = 100_000  # hostile messages per run, the issue's bound
@@ -253,28 +254,6 @@ async def run_host(transport: str, key_file: str | None) -> None:
 
 # --- the attacker ------------------------------------------------------------------------
 
-def _random_object(rng: random.Random, depth: int = 0) -> Any:
-    """A random msgpack-able value: scalars of every type, nested lists and maps."""
-    roll = rng.random()
-    if depth < 4 and roll < 0.25:
-        return [_random_object(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    if depth < 4 and roll < 0.45:
-        return {_random_key(rng): _random_object(rng, depth + 1)
-                for _ in range(rng.randint(0, 4))}
-    return rng.choice([
-        None, True, False, 0, -1, 1, 2, 1 << 62, (1 << 64) - 1, -(1 << 63),
-        rng.randint(-(1 << 63), (1 << 64) - 1), float("nan"), float("inf"), -0.0, 2.0,
-        "", "data", "hello", "abort", "bye", "why", "waiting", "<f4", "*",
-        "x" * rng.randint(0, 300), b"", bytes(8), rng.randbytes(rng.randint(0, 40)),
-    ])
-
-
-def _random_key(rng: random.Random) -> Any:
-    return rng.choice(["v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err",
-                       "meta", "strategy", "leaves", "tree", "ring", "state", "waiting_on",
-                       "zz", 1, -7, b"k", ""])
-
-
 def _valid(rng: random.Random, gid: str, src: int) -> dict[str, Any]:
     """A header that validates on the link of ``src`` (one of each kind)."""
     from p2pcoll.wire import WIRE_VERSION
@@ -299,21 +278,6 @@ def _valid(rng: random.Random, gid: str, src: int) -> dict[str, Any]:
     ])
 
 
-def _mutate(rng: random.Random, d: dict[str, Any]) -> dict[str, Any]:
-    """Change one field of ``d`` (or of its meta): replace, delete or add."""
-    target = d
-    if "meta" in d and rng.random() < 0.3:
-        target = d["meta"]
-    how = rng.random()
-    if how < 0.6 and target:
-        target[rng.choice(list(target))] = _random_object(rng)
-    elif how < 0.8 and target:
-        del target[rng.choice(list(target))]
-    else:
-        target[_random_key(rng)] = _random_object(rng)
-    return d
-
-
 def _inline(d: dict[str, Any]) -> list[int]:
     """The payload frame sizes that header ``d`` announces."""
     offsets = d.get("m", [None, [-1] * len(d.get("n", []))])[1]
@@ -331,9 +295,9 @@ def hostile(rng: random.Random, gid: str, count: int) -> Iterator[tuple[str, lis
             kind, header = "random bytes", rng.randbytes(rng.randint(0, 200))
         elif roll < 0.3:
             kind, header = "random msgpack", msgpack.packb(
-                {_random_key(rng): _random_object(rng) for _ in range(rng.randint(0, 8))})
+                {random_key(rng): random_object(rng) for _ in range(rng.randint(0, 8))})
         elif roll < 0.75:
-            kind, header = "mutated header", msgpack.packb(_mutate(rng, _valid(rng, gid, src)))
+            kind, header = "mutated header", msgpack.packb(mutate(rng, _valid(rng, gid, src)))
         elif roll < 0.9:
             d = _valid(rng, gid, src)
             yield "valid header", [msgpack.packb(d), *(bytes(n) for n in _inline(d))]

@@ -16,31 +16,12 @@ import zmq.asyncio
 
 import p2pcoll
 from conftest import ROGUE_RANK, Inject
+from hostile import mutate, random_key, random_object
 from p2pcoll.testing import run_ranks
 from p2pcoll.wire import DIGEST_BYTES, WIRE_VERSION
 
 MESSAGES = 3000
 CAP = 1 << 20  # P2PCOLL_MAX_MESSAGE_BYTES of the test groups
-
-
-def _random_object(rng: random.Random, depth: int = 0) -> Any:
-    """A random msgpack-able value: scalars of every type, nested lists and maps."""
-    roll = rng.random()
-    if depth < 4 and roll < 0.25:
-        return [_random_object(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    if depth < 4 and roll < 0.45:
-        return {_random_key(rng): _random_object(rng, depth + 1) for _ in range(rng.randint(0, 4))}
-    return rng.choice([
-        None, True, False, 0, -1, 2, WIRE_VERSION, 1 << 62, (1 << 64) - 1, -(1 << 63),
-        rng.randint(-(1 << 63), (1 << 64) - 1), float("nan"), float("inf"), -0.0, 2.0,
-        "", "data", "hello", "abort", "bye", "<f4", "*", "x" * rng.randint(0, 300),
-        b"", bytes(DIGEST_BYTES), rng.randbytes(rng.randint(0, 40)),
-    ])
-
-
-def _random_key(rng: random.Random) -> Any:
-    return rng.choice(["v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err",
-                       "meta", "strategy", "leaves", "tree", "ring", "zz", 1, -7, b"k", ""])
 
 
 def _valid(gid: str, src: int) -> list[dict[str, Any]]:
@@ -61,22 +42,6 @@ def _valid(gid: str, src: int) -> list[dict[str, Any]]:
     ]
 
 
-def _mutate(rng: random.Random, d: dict[str, Any]) -> dict[str, Any]:
-    """Change one field of ``d`` (or one entry of its meta): replace, delete or add."""
-    d = dict(d)
-    target = d
-    if "meta" in d and rng.random() < 0.3:
-        target = d["meta"] = dict(d["meta"])
-    how = rng.random()
-    if how < 0.6 and target:
-        target[rng.choice(list(target))] = _random_object(rng)
-    elif how < 0.8 and target:
-        del target[rng.choice(list(target))]
-    else:
-        target[_random_key(rng)] = _random_object(rng)
-    return d
-
-
 def hostile_messages(rng: random.Random, gid: str, count: int) -> list[list[bytes]]:
     """``count`` messages that rank 0 of a group of 2 must refuse, every one of them."""
     messages = []
@@ -87,10 +52,10 @@ def hostile_messages(rng: random.Random, gid: str, count: int) -> list[list[byte
         if roll < 0.2:  # random bytes
             header = rng.randbytes(rng.randint(0, 200))
         elif roll < 0.4:  # random msgpack
-            header = msgpack.packb({_random_key(rng): _random_object(rng)
+            header = msgpack.packb({random_key(rng): random_object(rng)
                                     for _ in range(rng.randint(0, 8))})
         elif roll < 0.85:  # a valid header with one field mutated
-            header = msgpack.packb(_mutate(rng, rng.choice(_valid(gid, src))))
+            header = msgpack.packb(mutate(rng, rng.choice(_valid(gid, src))))
         else:  # valid but for the link it comes on, with the payload it announces
             d = rng.choice(_valid(gid, src))
             header = msgpack.packb(d)
