@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import zmq
 import zmq.asyncio
 
 import p2pcoll
+from p2pcoll.testing import memory_groups
 
 # The link identity (and source rank) of the rogue sender: no member of a test group uses it.
 ROGUE_RANK = 5
@@ -36,3 +39,14 @@ def inject() -> Inject:
         return g.stats()["messages_dropped"]
 
     return send
+
+
+@asynccontextmanager
+async def groups_of(n: int, **kwargs: Any) -> AsyncIterator[list[p2pcoll.Group]]:
+    """``memory_groups(n, ...)``, closed at the end whatever happens."""
+    groups = await memory_groups(n, **kwargs)
+    try:
+        yield groups
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+        assert all(g.state == "closed" for g in groups)

@@ -18,8 +18,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +25,14 @@ import numpy as np
 import pytest
 
 import p2pcoll
-from p2pcoll.testing import free_port, memory_groups
+from conftest import groups_of
+from p2pcoll.testing import free_port
 from p2pcoll.transport.memory import Faults, MemoryNetwork
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLREDUCE = sorted(p2pcoll.available_strategies()["allreduce"])
 SURVIVORS = (0, 1, 3)
 ABSENT = 2  # the rank that is frozen, or never calls the collective
-
-
-@asynccontextmanager
-async def groups_of(n: int, **kwargs: Any) -> AsyncIterator[list[p2pcoll.Group]]:
-    groups = await memory_groups(n, **kwargs)
-    try:
-        yield groups
-    finally:
-        await asyncio.gather(*(g.close() for g in groups))
 
 
 async def _timeouts(groups: list[p2pcoll.Group], strategy: str,

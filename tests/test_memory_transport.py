@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
 import p2pcoll
-from p2pcoll.testing import memory_groups
+from conftest import groups_of
 from p2pcoll.transport.memory import Faults, MemoryNetwork
 
 STRATEGIES = p2pcoll.available_strategies()
-
-
-@asynccontextmanager
-async def groups_of(n: int, **kwargs: Any) -> AsyncIterator[list[p2pcoll.Group]]:
-    """``memory_groups(n, ...)``, closed at the end whatever happens."""
-    groups = await memory_groups(n, **kwargs)
-    try:
-        yield groups
-    finally:
-        await asyncio.gather(*(g.close() for g in groups))
-        assert all(g.state == "closed" for g in groups)
 
 
 async def on_every_rank(groups: list[p2pcoll.Group],
