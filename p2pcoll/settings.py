@@ -9,8 +9,9 @@ variable (or argument), the value, and what is allowed, raised before any socket
 =============================  ======================================================
 variable                       meaning (default)
 =============================  ======================================================
-``P2PCOLL_RENDEZVOUS``         rendezvous URL ``tcp://HOST:PORT`` (else torchrun's
-                               ``MASTER_ADDR``/``MASTER_PORT``)
+``P2PCOLL_RENDEZVOUS``         rendezvous URL ``tcp://HOST:PORT`` (else under torchrun
+                               its store at ``MASTER_ADDR``/``MASTER_PORT``, else
+                               ``tcp://MASTER_ADDR:MASTER_PORT``)
 ``P2PCOLL_HOST``               address this peer advertises (the interface routing
                                to the rendezvous host)
 ``P2PCOLL_TRANSPORT``          ``auto``, ``tcp``, ``ipc`` or ``inproc`` (auto)
@@ -126,6 +127,8 @@ class Settings:
             more arrived for a moment (see :mod:`p2pcoll.rendezvous.server`).
         order: where this peer goes when ranks are assigned (lower first, then arrival);
             the elastic training layer passes the previous rank.
+        torchrun: under torchrun, its run id and restart count (the namespace of this
+            job's keys in torchrun's store, see :mod:`p2pcoll.rendezvous.torch_store`).
     """
 
     rendezvous: str | None = None
@@ -148,6 +151,7 @@ class Settings:
     min_world_size: int | None = None
     max_world_size: int | None = None
     order: int | None = None
+    torchrun: str = ""
 
     @classmethod
     def resolve(
@@ -192,6 +196,7 @@ class Settings:
             "job_id": reader.job_id(),
             "min_world_size": reader.integer("P2PCOLL_MIN_WORLD_SIZE", 1, 1 << 20),
             "max_world_size": reader.integer("P2PCOLL_MAX_WORLD_SIZE", 1, 1 << 20),
+            "torchrun": reader.torchrun(),
         }
         merged = {k: v for k, v in values.items() if v is not None}
         if "strategies" in given:
@@ -289,8 +294,16 @@ class _Reader:
         if addr and port:
             if not port.isdigit() or not 0 < int(port) < 65536:
                 raise bad_value("$MASTER_PORT", port, "a TCP port number 1..65535")
-            return f"tcp://{addr}:{port}"
+            # Under torchrun its agent's store holds MASTER_PORT: meet through it.
+            scheme = "torch" if self.torchrun() else "tcp"
+            return f"{scheme}://{addr}:{port}"
         return None
+
+    def torchrun(self) -> str | None:
+        run = self.raw("TORCHELASTIC_RUN_ID")
+        if run is None:
+            return None
+        return f"{run}/{self.raw('TORCHELASTIC_RESTART_COUNT') or 0}"
 
     def launcher_int(self, names: tuple[str, ...], minimum: int) -> int | None:
         for name in names:

@@ -10,11 +10,16 @@ from ..errors import RendezvousError
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    """Split ``tcp://HOST:PORT`` into host and port, or raise RendezvousError."""
-    parts = urlsplit(url)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+    """Split ``tcp://HOST:PORT`` (or ``torch://HOST:PORT``, torchrun's store) into host
+    and port, or raise RendezvousError."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port out of range
+        port = None
+    if parts.scheme not in ("tcp", "torch") or not parts.hostname or port is None:
         raise RendezvousError(f"rendezvous must look like tcp://HOST:PORT, got {url!r}")
-    return parts.hostname, parts.port
+    return parts.hostname, port
 
 
 async def advertised_host(rendezvous_host: str) -> str:

@@ -18,8 +18,9 @@ import zmq
 
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousServer, advertised_host, parse_url, rendezvous
+from ..rendezvous.torch_store import store_rendezvous
 from ..settings import Settings
-from ..transport.endpoints import endpoint_policy, host_identity
+from ..transport.endpoints import EndpointPolicy, endpoint_policy, host_identity
 from ..transport.sockets import SocketFactory
 from ..transport.zmq_mesh import ZmqMesh
 from ..types import Membership
@@ -63,24 +64,18 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
             membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
         else:
             assert address is not None
-            host_task = None
-            if settings.rank in (None, 0):
-                hosting = _Hosting(address, sockets)
-                host_task = asyncio.create_task(hosting.run())
             me = host_identity()
-            try:
-                membership = await rendezvous(
-                    address, endpoints=endpoints, world_size=settings.world_size,
-                    rank=settings.rank, timeout=max(0.0, deadline - loop.time()), host_id=me,
+            if url.startswith("torch://"):
+                membership = await store_rendezvous(
+                    "torch" + address.removeprefix("tcp"), namespace=settings.torchrun,
+                    endpoints=endpoints, world_size=settings.world_size, rank=settings.rank,
+                    timeout=max(0.0, deadline - loop.time()), host_id=me,
                     choose=lambda h, addresses: policy.choose(me, h, addresses),
-                    sockets=sockets, heartbeat=settings.heartbeat_timeout, job=settings.job_id,
-                    elastic=elastic(settings), order=settings.order,
                 )
-            finally:
-                if host_task is not None:
-                    host_task.cancel()
-                    await asyncio.gather(host_task, return_exceptions=True)
-                    server = hosting.server
+            else:
+                membership, server = await _meet(
+                    settings, address, endpoints, policy, sockets, me,
+                    max(0.0, deadline - loop.time()))
         session = Session(membership, transport, settings, failures)
         session.start()
         await handshake(session, min(max(0.0, deadline - loop.time()),
@@ -91,6 +86,38 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
         if server is not None:
             await server.aclose()
         raise
+
+
+async def _meet(settings: Settings, address: str, endpoints: list[str],
+                policy: EndpointPolicy, sockets: SocketFactory, me: str, left: float
+                ) -> tuple[Membership, RendezvousServer | None]:
+    """The p2pcoll rendezvous at ``address``, hosting it if this peer may (see the module
+    docstring); returns the roster and the server this peer hosts, if any."""
+    server: RendezvousServer | None = None
+    host_task = None
+    if settings.rank in (None, 0):
+        hosting = _Hosting(address, sockets)
+        host_task = asyncio.create_task(hosting.run())
+    try:
+        membership = await rendezvous(
+            address, endpoints=endpoints, world_size=settings.world_size,
+            rank=settings.rank, timeout=left, host_id=me,
+            choose=lambda h, addresses: policy.choose(me, h, addresses),
+            sockets=sockets, heartbeat=settings.heartbeat_timeout, job=settings.job_id,
+            elastic=elastic(settings), order=settings.order,
+        )
+    except BaseException:
+        if host_task is not None:
+            host_task.cancel()
+            await asyncio.gather(host_task, return_exceptions=True)
+            if hosting.server is not None:
+                await hosting.server.aclose()
+        raise
+    if host_task is not None:
+        host_task.cancel()
+        await asyncio.gather(host_task, return_exceptions=True)
+        server = hosting.server
+    return membership, server
 
 
 HELLO_MIN_WAIT = 2.0  # seconds the hellos may take after the roster, at the least
