@@ -221,3 +221,29 @@ async def test_an_unresolvable_host_is_named_after_retrying() -> None:
         await p2pcoll.join("tcp://no-such-host.invalid:29500", world_size=2, rank=1,
                            timeout=1.5)
     assert time.monotonic() - start >= 1.0  # it tried again until the deadline
+
+
+async def test_inproc_across_processes_is_refused_at_once() -> None:
+    """Probe: P2PCOLL_TRANSPORT=inproc across processes timed out."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import asyncio, sys, p2pcoll
+        async def main():
+            try:
+                await p2pcoll.join(sys.argv[1], world_size=2, rank=1, transport="inproc",
+                                   timeout=30)
+            except p2pcoll.RendezvousError as exc:
+                print(exc)
+        asyncio.run(main())
+    """), url], env=env, stdout=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    try:
+        with pytest.raises(p2pcoll.RendezvousError, match="only between peers of one process"):
+            await p2pcoll.join(url, world_size=2, rank=0, transport="inproc", timeout=30)
+        out, _ = other.communicate(timeout=30)
+    finally:
+        other.kill()
+        other.wait()
+    assert "ranks [0] are in other processes" in out
+    assert time.monotonic() - start < 15

@@ -20,7 +20,12 @@ from ..errors import RendezvousError
 from ..rendezvous import RendezvousServer, advertised_host, parse_url, rendezvous
 from ..rendezvous.torch_store import store_rendezvous
 from ..settings import Settings
-from ..transport.endpoints import EndpointPolicy, endpoint_policy, host_identity
+from ..transport.endpoints import (
+    EndpointPolicy,
+    endpoint_policy,
+    host_identity,
+    inproc_prefix,
+)
 from ..transport.sockets import SocketFactory
 from ..transport.zmq_mesh import ZmqMesh
 from ..types import Membership
@@ -76,6 +81,8 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                 membership, server = await _meet(
                     settings, address, endpoints, policy, sockets, me,
                     max(0.0, deadline - loop.time()))
+        if policy.name == "inproc":
+            _check_one_process(membership)
         session = Session(membership, transport, settings, failures)
         session.start()
         await handshake(session, min(max(0.0, deadline - loop.time()),
@@ -86,6 +93,17 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
         if server is not None:
             await server.aclose()
         raise
+
+
+def _check_one_process(membership: Membership) -> None:
+    """inproc reaches only peers of this very process: say so rather than time out."""
+    others = [r for r, e in enumerate(membership.endpoints)
+              if not e.startswith(inproc_prefix())]
+    if others:
+        raise RendezvousError(
+            f"P2PCOLL_TRANSPORT=inproc works only between peers of one process, and ranks "
+            f"{others} are in other processes: use auto (the default), ipc or tcp"
+        )
 
 
 async def _meet(settings: Settings, address: str, endpoints: list[str],

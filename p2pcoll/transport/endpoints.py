@@ -157,7 +157,13 @@ class InprocEndpoints(EndpointPolicy):
     name = "inproc"
 
     def bind_addresses(self, host: str) -> list[str]:
-        return [f"inproc://p2pcoll-{uuid.uuid4().hex}"]
+        return [f"{inproc_prefix()}{uuid.uuid4().hex}"]
+
+
+def inproc_prefix(pid: int | None = None) -> str:
+    """The start of this process's inproc endpoints: they name their process, so a peer
+    can tell that another's inproc endpoint is out of its reach (another process)."""
+    return f"inproc://p2pcoll-{os.getpid() if pid is None else pid}-"
 
 
 class AutoEndpoints(EndpointPolicy):
