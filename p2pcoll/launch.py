@@ -16,11 +16,23 @@ hosts the rendezvous, so the launcher itself only starts, watches and stops proc
 
 - Output: each line a child writes is prefixed with its rank (``[2] loss 0.1``), its stdout
   on our stdout and its stderr on our stderr. Children read stdin from ``/dev/null``.
+  Output is passed on as it comes, so a progress bar on rank 0 stays live: whatever ends in
+  a newline at once, a piece without one after at most ``PARTIAL_DELAY`` (50 ms), the time a
+  line printed in several writes (``print(a, b)`` under ``-u``) takes to complete, so that
+  ranks printing together still give whole lines. The prefix starts every line and follows
+  every ``\r``, so a bar's redraws keep their ``[0] ``. A line is never shared by two ranks:
+  if one writes while another's line is open (a bar not yet finished), the open line is
+  ended and the newcomer starts a fresh one; the bar goes on, prefixed, on a line below.
+  Holding it back instead would keep the other ranks' output waiting until the bar ends.
 - Failure: the first child to exit non-zero gives the exit code (128+signum if a signal killed
   it). The others get SIGTERM, then SIGKILL after ``grace`` seconds.
 - Signals: SIGINT, SIGTERM and SIGHUP are forwarded to every child, which gets ``grace``
-  seconds to exit before SIGKILL; a second signal kills at once. The launcher then returns
-  128+signum.
+  seconds to exit before SIGKILL; a second signal kills at once. The launcher then says how
+  each rank ended, one line per rank, and returns 128+signum. SIGINT is passed on as
+  SIGTERM: a terminal's Ctrl-C reaches only the launcher (each child leads its own session),
+  and SIGTERM stops a Python rank quietly where SIGINT would make every rank print a
+  KeyboardInterrupt traceback. A program that cleans up on Ctrl-C should do it on SIGTERM
+  too, which is what SLURM, Kubernetes and ``docker stop`` send.
 - No orphans: each child leads its own process group, and it is the group that is signalled,
   so whatever a child started stops with it; once every child has exited, what is left in
   their groups is killed. On Linux a child also dies if the launcher is killed outright
@@ -35,6 +47,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import shutil
@@ -53,7 +66,8 @@ LAUNCHER_VARS = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "P2PCOLL_RENDEZVOUS",
 })
 DRAIN_TIMEOUT = 2.0  # seconds to wait for output still in the pipes once every child exited
-MAX_LINE = 64 * 1024  # a longer line without a newline is passed on in pieces
+PARTIAL_DELAY = 0.05  # seconds a piece without a newline waits for the rest of its line
+_LINE_BREAK = re.compile(rb"(\r|\n)")
 
 
 def launch(
@@ -186,41 +200,104 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-class _Sink:
-    """Writes bytes to a text stream's binary buffer; goes quiet if the reader went away."""
+class _Output:
+    """Our stdout and stderr, shared by every child: prefixes lines and keeps each line to one rank.
 
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-        self._broken = False
+    A line is *open* while its last byte written is not a newline (a progress bar, say). If
+    another child, the other stream of the same child, or the launcher writes to the same
+    screen meanwhile, the open line is ended first and the newcomer starts a fresh one; the
+    interrupted child gets a fresh, prefixed line when it writes again. stdout and stderr
+    count as one screen when they are the same file (a terminal, or ``2>&1``).
+    """
 
-    def write(self, data: bytes) -> None:
-        if self._broken:
+    def __init__(self, stdout: TextIO, stderr: TextIO) -> None:
+        self._streams = {1: stdout, 2: stderr}
+        self._screen = {1: 1, 2: 1 if _same_file(stdout, stderr) else 2}
+        self._open: dict[int, tuple[int, bytes]] = {}  # screen -> (fd, prefix) of its open line
+        self._at_start: dict[int, bool] = {}  # screen -> its open line's cursor is after a \r
+        self._broken: set[int] = set()
+
+    def write(self, fd: int, prefix: bytes, data: bytes) -> None:
+        """Write what a child wrote to ``fd``: ``prefix`` before each line and after each \\r."""
+        screen, writer = self._screen[fd], (fd, prefix)
+        if self._open.get(screen, writer) != writer:
+            self.end_line(screen)
+        at_start = self._at_start.get(screen, True)
+        out = bytearray()
+        for piece in _LINE_BREAK.split(data):
+            if piece in (b"\n", b"\r"):
+                out += piece
+                at_start = True
+            elif piece:
+                out += prefix if at_start else b""
+                out += piece
+                at_start = False
+        if out.endswith(b"\n"):
+            self._open.pop(screen, None)
+            self._at_start.pop(screen, None)
+        elif out:
+            self._open[screen] = writer
+            self._at_start[screen] = at_start
+        self._write(fd, bytes(out))
+
+    def end_line(self, screen: int, writer: tuple[int, bytes] | None = None) -> None:
+        """End the line open on ``screen`` (only if ``writer`` holds it, when given)."""
+        holder = self._open.get(screen)
+        if holder is not None and writer in (None, holder):
+            del self._open[screen], self._at_start[screen]
+            self._write(holder[0], b"\n")
+
+    def finish(self, fd: int, prefix: bytes) -> None:
+        """A child closed ``fd``: end its line if it left one open."""
+        self.end_line(self._screen[fd], (fd, prefix))
+
+    def say(self, message: str) -> None:
+        """A line of the launcher's own on stderr."""
+        self.end_line(self._screen[2])
+        self._write(2, f"p2pcoll launch: {message}\n".encode())
+
+    def _write(self, fd: int, data: bytes) -> None:
+        if fd in self._broken or not data:
             return
+        stream = self._streams[fd]
         try:
-            buffer = getattr(self._stream, "buffer", None)
-            self._stream.flush()
+            buffer = getattr(stream, "buffer", None)
+            stream.flush()
             if buffer is None:
-                self._stream.write(data.decode(errors="replace"))
-                self._stream.flush()
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
             else:
                 buffer.write(data)
                 buffer.flush()
         except (BrokenPipeError, ValueError):  # closed pipe or closed stream
-            self._broken = True
+            self._broken.add(fd)
+
+
+def _same_file(a: TextIO, b: TextIO) -> bool:
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (OSError, ValueError):  # no file descriptor behind it (pytest's capsys, say)
+        return False
 
 
 class _Child(asyncio.SubprocessProtocol):
-    """One child process: passes its output on line by line, prefixed, and notes its exit."""
+    """One child process: passes its output on as it comes, prefixed, and notes its exit.
 
-    def __init__(self, rank: int, prefix: bytes, sinks: Mapping[int, _Sink]) -> None:
+    Whatever ends in a newline is passed on at once; a piece after the last newline (a
+    progress bar being redrawn, or a line printed in several writes) waits up to
+    ``PARTIAL_DELAY`` for the rest of its line, then goes out as it is.
+    """
+
+    def __init__(self, rank: int, prefix: bytes, output: _Output) -> None:
         loop = asyncio.get_running_loop()
         self.rank = rank
         self.transport: asyncio.SubprocessTransport | None = None
         self.exited: asyncio.Future[None] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()  # exited and pipes closed
         self._prefix = prefix
-        self._sinks = sinks
-        self._partial = {fd: bytearray() for fd in sinks}
+        self._output = output
+        self._partial = {1: bytearray(), 2: bytearray()}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
 
     @property
     def pid(self) -> int:
@@ -240,22 +317,27 @@ class _Child(asyncio.SubprocessProtocol):
         pending = self._partial[fd]
         pending += data
         end = pending.rfind(b"\n") + 1
-        if end == 0:
-            if len(pending) < MAX_LINE:
-                return
-            end = len(pending)
-        self._emit(fd, bytes(pending[:end]))
-        del pending[:end]
+        if end:
+            self._output.write(fd, self._prefix, bytes(pending[:end]))
+            del pending[:end]
+        if not pending and fd in self._timers:
+            self._timers.pop(fd).cancel()
+        elif pending and fd not in self._timers:
+            loop = asyncio.get_running_loop()
+            self._timers[fd] = loop.call_later(PARTIAL_DELAY, self._flush, fd)
 
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        pending = self._partial.get(fd)
+    def _flush(self, fd: int) -> None:
+        self._timers.pop(fd, None)
+        pending = self._partial[fd]
         if pending:
-            self._emit(fd, bytes(pending))
+            self._output.write(fd, self._prefix, bytes(pending))
             pending.clear()
 
-    def _emit(self, fd: int, data: bytes) -> None:
-        lines = data.removesuffix(b"\n").split(b"\n")
-        self._sinks[fd].write(b"".join(self._prefix + line + b"\n" for line in lines))
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd in self._timers:
+            self._timers.pop(fd).cancel()
+        self._flush(fd)
+        self._output.finish(fd, self._prefix)
 
     def process_exited(self) -> None:
         if not self.exited.done():
@@ -277,6 +359,7 @@ class _Job:
         self._prefix_output = prefix_output
         self._grace = grace
         self._preexec = _die_with_parent()
+        self._output = _Output(sys.stdout, sys.stderr)
         self._children: list[_Child] = []
         self._failure: int | None = None  # exit code of the first child that failed
         self._interrupted: int | None = None  # the first signal the launcher got
@@ -300,6 +383,10 @@ class _Job:
             self._sweep()
             if self._children:
                 await asyncio.wait([c.closed for c in self._children], timeout=DRAIN_TIMEOUT)
+            if self._interrupted is not None:
+                for child in self._children:
+                    assert child.returncode is not None
+                    self._say(f"rank {child.rank} {_describe_exit(child.returncode)}")
         finally:
             if self._kill_timer is not None:
                 self._kill_timer.cancel()
@@ -322,9 +409,8 @@ class _Job:
         loop = asyncio.get_running_loop()
         width = len(str(len(self._envs) - 1))
         prefix = f"[{rank:>{width}}] ".encode()
-        sinks = {1: _Sink(sys.stdout), 2: _Sink(sys.stderr)} if self._prefix_output else {}
         pipe = subprocess.PIPE if self._prefix_output else None
-        child = _Child(rank, prefix, sinks)
+        child = _Child(rank, prefix, self._output)
         await loop.subprocess_exec(
             lambda: child, *self._command,
             stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, env=env,
@@ -365,6 +451,9 @@ class _Job:
         if self._stopping:
             self._say(f"got {name} again; killing every rank")
             self._signal_all(signal.SIGKILL)
+        elif sig == signal.SIGINT:  # SIGTERM: no KeyboardInterrupt traceback from every rank
+            self._say(f"got {name}; passing it on to every rank as SIGTERM")
+            self._stop(signal.SIGTERM)
         else:
             self._say(f"got {name}; passing it on to every rank")
             self._stop(sig)
@@ -393,6 +482,5 @@ class _Job:
         for child in self._children:
             self._signal(child, signal.SIGKILL)
 
-    @staticmethod
-    def _say(message: str) -> None:
-        print(f"p2pcoll launch: {message}", file=sys.stderr, flush=True)
+    def _say(self, message: str) -> None:
+        self._output.say(message)
