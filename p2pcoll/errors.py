@@ -48,7 +48,17 @@ class SettingsError(P2PCollError, ValueError):
 
 
 class RendezvousError(P2PCollError):
-    """The group could not be formed (timeout, duplicate rank, size disagreement, ...)."""
+    """The group could not be formed (timeout, duplicate rank, size disagreement, ...).
+
+    ``permanent`` says that trying again cannot help: the rendezvous rejected this peer
+    (duplicate rank, rank out of range, size disagreement), or what answers at the address
+    is not this job's rendezvous (another job key, another protocol). A timeout, a peer
+    lost while the group formed or a host that went away are not permanent.
+    """
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class ProtocolError(P2PCollError):

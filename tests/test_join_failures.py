@@ -80,6 +80,7 @@ async def test_a_peer_lost_after_registering_fails_the_others_fast(how: signal.S
         assert isinstance(err, p2pcoll.RendezvousError), err
         assert f"pid {victim.pid}" in str(err) and "rank 2" in str(err), err
         assert "stopped answering" in str(err)
+        assert not err.permanent  # a new attempt may form a group
     assert took < HEARTBEAT + 3, took  # not the 60 s join timeout
 
 

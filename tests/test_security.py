@@ -319,13 +319,14 @@ async def test_something_else_listening_is_a_clear_error() -> None:
     thread.start()
     start = time.monotonic()
     try:
-        with pytest.raises(p2pcoll.RendezvousError, match="not a p2pcoll rendezvous"):
+        with pytest.raises(p2pcoll.RendezvousError, match="not a p2pcoll rendezvous") as info:
             await p2pcoll.join(f"tcp://127.0.0.1:{port}", world_size=2, rank=1, timeout=30)
     finally:
         stop.set()
         thread.join()
         server.close()
     assert time.monotonic() - start < 10
+    assert info.value.permanent  # trying again cannot help
 
 
 # --- what goes over the wire -----------------------------------------------------------------

@@ -50,7 +50,7 @@ def _reply(raw: bytes, url: str, ops: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(msg, dict) or msg.get("op") not in ops:
         raise RendezvousError(
             f"something other than a p2pcoll rendezvous answered at {url} "
-            f"({len(raw)} bytes that are not a rendezvous reply)"
+            f"({len(raw)} bytes that are not a rendezvous reply)", permanent=True,
         )
     return msg
 
@@ -116,7 +116,7 @@ class _Link:
             raise RendezvousError(
                 f"the handshake with the rendezvous at {self.url} failed "
                 f"({self._failures[-1]}): {why}; or what listens there is not a p2pcoll "
-                f"rendezvous"
+                f"rendezvous", permanent=True,
             )
 
     def send(self, request: dict[str, Any]) -> None:
@@ -200,7 +200,8 @@ async def rendezvous(
             elif msg["op"] == "error":
                 goodbye = None
                 raise RendezvousError(
-                    f"rendezvous at {url} rejected this peer: {msg.get('reason')}")
+                    f"rendezvous at {url} rejected this peer: {msg.get('reason')}",
+                    permanent=msg.get("permanent", True) is not False)
             else:
                 goodbye = None
                 return _roster(msg, url, choose)

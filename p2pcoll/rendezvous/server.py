@@ -14,7 +14,8 @@ whole join, across reconnections):
   the roster comes; that is their heartbeat, and it is how a restarted server learns the
   peers again. Each one is answered with a ``status`` (how many arrived, which ranks are
   missing), an ``error`` for the peers concerned (duplicate rank, rank out of range, world
-  size disagreement, a registered peer lost), or the ``roster`` once the group is complete
+  size disagreement, a registered peer lost: ``permanent`` false, a new attempt may form
+  a group), or the ``roster`` once the group is complete
   (the roster is sent again to a peer that asks again, in case it was lost).
 - ``leave``: a client gives up (its join was cancelled or timed out).
 - ``waiting``: how many peers of a job are waiting for its next group (the elastic training
@@ -272,7 +273,7 @@ class RendezvousServer:
             return
         for e in forming.entries.values():
             self._reply(e.identity, op="error", reason=f"{names}: it was lost while the "
-                        f"group formed")
+                        f"group formed", permanent=False)
         del self._forming[forming.job]
 
     def _progress(self, forming: _Forming, now: float) -> bool:

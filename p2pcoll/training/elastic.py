@@ -121,8 +121,6 @@ RECOVERABLE = (PeerLost, GroupBroken, CollectiveTimeout)
 RETRY_S = 0.2  # pause before joining again after a join that failed for a passing reason
 CENSUS_S = 1.0  # how often the peers at the rendezvous are counted while joining
 ASK_TIMEOUT_S = 1.0  # for one waiting() question
-# A RendezvousError with one of these in its message does not pass by trying again.
-_LASTING = ("rejected this peer", "the handshake with the rendezvous")
 
 
 @dataclass
@@ -317,7 +315,7 @@ class _Run:
                 try:
                     return await join(**{**self.joining, "order": self.order, "timeout": left})
                 except RendezvousError as exc:
-                    if any(words in str(exc) for words in _LASTING):
+                    if exc.permanent:  # rejected, or not this job's rendezvous
                         raise
                     last = exc
                     log.info("elastic: joining again: %s", exc)
