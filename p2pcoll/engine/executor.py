@@ -31,7 +31,7 @@ class Executor:
 
     def __init__(
         self, transport: Transport, matcher: Matcher, departures: Departures, group_id: str,
-        *, segment_bytes: int, depth: int, max_message_bytes: int = 256 << 20,
+        *, segment_bytes: int, depth: int, max_message_bytes: int,
     ) -> None:
         self.transport = transport
         self.matcher = matcher

@@ -327,8 +327,7 @@ class RendezvousServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._sock is not None:
-            # Nothing queued is needed: a peer whose reply is lost asks again.
-            self._sock.close(linger=0)
+            self._sock.close()
             self._sock = None
         if self._own_sockets:
             self._sockets.close()

@@ -5,8 +5,9 @@ accept each CURVE client that connects to a server socket of that context. The g
 pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator` (a thread of its own, so a peer whose
 event loop is busy still answers handshakes) with one credentials callback per job: a
 socket of a job carries the job's ZAP domain (:attr:`JobKey.domain`) and a client is let in
-only if its public key is the job's. The thread runs while some socket of the context uses
-a job key (:meth:`Gate.admit` / :meth:`Gate.release`, counted), and stops with the last.
+only if its public key is the job's. The thread runs while some socket factory of the
+context uses a job key (:meth:`Gate.admit` / :meth:`Gate.release`, counted), and stops
+with the last.
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ class Gate:
     def __init__(self, context: zmq.Context) -> None:
         self.context = context
         self._keys: dict[str, bytes] = {}  # ZAP domain -> the job's public key (Z85)
-        self._users: Counter[str] = Counter()  # ZAP domain -> sockets using it
+        self._users: Counter[str] = Counter()  # ZAP domain -> socket factories using it
         self.refused: Counter[str] = Counter()  # ZAP domain -> clients turned away
         self._auth: ThreadAuthenticator | None = None
 
     @classmethod
     def admit(cls, context: zmq.Context, key: JobKey) -> Gate:
         """Let the holders of ``key`` in to the server sockets of ``context`` (until the
-        matching :meth:`release`); starts the handler thread if it is not running.
+        matching :meth:`release`; one pair per socket factory); starts the handler thread
+        if it is not running.
 
         Raises:
             zmq.ZMQError: another ZAP handler is bound in this context.
@@ -60,7 +62,8 @@ class Gate:
             return gate
 
     def release(self, key: JobKey) -> None:
-        """One socket of ``key``'s job is closed; the last one stops the thread."""
+        """One user of ``key``'s job (a socket factory whose sockets are closed) is done;
+        the last user of the context stops the thread."""
         with self._lock:
             self._users[key.domain] -= 1
             if self._users[key.domain] > 0:

@@ -111,11 +111,7 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
                 ) -> tuple[Membership, RendezvousServer | None]:
     """The p2pcoll rendezvous at ``address``, hosting it if this peer may (see the module
     docstring); returns the roster and the server this peer hosts, if any."""
-    server: RendezvousServer | None = None
-    host_task = None
-    if settings.rank in (None, 0):
-        hosting = _Hosting(address, sockets)
-        host_task = asyncio.create_task(hosting.run())
+    hosting = _Hosting(address, sockets) if settings.rank in (None, 0) else None
     try:
         membership = await rendezvous(
             address, endpoints=endpoints, world_size=settings.world_size,
@@ -125,17 +121,10 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
             elastic=elastic(settings), order=settings.order,
         )
     except BaseException:
-        if host_task is not None:
-            host_task.cancel()
-            await asyncio.gather(host_task, return_exceptions=True)
-            if hosting.server is not None:
-                await hosting.server.aclose()
+        if hosting is not None and (server := await hosting.stop()) is not None:
+            await server.aclose()
         raise
-    if host_task is not None:
-        host_task.cancel()
-        await asyncio.gather(host_task, return_exceptions=True)
-        server = hosting.server
-    return membership, server
+    return membership, await hosting.stop() if hosting is not None else None
 
 
 HELLO_MIN_WAIT = 2.0  # seconds the hellos may take after the roster, at the least
@@ -178,7 +167,8 @@ class _Hosting:
 
     The port may be busy for a moment (the previous group's server of this very process is
     still letting go of it) or for good (another peer, or a standalone server, hosts); a
-    bind is cheap, so this tries every RETRY seconds until the roster has come.
+    bind is cheap, so this tries every RETRY seconds from its making until :meth:`stop`
+    (once the roster has come).
     """
 
     RETRY = 0.1
@@ -187,8 +177,15 @@ class _Hosting:
         self.address = address
         self.sockets = sockets
         self.server: RendezvousServer | None = None
+        self._task = asyncio.create_task(self._run())
 
-    async def run(self) -> None:
+    async def stop(self) -> RendezvousServer | None:
+        """Stop trying; returns the server if a bind succeeded (it keeps serving)."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        return self.server
+
+    async def _run(self) -> None:
         reason = ""
         while self.server is None:
             candidate = RendezvousServer(self.address, self.sockets)

@@ -160,10 +160,10 @@ class InprocEndpoints(EndpointPolicy):
         return [f"{inproc_prefix()}{uuid.uuid4().hex}"]
 
 
-def inproc_prefix(pid: int | None = None) -> str:
+def inproc_prefix() -> str:
     """The start of this process's inproc endpoints: they name their process, so a peer
     can tell that another's inproc endpoint is out of its reach (another process)."""
-    return f"inproc://p2pcoll-{os.getpid() if pid is None else pid}-"
+    return f"inproc://p2pcoll-{os.getpid()}-"
 
 
 class AutoEndpoints(EndpointPolicy):

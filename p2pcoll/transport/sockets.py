@@ -34,9 +34,9 @@ QUEUE_BYTES = 64 << 20
 MIN_HWM, MAX_HWM = 16, 1000
 
 
-def queue_messages(message_bytes: int, budget: int = QUEUE_BYTES) -> int:
-    """The high-water mark (messages) that keeps one link's queue near ``budget`` bytes."""
-    return max(MIN_HWM, min(MAX_HWM, budget // max(1, message_bytes)))
+def queue_messages(message_bytes: int) -> int:
+    """The high-water mark (messages) that keeps one link's queue near QUEUE_BYTES."""
+    return max(MIN_HWM, min(MAX_HWM, QUEUE_BYTES // max(1, message_bytes)))
 
 
 class SocketFactory:
@@ -134,7 +134,8 @@ class SocketFactory:
 
     def rendezvous_server(self) -> zmq.asyncio.Socket:
         sock = self._server(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 1000)
+        # Nothing queued needs to go out on close: a peer whose reply is lost asks again.
+        sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, RENDEZVOUS_MAX_BYTES)
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_ms)

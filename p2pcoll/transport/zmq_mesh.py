@@ -45,9 +45,9 @@ ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
 
 def link_identity(rank: int, group_id: str) -> bytes:
     """The routing identity of rank's links in a group: ``b"3@<group id>"``. The group id
-    in it means that an outsider who does not know the group cannot connect as a member
-    (ZeroMQ ignores a second connection with a live identity, but would queue what it
-    sends); with a job key no outsider can connect at all."""
+    in it means that an outsider who does not know the group cannot pass for a member (a
+    second connection with a live identity takes its place: see ``mesh_router``); with a
+    job key no outsider can connect at all."""
     return b"%d@%s" % (rank, group_id.encode())
 
 
@@ -310,11 +310,10 @@ class ZmqMesh:
         try:
             if len(frames) < 2:
                 raise ProtocolError("message has no header frame")
-            member = self._ranks.get(identity)
-            if member is None:
+            if identity not in self._ranks:
                 raise ProtocolError(f"link identity {identity[:40]!r} is not a member of "
                                     f"this group", reason="stranger")
-            source = member
+            source = self._ranks[identity]
             assert self._limits is not None
             header = validate(source, frames[1].buffer, [len(f) for f in frames[2:]],
                               self._limits)

@@ -44,6 +44,7 @@ import msgpack
 
 WIRE_VERSION = 3
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting"})
+WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting"})  # kinds that carry "q"
 # What a peer answers about a collective, in a "waiting" message.
 WAITING, FINISHED, NOT_STARTED, FAILED = "waiting", "finished", "not started", "failed"
 STATES = frozenset({WAITING, FINISHED, NOT_STARTED, FAILED})
@@ -122,18 +123,16 @@ def _signature(collective: str, strategy: str, op: str, root: int, data: str) ->
 def encode_header(h: Header) -> bytes:
     """Serialise a header to its msgpack frame."""
     d: dict[str, Any] = {"v": WIRE_VERSION, "k": h.kind, "g": h.group, "r": h.src}
+    if h.kind in WITH_SEQ:
+        d["q"] = h.seq  # bye: how many collectives the peer had started when it left
     if h.kind == "data":
-        d.update(q=h.seq, seg=h.seg, s=h.step, sig=h.sig, n=h.nbytes)
+        d.update(seg=h.seg, s=h.step, sig=h.sig, n=h.nbytes)
         if h.shm is not None:
             d["m"] = h.shm
         if h.described is not None:
             d["d"] = h.described
     elif h.kind == "abort":
-        d.update(q=h.seq, err=h.err)
-    elif h.kind == "bye":
-        d["q"] = h.seq  # how many collectives the peer had started when it left
-    elif h.kind in ("why", "waiting"):
-        d["q"] = h.seq
+        d["err"] = h.err
     if h.meta is not None:
         d["meta"] = h.meta
     return msgpack.packb(d, use_bin_type=True)

@@ -43,8 +43,11 @@ from .header import (
     DIGEST_BYTES,
     KINDS,
     SIGNATURE_FIELDS,
+    OWN,
     STATES,
+    WAITING,
     WIRE_VERSION,
+    WITH_SEQ,
     Header,
 )
 
@@ -153,7 +156,7 @@ def decode_header(raw: bytes | memoryview) -> Header:
     if not isinstance(kind, str) or kind not in KINDS:
         raise ProtocolError(f"unknown message kind {_short(kind)}")
     h = Header(kind=kind, group=_str(d, "g"), src=_int(d, "r", 0, MAX_RANK))
-    if kind in ("data", "abort", "bye", "why", "waiting"):
+    if kind in WITH_SEQ:
         h.seq = _int(d, "q")
     if kind == "data":
         h.seg = _int(d, "seg", 0, 1 << 32)
@@ -207,16 +210,16 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
             raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name}}")
     elif kind == "abort":
         coll, waiting = meta.get("collective", ""), meta.get("waiting_on", [])
-        blame = meta.get("blame", "own")
+        blame = meta.get("blame", OWN)
         if "lost" in meta:
             _int(meta, "lost", 0, MAX_RANK)
         if (set(meta) - {"collective", "waiting_on", "blame", "lost"}
                 or not (isinstance(coll, str) and len(coll) <= 256)
                 or not (isinstance(blame, str) and blame in BLAMES)):
             raise ProtocolError(f"abort meta is {_short(meta)}")
-        _int_list(waiting, "waiting_on", 0)
+        _ranks(waiting, "waiting_on")
     elif kind == "waiting":
-        state = meta.get("state", "waiting")
+        state = meta.get("state", WAITING)
         if set(meta) - {"state", "waiting_on"} or not (isinstance(state, str)
                                                         and state in STATES):
             raise ProtocolError(f"waiting meta is {_short(meta)}, expected {{'state': one of "
