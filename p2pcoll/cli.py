@@ -4,6 +4,7 @@
     p2pcoll strategies                               installed strategies and their origin
     p2pcoll rendezvous --host 0.0.0.0 --port 29500   a standalone rendezvous server
     p2pcoll keygen job.key                           a new job key file (mode 0600)
+    p2pcoll peer --job train:job --metrics-port 9100 one peer as a service
     p2pcoll bench --collective allreduce -n 4        time a collective (see p2pcoll.bench)
 """
 
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous,
-               "keygen": _keygen}
+               "keygen": _keygen, "peer": _peer}
     return handler[args.subcommand](args)
 
 
@@ -119,9 +120,70 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keygen.add_argument("path", metavar="PATH", help="the file to create")
 
+    peer = sub.add_parser(
+        "peer",
+        help="run one peer as a service: join, run an async job, leave",
+        description=(
+            "Join a group (the flags, else the environment: P2PCOLL_RENDEZVOUS, WORLD_SIZE, "
+            "RANK, P2PCOLL_KEY_FILE, ... and the launchers' variables), await the job "
+            "`async def FUNCTION(group)` of MODULE, leave, and exit with the job's result "
+            "(None: 0, an int: itself; 1 on an error). SIGTERM or SIGINT aborts the current "
+            "collective, tells the peers this one is leaving (they raise PeerLost naming "
+            "it), closes every socket and exits with 128 + the signal's number."
+        ),
+        epilog="example: p2pcoll peer --job examples.digits_job:job --metrics-port 9100",
+    )
+    peer.add_argument("--job", required=True, metavar="MODULE:FUNCTION",
+                      help="the job: an async function of the group (the current directory "
+                           "is searched first)")
+    peer.add_argument("--metrics-port", type=_port_or_zero, metavar="N",
+                      help="serve /healthz and /metrics over HTTP on port N (0: a free one; "
+                           "default $P2PCOLL_METRICS_PORT, else off)")
+    peer.add_argument("--metrics-host", metavar="ADDR",
+                      help="the address of that port (default $P2PCOLL_METRICS_HOST, else "
+                           "0.0.0.0)")
+    peer.add_argument("--log-level", metavar="LEVEL", type=str.upper,
+                      choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                      help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default "
+                           "$P2PCOLL_LOG_LEVEL, else INFO)")
+    peer.add_argument("--rendezvous", metavar="tcp://HOST:PORT",
+                      help="where the peers meet (default $P2PCOLL_RENDEZVOUS, ...)")
+    peer.add_argument("--world-size", type=_positive_int, metavar="N",
+                      help="number of peers (default $WORLD_SIZE, ...)")
+    peer.add_argument("--rank", type=_non_negative_int, metavar="R",
+                      help="this peer's rank (default $RANK, ..., else in arrival order)")
+    peer.add_argument("--key-file", metavar="PATH",
+                      help="the job key file (default $P2PCOLL_KEY_FILE)")
+    peer.add_argument("--job-id", metavar="ID",
+                      help="the job at a shared rendezvous server (default $P2PCOLL_JOB_ID)")
+
     # Its options are added by p2pcoll.bench, imported only when it runs (see _bench).
     sub.add_parser("bench", add_help=False, help="time a collective between peer processes")
     return parser
+
+
+# --- peer -----------------------------------------------------------------------------------
+
+
+def _peer(args: argparse.Namespace) -> int:
+    from .service import configure_logging, load_job, serve
+    from .settings import ServiceSettings
+
+    try:
+        service = ServiceSettings.resolve(metrics_port=args.metrics_port,
+                                          metrics_host=args.metrics_host,
+                                          log_level=args.log_level)
+        logs = configure_logging(service.log_level)
+        job = load_job(args.job)
+        options = {k: v for k, v in (("rendezvous", args.rendezvous),
+                                     ("world_size", args.world_size), ("rank", args.rank),
+                                     ("key_file", args.key_file), ("job_id", args.job_id))
+                   if v is not None}
+        Settings.resolve(**options)  # a bad setting fails here, before the loop starts
+    except SettingsError as exc:
+        return _fail(f"peer: {exc}")
+    return asyncio.run(serve(job, service=service, join_options=options, name=args.job,
+                             logs=logs))
 
 
 # --- launch ---------------------------------------------------------------------------------
@@ -281,6 +343,22 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def _port_or_zero(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    return _port(text)
 
 
 def _port(text: str) -> int:

@@ -10,6 +10,7 @@ P2PCollError
 ├── CollectiveMismatch           ranks called the collective differently
 ├── GroupBroken                  the group failed earlier and cannot be used
 ├── ReplicaDivergence            replicas that must be identical are not (training)
+├── ServiceStopped               a peer service was told to stop while its job ran
 └── StrategyError
     ├── UnknownStrategy          no strategy of that name for that collective
     └── PluginValidationError    an installed strategy plugin is malformed
@@ -112,6 +113,19 @@ class ReplicaDivergence(P2PCollError):
         super().__init__(message)
         self.ranks = sorted(set(ranks))
         self.tensor = tensor
+
+
+class ServiceStopped(P2PCollError):
+    """A peer service (:class:`p2pcoll.service.Peer`) was told to stop (a signal, or
+    ``Peer.stop()``) while it joined or ran its job.
+
+    Attributes:
+        reason: what stopped it (``"SIGTERM"``, or the reason given to ``stop()``).
+    """
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class StrategyError(P2PCollError):

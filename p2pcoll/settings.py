@@ -9,9 +9,9 @@ variable (or argument), the value, and what is allowed, raised before any socket
 =============================  ======================================================
 variable                       meaning (default)
 =============================  ======================================================
-``P2PCOLL_RENDEZVOUS``         rendezvous URL ``tcp://HOST:PORT`` (else under torchrun
-                               its store at ``MASTER_ADDR``/``MASTER_PORT``, else
-                               ``tcp://MASTER_ADDR:MASTER_PORT``)
+``P2PCOLL_RENDEZVOUS``         rendezvous URL ``tcp://HOST:PORT`` (else what the
+                               launcher implies: torchrun, Open MPI, SLURM; see
+                               :mod:`p2pcoll.launchers`)
 ``P2PCOLL_HOST``               address this peer advertises (the interface routing
                                to the rendezvous host)
 ``P2PCOLL_TRANSPORT``          ``auto``, ``tcp``, ``ipc`` or ``inproc`` (auto)
@@ -29,7 +29,13 @@ variable                       meaning (default)
 ``P2PCOLL_JOB_ID``             which job of a shared rendezvous server this peer joins
 ``P2PCOLL_MIN_WORLD_SIZE``     elastic groups: form with at least this many peers
 ``P2PCOLL_MAX_WORLD_SIZE``     elastic groups: form with at most this many peers
+``P2PCOLL_METRICS_PORT``       a peer service's HTTP port for /healthz and /metrics (off)
+``P2PCOLL_METRICS_HOST``       the address that port is bound to (0.0.0.0)
+``P2PCOLL_LOG_LEVEL``          a peer service's log level (INFO)
 =============================  ======================================================
+
+The last three are a peer service's (:class:`ServiceSettings`, ``p2pcoll peer``), not a
+group's.
 
 Byte counts take ``K``, ``M``, ``G`` suffixes (powers of 1024, ``KiB`` and ``KB`` alike);
 switches take ``1/0``, ``true/false``, ``yes/no``, ``on/off``.
@@ -45,15 +51,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import launchers
 from .errors import SettingsError
+from .launchers import RANK_VARS as RANK_VARS  # where they were before launchers.py
+from .launchers import WORLD_SIZE_VARS as WORLD_SIZE_VARS
 from .security.keys import JobKey
 from .strategy import COLLECTIVES
 
 log = logging.getLogger("p2pcoll")
 
 TRANSPORT_NAMES = ("auto", "tcp", "ipc", "inproc")
-WORLD_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
-RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 _SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", re.IGNORECASE)
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -69,6 +76,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
+        "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
 )
@@ -177,9 +185,7 @@ class Settings:
         given = {k: v for k, v in arguments.items() if v is not None}
         reader = _Reader(env)
         values: dict[str, Any] = {
-            "rendezvous": reader.rendezvous(),
-            "world_size": reader.launcher_int(WORLD_SIZE_VARS, minimum=1),
-            "rank": reader.launcher_int(RANK_VARS, minimum=0),
+            "rendezvous": reader.raw("P2PCOLL_RENDEZVOUS"),  # else the launcher's, below
             "host": reader.raw("P2PCOLL_HOST"),
             "transport": reader.choice("P2PCOLL_TRANSPORT", TRANSPORT_NAMES),
             "join_timeout": reader.seconds("P2PCOLL_JOIN_TIMEOUT"),
@@ -196,7 +202,6 @@ class Settings:
             "job_id": reader.job_id(),
             "min_world_size": reader.integer("P2PCOLL_MIN_WORLD_SIZE", 1, 1 << 20),
             "max_world_size": reader.integer("P2PCOLL_MAX_WORLD_SIZE", 1, 1 << 20),
-            "torchrun": reader.torchrun(),
         }
         merged = {k: v for k, v in values.items() if v is not None}
         if "strategies" in given:
@@ -206,6 +211,7 @@ class Settings:
         if key_file is not None:
             merged["key"] = JobKey.load(key_file, where="key_file=")
         merged.update(given)
+        _from_launcher(merged, env)
         settings = cls(**merged)
         settings._check_arguments(given)
         return settings
@@ -276,6 +282,28 @@ def _check_strategies(value: object) -> dict[str, str]:
     return dict(value)
 
 
+def _from_launcher(merged: dict[str, Any], env: Mapping[str, str]) -> None:
+    """Fill in the rank, world size and rendezvous that arguments and ``P2PCOLL_*`` left
+    unset from what the launcher's environment implies (:func:`p2pcoll.launchers.detect`)."""
+    elastic = merged.get("min_world_size") is not None or \
+        merged.get("max_world_size") is not None
+    found = launchers.detect(env, elastic=elastic)
+    merged.setdefault("torchrun", found.torchrun)
+    for name in ("rank", "world_size"):
+        if merged.get(name) is None:
+            merged[name] = getattr(found, name)
+    size = merged["world_size"]
+    if size is None and found.world_size_needed and not elastic:
+        raise SettingsError(found.world_size_needed, name=found.world_size_from,
+                            allowed="an integer >= 1")
+    if merged.get("rendezvous") is None and size != 1:
+        merged["rendezvous"] = found.find_rendezvous()
+    if found.launcher:
+        log.debug("launcher %s: rank %s from %s, world size %s from %s, rendezvous %s",
+                  found.launcher, found.rank, found.rank_from or "-", found.world_size,
+                  found.world_size_from or "-", merged["rendezvous"])
+
+
 class _Reader:
     """Reads and checks one environment; every method returns None for an unset variable."""
 
@@ -285,39 +313,6 @@ class _Reader:
     def raw(self, name: str) -> str | None:
         value = self.env.get(name)
         return None if value is None or value.strip() == "" else value.strip()
-
-    def rendezvous(self) -> str | None:
-        url = self.raw("P2PCOLL_RENDEZVOUS")
-        if url:
-            return url
-        addr, port = self.raw("MASTER_ADDR"), self.raw("MASTER_PORT")
-        if addr and port:
-            if not port.isdigit() or not 0 < int(port) < 65536:
-                raise bad_value("$MASTER_PORT", port, "a TCP port number 1..65535")
-            # Under torchrun its agent's store holds MASTER_PORT: meet through it.
-            scheme = "torch" if self.torchrun() else "tcp"
-            return f"{scheme}://{addr}:{port}"
-        return None
-
-    def torchrun(self) -> str | None:
-        run = self.raw("TORCHELASTIC_RUN_ID")
-        if run is None:
-            return None
-        return f"{run}/{self.raw('TORCHELASTIC_RESTART_COUNT') or 0}"
-
-    def launcher_int(self, names: tuple[str, ...], minimum: int) -> int | None:
-        for name in names:
-            value = self.raw(name)
-            if value is None:
-                continue
-            try:
-                number = int(value)
-            except ValueError:
-                raise bad_value(f"${name}", value, f"an integer >= {minimum}") from None
-            if number < minimum:
-                raise bad_value(f"${name}", value, f"an integer >= {minimum}")
-            return number
-        return None
 
     def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
         value = self.raw(name)
@@ -390,3 +385,53 @@ class _Reader:
             if value is not None:
                 out[coll] = value
         return out
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """What a peer run as a service (:class:`p2pcoll.service.Peer`) runs with, besides its
+    group's :class:`Settings`. Made by :meth:`resolve`.
+
+    Attributes:
+        metrics_port: the HTTP port of ``/healthz`` and ``/metrics``; None: no HTTP server;
+            0: any free port.
+        metrics_host: the address that port is bound to (all interfaces by default, so a
+            container's health check and a Prometheus scraper can reach it).
+        log_level: the level of the service's log lines (a :mod:`logging` level name).
+    """
+
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
+    log_level: str = "INFO"
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, *,
+                metrics_port: int | None = None, metrics_host: str | None = None,
+                log_level: str | None = None) -> ServiceSettings:
+        """Arguments (None meaning unset) over ``$P2PCOLL_METRICS_PORT``,
+        ``$P2PCOLL_METRICS_HOST`` and ``$P2PCOLL_LOG_LEVEL``.
+
+        Raises:
+            SettingsError: a port outside 0..65535, an empty host, or an unknown level.
+        """
+        reader = _Reader(os.environ if environ is None else environ)
+        values: dict[str, Any] = {}
+        if metrics_port is not None:
+            values["metrics_port"] = _check_int(metrics_port, "metrics_port=", 0, 65535)
+        else:
+            values["metrics_port"] = reader.integer("P2PCOLL_METRICS_PORT", 0, 65535)
+        host = metrics_host if metrics_host is not None else reader.raw("P2PCOLL_METRICS_HOST")
+        if host is not None:
+            if not isinstance(host, str) or not host.strip():
+                raise bad_value("metrics_host=", host, "an address to bind, like 0.0.0.0")
+            values["metrics_host"] = host.strip()
+        where, level = ("log_level=", log_level) if log_level is not None else (
+            "$P2PCOLL_LOG_LEVEL", reader.raw("P2PCOLL_LOG_LEVEL"))
+        if level is not None:
+            if not isinstance(level, str) or level.upper() not in LOG_LEVELS:
+                raise bad_value(where, level, f"one of {', '.join(LOG_LEVELS)}")
+            values["log_level"] = level.upper()
+        return cls(**{k: v for k, v in values.items() if v is not None})

@@ -1,12 +1,13 @@
 """The package's layers: imports only go down the stack, and plugins see only the strategy API.
 
-    base       errors, types, pytree, strategy, settings, security (the job key)
+    base       errors, types, pytree, strategy, settings, launchers, security (the job key)
     wire       the message format and its one validation point
     transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory)
     engine     plans, matching, the executor            rendezvous  server, client, URLs
     session    one membership epoch, forming, failure    registry    strategy plugins
     api        Group and join
     training   data-parallel training on the api        testing, launch
+    service    a peer as a long-lived service (health, metrics)   integrations  torch.distributed
     bench, cli the command line
 
 A module may import from its own layer and from any layer below, never above (imports
@@ -25,12 +26,13 @@ PACKAGE = ROOT / "p2pcoll"
 
 LAYERS = {
     "errors": 0, "types": 0, "pytree": 0, "strategy": 0, "settings": 0, "security": 0,
+    "launchers": 0,
     "wire": 1,
     "transport": 2,
     "engine": 3, "rendezvous": 3,
     "session": 4, "registry": 4,
     "api": 5,
-    "training": 6, "testing": 6, "launch": 6,
+    "training": 6, "testing": 6, "launch": 6, "service": 6, "integrations": 6,
     "bench": 7, "cli": 7, "__main__": 7, "__init__": 7,
 }
 

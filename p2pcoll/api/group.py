@@ -11,13 +11,21 @@ group's state in :mod:`p2pcoll.session.failure`, everything of one roster in
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from ..engine.layout import Layout
-from ..errors import CollectiveMismatch, GroupBroken, PluginValidationError, ProtocolError
+from ..engine.p2p import RECV, SEND
+from ..errors import (
+    CollectiveMismatch,
+    GroupBroken,
+    P2PCollError,
+    PluginValidationError,
+    ProtocolError,
+)
 from ..registry import registry
 from ..rendezvous import RendezvousServer
 from ..session.failure import FailureModel, GroupState
@@ -38,7 +46,8 @@ from ..types import (
     flatten,
     unflatten,
 )
-from ..wire import Header, Signature
+from ..wire import MAX_TAG, Header, Signature
+from .activity import Activity
 
 T = TypeVar("T")
 
@@ -80,11 +89,13 @@ class Group:
         self._session: Session | None = None
         self._server: RendezvousServer | None = None
         self._extensions: dict[str, Any] = {}
+        self._activity = Activity()
 
-    async def _form(self) -> None:
+    async def _form(self, store: Any = None) -> None:
+        """Form the group (through torch's ``store``, for the torch.distributed backend)."""
         try:
             self._session, self._server = await form(self.settings, self._failures,
-                                                     self._sockets)
+                                                     self._sockets, store=store)
         except BaseException:
             self._failures.close()
             raise
@@ -171,9 +182,17 @@ class Group:
         session = self.session
         limit = self._limit(timeout)
         seq = session.next_seq()
-        async with self._failures.collective(seq, collective, limit):
-            await session.executor.run(seq=seq, strategy=strategy, ctx=self._ctx(root),
-                                       layout=layout, ufunc=ufunc, sig=sig, meta=meta)
+        started, error = time.perf_counter(), None
+        try:
+            async with self._failures.collective(seq, collective, limit):
+                await session.executor.run(seq=seq, strategy=strategy, ctx=self._ctx(root),
+                                           layout=layout, ufunc=ufunc, sig=sig, meta=meta)
+        except P2PCollError as exc:
+            error = exc
+            raise
+        finally:
+            self._activity.record(collective, strategy.name, time.perf_counter() - started,
+                                  error)
 
     def _sig(self, collective: str, strategy: Strategy, op: ReduceOp | None, root: int | None,
              data: str) -> Signature:
@@ -429,6 +448,124 @@ class Group:
         sig = self._sig("barrier", strat, None, None, "")
         await self._execute("barrier", strat, 0, layout, None, sig, timeout)
 
+    # --- point to point ----------------------------------------------------------------
+
+    def _check_transfer(self, peer: int, what: str, tag: int) -> None:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not (
+                0 <= peer < self.world_size) or peer == self.rank:
+            raise ValueError(f"{what} {peer!r} is not another rank of this group of "
+                             f"{self.world_size} (this is rank {self.rank})")
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag {tag!r} is not an integer from 0 to {MAX_TAG}")
+
+    async def send(
+        self, value: Pytree, dst: int, *, tag: int = 0, timeout: float | None = None,
+    ) -> None:
+        """Send ``value`` to rank ``dst``, whose ``recv(src=<this rank>, tag=tag)`` gets it.
+
+        Only the two ranks take part. Messages from one rank to another with the same tag
+        are received in the order they were sent; other tags are independent of them. It
+        returns once the data is handed to the transport (``value`` may then be changed);
+        it does not wait for the receive to be posted: the message waits at the receiver.
+
+        Args:
+            value: an ndarray (any shape) or a pytree of them.
+            dst: the receiving rank, not this one.
+            tag: an integer from 0 to 2**32 - 1 that keeps independent streams apart.
+            timeout: seconds for the whole send (default: the group's).
+
+        Raises:
+            ValueError, TypeError: ``dst`` or ``tag`` is out of range, or a dtype is not
+                allowed (raised before anything is sent; the group stays usable).
+            PeerLost: ``dst`` has gone.
+            CollectiveTimeout: the data could not be handed over in time.
+            GroupBroken: an earlier failure.
+        Cancellation: breaks the group (the ranks' counts of messages would disagree).
+
+        Example::
+
+            if g.rank == 0:
+                await g.send(np.arange(3), dst=1, tag=7)    # rank 0 -> rank 1
+            elif g.rank == 1:
+                x = await g.recv(src=0, tag=7)              # rank 1: array([0, 1, 2])
+        """
+        self._check_transfer(dst, "dst", tag)
+        leaves, treedef = flatten(value)
+        data = [_native(leaf) for leaf in leaves]
+        meta = {"strategy": SEND.name, "tree": treedef,
+                "leaves": [[a.dtype.str, list(a.shape)] for a in data]}
+        layout = Layout.split([a.reshape(-1) for a in data], 1)
+        sig = Signature.of("p2p", "", "", -1, describe_data(data, treedef))
+        session = self.session
+        limit = self._limit(timeout)
+        op = session.next_transfer(self.rank, dst, tag)
+        async with self._failures.collective(op, "send", limit):
+            await session.executor.run(
+                seq=op[3], strategy=SEND, ctx=self._ctx(dst), layout=layout, ufunc=None,
+                sig=sig, meta=meta, tag=tag,
+            )
+
+    async def recv(
+        self, src: int, *, tag: int = 0, out: Pytree | None = None,
+        timeout: float | None = None,
+    ) -> Pytree:
+        """Receive the next value rank ``src`` sends this rank with ``tag`` (see :meth:`send`).
+
+        Args:
+            src: the sending rank, not this one.
+            tag: the sender's tag.
+            out: where to put it: arrays of the structure, shapes and dtypes the sender
+                sends, C-contiguous and writable. None: new arrays.
+            timeout: seconds to wait for it (default: the group's).
+
+        Returns:
+            ``out`` if given, else the sender's value as new arrays.
+
+        Raises:
+            ValueError: ``src`` or ``tag`` is out of range, or ``out`` is not writable
+                C-contiguous arrays (the group stays usable).
+            CollectiveMismatch: ``out`` does not have the structure, shapes or dtypes sent.
+            CollectiveTimeout: nothing came in time (``waiting_on`` is ``[src]``).
+            PeerLost: ``src`` has gone without sending it.
+            GroupBroken: an earlier failure.
+        Cancellation: breaks the group (a message that comes later would be taken by the
+        next receive).
+        """
+        self._check_transfer(src, "src", tag)
+        mine = flatten(out) if out is not None else None
+        if mine is not None and not all(
+                isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
+                and a.dtype.isnative for a in mine[0]):
+            raise ValueError("out= arrays must be C-contiguous, writable and in native "
+                             "byte order")
+        session = self.session
+        limit = self._limit(timeout)
+        op = session.next_transfer(src, self.rank, tag)
+        async with self._failures.collective(op, "recv", limit):
+            header = await session.matcher.first(op, src)
+            if header.meta is None:
+                raise ProtocolError(f"message from rank {src} with tag {tag} lacks its layout")
+            treedef = header.meta.get("tree")
+            shapes = [(np.dtype(d), tuple(s)) for d, s in header.meta["leaves"]]
+            if mine is not None:
+                have = [(leaf.dtype, leaf.shape) for leaf in mine[0]]
+                if mine[1] != treedef or have != shapes:
+                    raise CollectiveMismatch(
+                        f"recv #{op[3]} from rank {src} with tag {tag}: rank {src} sends "
+                        f"{describe_data_specs(shapes)}, rank {self.rank} passed out= "
+                        f"{describe_data_specs(have)}"
+                    )
+                data = list(mine[0])
+            else:
+                data = [np.empty(s, d) for d, s in shapes]
+            layout = Layout.split([a.reshape(-1) for a in data], 1)
+            sig = Signature.of("p2p", "", "", -1, describe_data(data, treedef))
+            await session.executor.run(
+                seq=op[3], strategy=RECV, ctx=self._ctx(src), layout=layout, ufunc=None,
+                sig=sig, tag=tag,
+            )
+        return out if out is not None else unflatten(treedef, data)
+
     # --- the rest -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -436,7 +573,12 @@ class Group:
         of ``bytes_sent`` that went through shared memory, and collectives started; messages
         dropped (malformed, from strangers, over the cap, ...), in all and, under
         ``messages_dropped_by_reason``, by reason (``{"stranger": 3, "malformed": 1}``: only
-        reasons seen; the codes are listed in :mod:`p2pcoll.wire.validation`)."""
+        reasons seen; the codes are listed in :mod:`p2pcoll.wire.validation`). Of the
+        collectives: how many ran with each strategy (``collectives_by_strategy``:
+        ``{"allreduce": {"ring": 3}}``), a histogram of their durations per collective
+        (``collective_seconds``: ``{"allreduce": {"count", "sum", "buckets"}}``, buckets
+        as ``[upper bound in seconds, cumulative count]``), and the errors they raised by
+        type (``errors_by_type``). Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
         return {
@@ -448,9 +590,10 @@ class Group:
             "messages_dropped_by_reason": dict(c.dropped_by_reason),
             "bytes_sent_shm": c.bytes_sent_shm,
             "collectives": session.seq,
+            **self._activity.report(),
         }
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "") -> None:
         """Leave the group: tell the peers, then close every socket. Idempotent.
 
         It waits until every peer still there has read the goodbye, and so everything this
@@ -458,12 +601,18 @@ class Group:
         timeout for one that is busy), so a rank that returns from its last send and closes
         loses nothing in flight. A broken group closes at once.
 
+        Closing while collectives of this group are in flight (a service told to stop,
+        say) aborts them: here they raise :class:`GroupBroken`, and the peers'
+        :class:`PeerLost` naming this rank and ``reason``, at once rather than at a
+        deadline.
+
         Cancellation: the sockets may stay open until the process exits.
         """
         if self._failures.state is GroupState.CLOSED and self._session is None:
             return
         session, self._session = self._session, None
         healthy = self._failures.state is GroupState.READY
+        self._failures.leave(reason)
         self._failures.close()
         if session is not None:
             # Wait for the peers to read the goodbye (and so all before it), at most as

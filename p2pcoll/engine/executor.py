@@ -22,7 +22,7 @@ from ..strategy import Context, Reduce, Send, Strategy
 from ..transport.base import Piece, Tracker, Transport
 from ..wire import Header, Signature
 from .layout import Layout
-from .matching import Departures, Matcher
+from .matching import Departures, Key, Matcher
 from .plan import Steps, copies, plan, send_groups
 
 
@@ -51,8 +51,12 @@ class Executor:
         ufunc: Callable[..., Any] | None,
         sig: Signature,
         meta: dict[str, Any] | None = None,
+        tag: int | None = None,
     ) -> None:
         """Run ``strategy`` for collective ``seq`` over ``layout``, in place.
+
+        With a ``tag`` it is a point-to-point transfer instead (see
+        :mod:`p2pcoll.engine.matching`): ``seq`` is its count on the (peer, tag) channel.
 
         Raises:
             CollectiveMismatch: a peer's message carried another signature or size.
@@ -60,7 +64,11 @@ class Executor:
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
         steps = plan(strategy, ctx, len(layout.chunks))
-        self.matcher.expect(seq, sig, ctx.rank)
+        if tag is None:
+            self.matcher.expect(seq, sig, ctx.rank)
+        else:
+            for frm in {op.frm for ops in steps for op in ops if not isinstance(op, Send)}:
+                self.matcher.expect((frm, ctx.rank, tag, seq), sig, ctx.rank)
         nseg = layout.segment(self.segment_bytes, self.max_message_bytes)
         early, late = copies(steps, len(layout.chunks))
         first_late = max(nseg - self.depth, 0)
@@ -69,14 +77,15 @@ class Executor:
         pending: list[Tracker] = []
         run = self._segment
         if nseg == 1:
-            await run(seq, 0, steps, late, layout, ufunc, sig, meta, ctx.rank, pending)
+            await run(seq, 0, steps, late, layout, ufunc, sig, meta, ctx.rank, pending, tag)
         else:
             window = asyncio.Semaphore(self.depth)
 
             async def one(seg: int) -> None:
                 async with window:
                     copy = late if seg >= first_late else early
-                    await run(seq, seg, steps, copy, layout, ufunc, sig, meta, ctx.rank, pending)
+                    await run(seq, seg, steps, copy, layout, ufunc, sig, meta, ctx.rank, pending,
+                              tag)
 
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -99,6 +108,7 @@ class Executor:
         meta: dict[str, Any] | None,
         rank: int,
         pending: list[Tracker],
+        tag: int | None,
     ) -> None:
         sent: defaultdict[int, int] = defaultdict(int)
         received: defaultdict[int, int] = defaultdict(int)
@@ -116,7 +126,7 @@ class Executor:
                     first = seg == 0 and sent[to] == 0
                     headers.append(Header(
                         "data", self.group_id, rank, seq, seg, sent[to], sig.digest,
-                        meta=seg_meta, described=list(sig.fields) if first else None,
+                        meta=seg_meta, described=list(sig.fields) if first else None, tag=tag,
                     ))
                     sent[to] += 1
                 tracker = await self.transport.send_many(
@@ -128,7 +138,8 @@ class Executor:
             for op in ops:
                 if isinstance(op, Send):
                     continue
-                key = (seq, seg, op.frm, received[op.frm])
+                key: Key = (seq if tag is None else (op.frm, rank, tag, seq), seg, op.frm,
+                       received[op.frm])
                 received[op.frm] += 1
                 header, frames = await self.matcher.get(key)  # signature checked there
                 targets = layout.pieces(op.chunk, seg)

@@ -6,6 +6,13 @@ this (seq, segment). Because the index is in the key, messages may even arrive o
 a strategy only has to post its sends and receives in a consistent order per pair of ranks,
 and several collectives can be in flight at once without mixing.
 
+Point-to-point transfers (``Group.send``/``Group.recv``) are matched here too, under the
+same rules: only two ranks take part in one, so it has no collective sequence number but
+an operation id ``(src, dst, tag, count)``: the count is how many messages the sender had
+sent the receiver with that tag before (each side counts on its own: MPI's non-overtaking
+rule, per tag). The id takes the sequence number's place in the key; the collectives and
+each (src, dst, tag) are separate channels, each with its own record of what finished.
+
 Every message's signature digest (what its sender thinks the collective is) is compared
 with this rank's own as soon as both are known, so ranks that disagree fail at the first
 message. A message that arrives before its receive is buffered. A receive that is cancelled
@@ -23,8 +30,39 @@ from ..transport.base import Piece
 from ..types import Membership
 from ..wire import Header, Signature
 
-Key = tuple[int, int, int, int]
+# What a message belongs to: a collective's sequence number, or a point-to-point
+# transfer's (src, dst, tag, count).
+OpId = int | tuple[int, int, int, int]
+Key = tuple[OpId, int, int, int]  # (op, segment, src, index)
 Message = tuple[Header, list[Piece]]
+Channel = tuple[int, int, int] | None  # None: the collectives; (src, dst, tag): transfers
+
+
+def channel(op: OpId) -> tuple[Channel, int]:
+    """The channel of an operation and its number in it."""
+    if isinstance(op, int):
+        return None, op
+    return op[:3], op[3]
+
+
+class _Finished:
+    """The operations of one channel that have finished: all below a watermark, and the
+    few above it that finished early (operations may finish out of order)."""
+
+    __slots__ = ("watermark", "above")
+
+    def __init__(self) -> None:
+        self.watermark = 0
+        self.above: set[int] = set()
+
+    def __contains__(self, n: int) -> bool:
+        return n < self.watermark or n in self.above
+
+    def add(self, n: int) -> None:
+        self.above.add(n)
+        while self.watermark in self.above:
+            self.above.discard(self.watermark)
+            self.watermark += 1
 
 
 class Departures(Protocol):
@@ -51,28 +89,28 @@ class Matcher:
         self.departures = departures
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
-        self._first: dict[int, asyncio.Future[Header]] = {}
-        self._failed: dict[int, P2PCollError] = {}
-        self._finished: set[int] = set()
-        self._expected: dict[int, tuple[Signature, int]] = {}  # seq -> (signature, my rank)
-        self._stalled: dict[int, set[int]] = {}  # seq -> sources of cancelled receives
-        self._first_origin: dict[int, int] = {}  # seq -> the rank a first() waits on
-        self._watermark = 0  # every seq below this has finished
+        self._first: dict[OpId, asyncio.Future[Header]] = {}
+        self._failed: dict[OpId, P2PCollError] = {}
+        self._finished: dict[Channel, _Finished] = {None: _Finished()}
+        self._expected: dict[OpId, tuple[Signature, int]] = {}  # op -> (signature, my rank)
+        self._stalled: dict[OpId, set[int]] = {}  # op -> sources of cancelled receives
+        self._first_origin: dict[OpId, int] = {}  # op -> the rank a first() waits on
 
     def put(self, header: Header, frames: list[Piece]) -> bool:
         """Deliver a data message.
 
-        Returns False, dropping it, when collective ``seq`` has already finished here.
+        Returns False, dropping it, when its collective (or transfer) has already finished
+        here.
 
         Raises:
             ProtocolError: a second message with the same key.
         """
-        seq = header.seq
+        seq = self.op_of(header)
         if seq in self._failed:
             return True  # that collective already failed here: late traffic is expected
-        if seq < self._watermark or seq in self._finished:
+        if self.finished(seq):
             return False
-        key = header.key
+        key = (seq, header.seg, header.src, header.step)
         if key in self._buffered:
             raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)",
                                 reason="duplicate")
@@ -91,7 +129,13 @@ class Matcher:
             self._buffered[key] = (header, frames)
         return True
 
-    def expect(self, seq: int, sig: Signature, rank: int) -> None:
+    def op_of(self, header: Header) -> OpId:
+        """The operation a data message for this rank belongs to."""
+        if header.tag is None:
+            return header.seq
+        return (header.src, self.departures.membership.rank, header.tag, header.seq)
+
+    def expect(self, seq: OpId, sig: Signature, rank: int) -> None:
         """Declare this rank's signature of collective ``seq`` and check what already came."""
         self._expected[seq] = (sig, rank)
         for key, (header, _) in list(self._buffered.items()):
@@ -99,15 +143,17 @@ class Matcher:
                 return
 
     def _check(self, header: Header) -> bool:
-        sig, rank = self._expected[header.seq]
+        op = self.op_of(header)
+        sig, rank = self._expected[op]
         if header.sig == sig.digest:
             return True
         diff = sig.describe_difference(header.described, rank, header.src)
-        self.fail(header.seq, CollectiveMismatch(
-            f"collective #{header.seq} {sig.collective}: {diff}"))
+        what = (f"collective #{header.seq}" if header.tag is None
+                else f"message #{header.seq} with tag {header.tag}")
+        self.fail(op, CollectiveMismatch(f"{what} {sig.collective}: {diff}"))
         return False
 
-    def leftover(self, seq: int) -> list[int]:
+    def leftover(self, seq: OpId) -> list[int]:
         """Source ranks of messages of ``seq`` that arrived but were never received."""
         return sorted({k[2] for k in self._buffered if k[0] == seq})
 
@@ -138,7 +184,7 @@ class Matcher:
             if self._waiting.get(key) is fut:
                 del self._waiting[key]
 
-    async def first(self, seq: int, origin: int) -> Header:
+    async def first(self, seq: OpId, origin: int) -> Header:
         """The header of the first segment-0 message of collective ``seq`` from anyone.
 
         ``origin`` is the rank the data comes from (a root), named while this waits. Which
@@ -153,7 +199,7 @@ class Matcher:
         fut = self._first.get(seq)
         if fut is None:
             fut = self._first[seq] = asyncio.get_running_loop().create_future()
-        if not fut.done() and self.departures.abandoned(origin, seq):
+        if not fut.done() and self._abandoned(origin, seq):
             raise self.departures.lost(origin)  # type: ignore[misc]
         self._first_origin[seq] = origin
         try:
@@ -164,15 +210,25 @@ class Matcher:
         finally:
             self._first_origin.pop(seq, None)
 
-    def failure(self, seq: int) -> P2PCollError | None:
+    def _abandoned(self, rank: int, seq: OpId) -> bool:
+        """Whether ``rank`` is gone without taking its part in ``seq``. A sender that has
+        gone in any way will not send a transfer's message that has not come: everything
+        it sent before its goodbye arrived before the goodbye."""
+        if isinstance(seq, int):
+            return self.departures.abandoned(rank, seq)
+        return self.departures.lost(rank) is not None
+
+    def failure(self, seq: OpId) -> P2PCollError | None:
         """The recorded failure of collective ``seq``, if a peer aborted it."""
         return self._failed.get(seq)
 
-    def finished(self, seq: int) -> bool:
+    def finished(self, seq: OpId) -> bool:
         """Whether collective ``seq`` has finished here (returned or failed)."""
-        return seq < self._watermark or seq in self._finished
+        chan, n = channel(seq)
+        done = self._finished.get(chan)
+        return done is not None and n in done
 
-    def waiting_on(self, seq: int) -> list[int]:
+    def waiting_on(self, seq: OpId) -> list[int]:
         """Source ranks that receives of collective ``seq`` are waiting for (or were, when
         they were cancelled: the deadline's cancellation leaves its answer here)."""
         now = {k[2] for k in self._waiting if k[0] == seq}
@@ -180,9 +236,9 @@ class Matcher:
             now.add(self._first_origin[seq])
         return sorted(now | self._stalled.get(seq, set()))
 
-    def fail(self, seq: int, exc: P2PCollError) -> bool:
+    def fail(self, seq: OpId, exc: P2PCollError) -> bool:
         """Fail collective ``seq`` now and later. Returns False if it had already finished."""
-        if seq < self._watermark or seq in self._finished:
+        if self.finished(seq):
             return False
         self._failed.setdefault(seq, exc)
         for key, fut in list(self._waiting.items()):
@@ -203,15 +259,16 @@ class Matcher:
             if key[2] == rank and not fut.done():
                 fut.set_exception(exc)
         for seq, origin in self._first_origin.items():
-            if origin == rank and self.departures.abandoned(rank, seq):
+            if origin == rank and self._abandoned(rank, seq):
                 first = self._first.get(seq)
                 if first is not None and not first.done():
                     first.set_exception(exc)
                     first.exception()
 
-    def finish(self, seq: int) -> None:
+    def finish(self, seq: OpId) -> None:
         """Forget everything about collective ``seq``; later messages for it are stale."""
-        self._finished.add(seq)
+        chan, n = channel(seq)
+        self._finished.setdefault(chan, _Finished()).add(n)
         self._failed.pop(seq, None)
         self._expected.pop(seq, None)
         self._stalled.pop(seq, None)
@@ -220,9 +277,6 @@ class Matcher:
             first.cancel()
         for key in [k for k in self._buffered if k[0] == seq]:
             del self._buffered[key]
-        while self._watermark in self._finished:
-            self._finished.discard(self._watermark)
-            self._watermark += 1
 
     def close(self, exc: P2PCollError) -> None:
         """Fail everything pending."""

@@ -10,6 +10,10 @@ counts the groups this process has joined under that run (every rank joins the s
 groups in the same order), so a second group of one run, or a restarted run, never reads
 the keys of another.
 
+The same exchange serves the torch.distributed backend (:mod:`p2pcoll.integrations.torch`),
+through the store torch hands each process group (:func:`store_membership`): torch
+prefixes it per group, so every ``new_group`` forms a p2pcoll group of its own.
+
 The store is torch's: it neither authenticates nor encrypts. With a job key the mesh
 itself is still secured; the store only ever holds endpoints and a group id.
 """
@@ -76,9 +80,45 @@ async def store_rendezvous(
     host, port = parse_url(url)
     _joins[namespace] += 1
     prefix = f"p2pcoll/{namespace}/{_joins[namespace]}"
+    return await _exchange(lambda: _connect(host, port, timeout), prefix,
+                           f"torchrun's store at {host}:{port}", endpoints=endpoints,
+                           world_size=world_size, rank=rank, timeout=timeout,
+                           host_id=host_id, choose=choose)
+
+
+async def store_membership(
+    store: Any,
+    *,
+    endpoints: list[str],
+    world_size: int,
+    rank: int,
+    timeout: float,
+    host_id: str,
+    choose: Callable[[str, list[str]], str],
+) -> Membership:
+    """Exchange endpoints through ``store``, a torch ``Store`` already connected (the
+    prefix store torch gives a process group: its keys are the group's own).
+
+    Raises:
+        RendezvousError: not every rank wrote its endpoints within ``timeout`` (naming the
+            missing ranks), or an entry is malformed.
+    Cancellation: the wait goes on in its thread until ``timeout``.
+    """
+    return await _exchange(lambda: store, "p2pcoll", "torch's store", endpoints=endpoints,
+                           world_size=world_size, rank=rank, timeout=timeout,
+                           host_id=host_id, choose=choose)
+
+
+async def _exchange(
+    connect: Callable[[], Any], prefix: str, where: str, *, endpoints: list[str],
+    world_size: int, rank: int, timeout: float, host_id: str,
+    choose: Callable[[str, list[str]], str],
+) -> Membership:
+    """Every rank puts its endpoints under ``prefix/<rank>``, rank 0 a group id under
+    ``prefix/group``; each reads them all back."""
 
     def exchange() -> list[bytes]:
-        store = _connect(host, port, timeout)
+        store = connect()
         store.set(f"{prefix}/{rank}", msgpack.packb({"endpoints": endpoints, "host": host_id}))
         if rank == 0:
             store.set(f"{prefix}/group", uuid.uuid4().hex[:16])
@@ -88,8 +128,8 @@ async def store_rendezvous(
         except RuntimeError:
             missing = [r for r in range(world_size) if not store.check([f"{prefix}/{r}"])]
             raise RendezvousError(
-                f"rendezvous through torchrun's store at {host}:{port} timed out after "
-                f"{timeout:.3g}s: {world_size - len(missing)} of {world_size} peers arrived; "
+                f"rendezvous through {where} timed out after {timeout:.3g}s: "
+                f"{world_size - len(missing)} of {world_size} peers arrived; "
                 f"missing ranks {missing}"
             ) from None
         return [bytes(store.get(k)) for k in keys]
@@ -105,5 +145,5 @@ async def store_rendezvous(
             hosts=hosts,
         )
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
-        raise RendezvousError(f"torchrun's store at {host}:{port} holds a malformed "
-                              f"p2pcoll entry under {prefix}: {exc}") from None
+        raise RendezvousError(f"{where} holds a malformed p2pcoll entry under {prefix}: "
+                              f"{exc}") from None

@@ -23,6 +23,12 @@ whatever its own collectives are doing. Then it blames, in this order:
 Its abort carries the blamed ranks and which rule found them; for the first two, the peers'
 errors name the same ranks (the third is only the sender's view: each peer names whom it
 waits for itself). None of this runs unless a deadline passes.
+
+A point-to-point transfer (``Group.send``/``Group.recv``) runs under the same model, with
+its operation id ``(src, dst, tag, count)`` in place of a sequence number: one deadline,
+and a failure breaks the group (the two ranks' counts no longer agree). Only its two ranks
+take part, so nobody is asked why: a receive blames its sender. Its abort carries the tag,
+and the peers that get it break their groups too, failing whatever they are running.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from __future__ import annotations
 import asyncio
 from enum import StrEnum
 
-from ..engine.matching import Matcher
+from ..engine.matching import Matcher, OpId
 from ..errors import (
     REMOTE_ERRORS,
     CollectiveMismatch,
@@ -72,8 +78,8 @@ class FailureModel:
         self._group = ""
         self._matcher: Matcher | None = None
         self._transport: Transport | None = None
-        self._active: set[int] = set()
-        self._failed: dict[int, list[int]] = {}  # seq -> whom it waited for when it failed
+        self._active: set[OpId] = set()
+        self._failed: dict[OpId, list[int]] = {}  # seq -> whom it waited for when it failed
         self._inquiries: dict[int, Inquiry] = {}  # seq -> the answers to this rank's why
 
     def attach(self, rank: int, group_id: str, matcher: Matcher, transport: Transport) -> None:
@@ -97,7 +103,20 @@ class FailureModel:
     def close(self) -> None:
         self.state = GroupState.CLOSED
 
-    def collective(self, seq: int, collective: str, limit: float) -> Collective:
+    def leave(self, reason: str) -> None:
+        """This rank leaves while collectives are in flight: abort them. The peers are told
+        it left (an abort carrying a :class:`PeerLost` that names this rank); here they
+        end with :class:`GroupBroken`. Call before :meth:`close` (which mutes aborts)."""
+        if not self._active or self._matcher is None or self.state is not GroupState.READY:
+            return
+        seq = min(self._active)
+        why = f" ({reason})" if reason else ""
+        self.fail(seq, PeerLost(f"rank {self._rank} left the group during collective "
+                                f"#{seq}{why}", self._rank))
+        self._matcher.fail(seq, GroupBroken(f"the group was closed during collective "
+                                            f"#{seq}{why}"))
+
+    def collective(self, seq: OpId, collective: str, limit: float) -> Collective:
         """``async with`` this around one collective's body: it runs under its deadline,
         and every failure turns into a broken group (see :class:`Collective`)."""
         assert self._matcher is not None, "attach() first"
@@ -115,7 +134,7 @@ class FailureModel:
                 if not stray:
                     return None
                 err = CollectiveMismatch(
-                    f"{name} #{seq}: ranks {stray} sent messages that rank {self._rank} "
+                    f"{_title(name, seq)}: ranks {stray} sent messages that rank {self._rank} "
                     f"did not expect; the ranks disagree about this collective"
                 )
         if isinstance(err, TimeoutError):  # raised by the body, not by the deadline
@@ -131,7 +150,7 @@ class FailureModel:
                 blame = getattr(err, "blame", OWN)
                 local = CollectiveTimeout(
                     f"{err}; rank {self._rank} was still waiting for ranks {mine}",
-                    collective=name, seq=seq,
+                    collective=name, seq=seq if isinstance(seq, int) else seq[3],
                     waiting_on=(mine or err.waiting_on) if blame == OWN else err.waiting_on,
                 )
                 local.remote = True  # type: ignore[attr-defined]
@@ -159,6 +178,10 @@ class FailureModel:
         Cancellation: blames with the answers so far, breaks the group, propagates.
         """
         assert self._matcher is not None
+        if not isinstance(c.seq, int):  # a transfer: its one peer is the one to blame
+            timeout = self._blame(c, None)
+            self.fail(c.seq, timeout)
+            return timeout
         remote = self._remote_timeout(c.seq)
         if remote is None:
             inquiry = self._inquire(c.seq)
@@ -181,7 +204,7 @@ class FailureModel:
         assert outcome is not None
         return outcome
 
-    def _remote_timeout(self, seq: int) -> CollectiveTimeout | None:
+    def _remote_timeout(self, seq: OpId) -> CollectiveTimeout | None:
         """The timeout a peer reported for collective ``seq``, if it found the ranks that
         did not come (not only whom it waited for)."""
         assert self._matcher is not None
@@ -246,9 +269,10 @@ class FailureModel:
                 if ranks:
                     report.append(f"{what}: {_text(ranks)}")
         timeout = CollectiveTimeout(
-            f"{c.name} #{c.seq} timed out after {c.limit:g}s on rank {self._rank}: "
+            f"{_title(c.name, c.seq)} timed out after {c.limit:g}s on rank {self._rank}: "
             + "; ".join(report),
-            collective=c.name, seq=c.seq, waiting_on=blamed,
+            collective=c.name, seq=c.seq if isinstance(c.seq, int) else c.seq[3],
+            waiting_on=blamed,
         )
         timeout.blame = blame  # type: ignore[attr-defined]  # for the abort (see fail)
         return timeout
@@ -287,7 +311,7 @@ class FailureModel:
         if len(inquiry.answers) == len(inquiry.asked):
             inquiry.complete.set()
 
-    def fail(self, seq: int, err: P2PCollError) -> None:
+    def fail(self, seq: OpId, err: P2PCollError) -> None:
         """Break the group with ``err``; tell the peers unless they told us."""
         if seq not in self._failed and self._matcher is not None:
             self._failed[seq] = self._matcher.waiting_on(seq)
@@ -303,9 +327,10 @@ class FailureModel:
             elif isinstance(err, PeerLost) and err.rank is not None:
                 meta = {"lost": err.rank}  # so the peers' PeerLost names it too
             if self._transport is not None:
+                number, tag = (seq, None) if isinstance(seq, int) else (seq[3], seq[2])
                 self._transport.broadcast(Header(
-                    "abort", self._group, self._rank, seq,
-                    err=[type(err).__name__, str(err)], meta=meta,
+                    "abort", self._group, self._rank, number,
+                    err=[type(err).__name__, str(err)], meta=meta, tag=tag,
                 ))
         if self._matcher is not None:
             for other in self._active - {seq}:
@@ -315,7 +340,9 @@ class FailureModel:
         """A peer reports that collective ``header.seq`` failed there."""
         assert header.err is not None and self._matcher is not None
         cls = REMOTE_ERRORS.get(header.err[0], P2PCollError)
-        message = f"rank {header.src} failed collective #{header.seq}: {header.err[1]}"
+        what = (f"collective #{header.seq}" if header.tag is None
+                else f"a point-to-point transfer (tag {header.tag})")
+        message = f"rank {header.src} failed {what}: {header.err[1]}"
         meta = header.meta or {}
         if cls is CollectiveTimeout:
             exc: P2PCollError = CollectiveTimeout(
@@ -329,6 +356,15 @@ class FailureModel:
         blame = meta.get("blame", OWN)
         exc.remote = True  # type: ignore[attr-defined]
         exc.blame = blame  # type: ignore[attr-defined]
+        if header.tag is not None:
+            # The two ranks of a transfer disagree now: this rank's group is broken too.
+            if self.cause is None:
+                self.cause = exc
+                if self.state is GroupState.READY:
+                    self.state = GroupState.BROKEN
+            for op in list(self._active):
+                self._matcher.fail(op, exc)
+            return
         inquiry = self._inquiries.get(header.seq)
         if inquiry is not None and header.src in inquiry.asked:
             # This rank is asking why the collective is stuck: the peer is alive, and if it
@@ -346,8 +382,11 @@ class FailureModel:
     def on_stray(self, header: Header) -> None:
         """A message for a collective that had finished here: the ranks disagreed about it."""
         if self.cause is None:
-            self.fail(header.seq, CollectiveMismatch(
-                f"rank {header.src} sent a message for collective #{header.seq} "
+            assert self._matcher is not None
+            what = (f"collective #{header.seq}" if header.tag is None
+                    else f"transfer #{header.seq} with tag {header.tag}")
+            self.fail(self._matcher.op_of(header), CollectiveMismatch(
+                f"rank {header.src} sent a message for {what} "
                 f"that rank {self._rank} did not expect"
             ))
 
@@ -363,6 +402,14 @@ class Inquiry:
         self.complete = asyncio.Event()
         if not asked:
             self.complete.set()
+
+
+def _title(name: str, seq: OpId) -> str:
+    """How errors name a collective or a transfer."""
+    if isinstance(seq, int):
+        return f"{name} #{seq}"
+    src, dst, tag, n = seq
+    return f"{name} #{n} from rank {src} to rank {dst} with tag {tag}"
 
 
 def _text(ranks: list[int]) -> str:
@@ -384,7 +431,7 @@ class Collective:
 
     __slots__ = ("model", "matcher", "seq", "name", "limit", "_deadline")
 
-    def __init__(self, model: FailureModel, matcher: Matcher, seq: int, name: str,
+    def __init__(self, model: FailureModel, matcher: Matcher, seq: OpId, name: str,
                  limit: float) -> None:
         self.model, self.matcher, self.seq, self.name, self.limit = (
             model, matcher, seq, name, limit)

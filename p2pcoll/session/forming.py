@@ -13,12 +13,13 @@ import asyncio
 import logging
 import os
 import socket
+from typing import Any
 
 import zmq
 
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousServer, advertised_host, parse_url, rendezvous
-from ..rendezvous.torch_store import store_rendezvous
+from ..rendezvous.torch_store import store_membership, store_rendezvous
 from ..settings import Settings
 from ..transport.endpoints import (
     EndpointPolicy,
@@ -35,10 +36,13 @@ from .session import Session
 log = logging.getLogger("p2pcoll")
 
 
-async def form(settings: Settings, failures: FailureModel, sockets: SocketFactory
-               ) -> tuple[Session, RendezvousServer | None]:
+async def form(settings: Settings, failures: FailureModel, sockets: SocketFactory, *,
+               store: Any = None) -> tuple[Session, RendezvousServer | None]:
     """Form the group ``settings`` describe; returns its first session and the rendezvous
     server this peer hosts, if it hosts one.
+
+    With a torch ``store`` (the torch.distributed backend's), the peers meet through it
+    instead of the settings' rendezvous; ``settings`` must give the rank and world size.
 
     Raises:
         RendezvousError: the group did not form within ``settings.join_timeout``.
@@ -46,10 +50,15 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.join_timeout
-    url = settings.rendezvous
+    url = settings.rendezvous if store is None else None
     rank, size = settings.rank, settings.world_size
     if rank is not None and size is not None and rank >= size:
         raise RendezvousError(f"rank {rank} is out of range for world_size {size}")
+    if store is not None:
+        if rank is None or size is None:
+            raise RendezvousError("forming through a torch store needs the rank and size")
+        return await _form_through_store(settings, failures, sockets, store, rank, size,
+                                         deadline)
     if url is None and (settings.world_size or 1) > 1:
         raise RendezvousError(
             "no rendezvous address: pass rendezvous='tcp://HOST:PORT' or set "
@@ -93,6 +102,50 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
         if server is not None:
             await server.aclose()
         raise
+
+
+async def _form_through_store(
+    settings: Settings, failures: FailureModel, sockets: SocketFactory, store: Any,
+    rank: int, size: int, deadline: float,
+) -> tuple[Session, None]:
+    """:func:`form` through torch's ``store``: the endpoints advertised are on the
+    interface that routes to the store's host (a TCPStore's), else loopback."""
+    loop = asyncio.get_running_loop()
+    policy = endpoint_policy(settings.transport)
+    store_host = _store_host(store)
+    host = settings.host or (await advertised_host(store_host) if store_host else "127.0.0.1")
+    transport = ZmqMesh(policy, host, settings, sockets)
+    try:
+        endpoints = await transport.bind()
+        me = host_identity()
+        if size == 1:
+            membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
+        else:
+            membership = await store_membership(
+                store, endpoints=endpoints, world_size=size, rank=rank,
+                timeout=max(0.0, deadline - loop.time()), host_id=me,
+                choose=lambda h, addresses: policy.choose(me, h, addresses),
+            )
+        session = Session(membership, transport, settings, failures)
+        session.start()
+        await handshake(session, min(max(0.0, deadline - loop.time()),
+                                     max(settings.heartbeat_timeout, HELLO_MIN_WAIT)))
+        return session, None
+    except BaseException:
+        await transport.aclose()
+        raise
+
+
+def _store_host(store: Any) -> str | None:
+    """The host of the TCPStore under ``store`` (torch wraps it in prefix stores)."""
+    for _ in range(16):
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return None
+    return None
 
 
 def _check_one_process(membership: Membership) -> None:

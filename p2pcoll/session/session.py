@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
 from ..engine.executor import Executor
-from ..engine.matching import Matcher
+from ..engine.matching import Matcher, OpId
 from ..errors import GroupBroken
 from ..settings import Settings
 from ..transport.base import Piece, Transport
@@ -42,6 +43,7 @@ class Session:
             max_message_bytes=settings.max_message_bytes,
         )
         self.seq = 0
+        self.transfers: Counter[tuple[int, int, int]] = Counter()  # (src, dst, tag) -> sent
         self.hellos: set[int] = set()
         self.all_hello = asyncio.Event()
         self.farewells: set[int] = set()  # peers that have read this peer's goodbye
@@ -68,6 +70,15 @@ class Session:
         seq = self.seq
         self.seq += 1
         return seq
+
+    def next_transfer(self, src: int, dst: int, tag: int) -> OpId:
+        """The id of the next point-to-point transfer from ``src`` to ``dst`` with ``tag``
+        (one of them this rank): ``(src, dst, tag, count)``, the same on both ranks."""
+        self.failures.check_usable()
+        channel = (src, dst, tag)
+        count = self.transfers[channel]
+        self.transfers[channel] = count + 1
+        return (src, dst, tag, count)
 
     def on_message(self, header: Header, pieces: list[Piece]) -> None:
         control.dispatch(self, header, pieces)

@@ -8,6 +8,7 @@ from .header import (
     FAILED,
     FINISHED,
     KINDS,
+    MAX_TAG,
     NOT_STARTED,
     OWN,
     SILENT,
@@ -21,7 +22,7 @@ from .header import (
 from .validation import REASONS, Limits, decode_header, validate
 
 __all__ = [
-    "ABSENT", "BLAMES", "DIGEST_BYTES", "FAILED", "FINISHED", "KINDS", "NOT_STARTED", "OWN",
-    "REASONS", "SILENT", "STATES", "WAITING", "WIRE_VERSION", "Header", "Limits",
+    "ABSENT", "BLAMES", "DIGEST_BYTES", "FAILED", "FINISHED", "KINDS", "MAX_TAG", "NOT_STARTED",
+    "OWN", "REASONS", "SILENT", "STATES", "WAITING", "WIRE_VERSION", "Header", "Limits",
     "Signature", "decode_header", "encode_header", "validate",
 ]

@@ -14,6 +14,8 @@ A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack ma
          (first message of a link only)       meta optional extras (tree layout, strategy;
                                                    abort and waiting: see below)
     err  [error class name, message]          (abort only)
+    t    point-to-point tag (data and abort   q of such a message counts the messages
+         of a send/recv only)                 its sender sent the receiver on that tag
     m    [ring name, [offset per piece],      pieces in the sender's shared-memory ring
           [reader index per piece]]           (offset -1: this piece is a frame); optional
 
@@ -26,6 +28,11 @@ it waits for itself, which its peers need not take for theirs). ``why`` and
 it asks every peer ``why`` about collective ``q``, and each answers at once with
 ``waiting``, meta ``{state, waiting_on}``: one of :data:`STATES` and the ranks its receives
 of ``q`` are waiting for.
+
+A point-to-point message (``Group.send``/``Group.recv``) is a ``data`` message with a tag
+``t``: not every rank takes part, so its ``q`` is no collective sequence number but the
+count of the sender's earlier sends to the same receiver with the same tag (see
+:mod:`p2pcoll.engine.matching`). An ``abort`` with a tag reports a failed send or receive.
 
 Payload frames are the raw bytes of C-contiguous arrays, read back with ``np.frombuffer``.
 Nothing in a message can run code: no pickle, only msgpack scalars, strings, lists and
@@ -42,7 +49,7 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting"})
 WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting"})  # kinds that carry "q"
 # What a peer answers about a collective, in a "waiting" message.
@@ -52,6 +59,7 @@ STATES = frozenset({WAITING, FINISHED, NOT_STARTED, FAILED})
 SILENT, ABSENT, OWN = "silent", "absent", "own"
 BLAMES = frozenset({SILENT, ABSENT, OWN})
 DIGEST_BYTES = 8
+MAX_TAG = (1 << 32) - 1
 
 # The signature of a collective: what the sender thinks the collective is. Every data
 # message carries its digest; two ranks whose digests differ called different collectives.
@@ -74,10 +82,13 @@ class Header:
     err: list[str] | None = None
     shm: list[Any] | None = None  # [ring name, [offset or -1 per piece], [index per piece]]
     described: list[Any] | None = None  # the readable signature, on a link's first message
+    tag: int | None = None  # point-to-point messages only
 
     @property
     def key(self) -> tuple[int, int, int, int]:
-        """The key that matches this message to the receive waiting for it."""
+        """(seq, segment, src, index): what matches a collective's message to its receive
+        (a point-to-point message's operation also names its receiver and tag: see
+        :meth:`p2pcoll.engine.matching.Matcher.op_of`)."""
         return (self.seq, self.seg, self.src, self.step)
 
 
@@ -133,6 +144,8 @@ def encode_header(h: Header) -> bytes:
             d["d"] = h.described
     elif h.kind == "abort":
         d["err"] = h.err
+    if h.tag is not None:
+        d["t"] = h.tag
     if h.meta is not None:
         d["meta"] = h.meta
     return msgpack.packb(d, use_bin_type=True)

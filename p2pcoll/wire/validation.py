@@ -42,6 +42,7 @@ from .header import (
     BLAMES,
     DIGEST_BYTES,
     KINDS,
+    MAX_TAG,
     SIGNATURE_FIELDS,
     OWN,
     STATES,
@@ -63,7 +64,7 @@ MAX_TREE_DEPTH = 64
 MAX_LEAF_BYTES = 1 << 46
 MAX_TEXT = 1 << 16
 MAX_RANK = 1 << 20
-FIELDS = frozenset({"v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta"})
+FIELDS = frozenset({"v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta", "t"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +194,10 @@ def decode_header(raw: bytes | memoryview) -> Header:
             raise ProtocolError(f"abort header 'err' is {_short(err)}, expected "
                                 f"[class, message]")
         h.err = err
+    if "t" in d:
+        if kind not in ("data", "abort"):
+            raise ProtocolError(f"a {kind} message carries no tag")
+        h.tag = _int(d, "t", 0, MAX_TAG)
     meta = d.get("meta")
     if meta is not None:
         if not isinstance(meta, dict):

@@ -1,0 +1,379 @@
+"""What each launcher's environment says: this peer's rank, the world size, where to meet.
+
+:meth:`p2pcoll.Settings.resolve` asks :func:`detect` for what the arguments of
+:func:`p2pcoll.join` and ``$P2PCOLL_RENDEZVOUS`` leave unset. Under each launcher below a
+peer needs no variable of p2pcoll's own; where the environment cannot say where the group
+meets, the settings fail at once with a :class:`~p2pcoll.SettingsError` saying what to set.
+
+===  ====================  ========================  =======================  ==============================
+#    source                rank                      world size               rendezvous
+===  ====================  ========================  =======================  ==============================
+1    ``join()`` arguments  ``rank=``                 ``world_size=``          ``rendezvous=``
+2    p2pcoll's variables   (assigned by arrival)     (from the other peers)   ``$P2PCOLL_RENDEZVOUS``
+3    torchrun              ``$RANK``                 ``$WORLD_SIZE``          ``torch://MASTER_ADDR:PORT``
+                                                                              (torchrun's own store), or
+                                                                              ``tcp://MASTER_ADDR:PORT``
+                                                                              without torchrun
+4    Open MPI ``mpirun``   ``$OMPI_COMM_WORLD_RANK``  ``$OMPI_COMM_WORLD_SIZE``  one node: ``tcp://127.0.0.1:``
+                                                                              *port of the job*; several:
+                                                                              rank 0's host through MPI
+                                                                              if the program initialized
+                                                                              it, else an error
+5    SLURM ``srun``        ``$SLURM_PROCID``         ``$SLURM_NTASKS``        ``tcp://``\\ *first node*\\
+                                                                              ``:``\\ *port of the job*
+6    Kubernetes            ``N`` of the pod's        ``$WORLD_SIZE``          ``$P2PCOLL_RENDEZVOUS``
+                           hostname ``NAME-N``       (required)               (required)
+7    nothing               assigned by arrival       from the other peers     none: a group of one
+===  ====================  ========================  =======================  ==============================
+
+Each row fills only what the rows above it leave unset, so ``RANK``, ``WORLD_SIZE`` and
+``MASTER_ADDR``/``MASTER_PORT`` (torch's convention, which ``p2pcoll launch`` and many
+launchers besides torchrun set) win over a launcher's own variables. Rows 4 to 6 exclude each
+other: the first whose variables are there is the launcher, and only its variables are read.
+
+Where the rows are ambiguous:
+
+- **Open MPI before SLURM.** ``mpirun`` inside a SLURM allocation leaves the allocation's
+  ``SLURM_PROCID`` (0 in a batch script) and ``SLURM_NTASKS`` in every rank's environment;
+  ``OMPI_COMM_WORLD_*`` are the ranks' own. ``srun`` starting the processes directly sets no
+  ``OMPI_COMM_WORLD_*``, so the order never hides SLURM's answer when SLURM started them.
+- **SLURM's rendezvous** is the first host of ``$SLURM_STEP_NODELIST`` (else
+  ``$SLURM_JOB_NODELIST``), expanded from Slurm's compressed syntax (:func:`first_host`).
+  Task 0 runs there with srun's block and cyclic distributions (the default is block); with
+  another distribution set ``P2PCOLL_RENDEZVOUS``: rank 0 checks ``$SLURMD_NODENAME`` and
+  says so. The port is the first of ``$SLURM_STEP_RESV_PORTS`` (``srun --resv-ports``: Slurm
+  reserves it for the step) when there is one, else ``20000 + SLURM_JOB_ID % 10000``:
+  steps of one job that use p2pcoll at the same time need ``P2PCOLL_RENDEZVOUS`` or
+  ``--resv-ports``. The node's name must resolve to the same address on every node.
+- **Open MPI's rendezvous.** All ranks on one node (``$OMPI_COMM_WORLD_LOCAL_SIZE`` equal to
+  ``$OMPI_COMM_WORLD_SIZE``): loopback, port ``20000 + crc32(PMIX_NAMESPACE) % 10000``
+  (Open MPI 5 names each job ``prterun-HOST-PID@N``; Open MPI 4's
+  ``$OMPI_MCA_ess_base_jobid`` stands in). On several nodes nothing in the environment
+  says where rank 0 is. If the program has initialized MPI itself (``from mpi4py import
+  MPI``), rank 0's host name is broadcast over ``MPI.COMM_WORLD``, which blocks until every
+  rank has called ``join()``. p2pcoll never initializes MPI itself: ``MPI_Init`` takes a
+  second or more, hooks the allocator, and turns every exit without ``MPI_Finalize`` (a
+  signal, ``os._exit``) into a job abort. Otherwise the error says to pass
+  ``mpirun -x P2PCOLL_RENDEZVOUS=tcp://HOST:PORT``.
+- **Kubernetes** is recognized by ``$KUBERNETES_SERVICE_HOST`` and a StatefulSet pod's
+  hostname ``NAME-N`` (``$HOSTNAME``, else :func:`socket.gethostname`), and only while
+  ``$RANK`` is unset. A pod cannot know its StatefulSet's size or Service, so the manifest
+  sets ``WORLD_SIZE`` and ``P2PCOLL_RENDEZVOUS`` (``tcp://NAME-0.SERVICE:PORT``); without them
+  the error names them. An elastic group (``min_world_size``) takes no rank from the name.
+
+A malformed value (``SLURM_PROCID=x``, a nodelist that is not Slurm's syntax) is a
+:class:`~p2pcoll.SettingsError` naming the variable. A rank that is not below the world
+size is each value fine alone; together they are the ``RendezvousError`` that ``join()``
+raises at once, before any socket, as the API has always pinned.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from .errors import SettingsError
+
+# Every variable that can give the rank or the world size, in the order they are tried.
+RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+PORT_BASE, PORT_SPAN = 20000, 10000  # derived ports: below Linux's ephemeral range
+_POD = re.compile(r"(.+)-(\d+)")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def _bad(name: str, value: object, allowed: str) -> SettingsError:
+    from .settings import bad_value  # noqa: PLC0415 (settings imports this module)
+
+    return bad_value(name, value, allowed)
+
+
+def _none() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one environment implies. ``*_from`` name where each value came from.
+
+    Attributes:
+        launcher: ``"torchrun"``, ``"env"`` (torch's variables without torchrun),
+            ``"openmpi"``, ``"slurm"``, ``"kubernetes"``, or ``""``.
+        rank, world_size: None where the environment does not say.
+        rank_from, world_size_from: the variable, like ``"$SLURM_PROCID"``.
+        find_rendezvous: returns the rendezvous URL the environment implies (None: it
+            implies none), or raises SettingsError saying what to set. Called only when
+            nothing above gives one, since finding it may cost something (an MPI broadcast).
+        world_size_needed: when not empty, a group that ends up with no world size (and is
+            not elastic) is an error with this message.
+        torchrun: under torchrun, ``"RUN_ID/RESTART"`` (see :mod:`.rendezvous.torch_store`).
+    """
+
+    launcher: str = ""
+    rank: int | None = None
+    rank_from: str = ""
+    world_size: int | None = None
+    world_size_from: str = ""
+    find_rendezvous: Callable[[], str | None] = field(default=_none, compare=False)
+    world_size_needed: str = ""
+    torchrun: str = ""
+
+    def under(self, launcher: Launch) -> Launch:
+        """These values, and ``launcher``'s where these are unset."""
+        pick_rank = self if self.rank is not None else launcher
+        pick_size = self if self.world_size is not None else launcher
+        own_url = self.find_rendezvous is not _none
+        return replace(
+            launcher,
+            launcher=self.launcher or launcher.launcher,
+            rank=pick_rank.rank, rank_from=pick_rank.rank_from,
+            world_size=pick_size.world_size, world_size_from=pick_size.world_size_from,
+            find_rendezvous=self.find_rendezvous if own_url else launcher.find_rendezvous,
+            world_size_needed="" if self.world_size is not None else launcher.world_size_needed,
+            torchrun=self.torchrun,
+        )
+
+
+def detect(env: Mapping[str, str], *, elastic: bool = False) -> Launch:
+    """torch's variables over the first launcher found (Open MPI, SLURM, Kubernetes).
+
+    ``elastic``: the group will be elastic, so no rank is taken from a pod's name.
+
+    Raises:
+        SettingsError: a launcher's variable is malformed.
+    """
+    generic = torchrun(env)
+    launcher = openmpi(env) or slurm(env)
+    if launcher is None and (generic is None or generic.rank is None) and not elastic:
+        launcher = kubernetes(env)
+    return (generic or Launch()).under(launcher or Launch())
+
+
+def _raw(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+    value = _raw(env, name)
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = minimum - 1
+    if number < minimum:
+        raise _bad(f"${name}", value, f"an integer >= {minimum}")
+    return number
+
+
+def _port(env: Mapping[str, str], name: str) -> int:
+    value = _raw(env, name) or ""
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise _bad(f"${name}", value, "a TCP port number 1..65535")
+    return int(value)
+
+
+# --- torchrun, and torch's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT convention --------
+
+
+def torchrun(env: Mapping[str, str]) -> Launch | None:
+    """``$RANK``, ``$WORLD_SIZE`` and ``MASTER_ADDR:MASTER_PORT``; under torchrun (its
+    ``$TORCHELASTIC_RUN_ID``) the rendezvous is torchrun's own store, ``torch://``."""
+    run = _raw(env, "TORCHELASTIC_RUN_ID")
+    namespace = "" if run is None else f"{run}/{_raw(env, 'TORCHELASTIC_RESTART_COUNT') or 0}"
+    rank, size = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
+    addr = _raw(env, "MASTER_ADDR")
+    has_url = addr is not None and _raw(env, "MASTER_PORT") is not None
+    if rank is None and size is None and not has_url and run is None:
+        return None
+
+    def rendezvous() -> str:
+        # Under torchrun its agent's store holds MASTER_PORT: meet through it.
+        return f"{'torch' if run else 'tcp'}://{addr}:{_port(env, 'MASTER_PORT')}"
+
+    return Launch(
+        launcher="torchrun" if run else "env",
+        rank=rank, rank_from="$RANK", world_size=size, world_size_from="$WORLD_SIZE",
+        find_rendezvous=rendezvous if has_url else _none, torchrun=namespace,
+    )
+
+
+# --- Open MPI ------------------------------------------------------------------------------
+
+
+def openmpi(env: Mapping[str, str]) -> Launch | None:
+    """``mpirun``'s ``$OMPI_COMM_WORLD_RANK`` and ``_SIZE``; the rendezvous as the module
+    docstring says."""
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", 0)
+    size = _int(env, "OMPI_COMM_WORLD_SIZE", 1)
+    if rank is None and size is None:
+        return None
+    local = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+
+    def rendezvous() -> str | None:
+        job = _raw(env, "PMIX_NAMESPACE") or _raw(env, "OMPI_MCA_ess_base_jobid")
+        if job is None:  # not mpirun's whole environment: let join() say what to set
+            return None
+        port = PORT_BASE + zlib.crc32(job.encode()) % PORT_SPAN
+        if local is not None and local == size:
+            return f"tcp://127.0.0.1:{port}"
+        host = _mpi_root_host(env)
+        if host is None:
+            nodes = "" if local is None else (
+                f" (OMPI_COMM_WORLD_LOCAL_SIZE={local} of OMPI_COMM_WORLD_SIZE={size})")
+            raise SettingsError(
+                f"under mpirun on several nodes{nodes} nothing says where rank 0 runs: run "
+                f"mpirun -x P2PCOLL_RENDEZVOUS=tcp://HOST:PORT with HOST the node of rank 0 "
+                f"and a free PORT, or initialize MPI before join() (from mpi4py import MPI) "
+                f"so that rank 0's host is sent to the others through MPI",
+                name="$P2PCOLL_RENDEZVOUS", allowed="tcp://HOST:PORT")
+        return f"tcp://{host}:{port}"
+
+    return Launch(
+        launcher="openmpi",
+        rank=rank, rank_from="$OMPI_COMM_WORLD_RANK",
+        world_size=size, world_size_from="$OMPI_COMM_WORLD_SIZE",
+        find_rendezvous=rendezvous,
+    )
+
+
+def _mpi_root_host(env: Mapping[str, str]) -> str | None:
+    """Rank 0's host name, broadcast over MPI.COMM_WORLD, if the program has initialized
+    MPI through mpi4py; else None (p2pcoll never initializes MPI itself)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    comm = mpi.COMM_WORLD
+    mine = (_raw(env, "P2PCOLL_HOST") or socket.gethostname()) if comm.Get_rank() == 0 else None
+    return str(comm.bcast(mine, root=0))
+
+
+# --- SLURM ---------------------------------------------------------------------------------
+
+
+def slurm(env: Mapping[str, str]) -> Launch | None:
+    """``srun``'s ``$SLURM_PROCID`` and ``$SLURM_NTASKS``; the rendezvous on the step's first
+    node, as the module docstring says."""
+    rank = _int(env, "SLURM_PROCID", 0)
+    size = _int(env, "SLURM_NTASKS", 1)
+    if rank is None and size is None:
+        return None
+
+    def rendezvous() -> str | None:
+        name = "SLURM_STEP_NODELIST" if _raw(env, "SLURM_STEP_NODELIST") else \
+            "SLURM_JOB_NODELIST"
+        nodelist = _raw(env, name)
+        port = slurm_port(env)
+        if nodelist is None or port is None:  # not srun's whole environment: let join()
+            return None                       # say what to set
+        host = first_host(nodelist, f"${name}")
+        node = _raw(env, "SLURMD_NODENAME")
+        if rank == 0 and node is not None and node != host:
+            raise _missing(f"SLURM task 0 runs on {node}, not on {host}, the first node of "
+                           f"${name} (a task distribution other than block or cyclic?)")
+        return f"tcp://{host}:{port}"
+
+    return Launch(
+        launcher="slurm",
+        rank=rank, rank_from="$SLURM_PROCID", world_size=size, world_size_from="$SLURM_NTASKS",
+        find_rendezvous=rendezvous,
+    )
+
+
+def slurm_port(env: Mapping[str, str]) -> int | None:
+    """The first port of ``$SLURM_STEP_RESV_PORTS``, else ``20000 + SLURM_JOB_ID % 10000``
+    (None without either)."""
+    reserved = _raw(env, "SLURM_STEP_RESV_PORTS")
+    if reserved is not None:
+        first = reserved.split(",")[0].split("-")[0]
+        if not first.isdigit() or not 0 < int(first) < 65536:
+            raise _bad("$SLURM_STEP_RESV_PORTS", reserved, "ports like 12000-12003")
+        return int(first)
+    job = _int(env, "SLURM_JOB_ID", 0)
+    return None if job is None else PORT_BASE + job % PORT_SPAN
+
+
+def _missing(why: str) -> SettingsError:
+    return SettingsError(f"{why}: set P2PCOLL_RENDEZVOUS=tcp://HOST:PORT, with HOST the node "
+                         f"of rank 0 and a free PORT", name="$P2PCOLL_RENDEZVOUS",
+                         allowed="tcp://HOST:PORT")
+
+
+def first_host(nodelist: str, name: str = "nodelist") -> str:
+    """The first host of a Slurm hostlist; the whole list is checked.
+
+    ``node[01-04,07],gpu[1-2]`` -> ``node01``; ``a-b[3-5]`` -> ``a-b3``;
+    ``rack[2-3]-n[08-09]`` -> ``rack2-n08``; ``login1,login2`` -> ``login1``. Numbers keep
+    their zero padding as written.
+
+    Raises:
+        SettingsError: ``nodelist`` is not Slurm's syntax; the message names ``name``.
+    """
+    allowed = "a Slurm hostlist like node[01-04,07],gpu1"
+    hosts: list[str] = []
+    current: list[str] = []  # the first expansion of the host being read
+    started, i = False, 0
+    while i < len(nodelist):
+        char = nodelist[i]
+        if char == ",":
+            if not started:
+                raise _bad(name, nodelist, allowed)
+            hosts.append("".join(current))
+            current, started = [], False
+        elif char == "[":
+            end = nodelist.find("]", i)
+            ranges = nodelist[i + 1:end].split(",") if end > 0 else [""]
+            for part in ranges:
+                m = _RANGE.fullmatch(part)
+                if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+                    raise _bad(name, nodelist, allowed)
+            current.append(_RANGE.fullmatch(ranges[0]).group(1))  # type: ignore[union-attr]
+            started, i = True, end
+        elif char == "]" or char.isspace():
+            raise _bad(name, nodelist, allowed)
+        else:
+            current.append(char)
+            started = True
+        i += 1
+    if not started:
+        raise _bad(name, nodelist, allowed)
+    hosts.append("".join(current))
+    return hosts[0]
+
+
+# --- Kubernetes ----------------------------------------------------------------------------
+
+
+def kubernetes(env: Mapping[str, str]) -> Launch | None:
+    """The ordinal ``N`` of a StatefulSet pod's hostname ``NAME-N`` as the rank, under
+    Kubernetes (``$KUBERNETES_SERVICE_HOST``); ``$WORLD_SIZE`` and ``$P2PCOLL_RENDEZVOUS``
+    from the manifest."""
+    if _raw(env, "KUBERNETES_SERVICE_HOST") is None:
+        return None
+    hostname = _raw(env, "HOSTNAME") or socket.gethostname()
+    m = _POD.fullmatch(hostname)
+    if m is None:
+        return None
+    name, ordinal = m.group(1), int(m.group(2))
+    where = f"Kubernetes pod {hostname} (StatefulSet {name}, rank {ordinal} from the hostname)"
+
+    def rendezvous() -> str:
+        raise SettingsError(
+            f"{where}: set P2PCOLL_RENDEZVOUS=tcp://{name}-0.SERVICE:PORT in the pod "
+            f"template (SERVICE: the StatefulSet's headless Service)",
+            name="$P2PCOLL_RENDEZVOUS", allowed="tcp://HOST:PORT")
+
+    return Launch(
+        launcher="kubernetes",
+        rank=ordinal, rank_from="$HOSTNAME" if _raw(env, "HOSTNAME") else "the hostname",
+        world_size=_int(env, "WORLD_SIZE", 1), world_size_from="$WORLD_SIZE",
+        find_rendezvous=rendezvous,
+        world_size_needed=f"{where}: set WORLD_SIZE to the StatefulSet's replicas in the pod "
+                          f"template",
+    )

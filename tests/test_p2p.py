@@ -1,0 +1,137 @@
+"""Point-to-point: ``Group.send`` / ``Group.recv``, matched per (sender, receiver, tag).
+
+Most tests run over the in-memory transport (real groups, no sockets); one runs over zmq on
+loopback with a message large enough to be cut into pipeline segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll.testing import run_ranks
+from p2pcoll.transport.memory import Faults, MemoryNetwork
+
+from conftest import groups_of
+
+
+async def test_send_recv_values_tags_and_order() -> None:
+    async with groups_of(3) as (a, b, c):
+        # Posted before the receives: the messages wait at the receiver.
+        await a.send(np.arange(5.0), dst=1, tag=3)
+        await a.send({"x": np.ones(2, np.int32), "y": [np.zeros((2, 0))]}, dst=1)
+        await a.send(np.array(7, np.int8), dst=1)  # second on tag 0: after the dict
+        await c.send(np.array([1.5], np.float16), dst=1, tag=3)
+        got0 = await b.recv(src=0)
+        got0b = await b.recv(src=0)
+        got3 = await b.recv(src=0, tag=3)  # tags are independent of each other
+        got3c = await b.recv(src=2, tag=3)  # ... and so are senders
+        assert got0["x"].dtype == np.int32 and got0["y"][0].shape == (2, 0)
+        assert got0b.shape == () and got0b == 7
+        assert np.array_equal(got3, np.arange(5.0))
+        assert got3c.dtype == np.float16 and got3c[0] == 1.5
+
+
+async def test_recv_posted_first_and_out() -> None:
+    async with groups_of(2) as (a, b):
+        out = np.zeros((3, 4), np.float32)
+        recv = asyncio.create_task(b.recv(src=0, tag=9, out=out))
+        await asyncio.sleep(0.01)
+        await a.send(np.full((3, 4), 2.0, np.float32), dst=1, tag=9)
+        assert await recv is out and (out == 2).all()
+        # p2p does not disturb collectives in flight at the same time.
+        sums = await asyncio.gather(a.allreduce(np.ones(2)), b.allreduce(np.ones(2)),
+                                    a.send(np.ones(1), 1), b.recv(0))
+        assert sums[0].tolist() == [2, 2] and sums[3].tolist() == [1]
+
+
+async def test_exchange_both_ways_concurrently() -> None:
+    async with groups_of(4) as gs:
+        # Every rank sends to its right neighbour and receives from its left one.
+        async def ring(g: p2pcoll.Group) -> np.ndarray:
+            right, left = (g.rank + 1) % 4, (g.rank - 1) % 4
+            _, got = await asyncio.gather(g.send(np.array([g.rank]), right), g.recv(left))
+            return got  # type: ignore[no-any-return]
+
+        got = await asyncio.gather(*(ring(g) for g in gs))
+        assert [int(x[0]) for x in got] == [3, 0, 1, 2]
+
+
+async def test_reordering_network_keeps_order_per_tag() -> None:
+    net = MemoryNetwork(Faults(reorder=True, seed=3))
+    async with groups_of(2, network=net) as (a, b):
+        for i in range(20):
+            await a.send(np.array([i]), dst=1, tag=i % 2)
+        evens = [int((await b.recv(0, tag=0))[0]) for _ in range(10)]
+        odds = [int((await b.recv(0, tag=1))[0]) for _ in range(10)]
+        assert evens == list(range(0, 20, 2)) and odds == list(range(1, 20, 2))
+
+
+async def test_bad_arguments_leave_the_group_usable() -> None:
+    async with groups_of(2) as (a, b):
+        with pytest.raises(ValueError, match="dst 0 is not another rank"):
+            await a.send(np.ones(1), dst=0)
+        with pytest.raises(ValueError, match="dst 2 is not another rank"):
+            await a.send(np.ones(1), dst=2)
+        with pytest.raises(ValueError, match="tag -1"):
+            await a.send(np.ones(1), dst=1, tag=-1)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            await b.recv(0, out=np.zeros((4, 4))[:, 0])
+        with pytest.raises(TypeError):
+            await a.send(np.array(["text"]), dst=1)
+        await a.send(np.ones(1), dst=1)
+        assert (await b.recv(0))[0] == 1
+        assert a.state == b.state == "ready"
+
+
+async def test_timeout_names_the_sender_and_breaks_every_group() -> None:
+    async with groups_of(3) as (a, b, c):
+        with pytest.raises(p2pcoll.CollectiveTimeout, match="recv #0 from rank 2") as info:
+            await b.recv(src=2, tag=1, timeout=0.3)
+        assert info.value.waiting_on == [2] and info.value.collective == "recv"
+        assert b.state == "broken"
+        await asyncio.sleep(0.05)  # the abort reaches the others
+        assert a.state == c.state == "broken"
+        with pytest.raises(p2pcoll.GroupBroken):
+            await a.send(np.ones(1), dst=1)
+
+
+async def test_out_mismatch_names_both_layouts() -> None:
+    async with groups_of(2) as (a, b):
+        await a.send(np.ones(3, np.float32), dst=1)
+        with pytest.raises(p2pcoll.CollectiveMismatch, match=r"float32\[3\].*float64\[3\]"):
+            await b.recv(0, out=np.zeros(3))
+
+
+async def test_waiting_recv_fails_when_sender_dies() -> None:
+    net = MemoryNetwork()
+    async with groups_of(2, network=net, collective_timeout=10) as (a, b):
+        recv = asyncio.create_task(b.recv(src=0))
+        await asyncio.sleep(0.01)
+        net.cut(a.endpoint)
+        with pytest.raises(p2pcoll.PeerLost, match="rank 0"):
+            await asyncio.wait_for(recv, 5)
+
+
+async def test_send_to_departed_peer_is_peer_lost() -> None:
+    async with groups_of(2) as (a, b):
+        await b.close()
+        await asyncio.sleep(0.05)
+        with pytest.raises(p2pcoll.PeerLost, match="rank 1"):
+            await a.send(np.ones(1), dst=1)
+
+
+async def test_segmented_over_zmq() -> None:
+    big = np.random.default_rng(0).random(1_500_000)  # 12 MB: several pipeline segments
+
+    async def fn(g: p2pcoll.Group) -> bool:
+        if g.rank == 0:
+            await g.send(big, dst=1, tag=5)
+            return True
+        got = await g.recv(src=0, tag=5)
+        return bool(np.array_equal(got, big))
+
+    assert await run_ranks(2, fn) == [True, True]
