@@ -301,7 +301,7 @@ def _from_launcher(merged: dict[str, Any], env: Mapping[str, str]) -> None:
     if found.launcher:
         log.debug("launcher %s: rank %s from %s, world size %s from %s, rendezvous %s",
                   found.launcher, found.rank, found.rank_from or "-", found.world_size,
-                  found.world_size_from or "-", merged["rendezvous"])
+                  found.world_size_from or "-", merged.get("rendezvous"))
 
 
 class _Reader:

@@ -1,0 +1,437 @@
+"""``ProcessGroupP2PColl``: a torch.distributed process group whose collectives run on a
+p2pcoll group, and the creator torch calls for ``init_process_group("p2pcoll")`` and for
+every ``new_group``.
+
+Each torch call turns its tensors into numpy arrays (shared, not copied, where they are
+contiguous), starts the p2pcoll collectives on the loop thread (:mod:`.runtime`) and
+returns a :class:`~.work.Work` at once; results are written into torch's output tensors
+before the work completes. How each torch call maps onto p2pcoll's:
+
+    allreduce, allreduce_coalesced     one allreduce of all the tensors (a pytree)
+    broadcast, reduce                  broadcast, reduce (of all the tensors)
+    allgather, all_gather_single,      one allgather per input tensor
+      allgather_into_tensor_coalesced, allgather_coalesced
+    reduce_scatter, reduce_scatter_single, reduce_scatter_tensor_coalesced
+                                       one reduce_scatter per output, over the inputs
+                                       stacked as (world size, n)
+    gather, scatter, barrier           gather, scatter, barrier
+    alltoall, all_to_all_single        a send to and a receive from every peer, with
+                                       the reserved tag ALLTOALL_TAG
+    send, recv                         send, recv (with torch's tag)
+
+BAND, BOR and BXOR are no p2pcoll ops: they allgather the data and fold it in rank
+order, so every rank gets the same bits. PREMUL_SUM multiplies a copy of the input by
+its factor and sums. bfloat16 is reduced in float32 and rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...api.group import Group
+from ...errors import P2PCollError
+from ...settings import Settings
+from ...wire import MAX_TAG
+from . import ops
+from .ops import Reduction, UnsupportedOperation, bits, shares, store, values
+from .runtime import Runtime
+from .work import Work
+
+ALLTOALL_TAG = MAX_TAG  # the tag alltoall's transfers use; torch's send/recv tags are others
+Coro = Coroutine[Any, Any, Any]
+
+
+@dataclass(frozen=True)
+class Options:
+    """``pg_options`` of ``init_process_group("p2pcoll", pg_options=...)`` and
+    ``new_group``: the strategy per collective, over ``$P2PCOLL_<COLLECTIVE>``
+    (a plain mapping ``{"allreduce": "ring"}`` is taken as ``strategies`` too)."""
+
+    strategies: Mapping[str, str] = field(default_factory=dict)
+
+
+def _seconds(timeout: timedelta | None) -> float | None:
+    """torch's per-call timeout in seconds, None for the group's (torch's -1 ms default)."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds()
+    return s if s > 0 else None
+
+
+class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
+    """A torch process group on a p2pcoll group (made by torch through the creator)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta,
+                 options: Options | None = None) -> None:
+        super().__init__(rank, size)
+        self._name = ""
+        self._desc = ""
+        seconds = timeout.total_seconds() if timeout.total_seconds() > 0 else math.inf
+        self._timeout = seconds
+        settings = Settings.resolve(
+            world_size=size, rank=rank, collective_timeout=seconds,
+            join_timeout=min(seconds, 24 * 3600.0),
+            strategies=dict(options.strategies) if options else None,
+        )
+        self._runtime = Runtime.acquire()
+        group = Group(settings)
+        try:
+            self._runtime.run(group._form(store=store))
+        except BaseException:
+            self._runtime.run(group.close())
+            Runtime.release()
+            raise
+        self._group: Group | None = group
+
+    # --- what torch asks of a process group ---------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's names)
+        return "p2pcoll"
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    @property
+    def group(self) -> Group:
+        """The p2pcoll group underneath (raises GroupBroken once shut down)."""
+        if self._group is None:
+            from ...errors import GroupBroken  # noqa: PLC0415
+
+            raise GroupBroken("the p2pcoll process group has been shut down")
+        return self._group
+
+    def shutdown(self) -> None:
+        """Leave the p2pcoll group and close its sockets; the last group of the process
+        also stops the loop and completer threads. Idempotent."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            self._runtime.run(group.close(), timeout=60)
+        finally:
+            Runtime.release()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupP2PColl(rank={self.rank()}, size={self.size()})"
+
+    # --- running ------------------------------------------------------------------------
+
+    def _launch(self, collective: str, outputs: list[torch.Tensor],
+                make: Callable[[Group], list[Coro]]) -> Work:
+        group = self.group
+        work = Work(collective, outputs, self._timeout, self._runtime.completer)
+        self._runtime.start(lambda: make(group), work._finish)
+        return work
+
+    # --- reductions -----------------------------------------------------------------------
+
+    def _reduce(self, collective: str, tensors: list[torch.Tensor], red: Reduction,
+                root: int | None, timeout: float | None) -> list[Coro]:
+        """The coroutines of a reduction of ``tensors`` (root None: to every rank)."""
+        me = self.rank()
+        if red.fold is not None:
+            fold = red.fold
+
+            async def folded(g: Group, t: torch.Tensor, a: np.ndarray) -> None:
+                parts = await g.allgather(a, timeout=timeout)
+                if root is None or root == me:
+                    store(t, fold.reduce(np.stack(parts), axis=0))
+
+            return [lambda g, t=t: folded(g, t, bits(t)) for t in tensors]  # type: ignore[misc]
+        arrays = [values(t, red.factor) for t in tensors]
+        op = red.op or "sum"
+
+        async def native(g: Group) -> None:
+            if root is None:
+                await g.allreduce(arrays, op, out=arrays, timeout=timeout)
+                result: Any = arrays
+            else:
+                result = await g.reduce(arrays, root, op, timeout=timeout)
+            if result is not None:
+                for t, a in zip(tensors, result, strict=True):
+                    store(t, a)
+
+        return [native]  # type: ignore[list-item]
+
+    def _reduction(self, collective: str, tensors: list[torch.Tensor], rop: Any,
+                   root: int | None, timeout: timedelta | None) -> Work:
+        red = ops.reduction(rop, collective, tensors)
+        makers = self._reduce(collective, tensors, red, root, _seconds(timeout))
+        return self._launch(collective, tensors, lambda g: [m(g) for m in makers])  # type: ignore[operator]
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        if isinstance(opts, dist.ReduceOp):
+            rop, timeout = opts, None
+        else:
+            opts = opts if opts is not None else dist.AllreduceOptions()
+            rop, timeout = opts.reduceOp, opts.timeout
+        return self._reduction("allreduce", list(tensors), rop, None, timeout)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._reduction("allreduce_coalesced", list(tensors), opts.reduceOp, None,
+                               opts.timeout)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        return self._reduction("reduce", list(tensors), opts.reduceOp, opts.rootRank,
+                               opts.timeout)
+
+    def _scatter_reduced(self, collective: str, outputs: list[torch.Tensor],
+                         inputs: list[list[torch.Tensor]], rop: Any,
+                         timeout: timedelta | None) -> Work:
+        """Output i gets part ``rank`` of the reduction of ``inputs[i]`` (one part per rank)."""
+        p, me = self.size(), self.rank()
+        flat = [t for row in inputs for t in row]
+        red = ops.reduction(rop, collective, flat + outputs)
+        limit = _seconds(timeout)
+        stacks = []
+        for out, row in zip(outputs, inputs, strict=True):
+            if len(row) != p or any(t.numel() != out.numel() for t in row):
+                raise ValueError(f"{collective}: needs {p} inputs of {out.numel()} elements "
+                                 f"per output")
+            if red.fold is not None:
+                stacks.append(np.stack([bits(t).reshape(-1) for t in row]))
+            else:
+                stacks.append(np.stack([values(t, red.factor).reshape(-1) for t in row]))
+
+        def make(g: Group) -> list[Coro]:
+            async def one(out: torch.Tensor, stack: np.ndarray) -> None:
+                if red.fold is not None:
+                    parts = await g.allgather(stack[me], timeout=limit)
+                    store(out, red.fold.reduce(np.stack(parts), axis=0))
+                else:
+                    part = await g.reduce_scatter(stack, red.op or "sum", timeout=limit)
+                    store(out, part)
+
+            return [one(o, s) for o, s in zip(outputs, stacks, strict=True)]
+
+        return self._launch(collective, outputs, make)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._scatter_reduced("reduce_scatter", list(outputs),
+                                     [list(r) for r in inputs], opts.reduceOp, opts.timeout)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._scatter_reduced("reduce_scatter_single", [output],
+                                     [list(input.reshape(self.size(), -1).unbind(0))],
+                                     opts.reduceOp, opts.timeout)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._scatter_reduced(
+            "reduce_scatter_tensor_coalesced", list(outputs),
+            [list(t.reshape(self.size(), -1).unbind(0)) for t in inputs],
+            opts.reduceOp, opts.timeout)
+
+    # --- data movement ---------------------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        tensors = list(tensors)
+        for t in tensors:
+            ops.check_tensor(t, "broadcast")
+        root, limit = opts.rootRank, _seconds(opts.timeout)
+        arrays = [bits(t) for t in tensors]
+
+        async def run(g: Group) -> None:
+            result = await g.broadcast(arrays, root=root, timeout=limit)
+            if g.rank != root:
+                for t, a in zip(tensors, result, strict=True):
+                    store(t, a)
+
+        return self._launch("broadcast", tensors, lambda g: [run(g)])
+
+    def _gather_each(self, collective: str, pairs: Sequence[tuple[torch.Tensor, Any]],
+                     outputs: list[torch.Tensor], timeout: timedelta | None) -> Work:
+        """One allgather per (input, sink): ``sink(parts)`` stores the parts."""
+        for t, _ in pairs:
+            ops.check_tensor(t, collective)
+        limit = _seconds(timeout)
+        arrays = [(bits(t), sink) for t, sink in pairs]
+
+        def make(g: Group) -> list[Coro]:
+            async def one(a: np.ndarray, sink: Callable[[list[np.ndarray]], None]) -> None:
+                sink(await g.allgather(a, timeout=limit))
+
+            return [one(a, sink) for a, sink in arrays]
+
+        return self._launch(collective, outputs, make)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+
+        def into(row: list[torch.Tensor]) -> Callable[[list[np.ndarray]], None]:
+            def sink(parts: list[np.ndarray]) -> None:
+                for t, a in zip(row, parts, strict=True):
+                    store(t, a)
+            return sink
+
+        rows = [list(r) for r in outputs]
+        return self._gather_each("allgather", [(t, into(r)) for t, r in zip(inputs, rows,
+                                 strict=True)], [t for r in rows for t in r], opts.timeout)
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        return self.allgather(outputs, inputs, opts)
+
+    @staticmethod
+    def _into_tensor(out: torch.Tensor) -> Callable[[list[np.ndarray]], None]:
+        def sink(parts: list[np.ndarray]) -> None:
+            store(out, np.concatenate([p.reshape(-1) for p in parts]))
+        return sink
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._gather_each("all_gather_single", [(input, self._into_tensor(output))],
+                                 [output], opts.timeout)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._gather_each(
+            "allgather_into_tensor_coalesced",
+            [(i, self._into_tensor(o)) for o, i in zip(outputs, inputs, strict=True)],
+            list(outputs), opts.timeout)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.GatherOptions()
+        root, limit = opts.rootRank, _seconds(opts.timeout)
+        ops.check_tensor(inputs[0], "gather")
+        a = bits(inputs[0])
+        row = list(outputs[0]) if outputs else []
+
+        async def run(g: Group) -> None:
+            parts = await g.gather(a, root=root, timeout=limit)
+            if parts is not None:
+                for t, part in zip(row, parts, strict=True):
+                    store(t, part)
+
+        return self._launch("gather", row, lambda g: [run(g)])
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        root, limit = opts.rootRank, _seconds(opts.timeout)
+        out = outputs[0]
+        ops.check_tensor(out, "scatter")
+        parts = [bits(t) for t in inputs[0]] if self.rank() == root else None
+
+        async def run(g: Group) -> None:
+            store(out, await g.scatter(parts, root=root, timeout=limit))
+
+        return self._launch("scatter", [out], lambda g: [run(g)])
+
+    def _exchange(self, collective: str, sends: list[torch.Tensor],
+                  recvs: list[torch.Tensor], outputs: list[torch.Tensor],
+                  timeout: timedelta | None) -> Work:
+        """Rank r's ``sends[j]`` arrives in rank j's ``recvs[r]``."""
+        p, me = self.size(), self.rank()
+        for t in sends + recvs:
+            ops.check_tensor(t, collective)
+        limit = _seconds(timeout)
+        data = [bits(t) for t in sends]
+
+        def make(g: Group) -> list[Coro]:
+            async def receive(j: int) -> None:
+                store(recvs[j], await g.recv(j, tag=ALLTOALL_TAG, timeout=limit))
+
+            coros: list[Coro] = [g.send(data[j], j, tag=ALLTOALL_TAG, timeout=limit)
+                                 for j in range(p) if j != me]
+            coros += [receive(j) for j in range(p) if j != me]
+            return coros
+
+        store(recvs[me], data[me])
+        return self._launch(collective, outputs, make)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._exchange("alltoall", list(inputs), list(outputs), list(outputs),
+                              opts.timeout)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        p = self.size()
+
+        def split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+            sizes = list(sizes) or [t.shape[0] // p] * p
+            return list(torch.split(t, sizes, dim=0))
+
+        return self._exchange("all_to_all_single", split(input, input_split_sizes),
+                              split(output, output_split_sizes), [output], opts.timeout)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> Work:
+        limit = _seconds(opts.timeout) if opts is not None else None
+        return self._launch("barrier", [], lambda g: [g.barrier(timeout=limit)])
+
+    # --- point to point ----------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        ops.check_tensor(tensors[0], "send")
+        a = bits(tensors[0])
+        return self._launch("send", list(tensors), lambda g: [g.send(a, dst, tag=tag)])
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        t = tensors[0]
+        ops.check_tensor(t, "recv")
+        a = bits(t)
+        own = shares(t, a)
+
+        async def run(g: Group) -> None:
+            got = await g.recv(src, tag=tag, out=a if own else None)
+            store(t, got)
+
+        return self._launch("recv", [t], lambda g: [run(g)])
+
+
+def _options(pg_options: Any) -> Options | None:
+    if pg_options is None or isinstance(pg_options, Options):
+        return pg_options
+    if isinstance(pg_options, Mapping):
+        return Options(strategies=dict(pg_options))
+    raise UnsupportedOperation(
+        f"pg_options for the p2pcoll backend must be p2pcoll.torch.Options or a mapping "
+        f"of strategies, got {type(pg_options).__name__}")
+
+
+def create(opts: Any, pg_options: Any = None) -> ProcessGroupP2PColl:
+    """torch's creator (``extended_api=True``): one p2pcoll group per process group,
+    formed through the prefix store torch passes."""
+    return ProcessGroupP2PColl(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                               _options(pg_options))
+
+
+__all__ = ["ALLTOALL_TAG", "Options", "ProcessGroupP2PColl", "P2PCollError", "create"]

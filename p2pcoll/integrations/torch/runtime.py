@@ -1,0 +1,165 @@
+"""The threads behind the torch backend: one event loop that runs every p2pcoll group of
+the process, and the completer that finishes torch's futures.
+
+torch calls a backend from its own threads and expects a :class:`~torch.distributed.Work`
+back at once; the collective runs on the loop thread. A future's ``.then()`` callbacks run
+inside ``set_result``, on the thread that completes it, and some callbacks (the PowerSGD
+hook's) start a collective and wait for it. So futures are never completed on the loop
+thread (that would block the loop), and not on one fixed thread either (that would
+deadlock): the completer is one thread at a time, completing in order, and a completer
+that blocks in ``Work.wait()`` first hands its job to a new thread.
+
+Order matters too: every rank must start collectives in the same order. Each torch call
+becomes tasks created in one callback on the loop, in the order of the calls, and every
+p2pcoll collective takes its sequence number in its first step, so the order of calls is
+the order of sequence numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import queue
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from ...errors import GroupBroken, P2PCollError
+
+T = TypeVar("T")
+
+
+class Completer:
+    """Runs completion callbacks in order on one thread at a time (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._current: threading.Thread | None = None
+        self._stopped = False
+        self._spawn()
+
+    def _spawn(self) -> None:
+        thread = threading.Thread(target=self._run, name="p2pcoll-torch-completer",
+                                  daemon=True)
+        self._current = thread
+        thread.start()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # a user's callback failed; torch records it in its future
+                pass
+            with self._lock:
+                if self._current is not me:
+                    return  # replaced while this job blocked: the new thread goes on
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def blocking(self) -> None:
+        """Called before a wait that may block: if on the completer, hand the job over."""
+        with self._lock:
+            if threading.current_thread() is self._current and not self._stopped:
+                self._spawn()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._jobs.put(None)
+
+
+class Runtime:
+    """The loop thread and the completer, shared by every p2pcoll process group of the
+    process; started by the first group, stopped when the last one shuts down."""
+
+    _lock = threading.Lock()
+    _instance: Runtime | None = None
+    _users = 0
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.completer = Completer()
+        self._thread = threading.Thread(target=self._serve, name="p2pcoll-torch-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        self.loop.close()
+
+    @classmethod
+    def acquire(cls) -> Runtime:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = Runtime()
+            cls._users += 1
+            return cls._instance
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._users -= 1
+            if cls._users > 0 or cls._instance is None:
+                return
+            runtime, cls._instance = cls._instance, None
+        runtime._stop()
+
+    def _stop(self) -> None:
+        self.completer.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(10)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result here."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self, make: Callable[[], list[Coroutine[Any, Any, Any]]],
+              done: Callable[[BaseException | None], None]) -> None:
+        """Create the tasks ``make()`` returns, in one callback on the loop (so in call
+        order), then call ``done(error)`` on the completer once all have finished."""
+
+        def launch() -> None:
+            try:
+                tasks = [self.loop.create_task(c) for c in make()]
+            except BaseException as exc:
+                self.completer.submit(lambda: done(exc))
+                return
+
+            async def join() -> None:
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                errors = [r for r in results if isinstance(r, BaseException)]
+                error = _first(errors)
+                self.completer.submit(lambda: done(error))
+
+            self.loop.create_task(join())
+
+        self.loop.call_soon_threadsafe(launch)
+
+
+def _first(errors: list[BaseException]) -> BaseException | None:
+    """The most telling of several errors: a p2pcoll error that is no GroupBroken first."""
+    for test in (lambda e: isinstance(e, P2PCollError) and not isinstance(e, GroupBroken),
+                 lambda e: isinstance(e, Exception), lambda e: True):
+        for e in errors:
+            if test(e):
+                return e
+    return None
+
+
+def _at_exit() -> None:
+    runtime = Runtime._instance
+    if runtime is not None:
+        runtime._stop()
+
+
+atexit.register(_at_exit)
+
+__all__ = ["Completer", "Runtime"]
