@@ -19,9 +19,16 @@ ARG BASE_IMAGE=python:3.11-slim
 # --- the wheel, built from the source as `pip wheel` does for users -----------------------------
 FROM ${BASE_IMAGE} AS wheel
 WORKDIR /src
+# The dependencies (the core's, and the `service` and `examples` extras') listed from
+# pyproject.toml alone: the image installs them in a layer of their own, rebuilt only when
+# this list changes, not when the code or the rest of pyproject.toml does.
+COPY pyproject.toml ./
+RUN python3 -c "import sys, tomllib; \
+p = tomllib.load(open('pyproject.toml', 'rb'))['project']; e = p['optional-dependencies']; \
+print(*p['dependencies'], *e['service'], *e['examples'], sep='\n')" >/requirements.txt
 # What the build needs: the metadata (pyproject.toml; setup.py lists the packages), the README
 # (the long description), the package and the built-in strategies (p2pcoll_plugins).
-COPY pyproject.toml setup.py README.md ./
+COPY setup.py README.md ./
 COPY p2pcoll ./p2pcoll
 COPY plugins ./plugins
 RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
@@ -39,16 +46,11 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN python3 -m venv /opt/venv \
     && useradd --create-home --uid 10001 --user-group peer
 
-# The dependencies in a layer of their own, from pyproject.toml alone (the core's, and the
-# `service` and `examples` extras'), so that a change to the code does not reinstall them.
-COPY pyproject.toml /tmp/p2pcoll/
+# The dependencies, in a layer of their own (see the wheel stage).
+COPY --from=wheel /requirements.txt /tmp/
 RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
-    python3 -c "import sys, tomllib; \
-p = tomllib.load(open(sys.argv[1], 'rb'))['project']; e = p['optional-dependencies']; \
-print(*p['dependencies'], *e['service'], *e['examples'], sep='\n')" \
-        /tmp/p2pcoll/pyproject.toml >/tmp/p2pcoll/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/p2pcoll/requirements.txt \
-    && rm -rf /tmp/p2pcoll
+    pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
 
 # The package itself, from the wheel (not editable): the image runs what users install. Its
 # dependencies are all there already (pip check says so if one were missing).

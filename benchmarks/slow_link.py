@@ -15,7 +15,9 @@ Each peer is the worker of ``p2pcoll bench`` (``python -m p2pcoll.bench.worker``
 with ``ip netns exec`` on its host and joined over tcp at rank 0's address with a fresh job
 key (``--insecure``: plain sockets), so the times are measured as the bench measures them:
 after a barrier, the slowest rank of each iteration, the median over ``--iters``, the last
-result checked against the exact sum.
+result checked against the exact sum. Each strategy runs in a group of its own, so that the
+cables' counters (bytes, and packets the buckets dropped) before and after are its own: the
+last table sets the bytes through the busiest cable against the model's.
 
 Next to each time is the textbook alpha-beta cost of the strategy (ANCHORS.md, section 3)
 for p = 4 (a power of two, so no folding):
@@ -28,7 +30,8 @@ for p = 4 (a power of two, so no folding):
 with β the time per byte of the cable (``--rate``, of which TCP/IP over Ethernet carries
 1448 payload bytes in each 1514-byte frame) and α fitted to the smallest size's times (least
 squares over the strategies, once the β term is taken off). γ, the cost of adding, is left
-out: numpy adds at about 15 GB/s here, a thousand times the cable.
+out: numpy adds at about 15 GB/s here, a thousand times the cable. ``--set VAR=VALUE``
+gives every peer a variable (``P2PCOLL_PIPELINE_DEPTH=16``, ...), to try settings on the link.
 """
 
 from __future__ import annotations
@@ -43,13 +46,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import netns  # noqa: E402  (tests/netns.py: the namespaces)
+import netns  # tests/netns.py: the namespaces
 
 WORLD = 4
 PORT = 29500
@@ -83,9 +88,18 @@ def cost_terms(strategy: str, p: int) -> tuple[float, float]:
     }[strategy]
 
 
-def _environment(rank: int, key: Path | None) -> dict[str, str]:
+def cable_bytes(strategy: str, p: int) -> float:
+    """Bytes through the busiest cable, in its busier direction, per byte of input. Equal to
+    the β coefficient where every rank sends and receives at once; reduce_broadcast's rank 0
+    receives (p-1)·n and then sends as much, so its cable carries half its β coefficient
+    each way (and the two halves may overlap, where the data goes in segments)."""
+    return (p - 1) if strategy == "reduce_broadcast" else cost_terms(strategy, p)[1]
+
+
+def _environment(rank: int, key: Path | None, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
+    env.update(extra)
     env.update(P2PCOLL_RENDEZVOUS=f"tcp://{netns.address(0)}:{PORT}", WORLD_SIZE=str(WORLD),
                RANK=str(rank), P2PCOLL_TRANSPORT="tcp")
     if key is not None:
@@ -94,11 +108,11 @@ def _environment(rank: int, key: Path | None) -> dict[str, str]:
 
 
 def run_peers(lab: netns.Lab, config: dict[str, Any], key: Path | None, out: Path,
-              timeout: float) -> list[dict[str, Any]]:
+              timeout: float, extra: dict[str, str]) -> list[dict[str, Any]]:
     """The bench worker on every host of ``lab``; returns rank 0's raw rows."""
     argv = [sys.executable, "-m", "p2pcoll.bench.worker", "--out", str(out),
             "--config", json.dumps(config)]
-    procs = [subprocess.Popen(lab.command(r, argv), env=_environment(r, key), cwd=ROOT,
+    procs = [subprocess.Popen(lab.command(r, argv), env=_environment(r, key, extra), cwd=ROOT,
                               stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for r in range(WORLD)]
     deadline = time.monotonic() + timeout
@@ -133,9 +147,30 @@ def _ms(seconds: float) -> str:
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
+@dataclass
+class Traffic:
+    """What the cables saw while one strategy ran (every size, warm-ups and barriers too)."""
+
+    busiest: int = 0  # bytes through the busiest cable in its busier direction (frames)
+    drops: int = 0  # packets the token buckets dropped
+
+
+def measure_traffic(lab: netns.Lab, run: Callable[[], list[dict[str, Any]]]
+                    ) -> tuple[list[dict[str, Any]], Traffic]:
+    """``run()``'s rows, and what the cables of ``lab`` carried meanwhile."""
+    before = [lab.counters(r) for r in range(lab.hosts)]
+    drops = lab.drops()
+    rows = run()
+    moved = [max(sent - b[0], received - b[1])
+             for (sent, received), b in zip((lab.counters(r) for r in range(lab.hosts)),
+                                            before, strict=True)]
+    return rows, Traffic(max(moved), lab.drops() - drops)
+
+
 def report(rows: list[dict[str, Any]], strategies: list[str], rate: float,
-           args: argparse.Namespace) -> str:
-    """The markdown tables: measured times against the alpha-beta model, and bus bandwidth."""
+           args: argparse.Namespace, traffic: dict[str, Traffic]) -> str:
+    """The markdown tables: measured times against the alpha-beta model, bus bandwidth, and
+    the bytes on the busiest cable against the model's."""
     beta = 8 / (rate * PAYLOAD_PER_FRAME)  # seconds per payload byte on one cable
     median = {(r["strategy"], r["size"]): statistics.median(r["times"]) for r in rows}
     sizes = sorted({r["size"] for r in rows})
@@ -154,14 +189,16 @@ def report(rows: list[dict[str, Any]], strategies: list[str], rate: float,
     shaping = f"tbf rate {args.rate} burst {args.burst} latency {args.latency}"
     if args.delay:
         shaping += f", netem delay {args.delay}"
+    if args.set:
+        shaping += f"; peers with {' '.join(args.set)}"
     lines = [
-        f"allreduce, p = {WORLD} hosts (network namespaces) on a switch, every cable {shaping} "
-        f"each way; tcp, {'plain sockets' if args.insecure else 'job key (CurveZMQ)'}; "
-        f"float32; median of {args.iters} iterations after {args.warmup} warm-up, slowest rank",
+        (f"allreduce, p = {WORLD} hosts (network namespaces) on a switch, every cable "
+         f"{shaping} each way; tcp, {'plain sockets' if args.insecure else 'job key (CurveZMQ)'}; "
+         f"float32; median of {args.iters} iterations after {args.warmup} warm-up, slowest rank"),
         "",
-        "Time in ms, measured (alpha-beta model): "
-        f"β = {beta * 1e9:.1f} ns/B ({args.rate} at {PAYLOAD_PER_FRAME:.3f} payload), "
-        f"α = {alpha * 1e3:.2f} ms (fitted at {_size(smallest)})",
+        ("Time in ms, measured (alpha-beta model): "
+         f"β = {beta * 1e9:.1f} ns/B ({args.rate} at {PAYLOAD_PER_FRAME:.3f} payload), "
+         f"α = {alpha * 1e3:.2f} ms (fitted at {_size(smallest)})"),
         "",
         head, rule,
     ]
@@ -169,12 +206,25 @@ def report(rows: list[dict[str, Any]], strategies: list[str], rate: float,
         cells = [f"{_ms(median[s, n])} ({_ms(model(s, n))})" for s in strategies]
         lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
     factor = 2 * (WORLD - 1) / WORLD
-    lines += ["", f"Bus bandwidth, MB/s (nccl-tests: size / time x {factor:g}); the cable "
-              f"carries {rate * PAYLOAD_PER_FRAME / 8e6:.2f} MB/s of payload each way", "",
+    lines += ["", (f"Bus bandwidth, MB/s (nccl-tests: size / time x {factor:g}); the cable "
+                   f"carries {rate * PAYLOAD_PER_FRAME / 8e6:.2f} MB/s of payload each way"), "",
               head, rule]
     for n in sizes:
         cells = [f"{n * factor / median[s, n] / 1e6:.2f}" for s in strategies]
         lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
+    # Every size ran warmup + iters times; the counters count whole frames (and the ACKs).
+    offered = sum(sizes) * (args.warmup + args.iters)
+    largest = sizes[-1]
+    lines += ["", ("Bytes through the busiest cable (one direction), per byte of input: by "
+                   "the model, and as counted on the cables (Ethernet frames, "
+                   f"ACKs and barriers included; {1 / PAYLOAD_PER_FRAME:.3f}x for framing "
+                   f"alone); how busy that cable was at {_size(largest)}; packets dropped"),
+              "", "| strategy | model | counted | busy | drops |", "|---|---|---|---|---|"]
+    for s in strategies:
+        counted = traffic[s].busiest / offered
+        busy = counted * largest * 8 / rate / median[s, largest]
+        lines.append(f"| {s} | {cable_bytes(s, WORLD):.3g} | {counted:.3f} | {busy:.0%} "
+                     f"| {traffic[s].drops} |")
     return "\n".join(lines)
 
 
@@ -194,10 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per row (5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed ones first (1)")
     parser.add_argument("--insecure", action="store_true", help="no job key: plain sockets")
+    parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE",
+                        help="a variable for every peer, e.g. P2PCOLL_PIPELINE_DEPTH=8 "
+                             "(repeatable; the peers see no other P2PCOLL_ variable)")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds the whole run may take (3600)")
     args = parser.parse_args(argv)
     rate = bits_per_second(args.rate)
+    extra = dict(item.partition("=")[::2] for item in args.set)
+    if any(not name for name in extra):
+        parser.error("--set takes VAR=VALUE")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
@@ -220,14 +276,20 @@ def main(argv: list[str] | None = None) -> int:
             if not args.insecure:
                 key = Path(scratch) / "job.key"
                 subprocess.run([sys.executable, "-m", "p2pcoll", "keygen", str(key)],
-                               check=True)
+                               check=True, capture_output=True)
+            # One group per strategy, so that each one's traffic is its own.
             started = time.monotonic()
-            rows = run_peers(lab, config, key, Path(scratch) / "rows.json", args.timeout)
+            rows, traffic = [], {}
+            for strategy in strategies:
+                found, traffic[strategy] = measure_traffic(lab, lambda s=strategy: run_peers(
+                    lab, {**config, "strategies": [s]}, key, Path(scratch) / "rows.json",
+                    args.timeout - (time.monotonic() - started), extra))
+                rows += found
             took = time.monotonic() - started
     except netns.LabError as exc:
         print(f"slow_link: {exc}", file=sys.stderr)
         return 2
-    print(report(rows, strategies, rate, args))
+    print(report(rows, strategies, rate, args, traffic))
     print(f"\n({took:.0f} s)")
     return 0
 

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ Params = dict[str, np.ndarray]
 RTOL = 1e-6
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64, help="global batch size")
@@ -49,7 +50,7 @@ def parse_args() -> argparse.Namespace:
                         help="compare the replicas' weights every this many rounds")
     parser.add_argument("--plot", default="train_digits_loss.png", help="loss curve PNG")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 # --- the model: 64 -> hidden (tanh) -> 10 (softmax), in float64 ----------------------------
@@ -147,46 +148,69 @@ def plot(path: str, losses: list[float], steps_per_epoch: int, world_size: int,
     plt.close(fig)
 
 
-async def main(args: argparse.Namespace) -> int:
+def load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``x, x_test, y, y_test``: the digits, scaled to [0, 1], 80/20 (the same on every rank)."""
     digits = load_digits()
-    x_all = digits.data / 16.0
-    x, x_test, y, y_test = train_test_split(x_all, digits.target, test_size=0.2,
-                                            random_state=args.seed, stratify=digits.target)
+    x, x_test, y, y_test = train_test_split(digits.data / 16.0, digits.target, test_size=0.2,
+                                            random_state=seed, stratify=digits.target)
+    return x, x_test, y, y_test
+
+
+# on_round(epoch, loss, hits): after each round, with the global batch's mean loss and accuracy.
+OnRound = Callable[[int, float, float], None]
+
+
+async def train(g: p2pcoll.Group, args: argparse.Namespace, x: np.ndarray, y: np.ndarray,
+                on_round: OnRound | None = None) -> tuple[Params, list[float]]:
+    """Train data-parallel in group ``g``: the final weights (the same on every rank, checked)
+    and the loss of each round."""
+    rank, size = g.rank, g.world_size
+    params = init_params(args.hidden, args.seed + rank)  # deliberately different
+    params = await training.broadcast_parameters(g, params, root=0)
+    await training.check_replicas(g, params)
+    losses: list[float] = []
+    for epoch in range(args.epochs):
+        for idx in batches(len(y), args.batch, epoch, args.seed):
+            mine = idx[rank::size]  # this rank's share of the global batch
+            grads = gradients(params, x[mine], y[mine], len(idx))
+            grads = await training.allreduce_gradients(g, grads, op="sum",
+                                                       strategy=args.strategy)
+            loss, hits = grads.pop("stats")
+            sgd_step(params, grads, args.lr)
+            losses.append(float(loss))
+            if args.check_every and len(losses) % args.check_every == 0:
+                await training.check_replicas(g, params)
+            if on_round is not None:
+                on_round(epoch, float(loss), float(hits))
+    await training.check_replicas(g, params)
+    return params, losses
+
+
+async def main(args: argparse.Namespace) -> int:
+    x, x_test, y, y_test = load_data(args.seed)
 
     async with p2pcoll.join() as g:
         rank, size = g.rank, g.world_size
         lead = rank == 0
-        params = init_params(args.hidden, args.seed + rank)  # deliberately different
-        params = await training.broadcast_parameters(g, params, root=0)
-        await training.check_replicas(g, params)
         if lead:
             print(f"{size} peers, {len(y)} training images ({len(y) // size} or so each per "
                   f"epoch), {len(y_test)} test images; every replica starts from rank 0's "
                   f"weights")
 
-        epochs = [batches(len(y), args.batch, e, args.seed) for e in range(args.epochs)]
-        losses: list[float] = []
-        started = time.perf_counter()
-        bar: Any = tqdm(total=sum(map(len, epochs)), disable=not lead, unit="round",
+        steps_per_epoch = len(batches(len(y), args.batch, 0, args.seed))
+        bar: Any = tqdm(total=args.epochs * steps_per_epoch, disable=not lead, unit="round",
                         file=sys.stdout, mininterval=0.5, ncols=100)
-        for epoch, epoch_batches in enumerate(epochs):
-            for idx in epoch_batches:
-                mine = idx[rank::size]  # this rank's share of the global batch
-                grads = gradients(params, x[mine], y[mine], len(idx))
-                grads = await training.allreduce_gradients(g, grads, op="sum",
-                                                           strategy=args.strategy)
-                loss, hits = grads.pop("stats")
-                sgd_step(params, grads, args.lr)
-                losses.append(float(loss))
-                if args.check_every and len(losses) % args.check_every == 0:
-                    await training.check_replicas(g, params)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", acc=f"{hits:.1%}",
-                                refresh=False)
-                bar.update()
-        bar.close()
-        elapsed = time.perf_counter() - started
 
-        await training.check_replicas(g, params)
+        def show(epoch: int, loss: float, hits: float) -> None:
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", acc=f"{hits:.1%}",
+                            refresh=False)
+            bar.update()
+
+        started = time.perf_counter()
+        params, losses = await train(g, args, x, y, show)
+        elapsed = time.perf_counter() - started
+        bar.close()
+
         test_acc = accuracy(params, x_test, y_test)
         alone = train_alone(args, x, y)
         diff = max_relative_difference(params, alone)
@@ -197,7 +221,7 @@ async def main(args: argparse.Namespace) -> int:
             print(f"test accuracy: {test_acc:.2%}")
             print(f"replicas identical on all {size} ranks (check_replicas)")
             if not args.no_plot:
-                plot(args.plot, losses, len(epochs[0]), size, test_acc)
+                plot(args.plot, losses, steps_per_epoch, size, test_acc)
                 print(f"loss curve written to {args.plot}")
         verdict = "equal" if same else "DIFFER FROM"
         print(f"rank {rank}: final weights {verdict} single-process training "

@@ -25,7 +25,7 @@ from .launch import launch
 from .registry import Registry, registry
 from .rendezvous import RendezvousServer
 from .security import JobKey, write_key_file
-from .settings import Settings
+from .settings import Settings, job_key
 from .transport.sockets import SocketFactory
 
 PROG = "p2pcoll"
@@ -263,7 +263,7 @@ def _rendezvous(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"rendezvous: cannot resolve {args.host!r}: {exc}")
     try:
-        key = Settings.resolve().key  # $P2PCOLL_KEY_FILE, checked like join() checks it
+        key = job_key()  # $P2PCOLL_KEY_FILE, checked like join() checks it
     except SettingsError as exc:
         return _fail(f"rendezvous: {exc}")
     return asyncio.run(_serve_rendezvous(f"tcp://{host}:{args.port}", key))

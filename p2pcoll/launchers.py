@@ -5,31 +5,29 @@
 peer needs no variable of p2pcoll's own; where the environment cannot say where the group
 meets, the settings fail at once with a :class:`~p2pcoll.SettingsError` saying what to set.
 
-===  ====================  ========================  =======================  ==============================
-#    source                rank                      world size               rendezvous
-===  ====================  ========================  =======================  ==============================
-1    ``join()`` arguments  ``rank=``                 ``world_size=``          ``rendezvous=``
-2    p2pcoll's variables   (assigned by arrival)     (from the other peers)   ``$P2PCOLL_RENDEZVOUS``
-3    torchrun              ``$RANK``                 ``$WORLD_SIZE``          ``torch://MASTER_ADDR:PORT``
-                                                                              (torchrun's own store), or
-                                                                              ``tcp://MASTER_ADDR:PORT``
-                                                                              without torchrun
-4    Open MPI ``mpirun``   ``$OMPI_COMM_WORLD_RANK``  ``$OMPI_COMM_WORLD_SIZE``  one node: ``tcp://127.0.0.1:``
-                                                                              *port of the job*; several:
-                                                                              rank 0's host through MPI
-                                                                              if the program initialized
-                                                                              it, else an error
-5    SLURM ``srun``        ``$SLURM_PROCID``         ``$SLURM_NTASKS``        ``tcp://``\\ *first node*\\
-                                                                              ``:``\\ *port of the job*
-6    Kubernetes            ``N`` of the pod's        ``$WORLD_SIZE``          ``$P2PCOLL_RENDEZVOUS``
-                           hostname ``NAME-N``       (required)               (required)
-7    nothing               assigned by arrival       from the other peers     none: a group of one
-===  ====================  ========================  =======================  ==============================
+==================  ====================  ====================  ==============================
+source              rank                  world size            rendezvous
+==================  ====================  ====================  ==============================
+join() arguments    rank=                 world_size=           rendezvous=
+p2pcoll variables   (by arrival)          (from other peers)    P2PCOLL_RENDEZVOUS
+torchrun            RANK                  WORLD_SIZE            torchrun's store, at
+                                                                MASTER_ADDR:MASTER_PORT
+Open MPI mpirun     OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE  one node: 127.0.0.1:PORT(job);
+                                                                several: rank 0's host by MPI
+SLURM srun          SLURM_PROCID          SLURM_NTASKS          first node:PORT(job)
+Kubernetes          N of hostname NAME-N  WORLD_SIZE (needed)   P2PCOLL_RENDEZVOUS (needed)
+nothing             by arrival            from the other peers  none: a group of one
+==================  ====================  ====================  ==============================
 
-Each row fills only what the rows above it leave unset, so ``RANK``, ``WORLD_SIZE`` and
-``MASTER_ADDR``/``MASTER_PORT`` (torch's convention, which ``p2pcoll launch`` and many
-launchers besides torchrun set) win over a launcher's own variables. Rows 4 to 6 exclude each
-other: the first whose variables are there is the launcher, and only its variables are read.
+PORT(job) is a port derived from the job's id, below. Each row fills only what the rows
+above it leave unset, so ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT``
+(torch's convention, which ``p2pcoll launch`` and many launchers besides torchrun set;
+without torchrun's ``TORCHELASTIC_RUN_ID`` they mean ``tcp://MASTER_ADDR:MASTER_PORT``) win
+over a launcher's own variables. Open MPI, SLURM and Kubernetes exclude each other: the
+first whose variables are there is the launcher, and only its variables are read. A URL
+worked out from a launcher's job is used only when the launcher gave the rank or the world
+size: given both as arguments, the caller made the group (the torch backend, Ray actors in
+a SLURM job), so it is not the job's.
 
 Where the rows are ambiguous:
 
@@ -51,9 +49,9 @@ Where the rows are ambiguous:
   ``$OMPI_MCA_ess_base_jobid`` stands in). On several nodes nothing in the environment
   says where rank 0 is. If the program has initialized MPI itself (``from mpi4py import
   MPI``), rank 0's host name is broadcast over ``MPI.COMM_WORLD``, which blocks until every
-  rank has called ``join()``. p2pcoll never initializes MPI itself: ``MPI_Init`` takes a
-  second or more, hooks the allocator, and turns every exit without ``MPI_Finalize`` (a
-  signal, ``os._exit``) into a job abort. Otherwise the error says to pass
+  rank has called ``join()``. p2pcoll never initializes MPI itself: ``MPI_Init`` takes
+  about a second, may hook the allocator, and makes every exit without ``MPI_Finalize``
+  (a signal, ``os._exit``) abort the whole job. Otherwise the error says to pass
   ``mpirun -x P2PCOLL_RENDEZVOUS=tcp://HOST:PORT``.
 - **Kubernetes** is recognized by ``$KUBERNETES_SERVICE_HOST`` and a StatefulSet pod's
   hostname ``NAME-N`` (``$HOSTNAME``, else :func:`socket.gethostname`), and only while
@@ -62,9 +60,9 @@ Where the rows are ambiguous:
   the error names them. An elastic group (``min_world_size``) takes no rank from the name.
 
 A malformed value (``SLURM_PROCID=x``, a nodelist that is not Slurm's syntax) is a
-:class:`~p2pcoll.SettingsError` naming the variable. A rank that is not below the world
-size is each value fine alone; together they are the ``RendezvousError`` that ``join()``
-raises at once, before any socket, as the API has always pinned.
+:class:`~p2pcoll.SettingsError` naming the variable. A rank not below the world size (each
+value fine alone) is the ``RendezvousError`` that ``join()`` raises at once, before any
+socket, as the API pins.
 """
 
 from __future__ import annotations
@@ -84,7 +82,11 @@ WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
 PORT_BASE, PORT_SPAN = 20000, 10000  # derived ports: below Linux's ephemeral range
 _POD = re.compile(r"(.+)-(\d+)")
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+# Slurm's hostlists: hosts joined by commas; a host is text and bracketed ranges of numbers.
+_HOST = r"(?:[^\s,\[\]]|\[[^\[\]]*\])+"
+_HOSTLIST = re.compile(rf"{_HOST}(?:,{_HOST})*")
+_BRACKET = re.compile(r"\[([^\[\]]*)\]")
+_RANGES = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
 
 
 def _bad(name: str, value: object, allowed: str) -> SettingsError:
@@ -109,6 +111,8 @@ class Launch:
         find_rendezvous: returns the rendezvous URL the environment implies (None: it
             implies none), or raises SettingsError saying what to set. Called only when
             nothing above gives one, since finding it may cost something (an MPI broadcast).
+        derived: the URL is worked out from a launcher's job (Open MPI, SLURM, Kubernetes),
+            not given by variables (``MASTER_ADDR``/``MASTER_PORT``).
         world_size_needed: when not empty, a group that ends up with no world size (and is
             not elastic) is an error with this message.
         torchrun: under torchrun, ``"RUN_ID/RESTART"`` (see :mod:`.rendezvous.torch_store`).
@@ -120,6 +124,7 @@ class Launch:
     world_size: int | None = None
     world_size_from: str = ""
     find_rendezvous: Callable[[], str | None] = field(default=_none, compare=False)
+    derived: bool = False
     world_size_needed: str = ""
     torchrun: str = ""
 
@@ -134,6 +139,7 @@ class Launch:
             rank=pick_rank.rank, rank_from=pick_rank.rank_from,
             world_size=pick_size.world_size, world_size_from=pick_size.world_size_from,
             find_rendezvous=self.find_rendezvous if own_url else launcher.find_rendezvous,
+            derived=False if own_url else launcher.derived,
             world_size_needed="" if self.world_size is not None else launcher.world_size_needed,
             torchrun=self.torchrun,
         )
@@ -239,7 +245,7 @@ def openmpi(env: Mapping[str, str]) -> Launch | None:
         launcher="openmpi",
         rank=rank, rank_from="$OMPI_COMM_WORLD_RANK",
         world_size=size, world_size_from="$OMPI_COMM_WORLD_SIZE",
-        find_rendezvous=rendezvous,
+        find_rendezvous=rendezvous, derived=True,
     )
 
 
@@ -282,7 +288,7 @@ def slurm(env: Mapping[str, str]) -> Launch | None:
     return Launch(
         launcher="slurm",
         rank=rank, rank_from="$SLURM_PROCID", world_size=size, world_size_from="$SLURM_NTASKS",
-        find_rendezvous=rendezvous,
+        find_rendezvous=rendezvous, derived=True,
     )
 
 
@@ -315,36 +321,20 @@ def first_host(nodelist: str, name: str = "nodelist") -> str:
     Raises:
         SettingsError: ``nodelist`` is not Slurm's syntax; the message names ``name``.
     """
-    allowed = "a Slurm hostlist like node[01-04,07],gpu1"
-    hosts: list[str] = []
-    current: list[str] = []  # the first expansion of the host being read
-    started, i = False, 0
-    while i < len(nodelist):
-        char = nodelist[i]
-        if char == ",":
-            if not started:
-                raise _bad(name, nodelist, allowed)
-            hosts.append("".join(current))
-            current, started = [], False
-        elif char == "[":
-            end = nodelist.find("]", i)
-            ranges = nodelist[i + 1:end].split(",") if end > 0 else [""]
-            for part in ranges:
-                m = _RANGE.fullmatch(part)
-                if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-                    raise _bad(name, nodelist, allowed)
-            current.append(_RANGE.fullmatch(ranges[0]).group(1))  # type: ignore[union-attr]
-            started, i = True, end
-        elif char == "]" or char.isspace():
-            raise _bad(name, nodelist, allowed)
-        else:
-            current.append(char)
-            started = True
-        i += 1
-    if not started:
-        raise _bad(name, nodelist, allowed)
-    hosts.append("".join(current))
-    return hosts[0]
+    ranges = [m.group(1) for m in _BRACKET.finditer(nodelist)]
+    if not _HOSTLIST.fullmatch(nodelist) or not all(map(_ascending, ranges)):
+        raise _bad(name, nodelist, "a Slurm hostlist like node[01-04,07],gpu1")
+    first = re.match(_HOST, nodelist).group(0)  # type: ignore[union-attr]
+    # Each bracket's first value is the low end of its first range, as written.
+    return _BRACKET.sub(lambda m: re.split("[,-]", m.group(1))[0], first)
+
+
+def _ascending(ranges: str) -> bool:
+    """``01-04,07`` is; ``4-1``, ``a``, ``1,`` and the empty string are not."""
+    if not _RANGES.fullmatch(ranges):
+        return False
+    pairs = (part.split("-") for part in ranges.split(","))
+    return all(int(pair[0]) <= int(pair[-1]) for pair in pairs)
 
 
 # --- Kubernetes ----------------------------------------------------------------------------
@@ -373,7 +363,7 @@ def kubernetes(env: Mapping[str, str]) -> Launch | None:
         launcher="kubernetes",
         rank=ordinal, rank_from="$HOSTNAME" if _raw(env, "HOSTNAME") else "the hostname",
         world_size=_int(env, "WORLD_SIZE", 1), world_size_from="$WORLD_SIZE",
-        find_rendezvous=rendezvous,
+        find_rendezvous=rendezvous, derived=True,
         world_size_needed=f"{where}: set WORLD_SIZE to the StatefulSet's replicas in the pod "
                           f"template",
     )

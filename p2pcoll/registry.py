@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -134,6 +135,7 @@ class Registry:
         self._entries: Table = {c: {} for c in COLLECTIVES}
         self._broken: list[BrokenPlugin] = []
         self._loaded = False
+        self._lock = threading.Lock()  # load() may run in a thread (see join)
 
     # --- loading ---------------------------------------------------------------------
 
@@ -153,11 +155,17 @@ class Registry:
         for plugin in broken:  # once per load, and a registry loads once
             log.warning("strategy %s; it is not available", plugin)
 
+    @property
+    def loaded(self) -> bool:
+        return self._loaded
+
     def load(self) -> None:
-        """Load the installed strategies now rather than on first use. A group does it when
-        it is made, so that its first collective does not pay for the scan of the installed
-        packages' metadata (about 0.1 s here), in which time the peers would wait for it."""
-        self._load()
+        """Load the installed strategies now rather than on first use. ``join()`` does it
+        (in a thread, so the event loop goes on), so that a group's first collective does
+        not pay for the scan of the installed packages' metadata (about 0.1 s here), in
+        which time its peers would wait for it. Thread-safe."""
+        with self._lock:
+            self._load()
 
     def register(self, cls: type[Strategy], origin: str = "registered at runtime") -> None:
         """Add a strategy class. Raises PluginValidationError on a bad class or a name clash."""

@@ -53,8 +53,7 @@ from typing import Any
 
 from . import launchers
 from .errors import SettingsError
-from .launchers import RANK_VARS as RANK_VARS  # where they were before launchers.py
-from .launchers import WORLD_SIZE_VARS as WORLD_SIZE_VARS
+from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
 from .strategy import COLLECTIVES
 
@@ -255,6 +254,16 @@ class Settings:
                 name="min_world_size", value=low, allowed=f"at most {high}")
 
 
+def job_key(environ: Mapping[str, str] | None = None) -> JobKey | None:
+    """The job key of ``$P2PCOLL_KEY_FILE`` alone (for a standalone rendezvous server,
+    which has no group settings), checked as :meth:`Settings.resolve` checks it.
+
+    Raises:
+        SettingsError: the file is missing, malformed or readable by every user.
+    """
+    return _Reader(os.environ if environ is None else environ).key()
+
+
 def check_seconds(value: object, where: str) -> float:
     """A deadline: a positive number of seconds (``math.inf`` for none). Returns it."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
@@ -289,6 +298,9 @@ def _from_launcher(merged: dict[str, Any], env: Mapping[str, str]) -> None:
         merged.get("max_world_size") is not None
     found = launchers.detect(env, elastic=elastic)
     merged.setdefault("torchrun", found.torchrun)
+    # Given both, the caller made this group (the torch backend, Ray actors), not the
+    # launcher: a URL worked out from the launcher's job would not be theirs.
+    explicit = merged.get("rank") is not None and merged.get("world_size") is not None
     for name in ("rank", "world_size"):
         if merged.get(name) is None:
             merged[name] = getattr(found, name)
@@ -296,7 +308,7 @@ def _from_launcher(merged: dict[str, Any], env: Mapping[str, str]) -> None:
     if size is None and found.world_size_needed and not elastic:
         raise SettingsError(found.world_size_needed, name=found.world_size_from,
                             allowed="an integer >= 1")
-    if merged.get("rendezvous") is None and size != 1:
+    if merged.get("rendezvous") is None and size != 1 and not (explicit and found.derived):
         merged["rendezvous"] = found.find_rendezvous()
     if found.launcher:
         log.debug("launcher %s: rank %s from %s, world size %s from %s, rendezvous %s",

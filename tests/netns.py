@@ -190,6 +190,17 @@ class Lab:
                                 "link", "show", "eth0"))[0]["stats64"]
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
+    def drops(self) -> int:
+        """Packets the queueing disciplines of the lab's cables have dropped so far (a full
+        token bucket's queue drops, and TCP sends again)."""
+        total = 0
+        for namespace, device in [*((h, "eth0") for h in self.names),
+                                  *((self.switch, f"p{r}") for r in range(self.hosts))]:
+            shown = _run("tc", "-n", namespace, "-statistics", "-json", "qdisc", "show",
+                         "dev", device)
+            total += sum(int(q.get("drops", 0)) for q in json.loads(shown or "[]"))
+        return total
+
     def shape(self, rate: str, burst: str = "32kbit", latency: str = "50ms",
               delay: str | None = None) -> None:
         """Every cable to ``rate`` each way: a token bucket (``tc ... tbf``) on both ends of

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import p2pcoll
-from conftest import ROGUE_RANK, Inject
+from conftest import ROGUE_RANK, Inject, groups_of
 from p2pcoll.testing import free_port, run_ranks
 from p2pcoll.wire import WIRE_VERSION
 
@@ -329,3 +329,23 @@ async def test_a_members_list_kind_header_is_dropped_and_the_peer_keeps_answerin
     finally:
         for g in groups:
             await g.close()
+
+
+async def test_an_abort_of_a_finished_collective_fails_the_running_ones_at_once() -> None:
+    # Rank 0 reports collective #0 failed after ranks 1 and 2 had finished it and gone on
+    # to #1, which needs rank 0: they must fail now, not at #1's deadline.
+    from p2pcoll.wire import Header
+
+    async with groups_of(3) as (g0, g1, g2):
+        await asyncio.gather(*(g.barrier() for g in (g0, g1, g2)))
+        running = [asyncio.ensure_future(g.allreduce(np.ones(4), timeout=30))
+                   for g in (g1, g2)]
+        await asyncio.sleep(0.05)
+        g0.session.transport.broadcast(Header(
+            "abort", g0.membership.group_id, 0, 0, err=["GroupBroken", "rank 0 went wrong"]))
+        t0 = time.monotonic()
+        for task in running:
+            with pytest.raises(p2pcoll.GroupBroken, match="collective #0 failed on rank 0"):
+                await task
+        assert time.monotonic() - t0 < 5  # at once, not at the 30 s deadline
+        assert g1.state == g2.state == "broken"

@@ -75,6 +75,20 @@ def test_srun_overridden() -> None:
     assert resolve({**SRUN, "RANK": "3", "WORLD_SIZE": "5"})[1:] == (5, 3)
 
 
+@pytest.mark.parametrize("env", [SRUN, MPIRUN_ENV, POD,
+                                 {**MPIRUN_ENV, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}])
+def test_a_group_the_caller_made_takes_no_url_from_the_job(env: dict[str, str]) -> None:
+    """Rank and world size both given (the torch backend, Ray actors inside a SLURM job):
+    the launcher's job is not this group's, so no URL is worked out (nor any error)."""
+    assert resolve(env, world_size=2, rank=1) == (None, 2, 1)
+    torch_style = {**env, "MASTER_ADDR": "m", "MASTER_PORT": "9"}
+    assert resolve(torch_style, world_size=2, rank=1) == ("tcp://m:9", 2, 1)
+
+
+def test_a_launcher_rank_with_a_world_size_argument_still_meets_where_the_job_says() -> None:
+    assert resolve(SRUN, world_size=2) == ("tcp://node07:23456", 2, 1)
+
+
 def test_srun_without_its_whole_environment_leaves_join_to_say_what_to_set() -> None:
     """Only SLURM_PROCID and SLURM_NTASKS (not what srun sets): no URL is made up."""
     assert resolve({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == (None, 2, 1)
@@ -164,7 +178,7 @@ def test_mpirun_on_several_nodes_through_mpi(monkeypatch: pytest.MonkeyPatch) ->
         def __init__(self, rank: int) -> None:
             self.rank = rank
 
-        def Get_rank(self) -> int:  # noqa: N802 (mpi4py's name)
+        def Get_rank(self) -> int:  # mpi4py's name
             return self.rank
 
         def bcast(self, value: object, root: int) -> object:
@@ -181,7 +195,7 @@ def test_mpirun_on_several_nodes_through_mpi(monkeypatch: pytest.MonkeyPatch) ->
             with pytest.raises(SettingsError, match="initialize MPI"):
                 resolve(env)
         else:
-            assert resolve(env)[0].startswith("tcp://rank0host:")
+            assert str(resolve(env)[0]).startswith("tcp://rank0host:")
     assert sent == ["rank0host", None]
 
 

@@ -33,7 +33,7 @@ LAYERS = {
     "session": 4, "registry": 4,
     "api": 5,
     "training": 6, "testing": 6, "launch": 6, "service": 6, "integrations": 6,
-    "bench": 7, "cli": 7, "__main__": 7, "__init__": 7,
+    "bench": 7, "cli": 7, "__main__": 7, "__init__": 7, "torch": 7,
 }
 
 

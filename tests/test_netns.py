@@ -3,9 +3,10 @@
 Four peers, each started with ``ip netns exec`` on its own host of the lab (198.18.0.R+1),
 meet at the rendezvous hosted by rank 0 at ``tcp://198.18.0.1:PORT`` and run allreduce
 (every built-in strategy), broadcast and allgather with the job key on. Nobody sets
-``P2PCOLL_HOST``: each peer must bind and advertise the address of the interface that
-routes to the rendezvous host, or the others could not reach it. With ``P2PCOLL_HOST`` set
-to a second address of each host, that one is used instead.
+``P2PCOLL_HOST``: each peer must bind and advertise the address that routes to the
+rendezvous host (each host has a second one, on another subnet, that does not), or the
+others could not reach it. With ``P2PCOLL_HOST`` set to the second address, that one is
+advertised instead.
 
 The hosts share this machine's file system, hostname and boot id, so to p2pcoll they are
 one host, which is true: ipc sockets (file system paths) and shared memory reach across
@@ -191,14 +192,19 @@ async def peers(lab: netns.Lab, mode: str, key: Path, transport: str = "tcp",
             await peer.kill()
 
 
-@pytest.fixture
-def lab() -> Iterator[netns.Lab]:
-    """A fresh lab of WORLD hosts, removed after the test whatever happened."""
+def _require_namespaces() -> None:
+    """Skip where no namespace can be made; under CI a missing ``ip`` is a failure."""
     reason = netns.unavailable()
     if reason is not None:
         if os.environ.get("CI") == "true" and shutil.which("ip") is None:
             pytest.fail(f"CI must run the network namespace tests: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture
+def lab() -> Iterator[netns.Lab]:
+    """A fresh lab of WORLD hosts, removed after the test whatever happened."""
+    _require_namespaces()
     made = netns.Lab(WORLD)
     try:
         made.create()
@@ -228,6 +234,8 @@ def _check_done(done: list[dict[str, Any]]) -> None:
 
 async def test_peers_on_their_own_hosts_advertise_the_routing_interface(
         lab: netns.Lab, key: Path) -> None:
+    for r in range(WORLD):  # a second address each, on a subnet the rendezvous is not on
+        lab.add_address(r, subnet=1)
     before = [lab.counters(r) for r in range(WORLD)]
     async with peers(lab, "collectives", key) as group:
         done = [await p.wait_for("done") for p in group]
@@ -295,11 +303,7 @@ async def test_a_cut_cable_is_a_peer_lost_naming_it(lab: netns.Lab, key: Path) -
 
 
 def test_a_lab_leaves_nothing_behind() -> None:
-    reason = netns.unavailable()
-    if reason is not None:
-        if os.environ.get("CI") == "true" and shutil.which("ip") is None:
-            pytest.fail(f"CI must run the network namespace tests: {reason}")
-        pytest.skip(reason)
+    _require_namespaces()
     # A lab whose maker died without closing it: the next lab's sweep removes it.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()

@@ -19,6 +19,9 @@ def url() -> str:
 
 async def test_ranks_assigned_in_arrival_order_fill_the_gaps() -> None:
     address = url()
+    # The first join of a process loads the strategies first (in a thread, ~0.1 s): done
+    # before, so that the 50 ms between these arrivals is what orders them.
+    p2pcoll.available_strategies()
 
     async def peer(rank: int | None, delay: float) -> tuple[int, int]:
         await asyncio.sleep(delay)
@@ -144,10 +147,12 @@ def test_launcher_variables() -> None:
     assert read()[0] == "tcp://10.1.2.3:29500"
     env["P2PCOLL_RENDEZVOUS"] = "tcp://127.0.0.1:1"
     assert read()[0] == "tcp://127.0.0.1:1"
-    env.update(OMPI_COMM_WORLD_SIZE="5", OMPI_COMM_WORLD_RANK="4")
-    assert read()[1:] == (5, 4)
     env.update(SLURM_NTASKS="6", SLURM_PROCID="3")
     assert read()[1:] == (6, 3)
+    # mpirun inside a SLURM allocation: every rank inherits the step's SLURM_PROCID, so
+    # Open MPI's own variables win (see p2pcoll.launchers).
+    env.update(OMPI_COMM_WORLD_SIZE="5", OMPI_COMM_WORLD_RANK="4")
+    assert read()[1:] == (5, 4)
     env.update(WORLD_SIZE="7", RANK="2")
     assert read()[1:] == (7, 2)
     env["RANK"] = "two"

@@ -80,7 +80,6 @@ class Group:
     """
 
     def __init__(self, settings: Settings, sockets: SocketFactory | None = None) -> None:
-        registry.load()
         for coll, name in settings.strategies.items():
             if name != "auto":
                 registry.get(coll, name)  # raises UnknownStrategy early

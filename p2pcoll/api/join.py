@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Generator, Mapping
 from typing import Any
 
+from ..registry import registry
 from ..settings import Settings
 from .group import Group
 
 
 async def _join(settings: Settings) -> Group:
+    if not registry.loaded:  # now rather than in the first collective, the peers waiting
+        await asyncio.to_thread(registry.load)
     group = Group(settings)
     try:
         await group._form()
@@ -61,12 +65,15 @@ def join(
     read from the environment (see :mod:`p2pcoll.settings`), once, here.
 
     Args:
-        rendezvous: ``"tcp://HOST:PORT"``; None reads ``$P2PCOLL_RENDEZVOUS``, else
-            ``$MASTER_ADDR``/``$MASTER_PORT``. May be None when world_size is 1.
-        world_size: number of peers; None reads ``$WORLD_SIZE``, ``$SLURM_NTASKS`` or
-            ``$OMPI_COMM_WORLD_SIZE`` (some peer must give it).
-        rank: this peer's rank; None reads ``$RANK``, ``$SLURM_PROCID`` or
-            ``$OMPI_COMM_WORLD_RANK``, else the rendezvous assigns one in arrival order.
+        rendezvous: ``"tcp://HOST:PORT"``; None reads ``$P2PCOLL_RENDEZVOUS``, else what
+            the launcher implies: torchrun's store, ``$MASTER_ADDR``/``$MASTER_PORT``, the
+            node of rank 0 under mpirun or srun (see :mod:`p2pcoll.launchers`). May be None
+            when world_size is 1.
+        world_size: number of peers; None reads ``$WORLD_SIZE``, ``$OMPI_COMM_WORLD_SIZE``
+            or ``$SLURM_NTASKS`` (some peer must give it).
+        rank: this peer's rank; None reads ``$RANK``, ``$OMPI_COMM_WORLD_RANK``,
+            ``$SLURM_PROCID`` or a Kubernetes StatefulSet pod's ordinal, else the
+            rendezvous assigns one in arrival order.
         timeout: seconds for the whole group to form (``$P2PCOLL_JOIN_TIMEOUT``, 60 s).
         strategies: per-group strategy choice, e.g. ``{"allreduce": "ring"}``, over the
             ``$P2PCOLL_<COLLECTIVE>`` variables.
@@ -89,8 +96,9 @@ def join(
             passes the previous rank, so survivors keep their order).
 
     Raises:
-        SettingsError: an argument or environment variable has a bad value (raised here,
-            before anything is awaited).
+        SettingsError: an argument or environment variable has a bad value, or the
+            launcher's environment cannot say where to meet (naming what to set); raised
+            here, before anything is awaited.
         RendezvousError: the group did not form in time (naming how many peers arrived and
             which ranks are missing), this peer's rank/world size was rejected, a peer that
             had registered was lost, the rendezvous host went away, or the handshake with

@@ -374,10 +374,14 @@ class FailureModel:
             if found or len(inquiry.answers) == len(inquiry.asked):
                 inquiry.complete.set()
         if not self._matcher.fail(header.seq, exc) and self.cause is None:
-            # It had finished here: the next call must not go on.
+            # It had finished here: the next call must not go on, nor those running now
+            # (the peer that failed will never take part in them).
             self.cause = exc
             if self.state is GroupState.READY:
                 self.state = GroupState.BROKEN
+            for other in self._active:
+                self._matcher.fail(other, GroupBroken(
+                    f"collective #{header.seq} failed on rank {header.src}: {exc}"))
 
     def on_stray(self, header: Header) -> None:
         """A message for a collective that had finished here: the ranks disagreed about it."""

@@ -177,7 +177,8 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
                    root: int | None, timeout: timedelta | None) -> Work:
         red = ops.reduction(rop, collective, tensors)
         makers = self._reduce(collective, tensors, red, root, _seconds(timeout))
-        return self._launch(collective, tensors, lambda g: [m(g) for m in makers])  # type: ignore[operator]
+        return self._launch(collective, tensors,
+                            lambda g: [m(g) for m in makers])  # type: ignore[operator]
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         if isinstance(opts, dist.ReduceOp):
@@ -218,8 +219,8 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
         def make(g: Group) -> list[Coro]:
             async def one(out: torch.Tensor, stack: np.ndarray) -> None:
                 if red.fold is not None:
-                    parts = await g.allgather(stack[me], timeout=limit)
-                    store(out, red.fold.reduce(np.stack(parts), axis=0))
+                    stacks = await g.allgather(stack, timeout=limit)
+                    store(out, red.fold.reduce(np.stack([s[me] for s in stacks]), axis=0))
                 else:
                     part = await g.reduce_scatter(stack, red.op or "sum", timeout=limit)
                     store(out, part)

@@ -55,14 +55,14 @@ def reduction(rop: dist.ReduceOp | RedOp, collective: str,
         if kind in BITWISE and t.dtype not in INTEGER:
             raise UnsupportedOperation(f"the p2pcoll backend's {collective}: {kind.name} "
                                        f"needs an integer dtype, got {t.dtype}")
-        if kind is RedOp.AVG and t.dtype in INTEGER:
+        if kind == RedOp.AVG and t.dtype in INTEGER:
             raise UnsupportedOperation(f"the p2pcoll backend's {collective}: AVG needs a "
                                        f"floating dtype, got {t.dtype}")
     if kind in NATIVE:
         return Reduction(NATIVE[kind])
     if kind in BITWISE:
         return Reduction(None, fold=BITWISE[kind])
-    if kind is RedOp.PREMUL_SUM:
+    if kind == RedOp.PREMUL_SUM:
         factor = getattr(rop, "factor", None)
         if not isinstance(factor, (int, float)):
             raise UnsupportedOperation(f"the p2pcoll backend's {collective}: PREMUL_SUM "

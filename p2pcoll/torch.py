@@ -1,0 +1,20 @@
+"""``import p2pcoll.torch`` registers the ``"p2pcoll"`` torch.distributed backend.
+
+A thin alias of :mod:`p2pcoll.integrations.torch`, where the backend lives.
+"""
+
+from __future__ import annotations
+
+from .integrations.torch import (
+    ALLTOALL_TAG,
+    NAME,
+    Options,
+    ProcessGroupP2PColl,
+    UnsupportedOperation,
+    register,
+)
+
+register()
+
+__all__ = ["ALLTOALL_TAG", "NAME", "Options", "ProcessGroupP2PColl", "UnsupportedOperation",
+           "register"]
