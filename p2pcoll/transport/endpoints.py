@@ -187,13 +187,22 @@ POLICIES: dict[str, type[EndpointPolicy]] = {
 
 
 def host_identity() -> str:
-    """Names this machine: peers with equal identities can reach each other over ipc."""
+    """Names this machine and file system: peers with equal identities can reach each
+    other over ipc (a socket file) and shared memory (a file in /dev/shm).
+
+    The mount namespace is part of it because containers of one host share its hostname
+    (``--network host``) and boot id but not its /tmp or /dev/shm.
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        mounts = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        mounts = ""
+    return f"{socket.gethostname()}/{boot}/{mounts}"
 
 
 def endpoint_policy(name: str) -> EndpointPolicy:
