@@ -1,13 +1,21 @@
-"""Train an MLP on scikit-learn's digits with DistributedDataParallel, on Gloo or p2pcoll.
+"""Train an MLP on scikit-learn's digits with DistributedDataParallel (or FSDP2), on Gloo
+or p2pcoll.
 
     torchrun --nproc-per-node 4 examples/train_ddp.py --backend p2pcoll
     p2pcoll launch -n 4 -- python examples/train_ddp.py --backend p2pcoll
     torchrun --nproc-per-node 4 examples/train_ddp.py --backend gloo
+    torchrun --nproc-per-node 4 examples/train_ddp.py --backend p2pcoll --fsdp
+    torchrun --nproc-per-node 4 examples/train_ddp.py --backend p2pcoll --hook powersgd
 
 The only p2pcoll-specific thing is the backend's name: installing p2pcoll registers it
 with torch. Every rank trains on its own shard of each batch with the same seed; with
 ``--save PATH`` rank 0 writes the final parameters there (to compare two runs), and every
 run checks that all ranks end with bit-identical parameters.
+
+``--fsdp`` shards the model with FSDP2 (``fully_shard``: all_gather_into_tensor of the
+parameters, reduce_scatter_tensor of the gradients with AVG) instead of DDP; ``--hook``
+registers one of torch's DDP communication hooks: ``fp16`` (gradients allreduced in
+float16) or ``powersgd`` (rank-1 PowerSGD compression from the third step on).
 """
 
 from __future__ import annotations
@@ -20,13 +28,47 @@ from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel
 
 
+def wrap(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """The model under FSDP2 or DDP (with the communication hook asked for)."""
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+    ddp = DistributedDataParallel(model)
+    if args.hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: PLC0415
+
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, random_seed=0)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (FSDP2's parameters are sharded DTensors)."""
+    p = p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["gloo", "p2pcoll"], default="p2pcoll")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64, help="global batch size")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    parser.add_argument("--hook", choices=["fp16", "powersgd"],
+                        help="a DDP communication hook")
     parser.add_argument("--save", help="where rank 0 writes the final parameters")
     args = parser.parse_args()
+    if args.fsdp and args.hook:
+        parser.error("--hook is for DDP, not --fsdp")
 
     dist.init_process_group(args.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -34,8 +76,8 @@ def main() -> None:
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
-    model = DistributedDataParallel(torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
+    model = wrap(torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)), args)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1))
     per_rank = args.batch // size
@@ -52,7 +94,7 @@ def main() -> None:
             mean = total / (len(x) // args.batch)
             print(f"epoch {epoch}: mean loss of rank 0's shards {mean:.4f}", flush=True)
 
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([full(p).reshape(-1) for p in model.parameters()])
     everyone = [torch.zeros_like(flat) for _ in range(size)]
     dist.all_gather(everyone, flat)
     identical = all(torch.equal(everyone[0], other) for other in everyone)

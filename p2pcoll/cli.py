@@ -6,6 +6,7 @@
     p2pcoll keygen job.key                           a new job key file (mode 0600)
     p2pcoll peer --job train:job --metrics-port 9100 one peer as a service
     p2pcoll bench --collective allreduce -n 4        time a collective (see p2pcoll.bench)
+    p2pcoll simulate -n 1024 --size 100MB            the cost model's time of each strategy
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if args.subcommand == "bench":
             return _bench(extra)
+        if args.subcommand == "simulate":
+            return _simulate(extra)
         if extra:
             hint = " (put the command after --)" if args.subcommand == "launch" else ""
             parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
@@ -159,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Its options are added by p2pcoll.bench, imported only when it runs (see _bench).
     sub.add_parser("bench", add_help=False, help="time a collective between peer processes")
+    sub.add_parser("simulate", add_help=False,
+                   help="predicted time of each strategy from the cost model (no peers)")
     return parser
 
 
@@ -325,6 +330,28 @@ def _bench(argv: list[str]) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     return bench.main(args)
+
+
+# --- simulate -------------------------------------------------------------------------------
+
+
+def _simulate(argv: list[str]) -> int:
+    from .bench import simulate  # noqa: PLC0415 (imported only when it runs, like bench)
+
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} simulate",
+        description="Predict the time of every strategy of a collective with the "
+                    "alpha-beta-gamma cost model (see p2pcoll.engine.costs); no peers run.",
+    )
+    simulate.configure_parser(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    try:
+        return simulate.main(args)
+    except (ValueError, P2PCollError) as exc:
+        return _fail(f"simulate: {exc}")
 
 
 # --- helpers --------------------------------------------------------------------------------

@@ -1,7 +1,12 @@
 """Finds strategies: entry points of the group ``p2pcoll.strategies``, validated as they load.
 
 The built-ins in ``p2pcoll_plugins`` are registered through the same entry points as any
-third-party package. ``"auto"`` picks a strategy from the data size and the world size.
+third-party package. ``"auto"`` picks, among the installed strategies of the collective,
+the one whose cost model (``Strategy.cost``, see :mod:`p2pcoll.engine.costs`) predicts the
+lowest time for the data size and world size, under the constants of the group's links (a
+:class:`~p2pcoll.engine.costs.CostModel`; the defaults measured on the development machine
+when none is given). A strategy without a cost model is never auto's choice, unless no
+installed strategy of its collective has one: then auto takes ``DEFAULTS[collective]``.
 
 Loading is all or nothing per entry point, never per registry: the first lookup loads every
 entry point into a new table and only then swaps it in, so a registry is either not loaded
@@ -27,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
+from .engine.costs import CostModel
 from .errors import PluginValidationError, UnknownStrategy
 from .strategy import COLLECTIVES, Strategy
 
@@ -34,31 +40,15 @@ log = logging.getLogger("p2pcoll.registry")
 
 ENTRY_POINT_GROUP = "p2pcoll.strategies"
 OWN_DISTRIBUTION = "p2pcoll"  # its entry points (the built-ins) load first, so they win clashes
+DEFAULT_MODEL = CostModel()  # auto's model when the caller has none: ipc constants
 
-# "auto" for allreduce, from `p2pcoll bench --strategy all --compare gloo` on the 2-core
-# development machine (benchmarks/README.md): up to 1 MiB recursive doubling (lg p full
-# swaps) wins, as latency terms dominate; above, Rabenseifner (bandwidth-optimal like the
-# ring, but 2 lg p steps instead of 2(p-1)) won at 16 and 64 MiB. With 2 peers Rabenseifner
-# is the ring, and above 1 MiB it beat recursive doubling once sends stopped copying through
-# fresh buffers: it copies and reduces half the data (one swap of halves, then the reduced
-# halves) where recursive doubling snapshots and reduces all of it. MPICH draws the same line
-# at 2 KiB; on this machine a message costs ~100-250 us, which moves it up.
-# With 3 or 4 peers and small messages, the star (every peer sends to rank 0, which reduces
-# and sends the result back: 2 rounds, 2(p-1) messages) beat recursive doubling (2 rounds
-# at p = 3 or 4 too, but every peer sends and receives in each: 2p messages or more): at
-# p = 4 on 2 cores, 4 KiB took 1.5 ms against 1.6-2.1 ms, 64 KiB 1.6-1.9 ms against
-# 1.9-2.2 ms. With more peers the hub's p-1 serial messages outweigh it (not measured here).
-# Broadcast likewise: with at most 4 peers the root sending to each directly (1 round,
-# p-1 sends) took 1.3 ms at 4 KiB where the binomial tree (2 rounds) took 1.7 ms, and was
-# as fast or faster at 1, 16 and 64 MiB (p = 4, shared-memory rings, this machine).
-SMALL_ALLREDUCE = 64 << 10
-STAR_MAX_PEERS = 4
-MEDIUM_ALLREDUCE = 1 << 20
+# What "auto" takes when no installed strategy of the collective declares a cost model:
+# the ones the model picks for large data on many peers (see p2pcoll.engine.costs).
 DEFAULTS = {
-    "broadcast": "binomial",
+    "broadcast": "pipeline",
     "reduce": "binomial",
     "allreduce": "rabenseifner",
-    "allgather": "ring",
+    "allgather": "recursive_doubling",
     "reduce_scatter": "ring",
     "gather": "root",
     "scatter": "root",
@@ -136,6 +126,7 @@ class Registry:
         self._broken: list[BrokenPlugin] = []
         self._loaded = False
         self._lock = threading.Lock()  # load() may run in a thread (see join)
+        self._picks: dict[tuple[str, int, int, CostModel], str] = {}  # auto's, until a change
 
     # --- loading ---------------------------------------------------------------------
 
@@ -152,6 +143,7 @@ class Registry:
             if problem is not None:
                 broken.append(problem)
         self._entries, self._broken, self._loaded = entries, broken, True
+        self._picks.clear()
         for plugin in broken:  # once per load, and a registry loads once
             log.warning("strategy %s; it is not available", plugin)
 
@@ -171,10 +163,12 @@ class Registry:
         """Add a strategy class. Raises PluginValidationError on a bad class or a name clash."""
         self._load()
         _add(self._entries, validate(cls, origin), origin)
+        self._picks.clear()
 
     def unregister(self, collective: str, name: str) -> None:
         self._load()
         self._entries[collective].pop(name, None)
+        self._picks.clear()
 
     # --- what is installed -----------------------------------------------------------
 
@@ -219,20 +213,24 @@ class Registry:
             f"no {collective} strategy named {name!r}; available: {self._names(collective)}"
         )
 
-    def auto(self, collective: str, nbytes: int, size: int) -> Strategy:
-        """The strategy "auto" means for ``nbytes`` of data in a group of ``size``.
+    def auto(
+        self, collective: str, nbytes: int, size: int, model: CostModel | None = None
+    ) -> Strategy:
+        """The strategy "auto" means for ``nbytes`` of data in a group of ``size``: the
+        installed one with the lowest time predicted by ``model`` (default: the default
+        constants of ipc links and the default segmentation).
 
         Raises:
             ValueError: ``collective`` is not a collective.
             PluginValidationError: the strategy auto picks comes from a broken plugin.
-            UnknownStrategy: the strategy auto picks is not installed (it was unregistered,
-                or its distribution is missing); the message says which one auto wanted and
-                what is installed, to be chosen explicitly.
+            UnknownStrategy: no installed strategy of ``collective`` has a cost model and
+                ``DEFAULTS[collective]`` is not installed; the message says which one auto
+                wanted and what is installed, to be chosen explicitly.
         """
         self._load()
         if collective not in self._entries:
             raise ValueError(f"unknown collective {collective!r}")
-        name = self.auto_name(collective, nbytes, size)
+        name = self.auto_name(collective, nbytes, size, model)
         entry = self._entries[collective].get(name)
         if entry is not None:
             return entry.strategy
@@ -248,29 +246,48 @@ class Registry:
             f"choose one by name with strategy=... or join(strategies=...)"
         )
 
-    @staticmethod
-    def auto_name(collective: str, nbytes: int, size: int) -> str:
-        """The name of the strategy "auto" picks for ``nbytes`` of data in a group of ``size``,
-        whether it is installed or not (the rules are in the comment above DEFAULTS)."""
-        if collective == "broadcast" and size <= STAR_MAX_PEERS:
-            return "root"
-        if collective == "allreduce" and 2 < size <= STAR_MAX_PEERS and nbytes <= SMALL_ALLREDUCE:
-            return "reduce_broadcast"
-        if collective == "allreduce" and nbytes <= MEDIUM_ALLREDUCE:
-            return "recursive_doubling"
-        return DEFAULTS[collective]
+    def auto_name(
+        self, collective: str, nbytes: int, size: int, model: CostModel | None = None
+    ) -> str:
+        """The name of the strategy "auto" picks for ``nbytes`` of data in a group of
+        ``size``: the installed strategy with the lowest predicted time, else (none has a
+        cost model) ``DEFAULTS[collective]``, installed or not. Cached per registry state."""
+        self._load()
+        model = model or DEFAULT_MODEL
+        key = (collective, nbytes, size, model)
+        name = self._picks.get(key)
+        if name is None:
+            # Ties go to the built-ins, then by name.
+            table = self._entries.get(collective, {})
+            order = sorted(table.values(), key=lambda e: (not _builtin(e), e.strategy.name))
+            best = model.best((e.strategy for e in order), nbytes, size)
+            name = best.name if best is not None else DEFAULTS[collective]
+            if len(self._picks) > 4096:
+                self._picks.clear()
+            self._picks[key] = name
+        return name
+
+    def predictions(
+        self, collective: str, nbytes: int, size: int, model: CostModel | None = None
+    ) -> dict[str, float | None]:
+        """``{name: predicted seconds}`` of every installed strategy of ``collective``
+        (None: it has no cost model)."""
+        self._load()
+        model = model or DEFAULT_MODEL
+        return {name: model.predict(e.strategy, nbytes, size)
+                for name, e in sorted(self._entries[collective].items())}
 
     def choose(
         self, collective: str, requested: str | None, group_default: str | None,
-        nbytes: int, size: int,
+        nbytes: int, size: int, model: CostModel | None = None,
     ) -> Strategy:
         """Resolve a strategy: the one ``requested`` for this call, else the group's default
         (which the group takes from ``join(strategies=...)`` over ``$P2PCOLL_<COLLECTIVE>``),
-        else auto. ``"auto"`` at either level means auto. Raises as :meth:`get` and
-        :meth:`auto` do."""
+        else auto under ``model``. ``"auto"`` at either level means auto. Raises as
+        :meth:`get` and :meth:`auto` do."""
         name = requested or group_default
         if not name or name == "auto":
-            return self.auto(collective, nbytes, size)
+            return self.auto(collective, nbytes, size, model)
         return self.get(collective, name)
 
     def _broken_for(self, collective: str, name: str) -> BrokenPlugin | None:
@@ -281,6 +298,10 @@ class Registry:
 
     def _names(self, collective: str) -> str:
         return ", ".join(["auto", *sorted(self._entries[collective])])
+
+
+def _builtin(entry: Entry) -> bool:
+    return entry.origin.startswith(f"{OWN_DISTRIBUTION} ")
 
 
 def _distribution(ep: EntryPoint) -> tuple[str, str]:

@@ -21,6 +21,8 @@ variable                       meaning (default)
 ``P2PCOLL_SEGMENT_BYTES``      pipeline segment size, >= 1K (1M)
 ``P2PCOLL_PIPELINE_DEPTH``     segments in flight per collective, 1..64 (4)
 ``P2PCOLL_MAX_MESSAGE_BYTES``  larger incoming messages are dropped, >= 4K (256M)
+``P2PCOLL_COST_MODEL``         JSON file of alpha, beta, gamma per transport for "auto"
+                               (:mod:`p2pcoll.engine.costs`; built-in constants)
 ``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
@@ -72,7 +74,7 @@ KNOWN_VARS = frozenset(
     {
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_TRANSPORT", "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
-        "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
+        "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
@@ -122,6 +124,8 @@ class Settings:
         pipeline_depth: segments of one collective in flight at once.
         max_message_bytes: no message is larger: outgoing data is cut to fit, incoming
             messages larger than this are dropped (and libzmq refuses far larger frames).
+        cost_model: path of the JSON file of cost-model constants "auto" uses, or "" for
+            the built-in ones (loaded and checked when the group is made).
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
@@ -149,6 +153,7 @@ class Settings:
     segment_bytes: int = 1 << 20
     pipeline_depth: int = 4
     max_message_bytes: int = 256 << 20
+    cost_model: str = ""
     shm: bool = True
     shm_bytes: int = 16 << 20
     tune_malloc: bool = True
@@ -193,6 +198,7 @@ class Settings:
             "segment_bytes": reader.size("P2PCOLL_SEGMENT_BYTES", minimum=1 << 10),
             "pipeline_depth": reader.integer("P2PCOLL_PIPELINE_DEPTH", 1, 64),
             "max_message_bytes": reader.size("P2PCOLL_MAX_MESSAGE_BYTES", minimum=4 << 10),
+            "cost_model": reader.raw("P2PCOLL_COST_MODEL"),
             "shm": reader.switch("P2PCOLL_SHM"),
             "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),

@@ -56,6 +56,13 @@ algorithm instead of re-deriving the index arithmetic:
 ``largest_power_of_two(n)``
     The ``pof2`` above, for ``chunks(size)``, which has no context.
 
+Cost models (optional): ``cost(work)`` gives a strategy's critical path in the
+alpha-beta-gamma model of Thakur, Rabenseifner & Gropp (2005) as a :class:`Cost`, and
+``traffic(work)`` the exact messages and payload bytes every rank sends as a
+:class:`Traffic`; :class:`Workload` is what both may depend on. ``"auto"`` picks the
+strategy whose cost is lowest under the host's constants; a strategy without ``cost`` is
+picked only when no strategy of its collective has one.
+
 Strategies are registered under the entry-point group ``p2pcoll.strategies``.
 """
 
@@ -69,6 +76,7 @@ __all__ = [
     "ALL",
     "COLLECTIVES",
     "Context",
+    "Cost",
     "Fold",
     "Reduce",
     "Recv",
@@ -76,6 +84,8 @@ __all__ = [
     "Send",
     "Step",
     "Strategy",
+    "Traffic",
+    "Workload",
     "largest_power_of_two",
 ]
 
@@ -227,6 +237,73 @@ class Fold:
             yield Send(rank - 1) if rank % 2 else Recv(rank + 1)
 
 
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What a cost model may depend on: the group, the data and how the executor cuts it.
+
+    Attributes:
+        size: p, the number of ranks.
+        nbytes: n, the bytes of the collective's data: each rank's tensor (broadcast,
+            reduce, allreduce, reduce_scatter), or all the parts together (allgather,
+            gather, scatter: p parts of n/p bytes).
+        itemsize: the unit the data is cut at (an element; for reduce_scatter a row).
+        segments: S, how many pipeline segments the executor cuts every message into: each
+            segment is a run of the whole schedule, so a rank sends S times its messages.
+        depth: how many segments are in flight at once.
+    """
+
+    size: int
+    nbytes: int
+    itemsize: int = 1
+    segments: int = 1
+    depth: int = 4
+
+    @property
+    def waves(self) -> int:
+        """``ceil(S / depth)``: segments in flight together share their latency terms, so
+        a schedule of R rounds costs ``R * waves`` of them (the convention of the built-ins)."""
+        return -(-self.segments // self.depth)
+
+    def part(self, i: int, k: int) -> int:
+        """Bytes of chunk ``i`` when the data is cut into ``k`` chunks (``array_split``)."""
+        return self.span(i, i + 1, k)
+
+    def span(self, start: int, stop: int, k: int) -> int:
+        """Bytes of chunks ``start .. stop-1`` when the data is cut into ``k`` chunks."""
+        q, r = divmod(self.nbytes // self.itemsize, k)
+        longer = max(0, min(stop, r) - min(start, r))  # the first r chunks have one more
+        return ((stop - start) * q + longer) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """A collective's critical path: ``time = rounds*alpha + sent*beta + reduced*gamma``.
+
+    Attributes:
+        rounds: messages one after the other on the critical path (the alpha terms; a rank's
+            sends in one step count one each, as a single port serialises them).
+        sent: bytes on the critical path (the beta terms).
+        reduced: bytes reduced on the critical path (the gamma terms).
+    """
+
+    rounds: float
+    sent: float
+    reduced: float = 0.0
+
+    def time(self, alpha: float, beta: float, gamma: float) -> float:
+        """Predicted seconds with alpha s/message, beta s/byte and gamma s/byte reduced."""
+        return self.rounds * alpha + self.sent * beta + self.reduced * gamma
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """What every rank sends in one collective, exactly: ``messages[r]`` messages and
+    ``bytes_sent[r]`` payload bytes from rank r (as counted by ``Group.stats()``)."""
+
+    messages: tuple[int, ...]
+    bytes_sent: tuple[int, ...]
+
+
 class Strategy:
     """Base class of collective algorithms. Subclass, set the class variables, write schedule().
 
@@ -256,3 +333,11 @@ class Strategy:
     def schedule(self, ctx: Context) -> Schedule:
         """Yield this rank's steps, in order."""
         raise NotImplementedError
+
+    def cost(self, work: Workload) -> Cost | None:
+        """The critical path of this collective for ``work`` (root 0), or None: no model."""
+        return None
+
+    def traffic(self, work: Workload) -> Traffic | None:
+        """What every rank sends for ``work`` (root 0), or None: not modelled."""
+        return None

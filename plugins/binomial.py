@@ -9,7 +9,23 @@ the whole data in all; the root sends ceil(lg p) of them. The reduce is the same
 backwards: fold in the children nearest first, then send the partial result to the parent.
 """
 
-from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
+
+
+def children(q: int, p: int) -> int:
+    """How many ranks relative rank ``q`` sends to in the broadcast tree of ``p`` ranks."""
+    top = q & -q if q else 1 << (p - 1).bit_length()  # lowbit(q); the root's: 2^ceil(lg p)
+    return sum(1 for k in range(top.bit_length() - 1) if q + (1 << k) < p)
 
 
 class BinomialBroadcast(Strategy):
@@ -31,6 +47,15 @@ class BinomialBroadcast(Strategy):
                 yield Send(real(q + mask))
             mask >>= 1
 
+    def cost(self, work: Workload) -> Cost:
+        depth = (work.size - 1).bit_length()  # ceil(lg p): the root sends that many, in turn
+        return Cost(depth * work.waves, depth * work.nbytes)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n, s = work.size, work.nbytes, work.segments
+        sends = [children(q, p) for q in range(p)]
+        return Traffic(tuple(c * s for c in sends), tuple(c * n for c in sends))
+
 
 class BinomialReduce(Strategy):
     name = "binomial"
@@ -47,3 +72,11 @@ class BinomialReduce(Strategy):
             if q + mask < p:  # fold in the child at this distance
                 yield Reduce(real(q + mask))
             mask <<= 1
+
+    def cost(self, work: Workload) -> Cost:
+        depth = (work.size - 1).bit_length()  # the root folds in ceil(lg p) children in turn
+        return Cost(depth * work.waves, depth * work.nbytes, depth * work.nbytes)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n, s = work.size, work.nbytes, work.segments
+        return Traffic((0,) + (s,) * (p - 1), (0,) + (n,) * (p - 1))

@@ -11,7 +11,7 @@ whatever p. Every rank but the last sends n bytes, in one message per segment; t
 sends nothing. Small data gets no pipelining: use ``binomial`` there.
 """
 
-from p2pcoll.strategy import Context, Recv, Schedule, Send, Strategy
+from p2pcoll.strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
 
 
 class PipelineBroadcast(Strategy):
@@ -25,3 +25,15 @@ class PipelineBroadcast(Strategy):
             yield Recv(ctx.real(q - 1))
         if q < p - 1:
             yield Send(ctx.real(q + 1))
+
+    def cost(self, work: Workload) -> Cost:
+        # The first segment takes p-1 hops; each of the other S-1 arrives one hop later,
+        # their latencies overlapping ``depth`` at a time (the bandwidth terms do not).
+        p, s = work.size, work.segments
+        if p == 1:
+            return Cost(0, 0)
+        return Cost(p - 2 + work.waves, (p - 2 + s) * work.nbytes / s)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n, s = work.size, work.nbytes, work.segments
+        return Traffic((s,) * (p - 1) + (0,), (n,) * (p - 1) + (0,))

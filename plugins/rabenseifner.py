@@ -22,12 +22,15 @@ odd ones below 2r 2(p'-1)/p'·n + n, the rest 2(p'-1)/p'·n; 2 lg p' + 2 rounds.
 
 from p2pcoll.strategy import (
     Context,
+    Cost,
     Fold,
     Recv,
     Reduce,
     Schedule,
     Send,
     Strategy,
+    Traffic,
+    Workload,
     largest_power_of_two,
 )
 
@@ -66,3 +69,38 @@ class RabenseifnerAllreduce(Strategy):
             for partner, keep, give in reversed(rounds):
                 yield [Send(partner, keep), Recv(partner, give)]
         yield from fold.fold_out()  # and get the result back
+
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        pof2 = largest_power_of_two(p)
+        steps, folded = pof2.bit_length() - 1, p != pof2
+        share = (pof2 - 1) / pof2 * n  # what one phase sends: n/2 + n/4 + ... + n/p'
+        return Cost((2 * steps + 2 * folded) * work.waves, 2 * share + 2 * folded * n,
+                    share + folded * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        # The halving gives away the half it does not keep, the doubling sends what it kept:
+        # per round the two halves of the range held before it, so the bytes are exact for
+        # chunks of unequal size too.
+        p, n = work.size, work.nbytes
+        pof2 = largest_power_of_two(p)
+        steps, extra = pof2.bit_length() - 1, p - pof2
+        messages, sent = [], []
+        for rank in range(p):
+            fold = Fold(Context(rank, p))
+            if fold.newrank is None:  # an even rank below 2r: hands its data in, sits out
+                messages.append(work.segments)
+                sent.append(n)
+                continue
+            kept, total, mask = range(pof2), 0, 1
+            while mask < pof2:
+                half = (kept.start + kept.stop) // 2
+                lower, upper = range(kept.start, half), range(half, kept.stop)
+                keep, give = (lower, upper) if fold.newrank & mask == 0 else (upper, lower)
+                total += work.span(give.start, give.stop, pof2)
+                total += work.span(keep.start, keep.stop, pof2)
+                kept, mask = keep, mask << 1
+            back = rank < 2 * extra  # an odd rank below 2r hands the result back
+            messages.append((2 * steps + back) * work.segments)
+            sent.append(total + back * n)
+        return Traffic(tuple(messages), tuple(sent))

@@ -10,7 +10,18 @@ it and sits out; the p' remaining ranks (renumbered 0..p'-1) run the power-of-tw
 then every odd rank below 2r hands the result back to its even neighbour.
 """
 
-from p2pcoll.strategy import Context, Fold, Reduce, Schedule, Send, Strategy
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Fold,
+    Reduce,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+    largest_power_of_two,
+)
 
 
 class RecursiveDoubling(Strategy):
@@ -29,3 +40,19 @@ class RecursiveDoubling(Strategy):
                 yield [Send(partner), Reduce(partner)]
                 mask <<= 1
         yield from fold.fold_out()  # and get the result back
+
+    def cost(self, work: Workload) -> Cost:
+        # lg p' swaps of n, plus the fold's hand-in and hand-back when p is not p'.
+        p, n = work.size, work.nbytes
+        swaps = largest_power_of_two(p).bit_length() - 1
+        folded = p != largest_power_of_two(p)
+        return Cost((swaps + 2 * folded) * work.waves, (swaps + 2 * folded) * n,
+                    (swaps + folded) * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        # Even ranks below 2r send n once; odd ones lg p' + 1 times; the rest lg p' times.
+        p, n = work.size, work.nbytes
+        pof2 = largest_power_of_two(p)
+        swaps, extra = pof2.bit_length() - 1, p - pof2
+        sends = [(1 if r % 2 == 0 else swaps + 1) if r < 2 * extra else swaps for r in range(p)]
+        return Traffic(tuple(k * work.segments for k in sends), tuple(k * n for k in sends))

@@ -17,7 +17,7 @@ is not needed; but a run of parts that wraps past p - 1 is two ranges, so such a
 round still costs one latency term.
 """
 
-from p2pcoll.strategy import Context, Recv, Schedule, Send, Strategy
+from p2pcoll.strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
 
 
 class RecursiveDoublingAllgather(Strategy):
@@ -34,6 +34,24 @@ class RecursiveDoublingAllgather(Strategy):
             yield from _recursive_doubling(rank, p)
         else:
             yield from _bruck(rank, p)
+
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        return Cost((p - 1).bit_length() * work.waves, (p - 1) / p * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        # Every rank sends p-1 parts, one message per round; in Bruck's rounds a run of
+        # parts that wraps past p-1 goes as two.
+        p, part = work.size, work.part(0, work.size)
+        messages = []
+        for rank in range(p):
+            count, distance = 0, 1
+            while distance < p:
+                wraps = p & (p - 1) != 0 and rank + min(distance, p - distance) > p
+                count += 1 + wraps
+                distance <<= 1
+            messages.append(count * work.segments)
+        return Traffic(tuple(messages), ((p - 1) * part,) * p)
 
 
 def _recursive_doubling(rank: int, p: int) -> Schedule:

@@ -4,7 +4,17 @@ Rank 0 receives everyone's data and folds it in rank order, then sends the resul
 rank. Simple and deterministic, but rank 0 moves 2(p-1)·n bytes: a baseline, not a default.
 """
 
-from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
 
 
 class ReduceBroadcast(Strategy):
@@ -21,3 +31,12 @@ class ReduceBroadcast(Strategy):
         else:
             yield Send(hub)
             yield Recv(hub)
+
+    def cost(self, work: Workload) -> Cost:
+        # The hub folds in p-1 messages, then sends p-1, one after the other.
+        p, n = work.size, work.nbytes
+        return Cost(2 * (p - 1) * work.waves, 2 * (p - 1) * n, (p - 1) * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n, s = work.size, work.nbytes, work.segments
+        return Traffic(((p - 1) * s,) + (s,) * (p - 1), ((p - 1) * n,) + (n,) * (p - 1))

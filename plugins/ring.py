@@ -7,7 +7,17 @@ The executor pipelines each chunk in segments, so the reduction of one segment o
 transfer of the next.
 """
 
-from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
 
 
 class RingAllreduce(Strategy):
@@ -29,6 +39,19 @@ class RingAllreduce(Strategy):
         for s in range(p - 1):
             yield [Send(right, (r - s + 1) % p), Recv(left, (r - s) % p)]
 
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        return Cost(2 * (p - 1) * work.waves, 2 * (p - 1) / p * n, (p - 1) / p * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        # Rank r sends every chunk but r+1 in the reduce-scatter, every one but r+2 after.
+        p, n = work.size, work.nbytes
+        return Traffic(
+            (2 * (p - 1) * work.segments,) * p,
+            tuple(2 * n - work.part((r + 1) % p, p) - work.part((r + 2) % p, p)
+                  for r in range(p)),
+        )
+
 
 class RingReduceScatter(Strategy):
     name = "ring"
@@ -46,6 +69,15 @@ class RingReduceScatter(Strategy):
         for s in range(p - 1):
             yield [Send(right, (r - s - 1) % p), Reduce(left, (r - s - 2) % p)]
 
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        return Cost((p - 1) * work.waves, (p - 1) / p * n, (p - 1) / p * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n = work.size, work.nbytes  # rank r sends every chunk but its own
+        return Traffic(((p - 1) * work.segments,) * p,
+                       tuple(n - work.part(r, p) for r in range(p)))
+
 
 class RingAllgather(Strategy):
     name = "ring"
@@ -58,3 +90,12 @@ class RingAllgather(Strategy):
         # Step s: forward the part that arrived in step s-1 (my own at s = 0).
         for s in range(p - 1):
             yield [Send(right, (r - s) % p), Recv(left, (r - s - 1) % p)]
+
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        return Cost((p - 1) * work.waves, (p - 1) / p * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n = work.size, work.nbytes  # rank r sends every part but r+1's
+        return Traffic(((p - 1) * work.segments,) * p,
+                       tuple(n - work.part((r + 1) % p, p) for r in range(p)))

@@ -4,7 +4,21 @@ One logical step, but the root's link carries (p-1) messages of the whole data, 
 the other. Cheapest for tiny data and tiny groups; the seed's original design.
 """
 
-from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
+
+
+def _from_root(work: Workload, bytes_by_rank: list[int], per_segment: list[int]) -> Traffic:
+    return Traffic(tuple(m * work.segments for m in per_segment), tuple(bytes_by_rank))
 
 
 class RootBroadcast(Strategy):
@@ -20,6 +34,15 @@ class RootBroadcast(Strategy):
         else:
             yield Recv(ctx.root)
 
+    def cost(self, work: Workload) -> Cost:
+        # (p-1)(alpha + n beta): the root's sends go one after the other.
+        p, n = work.size, work.nbytes
+        return Cost((p - 1) * work.waves, (p - 1) * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n = work.size, work.nbytes
+        return _from_root(work, [(p - 1) * n] + [0] * (p - 1), [p - 1] + [0] * (p - 1))
+
 
 class RootReduce(Strategy):
     """Every rank sends its data to the root, which folds them in in rank order."""
@@ -33,6 +56,15 @@ class RootReduce(Strategy):
             yield [Reduce(peer) for peer in range(ctx.size) if peer != ctx.root]
         else:
             yield Send(ctx.root)
+
+    def cost(self, work: Workload) -> Cost:
+        # The root receives and folds in p-1 messages of n, one after the other.
+        p, n = work.size, work.nbytes
+        return Cost((p - 1) * work.waves, (p - 1) * n, (p - 1) * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n = work.size, work.nbytes
+        return _from_root(work, [0] + [n] * (p - 1), [0] + [1] * (p - 1))
 
 
 class RootGather(Strategy):
@@ -48,6 +80,14 @@ class RootGather(Strategy):
         else:
             yield Send(ctx.root, ctx.rank)
 
+    def cost(self, work: Workload) -> Cost:
+        p = work.size
+        return Cost((p - 1) * work.waves, work.nbytes - work.part(0, p))
+
+    def traffic(self, work: Workload) -> Traffic:
+        p = work.size
+        return _from_root(work, [0] + [work.part(r, p) for r in range(1, p)], [0] + [1] * (p - 1))
+
 
 class RootScatter(Strategy):
     """The root sends part r to rank r."""
@@ -61,3 +101,12 @@ class RootScatter(Strategy):
             yield [Send(peer, peer) for peer in range(ctx.size) if peer != ctx.root]
         else:
             yield Recv(ctx.root, ctx.rank)
+
+    def cost(self, work: Workload) -> Cost:
+        p = work.size
+        return Cost((p - 1) * work.waves, work.nbytes - work.part(0, p))
+
+    def traffic(self, work: Workload) -> Traffic:
+        p = work.size
+        rest = work.nbytes - work.part(0, p)
+        return _from_root(work, [rest] + [0] * (p - 1), [p - 1] + [0] * (p - 1))

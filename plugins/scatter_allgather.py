@@ -16,7 +16,7 @@ for large data. ceil(lg p) + p - 1 rounds. Bytes with c_i the size of chunk i: r
 sends ``c[q+1 .. q+lowbit(q))`` in the scatter and ``n - c[(q+1) mod p]`` in the ring.
 """
 
-from p2pcoll.strategy import Context, Recv, Schedule, Send, Strategy
+from p2pcoll.strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
 
 
 class ScatterAllgatherBroadcast(Strategy):
@@ -51,3 +51,18 @@ class ScatterAllgatherBroadcast(Strategy):
         right, left = real(q + 1), real(q - 1)
         for s in range(p - 1):
             yield [Send(right, (q - s) % p), Recv(left, (q - s - 1) % p)]
+
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        return Cost(((p - 1).bit_length() + p - 1) * work.waves, 2 * (p - 1) / p * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        p, n, s = work.size, work.nbytes, work.segments
+        messages, sent = [], []
+        for q in range(p):
+            top = q & -q if q else 1 << (p - 1).bit_length()
+            kids = [1 << k for k in range(top.bit_length() - 1) if q + (1 << k) < p]
+            scatter = sum(work.span(q + m, min(q + 2 * m, p), p) for m in kids)
+            messages.append((len(kids) + p - 1) * s)
+            sent.append(scatter + n - work.part((q + 1) % p, p))
+        return Traffic(tuple(messages), tuple(sent))

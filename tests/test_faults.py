@@ -345,7 +345,7 @@ async def test_an_abort_of_a_finished_collective_fails_the_running_ones_at_once(
             "abort", g0.membership.group_id, 0, 0, err=["GroupBroken", "rank 0 went wrong"]))
         t0 = time.monotonic()
         for task in running:
-            with pytest.raises(p2pcoll.GroupBroken, match="collective #0 failed on rank 0"):
+            with pytest.raises(p2pcoll.GroupBroken, match="rank 0 failed collective #0: rank 0 went wrong"):
                 await task
         assert time.monotonic() - t0 < 5  # at once, not at the 30 s deadline
         assert g1.state == g2.state == "broken"

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..engine.costs import DEFAULT_CONSTANTS, CostModel, load_constants
 from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
 from ..errors import (
@@ -90,6 +91,10 @@ class Group:
         self._server: RendezvousServer | None = None
         self._extensions: dict[str, Any] = {}
         self._activity = Activity()
+        # "auto"'s constants: checked now, before any socket (a bad file is a SettingsError).
+        self._constants = (load_constants(settings.cost_model) if settings.cost_model
+                           else DEFAULT_CONSTANTS)
+        self._cost_model: CostModel | None = None
 
     async def _form(self, store: Any = None) -> None:
         """Form the group (through torch's ``store``, for the torch.distributed backend)."""
@@ -163,8 +168,17 @@ class Group:
     def _choose(self, collective: str, requested: str | None, nbytes: int) -> Strategy:
         return registry.choose(
             collective, requested, self.settings.strategies.get(collective), nbytes,
-            self.world_size,
+            self.world_size, self._costs(),
         )
+
+    def _costs(self) -> CostModel:
+        """auto's cost model: tcp constants if any peer is reached over tcp, else ipc."""
+        if self._cost_model is None:
+            me, ends = self.rank, self.membership.endpoints
+            remote = any(e.startswith("tcp://") for r, e in enumerate(ends) if r != me)
+            self._cost_model = CostModel.for_settings(
+                self.settings, "tcp" if remote else "ipc", self._constants)
+        return self._cost_model
 
     def _limit(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else check_seconds(timeout, "timeout=")

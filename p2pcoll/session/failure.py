@@ -379,9 +379,8 @@ class FailureModel:
             self.cause = exc
             if self.state is GroupState.READY:
                 self.state = GroupState.BROKEN
-            for other in self._active:
-                self._matcher.fail(other, GroupBroken(
-                    f"collective #{header.seq} failed on rank {header.src}: {exc}"))
+            for other in self._active:  # with the peer's error: PeerLost names a leaver
+                self._matcher.fail(other, exc)
 
     def on_stray(self, header: Header) -> None:
         """A message for a collective that had finished here: the ranks disagreed about it."""

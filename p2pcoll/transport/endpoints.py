@@ -187,22 +187,27 @@ POLICIES: dict[str, type[EndpointPolicy]] = {
 
 
 def host_identity() -> str:
-    """Names this machine and file system: peers with equal identities can reach each
-    other over ipc (a socket file) and shared memory (a file in /dev/shm).
+    """Names this machine and the file systems ipc needs: peers with equal identities can
+    reach each other over ipc (a socket file in the temporary directory) and shared memory
+    (a file in /dev/shm).
 
-    The mount namespace is part of it because containers of one host share its hostname
-    (``--network host``) and boot id but not its /tmp or /dev/shm.
+    The two directories are part of it because containers of one host may share its
+    hostname (``--network host``) and boot id but not its /tmp or /dev/shm; processes in
+    network namespaces of one host (``ip netns exec``) do share them, and may use ipc.
     """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    try:
-        mounts = os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        mounts = ""
-    return f"{socket.gethostname()}/{boot}/{mounts}"
+    places = []
+    for path in (tempfile.gettempdir(), "/dev/shm"):
+        try:
+            st = os.stat(path)
+            places.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            places.append("-")
+    return f"{socket.gethostname()}/{boot}/{'/'.join(places)}"
 
 
 def endpoint_policy(name: str) -> EndpointPolicy:

@@ -17,7 +17,17 @@ shares). It suits mid-sized data on groups that are small or have a full-bisecti
 Written only against :mod:`p2pcoll.strategy`, the way any third-party plugin is.
 """
 
-from p2pcoll.strategy import Context, Recv, Reduce, Schedule, Send, Strategy
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
 
 __all__ = ["DirectAllreduce"]
 
@@ -37,3 +47,15 @@ class DirectAllreduce(Strategy):
         yield [Send(owner, owner) for owner in others] + [Reduce(peer, me) for peer in others]
         # Allgather: hand my finished chunk to everyone; take each owner's finished chunk.
         yield [Send(peer, me) for peer in others] + [Recv(owner, owner) for owner in others]
+
+    # Optional: the cost model that lets "auto" choose this strategy (p2pcoll.strategy.Cost).
+    def cost(self, work: Workload) -> Cost:
+        # Two rounds, but a single port serialises each round's p-1 sends: 2(p-1) alpha.
+        p, n = work.size, work.nbytes
+        return Cost(2 * (p - 1) * work.waves, 2 * (p - 1) / p * n, (p - 1) / p * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        # Rank r sends every chunk but its own, then its own chunk to each of the p-1 others.
+        p, n = work.size, work.nbytes
+        return Traffic((2 * (p - 1) * work.segments,) * p,
+                       tuple(n - work.part(r, p) + (p - 1) * work.part(r, p) for r in range(p)))

@@ -9,12 +9,28 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...errors import CollectiveTimeout
 from .runtime import Completer
+
+
+class _Future(torch.futures.Future):  # type: ignore[type-arg]
+    """torch's future, whose ``wait()`` first hands the completer's job over when it is
+    called on the completer: the PowerSGD hook waits on a nested collective's future
+    from inside a ``.then()`` callback, and that future is completed by the completer."""
+
+    def __init__(self, completer: Completer) -> None:
+        super().__init__()
+        self._completer = completer
+
+    def wait(self) -> Any:
+        if not self.done():
+            self._completer.blocking()
+        return super().wait()
 
 
 class Work(dist._Work):  # type: ignore[misc]
@@ -29,7 +45,7 @@ class Work(dist._Work):  # type: ignore[misc]
         self._completer = completer
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        self._future: torch.futures.Future[list[torch.Tensor]] = _Future(completer)
 
     def _finish(self, error: BaseException | None) -> None:
         """On the completer: record the outcome, then complete the future (whose

@@ -1,0 +1,183 @@
+"""The alpha-beta-gamma cost model: constants per transport, and the predicted time of a
+strategy (Thakur, Rabenseifner & Gropp 2005).
+
+A strategy's ``cost(work)`` (:class:`p2pcoll.strategy.Cost`) counts, on the critical path
+of one collective, the messages sent one after the other (``rounds``), the bytes sent
+(``sent``) and the bytes reduced (``reduced``). With the constants of the link
+
+    alpha   seconds per message (software overhead and wake-ups, not only the wire)
+    beta    seconds per byte sent (the inverse of the bandwidth, copies included)
+    gamma   seconds per byte reduced (numpy's ufunc over the received piece)
+
+the prediction is ``rounds*alpha + sent*beta + reduced*gamma``. The :class:`Workload` a
+strategy sees is built here from the data size, the group size and the executor's settings
+(pipeline segments, their depth, the message cap) with the executor's own
+:class:`~p2pcoll.engine.layout.Layout`, so the segment count is the one the executor uses.
+
+Constants are per transport: ``ipc`` (peers of one host: ipc sockets, large pieces through
+the shared-memory rings) and ``tcp``. The defaults were measured on the development machine
+(2 vCPUs, loopback; ``benchmarks/README.md``, ``p2pcoll bench -n 2 --strategy
+recursive_doubling``): a 4 KiB exchange costs ~0.3-0.45 ms, which is mostly alpha; 16 and
+64 MiB give beta + gamma; numpy's float32 add runs at ~5 GB/s out of cache (gamma). A JSON
+file named by ``$P2PCOLL_COST_MODEL`` (``join(cost_model=...)``) overrides any of them::
+
+    {"ipc": {"alpha": 3e-4, "beta": 3e-10, "gamma": 2e-10},
+     "tcp": {"alpha": 4e-4, "beta": 8e-10}}
+
+Missing transports or fields keep their defaults; anything else in the file is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from ..errors import SettingsError
+from ..strategy import Strategy, Workload
+from .layout import Layout
+
+TRANSPORTS = ("ipc", "tcp")
+PARTS = frozenset({"allgather", "gather", "scatter"})  # one chunk per rank, chunk r rank r's
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The constants of one transport: seconds per message, per byte sent, per byte reduced."""
+
+    alpha: float
+    beta: float
+    gamma: float
+
+    def describe(self) -> str:
+        return (f"alpha {self.alpha * 1e6:g} us/message, beta {self.beta * 1e9:g} ns/B "
+                f"({1 / self.beta / 1e9:.3g} GB/s), gamma {self.gamma * 1e9:g} ns/B")
+
+
+# Measured here (see the module docstring). tcp is loopback without CurveZMQ; with a job key
+# (p2pcoll launch) tcp pays the encryption: beta ~3 ns/B.
+DEFAULT_CONSTANTS: Mapping[str, Constants] = {
+    "ipc": Constants(alpha=300e-6, beta=0.30e-9, gamma=0.20e-9),
+    "tcp": Constants(alpha=350e-6, beta=0.80e-9, gamma=0.20e-9),
+}
+
+
+def load_constants(path: str | Path, where: str = "$P2PCOLL_COST_MODEL") -> dict[str, Constants]:
+    """The constants of every transport: the defaults, overridden by the JSON file ``path``.
+
+    Raises:
+        SettingsError: the file is missing, not JSON, or holds something other than
+            ``{transport: {alpha|beta|gamma: seconds > 0}}``; names ``where`` and the file.
+    """
+    allowed = ("a JSON file like {\"ipc\": {\"alpha\": 3e-4, \"beta\": 3e-10, "
+               "\"gamma\": 2e-10}, \"tcp\": {...}} (seconds per message, per byte)")
+    try:
+        data: Any = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"{where}={str(path)!r}: cannot read the cost model: {exc}",
+                            name=where, value=str(path), allowed=allowed) from exc
+    out = dict(DEFAULT_CONSTANTS)
+    if not isinstance(data, dict):
+        raise _bad(where, path, f"the top level is {type(data).__name__}, not an object", allowed)
+    for transport, fields in data.items():
+        if transport not in TRANSPORTS:
+            raise _bad(where, path, f"unknown transport {transport!r} (known: "
+                       f"{', '.join(TRANSPORTS)})", allowed)
+        if not isinstance(fields, dict):
+            raise _bad(where, path, f"{transport!r} is not an object", allowed)
+        values: dict[str, float] = {}
+        for name, value in fields.items():
+            if name not in ("alpha", "beta", "gamma"):
+                raise _bad(where, path, f"unknown field {transport}.{name}", allowed)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
+                raise _bad(where, path, f"{transport}.{name} = {value!r} is not a number of "
+                           "seconds >= 0", allowed)
+            values[name] = float(value)
+        out[transport] = replace(out[transport], **values)
+    return out
+
+
+def _bad(where: str, path: str | Path, problem: str, allowed: str) -> SettingsError:
+    return SettingsError(f"{where}={str(path)!r}: {problem}", name=where, value=str(path),
+                         allowed=allowed)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicts the time of a strategy from its cost, one transport's constants and the
+    executor's segmentation settings (those of :class:`p2pcoll.Settings`)."""
+
+    constants: Constants = DEFAULT_CONSTANTS["ipc"]
+    segment_bytes: int = 1 << 20
+    depth: int = 4
+    max_message_bytes: int = 256 << 20
+
+    @classmethod
+    def for_settings(cls, settings: Any, transport: str = "ipc",
+                     constants: Mapping[str, Constants] | None = None) -> CostModel:
+        """The model of a group with ``settings`` whose links are ``transport``; the
+        constants from ``constants`` (else the file of ``settings.cost_model``, if any,
+        else the defaults). Raises SettingsError on a bad file."""
+        if constants is None:
+            path = getattr(settings, "cost_model", None)
+            constants = load_constants(path) if path else DEFAULT_CONSTANTS
+        return cls(constants[transport], settings.segment_bytes, settings.pipeline_depth,
+                   settings.max_message_bytes)
+
+    def workload(self, strategy: Strategy, nbytes: int, size: int,
+                 itemsize: int = 1) -> Workload:
+        """What ``strategy`` would be given for ``nbytes`` of data on ``size`` ranks."""
+        return _workload(self, strategy.collective, strategy.chunks(size), nbytes, size,
+                         itemsize)
+
+    def predict(self, strategy: Strategy, nbytes: int, size: int,
+                itemsize: int = 1) -> float | None:
+        """Predicted seconds of ``strategy``, or None when it declares no cost model."""
+        cost = strategy.cost(self.workload(strategy, nbytes, size, itemsize))
+        if cost is None:
+            return None
+        c = self.constants
+        return cost.time(c.alpha, c.beta, c.gamma)
+
+    def best(self, strategies: Iterable[Strategy], nbytes: int, size: int) -> Strategy | None:
+        """The strategy with the lowest predicted time, or None when none of them declares
+        a cost model. Of strategies within a millionth of the lowest time (at p = 2 the
+        ring, Rabenseifner and the direct exchange are one algorithm), the first given."""
+        timed = [(t, s) for s in strategies if (t := self.predict(s, nbytes, size)) is not None]
+        if not timed:
+            return None
+        fastest = min(t for t, _ in timed)
+        return next(s for t, s in timed if t <= fastest * (1 + 1e-6))
+
+
+class _Extent:
+    """Stands in for a flat array in a :class:`Layout`: only its length and item size."""
+
+    def __init__(self, size: int, itemsize: int) -> None:
+        self.size, self.itemsize, self.nbytes = size, itemsize, size * itemsize
+
+
+@lru_cache(maxsize=4096)
+def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size: int,
+              itemsize: int) -> Workload:
+    elements = nbytes // itemsize
+    if collective == "barrier":
+        layout = Layout([], [[]])
+    elif collective in PARTS:  # p equal parts: the data is what every rank has together
+        elements -= elements % size
+        part = _Extent(elements // size, itemsize)
+        layout = Layout.parts(cast(list[np.ndarray], [part] * size))
+    else:
+        layout = Layout.split(cast(list[np.ndarray], [_Extent(elements, itemsize)]), nchunks)
+    segments = layout.segment(model.segment_bytes, model.max_message_bytes)
+    return Workload(size, elements * itemsize, itemsize, segments, model.depth)
+
+
+__all__ = ["DEFAULT_CONSTANTS", "TRANSPORTS", "Constants", "CostModel", "load_constants"]
