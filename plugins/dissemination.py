@@ -4,7 +4,16 @@ In round k rank r signals ``r + 2^k`` and waits for ``r - 2^k`` (mod p). After t
 every rank has heard, directly or through others, from every rank.
 """
 
-from p2pcoll.strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
 
 
 class DisseminationBarrier(Strategy):

@@ -11,7 +11,16 @@ whatever p. Every rank but the last sends n bytes, in one message per segment; t
 sends nothing. Small data gets no pipelining: use ``binomial`` there.
 """
 
-from p2pcoll.strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
 
 
 class PipelineBroadcast(Strategy):

@@ -17,7 +17,16 @@ is not needed; but a run of parts that wraps past p - 1 is two ranges, so such a
 round still costs one latency term.
 """
 
-from p2pcoll.strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
 
 
 class RecursiveDoublingAllgather(Strategy):

@@ -16,7 +16,16 @@ for large data. ceil(lg p) + p - 1 rounds. Bytes with c_i the size of chunk i: r
 sends ``c[q+1 .. q+lowbit(q))`` in the scatter and ``n - c[(q+1) mod p]`` in the ring.
 """
 
-from p2pcoll.strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
+from p2pcoll.strategy import (
+    Context,
+    Cost,
+    Recv,
+    Schedule,
+    Send,
+    Strategy,
+    Traffic,
+    Workload,
+)
 
 
 class ScatterAllgatherBroadcast(Strategy):

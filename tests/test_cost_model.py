@@ -11,17 +11,20 @@ sends anything, its bytes at most the total sent, and nothing at all for p = 1.
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import groups_of
 
 import p2pcoll
-from p2pcoll.engine.costs import CostModel
+from p2pcoll.engine.costs import DEFAULT_CONSTANTS, Constants, CostModel, load_constants
 from p2pcoll.registry import registry
+from p2pcoll.settings import Settings
 from p2pcoll.strategy import Cost, Strategy
-
-from conftest import groups_of
+from p2pcoll.testing import memory_groups
 
 SEGMENT = 1 << 10  # the smallest segment the settings allow: 1000 floats are 4 segments
 ELEMENTS = (0, 1, 13, 1000, 3001)  # float32 elements of each rank's data (or part)
@@ -148,3 +151,57 @@ def test_fold_corrections_at_other_p() -> None:
     cost = rab.cost(model.workload(rab, n, p))
     assert cost is not None
     assert (cost.rounds, cost.sent, cost.reduced) == (6, 2 * 3 / 4 * n + 2 * n, 3 / 4 * n + n)
+
+
+def test_more_ranks_than_cores_count_every_message() -> None:
+    """The host term: zero while a host has a core per rank, else the CPU time of all the
+    host's messages over its cores (what makes the star win on 4 peers of 2 cores)."""
+    rb = registry.get("allreduce", "reduce_broadcast")
+    rd = registry.get("allreduce", "recursive_doubling")
+    constants = Constants(alpha=1e-4, beta=0, gamma=0, overhead=1e-3)
+    roomy, crowded = CostModel(constants, local=4, cores=4), CostModel(constants, local=4, cores=2)
+    for s in (rb, rd):
+        assert roomy.contention(s, roomy.workload(s, 4096, 4)) == 0
+    # 4 ranks on 2 cores: rb sends 2(p-1) = 6 messages in all, rd p lg p = 8.
+    assert crowded.contention(rb, crowded.workload(rb, 4096, 4)) == pytest.approx(6e-3 / 2)
+    assert crowded.contention(rd, crowded.workload(rd, 4096, 4)) == pytest.approx(8e-3 / 2)
+    # Half of the group on this host: half of the messages.
+    half = CostModel(constants, local=4, cores=2)
+    assert half.contention(rd, half.workload(rd, 4096, 8)) == pytest.approx(
+        1e-3 * 8 * 3 * (4 / 8) / 2)
+
+
+def test_constants_file(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"tcp": {"alpha": 1e-5, "beta": 1e-10}, "ipc": {}}))
+    table = load_constants(path)
+    assert table["tcp"] == Constants(1e-5, 1e-10, DEFAULT_CONSTANTS["tcp"].gamma,
+                                     DEFAULT_CONSTANTS["tcp"].overhead)
+    assert table["ipc"] == DEFAULT_CONSTANTS["ipc"]
+    for text, message in [("[1]", "not an object"), ('{"rdma": {}}', "unknown transport"),
+                          ('{"ipc": {"delta": 1}}', "unknown field ipc.delta"),
+                          ('{"ipc": {"alpha": -1}}', "is not a number of seconds"),
+                          ('{"ipc": {"alpha": true}}', "is not a number of seconds"),
+                          ("{", "cannot read the cost model")]:
+        path.write_text(text)
+        with pytest.raises(p2pcoll.SettingsError, match=message) as info:
+            load_constants(path)
+        assert "$P2PCOLL_COST_MODEL=" in str(info.value)
+    with pytest.raises(p2pcoll.SettingsError, match="cannot read"):
+        load_constants(tmp_path / "missing.json")
+
+
+async def test_a_group_uses_its_constants_file(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    # Messages nearly free, bandwidth dear: the ring beats recursive doubling at 4K already.
+    path.write_text(json.dumps({"ipc": {"alpha": 1e-9, "beta": 1e-6, "overhead": 0}}))
+    async with groups_of(4, cost_model=str(path)) as groups:
+        assert groups[0]._costs().constants.alpha == 1e-9
+        x = np.ones(1024, np.float32)
+        await asyncio.gather(*(g.allreduce(x) for g in groups))
+        assert registry.auto_name("allreduce", x.nbytes, 4, groups[0]._costs()) in (
+            "rabenseifner", "ring", "direct")
+    path.write_text("{")
+    with pytest.raises(p2pcoll.SettingsError, match="cannot read the cost model"):
+        await memory_groups(2, cost_model=str(path))
+    assert Settings.resolve({"P2PCOLL_COST_MODEL": str(path)}).cost_model == str(path)

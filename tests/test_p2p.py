@@ -10,12 +10,11 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import groups_of
 
 import p2pcoll
 from p2pcoll.testing import run_ranks
 from p2pcoll.transport.memory import Faults, MemoryNetwork
-
-from conftest import groups_of
 
 
 async def test_send_recv_values_tags_and_order() -> None:

@@ -90,7 +90,7 @@ def test_train_ddp_example_matches_gloo(tmp_path: Path) -> None:
         "powersgd-gloo": torchrun("gloo", "--hook", "powersgd"),
         "powersgd-p2pcoll": torchrun("p2pcoll", "--hook", "powersgd"),
     }
-    import torch  # noqa: PLC0415
+    import torch
 
     saved = {}
     names = list(runs)

@@ -11,6 +11,7 @@ group's state in :mod:`p2pcoll.session.failure`, everything of one roster in
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -172,12 +173,14 @@ class Group:
         )
 
     def _costs(self) -> CostModel:
-        """auto's cost model: tcp constants if any peer is reached over tcp, else ipc."""
+        """auto's cost model: tcp constants if any peer is reached over tcp, else ipc; the
+        ranks of this host (those not reached over tcp) against its cores."""
         if self._cost_model is None:
             me, ends = self.rank, self.membership.endpoints
-            remote = any(e.startswith("tcp://") for r, e in enumerate(ends) if r != me)
+            remote = sum(e.startswith("tcp://") for r, e in enumerate(ends) if r != me)
             self._cost_model = CostModel.for_settings(
-                self.settings, "tcp" if remote else "ipc", self._constants)
+                self.settings, "tcp" if remote else "ipc", self._constants,
+                local=len(ends) - remote, cores=len(os.sched_getaffinity(0)))
         return self._cost_model
 
     def _limit(self, timeout: float | None) -> float:

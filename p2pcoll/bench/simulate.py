@@ -14,12 +14,19 @@ bits) or ``1.25GB/s`` (bytes); ``GiB/s`` and ``MiB/s`` are binary.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine.costs import DEFAULT_CONSTANTS, TRANSPORTS, Constants, CostModel, load_constants
+from ..engine.costs import (
+    DEFAULT_CONSTANTS,
+    TRANSPORTS,
+    Constants,
+    CostModel,
+    load_constants,
+)
 from ..registry import Registry, registry
 from ..settings import Settings, format_bytes
 from ..strategy import COLLECTIVES, Cost, Strategy
@@ -129,7 +136,7 @@ def crossovers(reg: Registry, model: CostModel, collective: str, size: int,
                                   for k in range(int(4 * math.log2(high / low)) + 1))})
     points = [n for n in points if low <= n <= high]
     out = [(points[0], best(points[0]))]
-    for a, b in zip(points, points[1:]):
+    for a, b in itertools.pairwise(points):
         if best(b) == best(a):
             continue
         lo, hi = a, b  # best(lo) == the one before, best(hi) differs
@@ -191,13 +198,13 @@ def report(args: argparse.Namespace, reg: Registry = registry) -> str:
         raise ValueError(f"no {collective} strategy is installed")
     lines = [
         f"# p2pcoll simulate: {collective}, {p} ranks, {_size(nbytes)} ({nbytes} B)",
-        f"# alpha {_seconds(c.alpha)}/message, beta {c.beta * 1e9:.4g} ns/B "
+        (f"# alpha {_seconds(c.alpha)}/message, beta {c.beta * 1e9:.4g} ns/B "
         f"({1 / c.beta / 1e9:.4g} GB/s), gamma {c.gamma * 1e9:.4g} ns/B "
-        f"({1 / c.gamma / 1e9:.4g} GB/s) ({args.transport} constants where not given)",
-        f"# segments of {_size(model.segment_bytes)}, {model.depth} in flight; "
-        "time = rounds*alpha + sent*beta + reduced*gamma on the critical path",
-        f"{'strategy':<20} {'time':>12} {'x best':>8} {'rounds':>10} {'sent (B)':>14} "
-        f"{'reduced (B)':>14}",
+        f"({1 / c.gamma / 1e9:.4g} GB/s) ({args.transport} constants where not given)"),
+        (f"# segments of {_size(model.segment_bytes)}, {model.depth} in flight; "
+        "time = rounds*alpha + sent*beta + reduced*gamma on the critical path"),
+        (f"{'strategy':<20} {'time':>12} {'x best':>8} {'rounds':>10} {'sent (B)':>14} "
+        f"{'reduced (B)':>14}"),
     ]
     fastest = rows[0].seconds
     for row in rows:
@@ -225,7 +232,7 @@ def draw(path: str, reg: Registry, model: CostModel, collective: str, p: int, nb
          low: int, high: int, changes: Sequence[tuple[int, str]]) -> None:
     """Write a PNG: predicted time against size (log-log), one line per strategy."""
     try:
-        from matplotlib.figure import Figure  # noqa: PLC0415 (optional dependency)
+        from matplotlib.figure import Figure
     except ImportError as exc:
         raise ValueError("--plot needs matplotlib: pip install 'p2pcoll[bench]'") from exc
     sizes = sorted({int(low * 2 ** (k / 4)) for k in range(int(4 * math.log2(high / low)) + 1)}

@@ -9,7 +9,16 @@ of one collective, the messages sent one after the other (``rounds``), the bytes
     beta    seconds per byte sent (the inverse of the bandwidth, copies included)
     gamma   seconds per byte reduced (numpy's ufunc over the received piece)
 
-the prediction is ``rounds*alpha + sent*beta + reduced*gamma``. The :class:`Workload` a
+the prediction is ``rounds*alpha + sent*beta + reduced*gamma``.
+
+One term is not the textbook's: when more ranks share a host than it has cores, they queue
+for the CPU, and then what all of them do counts, not only the critical path. With
+``overhead`` the CPU seconds of one message, a host of ``cores`` cores running ``local`` of
+the ``p`` ranks adds ``overhead * (messages sent by all ranks) * (local / p) / cores`` (the
+messages from ``traffic()``). That is what makes the star (``reduce_broadcast``: 2(p-1)
+messages in all) beat recursive doubling (p lg p) with 4 peers on 2 cores.
+
+The :class:`Workload` a
 strategy sees is built here from the data size, the group size and the executor's settings
 (pipeline segments, their depth, the message cap) with the executor's own
 :class:`~p2pcoll.engine.layout.Layout`, so the segment count is the one the executor uses.
@@ -17,12 +26,13 @@ strategy sees is built here from the data size, the group size and the executor'
 Constants are per transport: ``ipc`` (peers of one host: ipc sockets, large pieces through
 the shared-memory rings) and ``tcp``. The defaults were measured on the development machine
 (2 vCPUs, loopback; ``benchmarks/README.md``, ``p2pcoll bench -n 2 --strategy
-recursive_doubling``): a 4 KiB exchange costs ~0.3-0.45 ms, which is mostly alpha; 16 and
-64 MiB give beta + gamma; numpy's float32 add runs at ~5 GB/s out of cache (gamma). A JSON
+recursive_doubling``, and ``benchmarks/auto_accuracy.py --fit``): a 4 KiB exchange costs
+0.4-1 ms, which is mostly alpha; 16 and 64 MiB give beta + gamma; numpy's float32 add runs at
+~5 GB/s out of cache (gamma). A JSON
 file named by ``$P2PCOLL_COST_MODEL`` (``join(cost_model=...)``) overrides any of them::
 
-    {"ipc": {"alpha": 3e-4, "beta": 3e-10, "gamma": 2e-10},
-     "tcp": {"alpha": 4e-4, "beta": 8e-10}}
+    {"ipc": {"alpha": 3e-4, "beta": 3e-10, "gamma": 2e-10, "overhead": 3e-4},
+     "tcp": {"alpha": 4e-4, "beta": 2.5e-9}}
 
 Missing transports or fields keep their defaults; anything else in the file is an error.
 """
@@ -44,6 +54,7 @@ from ..strategy import Strategy, Workload
 from .layout import Layout
 
 TRANSPORTS = ("ipc", "tcp")
+FIELDS = ("alpha", "beta", "gamma", "overhead")
 PARTS = frozenset({"allgather", "gather", "scatter"})  # one chunk per rank, chunk r rank r's
 
 
@@ -54,17 +65,21 @@ class Constants:
     alpha: float
     beta: float
     gamma: float
+    overhead: float = 0.0  # CPU seconds per message, for hosts with more ranks than cores
 
     def describe(self) -> str:
         return (f"alpha {self.alpha * 1e6:g} us/message, beta {self.beta * 1e9:g} ns/B "
                 f"({1 / self.beta / 1e9:.3g} GB/s), gamma {self.gamma * 1e9:g} ns/B")
 
 
-# Measured here (see the module docstring). tcp is loopback without CurveZMQ; with a job key
-# (p2pcoll launch) tcp pays the encryption: beta ~3 ns/B.
+# Measured here (see the module docstring). ipc: alpha, beta and overhead fitted
+# (benchmarks/auto_accuracy.py --fit, two runs of p = 2..4 x 4K..16M on 2 busy cores: alpha
+# 505-683 us, beta 0.23-0.24 ns/B, overhead 400-426 us); numpy's add gives gamma. tcp over
+# loopback moved 16 MiB in 50-54 ms with or without CurveZMQ (4 MiB in 15 ms), about 3 ns/B
+# with the reduction; its 4 KiB exchanges took 1.0-1.2x ipc's.
 DEFAULT_CONSTANTS: Mapping[str, Constants] = {
-    "ipc": Constants(alpha=300e-6, beta=0.30e-9, gamma=0.20e-9),
-    "tcp": Constants(alpha=350e-6, beta=0.80e-9, gamma=0.20e-9),
+    "ipc": Constants(alpha=500e-6, beta=0.25e-9, gamma=0.20e-9, overhead=400e-6),
+    "tcp": Constants(alpha=600e-6, beta=2.5e-9, gamma=0.20e-9, overhead=400e-6),
 }
 
 
@@ -73,7 +88,8 @@ def load_constants(path: str | Path, where: str = "$P2PCOLL_COST_MODEL") -> dict
 
     Raises:
         SettingsError: the file is missing, not JSON, or holds something other than
-            ``{transport: {alpha|beta|gamma: seconds > 0}}``; names ``where`` and the file.
+            ``{transport: {alpha|beta|gamma|overhead: seconds >= 0}}``; names ``where``
+            and the file.
     """
     allowed = ("a JSON file like {\"ipc\": {\"alpha\": 3e-4, \"beta\": 3e-10, "
                "\"gamma\": 2e-10}, \"tcp\": {...}} (seconds per message, per byte)")
@@ -93,7 +109,7 @@ def load_constants(path: str | Path, where: str = "$P2PCOLL_COST_MODEL") -> dict
             raise _bad(where, path, f"{transport!r} is not an object", allowed)
         values: dict[str, float] = {}
         for name, value in fields.items():
-            if name not in ("alpha", "beta", "gamma"):
+            if name not in FIELDS:
                 raise _bad(where, path, f"unknown field {transport}.{name}", allowed)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0):
@@ -112,16 +128,20 @@ def _bad(where: str, path: str | Path, problem: str, allowed: str) -> SettingsEr
 @dataclass(frozen=True)
 class CostModel:
     """Predicts the time of a strategy from its cost, one transport's constants and the
-    executor's segmentation settings (those of :class:`p2pcoll.Settings`)."""
+    executor's segmentation settings (those of :class:`p2pcoll.Settings`); ``local`` ranks
+    of the group share a host of ``cores`` cores (0: not known, no contention term)."""
 
     constants: Constants = DEFAULT_CONSTANTS["ipc"]
     segment_bytes: int = 1 << 20
     depth: int = 4
     max_message_bytes: int = 256 << 20
+    local: int = 1
+    cores: int = 0
 
     @classmethod
     def for_settings(cls, settings: Any, transport: str = "ipc",
-                     constants: Mapping[str, Constants] | None = None) -> CostModel:
+                     constants: Mapping[str, Constants] | None = None, *, local: int = 1,
+                     cores: int = 0) -> CostModel:
         """The model of a group with ``settings`` whose links are ``transport``; the
         constants from ``constants`` (else the file of ``settings.cost_model``, if any,
         else the defaults). Raises SettingsError on a bad file."""
@@ -129,7 +149,7 @@ class CostModel:
             path = getattr(settings, "cost_model", None)
             constants = load_constants(path) if path else DEFAULT_CONSTANTS
         return cls(constants[transport], settings.segment_bytes, settings.pipeline_depth,
-                   settings.max_message_bytes)
+                   settings.max_message_bytes, local, cores)
 
     def workload(self, strategy: Strategy, nbytes: int, size: int,
                  itemsize: int = 1) -> Workload:
@@ -140,11 +160,24 @@ class CostModel:
     def predict(self, strategy: Strategy, nbytes: int, size: int,
                 itemsize: int = 1) -> float | None:
         """Predicted seconds of ``strategy``, or None when it declares no cost model."""
-        cost = strategy.cost(self.workload(strategy, nbytes, size, itemsize))
+        work = self.workload(strategy, nbytes, size, itemsize)
+        cost = strategy.cost(work)
         if cost is None:
             return None
         c = self.constants
-        return cost.time(c.alpha, c.beta, c.gamma)
+        return cost.time(c.alpha, c.beta, c.gamma) + self.contention(strategy, work)
+
+    def contention(self, strategy: Strategy, work: Workload) -> float:
+        """The host term: CPU time of this host's share of all messages, over its cores,
+        when its ranks outnumber its cores (else, or without ``traffic()``, 0)."""
+        local = min(self.local, work.size)
+        if not self.cores or local <= self.cores or not self.constants.overhead:
+            return 0.0
+        traffic = strategy.traffic(work)
+        if traffic is None:
+            return 0.0
+        share = local / work.size
+        return self.constants.overhead * sum(traffic.messages) * share / self.cores
 
     def best(self, strategies: Iterable[Strategy], nbytes: int, size: int) -> Strategy | None:
         """The strategy with the lowest predicted time, or None when none of them declares

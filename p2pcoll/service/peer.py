@@ -123,7 +123,8 @@ class Peer:
             OSError: the port cannot be bound.
         """
         if self._http is None and self.service.metrics_port is not None:
-            from .http import HealthServer  # aiohttp and prometheus_client: the service extra
+            # aiohttp and prometheus_client (the service extra) only when HTTP is asked for
+            from .http import HealthServer
 
             http = HealthServer(self)
             await http.start(self.service.metrics_host, self.service.metrics_port)

@@ -31,7 +31,7 @@ def _autoload() -> None:
     would break every torch program here, so it logs instead of raising."""
     try:
         register()
-    except Exception as exc:  # pragma: no cover - depends on the torch build
+    except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
         logging.getLogger("p2pcoll").warning("could not register the p2pcoll torch "
                                              "backend: %s", exc)
 

@@ -90,41 +90,44 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
             Runtime.release()
             raise
         self._group: Group | None = group
+        Runtime._open.add(self)
 
     # --- what torch asks of a process group ---------------------------------------------
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's names)
+    def getBackendName(self) -> str:
         return "p2pcoll"
 
-    def setGroupName(self, name: str) -> None:  # noqa: N802
+    def setGroupName(self, name: str) -> None:
         self._name = name
 
-    def getGroupName(self) -> str:  # noqa: N802
+    def getGroupName(self) -> str:
         return self._name
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+    def setGroupDesc(self, desc: str) -> None:
         self._desc = desc
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return self._desc
 
     @property
     def group(self) -> Group:
         """The p2pcoll group underneath (raises GroupBroken once shut down)."""
         if self._group is None:
-            from ...errors import GroupBroken  # noqa: PLC0415
+            from ...errors import GroupBroken
 
             raise GroupBroken("the p2pcoll process group has been shut down")
         return self._group
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 60.0) -> None:
         """Leave the p2pcoll group and close its sockets; the last group of the process
-        also stops the loop and completer threads. Idempotent."""
+        also stops the loop and completer threads (and waits for them). Idempotent; run
+        at exit for groups that were never destroyed."""
         group, self._group = self._group, None
         if group is None:
             return
+        Runtime._open.discard(self)
         try:
-            self._runtime.run(group.close(), timeout=60)
+            self._runtime.run(group.close(), timeout=timeout)
         finally:
             Runtime.release()
 
@@ -435,4 +438,4 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupP2PColl:
                                _options(pg_options))
 
 
-__all__ = ["ALLTOALL_TAG", "Options", "ProcessGroupP2PColl", "P2PCollError", "create"]
+__all__ = ["ALLTOALL_TAG", "Options", "P2PCollError", "ProcessGroupP2PColl", "create"]

@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
+import logging
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ...errors import GroupBroken, P2PCollError
 
 T = TypeVar("T")
+_log = logging.getLogger("p2pcoll")
 
 
 class Completer:
@@ -36,6 +41,7 @@ class Completer:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._current: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # every one started and not yet done
         self._stopped = False
         self._spawn()
 
@@ -43,21 +49,26 @@ class Completer:
         thread = threading.Thread(target=self._run, name="p2pcoll-torch-completer",
                                   daemon=True)
         self._current = thread
+        self._threads.append(thread)
         thread.start()
 
     def _run(self) -> None:
         me = threading.current_thread()
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception:  # a user's callback failed; torch records it in its future
-                pass
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                try:
+                    job()
+                except Exception:  # noqa: BLE001 - a callback failed; its future records it
+                    _log.debug("a torch future's callback failed", exc_info=True)
+                with self._lock:
+                    if self._current is not me:
+                        return  # replaced while this job blocked: the new thread goes on
+        finally:
             with self._lock:
-                if self._current is not me:
-                    return  # replaced while this job blocked: the new thread goes on
+                self._threads.remove(me)
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
@@ -68,10 +79,25 @@ class Completer:
             if threading.current_thread() is self._current and not self._stopped:
                 self._spawn()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the jobs submitted so far, then end the threads and wait for them (up
+        to ``timeout``; not for the calling thread itself). A thread still inside torch
+        when the interpreter finalizes is what aborts the process with "terminate called
+        without an active exception", so they are joined here."""
         with self._lock:
             self._stopped = True
         self._jobs.put(None)
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                others = [t for t in self._threads if t is not me]
+            if not others:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            others[0].join(left)
 
 
 class Runtime:
@@ -81,6 +107,8 @@ class Runtime:
     _lock = threading.Lock()
     _instance: Runtime | None = None
     _users = 0
+    # The shutdown() of every process group still open, which the exit hook calls first.
+    _open: ClassVar[weakref.WeakSet[Any]] = weakref.WeakSet()
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -112,8 +140,14 @@ class Runtime:
         runtime._stop()
 
     def _stop(self) -> None:
+        """Let the loop's last tasks (collectives aborted by a close) and then the
+        completer finish, then stop the loop; wait for both threads."""
+        if threading.current_thread() is not self._thread and not self.loop.is_closed():
+            with contextlib.suppress(Exception):
+                self.run(_drain(), timeout=5)
         self.completer.stop()
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
         if threading.current_thread() is not self._thread:
             self._thread.join(10)
 
@@ -129,8 +163,8 @@ class Runtime:
         def launch() -> None:
             try:
                 tasks = [self.loop.create_task(c) for c in make()]
-            except BaseException as exc:
-                self.completer.submit(lambda: done(exc))
+            except BaseException as exc:  # noqa: BLE001 - the Work's wait() raises it
+                self.completer.submit(lambda exc=exc: done(exc))
                 return
 
             async def join() -> None:
@@ -144,6 +178,13 @@ class Runtime:
         self.loop.call_soon_threadsafe(launch)
 
 
+async def _drain() -> None:
+    """Wait (briefly) for the loop's other tasks, so their completions are submitted."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=2)
+
+
 def _first(errors: list[BaseException]) -> BaseException | None:
     """The most telling of several errors: a p2pcoll error that is no GroupBroken first."""
     for test in (lambda e: isinstance(e, P2PCollError) and not isinstance(e, GroupBroken),
@@ -155,6 +196,14 @@ def _first(errors: list[BaseException]) -> BaseException | None:
 
 
 def _at_exit() -> None:
+    """At interpreter exit (atexit runs before daemon threads are frozen): close the
+    groups that were never destroyed, then stop the threads, so no thread of ours is
+    inside torch or zmq when the interpreter finalizes."""
+    for group in list(Runtime._open):
+        try:
+            group.shutdown(timeout=10)
+        except Exception:  # noqa: BLE001 - exiting anyway; a peer may be gone already
+            _log.debug("closing a p2pcoll process group at exit failed", exc_info=True)
     runtime = Runtime._instance
     if runtime is not None:
         runtime._stop()
