@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -50,3 +51,19 @@ async def groups_of(n: int, **kwargs: Any) -> AsyncIterator[list[p2pcoll.Group]]
     finally:
         await asyncio.gather(*(g.close() for g in groups))
         assert all(g.state == "closed" for g in groups)
+
+
+def finish(procs: Sequence[subprocess.Popen[str]], timeout: float = 60) -> list[tuple[int, str]]:
+    """Wait for every process (at most ``timeout`` seconds each) and return (exit code,
+    output) per process; whatever is still running then is killed, also on failure."""
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=timeout)
+            out.append((p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out

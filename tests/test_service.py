@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import p2pcoll
+from conftest import finish
 from p2pcoll.errors import GroupBroken, PeerLost, ServiceStopped, SettingsError
 from p2pcoll.service import Peer, exit_code, load_job
 from p2pcoll.testing import free_port
@@ -249,20 +250,6 @@ def start_peers(n: int, job: str, *, extra_env: dict[str, str] | None = None,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         ports.append(port)
     return procs, ports
-
-
-def finish(procs: list[subprocess.Popen[str]], timeout: float = 60) -> list[tuple[int, str]]:
-    out = []
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=timeout)
-            out.append((p.returncode, text))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
 
 
 def test_peer_command_runs_the_job_and_exits_with_its_code() -> None:

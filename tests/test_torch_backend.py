@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import finish
 from p2pcoll.testing import free_port
 
 pytest.importorskip("torch")
@@ -29,17 +30,7 @@ def world(mode: str, size: int, timeout: float = 90) -> list[tuple[int, str]]:
     procs = [subprocess.Popen([sys.executable, str(WORKER), mode], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(size)]
-    out = []
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=timeout)
-            out.append((p.returncode, text))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return finish(procs, timeout)
 
 
 @pytest.mark.parametrize("size", [2, 3])

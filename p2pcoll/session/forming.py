@@ -75,7 +75,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
     try:
         endpoints = await transport.bind()
         if url is None:
-            membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
+            membership = _alone(endpoints)
         else:
             assert address is not None
             me = host_identity()
@@ -92,11 +92,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                     max(0.0, deadline - loop.time()))
         if policy.name == "inproc":
             _check_one_process(membership)
-        session = Session(membership, transport, settings, failures)
-        session.start()
-        await handshake(session, min(max(0.0, deadline - loop.time()),
-                                     max(settings.heartbeat_timeout, HELLO_MIN_WAIT)))
-        return session, server
+        return await _start(membership, transport, settings, failures, deadline), server
     except BaseException:
         await transport.aclose()
         if server is not None:
@@ -119,21 +115,34 @@ async def _form_through_store(
         endpoints = await transport.bind()
         me = host_identity()
         if size == 1:
-            membership = Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
+            membership = _alone(endpoints)
         else:
             membership = await store_membership(
                 store, endpoints=endpoints, world_size=size, rank=rank,
                 timeout=max(0.0, deadline - loop.time()), host_id=me,
                 choose=lambda h, addresses: policy.choose(me, h, addresses),
             )
-        session = Session(membership, transport, settings, failures)
-        session.start()
-        await handshake(session, min(max(0.0, deadline - loop.time()),
-                                     max(settings.heartbeat_timeout, HELLO_MIN_WAIT)))
-        return session, None
+        return await _start(membership, transport, settings, failures, deadline), None
     except BaseException:
         await transport.aclose()
         raise
+
+
+def _alone(endpoints: list[str]) -> Membership:
+    """The membership of a group of one (no rendezvous)."""
+    return Membership(os.urandom(8).hex(), 0, 0, 1, (endpoints[0],))
+
+
+async def _start(membership: Membership, transport: ZmqMesh, settings: Settings,
+                 failures: FailureModel, deadline: float) -> Session:
+    """The session of a roster that was agreed on, started, once every peer said hello
+    (the hellos bounded by the heartbeat, at least HELLO_MIN_WAIT, and the deadline)."""
+    session = Session(membership, transport, settings, failures)
+    session.start()
+    left = deadline - asyncio.get_running_loop().time()
+    await handshake(session, min(max(0.0, left),
+                                 max(settings.heartbeat_timeout, HELLO_MIN_WAIT)))
+    return session
 
 
 def _store_host(store: Any) -> str | None:
