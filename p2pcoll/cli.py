@@ -7,12 +7,14 @@
     p2pcoll peer --job train:job --metrics-port 9100 one peer as a service
     p2pcoll bench --collective allreduce -n 4        time a collective (see p2pcoll.bench)
     p2pcoll simulate -n 1024 --size 100MB            the cost model's time of each strategy
+    p2pcoll timeline trace.json                      merge the ranks' timeline files
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -50,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous,
-               "keygen": _keygen, "peer": _peer}
+               "keygen": _keygen, "peer": _peer, "timeline": _timeline}
     return handler[args.subcommand](args)
 
 
@@ -160,6 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--job-id", metavar="ID",
                       help="the job at a shared rendezvous server (default $P2PCOLL_JOB_ID)")
 
+    timeline = sub.add_parser(
+        "timeline",
+        help="merge the ranks' timeline files into one Chrome trace",
+        description="Merge the files the ranks wrote for $P2PCOLL_TIMELINE=PATH "
+                    "(STEM-GROUP-rankR.json beside PATH) into PATH itself, one track per rank, "
+                    "and remove them. p2pcoll launch does this itself; use it after torchrun, "
+                    "mpirun or srun. Open the result in https://ui.perfetto.dev or "
+                    "chrome://tracing.",
+    )
+    timeline.add_argument("path", metavar="PATH", help="the timeline path the ranks were given")
+    timeline.add_argument("--keep", action="store_true",
+                          help="keep the rank files after merging")
+
     # Its options are added by p2pcoll.bench, imported only when it runs (see _bench).
     sub.add_parser("bench", add_help=False, help="time a collective between peer processes")
     sub.add_parser("simulate", add_help=False,
@@ -189,6 +204,23 @@ def _peer(args: argparse.Namespace) -> int:
         return _fail(f"peer: {exc}")
     return asyncio.run(serve(job, service=service, join_options=options, name=args.job,
                              logs=logs))
+
+
+# --- timeline -------------------------------------------------------------------------------
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from .engine.timeline import merge
+
+    try:
+        count = merge(args.path, remove=not args.keep)
+    except (OSError, ValueError) as exc:
+        return _fail(f"timeline: {exc}")
+    if not count:
+        return _fail(f"timeline: no rank files for {args.path} (looked for "
+                     f"STEM-GROUP-rankR{os.path.splitext(args.path)[1] or '.json'} beside it)")
+    print(f"merged {count} rank files into {args.path}")
+    return 0
 
 
 # --- launch ---------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ hosts the rendezvous, so the launcher itself only starts, watches and stops proc
   and SIGTERM stops a Python rank quietly where SIGINT would make every rank print a
   KeyboardInterrupt traceback. A program that cleans up on Ctrl-C should do it on SIGTERM
   too, which is what SLURM, Kubernetes and ``docker stop`` send.
+- Timeline: with ``$P2PCOLL_TIMELINE=PATH`` every rank writes its own trace beside
+  ``PATH``; once they have exited (however they ended) the launcher merges the files this
+  run wrote into ``PATH``, one track per rank (:mod:`p2pcoll.engine.timeline`).
 - No orphans: each child leads its own process group, and it is the group that is signalled,
   so whatever a child started stops with it; once every child has exited, what is left in
   their groups is killed. On Linux a child also dies if the launcher is killed outright
@@ -48,15 +51,17 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
+from .engine.timeline import merge, rank_files
 from .rendezvous import parse_url
 from .security import write_key_file
 
@@ -126,7 +131,28 @@ def launch(
         if secure:
             base["P2PCOLL_KEY_FILE"] = given_key or cleanup.enter_context(_ephemeral_key())
         envs = _rank_envs(n, base, host, port, rendezvous)
-        return asyncio.run(_Job(list(command), envs, prefix_output, grace).run())
+        started = time.time()
+        try:
+            return asyncio.run(_Job(list(command), envs, prefix_output, grace).run())
+        finally:
+            if base.get("P2PCOLL_TIMELINE", "").strip():
+                _merge_timeline(base["P2PCOLL_TIMELINE"].strip(), started)
+
+
+def _merge_timeline(path: str, since: float) -> None:
+    """Merge the rank files of timeline ``path`` that this run wrote (modified since it
+    started; older ones are another run's) and say where the result is."""
+    files = [f for f in rank_files(path) if f.stat().st_mtime >= since - 1]
+    if not files:
+        return
+    try:
+        count = merge(path, files)
+    except (OSError, ValueError) as exc:
+        print(f"p2pcoll launch: could not merge the timeline into {path}: {exc}",
+              file=sys.stderr)
+        return
+    print(f"p2pcoll launch: timeline of {count} ranks in {path} (open it in "
+          "https://ui.perfetto.dev)", file=sys.stderr)
 
 
 @contextlib.contextmanager

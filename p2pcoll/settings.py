@@ -23,6 +23,8 @@ variable                       meaning (default)
 ``P2PCOLL_MAX_MESSAGE_BYTES``  larger incoming messages are dropped, >= 4K (256M)
 ``P2PCOLL_COST_MODEL``         JSON file of alpha, beta, gamma per transport for "auto"
                                (:mod:`p2pcoll.engine.costs`; built-in constants)
+``P2PCOLL_TIMELINE``           write every collective's sends, receives and reductions
+                               as a Chrome trace (:mod:`p2pcoll.engine.timeline`; off)
 ``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
@@ -51,6 +53,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import launchers
@@ -74,7 +77,7 @@ KNOWN_VARS = frozenset(
     {
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_TRANSPORT", "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
-        "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
+        "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
@@ -126,6 +129,8 @@ class Settings:
             messages larger than this are dropped (and libzmq refuses far larger frames).
         cost_model: path of the JSON file of cost-model constants "auto" uses, or "" for
             the built-in ones (loaded and checked when the group is made).
+        timeline: path of the Chrome trace of every collective (see
+            :mod:`p2pcoll.engine.timeline`; each rank writes a file beside it), or "".
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
@@ -154,6 +159,7 @@ class Settings:
     pipeline_depth: int = 4
     max_message_bytes: int = 256 << 20
     cost_model: str = ""
+    timeline: str = ""
     shm: bool = True
     shm_bytes: int = 16 << 20
     tune_malloc: bool = True
@@ -199,6 +205,7 @@ class Settings:
             "pipeline_depth": reader.integer("P2PCOLL_PIPELINE_DEPTH", 1, 64),
             "max_message_bytes": reader.size("P2PCOLL_MAX_MESSAGE_BYTES", minimum=4 << 10),
             "cost_model": reader.raw("P2PCOLL_COST_MODEL"),
+            "timeline": reader.path("P2PCOLL_TIMELINE"),
             "shm": reader.switch("P2PCOLL_SHM"),
             "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),
@@ -212,6 +219,8 @@ class Settings:
         if "strategies" in given:
             merged["strategies"] = {**values["strategies"], **_check_strategies(
                 given.pop("strategies"))}
+        if "timeline" in given:
+            given["timeline"] = os.fspath(given["timeline"])
         key_file = given.pop("key_file", None)
         if key_file is not None:
             merged["key"] = JobKey.load(key_file, where="key_file=")
@@ -240,6 +249,8 @@ class Settings:
                 _check_int(given[name], f"{name}=", low)
         if "pipeline_depth" in given:
             _check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
+        if given.get("timeline"):
+            check_path(os.fspath(given["timeline"]), "timeline=")
         if "heartbeat_timeout" in given:
             check_seconds(given["heartbeat_timeout"], "heartbeat_timeout=")
         if math.isinf(self.heartbeat_timeout):  # from either: a peer must be lost at some point
@@ -322,6 +333,28 @@ def _from_launcher(merged: dict[str, Any], env: Mapping[str, str]) -> None:
                   found.world_size_from or "-", merged.get("rendezvous"))
 
 
+def check_path(path: str, where: str = "$P2PCOLL_TIMELINE") -> str:
+    """``path`` if a timeline can be written there (its directory exists and is writable).
+
+    Raises:
+        SettingsError: naming ``where``, the path and what is wrong with it.
+    """
+    allowed = "a file path in an existing, writable directory, e.g. /tmp/trace.json"
+    p = Path(path)
+    if not path or p.name in ("", ".", ".."):
+        raise SettingsError(f"{where}={path!r} is not a file path", name=where, value=path,
+                            allowed=allowed)
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise SettingsError(f"{where}={path!r}: the directory {str(folder)!r} does not exist",
+                            name=where, value=path, allowed=allowed)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SettingsError(f"{where}={path!r}: the directory {str(folder)!r} is not writable",
+                            name=where, value=path, allowed=allowed)
+    return path
+
+
+
 class _Reader:
     """Reads and checks one environment; every method returns None for an unset variable."""
 
@@ -331,6 +364,11 @@ class _Reader:
     def raw(self, name: str) -> str | None:
         value = self.env.get(name)
         return None if value is None or value.strip() == "" else value.strip()
+
+    def path(self, name: str) -> str | None:
+        """A path a file will be written to (its directory must exist and be writable)."""
+        value = self.raw(name)
+        return None if value is None else check_path(value, f"${name}")
 
     def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
         value = self.raw(name)

@@ -58,6 +58,7 @@ def join(
     min_world_size: int | None = None,
     max_world_size: int | None = None,
     order: int | None = None,
+    timeline: str | os.PathLike[str] | None = None,
 ) -> Join:
     """Join a group of peers.
 
@@ -94,9 +95,15 @@ def join(
             Ranks are assigned by ``order`` (lower first), then arrival.
         order: this peer's place when ranks are assigned (the elastic training layer
             passes the previous rank, so survivors keep their order).
+        timeline: write every collective, and each send, receive and reduction in it, as
+            Chrome trace events (``$P2PCOLL_TIMELINE``): this rank's file is
+            ``STEM-GROUP-rankR.json`` beside the path, ``p2pcoll launch`` (or
+            ``p2pcoll timeline PATH``) merges the ranks' files into the path itself; see
+            :mod:`p2pcoll.engine.timeline`.
 
     Raises:
-        SettingsError: an argument or environment variable has a bad value, or the
+        SettingsError: an argument or environment variable has a bad value (a timeline
+            in a directory that does not exist or cannot be written, too), or the
             launcher's environment cannot say where to meet (naming what to set); raised
             here, before anything is awaited.
         RendezvousError: the group did not form in time (naming how many peers arrived and
@@ -111,5 +118,6 @@ def join(
         strategies=strategies, collective_timeout=collective_timeout, transport=transport,
         key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
         min_world_size=min_world_size, max_world_size=max_world_size, order=order,
+        timeline=timeline,
     )
     return Join(settings)

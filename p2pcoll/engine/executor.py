@@ -24,6 +24,7 @@ from ..wire import Header, Signature
 from .layout import Layout
 from .matching import Departures, Key, Matcher
 from .plan import Steps, copies, plan, send_groups
+from .timeline import Timeline, flow_id
 
 
 class Executor:
@@ -32,6 +33,7 @@ class Executor:
     def __init__(
         self, transport: Transport, matcher: Matcher, departures: Departures, group_id: str,
         *, segment_bytes: int, depth: int, max_message_bytes: int,
+        timeline: Timeline | None = None,
     ) -> None:
         self.transport = transport
         self.matcher = matcher
@@ -40,6 +42,7 @@ class Executor:
         self.segment_bytes = segment_bytes
         self.max_message_bytes = max_message_bytes
         self.depth = depth
+        self.timeline = timeline  # None: nothing recorded (one check per step)
 
     async def run(
         self,
@@ -63,6 +66,30 @@ class Executor:
             PeerLost, P2PCollError: a peer is gone or reported a failure (abort).
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
+        if self.timeline is None:
+            await self._run(seq, strategy, ctx, layout, ufunc, sig, meta, tag)
+            return
+        timeline, started, error = self.timeline, Timeline.now(), None
+        try:
+            await self._run(seq, strategy, ctx, layout, ufunc, sig, meta, tag)
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            args: dict[str, Any] = {
+                "strategy": strategy.name, "seq": seq,
+                "bytes": sum(int(a.nbytes) for a in layout.arrays), "segments": layout.nseg}
+            if tag is not None:
+                args.update(tag=tag, peer=ctx.root)
+            if error is not None:
+                args["error"] = error
+            timeline.span(0, f"{strategy.collective} #{seq}", started, args)
+
+    async def _run(
+        self, seq: int, strategy: Strategy, ctx: Context, layout: Layout,
+        ufunc: Callable[..., Any] | None, sig: Signature, meta: dict[str, Any] | None,
+        tag: int | None,
+    ) -> None:
         steps = plan(strategy, ctx, len(layout.chunks))
         if tag is None:
             self.matcher.expect(seq, sig, ctx.rank)
@@ -114,9 +141,15 @@ class Executor:
         received: defaultdict[int, int] = defaultdict(int)
         seg_meta = meta if seg == 0 else None
         groups = send_groups(steps)
+        timeline = self.timeline
+        flow_seq = (seq, -1 if tag is None else tag)  # both ends know it (hash(None) varies)
         for i, ops in enumerate(steps):
             for chunk, group in groups[i]:
                 headers = []
+                if timeline is not None:
+                    started = timeline.now()
+                    flows = [flow_id(self.group_id, flow_seq, seg, rank, to, sent[to])
+                             for _, to in group]
                 for _, to in group:
                     gone = self.departures.lost(to)
                     if gone is not None:
@@ -129,17 +162,26 @@ class Executor:
                         meta=seg_meta, described=list(sig.fields) if first else None, tag=tag,
                     ))
                     sent[to] += 1
+                pieces = layout.pieces(chunk, seg)
                 tracker = await self.transport.send_many(
-                    [to for _, to in group], headers, layout.pieces(chunk, seg),
+                    [to for _, to in group], headers, pieces,
                     copy=any((i, j) in copied for j, _ in group),
                 )
                 if tracker is not None:
                     pending.append(tracker)
+                if timeline is not None:
+                    timeline.span(1, "send", started, {
+                        "to": [to for _, to in group], "chunk": _chunk_name(chunk),
+                        "step": i, "segment": seg, "bytes": sum(p.nbytes for p in pieces),
+                    }, starts=flows)
             for op in ops:
                 if isinstance(op, Send):
                     continue
                 key: Key = (seq if tag is None else (op.frm, rank, tag, seq), seg, op.frm,
                        received[op.frm])
+                if timeline is not None:
+                    started = timeline.now()
+                    flow = flow_id(self.group_id, flow_seq, seg, op.frm, rank, received[op.frm])
                 received[op.frm] += 1
                 header, frames = await self.matcher.get(key)  # signature checked there
                 targets = layout.pieces(op.chunk, seg)
@@ -150,8 +192,25 @@ class Executor:
                         f" bytes for chunk {op.chunk!r}, rank {rank} expected {sizes}"
                     )
                 reduce = ufunc if isinstance(op, Reduce) else None
-                _combine(targets, frames, reduce)
+                if timeline is None:
+                    _combine(targets, frames, reduce)
+                else:
+                    where = {"from": op.frm, "chunk": _chunk_name(op.chunk), "step": i,
+                             "segment": seg, "bytes": sum(sizes)}
+                    timeline.span(2, "recv", started, where, ends=(flow,))
+                    started = timeline.now()
+                    _combine(targets, frames, reduce)
+                    timeline.span(3, "reduce" if reduce is not None else "copy", started, where)
                 del frames  # release the sender's buffer now (inproc shares it)
+
+
+def _chunk_name(chunk: object) -> int | str:
+    """A chunk as the timeline shows it: its index, ``a..b`` for a range, ``all``."""
+    if isinstance(chunk, int):
+        return chunk
+    if isinstance(chunk, range):
+        return f"{chunk.start}..{chunk.stop - 1}"
+    return "all"
 
 
 def _root_error(group: BaseExceptionGroup) -> BaseException:

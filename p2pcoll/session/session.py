@@ -14,6 +14,7 @@ from collections import Counter
 
 from ..engine.executor import Executor
 from ..engine.matching import Matcher, OpId
+from ..engine.timeline import Timeline
 from ..errors import GroupBroken
 from ..settings import Settings
 from ..transport.base import Piece, Transport
@@ -41,6 +42,8 @@ class Session:
             transport, self.matcher, self.peers, membership.group_id,
             segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
             max_message_bytes=settings.max_message_bytes,
+            timeline=Timeline(settings.timeline, membership.group_id, membership.rank,
+                              membership.world_size) if settings.timeline else None,
         )
         self.seq = 0
         self.transfers: Counter[tuple[int, int, int]] = Counter()  # (src, dst, tag) -> sent
@@ -122,6 +125,8 @@ class Session:
                 log.debug("rank %d: closing before ranks %s read its goodbye", self.rank,
                           sorted(waiting))
         self.peers.close()
+        if self.executor.timeline is not None:
+            self.executor.timeline.close()
 
     def _unacknowledged(self) -> set[int]:
         return (set(range(self.world_size)) - {self.rank} - self.farewells
