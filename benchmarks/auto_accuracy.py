@@ -12,9 +12,10 @@ bench times it (median over iterations of the slowest rank, each after a barrier
 model (the ipc constants of ``p2pcoll.engine.costs``, or ``$P2PCOLL_COST_MODEL``) and the
 one the hand-tuned thresholds that the model replaced would have picked, and reports how
 often each was the fastest and how much slower it was when not. The last table is the
-model's error: predicted / measured time of every strategy. ``--fit`` also fits alpha and
-beta to the measured times (least squares of the relative error, gamma kept) and reports
-auto's picks with those: what calibrated constants would do here.
+model's error: predicted / measured time of every strategy. ``--fit`` also fits alpha, beta and
+overhead to the measured times (least squares of the relative error, gamma kept: the fit of
+``p2pcoll bench --calibrate``, :func:`p2pcoll.bench.calibrate.fit`) and reports auto's picks
+with those: what constants calibrated on every strategy would do here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from p2pcoll.bench.calibrate import Sample
+from p2pcoll.bench.calibrate import fit as calibration_fit
 from p2pcoll.engine.costs import CostModel, load_constants
 from p2pcoll.registry import registry
 from p2pcoll.settings import Settings, format_bytes, parse_bytes
@@ -59,7 +62,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--from-json", type=Path, help="a directory of an earlier run")
     parser.add_argument("--fit", action="store_true",
-                        help="also report auto with alpha and beta fitted to these times")
+                        help="also report auto with alpha, beta and overhead fitted to these times")
     parser.add_argument("--keep", type=Path, default=Path("/tmp/auto_accuracy"),
                         help="where the bench's JSON goes (default /tmp/auto_accuracy)")
     args = parser.parse_args()
@@ -87,28 +90,13 @@ def main() -> int:
 
 def fit(base: CostModel, measured: dict[int, dict]) -> CostModel:
     """alpha, beta and overhead minimising the squared relative error of the predictions
-    (gamma kept; non-negative least squares)."""
-    from scipy.optimize import nnls
-
-    rows, rhs = [], []
-    for p, data in measured.items():
-        model = replace(base, local=p)
-        for row in data["rows"]:
-            strategy = registry.get("allreduce", row["strategy"])
-            work = model.workload(strategy, row["size"], p)
-            cost = strategy.cost(work)
-            if cost is None:
-                continue
-            t = row["time_us"] * 1e-6
-            unit = replace(model, constants=replace(model.constants, overhead=1.0))
-            rows.append([cost.rounds / t, cost.sent / t, unit.contention(strategy, work) / t])
-            rhs.append(1 - cost.reduced * model.constants.gamma / t)
-    import numpy as np
-
-    (alpha, beta, overhead), _ = nnls(np.array(rows), np.array(rhs))
-    constants = replace(base.constants, alpha=float(alpha), beta=max(float(beta), 1e-13),
-                        overhead=float(overhead))
-    return replace(base, constants=constants)
+    (gamma kept; non-negative least squares): ``p2pcoll bench --calibrate``'s fit."""
+    samples = [Sample(registry.get("allreduce", row["strategy"]), p, row["size"],
+                      row["time_us"] * 1e-6)
+               for p, data in measured.items() for row in data["rows"]]
+    result = calibration_fit(samples, base)
+    print(f"\nfit: {result.quality()}")
+    return replace(base, constants=result.constants)
 
 
 def report(base: CostModel, runs: dict[int, dict]) -> None:

@@ -3,7 +3,10 @@ every worker gets (:func:`bench_config`).
 
 Bad values are argparse errors (exit code 2, before any peer starts), including a bad
 ``$P2PCOLL_TRANSPORT`` when it stands in for ``--transport``. A missing optional dependency
-is reported by :func:`missing_extras`, naming what to install.
+is reported by :func:`missing_extras`, naming what to install. What the whole command cannot
+do is found by :func:`check_cost_model` (a bad ``$P2PCOLL_COST_MODEL``, which the peers would
+fail to join with) and, for ``--calibrate``, :func:`calibration_target` (where the cost model
+is written, what it measures, and options it decides itself).
 """
 
 from __future__ import annotations
@@ -12,18 +15,24 @@ import argparse
 import importlib.util
 import os
 import shutil
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..engine.costs import TRANSPORTS, load_constants
 from ..registry import available_strategies
-from ..settings import TRANSPORT_NAMES, bad_value, parse_bytes
+from ..settings import TRANSPORT_NAMES, bad_value, check_path, parse_bytes
 from ..types import check_dtype
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
 DEFAULT_SIZES = "4K,64K,1M,16M"
+CALIBRATE_SIZES = "4K,16K,64K,256K,1M,4M,16M"  # small ones give alpha, large ones beta
 TRANSPORT_VARIABLE = "P2PCOLL_TRANSPORT"  # the default of --transport
+COST_MODEL_VARIABLE = "P2PCOLL_COST_MODEL"  # auto's constants; where --calibrate writes them
+COST_MODEL_FILE = "p2pcoll-cost-model.json"  # ... when neither --cost-model nor it is given
 
 BENCH_EXTRA = "pip install 'p2pcoll[bench]'"
 MPI_INSTALL = "pip install 'p2pcoll[mpi]'"
@@ -43,10 +52,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "'auto' (default: the library's own choice per size)")
     parser.add_argument("-n", "--world-size", type=_positive, default=2, metavar="N",
                         help="number of peer processes (default: 2)")
-    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
-                        metavar="LIST",
+    parser.add_argument("--sizes", type=parse_sizes, default=None, metavar="LIST",
                         help="bytes of each rank's tensor, comma-separated, K/M/G = 2^10/2^20/"
-                             f"2^30 (default: {DEFAULT_SIZES}); for allgather, each rank's part")
+                             f"2^30 (default: {DEFAULT_SIZES}; with --calibrate "
+                             f"{CALIBRATE_SIZES}); for allgather, each rank's part")
     parser.add_argument("--dtype", type=_dtype, default="float32",
                         help="element type (default: float32)")
     parser.add_argument("--iters", type=_positive, default=20,
@@ -77,6 +86,16 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              f"strategy and compared library; needs matplotlib ({BENCH_EXTRA})")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the rows as JSON to PATH ('-' for stdout, no table)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="instead of the table: measure this host's cost-model constants "
+                             "(alpha, beta, gamma and the host term's overhead) for the ipc "
+                             "and tcp transports (--transport ipc or tcp: only that one) with "
+                             "2 and 4 peers at --sizes, fit them and write the file that auto "
+                             "reads (see --cost-model); takes 10-20 s")
+    parser.add_argument("--cost-model", metavar="PATH", default=None,
+                        help="with --calibrate: the JSON file to write (default: "
+                             f"${COST_MODEL_VARIABLE}, else ./{COST_MODEL_FILE}); the "
+                             "transports not measured keep what the file had")
 
 
 # --- checks of single values ----------------------------------------------------------------
@@ -190,13 +209,90 @@ def _importable(module: str) -> bool:
         return False
 
 
+def check_cost_model(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse what would fail only once the peers run: a ``$P2PCOLL_COST_MODEL`` that is
+    not a cost model (every peer's ``join()`` would raise), and ``--cost-model`` without
+    ``--calibrate``. With ``--calibrate`` see :func:`calibration_target` instead.
+
+    Raises:
+        SettingsError, ValueError: naming the variable or option and the problem.
+    """
+    if args.calibrate:
+        return
+    if args.cost_model is not None:
+        raise ValueError(f"--cost-model names the file --calibrate writes; the peers of a "
+                         f"benchmark read theirs from ${COST_MODEL_VARIABLE}")
+    path = (os.environ if environ is None else environ).get(COST_MODEL_VARIABLE, "").strip()
+    if path:
+        load_constants(path, f"${COST_MODEL_VARIABLE}")
+
+
+# Options whose meaning --calibrate fixes itself: (dest, the option, why).
+CALIBRATE_DECIDES = (
+    ("collective", "--collective", "it times allreduce"),
+    ("strategy", "--strategy", "it picks strategies whose costs tell the constants apart"),
+    ("world_size", "-n/--world-size", "it runs 2 peers, and 4 for the host term"),
+    ("pipelined", "--pipelined", "it times one collective at a time"),
+    ("compare", "--compare", "it measures p2pcoll's peers only"),
+    ("plot", "--plot", "it draws nothing"),
+    ("json", "--json", "it writes the cost model, to --cost-model"),
+)
+
+
+def calibration_target(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> tuple[Path, str, tuple[str, ...]]:
+    """Where ``--calibrate`` writes, under which name errors call it, and the transports
+    it measures (``--transport``: auto means both).
+
+    The file is ``--cost-model``, else ``$P2PCOLL_COST_MODEL``, else ``./p2pcoll-cost-model
+    .json``, as an absolute path. Its directory must take a new file; if the file exists,
+    it must be a cost model (its other transports are kept; anything else is never
+    overwritten).
+
+    Raises:
+        SettingsError, ValueError: an option that --calibrate decides itself, the inproc
+            transport, or an output path that cannot be written; naming it and the problem.
+    """
+    defaults = argparse.ArgumentParser()
+    configure_parser(defaults)
+    for dest, option, why in CALIBRATE_DECIDES:
+        if getattr(args, dest) != defaults.get_default(dest):
+            raise ValueError(f"--calibrate cannot be combined with {option}: {why}")
+    if args.transport == "inproc":
+        raise ValueError("--calibrate measures peer processes: --transport must be auto "
+                         "(ipc and tcp), ipc or tcp, not inproc")
+    transports = TRANSPORTS if args.transport == "auto" else (args.transport,)
+    env = os.environ if environ is None else environ
+    given = env.get(COST_MODEL_VARIABLE, "").strip()
+    if args.cost_model is not None:
+        text, where = args.cost_model, "--cost-model"
+    elif given:
+        text, where = given, f"${COST_MODEL_VARIABLE}"
+    else:
+        text, where = COST_MODEL_FILE, "--cost-model (default)"
+    path = Path(check_path(text, where)).absolute()
+    if path.is_dir():
+        raise ValueError(f"{where}={text!r} is a directory, not a file to write the cost "
+                         "model to")
+    if path.exists():  # a cost model to update, never some other file to clobber
+        load_constants(path, where)
+    try:  # os.access says yes to root even on a read-only file system
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{where}={text!r}: cannot write to {str(path.parent)!r}: "
+                         f"{exc.strerror or exc}") from None
+    return path, where, transports
+
+
 def bench_config(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, Any]:
     """What every worker is told (as JSON), and the ``config`` of the JSON output."""
     return {
         "collective": args.collective,
         "strategies": list(strategies),
         "world_size": args.world_size,
-        "sizes": list(args.sizes),
+        "sizes": list(args.sizes or parse_sizes(DEFAULT_SIZES)),
         "dtype": args.dtype,
         "iters": args.iters,
         "warmup": args.warmup,

@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from .. import join
-from ..registry import registry
 from .measure import (
     ROOT,
     check_result,
@@ -91,8 +90,7 @@ async def bench_size(
     count = element_count(nbytes, dtype)
     requested = None if strategy == "auto" else strategy
     moved = data_bytes(collective, count * np.dtype(dtype).itemsize, p)
-    chosen = registry.choose(collective, requested, g.settings.strategies.get(collective), moved,
-                             p).name
+    chosen = g._choose(collective, requested, moved).name  # the group's own choice and model
     call = _collective_call(g, collective, requested)
     value = fill_value(g.rank)
 
