@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -631,11 +632,19 @@ def _floor_row(rtts: list[int], d: list[int], n: int) -> dict[str, Any]:
     return {"rtt": rtts, "thread": d[0] / n, "proc": d[1] / n, "vcsw": d[4] / n}
 
 
-async def _async_loop(ping: Callable[[], Any], pong: Callable[[], Any], role: int, n: int,
+async def _async_loop(send: Callable[[], Any], recv: Callable[[], Any], role: int, n: int,
                       warm: int) -> dict[str, Any] | None:
+    """Ping-pong ``n`` times after ``warm`` untimed: role 0 sends then receives (timed),
+    role 1 receives then sends. ``send`` may return an awaitable (then it is awaited)."""
+    async def put() -> None:
+        sent = send()
+        if inspect.isawaitable(sent):
+            await sent
+
     if role == 1:
         for _ in range(n + warm):
-            await pong()
+            await recv()
+            await put()
         return None
     clock = ThreadClock()
     times = []
@@ -644,7 +653,8 @@ async def _async_loop(ping: Callable[[], Any], pong: Callable[[], Any], role: in
         if i == warm:
             s0 = clock.sample(before=True)
         t0 = pc()
-        await ping()
+        await put()
+        await recv()
         times.append(pc() - t0)
     return _floor_row(times[warm:], delta(s0, clock.sample()), n)
 
@@ -678,16 +688,9 @@ async def _zmq_async(ch: FloorChannel, n: int, warm: int, payload: bytes, curve:
     router, dealer = _zmq_sockets(ctx, ch, "za-curve" if curve else "za", curve)
     msg = [b"h" * HEADER_BYTES, payload]
 
-    async def ping() -> None:
-        await dealer.send_multipart(msg, copy=False)
-        await router.recv_multipart(copy=False)
-
-    async def pong() -> None:
-        await router.recv_multipart(copy=False)
-        await dealer.send_multipart(msg, copy=False)
-
     try:
-        return await _async_loop(ping, pong, ch.role, n, warm)
+        return await _async_loop(lambda: dealer.send_multipart(msg, copy=False),
+                                 lambda: router.recv_multipart(copy=False), ch.role, n, warm)
     finally:
         router.close()
         dealer.close()
@@ -728,16 +731,8 @@ async def _zmq_fd_async(ch: FloorChannel, n: int, warm: int, payload: bytes) -> 
     def send() -> None:
         dealer.send_multipart(msg, noblock, copy=False)
 
-    async def ping() -> None:
-        send()
-        await recv()
-
-    async def pong() -> None:
-        await recv()
-        send()
-
     try:
-        return await _async_loop(ping, pong, ch.role, n, warm)
+        return await _async_loop(send, recv, ch.role, n, warm)
     finally:
         loop.remove_reader(router.getsockopt(zmq.FD))
         router.close()
@@ -795,16 +790,8 @@ async def _unix_async(ch: FloorChannel, n: int, warm: int, payload: bytes) -> An
             await proto.waiter
         del proto.buf[:need]
 
-    async def ping() -> None:
-        transport.write(message)
-        await recv()
-
-    async def pong() -> None:
-        await recv()
-        transport.write(message)
-
     try:
-        return await _async_loop(ping, pong, ch.role, n, warm)
+        return await _async_loop(lambda: transport.write(message), recv, ch.role, n, warm)
     finally:
         await asyncio.sleep(0.05)
         transport.close()
@@ -836,16 +823,8 @@ async def _pipe_async(ch: FloorChannel, n: int, warm: int, payload: bytes) -> An
             await state["waiter"]  # type: ignore[misc]
         del buf[:need]
 
-    async def ping() -> None:
-        os.write(wfd, message)
-        await recv()
-
-    async def pong() -> None:
-        await recv()
-        os.write(wfd, message)
-
     try:
-        return await _async_loop(ping, pong, ch.role, n, warm)
+        return await _async_loop(lambda: os.write(wfd, message), recv, ch.role, n, warm)
     finally:
         loop.remove_reader(rfd)
 
@@ -896,16 +875,8 @@ async def _shm_eventfd_async(ch: FloorChannel, n: int, warm: int, payload: bytes
         np.copyto(out, mine)
         os.eventfd_write(e_out, 1)
 
-    async def ping() -> None:
-        send()
-        await recv()
-
-    async def pong() -> None:
-        await recv()
-        send()
-
     try:
-        return await _async_loop(ping, pong, ch.role, n, warm)
+        return await _async_loop(send, recv, ch.role, n, warm)
     finally:
         loop.remove_reader(e_in)
         with contextlib.suppress(BufferError):  # numpy views may still hold it
