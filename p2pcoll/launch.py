@@ -135,8 +135,9 @@ def launch(
         try:
             return asyncio.run(_Job(list(command), envs, prefix_output, grace).run())
         finally:
-            if base.get("P2PCOLL_TIMELINE", "").strip():
-                _merge_timeline(base["P2PCOLL_TIMELINE"].strip(), started)
+            timeline = base.get("P2PCOLL_TIMELINE", "").strip()
+            if timeline:
+                _merge_timeline(timeline, started)
 
 
 def _merge_timeline(path: str, since: float) -> None:

@@ -77,7 +77,8 @@ KNOWN_VARS = frozenset(
     {
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_TRANSPORT", "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
-        "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM", "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
+        "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM",
+        "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
@@ -249,8 +250,8 @@ class Settings:
                 _check_int(given[name], f"{name}=", low)
         if "pipeline_depth" in given:
             _check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
-        if given.get("timeline"):
-            check_path(os.fspath(given["timeline"]), "timeline=")
+        if given.get("timeline"):  # made a str by resolve()
+            check_path(given["timeline"], "timeline=")
         if "heartbeat_timeout" in given:
             check_seconds(given["heartbeat_timeout"], "heartbeat_timeout=")
         if math.isinf(self.heartbeat_timeout):  # from either: a peer must be lost at some point
@@ -333,13 +334,14 @@ def _from_launcher(merged: dict[str, Any], env: Mapping[str, str]) -> None:
                   found.world_size_from or "-", merged.get("rendezvous"))
 
 
-def check_path(path: str, where: str = "$P2PCOLL_TIMELINE") -> str:
-    """``path`` if a timeline can be written there (its directory exists and is writable).
+def check_path(path: str, where: str) -> str:
+    """``path`` if a file can be written there (its directory exists and is writable):
+    the timeline's, ``p2pcoll bench --calibrate``'s cost model.
 
     Raises:
         SettingsError: naming ``where``, the path and what is wrong with it.
     """
-    allowed = "a file path in an existing, writable directory, e.g. /tmp/trace.json"
+    allowed = "a file path in an existing, writable directory"
     p = Path(path)
     if not path or p.name in ("", ".", ".."):
         raise SettingsError(f"{where}={path!r} is not a file path", name=where, value=path,
@@ -352,7 +354,6 @@ def check_path(path: str, where: str = "$P2PCOLL_TIMELINE") -> str:
         raise SettingsError(f"{where}={path!r}: the directory {str(folder)!r} is not writable",
                             name=where, value=path, allowed=allowed)
     return path
-
 
 
 class _Reader:

@@ -24,7 +24,7 @@ from ..wire import Header, Signature
 from .layout import Layout
 from .matching import Departures, Key, Matcher
 from .plan import Steps, copies, plan, send_groups
-from .timeline import Timeline, flow_id
+from .timeline import COLLECTIVE, RECV, REDUCE, SEND, Timeline, flow_id
 
 
 class Executor:
@@ -83,7 +83,7 @@ class Executor:
                 args.update(tag=tag, peer=ctx.root)
             if error is not None:
                 args["error"] = error
-            timeline.span(0, f"{strategy.collective} #{seq}", started, args)
+            timeline.span(COLLECTIVE, f"{strategy.collective} #{seq}", started, args)
 
     async def _run(
         self, seq: int, strategy: Strategy, ctx: Context, layout: Layout,
@@ -170,7 +170,7 @@ class Executor:
                 if tracker is not None:
                     pending.append(tracker)
                 if timeline is not None:
-                    timeline.span(1, "send", started, {
+                    timeline.span(SEND, "send", started, {
                         "to": [to for _, to in group], "chunk": _chunk_name(chunk),
                         "step": i, "segment": seg, "bytes": sum(p.nbytes for p in pieces),
                     }, starts=flows)
@@ -197,10 +197,11 @@ class Executor:
                 else:
                     where = {"from": op.frm, "chunk": _chunk_name(op.chunk), "step": i,
                              "segment": seg, "bytes": sum(sizes)}
-                    timeline.span(2, "recv", started, where, ends=(flow,))
+                    timeline.span(RECV, "recv", started, where, ends=(flow,))
                     started = timeline.now()
                     _combine(targets, frames, reduce)
-                    timeline.span(3, "reduce" if reduce is not None else "copy", started, where)
+                    kind = "reduce" if reduce is not None else "copy"
+                    timeline.span(REDUCE, kind, started, where)
                 del frames  # release the sender's buffer now (inproc shares it)
 
 

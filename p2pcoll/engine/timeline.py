@@ -40,6 +40,7 @@ from typing import IO, Any
 from ..errors import SettingsError
 
 TRACKS = ("collectives", "send", "recv", "reduce")  # thread ids 0..3 of a rank's track
+COLLECTIVE, SEND, RECV, REDUCE = range(len(TRACKS))  # what span() takes as its track
 FLUSH_EVENTS = 256  # events kept in memory before they are written (if no collective ends)
 _FLOW_MASK = (1 << 53) - 1  # flow ids stay exact in JavaScript's numbers
 
@@ -123,7 +124,7 @@ class Timeline:
         for ident in ends:  # "bp": "e" binds the arrow's head to the receive around it
             events.append({"ph": "f", "bp": "e", "name": "message", "cat": "message",
                            "id": ident, "pid": self._pid, "tid": track, "ts": end})
-        if track == 0 or len(events) >= FLUSH_EVENTS:
+        if track == COLLECTIVE or len(events) >= FLUSH_EVENTS:
             self.flush()  # at the end of each collective: a rank killed loses only its last
 
     def flush(self) -> None:
@@ -263,5 +264,5 @@ def events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         yield from read_events(p)
 
 
-__all__ = ["TRACKS", "Timeline", "events", "group_tag", "merge", "rank_file",
-           "rank_files"]
+__all__ = ["COLLECTIVE", "RECV", "REDUCE", "SEND", "TRACKS", "Timeline", "events", "group_tag",
+           "merge", "rank_file", "rank_files"]
