@@ -54,12 +54,15 @@ class RendezvousError(P2PCollError):
     ``permanent`` says that trying again cannot help: the rendezvous rejected this peer
     (duplicate rank, rank out of range, size disagreement), or what answers at the address
     is not this job's rendezvous (another job key, another protocol). A timeout, a peer
-    lost while the group formed or a host that went away are not permanent.
+    lost while the group formed or a host that went away are not permanent. ``answered``
+    is False when no rendezvous host ever answered this peer.
     """
 
-    def __init__(self, message: str, *, permanent: bool = False) -> None:
+    def __init__(self, message: str, *, permanent: bool = False, answered: bool = True
+                 ) -> None:
         super().__init__(message)
         self.permanent = permanent
+        self.answered = answered
 
 
 class ProtocolError(P2PCollError):

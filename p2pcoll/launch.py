@@ -53,7 +53,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,7 @@ from typing import Any, TextIO
 from .engine.timeline import merge, rank_files
 from .rendezvous import parse_url
 from .security import write_key_file
+from .transport.endpoints import free_port
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LAUNCHER_VARS = frozenset({
@@ -121,7 +121,7 @@ def launch(
     if clash:
         raise ValueError(f"extra_env may not set {', '.join(clash)}: the launcher sets them")
     if rendezvous is None:
-        host, port = "127.0.0.1", _free_port("127.0.0.1")
+        host, port = "127.0.0.1", free_port("127.0.0.1")
         rendezvous = f"tcp://{host}:{port}"
     else:
         host, port = parse_url(rendezvous)
@@ -184,11 +184,6 @@ def _rank_envs(n: int, base: Mapping[str, str], host: str, port: int, rendezvous
         for rank in range(n)
     ]
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def exit_code(returncode: int) -> int:

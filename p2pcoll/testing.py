@@ -13,7 +13,6 @@ or cut a peer off.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -22,17 +21,11 @@ from .rendezvous import RendezvousServer
 from .session.forming import handshake
 from .session.session import Session
 from .settings import Settings
+from .transport.endpoints import free_port
 from .transport.memory import Faults, MemoryNetwork
 from .types import Membership
 
 T = TypeVar("T")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 async def run_ranks(
@@ -93,3 +86,6 @@ async def memory_groups(
     await asyncio.gather(*(handshake(g.session, base.join_timeout)
                            for g in groups))
     return groups
+
+
+__all__ = ["free_port", "memory_groups", "run_ranks"]

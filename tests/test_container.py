@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from p2pcoll.testing import free_port
 
 # The tests that build and run the image (the others only read files).
 container = pytest.mark.container
@@ -106,14 +107,10 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
 
 
 def job_key(directory: Path, name: str, image: str) -> Path:

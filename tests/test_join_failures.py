@@ -13,20 +13,17 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
+from p2pcoll.testing import free_port
 
 HEARTBEAT = 2.0  # seconds: the bound every detection here must keep (plus slack)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 REGISTER = """
@@ -46,7 +43,7 @@ def _start_registering(url: str, rank: int) -> subprocess.Popen[bytes]:
 
 async def _await_arrivals(url: str, count: int) -> None:
     """Wait until ``count`` peers are registered (asked through the protocol itself)."""
-    from p2pcoll.rendezvous.client import waiting  # noqa: PLC0415
+    from p2pcoll.rendezvous.client import waiting
 
     for _ in range(200):
         if await waiting(url) >= count:
@@ -59,7 +56,7 @@ async def _await_arrivals(url: str, count: int) -> None:
 async def test_a_peer_lost_after_registering_fails_the_others_fast(how: signal.Signals) -> None:
     """Probe: a peer killed at the rendezvous made every other peer wait out the whole join
     timeout ("could not reach ranks [3]"). Now: within the heartbeat bound, naming it."""
-    port = _free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     server = RendezvousServer(url)
     server.bind()
@@ -93,7 +90,7 @@ async def _join(url: str, rank: int, world_size: int = 4, timeout: float = 60
 async def test_the_rendezvous_survives_its_host_restarting() -> None:
     """Probe: a host restarted 0.5 s later never re-formed the group (requests were sent
     once). Now clients re-send until their deadline."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     server = RendezvousServer(url)
     server.bind()
     # Ranks 1 and 2: rank 0 would host the rendezvous itself once the port is free.
@@ -117,7 +114,7 @@ async def test_the_rendezvous_survives_its_host_restarting() -> None:
 
 async def test_a_host_that_is_gone_is_named() -> None:
     """Probe: the host dying during join gave a stale "3 of 4 peers arrived"."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     server = RendezvousServer(url)
     server.bind()
     joins = [asyncio.create_task(_join(url, r)) for r in (1, 2, 3)]
@@ -145,7 +142,7 @@ HOSTED = """
 async def test_a_hosting_peer_killed_during_join_is_named() -> None:
     """Rank 0 hosts the rendezvous in its own process and is SIGKILLed before the group
     completes: the others say the host is gone, within the bound."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
     host = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOSTED), url], env=env)
     try:
@@ -165,7 +162,7 @@ async def test_a_hosting_peer_killed_during_join_is_named() -> None:
 
 async def test_join_close_cycles_back_to_back() -> None:
     """Probe: three join/allreduce/close cycles in one script failed in 4 of 5 runs."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     for cycle in range(5):
         groups = await asyncio.gather(*(_join(url, r, 4, timeout=20) for r in range(4)))
         sums = await asyncio.gather(*(g.allreduce(np.full(3, cycle, np.float64))
@@ -177,7 +174,7 @@ async def test_join_close_cycles_back_to_back() -> None:
 
 async def test_one_server_forms_group_after_group() -> None:
     """A standalone server serves many groups, and jobs side by side."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     server = RendezvousServer(url)
     server.bind()
     try:
@@ -199,7 +196,7 @@ async def test_a_cap_below_the_segment_size_still_works(monkeypatch: pytest.Monk
     answering"). The smallest cap allowed is 4K; every message is cut to fit it."""
     monkeypatch.setenv("P2PCOLL_MAX_MESSAGE_BYTES", "4K")
     monkeypatch.setenv("P2PCOLL_SHM", "0")
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     groups = await asyncio.gather(*(_join(url, r, 3, timeout=20) for r in range(3)))
     try:
         data = np.arange(100_000, dtype=np.float32)
@@ -226,7 +223,7 @@ async def test_an_unresolvable_host_is_named_after_retrying() -> None:
 
 async def test_inproc_across_processes_is_refused_at_once() -> None:
     """Probe: P2PCOLL_TRANSPORT=inproc across processes timed out."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
     other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import asyncio, sys, p2pcoll
@@ -248,3 +245,34 @@ async def test_inproc_across_processes_is_refused_at_once() -> None:
         other.wait()
     assert "ranks [0] are in other processes" in out
     assert time.monotonic() - start < 15
+
+
+def test_free_ports_are_below_the_ephemeral_range() -> None:
+    """A port from the ephemeral range (a bind to port 0) could be taken by a peer's own
+    endpoint, or by a connection to itself, before the rendezvous host binds it (CI saw
+    seven peers wait out their join timeout so)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(50):
+        port = free_port()
+        assert 10000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # and it is free
+
+
+async def test_a_port_held_by_a_silent_program_is_named_by_the_host() -> None:
+    """Something accepts connections at the rendezvous port and never answers: rank 0,
+    which should host there, says it could not bind and why, not only 'no answer'."""
+    port = free_port()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(16)  # the kernel accepts; nothing ever answers
+        with pytest.raises(p2pcoll.RendezvousError) as caught:
+            await p2pcoll.join(f"tcp://127.0.0.1:{port}", world_size=2, rank=0, timeout=1.5)
+        message = str(caught.value)
+        assert "no answer" in message and "could not bind" in message, message
+        assert "Address already in use" in message, message
+        assert not caught.value.answered
+        # A peer that may not host it gets only what it saw.
+        with pytest.raises(p2pcoll.RendezvousError) as caught:
+            await p2pcoll.join(f"tcp://127.0.0.1:{port}", world_size=2, rank=1, timeout=1.0)
+        assert "could not bind" not in str(caught.value)

@@ -24,16 +24,12 @@ import zmq
 
 import p2pcoll
 from p2pcoll.security import Gate, JobKey, write_key_file
+from p2pcoll.testing import free_port
 from p2pcoll.transport.zmq_mesh import link_identity
 from p2pcoll.wire import WIRE_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -115,7 +111,7 @@ ROGUE_JOIN = """
 async def test_a_rogue_cannot_join_and_poison_the_result(key_file: Path, tmp_path: Path,
                                                          rogue: str) -> None:
     """The probe: ranks 0-2 are there, rank 3 is late, an outsider joins with rank=None."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {"P2PCOLL_RENDEZVOUS": url}
     if rogue == "its own key":
         own = tmp_path / "rogue.key"
@@ -171,7 +167,7 @@ SNOOP = """
 async def test_the_rendezvous_tells_a_rogue_nothing(key_file: Path, mode: str) -> None:
     """Not the group id, not the endpoints, not even a status: the handshake never completes
     (plain), or the ZAP gate refuses the key (one that knows the job's public key)."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     key = JobKey.load(key_file)
 
     async def member(rank: int) -> str:
@@ -217,7 +213,7 @@ STRAY_SENDER = """
 async def test_no_message_from_outside_is_accepted(key_file: Path) -> None:
     """An outsider that knows a live member's link identity and a peer's endpoint connects
     straight to the mesh and sends well-formed data messages: none arrives."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     key = JobKey.load(key_file)
 
     async def member(rank: int) -> np.ndarray:
@@ -269,7 +265,7 @@ KEYED_JOIN = """
 @pytest.mark.parametrize("case", ["a different key", "no key", "the host has none"])
 async def test_a_key_that_does_not_fit_is_a_clear_rendezvous_error(
         key_file: Path, tmp_path: Path, case: str) -> None:
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env: dict[str, str] = {}
     if case == "a different key":
         other = tmp_path / "other.key"
@@ -350,7 +346,7 @@ def _capture_loopback(stop: threading.Event, out: list[bytes]) -> None:
 
 async def _sniffed_broadcast(key_file: Path | None) -> bytes:
     """Every loopback packet during a two-peer tcp broadcast of MARKER-filled data."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     payload = np.frombuffer(MARKER * 2000, np.uint8)
     packets: list[bytes] = []
     stop = threading.Event()

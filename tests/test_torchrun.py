@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import p2pcoll
+from p2pcoll.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which(
@@ -26,11 +27,6 @@ TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shu
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torch (the dev extra) is needed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _torchrun(script: str, n: int = 2, **env: str) -> subprocess.CompletedProcess[str]:
     assert TORCHRUN is not None
@@ -38,7 +34,7 @@ def _torchrun(script: str, n: int = 2, **env: str) -> subprocess.CompletedProces
     full.update(env)
     return subprocess.run(
         [TORCHRUN, "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), script],
+         "--master-port", str(free_port()), script],
         capture_output=True, text=True, timeout=120, env=full, cwd=ROOT, check=False)
 
 
@@ -74,7 +70,7 @@ def test_an_explicit_rendezvous_wins_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "explicit.py"
     script.write_text(textwrap.dedent(TWO_GROUPS).replace(
         'startswith("torch://")', 'startswith("tcp://")'))
-    done = _torchrun(str(script), P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{_free_port()}")
+    done = _torchrun(str(script), P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{free_port()}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("GROUP") == 4
 

@@ -225,11 +225,11 @@ def _timed_out(url: str, timeout: float, status: dict[str, Any] | None, link: _L
     if not link.connected:
         return RendezvousError(
             f"no rendezvous host at {url}: no answer within {timeout:.3g}s, nothing accepted "
-            f"a connection (is it up and reachable?)"
+            f"a connection (is it up and reachable?)", answered=False,
         )
     return RendezvousError(
         f"rendezvous at {url} timed out after {timeout:.3g}s with no answer from the "
-        f"rendezvous host (is it up and reachable?)"
+        f"rendezvous host (is it up and reachable?)", answered=False,
     )
 
 

@@ -182,9 +182,18 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
             sockets=sockets, heartbeat=settings.heartbeat_timeout, job=settings.job_id,
             elastic=elastic(settings), order=settings.order,
         )
-    except BaseException:
+    except BaseException as exc:
         if hosting is not None and (server := await hosting.stop()) is not None:
             await server.aclose()
+        if (isinstance(exc, RendezvousError) and not exc.answered and hosting is not None
+                and hosting.refused):
+            # Nothing answered and this peer could not host: what holds the port is the
+            # cause (a standalone server there would have answered).
+            raise RendezvousError(
+                f"{exc}; this peer (which hosts the rendezvous) could not bind {address} "
+                f"the whole time ({hosting.refused}): another program holds the port",
+                permanent=exc.permanent, answered=False,
+            ) from None
         raise
     return membership, await hosting.stop() if hosting is not None else None
 
@@ -239,6 +248,7 @@ class _Hosting:
         self.address = address
         self.sockets = sockets
         self.server: RendezvousServer | None = None
+        self.refused = ""  # why the last bind failed, until one succeeds
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> RendezvousServer | None:
@@ -254,6 +264,7 @@ class _Hosting:
             try:
                 candidate.bind()
             except zmq.ZMQError as exc:
+                self.refused = str(exc)
                 if str(exc) != reason:
                     reason = str(exc)
                     log.info("not hosting the rendezvous at %s (%s): another peer or a "
@@ -261,7 +272,7 @@ class _Hosting:
                              self.address, exc)
                 await asyncio.sleep(self.RETRY)
                 continue
-            self.server = candidate
+            self.server, self.refused = candidate, ""
 
 
 async def handshake(session: Session, left: float) -> None:

@@ -19,6 +19,7 @@ a shared-memory ring does the same for the rings of dead peers (:func:`.shm.swee
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import stat
@@ -208,6 +209,42 @@ def host_identity() -> str:
         except OSError:
             places.append("-")
     return f"{socket.gethostname()}/{boot}/{'/'.join(places)}"
+
+
+# Ports below the kernel's ephemeral range are never handed out by a bind to port 0 nor used
+# as the source port of a connection; 10000 keeps clear of the well-known services.
+_LOW_PORT = 10000
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default, where the file cannot be read
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of ``host`` that was free a moment ago, for a rendezvous to be bound later.
+
+    Chosen below the ephemeral range: a port from there (what a bind to port 0 gives) can be
+    taken, before the rendezvous host binds it, by any socket of this host that binds port
+    0 (a peer's own endpoint, which then accepts the joins and never answers) or by a
+    client's connection to it (a TCP self-connection): both left every peer waiting for the
+    join timeout.
+
+    Raises:
+        OSError: no port of the range could be bound on ``host``.
+    """
+    top = max(_ephemeral_start(), _LOW_PORT + 1)
+    for port in random.sample(range(_LOW_PORT, top), min(200, top - _LOW_PORT)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port in {_LOW_PORT}..{top - 1} on {host}")
 
 
 def endpoint_policy(name: str) -> EndpointPolicy:
