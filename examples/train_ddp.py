@@ -17,11 +17,12 @@ parameters, reduce_scatter_tensor of the gradients with AVG) instead of DDP; ``-
 registers one of torch's DDP communication hooks: ``fp16`` (gradients allreduced in
 float16) or ``powersgd`` (rank-1 PowerSGD compression from the third step on).
 
-At 2 ranks every sum has two terms, so p2pcoll's final parameters are Gloo's bit for bit,
-with or without the hooks and FSDP2. With more ranks the terms are added in another order
-than Gloo's, so the last bits differ, and training amplifies that: at 4 ranks the
-parameters agree to within 1e-7 after one epoch (FSDP2 too; PowerSGD 1e-6; the fp16 hook,
-whose sums round to float16, 1e-4), but only to about 1e-3 after two.
+With more than two ranks the order in which the ranks' terms are added decides the last
+bits of every sum, and training amplifies any difference. The p2pcoll backend adds them in
+Gloo's order by default (the ``gloo_ring`` strategy; its float16 and bfloat16 sums round
+after every add as Gloo's do), so at any world size its final parameters are Gloo's bit for
+bit, with or without the hooks and FSDP2. ``P2PCOLL_ALLREDUCE=auto`` trades that for
+p2pcoll's fastest strategy (still identical on all ranks, no longer Gloo's bits).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
         grads = await g.allreduce(grads, op="avg")
 """
 
+from .api import Group, join
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -18,17 +19,17 @@ from .errors import (
     StrategyError,
     UnknownStrategy,
 )
-from .api import Group, join
 from .registry import available_strategies, register_strategy
 from .session.failure import GroupState
 from .settings import Settings
-from .types import Membership, ReduceOp
+from .types import CustomOp, Membership, ReduceOp
 
 __version__ = "0.4.0"
 
 __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
+    "CustomOp",
     "Group",
     "GroupBroken",
     "GroupState",

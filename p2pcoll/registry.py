@@ -250,8 +250,9 @@ class Registry:
         self, collective: str, nbytes: int, size: int, model: CostModel | None = None
     ) -> str:
         """The name of the strategy "auto" picks for ``nbytes`` of data in a group of
-        ``size``: the installed strategy with the lowest predicted time, else (none has a
-        cost model) ``DEFAULTS[collective]``, installed or not. Cached per registry state."""
+        ``size``: the installed strategy with the lowest predicted time (of those that are
+        ``automatic``), else (none has a cost model) ``DEFAULTS[collective]``, installed or
+        not. Cached per registry state."""
         self._load()
         model = model or DEFAULT_MODEL
         key = (collective, nbytes, size, model)
@@ -259,7 +260,8 @@ class Registry:
         if name is None:
             # Ties go to the built-ins, then by name.
             table = self._entries.get(collective, {})
-            order = sorted(table.values(), key=lambda e: (not _builtin(e), e.strategy.name))
+            order = sorted((e for e in table.values() if e.strategy.automatic),
+                           key=lambda e: (not _builtin(e), e.strategy.name))
             best = model.best((e.strategy for e in order), nbytes, size)
             name = best.name if best is not None else DEFAULTS[collective]
             if len(self._picks) > 4096:

@@ -9,7 +9,8 @@ chunks of the data, never buffers or sockets::
 
 A step may also be a list of those, run together (for example a send and a receive with the
 same partner, so that neither waits for the other). The data is cut into ``chunks(size)``
-equal-as-possible chunks (``numpy.array_split`` convention); for allgather, gather and
+equal-as-possible chunks (``numpy.array_split`` convention; a reduction's strategy may place
+them with ``cuts``); for allgather, gather and
 scatter there is always one chunk per rank, chunk r being rank r's part. ``ALL`` means the
 whole data; ``range(a, b)`` means chunks a..b-1.
 
@@ -78,8 +79,8 @@ __all__ = [
     "Context",
     "Cost",
     "Fold",
-    "Reduce",
     "Recv",
+    "Reduce",
     "Schedule",
     "Send",
     "Step",
@@ -311,6 +312,8 @@ class Strategy:
         name: the name users select it by (``strategy="ring"``).
         collective: one of :data:`COLLECTIVES`.
         description: one line for ``p2pcoll strategies``.
+        automatic: whether ``"auto"`` may pick it (default True). False for a strategy that
+            is chosen for what it computes rather than how fast (``gloo_ring``: Gloo's bits).
 
     Contract by collective (what the data holds when the schedule ends):
         broadcast: every rank holds the root's data.
@@ -325,10 +328,23 @@ class Strategy:
     name: ClassVar[str]
     collective: ClassVar[str]
     description: ClassVar[str] = ""
+    automatic: ClassVar[bool] = True
 
     def chunks(self, size: int) -> int:
         """How many chunks to cut the data into for a group of ``size`` ranks."""
         return 1
+
+    def cuts(self, size: int, count: int, itemsize: int) -> Sequence[int] | None:
+        """Where the chunks of a reduce or allreduce begin, or None (the default): every
+        array cut like ``numpy.array_split``, chunk c being part c of each.
+
+        Otherwise ``chunks(size) + 1`` non-decreasing element offsets from 0 to ``count``
+        into the data seen as one flat run of ``count`` elements of ``itemsize`` bytes (the
+        leaves of a pytree one after the other): chunk c is ``[cuts[c], cuts[c + 1])``, and
+        may be empty. For a strategy whose results must match another library's bit for bit,
+        which fixes where each partial sum is taken (``plugins/gloo_ring.py``).
+        """
+        return None
 
     def schedule(self, ctx: Context) -> Schedule:
         """Yield this rank's steps, in order."""

@@ -47,17 +47,57 @@ ALLOWED_DTYPES = frozenset(
 )
 
 
-def as_op(op: str | ReduceOp) -> ReduceOp:
-    """Validate a reduction op given as a string or ReduceOp."""
+@dataclass(frozen=True)
+class CustomOp:
+    """A reduction of the caller's own (as ``MPI_Op_create``): ``fold(mine, incoming)``
+    combines ``incoming`` into ``mine`` in place, element by element; both are flat arrays of
+    the collective's dtype and length. It must be commutative and associative for results
+    not to depend on the strategy, and every rank must pass the same ``name``: the name,
+    not the function, is what the ranks compare (a different name is a CollectiveMismatch).
+
+    Example, bfloat16 carried as its int16 bits (``p2pcoll.integrations.torch.ops``)::
+
+        BF16_SUM = CustomOp("bfloat16-sum", add_bfloat16_bits)
+    """
+
+    name: str
+    fold: Callable[[np.ndarray, np.ndarray], Any]
+
+    @property
+    def value(self) -> str:
+        """What the ranks compare (a built-in op's value is its name)."""
+        return f"custom:{self.name}"
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
+        # The executor folds with a ufunc's calling convention, ``ufunc(dst, src, out=dst)``.
+        self.fold(dst, src)
+
+
+Op = ReduceOp | CustomOp
+
+
+def as_op(op: str | ReduceOp | CustomOp) -> ReduceOp | CustomOp:
+    """Validate a reduction op given as a string, a ReduceOp or a CustomOp."""
+    if isinstance(op, CustomOp):
+        if not isinstance(op.name, str) or not op.name or not callable(op.fold):
+            raise ValueError(f"a CustomOp needs a non-empty name and a callable fold, got "
+                             f"{op!r}")
+        return op
     try:
         return ReduceOp(op)
     except ValueError:
         names = ", ".join(o.value for o in ReduceOp)
-        raise ValueError(f"unknown reduce op {op!r}; expected one of {names}") from None
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {names} or a "
+                         f"CustomOp") from None
 
 
-def check_op_dtype(op: ReduceOp, dtype: np.dtype[Any]) -> None:
-    """Reject op/dtype pairs that have no sensible meaning."""
+def fold_of(op: ReduceOp | CustomOp) -> Callable[..., Any]:
+    """What the executor folds an incoming piece into this rank's with."""
+    return op if isinstance(op, CustomOp) else UFUNCS[op]
+
+
+def check_op_dtype(op: ReduceOp | CustomOp, dtype: np.dtype[Any]) -> None:
+    """Reject op/dtype pairs that have no sensible meaning (a CustomOp takes any)."""
     if op is ReduceOp.AVG and dtype.kind not in "fc":
         raise ValueError(f"op 'avg' needs a floating-point dtype, got {dtype}; use 'sum' instead")
     if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "c":

@@ -54,8 +54,47 @@ def both(fn: Callable[[dist.ProcessGroup], object], p2p: dist.ProcessGroup,
     return fn(p2p), fn(gloo)
 
 
+def noise(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Random floats, whose sums depend on the order the terms are added in."""
+    gen = torch.Generator().manual_seed(1000 * rank + salt + n)
+    return torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def same_bits(p2p: dist.ProcessGroup, gloo: dist.ProcessGroup, tag: str) -> None:
+    """The sums Gloo takes, in Gloo's order: sizes that cross its segments and blocks (and
+    leave the last blocks short or empty), the ops and calls DDP and FSDP2 use."""
+    rank, p = p2p.rank(), p2p.size()
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for n in (1, 7, 1000, 300_001, 600_000):
+            cell = f"{tag} {dtype} n={n}"
+            def ar(g: dist.ProcessGroup) -> torch.Tensor:
+                t = noise(rank, n, dtype)
+                dist.all_reduce(t, group=g)
+                return t
+            gloo_sum = ar(gloo)
+            check(f"bits all_reduce SUM {cell}", ar(p2p), gloo_sum)
+            if dtype in (torch.float32, torch.float64):  # AVG: Gloo's SUM, divided by p
+                t = noise(rank, n, dtype)
+                dist.all_reduce(t, op=R.AVG, group=p2p)
+                check(f"bits all_reduce AVG {cell}", t, gloo_sum / p)
+
+            def rst(g: dist.ProcessGroup) -> torch.Tensor:
+                out = torch.zeros(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, noise(rank, n * p, dtype, salt=1), group=g)
+                return out
+            check(f"bits reduce_scatter_tensor {cell}", *both(rst, p2p, gloo))
+            if n <= 1000:
+                def rsl(g: dist.ProcessGroup) -> torch.Tensor:
+                    out = torch.zeros(n, dtype=dtype)
+                    ins = [noise(rank, n, dtype, salt=2 + j) for j in range(p)]
+                    dist.reduce_scatter(out, ins, group=g)
+                    return out
+                check(f"bits reduce_scatter {cell}", *both(rsl, p2p, gloo))
+
+
 def compare(p2p: dist.ProcessGroup, gloo: dist.ProcessGroup, tag: str) -> None:
     rank, p = p2p.rank(), p2p.size()
+    same_bits(p2p, gloo, tag)
     for op_name, op in OPS.items():
         for dtype in (INTS if op_name in ("BAND", "BOR", "BXOR") else FLOATS + INTS):
             cell = f"{tag} {op_name} {dtype}"

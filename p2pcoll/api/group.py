@@ -37,7 +37,7 @@ from ..settings import Settings, check_seconds
 from ..strategy import Context, Strategy
 from ..transport.sockets import SocketFactory
 from ..types import (
-    UFUNCS,
+    CustomOp,
     Membership,
     Pytree,
     ReduceOp,
@@ -46,6 +46,7 @@ from ..types import (
     check_dtype,
     check_op_dtype,
     flatten,
+    fold_of,
     unflatten,
 )
 from ..wire import MAX_TAG, Header, Signature
@@ -211,8 +212,8 @@ class Group:
             self._activity.record(collective, strategy.name, time.perf_counter() - started,
                                   error)
 
-    def _sig(self, collective: str, strategy: Strategy, op: ReduceOp | None, root: int | None,
-             data: str) -> Signature:
+    def _sig(self, collective: str, strategy: Strategy, op: ReduceOp | CustomOp | None,
+             root: int | None, data: str) -> Signature:
         return Signature.of(collective, strategy.name, op.value if op else "",
                             -1 if root is None else root, data)
 
@@ -226,7 +227,7 @@ class Group:
     # --- reductions -------------------------------------------------------------------
 
     async def _reduction(
-        self, collective: str, value: Pytree, op: str | ReduceOp, root: int | None,
+        self, collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int | None,
         strategy: str | None, timeout: float | None, out: Pytree | None = None,
     ) -> tuple[list[np.ndarray], TreeDef]:
         red = as_op(op)
@@ -246,23 +247,27 @@ class Group:
         flat = [w.reshape(-1) for w in work]
         nbytes = sum(w.nbytes for w in work)
         strat = self._choose(collective, strategy, nbytes)
-        layout = Layout.split(flat, strat.chunks(self.world_size))
+        itemsize = flat[0].itemsize if flat else 1
+        cuts = strat.cuts(self.world_size, sum(w.size for w in flat), itemsize)
+        layout = (Layout.split(flat, strat.chunks(self.world_size)) if cuts is None
+                  else Layout.cut(flat, cuts))
         sig = self._sig(collective, strat, red, root, describe_data(work, treedef))
-        await self._execute(collective, strat, root or 0, layout, UFUNCS[red], sig, timeout)
+        await self._execute(collective, strat, root or 0, layout, fold_of(red), sig, timeout)
         if red is ReduceOp.AVG and (root is None or root == self.rank):
             for w in flat:
                 np.divide(w, self.world_size, out=w)
         return work, treedef
 
     async def allreduce(
-        self, value: Pytree, op: str | ReduceOp = "sum", *,
+        self, value: Pytree, op: str | ReduceOp | CustomOp = "sum", *,
         strategy: str | None = None, timeout: float | None = None, out: Pytree | None = None,
     ) -> Pytree:
         """Reduce ``value`` over all ranks and return the result on every rank.
 
         Args:
             value: an ndarray (any shape, 0-d included) or a pytree of them.
-            op: "sum", "prod", "min", "max" or "avg" (floating dtypes only).
+            op: "sum", "prod", "min", "max" or "avg" (floating dtypes only), or a
+                :class:`~p2pcoll.CustomOp` of the caller's own.
             strategy: a strategy name (``p2pcoll.available_strategies()["allreduce"]``);
                 None means the group's choice, ``$P2PCOLL_ALLREDUCE``, or "auto".
             timeout: seconds for the whole collective (default: the group's).
@@ -287,7 +292,7 @@ class Group:
         return out if out is not None else unflatten(treedef, work)
 
     async def reduce(
-        self, value: Pytree, root: int = 0, op: str | ReduceOp = "sum", *,
+        self, value: Pytree, root: int = 0, op: str | ReduceOp | CustomOp = "sum", *,
         strategy: str | None = None, timeout: float | None = None,
     ) -> Pytree | None:
         """Reduce ``value`` over all ranks; the result on ``root``, None elsewhere."""
@@ -296,7 +301,7 @@ class Group:
         return unflatten(treedef, work) if self.rank == root else None
 
     async def reduce_scatter(
-        self, array: np.ndarray, op: str | ReduceOp = "sum", *,
+        self, array: np.ndarray, op: str | ReduceOp | CustomOp = "sum", *,
         strategy: str | None = None, timeout: float | None = None,
     ) -> np.ndarray:
         """Reduce ``array`` over all ranks and give rank r part r of the result.
@@ -319,7 +324,7 @@ class Group:
         row = int(np.prod(work.shape[1:], dtype=np.int64))
         layout = Layout.split([work.reshape(-1)], p, row_sizes=[row])
         sig = self._sig("reduce_scatter", strat, red, None, describe_data([work]))
-        await self._execute("reduce_scatter", strat, 0, layout, UFUNCS[red], sig, timeout)
+        await self._execute("reduce_scatter", strat, 0, layout, fold_of(red), sig, timeout)
         part = np.array_split(work, p, axis=0)[self.rank].copy()
         if red is ReduceOp.AVG:
             np.divide(part, p, out=part)

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import PluginValidationError
 from ..strategy import ALL, Chunk
+import itertools
 
 Piece = tuple[int, int, int]  # (array index, start, stop) in elements
 HEADER_ROOM = 4096  # bytes of a message's cap left for its header frame
@@ -56,6 +58,29 @@ class Layout:
                 lo = _split_point(nrows, nchunks, c) * row
                 hi = _split_point(nrows, nchunks, c + 1) * row
                 chunks[c].append((i, lo, hi))
+        return cls(arrays, chunks)
+
+    @classmethod
+    def cut(cls, arrays: Sequence[np.ndarray], cuts: Sequence[int]) -> Layout:
+        """Chunk c is elements ``[cuts[c], cuts[c + 1])`` of the arrays seen as one flat run
+        (a chunk may span arrays, or be empty).
+
+        Raises:
+            PluginValidationError: the cuts do not run non-decreasing from 0 to the count.
+        """
+        total = sum(a.size for a in arrays)
+        bounds = [int(c) for c in cuts]
+        if (len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total
+                or any(b < a for a, b in itertools.pairwise(bounds))):
+            raise PluginValidationError(
+                f"a strategy's cuts must run non-decreasing from 0 to {total}, got "
+                f"{bounds[:4]}{'...' if len(bounds) > 4 else ''} ({len(bounds)} offsets)")
+        starts = np.cumsum([0] + [a.size for a in arrays]).tolist()
+        chunks: list[list[Piece]] = []
+        for lo, hi in itertools.pairwise(bounds):
+            chunks.append([(i, max(lo, a) - a, min(hi, b) - a)
+                           for i, (a, b) in enumerate(itertools.pairwise(starts))
+                           if max(lo, a) < min(hi, b)])
         return cls(arrays, chunks)
 
     @classmethod

@@ -11,9 +11,15 @@ before the work completes. How each torch call maps onto p2pcoll's:
     broadcast, reduce                  broadcast, reduce (of all the tensors)
     allgather, all_gather_single,      one allgather per input tensor
       allgather_into_tensor_coalesced, allgather_coalesced
-    reduce_scatter, reduce_scatter_single, reduce_scatter_tensor_coalesced
-                                       one reduce_scatter per output, over the inputs
-                                       stacked as (world size, n)
+    reduce_scatter_single,             per output, as Gloo: one allreduce of its input,
+      reduce_scatter_tensor_coalesced  keeping part ``rank``
+    reduce_scatter                     per output, as Gloo: one allreduce per input tensor,
+                                       keeping the ``rank``-th
+    (with a reduce_scatter strategy configured, both are one p2pcoll reduce_scatter per
+    output over the inputs stacked as (world size, n))
+
+Unless ``pg_options`` or ``$P2PCOLL_ALLREDUCE`` name another, allreduces run ``gloo_ring``,
+which sums in Gloo's order: a script moved from "gloo" to "p2pcoll" gets the same bits.
     gather, scatter, barrier           gather, scatter, barrier
     alltoall, all_to_all_single        a send to and a receive from every peer, with
                                        the reserved tag ALLTOALL_TAG
@@ -21,14 +27,15 @@ before the work completes. How each torch call maps onto p2pcoll's:
 
 BAND, BOR and BXOR are no p2pcoll ops: they allgather the data and fold it in rank
 order, so every rank gets the same bits. PREMUL_SUM multiplies a copy of the input by
-its factor and sums. bfloat16 is reduced in float32 and rounded once at the end.
+its factor and sums. bfloat16 moves as its bits and is rounded after every step, as in
+Gloo (its AVG: a SUM, then torch's division).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +52,9 @@ from .ops import Reduction, UnsupportedOperation, bits, shares, store, values
 from .runtime import Runtime
 from .work import Work
 
+# What runs unless pg_options or $P2PCOLL_<COLLECTIVE> say otherwise: Gloo's summation order,
+# so a script moved from "gloo" to "p2pcoll" computes the same bits.
+GLOO_ORDER = {"allreduce": "gloo_ring"}
 ALLTOALL_TAG = MAX_TAG  # the tag alltoall's transfers use; torch's send/recv tags are others
 Coro = Coroutine[Any, Any, Any]
 
@@ -81,6 +91,8 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
             join_timeout=min(seconds, 24 * 3600.0),
             strategies=dict(options.strategies) if options else None,
         )
+        if "allreduce" not in settings.strategies:  # neither pg_options nor the environment
+            settings = replace(settings, strategies={**settings.strategies, **GLOO_ORDER})
         self._runtime = Runtime.acquire()
         group = Group(settings)
         try:
@@ -172,7 +184,7 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
                 result = await g.reduce(arrays, root, op, timeout=timeout)
             if result is not None:
                 for t, a in zip(tensors, result, strict=True):
-                    store(t, a)
+                    store(t, a, divide=self.size() if red.average else None)
 
         return [native]  # type: ignore[list-item]
 
@@ -203,8 +215,18 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
 
     def _scatter_reduced(self, collective: str, outputs: list[torch.Tensor],
                          inputs: list[list[torch.Tensor]], rop: Any,
-                         timeout: timedelta | None) -> Work:
-        """Output i gets part ``rank`` of the reduction of ``inputs[i]`` (one part per rank)."""
+                         timeout: timedelta | None, *, whole: bool) -> Work:
+        """Output i gets part ``rank`` of the reduction of ``inputs[i]`` (one part per rank).
+
+        In Gloo's order (the default: see :data:`GLOO_ORDER`) this is Gloo's way: an
+        allreduce of the input (``whole``: the p parts as one buffer, as for
+        ``reduce_scatter_tensor``; else one per part, as for a list of tensors) of which
+        this rank keeps its part. A configured strategy runs a true reduce_scatter (each
+        rank receives only its part: (p-1)/p of the bytes of one allreduce).
+        """
+        chosen = self.group.settings.strategies
+        gloo_way = (chosen.get("allreduce") == GLOO_ORDER["allreduce"]
+                    and "reduce_scatter" not in chosen)
         p, me = self.size(), self.rank()
         flat = [t for row in inputs for t in row]
         red = ops.reduction(rop, collective, flat + outputs)
@@ -224,9 +246,16 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
                 if red.fold is not None:
                     stacks = await g.allgather(stack, timeout=limit)
                     store(out, red.fold.reduce(np.stack([s[me] for s in stacks]), axis=0))
-                else:
+                elif not gloo_way:
                     part = await g.reduce_scatter(stack, red.op or "sum", timeout=limit)
-                    store(out, part)
+                    store(out, part, divide=self.size() if red.average else None)
+                elif whole:
+                    await g.allreduce(stack, red.op or "sum", out=stack, timeout=limit)
+                    store(out, stack[me], divide=self.size() if red.average else None)
+                else:
+                    for row in stack:
+                        await g.allreduce(row, red.op or "sum", out=row, timeout=limit)
+                    store(out, stack[me], divide=self.size() if red.average else None)
 
             return [one(o, s) for o, s in zip(outputs, stacks, strict=True)]
 
@@ -236,14 +265,15 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
                        opts: Any = None) -> Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._scatter_reduced("reduce_scatter", list(outputs),
-                                     [list(r) for r in inputs], opts.reduceOp, opts.timeout)
+                                     [list(r) for r in inputs], opts.reduceOp, opts.timeout,
+                                     whole=False)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._scatter_reduced("reduce_scatter_single", [output],
                                      [list(input.reshape(self.size(), -1).unbind(0))],
-                                     opts.reduceOp, opts.timeout)
+                                     opts.reduceOp, opts.timeout, whole=True)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Work:
@@ -251,7 +281,7 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
         return self._scatter_reduced(
             "reduce_scatter_tensor_coalesced", list(outputs),
             [list(t.reshape(self.size(), -1).unbind(0)) for t in inputs],
-            opts.reduceOp, opts.timeout)
+            opts.reduceOp, opts.timeout, whole=True)
 
     # --- data movement ---------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 Contiguous CPU tensors are shared with numpy without a copy, so results land in the
 tensor itself. numpy has no bfloat16: such tensors move as their int16 bits, and are
-reduced in float32 (then rounded back once). An op or dtype that cannot be done raises
+reduced by a :class:`~p2pcoll.CustomOp` that widens both operands to float32, combines
+them and rounds the result to bfloat16 (to nearest even, as torch does) at every step, as
+Gloo's bfloat16 arithmetic does. An op or dtype that cannot be done raises
 :class:`UnsupportedOperation` naming it, before anything is sent.
 """
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import P2PCollError
+from ...types import CustomOp
 
 RedOp = dist.ReduceOp.RedOpType
 
@@ -32,14 +35,45 @@ class UnsupportedOperation(P2PCollError, ValueError):
     """A reduce op, dtype or device that the p2pcoll backend cannot do."""
 
 
+def widen(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values given as int16 bits, as float32 (exactly)."""
+    return (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def narrow(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 as torch rounds them (to nearest, ties to even;
+    every NaN to the quiet NaN 0x7FC0, as c10::BFloat16 does), as int16 bits."""
+    u = values.view(np.uint32)
+    out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    out[np.isnan(values)] = 0x7FC0
+    return out.view(np.int16)
+
+
+def _bfloat16(name: str, ufunc: np.ufunc) -> CustomOp:
+    def fold(mine: np.ndarray, incoming: np.ndarray) -> None:
+        result = widen(mine)
+        ufunc(result, widen(incoming), out=result)
+        mine[...] = narrow(result)
+
+    return CustomOp(f"bfloat16-{name}", fold)
+
+
+# p2pcoll's op per native op, on bfloat16's int16 bits (AVG: a SUM, then a division).
+BFLOAT16 = {name: _bfloat16(name, ufunc) for name, ufunc in
+            (("sum", np.add), ("prod", np.multiply), ("min", np.minimum),
+             ("max", np.maximum))}
+
+
 @dataclass(frozen=True)
 class Reduction:
-    """How to run one torch reduction: p2pcoll's op name (None: bitwise, see ``fold``)
-    and a factor to multiply the input by first (PREMUL_SUM)."""
+    """How to run one torch reduction: p2pcoll's op (None: bitwise, see ``fold``), a factor
+    to multiply the input by first (PREMUL_SUM), and a divisor of the result (bfloat16's
+    AVG, whose bits cannot be divided by p2pcoll)."""
 
-    op: str | None
+    op: str | CustomOp | None
     fold: np.ufunc | None = None
     factor: float | None = None
+    average: bool = False
 
 
 def reduction(rop: dist.ReduceOp | RedOp, collective: str,
@@ -58,18 +92,31 @@ def reduction(rop: dist.ReduceOp | RedOp, collective: str,
         if kind == RedOp.AVG and t.dtype in INTEGER:
             raise UnsupportedOperation(f"the p2pcoll backend's {collective}: AVG needs a "
                                        f"floating dtype, got {t.dtype}")
+    half = {t.dtype is torch.bfloat16 for t in tensors}
+    if len(half) > 1:
+        raise UnsupportedOperation(f"the p2pcoll backend's {collective}: bfloat16 tensors "
+                                   f"cannot be reduced together with tensors of other dtypes")
+    if half == {True} and kind in NATIVE:
+        name = NATIVE[kind]
+        return Reduction(BFLOAT16["sum" if name == "avg" else name], average=name == "avg")
+    if half == {True} and kind == RedOp.PREMUL_SUM:
+        return Reduction(BFLOAT16["sum"], factor=_factor(rop, collective))
     if kind in NATIVE:
         return Reduction(NATIVE[kind])
     if kind in BITWISE:
         return Reduction(None, fold=BITWISE[kind])
     if kind == RedOp.PREMUL_SUM:
-        factor = getattr(rop, "factor", None)
-        if not isinstance(factor, (int, float)):
-            raise UnsupportedOperation(f"the p2pcoll backend's {collective}: PREMUL_SUM "
-                                       f"needs a scalar factor, got {factor!r}")
-        return Reduction("sum", factor=float(factor))
+        return Reduction("sum", factor=_factor(rop, collective))
     raise UnsupportedOperation(f"the p2pcoll backend's {collective} does not support "
                                f"reduce op {kind}")
+
+
+def _factor(rop: dist.ReduceOp | RedOp, collective: str) -> float:
+    factor = getattr(rop, "factor", None)
+    if not isinstance(factor, (int, float)):
+        raise UnsupportedOperation(f"the p2pcoll backend's {collective}: PREMUL_SUM "
+                                   f"needs a scalar factor, got {factor!r}")
+    return float(factor)
 
 
 def check_tensor(t: torch.Tensor, collective: str) -> None:
@@ -96,17 +143,13 @@ def bits(t: torch.Tensor) -> np.ndarray:
 
 def values(t: torch.Tensor, factor: float | None = None) -> np.ndarray:
     """``t`` as a numpy array to reduce: its memory when that is possible, else a copy
-    (bfloat16 in float32; times ``factor`` if given)."""
+    (times ``factor`` if given, in ``t``'s dtype); bfloat16 as its int16 bits."""
     t = t.detach()
-    if t.dtype is torch.bfloat16:
-        t = t.float()
-    elif factor is not None:
-        t = t.clone()
+    if factor is not None:
+        t = t.clone().mul_(factor)
     elif not t.is_contiguous():
         t = t.contiguous()
-    if factor is not None:
-        t.mul_(factor)
-    return t.numpy()
+    return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
 
 
 def shares(t: torch.Tensor, a: np.ndarray) -> bool:
@@ -115,12 +158,14 @@ def shares(t: torch.Tensor, a: np.ndarray) -> bool:
             and (a.size == 0 or a.__array_interface__["data"][0] == t.data_ptr()))
 
 
-def store(t: torch.Tensor, a: np.ndarray) -> None:
-    """Write the result ``a`` into ``t`` unless it is already there."""
-    if shares(t, a) and (t.dtype is not torch.bfloat16 or a.dtype == np.int16):
-        return
-    src = torch.from_numpy(np.ascontiguousarray(a))
-    if t.dtype is torch.bfloat16 and src.dtype is torch.int16:
-        src = src.view(torch.bfloat16)
+def store(t: torch.Tensor, a: np.ndarray, *, divide: int | None = None) -> None:
+    """Write the result ``a`` into ``t`` unless it is already there; then divide it by
+    ``divide`` if given (a bfloat16 AVG, whose sum p2pcoll took)."""
     with torch.no_grad():
-        t.copy_(src.reshape(t.shape))
+        if not (shares(t, a) and (t.dtype is not torch.bfloat16 or a.dtype == np.int16)):
+            src = torch.from_numpy(np.ascontiguousarray(a))
+            if t.dtype is torch.bfloat16 and src.dtype is torch.int16:
+                src = src.view(torch.bfloat16)
+            t.copy_(src.reshape(t.shape))
+        if divide is not None:
+            t.div_(divide)
