@@ -8,7 +8,10 @@ socket's monitor. Beside each link runs a probe, a second connection to the same
 carries only ZMTP heartbeats, so that a peer that freezes is lost after the heartbeat
 timeout while one that is merely slow (its queue full) is not.
 
-One reader task drains the ROUTER and passes every message through the one validation point
+The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback on its ZMQ_FD
+and a send to a link whose queue has room is a plain non-blocking send (only a send that
+meets the high-water mark waits, through the asyncio socket). One reader drains the ROUTER
+and passes every message through the one validation point
 (:func:`p2pcoll.wire.validate`) before handing it to ``on_message``; a message that fails it,
 or whose handling raises anything at all, is dropped, counted and logged (at most one line
 per source every few seconds), and the reader goes on. Sockets come from the
@@ -41,6 +44,7 @@ log = logging.getLogger("p2pcoll.transport")
 
 # Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 def link_identity(rank: int, group_id: str) -> bytes:
@@ -116,6 +120,11 @@ class ZmqMesh:
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
         self._rings: shm.SharedRings | None = None
+        self._reading: tuple[zmq.Socket, asyncio.Future[None]] | None = None
+        # Plain views of the links (sends that need not wait) and how many sends to each
+        # peer wait for room in its queue.
+        self._plain: dict[int, zmq.Socket] = {}
+        self._waiting: dict[int, int] = {}
         tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
@@ -170,6 +179,7 @@ class ZmqMesh:
             for sock in watched:
                 sock.connect(endpoint)
             self._links[peer] = link
+            self._plain[peer] = zmq.Socket.shadow(link.underlying)
         self._tasks.append(asyncio.create_task(self._read()))
 
     async def send(
@@ -236,13 +246,39 @@ class ZmqMesh:
             if outbox is not None and any(at >= 0 for at in offsets):
                 header.shm = [outbox.name, offsets, indices]
             frames.insert(0, encode_header(header))
-            await link.send_multipart(frames, copy=False)
+            await self._put_frames(dst, link, frames)
             if header.kind == "data":
                 c = self.counters
                 c.messages_sent += 1
                 c.bytes_sent += sum(nbytes)
                 c.bytes_sent_shm += sum(n for n, at in zip(nbytes, offsets) if at >= 0)
         return zmq.MessageTracker(*tracked) if tracked else None
+
+    async def _put_frames(self, dst: int, link: zmq.asyncio.Socket, frames: list[object]
+                          ) -> None:
+        """Queue one message on a link: at once when its queue has room, which is the rule
+        (a plain send, without pyzmq's asyncio future); else through the asyncio socket,
+        which waits for room. While one such wait is pending, later messages to ``dst``
+        wait behind it, so they stay in order."""
+        plain = self._plain.get(dst)  # None once closed: the asyncio send raises then
+        if plain is not None and not self._waiting.get(dst):
+            try:
+                # Part by part as send_multipart does, with plain int flags (pyzmq's flag
+                # enums cost microseconds each); only the first part can meet the
+                # high-water mark, the others join it.
+                plain.send(frames[0], _NOBLOCK | _SNDMORE if len(frames) > 1 else _NOBLOCK)
+            except zmq.Again:
+                pass  # wait for room
+            else:
+                last = len(frames) - 1
+                for i in range(1, last + 1):
+                    plain.send(frames[i], _NOBLOCK if i == last else _NOBLOCK | _SNDMORE)
+                return
+        self._waiting[dst] = self._waiting.get(dst, 0) + 1
+        try:
+            await link.send_multipart(frames, copy=False)
+        finally:
+            self._waiting[dst] -= 1
 
     def _link(self, dst: int) -> zmq.asyncio.Socket:
         link = self._links.get(dst)
@@ -279,29 +315,57 @@ class ZmqMesh:
             self.post(peer, header)
 
     async def _read(self) -> None:
-        """Drain the ROUTER for good: whatever one message does, the next is read."""
+        """Drain the ROUTER for good: whatever one message does, the next is read.
+
+        Not through pyzmq's asyncio layer (a future, a callback and a task wake-up per
+        message, about a third of a small collective's time): the loop watches the socket's
+        ZMQ_FD and :meth:`_drain` reads and delivers every waiting message right in that
+        callback. ZMQ_FD is edge-triggered, so a drain reads until ZMQ_EVENTS says the queue
+        is empty, or hands the rest to a drain of its own after YIELD_EVERY messages so that
+        a flood cannot hold the event loop. This task only owns the registration.
+        """
         assert self._router is not None
-        router = self._router
-        read = 0
-        while True:
-            try:
-                frames = await router.recv_multipart(copy=False)
-            except (asyncio.CancelledError, zmq.ContextTerminated):
+        router = zmq.Socket.shadow(self._router.underlying)
+        fd = router.getsockopt(zmq.FD)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._reading = (router, done)
+        loop.add_reader(fd, self._drain)
+        try:
+            self._drain()  # what came before the registration signalled no edge to it
+            await done
+        except asyncio.CancelledError:
+            return
+        finally:
+            loop.remove_reader(fd)
+            self._reading = None
+
+    def _drain(self) -> None:
+        reading = self._reading
+        if reading is None:
+            return
+        router, done = reading
+        try:
+            for _ in range(YIELD_EVERY):
+                frame = router.recv(_NOBLOCK, copy=False)  # zmq.Again: drained
+                frames = [frame]
+                while frame.more:  # the parts of a message arrive together
+                    frame = router.recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
+                self._deliver(frames)
+                # Let go of the frames before the next: over inproc a zero-copy send is
+                # complete only when the receiver frees its frame.
+                del frames
+        except zmq.Again:
+            return
+        except zmq.ZMQError as exc:
+            if self._closed or isinstance(exc, zmq.ContextTerminated):
+                if not done.done():
+                    done.set_result(None)
                 return
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    return
-                log.error("rank %d: receive failed: %s", self.rank, exc)
-                continue
-            self._deliver(frames)
-            # Let go of the frames before waiting: over inproc a zero-copy send is complete
-            # only when the receiver frees its frame, and the sender may be waiting for that.
-            del frames
-            read += 1
-            if read % YIELD_EVERY == 0:
-                # A receive that finds a message waiting completes without yielding, so a
-                # flood would otherwise hold the event loop until the queue is empty.
-                await asyncio.sleep(0)
+            log.error("rank %d: receive failed: %s", self.rank, exc)
+        # More may be waiting and no edge will say so: go on after the other callbacks.
+        asyncio.get_running_loop().call_soon(self._drain)
 
     def _deliver(self, frames: list[zmq.Frame]) -> None:
         """Validate one message and hand it on; drop and count it if anything fails."""
@@ -388,6 +452,7 @@ class ZmqMesh:
         for probe in self._probes:
             probe.close(linger=0)
         self._links.clear()
+        self._plain.clear()
         self._probes.clear()
         if self._rings is not None:
             self._rings.close()
