@@ -55,9 +55,13 @@ class CustomOp:
     not to depend on the strategy, and every rank must pass the same ``name``: the name,
     not the function, is what the ranks compare (a different name is a CollectiveMismatch).
 
-    Example, bfloat16 carried as its int16 bits (``p2pcoll.integrations.torch.ops``)::
+    Example, the element of larger magnitude (the torch backend's bfloat16 sums, carried as
+    int16 bits, are CustomOps too: ``p2pcoll.integrations.torch.ops.BFLOAT16``)::
 
-        BF16_SUM = CustomOp("bfloat16-sum", add_bfloat16_bits)
+        def max_abs(mine, incoming):
+            np.copyto(mine, np.where(np.abs(incoming) > np.abs(mine), incoming, mine))
+
+        await g.allreduce(x, p2pcoll.CustomOp("max-abs", max_abs))
     """
 
     name: str
@@ -72,8 +76,6 @@ class CustomOp:
         # The executor folds with a ufunc's calling convention, ``ufunc(dst, src, out=dst)``.
         self.fold(dst, src)
 
-
-Op = ReduceOp | CustomOp
 
 
 def as_op(op: str | ReduceOp | CustomOp) -> ReduceOp | CustomOp:

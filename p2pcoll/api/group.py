@@ -248,9 +248,13 @@ class Group:
         nbytes = sum(w.nbytes for w in work)
         strat = self._choose(collective, strategy, nbytes)
         itemsize = flat[0].itemsize if flat else 1
+        nchunks = strat.chunks(self.world_size)
         cuts = strat.cuts(self.world_size, sum(w.size for w in flat), itemsize)
-        layout = (Layout.split(flat, strat.chunks(self.world_size)) if cuts is None
-                  else Layout.cut(flat, cuts))
+        if cuts is not None and len(cuts) != nchunks + 1:
+            raise PluginValidationError(
+                f"{collective} strategy {strat.name!r} gave {len(cuts)} cuts for "
+                f"{nchunks} chunks (chunks + 1 offsets are needed)")
+        layout = (Layout.split(flat, nchunks) if cuts is None else Layout.cut(flat, cuts))
         sig = self._sig(collective, strat, red, root, describe_data(work, treedef))
         await self._execute(collective, strat, root or 0, layout, fold_of(red), sig, timeout)
         if red is ReduceOp.AVG and (root is None or root == self.rank):

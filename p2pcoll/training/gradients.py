@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..pytree import Pytree, as_array, like, named_leaves, replace_leaves
-from ..types import ReduceOp, as_op, check_op_dtype
+from ..types import CustomOp, ReduceOp, as_op, check_op_dtype
 from .agreement import Call, Kind, agree, table
 from .buckets import BucketPlan, TensorSpec
 from .nonfinite import Nonfinite, check_nonfinite, report_nonfinite
@@ -97,8 +97,8 @@ async def allreduce_gradients(
                                   in zip(named, plan.unpack(reduced), strict=True)])
 
 
-def gradient_specs(names: Sequence[str], arrays: Sequence[np.ndarray], op: ReduceOp
-                   ) -> list[TensorSpec]:
+def gradient_specs(names: Sequence[str], arrays: Sequence[np.ndarray],
+                   op: ReduceOp | CustomOp) -> list[TensorSpec]:
     """The specs of gradients that ``op`` can reduce.
 
     Raises:

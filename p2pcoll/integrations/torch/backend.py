@@ -15,15 +15,19 @@ before the work completes. How each torch call maps onto p2pcoll's:
       reduce_scatter_tensor_coalesced  keeping part ``rank``
     reduce_scatter                     per output, as Gloo: one allreduce per input tensor,
                                        keeping the ``rank``-th
-    (with a reduce_scatter strategy configured, both are one p2pcoll reduce_scatter per
-    output over the inputs stacked as (world size, n))
-
-Unless ``pg_options`` or ``$P2PCOLL_ALLREDUCE`` name another, allreduces run ``gloo_ring``,
-which sums in Gloo's order: a script moved from "gloo" to "p2pcoll" gets the same bits.
     gather, scatter, barrier           gather, scatter, barrier
     alltoall, all_to_all_single        a send to and a receive from every peer, with
                                        the reserved tag ALLTOALL_TAG
     send, recv                         send, recv (with torch's tag)
+
+(with a reduce_scatter strategy configured, the reduce_scatters are one p2pcoll
+reduce_scatter per output over the inputs stacked as (world size, n)).
+
+Unless ``pg_options`` or ``$P2PCOLL_ALLREDUCE`` name another, allreduces run ``gloo_ring``,
+which sums in the order of Gloo's ring (torch 2.13): a script moved from "gloo" to
+"p2pcoll" gets the same bits from allreduce and reduce_scatter. Not from ``reduce``, whose
+Gloo algorithm cuts its blocks otherwise (p2pcoll's reduce strategies run; the same bits
+as Gloo at 2 ranks only).
 
 BAND, BOR and BXOR are no p2pcoll ops: they allgather the data and fold it in rank
 order, so every rank gets the same bits. PREMUL_SUM multiplies a copy of the input by
@@ -45,6 +49,7 @@ import torch.distributed as dist
 
 from ...api.group import Group
 from ...errors import P2PCollError
+from ...registry import available_strategies
 from ...settings import Settings
 from ...wire import MAX_TAG
 from . import ops
@@ -91,7 +96,8 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
             join_timeout=min(seconds, 24 * 3600.0),
             strategies=dict(options.strategies) if options else None,
         )
-        if "allreduce" not in settings.strategies:  # neither pg_options nor the environment
+        if ("allreduce" not in settings.strategies  # neither pg_options nor the environment
+                and GLOO_ORDER["allreduce"] in available_strategies()["allreduce"]):
             settings = replace(settings, strategies={**settings.strategies, **GLOO_ORDER})
         self._runtime = Runtime.acquire()
         group = Group(settings)
@@ -249,14 +255,21 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
                 elif not gloo_way:
                     part = await g.reduce_scatter(stack, red.op or "sum", timeout=limit)
                     store(out, part, divide=self.size() if red.average else None)
-                elif whole:
+                else:  # whole: the p parts as one buffer (the rows go below)
                     await g.allreduce(stack, red.op or "sum", out=stack, timeout=limit)
                     store(out, stack[me], divide=self.size() if red.average else None)
-                else:
-                    for row in stack:
-                        await g.allreduce(row, red.op or "sum", out=row, timeout=limit)
-                    store(out, stack[me], divide=self.size() if red.average else None)
 
+            async def row(out: torch.Tensor, stack: np.ndarray, k: int) -> None:
+                await g.allreduce(stack[k], red.op or "sum", out=stack[k], timeout=limit)
+                if k == me:  # the others' rows are reduced for the others
+                    store(out, stack[k], divide=self.size() if red.average else None)
+
+            if gloo_way and not whole and red.fold is None:
+                # One coroutine per row, issued in order now: awaiting the rows one after
+                # another would issue row k+1 only once row k is done here, when another
+                # rank may have issued a later collective already.
+                return [row(o, s, k) for o, s in zip(outputs, stacks, strict=True)
+                        for k in range(p)]
             return [one(o, s) for o, s in zip(outputs, stacks, strict=True)]
 
         return self._launch(collective, outputs, make)

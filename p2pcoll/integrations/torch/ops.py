@@ -146,7 +146,7 @@ def values(t: torch.Tensor, factor: float | None = None) -> np.ndarray:
     (times ``factor`` if given, in ``t``'s dtype); bfloat16 as its int16 bits."""
     t = t.detach()
     if factor is not None:
-        t = t.clone().mul_(factor)
+        t = t.clone(memory_format=torch.contiguous_format).mul_(factor)
     elif not t.is_contiguous():
         t = t.contiguous()
     return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
