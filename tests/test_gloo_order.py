@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from p2pcoll_plugins.gloo_ring import gloo_cuts
+from p2pcoll_plugins.gloo_ring import gloo_cuts, gloo_reduce_cuts
 
 import p2pcoll
 from p2pcoll.engine.layout import Layout
@@ -18,10 +18,10 @@ from p2pcoll.registry import registry
 from p2pcoll.testing import run_ranks
 
 
-def gloo_sum(xs: list[np.ndarray]) -> np.ndarray:
+def gloo_sum(xs: list[np.ndarray], blocks=gloo_cuts) -> np.ndarray:
     """Block b of Gloo's ring: x[b] + (x[b+1] + (... + (x[b-2] + x[b-1])))."""
     p, out = len(xs), np.empty_like(xs[0])
-    cuts = gloo_cuts(p, xs[0].size, xs[0].itemsize)
+    cuts = blocks(p, xs[0].size, xs[0].itemsize)
     for b in range(p):
         lo, hi = cuts[b], cuts[b + 1]
         acc = xs[(b - 1) % p][lo:hi].copy()
@@ -38,6 +38,27 @@ def test_gloo_cuts_are_gloos_blocks() -> None:
     assert gloo_cuts(4, 7, 4) == [0, 2, 4, 6, 7]
     assert gloo_cuts(3, 1, 8) == [0, 1, 1, 1]
     assert gloo_cuts(1, 5, 4) == [0, 5]
+
+
+def test_gloo_reduce_cuts_are_gloos_reduce_blocks() -> None:
+    # gloo::reduce: segments of ceil(n/2p) elements (at most 1 MiB), then as the allreduce.
+    assert gloo_reduce_cuts(4, 6_553_600, 4) == [0, 1_835_008, 3_670_016, 5_505_024, 6_553_600]
+    assert gloo_reduce_cuts(4, 7, 4) == [0, 2, 4, 6, 7]
+    assert gloo_reduce_cuts(3, 1000, 8) == [0, 334, 668, 1000]
+    assert gloo_reduce_cuts(2, 0, 4) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [0, 7, 300_001])
+async def test_gloo_ring_reduce_adds_in_gloos_order_onto_any_root(p: int, n: int) -> None:
+    rng = np.random.default_rng(10 * n + p)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    want = gloo_sum(xs, gloo_reduce_cuts) if p > 1 else xs[0]
+    for root in {0, p - 1}:
+        results = await run_ranks(
+            p, lambda g, root=root: g.reduce(xs[g.rank], root, strategy="gloo_ring"))
+        assert results[root].tobytes() == want.tobytes()
+        assert all(r is None for k, r in enumerate(results) if k != root)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
@@ -64,8 +85,9 @@ async def test_gloo_ring_cuts_a_pytree_as_one_flat_buffer() -> None:
         assert np.concatenate(r).tobytes() == want.tobytes()
 
 
-def test_auto_never_picks_gloo_ring() -> None:
-    picks = {registry.auto_name("allreduce", n, p) for p in range(2, 9)
+@pytest.mark.parametrize("collective", ["allreduce", "reduce"])
+def test_auto_never_picks_gloo_ring(collective: str) -> None:
+    picks = {registry.auto_name(collective, n, p) for p in range(2, 9)
              for n in (4 << 10, 1 << 20, 64 << 20)}
     assert "gloo_ring" not in picks and picks
 

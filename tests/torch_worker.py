@@ -83,6 +83,14 @@ def same_bits(p2p: dist.ProcessGroup, gloo: dist.ProcessGroup, tag: str) -> None
                 dist.reduce_scatter_tensor(out, noise(rank, n * p, dtype, salt=1), group=g)
                 return out
             check(f"bits reduce_scatter_tensor {cell}", *both(rst, p2p, gloo))
+
+            def red(g: dist.ProcessGroup) -> torch.Tensor:
+                t = noise(rank, n, dtype, salt=9)
+                dist.reduce(t, dst=dist.get_global_rank(g, n % p), group=g)
+                return t
+            a, b = both(red, p2p, gloo)
+            if rank == n % p:
+                check(f"bits reduce {cell}", a, b)
             if n <= 1000:
                 def rsl(g: dist.ProcessGroup) -> torch.Tensor:
                     out = torch.zeros(n, dtype=dtype)

@@ -23,11 +23,10 @@ before the work completes. How each torch call maps onto p2pcoll's:
 (with a reduce_scatter strategy configured, the reduce_scatters are one p2pcoll
 reduce_scatter per output over the inputs stacked as (world size, n)).
 
-Unless ``pg_options`` or ``$P2PCOLL_ALLREDUCE`` name another, allreduces run ``gloo_ring``,
-which sums in the order of Gloo's ring (torch 2.13): a script moved from "gloo" to
-"p2pcoll" gets the same bits from allreduce and reduce_scatter. Not from ``reduce``, whose
-Gloo algorithm cuts its blocks otherwise (p2pcoll's reduce strategies run; the same bits
-as Gloo at 2 ranks only).
+Unless ``pg_options`` or ``$P2PCOLL_ALLREDUCE`` / ``$P2PCOLL_REDUCE`` name others,
+allreduces and reduces run ``gloo_ring``, which sums in the order of Gloo's ring (torch
+2.13): a script moved from "gloo" to "p2pcoll" gets the same bits from allreduce, reduce
+and reduce_scatter.
 
 BAND, BOR and BXOR are no p2pcoll ops: they allgather the data and fold it in rank
 order, so every rank gets the same bits. PREMUL_SUM multiplies a copy of the input by
@@ -59,7 +58,7 @@ from .work import Work
 
 # What runs unless pg_options or $P2PCOLL_<COLLECTIVE> say otherwise: Gloo's summation order,
 # so a script moved from "gloo" to "p2pcoll" computes the same bits.
-GLOO_ORDER = {"allreduce": "gloo_ring"}
+GLOO_ORDER = {"allreduce": "gloo_ring", "reduce": "gloo_ring"}
 ALLTOALL_TAG = MAX_TAG  # the tag alltoall's transfers use; torch's send/recv tags are others
 Coro = Coroutine[Any, Any, Any]
 
@@ -96,9 +95,10 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
             join_timeout=min(seconds, 24 * 3600.0),
             strategies=dict(options.strategies) if options else None,
         )
-        if ("allreduce" not in settings.strategies  # neither pg_options nor the environment
-                and GLOO_ORDER["allreduce"] in available_strategies()["allreduce"]):
-            settings = replace(settings, strategies={**settings.strategies, **GLOO_ORDER})
+        installed = available_strategies()
+        gloo = {c: name for c, name in GLOO_ORDER.items()  # where neither pg_options nor
+                if c not in settings.strategies and name in installed[c]}  # $P2PCOLL_* chose
+        settings = replace(settings, strategies={**settings.strategies, **gloo})
         self._runtime = Runtime.acquire()
         group = Group(settings)
         try:
