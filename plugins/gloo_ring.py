@@ -32,8 +32,8 @@ from p2pcoll.strategy import (
     Reduce,
     Schedule,
     Send,
-    Strategy,
     Step,
+    Strategy,
     Traffic,
     Workload,
 )
