@@ -31,8 +31,9 @@ policy before ``asyncio.run`` with ``--loop uvloop``), warms up, then:
    taken out of its caller's). Coroutines are timed step by step (the time they run, not
    the time they wait). The layers: the API (``Group.allreduce``, strategy choice, layout
    and signature, failure model), planning, the executor's schedule walk, matching, the
-   mesh's Python (send_many, _deliver), header encode, decode + validation, pyzmq's asyncio
-   glue and its socket calls into libzmq (send, recv, getsockopt(EVENTS)), numpy's reduction;
+   mesh's Python (send_many and _put_frames, _drain and _deliver), header encode, decode +
+   validation, pyzmq's asyncio glue (only sends that meet a full queue still use it) and its
+   socket calls into libzmq (send, recv, getsockopt(EVENTS)), numpy's reduction;
    "waiting" is the main thread off CPU (wall minus ``thread_time``: blocked in epoll, or
    runnable but not running), and "event loop" the main thread's CPU not in any wrapped
    function (the loop's own iteration, Task steps, callbacks, futures, coroutine frames).
@@ -334,7 +335,9 @@ def install(group: Any) -> Patches:
     p.put(matching.Matcher, "get", make_get)
     # the mesh and the wire
     p.coro(mesh.ZmqMesh, "send_many", "mesh.send")
+    p.coro(mesh.ZmqMesh, "_put_frames", "mesh.send")
     p.sync(mesh.ZmqMesh, "_pieces", "mesh.recv")
+    p.sync(mesh.ZmqMesh, "_drain", "mesh.recv")
     p.sync(mesh, "encode_header", "wire.encode")
     p.sync(mesh, "validate", "wire.decode")
 
@@ -355,10 +358,16 @@ def install(group: Any) -> Patches:
         p.sync(_future._AsyncSocket, name, "zmq.glue")
     p.sync(_future._Async, "_get_loop", "zmq.glue")
     p.sync(zmq.Socket, "recv_multipart", "zmq.recv")
+    p.sync(zmq.Socket, "recv", "zmq.recv")  # the mesh's reader: frame by frame (_drain)
     p.sync(zmq.Socket, "get", "zmq.events")
     links = {sock.underlying: peer for peer, sock in group.session.transport._links.items()}
 
-    def make_send(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def stamp(t: int, sock: Any, head: Any) -> None:
+        if prof.recording:
+            prof.sends.append((t, pc(), links.get(sock.underlying, -1),
+                               head if isinstance(head, bytes) else b""))
+
+    def make_send_multipart(fn: Callable[..., Any]) -> Callable[..., Any]:
         inner = sync_wrapper(fn, "zmq.send")
 
         def send_multipart(self: Any, msg_parts: Any, *args: Any, **kwargs: Any) -> Any:
@@ -366,13 +375,30 @@ def install(group: Any) -> Patches:
             try:
                 return inner(self, msg_parts, *args, **kwargs)
             finally:
-                if prof.recording:
-                    head = msg_parts[0]
-                    prof.sends.append((t, pc(), links.get(self.underlying, -1),
-                                       head if isinstance(head, bytes) else b""))
+                stamp(t, self, msg_parts[0])
         return send_multipart
 
-    p.put(zmq.Socket, "send_multipart", make_send)
+    # The mesh's sends that find room are plain part-by-part sends (_put_frames): the first
+    # part of a message, its header, is stamped.
+    continuing: set[int] = set()
+
+    def make_send(fn: Callable[..., Any]) -> Callable[..., Any]:
+        inner = sync_wrapper(fn, "zmq.send")
+
+        def send(self: Any, data: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
+            t, first = pc(), self.underlying not in continuing
+            result = inner(self, data, flags, *args, **kwargs)
+            if flags & zmq.SNDMORE:
+                continuing.add(self.underlying)
+            else:
+                continuing.discard(self.underlying)
+            if first:
+                stamp(t, self, data)
+            return result
+        return send
+
+    p.put(zmq.Socket, "send_multipart", make_send_multipart)
+    p.put(zmq.Socket, "send", make_send)
     # the event loop's wait (the asyncio loop's selector; uvloop has none to wrap)
     selector = getattr(asyncio.get_running_loop(), "_selector", None)
     if selector is not None:
@@ -1080,13 +1106,13 @@ LAYERS = [
     ("plan", "planning: plan/copies/send_groups (cached), Layout.segment"),
     ("exec.walk", "executor: schedule walk (run/_run/_segment, Header, pieces)"),
     ("match", "matching: Matcher expect/get/put/finish, dispatch"),
-    ("mesh.send", "transport: ZmqMesh.send_many (Python)"),
+    ("mesh.send", "transport: ZmqMesh.send_many/_put_frames (Python)"),
     ("wire.encode", "wire: encode_header (msgpack)"),
-    ("mesh.recv", "transport: ZmqMesh._deliver/_pieces (Python)"),
+    ("mesh.recv", "transport: ZmqMesh._drain/_deliver/_pieces (Python)"),
     ("wire.decode", "wire: validate + decode_header"),
-    ("zmq.glue", "pyzmq asyncio glue (_add_*_event, _handle_*, futures)"),
-    ("zmq.send", "pyzmq send_multipart -> libzmq send"),
-    ("zmq.recv", "pyzmq recv_multipart -> libzmq recv"),
+    ("zmq.glue", "pyzmq asyncio glue (_add_*_event, _handle_*, futures; sends that wait)"),
+    ("zmq.send", "pyzmq send/send_multipart -> libzmq send"),
+    ("zmq.recv", "pyzmq recv/recv_multipart -> libzmq recv"),
     ("zmq.events", "pyzmq getsockopt(EVENTS) -> libzmq"),
     ("reduce", "numpy reduction (_combine)"),
     ("loop", "event loop + Task/future machinery (unattributed CPU)"),
