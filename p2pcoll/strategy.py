@@ -285,15 +285,35 @@ class Cost:
             sends in one step count one each, as a single port serialises them).
         sent: bytes on the critical path (the beta terms).
         reduced: bytes reduced on the critical path (the gamma terms).
+        repeats: the part of ``rounds`` that repeats a message already sent to another
+            peer in the same step (a root's ``[Send(a), Send(b), ...]`` of one chunk).
+        repeated: the bytes of those repeats (part of ``sent``).
+
+    A transport charges repeats a fraction ``repeat`` of alpha and beta: 1 over sockets,
+    where each send is a copy of its own and the textbook's single port serialises them; 0
+    over the shared-memory rings, where the piece is copied in once, every peer reads it and
+    the messages' latencies overlap (their CPU is the host term's, not the critical path's).
     """
 
     rounds: float
     sent: float
     reduced: float = 0.0
+    repeats: float = 0.0
+    repeated: float = 0.0
 
-    def time(self, alpha: float, beta: float, gamma: float) -> float:
-        """Predicted seconds with alpha s/message, beta s/byte and gamma s/byte reduced."""
-        return self.rounds * alpha + self.sent * beta + self.reduced * gamma
+    def messages(self, repeat: float = 1.0) -> float:
+        """The rounds that pay alpha when repeats cost ``repeat`` of it (0..1)."""
+        return self.rounds - (1.0 - repeat) * self.repeats
+
+    def charged(self, repeat: float = 1.0) -> float:
+        """The bytes that pay beta when repeated bytes cost ``repeat`` of it (0..1)."""
+        return self.sent - (1.0 - repeat) * self.repeated
+
+    def time(self, alpha: float, beta: float, gamma: float, repeat: float = 1.0) -> float:
+        """Predicted seconds with alpha s/message, beta s/byte, gamma s/byte reduced, and
+        repeats charged ``repeat`` of alpha and beta."""
+        return (self.messages(repeat) * alpha + self.charged(repeat) * beta
+                + self.reduced * gamma)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,9 +33,12 @@ class ReduceBroadcast(Strategy):
             yield Recv(hub)
 
     def cost(self, work: Workload) -> Cost:
-        # The hub folds in p-1 messages, then sends p-1, one after the other.
+        # The hub folds in p-1 messages, then sends p-1, one after the other (all but the
+        # first repeat it: cheap where peers read one copy).
         p, n = work.size, work.nbytes
-        return Cost(2 * (p - 1) * work.waves, 2 * (p - 1) * n, (p - 1) * n)
+        again = max(0, p - 2)
+        return Cost(2 * (p - 1) * work.waves, 2 * (p - 1) * n, (p - 1) * n,
+                    repeats=again * work.waves, repeated=again * n)
 
     def traffic(self, work: Workload) -> Traffic:
         p, n, s = work.size, work.nbytes, work.segments

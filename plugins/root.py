@@ -35,9 +35,12 @@ class RootBroadcast(Strategy):
             yield Recv(ctx.root)
 
     def cost(self, work: Workload) -> Cost:
-        # (p-1)(alpha + n beta): the root's sends go one after the other.
+        # (p-1)(alpha + n beta): the root's sends go one after the other; all but the first
+        # repeat it (where peers read one copy, the root pays alpha + n beta once).
         p, n = work.size, work.nbytes
-        return Cost((p - 1) * work.waves, (p - 1) * n)
+        again = max(0, p - 2)
+        return Cost((p - 1) * work.waves, (p - 1) * n, repeats=again * work.waves,
+                    repeated=again * n)
 
     def traffic(self, work: Workload) -> Traffic:
         p, n = work.size, work.nbytes

@@ -63,7 +63,16 @@ def finish(procs: Sequence[subprocess.Popen[str]], timeout: float = 60) -> list[
             out.append((p.returncode, text))
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            stop(p)
     return out
+
+
+def stop(p: subprocess.Popen[Any]) -> None:
+    """Kill ``p`` if it still runs, reap it and close its pipes (left open, they surface
+    as ResourceWarnings in whichever later test the garbage collector happens to run in)."""
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    for pipe in (p.stdin, p.stdout, p.stderr):
+        if pipe is not None:
+            pipe.close()

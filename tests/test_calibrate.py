@@ -102,7 +102,8 @@ async def test_auto_follows_the_constants_of_the_file(tmp_path: Path,
 def test_the_fit_finds_known_constants() -> None:
     """Times made from known constants give them back; times that no nonnegative
     overhead explains give overhead 0, not a negative one."""
-    truth = Constants(alpha=300e-6, beta=0.5e-9, gamma=0.1e-9, overhead=200e-6)
+    truth = Constants(alpha=300e-6, beta=0.5e-9, gamma=0.1e-9, overhead=200e-6,
+                      repeat=DEFAULT_CONSTANTS["ipc"].repeat)  # a transport's, not fitted
     model = CostModel(replace(DEFAULT_CONSTANTS["ipc"], gamma=truth.gamma), cores=2)
     runs = [(2, "recursive_doubling", n) for n in (4096, 1 << 16, 1 << 20, 16 << 20)]
     runs += [(4, name, n) for name in ("recursive_doubling", "ring", "reduce_broadcast")

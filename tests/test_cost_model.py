@@ -205,3 +205,32 @@ async def test_a_group_uses_its_constants_file(tmp_path: Path) -> None:
     with pytest.raises(p2pcoll.SettingsError, match="cannot read the cost model"):
         await memory_groups(2, cost_model=str(path))
     assert Settings.resolve({"P2PCOLL_COST_MODEL": str(path)}).cost_model == str(path)
+
+
+def test_repeated_sends_are_cheap_only_where_peers_read_one_copy() -> None:
+    """A root's sends of one piece: over sockets p-1 messages and (p-1)n bytes one after
+    the other (the textbook's single port); over the shared-memory rings one copy that
+    every peer reads, so one alpha and n beta (the rest is the host term's CPU)."""
+    root = registry.get("broadcast", "root")
+    p, n = 4, 1 << 16
+    cost = root.cost(CostModel().workload(root, n, p))
+    assert cost == Cost(3, 3 * n, 0, repeats=2, repeated=2 * n)
+    assert cost.time(1.0, 1e-6, 0, repeat=1.0) == pytest.approx(3 + 3 * n * 1e-6)
+    assert cost.time(1.0, 1e-6, 0, repeat=0.0) == pytest.approx(1 + n * 1e-6)
+    ipc, tcp = DEFAULT_CONSTANTS["ipc"], DEFAULT_CONSTANTS["tcp"]
+    assert (ipc.repeat, tcp.repeat) == (0.0, 1.0)
+    # Without the rings (P2PCOLL_SHM=0) ipc links copy every send: repeat is 1.
+    assert CostModel.for_settings(Settings(shm=False), "ipc").constants.repeat == 1.0
+    assert CostModel.for_settings(Settings(), "ipc").constants.repeat == 0.0
+    # Two ranks: nothing to repeat.
+    two = root.cost(CostModel().workload(root, n, 2))
+    assert two is not None and (two.repeats, two.repeated) == (0, 0)
+
+
+def test_repeat_in_a_cost_model_file_is_a_fraction(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"tcp": {"repeat": 0.5}}))
+    assert load_constants(path)["tcp"].repeat == 0.5
+    path.write_text(json.dumps({"tcp": {"repeat": 2}}))
+    with pytest.raises(p2pcoll.SettingsError, match=r"tcp\.repeat = 2 is not a fraction"):
+        load_constants(path)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import finish
+from conftest import finish, stop
 
 from p2pcoll.testing import free_port
 
@@ -107,9 +107,7 @@ def test_train_ddp_example_matches_gloo(tmp_path: Path) -> None:
                 saved[name] = torch.load(tmp_path / f"{name}.pt")
         finally:
             for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                stop(proc)
     for kind in ("", "fsdp-", "fp16-", "powersgd-"):
         assert torch.equal(saved[f"{kind}p2pcoll"], saved[f"{kind}gloo"]), kind
     assert torch.equal(saved["launch"], saved["gloo"])

@@ -64,6 +64,8 @@ EXCHANGE = "recursive_doubling"  # at p = 2: one message each way per wave
 CROWDED = ("recursive_doubling", "ring", "reduce_broadcast")  # 8, 24 and 6 messages at p = 4
 SMALL = 1 << 20  # the host-term run times the sizes below this (mostly alpha and overhead)
 FITTED = ("alpha", "beta", "overhead")  # gamma is measured directly
+# The constants the time is linear in; ``repeat`` (a transport's property) is kept as given.
+LINEAR = ("alpha", "beta", "gamma", "overhead")
 
 
 class CalibrationFailed(Exception):
@@ -128,10 +130,10 @@ def fit(samples: Sequence[Sample], model: CostModel, fields: Sequence[str] = FIT
     Raises:
         ValueError: no sample has a cost model, or ``fields`` names no constant.
     """
-    unknown = set(fields) - set(FIELDS)
+    unknown = set(fields) - set(LINEAR)
     if unknown or not fields:
-        raise ValueError(f"cannot fit {sorted(unknown) or 'nothing'}; the constants are "
-                         f"{', '.join(FIELDS)}")
+        raise ValueError(f"cannot fit {sorted(unknown) or 'nothing'}; the constants that "
+                         f"can be fitted are {', '.join(LINEAR)}")
     used, rows, rhs = [], [], []
     for sample in samples:
         local = replace(model, local=sample.size)
@@ -140,9 +142,11 @@ def fit(samples: Sequence[Sample], model: CostModel, fields: Sequence[str] = FIT
         if cost is None:
             continue
         per_message = replace(local, constants=replace(local.constants, overhead=1.0))
-        terms = {"alpha": cost.rounds, "beta": cost.sent, "gamma": cost.reduced,
+        repeat = model.constants.repeat
+        terms = {"alpha": cost.messages(repeat), "beta": cost.charged(repeat),
+                 "gamma": cost.reduced,
                  "overhead": per_message.contention(sample.strategy, work)}
-        known = sum(terms[f] * getattr(model.constants, f) for f in FIELDS if f not in fields)
+        known = sum(terms[f] * getattr(model.constants, f) for f in LINEAR if f not in fields)
         # Relative error: each sample's equation divided by its measured time, so that the
         # small sizes (alpha) weigh as much as the large ones (beta).
         rows.append([terms[f] / sample.seconds for f in fields])

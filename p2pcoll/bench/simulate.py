@@ -18,12 +18,11 @@ import itertools
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..engine.costs import (
     DEFAULT_CONSTANTS,
     TRANSPORTS,
-    Constants,
     CostModel,
     load_constants,
 )
@@ -119,9 +118,8 @@ def predict(reg: Registry, model: CostModel, collective: str, nbytes: int,
     for name, entry in sorted(reg.entries()[collective].items()):
         strategy: Strategy = entry.strategy
         cost = strategy.cost(model.workload(strategy, nbytes, size))
-        c = model.constants
         out.append(Prediction(name, cost,
-                              None if cost is None else cost.time(c.alpha, c.beta, c.gamma)))
+                              None if cost is None else model.constants.time(cost)))
     return sorted(out, key=lambda p: (p.seconds is None, p.seconds or 0.0, p.name))
 
 
@@ -152,10 +150,11 @@ def _model(args: argparse.Namespace, environ: dict[str, str] | None = None) -> C
     table = load_constants(path, "--cost-model" if args.cost_model else "$P2PCOLL_COST_MODEL") \
         if path else dict(DEFAULT_CONSTANTS)
     base = table[args.transport]
-    constants = Constants(
-        parse_time(args.latency) if args.latency else base.alpha,
-        1 / parse_rate(args.bandwidth) if args.bandwidth else base.beta,
-        1 / parse_rate(args.gamma) if args.gamma else base.gamma,
+    constants = replace(
+        base,
+        alpha=parse_time(args.latency) if args.latency else base.alpha,
+        beta=1 / parse_rate(args.bandwidth) if args.bandwidth else base.beta,
+        gamma=1 / parse_rate(args.gamma) if args.gamma else base.gamma,
     )
     segment = parse_size(args.segment_bytes) if args.segment_bytes else 1 << 20
     if segment < 1:
@@ -202,7 +201,9 @@ def report(args: argparse.Namespace, reg: Registry = registry) -> str:
         f"({1 / c.beta / 1e9:.4g} GB/s), gamma {c.gamma * 1e9:.4g} ns/B "
         f"({1 / c.gamma / 1e9:.4g} GB/s) ({args.transport} constants where not given)"),
         (f"# segments of {_size(model.segment_bytes)}, {model.depth} in flight; "
-        "time = rounds*alpha + sent*beta + reduced*gamma on the critical path"),
+        "time = rounds*alpha + sent*beta + reduced*gamma on the critical path; "
+        f"repeats of a message to another peer in one step pay {c.repeat:g} of alpha and "
+        "beta"),
         (f"{'strategy':<20} {'time':>12} {'x best':>8} {'rounds':>10} {'sent (B)':>14} "
         f"{'reduced (B)':>14}"),
     ]
@@ -213,7 +214,8 @@ def report(args: argparse.Namespace, reg: Registry = registry) -> str:
             continue
         ratio = row.seconds / fastest if fastest else 1.0
         lines.append(f"{row.name:<20} {_seconds(row.seconds):>12} {ratio:>7.2f}x "
-                     f"{row.cost.rounds:>10.4g} {row.cost.sent:>14.6g} {row.cost.reduced:>14.6g}")
+                     f"{row.cost.messages(c.repeat):>10.4g} {row.cost.charged(c.repeat):>14.6g} "
+                     f"{row.cost.reduced:>14.6g}")
     best = reg.auto_name(collective, nbytes, p, model)
     lines.append(f"best: {best} (what auto picks with these constants)")
     changes = crossovers(reg, model, collective, p, low_b, high_b)

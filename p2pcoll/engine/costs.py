@@ -8,8 +8,14 @@ of one collective, the messages sent one after the other (``rounds``), the bytes
     alpha   seconds per message (software overhead and wake-ups, not only the wire)
     beta    seconds per byte sent (the inverse of the bandwidth, copies included)
     gamma   seconds per byte reduced (numpy's ufunc over the received piece)
+    repeat  the fraction of alpha and beta paid by a message that repeats one sent to
+            another peer in the same step (a root's sends of one chunk; ``Cost.repeats``):
+            1 over sockets, where each send is a copy and one port serialises them; 0
+            over the shared-memory rings, where the piece is copied in once, every peer
+            reads it and the latencies overlap
 
-the prediction is ``rounds*alpha + sent*beta + reduced*gamma``.
+the prediction is ``(rounds - (1-repeat)*repeats)*alpha + (sent - (1-repeat)*repeated)*beta
++ reduced*gamma``.
 
 One term is not the textbook's: when more ranks share a host than it has cores, they queue
 for the CPU, and then what all of them do counts, not only the critical path. With
@@ -34,7 +40,9 @@ file named by ``$P2PCOLL_COST_MODEL`` (``join(cost_model=...)``) overrides any o
     {"ipc": {"alpha": 3e-4, "beta": 3e-10, "gamma": 2e-10, "overhead": 3e-4},
      "tcp": {"alpha": 4e-4, "beta": 2.5e-9}}
 
-Missing transports or fields keep their defaults; anything else in the file is an error.
+Missing transports or fields keep their defaults; anything else in the file is an error
+(``repeat`` must lie in 0..1). With ``P2PCOLL_SHM=0`` the ipc links carry every piece over
+their sockets, and their ``repeat`` is taken as 1.
 """
 
 from __future__ import annotations
@@ -50,36 +58,44 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import SettingsError
-from ..strategy import Strategy, Workload
+from ..strategy import Cost, Strategy, Workload
 from .layout import Layout
 
 TRANSPORTS = ("ipc", "tcp")
-FIELDS = ("alpha", "beta", "gamma", "overhead")
+FIELDS = ("alpha", "beta", "gamma", "overhead", "repeat")
 PARTS = frozenset({"allgather", "gather", "scatter"})  # one chunk per rank, chunk r rank r's
 
 
 @dataclass(frozen=True)
 class Constants:
-    """The constants of one transport: seconds per message, per byte sent, per byte reduced."""
+    """The constants of one transport: seconds per message, per byte sent, per byte reduced;
+    CPU seconds per message (``overhead``) and the share of beta a repeated piece pays."""
 
     alpha: float
     beta: float
     gamma: float
     overhead: float = 0.0  # CPU seconds per message, for hosts with more ranks than cores
+    repeat: float = 1.0  # 0: peers read one copy of a piece sent to several (shared memory)
 
     def describe(self) -> str:
         return (f"alpha {self.alpha * 1e6:g} us/message, beta {self.beta * 1e9:g} ns/B "
-                f"({1 / self.beta / 1e9:.3g} GB/s), gamma {self.gamma * 1e9:g} ns/B")
+                f"({1 / self.beta / 1e9:.3g} GB/s), gamma {self.gamma * 1e9:g} ns/B, "
+                f"repeat {self.repeat:g}")
+
+    def time(self, cost: Cost) -> float:
+        """The seconds ``cost`` predicts with these constants (no host term)."""
+        return cost.time(self.alpha, self.beta, self.gamma, self.repeat)
 
 
 # Measured here (see the module docstring). ipc: alpha, beta and overhead fitted
 # (benchmarks/auto_accuracy.py --fit, two runs of p = 2..4 x 4K..16M on 2 busy cores: alpha
 # 505-683 us, beta 0.23-0.24 ns/B, overhead 400-426 us); numpy's add gives gamma. tcp over
 # loopback moved 16 MiB in 50-54 ms with or without CurveZMQ (4 MiB in 15 ms), about 3 ns/B
-# with the reduction; its 4 KiB exchanges took 1.0-1.2x ipc's.
+# with the reduction; its 4 KiB exchanges took 1.0-1.2x ipc's. repeat: a root's pieces go
+# into its shared-memory ring once for all readers (transport/shm.py); sockets copy each.
 DEFAULT_CONSTANTS: Mapping[str, Constants] = {
-    "ipc": Constants(alpha=500e-6, beta=0.25e-9, gamma=0.20e-9, overhead=400e-6),
-    "tcp": Constants(alpha=600e-6, beta=2.5e-9, gamma=0.20e-9, overhead=400e-6),
+    "ipc": Constants(alpha=500e-6, beta=0.25e-9, gamma=0.20e-9, overhead=400e-6, repeat=0.0),
+    "tcp": Constants(alpha=600e-6, beta=2.5e-9, gamma=0.20e-9, overhead=400e-6, repeat=1.0),
 }
 
 
@@ -92,7 +108,8 @@ def load_constants(path: str | Path, where: str = "$P2PCOLL_COST_MODEL") -> dict
             and the file.
     """
     allowed = ("a JSON file like {\"ipc\": {\"alpha\": 3e-4, \"beta\": 3e-10, "
-               "\"gamma\": 2e-10}, \"tcp\": {...}} (seconds per message, per byte)")
+               "\"gamma\": 2e-10}, \"tcp\": {...}} (seconds per message, per byte; "
+               "repeat a fraction 0..1)")
     try:
         data: Any = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -115,6 +132,9 @@ def load_constants(path: str | Path, where: str = "$P2PCOLL_COST_MODEL") -> dict
                     or not math.isfinite(value) or value < 0):
                 raise _bad(where, path, f"{transport}.{name} = {value!r} is not a number of "
                            "seconds >= 0", allowed)
+            if name == "repeat" and value > 1:
+                raise _bad(where, path, f"{transport}.repeat = {value!r} is not a fraction "
+                           "from 0 to 1", allowed)
             values[name] = float(value)
         out[transport] = replace(out[transport], **values)
     return out
@@ -148,7 +168,10 @@ class CostModel:
         if constants is None:
             path = getattr(settings, "cost_model", None)
             constants = load_constants(path) if path else DEFAULT_CONSTANTS
-        return cls(constants[transport], settings.segment_bytes, settings.pipeline_depth,
+        chosen = constants[transport]
+        if not getattr(settings, "shm", True):  # no rings: every send is a copy of its own
+            chosen = replace(chosen, repeat=1.0)
+        return cls(chosen, settings.segment_bytes, settings.pipeline_depth,
                    settings.max_message_bytes, local, cores)
 
     def workload(self, strategy: Strategy, nbytes: int, size: int,
@@ -164,8 +187,7 @@ class CostModel:
         cost = strategy.cost(work)
         if cost is None:
             return None
-        c = self.constants
-        return cost.time(c.alpha, c.beta, c.gamma) + self.contention(strategy, work)
+        return self.constants.time(cost) + self.contention(strategy, work)
 
     def contention(self, strategy: Strategy, work: Workload) -> float:
         """The host term: CPU time of this host's share of all messages, over its cores,
