@@ -104,6 +104,15 @@ def test_other_collectives_and_the_transports_constants(
     assert "(tcp constants where not given)" in out
 
 
+def test_simulated_ranks_share_no_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    """A host each: the root's p-1 sends of one piece are priced in full even with ipc's
+    constants (whose repeat is 0: the rings of one host)."""
+    assert main(["simulate", "--collective", "broadcast", "-n", "8", "--size", "4M",
+                 "--latency", "100us", "--bandwidth", "1GB/s"]) == 0
+    root = table(capsys.readouterr().out)["root"]
+    assert root == pytest.approx(7 * (100e-6 + (4 << 20) / 1e9), rel=1e-3)
+
+
 def test_a_cost_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
     path.write_text('{"ipc": {"alpha": 1e-3}}')
