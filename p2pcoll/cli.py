@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import zmq
 
 from . import __version__
+from .engine.costs import DEFAULT_CONSTANTS, CostModel
 from .errors import P2PCollError, SettingsError
 from .launch import launch
 from .registry import Registry, registry
@@ -253,15 +254,23 @@ def format_strategies(registry: Registry) -> str:
     strategy with its description and where it comes from; last, the plugins that are
     installed but broken, each with its problem."""
     lines: list[str] = []
+    models = {where: CostModel(DEFAULT_CONSTANTS[transport])
+              for where, transport in (("one host", "ipc"), ("across hosts", "tcp"))}
     for collective, table in registry.entries().items():
-        # "auto" may depend on the data and group sizes: ask about tiny and huge data
-        # in a group of 4 and one of 16 (see p2pcoll.registry for the thresholds).
-        picks = {}
-        for peers in (4, 16):
-            small = _auto_pick(registry, collective, 0, peers)
-            large = _auto_pick(registry, collective, 1 << 40, peers)
-            picks[peers] = small if small == large else f"{small} for small data, {large} for large"
-        auto = picks[4] if picks[4] == picks[16] else f"4 peers: {picks[4]}; 16 peers: {picks[16]}"
+        # "auto" may depend on the data and group sizes and on the links' constants: ask
+        # about tiny and huge data in a group of 4 and one of 16, on one host and across.
+        said = {}
+        for where, model in models.items():
+            picks = {}
+            for peers in (4, 16):
+                small = _auto_pick(registry, collective, 0, peers, model)
+                large = _auto_pick(registry, collective, 1 << 40, peers, model)
+                picks[peers] = (small if small == large
+                                else f"{small} for small data, {large} for large")
+            said[where] = (picks[4] if picks[4] == picks[16]
+                           else f"4 peers: {picks[4]}; 16 peers: {picks[16]}")
+        here, across = said.values()
+        auto = here if here == across else f"one host: {here}; across hosts: {across}"
         lines.append(f"{collective} (auto: {auto})")
         if not table:
             lines.append("  (none installed)")
@@ -280,12 +289,13 @@ def format_strategies(registry: Registry) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _auto_pick(registry: Registry, collective: str, nbytes: int, peers: int) -> str:
+def _auto_pick(registry: Registry, collective: str, nbytes: int, peers: int,
+               model: CostModel) -> str:
     """The name "auto" picks, or that name marked as not installed or broken."""
     try:
-        return registry.auto(collective, nbytes, peers).name
+        return registry.auto(collective, nbytes, peers, model).name
     except P2PCollError:
-        name = registry.auto_name(collective, nbytes, peers)
+        name = registry.auto_name(collective, nbytes, peers, model)
         if any((b.collective, b.name) == (collective, name) for b in registry.broken()):
             return f"{name} (broken)"
         return f"{name} (not installed)"

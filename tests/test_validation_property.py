@@ -333,6 +333,10 @@ def valid_headers(draw: st.DrawFn) -> Header:
                       "waiting_on": draw(st.lists(st.integers(0, 7), max_size=4))}
     elif kind == "hello" and draw(st.booleans()):
         h.meta = {"ring": draw(st.none() | st.text(max_size=40))}
+        if draw(st.booleans()):
+            h.meta.update(lane=draw(st.text(max_size=40)), wake=draw(st.text(max_size=40)))
+    elif kind == "lane":
+        h.meta = {"on": draw(st.booleans())}
     return h
 
 

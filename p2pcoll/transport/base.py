@@ -42,6 +42,18 @@ class Tracker(Protocol):
     def done(self) -> bool: ...
 
 
+class BytesPiece:
+    """A received piece held in memory (bytes of its own)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+
 MessageHandler = Callable[[Header, list[Piece]], None]
 LinkDownHandler = Callable[[int], None]
 
@@ -52,6 +64,7 @@ class Counters:
 
     bytes_sent: int = 0
     bytes_sent_shm: int = 0  # of bytes_sent, those that went through shared memory
+    messages_sent_lane: int = 0  # of messages_sent, those that went on a lane (see lane.py)
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import PeerLost, ProtocolError
 from ..types import Membership
 from ..wire import Header, Limits, encode_header, validate
-from .base import Counters, Drops, LinkDownHandler, MessageHandler, Piece
+from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, Piece
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,6 @@ class Faults:
     delay: tuple[float, float] = (0.0, 0.0)
     reorder: bool = False
     seed: int = 0
-
-
-class _Bytes:
-    """A received piece held in memory."""
-
-    __slots__ = ("buffer",)
-
-    def __init__(self, data: bytes) -> None:
-        self.buffer = memoryview(data)
-
-    def __len__(self) -> int:
-        return len(self.buffer)
 
 
 @dataclass
@@ -189,7 +177,7 @@ class MemoryTransport:
             if header.kind == "data":
                 self.counters.messages_received += 1
                 self.counters.bytes_received += sum(header.nbytes)
-            pieces: list[Piece] = [_Bytes(f) for f in frames[1:]]
+            pieces: list[Piece] = [BytesPiece(f) for f in frames[1:]]
             self.on_message(header, pieces)
         except ProtocolError as exc:
             self.drops.drop(link, exc)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,8 +35,8 @@ from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header, validate
-from . import shm
-from .base import Counters, Drops, LinkDownHandler, MessageHandler, Piece
+from . import lane, shm
+from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, Piece
 from .endpoints import EndpointPolicy
 from .malloc import tune_malloc
 from .sockets import SocketFactory
@@ -125,6 +126,15 @@ class ZmqMesh:
         # peer wait for room in its queue.
         self._plain: dict[int, zmq.Socket] = {}
         self._waiting: dict[int, int] = {}
+        # Lanes to and from the peers of this host (see .lane), and the order of each
+        # peer's messages across socket and lane: whether my messages to a peer go on the
+        # lane now, whether a peer's come on its lane now, and the socket messages of a
+        # peer held until its lane says "back to the socket".
+        self._lanes: lane.Lanes | None = None
+        self._on_lane: dict[int, bool] = {}
+        self._lane_from: dict[int, bool] = {}
+        self._held: dict[int, deque[list[zmq.Frame]]] = {}
+        self._marker_on = self._marker_off = b""
         tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
@@ -159,9 +169,21 @@ class ZmqMesh:
         }
         if near and not inproc and self.settings.shm and shm.available():
             # Peers reached over ipc share this host: large pieces may go through shared
-            # memory, to those of them that map the ring announced in the hello.
+            # memory, to those of them that map the ring announced in the hello, and
+            # messages through lanes (see .lane).
             self._rings = shm.SharedRings(rank, len(endpoints), near, group_id,
                                           self.settings.shm_bytes)
+            try:
+                self._lanes = lane.Lanes(rank, near, shm.group_tag(group_id))
+            except OSError as exc:
+                log.warning("rank %d: no shared-memory lanes (%s); messages go over the "
+                            "sockets", rank, exc)
+            else:
+                self._held = {peer: deque() for peer in near}
+                self._marker_on, self._marker_off = (
+                    encode_header(Header("lane", group_id, rank, meta={"on": on}))
+                    for on in (True, False))
+                self._lanes.marker_room = lane.record_size([self._marker_off])
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -225,7 +247,7 @@ class ZmqMesh:
         snapshot = copy or self._snapshot_all
         for dst, link, header in zip(dsts, links, headers, strict=True):
             header.nbytes = nbytes
-            frames: list[object] = []
+            inline: list[np.ndarray] = []  # the pieces not in the ring
             reader = near.index(dst) if dst in near else -1
             offsets, indices = [], []
             for piece, spot in zip(payload, placed, strict=True):
@@ -235,20 +257,26 @@ class ZmqMesh:
                     continue
                 offsets.append(-1)
                 indices.append(-1)
-                if piece.nbytes < ZERO_COPY_BYTES:
-                    frames.append(piece.tobytes() if piece.nbytes else b"")
-                elif snapshot:
-                    frames.append(zmq.Frame(piece, copy=True))
-                else:
-                    frame = zmq.Frame(piece, copy=False, track=True)
-                    tracked.append(frame)
-                    frames.append(frame)
+                inline.append(piece)
             if outbox is not None and any(at >= 0 for at in offsets):
                 header.shm = [outbox.name, offsets, indices]
-            frames.insert(0, encode_header(header))
-            await self._put_frames(dst, link, frames)
+            head = encode_header(header)
+            c = self.counters
+            if self._lane_put(dst, [head, *inline]):
+                c.messages_sent_lane += header.kind == "data"
+            else:
+                frames: list[object] = [head]
+                for piece in inline:
+                    if piece.nbytes < ZERO_COPY_BYTES:
+                        frames.append(piece.tobytes() if piece.nbytes else b"")
+                    elif snapshot:
+                        frames.append(zmq.Frame(piece, copy=True))
+                    else:
+                        frame = zmq.Frame(piece, copy=False, track=True)
+                        tracked.append(frame)
+                        frames.append(frame)
+                await self._put_frames(dst, link, frames)
             if header.kind == "data":
-                c = self.counters
                 c.messages_sent += 1
                 c.bytes_sent += sum(nbytes)
                 c.bytes_sent_shm += sum(n for n, at in zip(nbytes, offsets) if at >= 0)
@@ -280,6 +308,40 @@ class ZmqMesh:
         finally:
             self._waiting[dst] -= 1
 
+    def _lane_put(self, dst: int, frames: Sequence[object]) -> bool:
+        """Put one message on the lane to ``dst`` if it may go there; False: the socket.
+
+        A peer's messages move between socket and lane only with a marker on the channel
+        they leave, so that the receiver, which follows the markers, reads them in the
+        order they were sent: to the lane with a ``lane on`` message on the socket (sent
+        only when no earlier send to ``dst`` still waits for room in its queue, so nothing
+        sent before can come after it), back with ``lane off`` on the lane (room for it is
+        kept free) when a message does not fit. Never waits.
+        """
+        lanes = self._lanes
+        out = lanes.ready(dst) if lanes is not None else None
+        if out is None:
+            return False
+        assert lanes is not None
+        spare = lanes.marker_room  # every write leaves room for "lane off"
+        if not self._on_lane.get(dst):
+            plain = self._plain.get(dst)
+            if plain is None or self._waiting.get(dst) or not out.fits_now(frames, spare):
+                return False
+            try:
+                plain.send(self._marker_on, _NOBLOCK)
+            except zmq.Again:
+                return False
+            self._on_lane[dst] = True
+        if out.write(frames, spare):
+            lanes.wake(dst)
+            return True
+        written = out.write([self._marker_off])
+        assert written, "the room kept for the marker was taken"
+        lanes.wake(dst)
+        self._on_lane[dst] = False
+        return False
+
     def _link(self, dst: int) -> zmq.asyncio.Socket:
         link = self._links.get(dst)
         if link is None:
@@ -293,8 +355,11 @@ class ZmqMesh:
         link = self._links.get(dst)
         if link is None or link.closed:
             return
+        frame = encode_header(header)
+        if self._lane_put(dst, [frame]):
+            return
         try:
-            sent = link.send(encode_header(header), zmq.NOBLOCK)
+            sent = link.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("control message to rank %d not sent: %s", dst, exc)
             return
@@ -305,9 +370,14 @@ class ZmqMesh:
         """Post a hello to every other peer; to those of this host it names this peer's
         shared-memory ring, which they map if they can (see :mod:`.shm`)."""
         outbox = self._rings.outbox if self._rings is not None else None
+        lanes = self._lanes
         for peer in self._links:
-            meta = {"ring": outbox.name} if outbox and peer in self._rings.peers else None
-            self.post(peer, dataclasses.replace(header, meta=meta))
+            meta: dict[str, str] = {}
+            if outbox and self._rings is not None and peer in self._rings.peers:
+                meta["ring"] = outbox.name
+            if lanes is not None and peer in lanes.peers:
+                meta.update(lanes.announce(peer))
+            self.post(peer, dataclasses.replace(header, meta=meta or None))
 
     def broadcast(self, header: Header) -> None:
         """Post a control message to every other peer."""
@@ -331,6 +401,9 @@ class ZmqMesh:
         done = loop.create_future()
         self._reading = (router, done)
         loop.add_reader(fd, self._drain)
+        wakeup = self._lanes.wakeup.fd if self._lanes is not None else None
+        if wakeup is not None:
+            loop.add_reader(wakeup, self._on_wake)
         try:
             self._drain()  # what came before the registration signalled no edge to it
             await done
@@ -338,6 +411,8 @@ class ZmqMesh:
             return
         finally:
             loop.remove_reader(fd)
+            if wakeup is not None:
+                loop.remove_reader(wakeup)
             self._reading = None
 
     def _drain(self) -> None:
@@ -368,25 +443,83 @@ class ZmqMesh:
         asyncio.get_running_loop().call_soon(self._drain)
 
     def _deliver(self, frames: list[zmq.Frame]) -> None:
-        """Validate one message and hand it on; drop and count it if anything fails."""
+        """One message from the ROUTER: handed on in its sender's order, or dropped."""
         identity = frames[0].bytes if frames else b""
-        source: object = identity[:16]
+        source = self._ranks.get(identity)
+        if len(frames) < 2 or source is None:
+            self.drops.drop(identity[:16], ProtocolError(
+                "message has no header frame" if len(frames) < 2 else
+                f"link identity {identity[:40]!r} is not a member of this group",
+                reason="malformed" if len(frames) < 2 else "stranger"))
+            return
+        if self._lane_from.get(source):  # its lane is current: this waits for "lane off"
+            self._held[source].append(frames)
+            return
+        self._accept(source, frames[1].buffer, frames[2:], on_lane=False)
+        if self._lane_from.get(source):  # that was "lane on"
+            self._pump(source)
+
+    def _pump(self, src: int) -> None:
+        """Hand on ``src``'s waiting messages in the order it sent them: from its lane
+        while that is current, else those of its socket held meanwhile (see _lane_put)."""
+        if self._lanes is None:  # closed meanwhile
+            return
+        inbound = self._lanes.into.get(src)
+        held = self._held[src]
+        for _ in range(YIELD_EVERY):
+            if not self._lane_from.get(src):
+                if not held:
+                    return
+                frames = held.popleft()
+                self._accept(src, frames[1].buffer, frames[2:], on_lane=False)
+                continue
+            if inbound is None:
+                return
+            try:
+                record = inbound.read()
+            except ProtocolError as exc:  # what it sent is lost: the peer is as good as gone
+                self.drops.drop(src, exc)
+                log.error("rank %d: %s", self.rank, exc)
+                self.on_link_down(src)
+                return
+            if record is None:
+                return
+            first, rest = record
+            self._accept(src, first, [BytesPiece(b) for b in rest], on_lane=True)
+            first.release()
+            inbound.release()
+        # More may be waiting (a flood must not hold the loop): go on after the others.
+        asyncio.get_running_loop().call_soon(self._pump, src)
+
+    def _on_wake(self) -> None:
+        """A lane sender wrote into this peer's wake-up pipe: read the lanes now current."""
+        lanes = self._lanes
+        if lanes is None or self._closed:
+            return
+        lanes.wakeup.clear()  # before reading, so that a later record wakes the loop again
+        for src, current in self._lane_from.items():
+            if current:
+                self._pump(src)
+
+    def _accept(self, source: int, head: memoryview, frames: Sequence[Piece], *,
+                on_lane: bool) -> None:
+        """Validate one message of member ``source`` and hand it on; drop and count it if
+        anything fails."""
         try:
-            if len(frames) < 2:
-                raise ProtocolError("message has no header frame")
-            if identity not in self._ranks:
-                raise ProtocolError(f"link identity {identity[:40]!r} is not a member of "
-                                    f"this group", reason="stranger")
-            source = self._ranks[identity]
             assert self._limits is not None
-            header = validate(source, frames[1].buffer, [len(f) for f in frames[2:]],
-                              self._limits)
-            payload = self._pieces(header, frames[2:])
+            header = validate(source, head, [len(f) for f in frames], self._limits)
+            if header.kind == "lane":
+                self._follow(source, header, on_lane)
+                return
+            payload = self._pieces(header, frames)
             if header.kind == "data":
                 self.counters.messages_received += 1
                 self.counters.bytes_received += sum(header.nbytes)
-            elif header.kind == "hello" and header.meta and "ring" in header.meta:
-                self._accept_ring(header.src, header.meta["ring"])
+            elif header.kind == "hello" and header.meta:
+                if "ring" in header.meta:
+                    self._accept_ring(header.src, header.meta["ring"])
+                if "lane" in header.meta:
+                    self._accept_lane(header.src, header.meta["lane"], header.meta.get("wake"))
         except ProtocolError as exc:
             self.drops.drop(source, exc)
             return
@@ -400,6 +533,25 @@ class ZmqMesh:
         except Exception as exc:  # noqa: BLE001
             self.drops.drop(source, exc, bug=True)
 
+    def _follow(self, src: int, header: Header, on_lane: bool) -> None:
+        """A marker: ``src``'s next messages come on its lane ("on", sent on the socket)
+        or on the socket ("off", sent on the lane)."""
+        assert header.meta is not None
+        on = header.meta["on"]
+        if on == on_lane or self._lanes is None or src not in self._lanes.into:
+            raise ProtocolError(f"rank {src} moved {'to' if on else 'off'} a lane out of turn")
+        self._lane_from[src] = on
+
+    def _accept_lane(self, peer: int, name: object, wake: object) -> None:
+        """Open the lane a peer of this host announced (and its wake-up pipe); if that
+        fails, the peer keeps sending to this one over the socket."""
+        if self._lanes is None or peer not in self._lanes.peers:
+            return
+        try:
+            self._lanes.accept(peer, name, wake)
+        except ProtocolError as exc:
+            log.info("rank %d: no lane from rank %d: %s", self.rank, peer, exc)
+
     def _accept_ring(self, peer: int, name: object) -> None:
         """Map the shared-memory ring a peer of this host announced; if that fails, the
         peer keeps sending to this one over the socket."""
@@ -412,7 +564,7 @@ class ZmqMesh:
         except ProtocolError as exc:
             log.info("rank %d: no shared memory from rank %d: %s", self.rank, peer, exc)
 
-    def _pieces(self, header: Header, frames: Sequence[zmq.Frame]) -> list[Piece]:
+    def _pieces(self, header: Header, frames: Sequence[Piece]) -> list[Piece]:
         """The payload pieces: the frames, and pieces in the sender's shared-memory ring."""
         if header.shm is None:
             return list(frames)
@@ -456,6 +608,9 @@ class ZmqMesh:
         self._probes.clear()
         if self._rings is not None:
             self._rings.close()
+        if self._lanes is not None:
+            self._lanes.close()
+            self._lanes = None
         if self._router is not None:
             self._router.close(linger=0)
             for endpoint in self.endpoints:

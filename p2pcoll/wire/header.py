@@ -4,7 +4,7 @@ A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack ma
 
     v    format version (WIRE_VERSION)        k    kind: "data" | "abort" | "hello" | "bye"
                                                    | "farewell" (a bye was read)
-                                                   | "why" | "waiting" (see below)
+                                                   | "why" | "waiting" | "lane" (see below)
     g    group id                             r    source rank
     q    collective sequence number (bye:     seg  pipeline segment
          how many the peer had started)
@@ -27,7 +27,11 @@ it waits for itself, which its peers need not take for theirs). ``why`` and
 ``waiting`` are how a rank whose deadline passed finds out whom to blame before it aborts:
 it asks every peer ``why`` about collective ``q``, and each answers at once with
 ``waiting``, meta ``{state, waiting_on}``: one of :data:`STATES` and the ranks its receives
-of ``q`` are waiting for.
+of ``q`` are waiting for. A ``hello`` may name the sender's shared-memory ring (meta
+``ring``) and, to a peer of its host, its lane to that peer and its wake-up pipe (``lane``,
+``wake``: see :mod:`p2pcoll.transport.lane`). ``lane`` (meta ``{on: bool}``) says that the
+sender's next messages come on its lane (``on``, sent on the socket) or on the socket again
+(sent on the lane): the receiver follows it to keep the sender's order.
 
 A point-to-point message (``Group.send``/``Group.recv``) is a ``data`` message with a tag
 ``t``: not every rank takes part, so its ``q`` is no collective sequence number but the
@@ -49,8 +53,8 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 4
-KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting"})
+WIRE_VERSION = 5
+KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting", "lane"})
 WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting"})  # kinds that carry "q"
 # What a peer answers about a collective, in a "waiting" message.
 WAITING, FINISHED, NOT_STARTED, FAILED = "waiting", "finished", "not started", "failed"

@@ -204,15 +204,22 @@ def decode_header(raw: bytes | memoryview) -> Header:
             raise ProtocolError(f"header field 'meta' is {_short(meta)}, expected a map")
         _check_meta(kind, meta)
         h.meta = meta
+    elif kind == "lane":
+        raise ProtocolError("a lane message says neither on nor off (no meta)")
     return h
 
 
 def _check_meta(kind: str, meta: dict[str, Any]) -> None:
     """The extras each kind may carry; anything else is refused."""
     if kind == "hello":
-        ring = meta.get("ring")
-        if set(meta) - {"ring"} or not (ring is None or isinstance(ring, str) and len(ring) < 256):
-            raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name}}")
+        names = ("ring", "lane", "wake")
+        if set(meta) - set(names) or not all(
+                v is None or isinstance(v, str) and len(v) < 256 for v in meta.values()):
+            raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name, "
+                                f"'lane': name, 'wake': name}}")
+    elif kind == "lane":
+        if set(meta) != {"on"} or type(meta["on"]) is not bool:
+            raise ProtocolError(f"lane meta is {_short(meta)}, expected {{'on': true|false}}")
     elif kind == "abort":
         coll, waiting = meta.get("collective", ""), meta.get("waiting_on", [])
         blame = meta.get("blame", OWN)
