@@ -615,6 +615,7 @@ class Group:
             "messages_dropped": c.messages_dropped,
             "messages_dropped_by_reason": dict(c.dropped_by_reason),
             "bytes_sent_shm": c.bytes_sent_shm,
+            "messages_sent_lane": c.messages_sent_lane,
             "collectives": session.seq,
             **self._activity.report(),
         }

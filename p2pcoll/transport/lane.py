@@ -49,7 +49,12 @@ from .shm import NAME, PAGE, SHM_DIR, _barrier, _unlink
 
 log = logging.getLogger("p2pcoll.transport")
 
-LANE_BYTES = 256 << 10  # the data area of one lane (one per ordered pair of a host's peers)
+# The data area of one lane (one per ordered pair of a host's peers): LANE_BYTES, less with
+# many peers on the host so that a peer's lanes take at most LANE_BUDGET (their space is
+# reserved in /dev/shm), but never under MIN_LANE_BYTES.
+LANE_BYTES = 256 << 10
+MIN_LANE_BYTES = 64 << 10
+LANE_BUDGET = 4 << 20
 WRAP = 0xFFFFFFFF  # a record size that means: the next record is at the ring's start
 MAX_FRAMES = 1024  # frames of one record (a header and its payload pieces)
 # The header page, int64 words: the sizes and owners, then the two running counts.
@@ -343,8 +348,9 @@ class Lanes:
     """A peer's lanes to and from the other peers of its host, and its wake-up pipe."""
 
     def __init__(self, rank: int, peers: set[int], tag: int, size: int | None = None) -> None:
-        """Create the wake-up pipe and a lane of ``size`` bytes (:data:`LANE_BYTES`) to each
-        of ``peers``.
+        """Create the wake-up pipe and a lane of ``size`` bytes to each of ``peers`` (by
+        default :data:`LANE_BYTES`, or :data:`LANE_BUDGET` shared by them, not under
+        :data:`MIN_LANE_BYTES`).
 
         Raises:
             OSError: ``/dev/shm`` is full or unusable (nothing is left behind).
@@ -355,10 +361,13 @@ class Lanes:
         self.out: dict[int, LaneOut] = {}
         self._wakers: dict[int, Waker] = {}
         self._ready: dict[int, LaneOut] = {}
+        if size is None:
+            size = min(LANE_BYTES, max(MIN_LANE_BYTES, LANE_BUDGET // max(1, len(peers))))
+            size -= size % 8
         self.wakeup = Wakeup()
         try:
             for peer in sorted(peers):
-                self.out[peer] = LaneOut(rank, peer, tag, size or LANE_BYTES)
+                self.out[peer] = LaneOut(rank, peer, tag, size)
         except BaseException:
             self.close()
             raise
