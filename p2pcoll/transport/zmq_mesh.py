@@ -180,6 +180,7 @@ class ZmqMesh:
                             "sockets", rank, exc)
             else:
                 self._held = {peer: deque() for peer in near}
+                self._lane_from = dict.fromkeys(near, False)
                 self._marker_on, self._marker_off = (
                     encode_header(Header("lane", group_id, rank, meta={"on": on}))
                     for on in (True, False))
@@ -452,8 +453,11 @@ class ZmqMesh:
                 f"link identity {identity[:40]!r} is not a member of this group",
                 reason="malformed" if len(frames) < 2 else "stranger"))
             return
-        if self._lane_from.get(source):  # its lane is current: this waits for "lane off"
-            self._held[source].append(frames)
+        held = self._held.get(source)
+        if held is not None and (held or self._lane_from[source]):
+            # Its lane is current (this waits for "lane off"), or earlier messages of its
+            # socket still wait for their turn (a pump is scheduled): after them.
+            held.append(frames)
             return
         self._accept(source, frames[1].buffer, frames[2:], on_lane=False)
         if self._lane_from.get(source):  # that was "lane on"
@@ -497,9 +501,8 @@ class ZmqMesh:
         if lanes is None or self._closed:
             return
         lanes.wakeup.clear()  # before reading, so that a later record wakes the loop again
-        for src, current in self._lane_from.items():
-            if current:
-                self._pump(src)
+        for src in [src for src, current in self._lane_from.items() if current]:
+            self._pump(src)
 
     def _accept(self, source: int, head: memoryview, frames: Sequence[Piece], *,
                 on_lane: bool) -> None:
