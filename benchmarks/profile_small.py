@@ -31,7 +31,8 @@ policy before ``asyncio.run`` with ``--loop uvloop``), warms up, then:
    taken out of its caller's). Coroutines are timed step by step (the time they run, not
    the time they wait). The layers: the API (``Group.allreduce``, strategy choice, layout
    and signature, failure model), planning, the executor's schedule walk, matching, the
-   mesh's Python (send_many and _put_frames, _drain and _deliver), header encode, decode +
+   mesh's Python (send_many, _put_frames and _lane_put; _drain, _deliver and, for the
+   shared-memory lanes, _on_wake), header encode, decode +
    validation, pyzmq's asyncio glue (only sends that meet a full queue still use it) and its
    socket calls into libzmq (send, recv, getsockopt(EVENTS)), numpy's reduction;
    "waiting" is the main thread off CPU (wall minus ``thread_time``: blocked in epoll, or
@@ -336,8 +337,10 @@ def install(group: Any) -> Patches:
     # the mesh and the wire
     p.coro(mesh.ZmqMesh, "send_many", "mesh.send")
     p.coro(mesh.ZmqMesh, "_put_frames", "mesh.send")
+    p.sync(mesh.ZmqMesh, "_lane_put", "mesh.send")  # a lane: record write and wake-up
     p.sync(mesh.ZmqMesh, "_pieces", "mesh.recv")
     p.sync(mesh.ZmqMesh, "_drain", "mesh.recv")
+    p.sync(mesh.ZmqMesh, "_on_wake", "mesh.recv")  # a lane: the wake-up and the record read
     p.sync(mesh, "encode_header", "wire.encode")
     p.sync(mesh, "validate", "wire.decode")
 
@@ -1106,9 +1109,9 @@ LAYERS = [
     ("plan", "planning: plan/copies/send_groups (cached), Layout.segment"),
     ("exec.walk", "executor: schedule walk (run/_run/_segment, Header, pieces)"),
     ("match", "matching: Matcher expect/get/put/finish, dispatch"),
-    ("mesh.send", "transport: ZmqMesh.send_many/_put_frames (Python)"),
+    ("mesh.send", "transport: ZmqMesh.send_many/_put_frames/_lane_put (Python)"),
     ("wire.encode", "wire: encode_header (msgpack)"),
-    ("mesh.recv", "transport: ZmqMesh._drain/_deliver/_pieces (Python)"),
+    ("mesh.recv", "transport: ZmqMesh._drain/_deliver/_on_wake/_pieces (Python)"),
     ("wire.decode", "wire: validate + decode_header"),
     ("zmq.glue", "pyzmq asyncio glue (_add_*_event, _handle_*, futures; sends that wait)"),
     ("zmq.send", "pyzmq send/send_multipart -> libzmq send"),

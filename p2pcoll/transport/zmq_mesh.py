@@ -16,6 +16,11 @@ and passes every message through the one validation point
 or whose handling raises anything at all, is dropped, counted and logged (at most one line
 per source every few seconds), and the reader goes on. Sockets come from the
 :class:`~.sockets.SocketFactory`, which owns their options.
+
+Between peers of one host, large pieces go through the sender's shared-memory ring
+(:mod:`.shm`) and whole messages through lanes (:mod:`.lane`), read in a callback on this
+peer's wake-up pipe; :meth:`ZmqMesh._lane_put` and :meth:`ZmqMesh._pump` keep each sender's
+messages in the order sent across its socket and its lane.
 """
 
 from __future__ import annotations
