@@ -251,3 +251,71 @@ async def test_a_corrupt_lane_names_its_sender() -> None:
     results = await run_ranks(2, fn, transport="ipc", return_exceptions=True)
     message, elapsed, dropped = results[1]
     assert dropped == {"malformed": 1} and elapsed < 10, results
+
+
+def _from(header: bytes, rank: int) -> bool:
+    """Whether ``header`` is a msgpack map that names ``rank`` as its source."""
+    import msgpack
+
+    try:
+        d = msgpack.unpackb(header, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - random bytes
+        return False
+    return isinstance(d, dict) and d.get("r") == rank
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_a_peer_survives_hostile_records_on_its_lanes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The live fuzz run of the lane path: rank 0 puts 10,000 hostile messages (random
+    bytes, random msgpack, valid headers mutated or from another source) on its lane to
+    rank 1 as records that add up. Rank 1 drops and counts every one, its memory stays
+    put, and the collectives after it are exact."""
+    import random
+
+    from test_live_fuzz import _collectives, hostile_messages
+
+    monkeypatch.setenv("P2PCOLL_MAX_MESSAGE_BYTES", str(1 << 20))
+    shared: dict[str, Any] = {}
+    done = asyncio.Event()
+
+    async def fn(g: p2pcoll.Group) -> None:
+        await _collectives(g)  # the lanes are up and current
+        if g.rank == 1:
+            shared["group"] = g
+            shared["rss"] = _rss_bytes()
+            await done.wait()
+        else:
+            mesh = g.session.transport
+            rng = random.Random(11)
+            # Not those that claim to come from rank 0 itself: on its own lane such a
+            # message is rank 0's (a member can always send nonsense in its own name).
+            messages = [m for m in hostile_messages(rng, g.membership.group_id, 14_000)
+                        if sum(map(len, m)) < 64 << 10 and not _from(m[0], 0)][:10_000]
+            while "group" not in shared:
+                await asyncio.sleep(0.01)
+            other = shared["group"]
+            for frames in messages:
+                while not mesh._lane_put(1, frames):  # full: let rank 1 read
+                    await asyncio.sleep(0.001)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while other.stats()["messages_dropped"] < len(messages) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            shared["sent"] = len(messages)
+            shared["dropped"] = other.stats()["messages_dropped"]
+            shared["growth"] = _rss_bytes() - shared["rss"]
+            done.set()
+        await _collectives(g)
+        await _collectives(g)
+        shared[f"lane_{g.rank}"] = _counters(g).messages_sent_lane
+
+    await run_ranks(2, fn, transport="ipc")
+    assert shared["dropped"] == shared["sent"] == 10_000, shared
+    assert shared["growth"] < 32 << 20, shared  # 10,000 messages of up to 64 KiB went by
+    assert shared["lane_0"] > 0 and shared["lane_1"] > 0
