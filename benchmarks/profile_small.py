@@ -337,7 +337,6 @@ def install(group: Any) -> Patches:
     # the mesh and the wire
     p.coro(mesh.ZmqMesh, "send_many", "mesh.send")
     p.coro(mesh.ZmqMesh, "_put_frames", "mesh.send")
-    p.sync(mesh.ZmqMesh, "_lane_put", "mesh.send")  # a lane: record write and wake-up
     p.sync(mesh.ZmqMesh, "_pieces", "mesh.recv")
     p.sync(mesh.ZmqMesh, "_drain", "mesh.recv")
     p.sync(mesh.ZmqMesh, "_on_wake", "mesh.recv")  # a lane: the wake-up and the record read
@@ -354,6 +353,31 @@ def install(group: Any) -> Patches:
         return _deliver
 
     p.put(mesh.ZmqMesh, "_deliver", make_deliver)
+
+    # The shared-memory lanes: a message put on a lane is stamped like a socket send, and
+    # one read from a lane like a delivery (_on_wake was registered before the patches).
+    def make_lane_put(fn: Callable[..., Any]) -> Callable[..., Any]:
+        inner = sync_wrapper(fn, "mesh.send")
+
+        def _lane_put(self: Any, dst: int, frames: Any) -> bool:
+            t = pc()
+            done = bool(inner(self, dst, frames))
+            if done and prof.recording:
+                prof.sends.append((t, pc(), dst, bytes(frames[0])))
+            return done
+        return _lane_put
+
+    def make_accept(fn: Callable[..., Any]) -> Callable[..., Any]:
+        inner = sync_wrapper(fn, "mesh.recv")
+
+        def _accept(self: Any, source: int, head: Any, frames: Any, *, on_lane: bool) -> None:
+            if on_lane and prof.recording:
+                prof.delivers.append((pc(), prof.block_enter, prof.block_return, bytes(head)))
+            inner(self, source, head, frames, on_lane=on_lane)
+        return _accept
+
+    p.put(mesh.ZmqMesh, "_lane_put", make_lane_put)
+    p.put(mesh.ZmqMesh, "_accept", make_accept)
     # pyzmq: the asyncio glue, and the calls into libzmq on the shadow (blocking) socket
     for name in ("send_multipart", "recv_multipart", "_add_send_event", "_add_recv_event",
                  "_handle_events", "_handle_recv", "_handle_send",
@@ -549,7 +573,7 @@ async def _p2pcoll_phases(g: Any, a: argparse.Namespace, np: Any) -> dict[str, A
             sends.append([*key, dst, t, t_exit])
     delivers = []
     for t, b_enter, b_return, frame in PROF.delivers:
-        key = header_key(frame.bytes)
+        key = header_key(frame if isinstance(frame, bytes) else frame.bytes)
         if key is not None and key[1] in wanted:
             delivers.append([*key, g.rank, t, b_enter, b_return])
     gets = [[k[2], g.rank, k[0], k[1], k[3], t0, t1, s] for k, t0, t1, s in PROF.gets
@@ -1124,11 +1148,13 @@ LAYERS = [
 
 
 LATENCY_ROWS = [
-    ("send_call", "libzmq send call (sender)"),
-    ("send_to_wake", "send call -> receiver's epoll returns (libzmq I/O threads, wake-up)"),
-    ("wake_to_deliver", "epoll return -> _deliver (pyzmq dispatch, reader task)"),
-    ("send_to_deliver", "send call -> _deliver"),
-    ("deliver_to_resume", "_deliver -> waiting receive resumes (validate, match, switch)"),
+    ("send_call", "send call (sender: libzmq send, or lane write and wake-up)"),
+    ("send_to_wake", "send call -> receiver's epoll returns (libzmq I/O threads or the "
+     "pipe, wake-up)"),
+    ("wake_to_deliver", "epoll return -> delivery (pyzmq dispatch and _deliver, or the lane "
+     "read)"),
+    ("send_to_deliver", "send call -> delivery"),
+    ("deliver_to_resume", "delivery -> waiting receive resumes (validate, match, switch)"),
     ("total", "send call -> receive resumes"),
 ]
 
