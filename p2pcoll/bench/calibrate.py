@@ -135,6 +135,7 @@ def fit(samples: Sequence[Sample], model: CostModel, fields: Sequence[str] = FIT
         raise ValueError(f"cannot fit {sorted(unknown) or 'nothing'}; the constants that "
                          f"can be fitted are {', '.join(LINEAR)}")
     used, rows, rhs = [], [], []
+    repeat = model.constants.repeat
     for sample in samples:
         local = replace(model, local=sample.size)
         work = local.workload(sample.strategy, sample.nbytes, sample.size)
@@ -142,7 +143,6 @@ def fit(samples: Sequence[Sample], model: CostModel, fields: Sequence[str] = FIT
         if cost is None:
             continue
         per_message = replace(local, constants=replace(local.constants, overhead=1.0))
-        repeat = model.constants.repeat
         terms = {"alpha": cost.messages(repeat), "beta": cost.charged(repeat),
                  "gamma": cost.reduced,
                  "overhead": per_message.contention(sample.strategy, work)}

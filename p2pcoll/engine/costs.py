@@ -69,7 +69,7 @@ PARTS = frozenset({"allgather", "gather", "scatter"})  # one chunk per rank, chu
 @dataclass(frozen=True)
 class Constants:
     """The constants of one transport: seconds per message, per byte sent, per byte reduced;
-    CPU seconds per message (``overhead``) and the share of beta a repeated piece pays."""
+    CPU seconds per message (``overhead``) and the share of alpha and beta a repeat pays."""
 
     alpha: float
     beta: float

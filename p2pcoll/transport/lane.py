@@ -88,7 +88,6 @@ class LaneOut:
         self._words[:5] = (PAGE, size, creator, reader, tag)
         self._data = memoryview(self._map)[PAGE:]
         self.head = 0
-        self.linked = True
         self.closed = False
 
     @property
@@ -149,16 +148,11 @@ class LaneOut:
         self._words[HEAD] = self.head
         return True
 
-    def unlink(self) -> None:
-        if self.linked:
-            _unlink(self.path)
-            self.linked = False
-
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self.unlink()
+        _unlink(self.path)  # gone already if the receiver mapped it
         del self._words
         self._data.release()
         try:
@@ -212,10 +206,6 @@ class LaneIn:
         _unlink(path)
         _barrier()
         words[MAPPED] = 1
-
-    def pending(self) -> bool:
-        """Whether a record is waiting."""
-        return not self.broken and int(self._words[HEAD]) > self.tail
 
     def read(self) -> tuple[memoryview, list[bytes]] | None:
         """The next record's first frame (a view, valid until the next call) and copies of
@@ -406,7 +396,6 @@ class Lanes:
         out = self.out.get(peer)
         if out is None or peer not in self._wakers or not out.mapped:
             return None
-        out.unlink()
         self._ready[peer] = out
         return out
 
@@ -424,8 +413,7 @@ class Lanes:
         self.into.clear()
         self._wakers.clear()
         self._ready.clear()
-        if hasattr(self, "wakeup"):
-            self.wakeup.close()
+        self.wakeup.close()
 
 
 __all__ = ["LANE_BYTES", "LaneIn", "LaneOut", "Lanes", "Wakeup", "Waker", "record_size"]
