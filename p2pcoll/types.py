@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -128,3 +128,7 @@ class Membership:
     world_size: int
     endpoints: tuple[str, ...]  # endpoints[r]: where this peer reaches rank r
     hosts: tuple[str, ...] = ()  # host identity of each rank, for transport choice
+    # The group's link secret: a random token only the members learn (from the rendezvous
+    # or the torch store). It names the members' links (see ``link_identity``), so an
+    # outsider who knows the group id still cannot pass for a member. Never logged or served.
+    secret: str = field(default="", repr=False, compare=False)

@@ -71,7 +71,7 @@ async def _link_of_departed(g: p2pcoll.Group, rank: int) -> zmq.asyncio.Socket:
     """A socket on ``g`` with the link identity of ``rank``, which has closed: libzmq keeps
     the first connection of an identity, so this waits until rank's own link is gone (a
     probe, dropped as malformed, shows when it is)."""
-    identity = link_identity(rank, g.membership.group_id)
+    identity = link_identity(rank, g.membership.secret)
     for _ in range(50):
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity)

@@ -229,7 +229,7 @@ async def test_no_message_from_outside_is_accepted(key_file: Path) -> None:
                     out = await asyncio.to_thread(
                         subprocess.run, [sys.executable, "-c", textwrap.dedent(STRAY_SENDER),
                                          g.endpoint, link_identity(1, g.session.membership
-                                                                   .group_id).decode(),
+                                                                   .secret).decode(),
                                          header.hex(), *extra],
                         capture_output=True, text=True, timeout=30, check=False)
                     assert "SENT" in out.stdout, out.stderr

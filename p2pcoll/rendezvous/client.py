@@ -63,10 +63,13 @@ def _roster(msg: dict[str, Any], url: str, choose: Callable[[str, list[str]], st
         size, rank = int(msg["world_size"]), int(msg["rank"])
         if not (len(hosts) == len(endpoints) == size and 0 <= rank < size):
             raise ValueError("sizes disagree")
+        secret = msg["secret"]
+        if not isinstance(secret, str) or not 32 <= len(secret) <= 128:
+            raise ValueError("no link secret")
         return Membership(
             group_id=str(msg["group"]), epoch=int(msg["epoch"]), rank=rank, world_size=size,
             endpoints=tuple(choose(h, e) for h, e in zip(hosts, endpoints, strict=True)),
-            hosts=hosts,
+            hosts=hosts, secret=secret,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RendezvousError(f"the rendezvous at {url} sent a malformed roster: {exc}") from None

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -304,7 +305,8 @@ class RendezvousServer:
         ranks = {e.identity: e.rank if e.rank is not None else next(free) for e in entries}
         by_rank = sorted(entries, key=lambda e: ranks[e.identity])
         group_id = uuid.uuid4().hex[:16]
-        roster = {"op": "roster", "group": group_id, "epoch": 0, "world_size": size,
+        roster = {"op": "roster", "group": group_id, "secret": secrets.token_hex(16),
+                  "epoch": 0, "world_size": size,
                   "endpoints": [e.endpoints for e in by_rank],
                   "hosts": [e.host for e in by_rank]}
         for e in by_rank:

@@ -21,6 +21,7 @@ itself is still secured; the store only ever holds endpoints and a group id.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -121,7 +122,8 @@ async def _exchange(
         store = connect()
         store.set(f"{prefix}/{rank}", msgpack.packb({"endpoints": endpoints, "host": host_id}))
         if rank == 0:
-            store.set(f"{prefix}/group", uuid.uuid4().hex[:16])
+            store.set(f"{prefix}/group", msgpack.packb(
+                {"id": uuid.uuid4().hex[:16], "secret": secrets.token_hex(16)}))
         keys = [f"{prefix}/{r}" for r in range(world_size)] + [f"{prefix}/group"]
         try:
             store.wait(keys, timedelta(seconds=timeout))
@@ -137,13 +139,15 @@ async def _exchange(
     values = await asyncio.to_thread(exchange)
     try:
         peers = [msgpack.unpackb(v, raw=False) for v in values[:-1]]
+        group = msgpack.unpackb(values[-1], raw=False)
         hosts = tuple(str(p["host"]) for p in peers)
         return Membership(
-            group_id=values[-1].decode(), epoch=0, rank=rank, world_size=world_size,
+            group_id=str(group["id"]), epoch=0, rank=rank, world_size=world_size,
+            secret=str(group["secret"]),
             endpoints=tuple(choose(h, list(map(str, p["endpoints"])))
                             for h, p in zip(hosts, peers, strict=True)),
             hosts=hosts,
         )
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, msgpack.UnpackException) as exc:
         raise RendezvousError(f"{where} holds a malformed p2pcoll entry under {prefix}: "
                               f"{exc}") from None

@@ -53,12 +53,11 @@ ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
-def link_identity(rank: int, group_id: str) -> bytes:
-    """The routing identity of rank's links in a group: ``b"3@<group id>"``. The group id
-    in it means that an outsider who does not know the group cannot pass for a member (a
-    second connection with a live identity takes its place: see ``mesh_router``); with a
-    job key no outsider can connect at all."""
-    return b"%d@%s" % (rank, group_id.encode())
+def link_identity(rank: int, secret: str) -> bytes:
+    """The routing identity of rank's links in a group: ``b"3@<link secret>"``. The secret
+    (:attr:`Membership.secret`) is known only to the members, so an outsider cannot pass
+    for one even if it knows the group id; with a job key no outsider can connect at all."""
+    return b"%d@%s" % (rank, secret.encode())
 
 
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
@@ -160,7 +159,8 @@ class ZmqMesh:
         self.group_id, self.rank = group_id, rank
         self._limits = Limits(group_id, rank, membership.world_size,
                               self.settings.max_message_bytes)
-        self._ranks = {link_identity(r, group_id): r for r in range(membership.world_size)}
+        secret = membership.secret or group_id  # in-process test sessions have no secret
+        self._ranks = {link_identity(r, secret): r for r in range(membership.world_size)}
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
@@ -193,12 +193,12 @@ class ZmqMesh:
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
-            link = self.sockets.mesh_link(link_identity(rank, group_id))
+            link = self.sockets.mesh_link(link_identity(rank, secret))
             watched = [link]
             if monitored:
                 # The data link's monitor sees a peer that closes or dies at once; the
                 # probe's heartbeats see one that freezes or is cut off (see mesh_probe).
-                probe = self.sockets.mesh_probe(link_identity(rank, group_id) + b"~probe")
+                probe = self.sockets.mesh_probe(link_identity(rank, secret) + b"~probe")
                 self._probes.append(probe)
                 watched.append(probe)
                 for sock in watched:
