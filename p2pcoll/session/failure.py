@@ -29,6 +29,18 @@ its operation id ``(src, dst, tag, count)`` in place of a sequence number: one d
 and a failure breaks the group (the two ranks' counts no longer agree). Only its two ranks
 take part, so nobody is asked why: a receive blames its sender. Its abort carries the tag,
 and the peers that get it break their groups too, failing whatever they are running.
+
+A peer that goes (lost, or gone with a goodbye) fails at once every running operation that
+needs it, wherever that operation waits: a receive for its message, or a send for room in
+a full queue, for a zero-copy buffer libzmq still holds, for a shared-memory ring. An
+operation needs a peer that has *abandoned* it (see :meth:`FailureModel.involves`): a
+collective, every member that is lost or said goodbye before starting it (all of a group
+take part in each of its collectives); a send, its receiver gone in any way. (A receive
+needs its sender only while its message has not come: the matcher fails it, see
+:mod:`p2pcoll.engine.matching`.) The operation raises the peer's :class:`PeerLost`, the same
+error its receivers get, and breaks the group as any failure does; one started after the
+peer went fails as it starts. So a sender learns of a loss as soon as a receiver does: at
+once for a peer whose link closes, after the heartbeat timeout for one that freezes.
 """
 
 from __future__ import annotations
@@ -78,7 +90,7 @@ class FailureModel:
         self._group = ""
         self._matcher: Matcher | None = None
         self._transport: Transport | None = None
-        self._active: set[OpId] = set()
+        self._active: dict[OpId, Collective] = {}
         self._failed: dict[OpId, list[int]] = {}  # seq -> whom it waited for when it failed
         self._inquiries: dict[int, Inquiry] = {}  # seq -> the answers to this rank's why
 
@@ -121,6 +133,29 @@ class FailureModel:
         and every failure turns into a broken group (see :class:`Collective`)."""
         assert self._matcher is not None, "attach() first"
         return Collective(self, self._matcher, seq, collective, limit)
+
+    def involves(self, seq: OpId) -> PeerLost | None:
+        """The error of a peer that operation ``seq`` needs and that has abandoned it, if
+        there is one (see the module docstring): for a collective, any member lost or gone
+        before it started it; for a send, its receiver gone; a receive, nobody (the
+        matcher knows whether its message can still come)."""
+        assert self._matcher is not None
+        departures = self._matcher.departures
+        if not isinstance(seq, int):
+            src, dst = seq[0], seq[1]
+            return departures.lost(dst) if src == self._rank else None
+        for rank in range(departures.membership.world_size):
+            if rank != self._rank and departures.abandoned(rank, seq):
+                return departures.lost(rank)
+        return None
+
+    def peer_departed(self, rank: int) -> None:
+        """``rank`` has gone (the session's record says how): every running operation that
+        needs it ends now, with its :class:`PeerLost`, wherever it waits."""
+        for c in list(self._active.values()):
+            gone = self.involves(c.seq)
+            if gone is not None and gone.rank == rank:
+                c.interrupt(gone)
 
     def _outcome(self, c: Collective, err: BaseException | None) -> BaseException | None:
         """What a collective that ended with ``err`` (None: its body returned) raises."""
@@ -178,6 +213,13 @@ class FailureModel:
         Cancellation: blames with the answers so far, breaks the group, propagates.
         """
         assert self._matcher is not None
+        if c.lost is not None:  # not the deadline: a peer it needs is gone (see interrupt)
+            cause = self._matcher.failure(c.seq)
+            # A failure a peer reported for it is the root cause (as in _outcome), but not
+            # the group broken by another operation that lost the same peer.
+            err = cause if cause is not None and not isinstance(cause, GroupBroken) else c.lost
+            self.fail(c.seq, err)
+            return err
         if not isinstance(c.seq, int):  # a transfer: its one peer is the one to blame
             timeout = self._blame(c, None)
             self.fail(c.seq, timeout)
@@ -333,7 +375,7 @@ class FailureModel:
                     err=[type(err).__name__, str(err)], meta=meta, tag=tag,
                 ))
         if self._matcher is not None:
-            for other in self._active - {seq}:
+            for other in self._active.keys() - {seq}:
                 self._matcher.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))
 
     def on_abort(self, header: Header) -> None:
@@ -426,23 +468,41 @@ class Collective:
     collective: entering and leaving it is on the fast path.
 
     Raises (on leaving):
+        PeerLost: a peer it needs has gone (see :meth:`FailureModel.involves`): on
+            entering if it had gone before, else as soon as the session learns of it.
         CollectiveTimeout: the deadline passed (naming the ranks to blame, after asking
             the peers: up to :func:`inquiry_time` later).
         P2PCollError: whatever failed, a peer's reported cause preferred to its symptoms.
     Cancellation: breaks the group (the peers get an abort) and propagates.
     """
 
-    __slots__ = ("model", "matcher", "seq", "name", "limit", "_deadline")
+    __slots__ = ("model", "matcher", "seq", "name", "limit", "lost", "_deadline")
 
     def __init__(self, model: FailureModel, matcher: Matcher, seq: OpId, name: str,
                  limit: float) -> None:
         self.model, self.matcher, self.seq, self.name, self.limit = (
             model, matcher, seq, name, limit)
+        self.lost: PeerLost | None = None  # a peer it needs has gone (see interrupt)
         self._deadline = asyncio.timeout(limit)
 
     async def __aenter__(self) -> None:
-        self.model._active.add(self.seq)
+        self.model._active[self.seq] = self
         await self._deadline.__aenter__()
+        gone = self.model.involves(self.seq)
+        if gone is not None:  # gone before it started: fail at the first await
+            self.interrupt(gone)
+
+    def interrupt(self, lost: PeerLost) -> None:
+        """End the body now, wherever it waits, and raise ``lost`` on leaving: the
+        deadline is made due at once, so the body is cancelled the one way this class
+        already handles, and :meth:`FailureModel._expired` sees why."""
+        if self.lost is not None:
+            return
+        self.lost = lost
+        try:
+            self._deadline.reschedule(asyncio.get_running_loop().time())
+        except RuntimeError:
+            pass  # it is leaving already: its own outcome stands
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
                         tb: object) -> None:  # never suppresses: the body's error goes on
@@ -454,7 +514,7 @@ class Collective:
             else:
                 outcome = self.model._outcome(self, exc)
         finally:
-            self.model._active.discard(self.seq)
+            self.model._active.pop(self.seq, None)
             self.matcher.finish(self.seq)
         if outcome is None or outcome is exc:
             return  # the body's own error (or none) goes on as it is

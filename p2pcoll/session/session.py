@@ -87,7 +87,8 @@ class Session:
         control.dispatch(self, header, pieces)
 
     def _departed(self, rank: int) -> None:
-        self.matcher.peer_departed(rank)
+        self.matcher.peer_departed(rank)  # the receives waiting for it
+        self.failures.peer_departed(rank)  # every operation that needs it, sends included
         self._progress.set()
 
     def header(self, kind: str) -> Header:

@@ -6,7 +6,9 @@ reorder data messages (seeded, so a failing run can be replayed), cut a peer off
 crash would, or freeze one as SIGSTOP would. Messages are encoded and go through the same
 validation point as the ZeroMQ mesh's, and dropped ones are counted by reason with the same
 :class:`~.base.Counters` and :class:`~.base.Drops`, so what a test sees is what a real peer
-would.
+would. Like a link's queue, each ordered pair of peers holds at most ``capacity`` data
+messages not yet delivered: a send waits for room, so one to a frozen peer, or to one that
+was cut off, waits (until the failure model ends it) as it would over a socket.
 """
 
 from __future__ import annotations
@@ -47,12 +49,15 @@ class MemoryNetwork:
 
     faults: Faults = field(default_factory=Faults)
     peers: dict[str, MemoryTransport] = field(default_factory=dict)
+    capacity: int = 1000  # data messages in flight per (sender, receiver), as a link's queue
 
     def __post_init__(self) -> None:
         self.random = random.Random(self.faults.seed)
         self._last: dict[tuple[str, str], float] = {}
         self.frozen: set[str] = set()
         self._held: list[tuple[str, str, list[bytes], bool]] = []
+        self._queued: dict[tuple[str, str], int] = {}  # data messages not yet delivered
+        self._room: dict[tuple[str, str], asyncio.Event] = {}  # set when there is room
 
     def freeze(self, endpoint: str) -> None:
         """The peer at ``endpoint`` stops as a stopped process would: its links stay up, but
@@ -64,7 +69,7 @@ class MemoryNetwork:
         self.frozen.discard(endpoint)
         held, self._held = self._held, []
         for sender, dst, frames, data in held:
-            self.deliver(sender, dst, frames, data)
+            self._route(sender, dst, frames, data)
 
     def transport(self) -> MemoryTransport:
         return MemoryTransport(self)
@@ -79,7 +84,37 @@ class MemoryNetwork:
             if peer.membership is not None and endpoint in peer.membership.endpoints:
                 peer.on_link_down(peer.membership.endpoints.index(endpoint))
 
+    async def room(self, sender: str, dst: str) -> None:
+        """Wait until ``sender`` may queue another data message to ``dst``."""
+        pair = (sender, dst)
+        while self._queued.get(pair, 0) >= self.capacity:
+            event = self._room.setdefault(pair, asyncio.Event())
+            event.clear()
+            await event.wait()
+
     def deliver(self, sender: str, dst: str, frames: list[bytes], data: bool) -> None:
+        """Queue one message; a data message takes room until it is delivered (never, to
+        a peer that was cut off)."""
+        if data:
+            self._queued[(sender, dst)] = self._queued.get((sender, dst), 0) + 1
+        self._route(sender, dst, frames, data)
+
+    def _arrived(self, sender: str, dst: str, frames: list[bytes], data: bool) -> None:
+        target = self.peers.get(dst)
+        if target is None:
+            return  # cut off meanwhile: its queue stays full
+        if data:
+            self._left(sender, dst)
+        target.receive(sender, frames)
+
+    def _left(self, sender: str, dst: str) -> None:
+        pair = (sender, dst)
+        self._queued[pair] -= 1
+        event = self._room.get(pair)
+        if event is not None:
+            event.set()
+
+    def _route(self, sender: str, dst: str, frames: list[bytes], data: bool) -> None:
         target = self.peers.get(dst)
         if target is None:
             return
@@ -91,16 +126,17 @@ class MemoryNetwork:
         if not data:
             # Control messages keep their order behind the data sent before them.
             at = self._last.get((sender, dst), 0.0)
-            loop.call_at(max(at, loop.time()), target.receive, sender, frames)
+            loop.call_at(max(at, loop.time()), self._arrived, sender, dst, frames, False)
             return
         if f.drop and self.random.random() < f.drop:
+            self._left(sender, dst)
             return
         delay = self.random.uniform(*f.delay) if f.delay[1] > 0 else 0.0
         when = loop.time() + delay
         if not f.reorder:  # no overtaking between two peers
             when = max(when, self._last.get((sender, dst), 0.0))
         self._last[(sender, dst)] = max(when, self._last.get((sender, dst), 0.0))
-        loop.call_at(when, target.receive, sender, frames)
+        loop.call_at(when, self._arrived, sender, dst, frames, True)
 
 
 class MemoryTransport:
@@ -140,6 +176,8 @@ class MemoryTransport:
         pieces = [a.tobytes() for a in payload]
         for dst, header in zip(dsts, headers, strict=True):
             header.nbytes = [len(p) for p in pieces]
+            if header.kind == "data":
+                await self.network.room(self.endpoints[0], self.membership.endpoints[dst])
             self.network.deliver(self.endpoints[0], self.membership.endpoints[dst],
                                  [encode_header(header), *pieces], header.kind == "data")
             if header.kind == "data":

@@ -1,0 +1,172 @@
+"""A lost peer fails every operation that involves it, the sending side included.
+
+A rank that only sends to a peer that dies (a point-to-point send, a broadcast root, the
+senders of a gather) used to wait out its whole deadline and then blame nobody, while the
+receivers of the same peer failed at once. Here the peers are processes over tcp, over ipc
+and over same-host lanes; one is killed (SIGKILL) or stopped (SIGSTOP) while the others
+loop the operation, and every survivor must fail with PeerLost naming it within the
+heartbeat bound (never the deadline, which is set far beyond it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll.testing import memory_groups
+from p2pcoll.transport.endpoints import free_port
+from p2pcoll.transport.memory import MemoryNetwork
+
+from conftest import stop
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = Path(__file__).resolve().parent / "sender_loss_peer.py"
+
+# The environment of each transport: tcp, ipc through the sockets only, and ipc with the
+# shared-memory lanes and rings of one host.
+TRANSPORTS = {
+    "tcp": {"P2PCOLL_TRANSPORT": "tcp"},
+    "ipc": {"P2PCOLL_TRANSPORT": "ipc", "P2PCOLL_SHM": "0"},
+    "lanes": {"P2PCOLL_TRANSPORT": "ipc", "P2PCOLL_SHM": "1"},
+}
+# scenario -> (world size, the rank that dies, bytes per operation)
+SCENARIOS = {
+    "send": (2, 1, 1 << 20),  # rank 0 sends to rank 1
+    "recv": (2, 0, 1 << 20),  # rank 1 receives from rank 0: the receivers' figure
+    "broadcast": (3, 2, 1 << 20),  # root 0 broadcasts to ranks 1 and 2
+    "gather": (3, 0, 1 << 20),  # ranks 1 and 2 gather to root 0
+}
+HEARTBEAT_S = 2.0  # a stopped peer is lost after this (the default is 5 s)
+DEADLINE_S = 120.0  # every operation's deadline: far beyond any bound a loss should take
+
+
+def run_case(scenario: str, transport: str, signum: int, *, heartbeat: float = HEARTBEAT_S,
+             deadline: float = DEADLINE_S, nbytes: int | None = None,
+             wait: float = 1.0, patience: float | None = None) -> tuple[dict[int, dict[str, Any]], int]:
+    """Start the scenario's peers, let them loop for ``wait`` seconds, send ``signum`` to
+    the victim, and return each survivor's JSON line, with ``elapsed``: seconds from the
+    signal to its failure; and the victim's rank."""
+    world, victim, size = SCENARIOS[scenario]
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, **TRANSPORTS[transport],
+           "P2PCOLL_HEARTBEAT_TIMEOUT": str(heartbeat), "P2PCOLL_TIMEOUT": str(deadline)}
+    procs = [subprocess.Popen(
+        [sys.executable, str(PEER), url, str(rank), str(world), scenario, str(nbytes or size)],
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) for rank in range(world)]
+    stopped = False
+    try:
+        for rank, proc in enumerate(procs):
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.strip() == "ready", f"rank {rank} said {line!r}"
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        time.sleep(wait)
+        signalled = time.time()
+        os.kill(procs[victim].pid, signum)
+        stopped = signum == signal.SIGSTOP
+        results = {}
+        for rank, proc in enumerate(procs):
+            if rank == victim:
+                continue
+            # Bounded: a survivor that waits out its deadline fails the test here.
+            out, _ = proc.communicate(timeout=deadline / 2 if patience is None else patience)
+            results[rank] = json.loads(out.strip().splitlines()[-1])
+            results[rank]["elapsed"] = results[rank]["failed_at"] - signalled
+        return results, victim
+    finally:
+        if stopped:
+            os.kill(procs[victim].pid, signal.SIGCONT)
+        for proc in procs:  # only the processes this test started
+            stop(proc)
+
+
+CASES = [
+    pytest.param(s, t, sig, id=f"{s}-{t}-{sig.name}")
+    for s in ("send", "broadcast", "gather")
+    for t in TRANSPORTS
+    for sig in (signal.SIGKILL, signal.SIGSTOP)
+]
+
+
+@pytest.mark.parametrize(("scenario", "transport", "signum"), CASES)
+def test_senders_fail_naming_the_lost_peer(scenario: str, transport: str,
+                                           signum: signal.Signals) -> None:
+    results, victim = run_case(scenario, transport, signum)
+    for rank, out in results.items():
+        assert out["error"] == "PeerLost", (rank, out)
+        assert out["rank"] == victim, (rank, out)
+        assert f"rank {victim}" in out["message"], (rank, out)
+        # The heartbeat bound and slack for a busy machine, nowhere near the deadline.
+        assert out["elapsed"] < HEARTBEAT_S + 20, (rank, out)
+
+
+# The same over the in-memory transport, whose queues are bounded as a link's: one per
+# ordered pair of peers, here of 4 messages.
+
+async def test_in_memory_send_blocked_on_a_full_queue_fails_when_the_receiver_is_cut() -> None:
+    net = MemoryNetwork(capacity=4)
+    groups = await memory_groups(2, network=net, collective_timeout=DEADLINE_S)
+    a, b = groups
+    try:
+        sent = 0
+
+        async def flood() -> None:
+            nonlocal sent
+            while True:
+                await a.send(np.ones(8), dst=1)
+                sent += 1
+
+        net.freeze(b.endpoint)  # as SIGSTOP: nothing reaches b
+        sender = asyncio.create_task(flood())
+        await asyncio.sleep(0.2)  # 4 messages wait for b, then a waits for room
+        assert not sender.done() and sent == 4, sent
+        net.cut(b.endpoint)
+        with pytest.raises(p2pcoll.PeerLost, match="rank 1") as info:
+            await asyncio.wait_for(sender, 10)
+        assert info.value.rank == 1
+        assert isinstance(a.cause, p2pcoll.PeerLost)  # the group is broken by it
+        with pytest.raises(p2pcoll.GroupBroken):
+            await a.send(np.ones(8), dst=1)
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+
+
+async def test_in_memory_broadcast_root_fails_when_a_receiver_is_cut() -> None:
+    net = MemoryNetwork(capacity=4)
+    groups = await memory_groups(3, network=net, collective_timeout=DEADLINE_S)
+    try:
+        async def root() -> None:
+            while True:
+                await groups[0].broadcast(np.ones(8), root=0, strategy="root")
+
+        async def receiver(g: p2pcoll.Group) -> None:
+            while True:
+                await g.broadcast(None, root=0, strategy="root")
+
+        net.freeze(groups[2].endpoint)  # as SIGSTOP: the root's queue to rank 2 fills
+        rank1 = asyncio.create_task(receiver(groups[1]))
+        sender = asyncio.create_task(root())
+        await asyncio.sleep(0.2)
+        assert not sender.done()
+        net.cut(groups[2].endpoint)
+        for task in (sender, rank1):
+            with pytest.raises(p2pcoll.PeerLost) as info:
+                await asyncio.wait_for(task, 10)
+            assert info.value.rank == 2, info.value
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
