@@ -604,7 +604,10 @@ class Group:
         ``{"allreduce": {"ring": 3}}``), a histogram of their durations per collective
         (``collective_seconds``: ``{"allreduce": {"count", "sum", "buckets"}}``, buckets
         as ``[upper bound in seconds, cumulative count]``), and the errors they raised by
-        type (``errors_by_type``). Counted from join, for this group only."""
+        type (``errors_by_type``); ``links_refused``: connections to this peer's mesh port
+        that were no member's link (a stranger's, or a second one claiming a member's link
+        identity, which is never read; 0 over inproc). Counted from join, for this group
+        only."""
         session = self.session
         c = session.transport.counters
         return {
@@ -616,6 +619,7 @@ class Group:
             "messages_dropped_by_reason": dict(c.dropped_by_reason),
             "bytes_sent_shm": c.bytes_sent_shm,
             "messages_sent_lane": c.messages_sent_lane,
+            "links_refused": c.links_refused,
             "collectives": session.seq,
             **self._activity.report(),
         }

@@ -14,6 +14,7 @@ metric                                      type       labels
 ``p2pcoll_bytes_sent_total``                counter
 ``p2pcoll_bytes_received_total``            counter
 ``p2pcoll_messages_dropped_total``          counter    ``reason``
+``p2pcoll_links_refused_total``             counter
 ``p2pcoll_errors_total``                    counter    ``type``
 ``p2pcoll_world_size``                      gauge
 ``p2pcoll_rank``                            gauge
@@ -22,6 +23,12 @@ metric                                      type       labels
 
 Counters count from the current group's join: a peer that joins anew starts them again,
 which Prometheus's ``rate()`` treats as a counter reset.
+
+Only counts, states and this peer's rank are served: nothing that helps an outsider reach
+or pass for a member (no group id, link secret, endpoint, host or key material).
+``p2pcoll_links_refused_total`` counts the connections to the peer's mesh port that were
+no member's link (a stranger's, or a second one claiming a member's link identity, which is
+never read): see :class:`p2pcoll.transport.sockets.LinkCensus`.
 """
 
 from __future__ import annotations
@@ -84,6 +91,12 @@ class PeerCollector(Collector):
         for reason, n in stats.get("messages_dropped_by_reason", {}).items():
             dropped.add_metric([reason], n)
         yield dropped
+
+        yield CounterMetricFamily(
+            "p2pcoll_links_refused",
+            "Connections to the mesh port that were no member's link (a stranger's, or a "
+            "second one claiming a member's link identity, never read).",
+            value=stats.get("links_refused", 0))
 
         errors = CounterMetricFamily(
             "p2pcoll_errors", "Errors raised by collectives and joins, by type.",

@@ -89,16 +89,19 @@ class Peer:
         return None if self._http is None else self._http.address
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """Whether the peer can run collectives, and what ``/healthz`` reports."""
+        """Whether the peer can run collectives, and what ``/healthz`` reports: its state,
+        rank and world size, and why it is broken or closed (the error's type, say
+        ``"PeerLost"``). Nothing that helps an outsider reach or pass for a member: no group
+        id, link secret, endpoint, host or key, and no error message (one may name
+        endpoints or the rendezvous URL; the log has it whole)."""
         state = self.state
         report: dict[str, Any] = {"state": state}
         group = self.group
         if group is not None and state != CLOSED and self._phase != FORMING:
-            report.update(rank=group.rank, world_size=group.world_size,
-                          group=group.membership.group_id)
+            report.update(rank=group.rank, world_size=group.world_size)
         cause = self.cause if group is None or group.cause is None else group.cause
         if cause is not None and state in ("broken", CLOSED):
-            report["cause"] = f"{type(cause).__name__}: {cause}"
+            report["cause"] = type(cause).__name__
         if self._stop_reason is not None:
             report["stopping"] = self._stop_reason
         return state == "ready", report

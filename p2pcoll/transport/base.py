@@ -72,6 +72,9 @@ class Counters:
     # of messages_dropped, how many for each reason: a ProtocolError's reason (see
     # p2pcoll.wire.validation), or "error" for a failure to handle a message (a bug)
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
+    # connections to this peer's mesh port that are no member's link (a stranger's, or a
+    # second one claiming a member's link identity, which is never read): see LinkCensus
+    links_refused: int = 0
 
 
 class Transport(Protocol):

@@ -17,11 +17,19 @@ before it is buffered), linger, heartbeats, and the job's CurveZMQ key:
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ..security import Gate, JobKey
 from ..settings import Settings
+
+log = logging.getLogger("p2pcoll.transport")
 
 LINGER_MS = 2000  # how long queued messages may still go out after a link closes
 RENDEZVOUS_MAX_BYTES = 1 << 20  # a join request or a roster; larger ones are refused
@@ -92,11 +100,13 @@ class SocketFactory:
         sock = self._server(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
-        # A second connection with an identity already taken replaces the first instead
-        # of being ignored: an ignored connection is never read, so what it sends would
-        # stay queued (pinned) for good; and a member's link that reconnects before the
-        # old connection is seen to be dead takes its place at once.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A second connection with an identity already taken is refused, never handed the
+        # identity: libzmq keeps the first connection and never reads the second (whoever
+        # learned a member's link identity could otherwise take its place, silently). What
+        # a refused connection sends waits unread in its queue, within the high-water mark
+        # (RCVHWM messages, each frame under MAXMSGSIZE), until it closes; the mesh counts
+        # such connections (see LinkCensus).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         # A hard per-frame cap: libzmq drops the connection of a peer that exceeds it.
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         # A handshake that does not complete in time (a client that connects and says
@@ -170,3 +180,70 @@ class SocketFactory:
         return cls(key=settings.key, max_message_bytes=settings.max_message_bytes,
                    message_bytes=min(settings.segment_bytes, settings.max_message_bytes),
                    heartbeat_s=settings.heartbeat_timeout)
+
+
+class LinkCensus:
+    """Counts the connections to a peer's mesh ROUTER that are none of the members' links.
+
+    Each other member of a group connects to this peer's ROUTER twice, once each: its data
+    link and its probe (see :meth:`SocketFactory.mesh_probe`). Every ZeroMQ handshake beyond
+    those ``2 (n - 1)`` is someone else's: a stranger's (what it sends is read and dropped
+    as ``stranger``), or a second connection claiming a member's link identity, which the
+    ROUTER refuses to read (see :meth:`SocketFactory.mesh_router`). A member's socket that
+    reconnects after its connection dropped counts as well; that member has lost this peer
+    by then (a link that goes down is a lost peer). The monitor names no identities: the
+    count says how many came, not who; a connection that fails its handshake (a port
+    scanner, a wrong job key) is not counted here.
+
+    Make it before the ROUTER binds (no handshake is missed), :meth:`watch` once the group
+    is known, and :meth:`stop` before the ROUTER closes.
+    """
+
+    WARN_EVERY_S = 10.0  # at most one WARNING per interval, however many connect
+
+    def __init__(self, router: zmq.asyncio.Socket) -> None:
+        self.router = router
+        self.monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.handshakes = 0
+        self.refused = 0
+        self._warned_at = -self.WARN_EVERY_S
+        self._warned = 0  # refused when the last WARNING was written
+
+    def handshake(self, expected: int) -> bool:
+        """One more handshake on the ROUTER; whether it is beyond the ``expected`` links."""
+        self.handshakes += 1
+        if self.handshakes <= expected:
+            return False
+        self.refused += 1
+        return True
+
+    async def watch(self, expected: int, on_refused: Callable[[], None],
+                    rank: int) -> None:
+        """Count the ROUTER's handshakes until cancelled or stopped; ``on_refused()`` for
+        each beyond the ``expected`` members' links, logged at most once per interval."""
+        try:
+            while True:
+                event = parse_monitor_message(await self.monitor.recv_multipart())
+                if event["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    continue
+                if self.handshake(expected):
+                    on_refused()
+                    self._warn(rank)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def _warn(self, rank: int) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < self.WARN_EVERY_S:
+            return
+        log.warning("rank %d: %d connection(s) to the mesh port that are no member's link "
+                    "(a stranger, or a second claim on a member's link identity): not read "
+                    "as a member (%d in all)", rank, self.refused - self._warned, self.refused)
+        self._warned_at, self._warned = now, self.refused
+
+    def stop(self) -> None:
+        """Stop the monitor (while its socket is open: libzmq sends a last event on stop,
+        and a send to a closed PAIR blocks forever), then close it."""
+        if not self.router.closed:
+            self.router.disable_monitor()
+        self.monitor.close(linger=0)

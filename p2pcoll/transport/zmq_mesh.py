@@ -1,12 +1,14 @@
 """The peer mesh: one bound ROUTER per peer for receiving, one DEALER link per peer for sending.
 
-Rank r binds one ROUTER and connects one DEALER (identity ``b"r@group"``) to every other peer's
-ROUTER. So every message arrives with the identity of the link it came on, which must agree
-with the source rank in its header; each link has its own ZeroMQ queue with a high-water
-mark, which gives backpressure per destination; and a dead link is seen on exactly one
-socket's monitor. Beside each link runs a probe, a second connection to the same peer that
-carries only ZMTP heartbeats, so that a peer that freezes is lost after the heartbeat
-timeout while one that is merely slow (its queue full) is not.
+Rank r binds one ROUTER and connects one DEALER (identity ``b"r@<link secret>"``, see
+:func:`link_identity`) to every other peer's ROUTER. So every message arrives with the
+identity of the link it came on, which must agree with the source rank in its header; a
+second connection claiming a live link's identity is never read (see
+:meth:`~.sockets.SocketFactory.mesh_router`), only counted; each link has its own ZeroMQ
+queue with a high-water mark, which gives backpressure per destination; and a dead link is
+seen on exactly one socket's monitor. Beside each link runs a probe, a second connection to
+the same peer that carries only ZMTP heartbeats, so that a peer that freezes is lost after
+the heartbeat timeout while one that is merely slow (its queue full) is not.
 
 The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback on its ZMQ_FD
 and a send to a link whose queue has room is a plain non-blocking send (only a send that
@@ -44,7 +46,7 @@ from . import lane, shm
 from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, Piece
 from .endpoints import EndpointPolicy
 from .malloc import tune_malloc
-from .sockets import SocketFactory
+from .sockets import LinkCensus, SocketFactory
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -126,6 +128,7 @@ class ZmqMesh:
         self._snapshot_all = False
         self._rings: shm.SharedRings | None = None
         self._reading: tuple[zmq.Socket, asyncio.Future[None]] | None = None
+        self._census: LinkCensus | None = None  # counts connections that are no member's link
         # Plain views of the links (sends that need not wait) and how many sends to each
         # peer wait for room in its queue.
         self._plain: dict[int, zmq.Socket] = {}
@@ -145,6 +148,8 @@ class ZmqMesh:
         """Bind this peer's ROUTER and return the endpoints the others may connect to."""
         router = self.sockets.mesh_router()
         self._router = router
+        if self.policy.name != "inproc":  # inproc makes no handshakes to count
+            self._census = LinkCensus(router)
         for address in self.policy.bind_addresses(self.host):
             router.bind(address)
             self.endpoints.append(router.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -209,6 +214,14 @@ class ZmqMesh:
             self._links[peer] = link
             self._plain[peer] = zmq.Socket.shadow(link.underlying)
         self._tasks.append(asyncio.create_task(self._read()))
+        if self._census is not None:
+            # Each other member connects its link and its probe once: what comes beyond is
+            # no member's link (counted as links_refused; see LinkCensus).
+            def refused() -> None:
+                self.counters.links_refused += 1
+
+            self._tasks.append(asyncio.create_task(self._census.watch(
+                2 * (membership.world_size - 1), refused, rank)))
 
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
@@ -607,6 +620,8 @@ class ZmqMesh:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._census is not None:
+            self._census.stop()
         for link in self._links.values():
             link.close()
         for probe in self._probes:
