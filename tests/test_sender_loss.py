@@ -51,18 +51,22 @@ HEARTBEAT_S = 2.0  # a stopped peer is lost after this (the default is 5 s)
 DEADLINE_S = 120.0  # every operation's deadline: far beyond any bound a loss should take
 
 
-def run_case(scenario: str, transport: str, signum: int, *, heartbeat: float = HEARTBEAT_S,
-             deadline: float = DEADLINE_S, nbytes: int | None = None,
-             wait: float = 1.0, patience: float | None = None) -> tuple[dict[int, dict[str, Any]], int]:
+def run_case(
+    scenario: str, transport: str, signum: int, *, heartbeat: float = HEARTBEAT_S,
+    deadline: float = DEADLINE_S, victim: int | None = None, wait: float = 1.0,
+    patience: float | None = None,
+) -> tuple[dict[int, dict[str, Any]], int]:
     """Start the scenario's peers, let them loop for ``wait`` seconds, send ``signum`` to
-    the victim, and return each survivor's JSON line, with ``elapsed``: seconds from the
-    signal to its failure; and the victim's rank."""
-    world, victim, size = SCENARIOS[scenario]
+    the victim (the scenario's unless given), and return each survivor's JSON line, with
+    ``elapsed``: seconds from the signal to its failure; and the victim's rank. A survivor
+    still running after ``patience`` seconds (default half the deadline) fails the test."""
+    world, default_victim, size = SCENARIOS[scenario]
+    victim = default_victim if victim is None else victim
     url = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, **TRANSPORTS[transport],
            "P2PCOLL_HEARTBEAT_TIMEOUT": str(heartbeat), "P2PCOLL_TIMEOUT": str(deadline)}
     procs = [subprocess.Popen(
-        [sys.executable, str(PEER), url, str(rank), str(world), scenario, str(nbytes or size)],
+        [sys.executable, str(PEER), url, str(rank), str(world), scenario, str(size)],
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     ) for rank in range(world)]
     stopped = False
@@ -120,7 +124,8 @@ def test_senders_fail_naming_the_lost_peer(scenario: str, transport: str,
 
 async def test_in_memory_send_blocked_on_a_full_queue_fails_when_the_receiver_is_cut() -> None:
     net = MemoryNetwork(capacity=4)
-    groups = await memory_groups(2, network=net, collective_timeout=DEADLINE_S)
+    groups = await memory_groups(2, network=net, collective_timeout=DEADLINE_S,
+                                 heartbeat_timeout=1)  # the cut peer closes within 1 s
     a, b = groups
     try:
         sent = 0
@@ -148,7 +153,8 @@ async def test_in_memory_send_blocked_on_a_full_queue_fails_when_the_receiver_is
 
 async def test_in_memory_broadcast_root_fails_when_a_receiver_is_cut() -> None:
     net = MemoryNetwork(capacity=4)
-    groups = await memory_groups(3, network=net, collective_timeout=DEADLINE_S)
+    groups = await memory_groups(3, network=net, collective_timeout=DEADLINE_S,
+                                 heartbeat_timeout=1)  # the cut peer closes within 1 s
     try:
         async def root() -> None:
             while True:

@@ -23,6 +23,7 @@ a receive asks the session's one record (:class:`Departures`) about the peer it 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
@@ -79,6 +80,10 @@ class Departures(Protocol):
 
     def abandoned(self, rank: int, seq: int) -> bool:
         """Whether ``rank`` is gone without having taken part in collective ``seq``."""
+        ...
+
+    def gone(self) -> Mapping[int, object]:
+        """The peers that have gone, by rank (usually none)."""
         ...
 
 

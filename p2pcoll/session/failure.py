@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 from enum import StrEnum
 
-from ..engine.matching import Matcher, OpId
+from ..engine.matching import Matcher, OpId, channel
 from ..errors import (
     REMOTE_ERRORS,
     CollectiveMismatch,
@@ -121,7 +121,7 @@ class FailureModel:
         end with :class:`GroupBroken`. Call before :meth:`close` (which mutes aborts)."""
         if not self._active or self._matcher is None or self.state is not GroupState.READY:
             return
-        seq = min(self._active)
+        seq = min(self._active, key=lambda op: channel(op)[1])  # ints and transfer ids mix
         why = f" ({reason})" if reason else ""
         self.fail(seq, PeerLost(f"rank {self._rank} left the group during collective "
                                 f"#{seq}{why}", self._rank))
@@ -144,8 +144,8 @@ class FailureModel:
         if not isinstance(seq, int):
             src, dst = seq[0], seq[1]
             return departures.lost(dst) if src == self._rank else None
-        for rank in range(departures.membership.world_size):
-            if rank != self._rank and departures.abandoned(rank, seq):
+        for rank in departures.gone():
+            if departures.abandoned(rank, seq):
                 return departures.lost(rank)
         return None
 
