@@ -33,6 +33,10 @@ variable                       meaning (default)
 ``P2PCOLL_JOB_ID``             which job of a shared rendezvous server this peer joins
 ``P2PCOLL_MIN_WORLD_SIZE``     elastic groups: form with at least this many peers
 ``P2PCOLL_MAX_WORLD_SIZE``     elastic groups: form with at most this many peers
+``P2PCOLL_RENDEZVOUS_*``       what a rendezvous server accepts: ``MAX_WORLD_SIZE`` (4096),
+                               ``MAX_HEARTBEAT`` (300 s), ``MAX_PEERS`` (16384 waiting),
+                               ``MAX_JOBS`` (1024 forming), ``RATE`` (20 requests/s per
+                               connection); see :class:`RendezvousLimits`
 ``P2PCOLL_METRICS_PORT``       a peer service's HTTP port for /healthz and /metrics (off)
 ``P2PCOLL_METRICS_HOST``       the address that port is bound to (0.0.0.0)
 ``P2PCOLL_LOG_LEVEL``          a peer service's log level (INFO)
@@ -81,6 +85,8 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
+        "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT",
+        "P2PCOLL_RENDEZVOUS_MAX_PEERS", "P2PCOLL_RENDEZVOUS_MAX_JOBS", "P2PCOLL_RENDEZVOUS_RATE",
         "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
@@ -146,6 +152,8 @@ class Settings:
             the elastic training layer passes the previous rank.
         torchrun: under torchrun, its run id and restart count (the namespace of this
             job's keys in torchrun's store, see :mod:`p2pcoll.rendezvous.torch_store`).
+        rendezvous_limits: what the rendezvous server this peer may host accepts; this
+            peer's own world size and heartbeat must be within them.
     """
 
     rendezvous: str | None = None
@@ -171,6 +179,7 @@ class Settings:
     max_world_size: int | None = None
     order: int | None = None
     torchrun: str = ""
+    rendezvous_limits: RendezvousLimits = field(default_factory=lambda: RendezvousLimits())
 
     @classmethod
     def resolve(
@@ -215,6 +224,7 @@ class Settings:
             "job_id": reader.job_id(),
             "min_world_size": reader.integer("P2PCOLL_MIN_WORLD_SIZE", 1, 1 << 20),
             "max_world_size": reader.integer("P2PCOLL_MAX_WORLD_SIZE", 1, 1 << 20),
+            "rendezvous_limits": RendezvousLimits.resolve(env),
         }
         merged = {k: v for k, v in values.items() if v is not None}
         if "strategies" in given:
@@ -270,6 +280,85 @@ class Settings:
             raise SettingsError(
                 f"min_world_size {low} is larger than max_world_size {high}",
                 name="min_world_size", value=low, allowed=f"at most {high}")
+        if self.rendezvous is not None and self.rendezvous.startswith("tcp://"):
+            self._check_rendezvous_limits(given)
+
+    def _check_rendezvous_limits(self, given: Mapping[str, Any]) -> None:
+        """What this peer will ask of a p2pcoll rendezvous is within its bounds (a server
+        would refuse it; better said here, naming the setting)."""
+        limits = self.rendezvous_limits
+        for name in ("world_size", "min_world_size", "max_world_size"):
+            value = getattr(self, name)
+            if value is not None and value > limits.max_world_size:
+                raise bad_value(f"{name}=" if name in given else name, value,
+                                f"at most {limits.max_world_size}, the largest world a "
+                                f"rendezvous accepts ($P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE)")
+        if self.heartbeat_timeout > limits.max_heartbeat:
+            where = "heartbeat_timeout=" if "heartbeat_timeout" in given else \
+                "$P2PCOLL_HEARTBEAT_TIMEOUT"
+            raise bad_value(where, self.heartbeat_timeout,
+                            f"at most {limits.max_heartbeat:g} seconds, the longest heartbeat "
+                            f"a rendezvous accepts ($P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT)")
+
+
+@dataclass(frozen=True)
+class RendezvousLimits:
+    """What a rendezvous server (:mod:`p2pcoll.rendezvous.server`) accepts from its
+    clients and holds at once. A request over a bound gets an ``error`` reply naming the
+    bound and its variable; a peer whose own settings ask for more fails in
+    :meth:`Settings.resolve`. Made by :meth:`resolve`.
+
+    Attributes:
+        max_world_size: the largest world size (or elastic minimum or maximum) a join may
+            ask for (``$P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE``, 4096).
+        max_heartbeat: the longest heartbeat a join may ask for, in seconds
+            (``$P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT``, 300): a registration is dropped that
+            long after its last request at the latest.
+        max_peers: registrations held at once, over every job
+            (``$P2PCOLL_RENDEZVOUS_MAX_PEERS``, 16384; at least ``max_world_size``).
+        max_jobs: jobs with a group forming at once (``$P2PCOLL_RENDEZVOUS_MAX_JOBS``, 1024).
+        rate: requests per second one connection (one routing identity) may send, in
+            bursts of as many (``$P2PCOLL_RENDEZVOUS_RATE``, 20; a joining peer sends 2);
+            more are dropped, and the first of them answered with an error.
+    """
+
+    max_world_size: int = 4096
+    max_heartbeat: float = 300.0
+    max_peers: int = 16384
+    max_jobs: int = 1024
+    rate: float = 20.0
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None) -> RendezvousLimits:
+        """The limits ``$P2PCOLL_RENDEZVOUS_*`` set (defaults for those unset); a
+        standalone ``p2pcoll rendezvous`` reads them so.
+
+        Raises:
+            SettingsError: a value out of its range, naming the variable.
+        """
+        reader = _Reader(os.environ if environ is None else environ)
+        values: dict[str, Any] = {
+            "max_world_size": reader.integer("P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", 1, 1 << 20),
+            "max_peers": reader.integer("P2PCOLL_RENDEZVOUS_MAX_PEERS", 1, 1 << 24),
+            "max_jobs": reader.integer("P2PCOLL_RENDEZVOUS_MAX_JOBS", 1, 1 << 20),
+        }
+        for name, field_name in (("MAX_HEARTBEAT", "max_heartbeat"), ("RATE", "rate")):
+            raw = reader.raw(f"P2PCOLL_RENDEZVOUS_{name}")
+            if raw is None:
+                continue
+            try:
+                number = float(raw)
+            except ValueError:
+                number = math.nan
+            if not 0 < number < math.inf:
+                raise bad_value(f"$P2PCOLL_RENDEZVOUS_{name}", raw, "a finite number > 0")
+            values[field_name] = number
+        limits = cls(**{k: v for k, v in values.items() if v is not None})
+        if limits.max_peers < limits.max_world_size:
+            raise bad_value("$P2PCOLL_RENDEZVOUS_MAX_PEERS", limits.max_peers,
+                            f"at least $P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE "
+                            f"({limits.max_world_size}): one whole group must fit")
+        return limits
 
 
 def job_key(environ: Mapping[str, str] | None = None) -> JobKey | None:

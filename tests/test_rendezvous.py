@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
 import pytest
 
 import p2pcoll
+from p2pcoll.rendezvous import RendezvousServer
+from p2pcoll.rendezvous.client import waiting
 from p2pcoll.settings import RANK_VARS, WORLD_SIZE_VARS, Settings
 from p2pcoll.testing import free_port
 
@@ -70,13 +76,27 @@ async def test_timeout_with_no_rendezvous_host() -> None:
         await p2pcoll.join(url(), world_size=2, rank=1, timeout=0.5)
 
 
-async def test_duplicate_rank_fails_both_peers_at_once() -> None:
-    address = url()
-
-    async def peer(rank: int) -> tuple[float, BaseException | None]:
+OTHER_RANK_1 = """
+    import asyncio, sys, time, p2pcoll
+    async def main():
         start = time.monotonic()
         try:
-            g = await p2pcoll.join(address, world_size=3, rank=rank, timeout=20)
+            await p2pcoll.join(sys.argv[1], world_size=3, rank=1, timeout=20)
+        except p2pcoll.RendezvousError as exc:
+            print(f"{time.monotonic() - start:.2f}", exc)
+    asyncio.run(main())
+"""
+
+
+async def test_duplicate_rank_fails_both_peers_at_once() -> None:
+    """Two processes ask for rank 1 (two in one process are one peer asking again: see
+    below)."""
+    address = url()
+
+    async def peer() -> tuple[float, BaseException | None]:
+        start = time.monotonic()
+        try:
+            g = await p2pcoll.join(address, world_size=3, rank=1, timeout=20)
         except p2pcoll.RendezvousError as exc:
             return time.monotonic() - start, exc
         await g.close()
@@ -84,12 +104,54 @@ async def test_duplicate_rank_fails_both_peers_at_once() -> None:
 
     async def host() -> None:  # rank 0 hosts the rendezvous, then waits for a rank 1 in vain
         with pytest.raises(p2pcoll.RendezvousError, match="missing ranks"):
-            await p2pcoll.join(address, world_size=3, rank=0, timeout=2)
+            await p2pcoll.join(address, world_size=3, rank=0, timeout=4)
 
-    (t0, e0), (t1, e1), _ = await asyncio.gather(peer(1), peer(1), host())
-    assert e0 is not None and e1 is not None
+    async def other() -> str:
+        await asyncio.sleep(0.5)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
+        done = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", textwrap.dedent(OTHER_RANK_1), address],
+            env=env, capture_output=True, text=True, timeout=60, check=False)
+        return done.stdout
+
+    (t0, e0), out, _ = await asyncio.gather(peer(), other(), host())
+    assert e0 is not None
     assert "rank 1 was requested by two peers" in str(e0)
-    assert max(t0, t1) < 5, "duplicate ranks are reported at once, not at the timeout"
+    assert "rank 1 was requested by two peers" in out, out
+    assert float(out.split()[0]) < 5, "duplicate ranks are reported at once, not at the timeout"
+
+
+async def test_a_peer_that_asks_again_replaces_its_old_registration() -> None:
+    """Probe (issue 20 item 5): a join that failed left its registration behind, and the
+    same process's next join for that rank failed with "rank 3 was requested by two peers
+    (X and X)", a permanent error. A request of the same process (host and pid) for the
+    same rank is the same peer asking again: it replaces the old one, which is told so."""
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    address = server.bind()
+
+    async def old() -> BaseException:
+        with pytest.raises(p2pcoll.RendezvousError) as caught:
+            await p2pcoll.join(address, world_size=2, rank=1, timeout=20)
+        return caught.value
+
+    async def again() -> int:
+        while await waiting(address) < 1:  # the old one is registered
+            await asyncio.sleep(0.05)
+        async with p2pcoll.join(address, world_size=2, rank=1, timeout=20) as g:
+            return int((await g.allreduce(np.array([1]), timeout=10))[0])
+
+    async def host() -> int:
+        await asyncio.sleep(1.0)
+        async with p2pcoll.join(address, world_size=2, rank=0, timeout=20) as g:
+            return int((await g.allreduce(np.array([1]), timeout=10))[0])
+
+    try:
+        error, *sums = await asyncio.gather(old(), again(), host())
+    finally:
+        await server.aclose()
+    assert sums == [2, 2]
+    assert "replaced this one" in str(error), error
+    assert "requested by two peers" not in str(error)
 
 
 async def test_world_size_disagreement() -> None:

@@ -2,10 +2,21 @@
 
 The request is re-sent every :data:`~.server.RESEND` seconds (the server's sign that this
 peer is alive, and how a restarted server learns of it). The client watches its socket's
-handshakes: a connection that closes before its handshake completes means that something
-other than this job's rendezvous is there (a different job key, one side secured and the
-other not, or a server of another protocol), which is an error at once, not a timeout. A
-host that answered and then went silent for the heartbeat timeout is gone.
+handshakes, and tells what it sees apart:
+
+- evidence that the keys do not fit is an error at once (``permanent``): one side secured
+  and the other not (ZeroMQ reports the mechanism mismatch), or a key the server's ZAP gate
+  refused;
+- a handshake that broke the protocol is something else listening there, also at once;
+- a connection cut during its handshake is not evidence of anything by itself: a host
+  that is rebinding its port (a group re-formed, a server restarting) cuts the connections
+  its old socket had accepted. The client connects again; only when every handshake is cut
+  for :data:`CUTS_PERSIST` seconds (at least :data:`CUTS` of them, none completing) is it
+  an error: with a job key, the server holds a different one (a CURVE server that cannot
+  open a client's hello closes it without a word); without, what listens is not a p2pcoll
+  rendezvous.
+
+A host that answered and then went silent for the heartbeat timeout is gone.
 """
 
 from __future__ import annotations
@@ -27,30 +38,34 @@ from ..wire import WIRE_VERSION
 from .server import RESEND
 from .url import parse_url
 
-# Connections closed during their handshake, with no reason given, before giving up (one
-# may be a server restarting); a handshake that fails with a reason is an error at once.
-HANDSHAKE_FAILURES = 2
-
-_HANDSHAKE_FAILED = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "it closed the handshake",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake broke the protocol",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "it refused this peer's key",
-}
+# Handshakes cut (closed with no reason given) before the client gives up: at least CUTS
+# of them, over at least CUTS_PERSIST seconds with none completing. A host rebinding its
+# port cuts one or two, within milliseconds; a server whose key differs cuts every one.
+CUTS = 3
+CUTS_PERSIST = 2.0
 _EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-def _reply(raw: bytes, url: str, ops: tuple[str, ...]) -> dict[str, Any]:
-    """Decode a reply; anything that is not a rendezvous message says who answered."""
-    try:
-        msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
-    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types
-        msg = None
+def _reply(frames: list[bytes], url: str, ops: tuple[str, ...]) -> dict[str, Any]:
+    """Decode a reply (a roster's second frame, the group's part, merged into the first);
+    anything that is not a rendezvous message says who answered."""
+    msg: Any = None
+    if len(frames) in (1, 2):
+        try:
+            msg = msgpack.unpackb(frames[0], raw=False, max_bin_len=0, max_ext_len=0)
+            if isinstance(msg, dict) and msg.get("op") == "roster" and len(frames) == 2:
+                body = msgpack.unpackb(frames[1], raw=False, max_bin_len=0, max_ext_len=0)
+                msg = {**msg, **body} if isinstance(body, dict) else None
+            elif len(frames) != 1:
+                msg = None
+        except Exception:  # noqa: BLE001 - msgpack raises several unrelated types
+            msg = None
     if not isinstance(msg, dict) or msg.get("op") not in ops:
         raise RendezvousError(
             f"something other than a p2pcoll rendezvous answered at {url} "
-            f"({len(raw)} bytes that are not a rendezvous reply)", permanent=True,
+            f"({sum(map(len, frames))} bytes that are not a rendezvous reply)", permanent=True,
         )
     return msg
 
@@ -91,36 +106,60 @@ class _Link:
         self.connected = False  # a TCP connection was ever made
         self.answered: float | None = None  # when the last reply came
         self._pending = False  # connected, handshake not yet done
-        self._failures: list[str] = []
+        self.cuts = 0  # handshakes cut since the last one that completed...
+        self._first_cut = 0.0  # ...the first of them when
         self.sock.connect(f"tcp://{host}:{port}")
 
     def events(self) -> None:
-        """Read the monitor's events. Raises RendezvousError on failed handshakes."""
+        """Read the monitor's events (see the module docstring for what they mean).
+
+        Raises:
+            RendezvousError: ``permanent``, when the keys do not fit, the handshake broke
+                the protocol, or every handshake has been cut for CUTS_PERSIST seconds.
+        """
         while self.monitor.poll(0):
             event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
-            kind = event["event"]
+            kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_CONNECTED:
                 self.connected, self._pending = True, True
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._pending = False
-                self._failures.clear()
-            elif kind in _HANDSHAKE_FAILED:
+                self.cuts = 0
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._fail("it refused this peer's key", "this peer uses a job key "
+                           "(P2PCOLL_KEY_FILE / key_file=) and the rendezvous holds a "
+                           "different one")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                    self._fail("one side is secured and the other not", (
+                        "this peer uses a job key (P2PCOLL_KEY_FILE / key_file=): the "
+                        "rendezvous has none" if self.secure else
+                        "this peer has no job key: the rendezvous is secured (set "
+                        "P2PCOLL_KEY_FILE to the job's key file)"))
+                self._fail("the handshake broke the protocol",
+                           "what listens there is not a p2pcoll rendezvous")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or (
+                    kind == zmq.EVENT_DISCONNECTED and self._pending):
                 self._pending = False
-                self._failures.append(_HANDSHAKE_FAILED[kind])
-            elif kind == zmq.EVENT_DISCONNECTED and self._pending:
-                self._pending = False
-                self._failures.append("it closed the connection during the handshake")
-        decisive = any(f in _HANDSHAKE_FAILED.values() for f in self._failures)
-        if decisive or len(self._failures) >= HANDSHAKE_FAILURES:
-            why = ("this peer uses a job key (P2PCOLL_KEY_FILE / key_file=): the rendezvous "
-                   "holds a different one, or none" if self.secure else
-                   "this peer has no job key: the rendezvous is secured (set "
-                   "P2PCOLL_KEY_FILE to the job's key file)")
-            raise RendezvousError(
-                f"the handshake with the rendezvous at {self.url} failed "
-                f"({self._failures[-1]}): {why}; or what listens there is not a p2pcoll "
-                f"rendezvous", permanent=True,
-            )
+                self._cut()
+
+    def _cut(self) -> None:
+        """A handshake was cut: an error only when it keeps happening."""
+        now = time.monotonic()
+        if self.cuts == 0:
+            self._first_cut = now
+        self.cuts += 1
+        if self.cuts >= CUTS and now - self._first_cut >= CUTS_PERSIST:
+            self._fail(
+                f"it closed every handshake for {now - self._first_cut:.1f}s, {self.cuts} "
+                f"of them", "this peer uses a job key (P2PCOLL_KEY_FILE / key_file=): the "
+                "rendezvous holds a different one; or what listens there is not a p2pcoll "
+                "rendezvous" if self.secure else
+                "what listens there is not a p2pcoll rendezvous")
+
+    def _fail(self, what: str, why: str) -> None:
+        raise RendezvousError(f"the handshake with the rendezvous at {self.url} failed "
+                              f"({what}): {why}", permanent=True)
 
     def send(self, request: dict[str, Any]) -> None:
         try:
@@ -129,7 +168,7 @@ class _Link:
             pass  # not connected yet: the next re-send tries again
 
     def close(self, goodbye: dict[str, Any] | None = None) -> None:
-        if goodbye is not None and self.answered is not None:
+        if goodbye is not None and self.connected:  # the join may have got there
             self.send(goodbye)
         self.sock.disable_monitor()
         self._monitor.close(linger=0)
@@ -196,7 +235,7 @@ async def rendezvous(
             wait = min(next_send, deadline) - now
             if not await link.sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
                 continue
-            msg = _reply(await link.sock.recv(), url, ("status", "error", "roster"))
+            msg = _reply(await link.sock.recv_multipart(), url, ("status", "error", "roster"))
             link.answered = time.monotonic()
             if msg["op"] == "status":
                 status = msg
@@ -215,9 +254,11 @@ async def rendezvous(
 def _progress(status: dict[str, Any] | None) -> str:
     if status is None:
         return "no peer had been counted yet"
-    missing = status.get("missing")
+    missing, count = status.get("missing"), status.get("missing_count")
+    more = (f" and {count - len(missing)} more" if isinstance(count, int)
+            and isinstance(missing, list) and count > len(missing) else "")
     return (f"{status.get('arrived')} of {status.get('world_size')} peers arrived"
-            + (f"; missing ranks {missing}" if missing else ""))
+            + (f"; missing ranks {missing}{more}" if missing else ""))
 
 
 def _timed_out(url: str, timeout: float, status: dict[str, Any] | None, link: _Link
@@ -254,7 +295,7 @@ async def waiting(url: str, *, job: str = "", sockets: SocketFactory | None = No
                 raise RendezvousError(f"no rendezvous host at {url}: no answer within "
                                       f"{timeout:g}s")
             if await link.sock.poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLIN):
-                msg = _reply(await link.sock.recv(), url, ("waiting", "error"))
+                msg = _reply(await link.sock.recv_multipart(), url, ("waiting", "error"))
                 if msg["op"] == "error":
                     raise RendezvousError(f"rendezvous at {url}: {msg.get('reason')}")
                 return int(msg.get("count", 0))

@@ -4,19 +4,26 @@ One process hosts it at the rendezvous address ``tcp://HOST:PORT``: the peer tha
 rank 0 (or, when ranks are assigned by arrival, whichever peer binds the port first), or a
 standalone ``p2pcoll rendezvous`` server. It serves any number of groups over its life:
 each job (a job id, ``P2PCOLL_JOB_ID``, empty by default) has at most one group forming at a
-time, and once a group has formed the next requests of that job start the next group.
+time, and once a group has formed the next requests of that job start the next group. A
+peer that hosts it for a group of fixed size closes it once that group has formed (see
+:mod:`p2pcoll.session.forming`); an elastic group's host keeps it, for the next round.
 
 The protocol (msgpack maps over a ROUTER; every client keeps one routing identity for the
 whole join, across reconnections):
 
 - ``join``: endpoints, host, pid, requested rank, world size (or, for an elastic group,
-  ``min``/``max``) and ``order``. Clients re-send it every :data:`RESEND` seconds until
-  the roster comes; that is their heartbeat, and it is how a restarted server learns the
-  peers again. Each one is answered with a ``status`` (how many arrived, which ranks are
-  missing), an ``error`` for the peers concerned (duplicate rank, rank out of range, world
-  size disagreement, a registered peer lost: ``permanent`` false, a new attempt may form
-  a group), or the ``roster`` once the group is complete
-  (the roster is sent again to a peer that asks again, in case it was lost).
+  ``min``/``max``), heartbeat and ``order``. Clients re-send it every :data:`RESEND`
+  seconds until the roster comes; that is their heartbeat, and it is how a restarted
+  server learns the peers again. Each one is answered, to that client alone, with a
+  ``status`` (how many arrived, how many ranks are missing and the first
+  :data:`MISSING_SHOWN` of them), an ``error`` for the peers concerned (duplicate rank,
+  rank out of range, world size disagreement, a bound of :class:`RendezvousLimits`
+  exceeded, a registered peer lost: ``permanent`` false, a new attempt may form a group),
+  or the ``roster`` once the group is complete: two frames, the peer's own part (rank,
+  group id, secret) and the group's endpoints and hosts, one buffer shared by every
+  member's reply (it is sent again to a peer that asks again, in case it was lost). A
+  join from the same process (host and pid) for the rank an earlier registration of it
+  holds replaces that one: it is the same peer trying again.
 - ``leave``: a client gives up (its join was cancelled or timed out).
 - ``waiting``: how many peers of a job are waiting for its next group (the elastic training
   layer asks this at round boundaries).
@@ -27,16 +34,28 @@ arrived for :data:`SETTLE` seconds. Ranks go to the requested ones first, then b
 (lower first), then by arrival. A registered peer that has not re-sent its request for its
 heartbeat timeout is lost: the others of a fixed-size group fail at once naming it (an
 elastic group just goes on without it). A malformed request is logged and dropped.
+
+What anyone who can reach the port may cost it is bounded (:class:`RendezvousLimits`, each
+a setting): the world size and heartbeat a join may ask for, the registrations and jobs
+held at once, the requests per second of one connection. Every request costs O(1) (the
+status goes to the asking peer only; forming a group of n costs O(n log n), once);
+registrations expire after their heartbeat, a job with none left is forgotten, rosters are
+kept for :data:`FORMED_TTL` seconds. And the server's work is kept off the path of the
+collectives of a peer that hosts it in its event loop: it reads a batch of requests, then
+lets the loop run others for three times as long as the batch took (:data:`SHARE`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import secrets
 import time
 import uuid
+from bisect import bisect_left, insort
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +63,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from ..settings import RendezvousLimits
 from ..transport.sockets import SocketFactory
 from ..wire import WIRE_VERSION
 from .url import parse_url
@@ -53,10 +73,16 @@ log = logging.getLogger("p2pcoll.rendezvous")
 RESEND = 0.5  # seconds between a client's re-sent join requests (its heartbeat)
 SETTLE = 1.0  # an elastic group with enough peers forms after this long without arrivals
 TICK = 0.1  # how often the server looks for lost peers and settled elastic groups
-FORMED_KEPT = 4096  # rosters kept to answer peers that ask again
+FORMED_KEPT = 4096  # rosters kept to answer peers that ask again...
+FORMED_TTL = 30.0  # ...for this many seconds after their group formed
+MISSING_SHOWN = 16  # missing ranks a status lists (it counts them all)
+BATCH = 64  # requests read in one go, at most...
+BATCH_S = 0.002  # ...or for this long, before the event loop runs others
+SHARE = 0.25  # the share of its event loop's time the server takes, at most, when busy
+MIN_HEARTBEAT = 2 * RESEND  # a shorter heartbeat would lose a peer between its re-sends
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     identity: bytes
     rank: int | None
@@ -82,39 +108,99 @@ class _Forming:
     low: int | None = None  # elastic bounds
     high: int | None = None
     entries: dict[bytes, _Entry] = field(default_factory=dict)
+    by_rank: dict[int, _Entry] = field(default_factory=dict)
+    taken: list[int] = field(default_factory=list)  # the requested ranks, sorted
     last_arrival: float = 0.0
 
     @property
     def elastic(self) -> bool:
         return self.world_size is None and self.low is not None
 
+    def missing(self) -> tuple[int, list[int]]:
+        """How many ranks no peer will get yet, and the first MISSING_SHOWN of them.
+
+        The free ranks (those not requested) go to the unranked peers in order, so the
+        missing ones are the free ranks after the first ``unranked``. The j-th free rank is
+        ``j + #{i : taken[i] - i <= j}`` (``taken[i] - i`` never decreases): a bisection,
+        so this costs O(MISSING_SHOWN log n), never O(world size).
+        """
+        if self.world_size is None:
+            return 0, []
+        unranked = len(self.entries) - len(self.taken)
+        count = max(0, self.world_size - len(self.entries))
+        shown = []
+        for j in range(unranked, unranked + min(count, MISSING_SHOWN)):
+            lo, hi = 0, len(self.taken)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.taken[mid] - mid <= j:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            shown.append(j + lo)
+        return count, shown
+
+
+@dataclass
+class _Roster:
+    job: str
+    formed: float
+    head: bytes  # this peer's part
+    body: zmq.Frame  # the group's part, one buffer for every member
+
 
 class _Rejected(Exception):
     """A request that gets an error reply."""
 
 
-def _int(msg: dict[str, Any], name: str, low: int) -> int | None:
+def _int(msg: dict[str, Any], name: str, low: int, high: int | None = None,
+         bound: str = "") -> int | None:
     value = msg.get(name)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise _Rejected(f"{name} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise _Rejected(f"{name} {value} is over this rendezvous's bound of {high} ({bound})")
     return value
 
 
 class RendezvousServer:
-    """Forms the groups of the peers that join at one address; see the module docstring."""
+    """Forms the groups of the peers that join at one address; see the module docstring.
 
-    def __init__(self, url: str, sockets: SocketFactory | None = None) -> None:
+    Args:
+        url: ``tcp://HOST:PORT`` to bind (port 0: the OS picks one).
+        sockets: the factory of its socket (the job key); None for plain sockets.
+        limits: what it accepts and holds (default: :class:`RendezvousLimits`' defaults).
+    """
+
+    def __init__(self, url: str, sockets: SocketFactory | None = None,
+                 limits: RendezvousLimits | None = None) -> None:
         self.url = url
+        self.limits = limits or RendezvousLimits()
         self._own_sockets = sockets is None
         self._sockets = sockets or SocketFactory()
         self._sock: zmq.asyncio.Socket | None = None
+        self._plain: zmq.Socket[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._forming: dict[str, _Forming] = {}
-        self._formed: dict[bytes, tuple[str, dict[str, Any]]] = {}  # identity -> roster
+        self._peers = 0  # registrations, over every job
+        self._expiry: list[tuple[float, int, str, bytes]] = []  # (deadline, arrival, job, id)
+        self._settling: set[str] = set()  # elastic jobs with at least their minimum
+        self._formed: OrderedDict[bytes, _Roster] = OrderedDict()  # identity -> roster
+        self._buckets: OrderedDict[bytes, list[float]] = OrderedDict()  # tokens, when, told
+        self._backlog = False  # requests were left unread at the end of the last batch
         self._arrivals = 0
         self.groups_formed = 0
+        self.requests = 0  # read
+        self.dropped = 0  # over a connection's rate, or malformed
+
+    def stats(self) -> dict[str, int]:
+        """What it holds and has done: ``peers`` registered, ``jobs`` forming, ``rosters``
+        kept, ``groups_formed``, ``requests`` read and ``dropped``."""
+        return {"peers": self._peers, "jobs": len(self._forming), "rosters": len(self._formed),
+                "groups_formed": self.groups_formed, "requests": self.requests,
+                "dropped": self.dropped}
 
     def bind(self) -> str:
         """Bind the rendezvous port and return the URL (port 0: the OS picks one).
@@ -131,48 +217,112 @@ class RendezvousServer:
             raise
         self.url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
+        self._plain = zmq.Socket.shadow(sock.underlying)
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch())]
         return self.url
 
     async def _serve(self) -> None:
-        assert self._sock is not None
+        """Read requests in batches; after each, let the loop run others for a while."""
+        assert self._sock is not None and self._plain is not None
         while True:
             try:
-                frames = await self._sock.recv_multipart()
+                await self._sock.poll(flags=zmq.POLLIN)
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
-            try:
-                if len(frames) != 2:
-                    raise ValueError(f"{len(frames) - 1} frames, expected 1")
-                identity, raw = frames
-                msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
-                if not isinstance(msg, dict):
-                    raise ValueError("not a map")
-            except Exception as exc:  # noqa: BLE001 - a malformed request must not stop it
-                log.warning("rendezvous: dropped a malformed request: %s", exc)
-                continue
-            try:
-                self._handle(identity, msg)
-            except _Rejected as exc:
-                self._reply(identity, op="error", reason=str(exc))
-            except Exception:  # noqa: BLE001 - one request must not stop the server
-                log.exception("rendezvous: failed to handle a request")
+            start = time.perf_counter()
+            for _ in range(BATCH):
+                try:
+                    frames = self._plain.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    self._backlog = False
+                    break
+                except zmq.ZMQError:
+                    return
+                self._receive(frames)
+                if time.perf_counter() - start > BATCH_S:
+                    self._backlog = True
+                    break
+            else:
+                self._backlog = True
+            busy = time.perf_counter() - start
+            await asyncio.sleep(busy * (1 - SHARE) / SHARE)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        self.requests += 1
+        try:
+            if len(frames) != 2:
+                raise ValueError(f"{len(frames) - 1} frames, expected 1")
+            identity, raw = frames
+            if not self._allow(identity):
+                return
+            msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
+            if not isinstance(msg, dict):
+                raise ValueError("not a map")
+        except Exception as exc:  # noqa: BLE001 - a malformed request must not stop it
+            self.dropped += 1
+            log.debug("rendezvous: dropped a malformed request: %s", exc)
+            return
+        try:
+            self._handle(identity, msg)
+        except _Rejected as exc:
+            self._reply(identity, op="error", reason=str(exc))
+        except Exception:  # noqa: BLE001 - one request must not stop the server
+            log.exception("rendezvous: failed to handle a request")
+
+    def _allow(self, identity: bytes) -> bool:
+        """A token bucket per connection (its routing identity): ``rate`` requests per
+        second, in bursts of as many. The first request over it is answered with an error,
+        the rest dropped until the bucket refills."""
+        now = time.monotonic()
+        rate = self.limits.rate
+        bucket = self._buckets.get(identity)
+        if bucket is None:
+            bucket = self._buckets[identity] = [max(1.0, rate), now, 0.0]
+            if len(self._buckets) > self.limits.max_peers + self.limits.max_jobs:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(identity)
+            bucket[0] = min(max(1.0, rate), bucket[0] + (now - bucket[1]) * rate)
+            bucket[1] = now
+        if bucket[0] >= 1:
+            bucket[0] -= 1
+            bucket[2] = 0.0
+            return True
+        self.dropped += 1
+        if not bucket[2]:
+            bucket[2] = 1.0
+            self._reply(identity, op="error", reason=(
+                f"more than {rate:g} requests per second from this connection, this "
+                f"rendezvous's bound (P2PCOLL_RENDEZVOUS_RATE): the rest are dropped"))
+        return False
 
     async def _watch(self) -> None:
-        """Lost peers and settled elastic groups, every TICK seconds."""
+        """Lost peers, settled elastic groups and old rosters, every TICK seconds: the work
+        of one tick is what is due, not what is held."""
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
-            for forming in list(self._forming.values()):
-                self._expire(forming, now)
-                self._progress(forming, now)
+            if not self._backlog:  # requests that wait unread may be those peers' re-sends
+                self._expire(now)
+            for job in list(self._settling):
+                forming = self._forming.get(job)
+                if forming is not None:
+                    self._progress(forming, now)
+            while self._formed:
+                roster = next(iter(self._formed.values()))
+                if now - roster.formed < FORMED_TTL and len(self._formed) <= FORMED_KEPT:
+                    break
+                self._formed.popitem(last=False)
 
     def _reply(self, identity: bytes, **msg: Any) -> None:
-        assert self._sock is not None
+        self._send([identity, msgpack.packb(msg)])
+
+    def _send(self, frames: list[Any]) -> None:
+        assert self._plain is not None
         try:
-            self._sock.send_multipart([identity, msgpack.packb(msg)], zmq.NOBLOCK)
+            self._plain.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
-            log.warning("rendezvous: reply not sent: %s", exc)
+            log.debug("rendezvous: reply not sent: %s", exc)
 
     def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
         op = msg.get("op")
@@ -186,8 +336,9 @@ class RendezvousServer:
             self._reply(identity, op="waiting", count=len(forming.entries) if forming else 0)
         elif op == "leave":
             forming = self._forming.get(job)
-            if forming is not None and forming.entries.pop(identity, None) is not None:
-                self._status(forming)
+            entry = forming.entries.get(identity) if forming is not None else None
+            if forming is not None and entry is not None:
+                self._remove(forming, entry)
         elif op == "join":
             self._join(identity, job, msg)
         else:
@@ -195,131 +346,223 @@ class RendezvousServer:
 
     def _join(self, identity: bytes, job: str, msg: dict[str, Any]) -> None:
         formed = self._formed.get(identity)
-        if formed is not None and formed[0] == job:
-            self._reply(identity, **formed[1])  # it asked again: its roster was lost
+        if formed is not None and formed.job == job:  # it asked again: its roster was lost
+            self._send([identity, formed.head, formed.body])
             return
-        rank, size = _int(msg, "rank", 0), _int(msg, "world_size", 1)
-        low, high = _int(msg, "min", 1), _int(msg, "max", 1)
+        limits = self.limits
+        bound = "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE"
+        size = _int(msg, "world_size", 1, limits.max_world_size, bound)
+        rank = _int(msg, "rank", 0, limits.max_world_size - 1, bound)
+        low = _int(msg, "min", 1, limits.max_world_size, bound)
+        high = _int(msg, "max", 1, limits.max_world_size, bound)
         order, pid = _int(msg, "order", 0), _int(msg, "pid", 0) or 0
         endpoints, host, heartbeat = msg.get("endpoints"), msg.get("host"), msg.get("heartbeat")
         if (not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
                 or not all(isinstance(e, str) and len(e) <= 256 for e in endpoints)
                 or not isinstance(host, str) or len(host) > 256
-                or not isinstance(heartbeat, (int, float)) or not 0 < heartbeat < 1e6):
+                or not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool)
+                or not heartbeat > 0):
             raise _Rejected("malformed join request")
-        forming = self._forming.setdefault(job, _Forming(job))
-        entry = forming.entries.get(identity)
+        if heartbeat > limits.max_heartbeat:
+            raise _Rejected(f"heartbeat {heartbeat:g}s is over this rendezvous's bound of "
+                            f"{limits.max_heartbeat:g}s (P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT)")
         now = time.monotonic()
-        if entry is not None:  # a re-sent request: it is alive
+        forming = self._forming.get(job)
+        entry = forming.entries.get(identity) if forming is not None else None
+        if forming is not None and entry is not None:  # a re-sent request: it is alive
             entry.seen = now
-            self._status(forming, [entry])
+            self._status(forming, entry)
             return
-        if size is not None:
-            if forming.world_size is None and not forming.entries:
-                forming.world_size = size
-            elif size != forming.world_size:
-                raise _Rejected(
-                    f"world_size {size} disagrees with "
-                    + (f"world_size {forming.world_size}" if forming.world_size else
-                       "an elastic group")
-                    + f" of the {len(forming.entries)} peer(s) already at the rendezvous"
-                )
-        elif low is not None:
-            if forming.entries and (forming.world_size is not None
-                                    or (low, high) != (forming.low, forming.high)):
-                raise _Rejected(f"elastic bounds {low}..{high} disagree with those of the "
-                                f"{len(forming.entries)} peer(s) already at the rendezvous")
-            forming.low, forming.high = low, high
-            if rank is not None:
-                raise _Rejected("an elastic group assigns every rank: do not ask for one")
+        if forming is None:
+            if len(self._forming) >= limits.max_jobs:
+                raise _Rejected(f"groups of {len(self._forming)} jobs are forming, this "
+                                f"rendezvous's bound (P2PCOLL_RENDEZVOUS_MAX_JOBS)")
+            forming = _Forming(job)
+        stale = None
         if rank is not None:
-            if forming.world_size is not None and rank >= forming.world_size:
-                raise _Rejected(f"rank {rank} is out of range for world_size "
-                                f"{forming.world_size}")
-            for other in list(forming.entries.values()):
-                if other.rank == rank:
-                    reason = f"rank {rank} was requested by two peers ({other.host} and {host})"
-                    del forming.entries[other.identity]
-                    self._reply(other.identity, op="error", reason=reason)
-                    raise _Rejected(reason)
+            other = forming.by_rank.get(rank)
+            if other is not None and (other.host, other.pid) == (host, pid):
+                stale = other  # the same process asking again: it gave up on that one
+        if self._peers - (stale is not None) >= limits.max_peers:
+            raise _Rejected(f"{self._peers} peers are waiting at this rendezvous, its bound "
+                            f"(P2PCOLL_RENDEZVOUS_MAX_PEERS)")
+        self._check_fit(forming, identity, rank, size, low, high, host, stale)
+        if stale is not None:
+            log.info("rendezvous: job %r: %s registered again: the old registration is "
+                     "replaced", job, stale.describe())
+            self._remove(forming, stale)
+            self._reply(stale.identity, op="error", reason=(
+                f"a newer request of this process (pid {pid}) for rank {rank} replaced this "
+                f"one"))
+        if not forming.entries:
+            self._forming[job] = forming
+            if size is not None:
+                forming.world_size = size
+            elif low is not None:
+                forming.low, forming.high = low, high
         self._arrivals += 1
-        forming.entries[identity] = _Entry(
-            identity, rank, endpoints, host, pid, float("inf") if order is None else order,
-            self._arrivals, float(heartbeat), now)
+        entry = _Entry(identity, rank, endpoints, host, pid,
+                       float("inf") if order is None else order, self._arrivals,
+                       max(float(heartbeat), MIN_HEARTBEAT), now)
+        forming.entries[identity] = entry
+        self._peers += 1
+        if rank is not None:
+            forming.by_rank[rank] = entry
+            insort(forming.taken, rank)
+        self._expire_at(now + entry.heartbeat, entry, job)
         forming.last_arrival = now
         if not self._progress(forming, now):
-            self._status(forming)  # an arrival: tell everyone how far the group is
+            self._status(forming, entry)
 
-    def _status(self, forming: _Forming, to: list[_Entry] | None = None) -> None:
-        size = forming.world_size or forming.low
-        taken = {e.rank for e in forming.entries.values() if e.rank is not None}
-        unranked = sum(e.rank is None for e in forming.entries.values())
-        missing = ([r for r in range(size) if r not in taken][unranked:]
-                   if forming.world_size else [])
-        for e in to if to is not None else list(forming.entries.values()):
-            self._reply(e.identity, op="status", arrived=len(forming.entries),
-                        world_size=size, missing=missing)
+    def _check_fit(self, forming: _Forming, identity: bytes, rank: int | None,
+                   size: int | None, low: int | None, high: int | None, host: str,
+                   stale: _Entry | None) -> None:
+        """Raises _Rejected if a new peer asking for this does not fit the forming group
+        (a duplicate rank fails the peer that held it too)."""
+        others = len(forming.entries) - (stale is not None)
+        if size is not None:
+            if forming.world_size is None and others and forming.elastic:
+                raise _Rejected(f"world_size {size} disagrees with an elastic group of the "
+                                f"{others} peer(s) already at the rendezvous")
+            if forming.world_size is None and others:  # peers that gave no size came first
+                self._adopt_size(forming, size)
+            elif forming.world_size is not None and others and size != forming.world_size:
+                raise _Rejected(f"world_size {size} disagrees with world_size "
+                                f"{forming.world_size} of the {others} peer(s) already at "
+                                f"the rendezvous")
+        elif low is not None:
+            if others and (forming.world_size is not None
+                           or (low, high) != (forming.low, forming.high)):
+                raise _Rejected(f"elastic bounds {low}..{high} disagree with those of the "
+                                f"{others} peer(s) already at the rendezvous")
+            if rank is not None:
+                raise _Rejected("an elastic group assigns every rank: do not ask for one")
+        if rank is None:
+            return
+        world = forming.world_size if others else size  # a first peer sets the size
+        if world is not None and rank >= world:
+            raise _Rejected(f"rank {rank} is out of range for world_size {world}")
+        other = forming.by_rank.get(rank)
+        if other is not None and other is not stale:
+            reason = f"rank {rank} was requested by two peers ({other.host} and {host})"
+            self._remove(forming, other)
+            self._reply(other.identity, op="error", reason=reason)
+            raise _Rejected(reason)
 
-    def _expire(self, forming: _Forming, now: float) -> None:
-        """Peers that stopped re-sending their request are lost."""
-        lost = [e for e in forming.entries.values() if now - e.seen > e.heartbeat]
-        if not lost:
-            return
-        for e in lost:
-            del forming.entries[e.identity]
-        names = "; ".join(f"{e.describe()} registered and then stopped answering for "
-                          f"{now - e.seen:.1f}s" for e in lost)
-        log.warning("rendezvous: job %r: %s", forming.job, names)
-        if forming.elastic:
-            return
-        for e in forming.entries.values():
-            self._reply(e.identity, op="error", reason=f"{names}: it was lost while the "
-                        f"group formed", permanent=False)
-        del self._forming[forming.job]
+    def _adopt_size(self, forming: _Forming, size: int) -> None:
+        """The first world size given for a group whose first peers gave none: those that
+        asked for a rank out of its range are told so (once per group: O(n))."""
+        forming.world_size = size
+        for rank in [r for r in forming.taken if r >= size]:
+            entry = forming.by_rank[rank]
+            self._remove(forming, entry, keep=True)
+            self._reply(entry.identity, op="error",
+                        reason=f"rank {rank} is out of range for world_size {size}")
+
+    def _remove(self, forming: _Forming, entry: _Entry, keep: bool = False) -> None:
+        """Drop a registration; a job with none left is forgotten (unless ``keep``)."""
+        del forming.entries[entry.identity]
+        self._peers -= 1
+        if entry.rank is not None:
+            del forming.by_rank[entry.rank]
+            forming.taken.pop(bisect_left(forming.taken, entry.rank))
+        if not forming.entries and not keep:
+            self._forming.pop(forming.job, None)
+            self._settling.discard(forming.job)
+
+    def _status(self, forming: _Forming, entry: _Entry) -> None:
+        count, shown = forming.missing()
+        self._reply(entry.identity, op="status", arrived=len(forming.entries),
+                    world_size=forming.world_size or forming.low, missing=shown,
+                    missing_count=count)
+
+    def _expire_at(self, deadline: float, entry: _Entry, job: str) -> None:
+        """Look at ``entry`` again at ``deadline``. The heap keeps the items of entries that
+        formed or left until their deadline; when they outnumber the entries held, it is
+        rebuilt from those (O(n) after n pushes: O(1) a push)."""
+        heapq.heappush(self._expiry, (deadline, entry.arrival, job, entry.identity))
+        if len(self._expiry) > 2 * (self._peers + self.limits.max_jobs):
+            self._expiry = [(e.seen + e.heartbeat, e.arrival, f.job, e.identity)
+                            for f in self._forming.values() for e in f.entries.values()]
+            heapq.heapify(self._expiry)
+
+    def _expire(self, now: float) -> None:
+        """Peers that stopped re-sending their request are lost: the registrations whose
+        deadline passed (a heap, so O(those) per tick), grouped by job."""
+        lost: dict[str, dict[bytes, _Entry]] = {}
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, job, identity = heapq.heappop(self._expiry)
+            forming = self._forming.get(job)
+            entry = forming.entries.get(identity) if forming is not None else None
+            if entry is None:
+                continue  # it formed, left or was replaced
+            if entry.seen + entry.heartbeat > now:  # heard since: check again then
+                self._expire_at(entry.seen + entry.heartbeat, entry, job)
+                continue
+            lost.setdefault(job, {})[identity] = entry
+        for job, by_identity in lost.items():
+            forming, entries = self._forming[job], list(by_identity.values())
+            for e in entries:
+                self._remove(forming, e, keep=True)
+            names = "; ".join(f"{e.describe()} registered and then stopped answering for "
+                              f"{now - e.seen:.1f}s" for e in entries[:4])
+            if len(entries) > 4:
+                names += f"; and {len(entries) - 4} more"
+            log.warning("rendezvous: job %r: %s", job, names)
+            if not forming.elastic:
+                for e in forming.entries.values():
+                    self._reply(e.identity, op="error", reason=f"{names}: it was lost while "
+                                f"the group formed", permanent=False)
+                for e in list(forming.entries.values()):
+                    self._remove(forming, e, keep=True)
+            if not forming.entries:
+                del self._forming[job]
+                self._settling.discard(job)
+            elif forming.elastic and len(forming.entries) < (forming.low or 1):
+                self._settling.discard(job)
 
     def _progress(self, forming: _Forming, now: float) -> bool:
-        """Form the group if it is complete; returns whether it formed."""
-        entries = sorted(forming.entries.values(), key=lambda e: e.arrival)
+        """Form the group if it is complete; returns whether it formed. O(1) unless it
+        forms (then O(n log n), once)."""
+        count = len(forming.entries)
         if forming.elastic:
             assert forming.low is not None
-            full = forming.high is not None and len(entries) >= forming.high
-            settled = len(entries) >= forming.low and now - forming.last_arrival >= SETTLE
+            full = forming.high is not None and count >= forming.high
+            if count >= forming.low:
+                self._settling.add(forming.job)
+            settled = count >= forming.low and now - forming.last_arrival >= SETTLE
             if not (full or settled):
                 return False
-            entries = sorted(entries, key=lambda e: (e.order, e.arrival))[:forming.high]
+            entries = sorted(forming.entries.values(),
+                             key=lambda e: (e.order, e.arrival))[:forming.high]
             size = len(entries)
         else:
+            if forming.world_size is None or count < forming.world_size:
+                return False
             size = forming.world_size
-            if size is None:
-                return False
-            for e in entries:  # ranks that arrived before the size was known
-                if e.rank is not None and e.rank >= size:
-                    del forming.entries[e.identity]
-                    self._reply(e.identity, op="error",
-                                reason=f"rank {e.rank} is out of range for world_size {size}")
             entries = sorted(forming.entries.values(), key=lambda e: (e.order, e.arrival))
-            if len(entries) < size:
-                return False
-        taken = {e.rank for e in entries if e.rank is not None}
-        free = iter(r for r in range(size) if r not in taken)
+        free = iter(r for r in range(size) if r not in forming.by_rank)
         ranks = {e.identity: e.rank if e.rank is not None else next(free) for e in entries}
         by_rank = sorted(entries, key=lambda e: ranks[e.identity])
         group_id = uuid.uuid4().hex[:16]
-        roster = {"op": "roster", "group": group_id, "secret": secrets.token_hex(16),
-                  "epoch": 0, "world_size": size,
-                  "endpoints": [e.endpoints for e in by_rank],
-                  "hosts": [e.host for e in by_rank]}
+        group = {"op": "roster", "group": group_id, "secret": secrets.token_hex(16),
+                 "epoch": 0, "world_size": size}
+        body = zmq.Frame(msgpack.packb({"endpoints": [e.endpoints for e in by_rank],
+                                        "hosts": [e.host for e in by_rank]}))
         for e in by_rank:
-            reply = {**roster, "rank": ranks[e.identity]}
-            self._formed[e.identity] = (forming.job, reply)
-            self._reply(e.identity, **reply)
-            del forming.entries[e.identity]
+            roster = _Roster(forming.job, now, msgpack.packb({**group, "rank": ranks[e.identity]}),
+                             body)
+            self._formed[e.identity] = roster
+            self._formed.move_to_end(e.identity)
+            self._send([e.identity, roster.head, body])
+            self._remove(forming, e, keep=True)
         while len(self._formed) > FORMED_KEPT:
-            del self._formed[next(iter(self._formed))]
+            self._formed.popitem(last=False)
         self.groups_formed += 1
         log.info("rendezvous: job %r: formed group %s of %d", forming.job, group_id, size)
         if not forming.entries:  # peers left over from an elastic group start the next
             del self._forming[forming.job]
+            self._settling.discard(forming.job)
         return True
 
     async def aclose(self) -> None:
@@ -330,6 +573,7 @@ class RendezvousServer:
                 await task
         if self._sock is not None:
             self._sock.close()
-            self._sock = None
+            self._sock = self._plain = None
         if self._own_sockets:
             self._sockets.close()
+

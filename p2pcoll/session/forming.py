@@ -5,6 +5,12 @@ every peer) tries to host the rendezvous server at the rendezvous address; the o
 bind succeeds hosts it, the others (and every peer, when a standalone server runs) are
 only clients. Then every peer says hello to every other and waits for all the hellos, so
 the first collective never waits on a link that is still connecting.
+
+The host of a group of fixed size closes the rendezvous once every peer has said hello
+(each had its roster, so nobody needs it any more): a group that runs does not keep a port
+open to anyone who can reach it. An elastic group's host keeps serving it: the next
+round's peers gather there, and rank 0 asks it how many wait
+(:mod:`p2pcoll.training.elastic`).
 """
 
 from __future__ import annotations
@@ -92,7 +98,11 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                     max(0.0, deadline - loop.time()))
         if policy.name == "inproc":
             _check_one_process(membership)
-        return await _start(membership, transport, settings, failures, deadline), server
+        session = await _start(membership, transport, settings, failures, deadline)
+        if server is not None and elastic(settings) is None:
+            await server.aclose()  # every peer has its roster: nothing left to serve
+            server = None
+        return session, server
     except BaseException:
         await transport.aclose()
         if server is not None:
@@ -173,7 +183,8 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
                 ) -> tuple[Membership, RendezvousServer | None]:
     """The p2pcoll rendezvous at ``address``, hosting it if this peer may (see the module
     docstring); returns the roster and the server this peer hosts, if any."""
-    hosting = _Hosting(address, sockets) if settings.rank in (None, 0) else None
+    hosting = (_Hosting(address, sockets, settings) if settings.rank in (None, 0)
+               else None)
     try:
         membership = await rendezvous(
             address, endpoints=endpoints, world_size=settings.world_size,
@@ -244,9 +255,10 @@ class _Hosting:
 
     RETRY = 0.1
 
-    def __init__(self, address: str, sockets: SocketFactory) -> None:
+    def __init__(self, address: str, sockets: SocketFactory, settings: Settings) -> None:
         self.address = address
         self.sockets = sockets
+        self.limits = settings.rendezvous_limits
         self.server: RendezvousServer | None = None
         self.refused = ""  # why the last bind failed, until one succeeds
         self._task = asyncio.create_task(self._run())
@@ -260,7 +272,7 @@ class _Hosting:
     async def _run(self) -> None:
         reason = ""
         while self.server is None:
-            candidate = RendezvousServer(self.address, self.sockets)
+            candidate = RendezvousServer(self.address, self.sockets, self.limits)
             try:
                 candidate.bind()
             except zmq.ZMQError as exc:
