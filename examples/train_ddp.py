@@ -32,7 +32,6 @@ import gc
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -77,6 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.fsdp and args.hook:
         parser.error("--hook is for DDP, not --fsdp")
+
+    from sklearn.datasets import load_digits  # here: tests import wrap() without scikit-learn
 
     dist.init_process_group(args.backend)
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -1,8 +1,17 @@
 """The torch ``Work`` a p2pcoll collective returns, and its future.
 
-``Work.wait()`` raises p2pcoll's own error (``PeerLost``, ``CollectiveTimeout``, ...,
-with which rank, which collective and its sequence number); ``get_future()`` completes
-with the output tensors (DDP needs them as the value) or that error.
+A failed collective raises torch's error for backends,
+:class:`torch.distributed.DistBackendError`, which is p2pcoll's error too (``PeerLost``,
+``CollectiveTimeout``, ..., naming the rank, the collective and its sequence number; see
+:func:`backend_error`): from ``Work.wait()`` (so from synchronous collectives and FSDP2)
+and from its future's ``wait()``, ``value()`` and ``.then()`` callbacks. DDP reads the future in C++, and torch
+2.13 wraps whatever a Python backend or hook raises there in a RuntimeError (the base of
+DistBackendError; Gloo raises a plain RuntimeError there too) whose message carries the
+error: ``loss.backward()`` raises "Cannot extract tensors from value: PeerLost: rank 0
+lost the connection to rank 2 ...", or with a Python communication hook "Got the
+following error when running the callback: PeerLost: ...".
+
+``get_future()`` completes with the output tensors (DDP needs them as the value).
 """
 
 from __future__ import annotations
@@ -14,8 +23,55 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import CollectiveTimeout
+from ...errors import CollectiveTimeout, P2PCollError
 from .runtime import Completer
+
+_BACKEND_ERRORS: dict[type[P2PCollError], type[P2PCollError]] = {}
+_backend_errors_lock = threading.Lock()
+
+
+def backend_error(error: BaseException) -> BaseException:
+    """``error`` as the torch backend's error: p2pcoll's errors become an instance of a
+    subclass of both their class and :class:`torch.distributed.DistBackendError` (so
+    ``except PeerLost`` and ``except DistBackendError`` both catch it), with the same
+    message and attributes, caused by ``error``; other errors are returned as they are."""
+    if not isinstance(error, P2PCollError) or isinstance(error, dist.DistBackendError):
+        return error
+    kind = type(error)
+    with _backend_errors_lock:
+        both = _BACKEND_ERRORS.get(kind)
+        if both is None:
+            both = type(kind.__name__, (kind, dist.DistBackendError),
+                        {"__module__": __name__, "__doc__": kind.__doc__})
+            _BACKEND_ERRORS[kind] = both
+    converted = both.__new__(both, *error.args)
+    converted.args = error.args
+    converted.__dict__.update(error.__dict__)
+    converted.__cause__ = error
+    return converted
+
+
+class _Failure:
+    """The value of a failed collective's future, whose unwrapping raises the error.
+
+    A torch future has no error state that Python can set: ``Future.set_exception()``
+    stores the exception as the value and makes Python's ``wait()`` and ``value()`` raise
+    it, while C++ reads the value: DDP's reducer takes the gradients out of it by
+    pickling it (``torch._jit_internal._extract_tensors``), found none in an exception
+    and indexed the empty list (the segfault of issue 20). Pickling this raises the error
+    instead, so ``backward()`` raises it.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __reduce__(self) -> Any:
+        raise self.error
+
+
+def _raise_failure(value: _Failure) -> None:
+    """The unwrapping of a failed future's value in Python (``wait()``, ``value()``)."""
+    raise value.error
 
 
 class _Future(torch.futures.Future):  # type: ignore[type-arg]
@@ -50,12 +106,13 @@ class Work(dist._Work):  # type: ignore[misc]
     def _finish(self, error: BaseException | None) -> None:
         """On the completer: record the outcome, then complete the future (whose
         callbacks run here and now)."""
-        self._error = error
+        self._error = None if error is None else backend_error(error)
         self._done.set()
-        if error is None:
+        if self._error is None:
             self._future.set_result(self._outputs)
         else:
-            self._future.set_exception(error)
+            self._future._set_unwrap_func(_raise_failure)
+            self._future.set_result(_Failure(self._error))
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective is done; raise its error if it failed.
@@ -63,8 +120,9 @@ class Work(dist._Work):  # type: ignore[misc]
         ``timeout`` None or zero means the group's timeout (torch passes both).
 
         Raises:
-            P2PCollError: what failed the collective.
-            CollectiveTimeout: it was not done within ``timeout``.
+            P2PCollError: what failed the collective, as a DistBackendError too
+                (:func:`backend_error`).
+            CollectiveTimeout: it was not done within ``timeout`` (a DistBackendError too).
         """
         limit = timeout.total_seconds() if timeout else 0.0
         if limit <= 0:
@@ -72,10 +130,10 @@ class Work(dist._Work):  # type: ignore[misc]
         if not self._done.is_set():
             self._completer.blocking()
             if not self._done.wait(None if limit == float("inf") else limit):
-                raise CollectiveTimeout(
+                raise backend_error(CollectiveTimeout(
                     f"Work.wait() of {self.collective}: not done within {limit:g}s",
                     collective=self.collective,
-                )
+                ))
         if self._error is not None:
             raise self._error
         return True

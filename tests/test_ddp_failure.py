@@ -1,0 +1,185 @@
+"""DDP and FSDP2 on the "p2pcoll" backend when a rank dies (issue 20, item 1).
+
+Every world is 3 ranks of ``tests/ddp_failure_worker.py``, started as users start them
+without torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; torchrun's agent would
+stop the survivors itself), in one of examples/train_ddp.py's modes. Once every rank has
+trained a few steps, rank 2 is SIGKILLed (or SIGSTOPped); the survivors must catch the
+error, name the lost rank within the heartbeat bound, save a checkpoint and exit 0. In
+0.5.0 the DDP survivors died with SIGSEGV in DDP's reducer (the failed future's value was
+the exception, from which the reducer took "the first tensor"), and FSDP2 raised
+p2pcoll's PeerLost, which is no torch error.
+
+What torch raises is torch's: FSDP2 waits on the Work, which raises a
+``torch.distributed.DistBackendError`` that is a ``PeerLost`` too; DDP reads the bucket's
+future in C++, which turns any error of a Python backend or a Python hook into a
+RuntimeError (the class DistBackendError derives from; Gloo raises a plain RuntimeError
+in all four modes) whose message carries "PeerLost: ... rank 2 ...".
+
+The worlds run concurrently (a module fixture starts them all), so the tests together take
+about as long as the slowest world.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import stop
+
+from p2pcoll.testing import free_port
+
+torch = pytest.importorskip("torch")
+
+WORKER = Path(__file__).with_name("ddp_failure_worker.py")
+MODES = ["plain", "fp16", "powersgd", "fsdp"]
+SIZE = 3
+VICTIM = 2
+HEARTBEAT = 2.0  # P2PCOLL_HEARTBEAT_TIMEOUT of the ranks: a stopped peer is lost after it
+SLACK = 10.0  # what a busy 2-core machine may add to the heartbeat bound
+STEPS_BEFORE = 3  # steps every rank trains before the victim is signalled
+START_TIMEOUT = 150.0  # seconds for a world to start and train those steps (imports torch)
+EXIT_TIMEOUT = 60.0  # seconds for the survivors to checkpoint and exit after the signal
+
+
+@dataclass
+class World:
+    """What one world did: exit codes and output per rank, and when the victim was hit."""
+
+    codes: list[int]
+    outputs: list[str]
+    signalled_at: float
+    checkpoints: Path
+
+
+def run_world(mode: str, sig: signal.Signals, checkpoints: Path) -> World:
+    """Start a world of ``mode``, signal rank VICTIM mid-training, wait for the others."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(SIZE), "P2PCOLL_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(checkpoints)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(SIZE)]
+    lines: list[list[str]] = [[] for _ in range(SIZE)]
+    trained = [threading.Event() for _ in range(SIZE)]
+
+    def read(rank: int) -> None:
+        stdout = procs[rank].stdout
+        assert stdout is not None
+        for line in stdout:
+            lines[rank].append(line)
+            if line.startswith(f"STEP {STEPS_BEFORE}\n"):
+                trained[rank].set()
+
+    readers = [threading.Thread(target=read, args=(r,), daemon=True) for r in range(SIZE)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        for event in trained:
+            event.wait(max(0.0, deadline - time.monotonic()))
+        signalled_at = time.time()
+        if all(e.is_set() for e in trained):
+            procs[VICTIM].send_signal(sig)
+        for p in procs[:VICTIM] + procs[VICTIM + 1:]:
+            try:
+                p.wait(EXIT_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                p.kill()  # reported by the test as the exit code -9
+                p.wait()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # the stopped victim (a SIGKILL ends a stopped process too)
+            p.wait()
+        for t in readers:
+            t.join(10)
+        for p in procs:
+            stop(p)
+    return World([p.returncode for p in procs], ["".join(x) for x in lines], signalled_at,
+                 checkpoints)
+
+
+CASES = [(mode, signal.SIGKILL) for mode in MODES] + [("plain", signal.SIGSTOP)]
+
+
+Worlds = dict[tuple[str, signal.Signals], Future[World]]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worlds]:
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        yield {(mode, sig): pool.submit(run_world, mode, sig,
+                                        tmp_path_factory.mktemp(f"{mode}-{sig.name}"))
+               for mode, sig in CASES}
+
+
+def check_survivors(world: World, mode: str, sig: signal.Signals) -> None:
+    """The survivors caught the error naming rank VICTIM in time, checkpointed and exited 0."""
+    assert world.codes[VICTIM] == -signal.SIGKILL, world.outputs[VICTIM][-3000:]
+    for rank in range(SIZE):
+        if rank == VICTIM:
+            continue
+        out = world.outputs[rank]
+        assert world.codes[rank] == 0, f"rank {rank} exited {world.codes[rank]}:\n{out[-3000:]}"
+        m = re.search(r"^CAUGHT (\S+) (\w+)\[(\S*)\] \| (.*)$", out, re.M)
+        assert m, f"rank {rank} caught nothing:\n{out[-3000:]}"
+        caught_at, kind, classes, message = float(m.group(1)), m.group(2), \
+            m.group(3).split(","), m.group(4)
+        if mode == "fsdp":  # FSDP2 waits on the Work: torch's backend error, p2pcoll's too
+            assert {"DistBackendError", "PeerLost"} <= set(classes), m.group(0)
+            assert f"rank {VICTIM}" in message, m.group(0)
+        else:  # DDP: torch's RuntimeError around it, from the reducer or the hook's then()
+            assert kind == "RuntimeError", m.group(0)
+            assert re.search(rf"PeerLost: .*rank {VICTIM}\b", message), m.group(0)
+        delay = caught_at - world.signalled_at
+        assert delay < HEARTBEAT + SLACK, f"rank {rank} caught it {delay:.1f}s after {sig.name}"
+        assert "SAVED" in out
+        saved = torch.load(world.checkpoints / f"rank{rank}.pt", weights_only=True)
+        assert saved["step"] >= STEPS_BEFORE
+        assert all(bool(torch.isfinite(p).all()) for p in saved["params"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", MODES)
+def test_survivors_of_a_killed_rank_catch_the_error_and_checkpoint(
+        worlds: Worlds, mode: str) -> None:
+    world = worlds[(mode, signal.SIGKILL)].result(timeout=START_TIMEOUT + EXIT_TIMEOUT + 60)
+    check_survivors(world, mode, signal.SIGKILL)
+
+
+@pytest.mark.timeout(600)
+def test_survivors_of_a_stopped_rank_catch_the_error_after_the_heartbeat(
+        worlds: Worlds) -> None:
+    # A stopped peer keeps its sockets open: only the heartbeat timeout tells it is gone.
+    world = worlds[("plain", signal.SIGSTOP)].result(timeout=START_TIMEOUT + EXIT_TIMEOUT + 60)
+    check_survivors(world, "plain", signal.SIGSTOP)
+
+
+def test_errors_reach_torch_as_its_backend_error_and_stay_p2pcolls() -> None:
+    import torch.distributed as dist
+
+    from p2pcoll.errors import CollectiveTimeout, PeerLost
+    from p2pcoll.integrations.torch.work import backend_error
+
+    lost = PeerLost("rank 0 lost the connection to rank 2", rank=2)
+    error = backend_error(lost)
+    assert isinstance(error, PeerLost) and isinstance(error, dist.DistBackendError)
+    assert (str(error), error.rank, error.__cause__) == (str(lost), 2, lost)
+    assert backend_error(error) is error
+    assert type(backend_error(PeerLost("again", rank=1))) is type(error)
+    late = backend_error(CollectiveTimeout("late", collective="allreduce", waiting_on=[2]))
+    assert isinstance(late, CollectiveTimeout) and isinstance(late, dist.DistBackendError)
+    assert (late.collective, late.waiting_on) == ("allreduce", [2])
+    other = ValueError("not p2pcoll's")
+    assert backend_error(other) is other
