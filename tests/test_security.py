@@ -25,7 +25,6 @@ import zmq
 import p2pcoll
 from p2pcoll.security import Gate, JobKey, write_key_file
 from p2pcoll.testing import free_port
-from p2pcoll.transport.zmq_mesh import link_identity
 from p2pcoll.wire import WIRE_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,15 +210,18 @@ STRAY_SENDER = """
 
 
 async def test_no_message_from_outside_is_accepted(key_file: Path) -> None:
-    """An outsider that knows a live member's link identity and a peer's endpoint connects
-    straight to the mesh and sends well-formed data messages: none arrives."""
+    """An outsider that knows a live member's exact link identity and a peer's endpoint
+    connects straight to the mesh and sends well-formed data messages: none arrives."""
     url = f"tcp://127.0.0.1:{free_port()}"
     key = JobKey.load(key_file)
+    rank_1_link: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
     async def member(rank: int) -> np.ndarray:
         async with p2pcoll.join(url, world_size=2, rank=rank, key_file=key_file,
                                 transport="tcp") as g:
             await g.barrier()
+            if rank == 1:
+                rank_1_link.set_result(g.session.transport.identity)
             if rank == 0:
                 header = msgpack.packb({"v": WIRE_VERSION, "k": "data",
                                         "g": g.session.membership.group_id, "src": 1,
@@ -228,8 +230,7 @@ async def test_no_message_from_outside_is_accepted(key_file: Path) -> None:
                 for extra in ([], [key.public.decode()]):
                     out = await asyncio.to_thread(
                         subprocess.run, [sys.executable, "-c", textwrap.dedent(STRAY_SENDER),
-                                         g.endpoint, link_identity(1, g.session.membership
-                                                                   .secret).decode(),
+                                         g.endpoint, (await rank_1_link).decode(),
                                          header.hex(), *extra],
                         capture_output=True, text=True, timeout=30, check=False)
                     assert "SENT" in out.stdout, out.stderr

@@ -27,8 +27,9 @@ which Prometheus's ``rate()`` treats as a counter reset.
 Only counts, states and this peer's rank are served: nothing that helps an outsider reach
 or pass for a member (no group id, link secret, endpoint, host or key material).
 ``p2pcoll_links_refused_total`` counts the connections to the peer's mesh port that were
-no member's link (a stranger's, or a second one claiming a member's link identity, which is
-never read): see :class:`p2pcoll.transport.sockets.LinkCensus`.
+no member's link (a stranger's, or an impostor's: a second connection claiming a member's
+rank, whose messages are dropped as ``impostor``): see
+:class:`p2pcoll.transport.sockets.LinkCensus`.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class PeerCollector(Collector):
 
         yield CounterMetricFamily(
             "p2pcoll_links_refused",
-            "Connections to the mesh port that were no member's link (a stranger's, or a "
-            "second one claiming a member's link identity, never read).",
+            "Connections to the mesh port that were no member's link (a stranger's or an "
+            "impostor's: none is read as a member's).",
             value=stats.get("links_refused", 0))
 
         errors = CounterMetricFamily(

@@ -100,13 +100,16 @@ class SocketFactory:
         sock = self._server(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
-        # A second connection with an identity already taken is refused, never handed the
-        # identity: libzmq keeps the first connection and never reads the second (whoever
-        # learned a member's link identity could otherwise take its place, silently). What
-        # a refused connection sends waits unread in its queue, within the high-water mark
-        # (RCVHWM messages, each frame under MAXMSGSIZE), until it closes; the mesh counts
-        # such connections (see LinkCensus).
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        # A second connection with an identity already taken replaces the first instead
+        # of being ignored: libzmq never reads an ignored connection, and never frees what
+        # it sent (up to RCVHWM messages) until this socket closes, whoever opened it; and a
+        # member's link that reconnects before its old connection is seen dead takes its
+        # place at once. No one can take a member's link this way without its exact
+        # identity, which holds a nonce only that member's process and the wire know (see
+        # zmq_mesh.link_identity); another connection claiming the member's rank is read
+        # and its messages dropped as ``impostor``; the mesh counts such connections (see
+        # LinkCensus).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A hard per-frame cap: libzmq drops the connection of a peer that exceeds it.
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         # A handshake that does not complete in time (a client that connects and says
@@ -188,12 +191,12 @@ class LinkCensus:
     Each other member of a group connects to this peer's ROUTER twice, once each: its data
     link and its probe (see :meth:`SocketFactory.mesh_probe`). Every ZeroMQ handshake beyond
     those ``2 (n - 1)`` is someone else's: a stranger's (what it sends is read and dropped
-    as ``stranger``), or a second connection claiming a member's link identity, which the
-    ROUTER refuses to read (see :meth:`SocketFactory.mesh_router`). A member's socket that
-    reconnects after its connection dropped counts as well; that member has lost this peer
-    by then (a link that goes down is a lost peer). The monitor names no identities: the
-    count says how many came, not who; a connection that fails its handshake (a port
-    scanner, a wrong job key) is not counted here.
+    as ``stranger``) or an impostor's, a second connection claiming a member's rank (read
+    and dropped as ``impostor``). A member's socket that reconnects after its connection
+    dropped counts as well; that member has lost this peer by then (a link that goes down
+    is a lost peer). The monitor names no identities: the count says how many came, not
+    who; a connection that fails its handshake (a port scanner, a wrong job key) is not
+    counted here (the ZAP gate counts those).
 
     Make it before the ROUTER binds (no handshake is missed), :meth:`watch` once the group
     is known, and :meth:`stop` before the ROUTER closes.
@@ -236,9 +239,9 @@ class LinkCensus:
         now = time.monotonic()
         if now - self._warned_at < self.WARN_EVERY_S:
             return
-        log.warning("rank %d: %d connection(s) to the mesh port that are no member's link "
-                    "(a stranger, or a second claim on a member's link identity): not read "
-                    "as a member (%d in all)", rank, self.refused - self._warned, self.refused)
+        log.warning("rank %d: %d more connection(s) to the mesh port that are no member's "
+                    "link (a stranger's or an impostor's; %d in all): none is read as a "
+                    "member's", rank, self.refused - self._warned, self.refused)
         self._warned_at, self._warned = now, self.refused
 
     def stop(self) -> None:

@@ -1,14 +1,15 @@
 """The peer mesh: one bound ROUTER per peer for receiving, one DEALER link per peer for sending.
 
-Rank r binds one ROUTER and connects one DEALER (identity ``b"r@<link secret>"``, see
-:func:`link_identity`) to every other peer's ROUTER. So every message arrives with the
-identity of the link it came on, which must agree with the source rank in its header; a
-second connection claiming a live link's identity is never read (see
-:meth:`~.sockets.SocketFactory.mesh_router`), only counted; each link has its own ZeroMQ
-queue with a high-water mark, which gives backpressure per destination; and a dead link is
-seen on exactly one socket's monitor. Beside each link runs a probe, a second connection to
-the same peer that carries only ZMTP heartbeats, so that a peer that freezes is lost after
-the heartbeat timeout while one that is merely slow (its queue full) is not.
+Rank r binds one ROUTER and connects one DEALER (identity ``b"r@<link secret>@<nonce>"``,
+see :func:`link_identity`) to every other peer's ROUTER. So every message arrives with the
+identity of the link it came on, which must agree with the source rank in its header; the
+first link of a rank that speaks is that rank's for the group, and the messages of any
+other connection claiming the rank are dropped as ``impostor`` (see :meth:`ZmqMesh._admit`);
+each link has its own ZeroMQ queue with a high-water mark, which gives backpressure per
+destination; and a dead link is seen on exactly one socket's monitor. Beside each link runs
+a probe, a second connection to the same peer that carries only ZMTP heartbeats, so that a
+peer that freezes is lost after the heartbeat timeout while one that is merely slow (its
+queue full) is not.
 
 The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback on its ZMQ_FD
 and a send to a link whose queue has room is a plain non-blocking send (only a send that
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 from collections import deque
 from collections.abc import Sequence
 
@@ -55,11 +57,16 @@ ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
-def link_identity(rank: int, secret: str) -> bytes:
-    """The routing identity of rank's links in a group: ``b"3@<link secret>"``. The secret
-    (:attr:`Membership.secret`) is known only to the members, so an outsider cannot pass
-    for one even if it knows the group id; with a job key no outsider can connect at all."""
-    return b"%d@%s" % (rank, secret.encode())
+def link_identity(rank: int, secret: str, nonce: str) -> bytes:
+    """The routing identity of rank's links in a group: ``b"3@<link secret>@<nonce>"``.
+
+    The secret (:attr:`Membership.secret`) is known only to the members, so an outsider
+    cannot pass for one even if it knows the group id. The nonce is the sending peer's own
+    (never sent anywhere but in its links' handshakes), so even someone who has the secret
+    cannot name a live member's link: a connection of its own that claims the rank is read
+    and dropped as ``impostor``. With a job key no outsider can connect at all. Never log
+    one: it holds the secret."""
+    return b"%d@%s@%s" % (rank, secret.encode(), nonce.encode())
 
 
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
@@ -117,7 +124,13 @@ class ZmqMesh:
         self.group_id = ""
         self.rank = -1
         self._limits: Limits | None = None
-        self._ranks: dict[bytes, int] = {}  # link identity -> rank, for the members
+        self._ranks: dict[bytes, int] = {}  # link identity -> rank, of the members' links
+        # b"<rank>@<secret>" -> rank, for every other member; the ranks whose link has
+        # spoken (see _admit); and the nonce of this peer's own links (see link_identity).
+        self._claims: dict[bytes, int] = {}
+        self._linked: set[int] = set()
+        self._nonce = secrets.token_hex(8)
+        self.identity = b""  # of this peer's links once connected; holds the secret: never log
         self._router: zmq.asyncio.Socket | None = None
         self._links: dict[int, zmq.asyncio.Socket] = {}
         self._probes: list[zmq.asyncio.Socket] = []  # heartbeat-only links, one per peer
@@ -165,7 +178,10 @@ class ZmqMesh:
         self._limits = Limits(group_id, rank, membership.world_size,
                               self.settings.max_message_bytes)
         secret = membership.secret or group_id  # in-process test sessions have no secret
-        self._ranks = {link_identity(r, secret): r for r in range(membership.world_size)}
+        self._ranks, self._linked = {}, set()
+        self._claims = {b"%d@%s" % (r, secret.encode()): r
+                        for r in range(membership.world_size) if r != rank}
+        identity = self.identity = link_identity(rank, secret, self._nonce)
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
@@ -198,12 +214,12 @@ class ZmqMesh:
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
-            link = self.sockets.mesh_link(link_identity(rank, secret))
+            link = self.sockets.mesh_link(identity)
             watched = [link]
             if monitored:
                 # The data link's monitor sees a peer that closes or dies at once; the
                 # probe's heartbeats see one that freezes or is cut off (see mesh_probe).
-                probe = self.sockets.mesh_probe(link_identity(rank, secret) + b"~probe")
+                probe = self.sockets.mesh_probe(identity + b"~probe")
                 self._probes.append(probe)
                 watched.append(probe)
                 for sock in watched:
@@ -465,12 +481,14 @@ class ZmqMesh:
         """One message from the ROUTER: handed on in its sender's order, or dropped."""
         identity = frames[0].bytes if frames else b""
         source = self._ranks.get(identity)
-        if len(frames) < 2 or source is None:
-            self.drops.drop(identity[:16], ProtocolError(
-                "message has no header frame" if len(frames) < 2 else
-                f"link identity {identity[:40]!r} is not a member of this group",
-                reason="malformed" if len(frames) < 2 else "stranger"))
+        if len(frames) < 2:
+            self.drops.drop(source if source is not None else self._stranger(identity),
+                            ProtocolError("message has no header frame"))
             return
+        if source is None:
+            source = self._admit(identity)
+            if source is None:
+                return
         held = self._held.get(source)
         if held is not None and (held or self._lane_from[source]):
             # Its lane is current (this waits for "lane off"), or earlier messages of its
@@ -480,6 +498,37 @@ class ZmqMesh:
         self._accept(source, frames[1].buffer, frames[2:], on_lane=False)
         if self._lane_from.get(source):  # that was "lane on"
             self._pump(source)
+
+    def _admit(self, identity: bytes) -> int | None:
+        """The rank of a link heard for the first time, whose link it now is; or None, and
+        the message dropped and counted: a ``stranger`` (no ``rank@secret`` of this group)
+        or an ``impostor`` (a rank whose link has spoken already: only that connection is
+        read as the rank's, see link_identity). Identities are logged cut short: a
+        member's holds the group's secret."""
+        rank = self._claimed(identity)
+        if rank is None:
+            self.drops.drop(identity[:8], ProtocolError(
+                f"link identity {identity[:8]!r} is not a member of this group",
+                reason="stranger"))
+            return None
+        if rank in self._linked:
+            self.drops.drop(self._stranger(identity), ProtocolError(
+                f"a second connection claims rank {rank}'s link (only the first is read)",
+                reason="impostor"))
+            return None
+        self._linked.add(rank)
+        self._ranks[identity] = rank
+        return rank
+
+    def _claimed(self, identity: bytes) -> int | None:
+        """The rank a link identity names (``rank@secret@nonce``), if it is a member's."""
+        prefix, at, nonce = identity.rpartition(b"@")
+        return self._claims.get(prefix) if at and nonce else None
+
+    def _stranger(self, identity: bytes) -> object:
+        """How the log names a link that is not (yet) a member's: never by the secret."""
+        rank = self._claimed(identity)
+        return identity[:8] if rank is None else f"a link claiming rank {rank}"
 
     def _pump(self, src: int) -> None:
         """Hand on ``src``'s waiting messages in the order it sent them: from its lane
