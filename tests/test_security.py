@@ -165,27 +165,32 @@ SNOOP = """
 @pytest.mark.parametrize("mode", ["plain", "job public key, own secret"])
 async def test_the_rendezvous_tells_a_rogue_nothing(key_file: Path, mode: str) -> None:
     """Not the group id, not the endpoints, not even a status: the handshake never completes
-    (plain), or the ZAP gate refuses the key (one that knows the job's public key)."""
+    (plain), or the ZAP gate refuses the key (one that knows the job's public key). Asked
+    while the group forms (a fixed-size group's host closes the rendezvous once formed)."""
     url = f"tcp://127.0.0.1:{free_port()}"
     key = JobKey.load(key_file)
 
     async def member(rank: int) -> str:
         async with p2pcoll.join(url, world_size=2, rank=rank, key_file=key_file) as g:
-            gid = g.session.membership.group_id
-            refused = Gate.refusals(zmq.asyncio.Context.instance(), key)
-            if rank == 0:
-                out = await asyncio.to_thread(
-                    subprocess.run, [sys.executable, "-c", textwrap.dedent(SNOOP), mode,
-                                     url, key.public.decode()],
-                    capture_output=True, text=True, timeout=30, check=False)
-                assert out.returncode == 0, out.stderr
-                assert out.stdout.startswith("GOT 0 "), out.stdout
-                if mode != "plain":
-                    assert Gate.refusals(zmq.asyncio.Context.instance(), key) > refused
             await g.barrier()
-            return gid
+            return g.session.membership.group_id
 
-    gids = await asyncio.gather(member(0), member(1))
+    host = asyncio.create_task(member(0))
+    try:
+        await asyncio.sleep(0.5)  # rank 0 hosts the rendezvous and waits for rank 1
+        refused = Gate.refusals(zmq.asyncio.Context.instance(), key)
+        out = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", textwrap.dedent(SNOOP), mode, url,
+                             key.public.decode()],
+            capture_output=True, text=True, timeout=30, check=False)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("GOT 0 "), out.stdout
+        if mode != "plain":
+            assert Gate.refusals(zmq.asyncio.Context.instance(), key) > refused
+        gids = await asyncio.gather(host, member(1))
+    finally:
+        host.cancel()
+        await asyncio.gather(host, return_exceptions=True)
     assert gids[0] == gids[1]
 
 
