@@ -239,9 +239,9 @@ class LinkCensus:
         now = time.monotonic()
         if now - self._warned_at < self.WARN_EVERY_S:
             return
-        log.warning("rank %d: %d more connection(s) to the mesh port that are no member's "
-                    "link (a stranger's or an impostor's; %d in all): none is read as a "
-                    "member's", rank, self.refused - self._warned, self.refused)
+        log.warning("rank %d: connections to the mesh port that are no member's link (a "
+                    "stranger's or an impostor's, none read as a member's): %d in all, %d "
+                    "since the last report", rank, self.refused, self.refused - self._warned)
         self._warned_at, self._warned = now, self.refused
 
     def stop(self) -> None:
