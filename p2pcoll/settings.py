@@ -40,10 +40,14 @@ variable                       meaning (default)
 ``P2PCOLL_METRICS_PORT``       a peer service's HTTP port for /healthz and /metrics (off)
 ``P2PCOLL_METRICS_HOST``       the address that port is bound to (0.0.0.0)
 ``P2PCOLL_LOG_LEVEL``          a peer service's log level (INFO)
+``P2PCOLL_METRICS_*``          that HTTP server's limits: ``MAX_CONNECTIONS`` (64),
+                               ``CLIENT_CONNECTIONS`` (8 per client address),
+                               ``TIMEOUT`` (5 s per connection), ``RATE`` (20
+                               connections/s), ``CACHE`` (1 s); see :class:`ServiceSettings`
 =============================  ======================================================
 
-The last three are a peer service's (:class:`ServiceSettings`, ``p2pcoll peer``), not a
-group's.
+The metrics and log variables are a peer service's (:class:`ServiceSettings`,
+``p2pcoll peer``), not a group's.
 
 Byte counts take ``K``, ``M``, ``G`` suffixes (powers of 1024, ``KiB`` and ``KB`` alike);
 switches take ``1/0``, ``true/false``, ``yes/no``, ``on/off``.
@@ -88,6 +92,8 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT",
         "P2PCOLL_RENDEZVOUS_MAX_PEERS", "P2PCOLL_RENDEZVOUS_MAX_JOBS", "P2PCOLL_RENDEZVOUS_RATE",
         "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
+        "P2PCOLL_METRICS_MAX_CONNECTIONS", "P2PCOLL_METRICS_CLIENT_CONNECTIONS",
+        "P2PCOLL_METRICS_TIMEOUT", "P2PCOLL_METRICS_RATE", "P2PCOLL_METRICS_CACHE",
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
 )
@@ -547,21 +553,45 @@ class ServiceSettings:
         metrics_host: the address that port is bound to (all interfaces by default, so a
             container's health check and a Prometheus scraper can reach it).
         log_level: the level of the service's log lines (a :mod:`logging` level name).
+        metrics_max_connections: connections the HTTP server holds open at once
+            (``$P2PCOLL_METRICS_MAX_CONNECTIONS``, 1..4096); one more is closed as soon as
+            it is accepted, and counted.
+        metrics_client_connections: of those, how many one client address may hold
+            (``$P2PCOLL_METRICS_CLIENT_CONNECTIONS``, 1..4096); over it, likewise.
+        metrics_timeout: seconds a connection has for its one request, from its accept
+            to the last byte of the answer (``$P2PCOLL_METRICS_TIMEOUT``, finite, > 0):
+            then it is closed (a request that never finishes its headers included), and
+            counted.
+        metrics_rate: connections (each carries one request) accepted per second on
+            average, in bursts of up to as many (``$P2PCOLL_METRICS_RATE``, > 0); while
+            it is spent nothing is accepted (the connections wait in the kernel's queue,
+            at no cost to the peer), and each such pause is counted.
+        metrics_cache: seconds an answer of ``/metrics`` or ``/healthz`` is served again
+            while the peer's state is unchanged (``$P2PCOLL_METRICS_CACHE``, >= 0): the
+            peer does the work of at most one of each per that time, however many ask.
     """
 
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
     log_level: str = "INFO"
+    metrics_max_connections: int = 64
+    metrics_client_connections: int = 8
+    metrics_timeout: float = 5.0
+    metrics_rate: float = 20.0
+    metrics_cache: float = 1.0
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, *,
                 metrics_port: int | None = None, metrics_host: str | None = None,
                 log_level: str | None = None) -> ServiceSettings:
         """Arguments (None meaning unset) over ``$P2PCOLL_METRICS_PORT``,
-        ``$P2PCOLL_METRICS_HOST`` and ``$P2PCOLL_LOG_LEVEL``.
+        ``$P2PCOLL_METRICS_HOST`` and ``$P2PCOLL_LOG_LEVEL``; the HTTP server's limits
+        from ``$P2PCOLL_METRICS_MAX_CONNECTIONS``, ``..._CLIENT_CONNECTIONS``,
+        ``..._TIMEOUT``, ``..._RATE`` and ``..._CACHE``.
 
         Raises:
-            SettingsError: a port outside 0..65535, an empty host, or an unknown level.
+            SettingsError: a port outside 0..65535, an empty host, an unknown level, or a
+                limit out of its range (the message names the variable).
         """
         reader = _Reader(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
@@ -580,4 +610,21 @@ class ServiceSettings:
             if not isinstance(level, str) or level.upper() not in LOG_LEVELS:
                 raise bad_value(where, level, f"one of {', '.join(LOG_LEVELS)}")
             values["log_level"] = level.upper()
+        for name in ("MAX_CONNECTIONS", "CLIENT_CONNECTIONS"):
+            values[f"metrics_{name.lower()}"] = reader.integer(f"P2PCOLL_METRICS_{name}",
+                                                               1, 4096)
+        for name, zero_ok, unit in (("TIMEOUT", False, "seconds"),
+                                    ("RATE", False, "connections per second"),
+                                    ("CACHE", True, "seconds")):
+            raw = reader.raw(f"P2PCOLL_METRICS_{name}")
+            if raw is None:
+                continue
+            try:
+                number = float(raw)
+            except ValueError:
+                number = math.nan
+            if not (0 <= number < math.inf and (zero_ok or number > 0)):
+                raise bad_value(f"$P2PCOLL_METRICS_{name}", raw,
+                                f"a finite number of {unit} {'>=' if zero_ok else '>'} 0")
+            values[f"metrics_{name.lower()}"] = number
         return cls(**{k: v for k, v in values.items() if v is not None})
