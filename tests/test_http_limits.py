@@ -339,6 +339,33 @@ async def test_one_answer_per_connection_rendered_once_for_many(
     assert not [t for t in threading.enumerate() if t.name == "p2pcoll-http"]
 
 
+async def test_on_the_callers_loop_too() -> None:
+    """HealthServer(thread=False), the other way the notes measure: the same limits."""
+    from p2pcoll.service import Peer
+    from p2pcoll.service.http import HealthServer
+    from p2pcoll.settings import ServiceSettings
+
+    service = ServiceSettings(metrics_timeout=0.5)
+    peer = Peer(service=service)
+    server = HealthServer(peer, thread=False)
+    await server.start("127.0.0.1", 0)
+    try:
+        port = server.address[1]
+        status, head, _ = await fetch(port, b"GET /healthz HTTP/1.1\r\nHost: p\r\n\r\n")
+        assert status == 503 and b"Connection: close" in head
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: p\r\n")  # the headers never end
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # cut at the deadline
+        writer.close()
+        await writer.wait_closed()
+        assert server.closed["timeout"] == 1
+        status, _, body = await fetch(port, b"GET /metrics HTTP/1.1\r\nHost: p\r\n\r\n")
+        assert b'p2pcoll_http_closed_total{reason="timeout"} 1.0' in body
+    finally:
+        await server.stop()
+    assert not [t for t in threading.enumerate() if t.name == "p2pcoll-http"]
+
+
 @pytest.mark.parametrize(("name", "value"), [
     ("MAX_CONNECTIONS", "0"), ("CLIENT_CONNECTIONS", "many"), ("TIMEOUT", "inf"),
     ("TIMEOUT", "0"), ("RATE", "-5"), ("CACHE", "-1"), ("CACHE", "nan")])

@@ -19,10 +19,14 @@ metric                                      type       labels
 ``p2pcoll_world_size``                      gauge
 ``p2pcoll_rank``                            gauge
 ``p2pcoll_state``                           gauge      ``state`` (1 for the current one)
+``p2pcoll_http_closed_total``               counter    ``reason``
+``p2pcoll_http_paused_total``               counter    ``reason``
 ==========================================  =========  ==================================
 
 Counters count from the current group's join: a peer that joins anew starts them again,
-which Prometheus's ``rate()`` treats as a counter reset.
+which Prometheus's ``rate()`` treats as a counter reset. The two ``p2pcoll_http_*``
+counters are the HTTP server's own (connections it closed before answering, times it
+stopped accepting; see :mod:`p2pcoll.service.http`) and count from its start.
 
 Only counts, states and this peer's rank are served: nothing that helps an outsider reach
 or pass for a member (no group id, link secret, endpoint, host or key material).
