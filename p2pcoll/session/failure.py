@@ -33,7 +33,7 @@ and the peers that get it break their groups too, failing whatever they are runn
 A peer that goes (lost, or gone with a goodbye) fails at once every running operation that
 needs it, wherever that operation waits: a receive for its message, or a send for room in
 a full queue, for a zero-copy buffer libzmq still holds, for a shared-memory ring. An
-operation needs a peer that has *abandoned* it (see :meth:`FailureModel.involves`): a
+operation needs a peer that has *abandoned* it (see :meth:`FailureModel.gone_peer`): a
 collective, every member that is lost or said goodbye before starting it (all of a group
 take part in each of its collectives); a send, its receiver gone in any way. (A receive
 needs its sender only while its message has not come: the matcher fails it, see
@@ -134,11 +134,11 @@ class FailureModel:
         assert self._matcher is not None, "attach() first"
         return Collective(self, self._matcher, seq, collective, limit)
 
-    def involves(self, seq: OpId) -> PeerLost | None:
-        """The error of a peer that operation ``seq`` needs and that has abandoned it, if
-        there is one (see the module docstring): for a collective, any member lost or gone
-        before it started it; for a send, its receiver gone; a receive, nobody (the
-        matcher knows whether its message can still come)."""
+    def gone_peer(self, seq: OpId) -> PeerLost | None:
+        """The :class:`PeerLost` of a peer that operation ``seq`` needs and that has
+        abandoned it, or None (see the module docstring): for a collective, any member lost
+        or gone before it started it; for a send, its receiver gone; for a receive, nobody
+        (the matcher knows whether its message can still come)."""
         assert self._matcher is not None
         departures = self._matcher.departures
         if not isinstance(seq, int):
@@ -153,9 +153,9 @@ class FailureModel:
         """``rank`` has gone (the session's record says how): every running operation that
         needs it ends now, with its :class:`PeerLost`, wherever it waits."""
         for c in list(self._active.values()):
-            gone = self.involves(c.seq)
-            if gone is not None and gone.rank == rank:
-                c.interrupt(gone)
+            gone = self.gone_peer(c.seq)
+            if gone is not None:
+                c.interrupt(gone)  # once: a second peer's loss changes nothing
 
     def _outcome(self, c: Collective, err: BaseException | None) -> BaseException | None:
         """What a collective that ended with ``err`` (None: its body returned) raises."""
@@ -468,7 +468,7 @@ class Collective:
     collective: entering and leaving it is on the fast path.
 
     Raises (on leaving):
-        PeerLost: a peer it needs has gone (see :meth:`FailureModel.involves`): on
+        PeerLost: a peer it needs has gone (see :meth:`FailureModel.gone_peer`): on
             entering if it had gone before, else as soon as the session learns of it.
         CollectiveTimeout: the deadline passed (naming the ranks to blame, after asking
             the peers: up to :func:`inquiry_time` later).
@@ -488,7 +488,7 @@ class Collective:
     async def __aenter__(self) -> None:
         self.model._active[self.seq] = self
         await self._deadline.__aenter__()
-        gone = self.model.involves(self.seq)
+        gone = self.model.gone_peer(self.seq)
         if gone is not None:  # gone before it started: fail at the first await
             self.interrupt(gone)
 
