@@ -216,7 +216,7 @@ class HealthServer:
             if done.set_running_or_notify_cancel():
                 try:
                     done.set_result((self.peer.state, render()))
-                except BaseException as exc:  # reported to the request, as a 500
+                except Exception as exc:  # reported to the request, as a 500
                     done.set_exception(exc)
 
         assert self._peer_loop is not None
