@@ -15,7 +15,7 @@ allreduce, the driver connects a rogue DEALER (identity ``b"5"``, no member's) t
 endpoint and sends it the hostile messages: random bytes, random msgpack maps, valid headers
 of rank 0's group with one field mutated, and valid headers with a spoofed or rogue source
 (with the payload frames they announce), with 0 to 5 further frames; 1 in 100 carries a
-16-64 KiB frame. A member's link identity is ``b"<rank>@<group id>"``, so every one of them
+16-64 KiB frame. A member's link identity is ``b"<rank>@<secret>@<nonce>"``, so every one of them
 comes from a stranger and is dropped as such before its header is decoded. Frames over
 ZeroMQ's MAXMSGSIZE are left out: libzmq drops such a connection itself, with whatever it
 still carried, so nothing could count them. With ``--big-headers K`` K maximal headers

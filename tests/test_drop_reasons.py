@@ -20,7 +20,6 @@ from conftest import Inject
 from p2pcoll.errors import ProtocolError
 from p2pcoll.testing import memory_groups, run_ranks
 from p2pcoll.transport.base import Counters, Drops
-from p2pcoll.transport.zmq_mesh import link_identity
 from p2pcoll.wire import REASONS, WIRE_VERSION
 
 CAP = 1 << 20  # P2PCOLL_MAX_MESSAGE_BYTES of the test groups
@@ -67,11 +66,10 @@ async def _until(predicate: Any, timeout: float) -> bool:
     return True
 
 
-async def _link_of_departed(g: p2pcoll.Group, rank: int) -> zmq.asyncio.Socket:
-    """A socket on ``g`` with the link identity of ``rank``, which has closed: libzmq keeps
-    the first connection of an identity, so this waits until rank's own link is gone (a
-    probe, dropped as malformed, shows when it is)."""
-    identity = link_identity(rank, g.membership.secret)
+async def _link_of_departed(g: p2pcoll.Group, identity: bytes) -> zmq.asyncio.Socket:
+    """A socket on ``g`` with the link identity of a member that has closed (read from its
+    own transport: the identity holds a nonce of that peer's), once ``g`` reads it (a
+    probe, dropped as malformed, shows when it does)."""
     for _ in range(50):
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity)
@@ -95,10 +93,11 @@ async def test_a_live_peer_counts_each_drop_by_its_reason(
 
     async def fn(g: p2pcoll.Group) -> None:
         if g.rank == 1:
+            counts["link"] = g.session.transport.identity  # type: ignore[attr-defined]
             return  # leaves at once; rank 0 is then sent messages on its link identity
         assert g.stats()["messages_dropped_by_reason"] == {}
         assert await _until(lambda: 1 in g.session.peers.gone(), 10)
-        sock = await _link_of_departed(g, 1)
+        sock = await _link_of_departed(g, counts["link"])
         try:
             probes = g.stats()["messages_dropped_by_reason"]
             assert probes == {"malformed": 1}, probes

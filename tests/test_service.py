@@ -74,8 +74,8 @@ async def test_lifecycle_health_and_metrics_from_the_groups_counters() -> None:
     status, body = await get(group_of[1], "/healthz")
     report = json.loads(body)
     assert status == 200
-    assert report == {"state": "ready", "rank": 1, "world_size": 2,
-                      "group": groups[1].membership.group_id}
+    # Counts and states only: no group id, endpoint or secret (see Peer.health).
+    assert report == {"state": "ready", "rank": 1, "world_size": 2}
 
     async def job(g: p2pcoll.Group) -> int:
         for _ in range(5):
@@ -133,7 +133,7 @@ async def test_a_broken_group_is_unhealthy_with_its_cause_and_counts_the_error()
         status, body = await get(a, "/healthz")
         report = json.loads(body)
         assert status == 503 and report["state"] == "broken"
-        assert report["cause"].startswith("CollectiveTimeout: allreduce #0 timed out")
+        assert report["cause"] == "CollectiveTimeout"  # the type: a message may name endpoints
         got = samples((await get(a, "/metrics"))[1])
         assert got['p2pcoll_errors_total{type="CollectiveTimeout"}'] == 1
         assert got['p2pcoll_state{state="broken"}'] == 1
@@ -147,7 +147,7 @@ async def test_a_failed_join_is_closed_with_its_cause_and_counted() -> None:
             await a.join()
         status, body = await get(a, "/healthz")
         assert status == 503
-        assert json.loads(body)["cause"].startswith("RendezvousError: ")
+        assert json.loads(body)["cause"] == "RendezvousError"  # not its URL
         got = samples((await get(a, "/metrics"))[1])
         assert got['p2pcoll_errors_total{type="RendezvousError"}'] == 1
 

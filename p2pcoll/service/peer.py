@@ -15,6 +15,7 @@ with SIGTERM and SIGINT wired to ``stop()`` and an exit code.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
@@ -49,12 +50,14 @@ class Peer:
     def __init__(self, *, service: ServiceSettings | None = None,
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  **join_options: Any) -> None:
-        if service is None or metrics_port is not None or metrics_host is not None:
-            base = service or ServiceSettings.resolve()
-            service = ServiceSettings.resolve(
+        base = service or ServiceSettings.resolve()  # the environment's, limits included
+        if metrics_port is not None or metrics_host is not None:
+            given = ServiceSettings.resolve(  # only to check the arguments
                 {}, metrics_port=metrics_port if metrics_port is not None else
-                base.metrics_port, metrics_host=metrics_host or base.metrics_host,
-                log_level=base.log_level)
+                base.metrics_port, metrics_host=metrics_host or base.metrics_host)
+            base = dataclasses.replace(base, metrics_port=given.metrics_port,
+                                       metrics_host=given.metrics_host)
+        service = base
         self.service = service
         self.join_options = join_options
         self.group: Group | None = None

@@ -13,6 +13,9 @@ Each ProtocolError carries a ``reason``, one of :data:`REASONS`, by which the tr
 counts the messages it drops (``Group.stats()["messages_dropped_by_reason"]``):
 
     stranger    the link (or the source rank) is no other member of this group
+    impostor    a connection that claims a member's rank but is not that rank's link (the
+                first link of a rank that speaks is its link for the group; raised by the
+                mesh, see ``ZmqMesh``)
     oversize    the message, its header or the payload it names is over a size cap
     version     another wire version
     group       a header for another group (another job, or an earlier one on this port)
@@ -52,7 +55,7 @@ from .header import (
     Header,
 )
 
-REASONS = ("stranger", "oversize", "version", "group", "mismatch", "duplicate", "malformed")
+REASONS = ("stranger", "impostor", "oversize", "version", "group", "mismatch", "duplicate", "malformed")
 
 # Bounds on what a header may describe; far above any real use, far below what would let a
 # few bytes make a peer allocate gigabytes or recurse without end.
