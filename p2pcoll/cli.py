@@ -29,7 +29,7 @@ from .launch import launch
 from .registry import Registry, registry
 from .rendezvous import RendezvousServer
 from .security import JobKey, write_key_file
-from .settings import Settings, job_key
+from .settings import RendezvousLimits, Settings, job_key
 from .transport.sockets import SocketFactory
 
 PROG = "p2pcoll"
@@ -311,18 +311,20 @@ def _rendezvous(args: argparse.Namespace) -> int:
         return _fail(f"rendezvous: cannot resolve {args.host!r}: {exc}")
     try:
         key = job_key()  # $P2PCOLL_KEY_FILE, checked like join() checks it
+        limits = RendezvousLimits.resolve()  # $P2PCOLL_RENDEZVOUS_*
     except SettingsError as exc:
         return _fail(f"rendezvous: {exc}")
-    return asyncio.run(_serve_rendezvous(f"tcp://{host}:{args.port}", key))
+    return asyncio.run(_serve_rendezvous(f"tcp://{host}:{args.port}", key, limits))
 
 
-async def _serve_rendezvous(url: str, key: JobKey | None = None) -> int:
+async def _serve_rendezvous(url: str, key: JobKey | None = None,
+                            limits: RendezvousLimits | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sockets = SocketFactory(key=key)
-    server = RendezvousServer(url, sockets)
+    server = RendezvousServer(url, sockets, limits)
     try:
         server.bind()
     except zmq.ZMQError as exc:

@@ -184,3 +184,31 @@ def test_standalone_rendezvous_server(tmp_path: Path) -> None:
     finally:
         server.kill()
         server.communicate()
+
+
+def test_standalone_rendezvous_reads_its_bounds() -> None:
+    """`p2pcoll rendezvous` applies $P2PCOLL_RENDEZVOUS_*: a join over a bound is refused
+    naming it, and a bad value stops the server before it listens."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "p2pcoll", "rendezvous", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={**os.environ, "P2PCOLL_RENDEZVOUS_MAX_JOBS": "0"})
+    assert bad.returncode == 2 and "P2PCOLL_RENDEZVOUS_MAX_JOBS" in bad.stderr, bad.stderr
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "p2pcoll", "rendezvous", "--host", "127.0.0.1", "--port",
+         str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE": "2"})
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().startswith("p2pcoll rendezvous: serving at")
+
+        async def join_three() -> None:
+            group = await p2pcoll.join(f"tcp://127.0.0.1:{port}", world_size=3, timeout=10)
+            await group.close()
+
+        with pytest.raises(p2pcoll.RendezvousError, match="P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE"):
+            asyncio.run(join_three())
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=10)
