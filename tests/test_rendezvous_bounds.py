@@ -12,8 +12,8 @@ The tests that attack start two processes besides pytest, both this file run as 
 - the *attacker* (``attack``) talks to the rendezvous with raw DEALER sockets, as the
   issue's probes did, and prints what came back.
 
-No assertion is about speed; the bounds on loop lag and memory are ten times what the
-fixed code shows on a busy machine and far below what 0.5.0 showed (seconds, gigabytes).
+No assertion is about speed; the bounds on loop lag and memory are over ten times what
+the fixed code shows on a busy machine and below what 0.5.0 showed (seconds, gigabytes).
 The measured rates are printed (``pytest -s``).
 """
 
@@ -37,7 +37,8 @@ from p2pcoll.testing import free_port
 from p2pcoll.wire import WIRE_VERSION
 
 WAIT_S = 60  # the longest any one step may take before it counts as a hang
-LAG_S = 1.5  # the longest the host's loop may be held (0.5.0: 5.4 s for one request)
+LAG_S = 4.0  # the longest the host's loop may be held (0.5.0: 5-22 s; now <= 0.3 s,
+# but the machine's other load alone held it 2.9 s once, at a load average of 17)
 RSS_SLACK_KB = 150 << 10  # what the host's RSS may grow by (0.5.0: +1 GB for one request)
 
 
@@ -169,7 +170,7 @@ def attack(args: argparse.Namespace) -> None:
     poller = zmq.Poller()
     for s in sockets:
         poller.register(s, zmq.POLLIN)
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and sum(replies.values()) < len(requests):
         for s, _ in poller.poll(100):
             while True:
                 try:
@@ -250,7 +251,11 @@ async def _attacked(tmp_path: Path, host_env: dict[str, str], *attack_args: str
     host = await _Proc.start(tmp_path, "host", "host", env=host_env)
     try:
         ready = await host.read("ready")
+        await asyncio.sleep(2.0)  # warm
+        first = await host.mark()
+        await asyncio.sleep(3.0)
         before = await host.mark()
+        before["rate"] = _rate(first, before)  # collectives per second, unattacked
         attacked = await _attack(tmp_path, ready["url"], *attack_args)
         after = await host.mark()
     except BaseException:
@@ -304,16 +309,18 @@ def test_a_peer_that_asks_for_too_much_is_told_before_joining() -> None:
 async def test_registrations_expire_and_a_group_still_forms(tmp_path: Path) -> None:
     """Probe: 300 connections asking for a world of 100,000 took the server to 7.8 GB and
     a legitimate 4-peer group timed out; registrations with a heartbeat of 1,000,000 s
-    never expired."""
+    never expired. (The junk's heartbeat is long enough that none expires before the
+    counts are checked, on a slow machine too.)"""
+    HEARTBEAT = 12.0
     spec = [
         {"count": 300, "job": "big", "fields": {"world_size": 100_000}},
-        {"count": 300, "job": "x", "fields": {"world_size": 4096, "heartbeat": 6.0}},
-        {"count": 40, "job": "job-{i}", "fields": {"heartbeat": 6.0}},
+        {"count": 300, "job": "x", "fields": {"world_size": 4096, "heartbeat": HEARTBEAT}},
+        {"count": 40, "job": "job-{i}", "fields": {"heartbeat": HEARTBEAT}},
         {"count": 1, "job": "y", "fields": {"heartbeat": 1e6}},
     ]
-    env = {"P2PCOLL_RENDEZVOUS_MAX_JOBS": "50", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT": "10"}
+    env = {"P2PCOLL_RENDEZVOUS_MAX_JOBS": "50", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT": "20"}
     attacked, before, after, host, url = await _attacked(
-        tmp_path, env, "conns", "--spec", json.dumps(spec), "--listen", "1")
+        tmp_path, env, "conns", "--spec", json.dumps(spec), "--listen", "20")
     try:
         replies = attacked["replies"]
         print(f"\nconns: {attacked}\nbefore {before}\nafter {after}")
@@ -327,12 +334,12 @@ async def test_registrations_expire_and_a_group_still_forms(tmp_path: Path) -> N
                                                      job_id="legit") for r in range(4)))
         await asyncio.gather(*(g.close() for g in groups))
         # Jobs past the bound are refused, naming it.
-        more = await _attack(tmp_path, url, "conns", "--listen", "1", "--spec", json.dumps(
-            [{"count": 20, "job": "more-{i}", "fields": {"heartbeat": 6.0}}]))
+        more = await _attack(tmp_path, url, "conns", "--listen", "20", "--spec", json.dumps(
+            [{"count": 20, "job": "more-{i}", "fields": {"heartbeat": HEARTBEAT}}]))
         assert sum(n for k, n in more["replies"].items()
                    if "P2PCOLL_RENDEZVOUS_MAX_JOBS" in k) == 11, more
         # Every registration is dropped once its heartbeat has passed, and its job with it.
-        deadline = time.monotonic() + 6.0 + 10
+        deadline = time.monotonic() + HEARTBEAT + 10
         mark = await host.mark()
         while time.monotonic() < deadline and mark["server"]["peers"]:
             await asyncio.sleep(0.5)
@@ -365,7 +372,8 @@ async def test_a_flood_of_joins_leaves_the_collectives_running(tmp_path: Path) -
         rest = await host.mark()
     finally:
         assert await host.finish() == 0
-    rates = {"during": round(_rate(before, drained)), "after": round(_rate(drained, rest))}
+    rates = {"before": round(before["rate"]), "during": round(_rate(before, drained)),
+             "after": round(_rate(drained, rest))}
     print(f"\nflood: {attacked}\nbefore {before}\nafter {after}\nlater {rest}\nrates/s {rates}")
     assert after["collectives"] > before["collectives"]  # they ran during the flood
     assert rest["collectives"] > drained["collectives"]  # and after it
@@ -394,7 +402,7 @@ async def test_one_connection_is_held_to_its_rate() -> None:
     errors = [r for r in replies if r["op"] == "error"]
     assert errors and all("P2PCOLL_RENDEZVOUS_RATE" in e["reason"] for e in errors), errors
     answered = len(replies) - len(errors)
-    assert 20 <= answered < 100, answered  # a burst of 20, and what refilled meanwhile
+    assert 20 <= answered < 150, answered  # a burst of 20, and what refilled meanwhile
     assert len(errors) < answered
 
 

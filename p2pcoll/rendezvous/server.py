@@ -189,7 +189,7 @@ class RendezvousServer:
         self._settling: set[str] = set()  # elastic jobs with at least their minimum
         self._formed: OrderedDict[bytes, _Roster] = OrderedDict()  # identity -> roster
         self._buckets: OrderedDict[bytes, list[float]] = OrderedDict()  # tokens, when, told
-        self._backlog = False  # requests were left unread at the end of the last batch
+        self._read_all: float | None = 0.0  # see _serve
         self._arrivals = 0
         self.groups_formed = 0
         self.requests = 0  # read
@@ -222,30 +222,37 @@ class RendezvousServer:
         return self.url
 
     async def _serve(self) -> None:
-        """Read requests in batches; after each, let the loop run others for a while."""
+        """Read requests in batches; after each, let the loop run others for a while.
+
+        ``_read_all`` is when the queue was last found empty: every request that came
+        before it has been handled (:meth:`_expire` relies on it); None while it is empty
+        and this waits for the next one.
+        """
         assert self._sock is not None and self._plain is not None
         while True:
-            try:
-                await self._sock.poll(flags=zmq.POLLIN)
-            except (asyncio.CancelledError, zmq.ZMQError):
-                return
             start = time.perf_counter()
+            drained = False
             for _ in range(BATCH):
                 try:
                     frames = self._plain.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
-                    self._backlog = False
+                    drained = True
                     break
                 except zmq.ZMQError:
                     return
                 self._receive(frames)
                 if time.perf_counter() - start > BATCH_S:
-                    self._backlog = True
                     break
-            else:
-                self._backlog = True
-            busy = time.perf_counter() - start
-            await asyncio.sleep(busy * (1 - SHARE) / SHARE)
+            try:
+                if drained:
+                    self._read_all = None
+                    await self._sock.poll(flags=zmq.POLLIN)
+                    self._read_all = time.monotonic()
+                else:
+                    busy = time.perf_counter() - start
+                    await asyncio.sleep(busy * (1 - SHARE) / SHARE)
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
 
     def _receive(self, frames: list[bytes]) -> None:
         self.requests += 1
@@ -302,8 +309,9 @@ class RendezvousServer:
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
-            if not self._backlog:  # requests that wait unread may be those peers' re-sends
-                self._expire(now)
+            # Only what came before the queue was last found empty has surely been read:
+            # requests that wait unread may be those peers' re-sends.
+            self._expire(now if self._read_all is None else self._read_all, now)
             for job in list(self._settling):
                 forming = self._forming.get(job)
                 if forming is not None:
@@ -486,17 +494,18 @@ class RendezvousServer:
                             for f in self._forming.values() for e in f.entries.values()]
             heapq.heapify(self._expiry)
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, read: float, now: float) -> None:
         """Peers that stopped re-sending their request are lost: the registrations whose
-        deadline passed (a heap, so O(those) per tick), grouped by job."""
+        deadline passed before ``read`` (every request up to then has been read), from a
+        heap, so O(those) per tick, grouped by job."""
         lost: dict[str, dict[bytes, _Entry]] = {}
-        while self._expiry and self._expiry[0][0] <= now:
+        while self._expiry and self._expiry[0][0] <= read:
             _, _, job, identity = heapq.heappop(self._expiry)
             forming = self._forming.get(job)
             entry = forming.entries.get(identity) if forming is not None else None
             if entry is None:
                 continue  # it formed, left or was replaced
-            if entry.seen + entry.heartbeat > now:  # heard since: check again then
+            if entry.seen + entry.heartbeat > read:  # heard since: check again then
                 self._expire_at(entry.seen + entry.heartbeat, entry, job)
                 continue
             lost.setdefault(job, {})[identity] = entry
