@@ -394,7 +394,7 @@ class RendezvousServer:
         if self._peers - (stale is not None) >= limits.max_peers:
             raise _Rejected(f"{self._peers} peers are waiting at this rendezvous, its bound "
                             f"(P2PCOLL_RENDEZVOUS_MAX_PEERS)")
-        self._check_fit(forming, identity, rank, size, low, high, host, stale)
+        self._check_fit(forming, rank, size, low, high, host, stale)
         if stale is not None:
             log.info("rendezvous: job %r: %s registered again: the old registration is "
                      "replaced", job, stale.describe())
@@ -422,7 +422,7 @@ class RendezvousServer:
         if not self._progress(forming, now):
             self._status(forming, entry)
 
-    def _check_fit(self, forming: _Forming, identity: bytes, rank: int | None,
+    def _check_fit(self, forming: _Forming, rank: int | None,
                    size: int | None, low: int | None, high: int | None, host: str,
                    stale: _Entry | None) -> None:
         """Raises _Rejected if a new peer asking for this does not fit the forming group
