@@ -606,8 +606,9 @@ class Group:
         as ``[upper bound in seconds, cumulative count]``), and the errors they raised by
         type (``errors_by_type``); ``links_refused``: connections to this peer's mesh port
         that were no member's link (a stranger's, or an impostor's: a second connection
-        claiming a member's rank, whose messages are dropped as ``impostor``; 0 over
-        inproc). Counted from join, for this group only."""
+        claiming a member's rank, whose messages are dropped as ``impostor``; also a
+        member's own link that reconnected after its connection dropped; 0 over inproc).
+        Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
         return {

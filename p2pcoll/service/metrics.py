@@ -32,7 +32,8 @@ Only counts, states and this peer's rank are served: nothing that helps an outsi
 or pass for a member (no group id, link secret, endpoint, host or key material).
 ``p2pcoll_links_refused_total`` counts the connections to the peer's mesh port that were
 no member's link (a stranger's, or an impostor's: a second connection claiming a member's
-rank, whose messages are dropped as ``impostor``): see
+rank, whose messages are dropped as ``impostor``; also a member's own link that
+reconnected after its connection dropped): see
 :class:`p2pcoll.transport.sockets.LinkCensus`.
 """
 
