@@ -176,3 +176,44 @@ async def test_in_memory_broadcast_root_fails_when_a_receiver_is_cut() -> None:
             assert info.value.rank == 2, info.value
     finally:
         await asyncio.gather(*(g.close() for g in groups))
+
+
+# A receiver that took its message and closed has not abandoned the send: the send may still
+# be waiting for libzmq to let go of its zero-copy frames (reported late, through pyzmq's
+# garbage-collector thread) when the goodbye comes. Here that wait is held until the
+# receiver has closed and its goodbye has come, as a loaded machine may hold it.
+
+async def test_a_send_whose_receiver_took_it_and_left_succeeds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2pcoll.engine import executor
+
+    real_released = executor._released
+    left = asyncio.Event()
+
+    async def late_release(trackers: list[Any]) -> None:
+        if trackers:  # the send's zero-copy frames (a receive has none)
+            held.append(len(trackers))
+            await left.wait()
+            await asyncio.sleep(0.5)  # the goodbye is read meanwhile
+        await real_released(trackers)
+
+    monkeypatch.setattr(executor, "_released", late_release)
+    # 8 MiB: 8 segments of 1 MiB, the first 4 sent zero-copy (the last ones of a pipeline
+    # go as copies, so that they need no release).
+    data = np.arange(1 << 21, dtype=np.float32)
+    held = []
+
+    async def fn(g: p2pcoll.Group) -> str:
+        if g.rank == 1:
+            got = await g.recv(src=0)
+            assert np.array_equal(got, data)
+            await g.close()
+            left.set()
+            return "closed"
+        await g.send(data, dst=1)
+        assert g.cause is None, g.cause
+        return str(g.state)
+
+    assert await p2pcoll.testing.run_ranks(2, fn, transport="tcp",
+                                           collective_timeout=DEADLINE_S) == ["ready", "closed"]
+    assert held, "the send had no zero-copy frames to wait for: the test tests nothing"

@@ -35,7 +35,11 @@ needs it, wherever that operation waits: a receive for its message, or a send fo
 a full queue, for a zero-copy buffer libzmq still holds, for a shared-memory ring. An
 operation needs a peer that has *abandoned* it (see :meth:`FailureModel.gone_peer`): a
 collective, every member that is lost or said goodbye before starting it (all of a group
-take part in each of its collectives); a send, its receiver gone in any way. (A receive
+take part in each of its collectives); a send, its receiver lost, or gone in any way before
+the send started. A receiver's goodbye does not end a send already running: the goodbye
+does not say which transfers it received, and the one thing such a send may still wait
+for, once its message is out, is libzmq letting go of its zero-copy frames, which can come
+after a receiver that read them has closed. (A receive
 needs its sender only while its message has not come: the matcher fails it, see
 :mod:`p2pcoll.engine.matching`.) The operation raises the peer's :class:`PeerLost`, the same
 error its receivers get, and breaks the group as any failure does; one started after the
@@ -134,16 +138,21 @@ class FailureModel:
         assert self._matcher is not None, "attach() first"
         return Collective(self, self._matcher, seq, collective, limit)
 
-    def gone_peer(self, seq: OpId) -> PeerLost | None:
+    def gone_peer(self, seq: OpId, *, running: bool = False) -> PeerLost | None:
         """The :class:`PeerLost` of a peer that operation ``seq`` needs and that has
         abandoned it, or None (see the module docstring): for a collective, any member lost
-        or gone before it started it; for a send, its receiver gone; for a receive, nobody
-        (the matcher knows whether its message can still come)."""
+        or gone before it started it; for a send, its receiver lost, or (unless the send is
+        ``running`` already) gone with a goodbye; for a receive, nobody (the matcher knows
+        whether its message can still come)."""
         assert self._matcher is not None
         departures = self._matcher.departures
         if not isinstance(seq, int):
             src, dst = seq[0], seq[1]
-            return departures.lost(dst) if src == self._rank else None
+            if src != self._rank:
+                return None
+            if running and departures.said_goodbye(dst):
+                return None  # it may well have received this one (see the docstring)
+            return departures.lost(dst)
         for rank in departures.gone():
             if departures.abandoned(rank, seq):
                 return departures.lost(rank)
@@ -153,7 +162,7 @@ class FailureModel:
         """``rank`` has gone (the session's record says how): every running operation that
         needs it ends now, with its :class:`PeerLost`, wherever it waits."""
         for c in list(self._active.values()):
-            gone = self.gone_peer(c.seq)
+            gone = self.gone_peer(c.seq, running=True)
             if gone is not None:
                 c.interrupt(gone)  # once: a second peer's loss changes nothing
 

@@ -2,9 +2,12 @@
 
 A peer goes by saying goodbye (a ``bye`` message: it closed after finishing its part) or is
 lost (its link went down, or its heartbeats stopped, and it did not come back within a
-short grace period). The record is consulted by the receives and sends that need that
-peer, and by nobody else: a broadcast whose root has said goodbye goes on as long as the
-rank it actually receives from is there.
+short grace period). When a peer goes, the session's failure model ends every running
+operation that needs it (see :mod:`p2pcoll.session.failure`): a collective that peer was
+lost in or said goodbye before starting, a send to it (a goodbye ends only sends that
+start after it), and the matcher ends the receives whose message can no longer come. A
+broadcast whose root has said goodbye after starting it goes on as long as the rank it
+actually receives from is there.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class Peers:
 
     def gone(self) -> dict[int, Departure]:
         return dict(self._gone)
+
+    def said_goodbye(self, rank: int) -> bool:
+        gone = self._gone.get(rank)
+        return gone is not None and gone.graceful
 
     def left(self, rank: int, started: int) -> None:
         """``rank`` said goodbye, having started ``started`` collectives."""
