@@ -286,12 +286,16 @@ class Settings:
             raise SettingsError(
                 f"min_world_size {low} is larger than max_world_size {high}",
                 name="min_world_size", value=low, allowed=f"at most {high}")
-        if self.rendezvous is not None and self.rendezvous.startswith("tcp://"):
+        if (self.rendezvous is not None and self.rendezvous.startswith("tcp://")
+                and self.rank in (None, 0)):
             self._check_rendezvous_limits(given)
 
     def _check_rendezvous_limits(self, given: Mapping[str, Any]) -> None:
-        """What this peer will ask of a p2pcoll rendezvous is within its bounds (a server
-        would refuse it; better said here, naming the setting)."""
+        """What this peer will ask of the rendezvous it may host (rank None or 0: see
+        :mod:`p2pcoll.session.forming`) is within that server's bounds, its own settings:
+        its own server would refuse it; better said here, naming the setting. Another
+        peer's limits are those of whoever hosts, a standalone server maybe: its error
+        reply names the bound."""
         limits = self.rendezvous_limits
         for name in ("world_size", "min_world_size", "max_world_size"):
             value = getattr(self, name)
@@ -311,8 +315,8 @@ class Settings:
 class RendezvousLimits:
     """What a rendezvous server (:mod:`p2pcoll.rendezvous.server`) accepts from its
     clients and holds at once. A request over a bound gets an ``error`` reply naming the
-    bound and its variable; a peer whose own settings ask for more fails in
-    :meth:`Settings.resolve`. Made by :meth:`resolve`.
+    bound and its variable; a peer that may host the rendezvous (rank None or 0) and whose
+    own settings ask for more fails in :meth:`Settings.resolve`. Made by :meth:`resolve`.
 
     Attributes:
         max_world_size: the largest world size (or elastic minimum or maximum) a join may

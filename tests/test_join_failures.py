@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
@@ -353,3 +354,51 @@ async def test_handshakes_cut_for_good_are_an_error() -> None:
     assert err.value.permanent
     assert "not a p2pcoll rendezvous" in str(err.value)
     assert CUTS_PERSIST <= took < CUTS_PERSIST + 5, took
+
+
+async def test_cancelled_while_closing_the_rendezvous_closes_the_session(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review probe: a join cancelled while its host closed the rendezvous (the group
+    formed, the session started) closed the transport but not the session, and closed
+    the server a second time. Now the session is closed too and the port is free."""
+    from p2pcoll.session.session import Session
+
+    closed: list[int] = []
+    real_close, real_aclose = Session.close, RendezvousServer.aclose
+    closing = asyncio.Event()
+
+    async def close(self: Session, drain: float) -> None:
+        closed.append(self.rank)
+        await real_close(self, drain)
+
+    async def aclose(self: RendezvousServer) -> None:
+        closing.set()
+        await asyncio.sleep(0.5)  # where the cancellation comes
+        await real_aclose(self)
+
+    monkeypatch.setattr(Session, "close", close)
+    monkeypatch.setattr(RendezvousServer, "aclose", aclose)
+    address = f"tcp://127.0.0.1:{free_port()}"
+
+    async def join() -> None:
+        group = await p2pcoll.join(address, world_size=1, rank=0, timeout=20)
+        await group.close()  # not reached
+
+    task = asyncio.create_task(join())
+    await asyncio.wait_for(closing.wait(), 20)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert closed == [0]
+    monkeypatch.setattr(RendezvousServer, "aclose", real_aclose)
+    for _ in range(100):  # the port is let go (libzmq closes in its own thread)
+        again = RendezvousServer(address)
+        try:
+            assert again.bind() == address
+            break
+        except zmq.ZMQError:
+            await again.aclose()
+            await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"{address} is still bound")
+    await again.aclose()

@@ -7,16 +7,20 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import waiting
 from p2pcoll.settings import RANK_VARS, WORLD_SIZE_VARS, Settings
 from p2pcoll.testing import free_port
+from p2pcoll.wire import WIRE_VERSION
 
 
 def url() -> str:
@@ -244,3 +248,141 @@ async def test_single_peer_without_rendezvous(monkeypatch: pytest.MonkeyPatch) -
         np.testing.assert_array_equal(await g.allreduce(np.arange(3)), np.arange(3))
     with pytest.raises(p2pcoll.RendezvousError, match="no rendezvous"):
         await p2pcoll.join(world_size=2)
+
+
+def _raw_join(**fields: object) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "op": "join", "job": "", "rank": 1,
+                          "world_size": 2, "endpoints": ["tcp://127.0.0.1:1"], "host": "h",
+                          "pid": 1, "heartbeat": 1.0, "order": None, "min": None,
+                          "max": None, **fields})
+
+
+def _replies(sock: object) -> list[dict[str, object]]:
+    assert isinstance(sock, zmq.Socket)
+    out = []
+    while sock.poll(0):
+        out.append(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))
+    return out
+
+
+async def test_a_live_peer_is_not_lost_when_the_hosts_loop_stalls(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Review probe: a registration's expiry was checked against ``now`` while the server
+    waited for a request, so after the host's loop stalled longer than the heartbeat the
+    watcher could run before the wake-up that reads the peer's re-sent joins, and a live
+    peer (re-sending the whole time) was failed as "stopped answering". The stall here
+    is a callback due just before the watcher's timer, so the watcher runs before the
+    wake-up whatever the machine's load."""
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    address = server.bind()
+    stop, sending, replies = threading.Event(), threading.Event(), []
+    sending.set()
+
+    def peers() -> None:  # two peers of a group of three, re-sending their joins as
+        # clients do, from outside the stalled loop; a lost one fails the other
+        ctx = zmq.Context()
+        socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        try:
+            for sock in socks:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+            while not stop.is_set():
+                for rank, sock in enumerate(socks, 1):
+                    if sending.is_set():
+                        sock.send(_raw_join(token=f"t{rank}", rank=rank, world_size=3))
+                    replies.extend(_replies(sock))
+                stop.wait(0.1)
+        finally:
+            for sock in socks:
+                sock.close()
+            ctx.term()
+
+    thread = threading.Thread(target=peers)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while server.stats()["peers"] < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+
+        def stall() -> None:  # the host's loop stalls for longer than the heartbeat (1 s)
+            sending.set()
+            time.sleep(1.6)
+
+        for _ in range(3):
+            sending.clear()  # for less than its re-send period: the server reads it all
+            await asyncio.sleep(0.25)
+            loop.call_at(loop.time() - 1, stall)  # runs first...
+            time.sleep(0.15)  # ...of the timers due then, with the watcher's
+            await asyncio.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(10)
+        await server.aclose()
+    lost = [r.getMessage() for r in caplog.records if "stopped answering" in r.getMessage()]
+    assert not lost, lost
+    assert not [r for r in replies if r["op"] == "error"], replies
+    assert replies[-1]["op"] == "status" and replies[-1]["arrived"] == 2, replies[-1]
+
+
+async def test_same_host_and_pid_is_not_the_same_peer() -> None:
+    """Review probe: "the same peer asking again" was keyed on (host, pid); two containers
+    on the host network both run pid 1, so a real duplicate rank silently replaced the
+    first. The process's random token says which process asks: a different token for a
+    held rank is a duplicate (both told), the same token replaces its old registration."""
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    address = server.bind()
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(4)]
+    try:
+        for s in socks:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+
+        async def exchange(sock: zmq.Socket[bytes], token: str | None
+                           ) -> list[dict[str, object]]:
+            if token is not None:
+                sock.send(_raw_join(token=token, heartbeat=30.0))
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if got := _replies(sock):
+                    return got
+            raise AssertionError("no reply")
+
+        assert (await exchange(socks[0], "a"))[0]["op"] == "status"
+        duplicate = await exchange(socks[1], "b")  # same host and pid, another process
+        assert "requested by two peers" in str(duplicate[0]["reason"]), duplicate
+        assert "requested by two peers" in str((await exchange(socks[0], None))[0])
+        assert server.stats()["peers"] == 0
+        assert (await exchange(socks[2], "c"))[0]["op"] == "status"
+        assert (await exchange(socks[3], "c"))[0]["op"] == "status"  # the same process again
+        old = await exchange(socks[2], None)  # its old registration was replaced, and told so
+        assert "replaced this one" in str(old[0]["reason"]), old
+        assert server.stats()["peers"] == 1
+    finally:
+        for s in socks:
+            s.close()
+        ctx.term()
+        await server.aclose()
+
+
+async def test_server_aclose_is_idempotent_and_a_cancelled_one_frees_the_port() -> None:
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    address = server.bind()
+    closing = asyncio.create_task(server.aclose())
+    await asyncio.sleep(0)
+    closing.cancel()
+    await asyncio.gather(closing, return_exceptions=True)
+    await server.aclose()
+    await server.aclose()
+    for _ in range(100):  # the port is let go (libzmq closes in its own thread)
+        again = RendezvousServer(address)
+        try:
+            assert again.bind() == address
+            break
+        except zmq.ZMQError:
+            await again.aclose()
+            await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"{address} is still bound")
+    await again.aclose()

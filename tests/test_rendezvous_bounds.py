@@ -305,6 +305,36 @@ def test_a_peer_that_asks_for_too_much_is_told_before_joining() -> None:
     assert (limits.max_world_size, limits.rate) == (8, 5.0)
 
 
+async def test_a_peer_that_never_hosts_leaves_the_bounds_to_the_server() -> None:
+    """Review probe: every peer with a tcp:// rendezvous was held to its own
+    P2PCOLL_RENDEZVOUS_* bounds, so a client of a standalone server with larger ones was
+    refused unless it copied them. Only a peer that may host (rank None or 0) is checked;
+    another learns the bound from the server's error, if it is over it; inf stays
+    refused as before."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    assert p2pcoll.Settings.resolve({}, rendezvous=url, rank=1,
+                                    heartbeat_timeout=1000).heartbeat_timeout == 1000
+    assert p2pcoll.Settings.resolve({}, rendezvous=url, rank=1,
+                                    world_size=5000).world_size == 5000
+    with pytest.raises(p2pcoll.SettingsError, match="finite"):
+        p2pcoll.Settings.resolve({"P2PCOLL_HEARTBEAT_TIMEOUT": "inf"}, rendezvous=url, rank=1)
+    from p2pcoll.settings import RendezvousLimits
+    server = RendezvousServer(url, limits=RendezvousLimits(max_heartbeat=2000.0))
+    server.bind()
+    try:  # the standalone server's bounds are larger: accepted (the group never forms)
+        with pytest.raises(p2pcoll.RendezvousError, match="timed out|arrived|missing"):
+            await p2pcoll.join(url, world_size=2, rank=1, heartbeat_timeout=1000, timeout=3)
+    finally:
+        await server.aclose()
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    url = server.bind()
+    try:  # the default bounds: the server's error names the bound
+        with pytest.raises(p2pcoll.RendezvousError, match="P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT"):
+            await p2pcoll.join(url, world_size=2, rank=1, heartbeat_timeout=1000, timeout=20)
+    finally:
+        await server.aclose()
+
+
 @pytest.mark.timeout(120)
 async def test_registrations_expire_and_a_group_still_forms(tmp_path: Path) -> None:
     """Probe: 300 connections asking for a world of 100,000 took the server to 7.8 GB and

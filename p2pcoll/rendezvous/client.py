@@ -22,6 +22,7 @@ A host that answered and then went silent for the heartbeat timeout is gone.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,20 @@ from ..types import Membership
 from ..wire import WIRE_VERSION
 from .server import RESEND
 from .url import parse_url
+
+_token = secrets.token_hex(8)  # this process's, in its join requests: see _renew_token
+
+
+def _renew_token() -> None:
+    """A forked child is another process: it gets its own token. The server takes a join
+    with this process's token for a rank it holds for it as this process asking again (its
+    earlier attempt gave up) and replaces that registration; host and pid cannot tell that
+    apart from another process (two containers on the host network both run pid 1)."""
+    global _token
+    _token = secrets.token_hex(8)
+
+
+os.register_at_fork(after_in_child=_renew_token)
 
 # Handshakes cut (closed with no reason given) before the client gives up: at least CUTS
 # of them, over at least CUTS_PERSIST seconds with none completing. A host rebinding its
@@ -208,7 +223,8 @@ async def rendezvous(
     link = _Link(url, sockets or SocketFactory())
     request: dict[str, Any] = {
         "v": WIRE_VERSION, "op": "join", "job": job, "rank": rank, "world_size": world_size,
-        "endpoints": endpoints, "host": host_id, "pid": os.getpid(), "heartbeat": heartbeat,
+        "endpoints": endpoints, "host": host_id, "pid": os.getpid(), "token": _token,
+        "heartbeat": heartbeat,
         "order": order, "min": elastic[0] if elastic else None,
         "max": elastic[1] if elastic else None,
     }

@@ -11,7 +11,7 @@ peer that hosts it for a group of fixed size closes it once that group has forme
 The protocol (msgpack maps over a ROUTER; every client keeps one routing identity for the
 whole join, across reconnections):
 
-- ``join``: endpoints, host, pid, requested rank, world size (or, for an elastic group,
+- ``join``: endpoints, host, pid, process token, requested rank, world size (or, for an elastic group,
   ``min``/``max``), heartbeat and ``order``. Clients re-send it every :data:`RESEND`
   seconds until the roster comes; that is their heartbeat, and it is how a restarted
   server learns the peers again. Each one is answered, to that client alone, with a
@@ -22,8 +22,10 @@ whole join, across reconnections):
   or the ``roster`` once the group is complete: two frames, the peer's own part (rank,
   group id, secret) and the group's endpoints and hosts, one buffer shared by every
   member's reply (it is sent again to a peer that asks again, in case it was lost). A
-  join from the same process (host and pid) for the rank an earlier registration of it
-  holds replaces that one: it is the same peer trying again.
+  join from the same process (its ``token``, random, made once per process: host and pid
+  do not tell processes apart, two containers on the host network both run pid 1) for the
+  rank an earlier registration of it holds replaces that one: it is the same peer trying
+  again.
 - ``leave``: a client gives up (its join was cancelled or timed out).
 - ``waiting``: how many peers of a job are waiting for its next group (the elastic training
   layer asks this at round boundaries).
@@ -48,7 +50,6 @@ lets the loop run others for three times as long as the batch took (:data:`SHARE
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import secrets
@@ -89,6 +90,7 @@ class _Entry:
     endpoints: list[str]
     host: str
     pid: int
+    token: str | None  # the process's (None never matches)
     order: float  # None (no preference) sorts last
     arrival: int
     heartbeat: float
@@ -189,7 +191,7 @@ class RendezvousServer:
         self._settling: set[str] = set()  # elastic jobs with at least their minimum
         self._formed: OrderedDict[bytes, _Roster] = OrderedDict()  # identity -> roster
         self._buckets: OrderedDict[bytes, list[float]] = OrderedDict()  # tokens, when, told
-        self._read_all: float | None = 0.0  # see _serve
+        self._drained = 0.0  # see _serve
         self._arrivals = 0
         self.groups_formed = 0
         self.requests = 0  # read
@@ -224,9 +226,9 @@ class RendezvousServer:
     async def _serve(self) -> None:
         """Read requests in batches; after each, let the loop run others for a while.
 
-        ``_read_all`` is when the queue was last found empty: every request that came
-        before it has been handled (:meth:`_expire` relies on it); None while it is empty
-        and this waits for the next one.
+        ``_drained`` is when a read last found the queue empty: every request that came
+        before it has been handled. It stays that while this waits for the next request
+        (the wake-up may come late, after requests arrived: see :meth:`_read_up_to`).
         """
         assert self._sock is not None and self._plain is not None
         while True:
@@ -236,6 +238,7 @@ class RendezvousServer:
                 try:
                     frames = self._plain.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
+                    self._drained = time.monotonic()
                     drained = True
                     break
                 except zmq.ZMQError:
@@ -245,9 +248,7 @@ class RendezvousServer:
                     break
             try:
                 if drained:
-                    self._read_all = None
                     await self._sock.poll(flags=zmq.POLLIN)
-                    self._read_all = time.monotonic()
                 else:
                     busy = time.perf_counter() - start
                     await asyncio.sleep(busy * (1 - SHARE) / SHARE)
@@ -309,9 +310,7 @@ class RendezvousServer:
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
-            # Only what came before the queue was last found empty has surely been read:
-            # requests that wait unread may be those peers' re-sends.
-            self._expire(now if self._read_all is None else self._read_all, now)
+            self._expire(self._read_up_to(now), now)
             for job in list(self._settling):
                 forming = self._forming.get(job)
                 if forming is not None:
@@ -321,6 +320,17 @@ class RendezvousServer:
                 if now - roster.formed < FORMED_TTL and len(self._formed) <= FORMED_KEPT:
                     break
                 self._formed.popitem(last=False)
+
+    def _read_up_to(self, now: float) -> float:
+        """The moment up to which every request has surely been read: ``now`` if none waits
+        unread, else when a read last found the queue empty (requests waiting may be the
+        re-sends of the peers whose registrations are due, if the loop stalled)."""
+        assert self._sock is not None
+        try:  # the asyncio socket's get: it wakes _serve's poll if a request waits
+            pending = self._sock.get(zmq.EVENTS) & zmq.POLLIN
+        except zmq.ZMQError:
+            return self._drained
+        return self._drained if pending else now
 
     def _reply(self, identity: bytes, **msg: Any) -> None:
         self._send([identity, msgpack.packb(msg)])
@@ -365,7 +375,9 @@ class RendezvousServer:
         high = _int(msg, "max", 1, limits.max_world_size, bound)
         order, pid = _int(msg, "order", 0), _int(msg, "pid", 0) or 0
         endpoints, host, heartbeat = msg.get("endpoints"), msg.get("host"), msg.get("heartbeat")
+        token = msg.get("token")
         if (not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
+                or not (token is None or isinstance(token, str) and len(token) <= 64)
                 or not all(isinstance(e, str) and len(e) <= 256 for e in endpoints)
                 or not isinstance(host, str) or len(host) > 256
                 or not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool)
@@ -389,7 +401,7 @@ class RendezvousServer:
         stale = None
         if rank is not None:
             other = forming.by_rank.get(rank)
-            if other is not None and (other.host, other.pid) == (host, pid):
+            if other is not None and token is not None and other.token == token:
                 stale = other  # the same process asking again: it gave up on that one
         if self._peers - (stale is not None) >= limits.max_peers:
             raise _Rejected(f"{self._peers} peers are waiting at this rendezvous, its bound "
@@ -409,7 +421,7 @@ class RendezvousServer:
             elif low is not None:
                 forming.low, forming.high = low, high
         self._arrivals += 1
-        entry = _Entry(identity, rank, endpoints, host, pid,
+        entry = _Entry(identity, rank, endpoints, host, pid, token,
                        float("inf") if order is None else order, self._arrivals,
                        max(float(heartbeat), MIN_HEARTBEAT), now)
         forming.entries[identity] = entry
@@ -575,14 +587,15 @@ class RendezvousServer:
         return True
 
     async def aclose(self) -> None:
+        """Stop serving and close the socket (and its factory, if it made its own).
+        Idempotent; cancelled, it leaves the socket closed and a later call finishes."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         if self._sock is not None:
             self._sock.close()
             self._sock = self._plain = None
         if self._own_sockets:
+            self._own_sockets = False
             self._sockets.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 

@@ -14,8 +14,12 @@ The same exchange serves the torch.distributed backend (:mod:`p2pcoll.integratio
 through the store torch hands each process group (:func:`store_membership`): torch
 prefixes it per group, so every ``new_group`` forms a p2pcoll group of its own.
 
-The store is torch's: it neither authenticates nor encrypts. With a job key the mesh
-itself is still secured; the store only ever holds endpoints and a group id.
+The store is torch's: it neither authenticates nor encrypts, so it must be reachable by
+the job's processes only. Besides every rank's endpoints it holds the group's id and link
+secret (rank 0 writes ``{"id", "secret"}`` under ``<prefix>/group``): without a job key,
+whoever reads the store can name a member's link (``rank@secret@nonce``) and so take a
+rank's place on a peer it reaches first. With a job key the mesh itself is still secured
+(the secret alone opens no connection).
 """
 
 from __future__ import annotations
@@ -115,8 +119,8 @@ async def _exchange(
     world_size: int, rank: int, timeout: float, host_id: str,
     choose: Callable[[str, list[str]], str],
 ) -> Membership:
-    """Every rank puts its endpoints under ``prefix/<rank>``, rank 0 a group id under
-    ``prefix/group``; each reads them all back."""
+    """Every rank puts its endpoints under ``prefix/<rank>``, rank 0 the group's id and
+    link secret under ``prefix/group``; each reads them all back."""
 
     def exchange() -> list[bytes]:
         store = connect()

@@ -78,6 +78,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
         host = settings.host or await advertised_host(parse_url(address)[0])
     transport = ZmqMesh(policy, host, settings, sockets)
     server: RendezvousServer | None = None
+    session: Session | None = None
     try:
         endpoints = await transport.bind()
         if url is None:
@@ -103,7 +104,9 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
             await server.aclose()  # every peer has its roster: nothing left to serve
             server = None
         return session, server
-    except BaseException:
+    except BaseException:  # cancelled while the server closed, too: close the session
+        if session is not None:
+            await session.close(0.0)
         await transport.aclose()
         if server is not None:
             await server.aclose()
@@ -146,12 +149,17 @@ def _alone(endpoints: list[str]) -> Membership:
 async def _start(membership: Membership, transport: ZmqMesh, settings: Settings,
                  failures: FailureModel, deadline: float) -> Session:
     """The session of a roster that was agreed on, started, once every peer said hello
-    (the hellos bounded by the heartbeat, at least HELLO_MIN_WAIT, and the deadline)."""
+    (the hellos bounded by the heartbeat, at least HELLO_MIN_WAIT, and the deadline).
+    If that fails or is cancelled, the session is closed (the transport is the caller's)."""
     session = Session(membership, transport, settings, failures)
-    session.start()
-    left = deadline - asyncio.get_running_loop().time()
-    await handshake(session, min(max(0.0, left),
-                                 max(settings.heartbeat_timeout, HELLO_MIN_WAIT)))
+    try:
+        session.start()
+        left = deadline - asyncio.get_running_loop().time()
+        await handshake(session, min(max(0.0, left),
+                                     max(settings.heartbeat_timeout, HELLO_MIN_WAIT)))
+    except BaseException:
+        await session.close(0.0)
+        raise
     return session
 
 
