@@ -128,7 +128,7 @@ async def test_duplicate_rank_fails_both_peers_at_once() -> None:
 async def test_a_peer_that_asks_again_replaces_its_old_registration() -> None:
     """Probe (issue 20 item 5): a join that failed left its registration behind, and the
     same process's next join for that rank failed with "rank 3 was requested by two peers
-    (X and X)", a permanent error. A request of the same process (host and pid) for the
+    (X and X)", a permanent error. A request of the same process (its token) for the
     same rank is the same peer asking again: it replaces the old one, which is told so."""
     server = RendezvousServer("tcp://127.0.0.1:0")
     address = server.bind()
