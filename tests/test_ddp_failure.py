@@ -189,3 +189,20 @@ def test_errors_reach_torch_as_its_backend_error_and_stay_p2pcolls() -> None:
     assert (late.collective, late.waiting_on) == ("allreduce", [2])
     other = ValueError("not p2pcoll's")
     assert backend_error(other) is other
+
+
+def test_a_backend_error_survives_pickling() -> None:
+    """torchrun's error files, multiprocessing and Ray pickle exceptions: a converted error
+    comes back as the same two classes, with its message and attributes."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from p2pcoll.errors import PeerLost
+    from p2pcoll.integrations.torch.work import backend_error
+
+    error = backend_error(PeerLost("rank 0 lost the connection to rank 2", rank=2))
+    again = pickle.loads(pickle.dumps(error))
+    assert isinstance(again, PeerLost) and isinstance(again, dist.DistBackendError)
+    assert type(again) is type(error)
+    assert (str(again), again.rank) == (str(error), 2)

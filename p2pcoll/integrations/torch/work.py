@@ -42,13 +42,29 @@ def backend_error(error: BaseException) -> BaseException:
         both = _BACKEND_ERRORS.get(kind)
         if both is None:
             both = type(kind.__name__, (kind, dist.DistBackendError),
-                        {"__module__": __name__, "__doc__": kind.__doc__})
+                        {"__module__": __name__, "__doc__": kind.__doc__,
+                         "__reduce__": _reduce_backend_error})
             _BACKEND_ERRORS[kind] = both
     converted = both.__new__(both, *error.args)
     converted.args = error.args
     converted.__dict__.update(error.__dict__)
     converted.__cause__ = error
     return converted
+
+
+def _reduce_backend_error(self: P2PCollError) -> tuple[Any, ...]:
+    """Pickle a converted error as its p2pcoll class, args and attributes (the class made
+    by :func:`backend_error` is no module attribute), converted again when unpickled."""
+    kind = next(k for k in type(self).__mro__[1:] if k in _BACKEND_ERRORS)
+    return (_rebuild_backend_error, (kind, self.args, dict(self.__dict__)))
+
+
+def _rebuild_backend_error(kind: type[P2PCollError], args: tuple[Any, ...],
+                           state: dict[str, Any]) -> BaseException:
+    error = kind.__new__(kind, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return backend_error(error)
 
 
 class _Failure:
