@@ -28,9 +28,12 @@ arrives (the limits are :class:`~p2pcoll.settings.ServiceSettings`, ``$P2PCOLL_M
   the peer's state changes; the requests that come meanwhile share the one rendering.
 - **Its own thread.** The server runs on an event loop of its own, in a thread named
   ``p2pcoll-http``, so that accepting, parsing and answering never queue with the
-  collectives' callbacks on the peer's loop. The peer is read only on its own loop: each
-  rendering is a callback handed to it (``call_soon_threadsafe``), so a peer whose loop is
-  stuck gets no answer, and its health check fails, as it should.
+  collectives' callbacks on the peer's loop. The peer's counters and health are read only
+  on its own loop: each rendering is a callback handed to it (``call_soon_threadsafe``), so
+  a peer whose loop is stuck gets no answer, and its health check fails, as it should. The
+  one read from this thread is ``peer.state``, to see whether a cached answer is still
+  fresh: a single attribute holding an immutable string, which the GIL makes atomic (a
+  stale read only renders once more, or serves the cache a moment longer).
 
 Nothing refused is logged line by line (one warning per reason, the first time); it is
 counted in ``/metrics``: ``p2pcoll_http_closed_total{reason}``, connections closed before an
