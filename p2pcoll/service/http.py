@@ -32,8 +32,9 @@ arrives (the limits are :class:`~p2pcoll.settings.ServiceSettings`, ``$P2PCOLL_M
   on its own loop: each rendering is a callback handed to it (``call_soon_threadsafe``), so
   a peer whose loop is stuck gets no answer, and its health check fails, as it should. The
   one read from this thread is ``peer.state``, to see whether a cached answer is still
-  fresh: a single attribute holding an immutable string, which the GIL makes atomic (a
-  stale read only renders once more, or serves the cache a moment longer).
+  fresh: it reads two attributes (the peer's phase and its group's state), each read
+  atomic under the GIL and each an immutable value, so a read racing a change only renders
+  once more, or serves the cache a moment longer.
 
 Nothing refused is logged line by line (one warning per reason, the first time); it is
 counted in ``/metrics``: ``p2pcoll_http_closed_total{reason}``, connections closed before an
