@@ -351,18 +351,9 @@ class RendezvousLimits:
             "max_world_size": reader.integer("P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", 1, 1 << 20),
             "max_peers": reader.integer("P2PCOLL_RENDEZVOUS_MAX_PEERS", 1, 1 << 24),
             "max_jobs": reader.integer("P2PCOLL_RENDEZVOUS_MAX_JOBS", 1, 1 << 20),
+            "max_heartbeat": reader.number("P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT"),
+            "rate": reader.number("P2PCOLL_RENDEZVOUS_RATE"),
         }
-        for name, field_name in (("MAX_HEARTBEAT", "max_heartbeat"), ("RATE", "rate")):
-            raw = reader.raw(f"P2PCOLL_RENDEZVOUS_{name}")
-            if raw is None:
-                continue
-            try:
-                number = float(raw)
-            except ValueError:
-                number = math.nan
-            if not 0 < number < math.inf:
-                raise bad_value(f"$P2PCOLL_RENDEZVOUS_{name}", raw, "a finite number > 0")
-            values[field_name] = number
         limits = cls(**{k: v for k, v in values.items() if v is not None})
         if limits.max_peers < limits.max_world_size:
             raise bad_value("$P2PCOLL_RENDEZVOUS_MAX_PEERS", limits.max_peers,
@@ -486,6 +477,21 @@ class _Reader:
             number = math.nan
         if not number > 0:
             raise bad_value(f"${name}", value, "a number of seconds > 0 (inf for none)")
+        return number
+
+    def number(self, name: str, *, unit: str = "", zero_ok: bool = False) -> float | None:
+        """A finite number > 0 (>= 0 with ``zero_ok``), or None when unset."""
+        value = self.raw(name)
+        if value is None:
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (0 <= number < math.inf and (zero_ok or number > 0)):
+            of = f" of {unit}" if unit else ""
+            raise bad_value(f"${name}", value,
+                            f"a finite number{of} {'>=' if zero_ok else '>'} 0")
         return number
 
     def integer(self, name: str, low: int, high: int) -> int | None:
@@ -620,15 +626,6 @@ class ServiceSettings:
         for name, zero_ok, unit in (("TIMEOUT", False, "seconds"),
                                     ("RATE", False, "connections per second"),
                                     ("CACHE", True, "seconds")):
-            raw = reader.raw(f"P2PCOLL_METRICS_{name}")
-            if raw is None:
-                continue
-            try:
-                number = float(raw)
-            except ValueError:
-                number = math.nan
-            if not (0 <= number < math.inf and (zero_ok or number > 0)):
-                raise bad_value(f"$P2PCOLL_METRICS_{name}", raw,
-                                f"a finite number of {unit} {'>=' if zero_ok else '>'} 0")
-            values[f"metrics_{name.lower()}"] = number
+            values[f"metrics_{name.lower()}"] = reader.number(
+                f"P2PCOLL_METRICS_{name}", unit=unit, zero_ok=zero_ok)
         return cls(**{k: v for k, v in values.items() if v is not None})
