@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,3 +80,69 @@ def stop(p: subprocess.Popen[Any]) -> None:
     for pipe in (p.stdin, p.stdout, p.stderr):
         if pipe is not None:
             pipe.close()
+
+
+CHILD_WAIT_S = 60  # the longest one step of a ScriptChild may take before it counts as a hang
+
+
+class ScriptChild:
+    """A test module run as a script in a child process (a host or an attacker of a probe
+    test), driven by lines on its stdin and reporting JSON lines (``{"event": ...}``) on
+    its stdout; its stderr goes to a file, whose tail failures show."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, stderr: Path) -> None:
+        self.proc, self.stderr = proc, stderr
+
+    @classmethod
+    async def start(cls, script: str, tmp_path: Path, name: str, *args: str,
+                    env: dict[str, str] | None = None) -> ScriptChild:
+        """Run ``script`` with ``args``, in this environment less its ``P2PCOLL_*``
+        variables, plus ``env``."""
+        stderr = tmp_path / f"{name}.stderr"
+        full = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
+        full.update(env or {})
+        with stderr.open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, script, *args, env=full, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=err)
+        return cls(proc, stderr)
+
+    def tail(self) -> str:
+        return self.stderr.read_text(errors="replace")[-3000:]
+
+    async def read(self, event: str) -> dict[str, Any]:
+        return await self.read_any((event,))
+
+    async def read_any(self, events: tuple[str, ...]) -> dict[str, Any]:
+        """The next report of one of ``events`` (others are passed over; a ``stuck`` one
+        fails the test)."""
+        assert self.proc.stdout is not None
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), CHILD_WAIT_S)
+            assert line, f"the process ended while {events} was awaited:\n{self.tail()}"
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if msg.get("event") in events:
+                return msg
+            assert msg.get("event") != "stuck", msg
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text.encode() + b"\n")
+
+    async def ask(self, command: str) -> dict[str, Any]:
+        """Send ``command`` and return the report of the event of the same name."""
+        self.send(command)
+        return await self.read(command)
+
+    async def finish(self, command: str | None = None) -> int:
+        """Send ``command``, if any, and return the exit code once it has ended."""
+        if command is not None:
+            self.send(command)
+        return await asyncio.wait_for(self.proc.wait(), CHILD_WAIT_S)
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()

@@ -79,7 +79,7 @@ async def _link_of_departed(g: p2pcoll.Group, identity: bytes) -> zmq.asyncio.So
         if await _until(lambda: g.stats()["messages_dropped"] > before, 1.0):
             return sock
         sock.close(linger=0)
-    raise AssertionError(f"rank {rank}'s link identity never became free")
+    raise AssertionError(f"link identity {identity!r} never became free")
 
 
 async def test_a_live_peer_counts_each_drop_by_its_reason(

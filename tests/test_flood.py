@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ScriptChild
 from hostile import mutate, random_key, random_object
 
 CAP = 1 << 20  # P2PCOLL_MAX_MESSAGE_BYTES of the flooded groups
@@ -401,55 +402,6 @@ def attack(args: argparse.Namespace) -> int:
 
 # --- the tests ---------------------------------------------------------------------------
 
-class _Proc:
-    """A child process that speaks JSON lines on stdout."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, stderr: Path) -> None:
-        self.proc, self.stderr = proc, stderr
-
-    @classmethod
-    async def start(cls, tmp_path: Path, name: str, *args: str,
-                    env: dict[str, str] | None = None) -> _Proc:
-        stderr = tmp_path / f"{name}.stderr"
-        full = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
-        full.update(env or {})
-        with stderr.open("wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, *args, env=full, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=err)
-        return cls(proc, stderr)
-
-    def tail(self) -> str:
-        return self.stderr.read_text(errors="replace")[-3000:]
-
-    async def read(self, event: str) -> dict[str, Any]:
-        return await self.read_any((event,))
-
-    async def read_any(self, events: tuple[str, ...]) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), WAIT_S)
-            assert line, f"the process ended while {events} was awaited:\n{self.tail()}"
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if msg.get("event") in events:
-                return msg
-            assert msg.get("event") != "stuck", msg
-
-    def send(self, text: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text.encode() + b"\n")
-
-    async def finish(self) -> int:
-        return await asyncio.wait_for(self.proc.wait(), WAIT_S)
-
-    def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-
-
 async def _flood(tmp_path: Path, transport: str, *, key_file: Path | None = None,
                  cap: int = CAP, count: int = FLOOD, oversize: int = 2, probe: int = 0,
                  curve: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
@@ -458,9 +410,9 @@ async def _flood(tmp_path: Path, transport: str, *, key_file: Path | None = None
     host_args = ["host", "--transport", transport]
     if key_file is not None:
         host_args += ["--key", str(key_file)]
-    host = await _Proc.start(tmp_path, "host", *host_args,
+    host = await ScriptChild.start(__file__, tmp_path, "host", *host_args,
                              env={"P2PCOLL_MAX_MESSAGE_BYTES": str(cap)})
-    attacker: _Proc | None = None
+    attacker: ScriptChild | None = None
     try:
         ready = await host.read("ready")
         host.send("flood")
@@ -472,7 +424,7 @@ async def _flood(tmp_path: Path, transport: str, *, key_file: Path | None = None
             attack_args.append("--nonblock")
         if curve:
             attack_args += ["--curve", curve]
-        attacker = await _Proc.start(tmp_path, "attacker", *attack_args)
+        attacker = await ScriptChild.start(__file__, tmp_path, "attacker", *attack_args)
         while True:
             event = await attacker.read_any(("wave", "attacked"))
             if event["event"] == "attacked":

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ScriptChild
 
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
@@ -190,74 +190,31 @@ def attack(args: argparse.Namespace) -> None:
 
 # --- the tests ---------------------------------------------------------------------------
 
-class _Proc:
-    """A child process (this file as a script) that speaks JSON lines on stdout."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, stderr: Path) -> None:
-        self.proc, self.stderr = proc, stderr
-
-    @classmethod
-    async def start(cls, tmp_path: Path, name: str, *args: str,
-                    env: dict[str, str] | None = None) -> _Proc:
-        stderr = tmp_path / f"{name}.stderr"
-        full = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
-        full.update(env or {})
-        with stderr.open("wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, *args, env=full, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=err)
-        return cls(proc, stderr)
-
-    async def read(self, event: str) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), WAIT_S)
-            tail = self.stderr.read_text(errors="replace")[-3000:]
-            assert line, f"the process ended while {event} was awaited:\n{tail}"
-            msg = json.loads(line)
-            if msg.get("event") == event:
-                return msg
-
-    async def mark(self) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b"mark\n")
-        return await self.read("mark")
-
-    async def finish(self) -> int:
-        if self.proc.stdin is not None:
-            self.proc.stdin.write(b"quit\n")
-        return await asyncio.wait_for(self.proc.wait(), WAIT_S)
-
-    def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-
-
 async def _attack(tmp_path: Path, url: str, *attack_args: str) -> dict[str, Any]:
     """Run the attacker against the rendezvous at ``url``; returns its report."""
-    attacker = await _Proc.start(tmp_path, "attacker", "attack", "--url", url, *attack_args)
+    attacker = await ScriptChild.start(__file__, tmp_path, "attacker", "attack", "--url", url, *attack_args)
     try:
         attacked = await attacker.read("attacked")
-        assert await asyncio.wait_for(attacker.proc.wait(), WAIT_S) == 0
+        assert await attacker.finish() == 0
     finally:
         attacker.kill()
     return attacked
 
 
 async def _attacked(tmp_path: Path, host_env: dict[str, str], *attack_args: str
-                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], _Proc, str]:
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], ScriptChild, str]:
     """Start a host, mark, attack it, mark again; returns (attacker's report, the marks
     before and after, the host, still running: finish it, and its rendezvous URL)."""
-    host = await _Proc.start(tmp_path, "host", "host", env=host_env)
+    host = await ScriptChild.start(__file__, tmp_path, "host", "host", env=host_env)
     try:
         ready = await host.read("ready")
         await asyncio.sleep(2.0)  # warm
-        first = await host.mark()
+        first = await host.ask("mark")
         await asyncio.sleep(3.0)
-        before = await host.mark()
+        before = await host.ask("mark")
         before["rate"] = _rate(first, before)  # collectives per second, unattacked
         attacked = await _attack(tmp_path, ready["url"], *attack_args)
-        after = await host.mark()
+        after = await host.ask("mark")
     except BaseException:
         host.kill()
         raise
@@ -277,10 +234,10 @@ async def test_a_huge_world_size_is_refused_at_no_cost(tmp_path: Path) -> None:
     try:
         assert after["collectives"] > before["collectives"]
         await asyncio.sleep(0.5)
-        final = await host.mark()
+        final = await host.ask("mark")
         assert final["collectives"] > after["collectives"]  # the group goes on
     finally:
-        assert await host.finish() == 0
+        assert await host.finish("quit") == 0
     print(f"\nhuge: {attacked}\nbefore {before}\nafter {after}")
     bound = "is over this rendezvous's bound of 4096 (P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE)"
     assert attacked["replies"] == {
@@ -370,14 +327,14 @@ async def test_registrations_expire_and_a_group_still_forms(tmp_path: Path) -> N
                    if "P2PCOLL_RENDEZVOUS_MAX_JOBS" in k) == 11, more
         # Every registration is dropped once its heartbeat has passed, and its job with it.
         deadline = time.monotonic() + HEARTBEAT + 10
-        mark = await host.mark()
+        mark = await host.ask("mark")
         while time.monotonic() < deadline and mark["server"]["peers"]:
             await asyncio.sleep(0.5)
-            mark = await host.mark()
+            mark = await host.ask("mark")
         assert mark["server"]["peers"] == 0 and mark["server"]["jobs"] == 0, mark
         assert mark["collectives"] > after["collectives"]
     finally:
-        assert await host.finish() == 0
+        assert await host.finish("quit") == 0
     assert after["lag_s"] < LAG_S, after
     assert after["rss_peak_kb"] - before["rss_kb"] < RSS_SLACK_KB, (before, after)
 
@@ -393,15 +350,15 @@ async def test_a_flood_of_joins_leaves_the_collectives_running(tmp_path: Path) -
         later = after
         for _ in range(120):  # until the server has read everything that reached it
             await asyncio.sleep(0.5)
-            mark = await host.mark()
+            mark = await host.ask("mark")
             if mark["server"]["requests"] == later["server"]["requests"]:
                 break
             later = mark
         drained = mark
         await asyncio.sleep(2.0)
-        rest = await host.mark()
+        rest = await host.ask("mark")
     finally:
-        assert await host.finish() == 0
+        assert await host.finish("quit") == 0
     rates = {"before": round(before["rate"]), "during": round(_rate(before, drained)),
              "after": round(_rate(drained, rest))}
     print(f"\nflood: {attacked}\nbefore {before}\nafter {after}\nlater {rest}\nrates/s {rates}")
