@@ -67,15 +67,19 @@ async def test_lifecycle_health_and_metrics_from_the_groups_counters() -> None:
     group_of = peers(2)
     for p in group_of:
         await p.start()
-    status, body = await get(group_of[0], "/healthz")
+    # Alive (/healthz) from the start; ready (/readyz) once the group has formed.
+    status, body = await get(group_of[0], "/readyz")
     assert (status, json.loads(body)["state"]) == (503, "starting")
+    status, body = await get(group_of[0], "/healthz")
+    assert (status, json.loads(body)["state"]) == (200, "starting")
 
     groups = await asyncio.gather(*(p.join() for p in group_of))
-    status, body = await get(group_of[1], "/healthz")
-    report = json.loads(body)
-    assert status == 200
-    # Counts and states only: no group id, endpoint or secret (see Peer.health).
-    assert report == {"state": "ready", "rank": 1, "world_size": 2}
+    for page in ("/readyz", "/healthz"):
+        status, body = await get(group_of[1], page)
+        report = json.loads(body)
+        assert status == 200, page
+        # Counts and states only: no group id, endpoint or secret (see Peer.health).
+        assert report == {"state": "ready", "rank": 1, "world_size": 2}
 
     async def job(g: p2pcoll.Group) -> int:
         for _ in range(5):
@@ -130,10 +134,11 @@ async def test_a_broken_group_is_unhealthy_with_its_cause_and_counts_the_error()
 
         with pytest.raises(p2pcoll.CollectiveTimeout):
             await a.run(late)
-        status, body = await get(a, "/healthz")
+        status, body = await get(a, "/readyz")
         report = json.loads(body)
         assert status == 503 and report["state"] == "broken"
         assert report["cause"] == "CollectiveTimeout"  # the type: a message may name endpoints
+        assert (await get(a, "/healthz")) == (200, body)  # alive all the same
         got = samples((await get(a, "/metrics"))[1])
         assert got['p2pcoll_errors_total{type="CollectiveTimeout"}'] == 1
         assert got['p2pcoll_state{state="broken"}'] == 1
@@ -145,7 +150,7 @@ async def test_a_failed_join_is_closed_with_its_cause_and_counted() -> None:
     async with a:
         with pytest.raises(p2pcoll.RendezvousError):
             await a.join()
-        status, body = await get(a, "/healthz")
+        status, body = await get(a, "/readyz")
         assert status == 503
         assert json.loads(body)["cause"] == "RendezvousError"  # not its URL
         got = samples((await get(a, "/metrics"))[1])

@@ -1,10 +1,22 @@
-"""The peer's HTTP server: ``/healthz`` and ``/metrics``, with bounded cost.
+"""The peer's HTTP server: ``/healthz``, ``/readyz`` and ``/metrics``, with bounded cost.
 
-``GET /healthz``: 200 with a JSON report (``{"state": "ready", "rank": 0, "world_size": 4}``)
-while the group can run collectives; 503 with the same report otherwise (``starting``,
-``forming``, ``broken`` with its ``cause``, ``closed``), which is what a container's health
-check and a Kubernetes readiness probe want. ``GET /metrics``: see
-:mod:`p2pcoll.service.metrics`. Nothing else is served (404; 405 for other methods).
+Both health pages serve the same JSON report (:meth:`~p2pcoll.service.Peer.health`:
+``{"state": "ready", "rank": 0, "world_size": 4}``; ``gone``, the members that have left or
+been lost, once one has; a broken or closed peer's ``cause``, the error's type):
+
+- ``GET /healthz``, **liveness**: 200 whenever the peer's event loop answers, whatever its
+  state. A peer whose loop is stuck gives no answer (the connection is cut at
+  ``metrics_timeout``), which is what a liveness probe and a container's ``HEALTHCHECK``
+  should restart. A group that forms, breaks or loses a member is not a reason to
+  restart this peer: that is the other peers' doing, and readiness says it.
+- ``GET /readyz``, **readiness**: 200 while the peer is ready to take part in collectives
+  (state ``ready``: formed, and every member still there); 503 otherwise: ``starting``,
+  ``forming``, ``degraded`` (a member has left or been lost, noticed between collectives
+  too: within the heartbeat timeout for one that freezes, at once for one that exits or
+  says goodbye), ``broken``, ``closed``.
+
+``GET /metrics``: see :mod:`p2pcoll.service.metrics`. Nothing else is served (404; 405 for
+other methods).
 
 The port faces whoever can reach the host, so what it may cost the peer is bounded whatever
 arrives (the limits are :class:`~p2pcoll.settings.ServiceSettings`, ``$P2PCOLL_METRICS_*``):
@@ -23,9 +35,10 @@ arrives (the limits are :class:`~p2pcoll.settings.ServiceSettings`, ``$P2PCOLL_M
   headers never end (slowloris), a body that never comes or an answer never read are cut
   there. A request line over 4 KiB, a header over 8 KiB or more than 32 headers get a 400
   from aiohttp's parser; no request body is read.
-- **Work on the peer.** The answers are cached: the peer's ``health()`` and the rendering
-  of ``/metrics`` run at most once per ``metrics_cache`` (1 s) each, and again at once when
-  the peer's state changes; the requests that come meanwhile share the one rendering.
+- **Work on the peer.** The answers are cached: the peer's ``health()`` (for both health
+  pages) and the rendering of ``/metrics`` run at most once per ``metrics_cache`` (1 s)
+  each, and again at once when the peer's state changes; the requests that come meanwhile
+  share the one rendering.
 - **Its own thread.** The server runs on an event loop of its own, in a thread named
   ``p2pcoll-http``, so that accepting, parsing and answering never queue with the
   collectives' callbacks on the peer's loop. The peer's counters and health are read only
@@ -192,8 +205,9 @@ class HealthServer:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             response = web.Response(status=405, headers={"Allow": "GET, HEAD"})
-        elif request.path == "/healthz":
-            status, body = await self._health.get()
+        elif request.path in ("/healthz", "/readyz"):
+            readiness, body = await self._health.get()  # 200 or 503
+            status = readiness if request.path == "/readyz" else 200  # alive: it answered
             response = web.Response(status=status, body=body,
                                     content_type="application/json")
         elif request.path == "/metrics":

@@ -18,6 +18,7 @@ metric                                      type       labels
 ``p2pcoll_errors_total``                    counter    ``type``
 ``p2pcoll_world_size``                      gauge
 ``p2pcoll_rank``                            gauge
+``p2pcoll_members_gone``                    gauge
 ``p2pcoll_state``                           gauge      ``state`` (1 for the current one)
 ``p2pcoll_http_closed_total``               counter    ``reason``
 ``p2pcoll_http_paused_total``               counter    ``reason``
@@ -28,7 +29,9 @@ which Prometheus's ``rate()`` treats as a counter reset. The two ``p2pcoll_http_
 counters are the HTTP server's own (connections it closed before answering, times it
 stopped accepting; see :mod:`p2pcoll.service.http`) and count from its start.
 
-Only counts, states and this peer's rank are served: nothing that helps an outsider reach
+``p2pcoll_members_gone`` counts the members that have left the group or been lost (the
+group is then ``degraded``, see :class:`p2pcoll.GroupState`). Only counts, states and this
+peer's rank are served: nothing that helps an outsider reach
 or pass for a member (no group id, link secret, endpoint, host or key material).
 ``p2pcoll_links_refused_total`` counts the connections to the peer's mesh port that were
 no member's link (a stranger's, or an impostor's: a second connection claiming a member's
@@ -54,7 +57,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from .peer import Peer
 
-STATES = ("starting", "forming", "ready", "broken", "closed")
+STATES = ("starting", "forming", "ready", "degraded", "broken", "closed")
 
 
 class PeerCollector(Collector):
@@ -115,10 +118,12 @@ class PeerCollector(Collector):
         yield errors
 
         for name, key, what in (("p2pcoll_world_size", "world_size", "Peers in the group."),
-                                ("p2pcoll_rank", "rank", "This peer's rank.")):
+                                ("p2pcoll_rank", "rank", "This peer's rank."),
+                                ("p2pcoll_members_gone", "gone",
+                                 "Members that have left the group or been lost.")):
             gauge = GaugeMetricFamily(name, what)
-            if key in health:
-                gauge.add_metric([], health[key])
+            if key in health or (key == "gone" and "world_size" in health):
+                gauge.add_metric([], health.get(key, 0))
             yield gauge
 
         state = GaugeMetricFamily("p2pcoll_state", "The peer's state (1 for the current).",

@@ -5,7 +5,8 @@
         result = await peer.run(job)                # await job(group); stop() cancels it
 
 Lifecycle: ``starting`` (made, HTTP up) -> ``forming`` (joining) -> the group's own states
-(``ready``, ``broken``) -> ``closed`` (left, or the join failed). :meth:`Peer.stop` (and
+(``ready``; ``degraded`` once a member has left or been lost, noticed even between
+collectives; ``broken``) -> ``closed`` (left, or the join failed). :meth:`Peer.stop` (and
 leaving the ``async with`` block) aborts whatever runs, leaves the group so that the peers
 see :class:`~p2pcoll.PeerLost` naming this rank at once, and stops the HTTP server: the peer
 owns no thread or task after it. :func:`serve` is the whole of ``p2pcoll peer``: the same,
@@ -76,7 +77,7 @@ class Peer:
 
     @property
     def state(self) -> str:
-        """``starting``, ``forming``, ``ready``, ``broken`` or ``closed``."""
+        """``starting``, ``forming``, ``ready``, ``degraded``, ``broken`` or ``closed``."""
         if self.group is not None and self._phase not in (FORMING, CLOSED):
             return str(self.group.state)
         return self._phase
@@ -92,16 +93,21 @@ class Peer:
         return None if self._http is None else self._http.address
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """Whether the peer can run collectives, and what ``/healthz`` reports: its state,
-        rank and world size, and why it is broken or closed (the error's type, say
-        ``"PeerLost"``). Nothing that helps an outsider reach or pass for a member: no group
-        id, link secret, endpoint, host or key, and no error message (one may name
-        endpoints or the rendezvous URL; the log has it whole)."""
+        """Whether the peer is ready to take part in collectives (its state is ``ready``:
+        formed, and every member still there), and what ``/healthz`` and ``/readyz``
+        report: its state, rank and world size, how many members have gone (``gone``, once
+        one has), and why it is broken or closed (the error's type, say ``"PeerLost"``).
+        Nothing that helps an outsider reach or pass for a member: no group id, link
+        secret, endpoint, host or key, and no error message (one may name endpoints or the
+        rendezvous URL; the log has it whole)."""
         state = self.state
         report: dict[str, Any] = {"state": state}
         group = self.group
         if group is not None and state != CLOSED and self._phase != FORMING:
             report.update(rank=group.rank, world_size=group.world_size)
+            gone = len(group.session.peers.gone())
+            if gone:
+                report["gone"] = gone
         cause = self.cause if group is None or group.cause is None else group.cause
         if cause is not None and state in ("broken", CLOSED):
             report["cause"] = type(cause).__name__

@@ -45,6 +45,11 @@ needs its sender only while its message has not come: the matcher fails it, see
 error its receivers get, and breaks the group as any failure does; one started after the
 peer went fails as it starts. So a sender learns of a loss as soon as a receiver does: at
 once for a peer whose link closes, after the heartbeat timeout for one that freezes.
+
+A peer that goes while nothing runs is noticed all the same (its goodbye, its link closing,
+its heartbeats stopping are read by the transport whether or not a collective waits): the
+group becomes *degraded* (:attr:`GroupState.DEGRADED`) at once, so a health check sees it
+without waiting for the next collective, which then fails with the peer's PeerLost.
 """
 
 from __future__ import annotations
@@ -80,8 +85,16 @@ class GroupState(StrEnum):
 
     FORMING = "forming"  # join() is still finding the peers
     READY = "ready"  # collectives may run
+    # A member has gone (said goodbye, or was lost: its link closed or its heartbeats
+    # stopped), noticed at once even while no collective runs. A collective it had not
+    # started fails with its PeerLost (and breaks the group); transfers with the members
+    # still there work. Close the group and join anew.
+    DEGRADED = "degraded"
     BROKEN = "broken"  # a collective failed part-way; every call raises GroupBroken
     CLOSED = "closed"  # close() was called (or join() failed)
+
+
+USABLE = (GroupState.READY, GroupState.DEGRADED)  # states that calls may run in
 
 
 class FailureModel:
@@ -123,7 +136,7 @@ class FailureModel:
         """This rank leaves while collectives are in flight: abort them. The peers are told
         it left (an abort carrying a :class:`PeerLost` that names this rank); here they
         end with :class:`GroupBroken`. Call before :meth:`close` (which mutes aborts)."""
-        if not self._active or self._matcher is None or self.state is not GroupState.READY:
+        if not self._active or self._matcher is None or self.state not in USABLE:
             return
         seq = min(self._active, key=lambda op: channel(op)[1])  # ints and transfer ids mix
         why = f" ({reason})" if reason else ""
@@ -160,7 +173,10 @@ class FailureModel:
 
     def peer_departed(self, rank: int) -> None:
         """``rank`` has gone (the session's record says how): every running operation that
-        needs it ends now, with its :class:`PeerLost`, wherever it waits."""
+        needs it ends now, with its :class:`PeerLost`, wherever it waits, and a ready
+        group is degraded from now on, whether or not anything was running."""
+        if self.state is GroupState.READY:
+            self.state = GroupState.DEGRADED
         for c in list(self._active.values()):
             gone = self.gone_peer(c.seq, running=True)
             if gone is not None:
@@ -366,10 +382,7 @@ class FailureModel:
         """Break the group with ``err``; tell the peers unless they told us."""
         if seq not in self._failed and self._matcher is not None:
             self._failed[seq] = self._matcher.waiting_on(seq)
-        if self.cause is None:
-            self.cause = err
-            if self.state is GroupState.READY:
-                self.state = GroupState.BROKEN
+        self._break(err)
         if not getattr(err, "remote", False) and self.state is not GroupState.CLOSED:
             meta = None
             if isinstance(err, CollectiveTimeout):
@@ -386,6 +399,13 @@ class FailureModel:
         if self._matcher is not None:
             for other in self._active.keys() - {seq}:
                 self._matcher.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))
+
+    def _break(self, err: P2PCollError) -> None:
+        """The group is broken by ``err``, unless something broke it before."""
+        if self.cause is None:
+            self.cause = err
+            if self.state in USABLE:
+                self.state = GroupState.BROKEN
 
     def on_abort(self, header: Header) -> None:
         """A peer reports that collective ``header.seq`` failed there."""
@@ -409,10 +429,7 @@ class FailureModel:
         exc.blame = blame  # type: ignore[attr-defined]
         if header.tag is not None:
             # The two ranks of a transfer disagree now: this rank's group is broken too.
-            if self.cause is None:
-                self.cause = exc
-                if self.state is GroupState.READY:
-                    self.state = GroupState.BROKEN
+            self._break(exc)
             for op in list(self._active):
                 self._matcher.fail(op, exc)
             return
@@ -427,9 +444,7 @@ class FailureModel:
         if not self._matcher.fail(header.seq, exc) and self.cause is None:
             # It had finished here: the next call must not go on, nor those running now
             # (the peer that failed will never take part in them).
-            self.cause = exc
-            if self.state is GroupState.READY:
-                self.state = GroupState.BROKEN
+            self._break(exc)
             for other in self._active:  # with the peer's error: PeerLost names a leaver
                 self._matcher.fail(other, exc)
 
