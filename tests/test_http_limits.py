@@ -5,9 +5,9 @@ rank 0's HTTP port with
 - 1,100 idle partial requests (the headers never end), from 11 loopback addresses: each one
   is either closed as soon as it is accepted (over the connection caps) or cut at the
   deadline, none stays open, rank 0 never holds more descriptors than its caps allow, the
-  collectives go on, and ``/healthz`` answers afterwards;
+  collectives go on, and ``/readyz`` answers 200 afterwards;
 - a bounded GET flood of ``/metrics``: the collectives go on, the server pauses accepting
-  when its rate is spent (counted), and ``/healthz`` answers afterwards.
+  when its rate is spent (counted), and ``/readyz`` answers 200 afterwards.
 
 The peers' job (:func:`count`) prints a progress line after every 50 allreduces and stops,
 on every rank after the same one, once the test creates its stop file. The attacker is this
@@ -249,7 +249,7 @@ def test_idle_partial_requests_are_capped_and_cut_at_the_deadline(tmp_path: Path
         report = attack_report(proc)
         ended = time.time()
         during = [n for n, t in group.progress(0) if started <= t <= ended]
-        assert (status := http_get(group.ports[0], "/healthz")[0]) == 200, status
+        assert (status := http_get(group.ports[0], "/readyz")[0]) == 200, status
         counts = counted(group.ports[0])
         print(f"\nidle: {report}; fds {base_fds} -> peak {peak_fds}; allreduces during "
               f"the attack: {during[-1] - before if during else 0} "
@@ -282,7 +282,7 @@ def test_a_get_flood_leaves_the_collectives_running(tmp_path: Path) -> None:
         quiet = rate(progress, started - 2.0, started)
         flooded = rate(progress, started + 0.5, ended)
         during = [n for n, t in progress if started <= t <= ended]
-        assert (status := http_get(group.ports[0], "/healthz")[0]) == 200, status
+        assert (status := http_get(group.ports[0], "/readyz")[0]) == 200, status
         counts = counted(group.ports[0])
         print(f"\nflood: {report}; allreduces/s {quiet:.0f} quiet, {flooded:.0f} flooded "
               f"({flooded / quiet if quiet else 0:.0%}); peak fds {peak_fds}; "
@@ -321,18 +321,20 @@ async def test_one_answer_per_connection_rendered_once_for_many(
         calls = []
         health = peer.health
         monkeypatch.setattr(peer, "health", lambda: calls.append(1) or health())
-        get = b"GET /healthz HTTP/1.1\r\nHost: peer\r\n\r\n"
+        ready, alive = (b"GET /%s HTTP/1.1\r\nHost: peer\r\n\r\n" % page
+                        for page in (b"readyz", b"healthz"))
         # A pipelined second request on the same connection is not answered: one per
         # connection, then the server closes it.
-        answers = await asyncio.gather(*(fetch(port, get * 2) for _ in range(40)))
-        assert {(status, body) for status, _, body in answers} == {
-            (503, b'{"state": "starting"}')}
+        answers = await asyncio.gather(*(fetch(port, get * 2)
+                                         for get in [ready] * 20 + [alive] * 20))
+        assert [(status, body) for status, _, body in answers] == (
+            [(503, b'{"state": "starting"}')] * 20 + [(200, b'{"state": "starting"}')] * 20)
         assert all(b"Connection: close" in head for _, head, _ in answers)
-        assert len(calls) == 1  # forty requests, one rendering on the peer's loop
+        assert len(calls) == 1  # forty requests of both pages, one rendering on the peer's loop
         assert (await fetch(port, b"POST /healthz HTTP/1.1\r\nHost: p\r\n"
                             b"Content-Length: 1000000\r\n\r\n"))[0] == 405
         assert (await fetch(port, b"GET /debug HTTP/1.1\r\nHost: p\r\n\r\n"))[0] == 404
-        status, _, body = await fetch(port, b"HEAD /healthz HTTP/1.1\r\nHost: p\r\n\r\n")
+        status, _, body = await fetch(port, b"HEAD /readyz HTTP/1.1\r\nHost: p\r\n\r\n")
         assert (status, body) == (503, b"")
         long_line = b"GET /" + b"x" * 5000 + b" HTTP/1.1\r\nHost: p\r\n\r\n"
         assert (await fetch(port, long_line))[0] == 400
@@ -351,8 +353,10 @@ async def test_on_the_callers_loop_too() -> None:
     await server.start("127.0.0.1", 0)
     try:
         port = server.address[1]
-        status, head, _ = await fetch(port, b"GET /healthz HTTP/1.1\r\nHost: p\r\n\r\n")
+        status, head, _ = await fetch(port, b"GET /readyz HTTP/1.1\r\nHost: p\r\n\r\n")
         assert status == 503 and b"Connection: close" in head
+        status, head, _ = await fetch(port, b"GET /healthz HTTP/1.1\r\nHost: p\r\n\r\n")
+        assert status == 200 and b"Connection: close" in head
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /metrics HTTP/1.1\r\nHost: p\r\n")  # the headers never end
         assert await asyncio.wait_for(reader.read(), 10) == b""  # cut at the deadline
