@@ -1,4 +1,4 @@
-# A p2pcoll peer as a service: `p2pcoll peer --job MODULE:FUNCTION`, with /healthz and /metrics
+# A p2pcoll peer as a service: `p2pcoll peer --job MODULE:FUNCTION`, with /healthz, /readyz and /metrics
 # on $P2PCOLL_METRICS_PORT. By default it trains the digits classifier (examples/digits_job.py):
 #
 #   docker build -t p2pcoll .
@@ -66,10 +66,12 @@ COPY examples ./examples
 
 USER 10001:10001
 # 29500: the rendezvous, hosted by rank 0 (P2PCOLL_RENDEZVOUS=tcp://RANK0:29500). The peers'
-# own links bind ports the system picks, announced at the rendezvous. 9090: /healthz, /metrics.
+# own links bind ports the system picks, announced at the rendezvous. 9090: /healthz, /readyz, /metrics.
 ENV P2PCOLL_METRICS_PORT=9090
 EXPOSE 29500 9090
-# Healthy while the group is ready: /healthz answers 503 while forming, broken or closed.
+# Healthy while the peer answers (/healthz: liveness, 200 in every state; a stuck event loop
+# gives no answer). Whether it is ready to take part in collectives is /readyz (503 while
+# forming, degraded, broken or closed): Kubernetes' readinessProbe uses it.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; print(urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ['P2PCOLL_METRICS_PORT'], timeout=4).read().decode())"]
 ENTRYPOINT ["p2pcoll"]

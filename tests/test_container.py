@@ -206,10 +206,10 @@ def test_four_containers_train_digits_together(peers: Peers, tmp_path: Path) -> 
         time.sleep(0.5)
     trained = time.monotonic()
 
-    # Ready, while they hold: the image's health check, /healthz and /metrics.
+    # Ready, while they hold: the image's health check (liveness), /readyz and /metrics.
     for rank, name in enumerate(names):
         assert peers.healthy(name), f"{name} unhealthy:\n{peers.logs(name)}"
-        status, body = get(metrics[rank], "/healthz")
+        status, body = get(metrics[rank], "/readyz")
         health = json.loads(body)
         assert status == 200, body
         assert (health["state"], health["rank"], health["world_size"]) == ("ready", rank, 4)
@@ -244,9 +244,10 @@ def test_a_container_with_another_key_is_refused(peers: Peers, tmp_path: Path) -
     assert peers.wait(intruder, timeout=RUN_TIMEOUT) != 0, peers.all_logs()
     log = peers.logs(intruder)
     assert "RendezvousError: the handshake with the rendezvous" in log, log
-    # The group never formed: rank 0 is not ready, and says so.
-    assert not peers.healthy(host), peers.logs(host)
-    status, body = get(metrics[0], "/healthz")
+    # The group never formed: rank 0 is alive (the image's health check is liveness) but
+    # not ready, and says so.
+    assert peers.healthy(host), peers.logs(host)
+    status, body = get(metrics[0], "/readyz")
     assert (status, json.loads(body)["state"]) == (503, "forming"), peers.logs(host)
 
 

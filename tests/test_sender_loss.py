@@ -215,5 +215,5 @@ async def test_a_send_whose_receiver_took_it_and_left_succeeds(
         return str(g.state)
 
     assert await p2pcoll.testing.run_ranks(2, fn, transport="tcp",
-                                           collective_timeout=DEADLINE_S) == ["ready", "closed"]
+                                           collective_timeout=DEADLINE_S) == ["degraded", "closed"]
     assert held, "the send had no zero-copy frames to wait for: the test tests nothing"

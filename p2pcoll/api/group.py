@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..registry import registry
 from ..rendezvous import RendezvousServer
-from ..session.failure import FailureModel, GroupState
+from ..session.failure import USABLE, FailureModel, GroupState
 from ..session.forming import form
 from ..session.session import Session
 from ..settings import Settings, check_seconds
@@ -77,7 +77,8 @@ class Group:
 
     Attributes:
         settings: what this group runs with (a frozen, validated value).
-        state: :class:`GroupState`: ``forming``, ``ready``, ``broken`` (see ``cause``) or
+        state: :class:`GroupState`: ``forming``, ``ready``, ``degraded`` (a member has left
+            or been lost, noticed between collectives too), ``broken`` (see ``cause``) or
             ``closed``. A health check may read it at any time.
         cause: the failure that broke the group, or None.
     """
@@ -643,7 +644,7 @@ class Group:
         if self._failures.state is GroupState.CLOSED and self._session is None:
             return
         session, self._session = self._session, None
-        healthy = self._failures.state is GroupState.READY
+        healthy = self._failures.state in USABLE  # ready, or degraded: a member has gone
         self._failures.leave(reason)
         self._failures.close()
         if session is not None:
