@@ -15,16 +15,23 @@ torchrun            RANK                  WORLD_SIZE            torchrun's store
 Open MPI mpirun     OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE  one node: 127.0.0.1:PORT(job);
                                                                 several: rank 0's host by MPI
 SLURM srun          SLURM_PROCID          SLURM_NTASKS          first node:PORT(job)
-Kubernetes          N of hostname NAME-N  WORLD_SIZE (needed)   P2PCOLL_RENDEZVOUS (needed)
-nothing             by arrival            from the other peers  none: a group of one
+Kubeflow TrainJob   PET_NODE_RANK         PET_NNODES            PET_MASTER_ADDR:PET_MASTER_PORT
+(torch runtime)
+JobSet              JOB_COMPLETION_INDEX  WORLD_SIZE (needed)   JOBSET-RJOB-0-0.JOBSET:29500
+                    (one Job: replicas 1)
+Indexed Job         JOB_COMPLETION_INDEX  WORLD_SIZE (needed)   P2PCOLL_RENDEZVOUS (needed)
+StatefulSet         N of hostname NAME-N  WORLD_SIZE (needed)   P2PCOLL_RENDEZVOUS (needed)
+nothing             0                     1 (warns once)        none: a group of one
 ==================  ====================  ====================  ==============================
 
 PORT(job) is a port derived from the job's id, below. Each row fills only what the rows
 above it leave unset, so ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT``
 (torch's convention, which ``p2pcoll launch`` and many launchers besides torchrun set;
 without torchrun's ``TORCHELASTIC_RUN_ID`` they mean ``tcp://MASTER_ADDR:MASTER_PORT``) win
-over a launcher's own variables. Open MPI, SLURM and Kubernetes exclude each other: the
-first whose variables are there is the launcher, and only its variables are read. A URL
+over a launcher's own variables. The launchers exclude each other: the first in the
+table whose variables are there is the launcher, and only its variables are read (the four
+Kubernetes rows only while ``$RANK`` is unset, and never for an elastic group, which takes
+no rank from a pod's name or index). A URL
 worked out from a launcher's job is used only when the launcher gave the rank or the world
 size: given both as arguments, the caller made the group (the torch backend, Ray actors in
 a SLURM job), so it is not the job's.
@@ -53,11 +60,38 @@ Where the rows are ambiguous:
   about a second, may hook the allocator, and makes every exit without ``MPI_Finalize``
   (a signal, ``os._exit``) abort the whole job. Otherwise the error says to pass
   ``mpirun -x P2PCOLL_RENDEZVOUS=tcp://HOST:PORT``.
-- **Kubernetes** is recognized by ``$KUBERNETES_SERVICE_HOST`` and a StatefulSet pod's
-  hostname ``NAME-N`` (``$HOSTNAME``, else :func:`socket.gethostname`), and only while
-  ``$RANK`` is unset. A pod cannot know its StatefulSet's size or Service, so the manifest
-  sets ``WORLD_SIZE`` and ``P2PCOLL_RENDEZVOUS`` (``tcp://NAME-0.SERVICE:PORT``); without them
-  the error names them. An elastic group (``min_world_size``) takes no rank from the name.
+- **Kubeflow Trainer** (v2, the ``torch`` runtime of a TrainJob) gives every node's
+  container ``PET_NNODES`` (numNodes), ``PET_NODE_RANK`` (the pod's index in its Job),
+  ``PET_NPROC_PER_NODE`` and ``PET_MASTER_ADDR``/``PET_MASTER_PORT``
+  (``TRAINJOB-node-0-0.TRAINJOB:29500``, the first pod under the JobSet's headless Service).
+  These are torchrun's variables: the runtime does not start torchrun, the TrainJob's
+  command does or does not. Under ``torchrun``, torchrun reads them and sets ``RANK`` and the
+  rest (the torchrun row). Started directly (``p2pcoll peer``, ``python train.py``) the
+  container's command is one process: one peer per pod, rank ``PET_NODE_RANK`` of
+  ``PET_NNODES``, so ``PET_NPROC_PER_NODE`` must be 1 (``numProcPerNode: 1``; Kubeflow sets
+  it to the pod's CPUs otherwise), else the error says so.
+- **JobSet** sets no variable of its own, but names its pods ``JOBSET-RJOB-J-P`` (``RJOB``
+  the replicatedJob, ``J`` the Job's index, ``P`` the pod's, ``$JOB_COMPLETION_INDEX``) and,
+  by default, gives them DNS names under a headless Service named after the JobSet
+  (``network.subdomain``). With ``$JOBSET_NAME`` (the pod's label
+  ``jobset.sigs.k8s.io/jobset-name``, passed by the downward API) the hostname is read: the
+  group is one Job (``replicas: 1``; ``parallelism`` and ``completions`` its size, and
+  ``WORLD_SIZE``), rank ``P``, meeting at pod ``JOBSET-RJOB-0-0.JOBSET`` on port 29500. A pod
+  of a later Job (``J`` > 0) is an error: several Jobs need ``RANK`` set by the manifest.
+  With another ``network.subdomain``, set ``P2PCOLL_RENDEZVOUS``.
+- **Indexed Job**: ``$JOB_COMPLETION_INDEX``, which Kubernetes sets in every pod of an Indexed
+  Job, is the rank. The manifest sets ``WORLD_SIZE`` (the Job's completions) and
+  ``P2PCOLL_RENDEZVOUS`` (``tcp://JOB-0.SERVICE:PORT``, with the pod template's
+  ``subdomain`` a headless Service); without them the error names them.
+- **StatefulSet** is recognized by ``$KUBERNETES_SERVICE_HOST`` and a pod's hostname
+  ``NAME-N`` (``$HOSTNAME``, else :func:`socket.gethostname`). A pod cannot know its
+  StatefulSet's size or Service, so the manifest sets ``WORLD_SIZE`` and
+  ``P2PCOLL_RENDEZVOUS`` (``tcp://NAME-0.SERVICE:PORT``); without them the error names them.
+- **Nothing.** A process that no launcher started and that no argument or variable gives a
+  world size or a rendezvous is a group of one: ``join()`` warns once (:func:`warn_alone`,
+  naming what is missing); ``join(world_size=1)`` says it is meant and is silent. A rank
+  without a world size (``RANK=1`` alone, say) is a :class:`~p2pcoll.SettingsError` naming
+  both variables: it would otherwise be rank 0 of a group of one.
 
 A malformed value (``SLURM_PROCID=x``, a nodelist that is not Slurm's syntax) is a
 :class:`~p2pcoll.SettingsError` naming the variable. A rank not below the world size (each
@@ -70,6 +104,7 @@ from __future__ import annotations
 import re
 import socket
 import sys
+import warnings
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -77,10 +112,12 @@ from dataclasses import dataclass, field, replace
 from .errors import SettingsError
 
 # Every variable that can give the rank or the world size, in the order they are tried.
-RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PET_NODE_RANK",
+             "JOB_COMPLETION_INDEX")
+WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PET_NNODES")
 
 PORT_BASE, PORT_SPAN = 20000, 10000  # derived ports: below Linux's ephemeral range
+RENDEZVOUS_PORT = 29500  # a JobSet's: torch's and Kubeflow's, and the image's EXPOSE
 _POD = re.compile(r"(.+)-(\d+)")
 # Slurm's hostlists: hosts joined by commas; a host is text and bracketed ranges of numbers.
 _HOST = r"(?:[^\s,\[\]]|\[[^\[\]]*\])+"
@@ -105,7 +142,8 @@ class Launch:
 
     Attributes:
         launcher: ``"torchrun"``, ``"env"`` (torch's variables without torchrun),
-            ``"openmpi"``, ``"slurm"``, ``"kubernetes"``, or ``""``.
+            ``"openmpi"``, ``"slurm"``, ``"kubeflow"``, ``"jobset"``, ``"indexed-job"``,
+            ``"kubernetes"`` (a StatefulSet), or ``""``.
         rank, world_size: None where the environment does not say.
         rank_from, world_size_from: the variable, like ``"$SLURM_PROCID"``.
         find_rendezvous: returns the rendezvous URL the environment implies (None: it
@@ -135,7 +173,9 @@ class Launch:
         own_url = self.find_rendezvous is not _none
         return replace(
             launcher,
-            launcher=self.launcher or launcher.launcher,
+            # the one that gave the rank: WORLD_SIZE alone (a pod's manifest) names none
+            launcher=self.launcher if self.rank is not None or not launcher.launcher
+            else launcher.launcher,
             rank=pick_rank.rank, rank_from=pick_rank.rank_from,
             world_size=pick_size.world_size, world_size_from=pick_size.world_size_from,
             find_rendezvous=self.find_rendezvous if own_url else launcher.find_rendezvous,
@@ -146,18 +186,26 @@ class Launch:
 
 
 def detect(env: Mapping[str, str], *, elastic: bool = False) -> Launch:
-    """torch's variables over the first launcher found (Open MPI, SLURM, Kubernetes).
+    """torch's variables over the first launcher found, in the table's order.
 
-    ``elastic``: the group will be elastic, so no rank is taken from a pod's name.
+    ``elastic``: the group will be elastic, so no rank is taken from a pod's name or index.
+    A rank with no world size leaves ``world_size_needed`` saying so.
 
     Raises:
-        SettingsError: a launcher's variable is malformed.
+        SettingsError: a launcher's variable is malformed, or missing beside the others.
     """
     generic = torchrun(env)
     launcher = openmpi(env) or slurm(env)
     if launcher is None and (generic is None or generic.rank is None) and not elastic:
-        launcher = kubernetes(env)
-    return (generic or Launch()).under(launcher or Launch())
+        launcher = kubeflow(env) or jobset(env) or indexed_job(env) or kubernetes(env)
+    found = (generic or Launch()).under(launcher or Launch())
+    if found.rank is not None and found.world_size is None and not found.world_size_needed:
+        # Alone it would be rank 0 of a group of one, whatever the variable said.
+        size = found.world_size_from or "$WORLD_SIZE"
+        found = replace(found, world_size_from=size, world_size_needed=(
+            f"{found.rank_from}={found.rank} gives this process's rank, but nothing gives the "
+            f"world size: set {size.lstrip('$')} too (or pass world_size= to join())"))
+    return found
 
 
 def _raw(env: Mapping[str, str], name: str) -> str | None:
@@ -337,7 +385,116 @@ def _ascending(ranges: str) -> bool:
     return all(int(pair[0]) <= int(pair[-1]) for pair in pairs)
 
 
-# --- Kubernetes ----------------------------------------------------------------------------
+# --- Kubernetes: Kubeflow's TrainJob, JobSet, Indexed Job, StatefulSet ----------------------
+
+
+def _hostname(env: Mapping[str, str]) -> str:
+    return _raw(env, "HOSTNAME") or socket.gethostname()
+
+
+def kubeflow(env: Mapping[str, str]) -> Launch | None:
+    """A node of a Kubeflow TrainJob (the torch runtime) started without torchrun: one peer
+    per pod, rank ``$PET_NODE_RANK`` of ``$PET_NNODES``, meeting at
+    ``PET_MASTER_ADDR:PET_MASTER_PORT`` (see the module docstring).
+
+    Raises:
+        SettingsError: a ``PET_*`` variable is malformed or missing, or
+            ``$PET_NPROC_PER_NODE`` asks for more than one process per pod.
+    """
+    nodes, node = _int(env, "PET_NNODES", 1), _int(env, "PET_NODE_RANK", 0)
+    if nodes is None and node is None:
+        return None
+    for name, value in (("PET_NNODES", nodes), ("PET_NODE_RANK", node)):
+        if value is None:
+            raise SettingsError(
+                f"a Kubeflow TrainJob sets PET_NNODES and PET_NODE_RANK together, but ${name} "
+                f"is not set", name=f"${name}", allowed="an integer")
+    per_node = _raw(env, "PET_NPROC_PER_NODE")
+    if per_node not in (None, "1"):
+        raise _bad("$PET_NPROC_PER_NODE", per_node,
+                   "1: p2pcoll runs one peer per pod (set numProcPerNode: 1 in the TrainJob's "
+                   "trainer), unless torchrun starts the processes (its command: torchrun ...)")
+
+    def rendezvous() -> str:
+        host = _raw(env, "PET_MASTER_ADDR")
+        if host is None:
+            raise SettingsError("a Kubeflow TrainJob's node without $PET_MASTER_ADDR: set "
+                                "P2PCOLL_RENDEZVOUS=tcp://HOST:PORT", name="$PET_MASTER_ADDR",
+                                allowed="the host of node 0")
+        return f"tcp://{host}:{_port(env, 'PET_MASTER_PORT')}"
+
+    return Launch(
+        launcher="kubeflow",
+        rank=node, rank_from="$PET_NODE_RANK", world_size=nodes, world_size_from="$PET_NNODES",
+        find_rendezvous=rendezvous, derived=True,
+    )
+
+
+def jobset(env: Mapping[str, str]) -> Launch | None:
+    """A pod of a JobSet (``$JOBSET_NAME``, given by the manifest) named
+    ``JOBSET-RJOB-0-P``: rank ``P`` (``$JOB_COMPLETION_INDEX``), meeting at
+    ``JOBSET-RJOB-0-0.JOBSET:29500``; ``$WORLD_SIZE`` from the manifest.
+
+    Raises:
+        SettingsError: the hostname is not a JobSet pod's, does not match
+            ``$JOB_COMPLETION_INDEX``, or is a pod of a Job other than the first.
+    """
+    name = _raw(env, "JOBSET_NAME")
+    if name is None:
+        return None
+    hostname, index = _hostname(env), _int(env, "JOB_COMPLETION_INDEX", 0)
+    m = re.fullmatch(rf"{re.escape(name)}-(.+)-(\d+)-(\d+)", hostname)
+    if m is None or index is None or int(m.group(3)) != index:
+        raise SettingsError(
+            f"$JOBSET_NAME={name} is set, but this pod (hostname {hostname}, "
+            f"$JOB_COMPLETION_INDEX={index}) is not one of its pods {name}-RJOB-JOB-POD of an "
+            f"Indexed Job (JobSet's default completionMode)", name="$JOBSET_NAME", value=name,
+            allowed="the name of this pod's JobSet")
+    replicated, job = m.group(1), int(m.group(2))
+    where = f"JobSet pod {hostname} (rank {index}, the pod's index in its Job)"
+    if job != 0:
+        raise SettingsError(
+            f"{where} is in Job {job} of replicatedJob {replicated}: p2pcoll takes the rank "
+            f"from the pod's index in one Job; make the group one Job (replicas: 1, parallelism "
+            f"and completions the world size) or set RANK in the pod template",
+            name="$RANK", allowed="an integer")
+
+    def rendezvous() -> str:
+        return f"tcp://{name}-{replicated}-0-0.{name}:{RENDEZVOUS_PORT}"
+
+    return Launch(
+        launcher="jobset",
+        rank=index, rank_from="$JOB_COMPLETION_INDEX",
+        find_rendezvous=rendezvous, derived=True,
+        world_size_needed=f"{where}: set WORLD_SIZE to the Job's completions in the pod "
+                          f"template",
+    )
+
+
+def indexed_job(env: Mapping[str, str]) -> Launch | None:
+    """A pod of an Indexed Job: ``$JOB_COMPLETION_INDEX`` as the rank; ``$WORLD_SIZE`` and
+    ``$P2PCOLL_RENDEZVOUS`` from the manifest."""
+    index = _int(env, "JOB_COMPLETION_INDEX", 0)
+    if index is None:
+        return None
+    hostname = _hostname(env)
+    m = _POD.fullmatch(hostname)  # JOB-N, when the pod template sets a subdomain
+    job = m.group(1) if m is not None and int(m.group(2)) == index else "JOB"
+    where = f"Kubernetes Indexed Job pod {hostname} (rank {index} from $JOB_COMPLETION_INDEX)"
+
+    def rendezvous() -> str:
+        raise SettingsError(
+            f"{where}: set P2PCOLL_RENDEZVOUS=tcp://{job}-0.SERVICE:PORT in the pod template "
+            f"(SERVICE: a headless Service, the pod template's subdomain)",
+            name="$P2PCOLL_RENDEZVOUS", allowed="tcp://HOST:PORT")
+
+    return Launch(
+        launcher="indexed-job",
+        rank=index, rank_from="$JOB_COMPLETION_INDEX",
+        find_rendezvous=rendezvous, derived=True,
+        world_size_needed=f"{where}: set WORLD_SIZE to the Job's completions in the pod "
+                          f"template",
+    )
 
 
 def kubernetes(env: Mapping[str, str]) -> Launch | None:
@@ -346,7 +503,7 @@ def kubernetes(env: Mapping[str, str]) -> Launch | None:
     from the manifest."""
     if _raw(env, "KUBERNETES_SERVICE_HOST") is None:
         return None
-    hostname = _raw(env, "HOSTNAME") or socket.gethostname()
+    hostname = _hostname(env)
     m = _POD.fullmatch(hostname)
     if m is None:
         return None
@@ -367,3 +524,19 @@ def kubernetes(env: Mapping[str, str]) -> Launch | None:
         world_size_needed=f"{where}: set WORLD_SIZE to the StatefulSet's replicas in the pod "
                           f"template",
     )
+
+
+# --- nothing -------------------------------------------------------------------------------
+
+ALONE = (
+    "p2pcoll.join(): nothing says how many peers the group has (no world_size= argument, no "
+    "rendezvous, and no launcher's variables: WORLD_SIZE, OMPI_COMM_WORLD_SIZE, SLURM_NTASKS, "
+    "PET_NNODES), so this process is a group of one. Pass world_size=1 if that is meant, or "
+    "start the processes with a launcher (p2pcoll launch, torchrun, mpirun, srun)"
+)
+
+
+def warn_alone() -> None:
+    """Say that a group of one is forming which nobody asked for (see the module docstring).
+    A UserWarning with one text from one place: Python shows it once per process."""
+    warnings.warn(ALONE, UserWarning, stacklevel=2)

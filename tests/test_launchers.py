@@ -1,9 +1,12 @@
-"""Under SLURM, Open MPI and Kubernetes, join() needs no variable of p2pcoll's own, and where
-the environment cannot say where to meet, the error says what to set.
+"""Under SLURM, Open MPI, Kubeflow's TrainJob, JobSet, an Indexed Job and a StatefulSet,
+join() needs no variable of p2pcoll's own, and where the environment cannot say where to
+meet, the error says what to set. A rank without a world size is an error; a group of one
+that nothing asked for is a warning.
 
 First :func:`p2pcoll.launchers.detect` and ``Settings.resolve`` on explicit environments (so
 the test process's own variables never leak in), then real runs of the demo: three processes
-with an ``srun``-like environment, three with a StatefulSet's, and ``mpirun -n 3`` for real.
+with an ``srun``-like environment, three with a StatefulSet's, a TrainJob's and an Indexed
+Job's, and ``mpirun -n 3`` for real.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.
 FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
            "HOSTNAME")
 FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "SLURMD_", "OMPI_", "PMIX_", "TORCHELASTIC_",
-                    "KUBERNETES_")
+                    "KUBERNETES_", "PET_", "JOB_COMPLETION_INDEX", "JOBSET_")
 
 SRUN = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "123456",
         "SLURM_STEP_NODELIST": "node[07-10]", "SLURM_JOB_NODELIST": "node[01-10]"}
@@ -262,6 +265,178 @@ def test_pod_says_what_to_set() -> None:
     assert resolve(no_size, min_world_size=2)[1:] == (None, None)
 
 
+# --- Kubeflow Trainer's TrainJob (the torch runtime) ----------------------------------------
+
+# What Kubeflow Trainer's Torch plugin gives node 1 of TrainJob "tj" with numNodes: 3.
+TRAINJOB = {"PET_NNODES": "3", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+            "PET_MASTER_ADDR": "tj-node-0-0.tj", "PET_MASTER_PORT": "29500",
+            "JOB_COMPLETION_INDEX": "1", "HOSTNAME": "tj-node-0-1",
+            "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+
+
+def test_trainjob() -> None:
+    assert resolve(TRAINJOB) == ("tcp://tj-node-0-0.tj:29500", 3, 1)
+    assert launchers.detect(TRAINJOB).launcher == "kubeflow"
+    assert resolve({k: v for k, v in TRAINJOB.items() if k != "PET_NPROC_PER_NODE"})[1:] == \
+        (3, 1)
+
+
+def test_trainjob_under_torchrun_is_torchruns() -> None:
+    """The TrainJob's command ran torchrun, which read PET_* and set RANK and the rest: its
+    processes per node are its own business."""
+    env = {**TRAINJOB, "PET_NPROC_PER_NODE": "4", "TORCHELASTIC_RUN_ID": "tj",
+           "RANK": "5", "WORLD_SIZE": "12", "MASTER_ADDR": "tj-node-0-0.tj",
+           "MASTER_PORT": "29500"}
+    assert resolve(env) == ("torch://tj-node-0-0.tj:29500", 12, 5)
+    assert launchers.detect(env).launcher == "torchrun"
+
+
+@pytest.mark.parametrize(("var", "value", "allowed"), [
+    ("PET_NNODES", "0", ">= 1"), ("PET_NNODES", "three", ">= 1"),
+    ("PET_NODE_RANK", "-1", ">= 0"),
+    ("PET_NPROC_PER_NODE", "4", "numProcPerNode: 1"),
+    ("PET_NPROC_PER_NODE", "auto", "numProcPerNode: 1"),
+    ("PET_MASTER_PORT", "http", "1..65535"), ("PET_MASTER_PORT", "", "1..65535"),
+    ("PET_NODE_RANK", None, "PET_NODE_RANK is not set"),
+    ("PET_NNODES", None, "PET_NNODES is not set"),
+    ("PET_MASTER_ADDR", None, "P2PCOLL_RENDEZVOUS"),
+])
+def test_bad_trainjob_values(var: str, value: str | None, allowed: str) -> None:
+    env = {k: v for k, v in TRAINJOB.items() if k != var}
+    if value is not None:
+        env[var] = value
+    with pytest.raises(SettingsError, match=f"\\${var}") as caught:
+        resolve(env)
+    assert allowed in str(caught.value)
+
+
+def test_trainjob_given_a_group_by_the_caller_takes_no_url_from_it() -> None:
+    assert resolve(TRAINJOB, world_size=2, rank=0) == (None, 2, 0)
+    assert resolve({**TRAINJOB, "P2PCOLL_RENDEZVOUS": "tcp://x:1"}) == ("tcp://x:1", 3, 1)
+
+
+# --- JobSet and Indexed Job ----------------------------------------------------------------
+
+# Pod 2 of the one Job of replicatedJob "peer" of JobSet "train", its name passed by the
+# downward API (JobSet sets no variable of its own).
+JOBSET = {"JOBSET_NAME": "train", "HOSTNAME": "train-peer-0-2", "JOB_COMPLETION_INDEX": "2",
+          "WORLD_SIZE": "4", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+INDEXED = {"JOB_COMPLETION_INDEX": "2", "HOSTNAME": "digits-2", "WORLD_SIZE": "4",
+           "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+
+
+def test_jobset() -> None:
+    assert resolve(JOBSET) == ("tcp://train-peer-0-0.train:29500", 4, 2)
+    assert launchers.detect(JOBSET).launcher == "jobset"
+    # Names with dashes: the JobSet's name is known, the rest is the replicatedJob's.
+    env = {**JOBSET, "JOBSET_NAME": "my-run", "HOSTNAME": "my-run-p2p-peer-0-2"}
+    assert resolve(env)[0] == "tcp://my-run-p2p-peer-0-0.my-run:29500"
+    assert resolve({**JOBSET, "P2PCOLL_RENDEZVOUS": "tcp://x:1"})[0] == "tcp://x:1"
+
+
+def test_jobset_says_what_is_wrong() -> None:
+    with pytest.raises(SettingsError, match=r"in Job 1 of replicatedJob peer.*replicas: 1"):
+        resolve({**JOBSET, "HOSTNAME": "train-peer-1-2"})
+    with pytest.raises(SettingsError, match=r"\$JOBSET_NAME=train is set, but this pod "
+                                            r"\(hostname other-peer-0-2"):
+        resolve({**JOBSET, "HOSTNAME": "other-peer-0-2"})
+    with pytest.raises(SettingsError, match=r"JOB_COMPLETION_INDEX=3"):
+        resolve({**JOBSET, "JOB_COMPLETION_INDEX": "3"})  # not this pod's index
+    with pytest.raises(SettingsError, match=r"\$JOB_COMPLETION_INDEX='x'"):
+        resolve({**JOBSET, "JOB_COMPLETION_INDEX": "x"})
+    no_size = {k: v for k, v in JOBSET.items() if k != "WORLD_SIZE"}
+    with pytest.raises(SettingsError, match="set WORLD_SIZE to the Job's completions"):
+        resolve(no_size)
+    assert resolve(no_size, world_size=4)[1:] == (4, 2)
+
+
+def test_indexed_job() -> None:
+    env = {**INDEXED, "P2PCOLL_RENDEZVOUS": "tcp://digits-0.peers:29500"}
+    assert resolve(env) == ("tcp://digits-0.peers:29500", 4, 2)
+    assert launchers.detect(env).launcher == "indexed-job"
+    with pytest.raises(SettingsError, match=r"set P2PCOLL_RENDEZVOUS=tcp://digits-0\.SERVICE"):
+        resolve(INDEXED)
+    # Without a subdomain the hostname is the pod's generated name: no Job name to offer.
+    with pytest.raises(SettingsError, match=r"P2PCOLL_RENDEZVOUS=tcp://JOB-0\.SERVICE"):
+        resolve({**INDEXED, "HOSTNAME": "digits-2-x7k2p"})
+    no_size = {k: v for k, v in env.items() if k != "WORLD_SIZE"}
+    with pytest.raises(SettingsError, match="set WORLD_SIZE to the Job's completions"):
+        resolve(no_size)
+    with pytest.raises(SettingsError, match=r"\$JOB_COMPLETION_INDEX='-1'"):
+        resolve({**env, "JOB_COMPLETION_INDEX": "-1"})
+    # An elastic group takes no rank from the index.
+    assert resolve(env, min_world_size=2)[2] is None
+
+
+@pytest.mark.parametrize(("layers", "launcher"), [
+    ((POD, INDEXED, JOBSET, TRAINJOB), "kubeflow"),
+    ((POD, INDEXED, JOBSET), "jobset"),
+    ((POD, INDEXED), "indexed-job"),  # a StatefulSet sets no JOB_COMPLETION_INDEX
+    ((POD, INDEXED, JOBSET, TRAINJOB, SRUN), "slurm"),
+    ((POD, INDEXED, JOBSET, TRAINJOB, {"RANK": "3", "WORLD_SIZE": "5"}), "env"),
+])
+def test_kubernetes_precedence(layers: tuple[dict[str, str], ...], launcher: str) -> None:
+    env: dict[str, str] = {}
+    for layer in layers:
+        env.update(layer)
+    assert launchers.detect(env).launcher == launcher
+
+
+# --- a rank without a world size; a group of one that nothing asked for --------------------
+
+@pytest.mark.parametrize(("env", "rank", "size"), [
+    ({"RANK": "1"}, "RANK", "WORLD_SIZE"),
+    ({"RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"}, "RANK", "WORLD_SIZE"),
+    ({"SLURM_PROCID": "1"}, "SLURM_PROCID", "SLURM_NTASKS"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+])
+def test_a_rank_without_a_world_size_is_an_error(env: dict[str, str], rank: str,
+                                                   size: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        resolve(env)
+    message = str(caught.value)
+    assert f"${rank}=1 gives this process's rank" in message and f"set {size} too" in message
+    assert caught.value.name == f"${size}"  # type: ignore[attr-defined]
+    assert resolve(env, world_size=2)[1:] == (2, 1)  # given as an argument: fine
+    assert resolve(env, min_world_size=1)[1] is None  # elastic: sizes come and go
+
+
+async def test_a_group_of_one_nothing_asked_for_warns_naming_what_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import p2pcoll
+
+    for name in list(os.environ):
+        if name in FOREIGN or name.startswith(FOREIGN_PREFIXES):
+            monkeypatch.delenv(name)
+    with pytest.warns(UserWarning, match=r"no world_size= argument, no rendezvous, and no "
+                                         r"launcher's variables: WORLD_SIZE") as caught:
+        async with p2pcoll.join() as g:
+            assert (g.rank, g.world_size) == (0, 1)
+    assert len(caught) == 1 and "Pass world_size=1 if that is meant" in str(caught[0].message)
+    # Said to be meant: silent (warnings are errors in this suite).
+    async with p2pcoll.join(world_size=1) as g:
+        assert g.world_size == 1
+
+
+def test_the_group_of_one_warning_comes_once_per_process() -> None:
+    script = textwrap.dedent("""
+        import asyncio, p2pcoll
+        async def main():
+            for _ in range(3):
+                async with p2pcoll.join() as g:
+                    assert g.world_size == 1
+            async with p2pcoll.join(world_size=1):
+                pass
+            print("done")
+        asyncio.run(main())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=clean_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr
+    assert done.stderr.count("UserWarning: p2pcoll.join(): nothing says how many peers") == 1, \
+        done.stderr
+
+
 # --- precedence ----------------------------------------------------------------------------
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "r", "RANK": "0", "WORLD_SIZE": "2",
@@ -350,6 +525,31 @@ def test_statefulset_like_run() -> None:
         assert f"rank {r} of 3 joined" in out
 
 
+def test_trainjob_like_run() -> None:
+    """Three processes with what Kubeflow's torch runtime gives three nodes (no torchrun)."""
+    port = free_port()
+    envs = [clean_env(PET_NNODES="3", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(r),
+                      PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(port),
+                      JOB_COMPLETION_INDEX=str(r), KUBERNETES_SERVICE_HOST="10.96.0.1",
+                      HOSTNAME=f"tj-node-0-{r}") for r in (1, 2, 0)]
+    outs = run_three(envs, DEMO)
+    assert PASSED in outs[2]
+    for r, out in zip((1, 2, 0), outs, strict=True):
+        assert f"rank {r} of 3 joined" in out
+        assert "UserWarning" not in out
+
+
+def test_indexed_job_like_run() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    envs = [clean_env(JOB_COMPLETION_INDEX=str(r), HOSTNAME=f"digits-{r}", WORLD_SIZE="3",
+                      KUBERNETES_SERVICE_HOST="10.96.0.1", P2PCOLL_RENDEZVOUS=url)
+            for r in (0, 2, 1)]
+    outs = run_three(envs, DEMO)
+    assert PASSED in outs[0]
+    for r, out in zip((0, 2, 1), outs, strict=True):
+        assert f"rank {r} of 3 joined" in out
+
+
 def mpirun(*command: str, n: int = 3, **env: str) -> subprocess.CompletedProcess[str]:
     if MPIRUN is None:
         if os.environ.get("CI") == "true":
@@ -395,5 +595,7 @@ def test_mpirun_on_several_nodes_meets_through_mpi(tmp_path: Path) -> None:
 
 def test_module_is_documented() -> None:
     doc = launchers.__doc__ or ""
-    for row in ("torchrun", "Open MPI", "SLURM", "Kubernetes", "20000 + SLURM_JOB_ID % 10000"):
+    for row in ("torchrun", "Open MPI", "SLURM", "Kubernetes", "20000 + SLURM_JOB_ID % 10000",
+                "Kubeflow TrainJob", "JobSet", "Indexed Job", "StatefulSet", "PET_NODE_RANK",
+                "JOB_COMPLETION_INDEX", "warns once"):
         assert row in doc

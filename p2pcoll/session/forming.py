@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from ..errors import RendezvousError
+from ..launchers import warn_alone
 from ..rendezvous import RendezvousServer, advertised_host, parse_url, rendezvous
 from ..rendezvous.torch_store import store_membership, store_rendezvous
 from ..settings import Settings
@@ -65,6 +66,8 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
             raise RendezvousError("forming through a torch store needs the rank and size")
         return await _form_through_store(settings, failures, sockets, store, rank, size,
                                          deadline)
+    if url is None and settings.world_size is None:
+        warn_alone()  # a group of one that nothing asked for
     if url is None and (settings.world_size or 1) > 1:
         raise RendezvousError(
             "no rendezvous address: pass rendezvous='tcp://HOST:PORT' or set "
