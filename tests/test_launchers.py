@@ -431,7 +431,7 @@ def test_the_group_of_one_warning_comes_once_per_process() -> None:
         asyncio.run(main())
     """)
     done = subprocess.run([sys.executable, "-c", script], env=clean_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and "done" in done.stdout, done.stderr
     assert done.stderr.count("UserWarning: p2pcoll.join(): nothing says how many peers") == 1, \
         done.stderr

@@ -18,14 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import finish
 
 import p2pcoll
-from conftest import finish
+from p2pcoll.service import Peer
 from p2pcoll.session.peers import LINK_LOSS_GRACE
 from p2pcoll.testing import free_port
-
-pytest.importorskip("aiohttp")  # the service extra; the dev extra installs it
-from p2pcoll.service import Peer  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 HEARTBEAT_S = 1.0
@@ -100,7 +98,7 @@ def test_readyz_turns_503_when_a_member_goes_between_collectives(how: signal.Sig
         gone.send_signal(how)
         took = {}
         for r in survivors:
-            elapsed, report = until_unready(ports[r], BOUND_S + 10)
+            _, report = until_unready(ports[r], BOUND_S + 10)
             took[r] = time.monotonic() - t0
             assert report == {"state": "degraded", "rank": r, "world_size": 3, "gone": 1}, \
                 report

@@ -449,10 +449,11 @@ class _Counts(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for name, what, counts in (
-            ("p2pcoll_http_closed", "HTTP connections closed before an answer: at accept, "
-             "over a cap, or at the deadline; by reason.", self.closed),
-            ("p2pcoll_http_paused", "Times the HTTP server stopped accepting for a while: "
-             "its rate spent, or accept failing; by reason.", self.paused),
+            ("p2pcoll_http_closed", ("HTTP connections closed before an answer: at accept, "
+                                     "over a cap, or at the deadline; by reason."), self.closed),
+            ("p2pcoll_http_paused", ("Times the HTTP server stopped accepting for a while: "
+                                     "its rate spent, or accept failing; by reason."),
+             self.paused),
         ):
             family = CounterMetricFamily(name, what, labels=["reason"])
             for reason, n in counts.items():

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Self
 
 from ..api import Group, join
 from ..errors import GroupBroken, P2PCollError, ServiceStopped
@@ -157,7 +157,7 @@ class Peer:
         options = self.join_options
         log.info("joining%s", f" {options['rendezvous']}" if options.get("rendezvous") else "")
         try:
-            group = await self._guard(join(**options))
+            group: Group = await self._guard(join(**options))
         except BaseException as exc:
             self._phase = CLOSED
             self._failed(exc)
@@ -223,7 +223,7 @@ class Peer:
             http, self._http = self._http, None
             await http.stop()
 
-    async def __aenter__(self) -> Peer:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 

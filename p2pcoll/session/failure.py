@@ -300,6 +300,7 @@ class FailureModel:
         states = {self._rank: (WAITING, mine)}
         silent: list[int] = []
         if inquiry is not None:
+            assert isinstance(c.seq, int), "only a collective's peers are asked why"
             states.update(inquiry.answers)
             departures = self._matcher.departures
             # A peer that said goodbye meanwhile, having started this collective, had
@@ -463,7 +464,7 @@ class FailureModel:
 class Inquiry:
     """The answers to one rank's ``why`` about one collective, by peer: (state, waits)."""
 
-    __slots__ = ("asked", "answers", "complete")
+    __slots__ = ("answers", "asked", "complete")
 
     def __init__(self, asked: set[int]) -> None:
         self.asked = asked
@@ -500,7 +501,7 @@ class Collective:
     Cancellation: breaks the group (the peers get an abort) and propagates.
     """
 
-    __slots__ = ("model", "matcher", "seq", "name", "limit", "lost", "_deadline")
+    __slots__ = ("_deadline", "limit", "lost", "matcher", "model", "name", "seq")
 
     def __init__(self, model: FailureModel, matcher: Matcher, seq: OpId, name: str,
                  limit: float) -> None:
@@ -530,6 +531,7 @@ class Collective:
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
                         tb: object) -> None:  # never suppresses: the body's error goes on
+        outcome: BaseException | None
         try:
             try:
                 await self._deadline.__aexit__(et, exc, tb)  # type: ignore[arg-type]
