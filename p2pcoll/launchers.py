@@ -17,8 +17,8 @@ Open MPI mpirun     OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE  one node: 127.0.
 SLURM srun          SLURM_PROCID          SLURM_NTASKS          first node:PORT(job)
 Kubeflow TrainJob   PET_NODE_RANK         PET_NNODES            PET_MASTER_ADDR:PET_MASTER_PORT
 (torch runtime)
-JobSet              JOB_COMPLETION_INDEX  WORLD_SIZE (needed)   JOBSET-RJOB-0-0.JOBSET:29500
-                    (one Job: replicas 1)
+JobSet, given       JOB_COMPLETION_INDEX  WORLD_SIZE (needed)   JOBSET-RJOB-0-0.JOBSET:29500
+JOBSET_NAME         (one Job: replicas 1)
 Indexed Job         JOB_COMPLETION_INDEX  WORLD_SIZE (needed)   P2PCOLL_RENDEZVOUS (needed)
 StatefulSet         N of hostname NAME-N  WORLD_SIZE (needed)   P2PCOLL_RENDEZVOUS (needed)
 nothing             0                     1 (warns once)        none: a group of one
@@ -28,13 +28,12 @@ PORT(job) is a port derived from the job's id, below. Each row fills only what t
 above it leave unset, so ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT``
 (torch's convention, which ``p2pcoll launch`` and many launchers besides torchrun set;
 without torchrun's ``TORCHELASTIC_RUN_ID`` they mean ``tcp://MASTER_ADDR:MASTER_PORT``) win
-over a launcher's own variables. The launchers exclude each other: the first in the
-table whose variables are there is the launcher, and only its variables are read (the four
+over a launcher's own variables. The launchers exclude each other: the first in the table
+whose variables are there is the launcher, and only its variables are read (the four
 Kubernetes rows only while ``$RANK`` is unset, and never for an elastic group, which takes
-no rank from a pod's name or index). A URL
-worked out from a launcher's job is used only when the launcher gave the rank or the world
-size: given both as arguments, the caller made the group (the torch backend, Ray actors in
-a SLURM job), so it is not the job's.
+no rank from a pod's name or index). A URL worked out from a launcher's job is used only
+when the launcher gave the rank or the world size: given both as arguments, the caller made
+the group (the torch backend, Ray actors in a SLURM job), so it is not the job's.
 
 Where the rows are ambiguous:
 
