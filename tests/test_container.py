@@ -303,41 +303,4 @@ def test_compose_file_runs_the_images_job() -> None:
     assert len({s["image"] for s in services.values()}) == 1
 
 
-def test_kubernetes_statefulset_runs_the_images_job() -> None:
-    image = dockerfile()
-    docs = [d for path in sorted((ROOT / "examples" / "k8s").glob("*.yaml"))
-            for d in load_yaml(path)]
-    kinds = {d["kind"]: d for d in docs}
-    assert sorted(kinds) == ["Service", "StatefulSet"]
-    service, sts = kinds["Service"], kinds["StatefulSet"]
-    assert service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["publishNotReadyAddresses"] is True
-    assert sorted(p["port"] for p in service["spec"]["ports"]) == sorted(image["ports"])
-    spec = sts["spec"]
-    assert spec["serviceName"] == service["metadata"]["name"]
-    assert spec["podManagementPolicy"] == "Parallel"
-    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
-    pod = spec["template"]["spec"]
-    (container,) = pod["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert "RANK" not in env, "the rank comes from the pod's hostname"
-    assert int(env["WORLD_SIZE"]) == spec["replicas"] == 4
-    name, svc = sts["metadata"]["name"], service["metadata"]["name"]
-    assert env["P2PCOLL_RENDEZVOUS"] == f"tcp://{name}-0.{svc}:{image['ports'][0]}"
-    assert container["args"] == image["cmd"]
-    (compose,) = load_yaml(ROOT / "examples" / "compose.yaml")
-    assert {container["image"]} == {s["image"] for s in compose["services"].values()}
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert sorted(ports.values()) == sorted(image["ports"])
-    assert int(env["P2PCOLL_METRICS_PORT"]) == image["metrics_port"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        get_ = container[probe]["httpGet"]
-        assert get_["path"] == "/healthz"
-        assert ports.get(get_["port"], get_["port"]) == image["metrics_port"]
-    security = pod["securityContext"]
-    assert security["runAsUser"] == image["uid"] and security["runAsNonRoot"] is True
-    (volume,) = pod["volumes"]
-    assert volume["secret"]["defaultMode"] == 0o440 and "fsGroup" in security
-    (mount,) = container["volumeMounts"]
-    assert mount["name"] == volume["name"] and mount["readOnly"] is True
-    assert Path(env["P2PCOLL_KEY_FILE"]).parent == Path(mount["mountPath"])
+# The Kubernetes manifests are checked against the Dockerfile in tests/test_k8s_manifests.py.
