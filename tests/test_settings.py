@@ -70,9 +70,9 @@ def test_defaults() -> None:
     ({"WORLD_SIZE": "4"}, "world_size", 4),
     ({"SLURM_NTASKS": "5"}, "world_size", 5),
     ({"OMPI_COMM_WORLD_SIZE": "6"}, "world_size", 6),
-    ({"RANK": "0"}, "rank", 0),
-    ({"SLURM_PROCID": "2"}, "rank", 2),
-    ({"OMPI_COMM_WORLD_RANK": "3"}, "rank", 3),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "rank", 0),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "3"}, "rank", 2),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}, "rank", 3),
 ], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_environment_good(env: dict[str, str], field: str, want: object) -> None:
     assert getattr(Settings.resolve(env), field) == want
