@@ -134,3 +134,74 @@ async def test_segmented_over_zmq() -> None:
         return bool(np.array_equal(got, big))
 
     assert await run_ranks(2, fn) == [True, True]
+
+
+# --- receiving from any source (MPI_ANY_SOURCE, torch's recv(src=None)) ----------------------
+
+async def test_recv_any_names_the_sender_and_keeps_each_senders_order() -> None:
+    async with groups_of(3) as (a, b, c):
+        await a.send(np.array([1]), dst=1, tag=4)
+        await a.send(np.array([2]), dst=1, tag=4)
+        await c.send(np.array([30.0]), dst=1, tag=4)
+        await c.send(np.array([99]), dst=1, tag=5)  # another tag: not taken
+        got = [await b.recv_any(tag=4) for _ in range(3)]
+        by_src: dict[int, list[float]] = {}
+        for src, value in got:
+            by_src.setdefault(src, []).append(float(value[0]))
+        assert by_src == {0: [1.0, 2.0], 2: [30.0]}
+        # A receive posted before anything is sent, with out=.
+        out = np.zeros(2, np.float32)
+        pending = asyncio.create_task(b.recv_any(out=out))
+        await asyncio.sleep(0.01)
+        assert not pending.done()
+        await c.send(np.full(2, 5.0, np.float32), dst=1)
+        assert await pending == (2, out) and out.tolist() == [5.0, 5.0]
+        # Mixed with receives from a named source: the counts per sender stay in step.
+        await a.send(np.array([7]), dst=1, tag=6)
+        await a.send(np.array([8]), dst=1, tag=6)
+        assert int((await b.recv(0, tag=6))[0]) == 7
+        src, value = await b.recv_any(tag=6)
+        assert (src, int(value[0])) == (0, 8)
+        assert int((await b.recv(2, tag=5))[0]) == 99
+        assert a.state == b.state == c.state == "ready"
+
+
+async def test_recv_any_timeout_takes_nothing_and_leaves_the_group_usable() -> None:
+    async with groups_of(3) as (a, b, c):
+        with pytest.raises(p2pcoll.CollectiveTimeout, match="recv_any with tag 2") as info:
+            await b.recv_any(tag=2, timeout=0.2)
+        assert info.value.waiting_on == [0, 2] and b.state == "ready"
+        await c.send(np.array([3]), dst=1, tag=2)  # comes late: the next receive has it
+        src, value = await b.recv_any(tag=2)
+        assert (src, int(value[0])) == (2, 3)
+        with pytest.raises(ValueError, match="tag -1"):
+            await b.recv_any(tag=-1)
+
+
+async def test_recv_any_skips_a_departed_sender_and_fails_when_all_have_gone() -> None:
+    net = MemoryNetwork()
+    async with groups_of(3, network=net, collective_timeout=10) as (a, b, c):
+        pending = asyncio.create_task(b.recv_any())
+        await asyncio.sleep(0.01)
+        net.cut(a.endpoint)  # rank 0 is lost; rank 2 may still send
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        await c.send(np.array([1]), dst=1)
+        assert (await asyncio.wait_for(pending, 5))[0] == 2
+        pending = asyncio.create_task(b.recv_any())
+        await asyncio.sleep(0.01)
+        net.cut(c.endpoint)
+        with pytest.raises(p2pcoll.PeerLost, match="rank 0"):
+            await asyncio.wait_for(pending, 5)
+
+
+async def test_recv_any_over_zmq() -> None:
+    async def fn(g: p2pcoll.Group) -> list[int]:
+        if g.rank != 0:
+            await g.send(np.full(100_000, g.rank), dst=0, tag=1)
+            return []
+        got = [await g.recv_any(tag=1) for _ in range(g.world_size - 1)]
+        assert all((value == src).all() for src, value in got)
+        return sorted(src for src, _ in got)
+
+    assert (await run_ranks(3, fn))[0] == [1, 2]

@@ -10,6 +10,7 @@ group's state in :mod:`p2pcoll.session.failure`, everything of one roster in
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
@@ -23,6 +24,7 @@ from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
 from ..errors import (
     CollectiveMismatch,
+    CollectiveTimeout,
     GroupBroken,
     P2PCollError,
     PluginValidationError,
@@ -592,6 +594,57 @@ class Group:
                 sig=sig, tag=tag,
             )
         return out if out is not None else unflatten(treedef, data)
+
+    async def recv_any(
+        self, *, tag: int = 0, out: Pytree | None = None, timeout: float | None = None,
+    ) -> tuple[int, Pytree]:
+        """Receive the next value any other rank sends this rank with ``tag``: MPI's
+        ``MPI_ANY_SOURCE``, torch's ``recv(src=None)``.
+
+        Each sender's messages still arrive in the order it sent them; which sender's comes
+        first when several have is up to the transport (here: the lowest rank whose
+        message has come).
+
+        Args:
+            tag: the sender's tag.
+            out: as for :meth:`recv`.
+            timeout: seconds to wait for it (default: the group's).
+
+        Returns:
+            ``(src, value)``: the sending rank, and ``out`` if given, else the value as new
+            arrays.
+
+        Raises:
+            ValueError: ``tag`` is out of range, or this rank is alone in the group.
+            CollectiveMismatch: ``out`` does not have the structure, shapes or dtypes sent.
+            CollectiveTimeout: nothing came in time (``waiting_on`` names every other rank);
+                nothing was taken, so the group stays usable and a message that comes later
+                is there for the next receive.
+            PeerLost: every other rank has gone without sending.
+            GroupBroken: an earlier failure.
+        Cancellation: consumes nothing while no message has been chosen; once one has, as
+        for :meth:`recv`.
+        """
+        others = [r for r in range(self.world_size) if r != self.rank]
+        if not others:
+            raise ValueError("recv_any() in a group of one: no other rank can send")
+        self._check_transfer(others[0], "src", tag)
+        session = self.session
+        session.failures.check_usable()
+        limit = self._limit(timeout)
+        started = time.monotonic()
+        candidates = {r: (r, self.rank, tag, session.transfers[(r, self.rank, tag)])
+                      for r in others}
+        try:
+            async with asyncio.timeout(limit):
+                src = await session.matcher.first_of_any(candidates)
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"recv_any with tag {tag}: nothing came from any rank in {limit:g}s",
+                collective="recv", waiting_on=others) from None
+        # No await between the choice and recv() taking that transfer's number.
+        left = max(limit - (time.monotonic() - started), 1e-3)
+        return src, await self.recv(src, tag=tag, out=out, timeout=left)
 
     # --- the rest -----------------------------------------------------------------------
 

@@ -104,6 +104,7 @@ class Matcher:
         self._expected: dict[OpId, tuple[Signature, int]] = {}  # op -> (signature, my rank)
         self._stalled: dict[OpId, set[int]] = {}  # op -> sources of cancelled receives
         self._first_origin: dict[OpId, int] = {}  # op -> the rank a first() waits on
+        self._any_waiters: set[asyncio.Future[None]] = set()  # first_of_any()s: departures
 
     def put(self, header: Header, frames: list[Piece]) -> bool:
         """Deliver a data message.
@@ -219,6 +220,40 @@ class Matcher:
         finally:
             self._first_origin.pop(seq, None)
 
+    async def first_of_any(self, candidates: Mapping[int, OpId]) -> int:
+        """The source rank among ``candidates`` (source -> the transfer it would send next)
+        whose message has come; the lowest such rank if several have. Consumes nothing: the
+        caller then receives that transfer as usual.
+
+        Raises:
+            PeerLost: every candidate has gone without sending (the lowest one's).
+            P2PCollError: a candidate's transfer was aborted.
+        Cancellation: consumes nothing.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            live: list[asyncio.Future[Header]] = []
+            for src, op in sorted(candidates.items()):
+                if op in self._failed:
+                    raise self._failed[op]
+                fut = self._first.get(op)
+                if fut is None:
+                    fut = self._first[op] = loop.create_future()
+                if fut.done():
+                    if not fut.cancelled() and fut.exception() is not None:
+                        raise fut.exception()  # type: ignore[misc]
+                    return src
+                if not self._abandoned(src, op):
+                    live.append(fut)
+            if not live:
+                raise self.departures.lost(min(candidates))  # type: ignore[misc]
+            departed: asyncio.Future[None] = loop.create_future()
+            self._any_waiters.add(departed)
+            try:
+                await asyncio.wait([*live, departed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._any_waiters.discard(departed)
+
     def _abandoned(self, rank: int, seq: OpId) -> bool:
         """Whether ``rank`` is gone without taking its part in ``seq``. A sender that has
         gone in any way will not send a transfer's message that has not come: everything
@@ -264,6 +299,9 @@ class Matcher:
         exc = self.departures.lost(rank)
         if exc is None:
             return
+        for waiter in self._any_waiters:  # first_of_any() looks again at who is left
+            if not waiter.done():
+                waiter.set_result(None)
         for key, fut in list(self._waiting.items()):
             if key[2] == rank and not fut.done():
                 fut.set_exception(exc)

@@ -463,6 +463,23 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
 
         return self._launch("recv", [t], lambda g: [run(g)])
 
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        """torch's ``recv(src=None)``: the first message any rank sends with ``tag``; the
+        Work's ``_source_rank()`` names the sender once it is done."""
+        t = tensors[0]
+        ops.check_tensor(t, "recv")
+        a = bits(t)
+        own = shares(t, a)
+        work: Work
+
+        async def run(g: Group) -> None:
+            src, got = await g.recv_any(tag=tag, out=a if own else None)
+            work.source = src
+            store(t, got)
+
+        work = self._launch("recv", [t], lambda g: [run(g)])
+        return work
+
 
 def _options(pg_options: Any) -> Options | None:
     if pg_options is None or isinstance(pg_options, Options):

@@ -118,6 +118,7 @@ class Work(dist._Work):  # type: ignore[misc]
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future[list[torch.Tensor]] = _Future(completer)
+        self.source = -1  # the sender of a receive from any source, once it is done
 
     def _finish(self, error: BaseException | None) -> None:
         """On the completer: record the outcome, then complete the future (whose
@@ -153,6 +154,11 @@ class Work(dist._Work):  # type: ignore[misc]
         if self._error is not None:
             raise self._error
         return True
+
+    def _source_rank(self) -> int:
+        """The rank a receive from any source got its message from (torch asks after
+        ``wait()``); -1 for anything else."""
+        return self.source
 
     def is_completed(self) -> bool:
         return self._done.is_set()
