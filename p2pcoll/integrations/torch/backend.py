@@ -346,7 +346,31 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        return self.allgather(outputs, inputs, opts)
+        """``outputs[r][i]`` gets rank r's ``inputs[i]`` (nested the other way round from
+        :meth:`allgather`'s): the inputs' bytes travel as one allgather."""
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        for t in inputs:
+            ops.check_tensor(t, "allgather_coalesced")
+        if len(outputs) != self.size() or any(len(row) != len(inputs) for row in outputs):
+            raise ValueError(
+                f"allgather_coalesced: outputs must be {self.size()} lists (one per rank) of "
+                f"{len(inputs)} tensors (one per input), got "
+                f"{[len(row) for row in outputs]}")
+        arrays = [bits(t) for t in inputs]
+        packed = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                                 for a in arrays] or [np.empty(0, np.uint8)])
+        limit = _seconds(opts.timeout)
+
+        async def run(g: Group) -> None:
+            for row, part in zip(outputs, await g.allgather(packed, timeout=limit),
+                                 strict=True):
+                at = 0
+                for t, a in zip(row, arrays, strict=True):
+                    store(t, part[at:at + a.nbytes].view(a.dtype).reshape(a.shape))
+                    at += a.nbytes
+
+        return self._launch("allgather_coalesced", [t for row in outputs for t in row],
+                            lambda g: [run(g)])
 
     @staticmethod
     def _into_tensor(out: torch.Tensor) -> Callable[[list[np.ndarray]], None]:
@@ -470,14 +494,15 @@ class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
         ops.check_tensor(t, "recv")
         a = bits(t)
         own = shares(t, a)
-        work: Work
+        sender: list[int] = []  # the Work's, which may be made after the receive is done
 
         async def run(g: Group) -> None:
             src, got = await g.recv_any(tag=tag, out=a if own else None)
-            work.source = src
+            sender.append(src)
             store(t, got)
 
         work = self._launch("recv", [t], lambda g: [run(g)])
+        work.sender = sender
         return work
 
 

@@ -118,7 +118,7 @@ class Work(dist._Work):  # type: ignore[misc]
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future[list[torch.Tensor]] = _Future(completer)
-        self.source = -1  # the sender of a receive from any source, once it is done
+        self.sender: list[int] = []  # a receive from any source: its sender, once done
 
     def _finish(self, error: BaseException | None) -> None:
         """On the completer: record the outcome, then complete the future (whose
@@ -158,7 +158,7 @@ class Work(dist._Work):  # type: ignore[misc]
     def _source_rank(self) -> int:
         """The rank a receive from any source got its message from (torch asks after
         ``wait()``); -1 for anything else."""
-        return self.source
+        return self.sender[0] if self.sender else -1
 
     def is_completed(self) -> bool:
         return self._done.is_set()
