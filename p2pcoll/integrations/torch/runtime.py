@@ -1,5 +1,6 @@
-"""The threads behind the torch backend: one event loop that runs every p2pcoll group of
-the process, and the completer that finishes torch's futures.
+"""The threads behind the torch backend: the process's loop thread that runs every p2pcoll
+group (:mod:`p2pcoll.api.loop_thread`, shared with :mod:`p2pcoll.blocking`), and the
+completer that finishes torch's futures.
 
 torch calls a backend from its own threads and expects a :class:`~torch.distributed.Work`
 back at once; the collective runs on the loop thread. A future's ``.then()`` callbacks run
@@ -28,6 +29,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
+from ...api.loop_thread import LoopThread
 from ...errors import GroupBroken, P2PCollError
 
 T = TypeVar("T")
@@ -101,8 +103,10 @@ class Completer:
 
 
 class Runtime:
-    """The loop thread and the completer, shared by every p2pcoll process group of the
-    process; started by the first group, stopped when the last one shuts down."""
+    """The torch backend's share of the process's loop thread (:mod:`p2pcoll.api.loop_thread`,
+    which :mod:`p2pcoll.blocking` shares too) and the completer, shared by every p2pcoll
+    process group of the process; started by the first group, stopped when the last one
+    shuts down."""
 
     _lock = threading.Lock()
     _instance: Runtime | None = None
@@ -111,16 +115,9 @@ class Runtime:
     _open: ClassVar[weakref.WeakSet[Any]] = weakref.WeakSet()
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self._loop_thread = LoopThread.acquire()
+        self.loop = self._loop_thread.loop
         self.completer = Completer()
-        self._thread = threading.Thread(target=self._serve, name="p2pcoll-torch-loop",
-                                        daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        self.loop.close()
 
     @classmethod
     def acquire(cls) -> Runtime:
@@ -141,19 +138,16 @@ class Runtime:
 
     def _stop(self) -> None:
         """Let the loop's last tasks (collectives aborted by a close) and then the
-        completer finish, then stop the loop; wait for both threads."""
-        if threading.current_thread() is not self._thread and not self.loop.is_closed():
+        completer finish, then let go of the loop thread (stopped if nobody else uses it)."""
+        if not self._loop_thread.on_loop and not self.loop.is_closed():
             with contextlib.suppress(Exception):
-                self.run(_drain(), timeout=5)
+                self._loop_thread.submit(_drain()).result(5)
         self.completer.stop()
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(10)
+        LoopThread.release()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result here."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self._loop_thread.submit(coro).result(timeout)
 
     def start(self, make: Callable[[], list[Coroutine[Any, Any, Any]]],
               done: Callable[[BaseException | None], None]) -> None:
@@ -197,14 +191,17 @@ def _first(errors: list[BaseException]) -> BaseException | None:
 
 def _at_exit() -> None:
     """At interpreter exit (atexit runs before daemon threads are frozen): close the
-    groups that were never destroyed, then stop the threads, so no thread of ours is
-    inside torch or zmq when the interpreter finalizes."""
+    groups that were never destroyed, then stop the completer and let go of the loop
+    thread, so no thread of ours is inside torch or zmq when the interpreter finalizes.
+    Registered after the loop thread's own exit hook, so it runs before it."""
     for group in list(Runtime._open):
         try:
             group.shutdown(timeout=10)
         except Exception:  # noqa: BLE001 - exiting anyway; a peer may be gone already
             _log.debug("closing a p2pcoll process group at exit failed", exc_info=True)
-    runtime = Runtime._instance
+    with Runtime._lock:
+        runtime, Runtime._instance = Runtime._instance, None
+        Runtime._users = 0
     if runtime is not None:
         runtime._stop()
 

@@ -1,0 +1,213 @@
+"""The loop thread: one asyncio event loop, on a thread of its own, that runs the p2pcoll
+groups of synchronous callers, the torch backend's and :mod:`p2pcoll.blocking`'s alike.
+
+A caller on another thread hands the loop a coroutine (:meth:`LoopThread.submit`) and gets a
+:class:`concurrent.futures.Future` back; :meth:`LoopThread.run` waits for it. Submissions
+run in the order they were made: each becomes a task in its own callback on the loop, so
+collectives started one after another take their sequence numbers in that order (every
+p2pcoll collective takes its number in its first step), the same order on every rank.
+
+There is one loop thread per process, shared by every user: :meth:`LoopThread.acquire`
+starts it for the first user and :meth:`LoopThread.release` stops it when the last one
+is done. At interpreter exit (atexit, which runs before daemon threads are frozen) the
+closers registered with :meth:`LoopThread.close_at_exit` run first (newest first), then the
+loop stops, so no thread of ours is inside zmq when the interpreter finalizes.
+
+Calling :meth:`LoopThread.run` from the loop thread itself, or from any thread whose own
+event loop is running, would block that loop: it raises :class:`LoopBlocked` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, ClassVar, TypeVar
+
+T = TypeVar("T")
+_log = logging.getLogger("p2pcoll")
+
+
+class LoopBlocked(RuntimeError):
+    """A blocking p2pcoll call was made where it would block a running event loop (it
+    would deadlock, or stall every other task of that loop). Use the async API there
+    (``await group.allreduce(...)``), or ``async_op=True`` and await the handle's result
+    in a thread (``await asyncio.to_thread(handle.wait)``)."""
+
+
+class LoopThread:
+    """One event loop on a daemon thread; see the module docstring."""
+
+    _lock = threading.Lock()
+    _instance: ClassVar[LoopThread | None] = None
+    _users: ClassVar[int] = 0
+    # Called at exit before the loop stops: id -> closer, in registration order.
+    _closers: ClassVar[dict[int, Callable[[], None]]] = {}
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="p2pcoll-loop", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    # --- sharing ------------------------------------------------------------------------
+
+    @classmethod
+    def acquire(cls) -> LoopThread:
+        """The process's loop thread, started if nobody uses it; pair with :meth:`release`."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = LoopThread()
+            cls._users += 1
+            return cls._instance
+
+    @classmethod
+    def release(cls) -> None:
+        """One user is done; the last one stops the loop (after its other tasks finish,
+        briefly) and waits for the thread."""
+        with cls._lock:
+            cls._users -= 1
+            if cls._users > 0 or cls._instance is None:
+                return
+            instance, cls._instance = cls._instance, None
+        instance._stop()
+
+    @classmethod
+    def close_at_exit(cls, closer: Callable[[], None]) -> int:
+        """Run ``closer()`` at interpreter exit, before the loop stops, unless
+        :meth:`forget` is called with the number returned first."""
+        with cls._lock:
+            key = id(closer)
+            while key in cls._closers:
+                key += 1
+            cls._closers[key] = closer
+            return key
+
+    @classmethod
+    def forget(cls, key: int) -> None:
+        with cls._lock:
+            cls._closers.pop(key, None)
+
+    # --- running ------------------------------------------------------------------------
+
+    @property
+    def on_loop(self) -> bool:
+        """True on the loop thread itself."""
+        return threading.current_thread() is self._thread
+
+    @classmethod
+    def check_may_block(cls, what: str) -> None:
+        """Raise :class:`LoopBlocked` if waiting on this thread would block a running event
+        loop: p2pcoll's own (a deadlock) or the caller's."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        instance = cls._instance
+        if instance is not None and instance.on_loop:
+            raise LoopBlocked(f"{what} was called on p2pcoll's loop thread, which it would "
+                              "block forever; await the async API there instead")
+        raise LoopBlocked(
+            f"{what} blocks, and this thread is running an asyncio event loop that it would "
+            "stall; await the async API here (p2pcoll.join), or pass async_op=True and "
+            "await asyncio.to_thread(handle.wait)")
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop (after every earlier submission) and return at once."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result here.
+
+        Raises:
+            LoopBlocked: called on the loop thread, or on a thread running an event loop
+                (``coro`` is closed unstarted).
+            TimeoutError: ``timeout`` passed first (``coro`` is cancelled).
+            whatever ``coro`` raises. A KeyboardInterrupt (or any exception) raised here
+            while waiting cancels ``coro`` and propagates.
+        """
+        try:
+            self.check_may_block("a blocking p2pcoll call")
+        except LoopBlocked:
+            coro.close()
+            raise
+        future = self.submit(coro)
+        return wait(future, timeout)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Call ``fn()`` on the loop thread (for state the loop owns) and return its result."""
+        if self.on_loop:
+            return fn()
+
+        async def call() -> T:
+            return fn()
+
+        return self.run(call())
+
+    def _stop(self) -> None:
+        """Let the loop's last tasks (collectives aborted by a close) finish, briefly,
+        then stop it and wait for the thread."""
+        if not self.on_loop and not self.loop.is_closed():
+            with contextlib.suppress(Exception):
+                self.submit(_drain()).result(5)
+        if not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self.loop.call_soon_threadsafe(self.loop.stop)
+        if not self.on_loop:
+            self._thread.join(10)
+
+
+def wait(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """``future.result(timeout)``, but an exception raised while waiting (KeyboardInterrupt
+    from Ctrl-C, SystemExit, a TimeoutError of ``timeout``) cancels the work first. The lock
+    the wait sleeps on is interrupted by signals, so Ctrl-C reaches the main thread at once.
+    """
+    try:
+        return future.result(timeout)
+    except BaseException as exc:
+        if future.done():
+            raise  # the work's own outcome
+        future.cancel()
+        if isinstance(exc, TimeoutError) and timeout is not None:
+            raise TimeoutError(f"no result in {timeout:g}s") from None
+        raise
+
+
+async def _drain() -> None:
+    """Wait (briefly) for the loop's other tasks, so their completions are submitted."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=2)
+
+
+def _at_exit() -> None:
+    """Close what was left open (newest first), then stop the loop thread."""
+    while True:
+        with LoopThread._lock:
+            if not LoopThread._closers:
+                break
+            _, closer = LoopThread._closers.popitem()
+        try:
+            closer()
+        except Exception:  # noqa: BLE001 - exiting anyway; a peer may be gone already
+            _log.debug("closing a p2pcoll group at exit failed", exc_info=True)
+    with LoopThread._lock:
+        instance, LoopThread._instance = LoopThread._instance, None
+        LoopThread._users = 0
+    if instance is not None:
+        instance._stop()
+
+
+atexit.register(_at_exit)
+
+__all__ = ["LoopBlocked", "LoopThread", "wait"]
