@@ -1,5 +1,5 @@
-"""The README's two set-up commands are the ones CI and newcomers run, and its API snippet
-runs as written."""
+"""The README's two set-up commands are the ones CI and newcomers run, and its quickstart and
+two-host snippets run as written."""
 
 from __future__ import annotations
 
@@ -41,13 +41,18 @@ def test_ci_runs_the_readme_install_command_and_checks_the_wheel() -> None:
     ), "the README's test command must stay the last thing .ci/run does"
 
 
-def test_api_snippet_runs(tmp_path: Path) -> None:
-    """The first python block of "The API", run as written by two peers of the launcher."""
+def quickstart_script() -> str:
+    """The python block of the README's "Quickstart" (``hello.py``)."""
     blocks = re.findall(r"```python\n(.*?)```", section((ROOT / "README.md").read_text(),
-                                                        "The API"), flags=re.S)
-    assert blocks, "the API section has no python block"
-    script = tmp_path / "api_snippet.py"
-    script.write_text(blocks[0])
+                                                        "Quickstart"), flags=re.S)
+    assert blocks, "the Quickstart section has no python block"
+    return blocks[0]
+
+
+def test_quickstart_runs(tmp_path: Path) -> None:
+    """The Quickstart's script, run as written by two peers of the launcher."""
+    script = tmp_path / "hello.py"
+    script.write_text(quickstart_script())
     done = subprocess.run(
         [sys.executable, "-m", "p2pcoll", "launch", "-n", "2", "--",
          sys.executable, str(script)],
@@ -57,6 +62,42 @@ def test_api_snippet_runs(tmp_path: Path) -> None:
     # Each rank printed its rank, the world size and its stats.
     for rank in (0, 1):
         assert re.search(rf"^\[{rank}\] {rank} 2 \{{", done.stdout, flags=re.M), done.stdout
+
+
+def test_two_hosts_commands_run(tmp_path: Path) -> None:
+    """The "Two hosts" section's commands for host A and host B, run as written on this
+    host (host A's address replaced by loopback, its port by a free one), with the
+    section's job key made by its own keygen command."""
+    from p2pcoll.transport.endpoints import free_port
+
+    text = section((ROOT / "README.md").read_text(), "Two hosts")
+    blocks = bash_blocks(text)
+    keygen = next(b for b in blocks if "p2pcoll keygen job.key" in b)
+    ranks = [next(line for b in blocks for line in b.splitlines() if f"RANK={r} " in line)
+             for r in (0, 1)]
+    assert "scp job.key" in keygen, "host A's block copies the key to host B"
+    (tmp_path / "hello.py").write_text(quickstart_script())
+    done = subprocess.run([sys.executable, "-m", "p2pcoll", "keygen", "job.key"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    address = re.search(r"tcp://([0-9.]+):(\d+)", ranks[0])
+    assert address and address.group(0) in ranks[1], "both hosts name host A's rendezvous"
+    here = f"tcp://127.0.0.1:{free_port()}"
+    commands = [line.replace(address.group(0), here).replace(" python ", f" {sys.executable} ")
+                for line in ranks]
+    peers = [subprocess.Popen(["bash", "-c", command], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for command in commands]
+    try:
+        outputs = [peer.communicate(timeout=120) for peer in peers]
+    finally:
+        for peer in peers:
+            if peer.poll() is None:
+                peer.kill()
+                peer.wait()
+    for rank, (peer, (out, err)) in enumerate(zip(peers, outputs, strict=True)):
+        assert peer.returncode == 0, f"rank {rank}: exit {peer.returncode}\n{out}\n{err}"
+        assert re.search(rf"^{rank} 2 \{{", out, flags=re.M), out
 
 
 def test_readme_names_every_builtin_strategy() -> None:
