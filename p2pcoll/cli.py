@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
             "MASTER_ADDR, MASTER_PORT and P2PCOLL_RENDEZVOUS set, so that p2pcoll.join() needs "
             "no arguments. Output lines are prefixed with the rank. SIGINT, SIGTERM and SIGHUP "
             "are passed on to every rank. When a rank exits non-zero the others are stopped "
-            "(SIGTERM, SIGKILL after --grace seconds) and its exit code is returned."
+            "(SIGTERM, SIGKILL after --grace seconds) and its exit code is returned. As "
+            "torchrun does, OMP_NUM_THREADS=1 is set for every rank when N > 1 and it is not "
+            "set already (so results do not depend on the launcher); a value you set is kept. "
+            "A p2pcoll SettingsError a rank leaves uncaught is printed as one line."
         ),
         usage="%(prog)s [-h] -n N [--rendezvous tcp://HOST:PORT] [--grace SECONDS] "
               "[--no-prefix] [--insecure] -- COMMAND ...",

@@ -4,8 +4,19 @@
 
 Each child gets the environment :func:`p2pcoll.join` reads (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``P2PCOLL_RENDEZVOUS``, ``P2PCOLL_KEY_FILE``) and ``PYTHONUNBUFFERED=1``. Rank 0's ``join``
-hosts the rendezvous, so the launcher itself only starts, watches and stops processes:
+``P2PCOLL_RENDEZVOUS``, ``P2PCOLL_KEY_FILE``, ``P2PCOLL_LAUNCHED``) and ``PYTHONUNBUFFERED=1``.
+Rank 0's ``join`` hosts the rendezvous, so the launcher itself only starts, watches and stops
+processes:
+
+- Threads: as torchrun does, when there is more than one rank and ``OMP_NUM_THREADS`` is not
+  set, every rank gets ``OMP_NUM_THREADS=1`` and the launcher says so once on stderr. N ranks
+  of torch each using every core would overload the host, and a reduction's result depends
+  on torch's thread count: the same script gives the same numbers under ``p2pcoll launch``
+  and under ``torchrun``. A value the user set (in the environment or ``extra_env``) is kept.
+- Settings errors: ``P2PCOLL_LAUNCHED=1`` tells :func:`p2pcoll.join` that it runs under this
+  launcher, where a :class:`~p2pcoll.SettingsError` left uncaught is printed as one line
+  (where join was called, and the message) instead of a traceback from every rank. Every
+  other uncaught error keeps its full traceback.
 
 - Security: secure by default. The launcher makes an ephemeral job key for its ranks, in a
   0600 file of a 0700 directory of its own, hands it over by path (``P2PCOLL_KEY_FILE``),
@@ -68,8 +79,12 @@ from .transport.endpoints import free_port
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LAUNCHER_VARS = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "P2PCOLL_RENDEZVOUS",
+    "MASTER_ADDR", "MASTER_PORT", "P2PCOLL_RENDEZVOUS", "P2PCOLL_LAUNCHED",
 })
+OMP_THREADS_NOTE = (
+    "OMP_NUM_THREADS=1 for every rank, as torchrun sets it, so that {n} ranks do not overload "
+    "the host and results do not depend on the launcher; set OMP_NUM_THREADS to choose another"
+)
 DRAIN_TIMEOUT = 2.0  # seconds to wait for output still in the pipes once every child exited
 PARTIAL_DELAY = 0.05  # seconds a piece without a newline waits for the rest of its line
 _LINE_BREAK = re.compile(rb"(\r|\n)")
@@ -126,6 +141,9 @@ def launch(
     else:
         host, port = parse_url(rendezvous)
     base = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    if n > 1 and "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = "1"
+        print(f"p2pcoll launch: {OMP_THREADS_NOTE.format(n=n)}", file=sys.stderr, flush=True)
     given_key = base.pop("P2PCOLL_KEY_FILE", "").strip()
     with contextlib.ExitStack() as cleanup:
         if secure:
@@ -180,6 +198,7 @@ def _rank_envs(n: int, base: Mapping[str, str], host: str, port: int, rendezvous
             "MASTER_ADDR": host,
             "MASTER_PORT": str(port),
             "P2PCOLL_RENDEZVOUS": rendezvous,
+            "P2PCOLL_LAUNCHED": "1",
         }
         for rank in range(n)
     ]

@@ -25,6 +25,7 @@ collective (``join(strategies=...)`` over ``$P2PCOLL_<COLLECTIVE>``, from
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import threading
@@ -210,7 +211,8 @@ class Registry:
                 f"{collective} strategy {name!r} cannot be used: {plugin}"
             ) from plugin.error
         raise UnknownStrategy(
-            f"no {collective} strategy named {name!r}; available: {self._names(collective)}"
+            f"no {collective} strategy named {name!r}{self._did_you_mean(collective, name)}; "
+            f"available: {self._names(collective)}"
         )
 
     def auto(
@@ -300,6 +302,13 @@ class Registry:
 
     def _names(self, collective: str) -> str:
         return ", ".join(["auto", *sorted(self._entries[collective])])
+
+    def _did_you_mean(self, collective: str, name: str) -> str:
+        """`` (did you mean 'ring'?)`` for the installed name closest to ``name``, or ''."""
+        names = sorted(["auto", *self._entries[collective]])
+        close = (difflib.get_close_matches(name, names, n=1)
+                 or difflib.get_close_matches(name.lower(), names, n=1))
+        return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _builtin(entry: Entry) -> bool:

@@ -1,12 +1,17 @@
-"""``join()``: form a group, awaited or as an async context manager."""
+"""``join()``: form a group, awaited, as an async context manager, or wherever a coroutine goes."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Generator, Mapping
+import sys
+import traceback
+from collections.abc import Coroutine, Generator, Mapping
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+from ..errors import SettingsError
 from ..registry import registry
 from ..settings import Settings
 from .group import Group
@@ -24,18 +29,42 @@ async def _join(settings: Settings) -> Group:
     return group
 
 
-class Join:
-    """What :func:`join` returns: await it for a Group, or use it with ``async with``."""
+class Join(Coroutine[Any, Any, Group]):
+    """What :func:`join` returns: a coroutine giving a Group, that is also an async context
+    manager (as aiohttp's ``session.get(...)`` is).
+
+    So ``await join(...)``, ``async with join(...) as g``, ``asyncio.run(join(...))``,
+    ``asyncio.create_task(join(...))``, ``asyncio.gather(join(...), ...)`` and
+    ``asyncio.wait_for(join(...), t)`` all work. Like any coroutine it runs once: awaiting
+    it a second time raises RuntimeError. Nothing starts until it is first awaited or
+    sent to, so a Join that is never used leaves no "never awaited" warning.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self._coro: Coroutine[Any, Any, Group] | None = None
         self._group: Group | None = None
 
+    def _coroutine(self) -> Coroutine[Any, Any, Group]:
+        if self._coro is None:
+            self._coro = _join(self.settings)
+        return self._coro
+
+    def send(self, value: Any) -> Any:
+        return self._coroutine().send(value)
+
+    def throw(self, *args: Any) -> Any:  # (exc) or the deprecated (type, value, traceback)
+        return self._coroutine().throw(*args)
+
+    def close(self) -> None:
+        if self._coro is not None:
+            self._coro.close()
+
     def __await__(self) -> Generator[Any, None, Group]:
-        return _join(self.settings).__await__()
+        return self._coroutine().__await__()
 
     async def __aenter__(self) -> Group:
-        self._group = await _join(self.settings)
+        self._group = await self._coroutine()
         return self._group
 
     async def __aexit__(self, *exc: object) -> None:
@@ -112,12 +141,51 @@ def join(
             it failed (a different job key, or one side secured and the other not).
         UnknownStrategy: ``strategies`` names a strategy that is not installed.
     Cancellation: every socket opened so far is closed.
+
+    Under ``p2pcoll launch`` a SettingsError that the program leaves uncaught is printed as
+    one line naming the rank, the message and the line that called join, instead of a
+    traceback from every rank (see :func:`_brief_settings_errors`).
     """
-    settings = Settings.resolve(
-        rendezvous=rendezvous, world_size=world_size, rank=rank, join_timeout=timeout,
-        strategies=strategies, collective_timeout=collective_timeout, transport=transport,
-        key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
-        min_world_size=min_world_size, max_world_size=max_world_size, order=order,
-        timeline=timeline,
-    )
+    try:
+        settings = Settings.resolve(
+            rendezvous=rendezvous, world_size=world_size, rank=rank, join_timeout=timeout,
+            strategies=strategies, collective_timeout=collective_timeout, transport=transport,
+            key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
+            min_world_size=min_world_size, max_world_size=max_world_size, order=order,
+            timeline=timeline,
+        )
+    except SettingsError:
+        _brief_settings_errors()
+        raise
     return Join(settings)
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _brief_settings_errors() -> None:
+    """Under ``p2pcoll launch`` (``$P2PCOLL_LAUNCHED``), make an uncaught SettingsError print
+    as one line: ``rank R: SettingsError: MESSAGE (train.py, line 12)``.
+
+    A bad ``P2PCOLL_*`` variable fails every rank the same way, and N tracebacks through
+    asyncio say nothing the message does not. Only a SettingsError that reaches the top
+    uncaught is shortened: the program may still catch it, and any other exception (one it
+    raised itself, or one it raised from ours) keeps its full traceback. The hook is added
+    once, and hands everything else to the hook that was there before.
+    """
+    if os.environ.get("P2PCOLL_LAUNCHED") != "1" or getattr(sys.excepthook, "_p2pcoll", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not isinstance(exc, SettingsError):
+            previous(kind, exc, tb)
+            return
+        frames = [f for f in traceback.extract_tb(tb)
+                  if not Path(f.filename).resolve().is_relative_to(_PACKAGE)]
+        where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+        rank = os.environ.get("RANK", "?")
+        print(f"rank {rank}: SettingsError: {exc}{where}", file=sys.stderr, flush=True)
+
+    hook._p2pcoll = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

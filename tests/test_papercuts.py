@@ -1,0 +1,227 @@
+"""The first hour's papercuts (issue 22): each one with a test that fails on 0.5.0.
+
+Launcher tests run ``p2pcoll launch`` for real; join tests form real groups over loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import p2pcoll
+from p2pcoll.registry import registry
+from p2pcoll.transport.endpoints import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT = 120  # seconds for one launch; far more than any needs on a loaded host
+
+
+def run_launch(*args: str, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "p2pcoll", "launch", *args],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT, env=env,
+    )
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("P2PCOLL_", "OMP_")) and k not in ("RANK", "WORLD_SIZE")}
+    return {**env, **extra}
+
+
+# --- launch sets OMP_NUM_THREADS as torchrun does ------------------------------------------
+
+
+PRINT_THREADS = "import os; print('threads', os.environ.get('OMP_NUM_THREADS'))"
+
+
+def test_launch_sets_one_omp_thread_per_rank_and_says_so() -> None:
+    done = run_launch("-n", "2", "--", sys.executable, "-c", PRINT_THREADS, env=clean_env())
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] threads 1", "[1] threads 1"]
+    notes = [line for line in done.stderr.splitlines() if "OMP_NUM_THREADS=1" in line]
+    assert len(notes) == 1 and "torchrun" in notes[0], done.stderr
+
+
+def test_launch_keeps_the_users_omp_num_threads() -> None:
+    done = run_launch("-n", "2", "--", sys.executable, "-c", PRINT_THREADS,
+                      env=clean_env(OMP_NUM_THREADS="3"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] threads 3", "[1] threads 3"]
+    assert "OMP_NUM_THREADS" not in done.stderr
+
+
+def test_launch_of_one_rank_leaves_omp_num_threads_unset() -> None:
+    done = run_launch("-n", "1", "--", sys.executable, "-c", PRINT_THREADS, env=clean_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[0] threads None"]
+
+
+def test_launch_help_says_it_sets_omp_num_threads() -> None:
+    done = subprocess.run([sys.executable, "-m", "p2pcoll", "launch", "--help"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
+    assert "OMP_NUM_THREADS=1" in " ".join(done.stdout.split())
+
+
+# --- a settings error under launch: one line per rank ----------------------------------------
+
+
+JOINS = textwrap.dedent("""
+    import asyncio, p2pcoll
+
+    async def main():
+        async with p2pcoll.join() as group:
+            await group.barrier()
+
+    asyncio.run(main())
+""")
+
+OWN_ERROR = textwrap.dedent("""
+    import asyncio, p2pcoll
+
+    async def main():
+        try:
+            p2pcoll.join()
+        except p2pcoll.SettingsError as exc:
+            raise RuntimeError("my own wrapper") from exc
+
+    asyncio.run(main())
+""")
+
+
+def test_a_settings_error_under_launch_is_one_line_per_rank(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(JOINS)
+    done = run_launch("-n", "2", "--", sys.executable, str(script),
+                      env=clean_env(P2PCOLL_TIMEOUT="soon"))
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "SettingsError" in line]
+    assert len(errors) == 2, done.stderr
+    for rank in (0, 1):
+        [line] = [e for e in errors if e.startswith(f"[{rank}] ")]
+        assert line.startswith(f"[{rank}] rank {rank}: SettingsError: ")
+        assert "P2PCOLL_TIMEOUT" in line and "'soon'" in line
+        assert f"({script}, line 5)" in line  # the user's line that called join
+
+
+def test_the_users_own_errors_keep_their_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(OWN_ERROR)
+    done = run_launch("-n", "2", "--", sys.executable, str(script),
+                      env=clean_env(P2PCOLL_TIMEOUT="soon"))
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback (most recent call last)") >= 2
+    assert "RuntimeError: my own wrapper" in done.stderr
+
+
+def test_without_the_launcher_a_settings_error_keeps_its_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(JOINS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, env=clean_env(P2PCOLL_TIMEOUT="soon"))
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "SettingsError" in done.stderr
+
+
+# --- join() is a coroutine -----------------------------------------------------------------
+
+
+def url() -> str:
+    return f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+
+
+def test_asyncio_run_takes_join() -> None:
+    """``asyncio.run(join(...))`` runs the join (on 0.5.0: "a coroutine was expected")."""
+    with pytest.raises(p2pcoll.RendezvousError, match="127.0.0.1"):
+        asyncio.run(p2pcoll.join(url(), world_size=2, rank=1, timeout=0.5))
+
+
+async def _two_ways(how: str) -> list[int]:
+    rendezvous = url()
+    joins = [p2pcoll.join(rendezvous, world_size=2, rank=r, timeout=30) for r in range(2)]
+    if how == "create_task":
+        groups = [await t for t in [asyncio.create_task(j) for j in joins]]
+    elif how == "gather":
+        groups = list(await asyncio.gather(*joins))
+    elif how == "wait_for":
+        groups = list(await asyncio.gather(*(asyncio.wait_for(j, 30) for j in joins)))
+    elif how == "ensure_future":
+        groups = list(await asyncio.gather(*(asyncio.ensure_future(j) for j in joins)))
+    else:
+        raise AssertionError(how)
+    try:
+        return sorted(g.rank for g in groups)
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+
+
+@pytest.mark.parametrize("how", ["create_task", "gather", "wait_for", "ensure_future"])
+def test_join_goes_wherever_a_coroutine_goes(how: str) -> None:
+    assert asyncio.run(_two_ways(how)) == [0, 1]
+
+
+async def test_join_is_still_awaitable_and_an_async_context_manager() -> None:
+    rendezvous = url()
+
+    async def member(rank: int) -> int:
+        if rank == 0:
+            group = await p2pcoll.join(rendezvous, world_size=2, rank=0, timeout=30)
+            try:
+                return int((await group.allreduce([1.0]))[0])
+            finally:
+                await group.close()
+        async with p2pcoll.join(rendezvous, world_size=2, rank=1, timeout=30) as group:
+            return int((await group.allreduce([2.0]))[0])
+
+    assert await asyncio.gather(member(0), member(1)) == [3, 3]
+
+
+def test_join_is_a_coroutine() -> None:
+    from collections.abc import Coroutine
+
+    joining = p2pcoll.join(world_size=1)
+    assert isinstance(joining, Coroutine) and asyncio.iscoroutine(joining)
+    joining.close()  # never started: nothing to close, and no "never awaited" warning
+
+
+async def test_a_join_awaited_twice_is_refused_as_a_coroutine_would_be() -> None:
+    joining = p2pcoll.join(world_size=1)
+    group = await joining
+    await group.close()
+    with pytest.raises(RuntimeError, match="cannot reuse already awaited coroutine"):
+        await joining
+
+
+# --- a strategy name typo suggests the closest name ----------------------------------------
+
+
+@pytest.mark.parametrize(("collective", "typo", "meant"), [
+    ("allreduce", "rign", "ring"), ("allreduce", "RING", "ring"),
+    ("broadcast", "pipline", "pipeline"), ("allreduce", "recursive-doubling",
+                                           "recursive_doubling"),
+])
+def test_a_typo_names_the_closest_strategy(collective: str, typo: str, meant: str) -> None:
+    with pytest.raises(p2pcoll.UnknownStrategy, match=f"did you mean '{meant}'\\?") as info:
+        registry.get(collective, typo)
+    assert "available: auto, " in str(info.value)
+
+
+def test_a_name_like_nothing_gets_no_guess() -> None:
+    with pytest.raises(p2pcoll.UnknownStrategy) as info:
+        registry.get("allreduce", "xyzzy")
+    assert "did you mean" not in str(info.value)
+
+
+async def test_join_with_a_typo_in_strategies_suggests_the_name() -> None:
+    with pytest.raises(p2pcoll.UnknownStrategy, match="did you mean 'ring'"):
+        async with p2pcoll.join(world_size=1, strategies={"allreduce": "rnig"}):
+            pass
