@@ -203,6 +203,10 @@ class Group:
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., out: Pytree | None = ...,
                   async_op: Literal[True]) -> Handle[Pytree]: ...
+    @overload
+    def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
+                  timeout: float | None = ..., out: Pytree | None = ...,
+                  async_op: bool = ...) -> Pytree | Handle[Pytree]: ...
     def allreduce(self, value: Pytree, op: Op = "sum", *, strategy: str | None = None,
                   timeout: float | None = None, out: Pytree | None = None,
                   async_op: bool = False) -> Pytree | Handle[Pytree]:
@@ -218,6 +222,10 @@ class Group:
     def reduce(self, value: Pytree, root: int = ..., op: Op = ..., *,
                strategy: str | None = ..., timeout: float | None = ...,
                async_op: Literal[True]) -> Handle[Pytree | None]: ...
+    @overload
+    def reduce(self, value: Pytree, root: int = ..., op: Op = ..., *,
+               strategy: str | None = ..., timeout: float | None = ...,
+               async_op: bool = ...) -> Pytree | None | Handle[Pytree | None]: ...
     def reduce(self, value: Pytree, root: int = 0, op: Op = "sum", *,
                strategy: str | None = None, timeout: float | None = None,
                async_op: bool = False) -> Pytree | None | Handle[Pytree | None]:
@@ -233,6 +241,10 @@ class Group:
     def reduce_scatter(self, array: np.ndarray, op: Op = ..., *, strategy: str | None = ...,
                        timeout: float | None = ...,
                        async_op: Literal[True]) -> Handle[np.ndarray]: ...
+    @overload
+    def reduce_scatter(self, array: np.ndarray, op: Op = ..., *, strategy: str | None = ...,
+                       timeout: float | None = ...,
+                       async_op: bool = ...) -> np.ndarray | Handle[np.ndarray]: ...
     def reduce_scatter(self, array: np.ndarray, op: Op = "sum", *,
                        strategy: str | None = None, timeout: float | None = None,
                        async_op: bool = False) -> np.ndarray | Handle[np.ndarray]:
@@ -246,6 +258,9 @@ class Group:
     @overload
     def broadcast(self, value: Pytree | None, root: int = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., async_op: Literal[True]) -> Handle[Pytree]: ...
+    @overload
+    def broadcast(self, value: Pytree | None, root: int = ..., *, strategy: str | None = ...,
+                  timeout: float | None = ..., async_op: bool = ...) -> Pytree | Handle[Pytree]: ...
     def broadcast(self, value: Pytree | None, root: int = 0, *, strategy: str | None = None,
                   timeout: float | None = None,
                   async_op: bool = False) -> Pytree | Handle[Pytree]:
@@ -261,6 +276,10 @@ class Group:
     def allgather(self, array: np.ndarray, *, strategy: str | None = ...,
                   timeout: float | None = ...,
                   async_op: Literal[True]) -> Handle[list[np.ndarray]]: ...
+    @overload
+    def allgather(self, array: np.ndarray, *, strategy: str | None = ...,
+                  timeout: float | None = ...,
+                  async_op: bool = ...) -> list[np.ndarray] | Handle[list[np.ndarray]]: ...
     def allgather(self, array: np.ndarray, *, strategy: str | None = None,
                   timeout: float | None = None,
                   async_op: bool = False) -> list[np.ndarray] | Handle[list[np.ndarray]]:
@@ -276,6 +295,10 @@ class Group:
     def gather(self, array: np.ndarray, root: int = ..., *, strategy: str | None = ...,
                timeout: float | None = ...,
                async_op: Literal[True]) -> Handle[list[np.ndarray] | None]: ...
+    @overload
+    def gather(self, array: np.ndarray, root: int = ..., *, strategy: str | None = ...,
+               timeout: float | None = ...,
+               async_op: bool = ...) -> list[np.ndarray] | None | Handle[list[np.ndarray] | None]: ...
     def gather(self, array: np.ndarray, root: int = 0, *, strategy: str | None = None,
                timeout: float | None = None, async_op: bool = False,
                ) -> list[np.ndarray] | None | Handle[list[np.ndarray] | None]:
@@ -291,6 +314,10 @@ class Group:
     def scatter(self, parts: Sequence[np.ndarray] | None, root: int = ..., *,
                 strategy: str | None = ..., timeout: float | None = ...,
                 async_op: Literal[True]) -> Handle[np.ndarray]: ...
+    @overload
+    def scatter(self, parts: Sequence[np.ndarray] | None, root: int = ..., *,
+                strategy: str | None = ..., timeout: float | None = ...,
+                async_op: bool = ...) -> np.ndarray | Handle[np.ndarray]: ...
     def scatter(self, parts: Sequence[np.ndarray] | None, root: int = 0, *,
                 strategy: str | None = None, timeout: float | None = None,
                 async_op: bool = False) -> np.ndarray | Handle[np.ndarray]:
@@ -304,6 +331,9 @@ class Group:
     @overload
     def barrier(self, *, strategy: str | None = ..., timeout: float | None = ...,
                 async_op: Literal[True]) -> Handle[None]: ...
+    @overload
+    def barrier(self, *, strategy: str | None = ..., timeout: float | None = ...,
+                async_op: bool = ...) -> None | Handle[None]: ...
     def barrier(self, *, strategy: str | None = None, timeout: float | None = None,
                 async_op: bool = False) -> Handle[None] | None:
         """Return once every rank has entered the barrier."""
@@ -316,6 +346,9 @@ class Group:
     @overload
     def send(self, value: Pytree, dst: int, *, tag: int = ..., timeout: float | None = ...,
              async_op: Literal[True]) -> Handle[None]: ...
+    @overload
+    def send(self, value: Pytree, dst: int, *, tag: int = ..., timeout: float | None = ...,
+             async_op: bool = ...) -> None | Handle[None]: ...
     def send(self, value: Pytree, dst: int, *, tag: int = 0, timeout: float | None = None,
              async_op: bool = False) -> Handle[None] | None:
         """Send ``value`` to rank ``dst`` (its ``recv(src=<this rank>, tag=tag)`` gets it).
@@ -329,6 +362,9 @@ class Group:
     @overload
     def recv(self, src: int, *, tag: int = ..., out: Pytree | None = ...,
              timeout: float | None = ..., async_op: Literal[True]) -> Handle[Pytree]: ...
+    @overload
+    def recv(self, src: int, *, tag: int = ..., out: Pytree | None = ...,
+             timeout: float | None = ..., async_op: bool = ...) -> Pytree | Handle[Pytree]: ...
     def recv(self, src: int, *, tag: int = 0, out: Pytree | None = None,
              timeout: float | None = None, async_op: bool = False) -> Pytree | Handle[Pytree]:
         """Receive the next value rank ``src`` sends this rank with ``tag``."""
@@ -343,6 +379,10 @@ class Group:
     def recv_any(self, *, tag: int = ..., out: Pytree | None = ...,
                  timeout: float | None = ...,
                  async_op: Literal[True]) -> Handle[tuple[int, Pytree]]: ...
+    @overload
+    def recv_any(self, *, tag: int = ..., out: Pytree | None = ...,
+                 timeout: float | None = ...,
+                 async_op: bool = ...) -> tuple[int, Pytree] | Handle[tuple[int, Pytree]]: ...
     def recv_any(self, *, tag: int = 0, out: Pytree | None = None,
                  timeout: float | None = None, async_op: bool = False,
                  ) -> tuple[int, Pytree] | Handle[tuple[int, Pytree]]:
