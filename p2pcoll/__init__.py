@@ -46,6 +46,7 @@ __all__ = [
     "StrategyError",
     "UnknownStrategy",
     "available_strategies",
+    "blocking",
     "join",
     "register_strategy",
     "training",
@@ -53,9 +54,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # p2pcoll.training is imported on first use, so `import p2pcoll` stays light.
-    if name == "training":
+    # p2pcoll.training and p2pcoll.blocking are imported on first use, so `import p2pcoll`
+    # stays light (and starts no exit hook).
+    if name in ("training", "blocking"):
         import importlib
 
-        return importlib.import_module(".training", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -364,3 +364,14 @@ def test_example_under_the_launcher() -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "blocking allreduce on 2 ranks: sum of ranks 1, all ok" in proc.stdout
+
+
+def test_p2pcoll_blocking_is_imported_on_first_use() -> None:
+    code = ("import sys, p2pcoll\n"
+            "assert 'p2pcoll.blocking' not in sys.modules\n"
+            "from p2pcoll.blocking import join\n"
+            "assert p2pcoll.blocking.join is join and 'blocking' in p2pcoll.__all__\n")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=WAIT_S,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
