@@ -64,6 +64,23 @@ def test_quickstart_runs(tmp_path: Path) -> None:
         assert re.search(rf"^\[{rank}\] {rank} 2 \{{", done.stdout, flags=re.MULTILINE), done.stdout
 
 
+def test_blocking_snippet_runs(tmp_path: Path) -> None:
+    """The API section's blocking example, run as written by two peers of the launcher."""
+    blocks = re.findall(r"```python\n(.*?)```", section((ROOT / "README.md").read_text(),
+                                                        "The API"), flags=re.DOTALL)
+    script = tmp_path / "blocking.py"
+    script.write_text(next(b for b in blocks if "p2pcoll.blocking.join(" in b))
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pcoll", "launch", "-n", "2", "--",
+         sys.executable, str(script)],
+        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    for rank in (0, 1):
+        line = rf"^\[{rank}\] {rank} \[1\. 1\. 1\. 1\.\] \[2\. 2\. 2\. 2\.\] True$"
+        assert re.search(line, done.stdout, flags=re.MULTILINE), done.stdout
+
+
 def test_two_hosts_commands_run(tmp_path: Path) -> None:
     """The "Two hosts" section's commands for host A and host B, run as written on this
     host (host A's address replaced by loopback, its port by a free one), with the
