@@ -225,3 +225,49 @@ async def test_join_with_a_typo_in_strategies_suggests_the_name() -> None:
     with pytest.raises(p2pcoll.UnknownStrategy, match="did you mean 'ring'"):
         async with p2pcoll.join(world_size=1, strategies={"allreduce": "rnig"}):
             pass
+
+
+# --- simulate's "auto picks" is what a live group runs ----------------------------------------
+
+
+def simulated_pick(collective: str, p: int, nbytes: int,
+                   capsys: pytest.CaptureFixture[str]) -> str:
+    from p2pcoll.cli import main
+
+    assert main(["simulate", "--collective", collective, "-n", str(p),
+                 "--size", str(nbytes)]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("best: ")]
+    return line.split()[1]
+
+
+async def live_pick(collective: str, p: int, nbytes: int) -> str:
+    import numpy as np
+
+    from p2pcoll.testing import memory_groups
+
+    groups = await memory_groups(p)
+    data = np.ones(nbytes // 4, dtype=np.float32)
+    try:
+        if collective == "broadcast":
+            await asyncio.gather(*(g.broadcast(data if g.rank == 0 else None) for g in groups))
+        elif collective == "reduce":
+            await asyncio.gather(*(g.reduce(data) for g in groups))
+        else:
+            await asyncio.gather(*(g.allreduce(data) for g in groups))
+        ran = groups[0].stats()["collectives_by_strategy"][collective]
+        assert sum(ran.values()) == 1, ran
+        return str(next(iter(ran)))
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+
+
+@pytest.mark.parametrize("collective", ["broadcast", "allreduce", "reduce"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("nbytes", [4 << 10, 256 << 10, 4 << 20])
+def test_simulate_says_what_auto_runs(collective: str, p: int, nbytes: int,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """On 0.5.0, a 4-rank 4 MiB broadcast: simulate said pipeline, auto ran root."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("P2PCOLL_")}
+    assert not env, f"run without P2PCOLL_ settings: {env}"
+    said = simulated_pick(collective, p, nbytes, capsys)
+    assert said == asyncio.run(live_pick(collective, p, nbytes))

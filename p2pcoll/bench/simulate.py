@@ -5,6 +5,14 @@ with a link's latency (alpha), bandwidth (1/beta) and reduction rate (1/gamma), 
 and over a sweep of sizes, which gives the crossovers: the sizes at which the fastest
 strategy changes. ``--plot`` draws time against size per strategy (matplotlib).
 
+Without a link given (``--latency``, ``--bandwidth``, ``--gamma``) the model is the one a
+live group builds (:meth:`CostModel.for_group`): ``--transport ipc`` is P ranks on this host
+(shared-memory rings, ``$P2PCOLL_SHM``, and its cores against P ranks), ``--transport tcp``
+is P hosts; the settings (segment, depth) come from the environment as join's do. So "best"
+is what ``auto`` runs in such a group, by the same function (:meth:`Registry.auto_name`), and
+the table is sorted by the same prediction. With a link given, the ranks have a host each
+on that link (every send a copy; no host contention).
+
 Units. Sizes are bytes with binary suffixes, as everywhere in p2pcoll (``4K`` = 4096,
 ``100MB`` = ``100M`` = 100 MiB, ``1.5G``). Times take ``ns``, ``us`` (or ``µs``), ``ms`` or
 ``s``. Rates are SI, as links are quoted: ``10Gbit`` (= ``10Gbit/s``, ``10Gbps``, ``10Gb/s``:
@@ -92,7 +100,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", metavar="RATE",
                         help="the reduction rate 1/gamma, e.g. 5GB/s (default: the transport's)")
     parser.add_argument("--transport", choices=TRANSPORTS, default="ipc",
-                        help="whose constants fill in what is not given (default: ipc)")
+                        help="ipc: the ranks share this host (its cores, shared memory), as "
+                             "p2pcoll launch -n P runs them; tcp: a host each. Its constants fill "
+                             "in what is not given (default: ipc)")
     parser.add_argument("--cost-model", metavar="FILE",
                         help="JSON file of constants (default: $P2PCOLL_COST_MODEL, else the "
                              "built-in ones)")
@@ -118,8 +128,7 @@ def predict(reg: Registry, model: CostModel, collective: str, nbytes: int,
     for name, entry in sorted(reg.entries()[collective].items()):
         strategy: Strategy = entry.strategy
         cost = strategy.cost(model.workload(strategy, nbytes, size))
-        out.append(Prediction(name, cost,
-                              None if cost is None else model.constants.time(cost)))
+        out.append(Prediction(name, cost, model.predict(strategy, nbytes, size)))
     return sorted(out, key=lambda p: (p.seconds is None, p.seconds or 0.0, p.name))
 
 
@@ -146,22 +155,35 @@ def crossovers(reg: Registry, model: CostModel, collective: str, size: int,
 
 
 def _model(args: argparse.Namespace, environ: dict[str, str] | None = None) -> CostModel:
-    path = args.cost_model or Settings.resolve(environ).cost_model
+    """The model simulate prices with.
+
+    No link given (no ``--latency``, ``--bandwidth`` or ``--gamma``): the model of a group of
+    ``--world-size`` ranks joined with this environment, all on this host (``--transport
+    ipc``: shared-memory rings, this host's cores) or one per host (``tcp``), built by
+    :meth:`CostModel.for_group` as the group builds it, so "best" is what auto runs there.
+    A link given: a network of that link, a host per rank (no shared memory, no contention).
+    """
+    settings = Settings.resolve(environ)
+    path = args.cost_model or settings.cost_model
     table = load_constants(path, "--cost-model" if args.cost_model else "$P2PCOLL_COST_MODEL") \
         if path else dict(DEFAULT_CONSTANTS)
+    if args.segment_bytes:
+        segment = parse_size(args.segment_bytes)
+        if segment < 1:
+            raise ValueError("--segment-bytes must be at least 1")
+        settings = replace(settings, segment_bytes=segment)
+    if not (args.latency or args.bandwidth or args.gamma):
+        endpoints = [f"{args.transport}://simulated/{r}" for r in range(max(args.world_size, 1))]
+        return CostModel.for_group(settings, endpoints, 0, table)
     base = table[args.transport]
-    # Simulated ranks have a host each: no shared-memory rings, every send a copy (repeat 1).
-    constants = replace(
+    table[args.transport] = replace(
         base,
         alpha=parse_time(args.latency) if args.latency else base.alpha,
         beta=1 / parse_rate(args.bandwidth) if args.bandwidth else base.beta,
         gamma=1 / parse_rate(args.gamma) if args.gamma else base.gamma,
-        repeat=1.0,
+        repeat=1.0,  # a host per rank: every send a copy of its own
     )
-    segment = parse_size(args.segment_bytes) if args.segment_bytes else 1 << 20
-    if segment < 1:
-        raise ValueError("--segment-bytes must be at least 1")
-    return CostModel(constants, segment_bytes=segment)
+    return CostModel.for_settings(settings, args.transport, table)
 
 
 def _seconds(t: float) -> str:
@@ -202,8 +224,12 @@ def report(args: argparse.Namespace, reg: Registry = registry) -> str:
         (f"# alpha {_seconds(c.alpha)}/message, beta {c.beta * 1e9:.4g} ns/B "
         f"({1 / c.beta / 1e9:.4g} GB/s), gamma {c.gamma * 1e9:.4g} ns/B "
         f"({1 / c.gamma / 1e9:.4g} GB/s) ({args.transport} constants where not given)"),
+        (f"# {model.local} of the ranks on this host of {model.cores} cores"
+         + (", shared-memory rings" if c.repeat < 1 else "") if model.cores
+         else "# a host per rank (the link given)"),
         (f"# segments of {_size(model.segment_bytes)}, {model.depth} in flight; "
-        "time = rounds*alpha + sent*beta + reduced*gamma on the critical path"),
+        "time = rounds*alpha + sent*beta + reduced*gamma on the critical path, "
+        "+ the host's CPU share when its ranks outnumber its cores"),
         (f"{'strategy':<20} {'time':>12} {'x best':>8} {'rounds':>10} {'sent (B)':>14} "
         f"{'reduced (B)':>14}"),
     ]

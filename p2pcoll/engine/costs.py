@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -173,6 +174,22 @@ class CostModel:
             chosen = replace(chosen, repeat=1.0)
         return cls(chosen, settings.segment_bytes, settings.pipeline_depth,
                    settings.max_message_bytes, local, cores)
+
+    @classmethod
+    def for_group(cls, settings: Any, endpoints: Sequence[str], rank: int,
+                  constants: Mapping[str, Constants] | None = None, *,
+                  cores: int | None = None) -> CostModel:
+        """auto's model for the group whose peers listen at ``endpoints``, seen from
+        ``rank``: tcp constants if any other peer is reached over tcp, else ipc; the ranks
+        of this host (those not reached over tcp) against its ``cores`` (default: the CPUs
+        this process may run on). A live group and ``p2pcoll simulate`` both build their
+        model here, so what simulate says auto picks is what a group of that shape runs.
+        Raises SettingsError on a bad constants file."""
+        remote = sum(e.startswith("tcp://") for r, e in enumerate(endpoints) if r != rank)
+        if cores is None:
+            cores = len(os.sched_getaffinity(0))
+        return cls.for_settings(settings, "tcp" if remote else "ipc", constants,
+                                local=len(endpoints) - remote, cores=cores)
 
     def workload(self, strategy: Strategy, nbytes: int, size: int,
                  itemsize: int = 1) -> Workload:
