@@ -112,6 +112,13 @@ class Group:
 
     Any method may be called from any thread (the calls are serialized in the order they
     reach the loop thread). After :meth:`close` every call raises GroupBroken.
+
+    Raises (besides what the async method raises):
+        GroupBroken: the group is closed (raised at once, also with ``async_op``).
+        LoopBlocked: a blocking call (``async_op`` False), :meth:`stats` or :meth:`close`
+            on a thread running an asyncio event loop; nothing is started.
+        KeyboardInterrupt: Ctrl-C while blocked; the interrupted call is cancelled, which
+            breaks the group (the peers get an abort at once).
     """
 
     def __init__(self, group: AsyncGroup, loop_thread: LoopThread) -> None:
@@ -172,6 +179,8 @@ class Group:
 
         Raises:
             GroupBroken: the group is closed.
+            LoopBlocked: called on a thread running an event loop (read ``g.aio.stats()``
+                in a coroutine on the loop thread instead).
         """
         self._check_open("stats")
         return self._loop_thread.call(self._group.stats)

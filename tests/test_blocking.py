@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -375,3 +376,23 @@ def test_p2pcoll_blocking_is_imported_on_first_use() -> None:
                           capture_output=True, text=True, timeout=WAIT_S,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_forked_child_joins_with_a_loop_thread_of_its_own(pair: list[blocking.Group]) -> None:
+    """The parent's loop thread (busy with ``pair``) does not survive a fork: a group the
+    child joins must not wait on it forever."""
+    assert LoopThread._instance is not None
+    with warnings.catch_warnings():  # 3.12+ warns about forking a process with threads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: a group of one, one collective, then out without cleanup
+        code = 1
+        signal.alarm(WAIT_S)  # a child stuck on the parent's dead loop thread dies, not hangs
+        try:
+            with blocking.join(world_size=1, timeout=30) as g:
+                code = 0 if float(g.allreduce(np.array([2.0]))[0]) == 2.0 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    np.testing.assert_array_equal(each(pair, lambda g: g.allreduce(np.ones(1)))[0], [2.0])

@@ -11,7 +11,8 @@ There is one loop thread per process, shared by every user: :meth:`LoopThread.ac
 starts it for the first user and :meth:`LoopThread.release` stops it when the last one
 is done. At interpreter exit (atexit, which runs before daemon threads are frozen) the
 closers registered with :meth:`LoopThread.close_at_exit` run first (newest first), then the
-loop stops, so no thread of ours is inside zmq when the interpreter finalizes.
+loop stops, so no thread of ours is inside zmq when the interpreter finalizes. A forked
+child starts afresh (a thread does not survive a fork).
 
 Calling :meth:`LoopThread.run` from the loop thread itself, or from any thread whose own
 event loop is running, would block that loop: it raises :class:`LoopBlocked` instead.
@@ -24,6 +25,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
@@ -208,6 +210,18 @@ def _at_exit() -> None:
         instance._stop()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has no loop thread (only the forking thread survives a fork): forget
+    the parent's, so a group joined in the child starts its own. The parent's groups are
+    unusable in the child, and nothing closes them there."""
+    LoopThread._lock = threading.Lock()
+    LoopThread._instance = None
+    LoopThread._users = 0
+    LoopThread._closers = {}
+
+
 atexit.register(_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = ["LoopBlocked", "LoopThread", "wait"]
