@@ -75,13 +75,17 @@ def one_run(mode: str, nbytes: int, iters: int) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", mode, str(r), url, str(nbytes), str(iters)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for r in range(2)]
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)]
     outs = []
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=600)
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=600)
+            if err.strip():  # said with the mode and rank that said it
+                print("".join(f"[{mode} rank {rank}] {line}\n" for line in err.splitlines()),
+                      file=sys.stderr, end="")
             if p.returncode != 0:
-                raise SystemExit(f"{mode} rank failed with status {p.returncode}")
+                raise SystemExit(f"{mode} rank {rank} failed with status {p.returncode}")
             outs.append(out)
     finally:
         for p in procs:

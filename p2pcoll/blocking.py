@@ -82,7 +82,8 @@ class Handle(Generic[T]):
                 for bad arguments, ...), on every wait.
             TimeoutError: ``timeout`` passed first; the call goes on, and ``wait`` may be
                 called again.
-            LoopBlocked: called on a thread running an event loop.
+            LoopBlocked: called, before the call has finished, on a thread running an
+                event loop (once ``done()``, ``wait()`` returns at once anywhere).
             KeyboardInterrupt: Ctrl-C while waiting; the call is cancelled first, which
                 breaks the group.
         """

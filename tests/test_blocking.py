@@ -260,12 +260,16 @@ def test_blocking_inside_a_running_event_loop_is_a_clear_error(
             g0.barrier()
         with pytest.raises(blocking.LoopBlocked):
             blocking.join("tcp://127.0.0.1:1", world_size=2, rank=0)
-        # async_op is allowed; its wait() is not, but a thread may wait for it.
+        # async_op is allowed; wait() on an unfinished call is not, but a thread may wait.
         h0 = g0.allreduce(np.ones(3), async_op=True)
         h1 = g1.allreduce(np.ones(3), async_op=True)
-        with pytest.raises(blocking.LoopBlocked, match="Handle.wait"):
-            h0.wait()
-        return await asyncio.to_thread(h0.wait), await asyncio.to_thread(h1.wait)
+        received = g1.recv(src=0, tag=77, async_op=True)  # nothing sent yet
+        with pytest.raises(blocking.LoopBlocked, match="recv's Handle.wait"):
+            received.wait()
+        g0.send(np.arange(2), dst=1, tag=77, async_op=True)
+        results = [await asyncio.to_thread(h.wait) for h in (h0, h1, received)]
+        assert received.wait() is results[2]  # done: wait() no longer blocks, so it may
+        return results[0], results[1]
 
     a, b = asyncio.run(inside())
     np.testing.assert_array_equal(a, np.full(3, 2.0))
@@ -327,7 +331,7 @@ def test_ctrl_c_in_a_blocked_call_is_not_swallowed() -> None:
     g, child = join_with_child("interrupt")
     try:
         h = g.recv(src=1, async_op=True)   # what the child will never send
-        threading.Event().wait(0.5)          # let it settle in its recv()
+        threading.Event().wait(2)            # let it settle in its recv()
         child.send_signal(signal.SIGINT)
         with pytest.raises(p2pcoll.P2PCollError) as info:
             h.wait(timeout=WAIT_S)
@@ -396,3 +400,23 @@ def test_a_forked_child_joins_with_a_loop_thread_of_its_own(pair: list[blocking.
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     np.testing.assert_array_equal(each(pair, lambda g: g.allreduce(np.ones(1)))[0], [2.0])
+
+
+def test_the_torch_backend_runs_on_the_same_loop_thread(pair: list[blocking.Group]) -> None:
+    """One loop thread per process, whoever uses it: torch's process groups and these."""
+    pytest.importorskip("torch")
+    from p2pcoll.integrations.torch.runtime import Runtime
+
+    runtime = Runtime.acquire()
+    try:
+        assert LoopThread._instance is not None
+        assert runtime.loop is LoopThread._instance.loop
+        assert runtime.run(_thread_name()) == "p2pcoll-loop"
+    finally:
+        Runtime.release()
+    # torch letting go leaves the loop running for the blocking groups.
+    np.testing.assert_array_equal(each(pair, lambda g: g.allreduce(np.ones(1)))[0], [2.0])
+
+
+async def _thread_name() -> str:
+    return threading.current_thread().name
