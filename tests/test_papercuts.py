@@ -26,7 +26,7 @@ def run_launch(*args: str, env: dict[str, str] | None = None
                ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "p2pcoll", "launch", *args],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT, env=env, check=False,
     )
 
 
@@ -66,7 +66,8 @@ def test_launch_of_one_rank_leaves_omp_num_threads_unset() -> None:
 
 def test_launch_help_says_it_sets_omp_num_threads() -> None:
     done = subprocess.run([sys.executable, "-m", "p2pcoll", "launch", "--help"],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+                          check=False)
     assert "OMP_NUM_THREADS=1" in " ".join(done.stdout.split())
 
 
@@ -126,7 +127,8 @@ def test_without_the_launcher_a_settings_error_keeps_its_traceback(tmp_path: Pat
     script = tmp_path / "train.py"
     script.write_text(JOINS)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT, env=clean_env(P2PCOLL_TIMEOUT="soon"))
+                          timeout=RUN_TIMEOUT, env=clean_env(P2PCOLL_TIMEOUT="soon"),
+                          check=False)
     assert done.returncode == 1
     assert "Traceback (most recent call last)" in done.stderr
     assert "SettingsError" in done.stderr
@@ -271,3 +273,129 @@ def test_simulate_says_what_auto_runs(collective: str, p: int, nbytes: int,
     assert not env, f"run without P2PCOLL_ settings: {env}"
     said = simulated_pick(collective, p, nbytes, capsys)
     assert said == asyncio.run(live_pick(collective, p, nbytes))
+
+
+# --- a refused peer fails the rendezvous host at once; a stranger is named -------------------
+
+
+PEER = """
+import asyncio, sys, p2pcoll
+async def main():
+    size, rank = int(sys.argv[2]), int(sys.argv[3])
+    await p2pcoll.join(sys.argv[1], world_size=size, rank=rank, timeout=60,
+                       key_file=sys.argv[4] or None)
+try:
+    asyncio.run(main())
+except p2pcoll.RendezvousError as exc:
+    print(exc)
+"""
+
+
+def start_peer(url: str, size: int, rank: int, key: str = "") -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", PEER, url, str(size), str(rank), key],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(peer: subprocess.Popen[str]) -> str:
+    try:
+        out, _ = peer.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+    return out
+
+
+@pytest.mark.parametrize(("size", "rank", "why"), [
+    (3, 1, "world_size 3 disagrees with world_size 2"),
+    (4, 3, "world_size 4 disagrees with world_size 2"),
+])
+async def test_a_member_refused_fails_the_host_at_once(size: int, rank: int, why: str) -> None:
+    """On 0.5.0 the host waited its whole join timeout, then said "missing ranks [1]"."""
+    rendezvous = url()
+    host = asyncio.create_task(p2pcoll.join(rendezvous, world_size=2, rank=0, timeout=60))
+    await asyncio.sleep(0.5)  # the host binds and registers first
+    peer = start_peer(rendezvous, size, rank)
+    start = asyncio.get_running_loop().time()
+    with pytest.raises(p2pcoll.RendezvousError) as info:
+        await host
+    took = asyncio.get_running_loop().time() - start
+    said = await asyncio.to_thread(finish, peer)
+    assert took < 30, f"the host waited {took:.0f}s"  # far under its 60 s join timeout
+    message = str(info.value)
+    assert f"pid {peer.pid}" in message and why in message, message
+    assert "cannot form" in message and "timed out" not in message and info.value.permanent
+    assert why in said  # the refused peer is told too
+
+
+async def test_a_member_refused_first_fails_the_host_that_comes_second() -> None:
+    rendezvous = url()
+    peer = start_peer(rendezvous, 3, 1)  # it waits for a host to come up
+    await asyncio.sleep(1.0)
+    with pytest.raises(p2pcoll.RendezvousError, match="world_size"):
+        await p2pcoll.join(rendezvous, world_size=2, rank=0, timeout=60)
+    said = await asyncio.to_thread(finish, peer)
+    assert "world_size" in said
+
+
+@pytest.mark.parametrize("stranger_key", ["other", "none"])
+async def test_a_stranger_does_not_fail_the_host_but_is_named_and_logged(
+    stranger_key: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wrong (or no) job key may be anyone's: the host is not failed by it (that would let
+    an outsider stop a job), but the refusal is logged at once and named when the join
+    times out."""
+    from p2pcoll.security import write_key_file
+
+    job_key, other_key = tmp_path / "job.key", tmp_path / "other.key"
+    write_key_file(str(job_key))
+    write_key_file(str(other_key))
+    rendezvous = url()
+    host = asyncio.create_task(p2pcoll.join(rendezvous, world_size=2, rank=0, timeout=6,
+                                            key_file=job_key))
+    await asyncio.sleep(0.5)
+    peer = start_peer(rendezvous, 2, 1, str(other_key) if stranger_key == "other" else "")
+    with (caplog.at_level("WARNING", logger="p2pcoll.rendezvous"),
+          pytest.raises(p2pcoll.RendezvousError) as info):
+        await host
+    said = await asyncio.to_thread(finish, peer)
+    assert "handshake" in said  # the stranger is told at once, as before
+    message = str(info.value)
+    assert "timed out" in message and "refused" in message and "handshake" in message, message
+    logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert logged and "not a member of this job" in logged[0]
+
+
+# --- nothing listening at the rendezvous address ----------------------------------------------
+
+
+async def test_nobody_at_the_address_is_said_early_and_named_at_the_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On 0.5.0 the first word came at the end of the join timeout."""
+    from p2pcoll.rendezvous import client
+
+    rendezvous = url()  # a free port: nothing listens
+    with (caplog.at_level("WARNING", logger="p2pcoll.rendezvous"),
+          pytest.raises(p2pcoll.RendezvousError) as info):
+        await p2pcoll.join(rendezvous, world_size=2, rank=1, timeout=client.SILENT_WARNING + 2)
+    warnings = [r for r in caplog.records if "no rendezvous host" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert rendezvous in warnings[0].getMessage() and "still trying" in warnings[0].getMessage()
+    assert rendezvous in str(info.value) and "no rendezvous host" in str(info.value)
+
+
+async def test_a_host_that_comes_up_late_is_still_joined(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """The warning does not stop the retries: a host up after it still forms the group."""
+    from p2pcoll.rendezvous import client
+
+    rendezvous = url()
+    with caplog.at_level("WARNING", logger="p2pcoll.rendezvous"):
+        late = asyncio.create_task(p2pcoll.join(rendezvous, world_size=2, rank=1, timeout=60))
+        await asyncio.sleep(client.SILENT_WARNING + 1)
+        first = await p2pcoll.join(rendezvous, world_size=2, rank=0, timeout=60)
+        second = await late
+    assert any("no rendezvous host" in r.getMessage() for r in caplog.records)
+    await asyncio.gather(first.close(), second.close())

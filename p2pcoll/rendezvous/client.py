@@ -16,11 +16,15 @@ handshakes, and tells what it sees apart:
   open a client's hello closes it without a word); without, what listens is not a p2pcoll
   rendezvous.
 
-A host that answered and then went silent for the heartbeat timeout is gone.
+A host that answered and then went silent for the heartbeat timeout is gone. When nothing
+has answered for :data:`SILENT_WARNING` seconds, a warning says so once (naming the
+address; the client keeps trying until its deadline), so a mistyped address or a host not
+started yet shows within seconds rather than at the end of the join timeout.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -36,8 +40,12 @@ from ..errors import RendezvousError
 from ..transport.sockets import SocketFactory
 from ..types import Membership
 from ..wire import WIRE_VERSION
-from .server import RESEND
+from .server import RESEND, hosted_at
 from .url import parse_url
+
+log = logging.getLogger("p2pcoll.rendezvous")
+
+SILENT_WARNING = 5.0  # seconds without any answer before a warning says so (once)
 
 _token = secrets.token_hex(8)  # this process's, in its join requests: see _renew_token
 
@@ -232,6 +240,7 @@ async def rendezvous(
     start = time.monotonic()
     deadline = start + timeout
     goodbye: dict[str, Any] | None = {"v": WIRE_VERSION, "op": "leave", "job": job}
+    warn_at = start + SILENT_WARNING if timeout > SILENT_WARNING else float("inf")
     try:
         next_send = 0.0
         while True:
@@ -240,6 +249,11 @@ async def rendezvous(
                 link.send(request)
                 next_send = now + RESEND
             link.events()
+            if now >= warn_at:
+                warn_at = float("inf")
+                if link.answered is None:
+                    log.warning("%s; still trying until the join timeout (%.3gs in all)",
+                                _silence(url, now - start, link), timeout)
             if link.answered is not None and now - link.answered > heartbeat:
                 raise RendezvousError(
                     f"no rendezvous host at {url}: it answered until {now - link.answered:.1f}s"
@@ -248,7 +262,7 @@ async def rendezvous(
                 )
             if now >= deadline:
                 raise _timed_out(url, timeout, status, link)
-            wait = min(next_send, deadline) - now
+            wait = min(next_send, deadline, warn_at) - now
             if not await link.sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
                 continue
             msg = _reply(await link.sock.recv_multipart(), url, ("status", "error", "roster"))
@@ -257,8 +271,10 @@ async def rendezvous(
                 status = msg
             elif msg["op"] == "error":
                 goodbye = None
+                whom = ("cannot form this peer's group" if msg.get("about") == "other"
+                        else "rejected this peer")
                 raise RendezvousError(
-                    f"rendezvous at {url} rejected this peer: {msg.get('reason')}",
+                    f"rendezvous at {url} {whom}: {msg.get('reason')}",
                     permanent=msg.get("permanent", True) is not False)
             else:
                 goodbye = None
@@ -277,11 +293,21 @@ def _progress(status: dict[str, Any] | None) -> str:
             + (f"; missing ranks {missing}{more}" if missing else ""))
 
 
+def _silence(url: str, seconds: float, link: _Link) -> str:
+    if not link.connected:
+        return (f"no rendezvous host at {url}: nothing has accepted a connection there for "
+                f"{seconds:.3g}s (is the address right, and the host up and reachable?)")
+    return (f"no answer from the rendezvous at {url} for {seconds:.3g}s: something accepted "
+            f"the connection but has not answered")
+
+
 def _timed_out(url: str, timeout: float, status: dict[str, Any] | None, link: _Link
                ) -> RendezvousError:
     if status is not None:
+        server = hosted_at(parse_url(url)[1])
+        refused = server.refusals() if server is not None else ""
         return RendezvousError(f"rendezvous at {url} timed out after {timeout:.3g}s: "
-                               + _progress(status))
+                               + _progress(status) + (f"; {refused}" if refused else ""))
     if not link.connected:
         return RendezvousError(
             f"no rendezvous host at {url}: no answer within {timeout:.3g}s, nothing accepted "

@@ -37,6 +37,17 @@ arrived for :data:`SETTLE` seconds. Ranks go to the requested ones first, then b
 heartbeat timeout is lost: the others of a fixed-size group fail at once naming it (an
 elastic group just goes on without it). A malformed request is logged and dropped.
 
+A refused join that a member of the job made (it passed the job key's handshake, or there
+is no key) and that means the fixed-size group cannot form as asked (its world size or
+rank disagrees with the group's, or two peers asked for one rank) fails the peers already
+registered at once, naming the refused peer and why: they would otherwise wait out their
+join timeout for a peer that will not come back. A refusal that says nothing about the job
+(over a bound of :class:`RendezvousLimits`, too many requests, a malformed request) fails
+nobody else: anyone who can reach the port could send one. Handshakes the socket refuses
+(a different job key, none at a secured rendezvous, a key at a plain one) never become
+requests: they are counted (:meth:`RendezvousServer.refusals`), the first of each kind is
+logged at once, and a host's join that times out says how many there were.
+
 What anyone who can reach the port may cost it is bounded (:class:`RendezvousLimits`, each
 a setting): the world size and heartbeat a join may ask for, the registrations and jobs
 held at once, the requests per second of one connection. Every request costs O(1) (the
@@ -55,6 +66,7 @@ import logging
 import secrets
 import time
 import uuid
+import weakref
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -63,6 +75,7 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ..settings import RendezvousLimits
 from ..transport.sockets import SocketFactory
@@ -155,6 +168,34 @@ class _Rejected(Exception):
     """A request that gets an error reply."""
 
 
+class _Misfit(_Rejected):
+    """A join that cannot fit the group that is forming (world size, bounds or rank): a
+    member's mistake, which fails the peers of a fixed-size group already registered."""
+
+
+# Handshakes the rendezvous socket refused, by what the monitor reports: (event, value) ->
+# what it means. A value of None matches any.
+_REFUSED: dict[tuple[int, int | None], str] = {
+    (zmq.EVENT_HANDSHAKE_FAILED_AUTH, None): "a key that is not the job's",
+    (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+        "one side secured and the other not (a peer without the job key, or with a key "
+        "while the rendezvous has none)",
+    (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC):
+        "a key that is not the job's (their hello could not be opened)",
+    (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, None): "a handshake it could not open (a "
+        "different job key)",
+}
+_MONITORED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_hosted: weakref.WeakValueDictionary[int, RendezvousServer] = weakref.WeakValueDictionary()
+
+
+def hosted_at(port: int) -> RendezvousServer | None:
+    """The server this process hosts on ``port``, if any (a host's join that times out
+    reports what its own server refused)."""
+    return _hosted.get(port)
+
+
 def _int(msg: dict[str, Any], name: str, low: int, high: int | None = None,
          bound: str = "") -> int | None:
     value = msg.get(name)
@@ -196,13 +237,27 @@ class RendezvousServer:
         self.groups_formed = 0
         self.requests = 0  # read
         self.dropped = 0  # over a connection's rate, or malformed
+        self._monitor_async: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._refused: dict[str, int] = {}  # what a refused handshake meant -> how many
+        self.refused_joins: list[str] = []  # the last few member joins refused, described
 
     def stats(self) -> dict[str, int]:
         """What it holds and has done: ``peers`` registered, ``jobs`` forming, ``rosters``
         kept, ``groups_formed``, ``requests`` read and ``dropped``."""
         return {"peers": self._peers, "jobs": len(self._forming), "rosters": len(self._formed),
                 "groups_formed": self.groups_formed, "requests": self.requests,
-                "dropped": self.dropped}
+                "dropped": self.dropped, "handshakes_refused": sum(self._refused.values())}
+
+    def refusals(self) -> str:
+        """What it refused so far, for an error message: handshakes (by kind) and member
+        joins; '' if nothing."""
+        parts = [f"{n} handshake(s) with {what}" for what, n in self._refused.items()]
+        if self.refused_joins:
+            parts.append(f"{len(self.refused_joins)} join(s): "
+                         + "; ".join(self.refused_joins[-3:]))
+        return ("the rendezvous this process hosts refused " + ", and ".join(parts)
+                if parts else "")
 
     def bind(self) -> str:
         """Bind the rendezvous port and return the URL (port 0: the OS picks one).
@@ -220,6 +275,9 @@ class RendezvousServer:
         self.url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         self._plain = zmq.Socket.shadow(sock.underlying)
+        self._monitor_async = sock.get_monitor_socket(_MONITORED)
+        self._monitor = zmq.Socket.shadow(self._monitor_async.underlying)  # read between polls
+        _hosted[parse_url(self.url)[1]] = self
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch())]
         return self.url
 
@@ -310,6 +368,7 @@ class RendezvousServer:
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
+            self._handshakes()
             self._expire(self._read_up_to(now), now)
             for job in list(self._settling):
                 forming = self._forming.get(job)
@@ -320,6 +379,21 @@ class RendezvousServer:
                 if now - roster.formed < FORMED_TTL and len(self._formed) <= FORMED_KEPT:
                     break
                 self._formed.popitem(last=False)
+
+    def _handshakes(self) -> None:
+        """Count the handshakes the socket refused; log the first of each kind at once
+        (then at 10, 100, ...: someone may be knocking on the port)."""
+        monitor = self._monitor
+        while monitor is not None and monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            kind, value = event["event"], event["value"]
+            what = _REFUSED.get((kind, value)) or _REFUSED.get((kind, None))
+            if what is None:
+                continue
+            count = self._refused[what] = self._refused.get(what, 0) + 1
+            if count in (1, 10, 100, 1000) or count % 10000 == 0:
+                log.warning("rendezvous at %s: refused %d connection(s) with %s: not a "
+                            "member of this job", self.url, count, what)
 
     def _read_up_to(self, now: float) -> float:
         """The moment up to which every request has surely been read: ``now`` if none waits
@@ -406,7 +480,13 @@ class RendezvousServer:
         if self._peers - (stale is not None) >= limits.max_peers:
             raise _Rejected(f"{self._peers} peers are waiting at this rendezvous, its bound "
                             f"(P2PCOLL_RENDEZVOUS_MAX_PEERS)")
-        self._check_fit(forming, rank, size, low, high, host, stale)
+        try:
+            self._check_fit(forming, rank, size, low, high, host, stale)
+        except _Misfit as exc:
+            asked = f", asking for rank {rank}" if rank is not None else ""
+            self._refuse_member(forming, f"the peer on {host} (pid {pid}{asked}) was "
+                                         f"refused: {exc}")
+            raise
         if stale is not None:
             log.info("rendezvous: job %r: %s registered again: the old registration is "
                      "replaced", job, stale.describe())
@@ -442,32 +522,44 @@ class RendezvousServer:
         others = len(forming.entries) - (stale is not None)
         if size is not None:
             if forming.world_size is None and others and forming.elastic:
-                raise _Rejected(f"world_size {size} disagrees with an elastic group of the "
+                raise _Misfit(f"world_size {size} disagrees with an elastic group of the "
                                 f"{others} peer(s) already at the rendezvous")
             if forming.world_size is None and others:  # peers that gave no size came first
                 self._adopt_size(forming, size)
             elif forming.world_size is not None and others and size != forming.world_size:
-                raise _Rejected(f"world_size {size} disagrees with world_size "
+                raise _Misfit(f"world_size {size} disagrees with world_size "
                                 f"{forming.world_size} of the {others} peer(s) already at "
                                 f"the rendezvous")
         elif low is not None:
             if others and (forming.world_size is not None
                            or (low, high) != (forming.low, forming.high)):
-                raise _Rejected(f"elastic bounds {low}..{high} disagree with those of the "
+                raise _Misfit(f"elastic bounds {low}..{high} disagree with those of the "
                                 f"{others} peer(s) already at the rendezvous")
             if rank is not None:
-                raise _Rejected("an elastic group assigns every rank: do not ask for one")
+                raise _Misfit("an elastic group assigns every rank: do not ask for one")
         if rank is None:
             return
         world = forming.world_size if others else size  # a first peer sets the size
         if world is not None and rank >= world:
-            raise _Rejected(f"rank {rank} is out of range for world_size {world}")
+            raise _Misfit(f"rank {rank} is out of range for world_size {world}")
         other = forming.by_rank.get(rank)
         if other is not None and other is not stale:
             reason = f"rank {rank} was requested by two peers ({other.host} and {host})"
             self._remove(forming, other)
             self._reply(other.identity, op="error", reason=reason)
-            raise _Rejected(reason)
+            raise _Misfit(reason)
+
+    def _refuse_member(self, forming: _Forming, what: str) -> None:
+        """A member's join was refused: log it, and fail the peers of a fixed-size group
+        already registered (the group cannot form as asked; an elastic one goes on)."""
+        self.refused_joins = [*self.refused_joins[-7:], what]
+        log.warning("rendezvous: job %r: %s", forming.job, what)
+        if forming.elastic or not forming.entries or self._forming.get(forming.job) is not forming:
+            return
+        for e in list(forming.entries.values()):
+            self._reply(e.identity, op="error", about="other", reason=(
+                f"{what}; the group of world_size {forming.world_size} cannot form as asked"))
+            self._remove(forming, e)
 
     def _adopt_size(self, forming: _Forming, size: int) -> None:
         """The first world size given for a group whose first peers gave none: those that
@@ -592,6 +684,10 @@ class RendezvousServer:
         for task in self._tasks:
             task.cancel()
         if self._sock is not None:
+            self._sock.disable_monitor()
+            if self._monitor_async is not None:
+                self._monitor_async.close(linger=0)
+                self._monitor_async = self._monitor = None
             self._sock.close()
             self._sock = self._plain = None
         if self._own_sockets:
