@@ -94,6 +94,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
         "P2PCOLL_METRICS_MAX_CONNECTIONS", "P2PCOLL_METRICS_CLIENT_CONNECTIONS",
         "P2PCOLL_METRICS_TIMEOUT", "P2PCOLL_METRICS_RATE", "P2PCOLL_METRICS_CACHE",
+        "P2PCOLL_LAUNCHED",  # set by `p2pcoll launch` for its children (see launch.py)
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
 )

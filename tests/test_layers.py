@@ -32,7 +32,7 @@ LAYERS = {
     "engine": 3, "rendezvous": 3,
     "session": 4, "registry": 4,
     "api": 5,
-    "training": 6, "testing": 6, "launch": 6, "service": 6, "integrations": 6,
+    "training": 6, "testing": 6, "launch": 6, "service": 6, "integrations": 6, "blocking": 6,
     "bench": 7, "cli": 7, "__main__": 7, "__init__": 7, "torch": 7,
 }
 

@@ -111,3 +111,18 @@ def test_train_ddp_example_matches_gloo(tmp_path: Path) -> None:
     for kind in ("", "fsdp-", "fp16-", "powersgd-"):
         assert torch.equal(saved[f"{kind}p2pcoll"], saved[f"{kind}gloo"]), kind
     assert torch.equal(saved["launch"], saved["gloo"])
+
+
+def test_import_p2pcoll_torch_first_registers_the_backend_quietly() -> None:
+    """A program whose first torch import is ``import p2pcoll.torch``: torch runs the
+    backend's entry point while p2pcoll's torch package is half imported (0.6.0 failed with
+    "Failed to load the backend extension: p2pcoll")."""
+    import subprocess
+    import sys
+
+    code = ("import p2pcoll.torch, torch.distributed as dist; "
+            "print(dist.Backend.P2PCOLL)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert (run.returncode, run.stdout.strip()) == (0, "p2pcoll"), run.stderr
+    assert "could not register" not in run.stderr, run.stderr

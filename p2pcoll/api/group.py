@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -177,14 +176,10 @@ class Group:
         )
 
     def _costs(self) -> CostModel:
-        """auto's cost model: tcp constants if any peer is reached over tcp, else ipc; the
-        ranks of this host (those not reached over tcp) against its cores."""
+        """auto's cost model (:meth:`CostModel.for_group`: the one ``p2pcoll simulate`` uses)."""
         if self._cost_model is None:
-            me, ends = self.rank, self.membership.endpoints
-            remote = sum(e.startswith("tcp://") for r, e in enumerate(ends) if r != me)
-            self._cost_model = CostModel.for_settings(
-                self.settings, "tcp" if remote else "ipc", self._constants,
-                local=len(ends) - remote, cores=len(os.sched_getaffinity(0)))
+            self._cost_model = CostModel.for_group(
+                self.settings, self.membership.endpoints, self.rank, self._constants)
         return self._cost_model
 
     def _limit(self, timeout: float | None) -> float:

@@ -1,15 +1,14 @@
 """p2pcoll as a torch.distributed backend: ``init_process_group("p2pcoll")``.
 
 Installing p2pcoll with torch registers the backend through the ``torch.backends`` entry
-point (:func:`_autoload`, which torch runs at ``import torch`` unless
-``TORCH_DEVICE_BACKEND_AUTOLOAD=0``); ``import p2pcoll.torch`` registers it explicitly.
+point (:mod:`p2pcoll.integrations.torch_autoload`, which torch runs at ``import torch``
+unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``); ``import p2pcoll.torch`` registers it
+explicitly.
 The backend is for CPU tensors; see :mod:`.backend` for how each torch collective maps
 onto p2pcoll's.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch.distributed as dist
 
@@ -24,16 +23,6 @@ def register() -> None:
     if hasattr(dist.Backend, NAME.upper()):
         return
     dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu"])
-
-
-def _autoload() -> None:
-    """The ``torch.backends`` entry point. It runs inside ``import torch``, whose failure
-    would break every torch program here, so it logs instead of raising."""
-    try:
-        register()
-    except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
-        logging.getLogger("p2pcoll").warning("could not register the p2pcoll torch "
-                                             "backend: %s", exc)
 
 
 __all__ = ["ALLTOALL_TAG", "NAME", "Options", "ProcessGroupP2PColl", "UnsupportedOperation",
