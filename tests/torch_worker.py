@@ -272,6 +272,14 @@ def main_default() -> None:
                 failures.append(f"error for {op} {dtype} does not name it: {exc}")
         else:
             failures.append(f"{op} on {dtype} did not raise")
+    # A tensor off the CPU (meta here; cuda alike) is an error naming its device.
+    try:
+        dist.all_reduce(torch.ones(2, device="meta"))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        if "meta" not in str(exc):
+            failures.append(f"the error for a meta tensor does not name its device: {exc}")
+    else:
+        failures.append("a meta tensor did not raise")
     sub = dist.new_group([p - 1, 0])
     if rank in (0, p - 1):
         x = torch.tensor([rank + 1.0])
