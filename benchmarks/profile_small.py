@@ -242,7 +242,7 @@ class Stepper:
             except GeneratorExit:
                 coro.close()
                 raise
-            except BaseException as exc:  # noqa: BLE001 - thrown in: pass it to the coroutine
+            except BaseException as exc:
                 value, error = None, exc
 
 
@@ -478,7 +478,7 @@ def header_key(raw: bytes) -> tuple[int, int, int, int] | None:
 
     try:
         d = msgpack.unpackb(raw, raw=False)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     if not isinstance(d, dict) or d.get("k") != "data" or "t" in d:
         return None
@@ -654,7 +654,7 @@ async def floor_peer(a: argparse.Namespace) -> dict[str, Any]:
     for name, run in floors:
         try:
             results[name] = await asyncio.wait_for(run(), 40)
-        except Exception as exc:  # noqa: BLE001 - report and go on with the next floor
+        except Exception as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return {"rank": a.rank, "floors": results}
 
@@ -1178,7 +1178,10 @@ def rep_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """One repetition's figures: slowest-rank times, CPU per process, back to back."""
     walls = [max(r["plain"]["wall"][i] for r in ranks) for i in range(len(ranks[0]["plain"]["wall"]))]
     n = len(walls)
-    per_proc = lambda key: median([sum(r["plain"][key]) / n for r in ranks])
+
+    def per_proc(key: str) -> float:
+        return median([sum(r["plain"][key]) / n for r in ranks])
+
     return {
         "median": us(median(walls)), "p10": us(quantile(walls, 0.1)),
         "p90": us(quantile(walls, 0.9)),

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_sender_loss import run_case  # noqa: E402  (the tests' peers and their launcher)
+from test_sender_loss import run_case
 
 # (what is measured, scenario, the rank that is signalled)
 CASES = [("p2p send (sender)", "send", 1), ("p2p recv (receiver)", "recv", 0),

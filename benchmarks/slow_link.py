@@ -54,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import netns  # tests/netns.py: the namespaces
+import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
 
 WORLD = 4
 PORT = 29500

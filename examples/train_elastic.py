@@ -52,7 +52,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_digits import (  # noqa: E402 - the sibling example, found through sys.path
+from train_digits import (
     accuracy,
     batches,
     gradients,
@@ -62,8 +62,8 @@ from train_digits import (  # noqa: E402 - the sibling example, found through sy
     train_alone,
 )
 
-from p2pcoll import training  # noqa: E402
-from p2pcoll.testing import free_port  # noqa: E402
+from p2pcoll import training
+from p2pcoll.testing import free_port
 
 RTOL = 1e-6
 PROGRESS_EVERY = 20  # rounds between progress lines

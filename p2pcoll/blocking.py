@@ -220,7 +220,8 @@ class Group:
     def allreduce(self, value: Pytree, op: Op = "sum", *, strategy: str | None = None,
                   timeout: float | None = None, out: Pytree | None = None,
                   async_op: bool = False) -> Pytree | Handle[Pytree]:
-        """Reduce ``value`` over all ranks; the result on every rank (:meth:`p2pcoll.Group.allreduce`)."""
+        """Reduce ``value`` over all ranks; the result on every rank
+        (:meth:`p2pcoll.Group.allreduce`)."""
         return self._call("allreduce", self._group.allreduce(
             value, op, strategy=strategy, timeout=timeout, out=out), async_op)
 
@@ -235,10 +236,10 @@ class Group:
     @overload
     def reduce(self, value: Pytree, root: int = ..., op: Op = ..., *,
                strategy: str | None = ..., timeout: float | None = ...,
-               async_op: bool = ...) -> Pytree | None | Handle[Pytree | None]: ...
+               async_op: bool = ...) -> Pytree | Handle[Pytree | None] | None: ...
     def reduce(self, value: Pytree, root: int = 0, op: Op = "sum", *,
                strategy: str | None = None, timeout: float | None = None,
-               async_op: bool = False) -> Pytree | None | Handle[Pytree | None]:
+               async_op: bool = False) -> Pytree | Handle[Pytree | None] | None:
         """Reduce ``value`` over all ranks; the result on ``root``, None elsewhere."""
         return self._call("reduce", self._group.reduce(
             value, root, op, strategy=strategy, timeout=timeout), async_op)
@@ -308,10 +309,11 @@ class Group:
     @overload
     def gather(self, array: np.ndarray, root: int = ..., *, strategy: str | None = ...,
                timeout: float | None = ...,
-               async_op: bool = ...) -> list[np.ndarray] | None | Handle[list[np.ndarray] | None]: ...
+               async_op: bool = ...,
+               ) -> list[np.ndarray] | Handle[list[np.ndarray] | None] | None: ...
     def gather(self, array: np.ndarray, root: int = 0, *, strategy: str | None = None,
                timeout: float | None = None, async_op: bool = False,
-               ) -> list[np.ndarray] | None | Handle[list[np.ndarray] | None]:
+               ) -> list[np.ndarray] | Handle[list[np.ndarray] | None] | None:
         """Every rank's ``array`` in rank order on ``root``; None elsewhere."""
         return self._call("gather", self._group.gather(
             array, root, strategy=strategy, timeout=timeout), async_op)
@@ -343,7 +345,7 @@ class Group:
                 async_op: Literal[True]) -> Handle[None]: ...
     @overload
     def barrier(self, *, strategy: str | None = ..., timeout: float | None = ...,
-                async_op: bool = ...) -> None | Handle[None]: ...
+                async_op: bool = ...) -> Handle[None] | None: ...
     def barrier(self, *, strategy: str | None = None, timeout: float | None = None,
                 async_op: bool = False) -> Handle[None] | None:
         """Return once every rank has entered the barrier."""
@@ -358,7 +360,7 @@ class Group:
              async_op: Literal[True]) -> Handle[None]: ...
     @overload
     def send(self, value: Pytree, dst: int, *, tag: int = ..., timeout: float | None = ...,
-             async_op: bool = ...) -> None | Handle[None]: ...
+             async_op: bool = ...) -> Handle[None] | None: ...
     def send(self, value: Pytree, dst: int, *, tag: int = 0, timeout: float | None = None,
              async_op: bool = False) -> Handle[None] | None:
         """Send ``value`` to rank ``dst`` (its ``recv(src=<this rank>, tag=tag)`` gets it).

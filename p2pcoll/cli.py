@@ -365,7 +365,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _bench(argv: list[str]) -> int:
     try:
-        from . import bench  # noqa: PLC0415 (may pull in heavy optional dependencies)
+        from . import bench
     except ImportError as exc:
         return _fail(f"bench is not available: {exc}")
     parser = argparse.ArgumentParser(
@@ -383,7 +383,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _simulate(argv: list[str]) -> int:
-    from .bench import simulate  # noqa: PLC0415 (imported only when it runs, like bench)
+    from .bench import simulate
 
     parser = argparse.ArgumentParser(
         prog=f"{PROG} simulate",

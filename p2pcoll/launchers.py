@@ -126,7 +126,7 @@ _RANGES = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
 
 
 def _bad(name: str, value: object, allowed: str) -> SettingsError:
-    from .settings import bad_value  # noqa: PLC0415 (settings imports this module)
+    from .settings import bad_value
 
     return bad_value(name, value, allowed)
 

@@ -101,7 +101,8 @@ def validate(obj: object, where: str) -> type[Strategy]:
     name = getattr(obj, "name", None)
     collective = getattr(obj, "collective", None)
     if not isinstance(name, str) or not name.isidentifier() or name == "auto":
-        raise PluginValidationError(f"{where}: {obj.__name__}.name must be an identifier, got {name!r}")
+        raise PluginValidationError(
+            f"{where}: {obj.__name__}.name must be an identifier, got {name!r}")
     if collective not in COLLECTIVES:
         raise PluginValidationError(
             f"{where}: {obj.__name__}.collective is {collective!r}; expected one of {COLLECTIVES}"

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar
 
 __all__ = [
     "ALL",
@@ -106,7 +106,7 @@ class _All:
 
 
 ALL = _All()
-Chunk = Union[int, range, _All]
+Chunk = int | range | _All
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +133,8 @@ class Reduce:
     chunk: Chunk = ALL
 
 
-Op = Union[Send, Recv, Reduce]
-Step = Union[Op, Sequence[Op]]
+Op = Send | Recv | Reduce
+Step = Op | Sequence[Op]
 Schedule = Iterable[Step]
 
 COLLECTIVES = (

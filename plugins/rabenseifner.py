@@ -14,10 +14,11 @@ in 2 lg p rounds instead of 2(p-1). Every block is reduced by exactly one rank a
 from there, so the results are bitwise identical on every rank.
 
 Other p, the MPICH fold (``p2pcoll.strategy.Fold``, as in plugins/recursive_doubling.py):
-let p' be the largest power of two <= p and r = p - p'. Among the first 2r ranks each even rank hands all its data to
-the odd rank above it and sits out; the p' others (renumbered 0..p'-1) run the rounds above
-on p' blocks; then each odd rank below 2r hands the result back. The even ranks send n, the
-odd ones below 2r 2(p'-1)/p'·n + n, the rest 2(p'-1)/p'·n; 2 lg p' + 2 rounds.
+let p' be the largest power of two <= p and r = p - p'. Among the first 2r ranks each even
+rank hands all its data to the odd rank above it and sits out; the p' others (renumbered
+0..p'-1) run the rounds above on p' blocks; then each odd rank below 2r hands the result
+back. The even ranks send n, the odd ones below 2r 2(p'-1)/p'·n + n, the rest
+2(p'-1)/p'·n; 2 lg p' + 2 rounds.
 """
 
 from p2pcoll.strategy import (

@@ -41,7 +41,7 @@ def on_ranks(fns: Sequence[Callable[[], Any]]) -> list[Any]:
     def run(i: int) -> None:
         try:
             results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]

@@ -37,7 +37,7 @@ def check_exactly_once(groups: list[dict[str, Any]], rounds: int) -> None:
     group started, the next group never started before where this one stopped (it started
     later when this rank adopted rounds another rank applied), and the last one ended at
     ``rounds``."""
-    for group, after in zip(groups, groups[1:] + [None], strict=True):
+    for group, after in zip(groups, [*groups[1:], None], strict=True):
         start, applied = group["round"], group["applied"]
         assert applied == list(range(start, start + len(applied))), groups
         stop = start + len(applied)

@@ -483,7 +483,7 @@ async def _flood(port: int, seconds: float, workers: int) -> dict[str, Any]:
                     tally[f"status_{status}"] += 1
                     if b"connection: close" in head.lower():
                         break
-            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            except (TimeoutError, OSError, asyncio.IncompleteReadError):
                 tally["cut"] += 1
             finally:
                 writer.close()

@@ -259,7 +259,7 @@ def _from(header: bytes, rank: int) -> bool:
 
     try:
         d = msgpack.unpackb(header, strict_map_key=False)
-    except Exception:  # noqa: BLE001 - random bytes
+    except Exception:
         return False
     return isinstance(d, dict) and d.get("r") == rank
 

@@ -50,7 +50,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
     rel = path.relative_to(ROOT).with_suffix("")
     here = list(rel.parts)
-    package = here[:-1] if here[-1] != "__init__" else here[:-1]
+    package = here[:-1]
     typing_only: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):

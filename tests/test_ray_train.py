@@ -29,7 +29,7 @@ import ray.train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
-import ray_train  # examples/ray_train.py
+import ray_train  # noqa: E402  # examples/ray_train.py, once examples/ is on the path
 
 WORKERS = 4
 # Ray Train's own modules warn about their own deprecated settings (ray.data's context)

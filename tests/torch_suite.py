@@ -39,7 +39,7 @@ if __name__ == "__main__":
     os.environ["WORLD_SIZE"] = str(ARGS.world_size)
     os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="torch-suite-")
 
-from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+from torch.testing._internal.common_distributed import DistTestCases
 
 BACKEND = os.environ["BACKEND"]
 if BACKEND != "gloo":

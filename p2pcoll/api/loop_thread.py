@@ -201,7 +201,7 @@ def _at_exit() -> None:
             _, closer = LoopThread._closers.popitem()
         try:
             closer()
-        except Exception:  # noqa: BLE001 - exiting anyway; a peer may be gone already
+        except Exception:
             _log.debug("closing a p2pcoll group at exit failed", exc_info=True)
     with LoopThread._lock:
         instance, LoopThread._instance = LoopThread._instance, None

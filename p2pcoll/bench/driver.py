@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             compared[library] = summary
     if args.plot is not None:
-        from .plot import plot  # noqa: PLC0415 (matplotlib is optional)
+        from .plot import plot
 
         plot(args.plot, rows, compared, config)
     if args.json is not None:
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
 def calibrate(args: argparse.Namespace) -> int:
     """``--calibrate``: measure, fit, write the cost model, print the constants and how to
     use them. Every check runs before the first peer starts. Returns an exit code."""
-    from . import calibrate as calibration  # noqa: PLC0415 (only this option needs it)
+    from . import calibrate as calibration
 
     try:
         path, where, transports = calibration_target(args)

@@ -117,8 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv,
     )
 
-    import torch  # noqa: PLC0415 (optional dependency: the bench extra)
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

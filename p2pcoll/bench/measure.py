@@ -140,7 +140,7 @@ def reset_peak_rss() -> tuple[int, bool]:
 
 def peak_rss() -> int:
     """Bytes: ``getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS)."""
-    import resource  # noqa: PLC0415 (POSIX only)
+    import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)

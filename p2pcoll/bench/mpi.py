@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv,
     )
 
-    from mpi4py import MPI  # noqa: PLC0415 (optional dependency)
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != config["world_size"]:

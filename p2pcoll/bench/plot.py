@@ -22,7 +22,7 @@ def plot(path: str, rows: Sequence[dict[str, Any]],
          compared: dict[str, list[dict[str, Any]]], config: dict[str, Any]) -> None:
     """Write a PNG: busbw (left) and time (right) against size, one line per strategy and one
     per compared library. Needs matplotlib (drawn with its Agg backend, no display)."""
-    from matplotlib.figure import Figure  # noqa: PLC0415 (optional dependency)
+    from matplotlib.figure import Figure
 
     lines: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -60,7 +60,7 @@ def plot(path: str, rows: Sequence[dict[str, Any]],
     # Few colours are drawn: a 64-colour palette keeps the file small enough to commit.
     canvas = io.BytesIO()
     fig.savefig(canvas, format="png")
-    from PIL import Image  # noqa: PLC0415 (pillow comes with matplotlib)
+    from PIL import Image
 
     with Image.open(canvas) as image:
         image.convert("RGB").quantize(colors=64).save(path, format="PNG", optimize=True)

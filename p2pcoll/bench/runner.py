@@ -62,8 +62,8 @@ def _p2pcoll(config: dict[str, Any], out_path: str) -> int:
 
 async def _p2pcoll_inproc(config: dict[str, Any], out_path: str) -> int:
     # Imported here: `python -m p2pcoll.bench.worker` must find it not yet imported.
-    from ..testing import run_ranks  # noqa: PLC0415
-    from .worker import run_worker  # noqa: PLC0415
+    from ..testing import run_ranks
+    from .worker import run_worker
 
     results = await run_ranks(config["world_size"], lambda g: run_worker(g, config),
                               transport="inproc")

@@ -188,8 +188,9 @@ class Executor:
                 sizes = [t.nbytes for t in targets]
                 if header.nbytes != sizes:
                     raise CollectiveMismatch(
-                        f"collective #{seq} {sig.collective}: rank {op.frm} sent pieces of {header.nbytes}"
-                        f" bytes for chunk {op.chunk!r}, rank {rank} expected {sizes}"
+                        f"collective #{seq} {sig.collective}: rank {op.frm} sent pieces of "
+                        f"{header.nbytes} bytes for chunk {op.chunk!r}, rank {rank} expected "
+                        f"{sizes}"
                     )
                 reduce = ufunc if isinstance(op, Reduce) else None
                 if timeline is None:

@@ -50,7 +50,7 @@ class _Finished:
     """The operations of one channel that have finished: all below a watermark, and the
     few above it that finished early (operations may finish out of order)."""
 
-    __slots__ = ("watermark", "above")
+    __slots__ = ("above", "watermark")
 
     def __init__(self) -> None:
         self.watermark = 0

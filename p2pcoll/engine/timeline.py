@@ -3,8 +3,8 @@ Chrome trace events (open the file in https://ui.perfetto.dev or chrome://tracin
 
 With ``$P2PCOLL_TIMELINE=PATH`` (or ``join(timeline=PATH)``) each rank of each group writes
 its own file beside ``PATH``: ``STEM-GROUP-rankR.json`` (``STEM`` is ``PATH`` without its
-suffix, ``GROUP`` 8 hex digits of the group's id, :func:`group_tag`), so ranks never share a file and
-a second group of the same process (a torch subgroup, the next elastic epoch) gets its own.
+suffix, ``GROUP`` 8 hex digits of the group's id, :func:`group_tag`), so ranks never share a
+file and a second group of the same process (a torch subgroup, the next elastic epoch) gets its own.
 :func:`merge` joins the files of ``PATH`` into ``PATH`` itself; ``p2pcoll launch`` does it
 when its ranks have exited, and ``p2pcoll timeline PATH`` does it by hand (after torchrun).
 
@@ -84,7 +84,7 @@ class Timeline:
         self._events: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
         try:
-            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (kept open)
+            self._file = open(self.path, "w", encoding="utf-8")
         except OSError as exc:
             raise SettingsError(f"$P2PCOLL_TIMELINE: cannot write {str(self.path)!r}: {exc}",
                                 name="P2PCOLL_TIMELINE", value=str(path),

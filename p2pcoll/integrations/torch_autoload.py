@@ -25,6 +25,6 @@ def autoload() -> None:
         from .torch import register
 
         register()
-    except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
+    except Exception as exc:  # pragma: no cover - depends on the torch build
         logging.getLogger("p2pcoll").warning("could not register the p2pcoll torch "
                                              "backend: %s", exc)

@@ -83,7 +83,7 @@ def _reply(frames: list[bytes], url: str, ops: tuple[str, ...]) -> dict[str, Any
                 msg = {**msg, **body} if isinstance(body, dict) else None
             elif len(frames) != 1:
                 msg = None
-        except Exception:  # noqa: BLE001 - msgpack raises several unrelated types
+        except Exception:
             msg = None
     if not isinstance(msg, dict) or msg.get("op") not in ops:
         raise RendezvousError(

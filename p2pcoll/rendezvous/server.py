@@ -11,8 +11,8 @@ peer that hosts it for a group of fixed size closes it once that group has forme
 The protocol (msgpack maps over a ROUTER; every client keeps one routing identity for the
 whole join, across reconnections):
 
-- ``join``: endpoints, host, pid, process token, requested rank, world size (or, for an elastic group,
-  ``min``/``max``), heartbeat and ``order``. Clients re-send it every :data:`RESEND`
+- ``join``: endpoints, host, pid, process token, requested rank, world size (or, for an
+  elastic group, ``min``/``max``), heartbeat and ``order``. Clients re-send it every :data:`RESEND`
   seconds until the roster comes; that is their heartbeat, and it is how a restarted
   server learns the peers again. Each one is answered, to that client alone, with a
   ``status`` (how many arrived, how many ranks are missing and the first
@@ -324,7 +324,7 @@ class RendezvousServer:
             msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
             if not isinstance(msg, dict):
                 raise ValueError("not a map")
-        except Exception as exc:  # noqa: BLE001 - a malformed request must not stop it
+        except Exception as exc:
             self.dropped += 1
             log.debug("rendezvous: dropped a malformed request: %s", exc)
             return
@@ -332,7 +332,7 @@ class RendezvousServer:
             self._handle(identity, msg)
         except _Rejected as exc:
             self._reply(identity, op="error", reason=str(exc))
-        except Exception:  # noqa: BLE001 - one request must not stop the server
+        except Exception:
             log.exception("rendezvous: failed to handle a request")
 
     def _allow(self, identity: bytes) -> bool:
@@ -451,7 +451,7 @@ class RendezvousServer:
         endpoints, host, heartbeat = msg.get("endpoints"), msg.get("host"), msg.get("heartbeat")
         token = msg.get("token")
         if (not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
-                or not (token is None or isinstance(token, str) and len(token) <= 64)
+                or not (token is None or (isinstance(token, str) and len(token) <= 64))
                 or not all(isinstance(e, str) and len(e) <= 256 for e in endpoints)
                 or not isinstance(host, str) or len(host) > 256
                 or not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool)

@@ -43,7 +43,7 @@ _joins: Counter[str] = Counter()  # groups joined by this process, per torchrun 
 
 def _connect(host: str, port: int, timeout: float) -> Any:
     try:
-        from torch.distributed import TCPStore  # noqa: PLC0415 (torch is optional)
+        from torch.distributed import TCPStore
     except ImportError as exc:
         raise RendezvousError(
             f"running under torchrun (TORCHELASTIC_RUN_ID is set), whose agent holds "

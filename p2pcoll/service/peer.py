@@ -296,11 +296,14 @@ async def serve(job: Job, *, service: ServiceSettings | None = None,
     if logs is not None:
         logs.peer = peer
     received: list[signal.Signals] = []
+    stopping: set[asyncio.Task[None]] = set()
 
     def on_signal(sig: signal.Signals) -> None:
         received.append(sig)
         if len(received) == 1:
-            loop.create_task(peer.stop(sig.name))
+            task = loop.create_task(peer.stop(sig.name))
+            stopping.add(task)  # a reference until it ends (the loop holds tasks weakly)
+            task.add_done_callback(stopping.discard)
         else:  # a second signal: the user means it
             log.warning("%s again: exiting now", sig.name)
             raise SystemExit(128 + sig)

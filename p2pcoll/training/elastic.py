@@ -138,7 +138,7 @@ class Formation:
 
     rank: int
     world_size: int
-    round: int  # noqa: A003 - the natural name
+    round: int
     source: int
     applied: list[int] = field(default_factory=list)
     ended: str = ""

@@ -36,7 +36,7 @@ class NonFiniteGradients(P2PCollError, FloatingPointError):
         tensors: the names of the tensors that hold a NaN or an Inf, in bucket order.
     """
 
-    def __init__(self, message: str, *, round: int, tensors: Iterable[str]) -> None:  # noqa: A002
+    def __init__(self, message: str, *, round: int, tensors: Iterable[str]) -> None:
         super().__init__(message)
         self.round = round
         self.tensors = list(tensors)
@@ -59,7 +59,7 @@ class WorldTooSmall(RendezvousError):
     """
 
     def __init__(
-        self, message: str, *, minimum: int, found: int | None, round: int,  # noqa: A002
+        self, message: str, *, minimum: int, found: int | None, round: int,
     ) -> None:
         super().__init__(message)
         self.minimum = minimum

@@ -29,7 +29,7 @@ async def allreduce_gradients(
     bucket_bytes: int | None = None,
     strategy: str | None = None,
     nonfinite: Nonfinite = "raise",
-    round: int | None = None,  # noqa: A002 - the natural name, keyword-only
+    round: int | None = None,
     timeout: float | None = None,
 ) -> Pytree:
     """Reduce named gradients over the group, fused into buckets; every rank gets the result.

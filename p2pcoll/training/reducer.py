@@ -117,7 +117,7 @@ class GradientReducer:
         # before it finishes, and rounds never overlap.
         self._flats = self.plan.empty_buffers()
 
-    def start_round(self, *, round: int | None = None) -> Round:  # noqa: A002
+    def start_round(self, *, round: int | None = None) -> Round:
         """Begin a round: its header exchange starts at once, and buckets as they fill.
 
         Args:
@@ -137,7 +137,7 @@ class GradientReducer:
         self._open = Round(self, number)
         return self._open
 
-    async def allreduce(self, grads: Pytree, *, round: int | None = None) -> Pytree:  # noqa: A002
+    async def allreduce(self, grads: Pytree, *, round: int | None = None) -> Pytree:
         """Run a whole round with gradients that are all ready; returns the reduced pytree."""
         async with self.start_round(round=round) as rnd:
             rnd.add_all(grads)

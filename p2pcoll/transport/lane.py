@@ -416,4 +416,4 @@ class Lanes:
         self.wakeup.close()
 
 
-__all__ = ["LANE_BYTES", "LaneIn", "LaneOut", "Lanes", "Wakeup", "Waker", "record_size"]
+__all__ = ["LANE_BYTES", "LaneIn", "LaneOut", "Lanes", "Waker", "Wakeup", "record_size"]

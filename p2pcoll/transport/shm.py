@@ -212,7 +212,7 @@ class Outbox:
             k = self._next.get(r, 0)
             self._next[r] = k + 1
             indices.append(k)
-        self._live.append((start, end, tuple(zip(readers, indices))))
+        self._live.append((start, end, tuple(zip(readers, indices, strict=True))))
         self.head = end
         _barrier()  # the piece is in memory before the message naming it leaves
         return start, indices
@@ -238,7 +238,7 @@ class ShmFrame:
     sender may then overwrite the bytes.
     """
 
-    __slots__ = ("buffer", "_inbox", "_index")
+    __slots__ = ("_inbox", "_index", "buffer")
 
     def __init__(self, inbox: Inbox, index: int, buffer: memoryview) -> None:
         self.buffer = buffer

@@ -314,7 +314,7 @@ class ZmqMesh:
             if header.kind == "data":
                 c.messages_sent += 1
                 c.bytes_sent += sum(nbytes)
-                c.bytes_sent_shm += sum(n for n, at in zip(nbytes, offsets) if at >= 0)
+                c.bytes_sent_shm += sum(n for n, at in zip(nbytes, offsets, strict=True) if at >= 0)
         return zmq.MessageTracker(*tracked) if tracked else None
 
     async def _put_frames(self, dst: int, link: zmq.asyncio.Socket, frames: list[object]
@@ -593,14 +593,14 @@ class ZmqMesh:
         except ProtocolError as exc:
             self.drops.drop(source, exc)
             return
-        except Exception as exc:  # noqa: BLE001 - the reader must outlive any one message
+        except Exception as exc:
             self.drops.drop(source, exc, bug=True)
             return
         try:
             self.on_message(header, payload)
         except ProtocolError as exc:
             self.drops.drop(source, exc)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.drops.drop(source, exc, bug=True)
 
     def _follow(self, src: int, header: Header, on_lane: bool) -> None:

@@ -55,7 +55,8 @@ from .header import (
     Header,
 )
 
-REASONS = ("stranger", "impostor", "oversize", "version", "group", "mismatch", "duplicate", "malformed")
+REASONS = ("stranger", "impostor", "oversize", "version", "group", "mismatch", "duplicate",
+           "malformed")
 
 # Bounds on what a header may describe; far above any real use, far below what would let a
 # few bytes make a peer allocate gigabytes or recurse without end.
@@ -112,7 +113,7 @@ def _int_list(value: Any, name: str, low: int, count: int | None = None) -> list
     if not isinstance(value, list) or len(value) > MAX_PIECES or (
             count is not None and len(value) != count):
         raise ProtocolError(f"header field {name!r} is {_short(value)}, expected a list of "
-                            f"{count if count is not None else 'at most %d' % MAX_PIECES} "
+                            f"{count if count is not None else f'at most {MAX_PIECES}'} "
                             f"integers")
     for v in value:
         if type(v) is not int or not low <= v < 1 << 48:
@@ -185,7 +186,7 @@ def decode_header(raw: bytes | memoryview) -> Header:
             ok = type(described) is list and len(described) == len(SIGNATURE_FIELDS)
             for v in described if ok else ():
                 t = type(v)
-                ok = ok and (t is int or t is str and len(v) <= 1024)
+                ok = ok and (t is int or (t is str and len(v) <= 1024))
             if not ok:
                 raise ProtocolError(f"header field 'd' is {_short(described)}, expected the "
                                     f"{len(SIGNATURE_FIELDS)} fields of a signature")
@@ -217,7 +218,7 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
     if kind == "hello":
         names = ("ring", "lane", "wake")
         if set(meta) - set(names) or not all(
-                v is None or isinstance(v, str) and len(v) < 256 for v in meta.values()):
+                v is None or (isinstance(v, str) and len(v) < 256) for v in meta.values()):
             raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name, "
                                 f"'lane': name, 'wake': name}}")
     elif kind == "lane":

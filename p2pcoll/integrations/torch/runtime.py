@@ -63,7 +63,7 @@ class Completer:
                     return
                 try:
                     job()
-                except Exception:  # noqa: BLE001 - a callback failed; its future records it
+                except Exception:
                     _log.debug("a torch future's callback failed", exc_info=True)
                 with self._lock:
                     if self._current is not me:
@@ -157,7 +157,7 @@ class Runtime:
         def launch() -> None:
             try:
                 tasks = [self.loop.create_task(c) for c in make()]
-            except BaseException as exc:  # noqa: BLE001 - the Work's wait() raises it
+            except BaseException as exc:
                 self.completer.submit(lambda exc=exc: done(exc))
                 return
 
@@ -197,7 +197,7 @@ def _at_exit() -> None:
     for group in list(Runtime._open):
         try:
             group.shutdown(timeout=10)
-        except Exception:  # noqa: BLE001 - exiting anyway; a peer may be gone already
+        except Exception:
             _log.debug("closing a p2pcoll process group at exit failed", exc_info=True)
     with Runtime._lock:
         runtime, Runtime._instance = Runtime._instance, None

@@ -4,12 +4,12 @@ A failed collective raises torch's error for backends,
 :class:`torch.distributed.DistBackendError`, which is p2pcoll's error too (``PeerLost``,
 ``CollectiveTimeout``, ..., naming the rank, the collective and its sequence number; see
 :func:`backend_error`): from ``Work.wait()`` (so from synchronous collectives and FSDP2)
-and from its future's ``wait()``, ``value()`` and ``.then()`` callbacks. DDP reads the future in C++, and torch
-2.13 wraps whatever a Python backend or hook raises there in a RuntimeError (the base of
-DistBackendError; Gloo raises a plain RuntimeError there too) whose message carries the
-error: ``loss.backward()`` raises "Cannot extract tensors from value: PeerLost: rank 0
-lost the connection to rank 2 ...", or with a Python communication hook "Got the
-following error when running the callback: PeerLost: ...".
+and from its future's ``wait()``, ``value()`` and ``.then()`` callbacks. DDP reads the future
+in C++, and torch 2.13 wraps whatever a Python backend or hook raises there in a
+RuntimeError (the base of DistBackendError; Gloo raises a plain RuntimeError there too)
+whose message carries the error: ``loss.backward()`` raises "Cannot extract tensors from
+value: PeerLost: rank 0 lost the connection to rank 2 ...", or with a Python communication
+hook "Got the following error when running the callback: PeerLost: ...".
 
 ``get_future()`` completes with the output tensors (DDP needs them as the value).
 """
