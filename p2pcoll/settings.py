@@ -282,11 +282,11 @@ class Settings:
             raise bad_value("job_id=", given["job_id"], _JOB_ID_ALLOWED)
         if "key" in given and not isinstance(given["key"], JobKey):
             raise bad_value("key=", given["key"], "a p2pcoll.security.JobKey")
-        low, high = self.min_world_size, self.max_world_size
-        if low is not None and high is not None and low > high:
+        least, most = self.min_world_size, self.max_world_size
+        if least is not None and most is not None and least > most:
             raise SettingsError(
-                f"min_world_size {low} is larger than max_world_size {high}",
-                name="min_world_size", value=low, allowed=f"at most {high}")
+                f"min_world_size {least} is larger than max_world_size {most}",
+                name="min_world_size", value=least, allowed=f"at most {most}")
         if (self.rendezvous is not None and self.rendezvous.startswith("tcp://")
                 and self.rank in (None, 0)):
             self._check_rendezvous_limits(given)

@@ -98,7 +98,8 @@ async def _collectives(g: p2pcoll.Group) -> None:
     for peer, part in enumerate(parts):
         np.testing.assert_array_equal(part, np.full(5, peer, np.int32))
     await g.barrier(timeout=10)
-    assert g.state == "ready"
+    # Ready, or degraded if a peer that finished first has already left: never broken.
+    assert g.state in ("ready", "degraded") and g.cause is None, (g.state, g.cause)
 
 
 async def test_a_peer_survives_thousands_of_hostile_messages(

@@ -187,7 +187,8 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             residual = float(np.linalg.norm(scaled @ x - b))
             if residual < best_residual:
                 best, best_residual = x, residual
-    return best / norms
+    weights: np.ndarray = best / norms
+    return weights
 
 
 # --- measuring ----------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class Plan:
 
     def runs(self, transport: str, cores: int) -> list[tuple[int, tuple[str, ...], list[int]]]:
         """(peers, strategies, sizes) of each run of peers for ``transport``."""
-        out = [(2, (EXCHANGE,), list(self.sizes))]
+        out: list[tuple[int, tuple[str, ...], list[int]]] = [(2, (EXCHANGE,), list(self.sizes))]
         if transport == "ipc" and cores < CROWD:
             small = [n for n in self.sizes if n < SMALL] or [min(self.sizes)]
             out.append((CROWD, CROWDED, small))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import PluginValidationError
-from ..strategy import ALL, Chunk
+from ..strategy import Chunk, _All
 import itertools
 
 Piece = tuple[int, int, int]  # (array index, start, stop) in elements
@@ -112,11 +112,11 @@ class Layout:
         return self.nseg
 
     def chunk_ids(self, chunk: Chunk) -> range:
-        if chunk is ALL:
+        if isinstance(chunk, _All):  # the one ALL
             return range(len(self.chunks))
         if isinstance(chunk, range):
             return chunk
-        return range(chunk, chunk + 1)  # type: ignore[operator]
+        return range(chunk, chunk + 1)
 
     def pieces(self, chunk: Chunk, seg: int) -> list[np.ndarray]:
         """The array views that make up ``chunk`` in segment ``seg``."""

@@ -250,7 +250,8 @@ class Matcher:
             departed: asyncio.Future[None] = loop.create_future()
             self._any_waiters.add(departed)
             try:
-                await asyncio.wait([*live, departed], return_when=asyncio.FIRST_COMPLETED)
+                wakes: list[asyncio.Future[Any]] = [*live, departed]
+                await asyncio.wait(wakes, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 self._any_waiters.discard(departed)
 
@@ -330,9 +331,9 @@ class Matcher:
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(exc)
-        for fut in self._first.values():
-            if not fut.done():
-                fut.cancel()
+        for first in self._first.values():
+            if not first.done():
+                first.cancel()
         self._waiting.clear()
         self._buffered.clear()
 

@@ -8,7 +8,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import PluginValidationError
-from ..strategy import Context, Op, Recv, Reduce, Send, Strategy, _All
+from ..strategy import Chunk, Context, Op, Recv, Reduce, Send, Strategy, _All
 
 Steps = tuple[tuple[Op, ...], ...]
 
@@ -45,10 +45,10 @@ def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tupl
     ever waits for libzmq to let go of memory it is about to overwrite (which over a busy
     link can take as long as the transfer itself).
     """
-    def ids(chunk: object) -> range:
+    def ids(chunk: Chunk) -> range:
         if isinstance(chunk, _All):
             return range(nchunks)
-        return chunk if isinstance(chunk, range) else range(chunk, chunk + 1)  # type: ignore[operator]
+        return chunk if isinstance(chunk, range) else range(chunk, chunk + 1)
 
     out = set()
     for i, ops in enumerate(steps):

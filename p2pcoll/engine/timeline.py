@@ -221,7 +221,7 @@ def merge(path: str | os.PathLike[str], files: Sequence[Path] | None = None, *,
     traces = []
     for file in files:
         events = read_events(file)
-        info = next((e.get("args", {}) for e in events
+        info: dict[str, Any] = next((e.get("args", {}) for e in events
                      if e.get("ph") == "M" and e.get("name") == "process_name"), {})
         start = min((e["ts"] for e in events if "ts" in e), default=0.0)
         traces.append((str(info.get("group", "")), int(info.get("rank", 0)), start, events))

@@ -13,7 +13,7 @@ import logging
 from collections import Counter
 
 from ..engine.executor import Executor
-from ..engine.matching import Matcher, OpId
+from ..engine.matching import Matcher
 from ..engine.timeline import Timeline
 from ..errors import GroupBroken
 from ..settings import Settings
@@ -74,7 +74,7 @@ class Session:
         self.seq += 1
         return seq
 
-    def next_transfer(self, src: int, dst: int, tag: int) -> OpId:
+    def next_transfer(self, src: int, dst: int, tag: int) -> tuple[int, int, int, int]:
         """The id of the next point-to-point transfer from ``src`` to ``dst`` with ``tag``
         (one of them this rank): ``(src, dst, tag, count)``, the same on both ranks."""
         self.failures.check_usable()

@@ -155,7 +155,7 @@ class Drops:
             return
         self._last[source] = now
         more = ""
-        quiet = self._quiet.pop(source, None)
+        quiet = self._quiet.pop(source, {})
         if quiet:
             counts = ", ".join(f"{n} {why}" for why, n in sorted(quiet.items()))
             more = (f" ({sum(quiet.values())} more from there since the last report: "

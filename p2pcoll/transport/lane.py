@@ -41,11 +41,15 @@ import stat
 import struct
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
 from ..errors import ProtocolError
 from .shm import NAME, PAGE, SHM_DIR, _barrier, _unlink
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -114,11 +118,11 @@ class LaneOut:
             return None
         return skip
 
-    def fits_now(self, frames: Sequence[object], spare: int = 0) -> bool:
+    def fits_now(self, frames: Sequence[Buffer], spare: int = 0) -> bool:
         """Whether :meth:`write` of ``frames`` with ``spare`` would succeed now."""
         return self._skip(record_size(frames), spare) is not None
 
-    def write(self, frames: Sequence[object], spare: int = 0) -> bool:
+    def write(self, frames: Sequence[Buffer], spare: int = 0) -> bool:
         """Append one record of ``frames`` (bytes-like, C-contiguous) and keep room for a
         record of ``spare`` bytes after it; False (nothing written) if it does not fit
         now (see :meth:`fits_now`)."""
@@ -229,11 +233,11 @@ class LaneIn:
             count = _U32.unpack_from(data, pos + 4)[0]
             if (record < 8 or record % 8 or pos + record > size or self.tail + record > head
                     or count < 1 or count > MAX_FRAMES or 8 + 4 * count > record):
-                return self._corrupt(f"record of {record} bytes with {count} frames at {pos}")
+                self._corrupt(f"record of {record} bytes with {count} frames at {pos}")
             lengths = struct.unpack_from(f"<{count}I", data, pos + 8)
             at = pos + 8 + 4 * count
             if at + sum(lengths) > pos + record:
-                return self._corrupt(f"frames of {sum(lengths)} bytes in a record of {record}")
+                self._corrupt(f"frames of {sum(lengths)} bytes in a record of {record}")
             first = data[at:at + lengths[0]]
             at += lengths[0]
             rest = []
@@ -249,7 +253,7 @@ class LaneIn:
         _barrier()
         self._words[TAIL] = self.tail
 
-    def _corrupt(self, what: str) -> None:
+    def _corrupt(self, what: str) -> NoReturn:
         self.broken = True
         raise ProtocolError(f"lane from rank {self.creator} is corrupt ({what}); it is no "
                             f"longer read")
@@ -329,7 +333,7 @@ class Waker:
         os.close(self.fd)
 
 
-def record_size(frames: Sequence[object]) -> int:
+def record_size(frames: Sequence[Buffer]) -> int:
     """Bytes of the ring a record of ``frames`` takes."""
     return _record_size([memoryview(f).nbytes for f in frames])
 

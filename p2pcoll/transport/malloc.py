@@ -42,8 +42,8 @@ def tune_malloc(enabled: bool = True) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
+    ok = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1) and ok
     if not ok:
         log.debug("mallopt refused the thresholds; the allocator is unchanged")
     _tuned = ok

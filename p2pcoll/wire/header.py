@@ -152,4 +152,5 @@ def encode_header(h: Header) -> bytes:
         d["t"] = h.tag
     if h.meta is not None:
         d["meta"] = h.meta
-    return msgpack.packb(d, use_bin_type=True)
+    packed: bytes = msgpack.packb(d, use_bin_type=True)
+    return packed

@@ -80,7 +80,7 @@ def _seconds(timeout: timedelta | None) -> float | None:
     return s if s > 0 else None
 
 
-class ProcessGroupP2PColl(dist.ProcessGroup):  # type: ignore[misc]
+class ProcessGroupP2PColl(dist.ProcessGroup):
     """A torch process group on a p2pcoll group (made by torch through the creator)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta,

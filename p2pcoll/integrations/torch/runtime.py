@@ -158,7 +158,8 @@ class Runtime:
             try:
                 tasks = [self.loop.create_task(c) for c in make()]
             except BaseException as exc:
-                self.completer.submit(lambda exc=exc: done(exc))
+                failed: BaseException = exc
+                self.completer.submit(lambda: done(failed))
                 return
 
             async def join() -> None:
@@ -181,8 +182,10 @@ async def _drain() -> None:
 
 def _first(errors: list[BaseException]) -> BaseException | None:
     """The most telling of several errors: a p2pcoll error that is no GroupBroken first."""
-    for test in (lambda e: isinstance(e, P2PCollError) and not isinstance(e, GroupBroken),
-                 lambda e: isinstance(e, Exception), lambda e: True):
+    tests: tuple[Callable[[BaseException], bool], ...] = (
+        lambda e: isinstance(e, P2PCollError) and not isinstance(e, GroupBroken),
+        lambda e: isinstance(e, Exception), lambda e: True)
+    for test in tests:
         for e in errors:
             if test(e):
                 return e
