@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 T = TypeVar("T")
 _log = logging.getLogger("p2pcoll")
@@ -41,12 +41,63 @@ class LoopBlocked(RuntimeError):
     in a thread (``await asyncio.to_thread(handle.wait)``)."""
 
 
-class LoopThread:
-    """One event loop on a daemon thread; see the module docstring."""
+class Shared:
+    """A process-wide instance, made for its first user (:meth:`acquire`) and stopped
+    (:meth:`_stop`) when the last one is done (:meth:`release`) or at exit
+    (:meth:`stop_now`). Each subclass has its own instance, count and lock."""
 
-    _lock = threading.Lock()
-    _instance: ClassVar[LoopThread | None] = None
-    _users: ClassVar[int] = 0
+    _lock: ClassVar[threading.Lock]
+    _instance: ClassVar[Any]
+    _users: ClassVar[int]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._forget()
+
+    @classmethod
+    def _forget(cls) -> None:
+        """No instance and no users (also in a forked child, whose threads are gone)."""
+        cls._lock = threading.Lock()
+        cls._instance = None
+        cls._users = 0
+
+    @classmethod
+    def acquire(cls) -> Self:
+        """The process's instance, made if nobody uses it; pair with :meth:`release`."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            cls._users += 1
+            instance: Self = cls._instance
+            return instance
+
+    @classmethod
+    def release(cls) -> None:
+        """One user is done; the last one stops the instance."""
+        with cls._lock:
+            cls._users -= 1
+            if cls._users > 0 or cls._instance is None:
+                return
+            instance, cls._instance = cls._instance, None
+        instance._stop()
+
+    @classmethod
+    def stop_now(cls) -> None:
+        """Stop the instance whoever still uses it (at interpreter exit)."""
+        with cls._lock:
+            instance, cls._instance = cls._instance, None
+            cls._users = 0
+        if instance is not None:
+            instance._stop()
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+
+class LoopThread(Shared):
+    """One event loop on a daemon thread; see the module docstring. :meth:`release` stops
+    the loop (after its other tasks finish, briefly) and waits for the thread."""
+
     # Called at exit before the loop stops: id -> closer, in registration order.
     _closers: ClassVar[dict[int, Callable[[], None]]] = {}
 
@@ -63,26 +114,6 @@ class LoopThread:
             self.loop.close()
 
     # --- sharing ------------------------------------------------------------------------
-
-    @classmethod
-    def acquire(cls) -> LoopThread:
-        """The process's loop thread, started if nobody uses it; pair with :meth:`release`."""
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = LoopThread()
-            cls._users += 1
-            return cls._instance
-
-    @classmethod
-    def release(cls) -> None:
-        """One user is done; the last one stops the loop (after its other tasks finish,
-        briefly) and waits for the thread."""
-        with cls._lock:
-            cls._users -= 1
-            if cls._users > 0 or cls._instance is None:
-                return
-            instance, cls._instance = cls._instance, None
-        instance._stop()
 
     @classmethod
     def close_at_exit(cls, closer: Callable[[], None]) -> int:
@@ -203,20 +234,14 @@ def _at_exit() -> None:
             closer()
         except Exception:
             _log.debug("closing a p2pcoll group at exit failed", exc_info=True)
-    with LoopThread._lock:
-        instance, LoopThread._instance = LoopThread._instance, None
-        LoopThread._users = 0
-    if instance is not None:
-        instance._stop()
+    LoopThread.stop_now()
 
 
 def _after_fork_in_child() -> None:
     """A forked child has no loop thread (only the forking thread survives a fork): forget
     the parent's, so a group joined in the child starts its own. The parent's groups are
     unusable in the child, and nothing closes them there."""
-    LoopThread._lock = threading.Lock()
-    LoopThread._instance = None
-    LoopThread._users = 0
+    LoopThread._forget()
     LoopThread._closers = {}
 
 

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
-from ...api.loop_thread import LoopThread
+from ...api.loop_thread import LoopThread, Shared
 from ...errors import GroupBroken, P2PCollError
 
 T = TypeVar("T")
@@ -102,15 +102,12 @@ class Completer:
             others[0].join(left)
 
 
-class Runtime:
+class Runtime(Shared):
     """The torch backend's share of the process's loop thread (:mod:`p2pcoll.api.loop_thread`,
     which :mod:`p2pcoll.blocking` shares too) and the completer, shared by every p2pcoll
     process group of the process; started by the first group, stopped when the last one
     shuts down."""
 
-    _lock = threading.Lock()
-    _instance: Runtime | None = None
-    _users = 0
     # The shutdown() of every process group still open, which the exit hook calls first.
     _open: ClassVar[weakref.WeakSet[Any]] = weakref.WeakSet()
 
@@ -118,23 +115,6 @@ class Runtime:
         self._loop_thread = LoopThread.acquire()
         self.loop = self._loop_thread.loop
         self.completer = Completer()
-
-    @classmethod
-    def acquire(cls) -> Runtime:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = Runtime()
-            cls._users += 1
-            return cls._instance
-
-    @classmethod
-    def release(cls) -> None:
-        with cls._lock:
-            cls._users -= 1
-            if cls._users > 0 or cls._instance is None:
-                return
-            runtime, cls._instance = cls._instance, None
-        runtime._stop()
 
     def _stop(self) -> None:
         """Let the loop's last tasks (collectives aborted by a close) and then the
@@ -202,11 +182,7 @@ def _at_exit() -> None:
             group.shutdown(timeout=10)
         except Exception:
             _log.debug("closing a p2pcoll process group at exit failed", exc_info=True)
-    with Runtime._lock:
-        runtime, Runtime._instance = Runtime._instance, None
-        Runtime._users = 0
-    if runtime is not None:
-        runtime._stop()
+    Runtime.stop_now()
 
 
 atexit.register(_at_exit)
