@@ -447,6 +447,14 @@ def check_path(path: str, where: str) -> str:
     return path
 
 
+def _float(value: str) -> float:
+    """``value`` as a float; NaN, which every range check refuses, when it is not one."""
+    try:
+        return float(value)
+    except ValueError:
+        return math.nan
+
+
 class _Reader:
     """Reads and checks one environment; every method returns None for an unset variable."""
 
@@ -472,10 +480,7 @@ class _Reader:
         value = self.raw(name)
         if value is None:
             return None
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
+        number = _float(value)
         if not number > 0:
             raise bad_value(f"${name}", value, "a number of seconds > 0 (inf for none)")
         return number
@@ -485,10 +490,7 @@ class _Reader:
         value = self.raw(name)
         if value is None:
             return None
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
+        number = _float(value)
         if not (0 <= number < math.inf and (zero_ok or number > 0)):
             of = f" of {unit}" if unit else ""
             raise bad_value(f"${name}", value,
