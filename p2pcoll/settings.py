@@ -27,6 +27,9 @@ variable                       meaning (default)
                                as a Chrome trace (:mod:`p2pcoll.engine.timeline`; off)
 ``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
+``P2PCOLL_SPIN``               microseconds a small collective on the shared-memory
+                               board polls for its peers before it sleeps, 0..10000; 0
+                               never polls (50; only while the host has a core per peer)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
 ``P2PCOLL_HEARTBEAT_TIMEOUT``  seconds of silence after which a peer is lost, > 0 (5)
 ``P2PCOLL_KEY_FILE``           the job key file (``p2pcoll keygen``): secure every socket
@@ -86,7 +89,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_TRANSPORT", "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM",
-        "P2PCOLL_SHM_BYTES", "P2PCOLL_TUNE_MALLOC",
+        "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT",
@@ -147,6 +150,8 @@ class Settings:
             :mod:`p2pcoll.engine.timeline`; each rank writes a file beside it), or "".
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
+        spin_us: how long (microseconds) a collective on the shared-memory board polls
+            its peers' slots before it sleeps (see :mod:`p2pcoll.engine.board_path`).
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
         heartbeat_timeout: seconds without a sign of life after which a peer (or the
             rendezvous host) counts as lost, while joining and after.
@@ -178,6 +183,7 @@ class Settings:
     timeline: str = ""
     shm: bool = True
     shm_bytes: int = 16 << 20
+    spin_us: int = 50
     tune_malloc: bool = True
     heartbeat_timeout: float = 5.0
     key: JobKey | None = None
@@ -225,6 +231,7 @@ class Settings:
             "timeline": reader.path("P2PCOLL_TIMELINE"),
             "shm": reader.switch("P2PCOLL_SHM"),
             "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
+            "spin_us": reader.integer("P2PCOLL_SPIN", 0, 10_000),
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),
             "heartbeat_timeout": reader.seconds("P2PCOLL_HEARTBEAT_TIMEOUT"),
             "key": reader.key(),
@@ -267,6 +274,8 @@ class Settings:
                 _check_int(given[name], f"{name}=", low)
         if "pipeline_depth" in given:
             _check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
+        if "spin_us" in given:
+            _check_int(given["spin_us"], "spin_us=", 0, 10_000)
         if given.get("timeline"):  # made a str by resolve()
             check_path(given["timeline"], "timeline=")
         if "heartbeat_timeout" in given:

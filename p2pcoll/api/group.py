@@ -11,31 +11,23 @@ group's state in :mod:`p2pcoll.session.failure`, everything of one roster in
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from ..engine.costs import DEFAULT_CONSTANTS, CostModel, load_constants
-from ..engine.layout import Layout
-from ..engine.p2p import RECV, SEND
-from ..errors import (
-    CollectiveMismatch,
-    CollectiveTimeout,
-    GroupBroken,
-    P2PCollError,
-    PluginValidationError,
-    ProtocolError,
-)
+from ..engine.costs import CostModel, load_constants
+from ..errors import CollectiveMismatch, CollectiveTimeout, GroupBroken
+from ..pytree import LEAF
 from ..registry import registry
 from ..rendezvous import RendezvousServer
+from ..session.activity import Activity
+from ..session.calls import Call, describe_specs
 from ..session.failure import USABLE, FailureModel, GroupState
 from ..session.forming import form
 from ..session.session import Session
 from ..settings import Settings, check_seconds
-from ..strategy import Context, Strategy
 from ..transport.sockets import SocketFactory
 from ..types import (
     CustomOp,
@@ -47,22 +39,11 @@ from ..types import (
     check_dtype,
     check_op_dtype,
     flatten,
-    fold_of,
     unflatten,
 )
-from ..wire import MAX_TAG, Header, Signature
-from .activity import Activity
+from ..wire import MAX_TAG
 
 T = TypeVar("T")
-
-
-def describe_data(arrays: Sequence[np.ndarray], treedef: TreeDef = None) -> str:
-    """A short string that equals on two ranks iff their data has the same layout."""
-    text = f"{treedef}|" + ",".join(f"{a.dtype.str}{tuple(a.shape)}" for a in arrays)
-    if len(text) > 200:
-        digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-        return f"{len(arrays)} arrays, layout digest {digest}"
-    return text
 
 
 def _native(a: Any) -> np.ndarray:
@@ -94,17 +75,16 @@ class Group:
         self._session: Session | None = None
         self._server: RendezvousServer | None = None
         self._extensions: dict[str, Any] = {}
-        self._activity = Activity()
-        # "auto"'s constants: checked now, before any socket (a bad file is a SettingsError).
-        self._constants = (load_constants(settings.cost_model) if settings.cost_model
-                           else DEFAULT_CONSTANTS)
-        self._cost_model: CostModel | None = None
+        self._activity = Activity()  # the record of its collectives, over every epoch
+        if settings.cost_model:  # "auto"'s constants: a bad file is a SettingsError now,
+            load_constants(settings.cost_model)  # before any socket
 
     async def _form(self, store: Any = None) -> None:
         """Form the group (through torch's ``store``, for the torch.distributed backend)."""
         try:
             self._session, self._server = await form(self.settings, self._failures,
                                                      self._sockets, store=store)
+            self._session.activity = self._activity
         except BaseException:
             self._failures.close()
             raise
@@ -112,6 +92,7 @@ class Group:
     def _adopt(self, session: Session) -> None:
         """Run on an already formed session (p2pcoll.testing's in-memory groups)."""
         self._session = session
+        session.activity = self._activity
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -167,70 +148,27 @@ class Group:
             self._extensions[key] = factory()
         return self._extensions[key]  # type: ignore[no-any-return]
 
-    # --- running collectives ------------------------------------------------------------
-
-    def _choose(self, collective: str, requested: str | None, nbytes: int) -> Strategy:
-        return registry.choose(
-            collective, requested, self.settings.strategies.get(collective), nbytes,
-            self.world_size, self._costs(),
-        )
-
-    def _costs(self) -> CostModel:
-        """auto's cost model (:meth:`CostModel.for_group`: the one ``p2pcoll simulate`` uses)."""
-        if self._cost_model is None:
-            self._cost_model = CostModel.for_group(
-                self.settings, self.membership.endpoints, self.rank, self._constants)
-        return self._cost_model
-
-    def _limit(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else check_seconds(timeout, "timeout=")
-
-    async def _execute(
-        self, collective: str, strategy: Strategy, root: int, layout: Layout,
-        ufunc: Callable[..., Any] | None, sig: Signature, timeout: float | None,
-        meta: dict[str, Any] | None = None,
-    ) -> None:
-        """Run one collective whose data this rank already knows, under the group's rules.
-
-        The sequence number is taken before the first await, so collectives started in
-        the same order on every rank match up even when several are in flight.
-        """
-        session = self.session
-        limit = self._limit(timeout)
-        seq = session.next_seq()
-        started, error = time.perf_counter(), None
-        try:
-            async with self._failures.collective(seq, collective, limit):
-                await session.executor.run(seq=seq, strategy=strategy, ctx=self._ctx(root),
-                                           layout=layout, ufunc=ufunc, sig=sig, meta=meta)
-        except P2PCollError as exc:
-            error = exc
-            raise
-        finally:
-            self._activity.record(collective, strategy.name, time.perf_counter() - started,
-                                  error)
-
-    def _sig(self, collective: str, strategy: Strategy, op: ReduceOp | CustomOp | None,
-             root: int | None, data: str) -> Signature:
-        return Signature.of(collective, strategy.name, op.value if op else "",
-                            -1 if root is None else root, data)
+    # --- turning arguments into calls -------------------------------------------------
 
     def _check_root(self, root: int) -> None:
         if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.world_size:
             raise ValueError(f"root {root!r} is not a rank of this group of {self.world_size}")
 
-    def _ctx(self, root: int = 0) -> Context:
-        return Context(self.rank, self.world_size, root)
+    def _costs(self) -> CostModel:
+        """auto's cost model (:meth:`CostModel.for_group`: the one ``p2pcoll simulate`` uses)."""
+        return self.session.runner.costs()  # type: ignore[no-any-return]
 
-    # --- reductions -------------------------------------------------------------------
-
-    async def _reduction(
+    def _reduction(
         self, collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int | None,
         strategy: str | None, timeout: float | None, out: Pytree | None = None,
-    ) -> tuple[list[np.ndarray], TreeDef]:
+    ) -> Call:
         red = as_op(op)
-        leaves, treedef = flatten(value)
-        targets = _out_leaves(out, treedef, leaves) if out is not None else None
+        if type(value) is np.ndarray and (out is None or type(out) is np.ndarray):
+            leaves, treedef = [value], LEAF  # one array: the common call
+            targets = _out_leaves(out, treedef, leaves) if out is not None else None
+        else:
+            leaves, treedef = flatten(value)
+            targets = _out_leaves(out, treedef, leaves) if out is not None else None
         work = []
         for i, leaf in enumerate(leaves):
             arr = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
@@ -242,23 +180,33 @@ class Group:
                 if targets[i] is not arr:
                     np.copyto(targets[i], arr)
                 work.append(targets[i])
-        flat = [w.reshape(-1) for w in work]
-        nbytes = sum(w.nbytes for w in work)
-        strat = self._choose(collective, strategy, nbytes)
-        itemsize = flat[0].itemsize if flat else 1
-        nchunks = strat.chunks(self.world_size)
-        cuts = strat.cuts(self.world_size, sum(w.size for w in flat), itemsize)
-        if cuts is not None and len(cuts) != nchunks + 1:
-            raise PluginValidationError(
-                f"{collective} strategy {strat.name!r} gave {len(cuts)} cuts for "
-                f"{nchunks} chunks (chunks + 1 offsets are needed)")
-        layout = (Layout.split(flat, nchunks) if cuts is None else Layout.cut(flat, cuts))
-        sig = self._sig(collective, strat, red, root, describe_data(work, treedef))
-        await self._execute(collective, strat, root or 0, layout, fold_of(red), sig, timeout)
-        if red is ReduceOp.AVG and (root is None or root == self.rank):
-            for w in flat:
-                np.divide(w, self.world_size, out=w)
-        return work, treedef
+        return Call(collective, work, treedef, red, root, strategy, timeout,
+                    flat=[w.reshape(-1) for w in work])
+
+    def _learner(self, call: Call, given: Pytree | None, what: str) -> None:
+        """Make ``call`` learn its layout from the origin's: into the caller's buffers
+        ``given`` where they fit (checked), else new arrays."""
+        mine = flatten(given) if given is not None else None
+
+        def learn(treedef: TreeDef, specs: list[tuple[np.dtype[Any], tuple[int, ...]]],
+                  strategy: str) -> None:
+            if mine is not None:
+                have = [(leaf.dtype, leaf.shape) for leaf in mine[0]]
+                if mine[1] != treedef or have != specs:
+                    raise CollectiveMismatch(
+                        f"{what}: rank {call.root} sends {describe_specs(specs)}, rank "
+                        f"{self.rank} passed {describe_specs(have)}")
+                call.leaves = [
+                    leaf if isinstance(leaf, np.ndarray) and leaf.flags.c_contiguous
+                    and leaf.flags.writeable and leaf.dtype.isnative else np.empty(s, d)
+                    for leaf, (d, s) in zip(mine[0], specs, strict=True)]
+            else:
+                call.leaves = [np.empty(s, d) for d, s in specs]
+            call.treedef = treedef
+
+        call.learn = learn
+
+    # --- reductions -------------------------------------------------------------------
 
     async def allreduce(
         self, value: Pytree, op: str | ReduceOp | CustomOp = "sum", *,
@@ -271,7 +219,9 @@ class Group:
             op: "sum", "prod", "min", "max" or "avg" (floating dtypes only), or a
                 :class:`~p2pcoll.CustomOp` of the caller's own.
             strategy: a strategy name (``p2pcoll.available_strategies()["allreduce"]``);
-                None means the group's choice, ``$P2PCOLL_ALLREDUCE``, or "auto".
+                None means the group's choice, ``$P2PCOLL_ALLREDUCE``, or "auto" (which,
+                when every peer shares this host and the data fits a slot, 64 KiB, runs
+                on the shared-memory board: strategy "shm" in ``stats()``).
             timeout: seconds for the whole collective (default: the group's).
             out: where to put the result: arrays of the same structure, shapes and dtypes,
                 C-contiguous and writable; ``out=value`` reduces in place. Reusing ``out``
@@ -282,6 +232,8 @@ class Group:
             modified unless it is ``out``. Every rank gets the same bits.
 
         Raises:
+            ValueError, TypeError: ``out`` does not match, a dtype is not allowed or the op
+                is not defined for it (before anything is sent; the group stays usable).
             CollectiveTimeout, CollectiveMismatch, PeerLost, GroupBroken.
         Cancellation: breaks the group (the other ranks get an abort).
 
@@ -289,18 +241,23 @@ class Group:
 
             total = await g.allreduce(np.array([g.rank]))   # every rank -> [0 + 1 + ... ]
         """
-        work, treedef = await self._reduction("allreduce", value, op, None, strategy, timeout,
-                                              out)
-        return out if out is not None else unflatten(treedef, work)
+        call = self._reduction("allreduce", value, op, None, strategy, timeout, out)
+        await self.session.run(call)
+        return out if out is not None else unflatten(call.treedef, call.leaves)
 
     async def reduce(
         self, value: Pytree, root: int = 0, op: str | ReduceOp | CustomOp = "sum", *,
         strategy: str | None = None, timeout: float | None = None,
     ) -> Pytree | None:
-        """Reduce ``value`` over all ranks; the result on ``root``, None elsewhere."""
+        """Reduce ``value`` over all ranks; the result on ``root``, None elsewhere.
+
+        Args and errors as :meth:`allreduce`; ``root`` must be a rank (ValueError).
+        Cancellation: breaks the group.
+        """
         self._check_root(root)
-        work, treedef = await self._reduction("reduce", value, op, root, strategy, timeout)
-        return unflatten(treedef, work) if self.rank == root else None
+        call = self._reduction("reduce", value, op, root, strategy, timeout)
+        await self.session.run(call)
+        return unflatten(call.treedef, call.leaves) if self.rank == root else None
 
     async def reduce_scatter(
         self, array: np.ndarray, op: str | ReduceOp | CustomOp = "sum", *,
@@ -309,28 +266,19 @@ class Group:
         """Reduce ``array`` over all ranks and give rank r part r of the result.
 
         The parts are ``numpy.array_split(result, world_size, axis=0)``.
+
+        Raises:
+            ValueError: a 0-d array; otherwise as :meth:`allreduce`.
+        Cancellation: breaks the group.
         """
-        red = as_op(op)
         arr = np.asarray(array)
         if arr.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
-        dtype = check_dtype(arr.dtype)
-        check_op_dtype(red, dtype)
-        work = np.array(arr, dtype=dtype, order="C", copy=True)
-        p = self.world_size
-        strat = self._choose("reduce_scatter", strategy, work.nbytes)
-        if strat.chunks(p) != p:
-            raise PluginValidationError(
-                f"reduce_scatter strategy {strat.name!r} must cut the data into {p} chunks"
-            )
-        row = int(np.prod(work.shape[1:], dtype=np.int64))
-        layout = Layout.split([work.reshape(-1)], p, row_sizes=[row])
-        sig = self._sig("reduce_scatter", strat, red, None, describe_data([work]))
-        await self._execute("reduce_scatter", strat, 0, layout, fold_of(red), sig, timeout)
-        part = np.array_split(work, p, axis=0)[self.rank].copy()
-        if red is ReduceOp.AVG:
-            np.divide(part, p, out=part)
-        return part
+        call = self._reduction("reduce_scatter", arr, op, None, strategy, timeout)
+        work = call.leaves[0]
+        call.rows = int(np.prod(work.shape[1:], dtype=np.int64))
+        await self.session.run(call)
+        return np.array_split(work, self.world_size, axis=0)[self.rank].copy()
 
     # --- data movement ----------------------------------------------------------------
 
@@ -343,74 +291,48 @@ class Group:
         Args:
             value: on the root, an ndarray or pytree. Elsewhere None, or a buffer of the same
                 structure, which is filled in place when it is C-contiguous and writable.
+            root: the rank whose value it is.
+            strategy, timeout: as for :meth:`allreduce` (the board takes broadcasts of up
+                to 64 KiB when no strategy is asked for).
 
         Returns:
             The root's value (on the root, ``value`` itself).
+
+        Raises:
+            ValueError, TypeError: ``root`` is not a rank, a dtype is not allowed.
+            CollectiveMismatch: a buffer that does not match the root's value, or the root
+                called another collective.
+            CollectiveTimeout, PeerLost, GroupBroken.
+        Cancellation: breaks the group.
         """
         self._check_root(root)
         if self.rank == root:
             leaves, treedef = flatten(value)
             send = [_native(leaf) for leaf in leaves]
-            strat = self._choose("broadcast", strategy, sum(a.nbytes for a in send))
-            meta = {"strategy": strat.name, "tree": treedef,
-                    "leaves": [[a.dtype.str, list(a.shape)] for a in send]}
-            layout = Layout.split([a.reshape(-1) for a in send], strat.chunks(self.world_size))
-            sig = self._sig("broadcast", strat, None, root, describe_data(send, treedef))
-            await self._execute("broadcast", strat, root, layout, None, sig, timeout, meta=meta)
+            call = Call("broadcast", send, treedef, None, root, strategy, timeout,
+                        flat=[a.reshape(-1) for a in send])
+            await self.session.run(call)
             return value
-
-        mine = flatten(value) if value is not None else None
-        session = self.session
-        limit = self._limit(timeout)
-        seq = session.next_seq()
-
-        async with self._failures.collective(seq, "broadcast", limit):
-            header = await session.matcher.first(seq, root)
-            treedef, specs, strat = self._read_meta(header, strategy, "broadcast")
-            shapes = [(np.dtype(d), tuple(s)) for d, s in specs]
-            if mine is not None:
-                have = [(leaf.dtype, leaf.shape) for leaf in mine[0]]
-                if mine[1] != treedef or have != shapes:
-                    raise CollectiveMismatch(
-                        f"broadcast #{seq}: root {root} sends {describe_data_specs(shapes)}, "
-                        f"rank {self.rank} passed a buffer of {describe_data_specs(have)}"
-                    )
-                out = [
-                    leaf if isinstance(leaf, np.ndarray) and leaf.flags.c_contiguous
-                    and leaf.flags.writeable and leaf.dtype.isnative else np.empty(s, d)
-                    for leaf, (d, s) in zip(mine[0], shapes, strict=True)
-                ]
-            else:
-                out = [np.empty(s, d) for d, s in shapes]
-            layout = Layout.split([a.reshape(-1) for a in out], strat.chunks(self.world_size))
-            sig = self._sig("broadcast", strat, None, root, describe_data(out, treedef))
-            # Forward the layout too: in a tree, this rank may be someone's first sender.
-            await session.executor.run(seq=seq, strategy=strat, ctx=self._ctx(root),
-                                       layout=layout, ufunc=None, sig=sig, meta=header.meta)
-        return unflatten(treedef, out)
-
-    def _read_meta(
-        self, header: Header, requested: str | None, collective: str
-    ) -> tuple[TreeDef, list[tuple[str, list[int]]], Strategy]:
-        """The root's layout; :func:`p2pcoll.wire.validate` has checked its schema (a data
-        meta always names the strategy and the leaves)."""
-        meta = header.meta
-        if meta is None:
-            raise ProtocolError(f"{collective} message from rank {header.src} lacks its layout")
-        strat = registry.get(collective, requested if requested not in (None, "auto")
-                             else meta["strategy"])
-        return meta.get("tree"), meta["leaves"], strat
+        call = Call("broadcast", [], None, None, root, strategy, timeout)
+        self._learner(call, value, f"broadcast from root {root}")
+        await self.session.run(call)
+        return unflatten(call.treedef, call.leaves)
 
     async def allgather(
         self, array: np.ndarray, *, strategy: str | None = None, timeout: float | None = None,
     ) -> list[np.ndarray]:
-        """Every rank's ``array``, in rank order, on every rank (same shape and dtype on all)."""
+        """Every rank's ``array``, in rank order, on every rank (same shape and dtype on all).
+
+        Raises:
+            TypeError: a dtype that is not allowed.
+            CollectiveMismatch: ranks passed other shapes or dtypes.
+            CollectiveTimeout, PeerLost, GroupBroken.
+        Cancellation: breaks the group.
+        """
         mine = _native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
-        strat = self._choose("allgather", strategy, mine.nbytes * self.world_size)
-        layout = Layout.parts([p.reshape(-1) for p in parts])
-        sig = self._sig("allgather", strat, None, None, describe_data([mine]))
-        await self._execute("allgather", strat, 0, layout, None, sig, timeout)
+        await self.session.run(Call("allgather", parts, None, None, None, strategy, timeout,
+                                    flat=[p.reshape(-1) for p in parts]))
         parts[self.rank] = mine.copy()
         return parts
 
@@ -418,14 +340,16 @@ class Group:
         self, array: np.ndarray, root: int = 0, *,
         strategy: str | None = None, timeout: float | None = None,
     ) -> list[np.ndarray] | None:
-        """Every rank's ``array`` in rank order on ``root``; None elsewhere."""
+        """Every rank's ``array`` in rank order on ``root``; None elsewhere.
+
+        Raises as :meth:`allgather`, and ValueError for a ``root`` that is no rank.
+        Cancellation: breaks the group.
+        """
         self._check_root(root)
         mine = _native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
-        strat = self._choose("gather", strategy, mine.nbytes * self.world_size)
-        layout = Layout.parts([p.reshape(-1) for p in parts])
-        sig = self._sig("gather", strat, None, root, describe_data([mine]))
-        await self._execute("gather", strat, root, layout, None, sig, timeout)
+        await self.session.run(Call("gather", parts, None, None, root, strategy, timeout,
+                                    flat=[p.reshape(-1) for p in parts]))
         if self.rank != root:
             return None
         parts[self.rank] = mine.copy()
@@ -435,7 +359,14 @@ class Group:
         self, parts: Sequence[np.ndarray] | None, root: int = 0, *,
         strategy: str | None = None, timeout: float | None = None,
     ) -> np.ndarray:
-        """Rank r gets ``parts[r]`` of the root's list (shapes may differ; ignored elsewhere)."""
+        """Rank r gets ``parts[r]`` of the root's list (shapes may differ; ignored elsewhere).
+
+        Raises:
+            ValueError: the root's ``parts`` is not a list of world_size arrays, or ``root``
+                is no rank.
+            CollectiveMismatch, CollectiveTimeout, PeerLost, GroupBroken.
+        Cancellation: breaks the group.
+        """
         self._check_root(root)
         p = self.world_size
         if self.rank == root:
@@ -443,34 +374,22 @@ class Group:
                 got = "None" if parts is None else f"{len(parts)} parts"
                 raise ValueError(f"scatter root needs a list of {p} arrays, got {got}")
             send = [_native(a) for a in parts]
-            strat = self._choose("scatter", strategy, sum(a.nbytes for a in send))
-            meta = {"strategy": strat.name, "leaves": [[a.dtype.str, list(a.shape)] for a in send]}
-            layout = Layout.parts([a.reshape(-1) for a in send])
-            sig = self._sig("scatter", strat, None, root, describe_data(send))
-            await self._execute("scatter", strat, root, layout, None, sig, timeout, meta=meta)
+            await self.session.run(Call("scatter", send, None, None, root, strategy, timeout,
+                                        flat=[a.reshape(-1) for a in send]))
             return send[self.rank].copy()
-
-        session = self.session
-        limit = self._limit(timeout)
-        seq = session.next_seq()
-
-        async with self._failures.collective(seq, "scatter", limit):
-            header = await session.matcher.first(seq, root)
-            _, specs, strat = self._read_meta(header, strategy, "scatter")
-            # Only this rank's part is ever written; np.empty of the rest touches no memory.
-            out = [np.empty(s, d) for d, s in specs]
-            layout = Layout.parts([a.reshape(-1) for a in out])
-            sig = self._sig("scatter", strat, None, root, describe_data(out))
-            await session.executor.run(seq=seq, strategy=strat, ctx=self._ctx(root),
-                                       layout=layout, ufunc=None, sig=sig, meta=header.meta)
-        return out[self.rank]
+        call = Call("scatter", [], None, None, root, strategy, timeout)
+        self._learner(call, None, f"scatter from root {root}")
+        await self.session.run(call)
+        return call.leaves[self.rank]
 
     async def barrier(self, *, strategy: str | None = None, timeout: float | None = None) -> None:
-        """Return once every rank has entered the barrier."""
-        strat = self._choose("barrier", strategy, 0)
-        layout = Layout([], [[]])
-        sig = self._sig("barrier", strat, None, None, "")
-        await self._execute("barrier", strat, 0, layout, None, sig, timeout)
+        """Return once every rank has entered the barrier.
+
+        Raises:
+            CollectiveTimeout, CollectiveMismatch, PeerLost, GroupBroken.
+        Cancellation: breaks the group.
+        """
+        await self.session.run(Call("barrier", [], None, None, None, strategy, timeout))
 
     # --- point to point ----------------------------------------------------------------
 
@@ -516,18 +435,8 @@ class Group:
         self._check_transfer(dst, "dst", tag)
         leaves, treedef = flatten(value)
         data = [_native(leaf) for leaf in leaves]
-        meta = {"strategy": SEND.name, "tree": treedef,
-                "leaves": [[a.dtype.str, list(a.shape)] for a in data]}
-        layout = Layout.split([a.reshape(-1) for a in data], 1)
-        sig = Signature.of("p2p", "", "", -1, describe_data(data, treedef))
-        session = self.session
-        limit = self._limit(timeout)
-        op = session.next_transfer(self.rank, dst, tag)
-        async with self._failures.collective(op, "send", limit):
-            await session.executor.run(
-                seq=op[3], strategy=SEND, ctx=self._ctx(dst), layout=layout, ufunc=None,
-                sig=sig, meta=meta, tag=tag,
-            )
+        await self.session.run(Call("send", data, treedef, None, dst, None, timeout, tag,
+                                    flat=[a.reshape(-1) for a in data]))
 
     async def recv(
         self, src: int, *, tag: int = 0, out: Pytree | None = None,
@@ -562,33 +471,10 @@ class Group:
                 and a.dtype.isnative for a in mine[0]):
             raise ValueError("out= arrays must be C-contiguous, writable and in native "
                              "byte order")
-        session = self.session
-        limit = self._limit(timeout)
-        op = session.next_transfer(src, self.rank, tag)
-        async with self._failures.collective(op, "recv", limit):
-            header = await session.matcher.first(op, src)
-            if header.meta is None:
-                raise ProtocolError(f"message from rank {src} with tag {tag} lacks its layout")
-            treedef = header.meta.get("tree")
-            shapes = [(np.dtype(d), tuple(s)) for d, s in header.meta["leaves"]]
-            if mine is not None:
-                have = [(leaf.dtype, leaf.shape) for leaf in mine[0]]
-                if mine[1] != treedef or have != shapes:
-                    raise CollectiveMismatch(
-                        f"recv #{op[3]} from rank {src} with tag {tag}: rank {src} sends "
-                        f"{describe_data_specs(shapes)}, rank {self.rank} passed out= "
-                        f"{describe_data_specs(have)}"
-                    )
-                data = list(mine[0])
-            else:
-                data = [np.empty(s, d) for d, s in shapes]
-            layout = Layout.split([a.reshape(-1) for a in data], 1)
-            sig = Signature.of("p2p", "", "", -1, describe_data(data, treedef))
-            await session.executor.run(
-                seq=op[3], strategy=RECV, ctx=self._ctx(src), layout=layout, ufunc=None,
-                sig=sig, tag=tag,
-            )
-        return out if out is not None else unflatten(treedef, data)
+        call = Call("recv", [], None, None, src, None, timeout, tag)
+        self._learner(call, out, f"recv from rank {src} with tag {tag}")
+        await self.session.run(call)
+        return out if out is not None else unflatten(call.treedef, call.leaves)
 
     async def recv_any(
         self, *, tag: int = 0, out: Pytree | None = None, timeout: float | None = None,
@@ -626,7 +512,7 @@ class Group:
         self._check_transfer(others[0], "src", tag)
         session = self.session
         session.failures.check_usable()
-        limit = self._limit(timeout)
+        limit = self.timeout if timeout is None else check_seconds(timeout, "timeout=")
         started = time.monotonic()
         candidates = {r: (r, self.rank, tag, session.transfers[(r, self.rank, tag)])
                       for r in others}
@@ -728,6 +614,3 @@ def _out_leaves(out: Pytree, treedef: TreeDef, leaves: list[np.ndarray]) -> list
             raise ValueError("out= arrays must be C-contiguous and writable")
     return targets
 
-
-def describe_data_specs(specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]) -> str:
-    return ", ".join(f"{d}{list(s)}" for d, s in specs) or "nothing"

@@ -90,7 +90,7 @@ async def bench_size(
     count = element_count(nbytes, dtype)
     requested = None if strategy == "auto" else strategy
     moved = data_bytes(collective, count * np.dtype(dtype).itemsize, p)
-    chosen = g._choose(collective, requested, moved).name  # the group's own choice and model
+    chosen = g.session.runner.choose(collective, requested, moved).name  # the group's own choice and model
     call = _collective_call(g, collective, requested)
     value = fill_value(g.rank)
 

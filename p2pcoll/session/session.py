@@ -11,7 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Mapping
 
+from .activity import Activity
+from ..engine.board_path import BoardPath
+from ..engine.costs import DEFAULT_CONSTANTS, Constants, load_constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
 from ..engine.timeline import Timeline
@@ -21,6 +25,7 @@ from ..transport.base import Piece, Transport
 from ..types import Membership
 from ..wire import Header
 from . import control
+from .calls import Runner
 from .failure import FailureModel
 from .peers import Peers
 
@@ -51,6 +56,15 @@ class Session:
         self.all_hello = asyncio.Event()
         self.farewells: set[int] = set()  # peers that have read this peer's goodbye
         self._progress = asyncio.Event()  # set on each farewell or departure
+        self._board: BoardPath | None = None
+        self._board_known = False
+        # What the group's record of its collectives is (it spans epochs: the group hands
+        # its own in) and auto's constants (checked when the group was made).
+        self.activity = Activity()
+        self.constants: Mapping[str, Constants] = (
+            load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS)
+        self.runner = Runner(self)
+        self.run = self.runner.run
         if membership.world_size == 1:
             self.all_hello.set()
         failures.attach(membership.rank, membership.group_id, self.matcher, transport)
@@ -66,6 +80,17 @@ class Session:
     def start(self) -> None:
         """Connect the transport; incoming messages are dispatched from now on."""
         self.transport.connect(self.membership, self.on_message, self.peers.link_down)
+
+    @property
+    def board(self) -> BoardPath | None:
+        """The board path of small collectives, if every peer shares this host and the
+        board is mapped (known once every peer's hello has come: the group has formed)."""
+        if not self._board_known and self.all_hello.is_set():
+            self._board_known = True
+            board = getattr(self.transport, "board", None)
+            if board is not None:
+                self._board = BoardPath(board, self.matcher, self.settings.spin_us * 1e-6)
+        return self._board
 
     def next_seq(self) -> int:
         """The next collective's sequence number; the same on every rank that agrees."""
@@ -126,6 +151,8 @@ class Session:
                 log.debug("rank %d: closing before ranks %s read its goodbye", self.rank,
                           sorted(waiting))
         self.peers.close()
+        if self._board is not None:
+            self._board.close()
         if self.executor.timeline is not None:
             self.executor.timeline.close()
 

@@ -44,6 +44,7 @@ from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header, validate
+from . import board as boards
 from . import lane, shm
 from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, Piece
 from .endpoints import EndpointPolicy
@@ -155,6 +156,10 @@ class ZmqMesh:
         self._lane_from: dict[int, bool] = {}
         self._held: dict[int, deque[list[zmq.Frame]]] = {}
         self._marker_on = self._marker_off = b""
+        # The group's board (see .board), when every peer shares this host: rank 0's, or
+        # mapped from rank 0's hello (then _board_from_hello until it comes).
+        self.board: boards.Board | None = None
+        self._board_from_hello = False
         tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
@@ -211,6 +216,7 @@ class ZmqMesh:
                     encode_header(Header("lane", group_id, rank, meta={"on": on}))
                     for on in (True, False))
                 self._lanes.marker_room = lane.record_size([self._marker_off])
+                self._open_board(membership, near)
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
                 continue
@@ -238,6 +244,29 @@ class ZmqMesh:
 
             self._tasks.append(asyncio.create_task(self._census.watch(
                 2 * (membership.world_size - 1), refused, rank)))
+
+    def _open_board(self, membership: Membership, near: set[int]) -> None:
+        """Rank 0 creates the group's board when every peer shares this host (and lanes,
+        whose wake-up pipes it uses, are open); the others map it from its hello."""
+        size = membership.world_size
+        if len(near) != size - 1 or size > boards.MAX_BOARD_RANKS or not boards.supported():
+            return
+        if self.rank != 0:
+            self._board_from_hello = True
+            return
+        try:
+            self.board = boards.Board.create(0, size, shm.group_tag(membership.group_id))
+        except OSError as exc:
+            log.warning("rank 0: no shared-memory board (%s); small collectives go as "
+                        "messages", exc)
+            return
+        self.board.wake = self._wake
+
+    def _wake(self, peer: int) -> None:
+        """Write into ``peer``'s wake-up pipe, if this peer can (the peer's hello opened it)."""
+        lanes = self._lanes
+        if lanes is not None and peer in lanes._wakers:
+            lanes.wake(peer)
 
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
@@ -412,6 +441,8 @@ class ZmqMesh:
                 meta["ring"] = outbox.name
             if lanes is not None and peer in lanes.peers:
                 meta.update(lanes.announce(peer))
+            if self.board is not None and self.board.owner:
+                meta["board"] = self.board.name
             self.post(peer, dataclasses.replace(header, meta=meta or None))
 
     def broadcast(self, header: Header) -> None:
@@ -568,6 +599,9 @@ class ZmqMesh:
         if lanes is None or self._closed:
             return
         lanes.wakeup.clear()  # before reading, so that a later record wakes the loop again
+        board = self.board
+        if board is not None and board.on_wake is not None:
+            board.on_wake()
         for src in [src for src, current in self._lane_from.items() if current]:
             self._pump(src)
 
@@ -590,6 +624,8 @@ class ZmqMesh:
                     self._accept_ring(header.src, header.meta["ring"])
                 if "lane" in header.meta:
                     self._accept_lane(header.src, header.meta["lane"], header.meta.get("wake"))
+                if "board" in header.meta:
+                    self._accept_board(header.src, header.meta["board"])
         except ProtocolError as exc:
             self.drops.drop(source, exc)
             return
@@ -621,6 +657,23 @@ class ZmqMesh:
             self._lanes.accept(peer, name, wake)
         except ProtocolError as exc:
             log.info("rank %d: no lane from rank %d: %s", self.rank, peer, exc)
+
+    def _accept_board(self, peer: int, name: object) -> None:
+        """Map the board rank 0 announced. If that fails this peer runs small collectives
+        as messages while the others use the board: they fail with a CollectiveMismatch
+        that says so, at the first one, rather than hang; the error log says why."""
+        if peer != 0 or not self._board_from_hello or self.board is not None:
+            raise ProtocolError(f"rank {peer} may not announce a board here")
+        self._board_from_hello = False
+        try:
+            assert self._limits is not None
+            self.board = boards.Board.attach(name, self.rank, self._limits.world_size,
+                                             shm.group_tag(self.group_id))
+        except ProtocolError as exc:
+            log.error("rank %d: cannot use the group's shared-memory board: %s", self.rank,
+                      exc)
+            return
+        self.board.wake = self._wake
 
     def _accept_ring(self, peer: int, name: object) -> None:
         """Map the shared-memory ring a peer of this host announced; if that fails, the
@@ -680,6 +733,9 @@ class ZmqMesh:
         self._probes.clear()
         if self._rings is not None:
             self._rings.close()
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if self._lanes is not None:
             self._lanes.close()
             self._lanes = None

@@ -216,7 +216,7 @@ def decode_header(raw: bytes | memoryview) -> Header:
 def _check_meta(kind: str, meta: dict[str, Any]) -> None:
     """The extras each kind may carry; anything else is refused."""
     if kind == "hello":
-        names = ("ring", "lane", "wake")
+        names = ("ring", "lane", "wake", "board")
         if set(meta) - set(names) or not all(
                 v is None or (isinstance(v, str) and len(v) < 256) for v in meta.values()):
             raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name, "

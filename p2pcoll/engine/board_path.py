@@ -1,0 +1,386 @@
+"""Small collectives on the board: no messages, no event-loop round trip when the peers
+are already there.
+
+When every peer of a group shares this host, rank 0 creates the group's board
+(:mod:`p2pcoll.transport.board`) and allreduce, reduce, broadcast and barrier of up to
+:data:`~p2pcoll.transport.board.SLOT_BYTES` run on it instead of as messages. A rank
+copies its data into its slot and publishes a count; the ranks that need it read it in
+place. The reductions fold the slots in rank order 0, 1, ..., p-1 on every rank, so every
+rank gets the same bits (and integer results equal every other strategy's).
+
+Waiting. A rank first polls its peers' counts for a bounded time (the spin,
+``P2PCOLL_SPIN`` microseconds, only while the host's cores are at least the group's
+peers: polling on an oversubscribed host takes the core a peer needs), then sleeps: it
+says so in its line, and whoever publishes next writes a byte into its wake-up pipe (the
+lanes' own, :class:`~p2pcoll.transport.lane.Wakeup`). Both sides fence between their store
+and their load, so a publish never misses a sleeper; a timer that backs off to
+:data:`MAX_NAP` covers the failures that arrive as messages (a peer's abort). A collective
+whose peers have published returns without awaiting anything: the awaitable completes in
+the caller's step.
+
+Failures. A board collective runs under the failure model like any other (deadline, lost
+peers: the sleep is where they end it) and is matched by the session's sequence number,
+written beside the data, so a rank that runs another collective, or the same one as
+messages (another size), is a :class:`~p2pcoll.errors.CollectiveMismatch` naming the
+field, not a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import CollectiveMismatch, ProtocolError
+from ..strategy import COLLECTIVES
+from ..transport.board import (
+    ATTACHED,
+    CODES,
+    COUNT,
+    DIGEST,
+    FIELDS,
+    FLAGS,
+    META,
+    NBYTES,
+    PARITY,
+    SEQ,
+    SLEEPING,
+    VIA_MESSAGES,
+    WORDS,
+    Board,
+)
+from ..transport.shm import _barrier as fence
+from .matching import Matcher
+
+STRATEGY = "shm"  # how stats() and the metrics name the board path
+MIN_NAP, MAX_NAP = 1e-3, 0.02
+_OPS = ("", "sum", "prod", "min", "max", "avg")
+
+
+class _Plan(NamedTuple):
+    """A reduction's place on the board: its bytes, and per parity, per rank, a typed view
+    of each leaf's part of that rank's slot."""
+
+    nbytes: int
+    views: tuple[tuple[tuple[np.ndarray, ...], ...], ...]
+
+
+def codes(collective: str, op: str, root: int) -> int:
+    """The CODES word: what a rank thinks a board collective is, field by field."""
+    return (COLLECTIVES.index(collective) + 1) | (_op_code(op) << 8) | ((root + 1) << 16)
+
+
+def _op_code(op: str) -> int:
+    return _OPS.index(op) if op in _OPS else 255  # custom ops: compared by the digest
+
+
+def _describe(word: int) -> tuple[str, str, int]:
+    coll, op, root = word & 0xFF, (word >> 8) & 0xFF, (word >> 16) - 1
+    name = COLLECTIVES[coll - 1] if 0 < coll <= len(COLLECTIVES) else f"code {coll}"
+    return name, (_OPS[op] if op < len(_OPS) else "custom"), root
+
+
+class BoardPath:
+    """Runs board collectives for one session (one per group epoch)."""
+
+    def __init__(self, board: Board, matcher: Matcher, spin: float) -> None:
+        self.board = board
+        self.matcher = matcher
+        self.rank, self.size = board.rank, board.world_size
+        self.others = [q for q in range(self.size) if q != self.rank]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        # Poll only while every peer can have a core of its own, and never for a peer of
+        # this process (tasks of one event loop: polling would only hold it up).
+        pids = [int(v) for v in board.words[:, ATTACHED]]
+        alone = pids.count(os.getpid()) == 1
+        self.spin = spin if cores >= self.size and alone else 0.0
+        self.slot_bytes = board.slot_bytes
+        self._w = board.control()
+        self._me = self.rank * WORDS
+        self._waiter: asyncio.Future[None] | None = None
+        # Board collectives run one at a time per rank, in the order they were called: the
+        # number in flight, and the turns of those that wait (no future when none waits).
+        self._inflight = 0
+        self._turns: deque[asyncio.Future[None]] = deque()
+        board.on_wake = self._on_wake
+
+    # --- the protocol's steps ---------------------------------------------------------
+
+    def _on_wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _missing(self, count: int, ranks: Sequence[int]) -> int:
+        """The first of ``ranks`` that has not published ``count`` yet, or -1."""
+        w = self._w
+        for q in ranks:
+            if w[q * WORDS + COUNT] < count:
+                return q
+        return -1
+
+    async def _wait(self, count: int, ranks: Sequence[int], seq: int) -> None:
+        """Until every one of ``ranks`` has published ``count``: poll, then sleep."""
+        if self._missing(count, ranks) < 0:
+            return
+        if self.spin:
+            until = time.perf_counter() + self.spin
+            missing = self._missing
+            while time.perf_counter() < until:
+                if missing(count, ranks) < 0:
+                    return
+        w, me, matcher = self._w, self._me, self.matcher
+        loop = asyncio.get_running_loop()
+        nap = MIN_NAP
+        note = getattr(matcher, "note_waiting", None)
+        if note is not None:
+            note(seq, ranks)
+        try:
+            while True:
+                w[me + SLEEPING] = count
+                fence()  # the store above before the loads below (see the docstring)
+                if self._missing(count, ranks) < 0:
+                    return
+                failure = matcher.failure(seq) or self._stray(seq)
+                if failure is not None:
+                    raise failure
+                waiter = self._waiter = loop.create_future()
+                timer = loop.call_later(nap, self._on_wake)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+                    self._waiter = None
+                nap = min(nap * 2, MAX_NAP)
+        finally:
+            w[me + SLEEPING] = 0
+
+    def _publish(self, count: int) -> None:
+        w = self._w
+        w[self._me + COUNT] = count
+        fence()  # the count before the loads of who sleeps (see the docstring)
+        wake = self.board.wake
+        for q in self.others:
+            if w[q * WORDS + SLEEPING]:
+                wake(q)
+
+    def _fields(self, parity: int, seq: int, digest: int, nbytes: int, code: int,
+                meta: int = 0, flags: int = 0) -> None:
+        base = self._me + PARITY + parity * FIELDS
+        w = self._w
+        w[base + SEQ], w[base + DIGEST], w[base + NBYTES] = seq, digest, nbytes
+        w[base + CODES], w[base + META], w[base + FLAGS] = code, meta, flags
+
+    def _check(self, q: int, parity: int, seq: int, digest: int | None, code: int,
+               nbytes: int | None) -> tuple[int, int, int]:
+        """Read rank ``q``'s fields of this collective and compare them with mine.
+
+        Returns its (nbytes, meta bytes, flags).
+
+        Raises:
+            CollectiveMismatch: it called another collective (named field by field).
+            ProtocolError: its line does not add up (a corrupt board).
+        """
+        w = self._w
+        base = q * WORDS + PARITY + parity * FIELDS
+        if (digest is not None and nbytes is not None and w[base + SEQ] == seq
+                and w[base + DIGEST] == digest and w[base + NBYTES] == nbytes
+                and w[base + CODES] == code and w[base + FLAGS] == 0):
+            return nbytes, 0, 0  # the usual case: all agree (the digest covers the rest)
+        theirs = (w[base + SEQ], w[base + DIGEST], w[base + NBYTES], w[base + CODES],
+                  w[base + META], w[base + FLAGS])
+        t_seq, t_digest, t_nbytes, t_code, t_meta, t_flags = theirs
+        if not (0 <= t_nbytes <= self.slot_bytes and 0 <= t_meta <= self.board.meta_bytes
+                and t_flags in (0, VIA_MESSAGES)):
+            raise ProtocolError(f"rank {q}'s line of the shared-memory board does not add "
+                                f"up: {theirs}")
+        what = f"collective #{seq}"
+        mine_c = _describe(code)
+        if t_seq != seq or t_code != code or (nbytes is not None and t_nbytes != nbytes) \
+                or (digest is not None and t_digest != digest):
+            theirs_c = _describe(t_code)
+            diffs = []
+            if t_seq != seq:
+                diffs.append(f"rank {q} ran its collective #{t_seq} here, rank {self.rank} "
+                             f"#{seq}: the ranks called different sequences of collectives")
+            for field, a, b in zip(("collective", "op", "root"), mine_c, theirs_c,
+                                   strict=True):
+                if a != b:
+                    diffs.append(f"{field}: rank {self.rank} has {a!r}, rank {q} has {b!r}")
+            if nbytes is not None and t_nbytes != nbytes and not diffs:
+                diffs.append(f"data: rank {self.rank} has {nbytes} bytes, rank {q} has "
+                             f"{t_nbytes}")
+            if not diffs:
+                diffs.append(f"data: rank {q}'s dtypes, shapes or op differ from rank "
+                             f"{self.rank}'s")
+            raise CollectiveMismatch(f"{what} {mine_c[0]}: " + "; ".join(diffs))
+        return t_nbytes, t_meta, t_flags
+
+    async def _start(self, seq: int) -> int:
+        """Wait for this call's turn, take the next board count and wait until its parity
+        is free (every peer has published the one before, so has finished reading the one
+        before that). Pair with :meth:`_end`."""
+        self._inflight += 1
+        if self._inflight > 1:
+            turn = asyncio.get_running_loop().create_future()
+            self._turns.append(turn)
+            await turn
+        count = self.board.count = self.board.count + 1
+        if count > 2:
+            await self._wait(count - 1, self.others, seq)
+        return count
+
+    def _end(self, seq: int) -> None:
+        """This call's board work is over (done or failed): the next one's turn."""
+        self._inflight -= 1
+        while self._turns:
+            turn = self._turns.popleft()
+            if not turn.done():  # a cancelled call's turn is skipped
+                turn.set_result(None)
+                return
+
+    def _stray(self, seq: int) -> CollectiveMismatch | None:
+        """A peer that sent collective ``seq`` as messages runs it otherwise: a mismatch."""
+        senders = self.matcher.leftover(seq)
+        if not senders:
+            return None
+        return CollectiveMismatch(
+            f"collective #{seq}: rank {senders[0]} sent it as messages, rank {self.rank} "
+            f"ran it on the shared-memory board: the ranks disagree about the collective "
+            f"or its size")
+
+    # --- the collectives --------------------------------------------------------------
+    # Each runs under _start/_end; the bodies (_reduction, ...) follow.
+
+    async def reduction(self, seq: int, collective: str, arrays: Sequence[np.ndarray],
+                        fold: Callable[..., Any], op: str, digest: int,
+                        root: int | None, plan: _Plan) -> None:
+        """allreduce (``root`` None) or reduce, in place in ``arrays`` (flat, contiguous,
+        together at most the slot; ``plan`` from :meth:`plan`)."""
+        try:
+            await self._reduction(await self._start(seq), seq, collective, arrays, fold, op,
+                                  digest, root, plan)
+        finally:
+            self._end(seq)
+
+    async def barrier(self, seq: int, digest: int) -> None:
+        try:
+            await self._barrier(await self._start(seq), seq, digest)
+        finally:
+            self._end(seq)
+
+    async def broadcast_root(self, seq: int, arrays: Sequence[np.ndarray] | None,
+                             layout: bytes) -> bool:
+        """The root's part: its data and layout on the board, or (``arrays`` None, or they
+        do not fit) word that they come as messages. Returns whether they went here."""
+        try:
+            return await self._broadcast_root(await self._start(seq), seq, arrays, layout)
+        finally:
+            self._end(seq)
+
+    async def broadcast_receive(self, seq: int, root: int) -> tuple[bytes, memoryview] | None:
+        """A non-root's part: the root's layout and payload (a view of its slot, valid
+        until this rank's next board collective), or None: they come as messages."""
+        try:
+            return await self._broadcast_receive(await self._start(seq), seq, root)
+        finally:
+            self._end(seq)
+
+    def plan(self, arrays: Sequence[np.ndarray]) -> _Plan:
+        """Where each of ``arrays`` lies in the slots: built once per prepared call."""
+        spans, at = [], 0
+        for a in arrays:
+            spans.append((at, a.nbytes, a.dtype))
+            at += (a.nbytes + 7) & ~7
+        board = self.board
+        views = tuple(
+            tuple(tuple(board.data[q][b][lo:lo + n].view(dtype) for lo, n, dtype in spans)
+                  for q in range(self.size))
+            for b in (0, 1))
+        return _Plan(sum(a.nbytes for a in arrays), views)
+
+    async def _reduction(self, count: int, seq: int, collective: str,
+                         arrays: Sequence[np.ndarray], fold: Callable[..., Any], op: str,
+                         digest: int, root: int | None, plan: _Plan) -> None:
+        parity = count & 1
+        code = codes(collective, op, -1 if root is None else root)
+        views = plan.views[parity]
+        for a, slot in zip(arrays, views[self.rank], strict=True):
+            np.copyto(slot, a)
+        self._fields(parity, seq, digest, plan.nbytes, code)
+        self._publish(count)
+        if root is not None and root != self.rank:
+            return
+        await self._wait(count, self.others, seq)
+        for q in self.others:
+            self._check(q, parity, seq, digest, code, plan.nbytes)
+        ufunc = fold if isinstance(fold, np.ufunc) else None
+        first, second, rest = views[0], views[1], views[2:]
+        with np.errstate(all="ignore"):
+            for i, a in enumerate(arrays):
+                if ufunc is not None:
+                    ufunc(first[i], second[i], out=a)
+                    for part in rest:
+                        ufunc(a, part[i], out=a)
+                else:
+                    np.copyto(a, first[i])
+                    fold(a, second[i], out=a)
+                    for part in rest:
+                        fold(a, part[i], out=a)
+
+    async def _barrier(self, count: int, seq: int, digest: int) -> None:
+        parity = count & 1
+        code = codes("barrier", "", -1)
+        self._fields(parity, seq, digest, 0, code)
+        self._publish(count)
+        await self._wait(count, self.others, seq)
+        for q in self.others:
+            self._check(q, parity, seq, digest, code, 0)
+
+    async def _broadcast_root(self, count: int, seq: int,
+                              arrays: Sequence[np.ndarray] | None, layout: bytes) -> bool:
+        parity = count & 1
+        code = codes("broadcast", "", self.rank)
+        board = self.board
+        nbytes = sum(a.nbytes + 7 & ~7 for a in arrays) if arrays is not None else -1
+        fits = (arrays is not None and nbytes <= self.slot_bytes
+                and len(layout) <= board.meta_bytes)
+        if fits:
+            assert arrays is not None
+            mine, at = board.data[self.rank][parity], 0
+            for a in arrays:
+                n = a.nbytes
+                mine[at:at + n] = a.view(np.uint8)
+                at += (n + 7) & ~7
+            board.meta[self.rank][parity][:len(layout)] = np.frombuffer(layout, np.uint8)
+            self._fields(parity, seq, 0, at, code, len(layout))
+        else:
+            self._fields(parity, seq, 0, 0, code, 0, VIA_MESSAGES)
+        self._publish(count)
+        return fits
+
+    async def _broadcast_receive(self, count: int, seq: int,
+                                 root: int) -> tuple[bytes, memoryview] | None:
+        parity = count & 1
+        code = codes("broadcast", "", root)
+        self._fields(parity, seq, 0, 0, code)
+        self._publish(count)
+        await self._wait(count, (root,), seq)
+        nbytes, meta, flags = self._check(root, parity, seq, None, code, None)
+        if flags & VIA_MESSAGES:
+            return None
+        board = self.board
+        layout = bytes(board.meta[root][parity][:meta])
+        return layout, memoryview(board.data[root][parity][:nbytes])
+
+    def close(self) -> None:
+        self._w.release()
+        self.board.on_wake = None
+
+
+__all__ = ["STRATEGY", "BoardPath", "codes"]

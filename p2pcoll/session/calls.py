@@ -1,0 +1,382 @@
+"""The one path every call of the group API takes: choose -> prepare -> failure rules ->
+execute -> record.
+
+Each public method of :class:`~p2pcoll.Group` checks its arguments and turns them into one
+:class:`Call`; :meth:`Session.run` runs it, on every rank alike, collectives and
+point-to-point transfers, roots and the others. A call is described by a small key
+(collective, strategy asked for, op, root, the leaves' dtypes and shapes, the pytree); the
+first call with a key builds its :class:`Prepared` program (the chosen strategy, the
+signature, the chunks, the segments, the layout a root sends) and later calls with the
+same key only look it up: no choice, no Layout, no Signature per call. A new session (a
+new epoch) starts with no programs; the cache is bounded.
+
+Small collectives among peers of one host go on the board
+(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from ..engine.board_path import STRATEGY as BOARD
+from ..engine.layout import Layout
+from ..engine.p2p import RECV, SEND
+from ..errors import CollectiveMismatch, P2PCollError, PluginValidationError, ProtocolError
+from ..registry import registry
+from ..settings import check_seconds
+from ..strategy import Context, Strategy
+from ..types import CustomOp, ReduceOp, TreeDef, fold_of
+from ..wire import Header, Signature
+from ..wire.validation import check_layout
+
+if TYPE_CHECKING:
+    from .session import Session
+
+MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
+Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
+
+
+def describe_data(arrays: Sequence[np.ndarray], treedef: TreeDef = None) -> str:
+    """A short string that equals on two ranks iff their data has the same layout."""
+    text = f"{treedef}|" + ",".join(f"{a.dtype.str}{tuple(a.shape)}" for a in arrays)
+    if len(text) > 200:
+        digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        return f"{len(arrays)} arrays, layout digest {digest}"
+    return text
+
+
+def describe_specs(specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]) -> str:
+    return ", ".join(f"{d}{list(s)}" for d, s in specs) or "nothing"
+
+
+Learn = Callable[[TreeDef, list[tuple[np.dtype[Any], tuple[int, ...]]], str], None]
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """One call of the group API, its arguments checked.
+
+    Attributes:
+        collective: one of p2pcoll.strategy.COLLECTIVES, or "send"/"recv".
+        leaves: this rank's data, C-contiguous native arrays written in place (a
+            receiver's are set by ``learn`` from the sender's layout).
+        treedef: their pytree.
+        op: a reduction's op.
+        root: a rooted collective's root, a transfer's peer; None otherwise.
+        strategy: the strategy asked for (None: the group's default or auto).
+        timeout: seconds (None: the group's).
+        tag: a transfer's tag (None: a collective).
+        rows: reduce_scatter: elements per row, where chunks may be cut.
+        learn: for a rank that learns the layout from the data's origin (a broadcast or
+            scatter that is not the root, a receive): called with the origin's tree, leaf
+            specs and strategy name; it checks them against what the caller passed and
+            sets ``leaves`` and ``treedef``, or raises CollectiveMismatch.
+        strategy_used: set by the run: the strategy (or "shm") it ran with.
+    """
+
+    collective: str
+    leaves: list[np.ndarray]
+    treedef: TreeDef = None
+    op: ReduceOp | CustomOp | None = None
+    root: int | None = None
+    strategy: str | None = None
+    timeout: float | None = None
+    tag: int | None = None
+    rows: int = 1
+    learn: Learn | None = None
+    strategy_used: str = ""
+    flat: list[np.ndarray] = field(default_factory=list)
+
+    def key(self) -> tuple[Any, ...]:
+        """What a prepared program depends on."""
+        op = self.op.value if self.op is not None else ""
+        return (self.collective, self.strategy, op, self.root, self.tag is None, self.rows,
+                str(self.treedef), tuple((a.dtype.str, a.shape) for a in self.leaves))
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A call's program, built once per key (see the module docstring)."""
+
+    strategy: Strategy
+    ctx: Context
+    chunks: list[list[tuple[int, int, int]]]
+    nseg: int
+    sig: Signature
+    meta: dict[str, Any] | None
+    digest: int  # the signature's digest as the board's int64
+    board: Any = None  # where the data lies on the board (its path's plan), once used
+
+
+class Runner:
+    """Runs calls for one session: :meth:`Session.run` is :meth:`run`."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.rank, self.size = session.rank, session.world_size
+        self.programs: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
+        self._costs: Any = None
+
+    # --- choose and prepare -------------------------------------------------------------
+
+    def choose(self, collective: str, requested: str | None, nbytes: int) -> Strategy:
+        """The strategy ``requested`` (or the group's default, or auto's pick)."""
+        session = self.session
+        if self._costs is None:
+            from ..engine.costs import CostModel
+            self._costs = CostModel.for_group(session.settings, session.membership.endpoints,
+                                              self.rank, session.constants)
+        return registry.choose(collective, requested,
+                               session.settings.strategies.get(collective), nbytes,
+                               self.size, self._costs)
+
+    def costs(self) -> Any:
+        """auto's cost model (:meth:`CostModel.for_group`, the one simulate uses)."""
+        if self._costs is None:
+            self.choose("barrier", None, 0)
+        return self._costs
+
+    def prepare(self, call: Call, strategy: Strategy | None = None) -> Prepared:
+        """The program of ``call`` (built on the first call with its key); ``strategy``:
+        the one a receiver learned from its origin, or the board's."""
+        key = call.key()
+        if strategy is not None:
+            key += (strategy.name,)
+        program = self.programs.get(key)
+        if program is not None:
+            self.programs.move_to_end(key)
+            return program
+        program = self._build(call, strategy)
+        self.programs[key] = program
+        if len(self.programs) > MAX_PROGRAMS:
+            self.programs.popitem(last=False)
+        return program
+
+    def _build(self, call: Call, strategy: Strategy | None) -> Prepared:
+        name, p = call.collective, self.size
+        flat = call.flat
+        nbytes = sum(a.nbytes for a in flat)
+        meta = None
+        if call.tag is not None:
+            strat: Strategy = SEND if name == "send" else RECV
+            layout = Layout.split(flat, 1)
+            sig = Signature.of("p2p", "", "", -1, describe_data(call.leaves, call.treedef))
+            if name == "send":
+                meta = _layout_meta(SEND.name, call)
+            ctx = Context(self.rank, p, call.root or 0)
+        else:
+            parts = name in ("allgather", "gather", "scatter")
+            strat = strategy or self.choose(name, call.strategy, nbytes)
+            if name in ("allreduce", "reduce"):
+                nchunks = strat.chunks(p)
+                cuts = strat.cuts(p, sum(a.size for a in flat), flat[0].itemsize if flat else 1)
+                if cuts is not None and len(cuts) != nchunks + 1:
+                    raise PluginValidationError(
+                        f"{name} strategy {strat.name!r} gave {len(cuts)} cuts for "
+                        f"{nchunks} chunks (chunks + 1 offsets are needed)")
+                layout = Layout.split(flat, nchunks) if cuts is None else Layout.cut(flat, cuts)
+            elif name == "reduce_scatter":
+                if strat.chunks(p) != p:
+                    raise PluginValidationError(
+                        f"reduce_scatter strategy {strat.name!r} must cut the data into {p} "
+                        f"chunks")
+                layout = Layout.split(flat, p, row_sizes=[call.rows])
+            elif parts:
+                layout = Layout.parts(flat)
+            elif name == "barrier":
+                layout = Layout([], [[]])
+            else:  # broadcast
+                layout = Layout.split(flat, strat.chunks(p))
+            if name in ("broadcast", "scatter") and call.root == self.rank:
+                meta = _layout_meta(strat.name, call)
+            data = describe_data(call.leaves[:1] if name in ("allgather", "gather")
+                                 else call.leaves, call.treedef)
+            op = call.op.value if call.op is not None else ""
+            root = -1 if call.root is None else call.root
+            sig = Signature.of(name, strat.name, op, root, data)
+            ctx = Context(self.rank, p, call.root or 0)
+        settings = self.session.settings
+        nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes)
+        return Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
+                        int.from_bytes(sig.digest, "little", signed=True))
+
+    # --- run ----------------------------------------------------------------------------
+
+    async def run(self, call: Call) -> None:
+        """Run ``call`` under the failure rules and record it, on every rank.
+
+        Raises:
+            CollectiveTimeout, CollectiveMismatch, PeerLost, GroupBroken, ProtocolError:
+                see the group's methods.
+        Cancellation: breaks the group.
+        """
+        session = self.session
+        limit = (session.settings.collective_timeout if call.timeout is None
+                 else check_seconds(call.timeout, "timeout="))
+        if call.tag is None:
+            op_id: Any = session.next_seq()
+        elif call.collective == "send":
+            op_id = session.next_transfer(self.rank, call.root or 0, call.tag)
+        else:
+            op_id = session.next_transfer(call.root or 0, self.rank, call.tag)
+        started, error = time.perf_counter(), None
+        try:
+            async with session.failures.collective(op_id, call.collective, limit):
+                await self._execute(op_id, call)
+        except P2PCollError as exc:
+            error = exc
+            raise
+        finally:
+            session.activity.record(call.collective, call.strategy_used or
+                                    (call.strategy or "auto"),
+                                    time.perf_counter() - started, error)
+        if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
+            for a in call.flat:
+                np.divide(a, self.size, out=a)
+
+    async def _execute(self, op_id: Any, call: Call) -> None:
+        session = self.session
+        name = call.collective
+        board = session.board if call.tag is None else None
+        if board is not None and self._on_board(call, board.slot_bytes):
+            if name == "broadcast":
+                if call.root == self.rank:
+                    went = await board.broadcast_root(op_id, call.flat,
+                                                      _pack(_layout_meta(BOARD, call)))
+                    if went:
+                        call.strategy_used = BOARD
+                        return
+                else:
+                    got = await board.broadcast_receive(op_id, call.root or 0)
+                    if got is not None:
+                        self._learn_board(op_id, call, *got)
+                        call.strategy_used = BOARD
+                        return
+            elif name == "barrier":
+                program = self.prepare(call, _BoardStrategy.of("barrier"))
+                await board.barrier(op_id, program.digest)
+                call.strategy_used = BOARD
+                return
+            else:
+                program = self.prepare(call, _BoardStrategy.of(name))
+                assert call.op is not None
+                if program.board is None:
+                    program.board = board.plan(call.flat)
+                await board.reduction(op_id, name, call.flat, fold_of(call.op),
+                                      call.op.value, program.digest, call.root, program.board)
+                call.strategy_used = BOARD
+                return
+        if call.learn is not None:
+            origin = call.root or 0
+            header = await session.matcher.first(op_id, origin)
+            strategy = self._learn_message(op_id, call, header)
+        else:
+            strategy = None
+        program = self.prepare(call, strategy)
+        call.strategy_used = program.strategy.name
+        layout = Layout(call.flat, program.chunks)
+        layout.nseg = program.nseg
+        meta = program.meta
+        if call.learn is not None and call.tag is None:
+            meta = header.meta  # forward the layout too: this rank may be someone's first sender
+        await session.executor.run(seq=op_id if call.tag is None else op_id[3],
+                                   strategy=program.strategy, ctx=program.ctx, layout=layout,
+                                   ufunc=fold_of(call.op) if call.op is not None else None,
+                                   sig=program.sig, meta=meta, tag=call.tag)
+
+    def _on_board(self, call: Call, slot: int) -> bool:
+        """Whether ``call`` goes on the board: no strategy asked for (by the call or the
+        group), and (reductions) its data fits a slot."""
+        name = call.collective
+        if name not in ("allreduce", "reduce", "broadcast", "barrier"):
+            return False
+        if call.strategy not in (None, "auto") or \
+                self.session.settings.strategies.get(name, "auto") != "auto":
+            return False
+        if name in ("allreduce", "reduce"):
+            return sum((a.nbytes + 7) & ~7 for a in call.flat) <= slot
+        return True
+
+    def _learn_message(self, op_id: Any, call: Call, header: Header) -> Strategy:
+        """A receiver learns the layout from the first message of its origin."""
+        meta = header.meta
+        origin = call.root or 0
+        what = (f"collective #{op_id} {call.collective}" if call.tag is None else
+                f"recv #{op_id[3]} from rank {origin} with tag {call.tag}")
+        if meta is None:
+            theirs = getattr(header, "collective", "") or "a collective without a layout"
+            raise CollectiveMismatch(
+                f"{what}: rank {header.src} sent {theirs}, rank {self.rank} called "
+                f"{call.collective}" + (f" from root {origin}" if call.tag is None else ""))
+        name = meta["strategy"]
+        _learn(call, meta)
+        if call.tag is not None:
+            return RECV
+        requested = call.strategy if call.strategy not in (None, "auto") else name
+        return registry.get(call.collective, requested)
+
+    def _learn_board(self, seq: int, call: Call, raw: bytes, payload: memoryview) -> None:
+        try:
+            meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_ext_len=0)
+            if not isinstance(meta, dict):
+                raise ProtocolError("the root's layout on the board is not a map")
+            check_layout(meta)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"the root's layout on the board is not valid: {exc}") from None
+        _learn(call, meta)
+        at = 0
+        for a in call.flat:
+            n = a.nbytes
+            if at + n > len(payload):
+                raise ProtocolError(f"the root's data on the board is {len(payload)} bytes, "
+                                    f"its layout names more")
+            a.view(np.uint8)[:] = np.frombuffer(payload, np.uint8, n, at)
+            at += (n + 7) & ~7
+
+
+class _BoardStrategy(Strategy):
+    """Names the board path in signatures and programs (never scheduled)."""
+
+    name = BOARD
+    _made: dict[str, _BoardStrategy] = {}  # noqa: RUF012 - one per collective, made once
+
+    @classmethod
+    def of(cls, collective: str) -> _BoardStrategy:
+        made = cls._made.get(collective)
+        if made is None:
+            made = cls._made[collective] = type(f"Board_{collective}", (cls,),
+                                                {"collective": collective})()
+        return made
+
+
+def _layout_meta(strategy: str, call: Call) -> dict[str, Any]:
+    meta: dict[str, Any] = {"strategy": strategy,
+                            "leaves": [[a.dtype.str, list(a.shape)] for a in call.leaves]}
+    if call.collective != "scatter":
+        meta["tree"] = call.treedef
+    return meta
+
+
+def _pack(meta: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(meta, use_bin_type=True)
+    return packed
+
+
+def _learn(call: Call, meta: dict[str, Any]) -> None:
+    assert call.learn is not None
+    specs = [(np.dtype(d), tuple(s)) for d, s in meta["leaves"]]
+    call.learn(meta.get("tree"), specs, meta["strategy"])
+    call.flat = [a.reshape(-1) for a in call.leaves]
+
+
+__all__ = ["Call", "Prepared", "Runner", "describe_data", "describe_specs"]

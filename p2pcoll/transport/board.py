@@ -1,0 +1,208 @@
+"""The board: a group's control block in shared memory, for small collectives on one host.
+
+The fast CPU collectives (Open MPI's xhc, UCC's shared-memory layer, Gloo's and
+DeepSpeed's shared-memory allreduce) do not send small collectives as messages at all:
+every rank has a slot in one shared block, publishes by writing its slot, and reads its
+peers' slots. That is what this is, for groups whose peers all share this host.
+
+Layout (one file in ``/dev/shm``, ``p2pcoll-<pid>-<16 hex>``, mode 0600, created by rank
+0 when the group forms and named in its hello over the authenticated socket; every other
+peer maps it and marks its line attached; rank 0 unlinks the name once all have)::
+
+    page 0        int64 words: page size, world size, slot bytes, meta bytes, group tag,
+                  version
+    page 1...     one line per rank, LINE bytes (two cache lines) apart, int64 words:
+                    COUNT      board collectives this rank has published (c = 1, 2, ...)
+                    SLEEPING   the count this rank sleeps waiting for (0: awake)
+                    ATTACHED   the pid of this rank once it mapped the board
+                    then per parity b (0, 1), at PARITY + b * FIELDS:
+                    SEQ        the session's sequence number of collective c
+                    DIGEST     its signature digest (what the rank thinks it is)
+                    NBYTES     payload bytes in the data area
+                    CODES      collective code | op code << 8 | (root + 1) << 16
+                    META       bytes of the layout in the meta area (broadcast's root)
+                    FLAGS      VIA_MESSAGES: the data goes as messages this time
+    data          per rank, per parity: slot bytes of payload then meta bytes of layout
+
+Collective c uses parity ``c % 2`` of every line (double buffers: no trailing barrier).
+Before a rank writes parity b for c it waits until every peer has published c - 1, so
+every peer has finished c - 2, the last reader of parity b; then it writes data and
+fields and publishes ``COUNT = c``. Readers check ``COUNT >= c`` first, then read. On
+x86-64 stores are seen in program order (TSO), so a published count means its data is
+there; the board is only used there (:func:`supported`).
+
+Everything a peer reads from the board is checked before use (counts only grow, by at
+most two; sizes within the slot; sequence, digest and codes equal to this rank's own),
+as a lane's records are: a board whose contents do not add up is a
+:class:`~p2pcoll.errors.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import platform
+import stat
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import ProtocolError
+from .shm import NAME, PAGE, SHM_DIR, _barrier, _unlink
+
+log = logging.getLogger("p2pcoll.transport")
+
+VERSION = 1
+SLOT_BYTES = 64 << 10  # payload of one rank's slot: collectives up to this go on the board
+META_BYTES = 4 << 10  # a broadcast root's layout (dtypes, shapes, tree) beside its payload
+LINE = 128  # bytes per rank's control line: two cache lines, no false sharing
+COUNT, SLEEPING, ATTACHED, PARITY = 0, 1, 2, 4
+SEQ, DIGEST, NBYTES, CODES, META, FLAGS = range(6)
+FIELDS = 6
+VIA_MESSAGES = 1
+WORDS = LINE // 8
+MAX_BOARD_RANKS = 64  # beyond this the reads of p slots cost more than messages
+
+
+def supported() -> bool:
+    """Whether this machine orders stores as the board's protocol needs (x86-64: TSO)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _area(slot_bytes: int, meta_bytes: int) -> int:
+    n = slot_bytes + meta_bytes
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+def _size(world_size: int, slot_bytes: int, meta_bytes: int) -> int:
+    lines = (world_size * LINE + PAGE - 1) // PAGE * PAGE
+    return PAGE + lines + 2 * world_size * _area(slot_bytes, meta_bytes)
+
+
+class Board:
+    """One peer's mapping of its group's board (see the module docstring)."""
+
+    def __init__(self, buf: mmap.mmap, name: str, rank: int, world_size: int,
+                 slot_bytes: int, meta_bytes: int, *, owner: bool) -> None:
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.slot_bytes = slot_bytes
+        self.meta_bytes = meta_bytes
+        self.owner = owner
+        self._map = buf
+        lines = (world_size * LINE + PAGE - 1) // PAGE * PAGE
+        # Every rank's control words as one int64 array, row r = rank r's line.
+        self.words = np.frombuffer(buf, np.int64, count=world_size * WORDS,
+                                   offset=PAGE).reshape(world_size, WORDS)
+        area = _area(slot_bytes, meta_bytes)
+        base = PAGE + lines
+        # data[r][b]: rank r's payload area of parity b (uint8), meta[r][b] its layout area.
+        whole = np.frombuffer(buf, np.uint8, count=2 * world_size * area, offset=base)
+        self.data = [[whole[(2 * r + b) * area:(2 * r + b) * area + slot_bytes]
+                      for b in (0, 1)] for r in range(world_size)]
+        self.meta = [[whole[(2 * r + b) * area + slot_bytes:(2 * r + b) * area + slot_bytes
+                            + meta_bytes] for b in (0, 1)] for r in range(world_size)]
+        self.count = 0  # board collectives this rank has started
+        self.unlinked = not owner
+        # Set by the mesh: wake(rank) writes into that peer's wake-up pipe; on_wake is
+        # called when this peer's pipe is written (set by the engine's board path).
+        self.wake: Callable[[int], None] = lambda rank: None
+        self.on_wake: Callable[[], None] | None = None
+
+    def control(self) -> memoryview:
+        """Every rank's control words as one flat view of int64 (rank r's line starts at
+        ``r * WORDS``): a memoryview's item access is the cheapest load and store Python
+        has, and each is one aligned 8-byte access."""
+        size = self.world_size * LINE
+        return memoryview(self._map)[PAGE:PAGE + size].cast("q")
+
+    @classmethod
+    def create(cls, rank: int, world_size: int, tag: int, slot_bytes: int = SLOT_BYTES,
+               meta_bytes: int = META_BYTES) -> Board:
+        """Create a group's board (rank 0 does, when the group forms).
+
+        Raises:
+            OSError: ``/dev/shm`` is full or unusable (nothing is left behind).
+        """
+        name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        path = os.path.join(SHM_DIR, name)
+        size = _size(world_size, slot_bytes, meta_bytes)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            buf = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        head = np.frombuffer(buf, np.int64, count=6)
+        head[:] = (PAGE, world_size, slot_bytes, meta_bytes, tag, VERSION)
+        del head
+        board = cls(buf, name, rank, world_size, slot_bytes, meta_bytes, owner=True)
+        board.words[rank, ATTACHED] = os.getpid()
+        return board
+
+    @classmethod
+    def attach(cls, name: object, rank: int, world_size: int, tag: int) -> Board:
+        """Map the board rank 0 of the group tagged ``tag`` named in its hello.
+
+        Raises:
+            ProtocolError: not a p2pcoll name, not a board of this user, or its header is
+                not that of this group's board for ``world_size`` ranks.
+        """
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ProtocolError(f"board name {name!r} is not one of ours")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() \
+                        or info.st_size <= PAGE:
+                    raise ProtocolError(f"board {name!r} is not a board file of this user")
+                buf = mmap.mmap(fd, info.st_size)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise ProtocolError(f"cannot map board {name!r}: {exc}") from None
+        head = [int(v) for v in np.frombuffer(buf, np.int64, count=6)]
+        page, size, slot, meta, owner_tag, version = head
+        ok = (page == PAGE and size == world_size and owner_tag == tag and version == VERSION
+              and 0 < slot <= 1 << 24 and 0 < meta <= 1 << 20
+              and _size(size, slot, meta) == info.st_size)
+        if not ok:
+            buf.close()
+            raise ProtocolError(f"board {name!r} is not this group's board for {world_size} "
+                                f"ranks")
+        board = cls(buf, name, rank, world_size, slot, meta, owner=False)
+        _barrier()
+        board.words[rank, ATTACHED] = os.getpid()
+        return board
+
+    def all_attached(self) -> bool:
+        return bool(self.words[:, ATTACHED].all())
+
+    def unlink_when_all_attached(self) -> None:
+        """The creator removes the name once every rank has mapped the board."""
+        if not self.unlinked and self.all_attached():
+            _unlink(os.path.join(SHM_DIR, self.name))
+            self.unlinked = True
+
+    def close(self) -> None:
+        if self.owner and not self.unlinked:
+            _unlink(os.path.join(SHM_DIR, self.name))
+            self.unlinked = True
+        # Views of the map may outlive this (a result a caller still holds is a copy, but
+        # a numpy view in flight is not): the GC unmaps it then.
+        del self.words, self.data, self.meta
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
+
+__all__ = ["SLOT_BYTES", "Board", "supported"]
