@@ -52,7 +52,6 @@ from .measure import (
     worker_options,
     write_rows,
 )
-from .report import data_bytes
 
 CLOSE_GRACE = 10.0  # seconds a worker waits for its group to close once results are out
 
@@ -86,21 +85,23 @@ async def bench_size(
     g: Any, config: dict[str, Any], strategy: str, nbytes: int
 ) -> dict[str, Any]:
     """Time one strategy and size on group ``g``; returns the raw row (max over the ranks)."""
-    collective, dtype, p = config["collective"], config["dtype"], g.world_size
+    collective, dtype = config["collective"], config["dtype"]
     count = element_count(nbytes, dtype)
     requested = None if strategy == "auto" else strategy
-    moved = data_bytes(collective, count * np.dtype(dtype).itemsize, p)
-    chosen = g.session.runner.choose(collective, requested, moved).name  # the group's own choice and model
     call = _collective_call(g, collective, requested)
     value = fill_value(g.rank)
 
     rss_before, rss_reset = reset_peak_rss()
     x = np.full(count, value, dtype=dtype)  # the input, allocated once, refilled every time
 
-    for _ in range(config["warmup"]):
+    ran = dict(g.stats()["collectives_by_strategy"].get(collective, {}))
+    for _ in range(max(1, config["warmup"])):
         x.fill(value)
         await g.barrier()
         await call(x)
+    # What the group ran it with (its own choice and model, or the board: "shm").
+    now = g.stats()["collectives_by_strategy"][collective]
+    chosen = max(now, key=lambda name: now[name] - ran.get(name, 0))
 
     times = []
     result = None
@@ -110,7 +111,7 @@ async def bench_size(
         t0 = time.perf_counter()
         result = await call(x)
         times.append(time.perf_counter() - t0)
-    check_result(collective, result, g.rank, p, count, dtype)
+    check_result(collective, result, g.rank, g.world_size, count, dtype)
     rss_peak = peak_rss()
     del result
 

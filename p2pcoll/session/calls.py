@@ -282,6 +282,8 @@ class Runner:
             strategy = None
         program = self.prepare(call, strategy)
         call.strategy_used = program.strategy.name
+        if self.size == 1:
+            return  # a group of one: every collective leaves the data as it is
         layout = Layout(call.flat, program.chunks)
         layout.nseg = program.nseg
         meta = program.meta
@@ -312,7 +314,9 @@ class Runner:
         what = (f"collective #{op_id} {call.collective}" if call.tag is None else
                 f"recv #{op_id[3]} from rank {origin} with tag {call.tag}")
         if meta is None:
-            theirs = getattr(header, "collective", "") or "a collective without a layout"
+            theirs = (getattr(header, "collective", "")
+                      or (str(header.described[0]) if header.described else "")
+                      or "a collective without a layout")
             raise CollectiveMismatch(
                 f"{what}: rank {header.src} sent {theirs}, rank {self.rank} called "
                 f"{call.collective}" + (f" from root {origin}" if call.tag is None else ""))

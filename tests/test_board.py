@@ -1,0 +1,260 @@
+"""The shared-memory board: small collectives among peers of one host without messages.
+
+Real peers (tasks of this process over ipc, so they share the host and the board is used,
+and processes where a peer is killed); every result is checked against numpy or against
+the same collective sent as messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from conftest import finish
+from p2pcoll.testing import free_port, run_ranks
+from p2pcoll.transport.board import COUNT, NBYTES, PARITY, WORDS
+
+
+def _ran(g: p2pcoll.Group, collective: str) -> dict[str, int]:
+    return dict(g.stats()["collectives_by_strategy"].get(collective, {}))
+
+
+async def test_small_collectives_go_on_the_board_with_every_rank_the_same_bits() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        rng = np.random.default_rng(g.rank)
+        x = rng.standard_normal(1000).astype(np.float32)
+        ints = rng.integers(-1000, 1000, size=(7, 3), dtype=np.int64)
+        tree = {"w": x[:10].astype(np.float64), "b": [np.int32(g.rank), np.ones(3, np.int16)]}
+        got = {
+            "sum": await g.allreduce(x),
+            "max": await g.allreduce(x, op="max"),
+            "avg": await g.allreduce(x, op="avg"),
+            "ints": await g.allreduce(ints),
+            "ints_ring": await g.allreduce(ints, strategy="ring"),
+            "tree": await g.allreduce(tree),
+            "reduce": await g.reduce(ints, root=2),
+            "bcast": await g.broadcast(tree if g.rank == 1 else None, root=1),
+            "scalar": await g.allreduce(np.float64(g.rank + 0.5)),
+        }
+        await g.barrier()
+        return got, x, ints, _ran(g, "allreduce"), _ran(g, "broadcast"), _ran(g, "barrier")
+
+    results = await run_ranks(3, fn, transport="ipc")
+    xs = [r[1] for r in results]
+    ints = [r[2] for r in results]
+    first = results[0][0]
+    for got, _, _, allreduce, broadcast, barrier in results:
+        # Every rank the same bits (the board folds the slots in rank order everywhere).
+        assert got["sum"].tobytes() == first["sum"].tobytes()
+        assert got["avg"].tobytes() == first["avg"].tobytes()
+        np.testing.assert_allclose(got["sum"], xs[0] + xs[1] + xs[2], rtol=1e-5)
+        assert np.array_equal(got["max"], np.maximum(np.maximum(xs[0], xs[1]), xs[2]))
+        # Integer sums equal every other strategy's.
+        assert np.array_equal(got["ints"], got["ints_ring"])
+        assert np.array_equal(got["ints"], ints[0] + ints[1] + ints[2])
+        assert got["tree"]["b"][0] == 3 and got["tree"]["b"][0].dtype == np.int32
+        assert np.array_equal(got["tree"]["b"][1], np.full(3, 3, np.int16))
+        assert got["bcast"]["b"][0] == 1 and np.array_equal(got["bcast"]["w"], xs[1][:10])
+        assert got["scalar"] == 4.5 and np.shape(got["scalar"]) == ()
+        assert allreduce == {"shm": 6, "ring": 1} and broadcast == {"shm": 1}
+        assert barrier == {"shm": 1}
+    assert np.array_equal(results[2][0]["reduce"], ints[0] + ints[1] + ints[2])
+    assert results[0][0]["reduce"] is None
+
+
+async def test_sizes_above_the_slot_and_asked_strategies_go_as_messages() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        big = np.full(20_000, g.rank + 1.0)  # 160 KB: over the 64 KiB slot
+        total = await g.allreduce(big)
+        value = await g.broadcast(big if g.rank == 0 else None)
+        small = await g.allreduce(np.ones(4), strategy="recursive_doubling")
+        return (float(total[0]), float(value[-1]), float(small[0]), _ran(g, "allreduce"),
+                _ran(g, "broadcast"))
+
+    for total, value, small, allreduce, broadcast in await run_ranks(2, fn, transport="ipc"):
+        assert (total, value, small) == (3.0, 1.0, 2.0)
+        assert "shm" not in allreduce and sum(allreduce.values()) == 2
+        assert "shm" not in broadcast  # the root put "as messages" on the board
+
+
+async def test_no_board_without_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("P2PCOLL_SHM", "0")
+
+    async def fn(g: p2pcoll.Group) -> Any:
+        await g.allreduce(np.ones(4))
+        return _ran(g, "allreduce"), g.session.board
+
+    for ran, board in await run_ranks(2, fn, transport="ipc"):
+        assert "shm" not in ran and board is None
+
+
+async def test_non_roots_record_their_collectives() -> None:
+    """Regression (issue 21): a non-root's broadcast and scatter, and every send and recv,
+    were never recorded in stats() and /metrics."""
+    async def fn(g: p2pcoll.Group) -> Any:
+        await g.broadcast(np.ones(4) if g.rank == 0 else None)
+        await g.broadcast(np.ones(4) if g.rank == 0 else None, strategy="binomial")
+        await g.scatter([np.ones(2)] * 3 if g.rank == 0 else None)
+        if g.rank == 0:
+            await g.send(np.ones(2), dst=1)
+        elif g.rank == 1:
+            await g.recv(src=0)
+        return g.stats()
+
+    stats = await run_ranks(3, fn, transport="ipc")
+    for rank, s in enumerate(stats):
+        by = s["collectives_by_strategy"]
+        assert by["broadcast"] == {"shm": 1, "binomial": 1}, (rank, by)
+        assert sum(by["scatter"].values()) == 1, (rank, by)
+        assert s["collective_seconds"]["broadcast"]["count"] == 2
+    assert stats[0]["collectives_by_strategy"]["send"] == {"send": 1}
+    assert stats[1]["collectives_by_strategy"]["recv"] == {"recv": 1}
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_allreduce_against_broadcast_is_a_mismatch(transport: str) -> None:
+    """Regression (issue 21): rank 0 calls allreduce while the others call broadcast(None):
+    they got a ProtocolError about a missing layout instead of a CollectiveMismatch."""
+    async def fn(g: p2pcoll.Group) -> BaseException:
+        with pytest.raises(p2pcoll.P2PCollError) as info:
+            if g.rank == 0:
+                await g.allreduce(np.ones(4, np.float32), timeout=10)
+            else:
+                await g.broadcast(None, root=0, timeout=10)
+        return info.value
+
+    for rank, err in enumerate(await run_ranks(3, fn, transport=transport)):
+        assert isinstance(err, p2pcoll.CollectiveMismatch), (rank, repr(err))
+        assert "allreduce" in str(err) and "broadcast" in str(err), (rank, str(err))
+
+
+async def test_a_size_that_goes_as_messages_on_one_rank_is_a_mismatch_not_a_hang() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        n = 100_000 if g.rank == 1 else 100  # rank 1's data is over the slot
+        started = time.monotonic()
+        with pytest.raises(p2pcoll.P2PCollError) as info:
+            await g.allreduce(np.ones(n, np.float32), timeout=20)
+        return time.monotonic() - started, info.value
+
+    for elapsed, err in await run_ranks(2, fn, transport="ipc"):
+        assert isinstance(err, p2pcoll.CollectiveMismatch), repr(err)
+        assert elapsed < 5, "a mismatch must be found long before the deadline"
+
+
+async def test_a_board_timeout_names_the_rank_that_never_came() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        if g.rank == 2:
+            await asyncio.sleep(1.5)
+            return None
+        with pytest.raises(p2pcoll.CollectiveTimeout) as info:
+            await g.allreduce(np.ones(8, np.float32), timeout=0.5)
+        return info.value
+
+    results = await run_ranks(3, fn, transport="ipc")
+    for rank in (0, 1):
+        assert results[rank].waiting_on == [2], (rank, results[rank])
+        assert results[rank].collective == "allreduce"
+
+
+async def test_a_peer_that_leaves_while_others_wait_on_the_board_is_named() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        if g.rank == 1:
+            await g.close("going away")
+            return None
+        started = time.monotonic()
+        with pytest.raises(p2pcoll.PeerLost) as info:
+            await g.allreduce(np.ones(8), timeout=30)
+        return time.monotonic() - started, info.value
+
+    results = await run_ranks(3, fn, transport="ipc", return_exceptions=True)
+    for rank in (0, 2):
+        elapsed, err = results[rank]
+        assert err.rank == 1 and elapsed < 5, (rank, elapsed, err)
+
+
+async def test_concurrent_board_collectives_keep_their_order() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        calls = [g.allreduce(np.full(5, g.rank * 10 + i, np.int64)) for i in range(6)]
+        calls.append(g.broadcast(np.arange(3) if g.rank == 0 else None))
+        calls.append(g.barrier())
+        return await asyncio.gather(*calls)
+
+    for results in await run_ranks(3, fn, transport="ipc"):
+        for i in range(6):
+            assert np.array_equal(results[i], np.full(5, 30 + 3 * i))
+        assert np.array_equal(results[6], np.arange(3))
+
+
+async def test_a_corrupt_line_on_the_board_is_an_error_naming_the_rank() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        await g.allreduce(np.ones(4))  # count 1 done everywhere
+        await g.barrier()  # count 2
+        if g.rank == 1:
+            board = g.session.board
+            assert board is not None
+            # Rank 1 publishes count 3 with a size no slot holds: a hostile peer.
+            words = board.board.words
+            words[1, PARITY + 6 * 1 + NBYTES] = 1 << 40
+            words[1, COUNT] = 3
+            await asyncio.sleep(1)
+            return None
+        with pytest.raises(p2pcoll.P2PCollError) as info:
+            await g.allreduce(np.ones(4), timeout=10)
+        return info.value
+
+    results = await run_ranks(2, fn, transport="ipc", return_exceptions=True)
+    err = results[0]
+    assert isinstance(err, p2pcoll.ProtocolError) and "rank 1" in str(err), repr(err)
+    assert WORDS == 16
+
+
+_KILLED = textwrap.dedent("""
+    import asyncio, os, sys, time
+    import numpy as np
+    import p2pcoll
+
+    async def main():
+        async with p2pcoll.join() as g:
+            x = np.ones(1024, np.float32)
+            for _ in range(50):
+                await g.allreduce(x)
+            if g.rank == 1:
+                os.kill(os.getpid(), 9)  # SIGKILL: no goodbye
+            started = time.monotonic()
+            try:
+                await g.allreduce(x, timeout=60)
+            except p2pcoll.PeerLost as exc:
+                print("LOST", exc.rank, round(time.monotonic() - started, 2), flush=True)
+                sys.exit(0)
+            print("NO ERROR", flush=True)
+            sys.exit(3)
+
+    asyncio.run(main())
+""")
+
+
+def test_a_killed_peer_is_named_by_ranks_waiting_on_the_board(tmp_path: Any) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "P2PCOLL_HEARTBEAT_TIMEOUT": "2", "RANK": str(rank),
+                        "WORLD_SIZE": "3", "P2PCOLL_RENDEZVOUS": f"tcp://127.0.0.1:{port}"})
+        for rank in range(3)]
+    outcomes = finish(procs, timeout=120)
+    assert outcomes[1][0] == -signal.SIGKILL
+    for rank in (0, 2):
+        code, out = outcomes[rank]
+        assert code == 0 and "LOST 1 " in out, (rank, code, out)
+        assert float(out.split("LOST 1 ")[1].split()[0]) < 5, out
