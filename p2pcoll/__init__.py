@@ -4,7 +4,7 @@
         grads = await g.allreduce(grads, op="avg")
 """
 
-from .api import Group, join
+from .api import Group, form_group, join
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -47,6 +47,7 @@ __all__ = [
     "UnknownStrategy",
     "available_strategies",
     "blocking",
+    "form_group",
     "join",
     "register_strategy",
     "training",

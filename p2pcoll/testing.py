@@ -16,10 +16,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from .api import Group, join
+from .api import Group, form_group, join
 from .rendezvous import RendezvousServer
-from .session.forming import handshake
-from .session.session import Session
 from .settings import Settings
 from .transport.endpoints import free_port
 from .transport.memory import Faults, MemoryNetwork
@@ -75,17 +73,10 @@ async def memory_groups(
     transports = [net.transport() for _ in range(n)]
     endpoints = tuple([(await t.bind())[0] for t in transports])
     group_id = f"memory-{id(net):x}"
-    groups = []
-    for rank, transport in enumerate(transports):
-        group = Group(base)
-        session = Session(Membership(group_id, 0, rank, n, endpoints), transport, base,
-                          group._failures)
-        session.start()
-        group._adopt(session)
-        groups.append(group)
-    await asyncio.gather(*(handshake(g.session, base.join_timeout)
-                           for g in groups))
-    return groups
+    return list(await asyncio.gather(*(
+        form_group(base, transport=transport,
+                   membership=Membership(group_id, 0, rank, n, endpoints))
+        for rank, transport in enumerate(transports))))
 
 
 __all__ = ["free_port", "memory_groups", "run_ranks"]

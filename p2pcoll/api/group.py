@@ -17,17 +17,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..engine.costs import CostModel, load_constants
+from ..engine.costs import CostModel
 from ..errors import CollectiveMismatch, CollectiveTimeout, GroupBroken
 from ..pytree import LEAF
-from ..registry import registry
 from ..rendezvous import RendezvousServer
-from ..session.activity import Activity
 from ..session.calls import Call, describe_specs
 from ..session.failure import USABLE, FailureModel, GroupState
-from ..session.forming import form
 from ..session.session import Session
-from ..settings import Settings, check_seconds
+from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
 from ..types import (
     CustomOp,
@@ -65,34 +62,18 @@ class Group:
         cause: the failure that broke the group, or None.
     """
 
-    def __init__(self, settings: Settings, sockets: SocketFactory | None = None) -> None:
-        for coll, name in settings.strategies.items():
-            if name != "auto":
-                registry.get(coll, name)  # raises UnknownStrategy early
-        self.settings = settings
-        self._sockets = sockets or SocketFactory.for_settings(settings)
-        self._failures = FailureModel()
-        self._session: Session | None = None
-        self._server: RendezvousServer | None = None
+    def __init__(self, session: Session, *, failures: FailureModel,
+                 server: RendezvousServer | None = None,
+                 sockets: SocketFactory | None = None) -> None:
+        """A group over a formed ``session``; made by :func:`p2pcoll.api.form_group`
+        (which :func:`p2pcoll.join`, the torch backend and :mod:`p2pcoll.testing` use)."""
+        self.settings = session.settings
+        self._session: Session | None = session
+        self._failures = failures
+        self._server = server
+        self._sockets = sockets
         self._extensions: dict[str, Any] = {}
-        self._activity = Activity()  # the record of its collectives, over every epoch
-        if settings.cost_model:  # "auto"'s constants: a bad file is a SettingsError now,
-            load_constants(settings.cost_model)  # before any socket
-
-    async def _form(self, store: Any = None) -> None:
-        """Form the group (through torch's ``store``, for the torch.distributed backend)."""
-        try:
-            self._session, self._server = await form(self.settings, self._failures,
-                                                     self._sockets, store=store)
-            self._session.activity = self._activity
-        except BaseException:
-            self._failures.close()
-            raise
-
-    def _adopt(self, session: Session) -> None:
-        """Run on an already formed session (p2pcoll.testing's in-memory groups)."""
-        self._session = session
-        session.activity = self._activity
+        self._activity = session.activity  # the record of its collectives
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -590,7 +571,8 @@ class Group:
         if self._server is not None:
             server, self._server = self._server, None
             await server.aclose()
-        self._sockets.close()
+        if self._sockets is not None:
+            self._sockets.close()
 
     def __repr__(self) -> str:
         if self._session is None:

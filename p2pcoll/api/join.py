@@ -11,22 +11,68 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ..engine.costs import load_constants
 from ..errors import SettingsError
 from ..registry import registry
+from ..session.failure import FailureModel
+from ..session.forming import form, handshake
+from ..session.session import Session
 from ..settings import Settings
+from ..transport.base import Transport
+from ..transport.sockets import SocketFactory
+from ..types import Membership
 from .group import Group
 
 
-async def _join(settings: Settings) -> Group:
+async def form_group(settings: Settings, *, store: Any = None,
+                     transport: Transport | None = None,
+                     membership: Membership | None = None) -> Group:
+    """Form the group ``settings`` describe and return it: the one way a :class:`Group`
+    comes to be (:func:`join`, the torch.distributed backend and :mod:`p2pcoll.testing`
+    all call it).
+
+    Args:
+        settings: what the group runs with (``Settings.resolve(...)``).
+        store: a torch.distributed store: the peers meet through it (the backend's way);
+            ``settings`` must then give the rank and world size.
+        transport, membership: a bound transport and the roster to run over it, with no
+            rendezvous (``p2pcoll.testing.memory_groups``: the in-memory network).
+
+    Raises:
+        UnknownStrategy: ``settings.strategies`` names a strategy that is not installed.
+        SettingsError: the cost-model file is bad.
+        RendezvousError: the group did not form in time, or a peer was lost meanwhile.
+    Cancellation: everything opened so far is closed.
+    """
     if not registry.loaded:  # now rather than in the first collective, the peers waiting
         await asyncio.to_thread(registry.load)
-    group = Group(settings)
+    for collective, name in settings.strategies.items():  # before any socket
+        if name != "auto":
+            registry.get(collective, name)
+    if settings.cost_model:
+        load_constants(settings.cost_model)
+    failures = FailureModel()
+    sockets = None
+    server = None
     try:
-        await group._form()
+        if transport is not None:
+            assert membership is not None, "a transport needs its membership"
+            session = Session(membership, transport, settings, failures)
+            session.start()
+            await handshake(session, settings.join_timeout)
+        else:
+            sockets = SocketFactory.for_settings(settings)
+            session, server = await form(settings, failures, sockets, store=store)
     except BaseException:
-        await group.close()
+        failures.close()
+        if sockets is not None:
+            sockets.close()
         raise
-    return group
+    return Group(session, failures=failures, server=server, sockets=sockets)
+
+
+async def _join(settings: Settings) -> Group:
+    return await form_group(settings)
 
 
 class Join(Coroutine[Any, Any, Group]):

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...api.group import Group
+from ...api import Group, form_group
 from ...errors import P2PCollError
 from ...registry import available_strategies
 from ...settings import Settings
@@ -100,11 +100,9 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
                 if c not in settings.strategies and name in installed[c]}  # $P2PCOLL_* chose
         settings = replace(settings, strategies={**settings.strategies, **gloo})
         self._runtime = Runtime.acquire()
-        group = Group(settings)
         try:
-            self._runtime.run(group._form(store=store))
+            group = self._runtime.run(form_group(settings, store=store))
         except BaseException:
-            self._runtime.run(group.close())
             Runtime.release()
             raise
         self._group: Group | None = group
