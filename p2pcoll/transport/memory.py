@@ -155,6 +155,8 @@ class MemoryTransport:
         self.drops = Drops(self.counters, lambda: self.membership.rank if self.membership else -1)
         self.closed = False
         self._limits: Limits | None = None
+        # What came before connect(): held, as a bound socket holds it, and read at connect.
+        self._early: list[tuple[str, list[bytes]]] = []
 
     async def bind(self) -> list[str]:
         endpoint = f"mem://{len(self.network.peers)}-{id(self)}"
@@ -168,6 +170,9 @@ class MemoryTransport:
         self.on_message, self.on_link_down = on_message, on_link_down
         self._limits = Limits(membership.group_id, membership.rank, membership.world_size,
                               self.max_message_bytes)
+        early, self._early = self._early, []
+        for sender, frames in early:
+            self.receive(sender, frames)
 
     async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
                         payload: Sequence[np.ndarray] = (), *, copy: bool = False) -> None:
@@ -202,7 +207,11 @@ class MemoryTransport:
 
     def receive(self, sender: str, frames: list[bytes]) -> None:
         """Validate and hand on one message that ``sender`` (an endpoint) sent here."""
-        if self.closed or self._limits is None or self.membership is None:
+        if self.closed:
+            return
+        if self._limits is None or self.membership is None:
+            if len(self._early) < 1024:  # bounded: a peer that never connects holds little
+                self._early.append((sender, frames))
             return
         try:
             link = self.membership.endpoints.index(sender)
