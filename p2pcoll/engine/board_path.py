@@ -274,10 +274,11 @@ class BoardPath:
         finally:
             self._end(seq)
 
-    async def broadcast_root(self, seq: int, arrays: Sequence[np.ndarray] | None,
+    async def broadcast_root(self, seq: int, arrays: Sequence[np.ndarray],
                              layout: bytes) -> bool:
-        """The root's part: its data and layout on the board, or (``arrays`` None, or they
-        do not fit) word that they come as messages. Returns whether they went here."""
+        """The root's part: its data and packed ``layout`` on the board (they fit: the
+        caller checked), or (``layout`` empty) word that they come as messages. Returns
+        whether they went here."""
         try:
             return await self._broadcast_root(await self._start(seq), seq, arrays, layout)
         finally:
@@ -342,16 +343,12 @@ class BoardPath:
         for q in self.others:
             self._check(q, parity, seq, digest, code, 0)
 
-    async def _broadcast_root(self, count: int, seq: int,
-                              arrays: Sequence[np.ndarray] | None, layout: bytes) -> bool:
+    async def _broadcast_root(self, count: int, seq: int, arrays: Sequence[np.ndarray],
+                              layout: bytes) -> bool:
         parity = count & 1
         code = codes("broadcast", "", self.rank)
         board = self.board
-        nbytes = sum(a.nbytes + 7 & ~7 for a in arrays) if arrays is not None else -1
-        fits = (arrays is not None and nbytes <= self.slot_bytes
-                and len(layout) <= board.meta_bytes)
-        if fits:
-            assert arrays is not None
+        if layout:
             mine, at = board.data[self.rank][parity], 0
             for a in arrays:
                 n = a.nbytes
@@ -362,7 +359,7 @@ class BoardPath:
         else:
             self._fields(parity, seq, 0, 0, code, 0, VIA_MESSAGES)
         self._publish(count)
-        return fits
+        return bool(layout)
 
     async def _broadcast_receive(self, count: int, seq: int,
                                  root: int) -> tuple[bytes, memoryview] | None:

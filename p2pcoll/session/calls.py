@@ -113,7 +113,10 @@ class Prepared:
     sig: Signature
     meta: dict[str, Any] | None
     digest: int  # the signature's digest as the board's int64
-    board: Any = None  # where the data lies on the board (its path's plan), once used
+    # On the board: a reduction's plan (where its data lies), True for a barrier, or a
+    # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
+    # the board only says so). None: not on the board.
+    board: Any = None
 
 
 class Runner:
@@ -165,6 +168,10 @@ class Runner:
         flat = call.flat
         nbytes = sum(a.nbytes for a in flat)
         meta = None
+        board = self.session.board if call.tag is None and call.learn is None else None
+        on_board = board is not None and self._on_board(call, board.slot_bytes)
+        if on_board and name != "broadcast":
+            strategy = _BoardStrategy.of(name)
         if call.tag is not None:
             strat: Strategy = SEND if name == "send" else RECV
             layout = Layout.split(flat, 1)
@@ -205,8 +212,20 @@ class Runner:
             ctx = Context(self.rank, p, call.root or 0)
         settings = self.session.settings
         nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes)
-        return Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
-                        int.from_bytes(sig.digest, "little", signed=True))
+        program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
+                           int.from_bytes(sig.digest, "little", signed=True))
+        if on_board:
+            assert board is not None
+            if name in ("allreduce", "reduce"):
+                program.board = board.plan(flat)
+            elif name == "barrier":
+                program.board = True
+            else:  # a broadcast root: its data on the board if it fits, else word of messages
+                packed = _pack(_layout_meta(BOARD, call))
+                fits = (sum((a.nbytes + 7) & ~7 for a in flat) <= board.slot_bytes
+                        and len(packed) <= board.board.meta_bytes)
+                program.board = packed if fits else b""
+        return program
 
     # --- run ----------------------------------------------------------------------------
 
@@ -245,49 +264,44 @@ class Runner:
     async def _execute(self, op_id: Any, call: Call) -> None:
         session = self.session
         name = call.collective
-        board = session.board if call.tag is None else None
-        if board is not None and self._on_board(call, board.slot_bytes):
-            if name == "broadcast":
-                if call.root == self.rank:
-                    went = await board.broadcast_root(op_id, call.flat,
-                                                      _pack(_layout_meta(BOARD, call)))
-                    if went:
+        header = None
+        if call.learn is None:
+            program = self.prepare(call)
+            on_board = program.board
+            if on_board is not None:
+                board = session.board
+                assert board is not None
+                if name == "broadcast":  # the root
+                    if await board.broadcast_root(op_id, call.flat, on_board):
                         call.strategy_used = BOARD
                         return
+                elif name == "barrier":
+                    call.strategy_used = BOARD
+                    await board.barrier(op_id, program.digest)
+                    return
                 else:
-                    got = await board.broadcast_receive(op_id, call.root or 0)
-                    if got is not None:
-                        self._learn_board(op_id, call, *got)
-                        call.strategy_used = BOARD
-                        return
-            elif name == "barrier":
-                program = self.prepare(call, _BoardStrategy.of("barrier"))
-                await board.barrier(op_id, program.digest)
-                call.strategy_used = BOARD
-                return
-            else:
-                program = self.prepare(call, _BoardStrategy.of(name))
-                assert call.op is not None
-                if program.board is None:
-                    program.board = board.plan(call.flat)
-                await board.reduction(op_id, name, call.flat, fold_of(call.op),
-                                      call.op.value, program.digest, call.root, program.board)
-                call.strategy_used = BOARD
-                return
-        if call.learn is not None:
-            origin = call.root or 0
-            header = await session.matcher.first(op_id, origin)
-            strategy = self._learn_message(op_id, call, header)
+                    assert call.op is not None
+                    call.strategy_used = BOARD
+                    await board.reduction(op_id, name, call.flat, fold_of(call.op),
+                                          call.op.value, program.digest, call.root, on_board)
+                    return
         else:
-            strategy = None
-        program = self.prepare(call, strategy)
+            board = session.board if call.tag is None else None
+            if board is not None and name == "broadcast" and self._on_board(call, 0):
+                got = await board.broadcast_receive(op_id, call.root or 0)
+                if got is not None:
+                    self._learn_board(call, *got)
+                    call.strategy_used = BOARD
+                    return
+            header = await session.matcher.first(op_id, call.root or 0)
+            program = self.prepare(call, self._learn_message(op_id, call, header))
         call.strategy_used = program.strategy.name
         if self.size == 1:
             return  # a group of one: every collective leaves the data as it is
         layout = Layout(call.flat, program.chunks)
         layout.nseg = program.nseg
         meta = program.meta
-        if call.learn is not None and call.tag is None:
+        if header is not None and call.tag is None:
             meta = header.meta  # forward the layout too: this rank may be someone's first sender
         await session.executor.run(seq=op_id if call.tag is None else op_id[3],
                                    strategy=program.strategy, ctx=program.ctx, layout=layout,
@@ -327,7 +341,7 @@ class Runner:
         requested = call.strategy if call.strategy not in (None, "auto") else name
         return registry.get(call.collective, requested)
 
-    def _learn_board(self, seq: int, call: Call, raw: bytes, payload: memoryview) -> None:
+    def _learn_board(self, call: Call, raw: bytes, payload: memoryview) -> None:
         try:
             meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_ext_len=0)
             if not isinstance(meta, dict):
