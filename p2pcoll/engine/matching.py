@@ -167,6 +167,17 @@ class Matcher:
         """Source ranks of messages of ``seq`` that arrived but were never received."""
         return sorted({k[2] for k in self._buffered if k[0] == seq})
 
+    def stray(self, seq: OpId) -> Header | None:
+        """A header of a message of ``seq`` that arrived but was never received (the one
+        that says what its sender's collective is, if one does), or None."""
+        found = None
+        for key, (header, _) in self._buffered.items():
+            if key[0] == seq:
+                if header.described is not None:
+                    return header
+                found = found or header
+        return found
+
     async def get(self, key: Key) -> Message:
         """Wait for the message with this key.
 
