@@ -83,6 +83,7 @@ async def test_auto_follows_the_constants_of_the_file(tmp_path: Path,
     """A huge alpha makes auto take the strategy of fewest rounds (recursive doubling: lg p
     of them); free messages and dear bytes one that sends and reduces less."""
     x = np.ones(1024, np.float32)
+    monkeypatch.setenv("P2PCOLL_SHM", "0")  # messages: the board would take this size
 
     async def run(g: p2pcoll.Group) -> tuple[str, dict[str, int]]:
         await g.allreduce(x)
@@ -211,6 +212,7 @@ async def test_ranks_with_different_cost_models_fail_with_a_mismatch(
     no wrong result). Nothing checks the files at join: where they agree on the strategy
     for a size (here 8M), the collective works; the mismatch appears only at the sizes
     where the picks differ."""
+    monkeypatch.setenv("P2PCOLL_SHM", "0")  # messages: the board would take 4K
     server = RendezvousServer("tcp://127.0.0.1:0")
     url = server.bind()
     joins = []

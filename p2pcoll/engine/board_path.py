@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import msgpack
 import numpy as np
 
 from ..errors import CollectiveMismatch, ProtocolError
@@ -55,6 +56,8 @@ from ..transport.board import (
     Board,
 )
 from ..transport.shm import _barrier as fence
+from ..wire import Signature
+from ..wire.header import SIGNATURE_FIELDS
 from .matching import Matcher
 
 STRATEGY = "shm"  # how stats() and the metrics name the board path
@@ -68,6 +71,9 @@ class _Plan(NamedTuple):
 
     nbytes: int
     views: tuple[tuple[tuple[np.ndarray, ...], ...], ...]
+
+
+BROADCAST = COLLECTIVES.index("broadcast") + 1  # its meta area holds a layout, not a signature
 
 
 def codes(collective: str, op: str, root: int) -> int:
@@ -107,6 +113,14 @@ class BoardPath:
         # number in flight, and the turns of those that wait (no future when none waits).
         self._inflight = 0
         self._turns: deque[asyncio.Future[None]] = deque()
+        # The signature of the board collective running now (for mismatch messages), each
+        # signature's digest word and readable form, and the digest whose readable form
+        # is in my meta area of each parity.
+        self._sig: Signature | None = None
+        # What this rank ran at a recent sequence number (set by the session's runner).
+        self.history: Callable[[int], Signature | None] = lambda seq: None
+        self._signatures: dict[bytes, tuple[int, bytes]] = {}
+        self._written: list[int | None] = [None, None]
         board.on_wake = self._on_wake
 
     # --- the protocol's steps ---------------------------------------------------------
@@ -199,27 +213,81 @@ class BoardPath:
                 and t_flags in (0, VIA_MESSAGES)):
             raise ProtocolError(f"rank {q}'s line of the shared-memory board does not add "
                                 f"up: {theirs}")
-        what = f"collective #{seq}"
-        mine_c = _describe(code)
         if t_seq != seq or t_code != code or (nbytes is not None and t_nbytes != nbytes) \
                 or (digest is not None and t_digest != digest):
-            theirs_c = _describe(t_code)
-            diffs = []
-            if t_seq != seq:
-                diffs.append(f"rank {q} ran its collective #{t_seq} here, rank {self.rank} "
-                             f"#{seq}: the ranks called different sequences of collectives")
+            raise self._mismatch(q, parity, seq, code, nbytes, theirs)
+        return t_nbytes, t_meta, t_flags
+
+    def _mismatch(self, q: int, parity: int, seq: int, code: int, nbytes: int | None,
+                  theirs: tuple[int, ...]) -> CollectiveMismatch:
+        """What differs between rank ``q``'s collective on the board and mine, by field:
+        from its readable signature where it wrote one, else from its codes."""
+        t_seq, _, t_nbytes, t_code, t_meta, _ = theirs
+        mine_c, theirs_c = _describe(code), _describe(t_code)
+        diffs = []
+        if t_seq != seq:
+            stray = self._stray(seq)  # what the peer ran at my sequence number, if it said
+            if stray is not None:
+                return stray
+            mine = self.history(t_seq)  # what I ran at the peer's sequence number
+            described = self._described(q, parity, t_meta)
+            if mine is not None and described is not None and list(mine.fields) != described:
+                return CollectiveMismatch(
+                    f"collective #{t_seq} {mine.collective}: "
+                    f"{mine.describe_difference(described, self.rank, q)} (rank {q} runs it "
+                    f"on the shared-memory board, rank {self.rank} ran it otherwise)")
+            diffs.append(f"rank {q} ran its collective #{t_seq} here, rank {self.rank} "
+                         f"#{seq}: the ranks called different sequences of collectives")
+        described = self._described(q, parity, t_meta) if t_code & 0xFF != BROADCAST else None
+        sig = self._sig
+        if described is not None and sig is not None and list(sig.fields) != described:
+            diffs.append(sig.describe_difference(described, self.rank, q))
+        else:
             for field, a, b in zip(("collective", "op", "root"), mine_c, theirs_c,
                                    strict=True):
                 if a != b:
                     diffs.append(f"{field}: rank {self.rank} has {a!r}, rank {q} has {b!r}")
-            if nbytes is not None and t_nbytes != nbytes and not diffs:
+            if nbytes is not None and t_nbytes != nbytes and len(diffs) <= (t_seq != seq):
                 diffs.append(f"data: rank {self.rank} has {nbytes} bytes, rank {q} has "
                              f"{t_nbytes}")
-            if not diffs:
-                diffs.append(f"data: rank {q}'s dtypes, shapes or op differ from rank "
-                             f"{self.rank}'s")
-            raise CollectiveMismatch(f"{what} {mine_c[0]}: " + "; ".join(diffs))
-        return t_nbytes, t_meta, t_flags
+        if len(diffs) <= (t_seq != seq):
+            diffs.append(f"data: rank {q}'s dtypes, shapes or op differ from rank "
+                         f"{self.rank}'s")
+        return CollectiveMismatch(f"collective #{seq} {mine_c[0]}: " + "; ".join(diffs))
+
+    def _described(self, q: int, parity: int, length: int) -> list[Any] | None:
+        """Rank ``q``'s readable signature in its meta area (checked like a header's)."""
+        if not 0 < length <= self.board.meta_bytes:
+            return None
+        try:
+            fields = msgpack.unpackb(bytes(self.board.meta[q][parity][:length]), raw=False,
+                                     max_str_len=1024, max_bin_len=0, max_array_len=8,
+                                     max_map_len=0, max_ext_len=0)
+        except Exception:  # msgpack raises several types for bad bytes: not described
+            return None
+        ok = (type(fields) is list and len(fields) == len(SIGNATURE_FIELDS)
+              and all(type(v) in (int, str) for v in fields))
+        return fields if ok else None
+
+    def _signed(self, sig: Signature, parity: int) -> tuple[int, int]:
+        """The digest of ``sig`` as a board word, with its readable form in my meta area of
+        ``parity`` (written when it changes: a loop of one call writes it twice); returns
+        (digest, bytes of the readable form)."""
+        self._sig = sig
+        known = self._signatures.get(sig.digest)
+        if known is None:
+            packed = msgpack.packb(list(sig.fields), use_bin_type=True)
+            known = (int.from_bytes(sig.digest, "little", signed=True), packed)
+            if len(packed) > self.board.meta_bytes:
+                known = (known[0], b"")
+            if len(self._signatures) > 1024:
+                self._signatures.clear()
+            self._signatures[sig.digest] = known
+        digest, packed = known
+        if self._written[parity] != digest:
+            self.board.meta[self.rank][parity][:len(packed)] = np.frombuffer(packed, np.uint8)
+            self._written[parity] = digest
+        return digest, len(packed)
 
     async def _start(self, seq: int) -> int:
         """Wait for this call's turn, take the next board count and wait until its parity
@@ -246,31 +314,36 @@ class BoardPath:
 
     def _stray(self, seq: int) -> CollectiveMismatch | None:
         """A peer that sent collective ``seq`` as messages runs it otherwise: a mismatch."""
-        senders = self.matcher.leftover(seq)
-        if not senders:
+        header = self.matcher.stray(seq)
+        if header is None:
             return None
+        sig = self._sig
+        what = f"collective #{seq}" + (f" {sig.collective}" if sig is not None else "")
+        if header.described is not None and sig is not None:
+            diff = sig.describe_difference(header.described, self.rank, header.src)
+        else:
+            diff = "the ranks disagree about the collective or its size"
         return CollectiveMismatch(
-            f"collective #{seq}: rank {senders[0]} sent it as messages, rank {self.rank} "
-            f"ran it on the shared-memory board: the ranks disagree about the collective "
-            f"or its size")
+            f"{what}: {diff} (rank {header.src} sent it as messages, rank {self.rank} ran "
+            f"it on the shared-memory board)")
 
     # --- the collectives --------------------------------------------------------------
     # Each runs under _start/_end; the bodies (_reduction, ...) follow.
 
     async def reduction(self, seq: int, collective: str, arrays: Sequence[np.ndarray],
-                        fold: Callable[..., Any], op: str, digest: int,
+                        fold: Callable[..., Any], op: str, sig: Signature,
                         root: int | None, plan: _Plan) -> None:
         """allreduce (``root`` None) or reduce, in place in ``arrays`` (flat, contiguous,
         together at most the slot; ``plan`` from :meth:`plan`)."""
         try:
             await self._reduction(await self._start(seq), seq, collective, arrays, fold, op,
-                                  digest, root, plan)
+                                  sig, root, plan)
         finally:
             self._end(seq)
 
-    async def barrier(self, seq: int, digest: int) -> None:
+    async def barrier(self, seq: int, sig: Signature) -> None:
         try:
-            await self._barrier(await self._start(seq), seq, digest)
+            await self._barrier(await self._start(seq), seq, sig)
         finally:
             self._end(seq)
 
@@ -307,13 +380,14 @@ class BoardPath:
 
     async def _reduction(self, count: int, seq: int, collective: str,
                          arrays: Sequence[np.ndarray], fold: Callable[..., Any], op: str,
-                         digest: int, root: int | None, plan: _Plan) -> None:
+                         sig: Signature, root: int | None, plan: _Plan) -> None:
         parity = count & 1
         code = codes(collective, op, -1 if root is None else root)
         views = plan.views[parity]
         for a, slot in zip(arrays, views[self.rank], strict=True):
             np.copyto(slot, a)
-        self._fields(parity, seq, digest, plan.nbytes, code)
+        digest, described = self._signed(sig, parity)
+        self._fields(parity, seq, digest, plan.nbytes, code, described)
         self._publish(count)
         if root is not None and root != self.rank:
             return
@@ -334,10 +408,11 @@ class BoardPath:
                     for part in rest:
                         fold(a, part[i], out=a)
 
-    async def _barrier(self, count: int, seq: int, digest: int) -> None:
+    async def _barrier(self, count: int, seq: int, sig: Signature) -> None:
         parity = count & 1
         code = codes("barrier", "", -1)
-        self._fields(parity, seq, digest, 0, code)
+        digest, described = self._signed(sig, parity)
+        self._fields(parity, seq, digest, 0, code, described)
         self._publish(count)
         await self._wait(count, self.others, seq)
         for q in self.others:

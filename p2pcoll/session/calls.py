@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
+HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
 Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
 
 
@@ -127,6 +128,11 @@ class Runner:
         self.rank, self.size = session.rank, session.world_size
         self.programs: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._costs: Any = None
+        self._recent: dict[int, Signature] = {}  # seq -> what this rank ran (HISTORY of them)
+
+    def recent(self, seq: int) -> Signature | None:
+        """What this rank ran as collective ``seq``, if it was one of the last few."""
+        return self._recent.get(seq)
 
     # --- choose and prepare -------------------------------------------------------------
 
@@ -240,6 +246,9 @@ class Runner:
         session = self.session
         limit = (session.settings.collective_timeout if call.timeout is None
                  else check_seconds(call.timeout, "timeout="))
+        # Prepared before the sequence number is taken: an unknown strategy or a plugin's
+        # bad schedule is this rank's own error, and the group stays usable.
+        program = self.prepare(call) if call.learn is None else None
         if call.tag is None:
             op_id: Any = session.next_seq()
         elif call.collective == "send":
@@ -248,8 +257,10 @@ class Runner:
             op_id = session.next_transfer(call.root or 0, self.rank, call.tag)
         started, error = time.perf_counter(), None
         try:
+            if program is not None and call.tag is None:
+                self._remember(op_id, program.sig)
             async with session.failures.collective(op_id, call.collective, limit):
-                await self._execute(op_id, call)
+                await self._execute(op_id, call, program)
         except P2PCollError as exc:
             error = exc
             raise
@@ -261,12 +272,11 @@ class Runner:
             for a in call.flat:
                 np.divide(a, self.size, out=a)
 
-    async def _execute(self, op_id: Any, call: Call) -> None:
+    async def _execute(self, op_id: Any, call: Call, program: Prepared | None) -> None:
         session = self.session
         name = call.collective
         header = None
-        if call.learn is None:
-            program = self.prepare(call)
+        if program is not None:
             on_board = program.board
             if on_board is not None:
                 board = session.board
@@ -277,13 +287,13 @@ class Runner:
                         return
                 elif name == "barrier":
                     call.strategy_used = BOARD
-                    await board.barrier(op_id, program.digest)
+                    await board.barrier(op_id, program.sig)
                     return
                 else:
                     assert call.op is not None
                     call.strategy_used = BOARD
                     await board.reduction(op_id, name, call.flat, fold_of(call.op),
-                                          call.op.value, program.digest, call.root, on_board)
+                                          call.op.value, program.sig, call.root, on_board)
                     return
         else:
             board = session.board if call.tag is None else None
@@ -295,6 +305,8 @@ class Runner:
                     return
             header = await session.matcher.first(op_id, call.root or 0)
             program = self.prepare(call, self._learn_message(op_id, call, header))
+            if call.tag is None:
+                self._remember(op_id, program.sig)
         call.strategy_used = program.strategy.name
         if self.size == 1:
             return  # a group of one: every collective leaves the data as it is
@@ -307,6 +319,11 @@ class Runner:
                                    strategy=program.strategy, ctx=program.ctx, layout=layout,
                                    ufunc=fold_of(call.op) if call.op is not None else None,
                                    sig=program.sig, meta=meta, tag=call.tag)
+
+    def _remember(self, seq: int, sig: Signature) -> None:
+        recent = self._recent
+        recent[seq] = sig
+        recent.pop(seq - HISTORY, None)
 
     def _on_board(self, call: Call, slot: int) -> bool:
         """Whether ``call`` goes on the board: no strategy asked for (by the call or the

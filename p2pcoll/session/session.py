@@ -90,6 +90,7 @@ class Session:
             board = getattr(self.transport, "board", None)
             if board is not None:
                 self._board = BoardPath(board, self.matcher, self.settings.spin_us * 1e-6)
+                self._board.history = self.runner.recent
         return self._board
 
     def next_seq(self) -> int:
