@@ -357,7 +357,7 @@ class BoardPath:
         finally:
             self._end(seq)
 
-    async def broadcast_receive(self, seq: int, root: int) -> tuple[bytes, memoryview] | None:
+    async def broadcast_receive(self, seq: int, root: int) -> tuple[bytes, np.ndarray] | None:
         """A non-root's part: the root's layout and payload (a view of its slot, valid
         until this rank's next board collective), or None: they come as messages."""
         try:
@@ -437,7 +437,7 @@ class BoardPath:
         return bool(layout)
 
     async def _broadcast_receive(self, count: int, seq: int,
-                                 root: int) -> tuple[bytes, memoryview] | None:
+                                 root: int) -> tuple[bytes, np.ndarray] | None:
         parity = count & 1
         code = codes("broadcast", "", root)
         self._fields(parity, seq, 0, 0, code)
@@ -448,7 +448,7 @@ class BoardPath:
             return None
         board = self.board
         layout = bytes(board.meta[root][parity][:meta])
-        return layout, memoryview(board.data[root][parity][:nbytes])
+        return layout, board.data[root][parity][:nbytes]
 
     def close(self) -> None:
         self._w.release()

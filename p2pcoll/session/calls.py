@@ -29,6 +29,7 @@ import numpy as np
 from ..engine.board_path import STRATEGY as BOARD
 from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
+from ..engine.timeline import COLLECTIVE
 from ..errors import CollectiveMismatch, P2PCollError, PluginValidationError, ProtocolError
 from ..registry import registry
 from ..settings import check_seconds
@@ -256,18 +257,27 @@ class Runner:
         else:
             op_id = session.next_transfer(call.root or 0, self.rank, call.tag)
         started, error = time.perf_counter(), None
+        timeline = session.executor.timeline
+        traced = timeline.now() if timeline is not None else 0.0
         try:
             if program is not None and call.tag is None:
                 self._remember(op_id, program.sig)
             async with session.failures.collective(op_id, call.collective, limit):
                 await self._execute(op_id, call, program)
-        except P2PCollError as exc:
+        except BaseException as exc:
             error = exc
             raise
         finally:
-            session.activity.record(call.collective, call.strategy_used or
-                                    (call.strategy or "auto"),
-                                    time.perf_counter() - started, error)
+            session.activity.record(
+                call.collective, call.strategy_used or (call.strategy or "auto"),
+                time.perf_counter() - started, error if isinstance(error, P2PCollError) else None)
+            if timeline is not None and (call.strategy_used == BOARD or self.size == 1):
+                # The executor traces what it runs; what it does not run is traced here.
+                args: dict[str, Any] = {"strategy": BOARD, "seq": op_id,
+                                        "bytes": sum(a.nbytes for a in call.flat)}
+                if error is not None:
+                    args["error"] = f"{type(error).__name__}: {error}"
+                timeline.span(COLLECTIVE, f"{call.collective} #{op_id}", traced, args)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)
@@ -358,7 +368,7 @@ class Runner:
         requested = call.strategy if call.strategy not in (None, "auto") else name
         return registry.get(call.collective, requested)
 
-    def _learn_board(self, call: Call, raw: bytes, payload: memoryview) -> None:
+    def _learn_board(self, call: Call, raw: bytes, payload: np.ndarray) -> None:
         try:
             meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_ext_len=0)
             if not isinstance(meta, dict):
@@ -375,7 +385,7 @@ class Runner:
             if at + n > len(payload):
                 raise ProtocolError(f"the root's data on the board is {len(payload)} bytes, "
                                     f"its layout names more")
-            a.view(np.uint8)[:] = np.frombuffer(payload, np.uint8, n, at)
+            a.view(np.uint8)[:] = payload[at:at + n]
             at += (n + 7) & ~7
 
 
