@@ -145,8 +145,8 @@ class Group:
     ) -> Call:
         red = as_op(op)
         if type(value) is np.ndarray and (out is None or type(out) is np.ndarray):
-            leaves, treedef = [value], LEAF  # one array: the common call
-            targets = _out_leaves(out, treedef, leaves) if out is not None else None
+            leaves, treedef = [value], LEAF  # one array: the common call, no pytree walk
+            targets = None if out is None else [_check_out(out, value)]
         else:
             leaves, treedef = flatten(value)
             targets = _out_leaves(out, treedef, leaves) if out is not None else None
@@ -585,14 +585,19 @@ def _out_leaves(out: Pytree, treedef: TreeDef, leaves: list[np.ndarray]) -> list
     targets, out_def = flatten(out)
     if out_def != treedef:
         raise ValueError("out= must have the same pytree structure as the input")
-    for target, leaf in zip(targets, leaves, strict=True):
-        want = (np.asarray(leaf).shape, check_dtype(np.asarray(leaf).dtype))
-        if (target.shape, target.dtype) != want:
-            raise ValueError(
-                f"out= array {target.dtype}{list(target.shape)} does not match the input "
-                f"{want[1]}{list(want[0])}"
-            )
-        if not (target.flags.c_contiguous and target.flags.writeable):
-            raise ValueError("out= arrays must be C-contiguous and writable")
-    return targets
+    return [_check_out(target, leaf) for target, leaf in zip(targets, leaves, strict=True)]
+
+
+def _check_out(target: np.ndarray, leaf: Any) -> np.ndarray:
+    """``target`` if it can hold the result for input ``leaf``, else ValueError."""
+    arr = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
+    want = (arr.shape, check_dtype(arr.dtype))
+    if (target.shape, target.dtype) != want:
+        raise ValueError(
+            f"out= array {target.dtype}{list(target.shape)} does not match the input "
+            f"{want[1]}{list(want[0])}"
+        )
+    if not (target.flags.c_contiguous and target.flags.writeable):
+        raise ValueError("out= arrays must be C-contiguous and writable")
+    return target
 
