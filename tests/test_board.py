@@ -258,3 +258,47 @@ def test_a_killed_peer_is_named_by_ranks_waiting_on_the_board(tmp_path: Any) -> 
         code, out = outcomes[rank]
         assert code == 0 and "LOST 1 " in out, (rank, code, out)
         assert float(out.split("LOST 1 ")[1].split()[0]) < 5, out
+
+
+def test_spin_is_a_setting_with_bounds() -> None:
+    assert p2pcoll.Settings.resolve({}).spin_us == 50
+    assert p2pcoll.Settings.resolve({"P2PCOLL_SPIN": "0"}).spin_us == 0
+    for bad in ("-1", "20000", "fast"):
+        with pytest.raises(p2pcoll.SettingsError, match="P2PCOLL_SPIN"):
+            p2pcoll.Settings.resolve({"P2PCOLL_SPIN": bad})
+
+
+_SPIN = textwrap.dedent("""
+    import asyncio
+    import numpy as np
+    import p2pcoll
+
+    async def main():
+        async with p2pcoll.join() as g:
+            board = g.session.board
+            total = 0.0
+            for i in range(200):
+                total += float((await g.allreduce(np.full(16, i, np.float64)))[0])
+            print("RESULT", g.rank, total, board is not None and board.spin > 0,
+                  g.stats()["collectives_by_strategy"]["allreduce"], flush=True)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("spin", ["0", "50"])
+def test_processes_on_the_board_with_and_without_polling(tmp_path: Any, spin: str) -> None:
+    script = tmp_path / "spin.py"
+    script.write_text(_SPIN)
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "P2PCOLL_SPIN": spin, "RANK": str(rank),
+                        "WORLD_SIZE": "2", "P2PCOLL_RENDEZVOUS": f"tcp://127.0.0.1:{port}"})
+        for rank in range(2)]
+    cores = len(os.sched_getaffinity(0))
+    for code, out in finish(procs, timeout=120):
+        assert code == 0, out
+        _, _, total, polled, ran = out.split("\n")[0].split(" ", 4)
+        assert float(total) == 2 * sum(range(200)) and ran == "{'shm': 200}"
+        assert polled == str(spin != "0" and cores >= 2)
