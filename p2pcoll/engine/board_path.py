@@ -151,9 +151,7 @@ class BoardPath:
         w, me, matcher = self._w, self._me, self.matcher
         loop = asyncio.get_running_loop()
         nap = MIN_NAP
-        note = getattr(matcher, "note_waiting", None)
-        if note is not None:
-            note(seq, ranks)
+        matcher.note_waiting(seq, ranks)
         try:
             while True:
                 w[me + SLEEPING] = count

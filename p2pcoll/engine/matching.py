@@ -23,7 +23,7 @@ a receive asks the session's one record (:class:`Departures`) about the peer it 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
@@ -98,13 +98,15 @@ class Matcher:
         self.departures = departures
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
-        self._first: dict[OpId, asyncio.Future[Header]] = {}
+        self._first_header: dict[OpId, Header] = {}  # op -> its first segment-0 header
+        self._first: dict[OpId, asyncio.Future[Header]] = {}  # op -> a first() waiting for it
         self._failed: dict[OpId, P2PCollError] = {}
         self._finished: dict[Channel, _Finished] = {None: _Finished()}
         self._expected: dict[OpId, tuple[Signature, int]] = {}  # op -> (signature, my rank)
         self._stalled: dict[OpId, set[int]] = {}  # op -> sources of cancelled receives
         self._first_origin: dict[OpId, int] = {}  # op -> the rank a first() waits on
         self._any_waiters: set[asyncio.Future[None]] = set()  # first_of_any()s: departures
+        self._noted: dict[OpId, Sequence[int]] = {}  # op -> whom a wait outside here is on
 
     def put(self, header: Header, frames: list[Piece]) -> bool:
         """Deliver a data message.
@@ -126,11 +128,11 @@ class Matcher:
                                 reason="duplicate")
         if seq in self._expected and not self._check(header):
             return True
-        if header.seg == 0:
+        if header.seg == 0 and seq not in self._first_header:
+            # Kept for a first() that may come; a future only if one waits already.
+            self._first_header[seq] = header
             first = self._first.get(seq)
-            if first is None:
-                first = self._first[seq] = asyncio.get_running_loop().create_future()
-            if not first.done():
+            if first is not None and not first.done():
                 first.set_result(header)
         waiter = self._waiting.pop(key, None)
         if waiter is not None and not waiter.done():
@@ -217,6 +219,9 @@ class Matcher:
         """
         if seq in self._failed:
             raise self._failed[seq]
+        header = self._first_header.get(seq)
+        if header is not None:
+            return header
         fut = self._first.get(seq)
         if fut is None:
             fut = self._first[seq] = asyncio.get_running_loop().create_future()
@@ -247,6 +252,8 @@ class Matcher:
             for src, op in sorted(candidates.items()):
                 if op in self._failed:
                     raise self._failed[op]
+                if op in self._first_header:
+                    return src
                 fut = self._first.get(op)
                 if fut is None:
                     fut = self._first[op] = loop.create_future()
@@ -288,9 +295,15 @@ class Matcher:
         """Source ranks that receives of collective ``seq`` are waiting for (or were, when
         they were cancelled: the deadline's cancellation leaves its answer here)."""
         now = {k[2] for k in self._waiting if k[0] == seq}
+        now.update(self._noted.get(seq, ()))
         if seq in self._first_origin:
             now.add(self._first_origin[seq])
         return sorted(now | self._stalled.get(seq, set()))
+
+    def note_waiting(self, seq: OpId, ranks: Sequence[int]) -> None:
+        """An engine path that waits outside the matcher (the board) waits for ``ranks``
+        in ``seq``: :meth:`waiting_on` says so (a timeout's inquiry asks it)."""
+        self._noted[seq] = ranks
 
     def fail(self, seq: OpId, exc: P2PCollError) -> bool:
         """Fail collective ``seq`` now and later. Returns False if it had already finished."""
@@ -331,6 +344,8 @@ class Matcher:
         self._failed.pop(seq, None)
         self._expected.pop(seq, None)
         self._stalled.pop(seq, None)
+        self._noted.pop(seq, None)
+        self._first_header.pop(seq, None)
         first = self._first.pop(seq, None)
         if first is not None and not first.done():
             first.cancel()
@@ -347,6 +362,7 @@ class Matcher:
                 first.cancel()
         self._waiting.clear()
         self._buffered.clear()
+        self._first_header.clear()
 
     def stats(self) -> dict[str, Any]:
         return {"buffered": len(self._buffered), "waiting": len(self._waiting)}

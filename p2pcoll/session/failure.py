@@ -55,6 +55,8 @@ without waiting for the next collective, which then fails with the peer's PeerLo
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import deque
 from enum import StrEnum
 
 from ..engine.matching import Matcher, OpId, channel
@@ -110,6 +112,7 @@ class FailureModel:
         self._active: dict[OpId, Collective] = {}
         self._failed: dict[OpId, list[int]] = {}  # seq -> whom it waited for when it failed
         self._inquiries: dict[int, Inquiry] = {}  # seq -> the answers to this rank's why
+        self._watchdog = Watchdog()  # every running operation's deadline, on one timer
 
     def attach(self, rank: int, group_id: str, matcher: Matcher, transport: Transport) -> None:
         """The session is formed: failures from now on are reported to its peers."""
@@ -486,11 +489,78 @@ def _text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+class Watchdog:
+    """The deadlines of a group's running operations, on one timer of the event loop.
+
+    A collective's deadline is registered when it starts and ends it when it passes (see
+    :meth:`Collective.expire`). Deadlines of successive calls with the same limit come in
+    order, so they queue in a deque; the rare one that is earlier than the last (a call
+    with a shorter timeout) is inserted in place. One timer is armed, for the earliest
+    deadline; finished entries leave from the front as they finish (they mostly finish in
+    order), and the timer, when it fires, expires what is due and re-arms for the next.
+    So a collective costs an append and a pop, not a timer of its own.
+    """
+
+    __slots__ = ("_armed", "_queue", "_timer")
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[float, Collective]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed = math.inf  # when the timer fires
+
+    def add(self, c: Collective, deadline: float) -> None:
+        queue = self._queue
+        if not queue or deadline >= queue[-1][0]:
+            queue.append((deadline, c))
+        else:
+            i = len(queue) - 1
+            while i > 0 and queue[i - 1][0] > deadline:
+                i -= 1
+            queue.insert(i, (deadline, c))
+        if deadline < self._armed:
+            self._arm(deadline)
+
+    def discard_finished(self) -> None:
+        """Drop the finished entries at the front (call when an operation ends)."""
+        queue = self._queue
+        while queue and queue[0][1].finished:
+            queue.popleft()
+
+    def _arm(self, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed = deadline
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._fire)
+
+    def _fire(self) -> None:
+        self._timer, self._armed = None, math.inf
+        queue = self._queue
+        now = asyncio.get_running_loop().time()
+        due = []
+        while queue and (queue[0][1].finished or queue[0][0] <= now):
+            _, c = queue.popleft()
+            if not c.finished:
+                due.append(c)
+        # Finished entries behind the front wait for their turn; the earliest live
+        # deadline may be behind them, so look for it (usually the front one).
+        nxt = min((d for d, c in queue if not c.finished), default=math.inf)
+        if nxt < math.inf:
+            self._arm(nxt)
+        for c in due:
+            c.expire()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
 class Collective:
     """One collective under the failure model: its deadline, and what its end means.
 
     A class rather than a generator-based context manager because it wraps every
-    collective: entering and leaving it is on the fast path.
+    collective: entering and leaving it is on the fast path. The deadline is the group's
+    :class:`Watchdog`'s: when it passes, or a peer the collective needs is gone
+    (:meth:`interrupt`), the task running the body is cancelled, as ``asyncio.timeout``
+    does, and leaving tells that cancellation from one that came from outside.
 
     Raises (on leaving):
         PeerLost: a peer it needs has gone (see :meth:`FailureModel.gone_peer`): on
@@ -501,46 +571,71 @@ class Collective:
     Cancellation: breaks the group (the peers get an abort) and propagates.
     """
 
-    __slots__ = ("_deadline", "limit", "lost", "matcher", "model", "name", "seq")
+    __slots__ = ("_cancelling", "_expired", "_task", "finished", "limit", "lost", "matcher",
+                 "model", "name", "seq")
 
     def __init__(self, model: FailureModel, matcher: Matcher, seq: OpId, name: str,
                  limit: float) -> None:
         self.model, self.matcher, self.seq, self.name, self.limit = (
             model, matcher, seq, name, limit)
         self.lost: PeerLost | None = None  # a peer it needs has gone (see interrupt)
-        self._deadline = asyncio.timeout(limit)
+        self.finished = False
+        self._expired = False
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
 
     async def __aenter__(self) -> None:
-        self.model._active[self.seq] = self
-        await self._deadline.__aenter__()
-        gone = self.model.gone_peer(self.seq)
+        model = self.model
+        model._active[self.seq] = self
+        task = self._task = asyncio.current_task()
+        assert task is not None, "a collective runs in a task"
+        self._cancelling = task.cancelling()
+        if self.limit != math.inf:
+            model._watchdog.add(self, asyncio.get_running_loop().time() + self.limit)
+        gone = model.gone_peer(self.seq)
         if gone is not None:  # gone before it started: fail at the first await
             self.interrupt(gone)
 
+    def expire(self) -> None:
+        """The deadline passed (or a peer is gone): end the body now, wherever it waits."""
+        if self._expired or self.finished or self._task is None:
+            return
+        if self._task is asyncio.current_task():
+            # From the body itself (a peer gone as it starts): at its first await, as a
+            # deadline would; a body that needs no await has finished by then.
+            asyncio.get_running_loop().call_soon(self.expire)
+            return
+        self._expired = True
+        self._task.cancel()
+
     def interrupt(self, lost: PeerLost) -> None:
-        """End the body now, wherever it waits, and raise ``lost`` on leaving: the
-        deadline is made due at once, so the body is cancelled the one way this class
-        already handles, and :meth:`FailureModel._expired` sees why."""
+        """End the body now, wherever it waits, and raise ``lost`` on leaving (the body
+        is cancelled the one way this class already handles, and
+        :meth:`FailureModel._expired` sees why)."""
         if self.lost is not None:
             return
         self.lost = lost
-        try:
-            self._deadline.reschedule(asyncio.get_running_loop().time())
-        except RuntimeError:
-            pass  # it is leaving already: its own outcome stands
+        self.expire()
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
                         tb: object) -> None:  # never suppresses: the body's error goes on
         outcome: BaseException | None
+        self.finished = True
+        model = self.model
+        model._watchdog.discard_finished()
         try:
-            try:
-                await self._deadline.__aexit__(et, exc, tb)  # type: ignore[arg-type]
-            except TimeoutError:
-                outcome = await self.model._expired(self)
+            expired = False
+            if self._expired:
+                assert self._task is not None
+                # Ours if no cancellation from outside is left once ours is taken back.
+                expired = (self._task.uncancel() <= self._cancelling
+                           and et is asyncio.CancelledError)
+            if expired:
+                outcome = await model._expired(self)
             else:
-                outcome = self.model._outcome(self, exc)
+                outcome = model._outcome(self, exc)
         finally:
-            self.model._active.pop(self.seq, None)
+            model._active.pop(self.seq, None)
             self.matcher.finish(self.seq)
         if outcome is None or outcome is exc:
             return  # the body's own error (or none) goes on as it is
