@@ -302,3 +302,17 @@ def test_processes_on_the_board_with_and_without_polling(tmp_path: Any, spin: st
         _, _, total, polled, ran = out.split("\n")[0].split(" ", 4)
         assert float(total) == 2 * sum(range(200)) and ran == "{'shm': 200}"
         assert polled == str(spin != "0" and cores >= 2)
+
+
+async def test_the_board_file_is_gone_once_every_peer_has_mapped_it() -> None:
+    async def fn(g: p2pcoll.Group) -> Any:
+        board = g.session.board
+        assert board is not None
+        name = board.board.name
+        await g.allreduce(np.ones(4))
+        await g.barrier()
+        return name, os.path.exists(os.path.join("/dev/shm", name))
+
+    results = await run_ranks(3, fn, transport="ipc")
+    assert len({name for name, _ in results}) == 1
+    assert not any(exists for _, exists in results)

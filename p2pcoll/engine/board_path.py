@@ -303,6 +303,8 @@ class BoardPath:
 
     def _end(self, seq: int) -> None:
         """This call's board work is over (done or failed): the next one's turn."""
+        if not self.board.unlinked:  # rank 0, until every peer has mapped the board
+            self.board.unlink_when_all_attached()
         self._inflight -= 1
         while self._turns:
             turn = self._turns.popleft()
