@@ -17,7 +17,7 @@ from p2pcoll import available_strategies
 from p2pcoll.bench import bus_factor, configure_parser, data_bytes, main, parse_sizes
 
 ROW_FIELDS = {
-    "size", "count", "dtype", "strategy", "chosen", "time_us", "min_us", "p10_us", "p90_us",
+    "size", "count", "dtype", "strategy", "chosen", "time_us", "min_us", "p10_us", "p90_us", "p99_us",
     "algbw_gbps", "busbw_gbps", "pipelined_us", "library", "rss_peak_bytes",
 }
 
@@ -74,8 +74,8 @@ def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
                      "--warmup", "1", "--pipelined", "2", "--json", str(out))
 
     header = " ".join(line for line in text.splitlines() if line.startswith("#"))
-    for column in ("size", "count", "type", "strategy", "time", "p10-p90", "algbw", "busbw",
-                   "pipelined"):
+    for column in ("size", "count", "type", "strategy", "time", "p10-p90", "p99", "algbw",
+                   "busbw", "pipelined"):
         assert column in header
     strategies = available_strategies()["allreduce"]
     rows = table_rows(text)
@@ -85,11 +85,12 @@ def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
         assert r[1] == str(int(r[0][:-1]) * 1024 // 4) and r[2] == "float32"
         time_us, min_us = float(r[4]), float(r[5])
         p10, p90 = (float(v) for v in r[6].split("-"))
-        algbw, busbw, pipelined = float(r[7]), float(r[8]), float(r[9])
-        assert 0 < min_us <= p10 <= time_us <= p90
+        p99 = float(r[7])
+        algbw, busbw, pipelined = float(r[8]), float(r[9]), float(r[10])
+        assert 0 < min_us <= p10 <= time_us <= p90 <= p99
         assert algbw >= 0 and busbw == algbw  # 2(p-1)/p = 1 at p = 2
         assert pipelined > 0
-        assert 10 < int(r[10]) < 1000  # peak RSS of a peer, MiB
+        assert 10 < int(r[11]) < 1000  # peak RSS of a peer, MiB
 
     doc = json.loads(out.read_text())
     assert doc["config"]["world_size"] == 2 and doc["config"]["strategies"] == strategies

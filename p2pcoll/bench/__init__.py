@@ -4,7 +4,7 @@ Imported only by that command (and ``python -m p2pcoll.bench``), never by ``impo
 The driver starts ``world_size`` p2pcoll peers, then, for ``--compare gloo`` or
 ``--compare mpi``, as many Gloo or MPI peers; each worker times every size the same way and
 its rank 0 writes the raw times to a file; the driver turns them into rows (median, min,
-p10-p90 spread, algbw, busbw, peak RSS) and prints a table, writes JSON or draws a plot.
+p10-p90 spread and p99, algbw, busbw, peak RSS) and prints a table, writes JSON or draws a plot.
 
 One job per module; imports only go down this list:
 

@@ -2,7 +2,7 @@
 
 A worker's raw row holds the per-iteration times of one strategy and size, each already the
 slowest rank's (:func:`p2pcoll.bench.measure.raw_row`). :func:`summarize` turns it into an
-output row: the median, min and p10-p90 spread of the times, algbw, busbw, the pipelined
+output row: the median, min and p10-p90 spread and the p99 of the times, algbw, busbw, the pipelined
 time per operation and the peak RSS.
 
 Bandwidths follow nccl-tests: ``algbw = S / time`` with S the bytes of the collective's data
@@ -72,6 +72,7 @@ def summarize(raw: dict[str, Any], config: dict[str, Any],
         "min_us": float(times.min()),
         "p10_us": float(np.percentile(times, 10)),
         "p90_us": float(np.percentile(times, 90)),
+        "p99_us": float(np.percentile(times, 99)),
         "algbw_gbps": algbw,
         "busbw_gbps": algbw * bus_factor(collective, p),
         "pipelined_us": None,
@@ -122,7 +123,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 COLUMNS = (  # (title, unit, width)
     ("size", "(B)", 9), ("count", "(elems)", 11), ("type", "", 8), ("strategy", "", 24),
-    ("time", "(us)", 10), ("min", "(us)", 10), ("p10-p90", "(us)", 19),
+    ("time", "(us)", 10), ("min", "(us)", 10), ("p10-p90", "(us)", 19), ("p99", "(us)", 9),
     ("algbw", "(GB/s)", 9), ("busbw", "(GB/s)", 9), ("pipelined", "(us/op)", 10),
     ("peak rss", "(MiB)", 9),
 )
@@ -150,7 +151,7 @@ def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any],
          f"{config['iters']} iters after {config['warmup']} warmup"),
         f"# {size_note}",
         ("# time: median over iterations of the slowest rank (each iteration starts after a "
-         "barrier); min, p10-p90 the same"),
+         "barrier); min, p10-p90 and p99 the same"),
         f"# the input is refilled before each iteration, outside the timed region{in_place}",
         (f"# busbw = algbw x {factor_text(c)} (nccl-tests); pipelined: {config['pipelined']} "
          "collectives started together, time per collective"),
@@ -170,7 +171,7 @@ def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any],
         cells = (
             format_bytes(row["size"]), str(row["count"]), row["dtype"], _row_name(row),
             _us(row["time_us"]), _us(row["min_us"]),
-            f"{_us(row['p10_us'])}-{_us(row['p90_us'])}",
+            f"{_us(row['p10_us'])}-{_us(row['p90_us'])}", _us(row["p99_us"]),
             f"{row['algbw_gbps']:.4f}", f"{row['busbw_gbps']:.4f}",
             "-" if pipe is None else _us(pipe),
             "-" if rss is None else f"{rss / MIB:.0f}",
