@@ -24,7 +24,7 @@ from .session.failure import GroupState
 from .settings import Settings
 from .types import CustomOp, Membership, ReduceOp
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     "CollectiveMismatch",

@@ -53,7 +53,8 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 6  # 6: link identities with the group secret and a nonce; rosters in two frames
+WIRE_VERSION = 7  # 7: hellos may name the shared-memory board (6: link identities with the
+# group secret and a nonce; rosters in two frames)
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting", "lane"})
 WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting"})  # kinds that carry "q"
 # What a peer answers about a collective, in a "waiting" message.
