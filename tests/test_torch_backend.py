@@ -126,3 +126,159 @@ def test_import_p2pcoll_torch_first_registers_the_backend_quietly() -> None:
                          timeout=120, check=False)
     assert (run.returncode, run.stdout.strip()) == (0, "p2pcoll"), run.stderr
     assert "could not register" not in run.stderr, run.stderr
+
+
+# One rank of test_work_completion_paths: every way a Work ends (settled on the loop thread
+# when nobody took its future, through the completer when somebody did).
+COMPLETION_WORKER = r'''
+import os, sys, threading, time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from p2pcoll.errors import CollectiveTimeout, P2PCollError
+
+dist.init_process_group("p2pcoll")
+rank, size = dist.get_rank(), dist.get_world_size()
+total = float(sum(range(1, size + 1)))
+failures = []
+
+
+def expect(name, ok):
+    if not ok:
+        failures.append(name)
+
+
+def late():
+    """Rank 1 starts its side a little late, so rank 0's waiters really block."""
+    if rank == 1:
+        time.sleep(0.3)
+
+
+# A Work waited on from two threads at once (and then again): every waiter returns.
+late()
+x = torch.full((1024,), float(rank + 1))
+work = dist.all_reduce(x, async_op=True)
+returned = []
+threads = [threading.Thread(target=lambda: returned.append(work.wait())) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+expect("two waiters", returned == [True, True] and work.wait() and work.is_completed()
+       and work.is_success() and bool((x == total).all()))
+
+# Its future asked for after it finished: complete at once, a callback runs in the caller.
+late()
+y = torch.full((16,), float(rank + 1))
+work = dist.all_reduce(y, async_op=True)
+work.wait()
+future = work.get_future()
+expect("future after wait", future.done() and torch.equal(future.value()[0], y))
+seen = []
+future.then(lambda f: seen.append(threading.current_thread().name))
+expect("late callback in the caller", seen == [threading.current_thread().name])
+
+# A callback added before the end that starts a collective and waits for it (as the
+# PowerSGD hook does): it runs off the loop thread, and its collective completes.
+late()
+z = torch.full((64,), float(rank + 1))
+inner = torch.full((8,), float(10 * (rank + 1)))
+work = dist.all_reduce(z, async_op=True)
+
+
+def nested(f):
+    got = f.value()[0].clone()
+    dist.all_reduce(inner)  # a synchronous collective inside the callback
+    return [got, inner, threading.current_thread().name]
+
+
+chained = work.get_future().then(nested)
+got, reduced, where = chained.wait()
+expect("nested collective", bool((got == total).all())
+       and bool((reduced == 10 * total).all()) and where != "p2pcoll-loop")
+
+# Many collectives in flight at once, issued from two threads in an agreed order (a lock
+# passes the turn): each lands in its own tensors.
+tensors = [torch.full((256,), float(rank + 1 + k)) for k in range(40)]
+works = []
+turn = threading.Condition()
+nxt = [0]
+
+
+def issue(parity):
+    for k in range(parity, len(tensors), 2):
+        with turn:
+            turn.wait_for(lambda: nxt[0] == k, 60)
+            works.append((k, dist.all_reduce(tensors[k], async_op=True)))
+            nxt[0] += 1
+            turn.notify_all()
+
+
+issuers = [threading.Thread(target=issue, args=(p,)) for p in (0, 1)]
+for t in issuers:
+    t.start()
+for t in issuers:
+    t.join(60)
+for k, w in works:
+    w.wait()
+expect("forty in flight", len(works) == len(tensors) and all(
+    bool((t == total + size * k).all()) for k, t in enumerate(tensors)))
+
+# Work.wait(timeout) that passes first raises CollectiveTimeout (a DistBackendError); the
+# Work still completes, and a later wait() returns.
+if rank == 1:
+    time.sleep(1.5)
+w = torch.ones(4)
+work = dist.all_reduce(w, async_op=True)
+if rank == 0:
+    try:
+        work.wait(timedelta(milliseconds=100))
+        expect("wait timeout raised", False)
+    except CollectiveTimeout as exc:
+        expect("timeout is DistBackendError", isinstance(exc, dist.DistBackendError))
+expect("wait after timeout", work.wait() and bool((w == size).all()))
+
+# A failed collective (shapes that differ) raises the group's error as a DistBackendError,
+# from wait() of a Work whose future nobody took and from the future of one whose did.
+bad = torch.ones(4 + rank)
+errors = []
+w1 = dist.all_reduce(bad, async_op=True)
+try:
+    w1.wait()
+except Exception as exc:
+    errors.append(exc)
+w2 = dist.all_reduce(torch.ones(3), async_op=True)
+f2 = w2.get_future()
+for waiter in (w2.wait, f2.wait):
+    try:
+        waiter()
+    except Exception as exc:
+        errors.append(exc)
+expect(f"errors {[type(e).__name__ for e in errors]}", len(errors) == 3 and all(
+    isinstance(e, P2PCollError) and isinstance(e, dist.DistBackendError) for e in errors))
+
+print("FAIL " + "; ".join(failures) if failures else "OK completion", flush=True)
+try:
+    dist.destroy_process_group()
+except Exception:
+    pass
+sys.exit(1 if failures else 0)
+'''
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_work_completion_paths(tmp_path: Path, size: int) -> None:
+    # Works finished on the loop thread (their future never taken, or taken afterwards)
+    # and through the completer (a callback that starts a collective); two waiters of one
+    # Work; many Works in flight issued from two threads; a timed-out wait(); errors.
+    script = tmp_path / "completion_worker.py"
+    script.write_text(COMPLETION_WORKER)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(size), "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(size)]
+    for rank, (code, text) in enumerate(finish(procs, 120)):
+        assert code == 0 and "OK completion" in text, f"rank {rank}:\n{text[-3000:]}"

@@ -159,7 +159,7 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
                 make: Callable[[Group], list[Coro]]) -> Work:
         group = self.group
         work = Work(collective, outputs, self._timeout, self._runtime.completer)
-        self._runtime.start(lambda: make(group), work._finish)
+        self._runtime.start(lambda: make(group), work._settle)
         return work
 
     # --- reductions -----------------------------------------------------------------------
@@ -179,16 +179,25 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
             return [lambda g, t=t: folded(g, t, bits(t)) for t in tensors]  # type: ignore[misc]
         arrays = [values(t, red.factor) for t in tensors]
         op = red.op or "sum"
+        divide = self.size() if red.average else None
+        # values() gave the tensors' own memory (the result lands in them) where it could.
+        shared = red.factor is None and all(t.is_contiguous() for t in tensors)
+        value: Any = arrays[0] if len(arrays) == 1 else arrays  # one array: no pytree
 
         async def native(g: Group) -> None:
             if root is None:
-                await g.allreduce(arrays, op, out=arrays, timeout=timeout)
+                await g.allreduce(value, op, out=value, timeout=timeout)
+                if shared and divide is None:
+                    return
                 result: Any = arrays
             else:
-                result = await g.reduce(arrays, root, op, timeout=timeout)
-            if result is not None:
-                for t, a in zip(tensors, result, strict=True):
-                    store(t, a, divide=self.size() if red.average else None)
+                result = await g.reduce(value, root, op, timeout=timeout)
+                if result is None:
+                    return
+                if value is not arrays:
+                    result = [result]
+            for t, a in zip(tensors, result, strict=True):
+                store(t, a, divide=divide)
 
         return [native]  # type: ignore[list-item]
 
@@ -303,11 +312,16 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
             ops.check_tensor(t, "broadcast")
         root, limit = opts.rootRank, _seconds(opts.timeout)
         arrays = [bits(t) for t in tensors]
+        shared = all(t.is_contiguous() for t in tensors)  # bits() gave their own memory
+        value: Any = arrays[0] if len(arrays) == 1 else arrays  # one array: no pytree
 
         async def run(g: Group) -> None:
-            result = await g.broadcast(arrays, root=root, timeout=limit)
-            if g.rank != root:
-                for t, a in zip(tensors, result, strict=True):
+            result = await g.broadcast(value, root=root, timeout=limit)
+            if g.rank == root:
+                return
+            for t, mine, a in zip(tensors, arrays, [result] if value is not arrays else result,
+                                  strict=True):
+                if not (shared and a is mine):  # else filled in place
                     store(t, a)
 
         return self._launch("broadcast", tensors, lambda g: [run(g)])

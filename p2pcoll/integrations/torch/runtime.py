@@ -3,17 +3,32 @@ group (:mod:`p2pcoll.api.loop_thread`, shared with :mod:`p2pcoll.blocking`), and
 completer that finishes torch's futures.
 
 torch calls a backend from its own threads and expects a :class:`~torch.distributed.Work`
-back at once; the collective runs on the loop thread. A future's ``.then()`` callbacks run
-inside ``set_result``, on the thread that completes it, and some callbacks (the PowerSGD
-hook's) start a collective and wait for it. So futures are never completed on the loop
-thread (that would block the loop), and not on one fixed thread either (that would
-deadlock): the completer is one thread at a time, completing in order, and a completer
-that blocks in ``Work.wait()`` first hands its job to a new thread.
+back at once; the collective runs on the loop thread. The hop there and back is kept to
+one wake-up each way:
+
+- There: :meth:`Runtime.start` queues the call and wakes the loop once for every call
+  queued before the loop gets to them (one ``call_soon_threadsafe`` per batch); the loop
+  creates each call's tasks in one callback, and the task that finishes a call settles its
+  Work in its own last step (no gather, no done-callback round, no queue per call).
+- Back: a Work whose future nobody has asked for (``dist.all_reduce(x)``, a Work only
+  waited on) is settled on the loop thread itself: its outcome recorded and its event set,
+  which wakes the thread blocked in ``Work.wait()``. Nothing else runs there: no callback
+  can exist, because callbacks hang on the future and there is none yet (one asked for
+  later is made complete). A Work whose future was asked for first goes through the
+  completer, as below.
+
+A future's ``.then()`` callbacks (torch's C++ ones, DDP's, and Python's) run inside
+``set_result``, on the thread that completes it, and some callbacks (the PowerSGD hook's)
+start a collective and wait for it. So futures are never completed on the loop thread
+(that would block the loop), and not on one fixed thread either (that would deadlock):
+the completer is one thread at a time, completing in order, and a completer that blocks
+in ``Work.wait()`` first hands its job to a new thread.
 
 Order matters too: every rank must start collectives in the same order. Each torch call
 becomes tasks created in one callback on the loop, in the order of the calls, and every
 p2pcoll collective takes its sequence number in its first step, so the order of calls is
-the order of sequence numbers.
+the order of sequence numbers. :meth:`Runtime.run` and the loop thread's other users wake
+the loop with callbacks of their own, behind the batch of calls queued before them.
 """
 
 from __future__ import annotations
@@ -115,6 +130,12 @@ class Runtime(Shared):
         self._loop_thread = LoopThread.acquire()
         self.loop = self._loop_thread.loop
         self.completer = Completer()
+        # Calls queued for the loop, and whether its callback that takes them is pending.
+        self._queue_lock = threading.Lock()
+        self._queued: list[tuple[Callable[[], list[Coroutine[Any, Any, Any]]],
+                                 Callable[[BaseException | None], None]]] = []
+        self._woken = False
+        self._tasks: set[asyncio.Task[None]] = set()  # the calls' tasks still running
 
     def _stop(self) -> None:
         """Let the loop's last tasks (collectives aborted by a close) and then the
@@ -130,27 +151,95 @@ class Runtime(Shared):
         return self._loop_thread.submit(coro).result(timeout)
 
     def start(self, make: Callable[[], list[Coroutine[Any, Any, Any]]],
-              done: Callable[[BaseException | None], None]) -> None:
-        """Create the tasks ``make()`` returns, in one callback on the loop (so in call
-        order), then call ``done(error)`` on the completer once all have finished."""
+              settle: Callable[[BaseException | None], None]) -> None:
+        """Create the tasks ``make()`` returns on the loop, after those of every earlier
+        call (so in call order), then call ``settle(error)`` on the loop thread once all
+        have finished (``error``: the most telling of their errors, or None).
 
-        def launch() -> None:
+        ``settle`` runs on the loop: it must be quick and run no user code (Work's hands
+        anything else to the completer). A ``make()`` that raises settles with its error.
+
+        Raises:
+            RuntimeError: the loop is closed (the call is not queued).
+        """
+        with self._queue_lock:
+            self._queued.append((make, settle))
+            if self._woken:
+                return  # the loop's callback, not yet run, takes this call too
+            self._woken = True
+        try:
+            self.loop.call_soon_threadsafe(self._start_queued)
+        except BaseException:
+            with self._queue_lock:
+                self._queued.remove((make, settle))
+                self._woken = False
+            raise
+
+    def _start_queued(self) -> None:
+        """On the loop: start every queued call, in the order they were queued."""
+        with self._queue_lock:
+            queued, self._queued = self._queued, []
+            self._woken = False
+        for make, settle in queued:
             try:
-                tasks = [self.loop.create_task(c) for c in make()]
+                coros = make()
             except BaseException as exc:
-                failed: BaseException = exc
-                self.completer.submit(lambda: done(failed))
-                return
+                settle(exc)
+                continue
+            if len(coros) == 1:
+                self._spawn(coros[0], settle)
+            elif not coros:
+                settle(None)
+            else:
+                _Join(len(coros), settle).spawn(self, coros)
 
-            async def join() -> None:
-                results = await asyncio.gather(*tasks, return_exceptions=True)
-                errors = [r for r in results if isinstance(r, BaseException)]
-                error = _first(errors)
-                self.completer.submit(lambda: done(error))
+    def _spawn(self, coro: Coroutine[Any, Any, Any],
+               settle: Callable[[BaseException | None], None]) -> None:
+        task = self.loop.create_task(_settled(coro, settle, self._tasks))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
 
-            self.loop.create_task(join())
 
-        self.loop.call_soon_threadsafe(launch)
+class _Join:
+    """Settles a call of several tasks once the last has finished."""
+
+    __slots__ = ("errors", "left", "settle")
+
+    def __init__(self, count: int, settle: Callable[[BaseException | None], None]) -> None:
+        self.left = count
+        self.errors: list[BaseException] = []
+        self.settle = settle
+
+    def spawn(self, runtime: Runtime, coros: list[Coroutine[Any, Any, Any]]) -> None:
+        for coro in coros:
+            runtime._spawn(coro, self.one_done)
+
+    def one_done(self, error: BaseException | None) -> None:
+        if error is not None:
+            self.errors.append(error)
+        self.left -= 1
+        if self.left == 0:
+            self.settle(_first(self.errors))
+
+
+async def _settled(coro: Coroutine[Any, Any, Any],
+                   settle: Callable[[BaseException | None], None],
+                   tasks: set[asyncio.Task[None]]) -> None:
+    """Run ``coro``, then ``settle`` with its error or None (in this task's last step).
+    Exceptions are handed to ``settle`` only; others (KeyboardInterrupt, a cancellation
+    of the loop's tasks) are re-raised after it."""
+    try:
+        await coro
+    except Exception as exc:
+        settle(exc)
+    except BaseException as exc:
+        settle(exc)
+        raise
+    else:
+        settle(None)
+    finally:
+        task = asyncio.current_task()
+        if task is not None:
+            tasks.discard(task)
 
 
 async def _drain() -> None:

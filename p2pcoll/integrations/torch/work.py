@@ -106,7 +106,13 @@ class _Future(torch.futures.Future):  # type: ignore[type-arg]
 
 
 class Work(dist._Work):  # type: ignore[misc]
-    """One collective of the p2pcoll backend, running or done."""
+    """One collective of the p2pcoll backend, running or done.
+
+    Its future is made when first asked for (:meth:`get_future`). The collective's end
+    settles the Work on the loop thread (:meth:`_settle`): without a future there, it is
+    finished there and then (nothing else can be waiting on it but ``wait()``); with one,
+    the completer finishes it, since completing the future runs its callbacks.
+    """
 
     def __init__(self, collective: str, outputs: list[torch.Tensor], timeout: float,
                  completer: Completer) -> None:
@@ -115,21 +121,44 @@ class Work(dist._Work):  # type: ignore[misc]
         self._outputs = outputs
         self._timeout = timeout
         self._completer = completer
-        self._done = threading.Event()
+        # Done: _finished is set, then _released released (held from here until then: a
+        # lock is lighter to make and to wait on than an Event, and each waiter passes it on).
+        self._finished = False
+        self._released = threading.Lock()
+        self._released.acquire()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future[list[torch.Tensor]] = _Future(completer)
+        self._lock = threading.Lock()  # orders get_future() against _settle()
+        self._future: _Future | None = None
         self.sender: list[int] = []  # a receive from any source: its sender, once done
+
+    def _settle(self, error: BaseException | None) -> None:
+        """On the loop thread, once the collective has finished: finish the Work here if
+        nobody has its future (waking ``wait()``), else hand it to the completer."""
+        with self._lock:
+            if self._future is None:
+                self._error = None if error is None else backend_error(error)
+                self._set_done()
+                return
+        self._completer.submit(lambda: self._finish(error))
 
     def _finish(self, error: BaseException | None) -> None:
         """On the completer: record the outcome, then complete the future (whose
         callbacks run here and now)."""
         self._error = None if error is None else backend_error(error)
-        self._done.set()
+        self._set_done()
+        assert self._future is not None  # _settle() sends only Works with a future here
+        self._complete(self._future)
+
+    def _set_done(self) -> None:
+        self._finished = True
+        self._released.release()
+
+    def _complete(self, future: _Future) -> None:
         if self._error is None:
-            self._future.set_result(self._outputs)
+            future.set_result(self._outputs)
         else:
-            self._future._set_unwrap_func(_raise_failure)
-            self._future.set_result(_Failure(self._error))
+            future._set_unwrap_func(_raise_failure)
+            future.set_result(_Failure(self._error))
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective is done; raise its error if it failed.
@@ -144,13 +173,15 @@ class Work(dist._Work):  # type: ignore[misc]
         limit = timeout.total_seconds() if timeout else 0.0
         if limit <= 0:
             limit = self._timeout
-        if not self._done.is_set():
+        if not self._finished:
             self._completer.blocking()
-            if not self._done.wait(None if limit == float("inf") else limit):
+            forever = limit >= threading.TIMEOUT_MAX  # inf too
+            if not self._released.acquire(timeout=-1 if forever else limit):
                 raise backend_error(CollectiveTimeout(
                     f"Work.wait() of {self.collective}: not done within {limit:g}s",
                     collective=self.collective,
                 ))
+            self._released.release()  # for the next waiter
         if self._error is not None:
             raise self._error
         return True
@@ -161,16 +192,23 @@ class Work(dist._Work):  # type: ignore[misc]
         return self.sender[0] if self.sender else -1
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._finished and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self._future
+        """The future of the output tensors (made on the first call; complete at once if
+        the Work was already finished, so callbacks added later run in the caller)."""
+        with self._lock:
+            if self._future is None:
+                self._future = _Future(self._completer)
+                if self._finished:
+                    self._complete(self._future)
+            return self._future
 
     def result(self) -> list[torch.Tensor]:
         return self._outputs
