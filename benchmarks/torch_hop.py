@@ -60,7 +60,7 @@ def worker(args: argparse.Namespace) -> None:
         for i in range(count):
             x.copy_(fresh[i % 4])
             t0 = time.perf_counter()
-            await group.allreduce([a], "sum", out=[a])
+            await group.allreduce(a, "sum", out=a)
             spent.append(time.perf_counter() - t0)
         return spent
 
@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
         pass
 
     async def one() -> None:
-        await group.allreduce([a], "sum", out=[a])
+        await group.allreduce(a, "sum", out=a)
 
     def timed(call: object) -> list[float]:
         spent = []

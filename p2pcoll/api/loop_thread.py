@@ -3,9 +3,12 @@ groups of synchronous callers, the torch backend's and :mod:`p2pcoll.blocking`'s
 
 A caller on another thread hands the loop a coroutine (:meth:`LoopThread.submit`) and gets a
 :class:`concurrent.futures.Future` back; :meth:`LoopThread.run` waits for it. Submissions
-run in the order they were made: each becomes a task in its own callback on the loop, so
-collectives started one after another take their sequence numbers in that order (every
-p2pcoll collective takes its number in its first step), the same order on every rank.
+run in the order they were made: they are queued (:meth:`LoopThread.start`), the loop is
+woken once for all those queued before it gets to them, and it makes their tasks in queue
+order, so collectives started one after another take their sequence numbers in that order
+(every p2pcoll collective takes its number in its first step), the same order on every
+rank. A task sets its future's outcome in its own last step, so the caller is woken as
+soon as the coroutine is done.
 
 There is one loop thread per process, shared by every user: :meth:`LoopThread.acquire`
 starts it for the first user and :meth:`LoopThread.release` stops it when the last one
@@ -103,6 +106,11 @@ class LoopThread(Shared):
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        # Jobs queued for the loop, and whether its callback that runs them is pending.
+        self._queue_lock = threading.Lock()
+        self._queued: list[Callable[[], None]] = []
+        self._woken = False
+        self._tasks: set[asyncio.Task[Any]] = set()  # submitted, not yet done
         self._thread = threading.Thread(target=self._serve, name="p2pcoll-loop", daemon=True)
         self._thread.start()
 
@@ -155,9 +163,63 @@ class LoopThread(Shared):
             "stall; await the async API here (p2pcoll.join), or pass async_op=True and "
             "await asyncio.to_thread(handle.wait)")
 
+    def start(self, job: Callable[[], None]) -> None:
+        """Call ``job()`` on the loop thread, after every job started (or coroutine
+        submitted) before it, and return at once. The loop is woken once for all the jobs
+        queued before it runs them. ``job`` must not block; what it raises is logged.
+
+        Raises:
+            RuntimeError: the loop is closed (``job`` is not queued).
+        """
+        with self._queue_lock:
+            if self.loop.is_closed():
+                raise RuntimeError("p2pcoll's loop thread has stopped")
+            self._queued.append(job)
+            if self._woken:
+                return  # the loop's callback, not yet run, takes this job too
+            self._woken = True
+        try:
+            self.loop.call_soon_threadsafe(self._run_queued)
+        except BaseException:
+            with self._queue_lock:
+                self._queued.remove(job)
+                self._woken = False
+            raise
+
+    def _run_queued(self) -> None:
+        with self._queue_lock:
+            jobs, self._queued = self._queued, []
+            self._woken = False
+        for job in jobs:
+            try:
+                job()
+            except Exception:
+                _log.exception("a job on p2pcoll's loop thread failed")
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Start ``coro`` on the loop (after every earlier submission) and return at once."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Start ``coro`` on the loop (after every earlier submission) and return at once.
+
+        The future gets ``coro``'s result or exception; cancelling the future cancels
+        ``coro`` (unstarted: closed; running: its task cancelled)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def begin() -> None:
+            if future.cancelled():
+                coro.close()
+                return
+            task = self.loop.create_task(_into(coro, future))
+            self._tasks.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._tasks.discard)
+            future.add_done_callback(lambda f: self._cancel(f, task))
+
+        self.start(begin)
+        return future
+
+    def _cancel(self, future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+        """A submission's future is done: if it was cancelled, cancel its task."""
+        if future.cancelled():
+            with contextlib.suppress(RuntimeError):  # the loop has stopped meanwhile
+                self.loop.call_soon_threadsafe(task.cancel)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result here.
@@ -198,6 +260,23 @@ class LoopThread(Shared):
                 self.loop.call_soon_threadsafe(self.loop.stop)
         if not self.on_loop:
             self._thread.join(10)
+
+
+async def _into(coro: Coroutine[Any, Any, T], future: concurrent.futures.Future[T]) -> None:
+    """Run ``coro`` and give ``future`` its outcome (unless the future was cancelled)."""
+    try:
+        result = await coro
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    except BaseException as exc:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled
+            future.set_exception(exc)
+        if not isinstance(exc, Exception):
+            raise
+    else:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled
+            future.set_result(result)
 
 
 def wait(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:

@@ -26,7 +26,10 @@ reduce_scatter per output over the inputs stacked as (world size, n)).
 Unless ``pg_options`` or ``$P2PCOLL_ALLREDUCE`` / ``$P2PCOLL_REDUCE`` name others,
 allreduces and reduces run ``gloo_ring``, which sums in the order of Gloo's ring (torch
 2.13): a script moved from "gloo" to "p2pcoll" gets the same bits from allreduce, reduce
-and reduce_scatter.
+and reduce_scatter. At two ranks a sum (SUM, PREMUL_SUM, bfloat16's SUM and AVG) adds two
+terms per element, which gives the same bits in either order, so sums there take the
+group's own choice (the shared-memory board for small tensors of one host) and only the
+other ops ask for ``gloo_ring``.
 
 BAND, BOR and BXOR are no p2pcoll ops: they allgather the data and fold it in rank
 order, so every rank gets the same bits. PREMUL_SUM multiplies a copy of the input by
@@ -98,7 +101,12 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         installed = available_strategies()
         gloo = {c: name for c, name in GLOO_ORDER.items()  # where neither pg_options nor
                 if c not in settings.strategies and name in installed[c]}  # $P2PCOLL_* chose
-        settings = replace(settings, strategies={**settings.strategies, **gloo})
+        # At two ranks each element of a sum is one addition, the same bits in either
+        # order: sums take the group's quickest path (the shared-memory board for small
+        # tensors), and the other ops ask for Gloo's order call by call.
+        self._gloo_calls = gloo if size == 2 else {}
+        if size != 2:
+            settings = replace(settings, strategies={**settings.strategies, **gloo})
         self._runtime = Runtime.acquire()
         try:
             group = self._runtime.run(form_group(settings, store=store))
@@ -164,6 +172,13 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
 
     # --- reductions -----------------------------------------------------------------------
 
+    def _order(self, collective: str, red: Reduction) -> str | None:
+        """The strategy a reduction asks for itself: Gloo's order where the group's
+        settings do not pin it (two ranks) and the op is no sum (see ``__init__``)."""
+        if red.op == "sum" or red.op is ops.BFLOAT16["sum"]:
+            return None
+        return self._gloo_calls.get(collective)
+
     def _reduce(self, collective: str, tensors: list[torch.Tensor], red: Reduction,
                 root: int | None, timeout: float | None) -> list[Coro]:
         """The coroutines of a reduction of ``tensors`` (root None: to every rank)."""
@@ -184,14 +199,16 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         shared = red.factor is None and all(t.is_contiguous() for t in tensors)
         value: Any = arrays[0] if len(arrays) == 1 else arrays  # one array: no pytree
 
+        strategy = self._order("allreduce" if root is None else "reduce", red)
+
         async def native(g: Group) -> None:
             if root is None:
-                await g.allreduce(value, op, out=value, timeout=timeout)
+                await g.allreduce(value, op, out=value, strategy=strategy, timeout=timeout)
                 if shared and divide is None:
                     return
                 result: Any = arrays
             else:
-                result = await g.reduce(value, root, op, timeout=timeout)
+                result = await g.reduce(value, root, op, strategy=strategy, timeout=timeout)
                 if result is None:
                     return
                 if value is not arrays:
@@ -238,12 +255,14 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         rank receives only its part: (p-1)/p of the bytes of one allreduce).
         """
         chosen = self.group.settings.strategies
-        gloo_way = (chosen.get("allreduce") == GLOO_ORDER["allreduce"]
+        gloo_way = ((chosen.get("allreduce") == GLOO_ORDER["allreduce"]
+                     or "allreduce" in self._gloo_calls)
                     and "reduce_scatter" not in chosen)
         p, me = self.size(), self.rank()
         flat = [t for row in inputs for t in row]
         red = ops.reduction(rop, collective, flat + outputs)
         limit = _seconds(timeout)
+        strategy = self._order("allreduce", red)
         stacks = []
         for out, row in zip(outputs, inputs, strict=True):
             if len(row) != p or any(t.numel() != out.numel() for t in row):
@@ -263,11 +282,13 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
                     part = await g.reduce_scatter(stack, red.op or "sum", timeout=limit)
                     store(out, part, divide=self.size() if red.average else None)
                 else:  # whole: the p parts as one buffer (the rows go below)
-                    await g.allreduce(stack, red.op or "sum", out=stack, timeout=limit)
+                    await g.allreduce(stack, red.op or "sum", out=stack, strategy=strategy,
+                                      timeout=limit)
                     store(out, stack[me], divide=self.size() if red.average else None)
 
             async def row(out: torch.Tensor, stack: np.ndarray, k: int) -> None:
-                await g.allreduce(stack[k], red.op or "sum", out=stack[k], timeout=limit)
+                await g.allreduce(stack[k], red.op or "sum", out=stack[k],
+                                  strategy=strategy, timeout=limit)
                 if k == me:  # the others' rows are reduced for the others
                     store(out, stack[k], divide=self.size() if red.average else None)
 

@@ -6,13 +6,14 @@ torch calls a backend from its own threads and expects a :class:`~torch.distribu
 back at once; the collective runs on the loop thread. The hop there and back is kept to
 one wake-up each way:
 
-- There: :meth:`Runtime.start` queues the call and wakes the loop once for every call
-  queued before the loop gets to them (one ``call_soon_threadsafe`` per batch); the loop
-  creates each call's tasks in one callback, and the task that finishes a call settles its
-  Work in its own last step (no gather, no done-callback round, no queue per call).
+- There: :meth:`Runtime.start` queues the call on the loop thread
+  (:meth:`LoopThread.start`: one ``call_soon_threadsafe`` for all the calls queued before
+  the loop gets to them); the loop creates each call's tasks, and the task that finishes a
+  call settles its Work in its own last step (no gather, no done-callback round, no
+  queue or thread per call).
 - Back: a Work whose future nobody has asked for (``dist.all_reduce(x)``, a Work only
-  waited on) is settled on the loop thread itself: its outcome recorded and its event set,
-  which wakes the thread blocked in ``Work.wait()``. Nothing else runs there: no callback
+  waited on) is settled on the loop thread itself: its outcome recorded and its lock
+  released, which wakes the thread blocked in ``Work.wait()``. Nothing else runs there: no callback
   can exist, because callbacks hang on the future and there is none yet (one asked for
   later is made complete). A Work whose future was asked for first goes through the
   completer, as below.
@@ -27,8 +28,8 @@ in ``Work.wait()`` first hands its job to a new thread.
 Order matters too: every rank must start collectives in the same order. Each torch call
 becomes tasks created in one callback on the loop, in the order of the calls, and every
 p2pcoll collective takes its sequence number in its first step, so the order of calls is
-the order of sequence numbers. :meth:`Runtime.run` and the loop thread's other users wake
-the loop with callbacks of their own, behind the batch of calls queued before them.
+the order of sequence numbers; :meth:`Runtime.run` and the loop thread's other users
+(:mod:`p2pcoll.blocking`) queue theirs in the same queue.
 """
 
 from __future__ import annotations
@@ -130,11 +131,6 @@ class Runtime(Shared):
         self._loop_thread = LoopThread.acquire()
         self.loop = self._loop_thread.loop
         self.completer = Completer()
-        # Calls queued for the loop, and whether its callback that takes them is pending.
-        self._queue_lock = threading.Lock()
-        self._queued: list[tuple[Callable[[], list[Coroutine[Any, Any, Any]]],
-                                 Callable[[BaseException | None], None]]] = []
-        self._woken = False
         self._tasks: set[asyncio.Task[None]] = set()  # the calls' tasks still running
 
     def _stop(self) -> None:
@@ -162,36 +158,22 @@ class Runtime(Shared):
         Raises:
             RuntimeError: the loop is closed (the call is not queued).
         """
-        with self._queue_lock:
-            self._queued.append((make, settle))
-            if self._woken:
-                return  # the loop's callback, not yet run, takes this call too
-            self._woken = True
-        try:
-            self.loop.call_soon_threadsafe(self._start_queued)
-        except BaseException:
-            with self._queue_lock:
-                self._queued.remove((make, settle))
-                self._woken = False
-            raise
+        self._loop_thread.start(lambda: self._start_call(make, settle))
 
-    def _start_queued(self) -> None:
-        """On the loop: start every queued call, in the order they were queued."""
-        with self._queue_lock:
-            queued, self._queued = self._queued, []
-            self._woken = False
-        for make, settle in queued:
-            try:
-                coros = make()
-            except BaseException as exc:
-                settle(exc)
-                continue
-            if len(coros) == 1:
-                self._spawn(coros[0], settle)
-            elif not coros:
-                settle(None)
-            else:
-                _Join(len(coros), settle).spawn(self, coros)
+    def _start_call(self, make: Callable[[], list[Coroutine[Any, Any, Any]]],
+                    settle: Callable[[BaseException | None], None]) -> None:
+        """On the loop: create the call's tasks."""
+        try:
+            coros = make()
+        except BaseException as exc:
+            settle(exc)
+            return
+        if len(coros) == 1:
+            self._spawn(coros[0], settle)
+        elif not coros:
+            settle(None)
+        else:
+            _Join(len(coros), settle).spawn(self, coros)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any],
                settle: Callable[[BaseException | None], None]) -> None:
