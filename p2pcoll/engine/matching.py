@@ -23,7 +23,7 @@ a receive asks the session's one record (:class:`Departures`) about the peer it 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
@@ -107,6 +107,7 @@ class Matcher:
         self._first_origin: dict[OpId, int] = {}  # op -> the rank a first() waits on
         self._any_waiters: set[asyncio.Future[None]] = set()  # first_of_any()s: departures
         self._noted: dict[OpId, Sequence[int]] = {}  # op -> whom a wait outside here is on
+        self._watched: dict[OpId, Callable[[Header], None]] = {}  # op -> told of each message
 
     def put(self, header: Header, frames: list[Piece]) -> bool:
         """Deliver a data message.
@@ -126,6 +127,10 @@ class Matcher:
         if key in self._buffered:
             raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)",
                                 reason="duplicate")
+        if self._watched:
+            watcher = self._watched.get(seq)
+            if watcher is not None:
+                watcher(header)
         if seq in self._expected and not self._check(header):
             return True
         if header.seg == 0 and seq not in self._first_header:
@@ -167,6 +172,8 @@ class Matcher:
 
     def leftover(self, seq: OpId) -> list[int]:
         """Source ranks of messages of ``seq`` that arrived but were never received."""
+        if not self._buffered:
+            return []
         return sorted({k[2] for k in self._buffered if k[0] == seq})
 
     def stray(self, seq: OpId) -> Header | None:
@@ -305,6 +312,22 @@ class Matcher:
         in ``seq``: :meth:`waiting_on` says so (a timeout's inquiry asks it)."""
         self._noted[seq] = ranks
 
+    def watch(self, seq: OpId, callback: Callable[[Header], None]) -> None:
+        """Call ``callback(header)`` for each data message of ``seq`` that arrives from now
+        on, before it is matched or buffered as usual, until :meth:`unwatch` or
+        :meth:`finish`: so an engine path that waits outside the matcher (the board) can
+        wake up when a peer sends instead. Replaces an earlier callback for ``seq``.
+
+        The callback runs in the transport's dispatch and must not raise; it is not called
+        for a message that is dropped (its operation finished or failed here) or that
+        repeats a key (a :class:`ProtocolError`).
+        """
+        self._watched[seq] = callback
+
+    def unwatch(self, seq: OpId) -> None:
+        """Stop calling the callback :meth:`watch` set for ``seq`` (if any)."""
+        self._watched.pop(seq, None)
+
     def fail(self, seq: OpId, exc: P2PCollError) -> bool:
         """Fail collective ``seq`` now and later. Returns False if it had already finished."""
         if self.finished(seq):
@@ -345,12 +368,14 @@ class Matcher:
         self._expected.pop(seq, None)
         self._stalled.pop(seq, None)
         self._noted.pop(seq, None)
+        self._watched.pop(seq, None)
         self._first_header.pop(seq, None)
         first = self._first.pop(seq, None)
         if first is not None and not first.done():
             first.cancel()
-        for key in [k for k in self._buffered if k[0] == seq]:
-            del self._buffered[key]
+        if self._buffered:
+            for key in [k for k in self._buffered if k[0] == seq]:
+                del self._buffered[key]
 
     def close(self, exc: P2PCollError) -> None:
         """Fail everything pending."""
@@ -363,6 +388,7 @@ class Matcher:
         self._waiting.clear()
         self._buffered.clear()
         self._first_header.clear()
+        self._watched.clear()
 
     def stats(self) -> dict[str, Any]:
         return {"buffered": len(self._buffered), "waiting": len(self._waiting)}

@@ -113,11 +113,13 @@ class FailureModel:
         self._failed: dict[OpId, list[int]] = {}  # seq -> whom it waited for when it failed
         self._inquiries: dict[int, Inquiry] = {}  # seq -> the answers to this rank's why
         self._watchdog = Watchdog()  # every running operation's deadline, on one timer
+        self._anyone_gone = False  # whether the session has recorded a departure
 
     def attach(self, rank: int, group_id: str, matcher: Matcher, transport: Transport) -> None:
         """The session is formed: failures from now on are reported to its peers."""
         self._rank, self._group = rank, group_id
         self._matcher, self._transport = matcher, transport
+        self._anyone_gone = bool(matcher.departures.gone())
         if self.state is GroupState.FORMING:
             self.state = GroupState.READY
 
@@ -161,6 +163,8 @@ class FailureModel:
         ``running`` already) gone with a goodbye; for a receive, nobody (the matcher knows
         whether its message can still come)."""
         assert self._matcher is not None
+        if not self._anyone_gone:  # the session tells peer_departed of every departure
+            return None
         departures = self._matcher.departures
         if not isinstance(seq, int):
             src, dst = seq[0], seq[1]
@@ -178,6 +182,7 @@ class FailureModel:
         """``rank`` has gone (the session's record says how): every running operation that
         needs it ends now, with its :class:`PeerLost`, wherever it waits, and a ready
         group is degraded from now on, whether or not anything was running."""
+        self._anyone_gone = True
         if self.state is GroupState.READY:
             self.state = GroupState.DEGRADED
         for c in list(self._active.values()):
@@ -496,19 +501,27 @@ class Watchdog:
     :meth:`Collective.expire`). Deadlines of successive calls with the same limit come in
     order, so they queue in a deque; the rare one that is earlier than the last (a call
     with a shorter timeout) is inserted in place. One timer is armed, for the earliest
-    deadline; finished entries leave from the front as they finish (they mostly finish in
-    order), and the timer, when it fires, expires what is due and re-arms for the next.
-    So a collective costs an append and a pop, not a timer of its own.
+    deadline, and re-armed only for an earlier one: when the operation it was armed for
+    finishes first (as nearly all do), it fires anyway, finds nothing due and arms for the
+    earliest deadline still running. So a collective costs an append and a pop, not a
+    timer of its own.
+
+    A finished entry leaves at once from the front, where it usually is; one that finishes
+    behind a longer-running operation (a receive that waits for minutes while collectives
+    run) is counted, and the queue drops such entries once they are half of it, so it
+    never holds more than about twice the operations that run.
     """
 
-    __slots__ = ("_armed", "_queue", "_timer")
+    __slots__ = ("_armed", "_queue", "_stale", "_timer")
 
     def __init__(self) -> None:
         self._queue: deque[tuple[float, Collective]] = deque()
+        self._stale = 0  # finished entries still in the queue
         self._timer: asyncio.TimerHandle | None = None
         self._armed = math.inf  # when the timer fires
 
     def add(self, c: Collective, deadline: float) -> None:
+        """End ``c`` at ``deadline`` (the event loop's time) unless it has finished."""
         queue = self._queue
         if not queue or deadline >= queue[-1][0]:
             queue.append((deadline, c))
@@ -517,14 +530,35 @@ class Watchdog:
             while i > 0 and queue[i - 1][0] > deadline:
                 i -= 1
             queue.insert(i, (deadline, c))
+        c.queued = True
         if deadline < self._armed:
             self._arm(deadline)
 
-    def discard_finished(self) -> None:
-        """Drop the finished entries at the front (call when an operation ends)."""
+    def done(self, c: Collective) -> None:
+        """``c`` (which :meth:`add` queued) has finished: forget its deadline."""
+        if not c.queued:
+            return  # expired: the timer took it out
         queue = self._queue
-        while queue and queue[0][1].finished:
+        if queue[0][1] is c:
             queue.popleft()
+            c.queued = False
+            while self._stale and queue[0][1].finished:
+                queue.popleft()[1].queued = False
+                self._stale -= 1
+            return
+        self._stale += 1
+        if self._stale > 16 and 2 * self._stale > len(queue):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop every finished entry (in time proportional to those dropped)."""
+        live: deque[tuple[float, Collective]] = deque()
+        for entry in self._queue:
+            if entry[1].finished:
+                entry[1].queued = False
+            else:
+                live.append(entry)
+        self._queue, self._stale = live, 0
 
     def _arm(self, deadline: float) -> None:
         if self._timer is not None:
@@ -533,19 +567,21 @@ class Watchdog:
         self._timer = asyncio.get_running_loop().call_at(deadline, self._fire)
 
     def _fire(self) -> None:
+        # The loop runs a timer up to its clock's resolution early: what the timer was
+        # armed for is due even if the clock reads a hair before it.
+        due_by = max(asyncio.get_running_loop().time(), self._armed)
         self._timer, self._armed = None, math.inf
         queue = self._queue
-        now = asyncio.get_running_loop().time()
         due = []
-        while queue and (queue[0][1].finished or queue[0][0] <= now):
+        while queue and (queue[0][1].finished or queue[0][0] <= due_by):
             _, c = queue.popleft()
-            if not c.finished:
+            c.queued = False
+            if c.finished:
+                self._stale -= 1
+            else:
                 due.append(c)
-        # Finished entries behind the front wait for their turn; the earliest live
-        # deadline may be behind them, so look for it (usually the front one).
-        nxt = min((d for d, c in queue if not c.finished), default=math.inf)
-        if nxt < math.inf:
-            self._arm(nxt)
+        if queue:  # the front is running and not due: the queue is in deadline order
+            self._arm(queue[0][0])
         for c in due:
             c.expire()
 
@@ -572,7 +608,7 @@ class Collective:
     """
 
     __slots__ = ("_cancelling", "_expired", "_task", "finished", "limit", "lost", "matcher",
-                 "model", "name", "seq")
+                 "model", "name", "queued", "seq")
 
     def __init__(self, model: FailureModel, matcher: Matcher, seq: OpId, name: str,
                  limit: float) -> None:
@@ -580,6 +616,7 @@ class Collective:
             model, matcher, seq, name, limit)
         self.lost: PeerLost | None = None  # a peer it needs has gone (see interrupt)
         self.finished = False
+        self.queued = False  # its deadline is in the watchdog's queue
         self._expired = False
         self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
@@ -592,9 +629,10 @@ class Collective:
         self._cancelling = task.cancelling()
         if self.limit != math.inf:
             model._watchdog.add(self, asyncio.get_running_loop().time() + self.limit)
-        gone = model.gone_peer(self.seq)
-        if gone is not None:  # gone before it started: fail at the first await
-            self.interrupt(gone)
+        if model._anyone_gone:
+            gone = model.gone_peer(self.seq)
+            if gone is not None:  # gone before it started: fail at the first await
+                self.interrupt(gone)
 
     def expire(self) -> None:
         """The deadline passed (or a peer is gone): end the body now, wherever it waits."""
@@ -622,7 +660,8 @@ class Collective:
         outcome: BaseException | None
         self.finished = True
         model = self.model
-        model._watchdog.discard_finished()
+        if self.queued:
+            model._watchdog.done(self)
         try:
             expired = False
             if self._expired:
@@ -637,6 +676,7 @@ class Collective:
         finally:
             model._active.pop(self.seq, None)
             self.matcher.finish(self.seq)
+            self._task = None  # a finished task's result is not kept alive by this
         if outcome is None or outcome is exc:
             return  # the body's own error (or none) goes on as it is
         if isinstance(outcome, CollectiveTimeout) and outcome.__cause__ is None:
