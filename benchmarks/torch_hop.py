@@ -20,7 +20,9 @@ group, fresh input before every call (outside the timed region):
 - ``torch``: ``dist.all_reduce(x)``: what a torch user gets.
 
 A run's figure per way is rank 0's median call time; the table shows the median over the
-runs and each way's extra over ``loop`` (the hop).
+runs and the median over the runs of each way's extra over the same run's ``loop`` (the
+hop). On a virtual machine a thread's wake-up costs ~10 us when the two threads share a
+CPU and ~50-100 us when they do not, so runs differ; the hop is paired run by run.
 """
 
 from __future__ import annotations
@@ -136,16 +138,17 @@ def main() -> int:
     for _ in range(args.runs):
         for way, value in one_run(args).items():
             figures[way].append(value * 1e6)
-    base = statistics.median(figures["loop"])
     print(f"allreduce of {args.bytes} B float32 on the p2pcoll backend, {args.nproc} ranks, "
           f"{args.blocks} x {args.iters} calls per way per run, median over {args.runs} runs "
-          f"of rank 0's median call time\n")
-    print("| way | median µs | runs (µs) | hop over loop |")
+          f"of rank 0's median call time; the hop: each run's figure minus the same run's "
+          f"loop figure (then the median over runs)\n")
+    print("| way | median µs | runs (µs) | hop over loop, µs |")
     print("|---|---:|---|---:|")
     for way in WAYS:
         med = statistics.median(figures[way])
         runs = ", ".join(f"{v:.1f}" for v in figures[way])
-        extra = "" if way in ("loop", "nop") else f"+{med - base:.1f} µs"
+        hops = [v - b for v, b in zip(figures[way], figures["loop"], strict=True)]
+        extra = "" if way in ("loop", "nop") else f"+{statistics.median(hops):.1f}"
         print(f"| {way} | {med:.1f} | {runs} | {extra} |")
     return 0
 

@@ -156,6 +156,36 @@ def late():
         time.sleep(0.3)
 
 
+def allreduce_strategies():
+    """How many allreduces ran with each strategy so far (the group's stats)."""
+    pg = dist.group.WORLD
+    stats = pg._runtime._loop_thread.call(pg.group.stats)
+    found = []
+
+    def walk(d):
+        if isinstance(d, dict):
+            if "collectives_by_strategy" in d:
+                found.append(d["collectives_by_strategy"].get("allreduce", {}))
+            for v in d.values():
+                walk(v)
+
+    walk(stats)
+    return found[0] if found else {}
+
+
+# At two ranks a SUM takes the group's own choice (the board, small tensors of one host)
+# and MAX asks for Gloo's order; elsewhere both run gloo_ring.
+before = allreduce_strategies()
+s = torch.full((16,), float(rank + 1))
+dist.all_reduce(s)
+m = torch.full((16,), float(rank + 1))
+dist.all_reduce(m, op=dist.ReduceOp.MAX)
+after = allreduce_strategies()
+ran = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+want_gloo = 1 if size == 2 else 2
+expect(f"strategies {ran}", ran.get("gloo_ring") == want_gloo and sum(ran.values()) == 2
+       and bool((s == total).all()) and bool((m == size).all()))
+
 # A Work waited on from two threads at once (and then again): every waiter returns.
 late()
 x = torch.full((1024,), float(rank + 1))
@@ -270,6 +300,7 @@ sys.exit(1 if failures else 0)
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_work_completion_paths(tmp_path: Path, size: int) -> None:
+    # At two ranks sums take the group's own path, other ops gloo_ring (3: both gloo_ring).
     # Works finished on the loop thread (their future never taken, or taken afterwards)
     # and through the completer (a callback that starts a collective); two waiters of one
     # Work; many Works in flight issued from two threads; a timed-out wait(); errors.
