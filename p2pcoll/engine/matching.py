@@ -60,6 +60,9 @@ class _Finished:
         return n < self.watermark or n in self.above
 
     def add(self, n: int) -> None:
+        if n == self.watermark and not self.above:  # in order, as nearly all finish
+            self.watermark = n + 1
+            return
         self.above.add(n)
         while self.watermark in self.above:
             self.above.discard(self.watermark)
@@ -363,7 +366,10 @@ class Matcher:
     def finish(self, seq: OpId) -> None:
         """Forget everything about collective ``seq``; later messages for it are stale."""
         chan, n = channel(seq)
-        self._finished.setdefault(chan, _Finished()).add(n)
+        done = self._finished.get(chan)
+        if done is None:
+            done = self._finished[chan] = _Finished()
+        done.add(n)
         self._failed.pop(seq, None)
         self._expected.pop(seq, None)
         self._stalled.pop(seq, None)

@@ -624,11 +624,12 @@ class Collective:
     async def __aenter__(self) -> None:
         model = self.model
         model._active[self.seq] = self
-        task = self._task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        task = self._task = asyncio.current_task(loop)
         assert task is not None, "a collective runs in a task"
         self._cancelling = task.cancelling()
         if self.limit != math.inf:
-            model._watchdog.add(self, asyncio.get_running_loop().time() + self.limit)
+            model._watchdog.add(self, loop.time() + self.limit)
         if model._anyone_gone:
             gone = model.gone_peer(self.seq)
             if gone is not None:  # gone before it started: fail at the first await
