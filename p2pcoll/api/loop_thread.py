@@ -207,7 +207,13 @@ class LoopThread(Shared):
             if future.cancelled():
                 coro.close()
                 return
-            task = self.loop.create_task(_into(coro, future))
+            try:
+                task = self.loop.create_task(_into(coro, future))
+            except BaseException as exc:  # the loop is closing
+                coro.close()
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(exc)
+                raise
             self._tasks.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._tasks.discard)
             future.add_done_callback(lambda f: self._cancel(f, task))
