@@ -6,13 +6,20 @@ preallocated data (``ufunc(dst, src, out=dst)``), has each message's signature c
 against its own, and never writes into memory that a zero-copy send still reads. Up to
 ``depth`` segments run at once, so transfer and reduction overlap. Deadlines are the
 caller's.
+
+It moves data only through the primitives it is handed (:class:`Wire`: send, receive,
+fold in), by default the transport's ``send_many``, the matcher's ``get`` and
+:func:`combine` themselves, unwrapped. That is the instrumentation seam: the timeline
+(:mod:`.timeline`) runs a collective over traced primitives, and a profiler may install
+its own in ``executor.wire``; with neither, nothing is wrapped.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +31,33 @@ from ..wire import Header, Signature
 from .layout import Layout
 from .matching import Departures, Key, Matcher
 from .plan import Steps, copies, plan, send_groups
-from .timeline import COLLECTIVE, RECV, REDUCE, SEND, Timeline, flow_id
+from .timeline import COLLECTIVE, Timeline, Tracer
+
+Ufunc = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """The executor's primitives, each called exactly where the executor moves data.
+
+    Attributes:
+        send_many: ``await send_many(dsts, headers, pieces, copy=...)`` queues one data
+            message per destination (as :meth:`~p2pcoll.transport.base.Transport.send_many`);
+            called once per group of destinations of one step's chunk.
+        get: ``await get(key)`` returns the ``(header, pieces)`` of the message matching
+            ``key`` (as :meth:`~p2pcoll.engine.matching.Matcher.get`); once per receive.
+        combine: ``combine(header, targets, pieces, ufunc)`` folds a received message's
+            pieces into ``targets`` (``ufunc`` None: copies them); once per receive.
+    """
+
+    send_many: Callable[..., Awaitable[Tracker | None]]
+    get: Callable[[Key], Awaitable[tuple[Header, list[Piece]]]]
+    combine: Callable[[Header, Sequence[np.ndarray], Sequence[Piece], Ufunc | None], None]
+
+    @classmethod
+    def direct(cls, transport: Transport, matcher: Matcher) -> Wire:
+        """The untraced primitives: the transport's and the matcher's own bound methods."""
+        return cls(transport.send_many, matcher.get, combine)
 
 
 class Executor:
@@ -33,7 +66,7 @@ class Executor:
     def __init__(
         self, transport: Transport, matcher: Matcher, departures: Departures, group_id: str,
         *, segment_bytes: int, depth: int, max_message_bytes: int,
-        timeline: Timeline | None = None,
+        timeline: Timeline | None = None, wire: Wire | None = None,
     ) -> None:
         self.transport = transport
         self.matcher = matcher
@@ -42,7 +75,8 @@ class Executor:
         self.segment_bytes = segment_bytes
         self.max_message_bytes = max_message_bytes
         self.depth = depth
-        self.timeline = timeline  # None: nothing recorded (one check per step)
+        self.timeline = timeline  # None: nothing recorded (one check per collective)
+        self.wire = wire or Wire.direct(transport, matcher)
 
     async def run(
         self,
@@ -51,7 +85,7 @@ class Executor:
         strategy: Strategy,
         ctx: Context,
         layout: Layout,
-        ufunc: Callable[..., Any] | None,
+        ufunc: Ufunc | None,
         sig: Signature,
         meta: dict[str, Any] | None = None,
         tag: int | None = None,
@@ -87,7 +121,7 @@ class Executor:
 
     async def _run(
         self, seq: int, strategy: Strategy, ctx: Context, layout: Layout,
-        ufunc: Callable[..., Any] | None, sig: Signature, meta: dict[str, Any] | None,
+        ufunc: Ufunc | None, sig: Signature, meta: dict[str, Any] | None,
         tag: int | None,
     ) -> None:
         steps = plan(strategy, ctx, len(layout.chunks))
@@ -96,6 +130,10 @@ class Executor:
         else:
             for frm in {op.frm for ops in steps for op in ops if not isinstance(op, Send)}:
                 self.matcher.expect((frm, ctx.rank, tag, seq), sig, ctx.rank)
+        wire = self.wire
+        if self.timeline is not None:  # a send, receive and fold of each step on its track
+            tracer = Tracer(self.timeline, wire, steps, ctx.rank)
+            wire = Wire(tracer.send_many, tracer.get, tracer.combine)
         nseg = layout.segment(self.segment_bytes, self.max_message_bytes)
         early, late = copies(steps, len(layout.chunks))
         first_late = max(nseg - self.depth, 0)
@@ -104,15 +142,15 @@ class Executor:
         pending: list[Tracker] = []
         run = self._segment
         if nseg == 1:
-            await run(seq, 0, steps, late, layout, ufunc, sig, meta, ctx.rank, pending, tag)
+            await run(wire, seq, 0, steps, late, layout, ufunc, sig, meta, ctx.rank, pending, tag)
         else:
             window = asyncio.Semaphore(self.depth)
 
             async def one(seg: int) -> None:
                 async with window:
                     copy = late if seg >= first_late else early
-                    await run(seq, seg, steps, copy, layout, ufunc, sig, meta, ctx.rank, pending,
-                              tag)
+                    await run(wire, seq, seg, steps, copy, layout, ufunc, sig, meta, ctx.rank,
+                              pending, tag)
 
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -125,12 +163,13 @@ class Executor:
 
     async def _segment(
         self,
+        wire: Wire,
         seq: int,
         seg: int,
         steps: Steps,
         copied: frozenset[tuple[int, int]],
         layout: Layout,
-        ufunc: Callable[..., Any] | None,
+        ufunc: Ufunc | None,
         sig: Signature,
         meta: dict[str, Any] | None,
         rank: int,
@@ -141,15 +180,9 @@ class Executor:
         received: defaultdict[int, int] = defaultdict(int)
         seg_meta = meta if seg == 0 else None
         groups = send_groups(steps)
-        timeline = self.timeline
-        flow_seq = (seq, -1 if tag is None else tag)  # both ends know it (hash(None) varies)
         for i, ops in enumerate(steps):
             for chunk, group in groups[i]:
                 headers = []
-                if timeline is not None:
-                    started = timeline.now()
-                    flows = [flow_id(self.group_id, flow_seq, seg, rank, to, sent[to])
-                             for _, to in group]
                 for _, to in group:
                     gone = self.departures.lost(to)
                     if gone is not None:
@@ -162,28 +195,19 @@ class Executor:
                         meta=seg_meta, described=list(sig.fields) if first else None, tag=tag,
                     ))
                     sent[to] += 1
-                pieces = layout.pieces(chunk, seg)
-                tracker = await self.transport.send_many(
-                    [to for _, to in group], headers, pieces,
+                tracker = await wire.send_many(
+                    [to for _, to in group], headers, layout.pieces(chunk, seg),
                     copy=any((i, j) in copied for j, _ in group),
                 )
                 if tracker is not None:
                     pending.append(tracker)
-                if timeline is not None:
-                    timeline.span(SEND, "send", started, {
-                        "to": [to for _, to in group], "chunk": _chunk_name(chunk),
-                        "step": i, "segment": seg, "bytes": sum(p.nbytes for p in pieces),
-                    }, starts=flows)
             for op in ops:
                 if isinstance(op, Send):
                     continue
                 key: Key = (seq if tag is None else (op.frm, rank, tag, seq), seg, op.frm,
-                       received[op.frm])
-                if timeline is not None:
-                    started = timeline.now()
-                    flow = flow_id(self.group_id, flow_seq, seg, op.frm, rank, received[op.frm])
+                            received[op.frm])
                 received[op.frm] += 1
-                header, frames = await self.matcher.get(key)  # signature checked there
+                header, frames = await wire.get(key)  # signature checked there
                 targets = layout.pieces(op.chunk, seg)
                 sizes = [t.nbytes for t in targets]
                 if header.nbytes != sizes:
@@ -192,27 +216,8 @@ class Executor:
                         f"{header.nbytes} bytes for chunk {op.chunk!r}, rank {rank} expected "
                         f"{sizes}"
                     )
-                reduce = ufunc if isinstance(op, Reduce) else None
-                if timeline is None:
-                    _combine(targets, frames, reduce)
-                else:
-                    where = {"from": op.frm, "chunk": _chunk_name(op.chunk), "step": i,
-                             "segment": seg, "bytes": sum(sizes)}
-                    timeline.span(RECV, "recv", started, where, ends=(flow,))
-                    started = timeline.now()
-                    _combine(targets, frames, reduce)
-                    kind = "reduce" if reduce is not None else "copy"
-                    timeline.span(REDUCE, kind, started, where)
+                wire.combine(header, targets, frames, ufunc if isinstance(op, Reduce) else None)
                 del frames  # release the sender's buffer now (inproc shares it)
-
-
-def _chunk_name(chunk: object) -> int | str:
-    """A chunk as the timeline shows it: its index, ``a..b`` for a range, ``all``."""
-    if isinstance(chunk, int):
-        return chunk
-    if isinstance(chunk, range):
-        return f"{chunk.start}..{chunk.stop - 1}"
-    return "all"
 
 
 def _root_error(group: BaseExceptionGroup) -> BaseException:
@@ -231,9 +236,11 @@ def _root_error(group: BaseExceptionGroup) -> BaseException:
     return group
 
 
-def _combine(
-    targets: list[np.ndarray], frames: list[Piece], ufunc: Callable[..., Any] | None
+def combine(
+    header: Header, targets: Sequence[np.ndarray], frames: Sequence[Piece], ufunc: Ufunc | None
 ) -> None:
+    """Fold the pieces ``frames`` of a received message into ``targets`` with ``ufunc``
+    (``ufunc(dst, src, out=dst)``), or copy them there (``ufunc`` None)."""
     with np.errstate(all="ignore"):
         for dst, frame in zip(targets, frames, strict=True):
             if dst.size == 0:
@@ -260,4 +267,4 @@ async def _released(trackers: list[Tracker]) -> None:
                 delay = min(delay * 2 or 2e-5, 1e-3)
 
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "Wire", "combine"]

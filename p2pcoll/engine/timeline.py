@@ -22,7 +22,9 @@ clock, so the ranks of one host line up, and hosts as well as NTP keeps them):
 Events are written at the end of each collective (and every ``FLUSH_EVENTS`` within a long
 one), so a rank that dies leaves a readable file with all but its last collective (the
 closing bracket of the array format is optional). With no timeline nothing is
-recorded: the executor checks one attribute per step.
+recorded: the executor checks one attribute per collective. With one, the executor runs
+each collective over a :class:`Tracer`'s primitives (its instrumentation seam,
+:class:`p2pcoll.engine.executor.Wire`), which record the steps around the real ones.
 """
 
 from __future__ import annotations
@@ -33,11 +35,17 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
+
+import numpy as np
 
 from ..errors import SettingsError
+from ..strategy import Send
+from ..transport.base import Piece, Tracker
+from ..wire import Header
+from .plan import Steps, send_groups
 
 TRACKS = ("collectives", "send", "recv", "reduce")  # thread ids 0..3 of a rank's track
 COLLECTIVE, SEND, RECV, REDUCE = range(len(TRACKS))  # what span() takes as its track
@@ -167,6 +175,87 @@ class Timeline:
                 pass
 
 
+class Primitives(Protocol):
+    """What a :class:`Tracer` wraps (the executor's :class:`~p2pcoll.engine.executor.Wire`)."""
+
+    send_many: Callable[..., Awaitable[Tracker | None]]
+    get: Callable[[Any], Awaitable[tuple[Header, list[Piece]]]]
+    combine: Callable[..., None]
+
+
+class Tracer:
+    """The primitives of one collective with each send, receive and fold recorded.
+
+    Built from the collective's plan (``steps``), which tells which step and chunk each
+    message of a link is (the n-th message to a peer within a segment is the same in every
+    segment); the messages' headers and keys say the rest, flow ids included.
+    """
+
+    def __init__(self, timeline: Timeline, inner: Primitives, steps: Steps, rank: int) -> None:
+        self.timeline, self.inner, self.rank = timeline, inner, rank
+        self._sent: dict[tuple[int, int], tuple[int, object]] = {}  # (to, n) -> step, chunk
+        self._received: dict[tuple[int, int], tuple[int, object]] = {}  # (from, n) -> same
+        sent: dict[int, int] = {}
+        received: dict[int, int] = {}
+        for i, (ops, groups) in enumerate(zip(steps, send_groups(steps), strict=True)):
+            for chunk, group in groups:
+                for _, to in group:
+                    self._sent[(to, sent.get(to, 0))] = (i, chunk)
+                    sent[to] = sent.get(to, 0) + 1
+            for op in ops:
+                if not isinstance(op, Send):
+                    n = received.get(op.frm, 0)
+                    self._received[(op.frm, n)] = (i, op.chunk)
+                    received[op.frm] = n + 1
+
+    async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
+                        pieces: Sequence[np.ndarray] = (), *, copy: bool = False
+                        ) -> Tracker | None:
+        timeline = self.timeline
+        started = timeline.now()
+        tracker = await self.inner.send_many(dsts, headers, pieces, copy=copy)
+        first = headers[0]
+        step, chunk = self._sent.get((dsts[0], first.step), (-1, None))
+        flow_seq = (first.seq, -1 if first.tag is None else first.tag)
+        flows = [flow_id(timeline.group_id, flow_seq, first.seg, self.rank, to, h.step)
+                 for to, h in zip(dsts, headers, strict=True)]
+        timeline.span(SEND, "send", started, {
+            "to": list(dsts), "chunk": chunk_name(chunk), "step": step, "segment": first.seg,
+            "bytes": sum(p.nbytes for p in pieces)}, starts=flows)
+        return tracker
+
+    async def get(self, key: Any) -> tuple[Header, list[Piece]]:
+        timeline = self.timeline
+        started = timeline.now()
+        header, pieces = await self.inner.get(key)
+        op, seg, frm, n = key  # op: a collective's seq, or (src, dst, tag, count)
+        flow_seq = (op[3], op[2]) if isinstance(op, tuple) else (op, -1)
+        flow = flow_id(timeline.group_id, flow_seq, seg, frm, self.rank, n)
+        timeline.span(RECV, "recv", started, self._where(frm, n, seg, header), ends=(flow,))
+        return header, pieces
+
+    def combine(self, header: Header, targets: Sequence[np.ndarray], pieces: Sequence[Piece],
+                ufunc: Callable[..., Any] | None) -> None:
+        started = self.timeline.now()
+        self.inner.combine(header, targets, pieces, ufunc)
+        self.timeline.span(REDUCE, "copy" if ufunc is None else "reduce", started,
+                           self._where(header.src, header.step, header.seg, header))
+
+    def _where(self, frm: int, n: int, seg: int, header: Header) -> dict[str, Any]:
+        step, chunk = self._received.get((frm, n), (-1, None))
+        return {"from": frm, "chunk": chunk_name(chunk), "step": step, "segment": seg,
+                "bytes": sum(header.nbytes)}
+
+
+def chunk_name(chunk: object) -> int | str:
+    """A chunk as the timeline shows it: its index, ``a..b`` for a range, ``all``."""
+    if isinstance(chunk, int):
+        return chunk
+    if isinstance(chunk, range):
+        return f"{chunk.start}..{chunk.stop - 1}"
+    return "all"
+
+
 # --- merging ------------------------------------------------------------------------------
 
 def rank_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -264,5 +353,5 @@ def events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         yield from read_events(p)
 
 
-__all__ = ["COLLECTIVE", "RECV", "REDUCE", "SEND", "TRACKS", "Timeline", "events", "group_tag",
-           "merge", "rank_file", "rank_files"]
+__all__ = ["COLLECTIVE", "RECV", "REDUCE", "SEND", "TRACKS", "Timeline", "Tracer", "chunk_name",
+           "events", "group_tag", "merge", "rank_file", "rank_files"]

@@ -7,6 +7,13 @@ fails it, or whose handler raises, is dropped and counted by reason (:class:`Dro
 the transport goes on reading. Two implementations: the ZeroMQ mesh (:mod:`.zmq_mesh`,
 production) and the in-memory network (:mod:`.memory`, tests that inject loss, delay and
 reordering).
+
+Every transport has two hooks for instrumentation (profilers, tests), both None by default:
+``sent(dst, header, nbytes)`` is called once per data message and destination after
+``send_many`` has queued it, and ``delivered(src, header, nbytes)`` once per valid data
+message before it is handed to ``on_message`` (``nbytes``: its payload bytes). With a hook
+None nothing is called: one attribute check per data message. A hook must be quick and
+must not raise (what a ``delivered`` hook raises drops the message as a handling error).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class BytesPiece:
 
 MessageHandler = Callable[[Header, list[Piece]], None]
 LinkDownHandler = Callable[[int], None]
+MessageHook = Callable[[int, Header, int], None]  # (dst or src, header, payload bytes)
 
 
 @dataclass
@@ -84,6 +92,8 @@ class Transport(Protocol):
     name: str
     counters: Counters
     endpoints: list[str]
+    sent: MessageHook | None  # see the module docstring
+    delivered: MessageHook | None
 
     async def bind(self) -> list[str]:
         """Start receiving; returns the endpoints other peers may reach this one at."""

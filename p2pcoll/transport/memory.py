@@ -23,7 +23,9 @@ import numpy as np
 from ..errors import PeerLost, ProtocolError
 from ..types import Membership
 from ..wire import Header, Limits, encode_header, validate
-from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, Piece
+from .base import (
+    BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece,
+)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class MemoryTransport:
     """One peer's end of a :class:`MemoryNetwork`."""
 
     name = "memory"
+    sent: MessageHook | None = None  # see p2pcoll.transport.base
+    delivered: MessageHook | None = None
 
     def __init__(self, network: MemoryNetwork, max_message_bytes: int = 256 << 20) -> None:
         self.network = network
@@ -188,6 +192,8 @@ class MemoryTransport:
             if header.kind == "data":
                 self.counters.messages_sent += 1
                 self.counters.bytes_sent += sum(header.nbytes)
+                if self.sent is not None:
+                    self.sent(dst, header, sum(header.nbytes))
         await asyncio.sleep(0)  # a send is a turn of the loop, as over a socket
 
     def post(self, dst: int, header: Header) -> None:
@@ -224,6 +230,8 @@ class MemoryTransport:
             if header.kind == "data":
                 self.counters.messages_received += 1
                 self.counters.bytes_received += sum(header.nbytes)
+                if self.delivered is not None:
+                    self.delivered(header.src, header, sum(header.nbytes))
             pieces: list[Piece] = [BytesPiece(f) for f in frames[1:]]
             self.on_message(header, pieces)
         except ProtocolError as exc:

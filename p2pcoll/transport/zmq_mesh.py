@@ -46,7 +46,7 @@ from ..types import Membership
 from ..wire import Header, Limits, encode_header, validate
 from . import board as boards
 from . import lane, shm
-from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, Piece
+from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .malloc import tune_malloc
 from .sockets import LinkCensus, SocketFactory
@@ -104,6 +104,9 @@ async def _put(
 
 class ZmqMesh:
     """The production transport: frames between the peers of one group over ZeroMQ."""
+
+    sent: MessageHook | None = None  # instrumentation hooks: see p2pcoll.transport.base
+    delivered: MessageHook | None = None
 
     def __init__(
         self,
@@ -344,6 +347,8 @@ class ZmqMesh:
                 c.messages_sent += 1
                 c.bytes_sent += sum(nbytes)
                 c.bytes_sent_shm += sum(n for n, at in zip(nbytes, offsets, strict=True) if at >= 0)
+                if self.sent is not None:
+                    self.sent(dst, header, sum(nbytes))
         return zmq.MessageTracker(*tracked) if tracked else None
 
     async def _put_frames(self, dst: int, link: zmq.asyncio.Socket, frames: list[object]
@@ -619,6 +624,8 @@ class ZmqMesh:
             if header.kind == "data":
                 self.counters.messages_received += 1
                 self.counters.bytes_received += sum(header.nbytes)
+                if self.delivered is not None:
+                    self.delivered(source, header, sum(header.nbytes))
             elif header.kind == "hello" and header.meta:
                 if "ring" in header.meta:
                     self._accept_ring(header.src, header.meta["ring"])
