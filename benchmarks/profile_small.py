@@ -2,6 +2,7 @@
 
     python benchmarks/profile_small.py                    # 4 KiB, p = 2, 2000 calls per phase
     python benchmarks/profile_small.py --size 64K --iterations 500 --json profile.json
+    PYTHONPATH=/path/to/old/tree python benchmarks/profile_small.py --plain   # a before figure
 
 Not a test: it prints a table. The raw stack's costs (pyzmq, a lane, the board, numpy)
 are in ``benchmarks/floors.py``; this measures p2pcoll on top of them.
@@ -21,6 +22,9 @@ the shared-memory board) and ``ring`` (messages, through the executor), ``p2pcol
    (engine/executor, matching, plan, layout), ``transport`` (transport/*, wire/*),
    ``API`` (api/*, session/*, and the rest of p2pcoll), ``event loop`` (asyncio, selectors),
    ``numpy``, ``other``. cProfile inflates every figure; read the shares.
+
+``--plain`` runs only step 1 (without the hooks) and the world of one: the public API
+alone, so the same script measures a version of p2pcoll from before the seam.
 
 A world of one (``p2pcoll.testing.run_ranks(1, ...)``, no peers, no messages) gives p2pcoll's
 own per-call cost. Nothing private is patched: hooks and primitives are the seam
@@ -45,7 +49,6 @@ from typing import Any
 import numpy as np
 
 import p2pcoll
-from p2pcoll.engine.executor import Wire
 from p2pcoll.testing import run_ranks
 
 LAYERS = ("board", "executor", "transport", "API", "event loop", "numpy", "other")
@@ -86,8 +89,10 @@ async def timed_loop(g: p2pcoll.Group, x: np.ndarray, n: int, strategy: str | No
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-def timed_wire(wire: Wire, spent: dict[str, float]) -> Wire:
+def timed_wire(wire: Any, spent: dict[str, float]) -> Any:
     """``wire`` with the seconds spent in each primitive added into ``spent``."""
+    from p2pcoll.engine.executor import Wire  # here: --plain runs versions without it
+
     clock = time.perf_counter
 
     async def send_many(*args: Any, **kwargs: Any) -> Any:
@@ -112,9 +117,14 @@ def timed_wire(wire: Wire, spent: dict[str, float]) -> Wire:
     return Wire(send_many, get, combine)
 
 
-async def profile(g: p2pcoll.Group, size: int, n: int, strategy: str | None) -> dict[str, Any]:
+async def profile(g: p2pcoll.Group, size: int, n: int, strategy: str | None, plain: bool
+                  ) -> dict[str, Any]:
     x = np.zeros(size // 4, np.float32)
     await timed_loop(g, x, max(n // 10, 20), strategy)  # warm up: programs, pages, caches
+    if plain:
+        await g.barrier()
+        wall, cpu = await timed_loop(g, x, n, strategy)
+        return {"rank": g.rank, "wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6}
     transport, executor = g.session.transport, g.session.executor
     messages = [0]
 
@@ -147,7 +157,7 @@ async def profile(g: p2pcoll.Group, size: int, n: int, strategy: str | None) -> 
 def worker(args: argparse.Namespace) -> None:
     async def main() -> None:
         async with p2pcoll.join() as g:
-            result = await profile(g, args.size, args.iterations, args.strategy)
+            result = await profile(g, args.size, args.iterations, args.strategy, args.plain)
             print("PROFILE " + json.dumps(result), flush=True)
 
     asyncio.run(main())
@@ -156,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, strategy: str | None) -> list[dict[str, Any]]:
     command = [sys.executable, "-m", "p2pcoll", "launch", "-n", "2", "--", sys.executable,
                str(Path(__file__).resolve()), "--worker", "--size", str(args.size),
-               "--iterations", str(args.iterations)]
+               "--iterations", str(args.iterations)] + (["--plain"] if args.plain else [])
     if strategy is not None:
         command += ["--strategy", strategy]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
@@ -194,11 +204,12 @@ def table(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], one: 
 
     row("wall us/call", lambda r: r["wall_us"])
     row("main-thread CPU us/call", lambda r: r["cpu_us"])
-    row("data messages sent/call", lambda r: r["messages"])
-    for part in ("send", "receive", "fold"):
-        row(f"executor {part} us/call (seam)", lambda r, p=part: r["wire_us"][p])
-    for layer in LAYERS:
-        row(f"cProfile own time: {layer} us/call", lambda r, k=layer: r["layers_us"][k])
+    if not args.plain:
+        row("data messages sent/call", lambda r: r["messages"])
+        for part in ("send", "receive", "fold"):
+            row(f"executor {part} us/call (seam)", lambda r, p=part: r["wire_us"][p])
+        for layer in LAYERS:
+            row(f"cProfile own time: {layer} us/call", lambda r, k=layer: r["layers_us"][k])
     lines += ["", f"world of one: {one:.1f} us/call (run_ranks(1, ...), {args.iterations} calls)"]
     return "\n".join(lines)
 
@@ -209,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, default=2000, help="calls per phase")
     parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plain", action="store_true",
+                        help="wall and CPU per call only, through the public API")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.iterations < 1:
