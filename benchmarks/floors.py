@@ -139,7 +139,7 @@ def lane_pair(size: int) -> Callable[[Connection, bool], tuple[Trip, Trip, Calla
         frames = [b"h" * 80, bytes(size)]  # a header's worth, then the payload
 
         def receive() -> None:
-            while (got := into.read()) is None:
+            while into.read() is None:
                 pass
             into.release()
 
@@ -207,7 +207,7 @@ def board_pair(size: int) -> Callable[[Connection, bool], tuple[Trip, Trip, Call
     return setup
 
 
-def per_call(fn: Trip, n: int) -> list[float]:
+def per_call(fn: Callable[[], object], n: int) -> list[float]:
     times = []
     for _ in range(n):
         t = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +16,15 @@ import pytest
 import p2pcoll
 from p2pcoll.engine.executor import Wire, combine
 from p2pcoll.testing import memory_groups, run_ranks
+from p2pcoll.wire import Header
 
 ROOT = Path(__file__).resolve().parents[1]
 Record = list[tuple[str, int, int, int, int]]  # (event, rank, peer, seq, nbytes)
 
 
-def hook(record: Record, event: str, rank: int):  # type: ignore[no-untyped-def]
-    def called(peer: int, header: p2pcoll.wire.Header, nbytes: int) -> None:
+def hook(record: Record, event: str, rank: int) -> Callable[[int, Header, int], None]:
+    """A hook that records each call as ``(event, rank, peer, seq, nbytes)``."""
+    def called(peer: int, header: Header, nbytes: int) -> None:
         assert header.kind == "data" and sum(header.nbytes) == nbytes
         record.append((event, rank, peer, header.seq, nbytes))
     return called
@@ -38,7 +41,7 @@ def test_hooks_see_each_data_message_once_with_its_peer_and_size(transport: str,
         t.sent, t.delivered = hook(record, "sent", g.rank), hook(record, "delivered", g.rank)
         await g.barrier()  # every rank's hooks are in before the first message
         x = np.full(elements, g.rank + 1.0)
-        out = await g.allreduce(x, strategy="ring")
+        out: np.ndarray = await g.allreduce(x, strategy="ring")
         await g.barrier(strategy="dissemination")  # every message of the allreduce has been handed on
         t.sent = t.delivered = None
         return out
@@ -146,3 +149,13 @@ def test_profile_script_prints_its_table() -> None:
     for line in ("world of one", "wall us/call", "main-thread CPU us/call", "board",
                  "executor", "API"):
         assert line in out, out
+
+
+def test_floors_script_prints_its_table() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "floors.py"), "--iterations", "50"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for floor in ("pyzmq blocking", "pyzmq asyncio", "p2pcoll lane", "p2pcoll board",
+                  "numpy copy", "numpy add"):
+        assert f"| {floor}" in done.stdout, done.stdout

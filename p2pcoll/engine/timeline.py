@@ -178,9 +178,12 @@ class Timeline:
 class Primitives(Protocol):
     """What a :class:`Tracer` wraps (the executor's :class:`~p2pcoll.engine.executor.Wire`)."""
 
-    send_many: Callable[..., Awaitable[Tracker | None]]
-    get: Callable[[Any], Awaitable[tuple[Header, list[Piece]]]]
-    combine: Callable[..., None]
+    @property
+    def send_many(self) -> Callable[..., Awaitable[Tracker | None]]: ...
+    @property
+    def get(self) -> Callable[[Any], Awaitable[tuple[Header, list[Piece]]]]: ...
+    @property
+    def combine(self) -> Callable[..., None]: ...
 
 
 class Tracer:
