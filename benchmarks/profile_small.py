@@ -12,13 +12,13 @@ the shared-memory board) and ``ring`` (messages, through the executor), ``p2pcol
 -n 2`` of this file as ``--worker``. Each rank joins, warms up, then:
 
 1. runs ``--iterations`` allreduces of ``--size`` bytes of float32 back to back, fresh input
-   each call: wall time per call (``perf_counter``) and main-thread CPU per call
+   each call: wall time per call (``perf_counter``: mean, p50, p99) and main-thread CPU per call
    (``time.thread_time``), and, through the transport's ``sent``/``delivered`` hooks, the
    data messages per call;
 2. runs as many again with the executor's primitives (``executor.wire``) timed: time in
    sends, waiting for receives and folding in, per call;
 3. runs as many again under cProfile and splits the main thread's own time by the file each
-   function lives in: ``board`` (engine/board_path, transport/board), ``executor``
+   function lives in (a builtin's by its callers' files): ``board`` (engine/board_path, transport/board), ``executor``
    (engine/executor, matching, plan, layout), ``transport`` (transport/*, wire/*),
    ``API`` (api/*, session/*, and the rest of p2pcoll), ``event loop`` (asyncio, selectors),
    ``numpy``, ``other``. cProfile inflates every figure; read the shares.
@@ -58,7 +58,7 @@ _FILES = (  # (path fragment, layer): the first that matches a function's file w
     ("p2pcoll/engine/plan", "executor"), ("p2pcoll/engine/layout", "executor"),
     ("p2pcoll/transport/", "transport"), ("p2pcoll/wire/", "transport"), ("zmq/", "transport"),
     ("p2pcoll/", "API"), ("asyncio/", "event loop"), ("selectors", "event loop"),
-    ("numpy/", "numpy"),
+    ("numpy/", "numpy"), ("msgpack/", "transport"),
 )
 
 
@@ -70,23 +70,50 @@ def size_arg(text: str) -> int:
     return n
 
 
-def layer_of(filename: str, name: str) -> str:
-    if filename == "~":  # a builtin: numpy's ufuncs show up as methods of numpy objects
-        return "numpy" if "numpy" in name else "other"
+def layer_of(filename: str) -> str | None:
+    """The layer of a function by its file; None for builtins and generated code."""
+    if filename == "~" or filename.startswith("<"):
+        return None
     for fragment, layer in _FILES:
         if fragment in filename:
             return layer
     return "other"
 
 
+def own_time_by_layer(profiler: cProfile.Profile) -> dict[str, float]:
+    """The profiled seconds of own time per layer; a builtin's (``len``, ``dict.get``,
+    ``epoll.poll``, a dataclass's ``__init__``) go to the layers of its callers."""
+    by_layer = dict.fromkeys(LAYERS, 0.0)
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    for (filename, _, _), (_, _, own, _, callers) in stats.items():
+        layer = layer_of(filename)
+        if layer is not None:
+            by_layer[layer] += own
+            continue
+        for (caller, _, _), (_, _, from_caller, _) in callers.items():
+            by_layer[layer_of(caller) or "other"] += from_caller
+    return by_layer
+
+
 async def timed_loop(g: p2pcoll.Group, x: np.ndarray, n: int, strategy: str | None
-                     ) -> tuple[float, float]:
-    """Wall and main-thread CPU seconds of ``n`` allreduces, fresh input each call."""
-    wall, cpu = time.perf_counter(), time.thread_time()
+                     ) -> tuple[list[float], float]:
+    """Each of ``n`` allreduces' wall seconds (fresh input each call), and the main
+    thread's CPU seconds for all of them."""
+    clock, times = time.perf_counter, []
+    cpu = time.thread_time()
     for i in range(n):
         x.fill(i)
+        t = clock()
         await g.allreduce(x, out=x, strategy=strategy)
-    return time.perf_counter() - wall, time.thread_time() - cpu
+        times.append(clock() - t)
+    return times, time.thread_time() - cpu
+
+
+def summary(rank: int, times: list[float], cpu: float) -> dict[str, Any]:
+    p50, p99 = np.quantile(times, [0.5, 0.99]) * 1e6
+    n = len(times)
+    return {"rank": rank, "wall_us": sum(times) / n * 1e6, "p50_us": float(p50),
+            "p99_us": float(p99), "cpu_us": cpu / n * 1e6}
 
 
 def timed_wire(wire: Any, spent: dict[str, float]) -> Any:
@@ -123,8 +150,7 @@ async def profile(g: p2pcoll.Group, size: int, n: int, strategy: str | None, pla
     await timed_loop(g, x, max(n // 10, 20), strategy)  # warm up: programs, pages, caches
     if plain:
         await g.barrier()
-        wall, cpu = await timed_loop(g, x, n, strategy)
-        return {"rank": g.rank, "wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6}
+        return summary(g.rank, *await timed_loop(g, x, n, strategy))
     transport, executor = g.session.transport, g.session.executor
     messages = [0]
 
@@ -133,7 +159,7 @@ async def profile(g: p2pcoll.Group, size: int, n: int, strategy: str | None, pla
 
     await g.barrier()
     transport.sent = count
-    wall, cpu = await timed_loop(g, x, n, strategy)
+    result = summary(g.rank, *await timed_loop(g, x, n, strategy))
     transport.sent = None
     spent = dict.fromkeys(("send", "receive", "fold"), 0.0)
     executor.wire, untimed = timed_wire(executor.wire, spent), executor.wire
@@ -145,11 +171,8 @@ async def profile(g: p2pcoll.Group, size: int, n: int, strategy: str | None, pla
     profiler.enable()
     await timed_loop(g, x, n, strategy)
     profiler.disable()
-    by_layer = dict.fromkeys(LAYERS, 0.0)
-    for (filename, _, name), row in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
-        by_layer[layer_of(filename, name)] += row[2]  # tottime: the function's own
-    return {"rank": g.rank, "wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6,
-            "messages": messages[0] / n,
+    by_layer = own_time_by_layer(profiler)
+    return {**result, "messages": messages[0] / n,
             "wire_us": {k: v / n * 1e6 for k, v in spent.items()},
             "layers_us": {k: v / n * 1e6 for k, v in by_layer.items()}}
 
@@ -183,7 +206,7 @@ def world_of_one(size: int, n: int) -> float:
     async def work(g: p2pcoll.Group) -> float:
         x = np.zeros(size // 4, np.float32)
         await timed_loop(g, x, max(n // 10, 20), None)
-        return (await timed_loop(g, x, n, None))[0] / n * 1e6
+        return sum((await timed_loop(g, x, n, None))[0]) / n * 1e6
 
     return asyncio.run(run_ranks(1, work))[0]
 
@@ -202,7 +225,9 @@ def table(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], one: 
         lines.append(f"| {label} | " + " | ".join(cell([pick(r) for r in runs[s]])
                                                  for s in names) + " |")
 
-    row("wall us/call", lambda r: r["wall_us"])
+    row("wall us/call (mean)", lambda r: r["wall_us"])
+    row("wall us/call p50", lambda r: r["p50_us"])
+    row("wall us/call p99", lambda r: r["p99_us"])
     row("main-thread CPU us/call", lambda r: r["cpu_us"])
     if not args.plain:
         row("data messages sent/call", lambda r: r["messages"])
