@@ -11,17 +11,35 @@ from p2pcoll.errors import ProtocolError
 from p2pcoll.engine.layout import Layout
 from p2pcoll.strategy import ALL
 from p2pcoll.types import check_dtype, flatten, unflatten
-from p2pcoll.wire import WIRE_VERSION, Header, Signature, decode_header, encode_header
+from p2pcoll.wire import (
+    WIRE_VERSION,
+    Header,
+    Limits,
+    Signature,
+    decode_header,
+    encode_header,
+    group_digest,
+    validate,
+)
+from p2pcoll.wire.header import DATA_MAGIC
 
 
 def test_header_round_trip() -> None:
     sig = Signature.of("allreduce", "ring", "sum", -1, "x")
     h = Header("data", "g1", 3, seq=7, seg=2, step=1, sig=sig.digest, nbytes=[4, 0],
-               meta={"strategy": "ring", "leaves": [["<f4", [1]]]}, described=list(sig.fields))
-    back = decode_header(encode_header(h))
+               meta={"strategy": "ring", "leaves": [["<f4", [1]]]}, described=list(sig.fields),
+               collective="allreduce")
+    raw = encode_header(h)
+    assert raw[0] == DATA_MAGIC  # a data header is the binary frame, with the group's digest
+    back = decode_header(raw)
+    assert back.group == "#" + group_digest("g1").hex()
+    back.group = "g1"
     assert back == h and back.key == (7, 2, 3, 1)
+    # validate() knows the group: it compares the digest and returns the group's id.
+    assert validate(3, raw, [4, 0], Limits("g1", 0, 4, 1 << 20)) == h
     abort = Header("abort", "g1", 0, seq=4, err=["CollectiveTimeout", "late"])
     assert decode_header(encode_header(abort)).err == ["CollectiveTimeout", "late"]
+    assert decode_header(encode_header(abort)).group == "g1"  # control messages: msgpack maps
 
 
 @pytest.mark.parametrize(
@@ -134,9 +152,9 @@ async def test_auto_transport_uses_ipc_on_one_host() -> None:
 
 
 def test_validate_names_what_is_wrong_with_a_members_message() -> None:
-    """What the live peer's reader drops (tests/test_faults.py), reason by reason."""
-    from p2pcoll.wire import Limits, validate
-
+    """What the live peer's reader drops (tests/test_faults.py), reason by reason (data
+    messages spelled as msgpack maps, which the reader still accepts; the binary frame's
+    own cases are in tests/test_wire_binary.py)."""
     limits = Limits("gid", rank=0, world_size=3, max_message_bytes=1 << 20)
     header = {"v": WIRE_VERSION, "k": "data", "g": "gid", "r": 1, "q": 0, "seg": 0, "s": 0,
               "sig": b"\0" * 8, "n": [8]}

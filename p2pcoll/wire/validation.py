@@ -5,9 +5,14 @@ header's schema (types, not only keys), the claimed source against the link it c
 the group's roster, the frame count and sizes against the header, the size cap, the dtype
 allow-list and shape bounds of a broadcast's layout, the signature digest. It returns a typed
 :class:`~.header.Header` or raises :class:`~p2pcoll.ProtocolError`, never anything else, for
-any bytes at all (a property test feeds it arbitrary msgpack and byte strings). Pieces that
-lie in a peer's shared-memory ring are then resolved by the transport, whose own bounds
-checks raise ProtocolError too.
+any bytes at all (property tests feed it arbitrary msgpack, byte strings and mutated binary
+data frames). Pieces that lie in a peer's shared-memory ring are then resolved by the
+transport, whose own bounds checks raise ProtocolError too.
+
+A data message's binary header (see :mod:`.header`) is read with ``struct`` after its length
+has been checked against what its flags and piece count say, so a hostile frame never makes
+it read or allocate beyond the frame; its optional msgpack tail goes through the same checks
+as the fields of a msgpack map.
 
 Each ProtocolError carries a ``reason``, one of :data:`REASONS`, by which the transport
 counts the messages it drops (``Group.stats()["messages_dropped_by_reason"]``):
@@ -32,9 +37,10 @@ in p2pcoll, not a bad message) as ``error``.
 from __future__ import annotations
 
 import reprlib
+import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, cast
 
 import msgpack
 import numpy as np
@@ -43,16 +49,28 @@ from ..errors import ProtocolError
 from ..types import ALLOWED_DTYPES
 from .header import (
     BLAMES,
+    CALLS,
+    DATA_FIXED,
+    DATA_FLAGS,
+    DATA_MAGIC,
+    DESCRIBED_FLAG,
     DIGEST_BYTES,
     KINDS,
+    MAX_RANK,
+    MAX_SEQ,
     MAX_TAG,
-    SIGNATURE_FIELDS,
+    META_FLAG,
     OWN,
+    SHM_FLAG,
+    SIGNATURE_FIELDS,
     STATES,
+    TAG_FLAG,
+    TAIL_FLAGS,
     WAITING,
     WIRE_VERSION,
     WITH_SEQ,
     Header,
+    group_digest,
 )
 
 REASONS = ("stranger", "impostor", "oversize", "version", "group", "mismatch", "duplicate",
@@ -67,18 +85,24 @@ MAX_NDIM = 32
 MAX_TREE_DEPTH = 64
 MAX_LEAF_BYTES = 1 << 46
 MAX_TEXT = 1 << 16
-MAX_RANK = 1 << 20
+MAX_PIECE_BYTES = 1 << 48
+MAX_U32 = (1 << 32) - 1
 FIELDS = frozenset({"v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta", "t"})
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What a message must agree with: this peer's group, rank, group size and size cap."""
+    """What a message must agree with: this peer's group, rank, group size and size cap
+    (and the group's digest, which binary data headers carry instead of its id)."""
 
     group: str
     rank: int
     world_size: int
     max_message_bytes: int
+    group_digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group_digest", group_digest(self.group))
 
 
 _REPR = reprlib.Repr()
@@ -116,7 +140,7 @@ def _int_list(value: Any, name: str, low: int, count: int | None = None) -> list
                             f"{count if count is not None else f'at most {MAX_PIECES}'} "
                             f"integers")
     for v in value:
-        if type(v) is not int or not low <= v < 1 << 48:
+        if type(v) is not int or not low <= v < MAX_PIECE_BYTES:
             raise ProtocolError(f"header field {name!r} holds {_short(v)}, expected integers "
                                 f">= {low}")
     return value
@@ -135,19 +159,116 @@ def _ranks(value: Any, name: str) -> list[int]:
 def decode_header(raw: bytes | memoryview) -> Header:
     """Parse and check a header frame on its own (no roster needed).
 
+    A binary data header carries no group id, only its digest: the Header returned here has
+    ``group`` set to ``"#"`` and the digest in hex (``"#0f3c..."``, which no group id made by
+    p2pcoll looks like); :func:`validate` compares the digest with its own group's instead
+    and returns that group's id.
+
     Raises:
-        ProtocolError: not msgpack, another version, an unknown kind, or a field that is
-            missing, of the wrong type or out of bounds.
+        ProtocolError: not a binary data header nor msgpack, another version, an unknown
+            kind, or a field that is missing, of the wrong type or out of bounds.
     """
+    header, digest = _decode(raw)
+    if digest is not None:
+        header.group = "#" + digest.hex()
+    return header
+
+
+def _decode(raw: bytes | memoryview) -> tuple[Header, bytes | None]:
+    """The header, and the group digest if it is a binary data header (else None)."""
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}",
                             reason="oversize")
+    if raw and raw[0] == DATA_MAGIC:
+        return _decode_data(raw)
+    return _decode_map(raw), None
+
+
+def _unpack(raw: bytes | memoryview, what: str) -> Any:
     try:
-        d = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=1 << 16,
-                            max_str_len=MAX_HEADER_BYTES, max_array_len=MAX_LEAVES,
-                            max_map_len=1 << 10, max_ext_len=0)
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=1 << 16,
+                               max_str_len=MAX_HEADER_BYTES, max_array_len=MAX_LEAVES,
+                               max_map_len=1 << 10, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(f"header is not valid msgpack: {_short(exc)}") from None
+        raise ProtocolError(f"{what} is not valid msgpack: {_short(exc)}") from None
+
+
+# The piece lengths (after the tag, if any) that follow the fixed part, for the counts seen
+# again and again; and for a frame without a tail, the whole frame by its size (a size says
+# whether it has a tag: 44 + 8 * count bytes without, 48 + 8 * count with).
+_PIECES = {(count, tagged): struct.Struct("<" + "I" * tagged + "Q" * count)
+           for count in range(9) for tagged in (0, 1)}
+_WHOLE = {DATA_FIXED.size + 4 * tagged + 8 * count:
+          (struct.Struct(DATA_FIXED.format + "I" * tagged + "Q" * count), tagged)
+          for count in range(9) for tagged in (0, 1)}
+_NCALLS = len(CALLS)
+
+
+def _decode_data(raw: bytes | memoryview) -> tuple[Header, bytes]:
+    """A binary data header (see :mod:`.header`): every length is checked before it is
+    used, so nothing is read or allocated beyond the frame."""
+    size = len(raw)
+    if size < 2 or raw[1] != WIRE_VERSION:
+        got = raw[1] if size >= 2 else "(none)"
+        raise ProtocolError(f"wire version {got} in a binary data header, expected "
+                            f"{WIRE_VERSION}", reason="version")
+    whole = _WHOLE.get(size)
+    if whole is not None and not raw[2] & TAIL_FLAGS:
+        # The usual frame, in one unpack; whatever does not add up goes the long way below.
+        layout, tagged = whole
+        (_, _, flags, code, digest, src, seq, seg, step, sig, count,
+         *nbytes) = layout.unpack_from(raw)
+        tag = nbytes.pop(0) if tagged else None
+        if (flags == tagged and count == len(nbytes) and code < _NCALLS and src <= MAX_RANK
+                and seq <= MAX_SEQ and (not nbytes or max(nbytes) < MAX_PIECE_BYTES)):
+            # Header's fields in order: kind, group, src, seq, seg, step, sig, nbytes, meta,
+            # err, shm, described, tag, collective.
+            return Header("data", "", src, seq, seg, step, sig, nbytes, None, None, None,
+                          None, tag, CALLS[code]), digest
+    if size < DATA_FIXED.size:
+        raise ProtocolError(f"binary data header of {size} bytes, shorter than its fixed "
+                            f"{DATA_FIXED.size}")
+    _, _, flags, code, digest, src, seq, seg, step, sig, count = DATA_FIXED.unpack_from(raw)
+    if flags & ~DATA_FLAGS or code >= _NCALLS or src > MAX_RANK or seq > MAX_SEQ:
+        raise ProtocolError(f"binary data header has flags {flags:#x}, collective code "
+                            f"{code}, source {src}, sequence number {seq}: expected flags "
+                            f"within {DATA_FLAGS:#x}, a code below {_NCALLS}, a rank up "
+                            f"to {MAX_RANK}, a number up to {MAX_SEQ}")
+    if count > MAX_PIECES:
+        raise ProtocolError(f"binary data header lists {count} pieces, over {MAX_PIECES}")
+    tagged = flags & TAG_FLAG
+    end = DATA_FIXED.size + 4 * tagged + 8 * count
+    if size < end or (size != end and not flags & TAIL_FLAGS):
+        raise ProtocolError(f"binary data header of {size} bytes, its flags {flags:#x} and "
+                            f"{count} pieces make {end}")
+    pieces = _PIECES.get((count, tagged)) or struct.Struct("<" + "I" * tagged + "Q" * count)
+    nbytes = list(pieces.unpack_from(raw, DATA_FIXED.size))
+    tag = nbytes.pop(0) if tagged else None
+    if nbytes and max(nbytes) >= MAX_PIECE_BYTES:
+        raise ProtocolError(f"binary data header lists pieces of {_short(nbytes)} bytes, "
+                            f"expected fewer than {MAX_PIECE_BYTES}")
+    h = Header("data", "", src, seq, seg, step, sig, nbytes, tag=tag, collective=CALLS[code])
+    if flags & TAIL_FLAGS:
+        if size == end:
+            raise ProtocolError(f"binary data header's flags {flags:#x} announce a tail, "
+                                f"it has none")
+        parts = [flag for flag in (SHM_FLAG, DESCRIBED_FLAG, META_FLAG) if flags & flag]
+        tail = _unpack(raw[end:], "binary data header's tail")
+        if type(tail) is not list or len(tail) != len(parts):
+            raise ProtocolError(f"binary data header's tail is {_short(tail)}, expected a "
+                                f"list of {len(parts)} parts (flags {flags:#x})")
+        for flag, part in zip(parts, tail, strict=True):
+            if flag == SHM_FLAG:
+                h.shm = _shm(part, count)
+            elif flag == DESCRIBED_FLAG:
+                h.described = _described(part)
+            else:
+                h.meta = _meta("data", part)
+    return h, digest
+
+
+def _decode_map(raw: bytes | memoryview) -> Header:
+    d = _unpack(raw, "header")
     if not isinstance(d, dict):
         raise ProtocolError(f"header is a {type(d).__name__}, expected a map")
     version = d.get("v")  # first: another version may well have other keys
@@ -162,35 +283,20 @@ def decode_header(raw: bytes | memoryview) -> Header:
         raise ProtocolError(f"unknown message kind {_short(kind)}")
     h = Header(kind=kind, group=_str(d, "g"), src=_int(d, "r", 0, MAX_RANK))
     if kind in WITH_SEQ:
-        h.seq = _int(d, "q")
+        h.seq = _int(d, "q", 0, MAX_SEQ)
     if kind == "data":
-        h.seg = _int(d, "seg", 0, 1 << 32)
-        h.step = _int(d, "s", 0, 1 << 32)
+        h.seg = _int(d, "seg", 0, MAX_U32)  # as in the binary frame: u32
+        h.step = _int(d, "s", 0, MAX_U32)
         sig = d.get("sig")
         if not isinstance(sig, bytes) or len(sig) != DIGEST_BYTES:
             raise ProtocolError(f"header field 'sig' is {_short(sig)}, expected a "
                                 f"{DIGEST_BYTES}-byte digest")
         h.sig = sig
         h.nbytes = _int_list(d.get("n"), "n", 0)
-        shm = d.get("m")
-        if shm is not None:
-            if not (isinstance(shm, list) and len(shm) == 3 and isinstance(shm[0], str)
-                    and len(shm[0]) <= 256):
-                raise ProtocolError(f"header field 'm' is {_short(shm)}, expected "
-                                    f"[ring name, [offset per piece], [index per piece]]")
-            _int_list(shm[1], "m offsets", -1, len(h.nbytes))
-            _int_list(shm[2], "m indices", -1, len(h.nbytes))
-            h.shm = shm
-        described = d.get("d")
-        if described is not None:
-            ok = type(described) is list and len(described) == len(SIGNATURE_FIELDS)
-            for v in described if ok else ():
-                t = type(v)
-                ok = ok and (t is int or (t is str and len(v) <= 1024))
-            if not ok:
-                raise ProtocolError(f"header field 'd' is {_short(described)}, expected the "
-                                    f"{len(SIGNATURE_FIELDS)} fields of a signature")
-            h.described = described
+        if d.get("m") is not None:
+            h.shm = _shm(d["m"], len(h.nbytes))
+        if d.get("d") is not None:
+            h.described = _described(d["d"])
     elif kind == "abort":
         err = d.get("err")
         if not (isinstance(err, list) and len(err) == 2
@@ -202,15 +308,41 @@ def decode_header(raw: bytes | memoryview) -> Header:
         if kind not in ("data", "abort"):
             raise ProtocolError(f"a {kind} message carries no tag")
         h.tag = _int(d, "t", 0, MAX_TAG)
-    meta = d.get("meta")
-    if meta is not None:
-        if not isinstance(meta, dict):
-            raise ProtocolError(f"header field 'meta' is {_short(meta)}, expected a map")
-        _check_meta(kind, meta)
-        h.meta = meta
+    if d.get("meta") is not None:
+        h.meta = _meta(kind, d["meta"])
     elif kind == "lane":
         raise ProtocolError("a lane message says neither on nor off (no meta)")
     return h
+
+
+def _shm(shm: Any, count: int) -> list[Any]:
+    """``m``: [ring name, [offset per piece], [reader index per piece]]."""
+    if not (isinstance(shm, list) and len(shm) == 3 and isinstance(shm[0], str)
+            and len(shm[0]) <= 256):
+        raise ProtocolError(f"header field 'm' is {_short(shm)}, expected "
+                            f"[ring name, [offset per piece], [index per piece]]")
+    _int_list(shm[1], "m offsets", -1, count)
+    _int_list(shm[2], "m indices", -1, count)
+    return shm
+
+
+def _described(described: Any) -> list[Any]:
+    """``d``: the readable signature."""
+    ok = type(described) is list and len(described) == len(SIGNATURE_FIELDS)
+    for v in described if ok else ():
+        t = type(v)
+        ok = ok and (t is int or (t is str and len(v) <= 1024))
+    if not ok:
+        raise ProtocolError(f"header field 'd' is {_short(described)}, expected the "
+                            f"{len(SIGNATURE_FIELDS)} fields of a signature")
+    return cast(list[Any], described)
+
+
+def _meta(kind: str, meta: Any) -> dict[str, Any]:
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"header field 'meta' is {_short(meta)}, expected a map")
+    _check_meta(kind, meta)
+    return meta
 
 
 def _check_meta(kind: str, meta: dict[str, Any]) -> None:
@@ -319,10 +451,42 @@ def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequenc
     if total > limits.max_message_bytes:
         raise ProtocolError(f"message of {total} bytes exceeds the "
                             f"{limits.max_message_bytes}-byte cap", reason="oversize")
-    header = decode_header(header_frame)
-    offsets = header.shm[1] if header.shm is not None else [-1] * len(header.nbytes)
-    inline = [n for n, at in zip(header.nbytes, offsets, strict=True) if at == -1]
-    if header.kind != "data" and payload_sizes:
+    header, digest = _decode(header_frame)
+    nbytes = header.nbytes
+    if header.shm is None:
+        # All pieces are frames, whose sizes were within the cap above.
+        if payload_sizes != nbytes and list(payload_sizes) != nbytes:
+            _mismatch(header, payload_sizes, nbytes)
+    else:
+        inline = [n for n, at in zip(nbytes, header.shm[1], strict=True) if at == -1]
+        if list(payload_sizes) != inline:
+            _mismatch(header, payload_sizes, inline)
+        if sum(nbytes) > limits.max_message_bytes:
+            raise ProtocolError(f"message names {sum(nbytes)} payload bytes, over the "
+                                f"{limits.max_message_bytes}-byte cap", reason="oversize")
+    if digest is None:
+        if header.group != limits.group:
+            raise ProtocolError(f"message for group {_short(header.group)}, this is "
+                                f"{limits.group!r}", reason="group")
+    elif digest != limits.group_digest:
+        raise ProtocolError(f"message for another group (digest {digest.hex()}), this is "
+                            f"{limits.group!r} ({limits.group_digest.hex()})", reason="group")
+    else:
+        header.group = limits.group
+    if header.src != link:  # the link is another member's (checked first), so src is too
+        raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link",
+                            reason="mismatch")
+    if header.kind == "waiting" and header.meta is not None:
+        strange = [r for r in header.meta.get("waiting_on", ()) if r >= limits.world_size]
+        if strange:
+            raise ProtocolError(f"waiting message names ranks {_short(strange)}, not in this "
+                                f"group of {limits.world_size}")
+    return header
+
+
+def _mismatch(header: Header, payload_sizes: Sequence[int], inline: list[int]) -> NoReturn:
+    """Say how the frames of a message differ from the pieces its header lists."""
+    if header.kind != "data":
         raise ProtocolError(f"a {header.kind} message has {len(payload_sizes)} payload frames",
                             reason="mismatch")
     if len(payload_sizes) != len(inline):
@@ -332,21 +496,5 @@ def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequenc
         if got != want:
             raise ProtocolError(f"payload frame {i} has {got} bytes, header says {want}",
                                 reason="mismatch")
-    if sum(header.nbytes) > limits.max_message_bytes:
-        raise ProtocolError(f"message names {sum(header.nbytes)} payload bytes, over the "
-                            f"{limits.max_message_bytes}-byte cap", reason="oversize")
-    if header.group != limits.group:
-        raise ProtocolError(f"message for group {_short(header.group)}, this is "
-                            f"{limits.group!r}", reason="group")
-    if header.src != link:
-        raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link",
-                            reason="mismatch")
-    if not 0 <= header.src < limits.world_size or header.src == limits.rank:
-        raise ProtocolError(f"message from invalid source rank {header.src}",
-                            reason="stranger")
-    if header.kind == "waiting" and header.meta is not None:
-        strange = [r for r in header.meta.get("waiting_on", ()) if r >= limits.world_size]
-        if strange:
-            raise ProtocolError(f"waiting message names ranks {_short(strange)}, not in this "
-                                f"group of {limits.world_size}")
-    return header
+    raise ProtocolError(f"payload frames of {_short(list(payload_sizes))} bytes, header says "
+                        f"{_short(inline)}", reason="mismatch")
