@@ -246,7 +246,7 @@ class DataHeaders:
         ValueError: ``src`` is not a rank from 0 to MAX_RANK.
     """
 
-    __slots__ = ("group", "src", "_digest")
+    __slots__ = ("_digest", "group", "src")
 
     def __init__(self, group: str, src: int) -> None:
         if type(src) is not int or not 0 <= src <= MAX_RANK:
