@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -215,11 +215,11 @@ def group_digest(group: str) -> bytes:
 # One compiled struct per (pieces, tagged) for the piece counts a sender uses again and
 # again (other counts are compiled per call); a plain header (no tag, no tail) looks up its
 # own by count alone.
-_PACKERS: dict[tuple[int, bool], Any] = {}
+_PACKERS: dict[tuple[int, bool], Callable[..., bytes]] = {}
 _CACHED_PIECES = 64
 
 
-def _packer(count: int, tagged: bool) -> Any:
+def _packer(count: int, tagged: bool) -> Callable[..., bytes]:
     pack = _PACKERS.get((count, tagged))
     if pack is None:
         fmt = DATA_FIXED.format + ("I" if tagged else "") + "Q" * count
@@ -289,7 +289,7 @@ class DataHeaders:
                                    seq, seg, step, sig, count, *nbytes)
                 return head
             flags = 0 if tag is None else TAG_FLAG
-            tail = []
+            tail: list[Any] = []
             for part, flag in ((shm, SHM_FLAG), (described, DESCRIBED_FLAG),
                                (meta, META_FLAG)):
                 if part is not None:
