@@ -43,14 +43,13 @@ import logging
 import mmap
 import os
 import platform
-import stat
 import uuid
 from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import ProtocolError
-from .shm import NAME, PAGE, SHM_DIR, _barrier, _unlink
+from .shm import PAGE, SHM_DIR, _barrier, _unlink, map_named
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -154,26 +153,13 @@ class Board:
             ProtocolError: not a p2pcoll name, not a board of this user, or its header is
                 not that of this group's board for ``world_size`` ranks.
         """
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ProtocolError(f"board name {name!r} is not one of ours")
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            try:
-                info = os.fstat(fd)
-                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() \
-                        or info.st_size <= PAGE:
-                    raise ProtocolError(f"board {name!r} is not a board file of this user")
-                buf = mmap.mmap(fd, info.st_size)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise ProtocolError(f"cannot map board {name!r}: {exc}") from None
+        buf, file_size = map_named(name, "board")
+        assert isinstance(name, str)  # map_named refused anything else
         head = [int(v) for v in np.frombuffer(buf, np.int64, count=6)]
         page, size, slot, meta, owner_tag, version = head
         ok = (page == PAGE and size == world_size and owner_tag == tag and version == VERSION
               and 0 < slot <= 1 << 24 and 0 < meta <= 1 << 20
-              and _size(size, slot, meta) == info.st_size)
+              and _size(size, slot, meta) == file_size)
         if not ok:
             buf.close()
             raise ProtocolError(f"board {name!r} is not this group's board for {world_size} "

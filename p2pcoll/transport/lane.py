@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 
 from ..errors import ProtocolError
-from .shm import NAME, PAGE, SHM_DIR, _barrier, _unlink
+from .shm import PAGE, SHM_DIR, _barrier, _unlink, map_named
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -176,24 +176,11 @@ class LaneIn:
             ProtocolError: not a p2pcoll name, cannot be opened or mapped, or its header
                 is not that of ``creator``'s lane to ``me`` in this group.
         """
-        if not NAME.fullmatch(name):
-            raise ProtocolError(f"lane name {name!r} is not one of ours")
+        self._map, file_size = map_named(name, "lane")
         path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            try:
-                info = os.fstat(fd)
-                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() \
-                        or info.st_size <= PAGE:
-                    raise ProtocolError(f"lane {name!r} is not a lane file of this user")
-                self._map = mmap.mmap(fd, info.st_size)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise ProtocolError(f"cannot map lane {name!r}: {exc}") from None
         words = np.frombuffer(self._map, np.int64, count=8)
         page, size, owner, reader, owner_tag = (int(v) for v in words[:5])
-        if (page != PAGE or size <= 0 or size % 8 or page + size != info.st_size
+        if (page != PAGE or size <= 0 or size % 8 or page + size != file_size
                 or owner != creator or reader != me or owner_tag != tag
                 or words[HEAD] != 0 or words[TAIL] != 0):
             del words

@@ -129,6 +129,30 @@ class _Header:
         return bool(np.all(self.mapped[self.announced != 0]))
 
 
+def map_named(name: object, what: str) -> tuple[mmap.mmap, int]:
+    """Map the file of ``/dev/shm`` a peer named (a lane, the board): the name must be one of
+    ours, the file a regular one of this user larger than a page. Returns the map and its
+    size; the caller checks the header.
+
+    Raises:
+        ProtocolError: naming ``what`` the file is said to be.
+    """
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ProtocolError(f"{what} name {name!r} is not one of ours")
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() \
+                    or info.st_size <= PAGE:
+                raise ProtocolError(f"{what} {name!r} is not a {what} file of this user")
+            return mmap.mmap(fd, info.st_size), info.st_size
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ProtocolError(f"cannot map {what} {name!r}: {exc}") from None
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
