@@ -137,7 +137,7 @@ class Group:
 
     def _costs(self) -> CostModel:
         """auto's cost model (:meth:`CostModel.for_group`: the one ``p2pcoll simulate`` uses)."""
-        return self.session.runner.costs()  # type: ignore[no-any-return]
+        return self.session.runner.costs()
 
     def _reduction(
         self, collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int | None,

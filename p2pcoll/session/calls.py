@@ -27,6 +27,7 @@ import msgpack
 import numpy as np
 
 from ..engine.board_path import STRATEGY as BOARD
+from ..engine.costs import CostModel
 from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
 from ..engine.timeline import COLLECTIVE
@@ -128,7 +129,7 @@ class Runner:
         self.session = session
         self.rank, self.size = session.rank, session.world_size
         self.programs: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
-        self._costs: Any = None
+        self._costs: CostModel | None = None
         self._recent: dict[int, Signature] = {}  # seq -> what this rank ran (HISTORY of them)
 
     def recent(self, seq: int) -> Signature | None:
@@ -139,19 +140,17 @@ class Runner:
 
     def choose(self, collective: str, requested: str | None, nbytes: int) -> Strategy:
         """The strategy ``requested`` (or the group's default, or auto's pick)."""
-        session = self.session
+        return registry.choose(collective, requested,
+                               self.session.settings.strategies.get(collective), nbytes,
+                               self.size, self.costs())
+
+    def costs(self) -> CostModel:
+        """auto's cost model (:meth:`CostModel.for_group`, the one simulate uses), made on
+        first use."""
         if self._costs is None:
-            from ..engine.costs import CostModel
+            session = self.session
             self._costs = CostModel.for_group(session.settings, session.membership.endpoints,
                                               self.rank, session.constants)
-        return registry.choose(collective, requested,
-                               session.settings.strategies.get(collective), nbytes,
-                               self.size, self._costs)
-
-    def costs(self) -> Any:
-        """auto's cost model (:meth:`CostModel.for_group`, the one simulate uses)."""
-        if self._costs is None:
-            self.choose("barrier", None, 0)
         return self._costs
 
     def prepare(self, call: Call, strategy: Strategy | None = None) -> Prepared:
