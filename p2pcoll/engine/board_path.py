@@ -327,8 +327,9 @@ class BoardPath:
             return None
         sig = self._sig
         what = f"collective #{seq}" + (f" {sig.collective}" if sig is not None else "")
-        if header.described is not None and sig is not None:
-            diff = sig.describe_difference(header.described, self.rank, header.src)
+        described = self.matcher.described(header)
+        if described is not None and sig is not None:
+            diff = sig.describe_difference(described, self.rank, header.src)
         else:
             diff = "the ranks disagree about the collective or its size"
         return CollectiveMismatch(

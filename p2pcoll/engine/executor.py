@@ -1,11 +1,14 @@
-"""Runs a strategy's plan over a transport: the one place that touches buffers and messages.
+"""Runs a collective's compiled program over a transport: the one place that touches
+buffers and messages.
 
-For each pipeline segment the executor walks the plan: it sends chunk views zero-copy,
-receives pieces into ``np.frombuffer`` views and copies or reduces them straight into the
-preallocated data (``ufunc(dst, src, out=dst)``), has each message's signature checked
-against its own, and never writes into memory that a zero-copy send still reads. Up to
-``depth`` segments run at once, so transfer and reduction overlap. Deadlines are the
-caller's.
+A prepared call carries its :class:`~p2pcoll.engine.program.Program`: per pipeline segment,
+per step of the schedule, the element ranges of each message sent and received. The
+executor walks it: it sends views of the call's arrays zero-copy (or as snapshots where the
+program says so), receives pieces and copies or reduces them straight into the data
+(``ufunc(dst, src, out=dst)``), has each message's signature checked against its own, and
+never writes into memory that a zero-copy send still reads. Up to ``depth`` segments run at
+once, so transfer and reduction overlap. Deadlines are the caller's. The readable signature
+goes to each peer once per digest (the receiving matcher keeps it for mismatch messages).
 
 It moves data only through the primitives it is handed (:class:`Wire`: send, receive,
 fold in), by default the transport's ``send_many``, the matcher's ``get`` and
@@ -17,7 +20,6 @@ its own in ``executor.wire``; with neither, nothing is wrapped.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,15 +27,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatch, P2PCollError
-from ..strategy import Context, Reduce, Send, Strategy
+from ..strategy import Strategy
 from ..transport.base import Piece, Tracker, Transport
 from ..wire import Header, Signature
-from .layout import Layout
 from .matching import Departures, Key, Matcher
-from .plan import Steps, copies, plan, send_groups
+from .program import Program
 from .timeline import COLLECTIVE, Timeline, Tracer
 
 Ufunc = Callable[..., Any]
+MAX_TOLD = 4096  # (peer, digest) pairs remembered as described
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,22 +79,25 @@ class Executor:
         self.depth = depth
         self.timeline = timeline  # None: nothing recorded (one check per collective)
         self.wire = wire or Wire.direct(transport, matcher)
+        self._told: set[tuple[int, bytes]] = set()  # (peer, digest) described to it
 
     async def run(
         self,
         *,
         seq: int,
-        strategy: Strategy,
-        ctx: Context,
-        layout: Layout,
+        program: Program,
+        arrays: Sequence[np.ndarray],
         ufunc: Ufunc | None,
         sig: Signature,
         meta: dict[str, Any] | None = None,
         tag: int | None = None,
+        strategy: Strategy,
+        peer: int | None = None,
     ) -> None:
-        """Run ``strategy`` for collective ``seq`` over ``layout``, in place.
+        """Run ``program`` (this rank's compiled part of collective ``seq`` with
+        ``strategy``) over ``arrays``, in place.
 
-        With a ``tag`` it is a point-to-point transfer instead (see
+        With a ``tag`` it is a point-to-point transfer with ``peer`` instead (see
         :mod:`p2pcoll.engine.matching`): ``seq`` is its count on the (peer, tag) channel.
 
         Raises:
@@ -101,55 +106,52 @@ class Executor:
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
         if self.timeline is None:
-            await self._run(seq, strategy, ctx, layout, ufunc, sig, meta, tag)
+            await self._run(seq, program, arrays, ufunc, sig, meta, tag)
             return
         timeline, started, error = self.timeline, Timeline.now(), None
         try:
-            await self._run(seq, strategy, ctx, layout, ufunc, sig, meta, tag)
+            await self._run(seq, program, arrays, ufunc, sig, meta, tag)
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             args: dict[str, Any] = {
                 "strategy": strategy.name, "seq": seq,
-                "bytes": sum(int(a.nbytes) for a in layout.arrays), "segments": layout.nseg}
+                "bytes": sum(int(a.nbytes) for a in arrays), "segments": program.nseg}
             if tag is not None:
-                args.update(tag=tag, peer=ctx.root)
+                args.update(tag=tag, peer=peer)
             if error is not None:
                 args["error"] = error
             timeline.span(COLLECTIVE, f"{strategy.collective} #{seq}", started, args)
 
     async def _run(
-        self, seq: int, strategy: Strategy, ctx: Context, layout: Layout,
+        self, seq: int, program: Program, arrays: Sequence[np.ndarray],
         ufunc: Ufunc | None, sig: Signature, meta: dict[str, Any] | None,
         tag: int | None,
     ) -> None:
-        steps = plan(strategy, ctx, len(layout.chunks))
+        rank = self.departures.membership.rank
         if tag is None:
-            self.matcher.expect(seq, sig, ctx.rank)
+            self.matcher.expect(seq, sig, rank)
         else:
-            for frm in {op.frm for ops in steps for op in ops if not isinstance(op, Send)}:
-                self.matcher.expect((frm, ctx.rank, tag, seq), sig, ctx.rank)
+            for frm in program.sources:
+                self.matcher.expect((frm, rank, tag, seq), sig, rank)
         wire = self.wire
         if self.timeline is not None:  # a send, receive and fold of each step on its track
-            tracer = Tracer(self.timeline, wire, steps, ctx.rank)
+            tracer = Tracer(self.timeline, wire, program.steps, rank)
             wire = Wire(tracer.send_many, tracer.get, tracer.combine)
-        nseg = layout.segment(self.segment_bytes, self.max_message_bytes)
-        early, late = copies(steps, len(layout.chunks))
-        first_late = max(nseg - self.depth, 0)
+        nseg = program.nseg
         # Zero-copy sends whose segment has finished: the caller may reuse the data only
         # once libzmq has let go of them, so they are awaited once, at the very end.
         pending: list[Tracker] = []
         run = self._segment
         if nseg == 1:
-            await run(wire, seq, 0, steps, late, layout, ufunc, sig, meta, ctx.rank, pending, tag)
+            await run(wire, seq, 0, program, arrays, ufunc, sig, meta, rank, pending, tag)
         else:
             window = asyncio.Semaphore(self.depth)
 
             async def one(seg: int) -> None:
                 async with window:
-                    copy = late if seg >= first_late else early
-                    await run(wire, seq, seg, steps, copy, layout, ufunc, sig, meta, ctx.rank,
+                    await run(wire, seq, seg, program, arrays, ufunc, sig, meta, rank,
                               pending, tag)
 
             try:
@@ -159,16 +161,16 @@ class Executor:
             except BaseExceptionGroup as group:
                 # The first segment to fail cancels the others; report its error.
                 raise _root_error(group) from None
-        await _released(pending)
+        if pending:
+            await _released(pending)
 
     async def _segment(
         self,
         wire: Wire,
         seq: int,
         seg: int,
-        steps: Steps,
-        copied: frozenset[tuple[int, int]],
-        layout: Layout,
+        program: Program,
+        arrays: Sequence[np.ndarray],
         ufunc: Ufunc | None,
         sig: Signature,
         meta: dict[str, Any] | None,
@@ -176,48 +178,54 @@ class Executor:
         pending: list[Tracker],
         tag: int | None,
     ) -> None:
-        sent: defaultdict[int, int] = defaultdict(int)
-        received: defaultdict[int, int] = defaultdict(int)
         seg_meta = meta if seg == 0 else None
-        groups = send_groups(steps)
-        for i, ops in enumerate(steps):
-            for chunk, group in groups[i]:
+        digest, group_id, lost = sig.digest, self.group_id, self.departures.lost
+        told = self._told
+        # What the data headers say the collective is (a transfer's is its sender's call).
+        collective = sig.collective if tag is None else "send"
+        op_id: Any = seq if tag is None else None
+        for outs, ins in program.segments[seg]:
+            for out in outs:
                 headers = []
-                for _, to in group:
-                    gone = self.departures.lost(to)
+                for to, n in zip(out.dsts, out.index, strict=True):
+                    gone = lost(to)
                     if gone is not None:
                         raise gone
-                    # The first message on a link also says what the signature is, so a
-                    # mismatch can be described field by field.
-                    first = seg == 0 and sent[to] == 0
+                    # The signature itself, readable, goes to each peer once per digest, so
+                    # that a mismatch can be described field by field (the matcher keeps it).
+                    described = None if (to, digest) in told else list(sig.fields)
                     headers.append(Header(
-                        "data", self.group_id, rank, seq, seg, sent[to], sig.digest,
-                        meta=seg_meta, described=list(sig.fields) if first else None, tag=tag,
-                    ))
-                    sent[to] += 1
+                        "data", group_id, rank, seq, seg, n, digest, meta=seg_meta,
+                        described=described, tag=tag, collective=collective))
                 tracker = await wire.send_many(
-                    [to for _, to in group], headers, layout.pieces(chunk, seg),
-                    copy=any((i, j) in copied for j, _ in group),
-                )
+                    out.dsts, headers, [arrays[i][a:b] for i, a, b in out.ranges],
+                    copy=out.copy)
                 if tracker is not None:
                     pending.append(tracker)
-            for op in ops:
-                if isinstance(op, Send):
-                    continue
-                key: Key = (seq if tag is None else (op.frm, rank, tag, seq), seg, op.frm,
-                            received[op.frm])
-                received[op.frm] += 1
+                for h, to in zip(headers, out.dsts, strict=True):
+                    if h.described is not None:
+                        self._tell(to, digest)
+            for into in ins:
+                frm = into.frm
+                key: Key = (op_id if tag is None else (frm, rank, tag, seq), seg, frm,
+                            into.index)
                 header, frames = await wire.get(key)  # signature checked there
-                targets = layout.pieces(op.chunk, seg)
-                sizes = [t.nbytes for t in targets]
-                if header.nbytes != sizes:
+                if header.nbytes != into.nbytes:
                     raise CollectiveMismatch(
-                        f"collective #{seq} {sig.collective}: rank {op.frm} sent pieces of "
-                        f"{header.nbytes} bytes for chunk {op.chunk!r}, rank {rank} expected "
-                        f"{sizes}"
+                        f"collective #{seq} {sig.collective}: rank {frm} sent pieces of "
+                        f"{header.nbytes} bytes for chunk {into.chunk!r}, rank {rank} "
+                        f"expected {into.nbytes}"
                     )
-                wire.combine(header, targets, frames, ufunc if isinstance(op, Reduce) else None)
+                wire.combine(header, [arrays[i][a:b] for i, a, b in into.ranges], frames,
+                             ufunc if into.reduce else None)
                 del frames  # release the sender's buffer now (inproc shares it)
+
+    def _tell(self, peer: int, digest: bytes) -> None:
+        """Note that ``peer`` has been sent the readable signature of ``digest``."""
+        told = self._told
+        if len(told) >= MAX_TOLD:
+            told.clear()  # telling again costs a few bytes; forgetting never a wrong answer
+        told.add((peer, digest))
 
 
 def _root_error(group: BaseExceptionGroup) -> BaseException:

@@ -37,6 +37,7 @@ OpId = int | tuple[int, int, int, int]
 Key = tuple[OpId, int, int, int]  # (op, segment, src, index)
 Message = tuple[Header, list[Piece]]
 Channel = tuple[int, int, int] | None  # None: the collectives; (src, dst, tag): transfers
+MAX_SIGNATURES = 8192  # readable signatures kept, by (src, digest)
 
 
 def channel(op: OpId) -> tuple[Channel, int]:
@@ -111,6 +112,9 @@ class Matcher:
         self._any_waiters: set[asyncio.Future[None]] = set()  # first_of_any()s: departures
         self._noted: dict[OpId, Sequence[int]] = {}  # op -> whom a wait outside here is on
         self._watched: dict[OpId, Callable[[Header], None]] = {}  # op -> told of each message
+        # (src, digest) -> the readable signature: a sender describes a digest to each peer
+        # once (see the executor), on whichever message of it came first.
+        self._signatures: dict[tuple[int, bytes], list[Any]] = {}
 
     def put(self, header: Header, frames: list[Piece]) -> bool:
         """Deliver a data message.
@@ -121,6 +125,11 @@ class Matcher:
         Raises:
             ProtocolError: a second message with the same key.
         """
+        if header.described is not None:
+            signatures = self._signatures
+            if len(signatures) >= MAX_SIGNATURES:
+                signatures.clear()  # only mismatch messages lose detail, never a result
+            signatures[header.src, header.sig] = header.described
         seq = self.op_of(header)
         if seq in self._failed:
             return True  # that collective already failed here: late traffic is expected
@@ -167,7 +176,7 @@ class Matcher:
         sig, rank = self._expected[op]
         if header.sig == sig.digest:
             return True
-        diff = sig.describe_difference(header.described, rank, header.src)
+        diff = sig.describe_difference(self.described(header), rank, header.src)
         what = (f"collective #{header.seq}" if header.tag is None
                 else f"message #{header.seq} with tag {header.tag}")
         self.fail(op, CollectiveMismatch(f"{what} {sig.collective}: {diff}"))
@@ -179,13 +188,20 @@ class Matcher:
             return []
         return sorted({k[2] for k in self._buffered if k[0] == seq})
 
+    def described(self, header: Header) -> list[Any] | None:
+        """The readable signature of a data message's sender for its digest, if it has
+        said it (on this message or an earlier one)."""
+        if header.described is not None:
+            return header.described
+        return self._signatures.get((header.src, header.sig))
+
     def stray(self, seq: OpId) -> Header | None:
-        """A header of a message of ``seq`` that arrived but was never received (the one
-        that says what its sender's collective is, if one does), or None."""
+        """A header of a message of ``seq`` that arrived but was never received (one
+        whose readable signature is known, if there is one), or None."""
         found = None
         for key, (header, _) in self._buffered.items():
             if key[0] == seq:
-                if header.described is not None:
+                if self.described(header) is not None:
                     return header
                 found = found or header
         return found

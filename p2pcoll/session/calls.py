@@ -30,6 +30,8 @@ from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
 from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
+from ..engine.plan import plan
+from ..engine.program import Program, compile_program
 from ..engine.timeline import COLLECTIVE
 from ..errors import CollectiveMismatch, P2PCollError, PluginValidationError, ProtocolError
 from ..registry import registry
@@ -116,6 +118,9 @@ class Prepared:
     sig: Signature
     meta: dict[str, Any] | None
     digest: int  # the signature's digest as the board's int64
+    # This rank's part as messages, compiled when first run: after the sequence number
+    # is taken, so that the peers hear of a plugin's bad schedule (it aborts the collective).
+    program: Program | None = None
     # On the board: a reduction's plan (where its data lies), True for a barrier, or a
     # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
     # the board only says so). None: not on the board.
@@ -319,15 +324,19 @@ class Runner:
         call.strategy_used = program.strategy.name
         if self.size == 1:
             return  # a group of one: every collective leaves the data as it is
-        layout = Layout(call.flat, program.chunks)
-        layout.nseg = program.nseg
+        compiled = program.program
+        if compiled is None:
+            compiled = program.program = compile_program(
+                plan(program.strategy, program.ctx, len(program.chunks)), program.chunks,
+                [a.itemsize for a in call.flat], program.nseg, session.executor.depth)
         meta = program.meta
         if header is not None and call.tag is None:
             meta = header.meta  # forward the layout too: this rank may be someone's first sender
         await session.executor.run(seq=op_id if call.tag is None else op_id[3],
-                                   strategy=program.strategy, ctx=program.ctx, layout=layout,
+                                   program=compiled, arrays=call.flat,
                                    ufunc=fold_of(call.op) if call.op is not None else None,
-                                   sig=program.sig, meta=meta, tag=call.tag)
+                                   sig=program.sig, meta=meta, tag=call.tag,
+                                   strategy=program.strategy, peer=call.root)
 
     def _remember(self, seq: int, sig: Signature) -> None:
         recent = self._recent
@@ -354,8 +363,8 @@ class Runner:
         what = (f"collective #{op_id} {call.collective}" if call.tag is None else
                 f"recv #{op_id[3]} from rank {origin} with tag {call.tag}")
         if meta is None:
-            theirs = (getattr(header, "collective", "")
-                      or (str(header.described[0]) if header.described else "")
+            described = self.session.matcher.described(header)
+            theirs = (header.collective or (str(described[0]) if described else "")
                       or "a collective without a layout")
             raise CollectiveMismatch(
                 f"{what}: rank {header.src} sent {theirs}, rank {self.rank} called "

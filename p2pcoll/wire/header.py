@@ -56,7 +56,8 @@ The fields:
     seq     collective sequence number        step  index of the message on its link
     sig     8-byte digest of the collective's signature
     nbytes  the byte length of each payload piece
-    described  the signature itself, readable (first message of a link only)
+    described  the signature itself, readable: on the first message of each digest to
+            each peer (the receiver keeps it by sender and digest)
     shm     [ring name, [offset per piece], [reader index per piece]]: pieces in the
             sender's shared-memory ring (offset -1: this piece is a frame); optional
     meta    a data message's: the layout a broadcast or scatter root sends (strategy,
@@ -153,7 +154,7 @@ class Header:
     meta: dict[str, Any] | None = None
     err: list[str] | None = None
     shm: list[Any] | None = None  # [ring name, [offset or -1 per piece], [index per piece]]
-    described: list[Any] | None = None  # the readable signature, on a link's first message
+    described: list[Any] | None = None  # the readable signature (once per peer and digest)
     tag: int | None = None  # point-to-point messages only
     collective: str = ""  # data only: the sender's collective, one of CALLS ("" unsaid)
 
