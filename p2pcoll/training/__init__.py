@@ -76,6 +76,7 @@ from .errors import NonFiniteGradients, RoundError, WorldTooSmall
 from .gradients import allreduce_gradients
 from .nonfinite import Nonfinite
 from .parameters import broadcast_parameters
+from .powersgd import PowerSGD
 from .reducer import GradientReducer, Round
 from .replicas import check_replicas
 
@@ -88,6 +89,7 @@ __all__ = [
     "GradientReducer",
     "NonFiniteGradients",
     "Nonfinite",
+    "PowerSGD",
     "Round",
     "RoundError",
     "TensorSpec",

@@ -1,0 +1,167 @@
+"""What the low-communication modes share: float tensors, one settings check, traffic counts.
+
+PowerSGD (:mod:`.powersgd`), top-k (:mod:`.topk`), local SGD and DiLoCo (:mod:`.local_sgd`)
+each move less than a plain allreduce of every gradient. They all
+
+- take pytrees of floating-point arrays (numpy, or CPU torch tensors through ``.numpy()``)
+  and refuse anything else by name (:func:`float_tensors`);
+- check, before anything moves, that the ranks agree on the round, the tensors and the
+  mode's settings (rank r, H, fraction, codec ...): the settings go into the table the
+  agreement header digests (:func:`agree_on`), so a rank that differs gets
+  :class:`~p2pcoll.CollectiveMismatch` naming the first setting that differs;
+- count what they hand to the collectives against what a plain allreduce of the same
+  tensors would have carried (:class:`Traffic`): the ratio does not depend on the
+  strategy; ``group.stats()`` has the bytes that actually went on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..pytree import Pytree, as_array, named_leaves
+from .agreement import Call, Kind, agree, table
+from .buckets import BucketPlan, TensorSpec
+from .errors import NonFiniteGradients
+from .nonfinite import check_nonfinite
+
+if TYPE_CHECKING:
+    from .. import Group
+
+__all__ = ["Traffic", "agree_on", "average", "check_codec", "float_tensors", "positive_int",
+           "report_nonfinite"]
+
+
+@dataclass
+class Traffic:
+    """What a mode handed to the group's collectives, against a plain allreduce of the same tensors.
+
+    Attributes:
+        rounds: how many rounds (or outer steps) moved data.
+        dense_bytes: the bytes a plain allreduce of the same tensors would have reduced,
+            summed over the rounds (each tensor's ``nbytes``).
+        sent_bytes: the bytes this rank handed to collectives instead (P and Q for PowerSGD,
+            values and indices for top-k, the pseudo-gradients for DiLoCo), before any codec.
+    """
+
+    rounds: int = 0
+    dense_bytes: int = 0
+    sent_bytes: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        """``dense_bytes - sent_bytes``."""
+        return self.dense_bytes - self.sent_bytes
+
+    @property
+    def ratio(self) -> float:
+        """How many times fewer bytes than the dense allreduce (inf when nothing was sent)."""
+        return self.dense_bytes / self.sent_bytes if self.sent_bytes else float("inf")
+
+    def add(self, dense: int, sent: int) -> None:
+        self.rounds += 1
+        self.dense_bytes += dense
+        self.sent_bytes += sent
+
+
+def positive_int(value: Any, what: str) -> int:
+    """``value`` if it is an int >= 1. Raises ValueError naming ``what`` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_codec(codec: Any) -> str | None:
+    """``codec`` if it is None or a codec's name. Raises TypeError/ValueError otherwise.
+
+    Which names exist is the group's business (``group.allreduce(..., codec=)`` raises for an
+    unknown one before anything is sent); here only the type is checked.
+    """
+    if codec is None:
+        return None
+    if not isinstance(codec, str) or not codec:
+        raise TypeError(f"codec must be a codec's name (\"int8\", \"fp16\", ...) or None, "
+                        f"got {codec!r}")
+    return codec
+
+
+def float_tensors(tree: Pytree, what: str) -> tuple[list[str], list[np.ndarray],
+                                                    list[TensorSpec]]:
+    """The names, arrays (views of torch tensors) and specs of a pytree of float tensors.
+
+    Raises:
+        TypeError: a leaf that is not a floating-point array (integer, bool, complex ...),
+            named with ``what`` (``"PowerSGD: gradient 'fc.w' is int64; ..."``).
+    """
+    names, arrays = [], []
+    for path, leaf in named_leaves(tree):
+        array = as_array(leaf, path)
+        if array.dtype.kind != "f":
+            raise TypeError(f"{what}: {path or 'the tensor'!r} is {array.dtype}; only "
+                            f"floating-point tensors can be averaged this way")
+        names.append(path)
+        arrays.append(array)
+    return names, arrays, [TensorSpec.of(n, a) for n, a in zip(names, arrays, strict=True)]
+
+
+async def agree_on(group: Group, what: str, round_no: int, settings: Mapping[str, Any],
+                   specs: Sequence[TensorSpec], timeout: float | None) -> None:
+    """The agreement header of a round of a mode: every rank in the same round, with the same
+    tensors and ``settings`` (which name the mode, so a rank in another mode differs too).
+
+    Raises:
+        CollectiveMismatch: naming the round, or the first setting or tensor that differs.
+        CollectiveTimeout, PeerLost, GroupBroken: as the group's collectives.
+    """
+    await agree(group, Call(Kind.GRADIENTS, round_no, what, table(settings, specs)), timeout)
+
+
+async def average(group: Group, arrays: Sequence[np.ndarray], *, codec: str | None = None,
+                  bucket_bytes: int | None = None, strategy: str | None = None,
+                  timeout: float | None = None) -> list[np.ndarray]:
+    """The average over the group of each of ``arrays``, fused into buckets; the same bits on
+    every rank (new arrays, views of the reduced buckets).
+
+    Every rank passes arrays of the same shapes and dtypes in the same order; the caller has
+    checked that (:func:`agree_on`). ``codec`` compresses each bucket on the wire
+    (``group.allreduce(..., codec=)``).
+    """
+    specs = [TensorSpec(str(i), a.dtype, tuple(a.shape)) for i, a in enumerate(arrays)]
+    plan = BucketPlan(specs, bucket_bytes)
+    flats = plan.pack(list(arrays))
+    extra: dict[str, Any] = {} if codec is None else {"codec": codec}
+    reduced = await asyncio.gather(*(
+        group.allreduce(flat, "avg", strategy=strategy, timeout=timeout, **extra)
+        for flat in flats))
+    return plan.unpack(reduced)
+
+
+def report_nonfinite(what: str, names: Sequence[str], arrays: Sequence[np.ndarray],
+                     mode: str, round_no: int) -> None:
+    """Raise or warn, naming every tensor of ``arrays`` that holds a NaN or an Inf.
+
+    The arrays are results that are equal on every rank, so every rank reports alike.
+
+    Raises:
+        NonFiniteGradients: with ``mode="raise"``.
+    """
+    check_nonfinite(mode)
+    if mode == "ignore":
+        return
+    bad = []
+    for name, array in zip(names, arrays, strict=True):
+        count = array.size - int(np.count_nonzero(np.isfinite(array)))
+        if count:
+            bad.append((name, f"{name!r} ({count} of {array.size} values)"))
+    if not bad:
+        return
+    message = (f"{what} of round {round_no} gave NaN or Inf: "
+               f"{', '.join(words for _, words in bad)}")
+    if mode == "raise":
+        raise NonFiniteGradients(message, round=round_no, tensors=[name for name, _ in bad])
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
