@@ -14,6 +14,9 @@ variable                       meaning (default)
                                :mod:`p2pcoll.launchers`)
 ``P2PCOLL_HOST``               address this peer advertises (the interface routing
                                to the rendezvous host)
+``P2PCOLL_HOST_ID``            the host this peer counts as on: peers whose values differ
+                               never share memory or ipc (unset: detected, see
+                               :func:`p2pcoll.transport.host_identity`)
 ``P2PCOLL_TRANSPORT``          ``auto``, ``tcp``, ``ipc`` or ``inproc`` (auto)
 ``P2PCOLL_TIMEOUT``            collective deadline in seconds, > 0 (300)
 ``P2PCOLL_JOIN_TIMEOUT``       join deadline in seconds, > 0 (60)
@@ -80,13 +83,19 @@ TRANSPORT_NAMES = ("auto", "tcp", "ipc", "inproc")
 _SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", re.IGNORECASE)
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 _JOB_ID_ALLOWED = "up to 128 letters, digits and . _ : - (starting with a letter or digit)"
+# A host's name, a node's, a container's, a UUID. At most 64 characters: the identity it
+# starts (see p2pcoll.transport.host_identity) must fit a rendezvous's 256-byte host field.
+_HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+_HOST_ID_ALLOWED = ("a host name of up to 64 letters, digits and . _ : - (starting with a "
+                    "letter or digit); peers with different values never share memory")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 # Every variable this module knows, for the warning about unknown ones.
 KNOWN_VARS = frozenset(
     {
-        "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_TRANSPORT", "P2PCOLL_TIMEOUT",
+        "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_HOST_ID", "P2PCOLL_TRANSPORT",
+        "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM",
         "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC",
@@ -136,6 +145,12 @@ class Settings:
         rank: this peer's rank, or None to be assigned in arrival order.
         host: the address to advertise, or None to use the interface that routes to the
             rendezvous host.
+        host_id: the host this peer says it is on, or None to leave it to detection. Peers
+            whose values differ count as on different hosts: they reach each other over tcp
+            only, never over ipc or shared memory (rings, lanes, the board), even when they
+            could (network namespaces, containers of one machine that share /dev/shm).
+            Peers with equal values are told apart by detection as without it (see
+            :func:`p2pcoll.transport.host_identity`).
         transport: one of ``auto``, ``tcp``, ``ipc``, ``inproc``.
         join_timeout: seconds for the whole group to form.
         collective_timeout: default deadline of every collective, seconds.
@@ -172,6 +187,7 @@ class Settings:
     world_size: int | None = None
     rank: int | None = None
     host: str | None = None
+    host_id: str | None = None
     transport: str = "auto"
     join_timeout: float = 60.0
     collective_timeout: float = 300.0
@@ -220,6 +236,7 @@ class Settings:
         values: dict[str, Any] = {
             "rendezvous": reader.raw("P2PCOLL_RENDEZVOUS"),  # else the launcher's, below
             "host": reader.raw("P2PCOLL_HOST"),
+            "host_id": reader.host_id(),
             "transport": reader.choice("P2PCOLL_TRANSPORT", TRANSPORT_NAMES),
             "join_timeout": reader.seconds("P2PCOLL_JOIN_TIMEOUT"),
             "collective_timeout": reader.seconds("P2PCOLL_TIMEOUT"),
@@ -287,6 +304,9 @@ class Settings:
         for name in ("min_world_size", "max_world_size", "order"):
             if name in given:
                 _check_int(given[name], f"{name}=", 0 if name == "order" else 1)
+        if "host_id" in given and not (isinstance(given["host_id"], str)
+                                       and _HOST_ID.fullmatch(given["host_id"])):
+            raise bad_value("host_id=", given["host_id"], _HOST_ID_ALLOWED)
         if "job_id" in given and not _JOB_ID.fullmatch(str(given["job_id"])):
             raise bad_value("job_id=", given["job_id"], _JOB_ID_ALLOWED)
         if "key" in given and not isinstance(given["key"], JobKey):
@@ -550,6 +570,12 @@ class _Reader:
         value = self.raw("P2PCOLL_JOB_ID")
         if value is not None and not _JOB_ID.fullmatch(value):
             raise bad_value("$P2PCOLL_JOB_ID", value, _JOB_ID_ALLOWED)
+        return value
+
+    def host_id(self) -> str | None:
+        value = self.raw("P2PCOLL_HOST_ID")
+        if value is not None and not _HOST_ID.fullmatch(value):
+            raise bad_value("$P2PCOLL_HOST_ID", value, _HOST_ID_ALLOWED)
         return value
 
     def strategies(self) -> dict[str, str]:

@@ -187,14 +187,21 @@ POLICIES: dict[str, type[EndpointPolicy]] = {
 }
 
 
-def host_identity() -> str:
+def host_identity(configured: str | None = None) -> str:
     """Names this machine and the file systems ipc needs: peers with equal identities can
     reach each other over ipc (a socket file in the temporary directory) and shared memory
-    (a file in /dev/shm).
+    (a file in /dev/shm); the rendezvous hands every peer the others' identities, and the
+    transport (rings, lanes, the board) and auto's cost model follow from them.
 
     The two directories are part of it because containers of one host may share its
     hostname (``--network host``) and boot id but not its /tmp or /dev/shm; processes in
     network namespaces of one host (``ip netns exec``) do share them, and may use ipc.
+
+    Args:
+        configured: the host this peer says it is on (``$P2PCOLL_HOST_ID``, checked by
+            :class:`~p2pcoll.settings.Settings`), or None. It goes in front of what is
+            detected, so peers that name different hosts never share memory or ipc, and
+            peers that name the same one are told apart as they would be without it.
     """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -208,7 +215,8 @@ def host_identity() -> str:
             places.append(f"{st.st_dev}:{st.st_ino}")
         except OSError:
             places.append("-")
-    return f"{socket.gethostname()}/{boot}/{'/'.join(places)}"
+    detected = f"{socket.gethostname()}/{boot}/{'/'.join(places)}"
+    return detected if configured is None else f"{configured}@{detected}"
 
 
 # Ports below the kernel's ephemeral range are never handed out by a bind to port 0 nor used

@@ -1,0 +1,205 @@
+"""``P2PCOLL_HOST_ID``: peers that name different hosts never share memory or ipc.
+
+Peers of one machine are one host to p2pcoll (same hostname, boot id, /tmp and /dev/shm):
+``auto`` reaches them over ipc, large pieces go through shared-memory rings, messages
+through lanes and small collectives over the board. Network namespaces and containers that
+share /dev/shm are such peers, though they stand for separate hosts; ``P2PCOLL_HOST_ID``
+says so. These tests start real peers, each a process of its own (this file run as a
+script) with its own environment, joined at a rendezvous on 127.0.0.1, and look at what
+each one used: the endpoints it chose for the others, its traffic counters (bytes through
+shared memory, messages through lanes, collectives on the board: strategy ``"shm"``), and
+the p2pcoll files of /dev/shm it has mapped.
+
+- different values: every link is tcp, nothing goes through shared memory, no file mapped;
+- equal values: as without the variable, ipc, rings, lanes and the board;
+- two hosts of two peers each: ipc and rings within a host, tcp between, no board;
+- a bad value: the peer fails before joining, and the error names the variable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from p2pcoll import SettingsError
+from p2pcoll.settings import Settings
+from p2pcoll.testing import free_port
+from p2pcoll.transport import host_identity
+
+COUNT = 1 << 18  # float32 elements: 1 MiB, whose pieces go through the rings on one host
+SMALL = 16  # elements: a collective the board takes on one host
+WAIT = 120.0  # seconds for the peers of one test (the machine may be busy)
+FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+# A p2pcoll file of /dev/shm in /proc/self/maps: rings, lanes and boards are unlinked as
+# soon as every peer has mapped them, and then show as "(deleted)".
+MAPPED = re.compile(r"\s/dev/shm/(p2pcoll-[0-9]+-[0-9a-f]{16})(?: \(deleted\))?$")
+
+
+# --- the peer (this file run as a script) ----------------------------------------------------
+
+async def peer() -> None:
+    """Join, run a large and a small allreduce, report what went where as one JSON line."""
+    import numpy as np
+
+    import p2pcoll
+
+    async with p2pcoll.join() as g:
+        r, p = g.rank, g.world_size
+        big = await g.allreduce(np.full(COUNT, r + 1, np.float32))
+        small = await g.allreduce(np.full(SMALL, r + 1, np.float32))
+        await g.barrier()
+        total = p * (p + 1) / 2
+        with open("/proc/self/maps") as f:  # what this process maps while the group is open
+            mapped = sorted({m.group(1) for line in f if (m := MAPPED.search(line.rstrip()))})
+        stats = g.stats()
+        print(json.dumps({
+            "rank": r,
+            "endpoints": list(g.membership.endpoints),
+            "sums": bool((big == total).all() and (small == total).all()),
+            "bytes_sent": stats["bytes_sent"],
+            "bytes_sent_shm": stats["bytes_sent_shm"],
+            "messages_sent_lane": stats["messages_sent_lane"],
+            "strategies": stats["collectives_by_strategy"],
+            "mapped": mapped,
+        }), flush=True)
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+def _environment(rank: int, world: int, port: int, host_id: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
+    env.update(P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", WORLD_SIZE=str(world),
+               RANK=str(rank), P2PCOLL_JOIN_TIMEOUT="60")
+    if host_id is not None:
+        env["P2PCOLL_HOST_ID"] = host_id
+    return env
+
+
+def run_peers(host_ids: Sequence[str | None]) -> list[dict[str, Any]]:
+    """Run one peer per entry of ``host_ids`` (its ``P2PCOLL_HOST_ID``, None: unset);
+    returns their reports in rank order. Fails the test if a peer fails."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__],
+                              env=_environment(r, len(host_ids), port, h),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, h in enumerate(host_ids)]
+    reports = []
+    try:
+        for r, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=WAIT)
+            assert proc.returncode == 0, f"rank {r} exited with {proc.returncode}:\n{err}"
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [rep["rank"] for rep in reports] == list(range(len(host_ids)))
+    assert all(rep["sums"] for rep in reports)
+    return reports
+
+
+def _board_calls(report: dict[str, Any]) -> int:
+    return sum(by.get("shm", 0) for by in report["strategies"].values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_different_hosts_never_share_memory(world: int) -> None:
+    reports = run_peers([f"node-{r}" for r in range(world)])
+    for rep in reports:
+        others = [e for q, e in enumerate(rep["endpoints"]) if q != rep["rank"]]
+        assert others and all(e.startswith("tcp://") for e in others), rep["endpoints"]
+        assert rep["bytes_sent_shm"] == 0
+        assert rep["messages_sent_lane"] == 0
+        assert _board_calls(rep) == 0, rep["strategies"]
+        assert rep["mapped"] == []
+        # The 1 MiB allreduce went over the sockets: at least its share of the ring.
+        assert rep["bytes_sent"] >= 4 * COUNT * (world - 1) // world
+
+
+def test_equal_host_ids_share_memory_as_without_them() -> None:
+    for host_ids in (["rack1-node7"] * 2, [None] * 2):
+        reports = run_peers(host_ids)
+        for rep in reports:
+            other = rep["endpoints"][1 - rep["rank"]]
+            assert other.startswith("ipc://"), (host_ids, rep["endpoints"])
+            assert rep["bytes_sent_shm"] > 0, host_ids
+            assert _board_calls(rep) > 0, (host_ids, rep["strategies"])
+            assert rep["mapped"], host_ids
+
+
+def test_two_hosts_of_two_peers() -> None:
+    """Ranks 0 and 1 on host a, 2 and 3 on host b: ipc and rings within a host, tcp
+    between hosts, and no board (which needs every peer on one host)."""
+    reports = run_peers(["a", "a", "b", "b"])
+    for rep in reports:
+        r = rep["rank"]
+        for q, endpoint in enumerate(rep["endpoints"]):
+            if q != r:
+                same = q // 2 == r // 2
+                assert endpoint.startswith("ipc://" if same else "tcp://"), (r, q, endpoint)
+        assert rep["bytes_sent_shm"] > 0
+        assert _board_calls(rep) == 0, rep["strategies"]
+
+
+def test_set_and_unset_are_different_hosts() -> None:
+    """A peer that names its host and one that leaves it to detection do not share memory:
+    only equal values (or both unset) say "same host"."""
+    for rep in run_peers(["node-0", None]):
+        assert rep["endpoints"][1 - rep["rank"]].startswith("tcp://")
+        assert rep["bytes_sent_shm"] == 0 and rep["mapped"] == []
+
+
+@pytest.mark.parametrize("value", ["two words", "-leading-dash", "x" * 65, "nöde", "a/b"])
+def test_bad_value_is_refused_naming_the_variable(value: str) -> None:
+    with pytest.raises(SettingsError, match=r"\$P2PCOLL_HOST_ID") as caught:
+        Settings.resolve({"P2PCOLL_HOST_ID": value})
+    assert caught.value.name == "$P2PCOLL_HOST_ID"
+    with pytest.raises(SettingsError, match="host_id="):
+        Settings.resolve({}, host_id=value)
+
+
+@pytest.mark.parametrize("value", [3, b"node", ""])
+def test_bad_argument_is_refused(value: object) -> None:
+    with pytest.raises(SettingsError, match="host_id="):
+        Settings.resolve({}, host_id=value)
+
+
+def test_good_values_and_unset() -> None:
+    for value in ("node-1", "ip-10-0-1-23.us-west-2.compute.internal", "0f3c:pod_a", "x" * 64):
+        assert Settings.resolve({"P2PCOLL_HOST_ID": value}).host_id == value
+    assert Settings.resolve({"P2PCOLL_HOST_ID": "  node-1 "}).host_id == "node-1"
+    assert Settings.resolve({}).host_id is None
+    assert Settings.resolve({"P2PCOLL_HOST_ID": ""}).host_id is None  # empty: unset
+
+
+def test_identity_keeps_detection_behind_the_value() -> None:
+    detected = host_identity()
+    assert host_identity(None) == detected
+    assert host_identity("a") != host_identity("b")
+    assert host_identity("a") == host_identity("a") != detected
+    assert host_identity("a").endswith(detected)
+    # The identity travels in the rendezvous's join request, whose host field holds 256.
+    assert len(host_identity("x" * 64).encode()) <= 256
+
+
+def test_peer_with_a_bad_value_fails_before_joining() -> None:
+    env = _environment(0, 2, free_port(), "bad value")
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=WAIT)
+    assert done.returncode != 0
+    assert "SettingsError" in done.stderr and "$P2PCOLL_HOST_ID='bad value'" in done.stderr
+
+
+if __name__ == "__main__":
+    asyncio.run(peer())
