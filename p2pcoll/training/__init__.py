@@ -79,6 +79,7 @@ from .parameters import broadcast_parameters
 from .powersgd import PowerSGD
 from .reducer import GradientReducer, Round
 from .replicas import check_replicas
+from .topk import TopK
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -93,6 +94,7 @@ __all__ = [
     "Round",
     "RoundError",
     "TensorSpec",
+    "TopK",
     "WorldTooSmall",
     "allreduce_gradients",
     "broadcast_parameters",
