@@ -21,6 +21,7 @@ from p2pcoll.errors import ProtocolError
 from p2pcoll.testing import memory_groups, run_ranks
 from p2pcoll.transport.base import Counters, Drops
 from p2pcoll.wire import REASONS, WIRE_VERSION
+from p2pcoll.wire.header import DataHeaders
 
 CAP = 1 << 20  # P2PCOLL_MAX_MESSAGE_BYTES of the test groups
 
@@ -30,29 +31,35 @@ def hostile(gid: str, src: int) -> list[tuple[str, list[bytes]]]:
     header: dict[str, Any] = {"v": WIRE_VERSION, "k": "data", "g": gid, "r": src, "q": 1000,
                               "seg": 0, "s": 0, "sig": b"\0" * 8, "n": [8]}
 
-    def pack(**changes: Any) -> bytes:
+    def as_map(**changes: Any) -> bytes:
         return msgpack.packb({**header, **changes})
+
+    def frame(*, group: str = gid, rank: int = src, seq: int = 1000,
+              nbytes: tuple[int, ...] = (8,), version: int = WIRE_VERSION) -> bytes:
+        raw = DataHeaders(group, rank).frame(seq, 0, 0, b"\0" * 8, list(nbytes))
+        return raw[:1] + bytes([version]) + raw[2:]
 
     half = CAP // 2 + 100  # two such frames are over the cap, each is under libzmq's
     return [
         ("malformed", [b"\xc1 not msgpack"]),
         ("malformed", [msgpack.packb([1, 2, 3])]),
-        ("malformed", [pack(k="exec")]),
-        ("malformed", [pack(sig=b"short"), b"12345678"]),
+        ("malformed", [as_map(k="exec")]),
+        ("malformed", [as_map(), b"12345678"]),  # a data header spelled as a map
+        ("malformed", [frame()[:40], b"12345678"]),  # a binary frame cut short
         ("malformed", [msgpack.packb({"v": WIRE_VERSION, "k": "why", "g": gid, "r": src,
                                       "q": 0, "meta": {"state": "waiting"}})]),
         ("malformed", [msgpack.packb({"v": WIRE_VERSION, "k": "waiting", "g": gid, "r": src,
                                       "q": 0, "meta": {"state": "asleep"}})]),
         ("malformed", [msgpack.packb({"v": WIRE_VERSION, "k": "waiting", "g": gid, "r": src,
                                       "q": 0, "meta": {"waiting_on": [7]}})]),  # no such rank
-        ("version", [pack(v=99), b"12345678"]),
-        ("version", [pack(v=WIRE_VERSION + 1, future_field=1)]),
-        ("group", [pack(g="another-group"), b"12345678"]),
-        ("mismatch", [pack(), b"123"]),  # shorter than the header says
-        ("mismatch", [pack()]),  # the payload frame is missing
-        ("mismatch", [pack(r=(src + 1) % 2), b"12345678"]),  # another rank than the link's
-        ("oversize", [pack(n=[half, half]), bytes(half), bytes(half)]),
-        ("duplicate", [pack(q=1001), b"12345678"]),  # the second time (see below)
+        ("version", [frame(version=99), b"12345678"]),
+        ("version", [as_map(v=WIRE_VERSION + 1, future_field=1)]),
+        ("group", [frame(group="another-group"), b"12345678"]),
+        ("mismatch", [frame(), b"123"]),  # shorter than the header says
+        ("mismatch", [frame()]),  # the payload frame is missing
+        ("mismatch", [frame(rank=(src + 1) % 2), b"12345678"]),  # another rank than the link's
+        ("oversize", [frame(nbytes=(half, half)), bytes(half), bytes(half)]),
+        ("duplicate", [frame(seq=1001), b"12345678"]),  # the second time (see below)
     ]
 
 

@@ -54,7 +54,7 @@ from typing import Any
 
 import pytest
 from conftest import ScriptChild
-from hostile import mutate, random_key, random_object
+from hostile import header_bytes, mutate, random_key, random_object
 
 CAP = 1 << 20  # P2PCOLL_MAX_MESSAGE_BYTES of the flooded groups
 FLOOD = 100_000  # hostile messages per run, the bound
@@ -298,10 +298,10 @@ def hostile(rng: random.Random, gid: str, count: int) -> Iterator[tuple[str, lis
             kind, header = "random msgpack", msgpack.packb(
                 {random_key(rng): random_object(rng) for _ in range(rng.randint(0, 8))})
         elif roll < 0.75:
-            kind, header = "mutated header", msgpack.packb(mutate(rng, _valid(rng, gid, src)))
+            kind, header = "mutated header", header_bytes(mutate(rng, _valid(rng, gid, src)))
         elif roll < 0.9:
             d = _valid(rng, gid, src)
-            yield "valid header", [msgpack.packb(d), *(bytes(n) for n in _inline(d))]
+            yield "valid header", [header_bytes(d), *(bytes(n) for n in _inline(d))]
             continue
         else:
             d = _valid(rng, gid, src)
@@ -309,7 +309,7 @@ def hostile(rng: random.Random, gid: str, count: int) -> Iterator[tuple[str, lis
             frames = rng.choice([
                 sizes[:-1], [*sizes, 8], [0] * 40, [rng.randrange(64)] * rng.randint(1, 3),
             ])
-            yield "wrong frame count", [msgpack.packb(d), *(bytes(n) for n in frames)]
+            yield "wrong frame count", [header_bytes(d), *(bytes(n) for n in frames)]
             continue
         frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(0, 5))]
         if rng.random() < 0.005:

@@ -257,9 +257,14 @@ async def test_a_corrupt_lane_names_its_sender() -> None:
 
 
 def _from(header: bytes, rank: int) -> bool:
-    """Whether ``header`` is a msgpack map that names ``rank`` as its source."""
+    """Whether ``header`` is a binary data frame or a msgpack map that names ``rank`` as
+    its source."""
     import msgpack
 
+    from p2pcoll.wire.header import DATA_MAGIC
+
+    if header[:1] == bytes([DATA_MAGIC]) and len(header) >= 16:
+        return int.from_bytes(header[12:16], "little") == rank
     try:
         d = msgpack.unpackb(header, strict_map_key=False)
     except Exception:

@@ -16,7 +16,7 @@ import zmq.asyncio
 
 import p2pcoll
 from conftest import ROGUE_RANK, Inject
-from hostile import mutate, random_key, random_object
+from hostile import header_bytes, mutate, random_key, random_object
 from p2pcoll.testing import run_ranks
 from p2pcoll.wire import DIGEST_BYTES, WIRE_VERSION
 
@@ -55,10 +55,10 @@ def hostile_messages(rng: random.Random, gid: str, count: int) -> list[list[byte
             header = msgpack.packb({random_key(rng): random_object(rng)
                                     for _ in range(rng.randint(0, 8))})
         elif roll < 0.85:  # a valid header with one field mutated
-            header = msgpack.packb(mutate(rng, rng.choice(_valid(gid, src))))
+            header = header_bytes(mutate(rng, rng.choice(_valid(gid, src))))
         else:  # valid but for the link it comes on, with the payload it announces
             d = rng.choice(_valid(gid, src))
-            header = msgpack.packb(d)
+            header = header_bytes(d)
             sizes = [n for n, at in zip(d.get("n", []), d.get("m", [0, [-1] * 9])[1])
                      if at == -1]
             messages.append([header, *(bytes(n) for n in sizes)])
@@ -67,7 +67,7 @@ def hostile_messages(rng: random.Random, gid: str, count: int) -> list[list[byte
     # Messages over the cap in total (each frame under it): refused by our own check.
     for _ in range(5):
         messages.insert(rng.randrange(len(messages)),
-                        [msgpack.packb(_valid(gid, 1)[0]), bytes(CAP // 2), bytes(CAP // 2)])
+                        [header_bytes(_valid(gid, 1)[0]), bytes(CAP // 2), bytes(CAP // 2)])
     return messages
 
 
@@ -119,7 +119,7 @@ async def test_a_peer_survives_thousands_of_hostile_messages(
             counts["dropped"] = await _wait_dropped(g, len(messages))
             # Frames over ZeroMQ's MAXMSGSIZE: libzmq drops the rogue's connection itself,
             # and with it whatever that connection still carried.
-            await inject(g, [[msgpack.packb(_valid(g.membership.group_id, 1)[0]),
+            await inject(g, [[header_bytes(_valid(g.membership.group_id, 1)[0]),
                               bytes(CAP + 1)]] * 3)
             counts["after_oversize"] = await _wait_dropped(g, len(messages) + 3, timeout=1)
             injected.set()
@@ -163,7 +163,7 @@ async def test_impersonating_a_live_member_does_not_break_the_group(
             impostor.connect(g.endpoint)
             try:
                 forged = [[msgpack.packb(d)] for d in _valid(gid, 1)[3:]]  # abort, hello, bye
-                forged += [[b"0"], [b"2"], [msgpack.packb(_valid(gid, 1)[0]), bytes(16), b""]]
+                forged += [[b"0"], [b"2"], [header_bytes(_valid(gid, 1)[0]), bytes(16), b""]]
                 for frames in forged * 3:
                     await impostor.send_multipart(frames)
                 await asyncio.sleep(0.5)

@@ -4,9 +4,11 @@
 those bytes are (random bytes, arbitrary msgpack, a valid header with one field changed, a
 nesting as deep as msgpack allows, a layout naming exabytes) they must raise nothing but
 :class:`~p2pcoll.ProtocolError` with one of the documented reasons, and whatever they
-return must have the documented types. Most cases here are msgpack maps (control messages,
-and data messages spelled as maps, which the reader still accepts); the binary data frame
-has its own property tests in tests/test_wire_binary.py.
+return must have the documented types. The valid headers below are written as maps; a data
+one goes out as its binary frame (:func:`pack`: the fixed fields packed, the optional parts
+in the msgpack tail), unless a mutation made a fixed field unpackable, and then as the map,
+which the reader refuses. The binary frame's byte-level cases are in
+tests/test_wire_binary.py.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from hostile import header_bytes
 
 from p2pcoll.errors import ProtocolError
 from p2pcoll.types import ALLOWED_DTYPES
@@ -151,7 +155,8 @@ msgpack_objects = st.recursive(
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    """msgpack of ``obj``; a data header spelled as a map becomes its binary frame."""
+    return header_bytes(obj) if isinstance(obj, dict) else msgpack.packb(obj, use_bin_type=True)
 
 
 @FUZZ
@@ -375,6 +380,10 @@ def _nested_map(depth: int) -> bytes:
     return b"\x81\xa1a" * depth + b"\xc0"  # {"a": {"a": ... None}}
 
 
+class _AsMap(dict):  # type: ignore[type-arg]
+    """A data header that :func:`encode` writes as a map (header_bytes' fallback)."""
+
+
 class Raw:
     """Already-encoded msgpack, spliced in where :func:`encode` meets it."""
 
@@ -387,6 +396,9 @@ def encode(obj: Any) -> bytes:
     built as bytes, without a Python object for every level)."""
     if isinstance(obj, Raw):
         return obj.data
+    if isinstance(obj, dict) and obj.get("k") == "data" and not isinstance(obj, _AsMap):
+        return header_bytes(obj, lambda part: encode(_AsMap(part) if isinstance(part, dict)
+                                                     else part))
     if isinstance(obj, dict):
         assert len(obj) < 16
         return bytes([0x80 | len(obj)]) + b"".join(encode(k) + encode(v)
@@ -525,7 +537,7 @@ def test_bounds_on_lengths() -> None:
     too_many = {**VALID["data"], "n": [0] * ((1 << 16) + 1)}
     with pytest.raises(ProtocolError):
         validate(LINK, pack(too_many), [0] * ((1 << 16) + 1), LIMITS)
-    big = pack({**VALID["data"], "g": "x" * (5 << 20)})
+    big = pack({**VALID["abort"], "g": "x" * (5 << 20)})  # a binary frame has its digest
     with pytest.raises(ProtocolError):
         decode_header(big)
     with pytest.raises(ProtocolError):

@@ -21,7 +21,7 @@ from p2pcoll.wire import (
     group_digest,
     validate,
 )
-from p2pcoll.wire.header import DATA_MAGIC
+from p2pcoll.wire.header import DATA_MAGIC, DataHeaders
 
 
 def test_header_round_trip() -> None:
@@ -52,9 +52,7 @@ def test_header_round_trip() -> None:
         (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": 5, "r": 0}), "'g'"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "hello", "g": "x", "r": True}), "'r'"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "data", "g": "x", "r": 0, "q": 0, "seg": 0,
-                        "s": 0, "sig": b"12345678", "n": [-1]}), "'n'"),
-        (msgpack.packb({"v": WIRE_VERSION, "k": "data", "g": "x", "r": 0, "q": 0, "seg": 0,
-                        "s": 0, "sig": [], "n": []}), "digest"),
+                        "s": 0, "sig": b"12345678", "n": [8]}), "binary frame"),
         (msgpack.packb({"v": WIRE_VERSION, "k": [1]}), "unknown message kind"),
         (msgpack.packb({"v": WIRE_VERSION, "k": "abort", "g": "x", "r": 0, "q": 0,
                         "err": ["only one"]}), "abort"),
@@ -152,27 +150,35 @@ async def test_auto_transport_uses_ipc_on_one_host() -> None:
 
 
 def test_validate_names_what_is_wrong_with_a_members_message() -> None:
-    """What the live peer's reader drops (tests/test_faults.py), reason by reason (data
-    messages spelled as msgpack maps, which the reader still accepts; the binary frame's
-    own cases are in tests/test_wire_binary.py)."""
+    """What the live peer's reader drops (tests/test_faults.py), reason by reason (the
+    binary frame's own byte-level cases are in tests/test_wire_binary.py)."""
     limits = Limits("gid", rank=0, world_size=3, max_message_bytes=1 << 20)
-    header = {"v": WIRE_VERSION, "k": "data", "g": "gid", "r": 1, "q": 0, "seg": 0, "s": 0,
-              "sig": b"\0" * 8, "n": [8]}
+
+    def frame(group: str = "gid", src: int = 1, nbytes: tuple[int, ...] = (8,)) -> bytes:
+        return DataHeaders(group, src).frame(0, 0, 0, b"\0" * 8, list(nbytes))
+
+    good = frame()
     cases = [
         (1, b"\xc1 not msgpack", [], "not valid msgpack"),
         (1, msgpack.packb([1, 2, 3]), [], "expected a map"),
-        (1, msgpack.packb({**header, "v": 99}), [8], "wire version 99"),
-        (1, msgpack.packb({**header, "v": 2.0}), [8], "wire version 2.0"),
-        (1, msgpack.packb({**header, "g": "another-group"}), [8], "another-group"),
-        (1, msgpack.packb(header), [3], "payload frame 0 has 3 bytes"),
-        (1, msgpack.packb(header), [], "lists 1 payload frames"),
-        (1, msgpack.packb({**header, "r": 2}), [8], "claims rank 2"),
-        (1, msgpack.packb({**header, "n": [2 << 20]}), [2 << 20], "cap"),
-        (1, msgpack.packb({**header, "k": "exec"}), [], "unknown message kind"),
-        (0, msgpack.packb({**header, "r": 0}), [8], "no other member"),  # my own rank
-        (5, msgpack.packb({**header, "r": 5}), [8], "no other member"),
+        (1, good[:1] + bytes([99]) + good[2:], [8], "wire version 99"),
+        (1, msgpack.packb({"v": 2.0, "k": "bye"}), [], "wire version 2.0"),
+        (1, frame("another-group"), [8], "another group"),
+        (1, msgpack.packb({"v": WIRE_VERSION, "k": "bye", "g": "another-group", "r": 1,
+                           "q": 0}), [], "another-group"),
+        (1, good, [3], "payload frame 0 has 3 bytes"),
+        (1, good, [], "lists 1 payload frames"),
+        (1, frame(src=2), [8], "claims rank 2"),
+        (1, frame(nbytes=(2 << 20,)), [2 << 20], "cap"),
+        (1, msgpack.packb({"v": WIRE_VERSION, "k": "exec", "g": "gid", "r": 1}), [],
+         "unknown message kind"),
+        (1, msgpack.packb({"v": WIRE_VERSION, "k": "data", "g": "gid", "r": 1, "q": 0,
+                           "seg": 0, "s": 0, "sig": b"\0" * 8, "n": [8]}), [8],
+         "binary frame"),
+        (0, frame(src=0), [8], "no other member"),  # my own rank
+        (5, frame(src=5), [8], "no other member"),
     ]
     for link, raw, sizes, reason in cases:
         with pytest.raises(ProtocolError, match=reason):
             validate(link, raw, sizes, limits)
-    assert validate(1, msgpack.packb(header), [8], limits).key == (0, 0, 1, 0)
+    assert validate(1, good, [8], limits).key == (0, 0, 1, 0)

@@ -18,10 +18,7 @@ The msgpack map (control messages)::
     err  [error class name, message]          (abort only)
     t    point-to-point tag (abort of a send/recv only)
 
-A map may also spell a ``data`` message, with the fields ``q``, ``seg``, ``s``, ``sig``,
-``n`` (and optionally ``t``, ``m``, ``d``, ``meta``) of the binary frame below, named as in
-it. This version never writes one; the reader still accepts it and checks it exactly as it
-checks the binary frame (the group compared as a string).
+A map never spells a ``data`` message: the reader refuses one (one encoding per kind).
 
 The binary data frame. Integers are little-endian and unsigned; nothing is padded::
 

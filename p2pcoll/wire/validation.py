@@ -87,7 +87,7 @@ MAX_LEAF_BYTES = 1 << 46
 MAX_TEXT = 1 << 16
 MAX_PIECE_BYTES = 1 << 48
 MAX_U32 = (1 << 32) - 1
-FIELDS = frozenset({"v", "k", "g", "r", "q", "seg", "s", "sig", "n", "m", "d", "err", "meta", "t"})
+FIELDS = frozenset({"v", "k", "g", "r", "q", "err", "meta", "t"})  # of a control message
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,29 +275,19 @@ def _decode_map(raw: bytes | memoryview) -> Header:
     if type(version) is not int or version != WIRE_VERSION:
         raise ProtocolError(f"wire version {_short(version)}, expected {WIRE_VERSION}",
                             reason="version")
-    if not FIELDS.issuperset(d):
-        strange = [k for k in d if k not in FIELDS]
-        raise ProtocolError(f"header has unknown keys {_short(strange)}")
     kind = d.get("k")
     if not isinstance(kind, str) or kind not in KINDS:
         raise ProtocolError(f"unknown message kind {_short(kind)}")
+    if kind == "data":
+        raise ProtocolError("a data message's header is the binary frame (magic 0x50), "
+                            "not a msgpack map")
+    if not FIELDS.issuperset(d):
+        strange = [k for k in d if k not in FIELDS]
+        raise ProtocolError(f"header has unknown keys {_short(strange)}")
     h = Header(kind=kind, group=_str(d, "g"), src=_int(d, "r", 0, MAX_RANK))
     if kind in WITH_SEQ:
         h.seq = _int(d, "q", 0, MAX_SEQ)
-    if kind == "data":
-        h.seg = _int(d, "seg", 0, MAX_U32)  # as in the binary frame: u32
-        h.step = _int(d, "s", 0, MAX_U32)
-        sig = d.get("sig")
-        if not isinstance(sig, bytes) or len(sig) != DIGEST_BYTES:
-            raise ProtocolError(f"header field 'sig' is {_short(sig)}, expected a "
-                                f"{DIGEST_BYTES}-byte digest")
-        h.sig = sig
-        h.nbytes = _int_list(d.get("n"), "n", 0)
-        if d.get("m") is not None:
-            h.shm = _shm(d["m"], len(h.nbytes))
-        if d.get("d") is not None:
-            h.described = _described(d["d"])
-    elif kind == "abort":
+    if kind == "abort":
         err = d.get("err")
         if not (isinstance(err, list) and len(err) == 2
                 and all(isinstance(e, str) and len(e) <= MAX_TEXT for e in err)):
@@ -305,7 +295,7 @@ def _decode_map(raw: bytes | memoryview) -> Header:
                                 f"[class, message]")
         h.err = err
     if "t" in d:
-        if kind not in ("data", "abort"):
+        if kind != "abort":
             raise ProtocolError(f"a {kind} message carries no tag")
         h.tag = _int(d, "t", 0, MAX_TAG)
     if d.get("meta") is not None:
