@@ -74,6 +74,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketPlan, TensorSpec
 from .elastic import ElasticResult, Formation, train_elastic
 from .errors import NonFiniteGradients, RoundError, WorldTooSmall
 from .gradients import allreduce_gradients
+from .local_sgd import DiLoCo, DiLoCoRounds, LocalSGD, OuterSGD
 from .nonfinite import Nonfinite
 from .parameters import broadcast_parameters
 from .powersgd import PowerSGD
@@ -85,11 +86,15 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Bucket",
     "BucketPlan",
+    "DiLoCo",
+    "DiLoCoRounds",
     "ElasticResult",
     "Formation",
     "GradientReducer",
+    "LocalSGD",
     "NonFiniteGradients",
     "Nonfinite",
+    "OuterSGD",
     "PowerSGD",
     "Round",
     "RoundError",

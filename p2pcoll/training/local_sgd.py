@@ -1,0 +1,546 @@
+"""Local SGD and DiLoCo: many local steps, then one exchange of parameters.
+
+Data-parallel training exchanges every gradient at every step. These modes let each worker
+take ``H`` steps (the *inner* steps) with its own optimizer on its own data, and only then
+bring the replicas together:
+
+- :class:`LocalSGD` (Stich 2019; Lin et al. 2020, "post-local SGD") averages the parameters
+  themselves every ``H`` steps: one allreduce of the model per ``H`` steps.
+- :class:`DiLoCo` (Douillard et al. 2023, *DiLoCo: Distributed Low-Communication Training of
+  Language Models*) averages the *pseudo-gradient* ``theta_start - theta_now``, each
+  worker's change since the last exchange, and takes an *outer* step with it on the global
+  parameters, with SGD and Nesterov momentum (:class:`OuterSGD`; the paper: lr 0.7,
+  momentum 0.9). The pseudo-gradient can travel compressed (``codec="int8"`` or
+  ``"fp16"``), since it is an update, not the weights. Every worker then starts the next
+  ``H`` steps from the new global parameters.
+- Streaming DiLoCo (Douillard et al. 2025, *Streaming DiLoCo with overlapping
+  communication*): ``DiLoCo(..., fragments=F)`` splits the tensors into ``F`` fragments
+  (strided: tensor i in leaf order goes to fragment ``i % F``, the paper's better pattern)
+  and syncs fragment ``f`` at the inner steps ``t`` with ``(t - offset_f) % H == 0``,
+  ``offset_f = f * H // F``, so each exchange is ``1/F`` of the model and the exchanges are
+  spread over the ``H`` steps. With ``overlap=tau`` a fragment's exchange starts at step
+  ``t`` as a task and is applied at step ``t + tau``: the worker trains on meanwhile, and
+  the fragment's local parameters become ``mix * local + (1 - mix) * global`` (the paper's
+  merge, alpha; it found 0.5 good).
+
+One outer step, per fragment (all the tensors when ``F = 1``)::
+
+    delta    = anchor - params              this worker's pseudo-gradient (anchor: global)
+    delta    = avg over ranks (delta)       one allreduce per bucket, through the codec
+    velocity = momentum * velocity + delta
+    anchor  -= lr * (delta + momentum * velocity)     (Nesterov; lr * velocity without it)
+    params   = anchor                       (mix * params + (1 - mix) * anchor with overlap)
+
+Identical replicas. The *global* state, ``anchor`` and ``velocity``, is what the replicas
+share: both start equal (the parameters as every rank passed them: broadcast them first,
+:func:`broadcast_parameters`), the averaged delta comes out of an allreduce with the same
+bits on every rank (codecs keep that promise too), and the outer step is element-wise numpy
+in a fixed order, so after every outer step every rank holds the same bits in both
+(:meth:`DiLoCo.global_state`). Without overlap (or with ``mix=0``) the working parameters
+equal the anchor right after each exchange; between exchanges they are each worker's own.
+
+Cost in bytes per inner step (``N`` bytes of float parameters, plain allreduce = ``N`` per
+step): local SGD ``N / H``; DiLoCo ``N / H`` times the codec's ratio (int8: about a
+quarter of float32's), so DiLoCo with ``H = 50`` and int8 hands the network about 200x
+fewer bytes than a per-step allreduce; streaming DiLoCo the same on average, in pieces of
+``N / F``. The agreement header adds 48 bytes per rank per exchange.
+
+Overlap, honestly: the exchange runs as an asyncio task on the group's event loop, so it
+advances whenever the training loop awaits (run the inner step's computation in a thread,
+``await asyncio.to_thread(...)``, for the network to move meanwhile), and ZeroMQ's I/O
+thread moves queued bytes even while the loop computes. Exchanges are chained: each starts
+its collectives only after the previous one finished, so every rank issues the same
+collectives in the same order.
+
+:class:`DiLoCoRounds` runs DiLoCo's outer steps as :func:`train_elastic` rounds: the outer
+state is the elastic state, so a peer that joins gets it, and no outer step is applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
+from .modes import (
+    Traffic,
+    agree_on,
+    average,
+    check_codec,
+    float_tensors,
+    positive_int,
+    report_nonfinite,
+)
+from .nonfinite import Nonfinite, check_nonfinite
+from .state import state_of
+
+if TYPE_CHECKING:
+    from .. import Group
+
+__all__ = ["DiLoCo", "DiLoCoRounds", "LocalSGD", "OuterSGD"]
+
+
+@dataclass(frozen=True)
+class OuterSGD:
+    """The outer optimizer: SGD with (Nesterov) momentum on the averaged pseudo-gradient.
+
+    Attributes:
+        lr: the outer learning rate (> 0; DiLoCo's paper: 0.7).
+        momentum: in [0, 1) (the paper: 0.9); 0 is plain SGD.
+        nesterov: Nesterov momentum (the paper's), else heavy ball.
+
+    Raises:
+        ValueError: an ``lr`` that is not a finite number > 0, a momentum outside [0, 1).
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool)
+                or not math.isfinite(self.lr) or self.lr <= 0):
+            raise ValueError(f"outer_lr must be a finite number > 0, got {self.lr!r}")
+        if (not isinstance(self.momentum, (int, float)) or isinstance(self.momentum, bool)
+                or not 0 <= self.momentum < 1):
+            raise ValueError(f"outer_momentum must be a number in [0, 1), got "
+                             f"{self.momentum!r}")
+
+    def apply(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
+              delta: Sequence[np.ndarray]) -> None:
+        """One step, in place on ``params`` and ``velocity``: element-wise numpy in a fixed
+        order, so equal inputs give equal bits on every rank."""
+        for p, v, d in zip(params, velocity, delta, strict=True):
+            lr, mu = p.dtype.type(self.lr), p.dtype.type(self.momentum)
+            if self.momentum == 0:
+                step = d
+            else:
+                v *= mu
+                v += d
+                step = d + mu * v if self.nesterov else v
+            p -= lr * step
+
+    def settings(self) -> dict[str, Any]:
+        return {"outer_lr": float(self.lr), "outer_momentum": float(self.momentum),
+                "nesterov": bool(self.nesterov)}
+
+
+class _Model:
+    """The caller's parameters: names, specs, and writable arrays (views of tensors)."""
+
+    def __init__(self, params: Pytree, what: str) -> None:
+        self.tree = params
+        self.names, self.arrays, self.specs = float_tensors(params, what)
+        if not self.specs:
+            raise ValueError(f"{what} needs at least one parameter")
+        for name, array in zip(self.names, self.arrays, strict=True):
+            if not array.flags.writeable:
+                raise ValueError(f"{what}: parameter {name!r} is read-only; the exchanges "
+                                 f"write into it")
+
+    def reread(self, params: Pytree | None, what: str) -> None:
+        """Take the arrays of ``params`` (the same tensors, maybe new arrays) if given.
+
+        Raises:
+            ValueError: other names, shapes or dtypes than at the start.
+        """
+        if params is None:
+            return
+        _, arrays, specs = float_tensors(params, what)
+        if specs != self.specs:
+            raise ValueError(f"{what}: the parameters changed (names, shapes or dtypes) since "
+                             f"it was made")
+        self.tree, self.arrays = params, arrays
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+class LocalSGD:
+    """Local SGD: every worker steps on its own; every ``inner_steps`` steps the group
+    averages the parameters (module docstring)::
+
+        local = training.LocalSGD(group, params, inner_steps=8)
+        for batch in batches:
+            inner_optimizer_step(params, batch)      # in place
+            await local.after_inner_step()           # True when the parameters were averaged
+
+    Args:
+        group: the group.
+        params: a pytree of writable floating-point arrays or CPU torch tensors, updated in
+            place by the caller's optimizer; the same names, shapes and dtypes on every rank.
+            Give every rank the same values first (:func:`broadcast_parameters`).
+        inner_steps: H, the steps between averages, >= 1.
+        bucket_bytes, strategy: as :func:`allreduce_gradients`.
+        timeout: seconds for each collective (default: the group's).
+
+    Attributes:
+        step: inner steps taken so far; syncs: averages done.
+        traffic: bytes handed to collectives, against an allreduce of the parameters' size
+            at every inner step.
+
+    Raises:
+        ValueError: ``inner_steps`` < 1, no parameters, a read-only one.
+        TypeError: a parameter that is not floating-point.
+    """
+
+    def __init__(self, group: Group, params: Pytree, *, inner_steps: int,
+                 bucket_bytes: int | None = None, strategy: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.group = group
+        self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
+        self.model = _Model(params, "LocalSGD")
+        self.bucket_bytes, self.strategy, self.timeout = bucket_bytes, strategy, timeout
+        self.step = 0
+        self.syncs = 0
+        self.traffic = Traffic()
+
+    async def after_inner_step(self, params: Pytree | None = None) -> bool:
+        """Count one inner step; every ``H``-th, average the parameters over the group.
+
+        Args:
+            params: the parameters, if the caller's arrays are not the ones it was made with
+                (an optimizer that rebinds instead of updating in place); else None.
+
+        Returns:
+            Whether the parameters were averaged (written into the caller's arrays).
+
+        Raises:
+            CollectiveMismatch: the ranks are at different steps, or disagree on H or the
+                tensors (named, on every rank).
+            CollectiveTimeout, PeerLost, GroupBroken: as the group's collectives.
+
+        Cancellation: breaks the group if it happens during the exchange; the parameters
+            are then this rank's own, unaveraged.
+        """
+        self.model.reread(params, "LocalSGD")
+        self.step += 1
+        self.traffic.dense_bytes += self.model.nbytes
+        if self.step % self.inner_steps:
+            return False
+        round_no = state_of(self.group).take_round()
+        # "step" sorts after the settings, so a rank with another H is told about H first.
+        settings = {"mode": "local_sgd", "inner_steps": self.inner_steps, "step": self.step,
+                    "bucket_bytes": _bucket_bytes(self.bucket_bytes)}
+        await agree_on(self.group, "LocalSGD", round_no, settings, self.model.specs,
+                       self.timeout)
+        averaged = await average(self.group, self.model.arrays, bucket_bytes=self.bucket_bytes,
+                                 strategy=self.strategy, timeout=self.timeout)
+        for mine, avg in zip(self.model.arrays, averaged, strict=True):
+            np.copyto(mine, avg)
+        self.syncs += 1
+        self.traffic.rounds += 1
+        self.traffic.sent_bytes += self.model.nbytes
+        return True
+
+
+class DiLoCo:
+    """DiLoCo and streaming DiLoCo: inner steps on each worker, outer steps on the average
+    of the workers' parameter changes (module docstring)::
+
+        diloco = training.DiLoCo(group, params, inner_steps=50, codec="int8")
+        for batch in batches:
+            inner_optimizer_step(params, batch)          # the worker's own, in place
+            await diloco.after_inner_step()              # True when an outer step happened
+        await diloco.flush()                             # apply exchanges still in flight
+
+    Args:
+        group: the group.
+        params: a pytree of writable floating-point arrays or CPU torch tensors, updated in
+            place by the inner optimizer; the same names, shapes and dtypes on every rank,
+            and the same values at the start (:func:`broadcast_parameters`).
+        inner_steps: H, inner steps between a fragment's exchanges, >= 1.
+        outer_lr, outer_momentum, nesterov: the outer optimizer (:class:`OuterSGD`).
+        codec: how the pseudo-gradients travel: None (their own dtype), "int8", "fp16", ...
+            (the group's codecs, ``group.allreduce(..., codec=)``).
+        fragments: F, the number of fragments (streaming DiLoCo), 1 <= F <= H and at most
+            the number of non-empty tensors; 1 is DiLoCo.
+        overlap: tau, inner steps between the start of a fragment's exchange and its outer
+            step, 0 <= tau <= H; 0 waits for the exchange at once.
+        mix: alpha of the merge ``mix * local + (1 - mix) * global``, in [0, 1).
+        bucket_bytes, strategy: as :func:`allreduce_gradients`.
+        nonfinite: a NaN or Inf in an averaged pseudo-gradient: "raise"
+            :class:`NonFiniteGradients` (the outer state is left as it was), "warn", "ignore".
+        timeout: seconds for each collective (default: the group's).
+
+    Attributes:
+        step: inner steps taken; outer_steps: fragment exchanges applied (one per outer
+            step when F = 1).
+        traffic: bytes handed to collectives (before the codec), against an allreduce of the
+            parameters' size at every inner step.
+
+    Raises:
+        ValueError: H < 1, a bad F, tau, mix, outer lr or momentum, no parameters, a
+            read-only parameter.
+        TypeError: a parameter that is not floating-point; a codec that is not a name.
+    """
+
+    def __init__(self, group: Group, params: Pytree, *, inner_steps: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 codec: str | None = None, fragments: int = 1, overlap: int = 0,
+                 mix: float = 0.0, bucket_bytes: int | None = None,
+                 strategy: str | None = None, nonfinite: Nonfinite = "raise",
+                 timeout: float | None = None) -> None:
+        self.group = group
+        self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
+        self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
+        self.codec = check_codec(codec)
+        self.model = _Model(params, "DiLoCo")
+        self.fragments = _fragments(self.model.specs, fragments, self.inner_steps)
+        if (not isinstance(overlap, int) or isinstance(overlap, bool)
+                or not 0 <= overlap <= self.inner_steps):
+            raise ValueError(f"overlap must be an int in [0, inner_steps={self.inner_steps}], "
+                             f"got {overlap!r}")
+        if (not isinstance(mix, (int, float)) or isinstance(mix, bool)
+                or not 0 <= mix < 1):
+            raise ValueError(f"mix must be a number in [0, 1), got {mix!r}")
+        check_nonfinite(nonfinite)
+        self.overlap, self.mix, self.nonfinite = overlap, float(mix), nonfinite
+        self.bucket_bytes, self.strategy, self.timeout = bucket_bytes, strategy, timeout
+        self.anchor = [a.copy() for a in self.model.arrays]  # the global parameters
+        self.velocity = [np.zeros_like(a) for a in self.anchor]
+        self.step = 0
+        self.outer_steps = 0
+        self.traffic = Traffic()
+        self._offsets = [f * self.inner_steps // len(self.fragments)
+                         for f in range(len(self.fragments))]
+        self._in_flight: dict[int, tuple[int, asyncio.Task[list[np.ndarray]]]] = {}
+        self._last: asyncio.Task[list[np.ndarray]] | None = None
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What every rank must agree on (it goes into the agreement header)."""
+        return {"mode": "diloco", "inner_steps": self.inner_steps, "codec": self.codec,
+                "fragments": len(self.fragments), "overlap": self.overlap, "mix": self.mix,
+                "nonfinite": self.nonfinite, "bucket_bytes": _bucket_bytes(self.bucket_bytes),
+                **self.outer.settings()}
+
+    def offset(self, fragment: int) -> int:
+        """The inner step (mod H) at which ``fragment``'s exchanges start."""
+        return self._offsets[fragment]
+
+    def fragment_names(self) -> list[list[str]]:
+        """The tensors of each fragment, by name."""
+        return [[self.model.names[i] for i in members] for members in self.fragments]
+
+    def global_state(self) -> dict[str, Pytree]:
+        """The state every replica shares: ``{"params": ..., "velocity": ...}``, the global
+        parameters (the anchor) and the outer momentum, in the parameters' structure (as
+        numpy arrays, the object's own: copy before changing them)."""
+        return {"params": replace_leaves(self.model.tree, self.anchor),
+                "velocity": replace_leaves(self.model.tree, self.velocity)}
+
+    async def after_inner_step(self, params: Pytree | None = None) -> bool:
+        """Count one inner step; finish the exchanges that are due and start the next ones.
+
+        Exchanges that are due (started ``overlap`` steps ago) are applied first, then the
+        fragments whose turn it is start theirs (and, without overlap, are applied at once),
+        in fragment order on every rank.
+
+        Args:
+            params: the parameters, if the caller's arrays are not the ones this was made
+                with (an optimizer that rebinds instead of updating in place); else None.
+
+        Returns:
+            Whether an outer step was applied (to some fragment) in this call.
+
+        Raises:
+            CollectiveMismatch: the ranks are at different inner steps or rounds, or disagree
+                on H, F, the codec, the outer optimizer or the tensors (named, every rank).
+            NonFiniteGradients: an averaged pseudo-gradient holds NaN or Inf; that fragment's
+                outer step is not applied.
+            CollectiveTimeout, PeerLost, GroupBroken: as the group's collectives.
+
+        Cancellation: breaks the group if it happens during an exchange; the fragments
+            already applied stay applied, the others keep their state.
+        """
+        self.model.reread(params, "DiLoCo")
+        self.step += 1
+        self.traffic.dense_bytes += self.model.nbytes
+        applied = False
+        for f in sorted(self._in_flight):
+            if self._in_flight[f][0] <= self.step:
+                _, task = self._in_flight.pop(f)
+                self._apply(f, await task)
+                applied = True
+        for f, offset in enumerate(self._offsets):
+            if (self.step - offset) % self.inner_steps:
+                continue  # steps offset, offset + H, ...: fragment 0 first at H
+            task = self._start(f)
+            if self.overlap == 0:
+                self._apply(f, await task)
+                applied = True
+            else:
+                self._in_flight[f] = (self.step + self.overlap, task)
+        return applied
+
+    async def flush(self) -> int:
+        """Wait for the exchanges in flight and apply them now; returns how many.
+
+        Raises and cancellation as :meth:`after_inner_step`.
+        """
+        done = 0
+        for f in sorted(self._in_flight):
+            _, task = self._in_flight.pop(f)
+            self._apply(f, await task)
+            done += 1
+        return done
+
+    def _start(self, f: int) -> asyncio.Task[list[np.ndarray]]:
+        """Start fragment f's exchange: its pseudo-gradient, taken now, averaged in a task
+        that waits for the previous exchange (so the collectives keep one order)."""
+        members = self.fragments[f]
+        delta = [self.anchor[i] - self.model.arrays[i] for i in members]
+        round_no = state_of(self.group).take_round()  # now, in the same order on every rank
+        specs = [self.model.specs[i] for i in members]
+        # "step" and "this_fragment" sort after the settings, so a rank with another H or F
+        # is told about that first (it is at another step too).
+        settings = {**self.settings, "step": self.step, "this_fragment": f}
+        previous = self._last
+
+        async def exchange() -> list[np.ndarray]:
+            if previous is not None:
+                await asyncio.wait([previous])  # its failure is its awaiter's to see
+            await agree_on(self.group, "DiLoCo", round_no, settings, specs, self.timeout)
+            averaged = await average(self.group, delta, codec=self.codec,
+                                     bucket_bytes=self.bucket_bytes, strategy=self.strategy,
+                                     timeout=self.timeout)
+            report_nonfinite("DiLoCo's averaged pseudo-gradient", [s.name for s in specs],
+                             averaged, self.nonfinite, round_no)
+            return averaged
+
+        self._last = asyncio.ensure_future(exchange())
+        self.traffic.rounds += 1
+        self.traffic.sent_bytes += sum(d.nbytes for d in delta)
+        return self._last
+
+    def _apply(self, f: int, averaged: list[np.ndarray]) -> None:
+        """Fragment f's outer step on the global state, and the merge into the parameters."""
+        members = self.fragments[f]
+        self.outer.apply([self.anchor[i] for i in members], [self.velocity[i] for i in members],
+                         averaged)
+        for i in members:
+            local, anchor = self.model.arrays[i], self.anchor[i]
+            if self.mix == 0:
+                np.copyto(local, anchor)
+            else:
+                alpha = local.dtype.type(self.mix)
+                np.copyto(local, alpha * local + (local.dtype.type(1) - alpha) * anchor)
+        self.outer_steps += 1
+
+
+InnerStep = Callable[["Group", int, int], Awaitable[None] | None]
+"""``inner(group, round, i)``: one inner step (i = 0 .. H-1 of outer step ``round``) on the
+parameters, in place; a plain function or a coroutine function."""
+
+
+class DiLoCoRounds:
+    """DiLoCo's outer steps as the rounds of :func:`train_elastic`, so that peers may die and
+    join: the outer state (global parameters and momentum) is the elastic state, which a new
+    group takes from its most advanced member, and each outer step is applied exactly once::
+
+        rounds = training.DiLoCoRounds(params, inner, inner_steps=50)
+        await training.train_elastic(rounds.step, rounds.apply, rounds.state,
+                                     rounds=outer_steps, min_world_size=2, ...)
+        rounds.finish()                       # the global parameters into ``params``
+
+    ``step`` copies the global parameters into ``params``, runs ``inner`` H times, checks
+    that the ranks agree on the settings (one small allgather) and returns the
+    pseudo-gradients; train_elastic averages them (``op="avg"``) and ``apply`` takes the
+    outer step on the state. Streaming and overlap are :class:`DiLoCo`'s only.
+
+    Args:
+        params: the model's parameters (writable float arrays or CPU torch tensors), which
+            the inner steps train in place.
+        inner: ``inner(group, round, i)``, one inner step (see :data:`InnerStep`).
+        inner_steps: H, >= 1.
+        outer_lr, outer_momentum, nesterov: the outer optimizer (:class:`OuterSGD`).
+        codec: must match the codec given to train_elastic (it is only compared between
+            the ranks here).
+        timeout: seconds for the settings check.
+
+    Attributes:
+        state: ``{"params": ..., "velocity": ...}``, numpy copies in the parameters'
+            structure: pass it to train_elastic as its state.
+
+    Raises:
+        ValueError, TypeError: as :class:`DiLoCo`.
+    """
+
+    def __init__(self, params: Pytree, inner: InnerStep, *, inner_steps: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 codec: str | None = None, timeout: float | None = None) -> None:
+        self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
+        self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
+        self.codec = check_codec(codec)
+        self.model = _Model(params, "DiLoCoRounds")
+        self.inner, self.timeout = inner, timeout
+        self.state: dict[str, Pytree] = {
+            "params": replace_leaves(params, [a.copy() for a in self.model.arrays]),
+            "velocity": replace_leaves(params, [np.zeros_like(a) for a in self.model.arrays]),
+        }
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"mode": "diloco-elastic", "inner_steps": self.inner_steps, "codec": self.codec,
+                **self.outer.settings()}
+
+    async def step(self, group: Group, round: int, state: Pytree) -> dict[str, np.ndarray]:
+        """train_elastic's step: H inner steps from the global parameters; the
+        pseudo-gradients by parameter name. Does not change ``state``.
+
+        Raises:
+            CollectiveMismatch: the ranks disagree on H, the codec or the outer optimizer.
+            Whatever ``inner`` raises.
+        """
+        anchor = _leaves(state["params"])
+        for mine, start in zip(self.model.arrays, anchor, strict=True):
+            np.copyto(mine, start)
+        for i in range(self.inner_steps):
+            result = self.inner(group, round, i)
+            if inspect.isawaitable(result):
+                await result
+        await agree_on(group, "DiLoCoRounds", round, self.settings, self.model.specs,
+                       self.timeout)
+        return {name: start - mine for name, start, mine
+                in zip(self.model.names, anchor, self.model.arrays, strict=True)}
+
+    def apply(self, state: Pytree, deltas: dict[str, Any], round: int) -> None:
+        """train_elastic's apply: the outer step on ``state`` with the averaged deltas."""
+        self.outer.apply(_leaves(state["params"]), _leaves(state["velocity"]),
+                         [as_array(deltas[name], name) for name in self.model.names])
+
+    def finish(self) -> None:
+        """Copy the global parameters into the model's (after train_elastic returned)."""
+        for mine, start in zip(self.model.arrays, _leaves(self.state["params"]), strict=True):
+            np.copyto(mine, start)
+
+
+def _leaves(tree: Pytree) -> list[np.ndarray]:
+    return [as_array(leaf, path) for path, leaf in named_leaves(tree)]
+
+
+def _bucket_bytes(bucket_bytes: int | None) -> int:
+    return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+
+
+def _fragments(specs: Sequence[TensorSpec], count: Any, inner_steps: int) -> list[list[int]]:
+    """Tensor i (in leaf order, empty ones skipped) goes to fragment ``i % count``.
+
+    Raises:
+        ValueError: ``count`` is not an int in [1, min(H, non-empty tensors)].
+    """
+    tensors = [i for i, spec in enumerate(specs) if spec.size]
+    limit = min(inner_steps, len(tensors))
+    if (not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= max(limit, 1)):
+        raise ValueError(f"fragments must be an int in [1, {limit}] (at most inner_steps and "
+                         f"the number of non-empty tensors, {len(tensors)}), got {count!r}")
+    return [tensors[f::count] for f in range(count)]

@@ -1,0 +1,352 @@
+"""Local SGD, DiLoCo and streaming DiLoCo (p2pcoll.training) over real peers: the outer
+optimizer is the paper's, the limiting cases are plain averaged SGD, every rank holds the
+same global state after every outer step, fragments sync on their own staggered steps,
+bytes drop by about H, and ranks that disagree are told what differs."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll import training
+from p2pcoll.testing import run_ranks
+
+TIMEOUT = 10.0
+
+
+def digest(tree: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name, leaf in training.named_leaves(tree):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def model(seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"l1.w": rng.standard_normal((16, 24)).astype(dtype),
+            "l1.b": rng.standard_normal(24).astype(dtype),
+            "l2.w": rng.standard_normal((24, 8)).astype(dtype),
+            "l2.b": rng.standard_normal(8).astype(dtype)}
+
+
+def noisy_grads(params: dict[str, np.ndarray], rank: int, step: int) -> dict[str, np.ndarray]:
+    """Each rank's own gradients at each step: what its data would give (pull towards a
+    rank-specific target, plus noise)."""
+    rng = np.random.default_rng(1000 * step + rank)
+    return {k: (0.1 * v - 0.05 * (rank + 1) + 0.01 * rng.standard_normal(v.shape)
+                ).astype(v.dtype) for k, v in params.items()}
+
+
+# --- the outer optimizer ----------------------------------------------------------------------
+
+
+def test_outer_sgd_is_torchs_sgd_with_nesterov_momentum() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    start = rng.standard_normal(10)
+    deltas = [rng.standard_normal(10) for _ in range(5)]
+    for nesterov, momentum in [(True, 0.9), (False, 0.9), (False, 0.0)]:
+        outer = training.OuterSGD(lr=0.7, momentum=momentum, nesterov=nesterov)
+        p, v = start.copy(), np.zeros(10)
+        tp = torch.tensor(start, requires_grad=True)
+        opt = torch.optim.SGD([tp], lr=0.7, momentum=momentum, nesterov=nesterov)
+        for d in deltas:
+            outer.apply([p], [v], [d])
+            tp.grad = torch.tensor(d)
+            opt.step()
+        np.testing.assert_allclose(p, tp.detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lr": 0}, "outer_lr"), ({"lr": float("inf")}, "outer_lr"), ({"lr": -1}, "outer_lr"),
+    ({"momentum": 1.0}, "outer_momentum"), ({"momentum": -0.1}, "outer_momentum"),
+])
+def test_outer_sgd_refuses_bad_settings(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        training.OuterSGD(**kwargs)
+
+
+# --- the limiting cases -------------------------------------------------------------------------
+
+
+def dyadic_grads(rank: int, step: int) -> dict[str, np.ndarray]:
+    """Small integers: every sum, halving and difference below is exact in float64."""
+    rng = np.random.default_rng(10 * step + rank)
+    return {"w": rng.integers(-8, 8, (4, 3)).astype(np.float64),
+            "b": rng.integers(-8, 8, 3).astype(np.float64)}
+
+
+@pytest.mark.parametrize("n", [3, 4])
+async def test_diloco_with_h_1_lr_1_no_momentum_is_plain_averaged_sgd(n: int) -> None:
+    # With 4 ranks every value stays a small dyadic fraction, so both ways are exact and give
+    # the same bits; with 3 the averages round (to within the last bits).
+    steps, lr = 5, 0.5
+
+    async def fn(g: p2pcoll.Group) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        params = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+        diloco = training.DiLoCo(g, params, inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
+        for t in range(steps):
+            for k, grad in dyadic_grads(g.rank, t).items():
+                params[k] -= lr * grad                     # the inner step: plain SGD
+            assert await diloco.after_inner_step()
+        plain = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+        for t in range(steps):
+            avg = await training.allreduce_gradients(g, dyadic_grads(g.rank, t))
+            for k, grad in avg.items():
+                plain[k] -= lr * grad
+        return params, plain
+
+    results = await run_ranks(n, fn, collective_timeout=TIMEOUT)
+    assert len({digest(mine) for mine, _ in results}) == 1
+    for mine, plain in results:
+        if n == 4:
+            assert digest(mine) == digest(plain)
+        for k in plain:
+            np.testing.assert_allclose(mine[k], plain[k], rtol=1e-13, atol=1e-13)
+
+
+async def test_local_sgd_averages_the_parameters_every_h_steps() -> None:
+    h, n = 3, 2
+
+    async def fn(g: p2pcoll.Group) -> list[tuple[bool, str]]:
+        params = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+        local = training.LocalSGD(g, params, inner_steps=h)
+        seen = []
+        for t in range(2 * h):
+            for k, grad in dyadic_grads(g.rank, t).items():
+                params[k] -= grad
+            seen.append((await local.after_inner_step(), digest(params)))
+        assert local.syncs == 2 and local.traffic.ratio == h
+        return seen
+
+    results = await run_ranks(n, fn, collective_timeout=TIMEOUT)
+    for t in range(2 * h):
+        synced = {seen[t][0] for seen in results}
+        assert synced == {(t + 1) % h == 0}
+        assert (len({seen[t][1] for seen in results}) == 1) == ((t + 1) % h == 0)
+    # After the first H steps: the mean of what each rank would have alone.
+    want = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+    for k in want:
+        want[k] = want[k] - sum(sum(dyadic_grads(r, t)[k] for t in range(h))
+                                for r in range(n)) / n
+    assert results[0][h - 1][1] == digest(want)
+
+
+# --- identical replicas, fragments, bytes ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+async def test_diloco_keeps_the_global_state_identical_on_every_rank(n: int) -> None:
+    h, outer_steps = 4, 3
+
+    async def fn(g: p2pcoll.Group) -> list[str]:
+        params = model(seed=g.rank)  # different on purpose: broadcast first, as documented
+        await training.broadcast_parameters(g, params)
+        diloco = training.DiLoCo(g, params, inner_steps=h)
+        digests = []
+        for t in range(h * outer_steps):
+            for k, grad in noisy_grads(params, g.rank, t).items():
+                params[k] -= np.float32(0.1) * grad
+            if await diloco.after_inner_step():
+                assert digest(params) == digest(diloco.global_state()["params"])
+                await training.check_replicas(g, params)
+                digests.append(digest(diloco.global_state()))
+        assert diloco.outer_steps == outer_steps
+        return digests
+
+    results = await run_ranks(n, fn, collective_timeout=TIMEOUT)
+    assert len(results[0]) == outer_steps
+    assert all(r == results[0] for r in results)
+    assert len(set(results[0])) == outer_steps  # the state moved at every outer step
+
+
+async def test_streaming_fragments_sync_at_their_staggered_steps() -> None:
+    h, f = 6, 3  # offsets 0, 2, 4: fragment 1 at steps 2, 8, 14; 2 at 4, 10; 0 at 6, 12
+
+    async def fn(g: p2pcoll.Group) -> tuple[list[int], list[list[str]], list[str]]:
+        params = model()
+        diloco = training.DiLoCo(g, params, inner_steps=h, fragments=f, strategy="ring")
+        when, digests = [], []
+        for t in range(1, 15):
+            for k, grad in noisy_grads(params, g.rank, t).items():
+                params[k] -= np.float32(0.1) * grad
+            if await diloco.after_inner_step():
+                when.append(t)
+                digests.append(digest(diloco.global_state()))
+        return when, diloco.fragment_names(), digests
+
+    results = await run_ranks(2, fn, collective_timeout=TIMEOUT)
+    when, fragments, digests = results[0]
+    assert when == [2, 4, 6, 8, 10, 12, 14]
+    # Strided over the leaf order l1.b, l1.w, l2.b, l2.w.
+    assert fragments == [["l1.b", "l2.w"], ["l1.w"], ["l2.b"]]
+    assert results[1][2] == digests
+
+
+async def test_streaming_with_overlap_applies_tau_steps_later_and_mixes() -> None:
+    h, tau, mix = 4, 2, 0.5
+
+    async def fn(g: p2pcoll.Group) -> tuple[list[int], str, str]:
+        params = model()
+        diloco = training.DiLoCo(g, params, inner_steps=h, fragments=2, overlap=tau, mix=mix)
+        applied = []
+        for t in range(1, 12):
+            for k, grad in noisy_grads(params, g.rank, t).items():
+                params[k] -= np.float32(0.1) * grad
+            if await diloco.after_inner_step():
+                applied.append(t)
+        assert await diloco.flush() == 1  # fragment 1's exchange started at step 10
+        return applied, digest(diloco.global_state()), digest(params)
+
+    results = await run_ranks(3, fn, collective_timeout=TIMEOUT)
+    # Fragment 1 starts at 2, 6, 10 and fragment 0 at 4, 8: each applied 2 steps later.
+    assert results[0][0] == [4, 6, 8, 10]
+    assert len({r[1] for r in results}) == 1, "the global state is the same on every rank"
+    assert len({r[2] for r in results}) == 3, "the mixed local parameters are each rank's"
+
+
+async def test_diloco_hands_the_network_about_h_times_fewer_bytes() -> None:
+    h, steps = 8, 16
+
+    async def fn(g: p2pcoll.Group) -> tuple[int, int, float]:
+        params = model(dtype=np.float32)
+        diloco = training.DiLoCo(g, params, inner_steps=h, strategy="ring")
+        before = g.stats()["bytes_sent"]
+        for t in range(steps):
+            for k, grad in noisy_grads(params, g.rank, t).items():
+                params[k] -= np.float32(0.1) * grad
+            await diloco.after_inner_step()
+        outer = g.stats()["bytes_sent"] - before
+        before = g.stats()["bytes_sent"]
+        for t in range(steps):
+            await training.allreduce_gradients(g, noisy_grads(params, g.rank, t),
+                                               strategy="ring")
+        dense = g.stats()["bytes_sent"] - before
+        return outer, dense, diloco.traffic.ratio
+
+    for outer, dense, ratio in await run_ranks(3, fn, collective_timeout=TIMEOUT):
+        assert ratio == h
+        assert outer * (h - 1) < dense, (outer, dense)
+
+
+async def test_torch_parameters_are_trained_in_place() -> None:
+    torch = pytest.importorskip("torch")
+
+    async def fn(g: p2pcoll.Group) -> str:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(6, 3)
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)  # the worker's own inner optimizer
+        params = dict(net.named_parameters())
+        diloco = training.DiLoCo(g, params, inner_steps=3)
+        for t in range(6):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * t + g.rank))
+            opt.zero_grad()
+            net(x).pow(2).mean().backward()
+            opt.step()
+            await diloco.after_inner_step()
+        with torch.no_grad():
+            state = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+        assert digest(state) == digest(diloco.global_state()["params"])
+        return digest(state)
+
+    assert len(set(await run_ranks(2, fn, collective_timeout=TIMEOUT))) == 1
+
+
+# --- disagreement and bad input -------------------------------------------------------------------
+
+
+async def mismatch(n: int, make: Any, steps: int) -> list[Any]:
+    async def fn(g: p2pcoll.Group) -> Exception | None:
+        params = model()
+        mode = make(g, params)
+        try:
+            for _ in range(steps):
+                await mode.after_inner_step()
+        except p2pcoll.CollectiveMismatch as exc:
+            return exc
+        return None
+
+    return await run_ranks(n, fn, collective_timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("what, make, words", [
+    ("H", lambda g, p: training.DiLoCo(g, p, inner_steps=2 + g.rank),
+     "inner_steps is 2 on rank 0 but 3 on rank 1"),
+    ("codec", lambda g, p: training.DiLoCo(g, p, inner_steps=2,
+                                           codec="fp16" if g.rank else None),
+     "codec is None on rank 0 but 'fp16' on rank 1"),
+    ("fragments", lambda g, p: training.DiLoCo(g, p, inner_steps=4, fragments=1 + g.rank),
+     "fragments is 1 on rank 0 but 2 on rank 1"),
+    ("outer lr", lambda g, p: training.DiLoCo(g, p, inner_steps=2, outer_lr=0.7 + g.rank),
+     "outer_lr is 0.7 on rank 0 but 1.7 on rank 1"),
+    ("local SGD's H", lambda g, p: training.LocalSGD(g, p, inner_steps=2 + g.rank),
+     "inner_steps is 2 on rank 0 but 3 on rank 1"),
+])
+async def test_ranks_that_disagree_get_a_mismatch_naming_the_setting(
+        what: str, make: Any, words: str) -> None:
+    for exc in await mismatch(2, make, steps=6):
+        assert isinstance(exc, p2pcoll.CollectiveMismatch), what
+        assert words in str(exc), str(exc)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"inner_steps": 0}, ValueError, r"inner_steps \(H\) must be an int >= 1"),
+    ({"inner_steps": -3}, ValueError, r"inner_steps \(H\) must be an int >= 1"),
+    ({"inner_steps": 2.5}, ValueError, r"inner_steps \(H\) must be an int >= 1"),
+    ({"inner_steps": 4, "fragments": 0}, ValueError, "fragments must be an int in"),
+    ({"inner_steps": 2, "fragments": 3}, ValueError, "fragments must be an int in"),
+    ({"inner_steps": 50, "fragments": 5}, ValueError, r"non-empty tensors, 4\)"),
+    ({"inner_steps": 4, "overlap": 5}, ValueError, "overlap must be an int in"),
+    ({"inner_steps": 4, "overlap": -1}, ValueError, "overlap must be an int in"),
+    ({"inner_steps": 4, "mix": 1.0}, ValueError, r"mix must be a number in \[0, 1\)"),
+    ({"inner_steps": 4, "outer_lr": 0.0}, ValueError, "outer_lr"),
+    ({"inner_steps": 4, "outer_momentum": 1.5}, ValueError, "outer_momentum"),
+    ({"inner_steps": 4, "codec": 8}, TypeError, "codec must be a codec's name"),
+    ({"inner_steps": 4, "nonfinite": "skip"}, ValueError, "nonfinite"),
+])
+async def test_bad_settings_are_refused(kwargs: dict[str, Any], error: type[Exception],
+                                        match: str) -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        with pytest.raises(error, match=match):
+            training.DiLoCo(g, model(), **kwargs)
+
+    await run_ranks(1, fn)
+
+
+async def test_bad_parameters_are_refused() -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        with pytest.raises(TypeError, match="'steps' is int64"):
+            training.DiLoCo(g, {"w": np.ones(3), "steps": np.arange(2)}, inner_steps=2)
+        with pytest.raises(TypeError, match="'steps' is int64"):
+            training.LocalSGD(g, {"w": np.ones(3), "steps": np.arange(2)}, inner_steps=2)
+        with pytest.raises(ValueError, match="at least one parameter"):
+            training.DiLoCo(g, {}, inner_steps=2)
+        frozen = np.ones(3)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="'w' is read-only"):
+            training.DiLoCo(g, {"w": frozen}, inner_steps=2)
+        with pytest.raises(ValueError, match=r"inner_steps \(H\)"):
+            training.LocalSGD(g, {"w": np.ones(3)}, inner_steps=0)
+        diloco = training.DiLoCo(g, {"w": np.ones(3)}, inner_steps=2)
+        with pytest.raises(ValueError, match="parameters changed"):
+            await diloco.after_inner_step({"w": np.ones(4)})
+
+    await run_ranks(1, fn)
+
+
+async def test_a_nan_pseudo_gradient_is_reported_and_not_applied() -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        params = {"w": np.ones(3), "b": np.zeros(2)}
+        diloco = training.DiLoCo(g, params, inner_steps=1)
+        before = digest(diloco.global_state())
+        params["w"][1] = np.nan if g.rank == 0 else 2.0
+        with pytest.raises(training.NonFiniteGradients, match="'w'"):
+            await diloco.after_inner_step()
+        assert digest(diloco.global_state()) == before and diloco.outer_steps == 0
+
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)
