@@ -5,6 +5,7 @@ bytes drop by about H, and ranks that disagree are told what differs."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 import p2pcoll
 from p2pcoll import training
-from p2pcoll.testing import run_ranks
+from p2pcoll.testing import free_port, run_ranks
 
 TIMEOUT = 10.0
 
@@ -350,3 +351,94 @@ async def test_a_nan_pseudo_gradient_is_reported_and_not_applied() -> None:
         assert digest(diloco.global_state()) == before and diloco.outer_steps == 0
 
     await run_ranks(2, fn, collective_timeout=TIMEOUT)
+
+
+# --- elastic: a peer lost mid outer step ----------------------------------------------------------
+
+
+class ElasticJob:
+    """Peers of one elastic DiLoCo job as tasks (tests/test_elastic.py's Job, with DiLoCo).
+    Each inner step takes every parameter down by exactly 1, so every pseudo-gradient is H
+    whatever the world size: the final state tells how many outer steps were applied."""
+
+    H = 3
+
+    def __init__(self, rounds: int) -> None:
+        self.url = f"tcp://127.0.0.1:{free_port()}"
+        self.rounds = rounds
+        self.stuck = asyncio.Event()     # the victim is in an inner step, never to return
+        self.smaller = asyncio.Event()   # the survivors took outer steps without it
+
+    def start(self, die_at: int | None = None, newcomer: bool = False
+              ) -> asyncio.Task[tuple[training.ElasticResult, training.DiLoCoRounds]]:
+        return asyncio.create_task(self.peer(die_at, newcomer))
+
+    async def peer(self, die_at: int | None, newcomer: bool
+                   ) -> tuple[training.ElasticResult, training.DiLoCoRounds]:
+        params = {"w": np.full((2, 3), 9.0 if newcomer else 0.0), "b": np.zeros(3)}
+
+        async def inner(group: p2pcoll.Group, r: int, i: int) -> None:
+            if r == die_at and i == 1:
+                self.stuck.set()
+                await asyncio.sleep(3600)  # until cancelled, while the others wait for it
+            if group.world_size < 3 and r >= (die_at or 0) + 3:
+                self.smaller.set()
+            await asyncio.sleep(0.002)
+            for p in params.values():
+                p -= 1.0
+
+        rounds = training.DiLoCoRounds(params, inner, inner_steps=self.H, outer_lr=0.5,
+                                       outer_momentum=0.5)
+        result = await training.train_elastic(
+            rounds.step, rounds.apply, rounds.state, rounds=self.rounds, min_world_size=2,
+            max_world_size=3, rendezvous=self.url, timeout=20.0, poll_every=0.2)
+        rounds.finish()
+        assert digest(params) == digest(rounds.state["params"])
+        return result, rounds
+
+
+async def test_elastic_diloco_survives_a_lost_peer_and_applies_each_outer_step_once() -> None:
+    job = ElasticJob(rounds=14)
+    victim = job.start(die_at=4)
+    survivors = [job.start(), job.start()]
+    await job.stuck.wait()
+    victim.cancel()  # it closes its group in the middle of outer step 4
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    await job.smaller.wait()
+    newcomer = job.start(newcomer=True)
+    results = await asyncio.gather(*survivors, newcomer)
+
+    # Every outer step exactly once: the state is H-sized steps replayed rounds times.
+    want = {"w": np.zeros((2, 3)), "b": np.zeros(3)}
+    velocity = {k: np.zeros_like(v) for k, v in want.items()}
+    outer = training.OuterSGD(lr=0.5, momentum=0.5)
+    for _ in range(job.rounds):
+        outer.apply([want["b"], want["w"]], [velocity["b"], velocity["w"]],
+                    [np.full(3, float(job.H)), np.full((2, 3), float(job.H))])
+    for result, rounds in results:
+        assert digest(rounds.state) == digest({"params": want, "velocity": velocity})
+        applied = result.applied
+        assert applied == sorted(set(applied)), "no outer step applied twice"
+    survivor, _ = results[0]
+    assert [f.world_size for f in survivor.formations] == [3, 2, 3]
+    assert survivor.redone == 1  # outer step 4: computed, lost with the group, run again
+    late, _ = results[2]
+    assert late.joined_at > 4 and late.formations[0].received  # it got the outer state
+
+
+async def test_elastic_diloco_ranks_that_disagree_on_h_are_told() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def peer(h: int) -> training.ElasticResult:
+        params = {"w": np.zeros(3)}
+        rounds = training.DiLoCoRounds(params, lambda g, r, i: None, inner_steps=h)
+        return await training.train_elastic(rounds.step, rounds.apply, rounds.state, rounds=2,
+                                            min_world_size=2, max_world_size=2,
+                                            rendezvous=url, timeout=10)
+
+    errors = await asyncio.gather(peer(5), peer(6), return_exceptions=True)
+    for exc in errors:
+        assert isinstance(exc, p2pcoll.CollectiveMismatch), exc
+        assert "inner_steps is 5 on rank 0 but 6 on rank 1" in str(exc) or \
+            "inner_steps is 6 on rank 0 but 5 on rank 1" in str(exc)
