@@ -340,6 +340,21 @@ async def test_bad_parameters_are_refused() -> None:
     await run_ranks(1, fn)
 
 
+async def test_ranks_that_start_from_different_parameters_are_told() -> None:
+    async def fn(g: p2pcoll.Group) -> Exception | None:
+        diloco = training.DiLoCo(g, model(seed=g.rank), inner_steps=1)  # no broadcast first
+        try:
+            await diloco.after_inner_step()
+        except p2pcoll.ReplicaDivergence as exc:
+            return exc
+        return None
+
+    for exc in await run_ranks(2, fn, collective_timeout=TIMEOUT):
+        assert isinstance(exc, p2pcoll.ReplicaDivergence)
+        assert exc.ranks == [1] and exc.tensor == "l1.b"
+        assert "broadcast_parameters" in str(exc)
+
+
 async def test_a_nan_pseudo_gradient_is_reported_and_not_applied() -> None:
     async def fn(g: p2pcoll.Group) -> None:
         params = {"w": np.ones(3), "b": np.zeros(2)}

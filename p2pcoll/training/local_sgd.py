@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import ReplicaDivergence
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from .modes import (
@@ -314,6 +315,7 @@ class DiLoCo:
                          for f in range(len(self.fragments))]
         self._in_flight: dict[int, tuple[int, asyncio.Task[list[np.ndarray]]]] = {}
         self._last: asyncio.Task[list[np.ndarray]] | None = None
+        self._checked: set[int] = set()  # fragments whose starting parameters were compared
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -355,6 +357,8 @@ class DiLoCo:
         Raises:
             CollectiveMismatch: the ranks are at different inner steps or rounds, or disagree
                 on H, F, the codec, the outer optimizer or the tensors (named, every rank).
+            ReplicaDivergence: at a fragment's first exchange, the ranks' global parameters
+                (those they gave DiLoCo) differ: broadcast them first.
             NonFiniteGradients: an averaged pseudo-gradient holds NaN or Inf; that fragment's
                 outer step is not applied.
             CollectiveTimeout, PeerLost, GroupBroken: as the group's collectives.
@@ -406,10 +410,23 @@ class DiLoCo:
         settings = {**self.settings, "step": self.step, "this_fragment": f}
         previous = self._last
 
+        # A fragment's first exchange also compares the global parameters it starts from:
+        # ranks that were not given the same parameters would never hold the same state.
+        first = f not in self._checked
+        self._checked.add(f)
+        anchors = [self.anchor[i].copy() for i in members] if first else None
+
         async def exchange() -> list[np.ndarray]:
             if previous is not None:
                 await asyncio.wait([previous])  # its failure is its awaiter's to see
-            await agree_on(self.group, "DiLoCo", round_no, settings, specs, self.timeout)
+            try:
+                await agree_on(self.group, "DiLoCo", round_no, settings, specs, self.timeout,
+                               anchors)
+            except ReplicaDivergence as exc:
+                raise ReplicaDivergence(
+                    f"DiLoCo started from different parameters on different ranks ({exc}); "
+                    f"give every rank the same parameters before making it "
+                    f"(training.broadcast_parameters)", exc.ranks, exc.tensor) from None
             averaged = await average(self.group, delta, codec=self.codec,
                                      bucket_bytes=self.bucket_bytes, strategy=self.strategy,
                                      timeout=self.timeout)
@@ -455,7 +472,8 @@ class DiLoCoRounds:
     ``step`` copies the global parameters into ``params``, runs ``inner`` H times, checks
     that the ranks agree on the settings (one small allgather) and returns the
     pseudo-gradients; train_elastic averages them (``op="avg"``) and ``apply`` takes the
-    outer step on the state. Streaming and overlap are :class:`DiLoCo`'s only.
+    outer step on the state. Streaming, overlap and codecs are :class:`DiLoCo`'s only
+    (train_elastic reduces in the gradients' own dtype).
 
     Args:
         params: the model's parameters (writable float arrays or CPU torch tensors), which
@@ -463,8 +481,6 @@ class DiLoCoRounds:
         inner: ``inner(group, round, i)``, one inner step (see :data:`InnerStep`).
         inner_steps: H, >= 1.
         outer_lr, outer_momentum, nesterov: the outer optimizer (:class:`OuterSGD`).
-        codec: must match the codec given to train_elastic (it is only compared between
-            the ranks here).
         timeout: seconds for the settings check.
 
     Attributes:
@@ -477,10 +493,9 @@ class DiLoCoRounds:
 
     def __init__(self, params: Pytree, inner: InnerStep, *, inner_steps: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 codec: str | None = None, timeout: float | None = None) -> None:
+                 timeout: float | None = None) -> None:
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.codec = check_codec(codec)
         self.model = _Model(params, "DiLoCoRounds")
         self.inner, self.timeout = inner, timeout
         self.state: dict[str, Pytree] = {
@@ -490,7 +505,7 @@ class DiLoCoRounds:
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"mode": "diloco-elastic", "inner_steps": self.inner_steps, "codec": self.codec,
+        return {"mode": "diloco-elastic", "inner_steps": self.inner_steps,
                 **self.outer.settings()}
 
     async def step(self, group: Group, round: int, state: Pytree) -> dict[str, np.ndarray]:
@@ -498,7 +513,7 @@ class DiLoCoRounds:
         pseudo-gradients by parameter name. Does not change ``state``.
 
         Raises:
-            CollectiveMismatch: the ranks disagree on H, the codec or the outer optimizer.
+            CollectiveMismatch: the ranks disagree on H or the outer optimizer.
             Whatever ``inner`` raises.
         """
         anchor = _leaves(state["params"])

@@ -29,6 +29,7 @@ from .agreement import Call, Kind, agree, table
 from .buckets import BucketPlan, TensorSpec
 from .errors import NonFiniteGradients
 from .nonfinite import check_nonfinite
+from .replicas import content_digest
 
 if TYPE_CHECKING:
     from .. import Group
@@ -110,15 +111,22 @@ def float_tensors(tree: Pytree, what: str) -> tuple[list[str], list[np.ndarray],
 
 
 async def agree_on(group: Group, what: str, round_no: int, settings: Mapping[str, Any],
-                   specs: Sequence[TensorSpec], timeout: float | None) -> None:
+                   specs: Sequence[TensorSpec], timeout: float | None,
+                   contents: Sequence[np.ndarray] | None = None) -> None:
     """The agreement header of a round of a mode: every rank in the same round, with the same
-    tensors and ``settings`` (which name the mode, so a rank in another mode differs too).
+    tensors and ``settings`` (which name the mode, so a rank in another mode differs too),
+    and, if ``contents`` are given, the same bits in them (in the same header).
 
     Raises:
         CollectiveMismatch: naming the round, or the first setting or tensor that differs.
+        ReplicaDivergence: ``contents`` differ between ranks (naming the first tensor).
         CollectiveTimeout, PeerLost, GroupBroken: as the group's collectives.
     """
-    await agree(group, Call(Kind.GRADIENTS, round_no, what, table(settings, specs)), timeout)
+    data = None
+    if contents is not None:
+        data = table({}, specs, [content_digest(a) for a in contents])
+    await agree(group, Call(Kind.GRADIENTS, round_no, what, table(settings, specs), data),
+                timeout)
 
 
 async def average(group: Group, arrays: Sequence[np.ndarray], *, codec: str | None = None,
