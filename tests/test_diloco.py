@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +23,8 @@ from p2pcoll import training
 from p2pcoll.testing import free_port, run_ranks
 
 TIMEOUT = 10.0
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                 "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
 
 
 def digest(tree: Any) -> str:
@@ -457,3 +465,85 @@ async def test_elastic_diloco_ranks_that_disagree_on_h_are_told() -> None:
         assert isinstance(exc, p2pcoll.CollectiveMismatch), exc
         assert "inner_steps is 5 on rank 0 but 6 on rank 1" in str(exc) or \
             "inner_steps is 6 on rank 0 but 5 on rank 1" in str(exc)
+
+
+WORKER = '''
+import asyncio, hashlib, json, os, signal, sys
+import numpy as np
+from p2pcoll import training
+
+H, ROUNDS, DIE_AT = 3, int(sys.argv[1]), int(sys.argv[2])
+
+
+async def main() -> None:
+    params = {"w": np.zeros((2, 3)), "b": np.zeros(3)}
+
+    async def inner(group, r, i):
+        await asyncio.sleep(0.01)
+        for p in params.values():
+            p -= 1.0
+
+    rounds = training.DiLoCoRounds(params, inner, inner_steps=H, outer_lr=0.5,
+                                   outer_momentum=0.5)
+
+    async def step(group, r, state):
+        deltas = await rounds.step(group, r, state)
+        print(f"round {r}: {group.world_size} peers", flush=True)
+        if r == DIE_AT:  # the others wait for these pseudo-gradients in the allreduce
+            os.kill(os.getpid(), signal.SIGKILL)
+        return deltas
+
+    result = await training.train_elastic(step, rounds.apply, rounds.state, rounds=ROUNDS,
+                                          timeout=30.0, poll_every=0.2)
+    h = hashlib.blake2b(digest_size=16)
+    for name, leaf in training.named_leaves(rounds.state):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    print("RESULT " + json.dumps({"digest": h.hexdigest(), "applied": result.applied,
+                                  "sizes": [f.world_size for f in result.formations]}),
+          flush=True)
+
+
+asyncio.run(main())
+'''
+
+
+def test_a_killed_peer_mid_outer_step_loses_no_outer_step_and_repeats_none(
+        tmp_path: Path) -> None:
+    """Three processes; one SIGKILLs itself in outer step 3 while the others wait for its
+    pseudo-gradients; the two survivors re-form and end with the state of 12 outer steps,
+    each applied once."""
+    rounds, die_at = 12, 3
+    script = tmp_path / "diloco_worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{free_port()}", PYTHONUNBUFFERED="1",
+               P2PCOLL_MIN_WORLD_SIZE="2", P2PCOLL_MAX_WORLD_SIZE="3",
+               P2PCOLL_JOIN_TIMEOUT="30")
+    procs = [subprocess.Popen([sys.executable, str(script), str(rounds),
+                               str(die_at if i == 2 else -1)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(3)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[2].returncode == -signal.SIGKILL, outs[2]
+    reports = []
+    for proc, (out, err) in zip(procs[:2], outs[:2], strict=True):
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out.splitlines()[-1].removeprefix("RESULT ")))
+
+    want = {"b": np.zeros(3), "w": np.zeros((2, 3))}
+    velocity = {k: np.zeros_like(v) for k, v in want.items()}
+    outer = training.OuterSGD(lr=0.5, momentum=0.5)
+    for _ in range(rounds):
+        outer.apply(list(want.values()), list(velocity.values()),
+                    [np.full(3, 3.0), np.full((2, 3), 3.0)])
+    assert {r["digest"] for r in reports} == {digest({"params": want, "velocity": velocity})}
+    for report in reports:
+        assert report["sizes"] == [3, 2], report
+        assert report["applied"] == sorted(set(report["applied"])), report
