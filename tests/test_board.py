@@ -316,3 +316,31 @@ async def test_the_board_file_is_gone_once_every_peer_has_mapped_it() -> None:
     results = await run_ranks(3, fn, transport="ipc")
     assert len({name for name, _ in results}) == 1
     assert not any(exists for _, exists in results)
+
+
+async def test_a_message_collective_after_a_board_one_finds_its_ring_released() -> None:
+    """A board collective whose peers are there never yields to the event loop, so the
+    shared-memory ring's releases of what the previous large collective sent are still
+    queued; the runner turns the loop once before a message collective that follows a board
+    one (BoardPath.owes_turn), and the 1 MiB pieces go through the ring every time, not
+    over the socket."""
+    big = np.ones(1 << 18, np.float32)  # 1 MiB
+
+    async def fn(g: p2pcoll.Group) -> Any:
+        board = g.session.board
+        assert board is not None
+        counters = g.session.transport.counters
+        owed = []
+        for _ in range(10):
+            await g.barrier()
+            owed.append(board.owes_turn)
+            before = (counters.bytes_sent, counters.bytes_sent_shm)
+            total = await g.allreduce(big, strategy="ring")
+            assert (total == 2.0).all()
+            owed.append(board.owes_turn)
+            sent, shm = counters.bytes_sent - before[0], counters.bytes_sent_shm - before[1]
+            assert sent >= big.nbytes // 2 and shm == sent, (sent, shm)
+        return owed
+
+    for owed in await run_ranks(2, fn, transport="ipc"):
+        assert owed == [True, False] * 10

@@ -62,6 +62,10 @@ from .matching import Matcher
 
 STRATEGY = "shm"  # how stats() and the metrics name the board path
 MIN_NAP, MAX_NAP = 1e-3, 0.02
+# A board collective whose peers are there never yields to the event loop; one that starts
+# this long after the loop last turned under the board yields once first, so a loop of
+# board collectives still lets heartbeats and the transport's callbacks run.
+TURN_EVERY = 1e-3
 _OPS = ("", "sum", "prod", "min", "max", "avg")
 
 
@@ -113,6 +117,10 @@ class BoardPath:
         # number in flight, and the turns of those that wait (no future when none waits).
         self._inflight = 0
         self._turns: deque[asyncio.Future[None]] = deque()
+        # When the event loop last turned under a board collective, and whether one has
+        # finished since (then a message collective turns it first: see owes_turn).
+        self._turned = 0.0
+        self.owes_turn = False
         # The signature of the board collective running now (for mismatch messages), each
         # signature's digest word and readable form, and the digest whose readable form
         # is in my meta area of each parity.
@@ -165,6 +173,7 @@ class BoardPath:
                 timer = loop.call_later(nap, self._on_wake)
                 try:
                     await waiter
+                    self._turned = time.perf_counter()
                 finally:
                     timer.cancel()
                     self._waiter = None
@@ -296,21 +305,26 @@ class BoardPath:
             turn = asyncio.get_running_loop().create_future()
             self._turns.append(turn)
             await turn
-        else:
-            # One turn of the loop first: the transport's callbacks that are due (what
-            # earlier collectives sent, a shared-memory ring's releases) run before the
-            # board takes the rank. A board collective whose peers are there never yields
-            # otherwise, and a message collective right after it then found its ring still
-            # full and went over the socket: a 1 MiB allreduce after a board barrier took
-            # 0.9 ms, not 0.3 ms.
-            await asyncio.sleep(0)
+        elif time.perf_counter() - self._turned > TURN_EVERY:
+            await self.turn()
         count = self.board.count = self.board.count + 1
         if count > 2:
             await self._wait(count - 1, self.others, seq)
         return count
 
+    async def turn(self) -> None:
+        """One turn of the event loop: the transport's callbacks that are due (what earlier
+        collectives sent, a shared-memory ring's releases) run. The session's runner calls
+        it before a message collective when :attr:`owes_turn`: without it, a 1 MiB
+        allreduce right after a board barrier found its ring still full and went over the
+        socket (0.9 ms, not 0.3 ms)."""
+        await asyncio.sleep(0)
+        self._turned = time.perf_counter()
+        self.owes_turn = False
+
     def _end(self, seq: int) -> None:
         """This call's board work is over (done or failed): the next one's turn."""
+        self.owes_turn = True
         if not self.board.unlinked:  # rank 0, until every peer has mapped the board
             self.board.unlink_when_all_attached()
         self._inflight -= 1

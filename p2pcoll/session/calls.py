@@ -329,6 +329,9 @@ class Runner:
             compiled = program.program = compile_program(
                 plan(program.strategy, program.ctx, len(program.chunks)), program.chunks,
                 [a.itemsize for a in call.flat], program.nseg, session.executor.depth)
+        board = session.board
+        if board is not None and board.owes_turn:
+            await board.turn()  # see BoardPath.turn
         meta = program.meta
         if header is not None and call.tag is None:
             meta = header.meta  # forward the layout too: this rank may be someone's first sender

@@ -54,7 +54,6 @@ from .header import (
     DATA_FLAGS,
     DATA_MAGIC,
     DESCRIBED_FLAG,
-    DIGEST_BYTES,
     KINDS,
     MAX_RANK,
     MAX_SEQ,
