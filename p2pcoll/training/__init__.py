@@ -54,6 +54,19 @@ next round boundary; every new group starts from the state of its most advanced 
 so no round is applied twice or skipped. Fewer peers than ``min_world_size`` stop the job
 with :class:`WorldTooSmall`. The module docstring gives the argument for exactly-once.
 
+Slow links (:mod:`.powersgd`, :mod:`.topk`, :mod:`.local_sgd`). Modes that move less than
+an allreduce of every gradient, each keeping the replicas bit-identical:
+:class:`PowerSGD` (rank-r factors with error feedback and warm start: ``r (n + m)`` instead
+of ``n m`` per matrix), :class:`TopK` (each rank's largest entries, with error feedback,
+over one allgather, summed in rank order), :class:`LocalSGD` (average the parameters every
+H steps) and :class:`DiLoCo` (an outer step with Nesterov momentum on the averaged
+parameter change every H steps, the change optionally sent through a codec; with
+``fragments=F`` the streaming variant, fragments synced at staggered steps, optionally
+overlapped with the inner steps); :class:`DiLoCoRounds` runs DiLoCo under
+:func:`train_elastic`. Their settings (rank r, fraction, H, F, codec ...) go into the
+agreement header, so ranks that differ get a CollectiveMismatch naming the setting; each
+counts its bytes against a plain allreduce (``.traffic``).
+
 Every coroutine here is a sequence of the group's collectives and raises what they raise
 (:class:`~p2pcoll.CollectiveTimeout`, :class:`~p2pcoll.PeerLost`,
 :class:`~p2pcoll.GroupBroken`, ...), besides the errors of :mod:`.errors`. Cancellation in the
@@ -64,7 +77,9 @@ Modules: ``buckets`` (TensorSpec, Bucket, BucketPlan), ``agreement`` (the header
 first-difference report), ``replicas`` (check_replicas), ``gradients``
 (allreduce_gradients), ``parameters`` (broadcast_parameters), ``reducer`` (GradientReducer,
 Round), ``nonfinite`` (NaN/Inf reports), ``state`` (round numbers per group), ``elastic``
-(train_elastic, ElasticResult, Formation), ``errors``.
+(train_elastic, ElasticResult, Formation), ``powersgd`` (PowerSGD), ``topk`` (TopK),
+``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds, OuterSGD), ``modes`` (what those share),
+``errors``.
 """
 
 from __future__ import annotations
