@@ -45,12 +45,14 @@ quarter of float32's), so DiLoCo with ``H = 50`` and int8 hands the network abou
 fewer bytes than a per-step allreduce; streaming DiLoCo the same on average, in pieces of
 ``N / F``. The agreement header adds 48 bytes per rank per exchange.
 
-Overlap, honestly: the exchange runs as an asyncio task on the group's event loop, so it
-advances whenever the training loop awaits (run the inner step's computation in a thread,
-``await asyncio.to_thread(...)``, for the network to move meanwhile), and ZeroMQ's I/O
-thread moves queued bytes even while the loop computes. Exchanges are chained: each starts
-its collectives only after the previous one finished, so every rank issues the same
-collectives in the same order.
+Overlap, what it does and does not do: an exchange in flight is an asyncio task on the
+group's event loop, so it advances only while the loop runs. :meth:`DiLoCo.after_inner_step`
+gives it one turn of the loop per inner step, and ZeroMQ's I/O thread moves bytes already
+queued even while Python computes; for the network to move during the whole inner step, run
+the step's computation in a thread (``await asyncio.to_thread(train_step, batch)``: numpy
+and torch release the GIL in their kernels), and the loop drives the exchange meanwhile.
+Exchanges are chained: each starts its collectives only after the previous one finished, so
+every rank issues the same collectives in the same order.
 
 :class:`DiLoCoRounds` runs DiLoCo's outer steps as :func:`train_elastic` rounds: the outer
 state is the elastic state, so a peer that joins gets it, and no outer step is applied twice.
@@ -384,6 +386,8 @@ class DiLoCo:
                 applied = True
             else:
                 self._in_flight[f] = (self.step + self.overlap, task)
+        if self._in_flight:
+            await asyncio.sleep(0)  # a turn of the loop for the exchanges in flight
         return applied
 
     async def flush(self) -> int:
