@@ -18,23 +18,45 @@ could close is removed by the next :func:`sweep` (the ``<pid>`` in its names is 
 
 Processes started with :meth:`Lab.command` share the machine's file system, hostname and
 kernel boot id: to p2pcoll they are on one host (``auto`` reaches them over ipc and shared
-memory, which cross network namespaces), only their network stacks differ.
+memory, which cross network namespaces), only their network stacks differ; give each its
+own ``P2PCOLL_HOST_ID`` to make them separate hosts.
+
+Delay. :meth:`Lab.shape` delays what each host sends with the kernel's netem. Where the
+kernel has no netem (``CONFIG_NET_SCH_NETEM`` unset), :meth:`Lab.delay_streams` does it one
+level up: an nftables rule in each host redirects the TCP connections it opens to other
+hosts of the lab to a relay in that host (this file run as ``python netns.py relay``), which
+connects on to the real destination and holds every byte ``delay`` each way before passing
+it on. Each connection crosses exactly one relay (its opener's), so a message and its
+answer take ``2 * delay`` more, as over a delayed cable, and the cable's token bucket still
+sets the rate. What differs from a delayed cable: the two TCP connections on either side of
+the relay see a short round trip, so their windows and slow start do not feel the delay
+(a real long link ramps up more slowly after idle), and the relay's timer has the event
+loop's resolution (about a millisecond). Only TCP is delayed; the lab carries nothing else.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
 import itertools
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Self
 
 PREFIX = "p2pcoll-lab-"
+RELAY_PORT = 15001  # in each host's own namespace, on 127.0.0.1
+RELAY_MARK = 0x1D  # the relay's own connections carry it, so its rule passes them by
+SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h: where a redirected connection was going
 _NAME = re.compile(re.escape(PREFIX) + r"([1-9][0-9]*)-([0-9]+)-(sw|h[0-9]+)")
 _serial = itertools.count()
 
@@ -131,6 +153,7 @@ class Lab:
         self.switch = f"{tag}-sw"
         self.names = [f"{tag}-h{r}" for r in range(hosts)]
         self._made: list[str] = []
+        self._relays: list[subprocess.Popen[str]] = []
 
     def __enter__(self) -> Self:
         try:
@@ -167,6 +190,11 @@ class Lab:
         for name in reversed(self._made):
             _delete(name)
         self._made.clear()
+        for relay in self._relays:  # killed with their namespace: reap them
+            with contextlib.suppress(Exception):
+                relay.kill()
+                relay.wait(timeout=5)
+        self._relays.clear()
 
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
         """The command line that runs ``argv`` on host ``rank`` (as ``ip netns exec``, which
@@ -202,26 +230,195 @@ class Lab:
         return total
 
     def shape(self, rate: str, burst: str = "32kbit", latency: str = "50ms",
-              delay: str | None = None) -> None:
+              delay: str | None = None, *, relay: bool = False) -> str:
         """Every cable to ``rate`` each way: a token bucket (``tc ... tbf``) on both ends of
         it (host R's eth0 sends, switch port pR delivers to R), so a host sends at ``rate``
         and receives at ``rate`` in all, from however many senders.
 
         ``delay`` (a ``tc`` time, e.g. ``5ms``) adds that one-way delay to what each host
         sends (``netem``, with the token bucket under it), so a round trip between two
-        hosts takes twice ``delay``. Raises :class:`LabError` where the kernel has no netem.
+        hosts takes twice ``delay``. Where the kernel has no netem, ``relay`` delays the
+        TCP streams instead (:meth:`delay_streams`); without it that raises
+        :class:`LabError`. Returns how the delay is made: ``"netem"``, ``"relay"`` or
+        ``""`` (none asked for).
         """
         tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+        how = ""
         for r, host in enumerate(self.names):
             _run("tc", "-n", self.switch, "qdisc", "add", "dev", f"p{r}", "root", *tbf)
-            if delay is None:
+            if delay is None or how == "relay":
                 _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *tbf)
                 continue
             try:
                 _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", "handle", "1:",
                      "netem", "delay", delay)
             except LabError as exc:
-                raise LabError(f"{exc} (a delay needs the kernel's netem qdisc, "
-                               f"CONFIG_NET_SCH_NETEM)") from None
+                if not relay or r > 0:
+                    raise LabError(f"{exc} (a delay needs the kernel's netem qdisc, "
+                                   f"CONFIG_NET_SCH_NETEM)") from None
+                how = "relay"
+                _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *tbf)
+                continue
+            how = "netem"
             _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "parent", "1:1",
                  "handle", "10:", *tbf)
+        if how == "relay":
+            assert delay is not None
+            self.delay_streams(seconds(delay))
+        return how
+
+    def delay_streams(self, delay: float, limit: int = 4 << 20) -> None:
+        """Delay every TCP stream between hosts of the lab by ``delay`` seconds each way,
+        with a relay in each host (see the module docstring). ``limit``: the bytes a relay
+        holds per direction of a connection before it stops reading from the sender.
+
+        Raises:
+            LabError: ``nft`` is missing or refused the rule, or a relay did not start.
+        """
+        if shutil.which("nft") is None:
+            raise LabError("`nft` (nftables) is not installed: apt-get install -y nftables")
+        rule = "\n".join([
+            "table ip p2pcoll_lab {",
+            "  chain output {",
+            "    type nat hook output priority -100; policy accept;",
+            f"    meta l4proto tcp ip daddr 198.18.0.0/15 fib daddr type != local "
+            f"meta mark != {RELAY_MARK} redirect to :{RELAY_PORT}",
+            "  }",
+            "}",
+            ""])
+        for host in self.names:
+            relay = subprocess.Popen(
+                ["ip", "netns", "exec", host, sys.executable, os.path.abspath(__file__),
+                 "relay", "--delay", repr(delay), "--limit", str(limit)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+            self._relays.append(relay)
+            assert relay.stdout is not None
+            if relay.stdout.readline().strip() != "ready":
+                raise LabError(f"the delay relay of {host} did not start "
+                               f"(exit status {relay.poll()})")
+            done = subprocess.run(["ip", "netns", "exec", host, "nft", "-f", "-"], input=rule,
+                                  capture_output=True, text=True, check=False, timeout=30)
+            if done.returncode != 0:
+                raise LabError(f"nft in {host} refused the relay's rule: {done.stderr.strip()}")
+
+
+def seconds(delay: str) -> float:
+    """A ``tc`` time (``25ms``, ``500us``, ``0.5ms``, ``1s``) in seconds."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)?\s*", delay)
+    if match is None:
+        raise ValueError(f"{delay!r} is not a tc time such as 25ms")
+    return float(match.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[match.group(2)]
+
+
+# --- the delay relay (this file run as ``python netns.py relay`` inside a host) ------------
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float,
+                limit: int) -> None:
+    """Copy ``reader`` to ``writer``, each chunk ``delay`` seconds after it was read, holding
+    at most ``limit`` bytes; half-closes ``writer`` at the end of ``reader``."""
+    loop = asyncio.get_running_loop()
+    held: deque[tuple[float, bytes]] = deque()
+    arrived, room = asyncio.Event(), asyncio.Event()
+    ended = False
+    size = 0
+
+    async def take() -> None:
+        nonlocal ended, size
+        while data := await reader.read(1 << 18):
+            held.append((loop.time() + delay, data))
+            size += len(data)
+            arrived.set()
+            while size > limit:
+                room.clear()
+                await room.wait()
+        ended = True
+        arrived.set()
+
+    taking = asyncio.create_task(take())
+    try:
+        while True:
+            if not held:
+                if ended:
+                    break
+                arrived.clear()
+                await arrived.wait()
+                continue
+            due, data = held.popleft()
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+            writer.write(data)
+            await writer.drain()
+            size -= len(data)
+            room.set()
+        await taking
+        if writer.can_write_eof():
+            writer.write_eof()
+    finally:
+        taking.cancel()
+        await asyncio.gather(taking, return_exceptions=True)
+
+
+async def _connect_on(destination: tuple[str, int], patience: float = 10.0
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to ``destination`` past the relay's own rule; retried while it refuses (the
+    opener's connection to the relay was accepted already: its SYN would have been sent
+    again)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + patience
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, RELAY_MARK)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, destination)
+        except OSError:
+            sock.close()
+            if loop.time() > give_up:
+                raise
+            await asyncio.sleep(0.05)
+            continue
+        return await asyncio.open_connection(sock=sock)
+
+
+async def _relay(port: int, delay: float, limit: int) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        destination = (socket.inet_ntoa(raw[4:8]), int.from_bytes(raw[2:4], "big"))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            far_reader, far_writer = await _connect_on(destination)
+        except OSError:
+            writer.close()
+            return
+        pipes = [asyncio.create_task(_pipe(reader, far_writer, delay, limit)),
+                 asyncio.create_task(_pipe(far_reader, writer, delay, limit))]
+        # Until both directions have ended, or one of them fails (a reset): then both go.
+        await asyncio.wait(pipes, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pipes:
+            task.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)
+        for w in (writer, far_writer):
+            w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port, backlog=1024)
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the lab's delay relay (see the docstring)")
+    parser.add_argument("role", choices=["relay"])
+    parser.add_argument("--delay", type=float, required=True, help="seconds each way")
+    parser.add_argument("--limit", type=int, default=4 << 20, help="bytes held per direction")
+    parser.add_argument("--port", type=int, default=RELAY_PORT)
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_relay(args.port, args.delay, args.limit))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

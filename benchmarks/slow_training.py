@@ -1,0 +1,586 @@
+"""Data-parallel training over slow links, one line per mode: time to accuracy, bytes, replicas.
+
+    python benchmarks/slow_training.py                       # 100 Mbit/s, 25 ms, every mode
+    python benchmarks/slow_training.py --link 1gbit          # 1 Gbit/s, 0.5 ms
+    python benchmarks/slow_training.py --modes fp32,gloo_ddp --steps 20     # a short run
+
+Not a test: it prints one markdown table and writes one plot (``--plot``: accuracy against
+wall time, one line per mode). Needs root, ``ip``/``tc``/``nft`` and the examples' and
+torch's extras (scikit-learn, matplotlib, torch).
+
+Four workers, each on a host of its own: a network namespace of ``tests/netns.py``'s lab,
+with its own ``P2PCOLL_HOST_ID`` (so p2pcoll never uses shared memory or ipc between them,
+though the namespaces share /dev/shm), every cable a token bucket of ``--rate`` each way and
+a one-way delay of ``--delay`` (netem where the kernel has it, else a relay in each host
+that holds every TCP stream's bytes that long each way: see :meth:`netns.Lab.delay`).
+
+Every mode trains the same model from the same initial weights on the same batches: an MLP
+64 -> 2048 -> 1024 -> 10 (2.24 M parameters, ReLU; torch on the CPU, one thread per worker)
+on scikit-learn's digits (1437 training and 360 test images, stratified), a global batch of
+``--batch`` images per step split evenly over the workers, Adam at ``--lr`` on every worker.
+The modes differ only in what the workers exchange:
+
+- ``fp32``: every step, the gradients averaged by ``training.allreduce_gradients``;
+- ``fp16``, ``int8_ef``: the same with ``codec="fp16"`` / ``codec="int8"`` (int8 with error
+  feedback);
+- ``powersgd``: ``training.PowerSGD(rank=4)`` (error feedback, warm start);
+- ``topk``: ``training.TopK(fraction=0.01)`` (error feedback, over allgather);
+- ``local_sgd``: H = 8 local steps, then the parameters averaged;
+- ``diloco``: H = 50 inner steps, then an outer Nesterov step on the averaged
+  pseudo-gradients, sent as int8;
+- ``streaming_diloco``: DiLoCo whose fragments are synchronised at staggered steps;
+- ``gloo_ddp``: torch's DistributedDataParallel over Gloo (tcp), the reference.
+
+A mode p2pcoll does not have (yet) is reported as "not available", with the reason. Adding
+one is one function in MODES.
+
+Per mode: the wall time of the training loop (from the first step to the last, test
+evaluations left out), the time at which the test accuracy first reached ``--target``
+(evaluated every ``--eval-every`` steps where the replicas are equal: after each
+synchronisation, for the local modes), the final test accuracy, the bytes each worker sent:
+the payload from ``group.stats()`` and the frames its cable's counters saw (joining and
+barriers included), per step and in all; and whether the four replicas ended bit-identical
+(a digest of every parameter, compared across the workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
+
+WORLD = 4
+PORT = 29500
+LINKS = {"100mbit": ("100mbit", "25ms"), "1gbit": ("1gbit", "0.5ms")}
+FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+
+
+class NotAvailable(Exception):
+    """A mode that this p2pcoll does not have; the message says what is missing."""
+
+
+# --- the model and the data ------------------------------------------------------------------
+
+def load_data() -> tuple[Any, Any, Any, Any]:
+    """Digits as float32 tensors in [0, 1]: (x_train, y_train, x_test, y_test)."""
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x / 16.0, y, test_size=0.2, random_state=0, stratify=y)
+    return (torch.tensor(x_train, dtype=torch.float32), torch.tensor(y_train),
+            torch.tensor(x_test, dtype=torch.float32), torch.tensor(y_test))
+
+
+def make_model(widths: list[int], seed: int) -> Any:
+    """The MLP ``widths[0] -> ... -> widths[-1]`` with ReLU, the same weights for a seed."""
+    import torch
+
+    torch.manual_seed(seed)
+    layers: list[Any] = []
+    for i, (a, b) in enumerate(pairwise(widths)):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def batch_of(step: int, n: int, batch: int, seed: int) -> Any:
+    """The global batch of ``step`` (1-based): the same on every worker."""
+    import numpy as np
+
+    per_epoch = n // batch
+    epoch, i = divmod(step - 1, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return order[i * batch:(i + 1) * batch]
+
+
+# --- the modes -------------------------------------------------------------------------------
+#
+# A mode is a function of the options that returns an Update, or raises NotAvailable. Its
+# ``step(group, model, optimizer, step)`` runs after every backward pass: it exchanges what
+# the mode exchanges, steps the optimizer and says whether the parameters the replicas share
+# may be evaluated now. ``shared(model)`` is what they share (the model's parameters; DiLoCo's
+# global parameters), the parameters that are tested and compared; ``finish`` completes what
+# is in flight at the end.
+
+Step = Callable[[Any, Any, Any, int], Awaitable[bool]]
+
+
+@dataclass
+class Update:
+    step: Step
+    shared: Callable[[Any], dict[str, Any]] = field(
+        default=lambda model: dict(model.named_parameters()))
+    finish: Callable[[], Awaitable[Any]] | None = None
+    kind: str = "p2pcoll"  # or "gloo": torch's DDP instead of a p2pcoll group
+    stats: Callable[[], dict[str, Any]] = field(default=lambda: {})
+
+
+def _set_grads(model: Any, grads: dict[str, Any]) -> None:
+    import torch
+
+    for name, p in model.named_parameters():
+        g = grads[name]
+        p.grad = g if isinstance(g, torch.Tensor) else torch.from_numpy(g)
+
+
+def _reducer(reduce: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]],
+             **extra: Any) -> Update:
+    """A mode that averages the gradients with ``reduce(group, grads)`` every step."""
+    async def step(group: Any, model: Any, optimizer: Any, step_no: int) -> bool:
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        _set_grads(model, await reduce(group, grads))
+        optimizer.step()
+        return True
+    return Update(step, **extra)
+
+
+def _codecs() -> None:
+    """NotAvailable unless groups take ``codec=`` (helper A's codecs)."""
+    from p2pcoll import Group, training
+
+    for where, f in (("Group.allreduce", Group.allreduce),
+                     ("training.allreduce_gradients", training.allreduce_gradients)):
+        if "codec" not in inspect.signature(f).parameters:
+            raise NotAvailable(f"{where} has no codec= yet")
+
+
+def _training(name: str) -> Any:
+    from p2pcoll import training
+
+    found = getattr(training, name, None)
+    if found is None:
+        raise NotAvailable(f"p2pcoll.training has no {name} yet")
+    return found
+
+
+def _params(model: Any) -> dict[str, Any]:
+    """The parameters as a pytree of the tensors' own storage (updated in place)."""
+    return {name: p.data for name, p in model.named_parameters()}
+
+
+def mode_fp32(args: argparse.Namespace) -> Update:
+    from p2pcoll import training
+
+    return _reducer(lambda g, grads: training.allreduce_gradients(g, grads, op="avg"))
+
+
+def mode_fp16(args: argparse.Namespace) -> Update:
+    from p2pcoll import training
+
+    _codecs()
+    return _reducer(lambda g, grads: training.allreduce_gradients(
+        g, grads, op="avg", codec="fp16"))
+
+
+def mode_int8_ef(args: argparse.Namespace) -> Update:
+    from p2pcoll import training
+
+    _codecs()
+    return _reducer(lambda g, grads: training.allreduce_gradients(
+        g, grads, op="avg", codec="int8"))
+
+
+def mode_powersgd(args: argparse.Namespace) -> Update:
+    reducer = _training("PowerSGD")(rank=4)
+    return _reducer(reducer.allreduce, stats=lambda: {"ratio": reducer.traffic.ratio})
+
+
+def mode_topk(args: argparse.Namespace) -> Update:
+    reducer = _training("TopK")(fraction=0.01)
+    return _reducer(reducer.allreduce, stats=lambda: {"ratio": reducer.traffic.ratio})
+
+
+def _outer_loop(make: Callable[[Any, dict[str, Any]], Any], *, every_step: bool = False
+                ) -> Update:
+    """A mode of inner steps and exchanges (LocalSGD, DiLoCo): ``make(group, params)``
+    builds its object at the first step; the optimizer steps on each worker's own. The
+    replicas share the model's parameters after an exchange, or DiLoCo's global parameters
+    at any step (``every_step``)."""
+    made: list[Any] = []
+
+    async def step(group: Any, model: Any, optimizer: Any, step_no: int) -> bool:
+        if not made:
+            made.append(make(group, _params(model)))
+        optimizer.step()
+        return bool(await made[0].after_inner_step()) or every_step
+
+    def shared(model: Any) -> dict[str, Any]:
+        import torch
+
+        if not made or not hasattr(made[0], "global_state"):
+            return dict(model.named_parameters())
+        tree = made[0].global_state()["params"]
+        return {name: torch.as_tensor(a) for name, a in tree.items()}
+
+    async def finish() -> None:
+        if made and hasattr(made[0], "flush"):
+            await made[0].flush()
+
+    return Update(step, shared=shared, finish=finish,
+                  stats=lambda: {"ratio": made[0].traffic.ratio} if made else {})
+
+
+def mode_local_sgd(args: argparse.Namespace) -> Update:
+    local_sgd = _training("LocalSGD")
+    return _outer_loop(lambda g, params: local_sgd(g, params, inner_steps=8))
+
+
+def mode_diloco(args: argparse.Namespace) -> Update:
+    diloco = _training("DiLoCo")
+    _codecs()
+    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50, codec="int8"))
+
+
+def mode_streaming_diloco(args: argparse.Namespace) -> Update:
+    diloco = _training("DiLoCo")
+    _codecs()
+    return _outer_loop(lambda g, params: diloco(
+        g, params, inner_steps=50, codec="int8", fragments=3, overlap=5, mix=0.5),
+        every_step=True)
+
+
+def mode_gloo_ddp(args: argparse.Namespace) -> Update:
+    async def step(group: Any, model: Any, optimizer: Any, step_no: int) -> bool:
+        optimizer.step()  # DDP averaged the gradients during the backward pass
+        return True
+    return Update(step, kind="gloo")
+
+
+MODES: dict[str, Callable[[argparse.Namespace], Update]] = {
+    "fp32": mode_fp32,
+    "fp16": mode_fp16,
+    "int8_ef": mode_int8_ef,
+    "powersgd": mode_powersgd,
+    "topk": mode_topk,
+    "local_sgd": mode_local_sgd,
+    "diloco": mode_diloco,
+    "streaming_diloco": mode_streaming_diloco,
+    "gloo_ddp": mode_gloo_ddp,
+}
+
+
+# --- the worker (this file run with --worker on a host of the lab) ---------------------------
+
+async def train(args: argparse.Namespace, update: Update, group: Any, model: Any,
+                module: Any, rank: int, world: int) -> dict[str, Any]:
+    """The training loop; returns this worker's report (curve, accuracy, digest, time).
+    ``model`` is what is trained (torch's DDP wrapper, for Gloo), ``module`` the MLP."""
+    import torch
+    from torch.func import functional_call
+
+    x_train, y_train, x_test, y_test = load_data()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            logits = functional_call(module, update.shared(module), (x_test,))
+            return float((logits.argmax(dim=1) == y_test).float().mean())
+
+    def backward(idx: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+        loss_fn(model(x_train[idx]), y_train[idx]).backward()
+
+    curve = [(0.0, 0, accuracy())]
+    paused = 0.0  # seconds spent evaluating, left out of the wall time
+    last_eval = 0
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        idx = batch_of(step, len(y_train), args.batch, args.seed)[rank::world]
+        if update.kind == "gloo":
+            backward(idx)  # DDP's hooks run on this thread
+        else:  # the group's exchanges in flight move on meanwhile (streaming DiLoCo)
+            await asyncio.to_thread(backward, idx)
+        synced = await update.step(group, model, optimizer, step)
+        if synced and step - last_eval >= args.eval_every:
+            t = time.perf_counter()
+            curve.append((t - start - paused, step, accuracy()))
+            paused += time.perf_counter() - t
+            last_eval = step
+    if update.finish is not None:
+        await update.finish()
+    wall = time.perf_counter() - start - paused
+    final = accuracy()
+    if last_eval != args.steps:
+        curve.append((wall, args.steps, final))
+    h = hashlib.blake2b(digest_size=8)
+    for _, p in sorted(update.shared(module).items()):
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return {"rank": rank, "wall": wall, "final": final, "curve": curve,
+            "digest": h.hexdigest(), **update.stats()}
+
+
+async def p2pcoll_worker(args: argparse.Namespace, update: Update) -> dict[str, Any]:
+    import p2pcoll
+
+    async with p2pcoll.join() as g:
+        model = make_model(args.widths, args.seed)
+        await g.barrier()
+        report = await train(args, update, g, model, model, g.rank, g.world_size)
+        stats = g.stats()
+        endpoints = [e for r, e in enumerate(g.membership.endpoints) if r != g.rank]
+        report.update(bytes_sent=stats["bytes_sent"], bytes_received=stats["bytes_received"],
+                      bytes_sent_shm=stats["bytes_sent_shm"],
+                      messages_sent_lane=stats["messages_sent_lane"],
+                      links=sorted({e.partition("://")[0] for e in endpoints}),
+                      strategies=stats["collectives_by_strategy"])
+        await g.barrier()
+    return report
+
+
+def gloo_worker(args: argparse.Namespace, update: Update) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://{netns.address(0)}:{args.port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    try:
+        model = make_model(args.widths, args.seed)
+        ddp = DistributedDataParallel(model)
+        dist.barrier()
+        report = asyncio.run(train(args, update, None, ddp, model, rank, world))
+        report["links"] = ["tcp"]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return report
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    update = MODES[args.mode](args)
+    if update.kind == "gloo":
+        report = gloo_worker(args, update)
+    else:
+        report = asyncio.run(p2pcoll_worker(args, update))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+def _environment(rank: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
+    env.update(P2PCOLL_RENDEZVOUS=f"tcp://{netns.address(0)}:{port}", WORLD_SIZE=str(WORLD),
+               RANK=str(rank), P2PCOLL_HOST_ID=f"host-{rank}", OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="eth0", P2PCOLL_JOIN_TIMEOUT="120")
+    return env
+
+
+def run_mode(lab: netns.Lab, args: argparse.Namespace, mode: str, port: int,
+             timeout: float) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
+    """Run ``mode`` on every host of ``lab``: the workers' reports in rank order, and the
+    bytes (sent, received) each host's cable carried meanwhile."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode,
+            "--port", str(port), *args.passed]
+    before = [lab.counters(r) for r in range(WORLD)]
+    procs = [subprocess.Popen(lab.command(r, argv), env=_environment(r, port), cwd=ROOT,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for r in range(WORLD)]
+    deadline = time.monotonic() + timeout
+    reports = []
+    try:
+        for r, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"rank {r} still running after {timeout:g}s") from None
+            if proc.returncode != 0:
+                raise RuntimeError(f"rank {r} exited with {proc.returncode}:\n{err[-3000:]}")
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    after = [lab.counters(r) for r in range(WORLD)]
+    return reports, [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+
+
+@dataclass
+class Result:
+    mode: str
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    cables: list[tuple[int, int]] = field(default_factory=list)
+    missing: str = ""  # why the mode did not run
+
+    def time_to(self, target: float) -> float | None:
+        return next((t for t, _, acc in self.reports[0]["curve"] if acc >= target), None)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.3g}"
+
+
+def table(results: list[Result], args: argparse.Namespace) -> str:
+    steps = args.steps
+    base = next((r for r in results if r.mode == "fp32" and r.reports), None)
+    base_bytes = (sum(x["bytes_sent"] for x in base.reports) / WORLD) if base else None
+    lines = [
+        f"| mode | wall s | to {args.target:.0%} s | final acc | MB sent/worker (stats) "
+        f"| KB/step (stats) | fewer bytes than fp32 | MB on the cable/worker | replicas |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.missing:
+            lines.append(f"| {r.mode} | not available: {r.missing} | | | | | | | |")
+            continue
+        wall = max(x["wall"] for x in r.reports)
+        reached = r.time_to(args.target)
+        final = r.reports[0]["final"]
+        sent = [x.get("bytes_sent") for x in r.reports]
+        cable = sum(tx for tx, _ in r.cables) / WORLD
+        equal = len({x["digest"] for x in r.reports}) == 1
+        if None in sent:
+            stats_cells = ["-", "-", "-"]
+        else:
+            mean = sum(sent) / WORLD
+            ratio = f"{base_bytes / mean:.3g}x" if base_bytes and mean else "-"
+            stats_cells = [_mb(mean), f"{mean / steps / 1e3:.4g}", ratio]
+        lines.append(
+            f"| {r.mode} | {wall:.1f} | {'%.1f' % reached if reached is not None else 'not reached'} "
+            f"| {final:.2%} | {' | '.join(stats_cells)} | {_mb(cable)} "
+            f"| {'equal' if equal else 'DIFFER'} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        if r.reports:
+            curve = r.reports[0]["curve"]
+            ax.plot([t for t, _, _ in curve], [a for _, _, a in curve], marker=".",
+                    label=r.mode)
+    ax.set_xlabel("wall time, s (evaluation left out)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--link", choices=sorted(LINKS), default="100mbit",
+                        help="100mbit: 100 Mbit/s and 25 ms one way; 1gbit: 1 Gbit/s and 0.5 ms")
+    parser.add_argument("--rate", help="each cable's rate each way, over --link's (tc)")
+    parser.add_argument("--delay", help="one-way delay per cable, over --link's (0: none)")
+    parser.add_argument("--burst", default=None, help="the token bucket's size (tc)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, from {', '.join(MODES)} (all)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (300)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch (64)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    parser.add_argument("--widths", default="64,2048,1024,10", help="the MLP's layer widths")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy (0.95)")
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    parser.add_argument("--plot", default="slow_training.png", help="the plot's PNG path")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.widths = [int(w) for w in str(args.widths).split(",")]
+    if args.batch % WORLD:
+        parser.error(f"--batch must be a multiple of {WORLD}")
+    args.mode = args.worker
+    # What the workers are given, so that they train exactly as asked.
+    args.passed = ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
+                   "--widths", ",".join(map(str, args.widths)), "--seed", str(args.seed),
+                   "--eval-every", str(args.eval_every)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        print(f"slow_training: unknown modes {unknown}; choose from {', '.join(MODES)}",
+              file=sys.stderr)
+        return 2
+    reason = netns.unavailable()
+    if reason is not None:
+        print(f"slow_training: {reason}", file=sys.stderr)
+        return 2
+    rate, delay = LINKS[args.link]
+    rate = args.rate or rate
+    delay = args.delay if args.delay is not None else delay
+    burst = args.burst or ("32kbit" if netns_rate_bits(rate) <= 200e6 else "512kbit")
+    results = []
+    started = time.monotonic()
+    with netns.Lab(WORLD) as lab:
+        how = lab.shape(rate, burst=burst, delay=None if delay in ("0", "0ms") else delay,
+                        relay=True)
+        for i, mode in enumerate(modes):
+            try:
+                MODES[mode](args)
+            except NotAvailable as exc:
+                results.append(Result(mode, missing=str(exc)))
+                continue
+            t = time.monotonic()
+            reports, cables = run_mode(lab, args, mode, PORT + i, args.timeout)
+            results.append(Result(mode, reports, cables))
+            print(f"slow_training: {mode} took {time.monotonic() - t:.0f} s", file=sys.stderr)
+    params = sum(a * b + b for a, b in pairwise(args.widths))
+    title = (f"{WORLD} workers, {rate} and {delay} one way ({how}); MLP "
+             f"{'-'.join(map(str, args.widths))} ({params / 1e6:.2f} M params), digits, "
+             f"batch {args.batch}, {args.steps} steps")
+    print(f"{title}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n")
+    print(table(results, args))
+    for r in results:
+        if r.reports and any(x.get("bytes_sent_shm") or x.get("messages_sent_lane")
+                             or x.get("links") != ["tcp"] for x in r.reports):
+            print(f"\nWARNING: {r.mode} used shared memory or ipc between hosts: "
+                  f"{[(x.get('links'), x.get('bytes_sent_shm')) for x in r.reports]}")
+    plot(results, args.plot, title)
+    print(f"\n(plot: {args.plot}; {time.monotonic() - started:.0f} s in all)")
+    return 0
+
+
+def netns_rate_bits(rate: str) -> float:
+    from slow_link import bits_per_second  # benchmarks/, beside this file
+
+    return bits_per_second(rate)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
