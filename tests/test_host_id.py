@@ -13,7 +13,10 @@ the p2pcoll files of /dev/shm it has mapped.
 - different values: every link is tcp, nothing goes through shared memory, no file mapped;
 - equal values: as without the variable, ipc, rings, lanes and the board;
 - two hosts of two peers each: ipc and rings within a host, tcp between, no board;
-- a bad value: the peer fails before joining, and the error names the variable.
+- a bad value: the peer fails before joining, and the error names the variable;
+- last, peers on hosts of their own (network namespaces of ``tests/netns.py``, which share
+  /dev/shm and so are one host to detection) with their own values: what they sent crossed
+  their cables (needs root and ``ip``, as tests/test_netns.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import netns
 import pytest
 
 from p2pcoll import SettingsError
@@ -85,14 +89,21 @@ def _environment(rank: int, world: int, port: int, host_id: str | None) -> dict[
     return env
 
 
-def run_peers(host_ids: Sequence[str | None]) -> list[dict[str, Any]]:
-    """Run one peer per entry of ``host_ids`` (its ``P2PCOLL_HOST_ID``, None: unset);
-    returns their reports in rank order. Fails the test if a peer fails."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__],
-                              env=_environment(r, len(host_ids), port, h),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r, h in enumerate(host_ids)]
+def run_peers(host_ids: Sequence[str | None], lab: netns.Lab | None = None
+              ) -> list[dict[str, Any]]:
+    """Run one peer per entry of ``host_ids`` (its ``P2PCOLL_HOST_ID``, None: unset), on
+    this machine or each on its host of ``lab``; returns their reports in rank order. Fails
+    the test if a peer fails."""
+    port = free_port() if lab is None else 29500
+    argv = [sys.executable, __file__]
+    procs = []
+    for r, h in enumerate(host_ids):
+        env = _environment(r, len(host_ids), port, h)
+        if lab is not None:
+            env["P2PCOLL_RENDEZVOUS"] = f"tcp://{netns.address(0)}:{port}"
+        procs.append(subprocess.Popen(argv if lab is None else lab.command(r, argv), env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
     reports = []
     try:
         for r, proc in enumerate(procs):
@@ -199,6 +210,24 @@ def test_peer_with_a_bad_value_fails_before_joining() -> None:
                           timeout=WAIT)
     assert done.returncode != 0
     assert "SettingsError" in done.stderr and "$P2PCOLL_HOST_ID='bad value'" in done.stderr
+
+
+def test_namespaces_with_their_own_host_ids_use_their_cables() -> None:
+    reason = netns.unavailable()
+    if reason is not None:
+        if os.environ.get("CI") == "true" and os.geteuid() == 0:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    with netns.Lab(3) as lab:
+        before = [lab.counters(r) for r in range(3)]
+        reports = run_peers(["host-0", "host-1", "host-2"], lab)
+        after = [lab.counters(r) for r in range(3)]
+    for rep, b, a in zip(reports, before, after, strict=True):
+        others = [e for q, e in enumerate(rep["endpoints"]) if q != rep["rank"]]
+        assert all(e.startswith("tcp://198.18.") for e in others), rep["endpoints"]
+        assert rep["bytes_sent_shm"] == 0 and rep["messages_sent_lane"] == 0
+        assert _board_calls(rep) == 0 and rep["mapped"] == []
+        assert a[0] - b[0] >= rep["bytes_sent"]  # sent over its own cable (frames: more)
 
 
 if __name__ == "__main__":
