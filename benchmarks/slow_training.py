@@ -28,7 +28,9 @@ The modes differ only in what the workers exchange:
 - ``local_sgd``: H = 8 local steps, then the parameters averaged;
 - ``diloco``: H = 50 inner steps, then an outer Nesterov step on the averaged
   pseudo-gradients, sent as int8;
-- ``streaming_diloco``: DiLoCo whose fragments are synchronised at staggered steps;
+- ``diloco_fp32``: DiLoCo with float32 pseudo-gradients (no codec; not one of the issue's);
+- ``streaming_diloco``: DiLoCo (int8) in F = 3 fragments synchronised at staggered steps,
+  each exchange overlapping 5 inner steps, merged with alpha = 0.5;
 - ``gloo_ddp``: torch's DistributedDataParallel over Gloo (tcp), the reference.
 
 A mode p2pcoll does not have (yet) is reported as "not available", with the reason. Adding
@@ -253,6 +255,14 @@ def mode_diloco(args: argparse.Namespace) -> Update:
     return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50, codec="int8"))
 
 
+def mode_diloco_fp32(args: argparse.Namespace) -> Update:
+    """Not one of the issue's modes: DiLoCo as above with the pseudo-gradients in float32,
+    which needs no codec (so it runs where the codecs have not landed, and shows what int8
+    saves on top)."""
+    diloco = _training("DiLoCo")
+    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50))
+
+
 def mode_streaming_diloco(args: argparse.Namespace) -> Update:
     diloco = _training("DiLoCo")
     _codecs()
@@ -276,6 +286,7 @@ MODES: dict[str, Callable[[argparse.Namespace], Update]] = {
     "topk": mode_topk,
     "local_sgd": mode_local_sgd,
     "diloco": mode_diloco,
+    "diloco_fp32": mode_diloco_fp32,
     "streaming_diloco": mode_streaming_diloco,
     "gloo_ddp": mode_gloo_ddp,
 }
@@ -432,6 +443,7 @@ class Result:
     reports: list[dict[str, Any]] = field(default_factory=list)
     cables: list[tuple[int, int]] = field(default_factory=list)
     missing: str = ""  # why the mode did not run
+    load: float = 0.0  # the machine's 1-minute load average when the mode ended
 
     def time_to(self, target: float) -> float | None:
         return next((t for t, _, acc in self.reports[0]["curve"] if acc >= target), None)
@@ -558,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t = time.monotonic()
             reports, cables = run_mode(lab, args, mode, PORT + i, args.timeout)
-            results.append(Result(mode, reports, cables))
+            results.append(Result(mode, reports, cables, load=os.getloadavg()[0]))
             print(f"slow_training: {mode} took {time.monotonic() - t:.0f} s", file=sys.stderr)
     params = sum(a * b + b for a, b in pairwise(args.widths))
     title = (f"{WORLD} workers, {rate} and {delay} one way ({how}); MLP "
@@ -571,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                              or x.get("links") != ["tcp"] for x in r.reports):
             print(f"\nWARNING: {r.mode} used shared memory or ipc between hosts: "
                   f"{[(x.get('links'), x.get('bytes_sent_shm')) for x in r.reports]}")
+    loads = [f"{r.mode} {r.load:.1f}" for r in results if r.reports]
+    print(f"\nLoad average (1 min) of the machine as each mode ended ({os.cpu_count()} CPUs): "
+          f"{', '.join(loads)}")
     plot(results, args.plot, title)
     print(f"\n(plot: {args.plot}; {time.monotonic() - started:.0f} s in all)")
     return 0
