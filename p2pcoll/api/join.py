@@ -11,7 +11,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..engine.costs import load_constants
+from ..engine.costs import DEFAULT_CONSTANTS, load_constants
 from ..errors import SettingsError
 from ..registry import registry
 from ..session.failure import FailureModel
@@ -49,20 +49,20 @@ async def form_group(settings: Settings, *, store: Any = None,
     for collective, name in settings.strategies.items():  # before any socket
         if name != "auto":
             registry.get(collective, name)
-    if settings.cost_model:
-        load_constants(settings.cost_model)
+    # auto's constants, read and checked once, before any socket.
+    constants = load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS
     failures = FailureModel()
     sockets = None
     server = None
     try:
         if transport is not None:
             assert membership is not None, "a transport needs its membership"
-            session = Session(membership, transport, settings, failures)
+            session = Session(membership, transport, settings, failures, constants)
             session.start()
             await handshake(session, settings.join_timeout)
         else:
             sockets = SocketFactory.for_settings(settings)
-            session, server = await form(settings, failures, sockets, store=store)
+            session, server = await form(settings, failures, sockets, constants, store=store)
     except BaseException:
         failures.close()
         if sockets is not None:

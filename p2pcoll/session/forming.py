@@ -19,10 +19,12 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
 
+from ..engine.costs import Constants
 from ..errors import RendezvousError
 from ..launchers import warn_alone
 from ..rendezvous import RendezvousServer, advertised_host, parse_url, rendezvous
@@ -43,10 +45,11 @@ from .session import Session
 log = logging.getLogger("p2pcoll")
 
 
-async def form(settings: Settings, failures: FailureModel, sockets: SocketFactory, *,
+async def form(settings: Settings, failures: FailureModel, sockets: SocketFactory,
+               constants: Mapping[str, Constants], *,
                store: Any = None) -> tuple[Session, RendezvousServer | None]:
-    """Form the group ``settings`` describe; returns its first session and the rendezvous
-    server this peer hosts, if it hosts one.
+    """Form the group ``settings`` describe; returns its first session (with auto's
+    ``constants``) and the rendezvous server this peer hosts, if it hosts one.
 
     With a torch ``store`` (the torch.distributed backend's), the peers meet through it
     instead of the settings' rendezvous; ``settings`` must give the rank and world size.
@@ -64,8 +67,8 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
     if store is not None:
         if rank is None or size is None:
             raise RendezvousError("forming through a torch store needs the rank and size")
-        return await _form_through_store(settings, failures, sockets, store, rank, size,
-                                         deadline)
+        return await _form_through_store(settings, failures, sockets, constants, store, rank,
+                                         size, deadline)
     if url is None and settings.world_size is None:
         warn_alone()  # a group of one that nothing asked for
     if url is None and (settings.world_size or 1) > 1:
@@ -102,7 +105,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                     max(0.0, deadline - loop.time()))
         if policy.name == "inproc":
             _check_one_process(membership)
-        session = await _start(membership, transport, settings, failures, deadline)
+        session = await _start(membership, transport, settings, failures, constants, deadline)
         if server is not None and elastic(settings) is None:
             await server.aclose()  # every peer has its roster: nothing left to serve
             server = None
@@ -117,8 +120,8 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
 
 
 async def _form_through_store(
-    settings: Settings, failures: FailureModel, sockets: SocketFactory, store: Any,
-    rank: int, size: int, deadline: float,
+    settings: Settings, failures: FailureModel, sockets: SocketFactory,
+    constants: Mapping[str, Constants], store: Any, rank: int, size: int, deadline: float,
 ) -> tuple[Session, None]:
     """:func:`form` through torch's ``store``: the endpoints advertised are on the
     interface that routes to the store's host (a TCPStore's), else loopback."""
@@ -138,7 +141,7 @@ async def _form_through_store(
                 timeout=max(0.0, deadline - loop.time()), host_id=me,
                 choose=lambda h, addresses: policy.choose(me, h, addresses),
             )
-        return await _start(membership, transport, settings, failures, deadline), None
+        return await _start(membership, transport, settings, failures, constants, deadline), None
     except BaseException:
         await transport.aclose()
         raise
@@ -150,11 +153,12 @@ def _alone(endpoints: list[str]) -> Membership:
 
 
 async def _start(membership: Membership, transport: ZmqMesh, settings: Settings,
-                 failures: FailureModel, deadline: float) -> Session:
+                 failures: FailureModel, constants: Mapping[str, Constants],
+                 deadline: float) -> Session:
     """The session of a roster that was agreed on, started, once every peer said hello
     (the hellos bounded by the heartbeat, at least HELLO_MIN_WAIT, and the deadline).
     If that fails or is cancelled, the session is closed (the transport is the caller's)."""
-    session = Session(membership, transport, settings, failures)
+    session = Session(membership, transport, settings, failures, constants)
     try:
         session.start()
         left = deadline - asyncio.get_running_loop().time()

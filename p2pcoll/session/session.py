@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from .activity import Activity
 from ..engine.board_path import BoardPath
-from ..engine.costs import DEFAULT_CONSTANTS, Constants, load_constants
+from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
 from ..engine.timeline import Timeline
@@ -36,7 +36,8 @@ class Session:
     """The state of one epoch of a group; see the module docstring."""
 
     def __init__(self, membership: Membership, transport: Transport, settings: Settings,
-                 failures: FailureModel) -> None:
+                 failures: FailureModel,
+                 constants: Mapping[str, Constants] = DEFAULT_CONSTANTS) -> None:
         self.membership = membership
         self.transport = transport
         self.settings = settings
@@ -59,10 +60,9 @@ class Session:
         self._board: BoardPath | None = None
         self._board_known = False
         # What the group's record of its collectives is (it spans epochs: the group hands
-        # its own in) and auto's constants (checked when the group was made).
+        # its own in) and auto's constants (read and checked when the group was formed).
         self.activity = Activity()
-        self.constants: Mapping[str, Constants] = (
-            load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS)
+        self.constants = constants
         self.runner = Runner(self)
         self.run = self.runner.run
         if membership.world_size == 1:
