@@ -51,7 +51,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Self
+from typing import Any, Self
 
 PREFIX = "p2pcoll-lab-"
 RELAY_PORT = 15001  # in each host's own namespace, on 127.0.0.1
@@ -382,7 +382,20 @@ async def _connect_on(destination: tuple[str, int], patience: float = 10.0
 
 
 async def _relay(port: int, delay: float, limit: int) -> None:
+    # The loop holds tasks weakly: a connection's task that waits on its sockets could be
+    # collected (and its connection stall) unless something holds it until it ends.
+    live: set[asyncio.Task[Any]] = set()
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        live.add(me)
+        try:
+            await relay(reader, writer)
+        finally:
+            live.discard(me)
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
         destination = (socket.inet_ntoa(raw[4:8]), int.from_bytes(raw[2:4], "big"))
