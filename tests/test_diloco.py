@@ -243,6 +243,86 @@ async def test_diloco_hands_the_network_about_h_times_fewer_bytes() -> None:
         assert outer * (h - 1) < dense, (outer, dense)
 
 
+@pytest.mark.parametrize("codec, factor", [("int8", 3.8), ("fp16", 1.9)])
+async def test_compressed_pseudo_gradients_keep_replicas_identical_and_cut_bytes(
+        codec: str, factor: float) -> None:
+    h, steps, n = 4, 12, 4
+
+    async def run(g: p2pcoll.Group, codec: str | None) -> tuple[Any, int, float]:
+        rng = np.random.default_rng(5)  # large enough that the scales are a small part
+        params = {"w": rng.standard_normal((96, 128)).astype(np.float32),
+                  "b": rng.standard_normal(128).astype(np.float32)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, codec=codec, strategy="ring")
+        before = g.stats()["bytes_sent"]
+        for t in range(steps):
+            for k, grad in noisy_grads(params, g.rank, t).items():
+                params[k] -= np.float32(0.1) * grad
+            if await diloco.after_inner_step():
+                await training.check_replicas(g, params)
+        return diloco.global_state(), g.stats()["bytes_sent"] - before, diloco.traffic.ratio
+
+    async def fn(g: p2pcoll.Group) -> tuple[str, Any, Any, int, int, float]:
+        coded, coded_bytes, ratio = await run(g, codec)
+        plain, plain_bytes, _ = await run(g, None)
+        return digest(coded), coded, plain, coded_bytes, plain_bytes, ratio
+
+    results = await run_ranks(n, fn, collective_timeout=TIMEOUT)
+    assert len({r[0] for r in results}) == 1, "the global state is the same on every rank"
+    for _, coded, plain, coded_bytes, plain_bytes, ratio in results:
+        assert coded_bytes * factor < plain_bytes, (coded_bytes, plain_bytes)
+        wire = training.modes.get_codec(codec).wire_bytes
+        assert ratio == pytest.approx(h * 4 / wire, rel=1e-3)
+        for name, want in plain["params"].items():   # close to the uncompressed run
+            np.testing.assert_allclose(coded["params"][name], want, rtol=0.05, atol=0.05)
+
+
+async def test_error_feedback_keeps_int8_from_drifting() -> None:
+    # H = 1, outer lr 1, no momentum: the global parameters move by the decoded average of
+    # the same pseudo-gradient every step. int8 rounds each element the same way each time;
+    # without error feedback that bias adds up, with it the lost part is sent later.
+    steps = 30
+    step_size = {"w": (np.arange(1, 65, dtype=np.float64) / 67.0).reshape(8, 8)}
+
+    async def fn(g: p2pcoll.Group) -> tuple[float, float]:
+        errors = []
+        for feedback in (True, False):
+            params = {"w": np.zeros((8, 8))}
+            diloco = training.DiLoCo(g, params, inner_steps=1, outer_lr=1.0,
+                                     outer_momentum=0.0, codec="int8",
+                                     error_feedback=feedback)
+            for _ in range(steps):
+                params["w"] -= step_size["w"]
+                await diloco.after_inner_step()
+            want = -steps * step_size["w"]
+            errors.append(float(np.abs(diloco.global_state()["params"]["w"] - want).max()))
+        return errors[0], errors[1]
+
+    for with_feedback, without in await run_ranks(2, fn, collective_timeout=TIMEOUT):
+        assert with_feedback * 5 < without, (with_feedback, without)
+
+
+async def test_an_unknown_codec_is_refused_when_diloco_is_made() -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        with pytest.raises(ValueError, match="no codec named 'int3'; installed: .*int8"):
+            training.DiLoCo(g, model(), inner_steps=4, codec="int3")
+
+    await run_ranks(1, fn)
+
+
+async def test_nan_under_int8_is_reported_by_name_and_not_applied() -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        params = {"w": np.ones(3), "b": np.zeros(2)}
+        diloco = training.DiLoCo(g, params, inner_steps=1, codec="int8")
+        before = digest(diloco.global_state())
+        params["b"][1] = np.inf if g.rank == 1 else 2.0
+        with pytest.raises(training.NonFiniteGradients, match="'b'") as info:
+            await diloco.after_inner_step()
+        assert info.value.tensors == ["b"]
+        assert digest(diloco.global_state()) == before and diloco.outer_steps == 0
+
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)
+
+
 async def test_torch_parameters_are_trained_in_place() -> None:
     torch = pytest.importorskip("torch")
 
@@ -316,6 +396,7 @@ async def test_ranks_that_disagree_get_a_mismatch_naming_the_setting(
     ({"inner_steps": 4, "outer_lr": 0.0}, ValueError, "outer_lr"),
     ({"inner_steps": 4, "outer_momentum": 1.5}, ValueError, "outer_momentum"),
     ({"inner_steps": 4, "codec": 8}, TypeError, "codec must be a codec's name"),
+    ({"inner_steps": 4, "codec": "int4"}, ValueError, "no codec named 'int4'"),
     ({"inner_steps": 4, "nonfinite": "skip"}, ValueError, "nonfinite"),
 ])
 async def test_bad_settings_are_refused(kwargs: dict[str, Any], error: type[Exception],

@@ -80,6 +80,7 @@ from .modes import (
     float_tensors,
     positive_int,
     report_nonfinite,
+    wire_bytes,
 )
 from .nonfinite import Nonfinite, check_nonfinite
 from .state import state_of
@@ -262,41 +263,47 @@ class DiLoCo:
             and the same values at the start (:func:`broadcast_parameters`).
         inner_steps: H, inner steps between a fragment's exchanges, >= 1.
         outer_lr, outer_momentum, nesterov: the outer optimizer (:class:`OuterSGD`).
-        codec: how the pseudo-gradients travel: None (their own dtype), "int8", "fp16", ...
-            (the group's codecs, ``group.allreduce(..., codec=)``).
+        codec: how the pseudo-gradients travel: None (their own dtype), "int8", "fp16",
+            "bf16" or a plugin's (:mod:`p2pcoll.codecs`).
+        error_feedback: with a lossy codec, what it lost of a tensor's pseudo-gradient is
+            added to that tensor's next one (kept per tensor, on this rank only), as
+            :func:`allreduce_gradients` does; False: every exchange on its own.
         fragments: F, the number of fragments (streaming DiLoCo), 1 <= F <= H and at most
             the number of non-empty tensors; 1 is DiLoCo.
         overlap: tau, inner steps between the start of a fragment's exchange and its outer
             step, 0 <= tau <= H; 0 waits for the exchange at once.
         mix: alpha of the merge ``mix * local + (1 - mix) * global``, in [0, 1).
         bucket_bytes, strategy: as :func:`allreduce_gradients`.
-        nonfinite: a NaN or Inf in an averaged pseudo-gradient: "raise"
-            :class:`NonFiniteGradients` (the outer state is left as it was), "warn", "ignore".
+        nonfinite: a NaN or Inf in a pseudo-gradient: "raise" :class:`NonFiniteGradients`
+            naming the tensors (the outer state is left as it was), "warn", "ignore".
         timeout: seconds for each collective (default: the group's).
 
     Attributes:
         step: inner steps taken; outer_steps: fragment exchanges applied (one per outer
             step when F = 1).
-        traffic: bytes handed to collectives (before the codec), against an allreduce of the
-            parameters' size at every inner step.
+        traffic: bytes handed to collectives (in the codec's bytes per element), against
+            an allreduce of the parameters at every inner step.
 
     Raises:
         ValueError: H < 1, a bad F, tau, mix, outer lr or momentum, no parameters, a
-            read-only parameter.
+            read-only parameter; a codec that cannot average over this group (int8: more
+            than 127 ranks).
+        UnknownCodec: no codec of that name (a ValueError; it lists the installed ones).
         TypeError: a parameter that is not floating-point; a codec that is not a name.
     """
 
     def __init__(self, group: Group, params: Pytree, *, inner_steps: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 codec: str | None = None, fragments: int = 1, overlap: int = 0,
-                 mix: float = 0.0, bucket_bytes: int | None = None,
+                 codec: str | None = None, error_feedback: bool = True, fragments: int = 1,
+                 overlap: int = 0, mix: float = 0.0, bucket_bytes: int | None = None,
                  strategy: str | None = None, nonfinite: Nonfinite = "raise",
                  timeout: float | None = None) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.codec = check_codec(codec)
         self.model = _Model(params, "DiLoCo")
+        self.codec = check_codec(codec, [s.dtype for s in self.model.specs], group.world_size)
+        self.error_feedback = bool(error_feedback)
         self.fragments = _fragments(self.model.specs, fragments, self.inner_steps)
         if (not isinstance(overlap, int) or isinstance(overlap, bool)
                 or not 0 <= overlap <= self.inner_steps):
@@ -310,6 +317,10 @@ class DiLoCo:
         self.bucket_bytes, self.strategy, self.timeout = bucket_bytes, strategy, timeout
         self.anchor = [a.copy() for a in self.model.arrays]  # the global parameters
         self.velocity = [np.zeros_like(a) for a in self.anchor]
+        # What the codec lost of each tensor's pseudo-gradient, this rank's own.
+        self.residuals = ([np.zeros_like(a) for a in self.anchor]
+                          if self.codec is not None and self.codec.lossy and self.error_feedback
+                          else None)
         self.step = 0
         self.outer_steps = 0
         self.traffic = Traffic()
@@ -322,7 +333,9 @@ class DiLoCo:
     @property
     def settings(self) -> dict[str, Any]:
         """What every rank must agree on (it goes into the agreement header)."""
-        return {"mode": "diloco", "inner_steps": self.inner_steps, "codec": self.codec,
+        return {"mode": "diloco", "inner_steps": self.inner_steps,
+                "codec": self.codec.name if self.codec is not None else None,
+                "error_feedback": self.residuals is not None,
                 "fragments": len(self.fragments), "overlap": self.overlap, "mix": self.mix,
                 "nonfinite": self.nonfinite, "bucket_bytes": _bucket_bytes(self.bucket_bytes),
                 **self.outer.settings()}
@@ -413,6 +426,8 @@ class DiLoCo:
         # is told about that first (it is at another step too).
         settings = {**self.settings, "step": self.step, "this_fragment": f}
         previous = self._last
+        residuals = (None if self.residuals is None
+                     else [self.residuals[i] for i in members])
 
         # A fragment's first exchange also compares the global parameters it starts from:
         # ranks that were not given the same parameters would never hold the same state.
@@ -431,16 +446,17 @@ class DiLoCo:
                     f"DiLoCo started from different parameters on different ranks ({exc}); "
                     f"give every rank the same parameters before making it "
                     f"(training.broadcast_parameters)", exc.ranks, exc.tensor) from None
-            averaged = await average(self.group, delta, codec=self.codec,
-                                     bucket_bytes=self.bucket_bytes, strategy=self.strategy,
-                                     timeout=self.timeout)
+            averaged = await average(
+                self.group, delta, names=[s.name for s in specs], codec=self.codec,
+                residuals=residuals, nonfinite=self.nonfinite, round_no=round_no,
+                bucket_bytes=self.bucket_bytes, strategy=self.strategy, timeout=self.timeout)
             report_nonfinite("DiLoCo's averaged pseudo-gradient", [s.name for s in specs],
                              averaged, self.nonfinite, round_no)
             return averaged
 
         self._last = asyncio.ensure_future(exchange())
         self.traffic.rounds += 1
-        self.traffic.sent_bytes += sum(d.nbytes for d in delta)
+        self.traffic.sent_bytes += wire_bytes(delta, self.codec)
         return self._last
 
     def _apply(self, f: int, averaged: list[np.ndarray]) -> None:

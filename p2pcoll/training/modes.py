@@ -17,14 +17,17 @@ each move less than a plain allreduce of every gradient. They all
 from __future__ import annotations
 
 import asyncio
+import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..codecs import Codec, NonFiniteInput, get_codec, reduce_coded
 from ..pytree import Pytree, as_array, named_leaves
+from ..types import ReduceOp
 from .agreement import Call, Kind, agree, table
 from .buckets import BucketPlan, TensorSpec
 from .errors import NonFiniteGradients
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
     from .. import Group
 
 __all__ = ["Traffic", "agree_on", "average", "check_codec", "float_tensors", "positive_int",
-           "report_nonfinite"]
+           "report_nonfinite", "wire_bytes"]
 
 
 @dataclass
@@ -47,7 +50,8 @@ class Traffic:
         dense_bytes: the bytes a plain allreduce of the same tensors would have reduced,
             summed over the rounds (each tensor's ``nbytes``).
         sent_bytes: the bytes this rank handed to collectives instead (P and Q for PowerSGD,
-            values and indices for top-k, the pseudo-gradients for DiLoCo), before any codec.
+            values and indices for top-k, the pseudo-gradients for DiLoCo, in the codec's
+            bytes per element when there is one).
     """
 
     rounds: int = 0
@@ -77,18 +81,22 @@ def positive_int(value: Any, what: str) -> int:
     return value
 
 
-def check_codec(codec: Any) -> str | None:
-    """``codec`` if it is None or a codec's name. Raises TypeError/ValueError otherwise.
+def check_codec(codec: Any, dtypes: Iterable[np.dtype[Any]], world_size: int) -> Codec | None:
+    """The codec called ``codec`` (None for None), checked for averaging ``dtypes`` over
+    ``world_size`` ranks.
 
-    Which names exist is the group's business (``group.allreduce(..., codec=)`` raises for an
-    unknown one before anything is sent); here only the type is checked.
+    Raises:
+        TypeError: ``codec`` is not a name.
+        UnknownCodec: no codec of that name (a ValueError; lists the installed ones).
+        ValueError: the codec cannot average over that many ranks (int8: 127 at most).
+        PluginValidationError: the plugin that provides it is broken.
     """
     if codec is None:
         return None
-    if not isinstance(codec, str) or not codec:
-        raise TypeError(f"codec must be a codec's name (\"int8\", \"fp16\", ...) or None, "
-                        f"got {codec!r}")
-    return codec
+    found = get_codec(codec)
+    for dtype in set(dtypes):
+        found.check(ReduceOp.AVG, dtype, world_size)
+    return found
 
 
 def float_tensors(tree: Pytree, what: str) -> tuple[list[str], list[np.ndarray],
@@ -129,24 +137,54 @@ async def agree_on(group: Group, what: str, round_no: int, settings: Mapping[str
                 timeout)
 
 
-async def average(group: Group, arrays: Sequence[np.ndarray], *, codec: str | None = None,
+async def average(group: Group, arrays: Sequence[np.ndarray], *, names: Sequence[str] = (),
+                  codec: Codec | None = None, residuals: Sequence[np.ndarray] | None = None,
+                  nonfinite: str = "raise", round_no: int = -1,
                   bucket_bytes: int | None = None, strategy: str | None = None,
                   timeout: float | None = None) -> list[np.ndarray]:
-    """The average over the group of each of ``arrays``, fused into buckets; the same bits on
-    every rank (new arrays, views of the reduced buckets).
+    """The average over the group of each of ``arrays``; the same bits on every rank (new
+    arrays).
 
     Every rank passes arrays of the same shapes and dtypes in the same order; the caller has
-    checked that (:func:`agree_on`). ``codec`` compresses each bucket on the wire
-    (``group.allreduce(..., codec=)``).
+    checked that (:func:`agree_on`). Without a codec they are fused into buckets of
+    ``bucket_bytes``, one allreduce each. With one they travel as the codec's wire dtype
+    (:func:`p2pcoll.codecs.reduce_coded`), with error feedback into ``residuals`` (one
+    per array, updated in place) if given.
+
+    Raises:
+        NonFiniteGradients: the codec needs a scale agreed by the ranks and some rank's data
+            holds NaN or Inf (``nonfinite="raise"``), naming the tensors (``names``); nothing
+            but the scales has moved and the residuals are as they were. With other
+            ``nonfinite`` those blocks come back NaN (report them with
+            :func:`report_nonfinite`).
+        CollectiveTimeout, PeerLost, GroupBroken: as the group's collectives.
     """
+    if codec is not None:
+        try:
+            coded = await reduce_coded(group, codec, arrays, "avg", strategy=strategy,
+                                       timeout=timeout, residuals=residuals,
+                                       nonfinite="raise" if nonfinite == "raise" else "nan")
+        except NonFiniteInput as exc:
+            where = sorted({names[i] if i < len(names) else f"#{i}" for i, _, _ in exc.blocks})
+            raise NonFiniteGradients(
+                f"NaN or Inf in the data of some rank (round {round_no}), which codec "
+                f"{codec.name!r} cannot scale: {', '.join(repr(w) for w in where)}",
+                round=round_no, tensors=where) from exc
+        assert coded is not None  # an allreduce gives every rank the result
+        return coded
     specs = [TensorSpec(str(i), a.dtype, tuple(a.shape)) for i, a in enumerate(arrays)]
     plan = BucketPlan(specs, bucket_bytes)
     flats = plan.pack(list(arrays))
-    extra: dict[str, Any] = {} if codec is None else {"codec": codec}
     reduced = await asyncio.gather(*(
-        group.allreduce(flat, "avg", strategy=strategy, timeout=timeout, **extra)
-        for flat in flats))
+        group.allreduce(flat, "avg", strategy=strategy, timeout=timeout) for flat in flats))
     return plan.unpack(reduced)
+
+
+def wire_bytes(arrays: Iterable[np.ndarray], codec: Codec | None) -> int:
+    """The bytes ``arrays`` take on the wire: their own, or the codec's per element."""
+    if codec is None:
+        return sum(a.nbytes for a in arrays)
+    return math.ceil(sum(a.size for a in arrays) * codec.wire_bytes)
 
 
 def report_nonfinite(what: str, names: Sequence[str], arrays: Sequence[np.ndarray],
