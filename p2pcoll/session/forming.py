@@ -91,7 +91,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
             membership = _alone(endpoints)
         else:
             assert address is not None
-            me = host_identity()
+            me = host_identity(settings.host_id)
             if url.startswith("torch://"):
                 membership = await store_rendezvous(
                     "torch" + address.removeprefix("tcp"), namespace=settings.torchrun,
@@ -132,7 +132,7 @@ async def _form_through_store(
     transport = ZmqMesh(policy, host, settings, sockets)
     try:
         endpoints = await transport.bind()
-        me = host_identity()
+        me = host_identity(settings.host_id)
         if size == 1:
             membership = _alone(endpoints)
         else:
