@@ -11,8 +11,9 @@ bring the replicas together:
   worker's change since the last exchange, and takes an *outer* step with it on the global
   parameters, with SGD and Nesterov momentum (:class:`OuterSGD`; the paper: lr 0.7,
   momentum 0.9). The pseudo-gradient can travel compressed (``codec="int8"`` or
-  ``"fp16"``), since it is an update, not the weights. Every worker then starts the next
-  ``H`` steps from the new global parameters.
+  ``"fp16"``), since it is an update, not the weights; with a lossy codec what it loses of
+  each tensor is added to that tensor's next pseudo-gradient (error feedback). Every worker
+  then starts the next ``H`` steps from the new global parameters.
 - Streaming DiLoCo (Douillard et al. 2025, *Streaming DiLoCo with overlapping
   communication*): ``DiLoCo(..., fragments=F)`` splits the tensors into ``F`` fragments
   (strided: tensor i in leaf order goes to fragment ``i % F``, the paper's better pattern)
@@ -26,7 +27,8 @@ bring the replicas together:
 One outer step, per fragment (all the tensors when ``F = 1``)::
 
     delta    = anchor - params              this worker's pseudo-gradient (anchor: global)
-    delta    = avg over ranks (delta)       one allreduce per bucket, through the codec
+    delta    = avg over ranks (delta)       one allreduce per bucket, or one through the
+                                            codec (plus error feedback's residual)
     velocity = momentum * velocity + delta
     anchor  -= lr * (delta + momentum * velocity)     (Nesterov; lr * velocity without it)
     params   = anchor                       (mix * params + (1 - mix) * anchor with overlap)
