@@ -15,9 +15,11 @@ bring the replicas together:
   each tensor is added to that tensor's next pseudo-gradient (error feedback). Every worker
   then starts the next ``H`` steps from the new global parameters.
 - Streaming DiLoCo (Douillard et al. 2025, *Streaming DiLoCo with overlapping
-  communication*): ``DiLoCo(..., fragments=F)`` splits the tensors into ``F`` fragments
-  (strided: tensor i in leaf order goes to fragment ``i % F``, the paper's better pattern)
-  and syncs fragment ``f`` at the inner steps ``t`` with ``(t - offset_f) % H == 0``,
+  communication*): ``DiLoCo(..., fragments=F)`` splits the parameters into ``F`` fragments
+  of nearly equal size (the tensors in leaf order, cut between rows where needed: one large
+  layer would otherwise make one fragment the whole model; the paper's transformer has
+  layers of equal size, which it groups strided) and syncs fragment ``f`` at the inner
+  steps ``t`` with ``(t - offset_f) % H == 0``,
   ``offset_f = f * H // F``, so each exchange is ``1/F`` of the model and the exchanges are
   spread over the ``H`` steps. With ``overlap=tau`` a fragment's exchange starts at step
   ``t`` as a task and is applied at step ``t + tau``: the worker trains on meanwhile, and
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -270,8 +273,8 @@ class DiLoCo:
         error_feedback: with a lossy codec, what it lost of a tensor's pseudo-gradient is
             added to that tensor's next one (kept per tensor, on this rank only), as
             :func:`allreduce_gradients` does; False: every exchange on its own.
-        fragments: F, the number of fragments (streaming DiLoCo), 1 <= F <= H and at most
-            the number of non-empty tensors; 1 is DiLoCo.
+        fragments: F, the number of fragments (streaming DiLoCo), 1 <= F <= H; each is
+            about 1/F of the parameters, whole rows of them; 1 is DiLoCo.
         overlap: tau, inner steps between the start of a fragment's exchange and its outer
             step, 0 <= tau <= H; 0 waits for the exchange at once.
         mix: alpha of the merge ``mix * local + (1 - mix) * global``, in [0, 1).
@@ -306,7 +309,8 @@ class DiLoCo:
         self.model = _Model(params, "DiLoCo")
         self.codec = check_codec(codec, [s.dtype for s in self.model.specs], group.world_size)
         self.error_feedback = bool(error_feedback)
-        self.fragments = _fragments(self.model.specs, fragments, self.inner_steps)
+        self.fragments = _fragments(self.model.specs, self.model.names, fragments,
+                                    self.inner_steps)
         if (not isinstance(overlap, int) or isinstance(overlap, bool)
                 or not 0 <= overlap <= self.inner_steps):
             raise ValueError(f"overlap must be an int in [0, inner_steps={self.inner_steps}], "
@@ -347,8 +351,9 @@ class DiLoCo:
         return self._offsets[fragment]
 
     def fragment_names(self) -> list[list[str]]:
-        """The tensors of each fragment, by name."""
-        return [[self.model.names[i] for i in members] for members in self.fragments]
+        """The pieces of each fragment: a tensor's name, or ``"name[a:b]"`` for its rows a
+        to b."""
+        return [[piece.name for piece in pieces] for pieces in self.fragments]
 
     def global_state(self) -> dict[str, Pytree]:
         """The state every replica shares: ``{"params": ..., "velocity": ...}``, the global
@@ -420,22 +425,22 @@ class DiLoCo:
     def _start(self, f: int) -> asyncio.Task[list[np.ndarray]]:
         """Start fragment f's exchange: its pseudo-gradient, taken now, averaged in a task
         that waits for the previous exchange (so the collectives keep one order)."""
-        members = self.fragments[f]
-        delta = [self.anchor[i] - self.model.arrays[i] for i in members]
+        pieces = self.fragments[f]
+        delta = [p.of(self.anchor) - p.of(self.model.arrays) for p in pieces]
         round_no = state_of(self.group).take_round()  # now, in the same order on every rank
-        specs = [self.model.specs[i] for i in members]
+        specs = [TensorSpec.of(p.name, d) for p, d in zip(pieces, delta, strict=True)]
         # "step" and "this_fragment" sort after the settings, so a rank with another H or F
         # is told about that first (it is at another step too).
         settings = {**self.settings, "step": self.step, "this_fragment": f}
         previous = self._last
         residuals = (None if self.residuals is None
-                     else [self.residuals[i] for i in members])
+                     else [p.of(self.residuals) for p in pieces])
 
         # A fragment's first exchange also compares the global parameters it starts from:
         # ranks that were not given the same parameters would never hold the same state.
         first = f not in self._checked
         self._checked.add(f)
-        anchors = [self.anchor[i].copy() for i in members] if first else None
+        anchors = [p.of(self.anchor).copy() for p in pieces] if first else None
 
         async def exchange() -> list[np.ndarray]:
             if previous is not None:
@@ -463,11 +468,11 @@ class DiLoCo:
 
     def _apply(self, f: int, averaged: list[np.ndarray]) -> None:
         """Fragment f's outer step on the global state, and the merge into the parameters."""
-        members = self.fragments[f]
-        self.outer.apply([self.anchor[i] for i in members], [self.velocity[i] for i in members],
-                         averaged)
-        for i in members:
-            local, anchor = self.model.arrays[i], self.anchor[i]
+        pieces = self.fragments[f]
+        self.outer.apply([p.of(self.anchor) for p in pieces],
+                         [p.of(self.velocity) for p in pieces], averaged)
+        for p in pieces:
+            local, anchor = p.of(self.model.arrays), p.of(self.anchor)
             if self.mix == 0:
                 np.copyto(local, anchor)
             else:
@@ -569,15 +574,55 @@ def _bucket_bytes(bucket_bytes: int | None) -> int:
     return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
 
 
-def _fragments(specs: Sequence[TensorSpec], count: Any, inner_steps: int) -> list[list[int]]:
-    """Tensor i (in leaf order, empty ones skipped) goes to fragment ``i % count``.
+@dataclass(frozen=True)
+class _Piece:
+    """Rows ``start:stop`` of tensor ``index`` (all of a 0-d tensor), named for messages."""
+
+    index: int
+    start: int
+    stop: int
+    name: str
+
+    def of(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """The piece of its tensor in ``arrays``: a view (writes go to the tensor)."""
+        array = arrays[self.index]
+        return array[...] if array.ndim == 0 else array[self.start:self.stop]
+
+
+def _fragments(specs: Sequence[TensorSpec], names: Sequence[str], count: Any,
+               inner_steps: int) -> list[list[_Piece]]:
+    """``count`` fragments of nearly equal size: the non-empty tensors in leaf order, laid end
+    to end and cut into ``count`` runs, each row going to the fragment its first element
+    falls in.
 
     Raises:
-        ValueError: ``count`` is not an int in [1, min(H, non-empty tensors)].
+        ValueError: ``count`` is not an int in [1, H], or rows too large leave a fragment
+            empty.
     """
+    if (not isinstance(count, int) or isinstance(count, bool)
+            or not 1 <= count <= inner_steps):
+        raise ValueError(f"fragments must be an int in [1, inner_steps={inner_steps}], got "
+                         f"{count!r}")
     tensors = [i for i, spec in enumerate(specs) if spec.size]
-    limit = min(inner_steps, len(tensors))
-    if (not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= max(limit, 1)):
-        raise ValueError(f"fragments must be an int in [1, {limit}] (at most inner_steps and "
-                         f"the number of non-empty tensors, {len(tensors)}), got {count!r}")
-    return [tensors[f::count] for f in range(count)]
+    total = sum(specs[i].size for i in tensors)
+    fragments: list[list[_Piece]] = [[] for _ in range(count)]
+    done = 0  # elements laid down before this tensor
+    for i in tensors:
+        spec, name = specs[i], names[i]
+        if not spec.shape:
+            fragments[done * count // total].append(_Piece(i, 0, 0, name))
+            done += 1
+            continue
+        rows = spec.shape[0]
+        owner = (done + np.arange(rows, dtype=np.int64) * (spec.size // rows)) * count // total
+        bounds = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), rows]
+        for a, b in itertools.pairwise(bounds):
+            fragments[int(owner[a])].append(
+                _Piece(i, a, b, name if (a, b) == (0, rows) else f"{name}[{a}:{b}]"))
+        done += spec.size
+    empty = [f for f, pieces in enumerate(fragments) if not pieces]
+    if empty:
+        raise ValueError(f"fragments={count} leaves fragment {empty[0]} empty: a row of a "
+                         f"tensor holds more than 1/{count} of the parameters; use fewer "
+                         f"fragments")
+    return fragments
