@@ -24,7 +24,7 @@ bring the replicas together:
   spread over the ``H`` steps. With ``overlap=tau`` a fragment's exchange starts at step
   ``t`` as a task and is applied at step ``t + tau``: the worker trains on meanwhile, and
   the fragment's local parameters become ``mix * local + (1 - mix) * global`` (the paper's
-  merge, alpha; it found 0.5 good).
+  merge, with its mixing factor alpha as ``mix``).
 
 One outer step, per fragment (all the tensors when ``F = 1``)::
 
