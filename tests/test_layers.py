@@ -4,7 +4,7 @@
     wire       the message format and its one validation point
     transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory)
     engine     plans, matching, the executor            rendezvous  server, client, URLs
-    session    one membership epoch, forming, failure    registry    strategy plugins
+    session    one membership epoch, forming, failure    registry    strategy plugins, codecs
     api        Group and join
     training   data-parallel training on the api        testing, launch
     service    a peer as a long-lived service (health, metrics)   integrations  torch.distributed
@@ -30,7 +30,7 @@ LAYERS = {
     "wire": 1,
     "transport": 2,
     "engine": 3, "rendezvous": 3,
-    "session": 4, "registry": 4,
+    "session": 4, "registry": 4, "codecs": 4,
     "api": 5,
     "training": 6, "testing": 6, "launch": 6, "service": 6, "integrations": 6, "blocking": 6,
     "bench": 7, "cli": 7, "__main__": 7, "__init__": 7, "torch": 7,
