@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..codecs import reduce_coded
+from ..codecs.order import Turns
 from ..engine.costs import CostModel
 from ..errors import CollectiveMismatch, CollectiveTimeout, GroupBroken
 from ..pytree import LEAF
@@ -75,6 +76,7 @@ class Group:
         self._sockets = sockets
         self._extensions: dict[str, Any] = {}
         self._activity = session.activity  # the record of its collectives
+        self._turns = Turns()
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -111,6 +113,12 @@ class Group:
     def timeout(self) -> float:
         """The default deadline of each collective, seconds."""
         return self.settings.collective_timeout
+
+    @property
+    def turns(self) -> Turns:
+        """The order of the collectives started while a coded reduction waits for its
+        scales (:mod:`p2pcoll.codecs.order`); idle otherwise."""
+        return self._turns
 
     @property
     def session(self) -> Session:
@@ -240,6 +248,8 @@ class Group:
         if codec is not None:
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
         call = self._reduction("allreduce", value, op, None, strategy, timeout, out)
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(call)
         return out if out is not None else unflatten(call.treedef, call.leaves)
 
@@ -257,6 +267,8 @@ class Group:
         if codec is not None:
             return await self._coded("reduce", value, op, root, strategy, timeout, None, codec)
         call = self._reduction("reduce", value, op, root, strategy, timeout)
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(call)
         return unflatten(call.treedef, call.leaves) if self.rank == root else None
 
@@ -285,6 +297,8 @@ class Group:
         call = self._reduction("reduce_scatter", arr, op, None, strategy, timeout)
         work = call.leaves[0]
         call.rows = int(np.prod(work.shape[1:], dtype=np.int64))
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(call)
         return np.array_split(work, self.world_size, axis=0)[self.rank].copy()
 
@@ -335,10 +349,14 @@ class Group:
             send = [_native(leaf) for leaf in leaves]
             call = Call("broadcast", send, treedef, None, root, strategy, timeout,
                         flat=[a.reshape(-1) for a in send])
+            if self._turns.busy:  # a coded reduction waits for its scales
+                await self._turns.queue()
             await self.session.run(call)
             return value
         call = Call("broadcast", [], None, None, root, strategy, timeout)
         self._learner(call, value, f"broadcast from root {root}")
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(call)
         return unflatten(call.treedef, call.leaves)
 
@@ -355,6 +373,8 @@ class Group:
         """
         mine = _native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(Call("allgather", parts, None, None, None, strategy, timeout,
                                     flat=[p.reshape(-1) for p in parts]))
         parts[self.rank] = mine.copy()
@@ -372,6 +392,8 @@ class Group:
         self._check_root(root)
         mine = _native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(Call("gather", parts, None, None, root, strategy, timeout,
                                     flat=[p.reshape(-1) for p in parts]))
         if self.rank != root:
@@ -398,11 +420,15 @@ class Group:
                 got = "None" if parts is None else f"{len(parts)} parts"
                 raise ValueError(f"scatter root needs a list of {p} arrays, got {got}")
             send = [_native(a) for a in parts]
+            if self._turns.busy:  # a coded reduction waits for its scales
+                await self._turns.queue()
             await self.session.run(Call("scatter", send, None, None, root, strategy, timeout,
                                         flat=[a.reshape(-1) for a in send]))
             return send[self.rank].copy()
         call = Call("scatter", [], None, None, root, strategy, timeout)
         self._learner(call, None, f"scatter from root {root}")
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(call)
         return call.leaves[self.rank]
 
@@ -413,6 +439,8 @@ class Group:
             CollectiveTimeout, CollectiveMismatch, PeerLost, GroupBroken.
         Cancellation: breaks the group.
         """
+        if self._turns.busy:  # a coded reduction waits for its scales
+            await self._turns.queue()
         await self.session.run(Call("barrier", [], None, None, None, strategy, timeout))
 
     # --- point to point ----------------------------------------------------------------

@@ -3,10 +3,15 @@
 The group's own collectives do the communication, so this module needs nothing of the
 group but its reductions (:class:`Reductions`); ``Group.allreduce(..., codec=)``,
 ``p2pcoll.training`` (with error feedback) and the torch hooks all come here.
+
+**Order.** A coded reduction with scales is two collectives, the data's starting only
+once the scales' has finished; :mod:`p2pcoll.codecs.order` keeps every collective the
+group starts meanwhile in the order the caller started it, on every rank.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -14,6 +19,7 @@ import numpy as np
 
 from ..types import CustomOp, ReduceOp, as_op, check_dtype
 from .base import Codec, Context, NonFiniteInput
+from .order import Turns
 from .registry import get_codec
 
 __all__ = ["Reductions", "reduce_coded"]
@@ -128,36 +134,36 @@ async def reduce_coded(
     else:
         residuals = None
 
-    agreed = await _agree(group, coder, values, nonfinite, timeout)
-    contexts = [Context(red, p, scales) for scales in agreed]
-    wires = [coder.encode(v, ctx) for v, ctx in zip(values, contexts, strict=True)]
-    if residuals is not None:
-        for v, wire, ctx, r in zip(values, wires, contexts, residuals, strict=True):
-            _feedback(coder, v, wire, ctx, r.reshape(-1))
-
-    wire = wires[0] if len(wires) == 1 else np.concatenate(wires)
-    fold = coder.fold(red)
-    if collective == "allreduce":
-        await group.allreduce(wire, fold, strategy=strategy, timeout=timeout, out=wire)
-        total = wire
-        start = 0
-    elif collective == "reduce":
-        got = await group.reduce(wire, root, fold, strategy=strategy, timeout=timeout)
-        if got is None:
-            return None
-        total, start = got, 0
-    else:
+    turns = _turns_of(group)
+    turn = turns.take()  # before the first await: the order the caller started it in
+    finished = False
+    try:
+        await turns.wait(turn)
+        with turns.holding():  # its own collectives do not queue behind it
+            agreed = await _agree(group, coder, values, nonfinite, timeout)
+            contexts = [Context(red, p, scales) for scales in agreed]
+            wires = [coder.encode(v, ctx) for v, ctx in zip(values, contexts, strict=True)]
+            if residuals is not None:
+                for v, wire, ctx, r in zip(values, wires, contexts, residuals, strict=True):
+                    _feedback(coder, v, wire, ctx, r.reshape(-1))
+            wire = wires[0] if len(wires) == 1 else np.concatenate(wires)
+            # Passing the turn on only schedules the next one's wake-up: the data's
+            # collective, started below before any await, takes its number first.
+            finished = True
+            turns.finish(turn)
+            total, start = await _run(group, collective, wire, coder.fold(red), root, strategy,
+                                      timeout, data[0].shape)
+    finally:
+        if not finished:
+            turns.finish(turn)
+    if total is None:
+        return None
+    if collective == "reduce_scatter":
         shape = data[0].shape
-        total = (await group.reduce_scatter(wire.reshape(shape), fold, strategy=strategy,
-                                            timeout=timeout)).reshape(-1)
-        rows = np.array_split(np.arange(shape[0]), p)
-        first_row = int(rows[group.rank][0]) if rows[group.rank].size else 0
-        start = first_row * int(np.prod(shape[1:], dtype=np.int64))
-        target = (out[0] if out is not None else
-                  np.empty((len(rows[group.rank]), *shape[1:]), data[0].dtype))
+        rows = len(np.array_split(np.arange(shape[0]), p)[group.rank])
+        target = out[0] if out is not None else np.empty((rows, *shape[1:]), data[0].dtype)
         coder.decode(total, contexts[0], target.reshape(-1), start)
         return [target]
-
     results = []
     offset = 0
     for i, (a, ctx) in enumerate(zip(data, contexts, strict=True)):
@@ -166,6 +172,37 @@ async def reduce_coded(
         offset += a.size
         results.append(target)
     return results
+
+
+async def _run(group: Reductions, collective: str, wire: np.ndarray, fold: CustomOp | ReduceOp,
+               root: int, strategy: str | None, timeout: float | None,
+               shape: tuple[int, ...]) -> tuple[np.ndarray | None, int]:
+    """The data's collective: (the folded wire array or this rank's part of it, or None
+    off the root of a reduce; the index of its first element in the data)."""
+    if collective == "allreduce":
+        await group.allreduce(wire, fold, strategy=strategy, timeout=timeout, out=wire)
+        return wire, 0
+    if collective == "reduce":
+        return await group.reduce(wire, root, fold, strategy=strategy, timeout=timeout), 0
+    part = await group.reduce_scatter(wire.reshape(shape), fold, strategy=strategy,
+                                      timeout=timeout)
+    rows = np.array_split(np.arange(shape[0]), group.world_size)[group.rank]
+    row_size = int(np.prod(shape[1:], dtype=np.int64))
+    return part.reshape(-1), (int(rows[0]) if rows.size else 0) * row_size
+
+
+_TURNS: weakref.WeakKeyDictionary[Any, Turns] = weakref.WeakKeyDictionary()
+
+
+def _turns_of(group: Reductions) -> Turns:
+    """The group's turns (a Group has them; another object gets its own here)."""
+    turns = getattr(group, "turns", None)
+    if isinstance(turns, Turns):
+        return turns
+    turns = _TURNS.get(group)
+    if turns is None:
+        turns = _TURNS[group] = Turns()
+    return turns
 
 
 async def _agree(group: Reductions, codec: Codec, values: Sequence[np.ndarray],

@@ -23,7 +23,7 @@ from ..types import ReduceOp, as_op
 from .agreement import Call, Kind, agree, table
 from .buckets import BucketPlan
 from .errors import RoundError
-from .gradients import gradient_specs
+from .gradients import Residuals, codec_for, gradient_specs, raise_refused, reduce_bucket
 from .nonfinite import Nonfinite, check_nonfinite, report_nonfinite
 from .replicas import check_replicas, replica_table
 from .state import state_of
@@ -73,6 +73,11 @@ class GradientReducer:
             number is a multiple of this (0: never). The digests ride in the round's header,
             so a check costs hashing the parameters but no extra message.
         timeout: seconds for each collective (default: the group's).
+        codec: send the gradients compressed ("fp16", "bf16", "int8", a plugin's), as for
+            :func:`allreduce_gradients`; None: as they are. In the header the ranks compare.
+        error_feedback: with a lossy codec and "sum"/"avg", carry what the codec lost of
+            each gradient into the next round (the residuals are the reducer's, per
+            parameter; ``reducer.residuals.clear()`` forgets them).
 
     Raises:
         ValueError, TypeError: bad arguments, as for :func:`allreduce_gradients`, or an
@@ -91,6 +96,8 @@ class GradientReducer:
         nonfinite: Nonfinite = "raise",
         check_every: int = 0,
         timeout: float | None = None,
+        codec: str | None = None,
+        error_feedback: bool = True,
     ) -> None:
         self.group = group
         self.params = params
@@ -105,12 +112,14 @@ class GradientReducer:
             raise ValueError("order must list every parameter name exactly once")
         self.plan = BucketPlan(gradient_specs(order, [arrays[name] for name in order], self.op),
                                bucket_bytes)
+        self.codec = codec_for(codec, self.plan.specs, self.op, group.world_size)
+        self.residuals = Residuals() if error_feedback else None
         self.strategy = strategy
         self.nonfinite = nonfinite
         self.check_every = check_every
         self.timeout = timeout
         settings = {"op": self.op.value, "bucket_bytes": self.plan.bucket_bytes,
-                    "nonfinite": nonfinite, "check_every": check_every}
+                    "nonfinite": nonfinite, "check_every": check_every, "codec": codec}
         self._spec_table = table(settings, self.plan.specs)
         self._open: Round | None = None
         # One set of bucket buffers for all rounds: a round's allreduces have copied them
@@ -257,12 +266,26 @@ class Round:
         await agree(reducer.group, self._call, reducer.timeout)
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task[Any]] = []
+        coder = reducer.codec
         try:
-            for flat, full in zip(self._flats, self._full, strict=True):
+            for bucket, flat, full in zip(reducer.plan.buckets, self._flats, self._full,
+                                          strict=True):
                 await full.wait()
-                tasks.append(loop.create_task(reducer.group.allreduce(
-                    flat, reducer.op, strategy=reducer.strategy, timeout=reducer.timeout)))
-            return list(await asyncio.gather(*tasks))
+                if coder is None:
+                    work = reducer.group.allreduce(flat, reducer.op, strategy=reducer.strategy,
+                                                   timeout=reducer.timeout)
+                else:
+                    work = reduce_bucket(reducer.group, coder, reducer.plan, bucket, flat,
+                                         reducer.op, reducer.residuals, reducer.strategy,
+                                         reducer.timeout, reducer.nonfinite)
+                tasks.append(loop.create_task(work))
+            if coder is None:
+                return list(await asyncio.gather(*tasks))
+            # Every bucket runs to its end, so that a NaN under int8 (refused alike on
+            # every rank) leaves every rank having run the same collectives.
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            raise_refused(reducer.plan, coder, done, self.number)
+            return [result for result in done if isinstance(result, np.ndarray)]
         finally:
             for task in tasks:
                 task.cancel()
