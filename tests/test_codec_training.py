@@ -228,6 +228,10 @@ class Delayed:
         return self.group.world_size
 
     @property
+    def turns(self) -> Any:
+        return self.group.turns
+
+    @property
     def rank(self) -> int:
         return self.group.rank
 
@@ -286,3 +290,32 @@ async def test_nan_under_int8_with_warn_names_the_tensor() -> None:
         tail = r["layer2.w"][-(3000 % BLOCK):]  # the last block, refused
         assert np.isnan(tail).all() and np.isfinite(r["layer2.w"][:2 * BLOCK]).all()
     assert same_bits([r["layer2.w"] for r in results])
+
+
+async def test_plain_collectives_started_meanwhile_keep_their_place() -> None:
+    """Plain collectives started while int8 reductions wait for their (delayed) scales
+    start after them, in the order they were started, on every rank."""
+    p = 3
+
+    async def fn(g: p2pcoll.Group) -> list[Any]:
+        slow = Delayed(g)
+        x = np.full(3000, g.rank + 1.0, np.float32)
+        return list(await asyncio.gather(
+            reduce_coded(slow, "int8", [x], "sum"),
+            g.allreduce(np.array([g.rank], np.int64)),
+            reduce_coded(slow, "int8", [x[:10]], "avg"),
+            g.broadcast(np.arange(5) if g.rank == 1 else None, root=1),
+            reduce_coded(slow, "fp16", [x[:7]], "sum"),
+            g.allgather(np.array([g.rank * 10])),
+            reduce_coded(slow, "int8", [x[:2000]], "sum"),
+            g.barrier(),
+        ))
+
+    for r in await each_rank(p, fn):
+        assert np.allclose(r[0][0], 6.0, rtol=0.02) and r[0][0].shape == (3000,)
+        assert r[1].tolist() == [3]
+        assert np.allclose(r[2][0], 2.0, rtol=0.02) and r[2][0].shape == (10,)
+        assert r[3].tolist() == [0, 1, 2, 3, 4]
+        assert r[4][0].tolist() == [6.0] * 7
+        assert [a.tolist() for a in r[5]] == [[0], [10], [20]]
+        assert np.allclose(r[6][0], 6.0, rtol=0.02) and r[6][0].shape == (2000,)
