@@ -349,7 +349,7 @@ def test_int8_codes_stay_in_range_and_within_half_a_step(x: np.ndarray, p: int) 
     back = np.empty(x.size, np.float64)
     codec.restore(wire, ctx, back)
     step = np.repeat(ctx.agreed.astype(np.float64) / limit, BLOCK)[:x.size]  # type: ignore[union-attr]
-    assert (np.abs(back - x) <= step / 2 * (1 + 1e-9)).all()
+    assert (np.abs(back - x) <= step * (0.5 + limit * 2.0 ** -23) * (1 + 1e-9)).all()
 
 
 @settings(max_examples=200, deadline=None)

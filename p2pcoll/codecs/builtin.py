@@ -208,21 +208,26 @@ class Int8(Codec):
         return s
 
     def encode(self, x: np.ndarray, ctx: Context) -> np.ndarray:
-        """Codes ``round(x / s)`` (ties to even), clipped to [-L, L]; zeros in a block whose
-        maximum is not finite."""
-        step = self.scales(ctx)
+        """Codes ``round(x * (L / M))`` (ties to even), clipped to [-L, L]; zeros in a block
+        whose maximum is not finite. float16/float32 data is multiplied in float32 (the
+        product's rounding adds at most L * 2**-23 of a step) unless L / M leaves float32's
+        range (blocks of subnormal numbers), float64 data in float64."""
         limit = self.levels(ctx.world_size)
-        wire = np.zeros(x.size, np.int8)
+        m = self.scales(ctx) * limit  # the agreed maxima, float64 (1*L where M is 0)
+        finite = np.isfinite(m)
+        inverse = np.where(finite, limit / np.where(finite, m, 1.0), 0.0)
+        work = _working(x)
+        if work == np.float32 and np.all(inverse < float(np.finfo(np.float32).max)):
+            inverse = inverse.astype(np.float32)
+        wire = np.empty(x.size, np.int8)
         for (seg, lo, hi), (codes, _, _) in zip(_pieces(x, 0), _pieces(wire, 0), strict=True):
-            s = step[lo:hi]
-            finite = np.isfinite(s)
-            s = np.where(finite, s, 1.0)
-            v = seg / (s[:, None] if seg.ndim == 2 else s[0])
-            with np.errstate(invalid="ignore"):
+            inv = inverse[lo:hi]
+            with np.errstate(invalid="ignore"):  # NaN or Inf times 0, in refused blocks
+                v = np.multiply(seg, inv[:, None] if seg.ndim == 2 else inv[0], dtype=inv.dtype)
                 np.rint(v, out=v)
                 np.clip(v, -limit, limit, out=v)
-            if not finite.all():
-                v[~finite if seg.ndim == 2 else ...] = 0
+            if not finite[lo:hi].all():
+                v[~finite[lo:hi] if seg.ndim == 2 else ...] = 0
             codes[...] = v
         return wire
 
@@ -242,12 +247,18 @@ class Int8(Codec):
 
 
 def _times(codes: np.ndarray, step: np.ndarray, out: np.ndarray, start: int) -> None:
-    """``out = codes * step`` per block, for elements ``start, start + len(codes)``."""
-    with np.errstate(over="ignore"):
+    """``out = codes * step`` per block, for elements ``start, start + len(codes)``: one
+    rounding, in float32 for float16/float32 results (float64 otherwise)."""
+    work = _working(out)
+    if work == np.float32:
+        with np.errstate(over="ignore"):
+            step = step.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
         for (seg, lo, hi), (dst, _, _) in zip(_pieces(codes, start), _pieces(out, start),
                                               strict=True):
             s = step[lo:hi]
-            dst[...] = seg * (s[:, None] if seg.ndim == 2 else s[0])
+            np.multiply(seg, s[:, None] if seg.ndim == 2 else s[0], out=dst, dtype=work,
+                        casting="unsafe")
 
 
 def _pieces(a: np.ndarray, start: int) -> Iterator[tuple[np.ndarray, int, int]]:
