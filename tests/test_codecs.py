@@ -382,6 +382,13 @@ def test_int8_decodes_any_part_like_the_whole(n: int, start: int) -> None:
     assert part.tobytes() == whole[start:].tobytes()
 
 
+def test_int8_refuses_more_ranks_than_its_sums_hold() -> None:
+    codec = codecs.get_codec("int8")
+    codec.check(ReduceOp.SUM, np.dtype(np.float32), 127)
+    with pytest.raises(ValueError, match="at most 127 ranks"):
+        codec.check(ReduceOp.SUM, np.dtype(np.float32), 128)
+
+
 def test_bfloat16_bits_round_as_torch_does() -> None:
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 1e3

@@ -13,18 +13,21 @@ bf16      bfloat16     2              sum avg min max      8-bit significand: 2*
 int8      int8 + one   1 + 4/1024     sum avg              per block of 1024 elements, 2L + 1
           float32 per                                      levels, L = 127 // p (p=2: 127,
           1024                                             p=4: 63, p=8: 31 levels); each
-                                                           value off by at most s/2, s = M / L
+                                                           value off by at most s/2 (plus
+                                                           L 2**-23 s of float32 rounding),
+                                                           s = M / L
 ========  ==========  ============  ===================  ====================================
 
-fp16 and bf16 for "avg" divide each rank's value by p *before* it is rounded and summed (as
-torch's fp16 DDP hook does), so the sum of p values stays in range where their average
-is; "sum" sends the values as they are. Their folds round every partial sum, so the bits
-of a result depend on the strategy as float32 sums do (every rank gets the same bits).
+fp16 and bf16 for "avg" divide each rank's value by p before it is summed (as torch's fp16
+DDP hook does; here in float32, before the one rounding to half precision), so the sum of p
+values stays in range where their average is; "sum" sends the values as they are. Their
+folds round every partial sum, so the bits of a result depend on the strategy as float32
+sums do (every rank gets the same bits).
 
 int8 is exact in the integer domain. Before the data moves, the ranks agree on a scale per
 block of :data:`BLOCK` elements: one allreduce(max) of each block's largest magnitude
 (float32, 4 bytes per block). With ``M`` that maximum over every rank and ``L = 127 // p``,
-each rank sends ``q = round(x / s)`` with ``s = M / L``, so ``|q| <= L`` and the sum of the
+each rank sends ``q = round(x * L / M)`` (``s = M / L``), so ``|q| <= L`` and the sum of the
 p ranks' q, and every partial sum of some of them, lies within [-127, 127]: integer
 addition that cannot overflow is associative, so every strategy, segmentation and board
 gives the same bits. The result is ``sum(q) * s`` (divided by p for "avg"): off from the
