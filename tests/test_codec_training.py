@@ -182,6 +182,7 @@ async def test_nan_under_int8_is_nonfinite_gradients_on_every_rank() -> None:
             assert exc.tensors == ["layer1.b"] and "'int8'" in str(exc)
         # "ignore": the refused block is NaN on every rank, the other tensors are reduced.
         assert np.isnan(warned["layer1.b"]).all() and np.isfinite(warned["layer1.w"]).all()
+        assert np.isfinite(after["layer1.b"]).all()
     assert same_bits([r[3]["layer1.w"] for r in results])
     assert same_bits([r[1]["layer1.b"] for r in results])
 
