@@ -23,7 +23,8 @@ from p2pcoll.testing import run_ranks
 from p2pcoll.types import CustomOp, ReduceOp
 
 TIMEOUT = 10.0
-STRATEGIES = [None, "ring", "recursive_doubling", "reduce_broadcast"]  # None: the board/auto
+STRATEGIES = [None, "ring", "recursive_doubling", "reduce_broadcast", "rabenseifner",
+              "gloo_ring"]  # None: the board (or auto)
 EPS = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 
 

@@ -3,9 +3,13 @@
 Every collective is a coroutine that takes the next sequence number of the group's session
 *before its first await*, so collectives started in the same order on every rank (one after
 the other, or together with ``asyncio.gather``) are matched correctly even while several
-are in flight. Forming lives in :mod:`p2pcoll.session.forming`, the failure model and the
-group's state in :mod:`p2pcoll.session.failure`, everything of one roster in
-:class:`~p2pcoll.session.Session`; this module only turns calls into plans for the engine.
+are in flight. The one exception keeps that promise: a coded reduction with scales (int8)
+is two collectives, the second started when the first has finished, so while it waits,
+collectives started after it wait their turn and start in the order they were started
+(:mod:`p2pcoll.codecs.order`). Forming lives in :mod:`p2pcoll.session.forming`, the
+failure model and the group's state in :mod:`p2pcoll.session.failure`, everything of one
+roster in :class:`~p2pcoll.session.Session`; this module only turns calls into plans for the
+engine.
 """
 
 from __future__ import annotations
