@@ -223,6 +223,29 @@ async def test_stats_count_the_compressed_bytes(strategy: str) -> None:
     assert total["fp16"] == total[None] // 2
 
 
+async def test_auto_chooses_by_the_encoded_bytes() -> None:
+    """auto's cost model is handed the encoded arrays: the strategy it picks for an int8
+    reduction is the one for a quarter of the bytes."""
+    from p2pcoll.registry import registry
+
+    p, n = 4, 1 << 20  # 4 MiB of float32, 1 MiB of int8
+
+    async def fn(g: p2pcoll.Group) -> tuple[dict[str, int], dict[str, int], str, str]:
+        x = np.ones(n, np.float32)
+        await g.allreduce(x, "avg")
+        plain = dict(g.stats()["collectives_by_strategy"]["allreduce"])
+        await g.allreduce(x, "avg", codec="int8")
+        coded = dict(g.stats()["collectives_by_strategy"]["allreduce"])
+        costs = g.session.runner.costs()
+        return (plain, coded, registry.auto_name("allreduce", 4 * n, p, costs),
+                registry.auto_name("allreduce", n, p, costs))
+
+    for plain, coded, for_float32, for_int8 in await each_rank(p, fn):
+        assert plain == {for_float32: 1}
+        coded = {k: v - plain.get(k, 0) for k, v in coded.items() if v - plain.get(k, 0)}
+        assert coded.get(for_int8, 0) >= 1, (coded, for_int8)
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
