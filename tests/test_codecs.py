@@ -387,7 +387,7 @@ def test_half_precision_rounds_each_value_once(x: np.ndarray, p: int, name: str,
     ctx = Context(op, p, None)
     back = np.empty(x.size, np.float32)
     codec.restore(codec.encode(x, ctx), ctx, back)
-    tiny = 2.0 ** -24 * p if name == "fp16" else 2.0 ** -133  # the spacing of subnormals
+    tiny = p * (2.0 ** -24 if name == "fp16" else 2.0 ** -133)  # the spacing of subnormals
     err = np.abs(back.astype(np.float64) - x)
     assert (err <= EPS[name] * np.abs(x) * (1 + 1e-6) + tiny).all()
 
