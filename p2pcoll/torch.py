@@ -18,3 +18,11 @@ register()
 
 __all__ = ["ALLTOALL_TAG", "NAME", "Options", "ProcessGroupP2PColl", "UnsupportedOperation",
            "register"]
+
+# ``from p2pcoll.torch import hooks`` and ``import p2pcoll.torch.hooks``: the DDP hooks.
+import sys as _sys  # noqa: E402
+
+from .integrations.torch import hooks  # noqa: E402
+
+_sys.modules[f"{__name__}.hooks"] = hooks
+__all__ += ["hooks"]
