@@ -320,3 +320,39 @@ async def test_plain_collectives_started_meanwhile_keep_their_place() -> None:
         assert r[4][0].tolist() == [6.0] * 7
         assert [a.tolist() for a in r[5]] == [[0], [10], [20]]
         assert np.allclose(r[6][0], 6.0, rtol=0.02) and r[6][0].shape == (2000,)
+
+
+class LateScales(Delayed):
+    """Rank 1's scales come back 60 ms late, rank 0's at once."""
+
+    async def allreduce(self, value: Any, op: Any = "sum", **kw: Any) -> Any:
+        got = await self.group.allreduce(value, op, **kw)
+        if isinstance(op, CustomOp) and op.name.endswith("statistics-max") and self.rank:
+            await asyncio.sleep(0.06)
+        return got
+
+
+@pytest.mark.parametrize("strategy", [None, "ring"])
+async def test_a_collective_started_while_the_scales_are_out_waits_its_turn(
+        strategy: str | None) -> None:
+    """An allreduce started 20 ms after an int8 reduction: rank 0 has started the int8 data
+    collective by then, rank 1 (its scales late) has not. Without the session's turns the
+    allreduce would take rank 1's next sequence number before the data does, and the two
+    ranks would pair different collectives; with them it waits, and both results are
+    right (the default path puts both on the board, "ring" sends messages)."""
+
+    async def fn(g: p2pcoll.Group) -> list[Any]:
+        slow = LateScales(g)
+        x = np.full(4096, g.rank + 1.0, np.float32)
+
+        async def later() -> Any:
+            await asyncio.sleep(0.02)
+            assert g.turns.busy or g.rank == 0  # rank 1's int8 call still holds its turn
+            return await g.allreduce(np.array([g.rank + 1.0] * 3), strategy=strategy)
+
+        return list(await asyncio.gather(
+            reduce_coded(slow, "int8", [x], "sum", strategy=strategy), later()))
+
+    for coded, plain in await each_rank(2, fn):
+        assert np.allclose(coded[0], 3.0, rtol=0.02)
+        assert plain.tolist() == [3.0] * 3

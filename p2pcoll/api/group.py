@@ -6,10 +6,10 @@ the other, or together with ``asyncio.gather``) are matched correctly even while
 are in flight. The one exception keeps that promise: a coded reduction with scales (int8)
 is two collectives, the second started when the first has finished, so while it waits,
 collectives started after it wait their turn and start in the order they were started
-(:mod:`p2pcoll.codecs.order`). Forming lives in :mod:`p2pcoll.session.forming`, the
-failure model and the group's state in :mod:`p2pcoll.session.failure`, everything of one
-roster in :class:`~p2pcoll.session.Session`; this module only turns calls into plans for the
-engine.
+(:mod:`p2pcoll.session.turns`, kept by the session's runner). Forming lives in
+:mod:`p2pcoll.session.forming`, the failure model and the group's state in
+:mod:`p2pcoll.session.failure`, everything of one roster in
+:class:`~p2pcoll.session.Session`; this module only turns calls into plans for the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..codecs import reduce_coded
-from ..codecs.order import Turns
 from ..engine.costs import CostModel
 from ..errors import CollectiveMismatch, CollectiveTimeout, GroupBroken
 from ..pytree import LEAF
@@ -30,6 +29,7 @@ from ..rendezvous import RendezvousServer
 from ..session.calls import Call, describe_specs
 from ..session.failure import USABLE, FailureModel, GroupState
 from ..session.session import Session
+from ..session.turns import Turns
 from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
 from ..types import (
@@ -80,7 +80,6 @@ class Group:
         self._sockets = sockets
         self._extensions: dict[str, Any] = {}
         self._activity = session.activity  # the record of its collectives
-        self._turns = Turns()
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -120,9 +119,10 @@ class Group:
 
     @property
     def turns(self) -> Turns:
-        """The order of the collectives started while a coded reduction waits for its
-        scales (:mod:`p2pcoll.codecs.order`); idle otherwise."""
-        return self._turns
+        """The order in which this group's calls start while a coded reduction waits for
+        its scales (:mod:`p2pcoll.session.turns`; :func:`p2pcoll.codecs.reduce_coded`
+        takes a turn)."""
+        return self.session.runner.turns
 
     @property
     def session(self) -> Session:
@@ -252,8 +252,6 @@ class Group:
         if codec is not None:
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
         call = self._reduction("allreduce", value, op, None, strategy, timeout, out)
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(call)
         return out if out is not None else unflatten(call.treedef, call.leaves)
 
@@ -271,8 +269,6 @@ class Group:
         if codec is not None:
             return await self._coded("reduce", value, op, root, strategy, timeout, None, codec)
         call = self._reduction("reduce", value, op, root, strategy, timeout)
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(call)
         return unflatten(call.treedef, call.leaves) if self.rank == root else None
 
@@ -301,8 +297,6 @@ class Group:
         call = self._reduction("reduce_scatter", arr, op, None, strategy, timeout)
         work = call.leaves[0]
         call.rows = int(np.prod(work.shape[1:], dtype=np.int64))
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(call)
         return np.array_split(work, self.world_size, axis=0)[self.rank].copy()
 
@@ -353,14 +347,10 @@ class Group:
             send = [_native(leaf) for leaf in leaves]
             call = Call("broadcast", send, treedef, None, root, strategy, timeout,
                         flat=[a.reshape(-1) for a in send])
-            if self._turns.busy:  # a coded reduction waits for its scales
-                await self._turns.queue()
             await self.session.run(call)
             return value
         call = Call("broadcast", [], None, None, root, strategy, timeout)
         self._learner(call, value, f"broadcast from root {root}")
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(call)
         return unflatten(call.treedef, call.leaves)
 
@@ -377,8 +367,6 @@ class Group:
         """
         mine = _native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(Call("allgather", parts, None, None, None, strategy, timeout,
                                     flat=[p.reshape(-1) for p in parts]))
         parts[self.rank] = mine.copy()
@@ -396,8 +384,6 @@ class Group:
         self._check_root(root)
         mine = _native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(Call("gather", parts, None, None, root, strategy, timeout,
                                     flat=[p.reshape(-1) for p in parts]))
         if self.rank != root:
@@ -424,15 +410,11 @@ class Group:
                 got = "None" if parts is None else f"{len(parts)} parts"
                 raise ValueError(f"scatter root needs a list of {p} arrays, got {got}")
             send = [_native(a) for a in parts]
-            if self._turns.busy:  # a coded reduction waits for its scales
-                await self._turns.queue()
             await self.session.run(Call("scatter", send, None, None, root, strategy, timeout,
                                         flat=[a.reshape(-1) for a in send]))
             return send[self.rank].copy()
         call = Call("scatter", [], None, None, root, strategy, timeout)
         self._learner(call, None, f"scatter from root {root}")
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(call)
         return call.leaves[self.rank]
 
@@ -443,8 +425,6 @@ class Group:
             CollectiveTimeout, CollectiveMismatch, PeerLost, GroupBroken.
         Cancellation: breaks the group.
         """
-        if self._turns.busy:  # a coded reduction waits for its scales
-            await self._turns.queue()
         await self.session.run(Call("barrier", [], None, None, None, strategy, timeout))
 
     # --- point to point ----------------------------------------------------------------

@@ -5,13 +5,13 @@ group but its reductions (:class:`Reductions`); ``Group.allreduce(..., codec=)``
 ``p2pcoll.training`` (with error feedback) and the torch hooks all come here.
 
 **Order.** A coded reduction with scales is two collectives, the data's starting only
-once the scales' has finished; :mod:`p2pcoll.codecs.order` keeps every collective the
-group starts meanwhile in the order the caller started it, on every rank.
+once the scales' has finished; it takes a turn of the group's :mod:`p2pcoll.session.turns`,
+so every call the group starts meanwhile waits and starts in the order the caller started
+it, on every rank.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..types import CustomOp, ReduceOp, as_op, check_dtype
 from .base import Codec, Context, NonFiniteInput
-from .order import Turns
+from ..session.turns import Turns
 from .registry import get_codec
 
 __all__ = ["Reductions", "reduce_coded"]
@@ -45,6 +45,11 @@ class Reductions(Protocol):
     async def reduce_scatter(self, array: np.ndarray, op: Any = ..., *,
                              strategy: str | None = ..., timeout: float | None = ...
                              ) -> np.ndarray: ...
+
+    @property
+    def turns(self) -> Turns:
+        """The order the group's calls start in (every call consults it)."""
+        ...
 
 
 async def reduce_coded(
@@ -134,7 +139,7 @@ async def reduce_coded(
     else:
         residuals = None
 
-    turns = _turns_of(group)
+    turns = group.turns
     turn = turns.take()  # before the first await: the order the caller started it in
     finished = False
     try:
@@ -189,20 +194,6 @@ async def _run(group: Reductions, collective: str, wire: np.ndarray, fold: Custo
     rows = np.array_split(np.arange(shape[0]), group.world_size)[group.rank]
     row_size = int(np.prod(shape[1:], dtype=np.int64))
     return part.reshape(-1), (int(rows[0]) if rows.size else 0) * row_size
-
-
-_TURNS: weakref.WeakKeyDictionary[Any, Turns] = weakref.WeakKeyDictionary()
-
-
-def _turns_of(group: Reductions) -> Turns:
-    """The group's turns (a Group has them; another object gets its own here)."""
-    turns = getattr(group, "turns", None)
-    if isinstance(turns, Turns):
-        return turns
-    turns = _TURNS.get(group)
-    if turns is None:
-        turns = _TURNS[group] = Turns()
-    return turns
 
 
 async def _agree(group: Reductions, codec: Codec, values: Sequence[np.ndarray],

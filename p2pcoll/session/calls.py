@@ -41,6 +41,8 @@ from ..types import CustomOp, ReduceOp, TreeDef, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
+from .turns import Turns
+
 if TYPE_CHECKING:
     from .session import Session
 
@@ -136,6 +138,8 @@ class Runner:
         self.programs: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._costs: CostModel | None = None
         self._recent: dict[int, Signature] = {}  # seq -> what this rank ran (HISTORY of them)
+        # The order calls start in while a coded reduction waits for its scales (.turns).
+        self.turns = Turns()
 
     def recent(self, seq: int) -> Signature | None:
         """What this rank ran as collective ``seq``, if it was one of the last few."""
@@ -249,6 +253,8 @@ class Runner:
         Cancellation: breaks the group.
         """
         session = self.session
+        if self.turns.busy:  # a coded reduction waits for its scales: see .turns
+            await self.turns.queue()
         limit = (session.settings.collective_timeout if call.timeout is None
                  else check_seconds(call.timeout, "timeout="))
         # Prepared before the sequence number is taken: an unknown strategy or a plugin's

@@ -1,4 +1,4 @@
-"""Turns: the order in which a group's collectives start while a coded reduction waits.
+"""Turns: the order in which a group's calls start while a coded reduction waits.
 
 A collective is matched across ranks by the sequence number it takes when it starts, so
 every rank must start its collectives in the same order; a collective that is a coroutine
@@ -16,6 +16,8 @@ sequence numbers is then the order the caller started the collectives in, on eve
 whatever the timing. When nothing holds a turn (no coded reduction waiting for its
 scales), a collective starts at once: the plain path pays one attribute test.
 
+The session's runner keeps the turns and consults them at the start of every call
+(:meth:`p2pcoll.session.calls.Runner.run`); :func:`p2pcoll.codecs.reduce_coded` takes one.
 The holder's own collectives (its scales, its data) run inside its turn: a context
 variable marks the task that holds the current turn.
 """
