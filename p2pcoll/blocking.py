@@ -208,60 +208,63 @@ class Group:
     @overload
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., out: Pytree | None = ...,
-                  async_op: Literal[False] = ...) -> Pytree: ...
+                  codec: str | None = ..., async_op: Literal[False] = ...) -> Pytree: ...
     @overload
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., out: Pytree | None = ...,
-                  async_op: Literal[True]) -> Handle[Pytree]: ...
+                  codec: str | None = ..., async_op: Literal[True]) -> Handle[Pytree]: ...
     @overload
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., out: Pytree | None = ...,
-                  async_op: bool = ...) -> Pytree | Handle[Pytree]: ...
+                  codec: str | None = ..., async_op: bool = ...) -> Pytree | Handle[Pytree]: ...
     def allreduce(self, value: Pytree, op: Op = "sum", *, strategy: str | None = None,
                   timeout: float | None = None, out: Pytree | None = None,
-                  async_op: bool = False) -> Pytree | Handle[Pytree]:
+                  codec: str | None = None, async_op: bool = False) -> Pytree | Handle[Pytree]:
         """Reduce ``value`` over all ranks; the result on every rank
-        (:meth:`p2pcoll.Group.allreduce`)."""
+        (:meth:`p2pcoll.Group.allreduce`, ``codec`` too)."""
         return self._call("allreduce", self._group.allreduce(
-            value, op, strategy=strategy, timeout=timeout, out=out), async_op)
+            value, op, strategy=strategy, timeout=timeout, out=out, codec=codec), async_op)
 
     @overload
     def reduce(self, value: Pytree, root: int = ..., op: Op = ..., *,
                strategy: str | None = ..., timeout: float | None = ...,
-               async_op: Literal[False] = ...) -> Pytree | None: ...
+               codec: str | None = ..., async_op: Literal[False] = ...) -> Pytree | None: ...
     @overload
     def reduce(self, value: Pytree, root: int = ..., op: Op = ..., *,
                strategy: str | None = ..., timeout: float | None = ...,
-               async_op: Literal[True]) -> Handle[Pytree | None]: ...
+               codec: str | None = ..., async_op: Literal[True]) -> Handle[Pytree | None]: ...
     @overload
     def reduce(self, value: Pytree, root: int = ..., op: Op = ..., *,
                strategy: str | None = ..., timeout: float | None = ...,
+               codec: str | None = ...,
                async_op: bool = ...) -> Pytree | Handle[Pytree | None] | None: ...
     def reduce(self, value: Pytree, root: int = 0, op: Op = "sum", *,
                strategy: str | None = None, timeout: float | None = None,
+               codec: str | None = None,
                async_op: bool = False) -> Pytree | Handle[Pytree | None] | None:
         """Reduce ``value`` over all ranks; the result on ``root``, None elsewhere."""
         return self._call("reduce", self._group.reduce(
-            value, root, op, strategy=strategy, timeout=timeout), async_op)
+            value, root, op, strategy=strategy, timeout=timeout, codec=codec), async_op)
 
     @overload
     def reduce_scatter(self, array: np.ndarray, op: Op = ..., *, strategy: str | None = ...,
-                       timeout: float | None = ...,
+                       timeout: float | None = ..., codec: str | None = ...,
                        async_op: Literal[False] = ...) -> np.ndarray: ...
     @overload
     def reduce_scatter(self, array: np.ndarray, op: Op = ..., *, strategy: str | None = ...,
-                       timeout: float | None = ...,
+                       timeout: float | None = ..., codec: str | None = ...,
                        async_op: Literal[True]) -> Handle[np.ndarray]: ...
     @overload
     def reduce_scatter(self, array: np.ndarray, op: Op = ..., *, strategy: str | None = ...,
-                       timeout: float | None = ...,
+                       timeout: float | None = ..., codec: str | None = ...,
                        async_op: bool = ...) -> np.ndarray | Handle[np.ndarray]: ...
     def reduce_scatter(self, array: np.ndarray, op: Op = "sum", *,
                        strategy: str | None = None, timeout: float | None = None,
+                       codec: str | None = None,
                        async_op: bool = False) -> np.ndarray | Handle[np.ndarray]:
         """Reduce ``array`` over all ranks and give rank r part r of the result."""
         return self._call("reduce_scatter", self._group.reduce_scatter(
-            array, op, strategy=strategy, timeout=timeout), async_op)
+            array, op, strategy=strategy, timeout=timeout, codec=codec), async_op)
 
     @overload
     def broadcast(self, value: Pytree | None, root: int = ..., *, strategy: str | None = ...,

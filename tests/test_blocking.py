@@ -159,6 +159,29 @@ def test_async_op_handles_start_in_call_order_and_overlap(pair: list[blocking.Gr
         assert [int(a[0]) for a in results] == [2 * i + 1 for i in range(20)]
 
 
+def test_codecs_through_the_blocking_api(pair: list[blocking.Group]) -> None:
+    """codec= on the three reductions, sync and async_op, as on the async API."""
+
+    def script(g: blocking.Group) -> list[Any]:
+        x = np.linspace(-1, 1, 3000, dtype=np.float32) * (g.rank + 1)
+        coded = g.allreduce(x, "avg", codec="int8", async_op=True)
+        half = g.allreduce(x, codec="fp16")
+        part = g.reduce_scatter(x.reshape(2, 1500), codec="bf16")
+        root = g.reduce(x, 1, codec="int8")
+        return [coded.wait(), half, part, root]
+
+    results = each(pair, script)
+    want = np.linspace(-1, 1, 3000, dtype=np.float32) * 3
+    for rank, (avg, total, part, root) in enumerate(results):
+        np.testing.assert_allclose(avg, want / 2, atol=0.02)
+        np.testing.assert_allclose(total, want, rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(part, want.reshape(2, 1500)[rank:rank + 1], rtol=1e-2,
+                                   atol=1e-2)
+        assert (root is None) == (rank == 0)
+    np.testing.assert_allclose(results[1][3], want, atol=0.05)
+    assert results[0][0].tobytes() == results[1][0].tobytes()  # the same bits on both
+
+
 def test_wait_with_a_timeout_leaves_the_call_going(pair: list[blocking.Group]) -> None:
     g0, g1 = pair
     h = g1.recv(src=0, tag=9, async_op=True)
