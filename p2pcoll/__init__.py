@@ -9,6 +9,7 @@ from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
     GroupBroken,
+    NonFiniteInput,
     P2PCollError,
     PeerLost,
     PluginValidationError,
@@ -17,6 +18,7 @@ from .errors import (
     ReplicaDivergence,
     SettingsError,
     StrategyError,
+    UnknownCodec,
     UnknownStrategy,
 )
 from .registry import available_strategies, register_strategy
@@ -34,6 +36,7 @@ __all__ = [
     "GroupBroken",
     "GroupState",
     "Membership",
+    "NonFiniteInput",
     "P2PCollError",
     "PeerLost",
     "PluginValidationError",
@@ -44,6 +47,7 @@ __all__ = [
     "Settings",
     "SettingsError",
     "StrategyError",
+    "UnknownCodec",
     "UnknownStrategy",
     "available_strategies",
     "blocking",

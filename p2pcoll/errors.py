@@ -11,6 +11,8 @@ P2PCollError
 ├── GroupBroken                  the group failed earlier and cannot be used
 ├── ReplicaDivergence            replicas that must be identical are not (training)
 ├── ServiceStopped               a peer service was told to stop while its job ran
+├── NonFiniteInput               a codec's agreed scale is NaN or Inf (FloatingPointError)
+├── UnknownCodec                 no codec of that name is installed (ValueError)
 └── StrategyError
     ├── UnknownStrategy          no strategy of that name for that collective
     └── PluginValidationError    an installed strategy plugin is malformed
@@ -141,6 +143,29 @@ class UnknownStrategy(StrategyError, ValueError):
 
 class PluginValidationError(StrategyError):
     """An installed strategy plugin does not satisfy the strategy API."""
+
+
+
+class NonFiniteInput(P2PCollError, FloatingPointError):
+    """A codec that scales by a maximum agreed by every rank found NaN or Inf in the data
+    of some rank (the agreed maximum is not finite). Every rank raises it, before the data
+    moves; the group stays usable.
+
+    Attributes:
+        codec: the codec's name.
+        blocks: ``(array index, first element, end element)`` of every block whose agreed
+            maximum is NaN or Inf, for the arrays of the call, in order.
+    """
+
+    def __init__(self, message: str, *, codec: str,
+                 blocks: Iterable[tuple[int, int, int]]) -> None:
+        super().__init__(message)
+        self.codec = codec
+        self.blocks = list(blocks)
+
+
+class UnknownCodec(P2PCollError, ValueError):
+    """No codec of the name given is installed; the message lists the ones that are."""
 
 
 # Errors that may be reported by a peer in an abort message and re-raised here, by name.

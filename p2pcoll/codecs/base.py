@@ -42,38 +42,15 @@ Errors::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import P2PCollError
+from ..errors import NonFiniteInput, UnknownCodec
 from ..types import CustomOp, ReduceOp
 
 __all__ = ["Codec", "Context", "NonFiniteInput", "UnknownCodec", "fold_op"]
-
-
-class NonFiniteInput(P2PCollError, FloatingPointError):
-    """A codec that scales by a maximum agreed by every rank found NaN or Inf in the data
-    of some rank (the agreed maximum is not finite). Every rank raises it, before the data
-    moves; the group stays usable.
-
-    Attributes:
-        codec: the codec's name.
-        blocks: ``(array index, first element, end element)`` of every block whose agreed
-            maximum is NaN or Inf, for the arrays of the call, in order.
-    """
-
-    def __init__(self, message: str, *, codec: str,
-                 blocks: Iterable[tuple[int, int, int]]) -> None:
-        super().__init__(message)
-        self.codec = codec
-        self.blocks = list(blocks)
-
-
-class UnknownCodec(P2PCollError, ValueError):
-    """No codec of the name given is installed; the message lists the ones that are."""
 
 
 @dataclass(frozen=True)
