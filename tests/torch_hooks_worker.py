@@ -188,6 +188,17 @@ NESTED = {"powersgd", "batched_powersgd", "fp16_powersgd", "bf16_powersgd",
           "quantization_perchannel_fixed"}
 
 
+def traffic() -> dict[str, int] | None:
+    """The default p2pcoll group's payload bytes sent so far, over sockets and shared
+    memory (None on Gloo)."""
+    pg = dist.group.WORLD
+    group = getattr(pg, "group", None)
+    if group is None:
+        return None
+    stats = pg._runtime._loop_thread.call(group.stats)  # type: ignore[union-attr]
+    return {k: int(stats[k]) for k in ("bytes_sent", "bytes_sent_shm")}
+
+
 def dying(setup: Setup, step: list[int], at: int) -> Setup:
     """``setup`` whose hook, on the last rank at step ``at``, exits the process after it
     has started its first bucket's collective of the step (a rank killed mid-step)."""
@@ -219,6 +230,7 @@ def train(name: str, rank: int, kill_at: int | None = None) -> torch.Tensor:
     ddp.register_comm_hook(setup.state, setup.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(100 + rank)  # the same batches for every hook
+    before = traffic()
     for step[0] in range(STEPS):
         x = torch.randn(BATCH, IN, generator=data)
         y = torch.randint(0, OUT, (BATCH,), generator=data)
@@ -228,6 +240,9 @@ def train(name: str, rank: int, kill_at: int | None = None) -> torch.Tensor:
         if setup.after_step is not None:
             setup.after_step(ddp)
         say(f"STEP {name} {step[0]}")
+    after = traffic()
+    if after is not None and before is not None:
+        say(f"BYTES {name} " + " ".join(f"{k}={after[k] - before[k]}" for k in after))
     flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
     del ddp, opt, setup
     gc.collect()
@@ -286,8 +301,13 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, help="the last rank dies in this step's "
                         "hook; the others print CAUGHT and the error, and exit 0")
     parser.add_argument("--direct", action="store_true", help="first run direct()")
+    parser.add_argument("--own-hosts", action="store_true", help="each rank names a host "
+                        "of its own (P2PCOLL_HOST_ID): sockets, no shared memory, so that "
+                        "the group's stats() count every byte")
     parser.add_argument("hooks", nargs="+", choices=sorted(HOOKS))
     args = parser.parse_args()
+    if args.own_hosts:
+        os.environ["P2PCOLL_HOST_ID"] = f"host-{os.environ['RANK']}"
     if args.backend == "p2pcoll":
         import p2pcoll.torch  # noqa: F401  (registers the backend; the entry point does too)
     dist.init_process_group(args.backend)
