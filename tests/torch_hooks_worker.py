@@ -292,6 +292,14 @@ def direct() -> None:
             if not np.array_equal(kept, residual):
                 wrong.append(f"residual of round {round_no}")
         say(f"DIRECT {codec} " + (f"FAIL {', '.join(wrong)}" if wrong else "OK"))
+    # A bucket of bfloat16 (a model in bfloat16) is refused before anything is sent.
+    state, hook = hooks.codec_hook("int8")
+    try:
+        hook(state, Bucket(torch.zeros(8, dtype=torch.bfloat16)))
+    except hooks.UnsupportedOperation as exc:
+        say("DIRECT dtype " + ("OK" if "torch.bfloat16" in str(exc) else f"FAIL {exc}"))
+    else:
+        say("DIRECT dtype FAIL not refused")
 
 
 def main() -> None:

@@ -24,7 +24,9 @@ Errors: a collective that fails (a peer lost, a timeout) fails the bucket's futu
 p2pcoll's error as a :class:`torch.distributed.DistBackendError`; DDP's ``backward()``
 raises it as torch's RuntimeError naming it ("... PeerLost: ... rank 2 ..."), as for DDP
 without a hook. NaN or Inf in a bucket under int8 is :class:`p2pcoll.codecs.NonFiniteInput`
-on every rank (no scale can be agreed); the group stays usable.
+on every rank (no scale can be agreed); the group stays usable. A bucket that is not
+float16, float32 or float64 (a model in bfloat16) is :class:`UnsupportedOperation`,
+before anything is sent.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .ops import UnsupportedOperation
 
 Hook = Callable[["CodecState", dist.GradBucket], torch.futures.Future[torch.Tensor]]
 BucketKey = tuple[int, tuple[int, ...]]
+CODED = (torch.float16, torch.float32, torch.float64)  # the bucket dtypes codecs take
 
 
 def p2pcoll_group(process_group: Any = None) -> ProcessGroupP2PColl:
@@ -155,6 +158,9 @@ def _codec_hook(state: CodecState, bucket: dist.GradBucket
     """Average ``bucket`` over ``state.process_group`` through ``state.codec``; the future
     holds the bucket's buffer with the average in it."""
     buffer = bucket.buffer()
+    if buffer.dtype not in CODED:
+        raise UnsupportedOperation(f"codec {state.codec.name!r}: DDP's bucket is {buffer.dtype}; "
+                                   f"p2pcoll's codecs take float16, float32 or float64")
     residual = _residual(state, bucket, buffer)
     data = ops.values(buffer)  # the buffer's memory: the average lands there (out=)
     kept = None if residual is None else [ops.values(residual)]
@@ -191,4 +197,4 @@ def _first(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
     return future.value()[0]
 
 
-__all__ = ["CodecState", "Hook", "codec_hook", "p2pcoll_group"]
+__all__ = ["CodecState", "Hook", "UnsupportedOperation", "codec_hook", "p2pcoll_group"]
