@@ -292,6 +292,22 @@ def direct() -> None:
             if not np.array_equal(kept, residual):
                 wrong.append(f"residual of round {round_no}")
         say(f"DIRECT {codec} " + (f"FAIL {', '.join(wrong)}" if wrong else "OK"))
+    # NaN in one rank's bucket under int8: NonFiniteInput on every rank (as DDP would
+    # raise it: torch's RuntimeError naming it, from the future's callback), and the next
+    # bucket is averaged as usual.
+    state, hook = hooks.codec_hook("int8")
+    grad = torch.ones(2000)
+    if rank == 0:
+        grad[1500] = float("nan")
+    try:
+        hook(state, Bucket(grad)).wait()
+        outcome = "FAIL no error"
+    except RuntimeError as exc:
+        outcome = "OK" if "NonFiniteInput: codec 'int8'" in str(exc) else f"FAIL {exc!r}"
+    after = hook(state, Bucket(torch.full((2000,), float(rank)))).wait()
+    if outcome == "OK" and not bool((after == (dist.get_world_size() - 1) / 2).all()):
+        outcome = f"FAIL after: {after[:4]}"
+    say(f"DIRECT nonfinite {outcome}")
     # A bucket of bfloat16 (a model in bfloat16) is refused before anything is sent.
     state, hook = hooks.codec_hook("int8")
     try:
