@@ -148,6 +148,8 @@ def _residual(state: CodecState, bucket: dist.GradBucket, buffer: torch.Tensor,
     key = _key(bucket)
     residual = state.residuals.get(key)
     if residual is None or residual.shape != buffer.shape or residual.dtype != buffer.dtype:
+        for old in [k for k in state.residuals if k[0] == key[0]]:  # the bucket's before
+            del state.residuals[old]  # DDP rebuilt it
         residual = state.residuals[key] = torch.zeros_like(buffer,
                                                            memory_format=torch.contiguous_format)
     return residual
