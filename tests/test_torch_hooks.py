@@ -1,11 +1,13 @@
 """DDP communication hooks on the "p2pcoll" backend, against Gloo (issue 24, torch).
 
-Two worlds of ``tests/torch_hooks_worker.py`` under torchrun (2 ranks, and again 3), one
-per backend, train the same model on the same batches with each hook (torch's own, and p2pcoll's codec
-hooks from ``p2pcoll.torch.hooks``); the tests compare the final parameters across ranks
-(the worker allgathers them) and across backends (rank 0 saves them), bit for bit. The
-p2pcoll ranks name hosts of their own (``P2PCOLL_HOST_ID``), so their bytes go over
-sockets and the group's ``stats()`` counts them.
+Two worlds of ``tests/torch_hooks_worker.py`` under torchrun, one per backend, train the
+same model on the same batches with each hook (torch's own, and p2pcoll's codec hooks
+from ``p2pcoll.torch.hooks``); the tests compare the final parameters across ranks (the
+worker allgathers them) and across backends (rank 0 saves them), bit for bit. That at 2
+ranks on one host (p2pcoll's small collectives on its shared-memory board, as by
+default), and again at 3 ranks on hosts of their own (``P2PCOLL_HOST_ID``: sockets only,
+so the group's ``stats()`` counts every byte; and at 3 ranks the order of a sum's terms
+decides its last bits).
 
 torch 2.13's ``batched_powerSGD_hook`` and quantization hooks raise on every backend (see
 :data:`BROKEN_IN_TORCH`): for those the tests assert that p2pcoll raises what Gloo raises,
@@ -19,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ from p2pcoll.testing import free_port
 torch = pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("torch_hooks_worker.py")
-SIZES = [2, 3]  # at 3 ranks the order of a sum's terms decides its last bits
+# (ranks, how p2pcoll's ranks talk): "board" one host, "sockets" a host each.
+WORLDS = [(2, "board"), (3, "sockets")]
 # torch's hooks that run on CPU, with the bits Gloo gives (the worker's names).
 TORCH_HOOKS = ["allreduce", "fp16", "bf16", "powersgd", "fp16_powersgd", "bf16_powersgd",
                "quantization_pertensor_fixed", "quantization_perchannel_fixed",
@@ -61,15 +63,15 @@ class Run:
         return torch.load(self.saved / f"{hook}.pt", weights_only=True)
 
 
-def run_world(backend: str, size: int, hooks: list[str], saved: Path) -> Run:
+def run_world(backend: str, size: int, path: str, hooks: list[str], saved: Path) -> Run:
     saved.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     env.pop("P2PCOLL_ALLREDUCE", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size),
          "--master-port", str(free_port()), str(WORKER), "--backend", backend,
-         "--save", str(saved), *(["--direct", "--own-hosts"] if backend == "p2pcoll" else []),
-         *hooks],
+         "--save", str(saved), *(["--direct"] if backend == "p2pcoll" else []),
+         *(["--own-hosts"] if backend == "p2pcoll" and path == "sockets" else []), *hooks],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     [(code, output)] = finish([proc], WORLD_TIMEOUT)
     said: dict[str, list[str]] = {}
@@ -78,16 +80,30 @@ def run_world(backend: str, size: int, hooks: list[str], saved: Path) -> Run:
     return Run(size, code, output, said, saved)
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+_pairs: dict[tuple[int, str], dict[str, Run]] = {}  # each pair of worlds runs once
+
+
+def pair(size: int, path: str, tmp: pytest.TempPathFactory) -> dict[str, Run]:
+    """The Gloo and p2pcoll worlds of ``size`` ranks (run both at once, the first time)."""
+    if (size, path) not in _pairs:
+        hooks = TORCH_HOOKS + BROKEN_IN_TORCH + CODEC_HOOKS
+        with ThreadPoolExecutor(2) as pool:
+            futures = {b: pool.submit(run_world, b, size, path, hooks,
+                                      tmp.mktemp(f"{b}-{size}-{path}"))
+                       for b in ("gloo", "p2pcoll")}
+            _pairs[size, path] = {b: f.result(WORLD_TIMEOUT + 60) for b, f in futures.items()}
+    return _pairs[size, path]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"{n}ranks-{p}" for n, p in WORLDS])
 def runs(request: pytest.FixtureRequest,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
-    size = request.param
-    hooks = TORCH_HOOKS + BROKEN_IN_TORCH + CODEC_HOOKS
-    with ThreadPoolExecutor(2) as pool:
-        futures = {b: pool.submit(run_world, b, size, hooks,
-                                  tmp_path_factory.mktemp(f"{b}-{size}"))
-                   for b in ("gloo", "p2pcoll")}
-        yield {b: f.result(WORLD_TIMEOUT + 60) for b, f in futures.items()}
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    return pair(*request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def socket_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    return pair(3, "sockets", tmp_path_factory)
 
 
 def same_on_every_rank(run: Run, hook: str) -> str:
@@ -173,10 +189,10 @@ def sent(run: Run, hook: str) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-def test_codec_hooks_send_the_codecs_bytes(runs: dict[str, Run]) -> None:
+def test_codec_hooks_send_the_codecs_bytes(socket_runs: dict[str, Run]) -> None:
     # The same 8 steps: fp16 and bf16 half the bytes of fp32 DDP, int8 a quarter plus its
     # scales (4 bytes per block of 1024; the buckets here are 490 and 1584 elements).
-    p2p = runs["p2pcoll"]
+    p2p = socket_runs["p2pcoll"]
     fp32 = sent(p2p, "allreduce")
     for hook, ratio in (("p2pcoll_fp16", 2), ("p2pcoll_bf16", 2), ("p2pcoll_int8", 4),
                         ("p2pcoll_int8_ef", 4)):
