@@ -187,7 +187,7 @@ _codec_hook.__annotations__ = {"state": CodecState, "bucket": dist.GradBucket,
 
 
 def _start(pg: ProcessGroupP2PColl, buffer: torch.Tensor,
-              make: Callable[[Group], list[Coroutine[Any, Any, Any]]]) -> Any:
+           make: Callable[[Group], list[Coroutine[Any, Any, Any]]]) -> Any:
     """Start ``make(group)``'s coroutines after every collective this process group was
     asked for before (its call order); the Work of ``[buffer]``, failed with the group's
     error (as torch's DistBackendError) if they fail."""
