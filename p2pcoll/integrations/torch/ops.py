@@ -29,6 +29,8 @@ BITWISE = {RedOp.BAND: np.bitwise_and, RedOp.BOR: np.bitwise_or, RedOp.BXOR: np.
 INTEGER = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 SUPPORTED = INTEGER | {torch.float16, torch.bfloat16, torch.float32, torch.float64,
                        torch.complex64, torch.complex128}
+# numpy's dtype of each supported torch dtype (bfloat16 moves as its int16 bits).
+NUMPY = {d: torch.empty(0, dtype=d).numpy().dtype for d in SUPPORTED if d is not torch.bfloat16}
 
 
 class UnsupportedOperation(P2PCollError, ValueError):
@@ -132,13 +134,32 @@ def check_tensor(t: torch.Tensor, collective: str) -> None:
                                    f"dtype {t.dtype}")
 
 
+class _Exported:
+    """A contiguous tensor's memory for ``np.asarray``, which keeps this (so the tensor)
+    alive. ``Tensor.numpy()`` would mark the tensor's storage non-resizable for ever, which
+    Gloo does not: DDP's bucket buffers are resized by torch's batched PowerSGD hook, and
+    FSDP-style code frees storages with ``resize_(0)`` after a collective."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                    "typestr": NUMPY[t.dtype].str, "version": 3}
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """Contiguous ``t``'s own memory as a numpy array (see :class:`_Exported`)."""
+    return np.asarray(_Exported(t))
+
+
 def bits(t: torch.Tensor) -> np.ndarray:
     """``t`` as a numpy array to move unchanged: its memory when contiguous (bfloat16 as
     int16 bits), else a contiguous copy (write it back with :func:`store`)."""
     t = t.detach()
     if t.dtype is torch.bfloat16:
         t = t.view(torch.int16) if t.is_contiguous() else t.contiguous().view(torch.int16)
-    return t.numpy() if t.is_contiguous() else t.contiguous().numpy()
+    return _array(t if t.is_contiguous() else t.contiguous())
 
 
 def values(t: torch.Tensor, factor: float | None = None) -> np.ndarray:
@@ -149,7 +170,7 @@ def values(t: torch.Tensor, factor: float | None = None) -> np.ndarray:
         t = t.clone(memory_format=torch.contiguous_format).mul_(factor)
     elif not t.is_contiguous():
         t = t.contiguous()
-    return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
+    return _array(t.view(torch.int16) if t.dtype is torch.bfloat16 else t)
 
 
 def shares(t: torch.Tensor, a: np.ndarray) -> bool:
