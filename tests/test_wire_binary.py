@@ -296,7 +296,7 @@ def test_the_tail_goes_through_the_same_checks_as_a_map() -> None:
 
 def test_a_data_header_spelled_as_a_map_is_refused() -> None:
     """One encoding per kind: the fields of the binary frame in a msgpack map are no data
-    message (0.8.0 never wrote one; the reader refused nothing of it until 0.8.1)."""
+    message (0.8.0 never wrote one; the reader refused nothing of it until 0.9.0)."""
     h = data_header(tag=3, shm=SHM, described=list(SIG.fields), meta=LAYOUT, collective="")
     as_map = msgpack.packb({"v": WIRE_VERSION, "k": "data", "g": GROUP, "r": LINK, "q": h.seq,
                             "seg": h.seg, "s": h.step, "sig": h.sig, "n": h.nbytes,
