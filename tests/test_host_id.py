@@ -58,7 +58,10 @@ async def peer() -> None:
 
     async with p2pcoll.join() as g:
         r, p = g.rank, g.world_size
-        big = await g.allreduce(np.full(COUNT, r + 1, np.float32))
+        # Three times: the first large collective after join may find a peer's ring not yet
+        # attached and go over the socket; the later ones go through the ring.
+        for _ in range(3):
+            big = await g.allreduce(np.full(COUNT, r + 1, np.float32))
         small = await g.allreduce(np.full(SMALL, r + 1, np.float32))
         await g.barrier()
         total = p * (p + 1) / 2
