@@ -478,11 +478,45 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
             mean = sum(sent) / WORLD
             ratio = f"{base_bytes / mean:.3g}x" if base_bytes and mean else "-"
             stats_cells = [_mb(mean), f"{mean / steps / 1e3:.4g}", ratio]
+        to_target = "not reached" if reached is None else f"{reached:.1f}"
         lines.append(
-            f"| {r.mode} | {wall:.1f} | {'%.1f' % reached if reached is not None else 'not reached'} "
-            f"| {final:.2%} | {' | '.join(stats_cells)} | {_mb(cable)} "
-            f"| {'equal' if equal else 'DIFFER'} |")
+            f"| {r.mode} | {wall:.1f} | {to_target} | {final:.2%} | "
+            f"{' | '.join(stats_cells)} | {_mb(cable)} | {'equal' if equal else 'DIFFER'} |")
     return "\n".join(lines)
+
+
+# The issue's targets at 100 Mbit/s, against synchronous fp32 training:
+# (mode, fewer bytes per step at least, less time to the target at least, accuracy points
+# lost at most); None: no target for that figure.
+TARGETS = [("diloco", 400.0, 5.0, 1.0), ("int8_ef", 4.0, None, 0.5)]
+
+
+def targets(results: list[Result], args: argparse.Namespace) -> list[str]:
+    """One line per target mode that ran: its figures against fp32's and the issue's."""
+    by_mode = {r.mode: r for r in results if r.reports}
+    base = by_mode.get("fp32")
+    if base is None:
+        return []
+    lines = []
+    for mode, fewer, faster, points in TARGETS:
+        r = by_mode.get(mode)
+        if r is None:
+            continue
+        sent = sum(x["bytes_sent"] for x in r.reports)
+        ratio = sum(x["bytes_sent"] for x in base.reports) / sent if sent else float("inf")
+        parts = [f"{ratio:.0f}x fewer bytes per step (issue: >= {fewer:g}x)"]
+        mine, theirs = r.time_to(args.target), base.time_to(args.target)
+        if faster is not None:
+            if mine is None or theirs is None:
+                parts.append(f"time to {args.target:.0%}: {mine} against fp32's {theirs}")
+            else:
+                parts.append(f"{theirs / mine:.1f}x less time to {args.target:.0%} "
+                             f"(issue: >= {faster:g}x)")
+        lost = (base.reports[0]["final"] - r.reports[0]["final"]) * 100
+        parts.append(f"final accuracy {-lost:+.2f} points (issue: no worse than "
+                     f"-{points:g})")
+        lines.append(f"- {mode} against fp32: " + "; ".join(parts))
+    return lines
 
 
 def plot(results: list[Result], path: str, title: str) -> None:
@@ -583,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
                              or x.get("links") != ["tcp"] for x in r.reports):
             print(f"\nWARNING: {r.mode} used shared memory or ipc between hosts: "
                   f"{[(x.get('links'), x.get('bytes_sent_shm')) for x in r.reports]}")
+    checks = targets(results, args)
+    if checks:
+        print("\nThe issue's targets (at 100 Mbit/s):\n" + "\n".join(checks))
     loads = [f"{r.mode} {r.load:.1f}" for r in results if r.reports]
     print(f"\nLoad average (1 min) of the machine as each mode ended ({os.cpu_count()} CPUs): "
           f"{', '.join(loads)}")
