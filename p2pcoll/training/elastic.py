@@ -196,6 +196,7 @@ async def train_elastic(
     bucket_bytes: int | None = None,
     strategy: str | None = None,
     nonfinite: Nonfinite = "raise",
+    codec: str | None = None,
     **join_kwargs: Any,
 ) -> ElasticResult:
     """Run rounds ``0 .. rounds-1`` in elastic groups, each exactly once (module docstring).
@@ -217,8 +218,9 @@ async def train_elastic(
         timeout: seconds each (re)formation may take (``$P2PCOLL_JOIN_TIMEOUT``, 60 s), the
             time a replacement has to arrive when the survivors are too few.
         poll_every: rank 0 asks the rendezvous whether peers wait at most this often.
-        op: "avg" or "sum" (see the module docstring); bucket_bytes, strategy, nonfinite:
-            as :func:`allreduce_gradients`.
+        op: "avg" or "sum" (see the module docstring); bucket_bytes, strategy, nonfinite,
+            codec: as :func:`allreduce_gradients`. Under a lossy codec each group keeps its
+            own error-feedback residuals: a re-formation starts them again from zero.
         **join_kwargs: other arguments of :func:`p2pcoll.join` (``key_file``,
             ``heartbeat_timeout``, ``job_id``, ``collective_timeout``, ``transport``,
             ``strategies``); not ``world_size``, ``rank`` or ``order``.
@@ -252,7 +254,7 @@ async def train_elastic(
         raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
     run = _Run(step, apply, state, rounds, poll_every,
                {"op": op, "bucket_bytes": bucket_bytes, "strategy": strategy,
-                "nonfinite": nonfinite},
+                "nonfinite": nonfinite, "codec": codec},
                {"rendezvous": rendezvous, "min_world_size": min_world_size,
                 "max_world_size": max_world_size, "timeout": timeout, **join_kwargs})
     return await run.run()
@@ -374,12 +376,22 @@ class _Run:
                     self.redone += 1
                 self.started = max(self.started, r)
                 grads = await self.step(group, r, self.state)
-                payload = _with_flag(grads, census is not None and bool(census.fresh()),
-                                     group.world_size, self.reduce["op"])
-                reduced = await allreduce_gradients(group, payload, round=r, **self.reduce)
-                admit = float(reduced[ADMIT][0]) > 0.5
+                flag = census is not None and bool(census.fresh())
+                payload = _with_flag(grads, flag, group.world_size, self.reduce["op"])
+                if self.reduce["codec"] is None:  # the flag rides in the round's buckets
+                    reduced = await allreduce_gradients(group, payload, round=r,
+                                                        **self.reduce)
+                    admit = float(reduced.pop(ADMIT)[0]) > 0.5
+                else:
+                    # Not in a compressed bucket: int8's block scale, taken from large
+                    # gradients, could round the flag to 0. One exact allreduce of its own.
+                    del payload[ADMIT]
+                    got = await group.allreduce(np.array([int(flag)], np.int64), "max")
+                    reduced = await allreduce_gradients(group, payload, round=r,
+                                                        **self.reduce)
+                    admit = bool(got[0])
                 # No await from here on: round r is applied whole, with the counter.
-                self.apply(self.state, {k: v for k, v in reduced.items() if k != ADMIT}, r)
+                self.apply(self.state, reduced, r)
                 self.round = r + 1
                 formation.applied.append(r)
                 if admit and self.round < self.rounds:

@@ -499,8 +499,9 @@ class DiLoCoRounds:
     ``step`` copies the global parameters into ``params``, runs ``inner`` H times, checks
     that the ranks agree on the settings (one small allgather) and returns the
     pseudo-gradients; train_elastic averages them (``op="avg"``) and ``apply`` takes the
-    outer step on the state. Streaming, overlap and codecs are :class:`DiLoCo`'s only
-    (train_elastic reduces in the gradients' own dtype).
+    outer step on the state. For int8 (or fp16) pseudo-gradients pass ``codec="int8"`` to
+    train_elastic, which reduces each round under it. Streaming and overlap are
+    :class:`DiLoCo`'s only.
 
     Args:
         params: the model's parameters (writable float arrays or CPU torch tensors), which
