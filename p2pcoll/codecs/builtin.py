@@ -75,34 +75,61 @@ def _prescaled(x: np.ndarray, ctx: Context) -> np.ndarray:
     return x
 
 
-class Float16(Codec):
-    """IEEE half precision on the wire: 2 bytes per element, float16 sums."""
+class _TwoBytes(Codec):
+    """A 16-bit float on the wire, summed (or min/max'ed) in it; subclasses give the
+    conversions and the fold. "avg" divides by p before the rounding, as torch's hooks do."""
 
-    name = "fp16"
-    wire_dtype = np.dtype(np.float16)
     wire_bytes = 2.0
     ops = ORDERED
 
     def __init__(self) -> None:
-        self._folds = {op: fold_op(self, op, _UFUNC[op]) for op in self.ops}
+        self._folds = {op: self._make_fold(op) for op in self.ops}
+
+    def _make_fold(self, op: ReduceOp) -> CustomOp:
+        raise NotImplementedError
+
+    def _to_wire(self, values: np.ndarray) -> np.ndarray:
+        """``values`` rounded to the wire dtype (beyond its range: +-inf)."""
+        raise NotImplementedError
+
+    def _values(self, wire: np.ndarray) -> np.ndarray:
+        """The values the wire holds, in a dtype numpy computes in (exactly)."""
+        raise NotImplementedError
 
     def encode(self, x: np.ndarray, ctx: Context) -> np.ndarray:
-        with np.errstate(over="ignore"):  # beyond +-65504: +-inf, on every rank alike
-            wire: np.ndarray = _prescaled(x, ctx).astype(np.float16)
-        return wire
+        with np.errstate(over="ignore"):  # beyond the wire's range: +-inf on every rank alike
+            return self._to_wire(_prescaled(x, ctx))
 
     def fold(self, op: ReduceOp) -> CustomOp:
         return self._folds[op]
 
     def decode(self, total: np.ndarray, ctx: Context, out: np.ndarray, start: int = 0) -> None:
-        out[...] = total
+        with np.errstate(over="ignore"):  # into a narrower ``out``: beyond its range, +-inf
+            out[...] = self._values(total)
 
     def restore(self, wire: np.ndarray, ctx: Context, out: np.ndarray) -> None:
         with np.errstate(over="ignore"):
             if ctx.op is ReduceOp.AVG:
-                np.multiply(wire, ctx.world_size, out=out, dtype=np.float32, casting="unsafe")
+                np.multiply(self._values(wire), ctx.world_size, out=out, dtype=np.float32,
+                            casting="unsafe")
             else:
-                out[...] = wire
+                out[...] = self._values(wire)
+
+
+class Float16(_TwoBytes):
+    """IEEE half precision on the wire: 2 bytes per element, float16 sums."""
+
+    name = "fp16"
+    wire_dtype = np.dtype(np.float16)
+
+    def _make_fold(self, op: ReduceOp) -> CustomOp:
+        return fold_op(self, op, _UFUNC[op])
+
+    def _to_wire(self, values: np.ndarray) -> np.ndarray:
+        return values.astype(np.float16)
+
+    def _values(self, wire: np.ndarray) -> np.ndarray:
+        return wire
 
 
 def bfloat16_values(bits: np.ndarray) -> np.ndarray:
@@ -119,47 +146,29 @@ def bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _bfloat16_fold(codec: Codec, op: ReduceOp) -> CustomOp:
-    """Widen both operands to float32 (exact), combine, round back to bfloat16: what
-    Gloo's bfloat16 arithmetic does, and commutative bit for bit."""
-    ufunc = _UFUNC[op]
-
-    def fold(mine: np.ndarray, incoming: np.ndarray) -> None:
-        result = bfloat16_values(mine)
-        ufunc(result, bfloat16_values(incoming), out=result)
-        mine[...] = bfloat16_bits(result)
-
-    return CustomOp(f"codec:{codec.name}:{op.value}", fold)
-
-
-class BFloat16(Codec):
+class BFloat16(_TwoBytes):
     """bfloat16 on the wire (its bits as uint16): 2 bytes per element, float32's range."""
 
     name = "bf16"
     wire_dtype = np.dtype(np.uint16)
-    wire_bytes = 2.0
-    ops = ORDERED
 
-    def __init__(self) -> None:
-        self._folds = {op: _bfloat16_fold(self, op) for op in self.ops}
+    def _make_fold(self, op: ReduceOp) -> CustomOp:
+        """Widen both operands to float32 (exact), combine, round back to bfloat16: what
+        Gloo's bfloat16 arithmetic does, and commutative bit for bit."""
+        ufunc = _UFUNC[op]
 
-    def encode(self, x: np.ndarray, ctx: Context) -> np.ndarray:
-        with np.errstate(over="ignore"):  # float64 beyond float32's range: +-inf
-            return bfloat16_bits(_prescaled(x, ctx).astype(np.float32))
+        def fold(mine: np.ndarray, incoming: np.ndarray) -> None:
+            result = bfloat16_values(mine)
+            ufunc(result, bfloat16_values(incoming), out=result)
+            mine[...] = bfloat16_bits(result)
 
-    def fold(self, op: ReduceOp) -> CustomOp:
-        return self._folds[op]
+        return CustomOp(f"codec:{self.name}:{op.value}", fold)
 
-    def decode(self, total: np.ndarray, ctx: Context, out: np.ndarray, start: int = 0) -> None:
-        with np.errstate(over="ignore"):  # into float16: beyond its range, +-inf
-            out[...] = bfloat16_values(total)
+    def _to_wire(self, values: np.ndarray) -> np.ndarray:
+        return bfloat16_bits(values.astype(np.float32))  # float64 beyond float32's: +-inf
 
-    def restore(self, wire: np.ndarray, ctx: Context, out: np.ndarray) -> None:
-        values = bfloat16_values(wire)
-        with np.errstate(over="ignore"):
-            if ctx.op is ReduceOp.AVG:
-                values = values * np.float32(ctx.world_size)
-            out[...] = values
+    def _values(self, wire: np.ndarray) -> np.ndarray:
+        return bfloat16_values(wire)
 
 
 class Int8(Codec):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,14 +30,14 @@ from ..types import ReduceOp
 from .agreement import Call, Kind, agree, table
 from .buckets import BucketPlan, TensorSpec
 from .errors import NonFiniteGradients
-from .nonfinite import check_nonfinite
+from .nonfinite import report_tensors
 from .replicas import content_digest
 
 if TYPE_CHECKING:
     from .. import Group
 
 __all__ = ["Traffic", "agree_on", "average", "check_codec", "float_tensors", "positive_int",
-           "report_nonfinite", "wire_bytes"]
+           "report_nonfinite", "same_tensors", "wire_bytes"]
 
 
 @dataclass
@@ -189,25 +188,27 @@ def wire_bytes(arrays: Iterable[np.ndarray], codec: Codec | None) -> int:
 
 def report_nonfinite(what: str, names: Sequence[str], arrays: Sequence[np.ndarray],
                      mode: str, round_no: int) -> None:
-    """Raise or warn, naming every tensor of ``arrays`` that holds a NaN or an Inf.
-
-    The arrays are results that are equal on every rank, so every rank reports alike.
+    """Raise or warn, naming every tensor of ``arrays`` that holds a NaN or an Inf (see
+    :func:`~.nonfinite.report_tensors`).
 
     Raises:
         NonFiniteGradients: with ``mode="raise"``.
     """
-    check_nonfinite(mode)
-    if mode == "ignore":
-        return
-    bad = []
-    for name, array in zip(names, arrays, strict=True):
-        count = array.size - int(np.count_nonzero(np.isfinite(array)))
-        if count:
-            bad.append((name, f"{name!r} ({count} of {array.size} values)"))
-    if not bad:
-        return
-    message = (f"{what} of round {round_no} gave NaN or Inf: "
-               f"{', '.join(words for _, words in bad)}")
-    if mode == "raise":
-        raise NonFiniteGradients(message, round=round_no, tensors=[name for name, _ in bad])
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    report_tensors(what, zip(names, arrays, strict=True), mode, round_no, stacklevel=4)
+
+
+def same_tensors(mode: str, first: Sequence[TensorSpec] | None,
+                 specs: Sequence[TensorSpec]) -> bool:
+    """Whether a mode that keeps a residual per tensor has seen ``specs`` already (False:
+    this is its first round, lay the tensors out).
+
+    Raises:
+        ValueError: a later round brings other tensors than the first (``first``).
+    """
+    if first is None:
+        return False
+    if list(specs) != list(first):
+        raise ValueError(f"{mode} keeps a residual per tensor: every round must bring the same "
+                         "gradients (names, shapes, dtypes) as its first; use one reducer per "
+                         "set of gradients")
+    return True

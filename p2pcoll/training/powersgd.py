@@ -37,7 +37,8 @@ import numpy as np
 
 from ..pytree import Pytree, like, named_leaves, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
-from .modes import Traffic, agree_on, average, float_tensors, positive_int, report_nonfinite
+from .modes import (Traffic, agree_on, average, float_tensors, positive_int, report_nonfinite,
+                    same_tensors)
 from .nonfinite import Nonfinite, check_nonfinite
 from .state import state_of
 
@@ -179,11 +180,7 @@ class PowerSGD:
 
     def _bind(self, specs: list[TensorSpec]) -> None:
         """Plan the matrices at the first round; later rounds must bring the same tensors."""
-        if self._specs is not None:
-            if specs != self._specs:
-                raise ValueError("PowerSGD keeps a residual per tensor: every round must bring "
-                                 "the same gradients (names, shapes, dtypes) as its first; "
-                                 "use one reducer per set of gradients")
+        if same_tensors("PowerSGD", self._specs, specs):
             return
         self._specs = specs
         r = self.rank

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..pytree import Pytree, like, named_leaves, replace_leaves
 from .buckets import TensorSpec
-from .modes import Traffic, agree_on, float_tensors, report_nonfinite
+from .modes import Traffic, agree_on, float_tensors, report_nonfinite, same_tensors
 from .nonfinite import Nonfinite, check_nonfinite
 from .state import state_of
 
@@ -167,11 +167,7 @@ class TopK:
 
     def _bind(self, specs: list[TensorSpec]) -> None:
         """Lay out the message at the first round; later rounds must bring the same tensors."""
-        if self._specs is not None:
-            if specs != self._specs:
-                raise ValueError("top-k keeps a residual per tensor: every round must bring the "
-                                 "same gradients (names, shapes, dtypes) as its first; use one "
-                                 "reducer per set of gradients")
+        if same_tensors("top-k", self._specs, specs):
             return
         self._specs = specs
         offset = 0
