@@ -197,6 +197,30 @@ def test_good_values_and_unset() -> None:
     assert Settings.resolve({"P2PCOLL_HOST_ID": ""}).host_id is None  # empty: unset
 
 
+async def test_join_host_id_argument_makes_peers_of_other_hosts() -> None:
+    """``join(host_id=...)``, the argument over the variable: two peers of one process that
+    name different hosts reach each other over tcp and carry their hosts in the roster."""
+    import numpy as np
+
+    import p2pcoll
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def one(rank: int, host: str) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        async with p2pcoll.join(url, world_size=2, rank=rank, host_id=host,
+                                timeout=WAIT) as g:
+            await g.allreduce(np.ones(COUNT, np.float32))
+            return (g.membership.hosts, g.membership.endpoints,
+                    g.stats()["bytes_sent_shm"])
+
+    (hosts, ends, shm0), (_, _, shm1) = await asyncio.gather(one(0, "node-a"),
+                                                              one(1, "node-b"))
+    assert hosts[0] != hosts[1] and "node-a" in hosts[0] and "node-b" in hosts[1]
+    assert ends[1].startswith("tcp://") and shm0 == shm1 == 0
+    with pytest.raises(SettingsError, match="host_id="):
+        p2pcoll.join(url, world_size=2, host_id="bad value")
+
+
 def test_identity_keeps_detection_behind_the_value() -> None:
     detected = host_identity()
     assert host_identity(None) == detected

@@ -134,6 +134,7 @@ def join(
     max_world_size: int | None = None,
     order: int | None = None,
     timeline: str | os.PathLike[str] | None = None,
+    host_id: str | None = None,
 ) -> Join:
     """Join a group of peers.
 
@@ -175,6 +176,9 @@ def join(
             ``STEM-GROUP-rankR.json`` beside the path, ``p2pcoll launch`` (or
             ``p2pcoll timeline PATH``) merges the ranks' files into the path itself; see
             :mod:`p2pcoll.engine.timeline`.
+        host_id: the host this peer counts as on (``$P2PCOLL_HOST_ID``; default: detected
+            from the machine): peers whose values differ are on different hosts, never
+            joined by ipc or shared memory; host-aware strategies group ranks by it.
 
     Raises:
         SettingsError: an argument or environment variable has a bad value (a timeline
@@ -198,7 +202,7 @@ def join(
             strategies=strategies, collective_timeout=collective_timeout, transport=transport,
             key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
             min_world_size=min_world_size, max_world_size=max_world_size, order=order,
-            timeline=timeline,
+            timeline=timeline, host_id=host_id,
         )
     except SettingsError:
         _brief_settings_errors()
