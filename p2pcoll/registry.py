@@ -254,8 +254,9 @@ class Registry:
     ) -> str:
         """The name of the strategy "auto" picks for ``nbytes`` of data in a group of
         ``size``: the installed strategy with the lowest predicted time (of those that are
-        ``automatic``), else (none has a cost model) ``DEFAULTS[collective]``, installed or
-        not. Cached per registry state."""
+        ``automatic``, and, if they ``needs_hosts``, only when the model spans several
+        hosts one of which holds several ranks), else (none has a cost model)
+        ``DEFAULTS[collective]``, installed or not. Cached per registry state."""
         self._load()
         model = model or DEFAULT_MODEL
         key = (collective, nbytes, size, model)
@@ -263,7 +264,8 @@ class Registry:
         if name is None:
             # Ties go to the built-ins, then by name.
             table = self._entries.get(collective, {})
-            order = sorted((e for e in table.values() if e.strategy.automatic),
+            order = sorted((e for e in table.values() if e.strategy.automatic
+                            and (model.shared_hosts or not e.strategy.needs_hosts)),
                            key=lambda e: (not _builtin(e), e.strategy.name))
             best = model.best((e.strategy for e in order), nbytes, size)
             name = best.name if best is not None else DEFAULTS[collective]

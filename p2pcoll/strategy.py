@@ -57,6 +57,15 @@ algorithm instead of re-deriving the index arithmetic:
 ``largest_power_of_two(n)``
     The ``pof2`` above, for ``chunks(size)``, which has no context.
 
+Hosts. ``ctx.hosts`` gives the host of every rank as small ints (numbered in order of
+first appearance by rank, from the roster; empty: not known, all on one host), with helpers
+for the sub-groups of a hierarchical schedule: ``ctx.host``, ``ctx.nhosts``,
+``ctx.local_ranks`` (the ranks of my host) and ``ctx.local_rank`` (my index among them),
+``ctx.ranks_on(h)``, ``ctx.leaders`` (one rank per host: the root on its host, else the
+host's lowest rank) and ``ctx.leader``, and ``ctx.within(ranks, root)``, a
+:class:`Subgroup` whose ``ctx`` runs a textbook algorithm on those ranks and whose
+``steps(...)`` maps its peers back to real ranks (see ``plugins/hierarchical.py``).
+
 Cost models (optional): ``cost(work)`` gives a strategy's critical path in the
 alpha-beta-gamma model of Thakur, Rabenseifner & Gropp (2005) as a :class:`Cost`, and
 ``traffic(work)`` the exact messages and payload bytes every rank sends as a
@@ -85,8 +94,10 @@ __all__ = [
     "Send",
     "Step",
     "Strategy",
+    "Subgroup",
     "Traffic",
     "Workload",
+    "host_numbers",
     "largest_power_of_two",
 ]
 
@@ -151,11 +162,28 @@ COLLECTIVES = (
 
 @dataclass(frozen=True, slots=True)
 class Context:
-    """What a schedule may depend on: who I am, how many we are, and the root."""
+    """What a schedule may depend on: who I am, how many we are, the root, and the hosts.
+
+    ``hosts[r]`` is the host of rank r as a small int, hosts numbered in order of first
+    appearance by rank (so rank 0 is on host 0, and every rank computes the same tuple from
+    the roster; see :func:`host_numbers`). An empty tuple means the hosts are not known:
+    every rank counts as on one host (host 0), which is what a group on one machine is.
+
+    Raises:
+        ValueError: ``hosts`` is neither empty nor ``size`` long, or is not numbered in
+            order of first appearance.
+    """
 
     rank: int
     size: int
     root: int = 0
+    hosts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        hosts = self.hosts
+        if hosts and (len(hosts) != self.size or host_numbers(hosts) != hosts):
+            raise ValueError(f"Context.hosts must be empty or {self.size} host numbers in "
+                             f"order of first appearance (0, then 0 or 1, ...), got {hosts}")
 
     @property
     def relative(self) -> int:
@@ -168,6 +196,105 @@ class Context:
     def real(self, q: int) -> int:
         """The real rank of relative rank ``q`` (taken mod size, so ``q - 1`` of 0 works)."""
         return (q + self.root) % self.size
+
+    # --- hosts: sub-groups for hierarchical schedules -------------------------------------
+
+    def host_of(self, rank: int) -> int:
+        """The host of ``rank`` (0 when the hosts are not known)."""
+        return self.hosts[rank] if self.hosts else 0
+
+    @property
+    def host(self) -> int:
+        """My host."""
+        return self.host_of(self.rank)
+
+    @property
+    def nhosts(self) -> int:
+        """How many hosts the group spans (1 when not known)."""
+        return max(self.hosts) + 1 if self.hosts else 1
+
+    def ranks_on(self, host: int) -> tuple[int, ...]:
+        """The ranks of ``host``, in rank order."""
+        if not self.hosts:
+            return tuple(range(self.size)) if host == 0 else ()
+        return tuple(r for r, h in enumerate(self.hosts) if h == host)
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The ranks of my host, in rank order (me among them)."""
+        return self.ranks_on(self.host)
+
+    @property
+    def local_rank(self) -> int:
+        """My index among :attr:`local_ranks`."""
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """One rank per host, host by host: the root on the root's host, else the host's
+        lowest rank. A hierarchical schedule talks across hosts only among these."""
+        root_host = self.host_of(self.root)
+        return tuple(self.root if h == root_host else self.ranks_on(h)[0]
+                     for h in range(self.nhosts))
+
+    @property
+    def leader(self) -> int:
+        """The leader of my host (see :attr:`leaders`)."""
+        return self.leaders[self.host]
+
+    def within(self, ranks: Sequence[int], root: int | None = None) -> Subgroup:
+        """The sub-group of ``ranks`` (real ranks, me among them) as a group of its own:
+        rank i of it is ``ranks[i]``; its root is ``root`` (a real rank of it; default: the
+        first). Raises ValueError when I or the root are not in ``ranks``."""
+        ranks = tuple(ranks)
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in the sub-group {ranks}")
+        at = ranks[0] if root is None else root
+        if at not in ranks:
+            raise ValueError(f"the root {at} is not in the sub-group {ranks}")
+        return Subgroup(Context(ranks.index(self.rank), len(ranks), ranks.index(at)), ranks)
+
+
+def host_numbers(hosts: Sequence[object]) -> tuple[int, ...]:
+    """Host identities (any hashable values, one per rank: the roster's strings) as small
+    ints, numbered in order of first appearance by rank: ``("b", "a", "b") -> (0, 1, 0)``."""
+    seen: dict[object, int] = {}
+    return tuple(seen.setdefault(h, len(seen)) for h in hosts)
+
+
+@dataclass(frozen=True, slots=True)
+class Subgroup:
+    """Some ranks of a group seen as a group of their own, to run a textbook algorithm on.
+
+    ``ctx`` is my context in the sub-group (rank i of it is real rank ``ranks[i]``);
+    ``real(i)`` maps back, and :meth:`steps` turns steps written with sub-group ranks
+    into steps with real ranks, so a hierarchical schedule can say::
+
+        host = ctx.within(ctx.local_ranks, root=ctx.leader)
+        yield from host.steps(binomial_reduce(host.ctx))   # a tree inside my host
+    """
+
+    ctx: Context
+    ranks: tuple[int, ...]
+
+    def real(self, i: int) -> int:
+        """The real rank of sub-group rank ``i``."""
+        return self.ranks[i]
+
+    def steps(self, schedule: Iterable[Step]) -> Iterator[Step]:
+        """``schedule`` (in sub-group ranks) with every peer replaced by its real rank."""
+        for step in schedule:
+            if isinstance(step, (Send, Recv, Reduce)):
+                yield self._op(step)
+            else:
+                yield [self._op(op) for op in step]
+
+    def _op(self, op: Op) -> Op:
+        if isinstance(op, Send):
+            return Send(self.ranks[op.to], op.chunk)
+        if isinstance(op, Recv):
+            return Recv(self.ranks[op.frm], op.chunk)
+        return Reduce(self.ranks[op.frm], op.chunk)
 
 
 def largest_power_of_two(n: int) -> int:
@@ -251,6 +378,7 @@ class Workload:
         segments: S, how many pipeline segments the executor cuts every message into: each
             segment is a run of the whole schedule, so a rank sends S times its messages.
         depth: how many segments are in flight at once.
+        hosts: the host of every rank, as :attr:`Context.hosts` (empty: one host).
     """
 
     size: int
@@ -258,6 +386,13 @@ class Workload:
     itemsize: int = 1
     segments: int = 1
     depth: int = 4
+    hosts: tuple[int, ...] = ()
+
+    @property
+    def context(self) -> Context:
+        """The context of rank 0 (root 0) in this workload's group: its host helpers
+        (``nhosts``, ``ranks_on``, ``leaders``) for a two-level ``cost()``."""
+        return Context(0, self.size, 0, self.hosts)
 
     @property
     def waves(self) -> int:
@@ -288,6 +423,11 @@ class Cost:
         repeats: the part of ``rounds`` that repeats a message already sent to another
             peer in the same step (a root's ``[Send(a), Send(b), ...]`` of one chunk).
         repeated: the bytes of those repeats (part of ``sent``).
+        remote_rounds: the part of ``rounds`` whose messages cross hosts, or None: the
+            strategy does not say (a flat one), and the cost model works it out from the
+            schedule (:mod:`p2pcoll.engine.costs`). Repeats are taken as within a host.
+        remote_sent: the bytes of those rounds that leave a host through its one network
+            link, summed over the ranks of the host that send at once (part of ``sent``).
 
     A transport charges repeats a fraction ``repeat`` of alpha and beta: 1 over sockets,
     where each send is a copy of its own and the textbook's single port serialises them; 0
@@ -300,6 +440,8 @@ class Cost:
     reduced: float = 0.0
     repeats: float = 0.0
     repeated: float = 0.0
+    remote_rounds: float | None = None
+    remote_sent: float = 0.0
 
     def messages(self, repeat: float = 1.0) -> float:
         """The rounds that pay alpha when repeats cost ``repeat`` of it (0..1)."""
@@ -334,6 +476,10 @@ class Strategy:
         description: one line for ``p2pcoll strategies``.
         automatic: whether ``"auto"`` may pick it (default True). False for a strategy that
             is chosen for what it computes rather than how fast (``gloo_ring``: Gloo's bits).
+        needs_hosts: whether it is written for groups over several hosts (default False):
+            ``"auto"`` then considers it only when the group spans several hosts and one of
+            them holds several ranks (on one host, or one rank per host, a hierarchical
+            schedule is a flat one that other strategies already are).
 
     Contract by collective (what the data holds when the schedule ends):
         broadcast: every rank holds the root's data.
@@ -349,6 +495,7 @@ class Strategy:
     collective: ClassVar[str]
     description: ClassVar[str] = ""
     automatic: ClassVar[bool] = True
+    needs_hosts: ClassVar[bool] = False
 
     def chunks(self, size: int) -> int:
         """How many chunks to cut the data into for a group of ``size`` ranks."""

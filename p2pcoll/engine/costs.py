@@ -17,6 +17,18 @@ of one collective, the messages sent one after the other (``rounds``), the bytes
 the prediction is ``(rounds - (1-repeat)*repeats)*alpha + (sent - (1-repeat)*repeated)*beta
 + reduced*gamma``.
 
+Two levels. When the group spans several hosts (``Membership.hosts``, as host numbers
+:attr:`CostModel.hosts`), messages inside a host are charged the ``ipc`` constants and
+messages between hosts the ``tcp`` ones (:attr:`CostModel.between`): the ``ipc`` and ``tcp``
+entries of a cost-model file are the two levels, so files written before keep loading and
+mean the same. A strategy that knows the hosts says which part of its critical path crosses
+them (``Cost.remote_rounds``, ``Cost.remote_sent``: the bytes leaving a host through its
+one network link, ``plugins/hierarchical.py``). For one that does not (the flat ones) the
+model reads its schedule in lockstep (:func:`crossing`): a step in which any message crosses
+hosts is a round between hosts (the step waits for its slowest link; a ring on H hosts
+crosses in every step), and the bytes that leave a host in such a step are those of all its
+ranks sending at once, since they share the host's link.
+
 One term is not the textbook's: when more ranks share a host than it has cores, they queue
 for the CPU, and then what all of them do counts, not only the critical path. With
 ``overhead`` the CPU seconds of one message, a host of ``cores`` cores running ``local`` of
@@ -59,7 +71,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import SettingsError
-from ..strategy import Cost, Strategy, Workload
+from ..strategy import ALL, Context, Cost, Recv, Reduce, Send, Strategy, Workload, host_numbers
 from .layout import Layout
 
 TRANSPORTS = ("ipc", "tcp")
@@ -158,6 +170,20 @@ class CostModel:
     max_message_bytes: int = 256 << 20
     local: int = 1
     cores: int = 0
+    between: Constants | None = None  # the constants between hosts (None: one level)
+    hosts: tuple[int, ...] = ()  # the host number of every rank (empty: one host)
+
+    @property
+    def levels(self) -> int:
+        """2 when the group spans several hosts and the model has constants between them,
+        else 1."""
+        return 2 if self.between is not None and len(set(self.hosts)) > 1 else 1
+
+    @property
+    def shared_hosts(self) -> bool:
+        """Two levels, and a host with several ranks: where a strategy that ``needs_hosts``
+        (a hierarchical one) is not just a flat one."""
+        return self.levels == 2 and len(set(self.hosts)) < len(self.hosts)
 
     @classmethod
     def for_settings(cls, settings: Any, transport: str = "ipc",
@@ -178,16 +204,26 @@ class CostModel:
     @classmethod
     def for_group(cls, settings: Any, endpoints: Sequence[str], rank: int,
                   constants: Mapping[str, Constants] | None = None, *,
-                  cores: int | None = None) -> CostModel:
+                  cores: int | None = None, hosts: Sequence[str] = ()) -> CostModel:
         """auto's model for the group whose peers listen at ``endpoints``, seen from
-        ``rank``: tcp constants if any other peer is reached over tcp, else ipc; the ranks
-        of this host (those not reached over tcp) against its ``cores`` (default: the CPUs
-        this process may run on). A live group and ``p2pcoll simulate`` both build their
-        model here, so what simulate says auto picks is what a group of that shape runs.
-        Raises SettingsError on a bad constants file."""
-        remote = sum(e.startswith("tcp://") for r, e in enumerate(endpoints) if r != rank)
+        ``rank``. With ``hosts`` (the roster's host of every rank) naming several hosts, two
+        levels: ipc constants inside a host, tcp between hosts, the ranks of ``rank``'s host
+        against its ``cores``. Otherwise one: tcp constants if any other peer is reached
+        over tcp, else ipc; the ranks of this host (those not reached over tcp) against its
+        ``cores`` (default: the CPUs this process may run on). A live group and ``p2pcoll
+        simulate`` both build their model here, so what simulate says auto picks is what a
+        group of that shape runs. Raises SettingsError on a bad constants file."""
         if cores is None:
             cores = len(os.sched_getaffinity(0))
+        numbers = host_numbers(hosts) if len(hosts) == len(endpoints) else ()
+        if len(set(numbers)) > 1:
+            if constants is None:
+                path = getattr(settings, "cost_model", None)
+                constants = load_constants(path) if path else DEFAULT_CONSTANTS
+            inside = cls.for_settings(settings, "ipc", constants,
+                                      local=numbers.count(numbers[rank]), cores=cores)
+            return replace(inside, between=constants["tcp"], hosts=numbers)
+        remote = sum(e.startswith("tcp://") for r, e in enumerate(endpoints) if r != rank)
         return cls.for_settings(settings, "tcp" if remote else "ipc", constants,
                                 local=len(endpoints) - remote, cores=cores)
 
@@ -204,7 +240,27 @@ class CostModel:
         cost = strategy.cost(work)
         if cost is None:
             return None
+        if self.levels == 2 and len(self.hosts) == size:
+            inside, between = self.split(strategy, cost, size)
+            assert self.between is not None
+            return (self.constants.time(inside) + self.between.time(between)
+                    + self.contention(strategy, work))
         return self.constants.time(cost) + self.contention(strategy, work)
+
+    def split(self, strategy: Strategy, cost: Cost, size: int) -> tuple[Cost, Cost]:
+        """``cost`` as (the part inside hosts, the part between hosts): as the strategy
+        declares it (``Cost.remote_rounds``), else as :func:`crossing` reads its schedule."""
+        if cost.remote_rounds is not None:
+            rounds, sent = cost.remote_rounds, cost.remote_sent
+            local_sent = max(cost.sent - sent, 0.0)
+        else:
+            rounds_share, bytes_share, sharing = crossing(strategy, size, self.hosts)
+            rounds = cost.rounds * rounds_share
+            local_sent = cost.sent * (1 - bytes_share)
+            sent = cost.sent * bytes_share * sharing
+        inside = Cost(cost.rounds - rounds, local_sent, cost.reduced, cost.repeats,
+                      min(cost.repeated, local_sent))
+        return inside, Cost(rounds, sent)
 
     def contention(self, strategy: Strategy, work: Workload) -> float:
         """The host term: CPU time of this host's share of all messages, over its cores,
@@ -229,6 +285,61 @@ class CostModel:
         return next(s for t, s in timed if t <= fastest * (1 + 1e-6))
 
 
+@lru_cache(maxsize=256)
+def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[float, float, float]:
+    """How a strategy that does not know hosts crosses them, read off its schedules (root 0)
+    in lockstep: step i of every rank together is one round of the critical path, which
+    waits for its slowest message. Returns (the share of rounds in which some message
+    crosses hosts; the share of the critical path's bytes sent in those rounds, a step's
+    bytes being the most one rank sends in it; how many times more bytes leave the busiest
+    host in those rounds than one rank sends, as its ranks share its link). Chunks count as
+    equal. Materialises every rank's schedule, so costs O(messages of the collective); cached."""
+    nchunks = size if strategy.collective in PARTS else strategy.chunks(size)
+    schedules = []
+    for rank in range(size):
+        ctx = Context(rank, size, 0, hosts)
+        schedules.append([(step,) if isinstance(step, (Send, Recv, Reduce)) else tuple(step)
+                          for step in strategy.schedule(ctx)])
+
+    def units(chunk: Any) -> int:
+        if chunk is ALL:
+            return nchunks
+        return len(chunk) if isinstance(chunk, range) else 1
+
+    local_rounds = remote_rounds = 0
+    local_bytes = remote_bytes = host_bytes = 0
+    for i in range(max((len(s) for s in schedules), default=0)):
+        most_local = most_remote = 0
+        leaving: dict[int, int] = {}
+        for rank, steps in enumerate(schedules):
+            if i >= len(steps):
+                continue
+            out = 0
+            for op in steps[i]:
+                if not isinstance(op, Send):
+                    continue
+                u = units(op.chunk)
+                if hosts[op.to] != hosts[rank]:
+                    out += u
+                else:
+                    most_local = max(most_local, u)
+            if out:
+                most_remote = max(most_remote, out)
+                leaving[hosts[rank]] = leaving.get(hosts[rank], 0) + out
+        if leaving:
+            remote_rounds += 1
+            remote_bytes += most_remote
+            host_bytes += max(leaving.values())
+        elif most_local:
+            local_rounds += 1
+            local_bytes += most_local
+    rounds = local_rounds + remote_rounds
+    total = local_bytes + remote_bytes
+    return (remote_rounds / rounds if rounds else 0.0,
+            remote_bytes / total if total else 0.0,
+            host_bytes / remote_bytes if remote_bytes else 1.0)
+
+
 class _Extent:
     """Stands in for a flat array in a :class:`Layout`: only its length and item size."""
 
@@ -249,7 +360,9 @@ def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size
     else:
         layout = Layout.split(cast(list[np.ndarray], [_Extent(elements, itemsize)]), nchunks)
     segments = layout.segment(model.segment_bytes, model.max_message_bytes)
-    return Workload(size, elements * itemsize, itemsize, segments, model.depth)
+    hosts = model.hosts if len(model.hosts) == size else ()
+    return Workload(size, elements * itemsize, itemsize, segments, model.depth, hosts)
 
 
-__all__ = ["DEFAULT_CONSTANTS", "TRANSPORTS", "Constants", "CostModel", "load_constants"]
+__all__ = ["DEFAULT_CONSTANTS", "TRANSPORTS", "Constants", "CostModel", "crossing",
+           "load_constants"]

@@ -36,7 +36,7 @@ from ..engine.timeline import COLLECTIVE
 from ..errors import CollectiveMismatch, P2PCollError, PluginValidationError, ProtocolError
 from ..registry import registry
 from ..settings import check_seconds
-from ..strategy import Context, Strategy
+from ..strategy import Context, Strategy, host_numbers
 from ..types import CustomOp, ReduceOp, TreeDef, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
@@ -135,6 +135,10 @@ class Runner:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.rank, self.size = session.rank, session.world_size
+        # The host of every rank as small ints (strategy.Context.hosts), from the roster;
+        # empty when the roster names none. Part of every plan's Context, so of its cache key.
+        roster = session.membership.hosts
+        self.hosts = host_numbers(roster) if len(roster) == self.size else ()
         self.programs: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._costs: CostModel | None = None
         self._recent: dict[int, Signature] = {}  # seq -> what this rank ran (HISTORY of them)
@@ -159,7 +163,8 @@ class Runner:
         if self._costs is None:
             session = self.session
             self._costs = CostModel.for_group(session.settings, session.membership.endpoints,
-                                              self.rank, session.constants)
+                                              self.rank, session.constants,
+                                              hosts=session.membership.hosts)
         return self._costs
 
     def prepare(self, call: Call, strategy: Strategy | None = None) -> Prepared:
@@ -224,7 +229,7 @@ class Runner:
             op = call.op.value if call.op is not None else ""
             root = -1 if call.root is None else call.root
             sig = Signature.of(name, strat.name, op, root, data)
-            ctx = Context(self.rank, p, call.root or 0)
+            ctx = Context(self.rank, p, call.root or 0, self.hosts)
         settings = self.session.settings
         nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
