@@ -306,3 +306,48 @@ async def test_over_sockets_with_distinct_host_ids() -> None:
         np.testing.assert_allclose(total, expected, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(sent, inputs[3])
         assert [int(x[0]) for x in parts] == list(range(p))
+
+
+# --- p2pcoll simulate --hosts H --per-host K ----------------------------------------------
+
+
+def _simulate(*argv: str) -> tuple[int, str, str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "p2pcoll", "simulate", *argv],
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_simulate_prices_two_levels() -> None:
+    code, out, err = _simulate("--hosts", "2", "--per-host", "8", "--size", "4K",
+                               "--collective", "broadcast")
+    assert code == 0, err
+    assert "broadcast, 2 hosts x 8 ranks, 4K" in out
+    assert "# between hosts (tcp)" in out and "# inside a host (ipc)" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line and not line.startswith(("#", "strategy", "best", "crossovers"))}
+    # the hierarchical broadcast crosses hosts once, with the data once
+    assert rows["hierarchical"][-2:] == ["1", "4096"]
+    best = next(line for line in out.splitlines() if line.startswith("best: "))
+    model = CostModel.for_group(p2pcoll.Settings(), ["ipc://x"] * 16, 0,
+                                hosts=[str(r // 8) for r in range(16)])
+    assert best.split()[1] == registry.auto_name("broadcast", 4096, 16, model)
+
+
+def test_simulate_takes_the_link_between_hosts_and_checks_the_layout() -> None:
+    code, out, _ = _simulate("--hosts", "4", "-n", "16", "--size", "16M",
+                             "--bandwidth", "1Gbit", "--latency", "0.5ms")
+    assert code == 0
+    assert "4 hosts x 4 ranks" in out
+    assert "beta 8 ns/B (0.125 GB/s) (the link given)" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line and not line.startswith(("#", "strategy", "best", "crossovers"))}
+    assert float(rows["ring"][-2]) == 30  # a ring over 4 hosts: every round crosses
+    code, _, err = _simulate("--hosts", "3", "-n", "8")
+    assert code != 0 and "cannot be cut into --hosts 3 evenly" in err
+    code, _, err = _simulate("--hosts", "2", "--per-host", "2", "-n", "5")
+    assert code != 0 and "disagrees" in err
+    code, _, err = _simulate("--per-host", "0")
+    assert code != 0 and "--per-host must be at least 1" in err

@@ -13,6 +13,13 @@ is what ``auto`` runs in such a group, by the same function (:meth:`Registry.aut
 the table is sorted by the same prediction. With a link given, the ranks have a host each
 on that link (every send a copy; no host contention).
 
+Hosts. ``--hosts H --per-host K`` prices a group of H hosts with K ranks each (ranks
+0..K-1 on the first): two levels, the ``ipc`` constants inside a host and the ``tcp`` ones
+between hosts (a link given with ``--latency``/``--bandwidth``/``--gamma`` is then the link
+between hosts), built by :meth:`CostModel.for_group` with the hosts as a roster gives them,
+so "best" is again what auto runs (``hierarchical`` among the candidates). The table adds
+each strategy's rounds across hosts and the bytes that leave the busiest host.
+
 Units. Sizes are bytes with binary suffixes, as everywhere in p2pcoll (``4K`` = 4096,
 ``100MB`` = ``100M`` = 100 MiB, ``1.5G``). Times take ``ns``, ``us`` (or ``µs``), ``ms`` or
 ``s``. Rates are SI, as links are quoted: ``10Gbit`` (= ``10Gbit/s``, ``10Gbps``, ``10Gb/s``:
@@ -87,8 +94,15 @@ def parse_rate(text: str) -> float:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collective", default="allreduce", choices=COLLECTIVES,
                         help="the collective (default: allreduce)")
-    parser.add_argument("-n", "--world-size", type=int, default=8, metavar="P",
-                        help="number of ranks (default: 8)")
+    parser.add_argument("-n", "--world-size", type=int, default=None, metavar="P",
+                        help="number of ranks (default: 8, or H x K with --hosts/--per-host)")
+    parser.add_argument("--hosts", type=int, default=None, metavar="H",
+                        help="the ranks are on H hosts (ranks 0..K-1 on the first, and so on): "
+                             "two levels, ipc constants inside a host and tcp between (the link "
+                             "given by --latency/--bandwidth/--gamma is the one between hosts)")
+    parser.add_argument("--per-host", type=int, default=None, metavar="K",
+                        help="K ranks on each host (with --hosts; either one with -n gives the "
+                             "other)")
     parser.add_argument("--size", default="1M", metavar="BYTES",
                         help="bytes of data (each rank's tensor; for allgather, gather and "
                              "scatter all the parts together), e.g. 4K, 100MB (default: 1M)")
@@ -172,6 +186,19 @@ def _model(args: argparse.Namespace, environ: dict[str, str] | None = None) -> C
         if segment < 1:
             raise ValueError("--segment-bytes must be at least 1")
         settings = replace(settings, segment_bytes=segment)
+    hosts, per_host = layout(args)
+    if hosts is not None and per_host is not None:
+        if args.latency or args.bandwidth or args.gamma:  # the link between hosts
+            base = table["tcp"]
+            table["tcp"] = replace(
+                base,
+                alpha=parse_time(args.latency) if args.latency else base.alpha,
+                beta=1 / parse_rate(args.bandwidth) if args.bandwidth else base.beta,
+                gamma=1 / parse_rate(args.gamma) if args.gamma else base.gamma)
+        names = [f"host{r // per_host}" for r in range(hosts * per_host)]
+        endpoints = [("ipc" if r < per_host else "tcp") + f"://simulated/{r}"
+                     for r in range(hosts * per_host)]
+        return CostModel.for_group(settings, endpoints, 0, table, hosts=names)
     if not (args.latency or args.bandwidth or args.gamma):
         endpoints = [f"{args.transport}://simulated/{r}" for r in range(max(args.world_size, 1))]
         return CostModel.for_group(settings, endpoints, 0, table)
@@ -184,6 +211,33 @@ def _model(args: argparse.Namespace, environ: dict[str, str] | None = None) -> C
         repeat=1.0,  # a host per rank: every send a copy of its own
     )
     return CostModel.for_settings(settings, args.transport, table)
+
+
+def layout(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(H hosts, K ranks per host) from ``--hosts``, ``--per-host`` and ``-n`` (either of
+    the first two with ``-n`` gives the other), or (None, None) without them; sets
+    ``args.world_size`` (default 8, or H x K). Raises ValueError when they disagree."""
+    hosts, per_host, p = args.hosts, args.per_host, args.world_size
+    for flag, value in (("--hosts", hosts), ("--per-host", per_host)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if hosts is None and per_host is None:
+        args.world_size = 8 if p is None else p
+        return None, None
+    if hosts is None or per_host is None:
+        given, flag = (hosts, "--hosts") if hosts is not None else (per_host, "--per-host")
+        other = "--per-host" if hosts is not None else "--hosts"
+        if p is None:
+            raise ValueError(f"{flag} needs {other} or -n/--world-size")
+        if p % given:
+            raise ValueError(f"-n {p} ranks cannot be cut into {flag} {given} evenly; give "
+                             f"{other} too")
+        hosts, per_host = (given, p // given) if hosts is not None else (p // given, given)
+    elif p is not None and p != hosts * per_host:
+        raise ValueError(f"-n {p} disagrees with --hosts {hosts} x --per-host {per_host} = "
+                         f"{hosts * per_host}")
+    args.world_size = hosts * per_host
+    return hosts, per_host
 
 
 def _seconds(t: float) -> str:
@@ -204,6 +258,7 @@ def _size(n: int) -> str:
 
 def report(args: argparse.Namespace, reg: Registry = registry) -> str:
     """The text of ``p2pcoll simulate``. Raises ValueError on a bad option value."""
+    hosts, per_host = layout(args)
     p, collective = args.world_size, args.collective
     if p < 1:
         raise ValueError(f"--world-size must be at least 1, got {p}")
@@ -219,19 +274,36 @@ def report(args: argparse.Namespace, reg: Registry = registry) -> str:
     rows = predict(reg, model, collective, nbytes, p)
     if not rows:
         raise ValueError(f"no {collective} strategy is installed")
-    lines = [
-        f"# p2pcoll simulate: {collective}, {p} ranks, {_size(nbytes)} ({nbytes} B)",
-        (f"# alpha {_seconds(c.alpha)}/message, beta {c.beta * 1e9:.4g} ns/B "
-        f"({1 / c.beta / 1e9:.4g} GB/s), gamma {c.gamma * 1e9:.4g} ns/B "
-        f"({1 / c.gamma / 1e9:.4g} GB/s) ({args.transport} constants where not given)"),
+    two = model.levels == 2 and model.between is not None
+    where = f"{hosts} hosts x {per_host} ranks" if hosts is not None else f"{p} ranks"
+    lines = [f"# p2pcoll simulate: {collective}, {where}, {_size(nbytes)} ({nbytes} B)"]
+    if two:
+        assert model.between is not None
+        b = model.between
+        lines += [
+            (f"# inside a host (ipc): alpha {_seconds(c.alpha)}/message, beta "
+             f"{c.beta * 1e9:.4g} ns/B ({1 / c.beta / 1e9:.4g} GB/s), gamma "
+             f"{c.gamma * 1e9:.4g} ns/B"),
+            (f"# between hosts (tcp): alpha {_seconds(b.alpha)}/message, beta "
+             f"{b.beta * 1e9:.4g} ns/B ({1 / b.beta / 1e9:.4g} GB/s)"
+             + (" (the link given)" if args.latency or args.bandwidth or args.gamma else "")),
+        ]
+    else:
+        lines.append(
+            f"# alpha {_seconds(c.alpha)}/message, beta {c.beta * 1e9:.4g} ns/B "
+            f"({1 / c.beta / 1e9:.4g} GB/s), gamma {c.gamma * 1e9:.4g} ns/B "
+            f"({1 / c.gamma / 1e9:.4g} GB/s) ({args.transport} constants where not given)")
+    lines += [
         (f"# {model.local} of the ranks on this host of {model.cores} cores"
          + (", shared-memory rings" if c.repeat < 1 else "") if model.cores
          else "# a host per rank (the link given)"),
         (f"# segments of {_size(model.segment_bytes)}, {model.depth} in flight; "
         "time = rounds*alpha + sent*beta + reduced*gamma on the critical path, "
-        "+ the host's CPU share when its ranks outnumber its cores"),
+        "+ the host's CPU share when its ranks outnumber its cores"
+        + ("; rounds and bytes across hosts at the tcp constants" if two else "")),
         (f"{'strategy':<20} {'time':>12} {'x best':>8} {'rounds':>10} {'sent (B)':>14} "
-        f"{'reduced (B)':>14}"),
+         f"{'reduced (B)':>14}"
+         + (f" {'rounds across':>14} {'B leaving a host':>17}" if two else "")),
     ]
     fastest = rows[0].seconds
     for row in rows:
@@ -239,8 +311,12 @@ def report(args: argparse.Namespace, reg: Registry = registry) -> str:
             lines.append(f"{row.name:<20} {'(no cost model)':>12}")
             continue
         ratio = row.seconds / fastest if fastest else 1.0
-        lines.append(f"{row.name:<20} {_seconds(row.seconds):>12} {ratio:>7.2f}x "
-                     f"{row.cost.rounds:>10.4g} {row.cost.sent:>14.6g} {row.cost.reduced:>14.6g}")
+        line = (f"{row.name:<20} {_seconds(row.seconds):>12} {ratio:>7.2f}x "
+                f"{row.cost.rounds:>10.4g} {row.cost.sent:>14.6g} {row.cost.reduced:>14.6g}")
+        if two:
+            _, across = model.split(reg.get(collective, row.name), row.cost, p)
+            line += f" {across.rounds:>14.4g} {across.sent:>17.6g}"
+        lines.append(line)
     best = reg.auto_name(collective, nbytes, p, model)
     lines.append(f"best: {best} (what auto picks with these constants)")
     changes = crossovers(reg, model, collective, p, low_b, high_b)
