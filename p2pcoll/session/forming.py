@@ -303,7 +303,8 @@ class _Hosting:
 
 
 async def handshake(session: Session, left: float) -> None:
-    """Hello to every peer, then wait for every peer's hello (at most ``left`` seconds).
+    """Hello to the overlay's neighbours (every peer, in a group on a shared-memory board),
+    then wait for theirs (at most ``left`` seconds): see ``transport.hello_peers``.
 
     Every peer has bound its endpoints before it registers, so once the roster is out the
     hellos take milliseconds; a peer not heard from within ``left`` (the heartbeat timeout,
@@ -319,7 +320,9 @@ async def handshake(session: Session, left: float) -> None:
     try:
         await asyncio.wait_for(session.all_hello.wait(), left)
     except TimeoutError:
-        missing = sorted(set(range(m.world_size)) - session.hellos - {m.rank})
+        missing = sorted(session.transport.hello_peers - session.hellos)
+        for rank in missing:  # the others hear of it from this peer (see Session._spread)
+            session.peers.reported_lost(rank, by=m.rank)
         raise RendezvousError(
             f"rank {m.rank} could not reach ranks {missing} of the group within {left:.3g}s "
             f"of the roster (endpoints {[m.endpoints[r] for r in missing]}): lost while the "

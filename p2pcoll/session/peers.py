@@ -30,6 +30,9 @@ class Departure:
     error: PeerLost
     graceful: bool  # said goodbye, as opposed to lost
     started: int = 0  # with a goodbye: how many collectives the peer had started
+    # with a goodbye: the peers it went to, on the links that carried all the peer sent
+    # them (the others were never sent anything by it; see Session.gone_from)
+    told: frozenset[int] = frozenset()
 
 
 class Peers:
@@ -58,10 +61,10 @@ class Peers:
         gone = self._gone.get(rank)
         return gone is not None and gone.graceful
 
-    def left(self, rank: int, started: int) -> None:
-        """``rank`` said goodbye, having started ``started`` collectives."""
+    def left(self, rank: int, started: int, told: frozenset[int] = frozenset()) -> None:
+        """``rank`` said goodbye, having started ``started`` collectives, to ``told``."""
         self._record(rank, Departure(PeerLost(f"rank {rank} left the group", rank), True,
-                                     started))
+                                     started, told))
 
     def link_down(self, rank: int) -> None:
         """The link to ``rank`` went down: declare it lost unless it says goodbye meanwhile."""
@@ -79,6 +82,19 @@ class Peers:
             ), False))
 
         asyncio.get_running_loop().call_later(LINK_LOSS_GRACE, declare)
+
+    def reported_lost(self, rank: int, by: int) -> None:
+        """Peer ``by`` says it lost ``rank`` (its link or probe went down: see
+        :mod:`p2pcoll.transport.overlay`): lost here too, unless gone already."""
+        if self._closed or rank in self._gone:
+            return
+        me = self.membership.rank
+        log.warning("rank %d: rank %d reports that it lost rank %d", me, by, rank)
+        self._record(rank, Departure(PeerLost(
+            f"rank {by} lost the connection to rank {rank} "
+            f"({self.membership.endpoints[rank]}): it closed or stopped answering "
+            f"(reported to rank {me})", rank,
+        ), False))
 
     def close(self) -> None:
         self._closed = True

@@ -21,6 +21,7 @@ from ..engine.matching import Matcher
 from ..engine.timeline import Timeline
 from ..errors import GroupBroken
 from ..settings import Settings
+from ..transport import overlay
 from ..transport.base import Piece, Transport
 from ..types import Membership
 from ..wire import Header
@@ -56,6 +57,8 @@ class Session:
         self.hellos: set[int] = set()
         self.all_hello = asyncio.Event()
         self.farewells: set[int] = set()  # peers that have read this peer's goodbye
+        self._told: set[int] = set()  # the peers this peer's goodbye went to
+        self._closing = False  # a peer that is leaving passes on no news
         self._progress = asyncio.Event()  # set on each farewell or departure
         self._board: BoardPath | None = None
         self._board_known = False
@@ -116,13 +119,50 @@ class Session:
         self.matcher.peer_departed(rank)  # the receives waiting for it
         self.failures.peer_departed(rank)  # every operation that needs it, sends included
         self._progress.set()
+        self._spread(rank)
+
+    def _spread(self, rank: int) -> None:
+        """Tell this rank's fingers that ``rank`` has gone (see
+        :mod:`p2pcoll.transport.overlay`): each peer does so once, when it first learns it,
+        so the news reaches every peer within about log2 p hops, whoever saw it first."""
+        departure = self.peers.gone().get(rank)
+        if departure is None or self._closing:
+            return
+        news = self.header("gone")
+        news.seq = departure.started
+        news.meta = {"rank": rank, "graceful": departure.graceful}
+        if departure.graceful:
+            news.meta["told"] = sorted(departure.told)
+        for peer in overlay.fingers(self.rank, self.world_size, self.peers.gone()):
+            self.transport.post(peer, news)
+
+    def gone_from(self, src: int, rank: int, graceful: bool, started: int,
+                  told: frozenset[int]) -> None:
+        """``src`` says that ``rank`` has gone: with a goodbye (having started ``started``
+        collectives) to the peers ``told``, or lost. A peer told that it is itself lost
+        ignores it (whoever lost it will find the group broken at its next collective).
+
+        A goodbye is ordered after everything its peer sent on the same link, and it went
+        to every peer that peer ever sent to: a peer in ``told`` waits for it (its data may
+        still be on the way); a peer not in it was never sent anything, so the news is
+        all there is to wait for."""
+        if rank == self.rank:
+            return
+        if graceful:
+            if self.rank not in told:
+                self.peers.left(rank, started=started, told=told)
+        else:
+            self.peers.reported_lost(rank, by=src)
 
     def header(self, kind: str) -> Header:
         return Header(kind, self.membership.group_id, self.membership.rank)
 
     def hello_from(self, rank: int) -> None:
+        """``rank`` said hello: when its link opened, or while the group formed (see
+        :func:`~p2pcoll.session.forming.handshake`, which waits for the hellos of
+        ``transport.hello_peers``)."""
         self.hellos.add(rank)
-        if len(self.hellos) == self.world_size - 1:
+        if self.hellos >= self.transport.hello_peers:
             self.all_hello.set()
 
     async def close(self, drain: float) -> None:
@@ -136,10 +176,16 @@ class Session:
         receiver's queue is full may otherwise lose the tail over ipc, in libzmq.)
         """
         self.matcher.close(GroupBroken("the group was closed"))
+        self._closing = True
         if self.world_size > 1:
             bye = self.header("bye")
             bye.seq = self.seq  # the peers learn which collectives this peer took part in
-            self.transport.broadcast(bye)
+            # To the peers this one has dealt with (and its watchers); they tell the others
+            # (see _spread).
+            self._told = self.transport.contacts() - set(self.peers.gone())
+            bye.meta = {"told": sorted(self._told)}
+            for peer in sorted(self._told):
+                self.transport.post(peer, bye)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + drain
             while (waiting := self._unacknowledged()) and loop.time() < deadline:
@@ -158,12 +204,12 @@ class Session:
             self.executor.timeline.close()
 
     def _unacknowledged(self) -> set[int]:
-        return (set(range(self.world_size)) - {self.rank} - self.farewells
-                - set(self.peers.gone()))
+        return self._told - self.farewells - set(self.peers.gone())
 
-    def bye_from(self, rank: int, started: int) -> None:
-        """``rank`` said goodbye: record it, and answer that everything before was read."""
-        self.peers.left(rank, started=started)
+    def bye_from(self, rank: int, started: int, told: frozenset[int]) -> None:
+        """``rank`` said goodbye (to ``told``): record it, and answer that everything before
+        was read."""
+        self.peers.left(rank, started=started, told=told)
         self.transport.post(rank, self.header("farewell"))
 
     def farewell_from(self, rank: int) -> None:

@@ -84,6 +84,8 @@ class Counters:
     # connections to this peer's mesh port that are no member's link (a stranger's or an
     # impostor's, whose messages are dropped as such): see sockets.LinkCensus
     links_refused: int = 0
+    # data links this peer opened (links open on demand: see ZmqMesh._link)
+    links_opened: int = 0
 
 
 class Transport(Protocol):
@@ -94,6 +96,9 @@ class Transport(Protocol):
     endpoints: list[str]
     sent: MessageHook | None  # see the module docstring
     delivered: MessageHook | None
+    # The peers whose hellos the group's forming waits for (the overlay's neighbours, see
+    # .overlay), known once connected.
+    hello_peers: frozenset[int]
 
     async def bind(self) -> list[str]:
         """Start receiving; returns the endpoints other peers may reach this one at."""
@@ -101,7 +106,8 @@ class Transport(Protocol):
 
     def connect(self, membership: Membership, on_message: MessageHandler,
                 on_link_down: LinkDownHandler) -> None:
-        """Open links to every other peer of ``membership`` and start delivering."""
+        """Start delivering; links to the other peers of ``membership`` open as they are
+        first sent to."""
         ...
 
     async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
@@ -126,7 +132,12 @@ class Transport(Protocol):
         ...
 
     def greet(self, header: Header) -> None:
-        """Post a hello to every other peer, with whatever the transport needs to announce."""
+        """Post a hello to the peers of ``hello_peers``, with whatever the transport needs to
+        announce, and to any other peer before the first message sent to it."""
+        ...
+
+    def contacts(self) -> set[int]:
+        """The peers this one has sent to, and those that watch it (see .overlay)."""
         ...
 
     async def aclose(self) -> None:

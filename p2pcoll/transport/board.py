@@ -62,7 +62,9 @@ SEQ, DIGEST, NBYTES, CODES, META, FLAGS = range(6)
 FIELDS = 6
 VIA_MESSAGES = 1
 WORDS = LINE // 8
-MAX_BOARD_RANKS = 64  # beyond this the reads of p slots cost more than messages
+# A board group greets every peer (each must be able to wake each other: a wake-up pipe
+# per peer), so it stays small; beyond, small collectives go as messages over lanes.
+MAX_BOARD_RANKS = 16
 
 
 def supported() -> bool:

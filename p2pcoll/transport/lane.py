@@ -59,6 +59,11 @@ log = logging.getLogger("p2pcoll.transport")
 LANE_BYTES = 256 << 10
 MIN_LANE_BYTES = 64 << 10
 LANE_BUDGET = 4 << 20
+# Lanes open only between peers that talk (when the first hello goes out), each way at most
+# this many per peer: the /dev/shm they reserve and the wake-up pipes they hold stay bounded
+# however many peers the host has; beyond, messages go over the sockets.
+# (Each lane's map holds a descriptor, and each lane in a wake-up pipe's.)
+MAX_LANES = 8
 WRAP = 0xFFFFFFFF  # a record size that means: the next record is at the ring's start
 MAX_FRAMES = 1024  # frames of one record (a header and its payload pieces)
 # The header page, int64 words: the sizes and owners, then the two running counts.
@@ -329,12 +334,12 @@ class Lanes:
     """A peer's lanes to and from the other peers of its host, and its wake-up pipe."""
 
     def __init__(self, rank: int, peers: set[int], tag: int, size: int | None = None) -> None:
-        """Create the wake-up pipe and a lane of ``size`` bytes to each of ``peers`` (by
+        """Create the wake-up pipe; a lane to one of ``peers``, of ``size`` bytes (by
         default :data:`LANE_BYTES`, or :data:`LANE_BUDGET` shared by them, not under
-        :data:`MIN_LANE_BYTES`).
+        :data:`MIN_LANE_BYTES`), is made when the hello to it is (:meth:`announce`).
 
         Raises:
-            OSError: ``/dev/shm`` is full or unusable (nothing is left behind).
+            OSError: the wake-up pipe cannot be made.
         """
         self.rank, self.peers, self.tag = rank, peers, tag
         self.marker_room = 0  # ring bytes a sender keeps free for its "lane off" marker
@@ -343,19 +348,26 @@ class Lanes:
         self._wakers: dict[int, Waker] = {}
         self._ready: dict[int, LaneOut] = {}
         if size is None:
-            size = min(LANE_BYTES, max(MIN_LANE_BYTES, LANE_BUDGET // max(1, len(peers))))
+            size = min(LANE_BYTES, max(MIN_LANE_BYTES,
+                                       LANE_BUDGET // max(1, min(len(peers), MAX_LANES))))
             size -= size % 8
+        self.size = size
         self.wakeup = Wakeup()
-        try:
-            for peer in sorted(peers):
-                self.out[peer] = LaneOut(rank, peer, tag, size)
-        except BaseException:
-            self.close()
-            raise
 
     def announce(self, peer: int) -> dict[str, str]:
-        """What the hello to ``peer`` names: my lane to it and my wake-up pipe."""
-        return {"lane": self.out[peer].name, "wake": self.wakeup.name}
+        """What the hello to ``peer`` names: my lane to it (made now, the first time: lanes
+        exist only between peers that talk) and my wake-up pipe; nothing once this peer
+        has :data:`MAX_LANES` lanes.
+
+        Raises:
+            OSError: ``/dev/shm`` is full or unusable (no lane to ``peer`` then).
+        """
+        out = self.out.get(peer)
+        if out is None:
+            if len(self.out) >= MAX_LANES:
+                return {}  # over the budget: messages to this peer go over the socket
+            out = self.out[peer] = LaneOut(self.rank, peer, self.tag, self.size)
+        return {"lane": out.name, "wake": self.wakeup.name}
 
     def accept(self, peer: int, lane_name: object, wake_name: object) -> None:
         """Open ``peer``'s wake-up pipe and map its lane to me, in that order (a mapped
@@ -367,6 +379,8 @@ class Lanes:
         """
         if peer not in self.peers or peer in self.into:
             raise ProtocolError(f"rank {peer} may not announce a lane here")
+        if len(self.into) >= MAX_LANES:
+            raise ProtocolError(f"{MAX_LANES} lanes come here already (the budget)")
         if not isinstance(lane_name, str) or not isinstance(wake_name, str):
             raise ProtocolError(f"lane {lane_name!r} and wake-up pipe {wake_name!r} are not "
                                 f"names")

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import PeerLost, ProtocolError
 from ..types import Membership
 from ..wire import Header, Limits, encode_header, validate
+from . import overlay
 from .base import (
     BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece,
 )
@@ -161,6 +162,8 @@ class MemoryTransport:
         self._limits: Limits | None = None
         # What came before connect(): held, as a bound socket holds it, and read at connect.
         self._early: list[tuple[str, list[bytes]]] = []
+        self.hello_peers: frozenset[int] = frozenset()  # as the mesh's: the overlay's
+        self._talked: set[int] = set()  # the peers sent to (see contacts)
 
     async def bind(self) -> list[str]:
         endpoint = f"mem://{len(self.network.peers)}-{id(self)}"
@@ -174,6 +177,8 @@ class MemoryTransport:
         self.on_message, self.on_link_down = on_message, on_link_down
         self._limits = Limits(membership.group_id, membership.rank, membership.world_size,
                               self.max_message_bytes)
+        self.hello_peers = frozenset(overlay.neighbours(membership.rank,
+                                                        membership.world_size))
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)
@@ -183,6 +188,7 @@ class MemoryTransport:
         if self.closed or self.membership is None:
             raise PeerLost("cannot send: this peer has closed", dsts[0] if dsts else None)
         pieces = [a.tobytes() for a in payload]
+        self._talked.update(dsts)
         for dst, header in zip(dsts, headers, strict=True):
             header.nbytes = [len(p) for p in pieces]
             if header.kind == "data":
@@ -199,11 +205,21 @@ class MemoryTransport:
     def post(self, dst: int, header: Header) -> None:
         if self.closed or self.membership is None:
             return
+        self._talked.add(dst)
         self.network.deliver(self.endpoints[0], self.membership.endpoints[dst],
                              [encode_header(header)], False)
 
     def greet(self, header: Header) -> None:
-        self.broadcast(header)
+        for peer in sorted(self.hello_peers):
+            self.post(peer, header)
+
+    def contacts(self) -> set[int]:
+        """As the mesh's: the peers sent to, and those that watch this one (a goodbye goes
+        to them; see :mod:`.overlay`)."""
+        if self.membership is None:
+            return set()
+        m = self.membership
+        return (self._talked | set(overlay.watchers(m.rank, m.world_size))) - {m.rank}
 
     def broadcast(self, header: Header) -> None:
         assert self.membership is not None

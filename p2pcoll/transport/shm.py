@@ -80,6 +80,12 @@ def _barrier() -> None:
         pass
 
 
+# Each mapped ring holds a descriptor (Python's mmap keeps one), so a peer maps the rings of
+# at most this many peers (those that greeted it first: the peers that talk to it); the
+# others send it their large pieces over the socket.
+MAX_INBOXES = 8
+
+
 def available() -> bool:
     """Whether this host has a shared-memory filesystem to put rings in."""
     return os.path.isdir(SHM_DIR)
@@ -417,6 +423,9 @@ class SharedRings:
         """Map the ring ``peer`` announced (once); ProtocolError if it cannot be."""
         if peer not in self.peers or peer in self._in:
             raise ProtocolError(f"rank {peer} may not announce a shared-memory ring here")
+        if len(self._in) >= MAX_INBOXES:
+            raise ProtocolError(f"{MAX_INBOXES} peers' rings are mapped here already (the "
+                                f"budget): rank {peer} sends over the socket")
         self._in[peer] = Inbox(name, self.rank, peer, self.tag)
 
     def inbox(self, peer: int, name: str) -> Inbox:

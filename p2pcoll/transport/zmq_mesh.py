@@ -1,15 +1,22 @@
-"""The peer mesh: one bound ROUTER per peer for receiving, one DEALER link per peer for sending.
+"""The peer mesh: one bound ROUTER per peer for receiving, one DEALER link per peer it sends to.
 
-Rank r binds one ROUTER and connects one DEALER (identity ``b"r@<link secret>@<nonce>"``,
-see :func:`link_identity`) to every other peer's ROUTER. So every message arrives with the
-identity of the link it came on, which must agree with the source rank in its header; the
-first link of a rank that speaks is that rank's for the group, and the messages of any
-other connection claiming the rank are dropped as ``impostor`` (see :meth:`ZmqMesh._admit`);
-each link has its own ZeroMQ queue with a high-water mark, which gives backpressure per
-destination; and a dead link is seen on exactly one socket's monitor. Beside each link runs
-a probe, a second connection to the same peer that carries only ZMTP heartbeats, so that a
-peer that freezes is lost after the heartbeat timeout while one that is merely slow (its
-queue full) is not.
+Rank r binds one ROUTER and connects a DEALER (identity ``b"r@<link secret>@<nonce>"``,
+see :func:`link_identity`) to another peer's ROUTER the first time it sends to that peer:
+links open on demand, so a peer's sockets, descriptors and memory grow with the peers its
+collectives talk to (a ring: two; recursive doubling: log2 p), not with the group. Every
+message arrives with the identity of the link it came on, which must agree with the source
+rank in its header; the first link of a rank that speaks is that rank's for the group, and
+the messages of any other connection claiming the rank are dropped as ``impostor`` (see
+:meth:`ZmqMesh._admit`); each link has its own ZeroMQ queue with a high-water mark, which
+gives backpressure per destination. The first message on a new link is this peer's hello
+(what the receiver needs to map its shared memory), once the group has formed.
+
+Liveness rests on a sparse overlay (:mod:`.overlay`): each rank watches its two ring
+successors with a probe, a connection that carries only ZMTP heartbeats, so that a peer
+that dies is seen at once by its watchers, one that freezes after the heartbeat timeout, and
+one that is merely slow (its queue full) not at all; the session spreads the news to
+everyone (:mod:`p2pcoll.session.session`). Probes and their monitors are a constant number
+per peer, whatever the size of the group.
 
 The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback on its ZMQ_FD
 and a send to a link whose queue has room is a plain non-blocking send (only a send that
@@ -45,7 +52,7 @@ from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header, validate
 from . import board as boards
-from . import lane, shm
+from . import lane, overlay, shm
 from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .malloc import tune_malloc
@@ -136,8 +143,12 @@ class ZmqMesh:
         self._nonce = secrets.token_hex(8)
         self.identity = b""  # of this peer's links once connected; holds the secret: never log
         self._router: zmq.asyncio.Socket | None = None
-        self._links: dict[int, zmq.asyncio.Socket] = {}
-        self._probes: list[zmq.asyncio.Socket] = []  # heartbeat-only links, one per peer
+        self._links: dict[int, zmq.asyncio.Socket] = {}  # opened on demand (see _link)
+        self._probes: list[zmq.asyncio.Socket] = []  # heartbeat-only links to watched peers
+        self._peer_endpoints: tuple[str, ...] = ()
+        self._hello: Header | None = None  # sent first on every link opened after greet()
+        # The peers whose hellos the group's forming waits for (see hello_peers).
+        self.hello_peers: frozenset[int] = frozenset()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._monitored = False
@@ -201,10 +212,11 @@ class ZmqMesh:
             peer for peer, endpoint in enumerate(endpoints)
             if peer != rank and endpoint.startswith("ipc://")
         }
+        size = membership.world_size
         if near and not inproc and self.settings.shm and shm.available():
             # Peers reached over ipc share this host: large pieces may go through shared
             # memory, to those of them that map the ring announced in the hello, and
-            # messages through lanes (see .lane).
+            # messages through lanes (see .lane), made for a peer when a link to it opens.
             self._rings = shm.SharedRings(rank, len(endpoints), near, group_id,
                                           self.settings.shm_bytes)
             try:
@@ -220,33 +232,67 @@ class ZmqMesh:
                     for on in (True, False))
                 self._lanes.marker_room = lane.record_size([self._marker_off])
                 self._open_board(membership, near)
-        for peer, endpoint in enumerate(endpoints):
-            if peer == rank:
-                continue
-            link = self.sockets.mesh_link(identity)
-            watched = [link]
-            if monitored:
-                # The data link's monitor sees a peer that closes or dies at once; the
-                # probe's heartbeats see one that freezes or is cut off (see mesh_probe).
+        self._peer_endpoints = tuple(endpoints)
+        # A group on a board wakes every peer through its wake-up pipe, which a peer opens
+        # from the other's hello: there every peer greets every other (a board group is
+        # small, see board.MAX_BOARD_RANKS). Elsewhere only the overlay's neighbours.
+        if self.board is not None or self._board_from_hello:
+            self.hello_peers = frozenset(range(size)) - {rank}
+        else:
+            self.hello_peers = frozenset(overlay.neighbours(rank, size))
+        if monitored:
+            # The probes' heartbeats see a watched peer that dies, freezes or is cut off
+            # (see mesh_probe); their monitors see a connection that closes at once.
+            for peer in overlay.watched(rank, size):
                 probe = self.sockets.mesh_probe(identity + b"~probe")
                 self._probes.append(probe)
-                watched.append(probe)
-                for sock in watched:
-                    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                    self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
-            for sock in watched:
-                sock.connect(endpoint)
-            self._links[peer] = link
-            self._plain[peer] = zmq.Socket.shadow(link.underlying)
+                monitor = probe.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
+                probe.connect(endpoints[peer])
         self._tasks.append(asyncio.create_task(self._read()))
         if self._census is not None:
-            # Each other member connects its link and its probe once: what comes beyond is
-            # no member's link (counted as links_refused; see LinkCensus).
+            # A member connects at most its link and, if it watches this peer, its probe:
+            # what comes beyond is no member's link (counted as links_refused; LinkCensus).
             def refused() -> None:
                 self.counters.links_refused += 1
 
-            self._tasks.append(asyncio.create_task(self._census.watch(
-                2 * (membership.world_size - 1), refused, rank)))
+            expected = size - 1 + len(overlay.watchers(rank, size))
+            self._tasks.append(asyncio.create_task(self._census.watch(expected, refused,
+                                                                      rank)))
+
+    @property
+    def links(self) -> int:
+        """How many data links this peer has opened (probes not counted)."""
+        return len(self._links)
+
+    @property
+    def probes(self) -> int:
+        """How many heartbeat probes this peer keeps (the peers it watches)."""
+        return len(self._probes)
+
+    def contacts(self) -> set[int]:
+        """The peers this one has sent anything to (it has a link to them) and those that
+        watch it. A goodbye goes to them: what it sent them is read by then (the others
+        learn of it from them, see :mod:`.overlay`)."""
+        if self.rank < 0:
+            return set()
+        size = len(self._peer_endpoints)
+        return (set(self._links) | set(overlay.watchers(self.rank, size))) - {self.rank}
+
+    def _open(self, dst: int) -> zmq.asyncio.Socket:
+        """Open the link to ``dst`` (the first send to it); its first message is the hello
+        once the group is greeted."""
+        if not 0 <= dst < len(self._peer_endpoints) or dst == self.rank:
+            raise ValueError(f"no link to rank {dst} (rank {self.rank} of "
+                             f"{len(self._peer_endpoints)})")
+        link = self.sockets.mesh_link(self.identity)
+        link.connect(self._peer_endpoints[dst])
+        self._links[dst] = link
+        self._plain[dst] = zmq.Socket.shadow(link.underlying)
+        self.counters.links_opened += 1
+        if self._hello is not None:
+            self._post_hello(dst, link)
+        return link
 
     def _open_board(self, membership: Membership, near: set[int]) -> None:
         """Rank 0 creates the group's board when every peer shares this host (and lanes,
@@ -416,13 +462,21 @@ class ZmqMesh:
         if link is None:
             if self._closed:
                 raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
-            raise ValueError(f"no link to rank {dst} (rank {self.rank}, {len(self._links)} links)")
+            return self._open(dst)
         return link
 
     def post(self, dst: int, header: Header) -> None:
         """Send a control message (no payload) without waiting; never raises."""
         link = self._links.get(dst)
-        if link is None or link.closed:
+        if link is None:
+            if self._closed or self.rank < 0:
+                return
+            try:
+                link = self._open(dst)
+            except (ValueError, zmq.ZMQError) as exc:
+                log.debug("control message to rank %d not sent: %s", dst, exc)
+                return
+        if link.closed:
             return
         frame = encode_header(header)
         if self._lane_put(dst, [frame]):
@@ -436,24 +490,39 @@ class ZmqMesh:
         sent.add_done_callback(_discard_outcome)
 
     def greet(self, header: Header) -> None:
-        """Post a hello to every other peer; to those of this host it names this peer's
-        shared-memory ring, which they map if they can (see :mod:`.shm`)."""
+        """Post a hello to the peers of :attr:`hello_peers` now, and to any other as the
+        first message on its link when that opens; to those of this host it names this
+        peer's shared-memory ring, which they map if they can (see :mod:`.shm`), and its
+        lane to them."""
+        self._hello = header
+        for peer in sorted(self.hello_peers):
+            link = self._links.get(peer)
+            if link is None:
+                self._link(peer)  # opening it posts the hello
+            else:
+                self._post_hello(peer, link)
+
+    def _post_hello(self, peer: int, link: zmq.asyncio.Socket) -> None:
+        assert self._hello is not None
         outbox = self._rings.outbox if self._rings is not None else None
         lanes = self._lanes
-        for peer in self._links:
-            meta: dict[str, str] = {}
-            if outbox and self._rings is not None and peer in self._rings.peers:
-                meta["ring"] = outbox.name
-            if lanes is not None and peer in lanes.peers:
+        meta: dict[str, str] = {}
+        if outbox and self._rings is not None and peer in self._rings.peers:
+            meta["ring"] = outbox.name
+        if lanes is not None and peer in lanes.peers:
+            try:
                 meta.update(lanes.announce(peer))
-            if self.board is not None and self.board.owner:
-                meta["board"] = self.board.name
-            self.post(peer, dataclasses.replace(header, meta=meta or None))
+            except OSError as exc:
+                log.info("rank %d: no lane to rank %d (%s)", self.rank, peer, exc)
+        if self.board is not None and self.board.owner:
+            meta["board"] = self.board.name
+        self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
 
     def broadcast(self, header: Header) -> None:
-        """Post a control message to every other peer."""
-        for peer in self._links:
-            self.post(peer, header)
+        """Post a control message to every other peer (opening the links it takes)."""
+        for peer in range(len(self._peer_endpoints)):
+            if peer != self.rank:
+                self.post(peer, header)
 
     async def _read(self) -> None:
         """Drain the ROUTER for good: whatever one message does, the next is read.
@@ -724,7 +793,7 @@ class ZmqMesh:
         # Stop the monitors while their PAIR sockets are still open: libzmq sends a final
         # event on stop, and a send to a PAIR whose peer has closed blocks forever.
         if self._monitored:
-            for sock in [*self._links.values(), *self._probes]:
+            for sock in self._probes:
                 sock.disable_monitor()
         for task in self._tasks:
             task.cancel()

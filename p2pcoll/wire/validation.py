@@ -301,6 +301,8 @@ def _decode_map(raw: bytes | memoryview) -> Header:
         h.meta = _meta(kind, d["meta"])
     elif kind == "lane":
         raise ProtocolError("a lane message says neither on nor off (no meta)")
+    elif kind == "gone":
+        raise ProtocolError("a gone message names no rank (no meta)")
     return h
 
 
@@ -342,6 +344,17 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
                 v is None or (isinstance(v, str) and len(v) < 256) for v in meta.values()):
             raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name, "
                                 f"'lane': name, 'wake': name}}")
+    elif kind == "gone":
+        if (not {"rank", "graceful"} <= set(meta) <= {"rank", "graceful", "told"}
+                or type(meta["graceful"]) is not bool):
+            raise ProtocolError(f"gone meta is {_short(meta)}, expected {{'rank': rank, "
+                                f"'graceful': true|false, 'told': [rank, ...]}}")
+        _int(meta, "rank", 0, MAX_RANK)
+        _ranks(meta.get("told", []), "told")
+    elif kind == "bye":
+        if set(meta) != {"told"}:
+            raise ProtocolError(f"bye meta is {_short(meta)}, expected {{'told': [rank, ...]}}")
+        _ranks(meta["told"], "told")
     elif kind == "lane":
         if set(meta) != {"on"} or type(meta["on"]) is not bool:
             raise ProtocolError(f"lane meta is {_short(meta)}, expected {{'on': true|false}}")
@@ -465,6 +478,11 @@ def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequenc
     if header.src != link:  # the link is another member's (checked first), so src is too
         raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link",
                             reason="mismatch")
+    if header.kind in ("gone", "bye") and header.meta is not None:
+        named = [header.meta.get("rank", 0), *header.meta.get("told", ())]
+        if max(named) >= limits.world_size:
+            raise ProtocolError(f"{header.kind} message names ranks {_short(named)}, not all "
+                                f"in this group of {limits.world_size}")
     if header.kind == "waiting" and header.meta is not None:
         strange = [r for r in header.meta.get("waiting_on", ()) if r >= limits.world_size]
         if strange:
