@@ -1,0 +1,138 @@
+"""Links on demand: a peer opens a link the first time it sends to a peer, so its links are
+the overlay's (hellos to r-2 .. r+2, probes to r+1, r+2) and its schedules' partners. Real
+peers as tasks of one process over ipc sockets, 20 of them (more than a shared-memory board
+takes, so the group is sparse).
+
+Failures with lazy links: a peer that dies (its sockets closed without a goodbye) is named
+by everyone, including peers that never had a link to it and open one now; a peer that
+leaves with a goodbye is told to the others by the peers it told, without failing data it
+sent before (which may still be on its way when the news arrives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll.testing import run_ranks
+from p2pcoll.transport import overlay
+
+N = 20
+
+
+class Together:
+    """The ranks (tasks of this process) wait for each other before they close their
+    groups, so that nobody leaves (and tells the others) while they still measure."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.all = asyncio.Event()
+
+    async def done(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.all.set()
+        await self.all.wait()
+
+
+def links_after(strategy: str | None, together: Together):  # noqa: ANN201
+    async def fn(g: p2pcoll.Group) -> tuple[int, set[int], int]:
+        got = await g.allreduce(np.full(64, float(g.rank)), strategy=strategy)
+        assert np.all(got == sum(range(g.world_size)))
+        t = g.session.transport
+        seen = t.links, set(t._links), t.probes
+        await together.done()
+        return seen
+    return fn
+
+
+@pytest.mark.parametrize("strategy", ["ring", "recursive_doubling", "rabenseifner"])
+async def test_a_peer_links_only_to_its_partners_and_neighbours(strategy: str) -> None:
+    results = await run_ranks(N, links_after(strategy, Together(N)), transport="ipc")
+    bound = {"ring": 4, "recursive_doubling": 2 * math.ceil(math.log2(N)) + 4,
+             "rabenseifner": 2 * math.ceil(math.log2(N)) + 4}[strategy]
+    for rank, (count, peers, probes) in enumerate(results):
+        assert probes == overlay.WATCHED
+        assert count == len(peers) <= bound, (rank, sorted(peers))
+        assert set(overlay.neighbours(rank, N)) <= peers  # the hellos went there
+    if strategy == "ring":  # exactly the hellos: the ring's successor is one of them
+        assert all(peers == set(overlay.neighbours(r, N)) for r, (_, peers, _) in
+                   enumerate(results))
+
+
+async def test_a_dead_peer_is_named_by_peers_that_never_linked_to_it() -> None:
+    """Rank 9's sockets close without a goodbye (as a crash would); its watchers (7, 8) see
+    their probes close, and the news reaches everyone; rank 0, which never had a link to
+    rank 9, then sends to it (opening the link) and gets rank 9's PeerLost."""
+    victim = 9
+    died = asyncio.Event()
+    together = Together(N - 1)
+    others = Together(N - 2)  # rank 0's failed send breaks its group and tells the others:
+    # it sends once they all have their errors
+
+    async def fn(g: p2pcoll.Group) -> str:
+        await g.allreduce(np.ones(4), strategy="ring")
+        if g.rank == victim:
+            await g.session.transport.aclose()  # no goodbye: gone as a crash would be
+            died.set()
+            return "died"
+        await died.wait()
+        if g.rank == 0:
+            await others.all.wait()
+            assert victim not in g.session.transport._links
+            with pytest.raises(p2pcoll.PeerLost) as lost:
+                await g.send(np.ones(3), victim, timeout=30)
+        else:
+            with pytest.raises(p2pcoll.PeerLost) as lost:
+                await g.allreduce(np.ones(4), strategy="ring", timeout=30)
+            await others.done()
+        assert lost.value.rank == victim
+        await together.done()
+        return str(lost.value)
+
+    results = await asyncio.wait_for(run_ranks(N, fn, transport="ipc"), 90)
+    for rank, result in enumerate(results):
+        if rank != victim:
+            assert f"rank {victim}" in result, (rank, result)
+
+
+async def test_a_goodbye_reaches_peers_it_was_not_sent_to_and_data_before_it_arrives() -> None:
+    """Rank 3 sends rank 15 a message and leaves at once. Its goodbye goes to the peers it
+    sent to (15 and its watchers); the others learn it from them: a later send to rank 3
+    from rank 10 fails with "left the group", while rank 15, which the news may reach
+    before rank 3's own link delivers, still receives the message."""
+    leaver, reader, other = 3, 15, 10
+    together = Together(N - 1)
+
+    async def fn(g: p2pcoll.Group) -> str:
+        result = await part(g)
+        if g.rank != leaver:
+            await together.done()
+        return result
+
+    async def part(g: p2pcoll.Group) -> str:
+        await g.allreduce(np.ones(4), strategy="ring")
+        if g.rank == leaver:
+            await g.send(np.arange(5.0), reader)
+            return "left"
+        if g.rank == reader:
+            got = await g.recv(leaver, timeout=30)
+            assert np.array_equal(got, np.arange(5.0))
+            return "received"
+        if g.rank == other:
+            for _ in range(200):
+                if leaver in g.session.peers.gone():
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(p2pcoll.PeerLost, match=f"rank {leaver} left the group"):
+                await g.send(np.ones(2), leaver, timeout=30)
+            return "told"
+        return "idle"
+
+    results = await run_ranks(N, fn, transport="ipc")
+    assert results[leaver] == "left" and results[reader] == "received"
+    assert results[other] == "told"
