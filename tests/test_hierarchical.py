@@ -106,6 +106,43 @@ def test_leaders_and_local_ranks_of_a_layout() -> None:
     assert ctx.leader == 5
 
 
+def test_host_numbers_and_bad_contexts() -> None:
+    assert host_numbers(["b", "a", "b", "c"]) == (0, 1, 0, 2)
+    assert Context(0, 3).nhosts == 1 and Context(2, 3).local_ranks == (0, 1, 2)
+    with pytest.raises(ValueError, match="order of first appearance"):
+        Context(0, 3, 0, (1, 0, 1))
+    with pytest.raises(ValueError, match="must be empty or 3"):
+        Context(0, 3, 0, (0, 1))
+    ctx = Context(3, 4, 0, (0, 0, 1, 1))
+    with pytest.raises(ValueError, match="rank 3 is not in the sub-group"):
+        ctx.within((0, 1))
+    with pytest.raises(ValueError, match="the root 0 is not in"):
+        ctx.within((2, 3), root=0)
+
+
+def test_a_subgroup_runs_a_textbook_schedule_in_real_ranks() -> None:
+    from p2pcoll.strategy import Recv, Reduce
+
+    ctx = Context(5, 6, 0, (0, 1, 0, 1, 0, 1))
+    host = ctx.within(ctx.local_ranks, root=ctx.leader)  # ranks 1, 3, 5; leader 1
+    assert (host.ctx.rank, host.ctx.size, host.ctx.root) == (2, 3, 0)
+    steps = list(host.steps([Send(0), [Recv(1, 2), Reduce(0, range(1, 2))]]))
+    assert steps == [Send(1), [Recv(3, 2), Reduce(1, range(1, 2))]]
+
+
+def test_old_cost_model_files_still_load_and_are_the_two_levels(tmp_path: Any) -> None:
+    from p2pcoll.engine.costs import load_constants
+
+    path = tmp_path / "model.json"
+    path.write_text('{"ipc": {"alpha": 3e-4}, "tcp": {"alpha": 2e-3, "beta": 8e-9}}')
+    table = load_constants(path)
+    model = CostModel.for_group(p2pcoll.Settings(), ["ipc://x"] * 4, 0, table, cores=2,
+                                hosts=["a", "a", "b", "b"])
+    assert model.constants.alpha == 3e-4 and model.between == table["tcp"]
+    one = CostModel.for_group(p2pcoll.Settings(), ["tcp://x"] * 4, 0, table, cores=2)
+    assert one.levels == 1 and one.constants == table["tcp"]  # as before: no hosts given
+
+
 # --- live groups: traffic per level against the cost model --------------------------------
 
 
@@ -297,11 +334,16 @@ async def test_over_sockets_with_distinct_host_ids() -> None:
         again = await g.allreduce(inputs[g.rank], strategy="hierarchical")
         sent = await g.broadcast(inputs[g.rank].copy(), root=3, strategy="hierarchical")
         parts = await g.allgather(np.full(2, g.rank, np.int64), strategy="hierarchical")
-        return runner.hosts, runner.costs().levels, total, again, sent, parts
+        links = [e.partition("://")[0] for e in g.membership.endpoints]
+        return runner.hosts, runner.costs().levels, total, again, sent, parts, links
 
-    results = await run_ranks(p, fn, host_ids=hosts, transport="tcp")
-    for hosts_seen, levels, total, again, sent, parts in results:
+    results = await run_ranks(p, fn, host_ids=hosts, transport="auto")
+    for rank, (hosts_seen, levels, total, again, sent, parts, links) in enumerate(results):
         assert hosts_seen == (0, 0, 1, 1, 1) and levels == 2
+        # tcp to the other host, never ipc (nor the shared memory that goes with it)
+        for r in range(p):
+            if r != rank:
+                assert links[r] == ("ipc" if hosts[r] == hosts[rank] else "tcp"), (rank, r)
         assert total.tobytes() == results[0][2].tobytes() == again.tobytes()
         np.testing.assert_allclose(total, expected, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(sent, inputs[3])
