@@ -389,7 +389,19 @@ def test_simulate_takes_the_link_between_hosts_and_checks_the_layout() -> None:
     assert float(rows["ring"][-2]) == 30  # a ring over 4 hosts: every round crosses
     code, _, err = _simulate("--hosts", "3", "-n", "8")
     assert code != 0 and "cannot be cut into --hosts 3 evenly" in err
-    code, _, err = _simulate("--hosts", "2", "--per-host", "2", "-n", "5")
-    assert code != 0 and "disagrees" in err
-    code, _, err = _simulate("--per-host", "0")
-    assert code != 0 and "--per-host must be at least 1" in err
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    (["--hosts", "2", "--per-host", "2", "-n", "5"], "-n 5 disagrees with --hosts 2"),
+    (["--per-host", "0"], "--per-host must be at least 1"),
+    (["--hosts", "2"], "--hosts needs --per-host or -n"),
+])
+def test_simulate_names_a_bad_layout(argv: list[str], problem: str) -> None:
+    import argparse
+
+    from p2pcoll.bench import simulate
+
+    parser = argparse.ArgumentParser()
+    simulate.configure_parser(parser)
+    with pytest.raises(ValueError, match=problem):
+        simulate.report(parser.parse_args(argv))
