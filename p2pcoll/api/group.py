@@ -578,7 +578,9 @@ class Group:
         type (``errors_by_type``); ``links_refused``: connections to this peer's mesh port
         that were no member's link (a stranger's, or an impostor's: a second connection
         claiming a member's rank, whose messages are dropped as ``impostor``; also a
-        member's own link that reconnected after its connection dropped; 0 over inproc).
+        member's own link that reconnected after its connection dropped; 0 over inproc);
+        ``links_opened``: links to peers this peer opened (each the first time it sent to
+        that peer: see :mod:`p2pcoll.transport.overlay`).
         Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
@@ -592,6 +594,7 @@ class Group:
             "bytes_sent_shm": c.bytes_sent_shm,
             "messages_sent_lane": c.messages_sent_lane,
             "links_refused": c.links_refused,
+            "links_opened": c.links_opened,
             "collectives": session.seq,
             **self._activity.report(),
         }
