@@ -221,6 +221,27 @@ async def test_join_host_id_argument_makes_peers_of_other_hosts() -> None:
         p2pcoll.join(url, world_size=2, host_id="bad value")
 
 
+async def test_ipc_between_peers_of_different_hosts_is_refused_naming_them() -> None:
+    """``transport="ipc"`` reaches only peers of one host: with host ids that differ, every
+    peer gets a RendezvousError naming the ranks on other hosts, at once."""
+    import p2pcoll
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def one(rank: int, host: str) -> BaseException:
+        with pytest.raises(p2pcoll.RendezvousError) as refused:
+            async with p2pcoll.join(url, world_size=3, rank=rank, host_id=host,
+                                    transport="ipc", timeout=WAIT):
+                pass
+        return refused.value
+
+    errors = await asyncio.gather(one(0, "node-a"), one(1, "node-a"), one(2, "node-b"))
+    for rank, error in enumerate(errors):
+        others = "[2]" if rank < 2 else "[0, 1]"
+        assert f"ranks {others} are on other hosts" in str(error), error
+        assert "P2PCOLL_TRANSPORT=ipc" in str(error) and error.permanent
+
+
 def test_identity_keeps_detection_behind_the_value() -> None:
     detected = host_identity()
     assert host_identity(None) == detected

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -39,7 +40,8 @@ class Together:
         await self.all.wait()
 
 
-def links_after(strategy: str | None, together: Together):  # noqa: ANN201
+def links_after(strategy: str | None, together: Together) -> Callable[
+        [p2pcoll.Group], Awaitable[tuple[int, set[int], int]]]:
     async def fn(g: p2pcoll.Group) -> tuple[int, set[int], int]:
         got = await g.allreduce(np.full(64, float(g.rank)), strategy=strategy)
         assert np.all(got == sum(range(g.world_size)))

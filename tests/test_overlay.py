@@ -36,7 +36,8 @@ def test_fingers_are_log_many_and_distinct(size: int) -> None:
         assert r not in f
 
 
-def flood(size: int, origin: int, dead: set[int], known: set[int] = set()) -> dict[int, int]:
+def flood(size: int, origin: int, dead: set[int], known: frozenset[int] = frozenset()
+          ) -> dict[int, int]:
     """The hop at which each live rank first hears news that ``origin`` spreads, when every
     rank that hears it first passes it to its fingers (dead ranks pass nothing on; the
     ``known`` dead are skipped)."""
@@ -70,7 +71,7 @@ def test_news_goes_around_ranks_known_dead(size: int, data: st.DataObject) -> No
     dead = earlier | {victim}
     live_watchers = [w for w in range(size) if w not in dead]
     origin = data.draw(st.sampled_from(live_watchers))
-    heard = flood(size, origin, dead, known=dead)
+    heard = flood(size, origin, dead, known=frozenset(dead))
     assert set(heard) == set(range(size)) - dead
     assert max(heard.values()) <= math.ceil(math.log2(size))
 

@@ -103,8 +103,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                 membership, server = await _meet(
                     settings, address, endpoints, policy, sockets, me,
                     max(0.0, deadline - loop.time()))
-        if policy.name == "inproc":
-            _check_one_process(membership)
+        _check_reachable(policy.name, membership, me if url is not None else "")
         session = await _start(membership, transport, settings, failures, constants, deadline)
         if server is not None and elastic(settings) is None:
             await server.aclose()  # every peer has its roster: nothing left to serve
@@ -141,6 +140,7 @@ async def _form_through_store(
                 timeout=max(0.0, deadline - loop.time()), host_id=me,
                 choose=lambda h, addresses: policy.choose(me, h, addresses),
             )
+            _check_reachable(policy.name, membership, me)
         return await _start(membership, transport, settings, failures, constants, deadline), None
     except BaseException:
         await transport.aclose()
@@ -182,15 +182,26 @@ def _store_host(store: Any) -> str | None:
     return None
 
 
-def _check_one_process(membership: Membership) -> None:
-    """inproc reaches only peers of this very process: say so rather than time out."""
-    others = [r for r, e in enumerate(membership.endpoints)
-              if not e.startswith(inproc_prefix())]
-    if others:
-        raise RendezvousError(
-            f"P2PCOLL_TRANSPORT=inproc works only between peers of one process, and ranks "
-            f"{others} are in other processes: use auto (the default), ipc or tcp"
-        )
+def _check_reachable(transport: str, membership: Membership, me: str) -> None:
+    """inproc reaches only peers of this very process, ipc only peers of this host (as
+    P2PCOLL_HOST_ID or detection says): say so rather than time out or share memory with
+    a peer that counts as another host."""
+    if transport == "inproc":
+        others = [r for r, e in enumerate(membership.endpoints)
+                  if not e.startswith(inproc_prefix())]
+        if others:
+            raise RendezvousError(
+                f"P2PCOLL_TRANSPORT=inproc works only between peers of one process, and ranks "
+                f"{others} are in other processes: use auto (the default), ipc or tcp"
+            )
+    elif transport == "ipc" and membership.hosts:
+        others = [r for r, h in enumerate(membership.hosts) if h != me]
+        if others:
+            raise RendezvousError(
+                f"P2PCOLL_TRANSPORT=ipc works only between peers of one host, and ranks "
+                f"{others} are on other hosts (P2PCOLL_HOST_ID, or detected): use auto (the "
+                f"default) or tcp", permanent=True
+            )
 
 
 async def _meet(settings: Settings, address: str, endpoints: list[str],
