@@ -80,11 +80,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 __all__ = [
     "ALL",
     "COLLECTIVES",
+    "Chunk",
     "Context",
     "Cost",
     "Fold",
@@ -181,7 +183,7 @@ class Context:
 
     def __post_init__(self) -> None:
         hosts = self.hosts
-        if hosts and (len(hosts) != self.size or host_numbers(hosts) != hosts):
+        if hosts and (len(hosts) != self.size or not _members(hosts)):
             raise ValueError(f"Context.hosts must be empty or {self.size} host numbers in "
                              f"order of first appearance (0, then 0 or 1, ...), got {hosts}")
 
@@ -211,13 +213,14 @@ class Context:
     @property
     def nhosts(self) -> int:
         """How many hosts the group spans (1 when not known)."""
-        return max(self.hosts) + 1 if self.hosts else 1
+        return len(_members(self.hosts)) if self.hosts else 1
 
     def ranks_on(self, host: int) -> tuple[int, ...]:
         """The ranks of ``host``, in rank order."""
         if not self.hosts:
             return tuple(range(self.size)) if host == 0 else ()
-        return tuple(r for r, h in enumerate(self.hosts) if h == host)
+        members = _members(self.hosts)
+        return members[host] if 0 <= host < len(members) else ()
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -260,6 +263,21 @@ def host_numbers(hosts: Sequence[object]) -> tuple[int, ...]:
     ints, numbered in order of first appearance by rank: ``("b", "a", "b") -> (0, 1, 0)``."""
     seen: dict[object, int] = {}
     return tuple(seen.setdefault(h, len(seen)) for h in hosts)
+
+
+@lru_cache(maxsize=64)
+def _members(hosts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each host (``members[h]``), or () when ``hosts`` is not numbered in
+    order of first appearance. Cached: the helpers of every rank's context share it."""
+    members: list[list[int]] = []
+    for rank, host in enumerate(hosts):
+        if host == len(members):
+            members.append([rank])
+        elif 0 <= host < len(members):
+            members[host].append(rank)
+        else:
+            return ()
+    return tuple(tuple(m) for m in members)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,10 @@ auto considers them only on several hosts of which one holds several ranks.
 """
 
 from collections.abc import Iterator
+from functools import lru_cache
 
 from p2pcoll.strategy import (
-    ALL,
+    Chunk,
     Context,
     Cost,
     Op,
@@ -128,29 +129,35 @@ def lg(n: int) -> int:
     return (n - 1).bit_length()
 
 
-def count_traffic(strategy: Strategy, work: Workload) -> Traffic:
-    """What every rank sends, read off the schedules themselves (exact)."""
-    p = work.size
-    nchunks = strategy.chunks(p)
-
-    def nbytes(op: Op) -> int:
-        c = op.chunk
-        if c is ALL:
-            return work.nbytes
-        if isinstance(c, range):
-            return work.span(c.start, c.stop, nchunks)
-        return work.part(int(c), nchunks)  # type: ignore[arg-type]
-
-    messages, sent = [], []
-    for rank in range(p):
-        m = b = 0
-        for step in strategy.schedule(Context(rank, p, 0, work.hosts)):
+@lru_cache(maxsize=64)
+def sends(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[tuple[Chunk, ...], ...]:
+    """The chunks every rank sends (rank by rank), read off the schedules; cached, as the
+    cost model asks for every size of data."""
+    out = []
+    for rank in range(size):
+        chunks: list[Chunk] = []
+        for step in strategy.schedule(Context(rank, size, 0, hosts)):
             for op in (step,) if isinstance(step, (Send, Recv, Reduce)) else step:
                 if isinstance(op, Send):
-                    m, b = m + 1, b + nbytes(op)
-        messages.append(m * work.segments)
-        sent.append(b)
-    return Traffic(tuple(messages), tuple(sent))
+                    chunks.append(op.chunk)
+        out.append(tuple(chunks))
+    return tuple(out)
+
+
+def count_traffic(strategy: Strategy, work: Workload) -> Traffic:
+    """What every rank sends, read off the schedules themselves (exact)."""
+    nchunks = strategy.chunks(work.size)
+
+    def nbytes(c: Chunk) -> int:
+        if isinstance(c, range):
+            return work.span(c.start, c.stop, nchunks)
+        if isinstance(c, int):
+            return work.part(c, nchunks)
+        return work.nbytes  # ALL
+
+    sent = sends(strategy, work.size, work.hosts)
+    return Traffic(tuple(len(chunks) * work.segments for chunks in sent),
+                   tuple(sum(nbytes(c) for c in chunks) for chunks in sent))
 
 
 # --- the strategies -----------------------------------------------------------------------
