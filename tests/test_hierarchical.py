@@ -405,3 +405,32 @@ def test_simulate_names_a_bad_layout(argv: list[str], problem: str) -> None:
     simulate.configure_parser(parser)
     with pytest.raises(ValueError, match=problem):
         simulate.report(parser.parse_args(argv))
+
+
+# --- many ranks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_large_layouts_in_lockstep(collective: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    strategy = hierarchical(collective)
+    rng = np.random.default_rng(3)
+    uneven = host_numbers(rng.integers(0, 20, 200).tolist())
+    for hosts in [tuple(r // 8 for r in range(128)), uneven]:
+        simulate(strategy, hosts, len(hosts) - 1 if collective == "broadcast" else 0, 300,
+                 monkeypatch)
+
+
+@pytest.mark.scale
+async def test_256_ranks_on_32_hosts_in_memory() -> None:
+    hosts = [f"node{r // 8}" for r in range(256)]
+    groups = await memory_groups(256, hosts=hosts, collective_timeout=120)
+    try:
+        x = [np.full(4096, r, np.int64) for r in range(256)]
+        out = await asyncio.gather(*(g.allreduce(x[r], strategy="hierarchical")
+                                     for r, g in enumerate(groups)))
+        assert all((o == sum(range(256))).all() for o in out)
+        got = await asyncio.gather(*(g.broadcast(x[r], root=100, strategy="hierarchical")
+                                     for r, g in enumerate(groups)))
+        assert all((b == 100).all() for b in got)
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
