@@ -17,7 +17,8 @@ size (16 MiB and 64 MiB of float32) it times:
 - broadcast from rank 0: ``hierarchical``, ``binomial``, ``pipeline``,
   ``scatter_allgather``, ``auto``, and Gloo's ``broadcast``.
 
-Each case runs one warm-up and ``--iterations`` timed calls, each after a barrier; a call's
+Every case runs once per pass, a warm-up pass and then ``--iterations`` timed ones (so a
+change of the machine's load falls on all cases alike), each call after a barrier; a call's
 time is the slowest rank's, and the table gives the median, as busbw (allreduce:
 2(p-1)/p·n/t, broadcast: n/t, as nccl-tests counts it). The workers get a cost-model file
 whose tcp constants are the emulated link's (alpha: the relay's round trip, beta: the
@@ -77,25 +78,29 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     report: dict[str, Any] = {"times": {}, "picked": {}}
     async with p2pcoll.join() as g:
-        model = g._costs()  # auto's model, as the group built it
+        model = g.session.runner.costs()  # auto's model, as the group built it
         report["levels"] = model.levels
-        for collective, strategy, nbytes in cases(args):
-            x = np.full(nbytes // 4, 1.0 + g.rank, np.float32)
-            asked = None if strategy == "auto" else strategy
-            if strategy == "auto":
-                report["picked"][f"{collective} {nbytes}"] = registry.auto_name(
-                    collective, nbytes, g.world_size, model)
-            times = []
-            for i in range(args.iterations + 1):
+        data = {n: np.full(n // 4, 1.0 + g.rank, np.float32) for n in args.sizes}
+        # Pass after pass over every case (the first a warm-up), so that a change in the
+        # machine's load falls on all of them alike.
+        for i in range(args.iterations + 1):
+            for collective, strategy, nbytes in cases(args):
+                x = data[nbytes]
+                asked = None if strategy == "auto" else strategy
+                if strategy == "auto":
+                    report["picked"][f"{collective} {nbytes}"] = registry.auto_name(
+                        collective, nbytes, g.world_size, model)
                 await g.barrier()
                 t = time.perf_counter()
                 if collective == "allreduce":
                     await g.allreduce(x, out=x, strategy=asked)
+                    x[:] = 1.0 + g.rank  # keep the values finite pass after pass
                 else:
                     await g.broadcast(x, root=0, strategy=asked)
-                if i:  # the first is a warm-up
-                    times.append(time.perf_counter() - t)
-            report["times"][f"{collective} {strategy} {nbytes}"] = times
+                elapsed = time.perf_counter() - t
+                if i:
+                    report["times"].setdefault(f"{collective} {strategy} {nbytes}",
+                                               []).append(elapsed)
         stats = g.stats()
         report["by_strategy"] = stats["collectives_by_strategy"]
         await g.barrier()
@@ -114,20 +119,22 @@ def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
                             rank=rank, world_size=world, timeout=timedelta(seconds=900))
     report: dict[str, Any] = {"times": {}}
     try:
-        for nbytes in args.sizes:
-            x = torch.full((nbytes // 4,), 1.0 + rank, dtype=torch.float32)
-            for collective in ("allreduce", "broadcast"):
-                times = []
-                for i in range(args.iterations + 1):
+        data = {n: torch.full((n // 4,), 1.0 + rank, dtype=torch.float32) for n in args.sizes}
+        for i in range(args.iterations + 1):  # passes, as the p2pcoll workers run them
+            for nbytes in args.sizes:
+                x = data[nbytes]
+                for collective in ("allreduce", "broadcast"):
                     dist.barrier()
                     t = time.perf_counter()
                     if collective == "allreduce":
                         dist.all_reduce(x)
+                        x.fill_(1.0 + rank)
                     else:
                         dist.broadcast(x, src=0)
+                    elapsed = time.perf_counter() - t
                     if i:
-                        times.append(time.perf_counter() - t)
-                report["times"][f"{collective} gloo {nbytes}"] = times
+                        report["times"].setdefault(f"{collective} gloo {nbytes}",
+                                                   []).append(elapsed)
         dist.barrier()
     finally:
         dist.destroy_process_group()
