@@ -50,16 +50,19 @@ def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tupl
             return range(nchunks)
         return chunk if isinstance(chunk, range) else range(chunk, chunk + 1)
 
+    # The last step that writes each chunk (a receive or a reduction into it): one pass, so
+    # that a schedule of p steps (a ring's) costs O(p), not O(p^2), per rank.
+    last_write = [-1] * nchunks
+    for i, ops in enumerate(steps):
+        for op in ops:
+            if not isinstance(op, Send):
+                for c in ids(op.chunk):
+                    last_write[c] = i
     out = set()
     for i, ops in enumerate(steps):
         for j, op in enumerate(ops):
-            if not isinstance(op, Send):
-                continue
-            sent = ids(op.chunk)
-            for later in steps[i:]:
-                if any(not isinstance(w, Send) and _overlap(sent, ids(w.chunk)) for w in later):
-                    out.add((i, j))
-                    break
+            if isinstance(op, Send) and any(last_write[c] >= i for c in ids(op.chunk)):
+                out.add((i, j))
     return frozenset(out)
 
 
@@ -100,10 +103,6 @@ def send_groups(
                 groups.setdefault(op.chunk, []).append((j, op.to))
         out.append(tuple((chunk, tuple(g)) for chunk, g in groups.items()))
     return tuple(out)
-
-
-def _overlap(a: range, b: range) -> bool:
-    return a.start < b.stop and b.start < a.stop and len(a) > 0 and len(b) > 0
 
 
 def _check_chunk(op: Op, nchunks: int, where: str) -> None:
