@@ -314,8 +314,9 @@ class _Hosting:
 
 
 async def handshake(session: Session, left: float) -> None:
-    """Hello to the overlay's neighbours (every peer, in a group on a shared-memory board),
-    then wait for theirs (at most ``left`` seconds): see ``transport.hello_peers``.
+    """Hello to the peers this one watches, then wait for the hellos of those that watch it
+    (at most ``left`` seconds; every peer, in a group on a shared-memory board): see
+    ``transport.hello_peers`` and :mod:`p2pcoll.transport.overlay`.
 
     Every peer has bound its endpoints before it registers, so once the roster is out the
     hellos take milliseconds; a peer not heard from within ``left`` (the heartbeat timeout,

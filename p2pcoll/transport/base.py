@@ -96,8 +96,8 @@ class Transport(Protocol):
     endpoints: list[str]
     sent: MessageHook | None  # see the module docstring
     delivered: MessageHook | None
-    # The peers whose hellos the group's forming waits for (the overlay's neighbours, see
-    # .overlay), known once connected.
+    # The peers whose hellos the group's forming waits for (those that watch this one, see
+    # .overlay; every peer in a group on a board), known once connected.
     hello_peers: frozenset[int]
 
     async def bind(self) -> list[str]:
@@ -132,8 +132,9 @@ class Transport(Protocol):
         ...
 
     def greet(self, header: Header) -> None:
-        """Post a hello to the peers of ``hello_peers``, with whatever the transport needs to
-        announce, and to any other peer before the first message sent to it."""
+        """Post a hello to the peers this one watches (see .overlay), with whatever the
+        transport needs to announce, and to any other peer before the first message sent
+        to it."""
         ...
 
     def contacts(self) -> set[int]:

@@ -177,8 +177,7 @@ class MemoryTransport:
         self.on_message, self.on_link_down = on_message, on_link_down
         self._limits = Limits(membership.group_id, membership.rank, membership.world_size,
                               self.max_message_bytes)
-        self.hello_peers = frozenset(overlay.neighbours(membership.rank,
-                                                        membership.world_size))
+        self.hello_peers = frozenset(overlay.watchers(membership.rank, membership.world_size))
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)
@@ -210,7 +209,8 @@ class MemoryTransport:
                              [encode_header(header)], False)
 
     def greet(self, header: Header) -> None:
-        for peer in sorted(self.hello_peers):
+        assert self.membership is not None
+        for peer in overlay.watched(self.membership.rank, self.membership.world_size):
             self.post(peer, header)
 
     def contacts(self) -> set[int]:

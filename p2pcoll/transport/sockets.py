@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from collections.abc import Callable
 
@@ -65,7 +66,7 @@ class SocketFactory:
     def __init__(self, context: zmq.asyncio.Context | None = None, *,
                  key: JobKey | None = None, max_message_bytes: int = 256 << 20,
                  message_bytes: int = 1 << 20, heartbeat_s: float = 5.0) -> None:
-        self.context = context or zmq.asyncio.Context.instance()
+        self.context = context or _shared_context()
         self.key = key
         self.max_frame_bytes = max(max_message_bytes, RENDEZVOUS_MAX_BYTES)
         self.hwm = queue_messages(message_bytes)
@@ -183,6 +184,24 @@ class SocketFactory:
         return cls(key=settings.key, max_message_bytes=settings.max_message_bytes,
                    message_bytes=min(settings.segment_bytes, settings.max_message_bytes),
                    heartbeat_s=settings.heartbeat_timeout)
+
+
+def _shared_context() -> zmq.asyncio.Context:
+    """The process's ZeroMQ context, allowed as many sockets as the process may open files:
+    libzmq's own default (1023 sockets) would stop a process that runs many peers (tasks of
+    one process, as in tests) long before its descriptor limit. Takes effect when the
+    context makes its first socket."""
+    context = zmq.asyncio.Context.instance()
+    if id(context) not in _SIZED:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY or soft > 1 << 20:
+            soft = 1 << 20
+        context.set(zmq.MAX_SOCKETS, max(context.get(zmq.MAX_SOCKETS), soft))
+        _SIZED.add(id(context))
+    return context
+
+
+_SIZED: set[int] = set()  # the contexts _shared_context has sized
 
 
 class LinkCensus:

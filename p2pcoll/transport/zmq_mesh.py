@@ -149,6 +149,7 @@ class ZmqMesh:
         self._hello: Header | None = None  # sent first on every link opened after greet()
         # The peers whose hellos the group's forming waits for (see hello_peers).
         self.hello_peers: frozenset[int] = frozenset()
+        self._greeted: frozenset[int] = frozenset()  # whom greet() says hello to at once
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._monitored = False
@@ -237,9 +238,10 @@ class ZmqMesh:
         # from the other's hello: there every peer greets every other (a board group is
         # small, see board.MAX_BOARD_RANKS). Elsewhere only the overlay's neighbours.
         if self.board is not None or self._board_from_hello:
-            self.hello_peers = frozenset(range(size)) - {rank}
-        else:
-            self.hello_peers = frozenset(overlay.neighbours(rank, size))
+            self.hello_peers = self._greeted = frozenset(range(size)) - {rank}
+        else:  # hellos go to the peers this one watches, and come from those watching it
+            self.hello_peers = frozenset(overlay.watchers(rank, size))
+            self._greeted = frozenset(overlay.watched(rank, size))
         if monitored:
             # The probes' heartbeats see a watched peer that dies, freezes or is cut off
             # (see mesh_probe); their monitors see a connection that closes at once.
@@ -490,12 +492,12 @@ class ZmqMesh:
         sent.add_done_callback(_discard_outcome)
 
     def greet(self, header: Header) -> None:
-        """Post a hello to the peers of :attr:`hello_peers` now, and to any other as the
-        first message on its link when that opens; to those of this host it names this
-        peer's shared-memory ring, which they map if they can (see :mod:`.shm`), and its
-        lane to them."""
+        """Post a hello to the peers this one watches now (to every peer in a board group),
+        and to any other as the first message on its link when that opens; to those of this
+        host it names this peer's shared-memory ring, which they map if they can (see
+        :mod:`.shm`), and its lane to them."""
         self._hello = header
-        for peer in sorted(self.hello_peers):
+        for peer in sorted(self._greeted):
             link = self._links.get(peer)
             if link is None:
                 self._link(peer)  # opening it posts the hello
