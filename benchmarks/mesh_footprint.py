@@ -11,9 +11,10 @@ Not a test: it prints tables. Every peer is a process of its own (this file agai
 
 **Footprint** (``--sizes``). Each peer joins, runs one 4 KiB and one 1 MiB allreduce
 (``--strategy``; ``auto`` by default) and a barrier, then reports its open descriptors
-(``/proc/self/fd``), its RSS, the data links it opened and the heartbeat probes it keeps.
-The table gives the median and the largest over the peers (the largest is usually a root
-of the rendezvous or of a rooted collective). A size whose group does not form under the
+(``/proc/self/fd``), its RSS, the data links it opened ("ar": after the two allreduces;
+"links": after the barrier too) and the heartbeat probes it keeps. The table gives the
+median and the largest over the peers, and the strategies rank 0 ran (``--detail K`` also
+names the K peers with the most descriptors). A size whose group does not form under the
 limit is reported as failed, with the first peer's error.
 
 **Heartbeats** (``--heartbeats``). The same group with every peer on a host of its own
@@ -26,7 +27,7 @@ second is that count over the window and the size. It needs the right to create 
 namespace (root, or an unprivileged user namespace).
 
 **Detection** (``--kill``, with either mode): after the measurement rank ``p // 2`` is
-SIGKILLed while the group is idle (no collective running), and every survivor reports when
+SIGKILLed (``--signal STOP``: frozen, so only heartbeats can tell) while the group is idle (no collective running), and every survivor reports when
 the victim first appears among its peers' departures (``session.peers.gone()``); the table
 gives the seconds from the kill to the median and to the last survivor (one monotonic clock
 for every process of the machine).
@@ -79,14 +80,16 @@ async def _worker(where: Path, strategy: str | None, victim: int | None) -> None
         r, p = g.rank, g.world_size
         small = await g.allreduce(np.full(1024, float(r), np.float32), strategy=strategy)
         large = await g.allreduce(np.full(1 << 18, float(r), np.float32), strategy=strategy)
+        t = g.session.transport
+        links_allreduce = getattr(t, "links", None)
         await g.barrier()
         right = bool(np.all(small == p * (p - 1) / 2) and np.all(large == p * (p - 1) / 2))
-        t = g.session.transport
         probes = getattr(t, "probes", None)
         if probes is None:  # a tree without the overlay: one probe for every other peer
             probes = len(getattr(t, "_probes", {}) or ())
         _say(ready={"rank": r, "fds": _fds(), "rss": _rss(), "right": right,
-                    "links": getattr(t, "links", None), "probes": probes,
+                    "links": getattr(t, "links", None), "links_allreduce": links_allreduce,
+                    "probes": probes, "used": g.stats().get("collectives_by_strategy"),
                     "package": os.path.dirname(p2pcoll.__file__)})
         while not (where / "go").exists():
             await asyncio.sleep(0.05)
@@ -110,6 +113,7 @@ class Job:
         from p2pcoll.testing import free_port
 
         self.n = n
+        self.signal = signal.Signals[f"SIG{args.signal}"]
         self.dir = Path(tempfile.mkdtemp(prefix="mesh_footprint_"))
         self.lines: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self.errors = ["" for _ in range(n)]
@@ -195,15 +199,17 @@ def _lo_packets() -> int:
 
 
 def _kill_and_time(job: Job) -> tuple[float, float, int]:
-    """SIGKILL rank n // 2 of an idle group; seconds to the median and the last survivor
+    """SIGKILL (or SIGSTOP) rank n // 2 of an idle group; seconds to the median and the last survivor
     that knows, and how many survivors knew within 120 s."""
     victim = job.n // 2
     survivors = [r for r in range(job.n) if r != victim]
-    job.procs[victim].send_signal(signal.SIGKILL)
+    job.procs[victim].send_signal(job.signal)
     killed = time.monotonic()
-    job.procs[victim].wait(timeout=30)
+    if job.signal == signal.SIGKILL:
+        job.procs[victim].wait(timeout=30)
     job.touch("go")
     named = job.wait_for("named", survivors, timeout=180)
+    job.procs[victim].kill()  # a stopped one too
     seconds = sorted(x["at"] - killed for x in named if x["known"])
     if not seconds:
         return float("nan"), float("nan"), 0
@@ -212,7 +218,7 @@ def _kill_and_time(job: Job) -> tuple[float, float, int]:
 
 def footprint(args: argparse.Namespace) -> None:
     print(f"{'p':>4} {'fds med':>8} {'fds max':>8} {'fds/peer':>9} {'RSS MiB':>8} "
-          f"{'links med':>9} {'links max':>9} {'probes':>7} {'right':>6}"
+          f"{'ar med':>6} {'ar max':>6} {'links med':>9} {'links max':>9} {'probes':>7} {'right':>6}"
           + (f" {'named med s':>11} {'last s':>7} {'named':>6}" if args.kill else ""))
     for n in args.sizes:
         job = Job(n, args, separate_hosts=False)
@@ -220,11 +226,14 @@ def footprint(args: argparse.Namespace) -> None:
             ready = job.wait_for("ready", list(range(n)), timeout=args.timeout)
             fds = sorted(x["fds"] for x in ready)
             links = sorted(x["links"] if x["links"] is not None else -1 for x in ready)
+            ar = sorted(x["links_allreduce"] if x["links_allreduce"] is not None else -1
+                        for x in ready)
             probes = sorted(x["probes"] for x in ready)
             rss = statistics.median(x["rss"] for x in ready) / 2**20
             right = all(x["right"] for x in ready)
             row = (f"{n:>4} {fds[n // 2]:>8} {fds[-1]:>8} {fds[n // 2] / max(1, n - 1):>9.1f} "
-                   f"{rss:>8.1f} {links[n // 2]:>9} {links[-1]:>9} {probes[n // 2]:>7} "
+                   f"{rss:>8.1f} {ar[n // 2]:>6} {ar[-1]:>6} {links[n // 2]:>9} {links[-1]:>9} "
+                   f"{probes[n // 2]:>7} "
                    f"{str(right):>6}")
             if args.kill:
                 med, last, count = _kill_and_time(job)
@@ -232,6 +241,11 @@ def footprint(args: argparse.Namespace) -> None:
             print(row, flush=True)
             if n == args.sizes[0]:
                 print(f"     (package: {ready[0]['package']})", flush=True)
+            print(f"     strategies (rank 0): {ready[0]['used']}", flush=True)
+            if args.detail:
+                top = sorted(ready, key=lambda x: -x["fds"])[:args.detail]
+                print("     most descriptors: " + ", ".join(
+                    f"rank {x['rank']} {x['fds']} fds {x['links']} links" for x in top))
         except RuntimeError as exc:
             print(f"{n:>4} failed: {exc}", flush=True)
         finally:
@@ -285,9 +299,13 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle window")
     parser.add_argument("--nofile", type=int, default=256, help="soft limit of open files")
     parser.add_argument("--strategy", default="auto")
-    parser.add_argument("--kill", action="store_true", help="SIGKILL rank p // 2 and time it")
+    parser.add_argument("--kill", action="store_true", help="signal rank p // 2 and time it")
+    parser.add_argument("--signal", choices=["KILL", "STOP"], default="KILL",
+                        help="the signal --kill sends (STOP: a frozen peer, found by heartbeats)")
     parser.add_argument("--tree", default="", help="a checkout of p2pcoll to measure instead")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--detail", type=int, default=0,
+                        help="also name this many peers with the most descriptors")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--victim", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
