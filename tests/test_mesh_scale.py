@@ -160,7 +160,7 @@ def test_sixty_four_processes_under_256_descriptors(tmp_path: Path) -> None:
 
 
 @pytest.mark.scale
-def test_a_ring_peer_keeps_four_links_at_sixty_four(tmp_path: Path) -> None:
+def test_a_ring_peer_keeps_two_links_at_sixty_four(tmp_path: Path) -> None:
     """Without the collectives, a peer's links are the overlay's hellos (to r+1 and r+2,
     the ring's successor among them); a peer that dies before any data went to it is still
     named."""
