@@ -123,7 +123,7 @@ def test_names_that_are_not_ours_are_refused(name: object) -> None:
 
 
 def test_a_well_formed_name_of_no_file(clean) -> None:
-    with pytest.raises(ProtocolError, match="cannot open ring"):
+    with pytest.raises(ProtocolError, match="cannot map ring"):
         ShmFile.open(fake_name(), "ring")
 
 
@@ -132,7 +132,7 @@ def test_a_symbolic_link_is_not_followed(clean) -> None:
     link = os.path.join(SHM_DIR, fake_name())
     os.symlink(target.path, link)
     try:
-        with pytest.raises(ProtocolError, match="cannot open lane"):
+        with pytest.raises(ProtocolError, match="cannot map lane"):
             ShmFile.open(os.path.basename(link), "lane")
     finally:
         os.unlink(link)

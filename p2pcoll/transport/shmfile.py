@@ -143,7 +143,7 @@ class ShmFile:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            raise ProtocolError(f"cannot open {what} {name!r}: {exc.strerror}") from None
+            raise ProtocolError(f"cannot map {what} {name!r}: {exc.strerror}") from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() \
