@@ -78,12 +78,17 @@ def compile_program(steps: Steps, chunks: list[list[Piece]], itemsizes: list[int
     def ranges(chunk: Chunk, seg: int) -> tuple[Range, ...]:
         ids = (range(nchunks) if isinstance(chunk, _All) else
                chunk if isinstance(chunk, range) else range(chunk, chunk + 1))
-        out = []
+        out: list[Range] = []
         for c in ids:
             for i, lo, hi in chunks[c]:
                 n = hi - lo
-                out.append((i, lo + _split_point(n, nseg, seg),
-                            lo + _split_point(n, nseg, seg + 1)))
+                a, b = lo + _split_point(n, nseg, seg), lo + _split_point(n, nseg, seg + 1)
+                if out and out[-1][0] == i and out[-1][2] == a:
+                    # Adjacent in the same array: one piece, so a message of many chunks
+                    # (half the data, in Rabenseifner's first step) is not O(p) pieces.
+                    out[-1] = (i, out[-1][1], b)
+                else:
+                    out.append((i, a, b))
         return tuple(out)
 
     segments = []

@@ -126,13 +126,19 @@ class MemoryNetwork:
             return
         loop = asyncio.get_running_loop()
         f = self.faults
+        if data and f.drop and self.random.random() < f.drop:
+            self._left(sender, dst)
+            return
+        if f.delay[1] <= 0:
+            # Nothing is ever held back: each message goes to the back of the loop's queue,
+            # which keeps the order, in O(1) (a timer would cost O(log p) to schedule: one
+            # is pending per message in flight, thousands at p = 1024).
+            loop.call_soon(self._arrived, sender, dst, frames, data)
+            return
         if not data:
             # Control messages keep their order behind the data sent before them.
             at = self._last.get((sender, dst), 0.0)
             loop.call_at(max(at, loop.time()), self._arrived, sender, dst, frames, False)
-            return
-        if f.drop and self.random.random() < f.drop:
-            self._left(sender, dst)
             return
         delay = self.random.uniform(*f.delay) if f.delay[1] > 0 else 0.0
         when = loop.time() + delay
@@ -164,6 +170,7 @@ class MemoryTransport:
         self._early: list[tuple[str, list[bytes]]] = []
         self.hello_peers: frozenset[int] = frozenset()  # as the mesh's: the overlay's
         self._talked: set[int] = set()  # the peers sent to (see contacts)
+        self._ranks: dict[str, int] = {}  # endpoint -> rank, of the members
 
     async def bind(self) -> list[str]:
         endpoint = f"mem://{len(self.network.peers)}-{id(self)}"
@@ -178,6 +185,7 @@ class MemoryTransport:
         self._limits = Limits(membership.group_id, membership.rank, membership.world_size,
                               self.max_message_bytes)
         self.hello_peers = frozenset(overlay.watchers(membership.rank, membership.world_size))
+        self._ranks = {endpoint: r for r, endpoint in enumerate(membership.endpoints)}
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)
@@ -235,10 +243,8 @@ class MemoryTransport:
             if len(self._early) < 1024:  # bounded: a peer that never connects holds little
                 self._early.append((sender, frames))
             return
-        try:
-            link = self.membership.endpoints.index(sender)
-        except ValueError:
-            link = -1  # not a member: validate() refuses it like any other stranger
+        # not a member: -1, which validate() refuses like any other stranger
+        link = self._ranks.get(sender, -1)
         try:
             if not frames:
                 raise ProtocolError("message has no header frame")
