@@ -234,7 +234,7 @@ def footprint(args: argparse.Namespace) -> None:
             row = (f"{n:>4} {fds[n // 2]:>8} {fds[-1]:>8} {fds[n // 2] / max(1, n - 1):>9.1f} "
                    f"{rss:>8.1f} {ar[n // 2]:>6} {ar[-1]:>6} {links[n // 2]:>9} {links[-1]:>9} "
                    f"{probes[n // 2]:>7} "
-                   f"{str(right):>6}")
+                   f"{right!s:>6}")
             if args.kill:
                 med, last, count = _kill_and_time(job)
                 row += f" {med:>11.3f} {last:>7.3f} {count:>3}/{n - 1}"
