@@ -90,3 +90,23 @@ def test_bad_ranks_are_refused() -> None:
         overlay.watched(5, 5)
     with pytest.raises(ValueError, match="rank 0 is not a rank of a group of 0"):
         overlay.fingers(0, 0)
+
+
+@pytest.mark.parametrize("meta, match", [
+    (None, "names no rank"),
+    ({"rank": 9, "graceful": False}, "not all in this group of 4"),
+    ({"rank": 1}, "expected"),
+    ({"rank": 1, "graceful": 1}, "expected"),
+    ({"rank": 1, "graceful": True, "told": [0, 7]}, "not all in this group of 4"),
+    ({"rank": 1, "graceful": True, "told": "all"}, "expected a list of ranks"),
+    ({"rank": 1, "graceful": True, "more": 1}, "expected"),
+])
+def test_news_of_a_departure_is_checked_like_any_message(meta: object, match: str) -> None:
+    """A "gone" message is input like any other: a rank outside the group, a wrong field
+    or type is a ProtocolError (the message is dropped and counted), never a departure."""
+    from p2pcoll.errors import ProtocolError
+    from p2pcoll.wire import Header, Limits, encode_header, validate
+
+    h = Header("gone", "g", 2, 0, meta=meta)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match=match):
+        validate(2, encode_header(h), [], Limits("g", 0, 4, 1 << 20))

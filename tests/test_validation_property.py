@@ -328,7 +328,7 @@ def valid_headers(draw: st.DrawFn) -> Header:
     kind = draw(st.sampled_from(sorted(KINDS)))
     src = draw(st.integers(1, LIMITS.world_size - 1))
     h = Header(kind, GROUP, src)
-    if kind in ("data", "abort", "bye"):
+    if kind in ("data", "abort", "bye", "gone"):
         h.seq = draw(st.integers(0, 1 << 62))
     if kind == "data":
         h.seg, h.step = draw(small), draw(small)
@@ -358,6 +358,14 @@ def valid_headers(draw: st.DrawFn) -> Header:
             h.meta.update(lane=draw(st.text(max_size=40)), wake=draw(st.text(max_size=40)))
     elif kind == "lane":
         h.meta = {"on": draw(st.booleans())}
+    elif kind == "bye" and draw(st.booleans()):
+        h.meta = {"told": draw(st.lists(st.integers(0, LIMITS.world_size - 1), max_size=4))}
+    elif kind == "gone":
+        h.meta = {"rank": draw(st.integers(0, LIMITS.world_size - 1)),
+                  "graceful": draw(st.booleans())}
+        if draw(st.booleans()):
+            h.meta["told"] = draw(st.lists(st.integers(0, LIMITS.world_size - 1),
+                                           max_size=4))
     return h
 
 

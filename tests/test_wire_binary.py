@@ -244,7 +244,8 @@ def _set(raw: bytearray, at: int, size: int, value: int) -> bytes:
 
 
 @pytest.mark.parametrize("make, sizes, reason, match", [
-    (lambda: _set(_frame(), 1, 1, WIRE_VERSION + 1), [4096, 8], "version", "wire version 8"),
+    (lambda: _set(_frame(), 1, 1, WIRE_VERSION + 1), [4096, 8], "version",
+     f"wire version {WIRE_VERSION + 1}"),
     (lambda: bytes([DATA_MAGIC]), [], "version", "wire version"),
     (lambda: bytes(_frame())[:43], [4096, 8], "malformed", "shorter than its fixed 44"),
     (lambda: bytes(_frame()) + b"\0", [4096, 8], "malformed", "make 60"),
