@@ -1,0 +1,109 @@
+"""The rendezvous with 256 clients in one process (no mesh: the rendezvous alone).
+
+Every client gets the same roster, its own rank and the endpoints of every other; a peer
+that never comes is named by rank in every waiting peer's error; and the server's own
+work stays linear (the roster is encoded once per group, its body shared by every reply;
+each request costs O(1): counted below as the server's roster encodings and replies).
+The join time is printed (``pytest -s``), not asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+
+import p2pcoll
+from p2pcoll.rendezvous import RendezvousServer
+from p2pcoll.rendezvous.client import rendezvous
+from p2pcoll.types import Membership
+
+P = 256
+
+
+def first(host: str, endpoints: list[str]) -> str:
+    return endpoints[0]
+
+
+async def client(url: str, rank: int | None, timeout: float = 60.0) -> Membership:
+    return await rendezvous(
+        url, endpoints=[f"tcp://127.0.0.1:{10000 + (rank if rank is not None else 0)}",
+                        f"ipc:///tmp/p2pcoll-test-{id(object())}"],
+        world_size=P, rank=rank, timeout=timeout, host_id=f"host-{(rank or 0) % 8}",
+        choose=first)
+
+
+async def test_two_hundred_fifty_six_clients_get_one_roster() -> None:
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    url = server.bind()
+    packed: list[int] = []  # sizes of the roster bodies the server encoded
+    real_packb = msgpack.packb
+
+    def counting_packb(obj: object, **kwargs: object) -> bytes:
+        out = real_packb(obj, **kwargs)
+        if isinstance(obj, dict) and "op" not in obj and "endpoints" in obj:  # a roster body
+            packed.append(len(out))
+        return out
+
+    try:
+        import p2pcoll.rendezvous.server as server_module
+        server_module.msgpack.packb = counting_packb  # type: ignore[assignment]
+        started = time.monotonic()
+        # Half ask for their rank (every odd one), the others take the free ranks.
+        members = await asyncio.gather(*(client(url, r if r % 2 else None)
+                                         for r in range(P)))
+        print(f"\n{P} rendezvous clients in one process: roster in "
+              f"{time.monotonic() - started:.2f} s")
+    finally:
+        server_module.msgpack.packb = real_packb  # type: ignore[assignment]
+        await server.aclose()
+    assert sorted(m.rank for m in members) == list(range(P))
+    assert {m.world_size for m in members} == {P}
+    assert len({(m.group_id, m.secret, m.endpoints, m.hosts) for m in members}) == 1
+    roster = members[0]
+    for r in range(1, P, 2):  # those that asked got the rank they asked for
+        assert roster.endpoints[r] == f"tcp://127.0.0.1:{10000 + r}"
+        assert roster.hosts[r] == f"host-{r % 8}"
+    # The whole roster encoded once for the group, not once per member (O(p), not O(p^2)).
+    assert len(packed) == 1, packed
+
+
+async def test_a_missing_peer_among_two_hundred_fifty_six_is_named() -> None:
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    url = server.bind()
+    absent = 137
+    try:
+        outcomes = await asyncio.gather(*(client(url, r, timeout=4.0)
+                                          for r in range(P) if r != absent),
+                                        return_exceptions=True)
+    finally:
+        await server.aclose()
+    assert len(outcomes) == P - 1
+    for err in outcomes:
+        assert isinstance(err, p2pcoll.RendezvousError), err
+        assert f"{P - 1} of {P} peers arrived" in str(err), err
+        assert f"missing ranks [{absent}]" in str(err), err
+
+
+@pytest.mark.parametrize("missing", [1, 40])
+async def test_many_missing_ranks_are_counted_and_the_first_named(missing: int) -> None:
+    """With many absent, the error lists the first ones and counts the rest (a status
+    costs O(shown log p), whatever is missing)."""
+    server = RendezvousServer("tcp://127.0.0.1:0")
+    url = server.bind()
+    absent = set(range(0, missing * 5, 5))
+    try:
+        outcomes = await asyncio.gather(*(client(url, r, timeout=4.0)
+                                          for r in range(P) if r not in absent),
+                                        return_exceptions=True)
+    finally:
+        await server.aclose()
+    shown = sorted(absent)[:16]
+    for err in outcomes:
+        assert isinstance(err, p2pcoll.RendezvousError), err
+        assert f"{P - missing} of {P} peers arrived" in str(err), err
+        assert f"missing ranks {shown}" in str(err), err
+        if missing > 16:
+            assert f"and {missing - 16} more" in str(err), err
