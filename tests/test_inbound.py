@@ -170,3 +170,9 @@ def test_the_hooks_are_read_at_each_message(host: Host, inbound: Inbound) -> Non
     host.on_message = lambda header, pieces: later.append(header.seq)
     inbound.accept(PEER, *data(seq=2))
     assert [h.seq for h, _ in host.received] == [1] and later == [2]
+
+
+@pytest.mark.parametrize("table", ["keep", "watch"])
+def test_data_cannot_be_kept_or_watched(host: Host, table: str) -> None:
+    with pytest.raises(ValueError, match="data messages always go through"):
+        Inbound(host, **{table: {"data": lambda header: None}})  # type: ignore[arg-type]

@@ -43,10 +43,6 @@ class Host(Protocol):
     drops: Drops
 
 
-def _frames(header: Header, frames: Sequence[Piece]) -> list[Piece]:
-    return list(frames)
-
-
 class Inbound:
     """A transport's inbound path (see the module docstring).
 
@@ -57,7 +53,8 @@ class Inbound:
         keep: handlers of the kinds the transport consumes itself; what one returns is
             returned by :meth:`accept`.
         watch: handlers of the kinds the transport looks at before they are handed on.
-        resolve: the payload pieces of a valid message (by default its frames).
+            Neither may name ``data``.
+        resolve: the payload pieces of a valid message (None: its frames).
     """
 
     def __init__(
@@ -67,12 +64,14 @@ class Inbound:
         *,
         keep: Mapping[str, Callable[[Header], object]] | None = None,
         watch: Mapping[str, Callable[[Header], None]] | None = None,
-        resolve: Resolve = _frames,
+        resolve: Resolve | None = None,
     ) -> None:
         self.host = host
         self.limits = limits
         self.keep = dict(keep or {})
         self.watch = dict(watch or {})
+        if "data" in self.keep or "data" in self.watch:
+            raise ValueError("data messages always go through: keep and watch other kinds")
         self.resolve = resolve
 
     def accept(self, source: int, head: bytes | memoryview | None,
@@ -96,14 +95,17 @@ class Inbound:
                 raise ProtocolError("message before this peer joined a group",
                                     reason="stranger")
             header = validate(source, head, [len(f) for f in frames], self.limits)
-            kept = self.keep.get(header.kind)
-            if kept is not None:
-                return kept(header)
-            watched = self.watch.get(header.kind)
-            if watched is not None:
-                watched(header)
-            payload = self.resolve(header, frames)
-            if header.kind == "data":
+            kind = header.kind
+            if kind != "data":  # (data is never kept or watched: one compare on the hot path)
+                kept = self.keep.get(kind)
+                if kept is not None:
+                    return kept(header)
+                watched = self.watch.get(kind)
+                if watched is not None:
+                    watched(header)
+            resolve = self.resolve
+            payload = list(frames) if resolve is None else resolve(header, frames)
+            if kind == "data":
                 nbytes = sum(header.nbytes)
                 counters = host.counters
                 counters.messages_received += 1
