@@ -1,7 +1,7 @@
 """One peer process of tests/test_lazy_link_failures.py.
 
     P2PCOLL_RENDEZVOUS=... WORLD_SIZE=N RANK=r P2PCOLL_HOST_ID=host-r \
-        python tests/lazy_failure_worker.py DIR VICTIM OPENER
+        python tests/lazy_failure_worker.py DIR VICTIM OPENER [--early]
 
 Every peer is on a host of its own (so no shared-memory board links everyone), joins and
 runs a ring allreduce, then prints ``{"ready": {"rank", "linked"}}``: the ranks it has
@@ -31,9 +31,30 @@ def say(**event: object) -> None:
     print(json.dumps(event), flush=True)
 
 
+async def early_death(g: p2pcoll.Group, where: str, victim: int) -> None:
+    """With ``--early``: VICTIM is killed (by the test) right after the group forms, before
+    any data went to it; the others then run a ring allreduce, which needs it."""
+    mesh: Any = g.session.transport
+    say(ready={"rank": g.rank, "linked": sorted(mesh._links), "right": True})
+    while not os.path.exists(os.path.join(where, "go")):
+        await asyncio.sleep(0.02)
+    error = ""
+    try:
+        await g.allreduce(np.ones(8), strategy="ring", timeout=60)
+    except p2pcoll.P2PCollError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    say(after={"rank": g.rank, "error": error})
+    while not os.path.exists(os.path.join(where, "done")):
+        await asyncio.sleep(0.02)
+
+
 async def main() -> None:
     where, victim, opener = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    early = "--early" in sys.argv
     async with p2pcoll.join(timeout=300, collective_timeout=120) as g:
+        if early:
+            await early_death(g, where, victim)
+            return
         got = await g.allreduce(np.full(16, float(g.rank)), strategy="ring")
         right = bool(np.all(got == g.world_size * (g.world_size - 1) / 2))
         mesh: Any = g.session.transport  # a ZmqMesh: its links are what this test is about

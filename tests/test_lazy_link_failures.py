@@ -11,6 +11,10 @@ to it and waits for its answer: the new link's handshake cannot complete. Rank 4
 
 Either way rank 0's receive raises a PeerLost naming rank 4, and every other survivor
 holds one too, long before any deadline (60 s).
+
+And a peer that dies as soon as the group has formed, before any data went to it (only
+its hello links and its watchers' probes touched it): the survivors' first ring allreduce
+raises a PeerLost naming it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
 class Job:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *flags: str) -> None:
         self.tmp = tmp
         port = free_port()
         base = {k: v for k, v in os.environ.items()
@@ -43,7 +47,7 @@ class Job:
         self.lines: list[list[dict[str, Any]]] = [[] for _ in range(N)]
         self.errors = ["" for _ in range(N)]
         self.procs = [subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp), str(VICTIM), str(OPENER)],
+            [sys.executable, str(WORKER), str(tmp), str(VICTIM), str(OPENER), *flags],
             env=dict(base, P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", WORLD_SIZE=str(N),
                      RANK=str(r), P2PCOLL_HOST_ID=f"host-{r}", P2PCOLL_HEARTBEAT_TIMEOUT="2"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(N)]
@@ -114,5 +118,20 @@ def test_a_peer_lost_while_a_link_to_it_is_opening_is_named(tmp_path: Path, then
             assert report["error"].startswith("PeerLost"), report
             assert f"rank {VICTIM}" in report["error"], report
         print(*(f"rank {r['rank']}: {r['error']}" for r in after), sep="\n")
+    finally:
+        job.close()
+
+
+def test_a_peer_that_dies_before_any_data_went_to_it_is_named(tmp_path: Path) -> None:
+    job = Job(tmp_path, "--early")
+    try:
+        job.wait_for("ready", list(range(N)), timeout=240)
+        job.procs[VICTIM].send_signal(signal.SIGKILL)
+        job.procs[VICTIM].wait(timeout=30)
+        (tmp_path / "go").touch()
+        after = job.wait_for("after", [r for r in range(N) if r != VICTIM], timeout=90)
+        for report in after:
+            assert report["error"].startswith("PeerLost"), report
+            assert f"rank {VICTIM}" in report["error"], report
     finally:
         job.close()
