@@ -423,7 +423,7 @@ async def _flood(tmp_path: Path, transport: str, *, key_file: Path | None = None
         if key_file is not None:
             attack_args.append("--nonblock")
         if curve:
-            attack_args += ["--curve", curve]
+            attack_args += [f"--curve={curve}"]
         attacker = await ScriptChild.start(__file__, tmp_path, "attacker", *attack_args)
         while True:
             event = await attacker.read_any(("wave", "attacked"))

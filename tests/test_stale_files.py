@@ -23,7 +23,7 @@ import pytest
 
 import p2pcoll
 from p2pcoll.testing import free_port, run_ranks
-from p2pcoll.transport import shm
+from p2pcoll.transport import shm, shmfile
 from p2pcoll.transport.endpoints import IPC_NAME, owner_gone, remove_orphans, sweep_ipc
 
 NO_PID = 1 << 22  # pids stay below pid_max, which is at most 2**22: no process has this one
@@ -180,8 +180,8 @@ def test_sweep_leaves_files_of_other_users(
 # directories it is given (so no other group on the host sweeps them before the test looks).
 CHILD = """
 import asyncio, sys, numpy as np, p2pcoll
-from p2pcoll.transport import shm
-shm.SHM_DIR = sys.argv[2]
+from p2pcoll.transport import shmfile
+shmfile.SHM_DIR = sys.argv[2]
 async def main():
     g = await p2pcoll.join(sys.argv[1], world_size=2, rank=1, timeout=20, transport="ipc")
     await g.allreduce(np.ones(1 << 18, np.float32), timeout=20)
@@ -212,7 +212,7 @@ async def test_files_of_a_killed_peer_go_with_the_next_group(
     (shared memory off there), not if it did. The next group on the host removes what is
     left while it forms; files named after a live process stay."""
     monkeypatch.setattr(tempfile, "tempdir", sock_dir)  # as $TMPDIR would
-    monkeypatch.setattr(shm, "SHM_DIR", ring_dir)
+    monkeypatch.setattr(shmfile, "SHM_DIR", ring_dir)
     url = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "P2PCOLL_SHM": "1", "TMPDIR": sock_dir}
     monkeypatch.setenv("P2PCOLL_SHM", "1" if ring_mapped else "0")  # for this process
@@ -226,7 +226,9 @@ async def test_files_of_a_killed_peer_go_with_the_next_group(
                 assert await asyncio.to_thread(child.stdout.readline) == "joined\n"
                 left = _files_of(child.pid, sock_dir, ring_dir)
                 socks = [p for p in left if p.endswith(".sock")]
-                assert len(socks) == 1 and len(left) == (1 if ring_mapped else 2), left
+                # Unmapped, its ring and its lane to rank 0 stay (both in ring_dir, which
+                # is shmfile.SHM_DIR in the child); mapped, rank 0 unlinked them.
+                assert len(socks) == 1 and len(left) == (1 if ring_mapped else 3), left
                 os.kill(child.pid, signal.SIGKILL)  # in its second allreduce
                 assert await asyncio.to_thread(child.wait) == -signal.SIGKILL
         finally:

@@ -55,7 +55,7 @@ from ..transport.board import (
     WORDS,
     Board,
 )
-from ..transport.shm import _barrier as fence
+from ..transport.shmfile import barrier as fence
 from ..wire import Signature
 from ..wire.header import SIGNATURE_FIELDS
 from .matching import Matcher

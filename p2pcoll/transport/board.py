@@ -40,16 +40,15 @@ as a lane's records are: a board whose contents do not add up is a
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import platform
-import uuid
 from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import ProtocolError
-from .shm import PAGE, SHM_DIR, _barrier, _unlink, map_named
+from .shmfile import PAGE, ShmFile
+from .shmfile import barrier as _barrier
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -62,6 +61,7 @@ SEQ, DIGEST, NBYTES, CODES, META, FLAGS = range(6)
 FIELDS = 6
 VIA_MESSAGES = 1
 WORDS = LINE // 8
+MAX_SLOT_BYTES, MAX_META_BYTES = 1 << 24, 1 << 20  # a board announced as larger is refused
 # A board group greets every peer (each must be able to wake each other: a wake-up pipe
 # per peer), so it stays small; beyond, small collectives go as messages over lanes.
 MAX_BOARD_RANKS = 16
@@ -85,15 +85,16 @@ def _size(world_size: int, slot_bytes: int, meta_bytes: int) -> int:
 class Board:
     """One peer's mapping of its group's board (see the module docstring)."""
 
-    def __init__(self, buf: mmap.mmap, name: str, rank: int, world_size: int,
-                 slot_bytes: int, meta_bytes: int, *, owner: bool) -> None:
-        self.name = name
+    def __init__(self, file: ShmFile, rank: int, world_size: int,
+                 slot_bytes: int, meta_bytes: int) -> None:
+        self.name = file.name
         self.rank = rank
         self.world_size = world_size
         self.slot_bytes = slot_bytes
         self.meta_bytes = meta_bytes
-        self.owner = owner
-        self._map = buf
+        self.owner = file.owner
+        self._file = file
+        self._map = buf = file.map
         lines = (world_size * LINE + PAGE - 1) // PAGE * PAGE
         # Every rank's control words as one int64 array, row r = rank r's line.
         self.words = np.frombuffer(buf, np.int64, count=world_size * WORDS,
@@ -107,7 +108,6 @@ class Board:
         self.meta = [[whole[(2 * r + b) * area + slot_bytes:(2 * r + b) * area + slot_bytes
                             + meta_bytes] for b in (0, 1)] for r in range(world_size)]
         self.count = 0  # board collectives this rank has started
-        self.unlinked = not owner
         # Set by the mesh: wake(rank) writes into that peer's wake-up pipe; on_wake is
         # called when this peer's pipe is written (set by the engine's board path).
         self.wake: Callable[[int], None] = lambda rank: None
@@ -128,22 +128,11 @@ class Board:
         Raises:
             OSError: ``/dev/shm`` is full or unusable (nothing is left behind).
         """
-        name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}"
-        path = os.path.join(SHM_DIR, name)
-        size = _size(world_size, slot_bytes, meta_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            buf = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            _unlink(path)
-            raise
-        os.close(fd)
-        head = np.frombuffer(buf, np.int64, count=6)
+        file = ShmFile.create(_size(world_size, slot_bytes, meta_bytes))
+        head = np.frombuffer(file.map, np.int64, count=6)
         head[:] = (PAGE, world_size, slot_bytes, meta_bytes, tag, VERSION)
         del head
-        board = cls(buf, name, rank, world_size, slot_bytes, meta_bytes, owner=True)
+        board = cls(file, rank, world_size, slot_bytes, meta_bytes)
         board.words[rank, ATTACHED] = os.getpid()
         return board
 
@@ -155,21 +144,26 @@ class Board:
             ProtocolError: not a p2pcoll name, not a board of this user, or its header is
                 not that of this group's board for ``world_size`` ranks.
         """
-        buf, file_size = map_named(name, "board")
-        assert isinstance(name, str)  # map_named refused anything else
-        head = [int(v) for v in np.frombuffer(buf, np.int64, count=6)]
+        file = ShmFile.open(name, "board", min_size=_size(world_size, 1, 1),
+                            max_size=_size(world_size, MAX_SLOT_BYTES, MAX_META_BYTES))
+        head = [int(v) for v in np.frombuffer(file.map, np.int64, count=6)]
         page, size, slot, meta, owner_tag, version = head
         ok = (page == PAGE and size == world_size and owner_tag == tag and version == VERSION
-              and 0 < slot <= 1 << 24 and 0 < meta <= 1 << 20
-              and _size(size, slot, meta) == file_size)
+              and 0 < slot <= MAX_SLOT_BYTES and 0 < meta <= MAX_META_BYTES
+              and _size(size, slot, meta) == file.size)
         if not ok:
-            buf.close()
-            raise ProtocolError(f"board {name!r} is not this group's board for {world_size} "
-                                f"ranks")
-        board = cls(buf, name, rank, world_size, slot, meta, owner=False)
+            file.close()
+            raise ProtocolError(f"board {file.name!r} is not this group's board for "
+                                f"{world_size} ranks")
+        board = cls(file, rank, world_size, slot, meta)
         _barrier()
         board.words[rank, ATTACHED] = os.getpid()
         return board
+
+    @property
+    def unlinked(self) -> bool:
+        """Nothing is left for this peer to unlink (it is no owner, or it has unlinked)."""
+        return not (self.owner and self._file.linked)
 
     def all_attached(self) -> bool:
         return bool(self.words[:, ATTACHED].all())
@@ -177,20 +171,13 @@ class Board:
     def unlink_when_all_attached(self) -> None:
         """The creator removes the name once every rank has mapped the board."""
         if not self.unlinked and self.all_attached():
-            _unlink(os.path.join(SHM_DIR, self.name))
-            self.unlinked = True
+            self._file.unlink()
 
     def close(self) -> None:
-        if self.owner and not self.unlinked:
-            _unlink(os.path.join(SHM_DIR, self.name))
-            self.unlinked = True
         # Views of the map may outlive this (a result a caller still holds is a copy, but
         # a numpy view in flight is not): the GC unmaps it then.
-        del self.words, self.data, self.meta
-        try:
-            self._map.close()
-        except BufferError:
-            pass
+        del self.words, self.data, self.meta, self._map
+        self._file.close()  # the owner unlinks the name if it is still there
 
 
 __all__ = ["SLOT_BYTES", "Board", "supported"]

@@ -34,19 +34,18 @@ the receiver follows the markers.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import re
 import stat
 import struct
-import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
 from ..errors import ProtocolError
-from .shm import PAGE, SHM_DIR, _barrier, _unlink, map_named
+from .shmfile import PAGE, ShmFile
+from .shmfile import barrier as _barrier
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -66,10 +65,16 @@ LANE_BUDGET = 4 << 20
 MAX_LANES = 8
 WRAP = 0xFFFFFFFF  # a record size that means: the next record is at the ring's start
 MAX_FRAMES = 1024  # frames of one record (a header and its payload pieces)
+MAX_LANE_BYTES = 1 << 30  # a lane file announced as larger is refused before it is mapped
 # The header page, int64 words: the sizes and owners, then the two running counts.
 HEAD_BYTES, SIZE, CREATOR, READER, TAG, HEAD, TAIL, MAPPED = range(8)
 _U32 = struct.Struct("<I")
 _TWO = struct.Struct("<II")
+
+
+# A record as read: its first frame (a view into the lane, valid until the next read) and
+# copies of the others.
+Record = tuple[memoryview, list[bytes]]
 
 
 def _record_size(lengths: Sequence[int]) -> int:
@@ -80,22 +85,18 @@ class LaneOut:
     """The sending end of a lane: records into a ring only this peer writes."""
 
     def __init__(self, creator: int, reader: int, tag: int, size: int = LANE_BYTES) -> None:
-        self.name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}"
-        self.path = os.path.join(SHM_DIR, self.name)
+        """Create the lane file (see :meth:`.shmfile.ShmFile.create`).
+
+        Raises:
+            OSError: ``/dev/shm`` is full or unusable (nothing is left behind).
+        """
+        self._file = ShmFile.create(PAGE + size)
+        self.name, self.path = self._file.name, self._file.path
         self.size = size
         self.largest = size // 2  # records above this go over the socket
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, PAGE + size)
-            self._map = mmap.mmap(fd, PAGE + size)
-        except BaseException:
-            _unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
-        self._words = np.frombuffer(self._map, np.int64, count=8)
+        self._words = np.frombuffer(self._file.map, np.int64, count=8)
         self._words[:5] = (PAGE, size, creator, reader, tag)
-        self._data = memoryview(self._map)[PAGE:]
+        self._data = memoryview(self._file.map)[PAGE:]
         self.head = 0
         self.closed = False
 
@@ -161,13 +162,9 @@ class LaneOut:
         if self.closed:
             return
         self.closed = True
-        _unlink(self.path)  # gone already if the receiver mapped it
         del self._words
         self._data.release()
-        try:
-            self._map.close()
-        except BufferError:  # pragma: no cover - no view outlives write()
-            pass
+        self._file.close()  # and the name, unless the receiver unlinked it already
 
 
 class LaneIn:
@@ -181,29 +178,29 @@ class LaneIn:
             ProtocolError: not a p2pcoll name, cannot be opened or mapped, or its header
                 is not that of ``creator``'s lane to ``me`` in this group.
         """
-        self._map, file_size = map_named(name, "lane")
-        path = os.path.join(SHM_DIR, name)
-        words = np.frombuffer(self._map, np.int64, count=8)
+        self._file = lane = ShmFile.open(name, "lane", min_size=PAGE + 8,
+                                         max_size=PAGE + MAX_LANE_BYTES)
+        words = np.frombuffer(lane.map, np.int64, count=8)
         page, size, owner, reader, owner_tag = (int(v) for v in words[:5])
-        if (page != PAGE or size <= 0 or size % 8 or page + size != file_size
+        if (page != PAGE or size <= 0 or size % 8 or page + size != lane.size
                 or owner != creator or reader != me or owner_tag != tag
                 or words[HEAD] != 0 or words[TAIL] != 0):
             del words
-            self._map.close()
-            raise ProtocolError(f"lane {name!r} is not rank {creator}'s lane to rank {me} of "
-                                f"this group")
-        self.name = name
+            lane.close()
+            raise ProtocolError(f"lane {lane.name!r} is not rank {creator}'s lane to rank {me} "
+                                f"of this group")
+        self.name = lane.name
         self.creator = creator
         self.size = size
         self._words = words
-        self._data = memoryview(self._map)[PAGE:]
+        self._data = memoryview(lane.map)[PAGE:]
         self.tail = 0
         self.broken = False
-        _unlink(path)
+        lane.unlink()  # nobody else may map it
         _barrier()
         words[MAPPED] = 1
 
-    def read(self) -> tuple[memoryview, list[bytes]] | None:
+    def read(self) -> Record | None:
         """The next record's first frame (a view, valid until the next call) and copies of
         the others, or None when the lane is empty.
 
@@ -253,11 +250,11 @@ class LaneIn:
     def close(self) -> None:
         self.broken = True
         del self._words
-        self._data.release()
         try:
-            self._map.close()
+            self._data.release()
         except BufferError:  # a first frame's view is still alive; the GC unmaps it
             pass
+        self._file.close()
 
 
 class Wakeup:
@@ -421,4 +418,5 @@ class Lanes:
         self.wakeup.close()
 
 
-__all__ = ["LANE_BYTES", "LaneIn", "LaneOut", "Lanes", "Waker", "Wakeup", "record_size"]
+__all__ = ["LANE_BYTES", "LaneIn", "LaneOut", "Lanes", "Record", "Waker", "Wakeup",
+           "record_size"]

@@ -46,49 +46,28 @@ from __future__ import annotations
 import hashlib
 import logging
 import mmap
-import os
-import re
-import stat
 import threading
-import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from ..errors import ProtocolError
-from .endpoints import remove_orphans
+from .shmfile import NAME, PAGE, SHM_DIR, ShmFile, available, sweep
+from .shmfile import barrier as _barrier
 
 log = logging.getLogger("p2pcoll.transport")
 
-SHM_DIR = "/dev/shm"
-PAGE = 4096
 # The header: six int64 (header bytes, ring bytes, readers, creator rank, group tag, unused),
 # then per reader rank its released count, its mapped flag and whether the creator announced
 # the ring to it (int64 each).
 PREAMBLE = 6
 ALIGN = 64  # pieces start on cache lines
-# A ring file's name; group 1 is the pid of the creator.
-NAME = re.compile(r"p2pcoll-([1-9][0-9]{0,9})-[0-9a-f]{16}")
-
-_barrier_lock = threading.Lock()
-
-
-def _barrier() -> None:
-    """A full memory barrier: a lock's acquire and release both fence."""
-    with _barrier_lock:
-        pass
-
 
 # Each mapped ring holds a descriptor (Python's mmap keeps one), so a peer maps the rings of
 # at most this many peers (those that greeted it first: the peers that talk to it); the
 # others send it their large pieces over the socket.
 MAX_INBOXES = 8
-
-
-def available() -> bool:
-    """Whether this host has a shared-memory filesystem to put rings in."""
-    return os.path.isdir(SHM_DIR)
 
 
 def _aligned(n: int) -> int:
@@ -135,54 +114,20 @@ class _Header:
         return bool(np.all(self.mapped[self.announced != 0]))
 
 
-def map_named(name: object, what: str) -> tuple[mmap.mmap, int]:
-    """Map the file of ``/dev/shm`` a peer named (a lane, the board): the name must be one of
-    ours, the file a regular one of this user larger than a page. Returns the map and its
-    size; the caller checks the header.
-
-    Raises:
-        ProtocolError: naming ``what`` the file is said to be.
-    """
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ProtocolError(f"{what} name {name!r} is not one of ours")
-    try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() \
-                    or info.st_size <= PAGE:
-                raise ProtocolError(f"{what} {name!r} is not a {what} file of this user")
-            return mmap.mmap(fd, info.st_size), info.st_size
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise ProtocolError(f"cannot map {what} {name!r}: {exc}") from None
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 class Outbox:
     """A peer's sending ring: copies pieces in once, for one or several readers."""
 
     def __init__(self, ring: int, readers: int, creator: int, tag: int) -> None:
-        self.name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}"
-        self.path = os.path.join(SHM_DIR, self.name)
-        self.ring = ring
+        """Create the ring file (see :meth:`.shmfile.ShmFile.create`).
+
+        Raises:
+            OSError: ``/dev/shm`` is full or unusable (nothing is left behind).
+        """
         head = header_bytes(readers)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, head + ring)
-            self._map = mmap.mmap(fd, head + ring)
-        except BaseException:
-            os.unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
+        self._file = ShmFile.create(head + ring)
+        self.name, self.path = self._file.name, self._file.path
+        self.ring = ring
+        self._map = self._file.map
         self._header = _Header(self._map, readers)
         self._header.preamble[:5] = (head, ring, readers, creator, tag)
         self._data = np.frombuffer(self._map, np.uint8, offset=head)
@@ -192,7 +137,11 @@ class Outbox:
         self._next: dict[int, int] = {}  # per reader: the index of its next piece
         self.stalled = False  # the last wait for room ran out (see mesh._put)
         self.closed = False
-        self.linked = True
+
+    @property
+    def linked(self) -> bool:
+        """The file's name is still there (not every peer has mapped it yet)."""
+        return self._file.linked
 
     def ready(self, reader: int) -> bool:
         """Whether ``reader`` has mapped this ring (only then may it be sent pieces)."""
@@ -205,9 +154,8 @@ class Outbox:
 
     def unlink_when_all_mapped(self) -> None:
         """Unlink the file once every announced peer has mapped it: nothing left on a crash."""
-        if self.linked and self._header.all_mapped():
-            _unlink(self.path)
-            self.linked = False
+        if self._file.linked and self._header.all_mapped():
+            self._file.unlink()
 
     def _tail(self) -> int:
         """Free the oldest reservations every reader has released; where the used part starts."""
@@ -252,13 +200,8 @@ class Outbox:
         if self.closed:
             return
         self.closed = True
-        if self.linked:
-            _unlink(self.path)
-        del self._header, self._data
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive somewhere; the GC unmaps it later
-            pass
+        del self._header, self._data, self._map
+        self._file.close()  # unlinks the name if it is still there
 
 
 class ShmFrame:
@@ -295,26 +238,14 @@ class Inbox:
             ProtocolError: the name is not a p2pcoll ring, it cannot be opened or mapped, or
                 its header does not match (another rank's or group's ring, no slot for ``me``).
         """
-        if not NAME.fullmatch(name):
-            raise ProtocolError(f"shared-memory ring name {name!r} is not one of ours")
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                size = os.fstat(fd).st_size
-                if size < PAGE:
-                    raise ProtocolError(f"shared-memory ring {name!r} has a bad size {size}")
-                self._map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise ProtocolError(f"cannot map shared-memory ring {name!r}: {exc}") from None
+        self._file = ShmFile.open(name, "shared-memory ring", min_size=PAGE + ALIGN)
+        self._map, size = self._file.map, self._file.size
         head, ring, readers, owner, owner_tag = (
             int(v) for v in np.frombuffer(self._map, np.int64, count=5)
         )
         if (readers <= me or head != header_bytes(readers) or head + ring != size
                 or ring <= 0 or ring % ALIGN or owner != creator or owner_tag != tag):
-            self._map.close()
+            self._file.close()
             raise ProtocolError(
                 f"shared-memory ring {name!r} is not rank {creator}'s ring of this group with a "
                 f"slot for rank {me} (header {head}, {ring}, {readers}, {owner}; {size} bytes)"
@@ -333,7 +264,7 @@ class Inbox:
         _barrier()
         self._header.mapped[me] = 1
         if self._header.all_mapped():  # the last to map it: nobody needs the name any more
-            _unlink(path)
+            self._file.unlink()
 
     def take(self, start: int, n: int, index: int) -> ShmFrame:
         """The frame for a piece of ``n`` bytes reserved at running offset ``start``,
@@ -372,24 +303,12 @@ class Inbox:
     def close(self) -> None:
         with self._lock:
             self.closed = True
-        del self._header
+        del self._header, self._map
         try:
             self._data.release()
-            self._map.close()
         except BufferError:  # frames still alive; the GC unmaps it later
             pass
-
-
-def sweep(directory: str | None = None) -> int:
-    """Remove the ring files of ``directory`` (by default :data:`SHM_DIR`) whose creator
-    has exited; how many went.
-
-    Only files named like ours, of this user, whose creator is gone (see
-    :func:`~.endpoints.remove_orphans`). A creator that only seems gone (it runs in another
-    pid namespace that shares ``/dev/shm``) loses no more than the readers that had not
-    mapped its ring yet: they cannot, and it sends to them over the socket instead.
-    """
-    return len(remove_orphans(directory or SHM_DIR, NAME, stat.S_ISREG))
+        self._file.close()
 
 
 class SharedRings:
@@ -443,4 +362,6 @@ class SharedRings:
         self._in.clear()
 
 
-__all__ = ["Inbox", "Outbox", "SharedRings", "ShmFrame", "available", "sweep"]
+# NAME, PAGE, SHM_DIR, available and sweep are shmfile's, named here as they were before.
+__all__ = ["NAME", "PAGE", "SHM_DIR", "Inbox", "Outbox", "SharedRings", "ShmFrame", "available",
+           "sweep"]

@@ -141,8 +141,12 @@ class SocketFactory:
         sock.setsockopt(zmq.RCVHWM, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, LINK_RECEIVE_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self.heartbeat_ms // 5))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
+        # libzmq starts a PING's timeout when it sends the PING, up to one interval after
+        # the last traffic: interval + timeout = the heartbeat, so a frozen peer is lost
+        # within it, not an interval later.
+        interval = max(50, self.heartbeat_ms // 5)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(50, self.heartbeat_ms - interval))
         sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_ms)
         return sock
 

@@ -29,8 +29,10 @@ per source every few seconds), and the reader goes on. Sockets come from the
 
 Between peers of one host, large pieces go through the sender's shared-memory ring
 (:mod:`.shm`) and whole messages through lanes (:mod:`.lane`), read in a callback on this
-peer's wake-up pipe; :meth:`ZmqMesh._lane_put` and :meth:`ZmqMesh._pump` keep each sender's
-messages in the order sent across its socket and its lane.
+peer's wake-up pipe; the order of each sender's messages across its socket and its lane is
+kept by :mod:`.ordering` (a :class:`~.ordering.LaneSender` per peer sent to, a
+:class:`~.ordering.LaneReceiver` per peer of this host), which the mesh hands its sockets
+and lanes as small adapters.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-from collections import deque
 from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import zmq
@@ -56,7 +59,11 @@ from . import lane, overlay, shm
 from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .malloc import tune_malloc
+from .ordering import LaneReceiver, LaneSender
 from .sockets import LinkCensus, SocketFactory
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -163,13 +170,11 @@ class ZmqMesh:
         self._plain: dict[int, zmq.Socket] = {}
         self._waiting: dict[int, int] = {}
         # Lanes to and from the peers of this host (see .lane), and the order of each
-        # peer's messages across socket and lane: whether my messages to a peer go on the
-        # lane now, whether a peer's come on its lane now, and the socket messages of a
-        # peer held until its lane says "back to the socket".
+        # peer's messages across socket and lane (see .ordering): a sender per peer whose
+        # lane is ready, a receiver per peer of this host.
         self._lanes: lane.Lanes | None = None
-        self._on_lane: dict[int, bool] = {}
-        self._lane_from: dict[int, bool] = {}
-        self._held: dict[int, deque[list[zmq.Frame]]] = {}
+        self._senders: dict[int, LaneSender[Sequence[Buffer]]] = {}
+        self._receivers: dict[int, LaneReceiver[list[zmq.Frame], lane.Record]] = {}
         self._marker_on = self._marker_off = b""
         # The group's board (see .board), when every peer shares this host: rank 0's, or
         # mapped from rank 0's hello (then _board_from_hello until it comes).
@@ -226,8 +231,10 @@ class ZmqMesh:
                 log.warning("rank %d: no shared-memory lanes (%s); messages go over the "
                             "sockets", rank, exc)
             else:
-                self._held = {peer: deque() for peer in near}
-                self._lane_from = dict.fromkeys(near, False)
+                self._receivers = {
+                    peer: LaneReceiver(partial(self._take, peer),
+                                       partial(self.drops.drop, peer))
+                    for peer in near}
                 self._marker_on, self._marker_off = (
                     encode_header(Header("lane", group_id, rank, meta={"on": on}))
                     for on in (True, False))
@@ -426,38 +433,33 @@ class ZmqMesh:
             self._waiting[dst] -= 1
 
     def _lane_put(self, dst: int, frames: Sequence[object]) -> bool:
-        """Put one message on the lane to ``dst`` if it may go there; False: the socket.
+        """Put one message (bytes-like frames) on the lane to ``dst`` if it may go there;
+        False: the socket. Never waits. Which, and the markers that keep the order, is the
+        :class:`~.ordering.LaneSender`'s to say; it is made when the lane is ready."""
+        sender = self._senders.get(dst)
+        if sender is None:
+            lanes = self._lanes
+            out = lanes.ready(dst) if lanes is not None else None
+            if out is None:
+                return False
+            assert lanes is not None
+            sender = self._senders[dst] = LaneSender(
+                out, marker_on=self._marker_on, marker_off=[self._marker_off],
+                marker_room=lanes.marker_room, send_marker=partial(self._send_marker, dst),
+                socket_waiting=lambda: bool(self._waiting.get(dst)),
+                wake=partial(lanes.wake, dst))
+        return sender.put(cast("Sequence[Buffer]", frames))  # arrays are, to Python 3.12
 
-        A peer's messages move between socket and lane only with a marker on the channel
-        they leave, so that the receiver, which follows the markers, reads them in the
-        order they were sent: to the lane with a ``lane on`` message on the socket (sent
-        only when no earlier send to ``dst`` still waits for room in its queue, so nothing
-        sent before can come after it), back with ``lane off`` on the lane (room for it is
-        kept free) when a message does not fit. Never waits.
-        """
-        lanes = self._lanes
-        out = lanes.ready(dst) if lanes is not None else None
-        if out is None:
+    def _send_marker(self, dst: int, marker: object) -> bool:
+        """Send "lane on" to ``dst`` now if its link's queue has room."""
+        plain = self._plain.get(dst)
+        if plain is None:
             return False
-        assert lanes is not None
-        spare = lanes.marker_room  # every write leaves room for "lane off"
-        if not self._on_lane.get(dst):
-            plain = self._plain.get(dst)
-            if plain is None or self._waiting.get(dst) or not out.fits_now(frames, spare):
-                return False
-            try:
-                plain.send(self._marker_on, _NOBLOCK)
-            except zmq.Again:
-                return False
-            self._on_lane[dst] = True
-        if out.write(frames, spare):
-            lanes.wake(dst)
-            return True
-        written = out.write([self._marker_off])
-        assert written, "the room kept for the marker was taken"
-        lanes.wake(dst)
-        self._on_lane[dst] = False
-        return False
+        try:
+            plain.send(marker, _NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def _link(self, dst: int) -> zmq.asyncio.Socket:
         link = self._links.get(dst)
@@ -596,15 +598,13 @@ class ZmqMesh:
             source = self._admit(identity)
             if source is None:
                 return
-        held = self._held.get(source)
-        if held is not None and (held or self._lane_from[source]):
-            # Its lane is current (this waits for "lane off"), or earlier messages of its
-            # socket still wait for their turn (a pump is scheduled): after them.
-            held.append(frames)
-            return
-        self._accept(source, frames[1].buffer, frames[2:], on_lane=False)
-        if self._lane_from.get(source):  # that was "lane on"
-            self._pump(source)
+        if source in self._receivers:  # a peer of this host: in its order (see .ordering)
+            self._pump(source, frames)
+        else:
+            marker = self._accept(source, frames[1].buffer, frames[2:])
+            if marker is not None:  # it has no lane to this peer
+                self.drops.drop(source, ProtocolError(
+                    f"rank {source} moved {'to' if marker else 'off'} a lane out of turn"))
 
     def _admit(self, identity: bytes) -> int | None:
         """The rank of a link heard for the first time, whose link it now is; or None, and
@@ -637,37 +637,41 @@ class ZmqMesh:
         rank = self._claimed(identity)
         return identity[:8] if rank is None else f"a link claiming rank {rank}"
 
-    def _pump(self, src: int) -> None:
-        """Hand on ``src``'s waiting messages in the order it sent them: from its lane
-        while that is current, else those of its socket held meanwhile (see _lane_put)."""
-        if self._lanes is None:  # closed meanwhile
+    def _pump(self, src: int, frames: list[zmq.Frame] | None = None) -> None:
+        """Hand on ``src``'s messages in the order it sent them: ``frames`` from its socket
+        (now, or held until its turn), then whatever waits on its lane or was held; at most
+        YIELD_EVERY of them, the rest after the other callbacks (a flood must not hold the
+        loop)."""
+        receiver = self._receivers.get(src)
+        if receiver is None or self._lanes is None:  # closed meanwhile
             return
-        inbound = self._lanes.into.get(src)
-        held = self._held[src]
-        for _ in range(YIELD_EVERY):
-            if not self._lane_from.get(src):
-                if not held:
-                    return
-                frames = held.popleft()
-                self._accept(src, frames[1].buffer, frames[2:], on_lane=False)
-                continue
-            if inbound is None:
-                return
-            try:
-                record = inbound.read()
-            except ProtocolError as exc:  # what it sent is lost: the peer is as good as gone
-                self.drops.drop(src, exc)
-                log.error("rank %d: %s", self.rank, exc)
-                self.on_link_down(src)
-                return
-            if record is None:
-                return
-            first, rest = record
-            self._accept(src, first, [BytesPiece(b) for b in rest], on_lane=True)
+        try:
+            if frames is None:
+                more = receiver.pump(YIELD_EVERY)
+            else:
+                more = receiver.from_socket(frames, YIELD_EVERY)
+        except ProtocolError as exc:  # its lane is corrupt: what it sent is lost
+            self.drops.drop(src, exc)
+            log.error("rank %d: %s", self.rank, exc)
+            self.on_link_down(src)
+            return
+        if more:
+            asyncio.get_running_loop().call_soon(self._pump, src)
+
+    def _take(self, src: int, message: list[zmq.Frame] | lane.Record, on_lane: bool
+              ) -> bool | None:
+        """One message of ``src`` whose turn it is (see :class:`~.ordering.LaneReceiver`):
+        validated and handed on, or dropped; a marker's value if it was one."""
+        if not on_lane:
+            assert isinstance(message, list)
+            return self._accept(src, message[1].buffer, message[2:])
+        assert isinstance(message, tuple) and self._lanes is not None
+        first, rest = message
+        try:
+            return self._accept(src, first, [BytesPiece(b) for b in rest])
+        finally:
             first.release()
-            inbound.release()
-        # More may be waiting (a flood must not hold the loop): go on after the others.
-        asyncio.get_running_loop().call_soon(self._pump, src)
+            self._lanes.into[src].release()
 
     def _on_wake(self) -> None:
         """A lane sender wrote into this peer's wake-up pipe: read the lanes now current."""
@@ -678,19 +682,19 @@ class ZmqMesh:
         board = self.board
         if board is not None and board.on_wake is not None:
             board.on_wake()
-        for src in [src for src, current in self._lane_from.items() if current]:
+        for src in [src for src, r in self._receivers.items() if r.lane_current]:
             self._pump(src)
 
-    def _accept(self, source: int, head: memoryview, frames: Sequence[Piece], *,
-                on_lane: bool) -> None:
+    def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if
-        anything fails."""
+        anything fails. A lane marker is not handed on: its value is returned (True:
+        "lane on"), for the ordering to follow."""
         try:
             assert self._limits is not None
             header = validate(source, head, [len(f) for f in frames], self._limits)
             if header.kind == "lane":
-                self._follow(source, header, on_lane)
-                return
+                assert header.meta is not None  # validate() checked {"on": bool}
+                return bool(header.meta["on"])
             payload = self._pieces(header, frames)
             if header.kind == "data":
                 self.counters.messages_received += 1
@@ -706,25 +710,17 @@ class ZmqMesh:
                     self._accept_board(header.src, header.meta["board"])
         except ProtocolError as exc:
             self.drops.drop(source, exc)
-            return
+            return None
         except Exception as exc:
             self.drops.drop(source, exc, bug=True)
-            return
+            return None
         try:
             self.on_message(header, payload)
         except ProtocolError as exc:
             self.drops.drop(source, exc)
         except Exception as exc:
             self.drops.drop(source, exc, bug=True)
-
-    def _follow(self, src: int, header: Header, on_lane: bool) -> None:
-        """A marker: ``src``'s next messages come on its lane ("on", sent on the socket)
-        or on the socket ("off", sent on the lane)."""
-        assert header.meta is not None
-        on = header.meta["on"]
-        if on == on_lane or self._lanes is None or src not in self._lanes.into:
-            raise ProtocolError(f"rank {src} moved {'to' if on else 'off'} a lane out of turn")
-        self._lane_from[src] = on
+        return None
 
     def _accept_lane(self, peer: int, name: object, wake: object) -> None:
         """Open the lane a peer of this host announced (and its wake-up pipe); if that
@@ -735,6 +731,8 @@ class ZmqMesh:
             self._lanes.accept(peer, name, wake)
         except ProtocolError as exc:
             log.info("rank %d: no lane from rank %d: %s", self.rank, peer, exc)
+            return
+        self._receivers[peer].lane = self._lanes.into[peer]
 
     def _accept_board(self, peer: int, name: object) -> None:
         """Map the board rank 0 announced. If that fails this peer runs small collectives
@@ -815,6 +813,8 @@ class ZmqMesh:
             self.board.close()
             self.board = None
         if self._lanes is not None:
+            self._senders.clear()
+            self._receivers.clear()
             self._lanes.close()
             self._lanes = None
         if self._router is not None:
