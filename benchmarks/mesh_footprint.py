@@ -14,7 +14,8 @@ Not a test: it prints tables. Every peer is a process of its own (this file agai
 (``/proc/self/fd``), its RSS, the data links it opened ("ar": after the two allreduces;
 "links": after the barrier too) and the heartbeat probes it keeps. The table gives the
 median and the largest over the peers, and the strategies rank 0 ran (``--detail K`` also
-names the K peers with the most descriptors). A size whose group does not form under the
+names the K peers with the most descriptors, and what the descriptors of the first of them
+and of the median peer are: sockets, eventfds, pipes, shared-memory files). A size whose group does not form under the
 limit is reported as failed, with the first peer's error.
 
 **Heartbeats** (``--heartbeats``). The same group with every peer on a host of its own
@@ -62,6 +63,24 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _fd_kinds() -> dict[str, int]:
+    """This process's descriptors by what they are: socket, eventfd (one per ZeroMQ
+    socket's mailbox), epoll, pipe, shm (rings, lanes, the board), other."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        kind = ("socket" if target.startswith("socket:") else
+                "eventfd" if "eventfd" in target else
+                "epoll" if "eventpoll" in target else
+                "pipe" if target.startswith("pipe:") else
+                "shm" if target.startswith("/dev/shm/") else "other")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items()))
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -87,7 +106,7 @@ async def _worker(where: Path, strategy: str | None, victim: int | None) -> None
         probes = getattr(t, "probes", None)
         if probes is None:  # a tree without the overlay: one probe for every other peer
             probes = len(getattr(t, "_probes", {}) or ())
-        _say(ready={"rank": r, "fds": _fds(), "rss": _rss(), "right": right,
+        _say(ready={"rank": r, "fds": _fds(), "kinds": _fd_kinds(), "rss": _rss(), "right": right,
                     "links": getattr(t, "links", None), "links_allreduce": links_allreduce,
                     "probes": probes, "used": g.stats().get("collectives_by_strategy"),
                     "package": os.path.dirname(p2pcoll.__file__)})
@@ -246,6 +265,9 @@ def footprint(args: argparse.Namespace) -> None:
                 top = sorted(ready, key=lambda x: -x["fds"])[:args.detail]
                 print("     most descriptors: " + ", ".join(
                     f"rank {x['rank']} {x['fds']} fds {x['links']} links" for x in top))
+                middle = sorted(ready, key=lambda x: x["fds"])[n // 2]
+                for x in (top[0], middle):
+                    print(f"     rank {x['rank']}'s descriptors: {x['kinds']}")
         except RuntimeError as exc:
             print(f"{n:>4} failed: {exc}", flush=True)
         finally:
