@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import PeerLost, ProtocolError
+from ..errors import PeerLost
 from ..types import Membership
-from ..wire import Header, Limits, encode_header, validate
+from ..wire import Header, Limits, encode_header
 from . import overlay
 from .base import (
-    BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece,
+    BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook,
 )
+from .inbound import Inbound
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class MemoryTransport:
         self.drops = Drops(self.counters, lambda: self.membership.rank if self.membership else -1)
         self.closed = False
         self._limits: Limits | None = None
+        self._inbound = Inbound(self)  # validate, count, hand on, drop (see .inbound)
         # What came before connect(): held, as a bound socket holds it, and read at connect.
         self._early: list[tuple[str, list[bytes]]] = []
         self.hello_peers: frozenset[int] = frozenset()  # as the mesh's: the overlay's
@@ -182,8 +184,9 @@ class MemoryTransport:
                 on_link_down: LinkDownHandler) -> None:
         self.membership = membership
         self.on_message, self.on_link_down = on_message, on_link_down
-        self._limits = Limits(membership.group_id, membership.rank, membership.world_size,
-                              self.max_message_bytes)
+        self._limits = self._inbound.limits = Limits(
+            membership.group_id, membership.rank, membership.world_size,
+            self.max_message_bytes)
         self.hello_peers = frozenset(overlay.watchers(membership.rank, membership.world_size))
         self._ranks = {endpoint: r for r, endpoint in enumerate(membership.endpoints)}
         early, self._early = self._early, []
@@ -245,21 +248,8 @@ class MemoryTransport:
             return
         # not a member: -1, which validate() refuses like any other stranger
         link = self._ranks.get(sender, -1)
-        try:
-            if not frames:
-                raise ProtocolError("message has no header frame")
-            header = validate(link, frames[0], [len(f) for f in frames[1:]], self._limits)
-            if header.kind == "data":
-                self.counters.messages_received += 1
-                self.counters.bytes_received += sum(header.nbytes)
-                if self.delivered is not None:
-                    self.delivered(header.src, header, sum(header.nbytes))
-            pieces: list[Piece] = [BytesPiece(f) for f in frames[1:]]
-            self.on_message(header, pieces)
-        except ProtocolError as exc:
-            self.drops.drop(link, exc)
-        except Exception as exc:
-            self.drops.drop(link, exc, bug=True)
+        self._inbound.accept(link, frames[0] if frames else None,
+                             [BytesPiece(f) for f in frames[1:]])
 
     async def aclose(self) -> None:
         self.closed = True

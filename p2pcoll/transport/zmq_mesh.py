@@ -53,11 +53,12 @@ from zmq.utils.monitor import parse_monitor_message
 from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
-from ..wire import Header, Limits, encode_header, validate
+from ..wire import Header, Limits, encode_header
 from . import board as boards
 from . import lane, overlay, shm
 from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
+from .inbound import Inbound
 from .malloc import tune_malloc
 from .ordering import LaneReceiver, LaneSender
 from .sockets import LinkCensus, SocketFactory
@@ -82,6 +83,12 @@ def link_identity(rank: int, secret: str, nonce: str) -> bytes:
     and dropped as ``impostor``. With a job key no outsider can connect at all. Never log
     one: it holds the secret."""
     return b"%d@%s@%s" % (rank, secret.encode(), nonce.encode())
+
+
+def _marker(header: Header) -> bool:
+    """A lane marker's value (True: "lane on"); validate() checked its meta."""
+    assert header.meta is not None
+    return bool(header.meta["on"])
 
 
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
@@ -142,6 +149,10 @@ class ZmqMesh:
         self.group_id = ""
         self.rank = -1
         self._limits: Limits | None = None
+        # Every message, once its link's member is known, goes through this (see .inbound):
+        # lane markers come back to the ordering, hellos are looked at on the way.
+        self._inbound = Inbound(self, keep={"lane": _marker}, watch={"hello": self._on_hello},
+                                resolve=self._pieces)
         self._ranks: dict[bytes, int] = {}  # link identity -> rank, of the members' links
         # b"<rank>@<secret>" -> rank, for every other member; the ranks whose link has
         # spoken (see _admit); and the nonce of this peer's own links (see link_identity).
@@ -200,8 +211,8 @@ class ZmqMesh:
         self.on_message, self.on_link_down = on_message, on_link_down
         group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
-        self._limits = Limits(group_id, rank, membership.world_size,
-                              self.settings.max_message_bytes)
+        self._limits = self._inbound.limits = Limits(group_id, rank, membership.world_size,
+                                                     self.settings.max_message_bytes)
         secret = membership.secret or group_id  # in-process test sessions have no secret
         self._ranks, self._linked = {}, set()
         self._claims = {b"%d@%s" % (r, secret.encode()): r
@@ -687,40 +698,22 @@ class ZmqMesh:
 
     def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if
-        anything fails. A lane marker is not handed on: its value is returned (True:
-        "lane on"), for the ordering to follow."""
-        try:
-            assert self._limits is not None
-            header = validate(source, head, [len(f) for f in frames], self._limits)
-            if header.kind == "lane":
-                assert header.meta is not None  # validate() checked {"on": bool}
-                return bool(header.meta["on"])
-            payload = self._pieces(header, frames)
-            if header.kind == "data":
-                self.counters.messages_received += 1
-                self.counters.bytes_received += sum(header.nbytes)
-                if self.delivered is not None:
-                    self.delivered(source, header, sum(header.nbytes))
-            elif header.kind == "hello" and header.meta:
-                if "ring" in header.meta:
-                    self._accept_ring(header.src, header.meta["ring"])
-                if "lane" in header.meta:
-                    self._accept_lane(header.src, header.meta["lane"], header.meta.get("wake"))
-                if "board" in header.meta:
-                    self._accept_board(header.src, header.meta["board"])
-        except ProtocolError as exc:
-            self.drops.drop(source, exc)
-            return None
-        except Exception as exc:
-            self.drops.drop(source, exc, bug=True)
-            return None
-        try:
-            self.on_message(header, payload)
-        except ProtocolError as exc:
-            self.drops.drop(source, exc)
-        except Exception as exc:
-            self.drops.drop(source, exc, bug=True)
-        return None
+        anything fails (see :mod:`.inbound`). A lane marker is not handed on: its value
+        is returned (True: "lane on"), for the ordering to follow."""
+        marker = self._inbound.accept(source, head, frames)
+        return None if marker is None else bool(marker)
+
+    def _on_hello(self, header: Header) -> None:
+        """What a hello of a peer of this host names: its ring, its lane, the board."""
+        meta = header.meta
+        if not meta:
+            return
+        if "ring" in meta:
+            self._accept_ring(header.src, meta["ring"])
+        if "lane" in meta:
+            self._accept_lane(header.src, meta["lane"], meta.get("wake"))
+        if "board" in meta:
+            self._accept_board(header.src, meta["board"])
 
     def _accept_lane(self, peer: int, name: object, wake: object) -> None:
         """Open the lane a peer of this host announced (and its wake-up pipe); if that
