@@ -138,3 +138,22 @@ async def test_a_goodbye_reaches_peers_it_was_not_sent_to_and_data_before_it_arr
     results = await run_ranks(N, fn, transport="ipc")
     assert results[leaver] == "left" and results[reader] == "received"
     assert results[other] == "told"
+
+
+def test_out_of_descriptors_is_an_error_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libzmq says only "Too many open files" when a link cannot be opened; the mesh's
+    socket factory names the limit and what to do."""
+    import errno
+
+    import zmq
+
+    from p2pcoll.transport.sockets import SocketFactory
+
+    factory = SocketFactory()
+
+    def no_more(kind: int) -> None:
+        raise zmq.ZMQError(errno.EMFILE)
+
+    monkeypatch.setattr(factory.context, "socket", no_more)
+    with pytest.raises(OSError, match=r"run out of file descriptors \(soft limit \d+"):
+        factory.mesh_link(b"0@secret@nonce")

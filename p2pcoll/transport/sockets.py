@@ -18,6 +18,7 @@ before it is buffered), linger, heartbeats, and the job's CurveZMQ key:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import resource
 import time
@@ -78,7 +79,7 @@ class SocketFactory:
         return self.key is not None
 
     def _server(self, kind: int) -> zmq.asyncio.Socket:
-        sock = self.context.socket(kind)
+        sock = self._socket(kind)
         if self.key is not None:
             if self._gate is None:
                 self._gate = Gate.admit(self.context, self.key)
@@ -88,8 +89,23 @@ class SocketFactory:
             sock.setsockopt(zmq.CURVE_PUBLICKEY, self.key.public)
         return sock
 
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        """A new socket of the context; out of descriptors, an OSError that says so and
+        what to do (libzmq's own says only "Too many open files")."""
+        try:
+            return self.context.socket(kind)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EMFILE:
+                raise
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            raise OSError(errno.EMFILE, (
+                f"cannot open another ZeroMQ socket: this process has run out of file "
+                f"descriptors (soft limit {soft}, `ulimit -n`); each link a peer opens costs "
+                f"its process two (one over inproc): raise the limit, or run fewer peers per "
+                f"process")) from exc
+
     def _client(self, kind: int) -> zmq.asyncio.Socket:
-        sock = self.context.socket(kind)
+        sock = self._socket(kind)
         if self.key is not None:
             sock.setsockopt(zmq.CURVE_SERVERKEY, self.key.public)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, self.key.public)
