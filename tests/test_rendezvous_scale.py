@@ -16,6 +16,7 @@ import msgpack
 import pytest
 
 import p2pcoll
+import p2pcoll.rendezvous.server as server_module
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import rendezvous
 from p2pcoll.types import Membership
@@ -48,7 +49,6 @@ async def test_two_hundred_fifty_six_clients_get_one_roster() -> None:
         return out
 
     try:
-        import p2pcoll.rendezvous.server as server_module
         server_module.msgpack.packb = counting_packb  # type: ignore[assignment]
         started = time.monotonic()
         # Half ask for their rank (every odd one), the others take the free ranks.
