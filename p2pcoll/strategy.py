@@ -498,6 +498,10 @@ class Strategy:
             ``"auto"`` then considers it only when the group spans several hosts and one of
             them holds several ranks (on one host, or one rank per host, a hierarchical
             schedule is a flat one that other strategies already are).
+        whole_messages: whether some of its messages carry every chunk at once (a tree's or
+            a star's ``ALL``, beside per-chunk messages; default False). Then the data is cut
+            into segments so that a whole segment fits ``P2PCOLL_SEGMENT_BYTES``, not only
+            one chunk's part of it.
 
     Contract by collective (what the data holds when the schedule ends):
         broadcast: every rank holds the root's data.
@@ -514,6 +518,7 @@ class Strategy:
     description: ClassVar[str] = ""
     automatic: ClassVar[bool] = True
     needs_hosts: ClassVar[bool] = False
+    whole_messages: ClassVar[bool] = False
 
     def chunks(self, size: int) -> int:
         """How many chunks to cut the data into for a group of ``size`` ranks."""

@@ -166,6 +166,7 @@ def count_traffic(strategy: Strategy, work: Workload) -> Traffic:
 class HierarchicalAllreduce(Strategy):
     name = "hierarchical"
     needs_hosts = True
+    whole_messages = True  # the stages inside a host send every chunk at once
     collective = "allreduce"
     description = ("reduce in each host, ring allreduce among one leader per host, broadcast "
                    "in each host; 2(H-1)/H·n bytes leave a host")
@@ -208,6 +209,7 @@ class HierarchicalAllreduce(Strategy):
 class HierarchicalBroadcast(Strategy):
     name = "hierarchical"
     needs_hosts = True
+    whole_messages = True  # the stages inside a host send every chunk at once
     collective = "broadcast"
     description = ("binomial tree among one leader per host (the root's), then each leader "
                    "to its host")
@@ -235,6 +237,7 @@ class HierarchicalBroadcast(Strategy):
 class HierarchicalAllgather(Strategy):
     name = "hierarchical"
     needs_hosts = True
+    whole_messages = True  # the stages inside a host send every chunk at once
     collective = "allgather"
     description = ("gather in each host to its leader, ring among the leaders, then each leader "
                    "to its host")

@@ -232,7 +232,7 @@ class CostModel:
                  itemsize: int = 1) -> Workload:
         """What ``strategy`` would be given for ``nbytes`` of data on ``size`` ranks."""
         return _workload(self, strategy.collective, strategy.chunks(size), nbytes, size,
-                         itemsize)
+                         itemsize, strategy.whole_messages)
 
     def predict(self, strategy: Strategy, nbytes: int, size: int,
                 itemsize: int = 1) -> float | None:
@@ -355,7 +355,7 @@ class _Extent:
 
 @lru_cache(maxsize=4096)
 def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size: int,
-              itemsize: int) -> Workload:
+              itemsize: int, whole: bool = False) -> Workload:
     elements = nbytes // itemsize
     if collective == "barrier":
         layout = Layout([], [[]])
@@ -365,7 +365,7 @@ def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size
         layout = Layout.parts(cast(list[np.ndarray], [part] * size))
     else:
         layout = Layout.split(cast(list[np.ndarray], [_Extent(elements, itemsize)]), nchunks)
-    segments = layout.segment(model.segment_bytes, model.max_message_bytes)
+    segments = layout.segment(model.segment_bytes, model.max_message_bytes, whole=whole)
     hosts = model.hosts if len(model.hosts) == size else ()
     return Workload(size, elements * itemsize, itemsize, segments, model.depth, hosts)
 

@@ -88,14 +88,20 @@ class Layout:
         """One chunk per array: chunk r is array r whole."""
         return cls(arrays, [[(i, 0, a.size)] for i, a in enumerate(arrays)])
 
-    def segment(self, segment_bytes: int, max_message_bytes: int | None = None) -> int:
+    def segment(self, segment_bytes: int, max_message_bytes: int | None = None, *,
+                whole: bool = False) -> int:
         """Choose the number of pipeline segments so that no piece exceeds ``segment_bytes``
+        (no whole segment, with ``whole``: a strategy whose messages may carry every chunk)
         and no message (at most every chunk of one segment) exceeds ``max_message_bytes``,
         the receivers' cap: a group whose cap is below its segment size still works."""
-        largest = max(
-            ((hi - lo) * self.arrays[i].itemsize for chunk in self.chunks for i, lo, hi in chunk),
-            default=0,
-        )
+        if whole:
+            largest = sum(a.nbytes for a in self.arrays)
+        else:
+            largest = max(
+                ((hi - lo) * self.arrays[i].itemsize
+                 for chunk in self.chunks for i, lo, hi in chunk),
+                default=0,
+            )
         nseg = max(1, math.ceil(largest / segment_bytes)) if segment_bytes > 0 else 1
         if max_message_bytes:
             # A piece of n elements splits into parts of at most ceil(n / nseg) elements,

@@ -231,7 +231,8 @@ class Runner:
             sig = Signature.of(name, strat.name, op, root, data)
             ctx = Context(self.rank, p, call.root or 0, self.hosts)
         settings = self.session.settings
-        nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes)
+        nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes,
+                              whole=strat.whole_messages)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True))
         if on_board:
