@@ -8,7 +8,7 @@ result against what numpy computes. Then it prints one JSON line ``{"ready": ...
 rank, data links opened, heartbeat probes, open file descriptors, RSS and whether every
 result was right. It waits for DIR/go to appear (the test kills a victim first), runs a
 ring allreduce and prints ``{"after": ...}``: the error it raised (a survivor should get the
-victim's PeerLost) and the seconds from DIR/go to the error. The soft limit of open files
+victim's PeerLost) and the seconds from DIR/go to the error; it leaves once DIR/done appears. The soft limit of open files
 is whatever the parent set (the test runs some under ``ulimit -n 256``).
 """
 
@@ -85,6 +85,12 @@ async def main() -> None:
             error = f"{type(exc).__name__}: {exc}"
         print(json.dumps({"after": {"rank": g.rank, "error": error,
                                     "seconds": time.time() - start}}), flush=True)
+        # Stay until every survivor has reported: a survivor that leaves at once would be
+        # another departure, which a slower one might hear of before the victim's news.
+        done = os.path.join(where, "done")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
 
 if __name__ == "__main__":
