@@ -19,81 +19,32 @@ raises a PeerLost naming it.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from peer_processes import PeerProcesses
 
-from p2pcoll.testing import free_port
 
 WORKER = Path(__file__).with_name("lazy_failure_worker.py")
 N, VICTIM, OPENER = 8, 4, 0
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
-class Job:
+class Job(PeerProcesses):
     def __init__(self, tmp: Path, *flags: str) -> None:
         self.tmp = tmp
-        port = free_port()
-        base = {k: v for k, v in os.environ.items()
-                if k not in FOREIGN and not k.startswith("P2PCOLL_")}
-        self.lines: list[list[dict[str, Any]]] = [[] for _ in range(N)]
-        self.errors = ["" for _ in range(N)]
-        self.procs = [subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp), str(VICTIM), str(OPENER), *flags],
-            env=dict(base, P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", WORLD_SIZE=str(N),
-                     RANK=str(r), P2PCOLL_HOST_ID=f"host-{r}", P2PCOLL_HEARTBEAT_TIMEOUT="2"),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(N)]
-        self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
-                        for r in range(N)]
-        for t in self.readers:
-            t.start()
-
-    def _read(self, r: int) -> None:
-        proc = self.procs[r]
-        assert proc.stdout is not None and proc.stderr is not None
-        for line in proc.stdout:
-            if line.startswith("{"):
-                self.lines[r].append(json.loads(line))
-        self.errors[r] = proc.stderr.read()[-2000:]
-
-    def wait_for(self, key: str, ranks: list[int], timeout: float) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = [next((x[key] for x in self.lines[r] if key in x), None) for r in ranks]
-            if all(g is not None for g in got):
-                return got  # type: ignore[return-value]
-            for r, g in zip(ranks, got, strict=True):
-                if g is None and self.procs[r].poll() is not None:
-                    self.readers[r].join(timeout=10)
-                    pytest.fail(f"rank {r} exited before {key!r}: {self.errors[r]}")
-            time.sleep(0.05)
-        missing = [r for r in ranks if not any(key in x for x in self.lines[r])]
-        pytest.fail(f"ranks {missing} did not report {key!r} within {timeout} s")
+        super().__init__(
+            N, lambda r: [sys.executable, str(WORKER), str(tmp), str(VICTIM), str(OPENER),
+                          *flags],
+            env=lambda r: {"P2PCOLL_HOST_ID": f"host-{r}", "P2PCOLL_HEARTBEAT_TIMEOUT": "2"})
 
     def close(self) -> None:
         (self.tmp / "go").touch()
         (self.tmp / "done").touch()
         self.procs[VICTIM].kill()  # a stopped one too
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        for t in self.readers:
-            t.join(timeout=30)
-        for proc in self.procs:
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+        super().close()
 
 
 @pytest.mark.parametrize("then", ["killed", "frozen"])

@@ -14,93 +14,33 @@ deadline.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import resource
 import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from peer_processes import PeerProcesses
 
-from p2pcoll.testing import free_port
 
 WORKER = Path(__file__).with_name("mesh_worker.py")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
-class Job:
+class Job(PeerProcesses):
     """``n`` worker processes under a soft limit of ``nofile`` open files."""
 
     def __init__(self, tmp: Path, n: int, nofile: int | None, collectives: bool) -> None:
-        self.tmp, self.n = tmp, n
-        port = free_port()
-        base = {k: v for k, v in os.environ.items()
-                if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-        self.lines: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-        self.errors: list[str] = ["" for _ in range(n)]
-
-        def limit() -> None:
-            if nofile is not None:
-                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
-
-        self.procs = []
-        for r in range(n):
-            env = dict(base, P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}",
-                       WORLD_SIZE=str(n), RANK=str(r))
-            argv = [sys.executable, str(WORKER), str(tmp)]
-            if collectives:
-                argv.append("--collectives")
-            self.procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, text=True,
-                                               preexec_fn=limit))
-        self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
-                         for r in range(n)]
-        for t in self._readers:
-            t.start()
-
-    def _read(self, r: int) -> None:
-        proc = self.procs[r]
-        assert proc.stdout is not None and proc.stderr is not None
-        for line in proc.stdout:
-            if line.startswith("{"):
-                self.lines[r].append(json.loads(line))
-        self.errors[r] = proc.stderr.read()[-2000:]
-
-    def wait_for(self, key: str, ranks: list[int], timeout: float) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = [next((x[key] for x in self.lines[r] if key in x), None) for r in ranks]
-            if all(g is not None for g in got):
-                return got  # type: ignore[return-value]
-            dead = [r for r in ranks if self.procs[r].poll() is not None and got[ranks.index(r)]
-                    is None]
-            if dead:
-                time.sleep(0.5)  # let the reader take the last lines
-                pytest.fail(f"ranks {dead} exited before {key!r}: {self.errors[dead[0]]}")
-            time.sleep(0.05)
-        missing = [r for r in ranks if not any(key in x for x in self.lines[r])]
-        pytest.fail(f"ranks {missing} did not report {key!r} within {timeout}s")
+        self.tmp = tmp
+        flags = ["--collectives"] if collectives else []
+        super().__init__(n, lambda r: [sys.executable, str(WORKER), str(tmp), *flags],
+                         nofile=nofile)
 
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-        for proc in self.procs:
-            proc.wait(timeout=60)
-        for t in self._readers:
-            t.join(timeout=30)
-        for proc in self.procs:
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+        super().close()
 
 
 def kill_one_and_check(job: Job, victim: int) -> list[dict[str, Any]]:
