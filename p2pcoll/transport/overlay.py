@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-__all__ = ["WATCHED", "fingers", "neighbours", "watched", "watchers"]
+__all__ = ["WATCHED", "fingers", "watched", "watchers"]
 
 WATCHED = 2
 """How many ring successors each rank watches (and so how many predecessors watch it)."""
@@ -47,12 +47,6 @@ def watchers(rank: int, size: int, count: int = WATCHED) -> list[int]:
     """
     _check(rank, size)
     return [(rank - i) % size for i in range(1, min(count, size - 1) + 1)]
-
-
-def neighbours(rank: int, size: int, count: int = WATCHED) -> list[int]:
-    """The ranks ``rank`` exchanges hellos with when the group forms: those it watches and
-    those that watch it, ascending, without repeats."""
-    return sorted(set(watched(rank, size, count)) | set(watchers(rank, size, count)))
 
 
 def fingers(rank: int, size: int, gone: Collection[int] = ()) -> list[int]:
