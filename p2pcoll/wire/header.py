@@ -13,6 +13,8 @@ The msgpack map (control messages)::
                                                    | "farewell" (a bye was read)
                                                    | "why" | "waiting" | "lane" (see below)
                                                    | "gone" (news of a departure)
+                                                   | "end" (a link's last message, see
+                                                     p2pcoll.transport.links)
     g    group id                             r    source rank
     q    collective sequence number (bye:     meta optional extras (abort and waiting:
          how many the peer had started)            see below)
@@ -104,12 +106,13 @@ import msgpack
 
 from ..strategy import COLLECTIVES
 
-WIRE_VERSION = 8  # 8 (0.10): links on demand, news of departures ("gone"); 7 (0.8): data
+WIRE_VERSION = 9  # 9 (0.11): links closed for the budget and opened again (generations in
+# link identities, "end"); 8 (0.10): links on demand, news of departures ("gone"); 7 (0.8): data
 # messages have a fixed binary header instead of a msgpack map; hellos may name the
 # shared-memory board (6: link identities with the group secret and a nonce; rosters in two
 # frames)
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting", "lane",
-                   "gone"})
+                   "gone", "end"})
 WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting", "gone"})  # kinds that carry "q"
 # What a peer answers about a collective, in a "waiting" message.
 WAITING, FINISHED, NOT_STARTED, FAILED = "waiting", "finished", "not started", "failed"

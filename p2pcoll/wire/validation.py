@@ -355,6 +355,8 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
         if set(meta) != {"told"}:
             raise ProtocolError(f"bye meta is {_short(meta)}, expected {{'told': [rank, ...]}}")
         _ranks(meta["told"], "told")
+    elif kind == "end":
+        raise ProtocolError(f"an end message carries no meta, not {_short(meta)}")
     elif kind == "lane":
         if set(meta) != {"on"} or type(meta["on"]) is not bool:
             raise ProtocolError(f"lane meta is {_short(meta)}, expected {{'on': true|false}}")
