@@ -1,14 +1,15 @@
 """Runs a collective's compiled program over a transport: the one place that touches
 buffers and messages.
 
-A prepared call carries its :class:`~p2pcoll.engine.program.Program`: per pipeline segment,
-per step of the schedule, the element ranges of each message sent and received. The
-executor walks it: it sends views of the call's arrays zero-copy (or as snapshots where the
-program says so), receives pieces and copies or reduces them straight into the data
-(``ufunc(dst, src, out=dst)``), has each message's signature checked against its own, and
-never writes into memory that a zero-copy send still reads. Up to ``depth`` segments run at
-once, so transfer and reduction overlap. Deadlines are the caller's. The readable signature
-goes to each peer once per digest (the receiving matcher keeps it for mismatch messages).
+A prepared call carries its :class:`~p2pcoll.engine.program.Program`: the rank's messages in
+order, each with its peer, its index on the link and the pieces it carries (whose element
+ranges depend on the pipeline segment). The executor walks it: it sends views of the call's
+arrays zero-copy (or as snapshots where the program says so), receives pieces and copies
+or reduces them straight into the data (``ufunc(dst, src, out=dst)``), has each message's
+signature checked against its own, and never writes into memory that a zero-copy send still
+reads. Up to ``depth`` segments run at once, so transfer and reduction overlap. Deadlines
+are the caller's. The readable signature goes to each peer once per digest (the receiving
+matcher keeps it for mismatch messages).
 
 It moves data only through the primitives it is handed (:class:`Wire`: send, receive,
 fold in), by default the transport's ``send_many``, the matcher's ``get`` and
@@ -31,7 +32,7 @@ from ..strategy import Strategy
 from ..transport.base import Piece, Tracker, Transport
 from ..wire import Header, Signature
 from .matching import Departures, Key, Matcher
-from .program import Program
+from .program import EARLY, LAST, LATE, REDUCE, SEND, Program
 from .timeline import COLLECTIVE, Timeline, Tracer
 
 Ufunc = Callable[..., Any]
@@ -184,41 +185,47 @@ class Executor:
         # What the data headers say the collective is (a transfer's is its sender's call).
         collective = sig.collective if tag is None else "send"
         op_id: Any = seq if tag is None else None
-        for outs, ins in program.segments[seg]:
-            for out in outs:
-                headers = []
-                for to, n in zip(out.dsts, out.index, strict=True):
-                    gone = lost(to)
-                    if gone is not None:
-                        raise gone
-                    # The signature itself, readable, goes to each peer once per digest, so
-                    # that a mismatch can be described field by field (the matcher keeps it).
-                    described = None if (to, digest) in told else list(sig.fields)
-                    headers.append(Header(
-                        "data", group_id, rank, seq, seg, n, digest, meta=seg_meta,
-                        described=described, tag=tag, collective=collective))
+        where = program.cuts.where[seg]
+        copy_bit = LATE if seg >= program.first_late else EARLY
+        dsts: list[int] = []  # the send group being gathered, and its headers
+        headers: list[Header] = []
+        messages = zip(program.kind, program.peer, program.index, program.where, strict=True)
+        for kind, peer, n, w in messages:
+            if kind & SEND:
+                gone = lost(peer)
+                if gone is not None:
+                    raise gone
+                # The signature itself, readable, goes to each peer once per digest, so
+                # that a mismatch can be described field by field (the matcher keeps it).
+                described = None if (peer, digest) in told else list(sig.fields)
+                headers.append(Header(
+                    "data", group_id, rank, seq, seg, n, digest, meta=seg_meta,
+                    described=described, tag=tag, collective=collective))
+                dsts.append(peer)
+                if not kind & LAST:
+                    continue
                 tracker = await wire.send_many(
-                    out.dsts, headers, [arrays[i][a:b] for i, a, b in out.ranges],
-                    copy=out.copy)
+                    dsts, headers, [arrays[i][a:b] for i, a, b in where[w].ranges],
+                    copy=kind & copy_bit != 0)
                 if tracker is not None:
                     pending.append(tracker)
-                for h, to in zip(headers, out.dsts, strict=True):
+                for h, to in zip(headers, dsts, strict=True):
                     if h.described is not None:
                         self._tell(to, digest)
-            for into in ins:
-                frm = into.frm
-                key: Key = (op_id if tag is None else (frm, rank, tag, seq), seg, frm,
-                            into.index)
-                header, frames = await wire.get(key)  # signature checked there
-                if header.nbytes != into.nbytes:
-                    raise CollectiveMismatch(
-                        f"collective #{seq} {sig.collective}: rank {frm} sent pieces of "
-                        f"{header.nbytes} bytes for chunk {into.chunk!r}, rank {rank} "
-                        f"expected {into.nbytes}"
-                    )
-                wire.combine(header, [arrays[i][a:b] for i, a, b in into.ranges], frames,
-                             ufunc if into.reduce else None)
-                del frames  # release the sender's buffer now (inproc shares it)
+                dsts, headers = [], []
+                continue
+            into = where[w]
+            key: Key = (op_id if tag is None else (peer, rank, tag, seq), seg, peer, n)
+            header, frames = await wire.get(key)  # signature checked there
+            if header.nbytes != into.nbytes:
+                raise CollectiveMismatch(
+                    f"collective #{seq} {sig.collective}: rank {peer} sent pieces of "
+                    f"{header.nbytes} bytes for chunk {into.chunk!r}, rank {rank} "
+                    f"expected {into.nbytes}"
+                )
+            wire.combine(header, [arrays[i][a:b] for i, a, b in into.ranges], frames,
+                         ufunc if kind & REDUCE else None)
+            del frames  # release the sender's buffer now (inproc shares it)
 
     def _tell(self, peer: int, digest: bytes) -> None:
         """Note that ``peer`` has been sent the readable signature of ``digest``."""

@@ -12,8 +12,15 @@ from ..strategy import Chunk, Context, Op, Recv, Reduce, Send, Strategy, _All
 
 Steps = tuple[tuple[Op, ...], ...]
 
+# Plans are cached per (strategy, rank's context, chunk count), and what is derived from
+# them per plan. A compiled program keeps none of it (see engine.program), so the caches
+# only spare re-planning a new shape: a few dozen entries serve a process's ranks and
+# strategies, and 1024 ranks of a ring in one process (a test's, a benchmark's) do not
+# keep 1024 plans of 2(p-1) steps each alive.
+PLANS = 64
 
-@lru_cache(maxsize=1024)
+
+@lru_cache(maxsize=PLANS)
 def plan(strategy: Strategy, ctx: Context, nchunks: int) -> tuple[tuple[Op, ...], ...]:
     """Materialise and validate one rank's schedule (cached: it depends on nothing else)."""
     steps: list[tuple[Op, ...]] = []
@@ -37,7 +44,7 @@ def plan(strategy: Strategy, ctx: Context, nchunks: int) -> tuple[tuple[Op, ...]
     return tuple(steps)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=PLANS)
 def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tuple[int, int]]:
     """The sends (step, op index) whose chunk is written again later in the schedule.
 
@@ -66,7 +73,7 @@ def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tupl
     return frozenset(out)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=PLANS)
 def copies(
     steps: tuple[tuple[Op, ...], ...], nchunks: int
 ) -> tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]]]:
@@ -86,7 +93,7 @@ def copies(
     return early, early
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=PLANS)
 def send_groups(
     steps: tuple[tuple[Op, ...], ...],
 ) -> tuple[tuple[tuple[Any, tuple[tuple[int, int], ...]], ...], ...]:
