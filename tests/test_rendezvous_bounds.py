@@ -370,6 +370,8 @@ async def test_a_flood_of_joins_leaves_the_collectives_running(tmp_path: Path) -
 
 
 async def test_one_connection_is_held_to_its_rate() -> None:
+    """200 different requests from one connection. (Copies of one request are that request
+    re-sent, and cost nothing: tests/test_rendezvous_resend.py.)"""
     import msgpack
     import zmq.asyncio
 
@@ -378,8 +380,8 @@ async def test_one_connection_is_held_to_its_rate() -> None:
     s = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     s.connect(url)
     try:
-        for _ in range(200):
-            await s.send(msgpack.packb({"v": WIRE_VERSION, "op": "waiting", "job": ""}))
+        for i in range(200):
+            await s.send(msgpack.packb({"v": WIRE_VERSION, "op": "waiting", "job": f"j{i}"}))
         replies: list[dict[str, Any]] = []
         while await s.poll(1000):
             replies.append(msgpack.unpackb(await s.recv(), raw=False))

@@ -50,7 +50,12 @@ logged at once, and a host's join that times out says how many there were.
 
 What anyone who can reach the port may cost it is bounded (:class:`RendezvousLimits`, each
 a setting): the world size and heartbeat a join may ask for, the registrations and jobs
-held at once, the requests per second of one connection. Every request costs O(1) (the
+held at once, the requests per second of one connection. A copy of a connection's last
+request (the same bytes) is never over that bound: a client re-sends its join every
+:data:`RESEND` seconds, and whatever holds those back (a host that binds its port late:
+ZeroMQ queues them until it connects; a server whose loop stalls) delivers them at once; the
+copies beyond the bound are not handled (the answer to the request they repeat stands), and
+the client is not refused. Every request costs O(1) (the
 status goes to the asking peer only; forming a group of n costs O(n log n), once);
 registrations expire after their heartbeat, a job with none left is forgotten, rosters are
 kept for :data:`FORMED_TTL` seconds. And the server's work is kept off the path of the
@@ -112,6 +117,17 @@ class _Entry:
     def describe(self) -> str:
         asked = f", asking for rank {self.rank}" if self.rank is not None else ""
         return f"the peer on {self.host} (pid {self.pid}{asked})"
+
+
+@dataclass(eq=False, slots=True)
+class _Connection:
+    """What the server keeps of one client connection (its routing identity): its token
+    bucket and which request it sent last."""
+
+    tokens: float
+    refilled: float  # when ``tokens`` was last brought up to date
+    told: bool = False  # over its rate and told so, until it has a token again
+    last: tuple[int, int] = (0, -1)  # the last request admitted: hash and length of its bytes
 
 
 @dataclass
@@ -231,12 +247,13 @@ class RendezvousServer:
         self._expiry: list[tuple[float, int, str, bytes]] = []  # (deadline, arrival, job, id)
         self._settling: set[str] = set()  # elastic jobs with at least their minimum
         self._formed: OrderedDict[bytes, _Roster] = OrderedDict()  # identity -> roster
-        self._buckets: OrderedDict[bytes, list[float]] = OrderedDict()  # tokens, when, told
+        self._connections: OrderedDict[bytes, _Connection] = OrderedDict()  # by identity
         self._drained = 0.0  # see _serve
         self._arrivals = 0
         self.groups_formed = 0
         self.requests = 0  # read
         self.dropped = 0  # over a connection's rate, or malformed
+        self.resends = 0  # copies of a connection's last request over its rate, not handled
         self._monitor_async: zmq.asyncio.Socket | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._refused: dict[str, int] = {}  # what a refused handshake meant -> how many
@@ -244,10 +261,13 @@ class RendezvousServer:
 
     def stats(self) -> dict[str, int]:
         """What it holds and has done: ``peers`` registered, ``jobs`` forming, ``rosters``
-        kept, ``groups_formed``, ``requests`` read and ``dropped``."""
+        kept, ``groups_formed``, ``requests`` read, ``dropped`` (over a connection's rate,
+        or malformed), ``resends`` (copies of a connection's last request over its rate,
+        not handled, not refused) and ``handshakes_refused``."""
         return {"peers": self._peers, "jobs": len(self._forming), "rosters": len(self._formed),
                 "groups_formed": self.groups_formed, "requests": self.requests,
-                "dropped": self.dropped, "handshakes_refused": sum(self._refused.values())}
+                "dropped": self.dropped, "resends": self.resends,
+                "handshakes_refused": sum(self._refused.values())}
 
     def refusals(self) -> str:
         """What it refused so far, for an error message: handshakes (by kind) and member
@@ -319,7 +339,7 @@ class RendezvousServer:
             if len(frames) != 2:
                 raise ValueError(f"{len(frames) - 1} frames, expected 1")
             identity, raw = frames
-            if not self._allow(identity):
+            if not self._admit(identity, raw):
                 return
             msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
             if not isinstance(msg, dict):
@@ -335,32 +355,52 @@ class RendezvousServer:
         except Exception:
             log.exception("rendezvous: failed to handle a request")
 
-    def _allow(self, identity: bytes) -> bool:
-        """A token bucket per connection (its routing identity): ``rate`` requests per
-        second, in bursts of as many. The first request over it is answered with an error,
-        the rest dropped until the bucket refills."""
-        now = time.monotonic()
-        rate = self.limits.rate
-        bucket = self._buckets.get(identity)
-        if bucket is None:
-            bucket = self._buckets[identity] = [max(1.0, rate), now, 0.0]
-            if len(self._buckets) > self.limits.max_peers + self.limits.max_jobs:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(identity)
-            bucket[0] = min(max(1.0, rate), bucket[0] + (now - bucket[1]) * rate)
-            bucket[1] = now
-        if bucket[0] >= 1:
-            bucket[0] -= 1
-            bucket[2] = 0.0
+    def _admit(self, identity: bytes, raw: bytes) -> bool:
+        """Whether to handle a request, before it is decoded: O(1).
+
+        A token bucket per connection: ``rate`` requests per second, in bursts of as many.
+        A request over it that repeats the connection's last admitted one (the same bytes:
+        a client re-sends its join unchanged until it is answered) is that client's re-send,
+        held back and delivered with others at once: it is not handled (the answer to the
+        request it repeats stands), only counted (``resends``), so a client that repeats
+        itself is never refused, however many of its re-sends arrive together. Any other
+        request over it is dropped, and the first of them answered with an error naming
+        the bound; the rest are dropped silently until the bucket refills.
+        """
+        conn = self._connection(identity, time.monotonic())
+        request = (hash(raw), len(raw))  # a bytes hash, keyed at random per process
+        if conn.tokens >= 1:
+            conn.tokens -= 1
+            conn.told = False
+            conn.last = request
             return True
+        if request == conn.last:
+            self.resends += 1
+            return False
         self.dropped += 1
-        if not bucket[2]:
-            bucket[2] = 1.0
+        if not conn.told:
+            conn.told = True
             self._reply(identity, op="error", reason=(
-                f"more than {rate:g} requests per second from this connection, this "
-                f"rendezvous's bound (P2PCOLL_RENDEZVOUS_RATE): the rest are dropped"))
+                f"more than {self.limits.rate:g} requests per second from this connection, "
+                f"this rendezvous's bound (P2PCOLL_RENDEZVOUS_RATE): the rest are dropped"))
         return False
+
+    def _connection(self, identity: bytes, now: float) -> _Connection:
+        """The connection's record, its bucket refilled up to ``now``. The records kept are
+        bounded (the registrations and jobs held at once): the least recently heard from
+        is forgotten first."""
+        rate = self.limits.rate
+        burst = max(1.0, rate)
+        conn = self._connections.get(identity)
+        if conn is None:
+            conn = self._connections[identity] = _Connection(burst, now)
+            if len(self._connections) > self.limits.max_peers + self.limits.max_jobs:
+                self._connections.popitem(last=False)
+        else:
+            self._connections.move_to_end(identity)
+            conn.tokens = min(burst, conn.tokens + (now - conn.refilled) * rate)
+            conn.refilled = now
+        return conn
 
     async def _watch(self) -> None:
         """Lost peers, settled elastic groups and old rosters, every TICK seconds: the work
