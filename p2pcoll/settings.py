@@ -35,6 +35,8 @@ variable                       meaning (default)
                                never polls (50; only while the host has a core per peer)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
 ``P2PCOLL_HEARTBEAT_TIMEOUT``  seconds of silence after which a peer is lost, > 0 (5)
+``P2PCOLL_MAX_LINKS``          links a peer keeps open to others, the least recently
+                               used idle one closed first; >= 4, or 0: no bound (0)
 ``P2PCOLL_KEY_FILE``           the job key file (``p2pcoll keygen``): secure every socket
 ``P2PCOLL_JOB_ID``             which job of a shared rendezvous server this peer joins
 ``P2PCOLL_MIN_WORLD_SIZE``     elastic groups: form with at least this many peers
@@ -92,13 +94,16 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 # Every variable this module knows, for the warning about unknown ones.
+MIN_LINKS = 4  # a link budget leaves room for the two watched peers and a partner each way
+_LINKS_ALLOWED = f"0 (no bound) or an integer of at least {MIN_LINKS}"
+
 KNOWN_VARS = frozenset(
     {
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_HOST_ID", "P2PCOLL_TRANSPORT",
         "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM",
-        "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC",
+        "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC", "P2PCOLL_MAX_LINKS",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT",
@@ -170,6 +175,11 @@ class Settings:
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
         heartbeat_timeout: seconds without a sign of life after which a peer (or the
             rendezvous host) counts as lost, while joining and after.
+        max_links: the most links this peer keeps open to other peers (0: no bound; else
+            at least 4). Links open on demand; beyond this, the least recently used link
+            that may go (idle, to a peer this one does not watch, without a shared-memory
+            lane) is closed, and opened again when next needed (see
+            :mod:`p2pcoll.transport.route`).
         key: the job key every socket uses (CurveZMQ), or None for an insecure group.
         job_id: the job to join at a rendezvous server that serves several.
         min_world_size, max_world_size: for an elastic group (``world_size`` None): it
@@ -202,6 +212,7 @@ class Settings:
     spin_us: int = 50
     tune_malloc: bool = True
     heartbeat_timeout: float = 5.0
+    max_links: int = 0
     key: JobKey | None = None
     job_id: str = ""
     min_world_size: int | None = None
@@ -251,6 +262,7 @@ class Settings:
             "spin_us": reader.integer("P2PCOLL_SPIN", 0, 10_000),
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),
             "heartbeat_timeout": reader.seconds("P2PCOLL_HEARTBEAT_TIMEOUT"),
+            "max_links": reader.links("P2PCOLL_MAX_LINKS"),
             "key": reader.key(),
             "job_id": reader.job_id(),
             "min_world_size": reader.integer("P2PCOLL_MIN_WORLD_SIZE", 1, 1 << 20),
@@ -293,6 +305,10 @@ class Settings:
             _check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
         if "spin_us" in given:
             _check_int(given["spin_us"], "spin_us=", 0, 10_000)
+        if "max_links" in given:
+            _check_int(given["max_links"], "max_links=", 0)
+            if 0 < given["max_links"] < MIN_LINKS:
+                raise bad_value("max_links=", given["max_links"], _LINKS_ALLOWED)
         if given.get("timeline"):  # made a str by resolve()
             check_path(given["timeline"], "timeline=")
         if "heartbeat_timeout" in given:
@@ -524,6 +540,19 @@ class _Reader:
             of = f" of {unit}" if unit else ""
             raise bad_value(f"${name}", value,
                             f"a finite number{of} {'>=' if zero_ok else '>'} 0")
+        return number
+
+    def links(self, name: str) -> int | None:
+        """A link budget: 0, or an integer of at least MIN_LINKS."""
+        value = self.raw(name)
+        if value is None:
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            number = -1
+        if not (number == 0 or MIN_LINKS <= number <= 1 << 20):
+            raise bad_value(f"${name}", value, _LINKS_ALLOWED)
         return number
 
     def integer(self, name: str, low: int, high: int) -> int | None:

@@ -35,7 +35,7 @@ async def early_death(g: p2pcoll.Group, where: str, victim: int) -> None:
     """With ``--early``: VICTIM is killed (by the test) right after the group forms, before
     any data went to it; the others then run a ring allreduce, which needs it."""
     mesh: Any = g.session.transport
-    say(ready={"rank": g.rank, "linked": sorted(mesh._links), "right": True})
+    say(ready={"rank": g.rank, "linked": sorted(mesh.routes.routes), "right": True})
     while not os.path.exists(os.path.join(where, "go")):
         await asyncio.sleep(0.02)
     error = ""
@@ -58,14 +58,14 @@ async def main() -> None:
         got = await g.allreduce(np.full(16, float(g.rank)), strategy="ring")
         right = bool(np.all(got == g.world_size * (g.world_size - 1) / 2))
         mesh: Any = g.session.transport  # a ZmqMesh: its links are what this test is about
-        linked = sorted(mesh._links)
+        linked = sorted(mesh.routes.routes)
         say(ready={"rank": g.rank, "linked": linked, "right": right})
         while not os.path.exists(os.path.join(where, "go")):
             await asyncio.sleep(0.02)
         error = ""
         if g.rank == opener:
             await g.send(np.arange(3.0), victim, timeout=60)
-            say(opening={"rank": g.rank, "linked": victim in mesh._links})
+            say(opening={"rank": g.rank, "linked": victim in mesh.routes.routes})
             try:
                 await g.recv(victim, timeout=60)
             except p2pcoll.P2PCollError as exc:

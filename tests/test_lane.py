@@ -309,7 +309,7 @@ async def test_a_peer_survives_hostile_records_on_its_lanes(
                 await asyncio.sleep(0.01)
             other = shared["group"]
             for frames in messages:
-                while not mesh._lane_put(1, frames):  # full: let rank 1 read
+                while not mesh._lane_put(mesh._link(1), frames):  # full: let rank 1 read
                     await asyncio.sleep(0.001)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 30

@@ -46,7 +46,7 @@ def links_after(strategy: str | None, together: Together) -> Callable[
         got = await g.allreduce(np.full(64, float(g.rank)), strategy=strategy)
         assert np.all(got == sum(range(g.world_size)))
         t = g.session.transport
-        seen = t.links, set(t._links), t.probes
+        seen = t.links, set(t.routes.routes), t.probes
         await together.done()
         return seen
     return fn
@@ -85,7 +85,7 @@ async def test_a_dead_peer_is_named_by_peers_that_never_linked_to_it() -> None:
         await died.wait()
         if g.rank == 0:
             await others.all.wait()
-            assert victim not in g.session.transport._links
+            assert victim not in g.session.transport.routes.routes
             with pytest.raises(p2pcoll.PeerLost) as lost:
                 await g.send(np.ones(3), victim, timeout=30)
         else:
@@ -157,3 +157,91 @@ def test_out_of_descriptors_is_an_error_that_says_so(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(factory.context, "socket", no_more)
     with pytest.raises(OSError, match=r"run out of file descriptors \(soft limit \d+"):
         factory.mesh_link(b"0@secret@nonce")
+
+
+# --- the link budget (P2PCOLL_MAX_LINKS): idle links closed and opened again ----------------
+
+BUDGET = 4
+
+
+def budget_peers(n: int, host_ids: bool = True) -> dict[str, object]:
+    return {"max_links": BUDGET, "collective_timeout": 30, "transport": "tcp",
+            "host_ids": [f"h{r}" for r in range(n)] if host_ids else None}
+
+
+@pytest.mark.parametrize("hosts", ["own", "shared"])
+async def test_a_root_under_the_budget_closes_links_and_results_stay_right(hosts: str) -> None:
+    """Every rank in turn broadcasts (flat root strategy: the root sends to all) and gathers:
+    each root churns its links through a budget of 4, and every result is right. On one
+    host (20 peers: lanes, no board) links with a lane stay open, so a root may hold more."""
+    n = 10 if hosts == "own" else 20
+    together = Together(n)
+
+    async def fn(g: p2pcoll.Group) -> dict[str, int]:
+        t = g.session.transport
+        most = 0
+        for rounds in range(2):
+            for root in range(n):
+                data = np.arange(8.0) + root + 100 * rounds if g.rank == root else \
+                    np.zeros(8)
+                got = await g.broadcast(data, root=root, strategy="root")
+                assert np.array_equal(got, np.arange(8.0) + root + 100 * rounds)
+                gathered = await g.gather(np.full(3, float(g.rank)), root=root)
+                if g.rank == root:
+                    assert [int(a[0]) for a in gathered] == list(range(n))
+                most = max(most, t.links)
+        total = await g.allreduce(np.ones(4), strategy="ring")
+        assert np.all(total == n)
+        stats = g.stats()
+        await together.done()
+        return {"most": most, "opened": stats["links_opened"], "closed": stats["links_closed"],
+                "open": t.links}
+
+    kw = budget_peers(n, host_ids=hosts == "own")
+    if hosts == "shared":
+        kw["transport"] = "ipc"
+    results = await run_ranks(n, fn, host_ids=kw.pop("host_ids"), **kw)
+    for rank, r in enumerate(results):
+        if hosts == "own":
+            assert r["most"] <= BUDGET, (rank, r)  # nothing here pins more than the budget
+        else:  # at most 8 lanes a peer (lane.MAX_LANES) pin theirs, the rest churn
+            assert r["most"] <= BUDGET + 8, (rank, r)
+        assert r["opened"] - r["closed"] == r["open"], (rank, r)
+        assert r["closed"] > 0, (rank, r)  # each root sent to all others
+
+
+async def test_messages_keep_their_order_across_a_closed_and_reopened_link() -> None:
+    """Rank 0 sends to ranks 1..n-1 in turn, many rounds: with a budget of 4 nearly every
+    send closes one link and opens another, and what arrives on the new link may overtake
+    the tail of the old one; every receiver still gets every message, in order."""
+    n, rounds, per = 8, 6, 5
+    together = Together(n)
+
+    async def fn(g: p2pcoll.Group) -> int:
+        if g.rank == 0:
+            for r in range(rounds):
+                for dst in range(1, n):
+                    for i in range(per):
+                        await g.send(np.full(16, float(r * per + i)), dst, tag=7)
+            closed = g.stats()["links_closed"]
+        else:
+            for k in range(rounds * per):
+                got = await g.recv(0, tag=7)
+                assert np.all(got == k), (g.rank, k, got[:2])
+            closed = 0
+        await together.done()
+        return closed
+
+    kw = budget_peers(n)
+    results = await run_ranks(n, fn, host_ids=kw.pop("host_ids"), **kw)
+    assert results[0] >= rounds * (n - 1 - BUDGET), results
+
+
+def test_a_bad_budget_is_refused_by_name() -> None:
+    for bad in ("2", "-1", "x", "1.5"):
+        with pytest.raises(p2pcoll.SettingsError, match="P2PCOLL_MAX_LINKS"):
+            p2pcoll.Settings.resolve({"P2PCOLL_MAX_LINKS": bad})
+    with pytest.raises(p2pcoll.SettingsError, match="max_links="):
+        p2pcoll.Settings.resolve({}, max_links=3)
+    assert p2pcoll.Settings.resolve({"P2PCOLL_MAX_LINKS": "0"}).max_links == 0
+    assert p2pcoll.Settings.resolve({"P2PCOLL_MAX_LINKS": "4"}).max_links == 4

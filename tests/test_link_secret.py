@@ -40,7 +40,7 @@ from conftest import stop
 from p2pcoll.service import Peer
 from p2pcoll.testing import free_port
 from p2pcoll.transport.sockets import queue_messages
-from p2pcoll.transport.zmq_mesh import link_identity
+from p2pcoll.transport.links import link_identity
 from p2pcoll.wire import Header, encode_header
 
 TESTS = Path(__file__).resolve().parent

@@ -579,8 +579,10 @@ class Group:
         that were no member's link (a stranger's, or an impostor's: a second connection
         claiming a member's rank, whose messages are dropped as ``impostor``; also a
         member's own link that reconnected after its connection dropped; 0 over inproc);
-        ``links_opened``: links to peers this peer opened (each the first time it sent to
-        that peer: see :mod:`p2pcoll.transport.overlay`).
+        ``links_opened``: links to peers this peer opened (the first time it sent to that
+        peer, and again after closing it for the budget: see :mod:`p2pcoll.transport.route`);
+        ``links_closed``: links it closed to stay within ``P2PCOLL_MAX_LINKS`` (so
+        ``links_opened - links_closed`` are open).
         Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
@@ -595,6 +597,7 @@ class Group:
             "messages_sent_lane": c.messages_sent_lane,
             "links_refused": c.links_refused,
             "links_opened": c.links_opened,
+            "links_closed": c.links_closed,
             "collectives": session.seq,
             **self._activity.report(),
         }

@@ -135,6 +135,7 @@ def join(
     order: int | None = None,
     timeline: str | os.PathLike[str] | None = None,
     host_id: str | None = None,
+    max_links: int | None = None,
 ) -> Join:
     """Join a group of peers.
 
@@ -179,6 +180,11 @@ def join(
         host_id: the host this peer counts as on (``$P2PCOLL_HOST_ID``; default: detected
             from the machine): peers whose values differ are on different hosts, never
             joined by ipc or shared memory; host-aware strategies group ranks by it.
+        max_links: the most links this peer keeps open to others (``$P2PCOLL_MAX_LINKS``;
+            0, the default: no bound; else at least 4). Beyond it the least recently used
+            idle link is closed, and opened again when needed (its messages keep their
+            order); what bounds a peer's descriptors in a large group of rooted
+            collectives.
 
     Raises:
         SettingsError: an argument or environment variable has a bad value (a timeline
@@ -202,7 +208,7 @@ def join(
             strategies=strategies, collective_timeout=collective_timeout, transport=transport,
             key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
             min_world_size=min_world_size, max_world_size=max_world_size, order=order,
-            timeline=timeline, host_id=host_id,
+            timeline=timeline, host_id=host_id, max_links=max_links,
         )
     except SettingsError:
         _brief_settings_errors()

@@ -86,6 +86,8 @@ class Counters:
     links_refused: int = 0
     # data links this peer opened (links open on demand: see ZmqMesh._link)
     links_opened: int = 0
+    # links this peer closed to stay within its budget (P2PCOLL_MAX_LINKS; see .route)
+    links_closed: int = 0
 
 
 class Transport(Protocol):

@@ -123,7 +123,7 @@ class SocketFactory:
         # member's link that reconnects before its old connection is seen dead takes its
         # place at once. No one can take a member's link this way without its exact
         # identity, which holds a nonce only that member's process and the wire know (see
-        # zmq_mesh.link_identity); another connection claiming the member's rank is read
+        # links.link_identity); another connection claiming the member's rank is read
         # and its messages dropped as ``impostor``; the mesh counts such connections (see
         # LinkCensus).
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -227,9 +227,11 @@ _SIZED: set[int] = set()  # the contexts _shared_context has sized
 class LinkCensus:
     """Counts the connections to a peer's mesh ROUTER that are none of the members' links.
 
-    Each other member of a group connects to this peer's ROUTER twice, once each: its data
-    link and its probe (see :meth:`SocketFactory.mesh_probe`). Every ZeroMQ handshake beyond
-    those ``2 (n - 1)`` is someone else's: a stranger's (what it sends is read and dropped
+    Each other member of a group connects to this peer's ROUTER at most once with its data
+    link (again each time it opens the link anew after closing it for its link budget, which
+    the mesh counts as it reads them) and, if it watches this peer, once with its probe (see
+    :meth:`SocketFactory.mesh_probe`): the ``expected`` count. Every ZeroMQ handshake beyond
+    it is someone else's: a stranger's (what it sends is read and dropped
     as ``stranger``) or an impostor's, a second connection claiming a member's rank (read
     and dropped as ``impostor``). A member's socket that reconnects after its connection
     dropped counts as well; that member has lost this peer by then (a link that goes down
@@ -251,26 +253,45 @@ class LinkCensus:
         self._warned_at = -self.WARN_EVERY_S
         self._warned = 0  # refused when the last WARNING was written
 
+    RECOUNT_S = 1.0  # how long after a handshake beyond the count it is counted again
+
     def handshake(self, expected: int) -> bool:
         """One more handshake on the ROUTER; whether it is beyond the ``expected`` links."""
         self.handshakes += 1
-        if self.handshakes <= expected:
+        return self.beyond(expected)
+
+    def beyond(self, expected: int) -> bool:
+        """Whether one more of the handshakes so far is beyond ``expected`` than counted
+        already (then it is counted)."""
+        if self.handshakes - self.refused <= expected:
             return False
         self.refused += 1
         return True
 
-    async def watch(self, expected: int, on_refused: Callable[[], None],
+    async def watch(self, expected: Callable[[], int], on_refused: Callable[[], None],
                     rank: int) -> None:
         """Count the ROUTER's handshakes until cancelled or stopped; ``on_refused()`` for
-        each beyond the ``expected`` members' links, logged at most once per interval."""
+        each beyond ``expected()`` members' links, logged at most once per interval.
+
+        A member's link that opens anew is counted in ``expected()`` once its first
+        message is read, which may come a moment after its handshake: a handshake beyond
+        the count is counted again :data:`RECOUNT_S` later, and refused only if it still is.
+        """
+        loop = asyncio.get_running_loop()
+
+        def recount() -> None:
+            if self.beyond(expected()):
+                on_refused()
+                self._warn(rank)
+
         try:
             while True:
                 event = parse_monitor_message(await self.monitor.recv_multipart())
                 if event["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     continue
-                if self.handshake(expected):
-                    on_refused()
-                    self._warn(rank)
+                self.handshakes += 1
+                if self.handshakes - self.refused > expected():
+                    loop.call_later(self.RECOUNT_S, recount)
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
 

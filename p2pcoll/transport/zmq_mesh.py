@@ -1,15 +1,19 @@
-"""The peer mesh: one bound ROUTER per peer for receiving, one DEALER link per peer it sends to.
+"""The peer mesh: one bound ROUTER per peer for receiving, one route per peer it sends to.
 
-Rank r binds one ROUTER and connects a DEALER (identity ``b"r@<link secret>@<nonce>"``,
-see :func:`link_identity`) to another peer's ROUTER the first time it sends to that peer:
-links open on demand, so a peer's sockets, descriptors and memory grow with the peers its
-collectives talk to (a ring: two; recursive doubling: log2 p), not with the group. Every
-message arrives with the identity of the link it came on, which must agree with the source
-rank in its header; the first link of a rank that speaks is that rank's for the group, and
-the messages of any other connection claiming the rank are dropped as ``impostor`` (see
-:meth:`ZmqMesh._admit`); each link has its own ZeroMQ queue with a high-water mark, which
-gives backpressure per destination. The first message on a new link is this peer's hello
-(what the receiver needs to map its shared memory), once the group has formed.
+Rank r binds one ROUTER and connects a DEALER link (identity ``b"r@<link secret>@<nonce>@<
+generation>"``, see :mod:`.links`) to another peer's ROUTER the first time it sends to that
+peer: links open on demand, so a peer's sockets, descriptors and memory grow with the peers
+its collectives talk to (a ring: two; recursive doubling: log2 p), not with the group; under
+a link budget (``P2PCOLL_MAX_LINKS``) the least recently used idle link is closed and opened
+again when needed (see :mod:`.route`, which keeps each peer's route: its link and, to a peer
+of this host, its lane). Every message arrives with the identity of the link it came on,
+which must agree with the source rank in its header; the first connection of a rank that
+speaks fixes the rank's nonce for the group, and the messages of any other connection
+claiming the rank are dropped as ``impostor``; a rank's successive links are read one after
+the other, in the order it opened them (see :class:`~.links.Successions`). Each link has its
+own ZeroMQ queue with a high-water mark, which gives backpressure per destination. The
+first message on a peer's first link is this peer's hello (what the receiver needs to map
+its shared memory), once the group has formed.
 
 Liveness rests on a sparse overlay (:mod:`.overlay`): each rank watches its two ring
 successors with a probe, a connection that carries only ZMTP heartbeats, so that a peer
@@ -60,8 +64,10 @@ from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, 
 from .endpoints import EndpointPolicy
 from .inbound import Inbound
 from .malloc import tune_malloc
+from .links import Successions
 from .ordering import LaneReceiver, LaneSender
-from .sockets import LinkCensus, SocketFactory
+from .route import Route, Routes
+from .sockets import LINGER_MS, LinkCensus, SocketFactory
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -70,19 +76,7 @@ log = logging.getLogger("p2pcoll.transport")
 
 # Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-
-
-def link_identity(rank: int, secret: str, nonce: str) -> bytes:
-    """The routing identity of rank's links in a group: ``b"3@<link secret>@<nonce>"``.
-
-    The secret (:attr:`Membership.secret`) is known only to the members, so an outsider
-    cannot pass for one even if it knows the group id. The nonce is the sending peer's own
-    (never sent anywhere but in its links' handshakes), so even someone who has the secret
-    cannot name a live member's link: a connection of its own that claims the rank is read
-    and dropped as ``impostor``. With a job key no outsider can connect at all. Never log
-    one: it holds the secret."""
-    return b"%d@%s@%s" % (rank, secret.encode(), nonce.encode())
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def _marker(header: Header) -> bool:
@@ -151,17 +145,19 @@ class ZmqMesh:
         self._limits: Limits | None = None
         # Every message, once its link's member is known, goes through this (see .inbound):
         # lane markers come back to the ordering, hellos are looked at on the way.
-        self._inbound = Inbound(self, keep={"lane": _marker}, watch={"hello": self._on_hello},
-                                resolve=self._pieces)
-        self._ranks: dict[bytes, int] = {}  # link identity -> rank, of the members' links
-        # b"<rank>@<secret>" -> rank, for every other member; the ranks whose link has
-        # spoken (see _admit); and the nonce of this peer's own links (see link_identity).
-        self._claims: dict[bytes, int] = {}
-        self._linked: set[int] = set()
+        self._inbound = Inbound(self, keep={"lane": _marker, "end": self._on_end},
+                                watch={"hello": self._on_hello}, resolve=self._pieces)
+        # Link identity -> rank, of the members' links being read now; the order of each
+        # member's successive links (made at connect); this peer's nonce (see .links).
+        self._ranks: dict[bytes, int] = {}
+        self._successions: Successions[list[zmq.Frame]] | None = None
         self._nonce = secrets.token_hex(8)
-        self.identity = b""  # of this peer's links once connected; holds the secret: never log
+        self.identity = b""  # of this peer's first links; holds the secret: never log
         self._router: zmq.asyncio.Socket | None = None
-        self._links: dict[int, zmq.asyncio.Socket] = {}  # opened on demand (see _link)
+        # The routes to the peers this one sends to (links on demand, within the budget).
+        self.routes = Routes(self.sockets, self.counters, settings.max_links,
+                             linger=max(LINGER_MS, 2 * self.sockets.heartbeat_ms),
+                             opened=self._opened)
         self._probes: list[zmq.asyncio.Socket] = []  # heartbeat-only links to watched peers
         self._peer_endpoints: tuple[str, ...] = ()
         self._hello: Header | None = None  # sent first on every link opened after greet()
@@ -176,15 +172,10 @@ class ZmqMesh:
         self._rings: shm.SharedRings | None = None
         self._reading: tuple[zmq.Socket, asyncio.Future[None]] | None = None
         self._census: LinkCensus | None = None  # counts connections that are no member's link
-        # Plain views of the links (sends that need not wait) and how many sends to each
-        # peer wait for room in its queue.
-        self._plain: dict[int, zmq.Socket] = {}
-        self._waiting: dict[int, int] = {}
         # Lanes to and from the peers of this host (see .lane), and the order of each
-        # peer's messages across socket and lane (see .ordering): a sender per peer whose
-        # lane is ready, a receiver per peer of this host.
+        # peer's messages across socket and lane (see .ordering): a sender on the route of
+        # each peer whose lane is ready, a receiver per peer of this host.
         self._lanes: lane.Lanes | None = None
-        self._senders: dict[int, LaneSender[Sequence[Buffer]]] = {}
         self._receivers: dict[int, LaneReceiver[list[zmq.Frame], lane.Record]] = {}
         self._marker_on = self._marker_off = b""
         # The group's board (see .board), when every peer shares this host: rank 0's, or
@@ -214,10 +205,15 @@ class ZmqMesh:
         self._limits = self._inbound.limits = Limits(group_id, rank, membership.world_size,
                                                      self.settings.max_message_bytes)
         secret = membership.secret or group_id  # in-process test sessions have no secret
-        self._ranks, self._linked = {}, set()
-        self._claims = {b"%d@%s" % (r, secret.encode()): r
-                        for r in range(membership.world_size) if r != rank}
-        identity = self.identity = link_identity(rank, secret, self._nonce)
+        size = membership.world_size
+        self._ranks = {}
+        self._successions = Successions(
+            {b"%d@%s" % (r, secret.encode()): r for r in range(size) if r != rank},
+            release=self._release, drop=self.drops.drop)
+        self.routes.start(rank, secret, self._nonce, endpoints,
+                          pinned=overlay.watched(rank, size),
+                          end=encode_header(Header("end", group_id, rank)))
+        identity = self.identity = self.routes.identity()
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
@@ -229,7 +225,6 @@ class ZmqMesh:
             peer for peer, endpoint in enumerate(endpoints)
             if peer != rank and endpoint.startswith("ipc://")
         }
-        size = membership.world_size
         if near and not inproc and self.settings.shm and shm.available():
             # Peers reached over ipc share this host: large pieces may go through shared
             # memory, to those of them that map the ring announced in the hello, and
@@ -276,14 +271,19 @@ class ZmqMesh:
             def refused() -> None:
                 self.counters.links_refused += 1
 
-            expected = size - 1 + len(overlay.watchers(rank, size))
+            members = size - 1 + len(overlay.watchers(rank, size))
+            successions = self._successions
+
+            def expected() -> int:  # and the later links of members that closed one
+                return members + successions.later_links
+
             self._tasks.append(asyncio.create_task(self._census.watch(expected, refused,
                                                                       rank)))
 
     @property
     def links(self) -> int:
-        """How many data links this peer has opened (probes not counted)."""
-        return len(self._links)
+        """How many data links this peer has open (probes not counted)."""
+        return len(self.routes)
 
     @property
     def probes(self) -> int:
@@ -291,28 +291,20 @@ class ZmqMesh:
         return len(self._probes)
 
     def contacts(self) -> set[int]:
-        """The peers this one has sent anything to (it has a link to them) and those that
-        watch it. A goodbye goes to them: what it sent them is read by then (the others
-        learn of it from them, see :mod:`.overlay`)."""
+        """The peers this one has sent anything to (it opened a link to them, open still
+        or closed for the budget) and those that watch it. A goodbye goes to them: what it
+        sent them is read by then (the others learn of it from them, see
+        :mod:`.overlay`)."""
         if self.rank < 0:
             return set()
         size = len(self._peer_endpoints)
-        return (set(self._links) | set(overlay.watchers(self.rank, size))) - {self.rank}
+        return (self.routes.contacts() | set(overlay.watchers(self.rank, size))) - {self.rank}
 
-    def _open(self, dst: int) -> zmq.asyncio.Socket:
-        """Open the link to ``dst`` (the first send to it); its first message is the hello
-        once the group is greeted."""
-        if not 0 <= dst < len(self._peer_endpoints) or dst == self.rank:
-            raise ValueError(f"no link to rank {dst} (rank {self.rank} of "
-                             f"{len(self._peer_endpoints)})")
-        link = self.sockets.mesh_link(self.identity)
-        link.connect(self._peer_endpoints[dst])
-        self._links[dst] = link
-        self._plain[dst] = zmq.Socket.shadow(link.underlying)
-        self.counters.links_opened += 1
+    def _opened(self, route: Route) -> None:
+        """A route's first link has opened: its first message is the hello once the group
+        is greeted (the peer keeps what it names when the link is later opened again)."""
         if self._hello is not None:
-            self._post_hello(dst, link)
-        return link
+            self._post_hello(route.peer)
 
     def _open_board(self, membership: Membership, near: set[int]) -> None:
         """Rank 0 creates the group's board when every peer shares this host (and lanes,
@@ -364,7 +356,8 @@ class ZmqMesh:
         ring space reserved for the others stays taken until the group closes (the
         caller breaks the group on cancellation anyway).
         """
-        links = [self._link(dst) for dst in dsts]
+        for dst in dsts:  # a bad rank fails before anything is sent
+            self._link(dst)
         nbytes = [a.nbytes for a in payload]
         rings = self._rings
         near = rings.readers(dsts) if rings is not None else []
@@ -378,7 +371,7 @@ class ZmqMesh:
             placed.append(spot)
         tracked: list[zmq.Frame] = []
         snapshot = copy or self._snapshot_all
-        for dst, link, header in zip(dsts, links, headers, strict=True):
+        for dst, header in zip(dsts, headers, strict=True):
             header.nbytes = nbytes
             inline: list[np.ndarray] = []  # the pieces not in the ring
             reader = near.index(dst) if dst in near else -1
@@ -395,7 +388,10 @@ class ZmqMesh:
                 header.shm = [outbox.name, offsets, indices]
             head = encode_header(header)
             c = self.counters
-            if self._lane_put(dst, [head, *inline]):
+            # No await between taking the route and queueing on it: the budget may close
+            # a route that is not in use (see .route).
+            route = self._link(dst)
+            if self._lane_put(route, [head, *inline]):
                 c.messages_sent_lane += header.kind == "data"
             else:
                 frames: list[object] = [head]
@@ -408,7 +404,7 @@ class ZmqMesh:
                         frame = zmq.Frame(piece, copy=False, track=True)
                         tracked.append(frame)
                         frames.append(frame)
-                await self._put_frames(dst, link, frames)
+                await route.put(frames)
             if header.kind == "data":
                 c.messages_sent += 1
                 c.bytes_sent += sum(nbytes)
@@ -417,84 +413,53 @@ class ZmqMesh:
                     self.sent(dst, header, sum(nbytes))
         return zmq.MessageTracker(*tracked) if tracked else None
 
-    async def _put_frames(self, dst: int, link: zmq.asyncio.Socket, frames: list[object]
-                          ) -> None:
-        """Queue one message on a link: at once when its queue has room, which is the rule
-        (a plain send, without pyzmq's asyncio future); else through the asyncio socket,
-        which waits for room. While one such wait is pending, later messages to ``dst``
-        wait behind it, so they stay in order."""
-        plain = self._plain.get(dst)  # None once closed: the asyncio send raises then
-        if plain is not None and not self._waiting.get(dst):
-            try:
-                # Part by part as send_multipart does, with plain int flags (pyzmq's flag
-                # enums cost microseconds each); only the first part can meet the
-                # high-water mark, the others join it.
-                plain.send(frames[0], _NOBLOCK | _SNDMORE if len(frames) > 1 else _NOBLOCK)
-            except zmq.Again:
-                pass  # wait for room
-            else:
-                last = len(frames) - 1
-                for i in range(1, last + 1):
-                    plain.send(frames[i], _NOBLOCK if i == last else _NOBLOCK | _SNDMORE)
-                return
-        self._waiting[dst] = self._waiting.get(dst, 0) + 1
-        try:
-            await link.send_multipart(frames, copy=False)
-        finally:
-            self._waiting[dst] -= 1
-
-    def _lane_put(self, dst: int, frames: Sequence[object]) -> bool:
-        """Put one message (bytes-like frames) on the lane to ``dst`` if it may go there;
+    def _lane_put(self, route: Route, frames: Sequence[object]) -> bool:
+        """Put one message (bytes-like frames) on the lane of a route if it may go there;
         False: the socket. Never waits. Which, and the markers that keep the order, is the
-        :class:`~.ordering.LaneSender`'s to say; it is made when the lane is ready."""
-        sender = self._senders.get(dst)
+        :class:`~.ordering.LaneSender`'s to say; it is made when the lane is ready (and
+        keeps the route's link open from then on, see .route)."""
+        sender = route.lane
         if sender is None:
             lanes = self._lanes
-            out = lanes.ready(dst) if lanes is not None else None
+            out = lanes.ready(route.peer) if lanes is not None else None
             if out is None:
                 return False
             assert lanes is not None
-            sender = self._senders[dst] = LaneSender(
+            sender = route.lane = LaneSender(
                 out, marker_on=self._marker_on, marker_off=[self._marker_off],
-                marker_room=lanes.marker_room, send_marker=partial(self._send_marker, dst),
-                socket_waiting=lambda: bool(self._waiting.get(dst)),
-                wake=partial(lanes.wake, dst))
+                marker_room=lanes.marker_room, send_marker=route.send_now,
+                socket_waiting=lambda: route.waiting > 0,
+                wake=partial(lanes.wake, route.peer))
         return sender.put(cast("Sequence[Buffer]", frames))  # arrays are, to Python 3.12
 
-    def _send_marker(self, dst: int, marker: object) -> bool:
-        """Send "lane on" to ``dst`` now if its link's queue has room."""
-        plain = self._plain.get(dst)
-        if plain is None:
-            return False
-        try:
-            plain.send(marker, _NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
+    def _link(self, dst: int) -> Route:
+        """The route to ``dst``, its link opened if need be.
 
-    def _link(self, dst: int) -> zmq.asyncio.Socket:
-        link = self._links.get(dst)
-        if link is None:
+        Raises:
+            PeerLost: this peer has closed.
+            ValueError: ``dst`` is no other member's rank.
+        """
+        route = self.routes.routes.get(dst)
+        if route is None:
             if self._closed:
                 raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
-            return self._open(dst)
-        return link
+            return self.routes.get(dst)
+        return route
 
     def post(self, dst: int, header: Header) -> None:
         """Send a control message (no payload) without waiting; never raises."""
-        link = self._links.get(dst)
-        if link is None:
-            if self._closed or self.rank < 0:
-                return
-            try:
-                link = self._open(dst)
-            except (ValueError, zmq.ZMQError) as exc:
-                log.debug("control message to rank %d not sent: %s", dst, exc)
-                return
+        if self._closed or self.rank < 0:
+            return
+        try:
+            route = self._link(dst)
+        except (ValueError, OSError, zmq.ZMQError) as exc:
+            log.debug("control message to rank %d not sent: %s", dst, exc)
+            return
+        link = route.link
         if link.closed:
             return
         frame = encode_header(header)
-        if self._lane_put(dst, [frame]):
+        if self._lane_put(route, [frame]):
             return
         try:
             sent = link.send(frame, zmq.NOBLOCK)
@@ -511,13 +476,12 @@ class ZmqMesh:
         :mod:`.shm`), and its lane to them."""
         self._hello = header
         for peer in sorted(self._greeted):
-            link = self._links.get(peer)
-            if link is None:
-                self._link(peer)  # opening it posts the hello
+            if peer in self.routes.contacts():
+                self._post_hello(peer)
             else:
-                self._post_hello(peer, link)
+                self._link(peer)  # opening it posts the hello
 
-    def _post_hello(self, peer: int, link: zmq.asyncio.Socket) -> None:
+    def _post_hello(self, peer: int) -> None:
         assert self._hello is not None
         outbox = self._rings.outbox if self._rings is not None else None
         lanes = self._lanes
@@ -606,9 +570,20 @@ class ZmqMesh:
                             ProtocolError("message has no header frame"))
             return
         if source is None:
-            source = self._admit(identity)
+            # A link heard for the first time, or a member's later link: the rank's link
+            # now; or held for its turn, or dropped and counted as a ``stranger`` (no
+            # ``rank@secret`` of this group) or an ``impostor`` (another nonce claiming a
+            # rank whose link has spoken). Identities are logged cut short: a member's
+            # holds the group's secret.
+            successions = self._successions
+            source = None if successions is None else successions.arrive(identity, frames)
             if source is None:
                 return
+            self._ranks[identity] = source
+        self._take_in(source, frames)
+
+    def _take_in(self, source: int, frames: list[zmq.Frame]) -> None:
+        """A message on member ``source``'s current link, handed on in its order."""
         if source in self._receivers:  # a peer of this host: in its order (see .ordering)
             self._pump(source, frames)
         else:
@@ -617,35 +592,28 @@ class ZmqMesh:
                 self.drops.drop(source, ProtocolError(
                     f"rank {source} moved {'to' if marker else 'off'} a lane out of turn"))
 
-    def _admit(self, identity: bytes) -> int | None:
-        """The rank of a link heard for the first time, whose link it now is; or None, and
-        the message dropped and counted: a ``stranger`` (no ``rank@secret`` of this group)
-        or an ``impostor`` (a rank whose link has spoken already: only that connection is
-        read as the rank's, see link_identity). Identities are logged cut short: a
-        member's holds the group's secret."""
-        rank = self._claimed(identity)
-        if rank is None:
-            self.drops.drop(identity[:8], ProtocolError(
-                f"link identity {identity[:8]!r} is not a member of this group",
-                reason="stranger"))
-            return None
-        if rank in self._linked:
-            self.drops.drop(self._stranger(identity), ProtocolError(
-                f"a second connection claims rank {rank}'s link (only the first is read)",
-                reason="impostor"))
-            return None
-        self._linked.add(rank)
-        self._ranks[identity] = rank
-        return rank
+    def _on_end(self, header: Header) -> None:
+        """A member's link has ended (closed for its link budget): read its next one,
+        whatever came on that one meanwhile first."""
+        successions = self._successions
+        if successions is None:
+            return
+        ended = successions.current.get(header.src)
+        if ended is not None:
+            del self._ranks[ended]
+        successions.end(header.src)
 
-    def _claimed(self, identity: bytes) -> int | None:
-        """The rank a link identity names (``rank@secret@nonce``), if it is a member's."""
-        prefix, at, nonce = identity.rpartition(b"@")
-        return self._claims.get(prefix) if at and nonce else None
+    def _release(self, rank: int, identity: bytes, messages: list[list[zmq.Frame]]) -> None:
+        """The turn of a member's next link has come: what it held, in order."""
+        self._ranks[identity] = rank
+        for frames in messages:
+            if self._ranks.get(identity) != rank:  # ended among these (an end was read)
+                break
+            self._take_in(rank, frames)
 
     def _stranger(self, identity: bytes) -> object:
         """How the log names a link that is not (yet) a member's: never by the secret."""
-        rank = self._claimed(identity)
+        rank = None if self._successions is None else self._successions.rank_of(identity)
         return identity[:8] if rank is None else f"a link claiming rank {rank}"
 
     def _pump(self, src: int, frames: list[zmq.Frame] | None = None) -> None:
@@ -793,12 +761,9 @@ class ZmqMesh:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._census is not None:
             self._census.stop()
-        for link in self._links.values():
-            link.close()
+        self.routes.close()
         for probe in self._probes:
             probe.close(linger=0)
-        self._links.clear()
-        self._plain.clear()
         self._probes.clear()
         if self._rings is not None:
             self._rings.close()
@@ -806,7 +771,6 @@ class ZmqMesh:
             self.board.close()
             self.board = None
         if self._lanes is not None:
-            self._senders.clear()
             self._receivers.clear()
             self._lanes.close()
             self._lanes = None

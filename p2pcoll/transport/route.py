@@ -1,0 +1,193 @@
+"""Routes: how this peer sends to each other peer, and the budget of its links.
+
+A :class:`Route` is this peer's way to one other: its *link* (a ZeroMQ DEALER connected to
+the peer's ROUTER), opened the first time this peer sends to that peer, and, to a peer of
+this host, the *lane sender* (:class:`~.ordering.LaneSender`) that moves messages between
+the link and the shared-memory lane in order. (Large pieces to a peer of this host go
+through this peer's shared-memory ring, which all its readers share: see :mod:`.shm`.)
+
+:class:`Routes` is the table of them, and keeps the link budget (``P2PCOLL_MAX_LINKS``):
+when a send needs a link this peer does not have and it holds ``budget`` links already, the
+least recently used link that may go is closed first. A link may go when nothing waits for
+room in its queue, it leads to no peer this one watches on the overlay (:mod:`.overlay`),
+and it carries no lane (whose order rests on the link's markers). Its last message is an
+``end``, and the next link to that peer is the next *generation* (its identity says so, see
+:mod:`.links`), which the receiver reads only after that ``end``: the peer's messages stay in
+the order they were sent. When every link must stay, the budget is exceeded rather than
+waited for. A link closed for the budget is not a lost peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.asyncio
+
+from ..settings import MIN_LINKS
+from .base import Counters
+from .links import link_identity
+from .ordering import LaneSender
+from .sockets import SocketFactory
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["Route", "Routes"]
+
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
+class Route:
+    """This peer's way to one other peer (see the module docstring)."""
+
+    __slots__ = ("generation", "lane", "link", "peer", "plain", "used", "waiting")
+
+    def __init__(self, peer: int, link: zmq.asyncio.Socket, generation: int) -> None:
+        self.peer = peer
+        self.link = link
+        # A plain view of the link: a send that need not wait for room skips pyzmq's
+        # asyncio future.
+        self.plain = zmq.Socket.shadow(link.underlying)
+        self.generation = generation
+        self.waiting = 0  # sends that wait for room in the link's queue
+        self.lane: LaneSender[Sequence[Buffer]] | None = None  # once the peer's lane is ready
+        self.used = 0  # when it last sent (the table's clock): least recently used goes first
+
+    async def put(self, frames: list[object]) -> None:
+        """Queue one message on the link: at once when its queue has room, which is the
+        rule (a plain send, without pyzmq's asyncio future); else through the asyncio
+        socket, which waits for room. While one such wait is pending, later messages wait
+        behind it, so they stay in order."""
+        if not self.waiting:
+            plain = self.plain
+            try:
+                # Part by part as send_multipart does, with plain int flags (pyzmq's flag
+                # enums cost microseconds each); only the first part can meet the
+                # high-water mark, the others join it.
+                plain.send(frames[0], _NOBLOCK | _SNDMORE if len(frames) > 1 else _NOBLOCK)
+            except zmq.Again:
+                pass  # wait for room
+            else:
+                last = len(frames) - 1
+                for i in range(1, last + 1):
+                    plain.send(frames[i], _NOBLOCK if i == last else _NOBLOCK | _SNDMORE)
+                return
+        self.waiting += 1
+        try:
+            await self.link.send_multipart(frames, copy=False)
+        finally:
+            self.waiting -= 1
+
+    def send_now(self, frame: object) -> bool:
+        """Send a one-frame message now if the link's queue has room (and nothing waits
+        before it); False otherwise."""
+        if self.waiting or self.link.closed:
+            return False
+        try:
+            self.plain.send(frame, _NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+
+class Routes:
+    """The routes of one peer (see the module docstring).
+
+    Args:
+        sockets: makes the links.
+        counters: ``links_opened`` and ``links_closed`` are counted here.
+        budget: the most links kept open (0: no bound).
+        linger: how long, in ms, what a link closed for the budget still queues may go out.
+        opened: called with each route whose first link has just opened (this peer's
+            hello goes first on it).
+    """
+
+    def __init__(self, sockets: SocketFactory, counters: Counters, budget: int, linger: int,
+                 opened: Callable[[Route], None]) -> None:
+        if budget and budget < MIN_LINKS:
+            raise ValueError(f"a link budget of {budget} is below {MIN_LINKS}")
+        self.sockets = sockets
+        self.counters = counters
+        self.budget = budget
+        self.linger = linger
+        self.opened = opened
+        self.routes: dict[int, Route] = {}
+        self._generations: dict[int, int] = {}  # peer -> links opened to it so far
+        self._clock = 0
+        self._secret = self._nonce = ""
+        self._rank = -1
+        self._endpoints: tuple[str, ...] = ()
+        self._pinned: frozenset[int] = frozenset()
+        self._end = b""
+
+    def start(self, rank: int, secret: str, nonce: str, endpoints: Sequence[str],
+              pinned: Collection[int], end: bytes) -> None:
+        """The group is known: this peer's rank, the link secret, its nonce, every peer's
+        endpoint, the peers whose links always stay (those it watches), and the encoded
+        ``end`` message that closes a link."""
+        self._rank, self._secret, self._nonce = rank, secret, nonce
+        self._endpoints = tuple(endpoints)
+        self._pinned = frozenset(pinned)
+        self._end = end
+
+    def identity(self, generation: int = 0) -> bytes:
+        """The identity of this peer's links of that generation (holds the secret)."""
+        return link_identity(self._rank, self._secret, self._nonce, generation)
+
+    def get(self, dst: int) -> Route:
+        """The route to ``dst``, its link opened now if it has none (closing the least
+        recently used link that may go, if the budget is full).
+
+        Raises:
+            ValueError: ``dst`` is not another member's rank.
+            OSError: out of file descriptors (see :meth:`SocketFactory._socket`).
+        """
+        route = self.routes.get(dst)
+        if route is None:
+            route = self._open(dst)
+        self._clock += 1
+        route.used = self._clock
+        return route
+
+    def contacts(self) -> set[int]:
+        """Every peer this one has opened a link to, closed since or not."""
+        return set(self._generations)
+
+    def __len__(self) -> int:
+        return len(self.routes)
+
+    def _open(self, dst: int) -> Route:
+        if not 0 <= dst < len(self._endpoints) or dst == self._rank:
+            raise ValueError(f"no link to rank {dst} (rank {self._rank} of "
+                             f"{len(self._endpoints)})")
+        if self.budget and len(self.routes) >= self.budget:
+            self._make_room()
+        generation = self._generations.get(dst, 0)
+        link = self.sockets.mesh_link(self.identity(generation))
+        link.connect(self._endpoints[dst])
+        route = self.routes[dst] = Route(dst, link, generation)
+        self._generations[dst] = generation + 1
+        self.counters.links_opened += 1
+        if generation == 0:
+            self.opened(route)
+        return route
+
+    def _make_room(self) -> None:
+        """Close the least recently used link that may go; none may: keep them all."""
+        pinned = self._pinned
+        for route in sorted(self.routes.values(), key=lambda r: r.used):
+            if route.peer in pinned or route.lane is not None or route.waiting:
+                continue
+            if not route.send_now(self._end):  # its queue is full: it is busy
+                continue
+            del self.routes[route.peer]
+            route.link.close(linger=self.linger)
+            self.counters.links_closed += 1
+            return
+
+    def close(self) -> None:
+        """Close every link (what they queue gets the factory's linger)."""
+        for route in self.routes.values():
+            route.link.close()
+        self.routes.clear()
