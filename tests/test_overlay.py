@@ -99,10 +99,15 @@ def test_bad_ranks_are_refused() -> None:
     ({"rank": 1, "graceful": True, "told": [0, 7]}, "not all in this group of 4"),
     ({"rank": 1, "graceful": True, "told": "all"}, "expected a list of ranks"),
     ({"rank": 1, "graceful": True, "more": 1}, "expected"),
+    ({"rank": 1, "graceful": True, "lost": 4}, "not all in this group of 4"),
+    ({"rank": 1, "graceful": False, "lost": 3}, "only a goodbye"),
+    ({"rank": 1, "graceful": True, "cause": {"q": 0, "err": ["PeerLost", "x"], "rank": 5}},
+     "not all in this group of 4"),
 ])
 def test_news_of_a_departure_is_checked_like_any_message(meta: object, match: str) -> None:
     """A "gone" message is input like any other: a rank outside the group, a wrong field
-    or type is a ProtocolError (the message is dropped and counted), never a departure."""
+    or type, a failure report on the news of a loss (only a goodbye carries one) is a
+    ProtocolError (the message is dropped and counted), never a departure."""
     from p2pcoll.errors import ProtocolError
     from p2pcoll.wire import Header, Limits, encode_header, validate
 

@@ -42,6 +42,7 @@ from p2pcoll.wire import (
     group_digest,
     validate,
 )
+from p2pcoll.wire.header import MAX_CAUSE_NAME, MAX_CAUSE_TEXT
 from p2pcoll.wire.validation import MAX_HEADER_BYTES, MAX_LEAF_BYTES, MAX_LEAVES, MAX_NDIM
 
 GROUP = "g-fuzz"
@@ -88,12 +89,33 @@ def assert_typed(h: Header) -> None:
         assert all(_is_int(v) and v >= -1 for v in offsets + indices)
     if h.described is not None:
         assert all(_is_int(v) or isinstance(v, str) for v in h.described)
+    if h.kind in ("bye", "gone") and h.meta is not None:
+        assert_failure_report(h.meta)
     if h.kind == "data" and h.meta is not None:
         leaves = h.meta["leaves"]
         assert isinstance(h.meta["strategy"], str) and isinstance(leaves, list)
         for dtype, shape in leaves:
             assert dtype in ALLOWED_DTYPES
             assert all(_is_int(n) and n >= 0 for n in shape)
+
+
+def assert_failure_report(meta: dict[str, Any]) -> None:
+    """What a goodbye (or the news of one) says broke its peer's group: what the session
+    reads from it without checking again (see Session._read_report)."""
+    if "lost" in meta:
+        assert _is_int(meta["lost"]) and 0 <= meta["lost"] < LIMITS.world_size
+    if "cause" in meta:
+        cause = meta["cause"]
+        assert isinstance(cause, dict) and set(cause) <= {"q", "t", "err", "rank"}
+        assert _is_int(cause["q"]) and cause["q"] >= 0
+        assert "t" not in cause or (_is_int(cause["t"]) and 0 <= cause["t"] <= MAX_TAG)
+        assert "rank" not in cause or (_is_int(cause["rank"])
+                                       and 0 <= cause["rank"] < LIMITS.world_size)
+        kind, text = cause["err"]
+        assert isinstance(kind, str) and 0 < len(kind) <= MAX_CAUSE_NAME
+        assert isinstance(text, str) and len(text) <= MAX_CAUSE_TEXT
+    if meta.get("graceful") is False:
+        assert "lost" not in meta and "cause" not in meta
 
 
 def inline_sizes(h: Header) -> list[int]:
@@ -192,6 +214,15 @@ VALID: dict[str, dict[str, Any]] = {
               "err": ["CollectiveTimeout", "allreduce #4 timed out"],
               "meta": {"collective": "allreduce", "waiting_on": [2, 3]}},
     "bye": {"v": WIRE_VERSION, "k": "bye", "g": GROUP, "r": LINK, "q": 9},
+    "bye after a failure": {
+        "v": WIRE_VERSION, "k": "bye", "g": GROUP, "r": LINK, "q": 9,
+        "meta": {"told": [0, 2], "lost": 3,
+                 "cause": {"q": 8, "t": 5, "err": ["PeerLost", "rank 1 lost rank 3"],
+                           "rank": 3}}},
+    "gone after a failure": {
+        "v": WIRE_VERSION, "k": "gone", "g": GROUP, "r": LINK, "q": 9,
+        "meta": {"rank": 2, "graceful": True, "told": [1], "lost": 3,
+                 "cause": {"q": 8, "err": ["CollectiveTimeout", "allreduce #8 timed out"]}}},
     "layout": {"v": WIRE_VERSION, "k": "data", "g": GROUP, "r": LINK, "q": 0, "seg": 0,
                "s": 0, "sig": SIG, "n": [24, 8],
                "meta": {"strategy": "binomial",
@@ -359,14 +390,36 @@ def valid_headers(draw: st.DrawFn) -> Header:
     elif kind == "lane":
         h.meta = {"on": draw(st.booleans())}
     elif kind == "bye" and draw(st.booleans()):
-        h.meta = {"told": draw(st.lists(st.integers(0, LIMITS.world_size - 1), max_size=4))}
+        h.meta = {"told": draw(st.lists(st.integers(0, LIMITS.world_size - 1), max_size=4)),
+                  **draw(failure_reports())}
     elif kind == "gone":
         h.meta = {"rank": draw(st.integers(0, LIMITS.world_size - 1)),
                   "graceful": draw(st.booleans())}
         if draw(st.booleans()):
             h.meta["told"] = draw(st.lists(st.integers(0, LIMITS.world_size - 1),
                                            max_size=4))
+        if h.meta["graceful"]:
+            h.meta.update(draw(failure_reports()))
     return h
+
+
+@st.composite
+def failure_reports(draw: st.DrawFn) -> dict[str, Any]:
+    """The ``lost`` and ``cause`` a goodbye may carry: any, either, both."""
+    report: dict[str, Any] = {}
+    if draw(st.booleans()):
+        report["lost"] = draw(st.integers(0, LIMITS.world_size - 1))
+    if draw(st.booleans()):
+        cause: dict[str, Any] = {
+            "q": draw(st.integers(0, 1 << 62)),
+            "err": [draw(st.text(min_size=1, max_size=MAX_CAUSE_NAME)),
+                    draw(st.text(max_size=200) | st.just("x" * MAX_CAUSE_TEXT))]}
+        if draw(st.booleans()):
+            cause["t"] = draw(st.integers(0, MAX_TAG))
+        if draw(st.booleans()):
+            cause["rank"] = draw(st.integers(0, LIMITS.world_size - 1))
+        report["cause"] = cause
+    return report
 
 
 @FUZZ
@@ -550,3 +603,59 @@ def test_bounds_on_lengths() -> None:
         decode_header(big)
     with pytest.raises(ProtocolError):
         validate(LINK, big, [8, 0, 24], Limits(GROUP, 0, 4, 64 << 20))
+
+
+# --- what a goodbye says broke its peer's group ---------------------------------------------
+
+GOOD_CAUSE = {"q": 4, "err": ["PeerLost", "rank 1 lost rank 3"], "rank": 3}
+
+
+@pytest.mark.parametrize("kind, meta, match", [
+    ("bye", {"told": [0], "lost": -1}, "'lost' is -1"),
+    ("bye", {"told": [0], "lost": True}, "'lost' is True"),
+    ("bye", {"told": [0], "lost": 4}, "not all in this group of 4"),
+    ("bye", {"told": [0], "lost": 1 << 40}, "'lost' is"),
+    ("bye", {"told": [0], "cause": None}, "'cause' is None"),
+    ("bye", {"told": [0], "cause": [4, "x"]}, "'cause' is"),
+    ("bye", {"told": [0], "cause": {"q": 4}}, "'cause' is"),
+    ("bye", {"told": [0], "cause": {"err": ["PeerLost", "x"]}}, "'cause' is"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "blame": "own"}}, "'cause' is"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "q": -1}}, "'q' is -1"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "q": 2.0}}, "'q' is 2.0"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "t": MAX_TAG + 1}}, "'t' is"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "rank": 9}}, "not all in this group of 4"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "rank": "3"}}, "'rank' is '3'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "err": "PeerLost"}}, "has 'err'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "err": ["PeerLost"]}}, "has 'err'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "err": ["", "x"]}}, "has 'err'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "err": ["E" * (MAX_CAUSE_NAME + 1), "x"]}},
+     "has 'err'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "err": ["E", "x" * (MAX_CAUSE_TEXT + 1)]}},
+     "has 'err'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "err": ["E", 7]}}, "has 'err'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "err": ["E", "x", "y"]}}, "has 'err'"),
+    ("bye", {"lost": 2}, "bye meta is"),
+    ("bye", {"told": [0], "why": 2}, "bye meta is"),
+    ("gone", {"rank": 2, "graceful": False, "lost": 3}, "only a goodbye"),
+    ("gone", {"rank": 2, "graceful": False, "cause": GOOD_CAUSE}, "only a goodbye"),
+    ("gone", {"rank": 2, "graceful": True, "lost": 7}, "not all in this group of 4"),
+    ("gone", {"rank": 2, "graceful": True, "cause": {**GOOD_CAUSE, "q": "4"}}, "'q' is '4'"),
+])
+def test_a_goodbyes_failure_report_is_checked(kind: str, meta: dict[str, Any],
+                                              match: str) -> None:
+    """Each wrong ``lost`` or ``cause`` of a goodbye (or of the news of one) is refused by
+    name at the validation point: the message is dropped, never read as a failure."""
+    raw = pack({"v": WIRE_VERSION, "k": kind, "g": GROUP, "r": LINK, "q": 3, "meta": meta})
+    with pytest.raises(ProtocolError, match=match) as caught:
+        validate(LINK, raw, [], LIMITS)
+    assert caught.value.reason == "malformed"
+
+
+@FUZZ
+@given(st.sampled_from(["bye", "gone"]), msgpack_objects, msgpack_objects)
+def test_a_goodbyes_failure_report_set_to_anything(kind: str, lost: Any, cause: Any) -> None:
+    meta: dict[str, Any] = {"told": [0], "lost": lost, "cause": cause}
+    if kind == "gone":
+        meta.update(rank=2, graceful=True)
+    check_frame(pack({"v": WIRE_VERSION, "k": kind, "g": GROUP, "r": LINK, "q": 3,
+                      "meta": meta}))

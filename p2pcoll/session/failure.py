@@ -58,6 +58,7 @@ import asyncio
 import math
 from collections import deque
 from enum import StrEnum
+from typing import Any
 
 from ..engine.matching import Matcher, OpId, channel
 from ..errors import (
@@ -70,6 +71,7 @@ from ..errors import (
 )
 from ..transport.base import Transport
 from ..wire import ABSENT, FAILED, FINISHED, NOT_STARTED, OWN, SILENT, WAITING, Header
+from ..wire.header import MAX_CAUSE_NAME, MAX_CAUSE_TEXT
 
 # The longest a rank whose deadline passed waits for its peers' answers (see inquiry_time).
 INQUIRY_S = 1.0
@@ -105,6 +107,7 @@ class FailureModel:
     def __init__(self) -> None:
         self.state = GroupState.FORMING
         self.cause: P2PCollError | None = None
+        self._cause_at: tuple[int, int | None] | None = None  # where it happened (_break)
         self._rank = -1
         self._group = ""
         self._matcher: Matcher | None = None
@@ -391,7 +394,7 @@ class FailureModel:
         """Break the group with ``err``; tell the peers unless they told us."""
         if seq not in self._failed and self._matcher is not None:
             self._failed[seq] = self._matcher.waiting_on(seq)
-        self._break(err)
+        self._break(err, (seq, None) if isinstance(seq, int) else (seq[3], seq[2]))
         if not getattr(err, "remote", False) and self.state is not GroupState.CLOSED:
             meta = None
             if isinstance(err, CollectiveTimeout):
@@ -409,20 +412,59 @@ class FailureModel:
             for other in self._active.keys() - {seq}:
                 self._matcher.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))
 
-    def _break(self, err: P2PCollError) -> None:
-        """The group is broken by ``err``, unless something broke it before."""
+    def _break(self, err: P2PCollError, at: tuple[int, int | None]) -> None:
+        """The group is broken by ``err`` (in collective ``at[0]``, or the transfer with
+        count ``at[0]`` and tag ``at[1]``), unless something broke it before."""
         if self.cause is None:
             self.cause = err
+            self._cause_at = at
             if self.state in USABLE:
                 self.state = GroupState.BROKEN
 
+    def first_failure(self) -> dict[str, Any] | None:
+        """What broke this group, as this peer's goodbye carries it (its ``cause``, see
+        :meth:`on_cause`), or None if nothing did: ``{"q": number, "t": tag (a transfer
+        only), "err": [class, message], "rank": the rank a PeerLost names}``. The message
+        is cut to :data:`~p2pcoll.wire.header.MAX_CAUSE_TEXT` characters."""
+        err = self.cause
+        if err is None or self._cause_at is None:
+            return None
+        number, tag = self._cause_at
+        text = str(err)
+        if len(text) > MAX_CAUSE_TEXT:
+            text = text[:MAX_CAUSE_TEXT - 3] + "..."
+        cause: dict[str, Any] = {"q": number,
+                                 "err": [type(err).__name__[:MAX_CAUSE_NAME], text]}
+        if tag is not None:
+            cause["t"] = tag
+        if isinstance(err, PeerLost) and err.rank is not None:
+            cause["rank"] = err.rank
+        return cause
+
+    def on_cause(self, rank: int, cause: dict[str, Any]) -> None:
+        """Peer ``rank`` has left after ``cause`` broke its group (see
+        :meth:`first_failure`; validated): taken as its abort of that operation, so a
+        peer that hears of the departure before (or instead of) the abort fails with the
+        root cause, not only with "rank ``rank`` left the group"."""
+        named = cause.get("rank")
+        kind, text = cause["err"]
+        self._aborted(Header(
+            "abort", self._group, rank, cause["q"], err=[kind, text],
+            meta=None if named is None else {"lost": named}, tag=cause.get("t"),
+        ), f"{text} (reported by rank {rank} as it left)")
+
     def on_abort(self, header: Header) -> None:
         """A peer reports that collective ``header.seq`` failed there."""
-        assert header.err is not None and self._matcher is not None
-        cls = REMOTE_ERRORS.get(header.err[0], P2PCollError)
+        assert header.err is not None
         what = (f"collective #{header.seq}" if header.tag is None
                 else f"a point-to-point transfer (tag {header.tag})")
-        message = f"rank {header.src} failed {what}: {header.err[1]}"
+        self._aborted(header, f"rank {header.src} failed {what}: {header.err[1]}")
+
+    def _aborted(self, header: Header, message: str) -> None:
+        """The abort ``header`` (or a goodbye's cause, as one): its error, saying
+        ``message``, fails the operation it names here, or breaks the group."""
+        assert header.err is not None and self._matcher is not None
+        cls = REMOTE_ERRORS.get(header.err[0], P2PCollError)
         meta = header.meta or {}
         if cls is CollectiveTimeout:
             exc: P2PCollError = CollectiveTimeout(
@@ -438,14 +480,15 @@ class FailureModel:
         exc.blame = blame  # type: ignore[attr-defined]
         if header.tag is not None:
             # The two ranks of a transfer disagree now: this rank's group is broken too.
-            self._break(exc)
+            self._break(exc, (header.seq, header.tag))
             for op in list(self._active):
                 self._matcher.fail(op, exc)
             return
         inquiry = self._inquiries.get(header.seq)
         if inquiry is not None and header.src in inquiry.asked:
-            # This rank is asking why the collective is stuck: the peer is alive, and if it
-            # has found the ranks that did not come, that is the answer (see _expired).
+            # This rank is asking why the collective is stuck: the peer has failed it (it
+            # is alive, or it left after that), and if it has found the ranks that did not
+            # come, that is the answer (see _expired).
             inquiry.answers.setdefault(header.src, (FAILED, []))
             found = cls is CollectiveTimeout and blame != OWN
             if found or len(inquiry.answers) == len(inquiry.asked):
@@ -453,7 +496,7 @@ class FailureModel:
         if not self._matcher.fail(header.seq, exc) and self.cause is None:
             # It had finished here: the next call must not go on, nor those running now
             # (the peer that failed will never take part in them).
-            self._break(exc)
+            self._break(exc, (header.seq, None))
             for other in self._active:  # with the peer's error: PeerLost names a leaver
                 self._matcher.fail(other, exc)
 

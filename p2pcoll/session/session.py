@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Mapping
+from typing import Any
 
 from .activity import Activity
 from ..engine.board_path import BoardPath
@@ -31,6 +32,8 @@ from .failure import FailureModel
 from .peers import Peers
 
 log = logging.getLogger("p2pcoll")
+
+_DEPARTURES = frozenset({"bye", "gone"})  # the kinds that may carry a failure report
 
 
 class Session:
@@ -59,6 +62,9 @@ class Session:
         self.farewells: set[int] = set()  # peers that have read this peer's goodbye
         self._told: set[int] = set()  # the peers this peer's goodbye went to
         self._closing = False  # a peer that is leaving passes on no news
+        # What broke the group of each peer that said goodbye after a failure (its bye's
+        # "lost" and "cause"), read before its departure and passed on with the news of it.
+        self._reports: dict[int, dict[str, Any]] = {}
         self._progress = asyncio.Event()  # set on each farewell or departure
         self._board: BoardPath | None = None
         self._board_known = False
@@ -113,7 +119,36 @@ class Session:
         return (src, dst, tag, count)
 
     def on_message(self, header: Header, pieces: list[Piece]) -> None:
+        if header.meta is not None and header.kind in _DEPARTURES:
+            self._read_report(header)  # first: the root cause, then the departure
         control.dispatch(self, header, pieces)
+
+    def _read_report(self, header: Header) -> None:
+        """A goodbye, or news of one (validated), that says what broke its peer's group:
+        take it as news of the peer it lost (``lost``) and as its abort (``cause``), before
+        the departure itself, once per departed peer.
+
+        So a peer that hears of a goodbye before the news of what led to it (the news of
+        a loss spreads over the overlay's fingers, and the goodbye of a peer that failed
+        at once may overtake it) still fails with the root cause: the PeerLost naming the
+        rank that was lost, not "rank X left the group" naming the one that left."""
+        meta = header.meta
+        assert meta is not None
+        if header.kind == "bye":
+            rank = header.src
+        elif meta["graceful"]:
+            rank = meta["rank"]
+        else:
+            return
+        if rank == self.rank or rank in self._reports or not (
+                "lost" in meta or "cause" in meta):
+            return
+        report = self._reports[rank] = {k: meta[k] for k in ("lost", "cause") if k in meta}
+        lost = report.get("lost")
+        if lost is not None and lost != self.rank:
+            self.peers.reported_lost(lost, by=header.src)
+        if "cause" in report:
+            self.failures.on_cause(rank, report["cause"])
 
     def _departed(self, rank: int) -> None:
         self.matcher.peer_departed(rank)  # the receives waiting for it
@@ -133,6 +168,7 @@ class Session:
         news.meta = {"rank": rank, "graceful": departure.graceful}
         if departure.graceful:
             news.meta["told"] = sorted(departure.told)
+            news.meta.update(self._reports.get(rank, ()))
         for peer in overlay.fingers(self.rank, self.world_size, self.peers.gone()):
             self.transport.post(peer, news)
 
@@ -183,7 +219,7 @@ class Session:
             # To the peers this one has dealt with (and its watchers); they tell the others
             # (see _spread).
             self._told = self.transport.contacts() - set(self.peers.gone())
-            bye.meta = {"told": sorted(self._told)}
+            bye.meta = {"told": sorted(self._told), **self._failure_report()}
             for peer in sorted(self._told):
                 self.transport.post(peer, bye)
             loop = asyncio.get_running_loop()
@@ -202,6 +238,21 @@ class Session:
             self._board.close()
         if self.executor.timeline is not None:
             self.executor.timeline.close()
+
+    def _failure_report(self) -> dict[str, Any]:
+        """What this peer's goodbye says broke its group (see :meth:`_read_report`): the
+        first failure (``cause``, see :meth:`FailureModel.first_failure`) and a peer it
+        knows to be lost (``lost``: the one the cause names if it was lost, else the first
+        lost); nothing after a healthy run, whose goodbye reads as "rank X left"."""
+        report: dict[str, Any] = {}
+        cause = self.failures.first_failure()
+        if cause is not None:
+            report["cause"] = cause
+        lost = [r for r, d in self.peers.gone().items() if not d.graceful]
+        if lost:
+            named = cause.get("rank") if cause is not None else None
+            report["lost"] = named if named in lost else lost[0]
+        return report
 
     def _unacknowledged(self) -> set[int]:
         return self._told - self.farewells - set(self.peers.gone())

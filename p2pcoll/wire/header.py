@@ -75,7 +75,16 @@ it waits for itself, which its peers need not take for theirs). ``why`` and
 ``waiting`` are how a rank whose deadline passed finds out whom to blame before it aborts:
 it asks every peer ``why`` about collective ``q``, and each answers at once with
 ``waiting``, meta ``{state, waiting_on}``: one of :data:`STATES` and the ranks its receives
-of ``q`` are waiting for. A ``hello`` may name the sender's shared-memory ring (meta
+of ``q`` are waiting for. A ``bye`` (``q``: how many collectives its peer started) has meta
+``{told, lost, cause}``: ``told`` the peers it went to; only from a peer whose group had
+failed, ``lost`` a rank it knows to be lost and ``cause`` what broke its group,
+``{q, t, err: [class, message], rank}`` (the operation, as in an abort; ``rank``: whom a
+PeerLost names; message at most :data:`MAX_CAUSE_TEXT` characters), which a reader takes as
+news of that loss and as that abort before the goodbye itself, so the root cause is never
+overtaken by the departure it led to. A ``gone`` (news of a departure, see
+:mod:`p2pcoll.transport.overlay`) has meta ``{rank, graceful, told, lost, cause}``: the
+departed rank, whether it said goodbye, and for a goodbye the rest of its ``bye``'s meta.
+A ``hello`` may name the sender's shared-memory ring (meta
 ``ring``) and, to a peer of its host, its lane to that peer and its wake-up pipe (``lane``,
 ``wake``: see :mod:`p2pcoll.transport.lane`) and the shared-memory board (``board``).
 ``lane`` (meta ``{on: bool}``) says that the sender's next messages come on its lane
@@ -107,7 +116,8 @@ import msgpack
 from ..strategy import COLLECTIVES
 
 WIRE_VERSION = 9  # 9 (0.11): links closed for the budget and opened again (generations in
-# link identities, "end"); 8 (0.10): links on demand, news of departures ("gone"); 7 (0.8): data
+# link identities, "end"); a goodbye (and the news of it) carries what broke its peer's group
+# (meta "lost", "cause"); 8 (0.10): links on demand, news of departures ("gone"); 7 (0.8): data
 # messages have a fixed binary header instead of a msgpack map; hellos may name the
 # shared-memory board (6: link identities with the group secret and a nonce; rosters in two
 # frames)
@@ -124,6 +134,9 @@ DIGEST_BYTES = 8
 MAX_TAG = (1 << 32) - 1
 MAX_RANK = 1 << 20
 MAX_SEQ = 1 << 62
+# The cause a goodbye carries (see "bye" below): its error's class name and message.
+MAX_CAUSE_NAME = 64
+MAX_CAUSE_TEXT = 1024
 
 # The binary data frame (see the module docstring for its layout).
 DATA_MAGIC = 0x50  # b"P": a positive fixint to msgpack, never the first byte of a map

@@ -55,6 +55,8 @@ from .header import (
     DATA_MAGIC,
     DESCRIBED_FLAG,
     KINDS,
+    MAX_CAUSE_NAME,
+    MAX_CAUSE_TEXT,
     MAX_RANK,
     MAX_SEQ,
     MAX_TAG,
@@ -87,6 +89,9 @@ MAX_TEXT = 1 << 16
 MAX_PIECE_BYTES = 1 << 48
 MAX_U32 = (1 << 32) - 1
 FIELDS = frozenset({"v", "k", "g", "r", "q", "err", "meta", "t"})  # of a control message
+BYE_FIELDS = frozenset({"told", "lost", "cause"})  # of a bye's meta
+GONE_FIELDS = frozenset({"rank", "graceful"}) | BYE_FIELDS  # of a gone's meta
+CAUSE_FIELDS = frozenset({"q", "t", "err", "rank"})  # of the cause a goodbye carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,16 +350,23 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
             raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name, "
                                 f"'lane': name, 'wake': name}}")
     elif kind == "gone":
-        if (not {"rank", "graceful"} <= set(meta) <= {"rank", "graceful", "told"}
+        if (not {"rank", "graceful"} <= set(meta) <= GONE_FIELDS
                 or type(meta["graceful"]) is not bool):
             raise ProtocolError(f"gone meta is {_short(meta)}, expected {{'rank': rank, "
-                                f"'graceful': true|false, 'told': [rank, ...]}}")
+                                f"'graceful': true|false, 'told': [rank, ...], 'lost': rank, "
+                                f"'cause': {{...}}}}")
         _int(meta, "rank", 0, MAX_RANK)
         _ranks(meta.get("told", []), "told")
+        if not meta["graceful"] and ("lost" in meta or "cause" in meta):
+            raise ProtocolError("news of a lost peer carries no 'lost' or 'cause' (only a "
+                                "goodbye does)")
+        _failure_news(meta)
     elif kind == "bye":
-        if set(meta) != {"told"}:
-            raise ProtocolError(f"bye meta is {_short(meta)}, expected {{'told': [rank, ...]}}")
+        if not {"told"} <= set(meta) <= BYE_FIELDS:
+            raise ProtocolError(f"bye meta is {_short(meta)}, expected {{'told': [rank, ...], "
+                                f"'lost': rank, 'cause': {{...}}}}")
         _ranks(meta["told"], "told")
+        _failure_news(meta)
     elif kind == "end":
         raise ProtocolError(f"an end message carries no meta, not {_short(meta)}")
     elif kind == "lane":
@@ -381,6 +393,33 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
         check_layout(meta)
     else:
         raise ProtocolError(f"a {kind} message carries no meta, got {_short(meta)}")
+
+
+def _failure_news(meta: dict[str, Any]) -> None:
+    """The failure a goodbye may carry (see :mod:`.header`): ``lost``, a rank, and ``cause``,
+    ``{q, t, err: [class, message], rank}`` with ``q`` and ``err`` required, the class name
+    at most MAX_CAUSE_NAME characters and the message MAX_CAUSE_TEXT. (That the ranks are in
+    the group is checked in :func:`validate`.)"""
+    if "lost" in meta:
+        _int(meta, "lost", 0, MAX_RANK)
+    if "cause" not in meta:
+        return
+    cause = meta["cause"]
+    if type(cause) is not dict or not {"q", "err"} <= cause.keys() <= CAUSE_FIELDS:
+        raise ProtocolError(f"header field 'cause' is {_short(cause)}, expected {{'q': number, "
+                            f"'t': tag, 'err': [class, message], 'rank': rank}}")
+    _int(cause, "q", 0, MAX_SEQ)
+    if "t" in cause:
+        _int(cause, "t", 0, MAX_TAG)
+    if "rank" in cause:
+        _int(cause, "rank", 0, MAX_RANK)
+    err = cause["err"]
+    if not (type(err) is list and len(err) == 2
+            and type(err[0]) is str and 0 < len(err[0]) <= MAX_CAUSE_NAME
+            and type(err[1]) is str and len(err[1]) <= MAX_CAUSE_TEXT):
+        raise ProtocolError(f"header field 'cause' has 'err' {_short(err)}, expected [class "
+                            f"name of at most {MAX_CAUSE_NAME} characters, message of at most "
+                            f"{MAX_CAUSE_TEXT}]")
 
 
 def check_layout(meta: dict[str, Any]) -> None:
@@ -481,7 +520,10 @@ def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequenc
         raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link",
                             reason="mismatch")
     if header.kind in ("gone", "bye") and header.meta is not None:
-        named = [header.meta.get("rank", 0), *header.meta.get("told", ())]
+        meta = header.meta
+        named = [meta.get("rank", 0), meta.get("lost", 0), *meta.get("told", ())]
+        if "cause" in meta:
+            named.append(meta["cause"].get("rank", 0))
         if max(named) >= limits.world_size:
             raise ProtocolError(f"{header.kind} message names ranks {_short(named)}, not all "
                                 f"in this group of {limits.world_size}")
