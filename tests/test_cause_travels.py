@@ -212,3 +212,29 @@ async def test_the_goodbye_of_a_broken_group_carries_its_first_failure() -> None
     finally:
         for g in groups:
             await g.close()
+
+
+async def test_news_of_a_goodbye_sent_here_too_waits_for_the_goodbye() -> None:
+    """Rank 3 hears from rank 0 that rank 1 left after a failure, but rank 1's goodbye went
+    to rank 3 too (``told``): rank 3 waits for it (it comes after rank 1's data on their
+    link), and takes the cause from it when it comes."""
+    groups = await memory_groups(4, collective_timeout=30, heartbeat_timeout=1)
+    try:
+        endpoints = groups[0].session.membership.endpoints
+        group_id = groups[3].session.membership.group_id
+        cause = {"q": 0, "err": ["CollectiveMismatch", "ranks disagree"]}
+        news = Header("gone", group_id, 0, 1,
+                      meta={"rank": 1, "graceful": True, "told": [0, 3], "cause": cause})
+        groups[3].session.transport.receive(endpoints[0], [encode_header(news)])
+        assert groups[3].state is p2pcoll.GroupState.READY
+        assert groups[3].session.peers.gone() == {}
+        bye = goodbye(1, [0, 3], cause=cause)
+        bye.group = group_id
+        groups[3].session.transport.receive(endpoints[1], [encode_header(bye)])
+        assert groups[3].session.peers.said_goodbye(1)
+        with pytest.raises(p2pcoll.CollectiveMismatch, match="ranks disagree \\(reported by "
+                                                             "rank 1 as it left\\)"):
+            await groups[3].allreduce(np.ones(2))
+    finally:
+        for g in groups:
+            await g.close()

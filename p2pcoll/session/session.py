@@ -131,15 +131,17 @@ class Session:
         So a peer that hears of a goodbye before the news of what led to it (the news of
         a loss spreads over the overlay's fingers, and the goodbye of a peer that failed
         at once may overtake it) still fails with the root cause: the PeerLost naming the
-        rank that was lost, not "rank X left the group" naming the one that left."""
+        rank that was lost, not "rank X left the group" naming the one that left. News of
+        a goodbye that was sent here too is left to the goodbye itself, which comes after
+        the data its peer sent before it (as in :meth:`gone_from`)."""
         meta = header.meta
         assert meta is not None
         if header.kind == "bye":
             rank = header.src
-        elif meta["graceful"]:
+        elif meta["graceful"] and self.rank not in meta.get("told", ()):
             rank = meta["rank"]
         else:
-            return
+            return  # a loss; or a goodbye that comes here too, after the data before it
         if rank == self.rank or rank in self._reports or not (
                 "lost" in meta or "cause" in meta):
             return
