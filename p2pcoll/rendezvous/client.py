@@ -1,8 +1,11 @@
 """The rendezvous client: register this peer's endpoints and wait for the roster.
 
 The request is re-sent every :data:`~.server.RESEND` seconds (the server's sign that this
-peer is alive, and how a restarted server learns of it). The client watches its socket's
-handshakes, and tells what it sees apart:
+peer is alive, and how a restarted server learns of it), byte for byte the same: until the
+socket connects, ZeroMQ queues the copies and then delivers them at once, as a server whose
+loop stalled reads them at once, and the server takes copies of a connection's last request
+over its rate bound for re-sends, never for a flood (:meth:`.server.RendezvousServer._admit`).
+The client watches its socket's handshakes, and tells what it sees apart:
 
 - evidence that the keys do not fit is an error at once (``permanent``): one side secured
   and the other not (ZeroMQ reports the mechanism mismatch), or a key the server's ZAP gate
@@ -188,7 +191,8 @@ class _Link:
         try:
             self._out.send(msgpack.packb(request), zmq.NOBLOCK)
         except zmq.Again:
-            pass  # not connected yet: the next re-send tries again
+            pass  # its queue is full (ZeroMQ holds what is sent before the connection is
+            # made, up to the high-water mark): the next re-send tries again
 
     def close(self, goodbye: dict[str, Any] | None = None) -> None:
         if goodbye is not None and self.connected:  # the join may have got there
