@@ -17,8 +17,8 @@ then prints ``{"ready": {"rank": r}}``. Then:
   watcher, say: it spreads the news of the loss over the fingers without failing a
   collective, so no abort of its own goes to everyone at once);
 - every other peer runs the collective and prints ``{"after": {"rank": r, "error": ...,
-  "rank_named": ...}}``: the class and message of what it raised and the rank its PeerLost
-  names. It then stays until DIR/done appears, so that its own goodbye is not in question.
+  "rank_named": ..., "links": ...}}``: the class and message of what it raised, the rank its
+  PeerLost names and the data links it has open then. It then stays until DIR/done appears, so that its own goodbye is not in question.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ async def main() -> None:
         except p2pcoll.P2PCollError as exc:
             error = f"{type(exc).__name__}: {exc}"
             named = getattr(exc, "rank", None)
-        print(json.dumps({"after": {"rank": g.rank, "error": error, "rank_named": named}}),
-              flush=True)
+        links = getattr(g.session.transport, "links", None)  # after the failure's aborts
+        print(json.dumps({"after": {"rank": g.rank, "error": error, "rank_named": named,
+                                    "links": links}}), flush=True)
         if g.rank == closer:
             return  # failing mode: leaves at once after its collective failed
         await stay(done)

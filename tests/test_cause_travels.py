@@ -64,6 +64,9 @@ def run_kill_and_close(tmp: Path, n: int, victim: int, closer: int, mode: str,
 
 
 def check_named(after: list[dict[str, Any]], victim: int, closer: int) -> None:
+    links = sorted(r["links"] for r in after)
+    print(f"data links open after the failure (the aborts open them): median "
+          f"{links[len(links) // 2]}, max {links[-1]}")
     for report in after:
         assert report["error"].startswith("PeerLost"), report
         assert report["rank_named"] == victim, report
