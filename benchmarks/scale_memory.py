@@ -10,15 +10,17 @@ the time per message is wall time over messages: every message costs one turn of
 event loop here, so it stays flat in p when nothing does O(p) work per message. The ratio
 is to the same strategy's time per message at the smallest size; the CPU time (this
 process's) is printed beside the wall time, as it is less disturbed by other work on the
-machine. Also printed: the time to
-form the p groups. The machine's load changes the figures (this is one core's work); run
-the sizes more than once when they matter.
+machine. Also printed: the time to form the p groups, and the process's peak resident set
+after each size (what p ranks' groups and compiled programs take: a ring's 2(p-1) steps per
+rank). The machine's load changes the figures (this is one core's work); run the sizes
+more than once when they matter.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import time
 
 import numpy as np
@@ -69,6 +71,8 @@ async def main() -> None:
     table: dict[int, dict[str, tuple[float, float, int]]] = {}
     for p in args.sizes:
         table[p] = await measure(p, args.strategies, args.calls, max(1, args.bytes // 4))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        print(f"p = {p}: peak RSS so far {peak:.0f} MiB", flush=True)
     print()
     print(f"{'strategy':20} {'p':>5} {'seconds':>9} {'messages':>9} {'us/message':>11} "
           f"{'ratio':>6} {'cpu us/msg':>11} {'ratio':>6}")

@@ -125,11 +125,11 @@ def cuts(chunks: tuple[tuple[Piece, ...], ...], itemsizes: tuple[int, ...],
 class Program:
     """One rank's compiled part of a collective (see the module docstring)."""
 
-    kind: array  # per message, in the order handled: SEND | LAST | EARLY | LATE | REDUCE
-    peer: array
-    index: array
-    where: array
-    step_ends: array  # the number of messages up to the end of each step (for steps)
+    kind: array[int]  # per message, in the order handled: SEND | LAST | EARLY | LATE | REDUCE
+    peer: array[int]
+    index: array[int]
+    where: array[int]
+    step_ends: array[int]  # the number of messages up to the end of each step (for steps)
     cuts: Cuts
     first_late: int  # the first segment whose sends copy LATE ones (the last ``depth``)
     sources: frozenset[int]  # the ranks it receives from
@@ -202,7 +202,7 @@ def compile_program(steps: Steps, chunks: Sequence[Sequence[Piece]], itemsizes: 
                    _ints(step_ends), layout, max(nseg - depth, 0), sources)
 
 
-def _ints(values: list[int]) -> array:
+def _ints(values: list[int]) -> array[int]:
     """``values`` (none negative) in the narrowest array that holds them."""
     top = max(values, default=0)
     return array("B" if top < 1 << 8 else "H" if top < 1 << 16 else "i", values)
