@@ -46,6 +46,16 @@ error its receivers get, and breaks the group as any failure does; one started a
 peer went fails as it starts. So a sender learns of a loss as soon as a receiver does: at
 once for a peer whose link closes, after the heartbeat timeout for one that freezes.
 
+A peer that leaves after its group broke says why in its goodbye (see
+:meth:`FailureModel.first_failure`: the operation, the error's class and message, the rank a
+PeerLost names; and, from the session, a rank it knows to be lost), and so does the news of
+that goodbye passed on over the overlay. A peer that reads it takes it as news of that loss
+and as that peer's abort (:meth:`FailureModel.on_cause`) before the departure itself: a
+survivor that heard of a loss first and closed at once cannot make a slower one, which reads
+its goodbye before the news of the loss, fail with "rank X left the group" instead of the
+lost rank's PeerLost. A goodbye after a healthy run carries nothing and reads as "rank X left
+the group".
+
 A peer that goes while nothing runs is noticed all the same (its goodbye, its link closing,
 its heartbeats stopping are read by the transport whether or not a collective waits): the
 group becomes *degraded* (:attr:`GroupState.DEGRADED`) at once, so a health check sees it
