@@ -65,9 +65,21 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     """(collective, strategy, bytes) in the order every rank runs them."""
     out = []
     for nbytes in args.sizes:
-        out += [("allreduce", s, nbytes) for s in ALLREDUCE]
-        out += [("broadcast", s, nbytes) for s in BROADCAST]
+        out += [("allreduce", s, nbytes) for s in args.allreduce]
+        out += [("broadcast", s, nbytes) for s in args.broadcast]
     return out
+
+
+def load_plugins(specs: list[str]) -> None:
+    """Register each ``module:Class`` (importable from the worker: on ``PYTHONPATH``) as a
+    strategy, for comparing one that has no entry point yet."""
+    import importlib
+
+    from p2pcoll.registry import registry
+
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        registry.register(getattr(importlib.import_module(module), name), f"--plugin {spec}")
 
 
 async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +88,7 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
     import p2pcoll
     from p2pcoll.registry import registry
 
+    load_plugins(args.plugin)
     report: dict[str, Any] = {"times": {}, "picked": {}}
     async with p2pcoll.join() as g:
         model = g.session.runner.costs()  # auto's model, as the group built it
@@ -167,7 +180,9 @@ def run(lab: netns.Lab, args: argparse.Namespace, kind: str, hosts: int, per_hos
     world = hosts * per_host
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
             str(port), "--iterations", str(args.iterations),
-            "--sizes", ",".join(str(n) for n in args.sizes)]
+            "--sizes", ",".join(str(n) for n in args.sizes),
+            "--allreduce", ",".join(args.allreduce), "--broadcast", ",".join(args.broadcast),
+            *(f"--plugin={spec}" for spec in args.plugin)]
     procs = [subprocess.Popen(lab.command(rank // per_host, argv),
                               env=environment(rank, world, rank // per_host, port, model),
                               cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -218,7 +233,8 @@ def table(hosts: int, per_host: int, args: argparse.Namespace, times: dict[str, 
              f"{'collective':<10} {'size':>6} {'strategy':<20} {'time':>9} {'busbw GB/s':>11} "
              f"{'x best flat':>12} {'x gloo':>8}"]
     for nbytes in args.sizes:
-        for collective, names in (("allreduce", ALLREDUCE), ("broadcast", BROADCAST)):
+        for collective, names in (("allreduce", args.allreduce),
+                                  ("broadcast", args.broadcast)):
             got = {s: times[f"{collective} {s} {nbytes}"] for s in names}
             gloo = times.get(f"{collective} gloo {nbytes}")
             if gloo is not None:
@@ -232,9 +248,9 @@ def table(hosts: int, per_host: int, args: argparse.Namespace, times: dict[str, 
                              f"{t * 1e3:>7.0f}ms {busbw(collective, nbytes, p, t):>11.3f} "
                              f"{vs_flat} {vs_gloo}")
             fastest = min(got.values())
-            auto = got["auto"]
-            lines.append(f"{'':<10} {'':>6} auto within {100 * (auto / fastest - 1):.0f} % of "
-                         f"the fastest measured")
+            if "auto" in got:
+                lines.append(f"{'':<10} {'':>6} auto within "
+                             f"{100 * (got['auto'] / fastest - 1):.0f} % of the fastest measured")
     return lines
 
 
@@ -245,6 +261,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=None, help="timed calls per case")
     parser.add_argument("--rate", default="1gbit", help="each cable's rate each way (tc)")
     parser.add_argument("--delay", default="0.5ms", help="one-way delay per cable")
+    parser.add_argument("--allreduce", default=",".join(ALLREDUCE),
+                        help="allreduce strategies, comma-separated (auto: auto's pick)")
+    parser.add_argument("--broadcast", default=",".join(BROADCAST),
+                        help="broadcast strategies, comma-separated (empty: none)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE:CLASS",
+                        help="register this strategy class in every worker first (the module "
+                             "on PYTHONPATH), to compare one that has no entry point yet")
     parser.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     parser.add_argument("--quick", action="store_true", help="16 MiB only, 2 iterations")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
@@ -259,6 +282,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         shift = {"K": 10, "M": 20, "G": 30}.get(s[-1:], 0)
         sizes.append(int(s[:-1] if shift else s) << shift)
     args.sizes = sizes
+    args.allreduce = [s for s in args.allreduce.split(",") if s]
+    args.broadcast = [s for s in args.broadcast.split(",") if s]
     if args.iterations is None:
         args.iterations = 2 if args.quick else 5
     return args

@@ -2,35 +2,48 @@
 
 On several hosts a flat ring or tree crosses the slow network as often as the fast links
 inside a host. These schedules split the group in two levels (``ctx.hosts``, from the
-roster): the ranks of one host, whose messages go over shared memory, and one *leader* per
-host (``ctx.leaders``: the root on the root's host, else the host's lowest rank), the only
-ranks that talk across hosts. Each stage is a textbook algorithm run on a sub-group
-(``ctx.within(...)``), so the schedules read as three lines.
+roster): the ranks of one host, whose messages go over shared memory, and the network
+between hosts. The broadcast and allgather cross it among one *leader* per host only
+(``ctx.leaders``: the root on the root's host, else the host's lowest rank); the allreduce
+among the ranks of equal local index on every host, each with its share of the data. Each
+stage is a textbook algorithm run on a sub-group (``ctx.within(...)``), so the schedules
+read as a few lines.
 
-Allreduce (NCCL's, Horovod's and MPICH's SMP-aware allreduce):
+Allreduce (Horovod's hierarchical allreduce; NCCL's and MPICH's SMP-aware ones). With k
+ranks on every host, the data is cut into k blocks, one per *lane*: local rank i (the i-th
+rank of its host) carries block i.
 
-1. reduce within each host onto its leader, by a binomial tree (ceil(lg k) rounds for k
-   ranks on the host);
-2. allreduce among the H leaders by a ring: the data is cut into H blocks; H-1 steps of
-   reduce-scatter pass one block to the right and fold in the block from the left, H-1
-   steps of allgather pass the finished blocks on; each leader sends 2(H-1)/H·n bytes,
-   which is all that leaves its host;
-3. broadcast within each host from its leader: one send of the result, which the
-   shared-memory ring copies in once for every reader.
+1. reduce-scatter within each host, by a ring among its k ranks: k-1 steps, each passing
+   one block on and folding in the block from the other side, after which local rank i
+   holds its host's sum of block i (1/k of the data);
+2. for each i, an allreduce of block i among the ranks with local index i on every host:
+   k rings of H ranks run at once, each cutting its block into H pieces (H-1 steps of
+   reduce-scatter, H-1 of allgather). Every rank of a host shares the work across hosts,
+   and together they send 2(H-1)/H·n bytes out of the host, the least any allreduce can;
+3. allgather within each host: local rank i hands its finished block to the others of its
+   host in one step (the shared-memory ring copies it in once for all the readers).
 
-Each block is reduced in one fixed order (the tree, then the ring) and copied from there,
-so every rank ends with the same bits. For large data the executor cuts every message into
-segments and keeps several in flight, each a run of the whole schedule: while one segment
-crosses the network (stage 2) the next is being reduced inside the hosts (stage 1) and the
-previous broadcast (stage 3), so the network stage is pipelined against the host stages.
+Uneven hosts (hosts with different numbers of ranks, down to one) take the blocks from
+the smallest host: with k its number of ranks, the ranks of every host are dealt into k
+lanes by local index modulo k. The ranks of a lane on one host first reduce onto the
+lane's first rank (a binomial tree), the first k ranks of each host then run the three
+steps above, and each hands the result back to the rest of its lane (a star). With one
+rank per host this is the flat ring; on one host, the ring reduce-scatter and the
+allgather of one host.
+
+Each piece is reduced in one fixed order (lane tree, host ring, network ring) on one rank
+and copied from there, so every rank ends with the same bits. For large data the executor
+cuts every message into segments and keeps several in flight, each a run of the whole
+schedule: while one segment crosses the network (step 2) the next is being reduced inside
+the hosts (step 1) and the previous gathered (step 3).
 
 Broadcast: a binomial tree among the leaders from the root, then each leader to its host.
 Allgather: each rank hands its part to its leader, the leaders pass the hosts' parts round
 a ring (a host's ranks need not be adjacent: its parts go as one message per run of
 adjacent ranks), then each leader hands everything to its host.
 
-With one host these are the reduce-then-broadcast (and gather-then-broadcast) of one host;
-with one rank per host, the flat ring (and binomial tree). They declare ``needs_hosts``:
+With one host the broadcast and allgather are those of one host; with one rank per host,
+the flat binomial tree and ring. They all declare ``needs_hosts``:
 auto considers them only on several hosts of which one holds several ranks.
 """
 
@@ -97,14 +110,44 @@ def star_broadcast(ctx: Context) -> Iterator[Step]:
         yield Recv(ctx.root)
 
 
-def ring_allreduce(ctx: Context, blocks: list[range]) -> Iterator[Step]:
-    """Ring allreduce over ``ctx.size`` blocks of chunks: reduce-scatter, then allgather."""
+def ring_reduce_scatter(ctx: Context, blocks: list[range]) -> Iterator[Step]:
+    """Ring reduce-scatter over ``ctx.size`` blocks of chunks: at step s rank i passes block
+    i - s - 1 to the right and folds in block i - s - 2 from the left; after size-1 steps
+    rank i holds the reduction of block i."""
     p, i = ctx.size, ctx.rank
     right, left = (i + 1) % p, (i - 1) % p
-    for s in range(p - 1):  # after these, rank i holds the reduction of block (i + 1) % p
-        yield [Send(right, blocks[(i - s) % p]), Reduce(left, blocks[(i - s - 1) % p])]
-    for s in range(p - 1):  # pass the finished blocks on, overwriting
-        yield [Send(right, blocks[(i - s + 1) % p]), Recv(left, blocks[(i - s) % p])]
+    for s in range(p - 1):
+        yield [Send(right, blocks[(i - s - 1) % p]), Reduce(left, blocks[(i - s - 2) % p])]
+
+
+def ring_allgather(ctx: Context, blocks: list[range]) -> Iterator[Step]:
+    """Ring allgather of ``ctx.size`` blocks, rank i starting with block i: pass the
+    finished blocks on to the right, overwriting."""
+    p, i = ctx.size, ctx.rank
+    right, left = (i + 1) % p, (i - 1) % p
+    for s in range(p - 1):
+        yield [Send(right, blocks[(i - s) % p]), Recv(left, blocks[(i - s - 1) % p])]
+
+
+def ring_allreduce(ctx: Context, blocks: list[range]) -> Iterator[Step]:
+    """Ring allreduce over ``ctx.size`` blocks of chunks: reduce-scatter, then allgather."""
+    yield from ring_reduce_scatter(ctx, blocks)
+    yield from ring_allgather(ctx, blocks)
+
+
+def star_allgather(ctx: Context, blocks: list[range]) -> Iterator[Step]:
+    """Rank i, holding block i, sends it to every other rank in one step (on one host the
+    shared-memory ring takes it in once for all of them) and receives theirs."""
+    p, i = ctx.size, ctx.rank
+    if p > 1:
+        yield ([Send(r, blocks[i]) for r in range(p) if r != i]
+               + [Recv(r, blocks[r]) for r in range(p) if r != i])
+
+
+def cut(block: range, parts: int) -> list[range]:
+    """``block`` (a range of chunks, at least ``parts`` long) cut into ``parts`` ranges."""
+    a, n = block.start, len(block)
+    return [range(a + j * n // parts, a + (j + 1) * n // parts) for j in range(parts)]
 
 
 def runs(ranks: tuple[int, ...]) -> list[range]:
@@ -163,42 +206,56 @@ def count_traffic(strategy: Strategy, work: Workload) -> Traffic:
 # --- the strategies -----------------------------------------------------------------------
 
 
+def lanes(work: Workload) -> tuple[int, int, int]:
+    """(H hosts, k lanes: the fewest ranks on one host, f: the most ranks of one lane on
+    one host) of a workload."""
+    ctx = work.context
+    counts = [len(ctx.ranks_on(h)) for h in range(ctx.nhosts)]
+    k = min(counts)
+    return ctx.nhosts, k, -(-max(counts) // k)
+
+
 class HierarchicalAllreduce(Strategy):
     name = "hierarchical"
     needs_hosts = True
-    whole_messages = True  # the stages inside a host send every chunk at once
     collective = "allreduce"
-    description = ("reduce in each host, ring allreduce among one leader per host, broadcast "
-                   "in each host; 2(H-1)/H·n bytes leave a host")
+    description = ("reduce-scatter in each host, k allreduces across hosts (one per local "
+                   "rank), allgather in each host; 2(H-1)/H·n bytes leave a host")
 
     def chunks(self, size: int) -> int:
-        return size  # enough for the ring among any number of leaders (H <= p)
+        return size  # k blocks of H pieces each fit: k·H <= p
 
     def schedule(self, ctx: Context) -> Schedule:
-        host = ctx.within(ctx.local_ranks, root=ctx.leader)
-        yield from host.steps(tree_reduce(host.ctx))  # 1. my host's sum onto its leader
-        if ctx.rank == ctx.leader and ctx.nhosts > 1:  # 2. the leaders, across hosts
-            net = ctx.within(ctx.leaders)
-            h = net.ctx.size
-            blocks = [range(b * ctx.size // h, (b + 1) * ctx.size // h) for b in range(h)]
-            yield from net.steps(ring_allreduce(net.ctx, blocks))
-        yield from host.steps(star_broadcast(host.ctx))  # 3. the result, inside each host
+        hosts = [ctx.ranks_on(h) for h in range(ctx.nhosts)]
+        k = min(len(ranks) for ranks in hosts)  # lanes: the smallest host's ranks
+        mine, i = ctx.local_ranks, ctx.local_rank % k  # my host, my lane
+        lane = ctx.within(mine[i::k])  # my lane's ranks on my host, its first the root
+        yield from lane.steps(tree_reduce(lane.ctx))  # 0. (uneven hosts) onto the lane's first
+        if ctx.local_rank < k:
+            blocks = [range(b * ctx.size // k, (b + 1) * ctx.size // k) for b in range(k)]
+            host = ctx.within(mine[:k])
+            yield from host.steps(ring_reduce_scatter(host.ctx, blocks))  # 1. block i here
+            net = ctx.within([ranks[i] for ranks in hosts])  # lane i of every host
+            pieces = cut(blocks[i], net.ctx.size)
+            yield from net.steps(ring_allreduce(net.ctx, pieces))  # 2. across hosts
+            yield from host.steps(star_allgather(host.ctx, blocks))  # 3. every block here
+        yield from lane.steps(star_broadcast(lane.ctx))  # 4. (uneven hosts) to the lane
 
     def cost(self, work: Workload) -> Cost:
         n, waves = work.nbytes, work.waves
-        hosts, k = hosts_shape(work)
-        tree = lg(k)
-        ring = 2 * (hosts - 1)
-        across = 2 * (hosts - 1) / hosts * n
-        star = k - 1  # one send per reader, all but the first repeats of it
-        repeats = max(star - 1, 0)
+        hosts, k, f = lanes(work)
+        tree, star = lg(f), f - 1  # the lanes of uneven hosts
+        block = n / k
+        host_ring, net_ring = k - 1, 2 * (hosts - 1)
+        across = 2 * (hosts - 1) / hosts * n  # the k lanes of a host share its link
+        repeats = max(k - 2, 0) + max(star - 1, 0)
         return Cost(
-            rounds=(tree + ring + star) * waves,
-            sent=tree * n + across + star * n,
-            reduced=tree * n + across / 2,
+            rounds=(tree + host_ring + net_ring + (k - 1) + star) * waves,
+            sent=tree * n + host_ring * block + across + (k - 1) * block + star * n,
+            reduced=tree * n + host_ring * block + across / k / 2,
             repeats=repeats * waves,
-            repeated=repeats * n,
-            remote_rounds=ring * waves,
+            repeated=max(k - 2, 0) * block + max(star - 1, 0) * n,
+            remote_rounds=net_ring * waves,
             remote_sent=across,
         )
 

@@ -11,7 +11,6 @@ live groups in memory and over real sockets with a distinct ``P2PCOLL_HOST_ID`` 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,6 +96,25 @@ def test_traffic_is_what_the_schedules_send(
         assert declared is not None
         assert list(declared.bytes_sent) == moved.bytes_sent, hosts
         assert list(declared.messages) == moved.messages_sent, hosts
+
+
+def test_uneven_hosts_take_their_lanes_from_the_smallest_host() -> None:
+    """Hosts of 5, 2 and 3 ranks: 2 lanes. A host's ranks are dealt into the lanes by local
+    index mod 2; only the first 2 of each host talk across hosts, each with its peers of
+    the same local index (its lane on every host), and the rest only with their lane."""
+    from p2pcoll.engine.plan import plan
+
+    hosts = (0, 0, 0, 0, 0, 1, 1, 2, 2, 2)
+    h, p = hierarchical("allreduce"), len(hosts)
+    peers = {}
+    for rank in range(p):
+        steps = plan(h, Context(rank, p, 0, hosts), p)
+        peers[rank] = {op.to if isinstance(op, Send) else op.frm for ops in steps for op in ops}
+    across = {r: {q for q in peers[r] if hosts[q] != hosts[r]} for r in range(p)}
+    assert across == {0: {5, 7}, 1: {6, 8}, 5: {0, 7}, 6: {1, 8}, 7: {0, 5}, 8: {1, 6},
+                      2: set(), 3: set(), 4: set(), 9: set()}
+    # lane 0 of host 0 is ranks 0, 2, 4 (a tree onto 0), lane 1 ranks 1, 3
+    assert peers[2] == {0} and peers[4] == {0} and peers[3] == {1} and peers[9] == {7}
 
 
 def test_leaders_and_local_ranks_of_a_layout() -> None:
@@ -187,10 +205,13 @@ async def test_allreduce_traffic_per_level_is_the_cost_models(hosts: tuple[int, 
     work = model.workload(strategy, count * 4, p, 4)
     cost = strategy.cost(work)
     assert work.segments == 1
+    k = p // nhosts
     for h in range(nhosts):
         messages, nbytes, _, _ = crossed[h]
-        # only the leader talks across hosts: 2(H-1) messages of n/H
-        assert messages == cost.remote_rounds == 2 * (nhosts - 1)
+        # every local rank runs a ring across hosts on its 1/k of the data: 2(H-1) rounds
+        # of n/(kH), k at once, so 2(H-1)/H·n leaves the host: the least any allreduce can
+        assert cost.remote_rounds == 2 * (nhosts - 1)
+        assert messages == k * cost.remote_rounds
         assert nbytes == cost.remote_sent == 2 * (nhosts - 1) * count * 4 // nhosts
     inside, between = model.split(strategy, cost, p)
     assert between.sent == cost.remote_sent and inside.rounds == cost.rounds - cost.remote_rounds
@@ -260,7 +281,6 @@ def _model(per_host: list[int], tcp_beta: float = 8e-9) -> CostModel:
 def test_auto_picks_hierarchical_only_on_shared_hosts() -> None:
     two_by_eight = _model([8, 8])
     assert two_by_eight.levels == 2 and two_by_eight.shared_hosts
-    assert registry.auto_name("allreduce", 4096, 16, two_by_eight) == "hierarchical"
     assert registry.auto_name("allgather", 16 << 20, 16, two_by_eight) == "hierarchical"
     assert registry.auto_name("broadcast", 4096, 16, two_by_eight) == "hierarchical"
     # one rank per host, or one host: a hierarchical schedule is a flat one; auto leaves it
@@ -270,6 +290,36 @@ def test_auto_picks_hierarchical_only_on_shared_hosts() -> None:
                 assert registry.auto_name(collective, n, p, model) != "hierarchical"
 
 
+def test_auto_picks_hierarchical_allreduce_where_flat_ones_cross_every_round() -> None:
+    # hosts interleaved (0, 1, 0, 1, ...): every exchange of a flat schedule crosses
+    hosts = [str(r % 2) for r in range(16)]
+    constants = dict(DEFAULT_CONSTANTS)
+    constants["tcp"] = Constants(alpha=1e-3, beta=8e-9, gamma=0.2e-9)
+    model = CostModel.for_group(p2pcoll.Settings(), ["ipc://x"] * 16, 0, constants, cores=2,
+                                hosts=hosts)
+    for n in (1 << 20, 16 << 20, 64 << 20):
+        assert registry.auto_name("allreduce", n, 16, model) == "hierarchical"
+
+
+@pytest.mark.parametrize("per_host", [[4, 4, 4, 4], [8, 8], [2] * 8])
+def test_what_leaves_a_host_against_the_lower_bound(per_host: list[int]) -> None:
+    """Any allreduce must move 2(H-1)/H·n bytes through each host's link (each host's data
+    must leave it, in part, and the result come back). The hierarchical allreduce and
+    Rabenseifner on host-contiguous ranks (which cross hosts only in their last rounds of
+    halving and first of doubling) push exactly that; the flat ring 2(p-1)/p·n."""
+    model, p, n = _model(per_host), sum(per_host), 64 << 20
+    hosts = len(per_host)
+    bound = 2 * (hosts - 1) / hosts * n
+    pushed = {}
+    for name in ("hierarchical", "rabenseifner", "ring"):
+        strategy = registry.get("allreduce", name)
+        _, between = model.split(strategy, strategy.cost(model.workload(strategy, n, p)), p)
+        pushed[name] = between.sent
+    assert pushed["hierarchical"] == pytest.approx(bound)
+    assert pushed["rabenseifner"] == pytest.approx(bound)
+    assert pushed["ring"] == pytest.approx(2 * (p - 1) / p * n)
+
+
 def test_two_levels_charge_flat_strategies_for_crossing() -> None:
     ring = registry.get("allreduce", "ring")
     one_level = CostModel()
@@ -277,7 +327,7 @@ def test_two_levels_charge_flat_strategies_for_crossing() -> None:
     # a ring over 4 hosts waits on the network in every round
     t_one, t_two = one_level.predict(ring, 16 << 20, 16), two.predict(ring, 16 << 20, 16)
     assert t_one is not None and t_two is not None and t_two > 5 * t_one
-    # hierarchical: only its leaders' 2(H-1) rounds pay the network
+    # hierarchical: only the 2(H-1) rounds of its rings across hosts pay the network
     h = hierarchical("allreduce")
     work = two.workload(h, 16 << 20, 16)
     cost = h.cost(work)
@@ -293,7 +343,9 @@ def test_plans_depend_on_the_hosts() -> None:
     a = plan(h, Context(1, 4, 0, (0, 0, 1, 1)), 4)
     b = plan(h, Context(1, 4, 0, (0, 1, 0, 1)), 4)
     assert a != b
-    assert all(isinstance(op, Send) for op in itertools.chain(*a[:1]))
+    # the first step is the reduce-scatter inside my host: with rank 0, or with rank 3
+    assert {op.to if isinstance(op, Send) else op.frm for op in a[0]} == {0}
+    assert {op.to if isinstance(op, Send) else op.frm for op in b[0]} == {3}
 
 
 async def test_a_group_sees_its_hosts_and_auto_runs_hierarchical() -> None:
