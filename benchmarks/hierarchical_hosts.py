@@ -239,6 +239,8 @@ def table(hosts: int, per_host: int, args: argparse.Namespace, times: dict[str, 
             gloo = times.get(f"{collective} gloo {nbytes}")
             if gloo is not None:
                 got["gloo"] = gloo
+            if not got:
+                continue
             flat = min((t for s, t in got.items() if s in FLAT), default=None)
             for s, t in got.items():
                 name = s if s != "auto" else f"auto ({picked.get(f'{collective} {nbytes}')})"
@@ -338,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"hierarchical_hosts: {topology} gloo took "
                           f"{time.monotonic() - t:.0f} s", file=sys.stderr)
                 port += 2
-            lines += table(hosts, per_host, args, times, picked)
+            rows = table(hosts, per_host, args, times, picked)
+            print("\n".join(rows), file=sys.stderr, flush=True)  # kept if a later one fails
+            lines += rows
     finally:
         os.unlink(model)
     lines.append(f"\n({time.monotonic() - started:.0f} s in all; load average "

@@ -31,6 +31,12 @@ steps above, and each hands the result back to the rest of its lane (a star). Wi
 rank per host this is the flat ring; on one host, the ring reduce-scatter and the
 allgather of one host.
 
+With one lane (``hierarchical_leader``) the same schedule is the leader form: a binomial
+reduce onto the host's first rank, one ring among those leaders on the whole data, a star
+broadcast in the host. It sends the same bytes across hosts in k times fewer messages
+but leaves the host's other ranks idle while its leader reduces and talks to the network
+(the two measured against each other: benchmarks/README.md).
+
 Each piece is reduced in one fixed order (lane tree, host ring, network ring) on one rank
 and copied from there, so every rank ends with the same bits. For large data the executor
 cuts every message into segments and keeps several in flight, each a run of the whole
@@ -206,15 +212,6 @@ def count_traffic(strategy: Strategy, work: Workload) -> Traffic:
 # --- the strategies -----------------------------------------------------------------------
 
 
-def lanes(work: Workload) -> tuple[int, int, int]:
-    """(H hosts, k lanes: the fewest ranks on one host, f: the most ranks of one lane on
-    one host) of a workload."""
-    ctx = work.context
-    counts = [len(ctx.ranks_on(h)) for h in range(ctx.nhosts)]
-    k = min(counts)
-    return ctx.nhosts, k, -(-max(counts) // k)
-
-
 class HierarchicalAllreduce(Strategy):
     name = "hierarchical"
     needs_hosts = True
@@ -225,9 +222,13 @@ class HierarchicalAllreduce(Strategy):
     def chunks(self, size: int) -> int:
         return size  # k blocks of H pieces each fit: k·H <= p
 
+    def lanes(self, per_host: list[int]) -> int:
+        """k, the lanes (blocks) given the ranks of every host: the smallest host's ranks."""
+        return min(per_host)
+
     def schedule(self, ctx: Context) -> Schedule:
         hosts = [ctx.ranks_on(h) for h in range(ctx.nhosts)]
-        k = min(len(ranks) for ranks in hosts)  # lanes: the smallest host's ranks
+        k = self.lanes([len(ranks) for ranks in hosts])
         mine, i = ctx.local_ranks, ctx.local_rank % k  # my host, my lane
         lane = ctx.within(mine[i::k])  # my lane's ranks on my host, its first the root
         yield from lane.steps(tree_reduce(lane.ctx))  # 0. (uneven hosts) onto the lane's first
@@ -242,9 +243,11 @@ class HierarchicalAllreduce(Strategy):
         yield from lane.steps(star_broadcast(lane.ctx))  # 4. (uneven hosts) to the lane
 
     def cost(self, work: Workload) -> Cost:
-        n, waves = work.nbytes, work.waves
-        hosts, k, f = lanes(work)
-        tree, star = lg(f), f - 1  # the lanes of uneven hosts
+        n, waves, ctx = work.nbytes, work.waves, work.context
+        per_host = [len(ctx.ranks_on(h)) for h in range(ctx.nhosts)]
+        hosts, k = len(per_host), self.lanes(per_host)
+        f = -(-max(per_host) // k)  # the most ranks of one lane on one host
+        tree, star = lg(f), f - 1  # the lanes of uneven hosts (of every host, with one lane)
         block = n / k
         host_ring, net_ring = k - 1, 2 * (hosts - 1)
         across = 2 * (hosts - 1) / hosts * n  # the k lanes of a host share its link
@@ -261,6 +264,16 @@ class HierarchicalAllreduce(Strategy):
 
     def traffic(self, work: Workload) -> Traffic:
         return count_traffic(self, work)
+
+
+class HierarchicalLeaderAllreduce(HierarchicalAllreduce):
+    name = "hierarchical_leader"
+    whole_messages = True  # the reduce and broadcast inside a host send every chunk at once
+    description = ("reduce in each host onto its first rank, ring allreduce among those "
+                   "leaders, broadcast in each host: the hierarchical allreduce with one lane")
+
+    def lanes(self, per_host: list[int]) -> int:
+        return 1
 
 
 class HierarchicalBroadcast(Strategy):
@@ -349,4 +362,5 @@ class HierarchicalAllgather(Strategy):
         return count_traffic(self, work)
 
 
-__all__ = ["HierarchicalAllgather", "HierarchicalAllreduce", "HierarchicalBroadcast"]
+__all__ = ["HierarchicalAllgather", "HierarchicalAllreduce", "HierarchicalBroadcast",
+           "HierarchicalLeaderAllreduce"]
