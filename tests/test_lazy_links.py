@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import p2pcoll
 from p2pcoll.testing import run_ranks
@@ -33,10 +35,13 @@ class Together:
         self.left = n
         self.all = asyncio.Event()
 
-    async def done(self) -> None:
+    def arrive(self) -> None:
         self.left -= 1
         if self.left == 0:
             self.all.set()
+
+    async def done(self) -> None:
+        self.arrive()
         await self.all.wait()
 
 
@@ -109,6 +114,9 @@ async def test_a_goodbye_reaches_peers_it_was_not_sent_to_and_data_before_it_arr
     before rank 3's own link delivers, still receives the message."""
     leaver, reader, other = 3, 15, 10
     together = Together(N - 1)
+    # rank 10's failed send breaks its group, which the others hear of: not before every
+    # one of them is past the first allreduce
+    first = Together(N - 1)
 
     async def fn(g: p2pcoll.Group) -> str:
         result = await part(g)
@@ -121,11 +129,13 @@ async def test_a_goodbye_reaches_peers_it_was_not_sent_to_and_data_before_it_arr
         if g.rank == leaver:
             await g.send(np.arange(5.0), reader)
             return "left"
+        first.arrive()
         if g.rank == reader:
             got = await g.recv(leaver, timeout=30)
             assert np.array_equal(got, np.arange(5.0))
             return "received"
         if g.rank == other:
+            await first.all.wait()
             for _ in range(200):
                 if leaver in g.session.peers.gone():
                     break
@@ -245,3 +255,54 @@ def test_a_bad_budget_is_refused_by_name() -> None:
         p2pcoll.Settings.resolve({}, max_links=3)
     assert p2pcoll.Settings.resolve({"P2PCOLL_MAX_LINKS": "0"}).max_links == 0
     assert p2pcoll.Settings.resolve({"P2PCOLL_MAX_LINKS": "4"}).max_links == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 40), st.data())
+def test_every_live_rank_stays_watched_whoever_has_gone(size: int, data: st.DataObject) -> None:
+    gone = data.draw(st.sets(st.integers(0, size - 1), max_size=size - 1))
+    live = [r for r in range(size) if r not in gone]
+    watched_by: dict[int, set[int]] = {r: set() for r in live}
+    for r in live:
+        mine = overlay.watched(r, size, gone=gone)
+        assert not set(mine) & gone and r not in mine
+        for peer in mine:
+            watched_by[peer].add(r)
+    for r in live:
+        assert watched_by[r] == set(overlay.watchers(r, size, gone=gone))
+        assert len(watched_by[r]) == min(overlay.WATCHED, len(live) - 1)
+
+
+async def test_a_run_of_consecutive_ranks_lost_at_once_is_found_one_after_another() -> None:
+    """Ranks 5, 6 and 7 crash together: 7's watchers (5 and 6) are gone with it, so no probe
+    of the formed group watches it. Rank 4, which watched 5 and 6, watches 7 and 8 in their
+    place; its new probe cannot reach 7's port, and every survivor learns of all three well
+    before the collective's deadline (60 s)."""
+    victims = {5, 6, 7}
+    died = asyncio.Event()
+    together = Together(N - len(victims))
+    crashed = Together(len(victims))
+
+    async def fn(g: p2pcoll.Group) -> float:
+        await g.allreduce(np.ones(4), strategy="ring")
+        if g.rank in victims:
+            await g.session.transport.aclose()  # no goodbye: gone as a crash would be
+            await crashed.done()
+            died.set()
+            return 0.0
+        await died.wait()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(p2pcoll.PeerLost) as lost:
+            await g.allreduce(np.ones(4), strategy="ring", timeout=60)
+        assert lost.value.rank in victims
+        while not victims <= set(g.session.peers.gone()) and loop.time() < start + 60:
+            await asyncio.sleep(0.05)
+        took = loop.time() - start
+        await together.done()
+        return took
+
+    results = await asyncio.wait_for(
+        run_ranks(N, fn, transport="ipc", heartbeat_timeout=2), 120)
+    survivors = [t for r, t in enumerate(results) if r not in victims]
+    assert max(survivors) < 30, survivors  # named by probes and news, not a deadline

@@ -156,6 +156,7 @@ class Session:
         self.matcher.peer_departed(rank)  # the receives waiting for it
         self.failures.peer_departed(rank)  # every operation that needs it, sends included
         self._progress.set()
+        self.transport.forget(rank)  # and watch another peer in its place (see overlay)
         self._spread(rank)
 
     def _spread(self, rank: int) -> None:

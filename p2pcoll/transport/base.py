@@ -143,6 +143,11 @@ class Transport(Protocol):
         """The peers this one has sent to, and those that watch it (see .overlay)."""
         ...
 
+    def forget(self, rank: int) -> None:
+        """``rank`` has gone: let go of what is kept for it, and watch another peer in its
+        place if it was watched (see .overlay)."""
+        ...
+
     async def aclose(self) -> None:
         """Stop delivering and release every resource; idempotent."""
         ...

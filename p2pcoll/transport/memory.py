@@ -232,6 +232,9 @@ class MemoryTransport:
         m = self.membership
         return (self._talked | set(overlay.watchers(m.rank, m.world_size))) - {m.rank}
 
+    def forget(self, rank: int) -> None:
+        """Nothing to let go of: the network tells every peer of a loss itself."""
+
     def broadcast(self, header: Header) -> None:
         assert self.membership is not None
         for peer in range(self.membership.world_size):

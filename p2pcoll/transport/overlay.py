@@ -11,10 +11,11 @@ new forwards it the same way, so the news reaches all ``p`` peers within about `
 hops, each peer sending ``log2 p`` messages per departure; a finger known to have gone is
 replaced by the next rank after it.
 
-What this does not see: a run of more than :data:`WATCHED` consecutive ranks lost together
-leaves the later ones with no live watcher; a collective that needs them then ends at its
-deadline, and the deadline's inquiry names them (they do not answer, see
-:mod:`p2pcoll.session.failure`).
+When a watched peer goes, its watchers watch the next live successor instead (``gone``
+below), so after every departure each live rank is watched by :data:`WATCHED` live
+predecessors again, however many consecutive ranks have gone: a run of lost ranks is found
+one after another, each as its predecessor's probe reaches it (a probe that cannot connect
+to a peer's port is a lost peer too).
 
 Everything here is arithmetic on ranks: no sockets, the same answer on every rank.
 """
@@ -29,24 +30,37 @@ WATCHED = 2
 """How many ring successors each rank watches (and so how many predecessors watch it)."""
 
 
-def watched(rank: int, size: int, count: int = WATCHED) -> list[int]:
-    """The ranks ``rank`` watches: its ``count`` ring successors (fewer in a small group).
+def watched(rank: int, size: int, count: int = WATCHED, gone: Collection[int] = ()
+            ) -> list[int]:
+    """The ranks ``rank`` watches: its ``count`` ring successors that have not ``gone``
+    (fewer in a small group).
 
-    >>> watched(0, 5), watched(4, 5), watched(1, 2)
-    ([1, 2], [0, 1], [0])
+    >>> watched(0, 5), watched(4, 5), watched(1, 2), watched(0, 8, gone={1, 2, 4})
+    ([1, 2], [0, 1], [0], [3, 5])
     """
-    _check(rank, size)
-    return [(rank + i) % size for i in range(1, min(count, size - 1) + 1)]
+    return _nearest(rank, size, count, gone, 1)
 
 
-def watchers(rank: int, size: int, count: int = WATCHED) -> list[int]:
-    """The ranks that watch ``rank``: its ``count`` ring predecessors.
+def watchers(rank: int, size: int, count: int = WATCHED, gone: Collection[int] = ()
+             ) -> list[int]:
+    """The ranks that watch ``rank``: its ``count`` ring predecessors that have not ``gone``.
 
-    >>> watchers(0, 5)
-    [4, 3]
+    >>> watchers(0, 5), watchers(0, 8, gone={7})
+    ([4, 3], [6, 5])
     """
+    return _nearest(rank, size, count, gone, -1)
+
+
+def _nearest(rank: int, size: int, count: int, gone: Collection[int], way: int) -> list[int]:
     _check(rank, size)
-    return [(rank - i) % size for i in range(1, min(count, size - 1) + 1)]
+    out: list[int] = []
+    for i in range(1, size):
+        if len(out) == count:
+            break
+        peer = (rank + way * i) % size
+        if peer not in gone:
+            out.append(peer)
+    return out
 
 
 def fingers(rank: int, size: int, gone: Collection[int] = ()) -> list[int]:

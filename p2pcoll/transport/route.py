@@ -131,6 +131,11 @@ class Routes:
         self._pinned = frozenset(pinned)
         self._end = end
 
+    def pin(self, peers: Collection[int]) -> None:
+        """The peers whose links always stay are these now (the watched ones change as
+        peers go)."""
+        self._pinned = frozenset(peers)
+
     def identity(self, generation: int = 0) -> bytes:
         """The identity of this peer's links of that generation (holds the secret)."""
         return link_identity(self._rank, self._secret, self._nonce, generation)
@@ -157,10 +162,14 @@ class Routes:
     def __len__(self) -> int:
         return len(self.routes)
 
-    def _open(self, dst: int) -> Route:
+    def check(self, dst: int) -> None:
+        """Raises ValueError unless ``dst`` is another member's rank."""
         if not 0 <= dst < len(self._endpoints) or dst == self._rank:
             raise ValueError(f"no link to rank {dst} (rank {self._rank} of "
                              f"{len(self._endpoints)})")
+
+    def _open(self, dst: int) -> Route:
+        self.check(dst)
         if self.budget and len(self.routes) >= self.budget:
             self._make_room()
         generation = self._generations.get(dst, 0)

@@ -158,7 +158,11 @@ class ZmqMesh:
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              linger=max(LINGER_MS, 2 * self.sockets.heartbeat_ms),
                              opened=self._opened)
-        self._probes: list[zmq.asyncio.Socket] = []  # heartbeat-only links to watched peers
+        # Heartbeat-only links to the watched peers, each with its monitor and the task
+        # reading that (see _probe).
+        self._probes: dict[int, tuple[zmq.asyncio.Socket, zmq.asyncio.Socket,
+                                      asyncio.Task[None]]] = {}
+        self._gone: set[int] = set()  # peers the session has told this one are gone
         self._peer_endpoints: tuple[str, ...] = ()
         self._hello: Header | None = None  # sent first on every link opened after greet()
         # The peers whose hellos the group's forming waits for (see hello_peers).
@@ -213,7 +217,7 @@ class ZmqMesh:
         self.routes.start(rank, secret, self._nonce, endpoints,
                           pinned=overlay.watched(rank, size),
                           end=encode_header(Header("end", group_id, rank)))
-        identity = self.identity = self.routes.identity()
+        self.identity = self.routes.identity()
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
@@ -256,14 +260,8 @@ class ZmqMesh:
             self.hello_peers = frozenset(overlay.watchers(rank, size))
             self._greeted = frozenset(overlay.watched(rank, size))
         if monitored:
-            # The probes' heartbeats see a watched peer that dies, freezes or is cut off
-            # (see mesh_probe); their monitors see a connection that closes at once.
             for peer in overlay.watched(rank, size):
-                probe = self.sockets.mesh_probe(identity + b"~probe")
-                self._probes.append(probe)
-                monitor = probe.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._tasks.append(asyncio.create_task(self._watch(peer, monitor)))
-                probe.connect(endpoints[peer])
+                self._probe(peer)
         self._tasks.append(asyncio.create_task(self._read()))
         if self._census is not None:
             # A member connects at most its link and, if it watches this peer, its probe:
@@ -274,8 +272,10 @@ class ZmqMesh:
             members = size - 1 + len(overlay.watchers(rank, size))
             successions = self._successions
 
-            def expected() -> int:  # and the later links of members that closed one
-                return members + successions.later_links
+            def expected() -> int:
+                # and the later links of members that closed one, and the probe of a new
+                # watcher after each departure (see forget)
+                return members + successions.later_links + len(self._gone)
 
             self._tasks.append(asyncio.create_task(self._census.watch(expected, refused,
                                                                       rank)))
@@ -290,6 +290,51 @@ class ZmqMesh:
         """How many heartbeat probes this peer keeps (the peers it watches)."""
         return len(self._probes)
 
+    def _probe(self, peer: int, *, late: bool = False) -> None:
+        """Watch ``peer``: the probe's heartbeats see it die, freeze or be cut off (see
+        mesh_probe); its monitor sees a connection that closes at once. A ``late`` probe,
+        opened after the group formed to replace a watched peer that has gone, also calls
+        the peer lost when it cannot connect at all (its port is gone: every peer's was
+        bound before the group formed)."""
+        assert self._peer_endpoints
+        probe = self.sockets.mesh_probe(self.identity + b"~probe")
+        events = zmq.EVENT_DISCONNECTED
+        if late:
+            events |= zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+        monitor = probe.get_monitor_socket(events)
+        self._probes[peer] = (probe, monitor, asyncio.create_task(self._watch(peer, monitor)))
+        probe.connect(self._peer_endpoints[peer])
+
+    def _unprobe(self, peer: int) -> None:
+        """Close a probe and its monitor. The monitor is stopped while its PAIR socket is
+        still open: libzmq sends a final event on stop, and a send to a PAIR whose reader
+        has closed blocks forever. Closed here, not by its task: a task cancelled before
+        it ran never runs its ``finally``."""
+        probe, monitor, task = self._probes.pop(peer)
+        probe.disable_monitor()
+        task.cancel()
+        probe.close(linger=0)
+        monitor.close(linger=0)
+
+    def forget(self, rank: int) -> None:
+        """``rank`` has gone (the session says so, whoever saw it first): let go of what
+        this peer kept for it, and if it was watched, watch the next live successor
+        instead (see :mod:`.overlay`), so that every live peer stays watched."""
+        if rank in self._gone or rank == self.rank or self._closed or self.rank < 0:
+            return
+        self._gone.add(rank)
+        if self._successions is not None:
+            self._successions.forget(rank)
+        size = len(self._peer_endpoints)
+        watched = overlay.watched(self.rank, size, gone=self._gone)
+        self.routes.pin(watched)
+        if rank in self._probes:
+            self._unprobe(rank)
+        if self._monitored:
+            for peer in watched:
+                if peer not in self._probes:
+                    self._probe(peer, late=True)
+
     def contacts(self) -> set[int]:
         """The peers this one has sent anything to (it opened a link to them, open still
         or closed for the budget) and those that watch it. A goodbye goes to them: what it
@@ -298,7 +343,8 @@ class ZmqMesh:
         if self.rank < 0:
             return set()
         size = len(self._peer_endpoints)
-        return (self.routes.contacts() | set(overlay.watchers(self.rank, size))) - {self.rank}
+        watchers = overlay.watchers(self.rank, size, gone=self._gone)
+        return (self.routes.contacts() | set(watchers)) - {self.rank}
 
     def _opened(self, route: Route) -> None:
         """A route's first link has opened: its first message is the hello once the group
@@ -356,8 +402,10 @@ class ZmqMesh:
         ring space reserved for the others stays taken until the group closes (the
         caller breaks the group on cancellation anyway).
         """
-        for dst in dsts:  # a bad rank fails before anything is sent
-            self._link(dst)
+        for dst in dsts:  # a bad rank fails before anything is sent (and opens nothing)
+            self.routes.check(dst)
+            if self._closed and dst not in self.routes.routes:
+                raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
         nbytes = [a.nbytes for a in payload]
         rings = self._rings
         near = rings.readers(dsts) if rings is not None else []
@@ -736,35 +784,32 @@ class ZmqMesh:
                 for n, at, k in zip(header.nbytes, header.shm[1], header.shm[2], strict=True)]
 
     async def _watch(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
+        connected = False
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                connected = connected or event == zmq.EVENT_CONNECTED
+                down = event == zmq.EVENT_DISCONNECTED or (
+                    event == zmq.EVENT_CONNECT_RETRIED and not connected)
+                if down and not self._closed:
                     self.on_link_down(peer)
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
-        finally:
-            monitor.close(linger=0)
 
     async def aclose(self) -> None:
         """Stop reading and close every socket; queued outgoing messages get LINGER_MS."""
         if self._closed:
             return
         self._closed = True
-        # Stop the monitors while their PAIR sockets are still open: libzmq sends a final
-        # event on stop, and a send to a PAIR whose peer has closed blocks forever.
-        if self._monitored:
-            for sock in self._probes:
-                sock.disable_monitor()
+        watching = [task for _, _, task in self._probes.values()]
+        for peer in list(self._probes):
+            self._unprobe(peer)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *watching, return_exceptions=True)
         if self._census is not None:
             self._census.stop()
         self.routes.close()
-        for probe in self._probes:
-            probe.close(linger=0)
-        self._probes.clear()
         if self._rings is not None:
             self._rings.close()
         if self.board is not None:
