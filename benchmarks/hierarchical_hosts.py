@@ -24,9 +24,12 @@ time is the slowest rank's, and the table gives the median, as busbw (allreduce:
 whose tcp constants are the emulated link's (alpha: the relay's round trip, beta: the
 rate), so ``auto`` prices the topology it runs on.
 
-Run as root (namespaces): ``python benchmarks/hierarchical_hosts.py`` (all of it: about 15
+Run as root (namespaces): ``python benchmarks/hierarchical_hosts.py`` (all of it: about 10
 minutes on 2 cores), or ``--quick`` (16 MiB only, 2 iterations, a few minutes). Times on a
 2-core machine running 16 peers are CPU-bound and noisy; the bytes are not.
+``--allreduce``/``--broadcast`` choose the strategies (an empty list skips the collective),
+and ``--plugin MODULE:CLASS`` registers a strategy class in every worker first, to compare
+one that has no entry point (the module on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -236,11 +239,11 @@ def table(hosts: int, per_host: int, args: argparse.Namespace, times: dict[str, 
         for collective, names in (("allreduce", args.allreduce),
                                   ("broadcast", args.broadcast)):
             got = {s: times[f"{collective} {s} {nbytes}"] for s in names}
+            if not got:
+                continue
             gloo = times.get(f"{collective} gloo {nbytes}")
             if gloo is not None:
                 got["gloo"] = gloo
-            if not got:
-                continue
             flat = min((t for s, t in got.items() if s in FLAT), default=None)
             for s, t in got.items():
                 name = s if s != "auto" else f"auto ({picked.get(f'{collective} {nbytes}')})"

@@ -31,11 +31,11 @@ steps above, and each hands the result back to the rest of its lane (a star). Wi
 rank per host this is the flat ring; on one host, the ring reduce-scatter and the
 allgather of one host.
 
-With one lane (``hierarchical_leader``) the same schedule is the leader form: a binomial
-reduce onto the host's first rank, one ring among those leaders on the whole data, a star
-broadcast in the host. It sends the same bytes across hosts in k times fewer messages
-but leaves the host's other ranks idle while its leader reduces and talks to the network
-(the two measured against each other: benchmarks/README.md).
+With one lane (``lanes()`` returning 1) the same schedule is the leader form (p2pcoll
+0.10's): a binomial reduce onto the host's first rank, one ring among those leaders on the
+whole data, a star broadcast in the host. It sends the same bytes across hosts in k times
+fewer messages but leaves the other ranks idle while the leader reduces and talks to the
+network; measured against each other it was slower in every case (benchmarks/README.md).
 
 Each piece is reduced in one fixed order (lane tree, host ring, network ring) on one rank
 and copied from there, so every rank ends with the same bits. For large data the executor
@@ -223,7 +223,8 @@ class HierarchicalAllreduce(Strategy):
         return size  # k blocks of H pieces each fit: k·H <= p
 
     def lanes(self, per_host: list[int]) -> int:
-        """k, the lanes (blocks) given the ranks of every host: the smallest host's ranks."""
+        """k, the lanes (blocks) given the ranks of every host: the smallest host's ranks
+        (1 would make this the leader form)."""
         return min(per_host)
 
     def schedule(self, ctx: Context) -> Schedule:
@@ -264,16 +265,6 @@ class HierarchicalAllreduce(Strategy):
 
     def traffic(self, work: Workload) -> Traffic:
         return count_traffic(self, work)
-
-
-class HierarchicalLeaderAllreduce(HierarchicalAllreduce):
-    name = "hierarchical_leader"
-    whole_messages = True  # the reduce and broadcast inside a host send every chunk at once
-    description = ("reduce in each host onto its first rank, ring allreduce among those "
-                   "leaders, broadcast in each host: the hierarchical allreduce with one lane")
-
-    def lanes(self, per_host: list[int]) -> int:
-        return 1
 
 
 class HierarchicalBroadcast(Strategy):
@@ -362,5 +353,4 @@ class HierarchicalAllgather(Strategy):
         return count_traffic(self, work)
 
 
-__all__ = ["HierarchicalAllgather", "HierarchicalAllreduce", "HierarchicalBroadcast",
-           "HierarchicalLeaderAllreduce"]
+__all__ = ["HierarchicalAllgather", "HierarchicalAllreduce", "HierarchicalBroadcast"]

@@ -51,16 +51,6 @@ def hierarchical(collective: str) -> Strategy:
     return registry.get(collective, "hierarchical")
 
 
-def leader() -> Strategy:
-    """The hierarchical allreduce with one lane (not registered unless the lead adds its
-    entry point: built here)."""
-    from p2pcoll_plugins.hierarchical import HierarchicalLeaderAllreduce
-
-    return HierarchicalLeaderAllreduce()
-
-
-ALLREDUCES = {"hierarchical": lambda: hierarchical("allreduce"), "hierarchical_leader": leader}
-
 
 def simulate(strategy: Strategy, hosts: tuple[int, ...], root: int, nelem: int,
              monkeypatch: pytest.MonkeyPatch, dtype: type = np.int64) -> Any:
@@ -84,31 +74,22 @@ def test_every_layout_every_root_meets_the_contract(
                     simulate(strategy, hosts, root, nelem, monkeypatch)
 
 
-def test_the_leader_form_meets_the_contract_on_every_layout(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    for p in range(1, 13):
-        for hosts in layouts(p):
-            for nelem in (0, 1, 7, 100):
-                simulate(leader(), hosts, 0, nelem, monkeypatch)
-
-
-@pytest.mark.parametrize("name", ALLREDUCES)
 @pytest.mark.parametrize("hosts", [(0, 0, 0, 1, 1, 1, 2, 2, 2), (0, 1, 0, 1, 0, 1, 2),
-                                   (0, 0, 0, 0, 0, 1), (0, 1, 2, 3, 4)])
+                                   (0, 0, 0, 0, 0, 1), (0, 0, 1, 1, 1, 1, 1, 2, 2, 2),
+                                   (0, 1, 2, 3, 4)])
 def test_allreduce_is_bitwise_identical_on_every_rank(
-        name: str, hosts: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
-    _, data = simulate(ALLREDUCES[name](), hosts, 0, 1001, monkeypatch, np.float32)
+        hosts: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, data = simulate(hierarchical("allreduce"), hosts, 0, 1001, monkeypatch, np.float32)
     # float32 sums in different orders differ in their last bits; these must not
     first = np.concatenate(data[0])
     for chunks in data[1:]:
         assert np.concatenate(chunks).tobytes() == first.tobytes()
 
 
-@pytest.mark.parametrize("collective", [*COLLECTIVES, "hierarchical_leader"])
+@pytest.mark.parametrize("collective", COLLECTIVES)
 def test_traffic_is_what_the_schedules_send(
         collective: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    strategy = leader() if collective == "hierarchical_leader" else hierarchical(collective)
-    collective = strategy.collective
+    strategy = hierarchical(collective)
     for hosts in [(0, 0, 1, 1), (0, 0, 0, 1, 1, 2, 2, 2), (0, 1, 0, 1, 2, 2, 0)]:
         p, nelem = len(hosts), 24
         moved, _ = simulate(strategy, hosts, 0, nelem, monkeypatch)
@@ -204,29 +185,20 @@ async def _counted(hosts: tuple[int, ...], fn: Any) -> tuple[list[Any], dict[int
     return list(results), crossed
 
 
-@pytest.mark.parametrize("name", ALLREDUCES)
 @pytest.mark.parametrize("hosts", [(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
                                    (0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                    (0, 1, 2, 0, 1, 2, 0, 1, 2)])
-async def test_allreduce_traffic_per_level_is_the_cost_models(
-        name: str, hosts: tuple[int, ...]) -> None:
+async def test_allreduce_traffic_per_level_is_the_cost_models(hosts: tuple[int, ...]) -> None:
     p, nhosts = len(hosts), max(hosts) + 1
-    strategy = ALLREDUCES[name]()
-    added = name not in registry.available()["allreduce"]
-    if added:  # the leader form, unless its entry point is installed
-        registry.register(type(strategy), "tests/test_hierarchical.py")
+    strategy = hierarchical("allreduce")
     count = 64 * p  # elements: the ring's blocks are exact
     inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32)
               for r in range(p)]
 
     async def fn(g: p2pcoll.Group, rank: int) -> np.ndarray:
-        return await g.allreduce(inputs[rank], strategy=name)
+        return await g.allreduce(inputs[rank], strategy="hierarchical")
 
-    try:
-        results, crossed = await _counted(hosts, fn)
-    finally:
-        if added:
-            registry.unregister("allreduce", name)
+    results, crossed = await _counted(hosts, fn)
     for r in results[1:]:
         assert r.tobytes() == results[0].tobytes()
     np.testing.assert_allclose(results[0], np.sum(inputs, axis=0), rtol=1e-4, atol=1e-4)
@@ -235,7 +207,7 @@ async def test_allreduce_traffic_per_level_is_the_cost_models(
     work = model.workload(strategy, count * 4, p, 4)
     cost = strategy.cost(work)
     assert work.segments == 1
-    k = p // nhosts if name == "hierarchical" else 1  # the lanes
+    k = p // nhosts  # the lanes
     for h in range(nhosts):
         messages, nbytes, _, _ = crossed[h]
         # every lane runs a ring across hosts on its 1/k of the data: 2(H-1) rounds of
