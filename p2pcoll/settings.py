@@ -306,9 +306,9 @@ class Settings:
         if "spin_us" in given:
             _check_int(given["spin_us"], "spin_us=", 0, 10_000)
         if "max_links" in given:
-            _check_int(given["max_links"], "max_links=", 0)
-            if 0 < given["max_links"] < MIN_LINKS:
-                raise bad_value("max_links=", given["max_links"], _LINKS_ALLOWED)
+            links = given["max_links"]
+            if not (type(links) is int and (links == 0 or MIN_LINKS <= links <= 1 << 20)):
+                raise bad_value("max_links=", links, _LINKS_ALLOWED)
         if given.get("timeline"):  # made a str by resolve()
             check_path(given["timeline"], "timeline=")
         if "heartbeat_timeout" in given:

@@ -56,7 +56,7 @@ def test_identities_round_trip_and_refuse_other_forms() -> None:
     # a secret may hold '@': the nonce and generation are the last fields
     assert parse_identity(link_identity(1, "a@b", "n", 0)) == (b"1@a@b", b"n", 0)
     for bad in (b"", b"3", b"3@s3cret@nonce", b"3@s@@0", b"3@s@n@x", b"3@s@n@-1",
-                b"3@s@n@0~probe", b"3@s@n@" + b"9" * 10):
+                b"3@s@n@0~probe", b"3@s@n@" + b"9" * 19):
         assert parse_identity(bad) is None, bad
 
 
@@ -138,3 +138,17 @@ def test_any_interleaving_is_handed_on_in_the_order_sent(
     sent = [m for g in gens for m in g if m != "end"]
     assert [m for _, m in r.got] == sent
     assert r.dropped == []
+
+
+def test_what_later_links_hold_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(links, "MAX_HELD_BYTES", 10)
+    got: list[object] = []
+    dropped: list[ProtocolError] = []
+    s: Successions[str] = Successions(CLAIMS, release=lambda r, i, ms: got.extend(ms),
+                                      drop=lambda who, e: dropped.append(e), size=len)
+    assert s.arrive(ident(1, 0), "a") == 1
+    for m in ("1234", "5678", "90", "x"):  # 4 + 4 + 2 = 10 bytes held, then no more
+        assert s.arrive(ident(1, 1), m) is None
+    assert [e.reason for e in dropped] == ["oversize"] and "MiB" in str(dropped[0])
+    s.end(1)
+    assert got == ["1234", "5678", "90"]

@@ -50,7 +50,6 @@ def kill_one_and_check(job: Job, victim: int) -> list[dict[str, Any]]:
     (job.tmp / "go").touch()
     survivors = [r for r in range(job.n) if r != victim]
     after = job.wait_for("after", survivors, timeout=120)
-    (job.tmp / "done").touch()
     for report in after:
         assert report["error"].startswith("PeerLost"), report
         assert f"rank {victim}" in report["error"], report

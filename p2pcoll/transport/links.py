@@ -29,12 +29,16 @@ from typing import Generic, TypeVar
 
 from ..errors import ProtocolError
 
-__all__ = ["MAX_HELD", "Successions", "link_identity", "parse_identity"]
+__all__ = ["MAX_HELD", "MAX_HELD_BYTES", "Successions", "link_identity", "parse_identity"]
 
 Message = TypeVar("Message")
 
 MAX_HELD = 1 << 16
 """Messages of later links held for one sender, at most (beyond: dropped and counted)."""
+MAX_HELD_BYTES = 256 << 20
+"""Their bytes, at most. A later link's messages are held only while the tail of the one
+before is read, which the receiver reads as fast (one ROUTER reads its connections in
+turn): about a link's queue of them (its high-water mark)."""
 
 
 def link_identity(rank: int, secret: str, nonce: str, generation: int = 0) -> bytes:
@@ -58,7 +62,7 @@ def parse_identity(identity: bytes) -> tuple[bytes, bytes, int] | None:
     (True, True)
     """
     parts = identity.rsplit(b"@", 2)
-    if len(parts) != 3 or not parts[1] or not parts[2].isdigit() or len(parts[2]) > 9:
+    if len(parts) != 3 or not parts[1] or not parts[2].isdigit() or len(parts[2]) > 18:
         return None
     return parts[0], parts[1], int(parts[2])
 
@@ -67,12 +71,13 @@ class _Sender(Generic[Message]):
     """What this peer knows of one member's links: its nonce, the generation being read,
     and the messages of later generations waiting for their turn."""
 
-    __slots__ = ("held", "nonce", "reading")
+    __slots__ = ("held", "held_bytes", "nonce", "reading")
 
     def __init__(self, nonce: bytes) -> None:
         self.nonce = nonce
         self.reading = 0  # the generation whose messages are handed on now
         self.held: dict[int, tuple[bytes, deque[Message]]] = {}  # generation -> its messages
+        self.held_bytes = 0
 
 
 class Successions(Generic[Message]):
@@ -91,6 +96,7 @@ class Successions(Generic[Message]):
             identity is now the rank's current link); hand these on in order.
         drop: ``drop(source, error)``: count and log a dropped message (source: a rank, or
             a short name of a link that is no member's).
+        size: the bytes of a message (for the bound on what is held).
     """
 
     def __init__(
@@ -98,10 +104,12 @@ class Successions(Generic[Message]):
         claims: dict[bytes, int],
         release: Callable[[int, bytes, list[Message]], None],
         drop: Callable[[object, ProtocolError], None],
+        size: Callable[[Message], int] = lambda message: 0,
     ) -> None:
         self.claims = claims
         self.release = release
         self.drop = drop
+        self.size = size
         self._senders: dict[int, _Sender[Message]] = {}
         self.current: dict[int, bytes] = {}  # rank -> the identity of its link read now
         self.later_links = 0  # links heard of members' later generations (not their first)
@@ -144,12 +152,16 @@ class Successions(Generic[Message]):
             self.later_links += 1
         elif held[0] != identity:  # cannot be: the generation is in the identity
             raise AssertionError("one generation, two identities")
-        if sum(len(q) for _, q in sender.held.values()) >= MAX_HELD:
+        nbytes = self.size(message)
+        if (sum(len(q) for _, q in sender.held.values()) >= MAX_HELD
+                or sender.held_bytes + nbytes > MAX_HELD_BYTES):
             self.drop(rank, ProtocolError(
-                f"rank {rank} sent more than {MAX_HELD} messages on later links before "
-                f"its link {sender.reading} ended", reason="oversize"))
+                f"rank {rank} sent more than {MAX_HELD} messages or {MAX_HELD_BYTES >> 20} "
+                f"MiB on later links before its link {sender.reading} ended",
+                reason="oversize"))
             return None
         held[1].append(message)
+        sender.held_bytes += nbytes
         return None
 
     def end(self, rank: int) -> None:
@@ -162,6 +174,7 @@ class Successions(Generic[Message]):
         held = sender.held.pop(sender.reading, None)
         if held is not None:
             identity, messages = held
+            sender.held_bytes -= sum(self.size(m) for m in messages)
             self.current[rank] = identity
             self.release(rank, identity, list(messages))
 
@@ -170,3 +183,4 @@ class Successions(Generic[Message]):
         sender = self._senders.get(rank)
         if sender is not None:
             sender.held.clear()
+            sender.held_bytes = 0

@@ -15,10 +15,19 @@ and it carries no lane (whose order rests on the link's markers). Its last messa
 :mod:`.links`), which the receiver reads only after that ``end``: the peer's messages stay in
 the order they were sent. When every link must stay, the budget is exceeded rather than
 waited for. A link closed for the budget is not a lost peer.
+
+A closed link *drains*: what it still queues (up to its high-water mark) must reach a
+receiver that may not be reading just then (a long step of its own), so no linger would
+do. The receiver answers the ``end`` on the same connection once it has read it, and only
+then is the socket closed (or when the peer is gone, or this peer closes). Until then it
+holds its descriptors and counts against the budget. A peer whose last link was answered
+has read everything this one sent it: a goodbye need not go to it (:meth:`Routes.contacts`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
@@ -97,22 +106,23 @@ class Routes:
     Args:
         sockets: makes the links.
         counters: ``links_opened`` and ``links_closed`` are counted here.
-        budget: the most links kept open (0: no bound).
-        linger: how long, in ms, what a link closed for the budget still queues may go out.
+        budget: the most links kept open (0: no bound), draining ones included.
         opened: called with each route whose first link has just opened (this peer's
             hello goes first on it).
     """
 
-    def __init__(self, sockets: SocketFactory, counters: Counters, budget: int, linger: int,
+    def __init__(self, sockets: SocketFactory, counters: Counters, budget: int,
                  opened: Callable[[Route], None]) -> None:
         if budget and budget < MIN_LINKS:
             raise ValueError(f"a link budget of {budget} is below {MIN_LINKS}")
         self.sockets = sockets
         self.counters = counters
         self.budget = budget
-        self.linger = linger
         self.opened = opened
         self.routes: dict[int, Route] = {}
+        # Links closed for the budget whose end the peer has not answered yet, each with
+        # the task that waits for the answer: (peer, generation) -> (route, task).
+        self.draining: dict[tuple[int, int], tuple[Route, asyncio.Task[None]]] = {}
         self._generations: dict[int, int] = {}  # peer -> links opened to it so far
         self._clock = 0
         self._secret = self._nonce = ""
@@ -156,11 +166,21 @@ class Routes:
         return route
 
     def contacts(self) -> set[int]:
-        """Every peer this one has opened a link to, closed since or not."""
-        return set(self._generations)
+        """The peers that may not have read everything this one sent them: those it has
+        a link to, and those whose closed link has not drained."""
+        return set(self.routes) | {peer for peer, _ in self.draining}
 
     def __len__(self) -> int:
         return len(self.routes)
+
+    def forget(self, peer: int) -> None:
+        """``peer`` has gone: its draining links close now, whatever they still queue (it
+        will not answer their ends). Its open link stays: what goes on it now says why
+        (an abort, a goodbye) to a peer that may only seem gone (a cut connection)."""
+        for key in [key for key in self.draining if key[0] == peer]:
+            drained, task = self.draining.pop(key)
+            task.cancel()
+            drained.link.close(linger=0)
 
     def check(self, dst: int) -> None:
         """Raises ValueError unless ``dst`` is another member's rank."""
@@ -170,7 +190,7 @@ class Routes:
 
     def _open(self, dst: int) -> Route:
         self.check(dst)
-        if self.budget and len(self.routes) >= self.budget:
+        if self.budget and len(self.routes) + len(self.draining) >= self.budget:
             self._make_room()
         generation = self._generations.get(dst, 0)
         link = self.sockets.mesh_link(self.identity(generation))
@@ -191,12 +211,28 @@ class Routes:
             if not route.send_now(self._end):  # its queue is full: it is busy
                 continue
             del self.routes[route.peer]
-            route.link.close(linger=self.linger)
+            key = (route.peer, route.generation)
+            self.draining[key] = (route, asyncio.create_task(self._drain(key, route)))
             self.counters.links_closed += 1
             return
 
-    def close(self) -> None:
-        """Close every link (what they queue gets the factory's linger)."""
+    async def _drain(self, key: tuple[int, int], route: Route) -> None:
+        """Close a link once its peer has answered its end (see the module docstring)."""
+        with contextlib.suppress(zmq.ZMQError):
+            await route.link.recv()  # the peer answers nothing else on a link
+            route.link.close(linger=0)
+        self.draining.pop(key, None)
+
+    def close(self) -> list[asyncio.Task[None]]:
+        """Close every link (what they queue gets the factory's linger); the tasks that
+        waited for draining links, cancelled, to be awaited."""
         for route in self.routes.values():
             route.link.close()
         self.routes.clear()
+        tasks = []
+        for route, task in self.draining.values():
+            task.cancel()
+            route.link.close()
+            tasks.append(task)
+        self.draining.clear()
+        return tasks

@@ -67,7 +67,7 @@ from .malloc import tune_malloc
 from .links import Successions
 from .ordering import LaneReceiver, LaneSender
 from .route import Route, Routes
-from .sockets import LINGER_MS, LinkCensus, SocketFactory
+from .sockets import LinkCensus, SocketFactory
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -156,7 +156,6 @@ class ZmqMesh:
         self._router: zmq.asyncio.Socket | None = None
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
-                             linger=max(LINGER_MS, 2 * self.sockets.heartbeat_ms),
                              opened=self._opened)
         # Heartbeat-only links to the watched peers, each with its monitor and the task
         # reading that (see _probe).
@@ -213,7 +212,8 @@ class ZmqMesh:
         self._ranks = {}
         self._successions = Successions(
             {b"%d@%s" % (r, secret.encode()): r for r in range(size) if r != rank},
-            release=self._release, drop=self.drops.drop)
+            release=self._release, drop=self.drops.drop,
+            size=lambda frames: sum(len(f) for f in frames))
         self.routes.start(rank, secret, self._nonce, endpoints,
                           pinned=overlay.watched(rank, size),
                           end=encode_header(Header("end", group_id, rank)))
@@ -323,6 +323,7 @@ class ZmqMesh:
         if rank in self._gone or rank == self.rank or self._closed or self.rank < 0:
             return
         self._gone.add(rank)
+        self.routes.forget(rank)
         if self._successions is not None:
             self._successions.forget(rank)
         size = len(self._peer_endpoints)
@@ -641,14 +642,22 @@ class ZmqMesh:
                     f"rank {source} moved {'to' if marker else 'off'} a lane out of turn"))
 
     def _on_end(self, header: Header) -> None:
-        """A member's link has ended (closed for its link budget): read its next one,
-        whatever came on that one meanwhile first."""
+        """A member's link has ended (closed for its link budget): answer on it, so that
+        its sender may close it (see .route), and read its next one, whatever came on that
+        one meanwhile first."""
         successions = self._successions
         if successions is None:
             return
         ended = successions.current.get(header.src)
         if ended is not None:
             del self._ranks[ended]
+            reading = self._reading
+            if reading is not None:
+                try:  # a ROUTER drops what it cannot route at once: this never waits
+                    reading[0].send_multipart([ended, b"ended"], _NOBLOCK)
+                except zmq.ZMQError as exc:
+                    log.debug("rank %d: end of rank %d's link not answered: %s", self.rank,
+                              header.src, exc)
         successions.end(header.src)
 
     def _release(self, rank: int, identity: bytes, messages: list[list[zmq.Frame]]) -> None:
@@ -806,10 +815,10 @@ class ZmqMesh:
             self._unprobe(peer)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *watching, return_exceptions=True)
+        draining = self.routes.close()
+        await asyncio.gather(*self._tasks, *watching, *draining, return_exceptions=True)
         if self._census is not None:
             self._census.stop()
-        self.routes.close()
         if self._rings is not None:
             self._rings.close()
         if self.board is not None:
