@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,7 @@ class Route:
         self.generation = generation
         self.waiting = 0  # sends that wait for room in the link's queue
         self.lane: LaneSender[Sequence[Buffer]] | None = None  # once the peer's lane is ready
-        self.used = 0  # when it last sent (the table's clock): least recently used goes first
+        self.used = 0  # when it last sent (Routes.clock): the least recently used goes first
 
     async def put(self, frames: list[object]) -> None:
         """Queue one message on the link: at once when its queue has room, which is the
@@ -124,7 +125,7 @@ class Routes:
         # the task that waits for the answer: (peer, generation) -> (route, task).
         self.draining: dict[tuple[int, int], tuple[Route, asyncio.Task[None]]] = {}
         self._generations: dict[int, int] = {}  # peer -> links opened to it so far
-        self._clock = 0
+        self.clock = itertools.count(1)  # ticks of use: Route.used
         self._secret = self._nonce = ""
         self._rank = -1
         self._endpoints: tuple[str, ...] = ()
@@ -161,8 +162,7 @@ class Routes:
         route = self.routes.get(dst)
         if route is None:
             route = self._open(dst)
-        self._clock += 1
-        route.used = self._clock
+        route.used = next(self.clock)
         return route
 
     def contacts(self) -> set[int]:

@@ -403,10 +403,12 @@ class ZmqMesh:
         ring space reserved for the others stays taken until the group closes (the
         caller breaks the group on cancellation anyway).
         """
+        table = self.routes.routes
         for dst in dsts:  # a bad rank fails before anything is sent (and opens nothing)
-            self.routes.check(dst)
-            if self._closed and dst not in self.routes.routes:
-                raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
+            if dst not in table:
+                self.routes.check(dst)
+                if self._closed:
+                    raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
         nbytes = [a.nbytes for a in payload]
         rings = self._rings
         near = rings.readers(dsts) if rings is not None else []
@@ -488,11 +490,13 @@ class ZmqMesh:
             PeerLost: this peer has closed.
             ValueError: ``dst`` is no other member's rank.
         """
-        route = self.routes.routes.get(dst)
+        routes = self.routes
+        route = routes.routes.get(dst)
         if route is None:
             if self._closed:
                 raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
-            return self.routes.get(dst)
+            return routes.get(dst)
+        route.used = next(routes.clock)  # for the budget: the least recently used goes first
         return route
 
     def post(self, dst: int, header: Header) -> None:
