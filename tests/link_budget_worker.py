@@ -66,7 +66,8 @@ def links(g: p2pcoll.Group) -> dict[str, Any]:
     return {"open": stats["links_opened"] - stats["links_closed"],
             "opened": stats["links_opened"], "closed": stats["links_closed"],
             "links": sorted(routes), "pinned": sorted(pinned),
-            "refused": stats["links_refused"], "dropped": stats["messages_dropped"]}
+            "refused": stats["links_refused"], "dropped": stats["messages_dropped"],
+            "dropped_by": stats["messages_dropped_by_reason"]}
 
 
 async def collectives(g: p2pcoll.Group, where: str) -> None:

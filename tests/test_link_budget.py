@@ -79,9 +79,9 @@ class Job(PeerProcesses):
 def check_clean(report: dict[str, Any]) -> None:
     """A reopened link is a member's link: no connection refused, nothing dropped."""
     final = report["final"]
-    assert final["refused"] == 0, report
-    assert final["dropped"] == 0, report
-    assert final["open"] == len(final["links"]), report
+    assert final["refused"] == 0, (report["rank"], final)
+    assert final["dropped"] == 0, (report["rank"], final)
+    assert final["open"] == len(final["links"]), (report["rank"], final)
 
 
 def test_a_budget_of_four_holds_through_every_root(tmp_path: Path) -> None:
