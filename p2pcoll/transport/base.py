@@ -140,7 +140,12 @@ class Transport(Protocol):
         ...
 
     def contacts(self) -> set[int]:
-        """The peers this one has sent to, and those that watch it (see .overlay)."""
+        """The peers that may not have read everything this one sent them
+        (:meth:`unread`), and those that watch it (see .overlay)."""
+        ...
+
+    def unread(self) -> set[int]:
+        """The peers that may not have read everything this one sent them."""
         ...
 
     def forget(self, rank: int) -> None:

@@ -232,6 +232,10 @@ class MemoryTransport:
         m = self.membership
         return (self._talked | set(overlay.watchers(m.rank, m.world_size))) - {m.rank}
 
+    def unread(self) -> set[int]:
+        """The peers sent to: what was sent may still be on its way."""
+        return set(self._talked)
+
     def forget(self, rank: int) -> None:
         """Nothing to let go of: the network tells every peer of a loss itself."""
 

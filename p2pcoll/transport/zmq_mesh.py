@@ -345,7 +345,12 @@ class ZmqMesh:
             return set()
         size = len(self._peer_endpoints)
         watchers = overlay.watchers(self.rank, size, gone=self._gone)
-        return (self.routes.contacts() | set(watchers)) - {self.rank}
+        return (self.unread() | set(watchers)) - {self.rank}
+
+    def unread(self) -> set[int]:
+        """The peers that may not have read everything this peer sent them: those it has a
+        link to, and those whose closed link has not drained (see .route)."""
+        return self.routes.contacts()
 
     def _opened(self, route: Route) -> None:
         """A route's first link has opened: its first message is the hello once the group
