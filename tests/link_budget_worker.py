@@ -66,6 +66,8 @@ def links(g: p2pcoll.Group) -> dict[str, Any]:
     return {"open": stats["links_opened"] - stats["links_closed"],
             "opened": stats["links_opened"], "closed": stats["links_closed"],
             "links": sorted(routes), "pinned": sorted(pinned),
+            # closed links whose end the peer has not answered yet (their sockets are open)
+            "draining": len(mesh.routes.draining),
             "refused": stats["links_refused"], "dropped": stats["messages_dropped"],
             "dropped_by": stats["messages_dropped_by_reason"]}
 
@@ -107,7 +109,10 @@ async def collectives(g: p2pcoll.Group, where: str) -> None:
     if not np.array_equal(total, np.arange(1000, dtype=np.float64) * p + p * (p - 1) / 2):
         wrong.append("ring allreduce")
     note("ring allreduce")
-    say(ready={"rank": r, "wrong": wrong, "notes": notes, "final": links(g)})
+    final = links(g)
+    await asyncio.sleep(1.0)  # the peers answer the ends of the links closed last
+    say(ready={"rank": r, "wrong": wrong, "notes": notes, "final": final,
+               "settled": links(g)})
     await wait_for_file(os.path.join(where, "done"))
 
 
