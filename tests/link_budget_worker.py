@@ -78,7 +78,7 @@ async def collectives(g: p2pcoll.Group, where: str) -> None:
     notes: list[dict[str, Any]] = []
 
     def note(call: str) -> None:
-        notes.append({"call": call, **links(g)})
+        notes.append({"call": call, "fds": len(os.listdir("/proc/self/fd")), **links(g)})
 
     large = np.arange(100_000, dtype=np.float64)  # 800 KB: sent zero-copy
     for root in range(p):
@@ -112,7 +112,7 @@ async def collectives(g: p2pcoll.Group, where: str) -> None:
     final = links(g)
     await asyncio.sleep(1.0)  # the peers answer the ends of the links closed last
     say(ready={"rank": r, "wrong": wrong, "notes": notes, "final": final,
-               "settled": links(g)})
+               "settled": {"fds": len(os.listdir("/proc/self/fd")), **links(g)}})
     await wait_for_file(os.path.join(where, "done"))
 
 

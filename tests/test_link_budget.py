@@ -104,10 +104,12 @@ def test_a_budget_of_four_holds_through_every_root(tmp_path: Path) -> None:
     closed = sorted(r["final"]["closed"] for r in ready)
     sockets = max(n["open"] + n["draining"] for r in ready for n in r["notes"])
     settled = max(r["settled"]["draining"] for r in ready)
+    fds = max(n["fds"] for r in ready for n in r["notes"])
+    fds_settled = max(r["settled"]["fds"] for r in ready)
     print(f"\np={N}, budget {BUDGET}: links opened per peer {opened[0]}..{opened[-1]}, "
           f"closed {closed[0]}..{closed[-1]}; at most {sockets} link sockets on a peer after "
           f"a call, draining ones included; a second after the last call at most {settled} "
-          f"draining")
+          f"draining; descriptors of a peer at most {fds} after a call, {fds_settled} settled")
 
 
 def test_on_one_host_only_pinned_links_exceed_the_budget(tmp_path: Path) -> None:
