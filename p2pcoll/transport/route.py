@@ -20,8 +20,10 @@ A closed link *drains*: what it still queues (up to its high-water mark) must re
 receiver that may not be reading just then (a long step of its own), so no linger would
 do. The receiver answers the ``end`` on the same connection once it has read it, and only
 then is the socket closed (or when the peer is gone, or this peer closes). Until then it
-holds its descriptors and counts against the budget. A peer whose last link was answered
-has read everything this one sent it: a goodbye need not go to it (:meth:`Routes.contacts`).
+holds its descriptors and counts against the budget: a send that needs a new link waits
+while the budget is full of draining links (:meth:`Routes.room`). A peer whose last link
+was answered has read everything this one sent it: a goodbye need not go to it
+(:meth:`Routes.contacts`).
 """
 
 from __future__ import annotations
@@ -181,6 +183,16 @@ class Routes:
             drained, task = self.draining.pop(key)
             task.cancel()
             drained.link.close(linger=0)
+
+    async def room(self) -> None:
+        """Wait while the budget is full and some of it drains: until a closed link's peer
+        has answered (a root that sends to every peer in turn would otherwise hold a
+        draining link to each). Sends wait here; control messages (:meth:`get` from a
+        callback) do not, and may exceed the budget."""
+        while (self.budget and self.draining
+               and len(self.routes) + len(self.draining) >= self.budget):
+            await asyncio.wait([task for _, task in self.draining.values()],
+                               return_when=asyncio.FIRST_COMPLETED)
 
     def check(self, dst: int) -> None:
         """Raises ValueError unless ``dst`` is another member's rank."""

@@ -444,6 +444,8 @@ class ZmqMesh:
                 header.shm = [outbox.name, offsets, indices]
             head = encode_header(header)
             c = self.counters
+            if dst not in self.routes.routes:
+                await self.routes.room()  # the budget full of draining links: one drains
             # No await between taking the route and queueing on it: the budget may close
             # a route that is not in use (see .route).
             route = self._link(dst)
