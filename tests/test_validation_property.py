@@ -91,6 +91,9 @@ def assert_typed(h: Header) -> None:
         assert all(_is_int(v) or isinstance(v, str) for v in h.described)
     if h.kind in ("bye", "gone") and h.meta is not None:
         assert_failure_report(h.meta)
+    if h.kind == "abort" and h.meta is not None:  # what FailureModel.on_abort reads as is
+        ranks = [h.meta.get("origin", 0), *h.meta.get("told", ())]
+        assert all(_is_int(r) and 0 <= r < LIMITS.world_size for r in ranks), h.meta
     if h.kind == "data" and h.meta is not None:
         leaves = h.meta["leaves"]
         assert isinstance(h.meta["strategy"], str) and isinstance(leaves, list)
@@ -101,7 +104,7 @@ def assert_typed(h: Header) -> None:
 
 def assert_failure_report(meta: dict[str, Any]) -> None:
     """What a goodbye (or the news of one) says broke its peer's group: what the session
-    reads from it without checking again (see Session._read_report)."""
+    reads from it without checking again (see Session.read_report)."""
     if "lost" in meta:
         assert _is_int(meta["lost"]) and 0 <= meta["lost"] < LIMITS.world_size
     if "cause" in meta:
@@ -213,6 +216,9 @@ VALID: dict[str, dict[str, Any]] = {
     "abort": {"v": WIRE_VERSION, "k": "abort", "g": GROUP, "r": LINK, "q": 4,
               "err": ["CollectiveTimeout", "allreduce #4 timed out"],
               "meta": {"collective": "allreduce", "waiting_on": [2, 3]}},
+    "abort passed on": {"v": WIRE_VERSION, "k": "abort", "g": GROUP, "r": LINK, "q": 4,
+                        "err": ["CollectiveMismatch", "shapes differ"],
+                        "meta": {"origin": 2, "told": [0, 3]}},
     "bye": {"v": WIRE_VERSION, "k": "bye", "g": GROUP, "r": LINK, "q": 9},
     "bye after a failure": {
         "v": WIRE_VERSION, "k": "bye", "g": GROUP, "r": LINK, "q": 9,
@@ -383,6 +389,11 @@ def valid_headers(draw: st.DrawFn) -> Header:
         if draw(st.booleans()):
             h.meta = {"collective": draw(st.text(max_size=20)),
                       "waiting_on": draw(st.lists(st.integers(0, 7), max_size=4))}
+            if draw(st.booleans()):  # passed on over the overlay (see session.failure)
+                h.meta["origin"] = draw(st.integers(0, LIMITS.world_size - 1))
+            if draw(st.booleans()):
+                h.meta["told"] = draw(st.lists(st.integers(0, LIMITS.world_size - 1),
+                                               max_size=4))
     elif kind == "hello" and draw(st.booleans()):
         h.meta = {"ring": draw(st.none() | st.text(max_size=40))}
         if draw(st.booleans()):
@@ -659,3 +670,34 @@ def test_a_goodbyes_failure_report_set_to_anything(kind: str, lost: Any, cause: 
         meta.update(rank=2, graceful=True)
     check_frame(pack({"v": WIRE_VERSION, "k": kind, "g": GROUP, "r": LINK, "q": 3,
                       "meta": meta}))
+
+
+# --- an abort passed on over the overlay: whose failure it is, whom its origin told ---------
+
+@pytest.mark.parametrize("meta, match", [
+    ({"origin": -1}, "'origin' is -1"),
+    ({"origin": True}, "'origin' is True"),
+    ({"origin": "2"}, "'origin' is '2'"),
+    ({"origin": 1 << 40}, "'origin' is"),
+    ({"origin": 4}, "not all in this group of 4"),
+    ({"origin": 2, "told": 3}, "'told' is 3"),
+    ({"origin": 2, "told": [0, -1]}, "'told' holds -1"),
+    ({"origin": 2, "told": [0, "1"]}, "'told' holds '1'"),
+    ({"origin": 2, "told": [0, 7]}, "not all in this group of 4"),
+    ({"origin": 2, "via": 3}, "abort meta is"),
+])
+def test_an_aborts_origin_and_told_are_checked(meta: dict[str, Any], match: str) -> None:
+    """Each wrong ``origin`` or ``told`` of an abort is refused by name at the validation
+    point: the message is dropped, never taken as a peer's failure."""
+    raw = pack({"v": WIRE_VERSION, "k": "abort", "g": GROUP, "r": LINK, "q": 3,
+                "err": ["CollectiveMismatch", "x"], "meta": meta})
+    with pytest.raises(ProtocolError, match=match) as caught:
+        validate(LINK, raw, [], LIMITS)
+    assert caught.value.reason == "malformed"
+
+
+@FUZZ
+@given(msgpack_objects, msgpack_objects)
+def test_an_aborts_origin_and_told_set_to_anything(origin: Any, told: Any) -> None:
+    check_frame(pack({"v": WIRE_VERSION, "k": "abort", "g": GROUP, "r": LINK, "q": 3,
+                      "err": ["PeerLost", "x"], "meta": {"origin": origin, "told": told}}))

@@ -46,6 +46,19 @@ error its receivers get, and breaks the group as any failure does; one started a
 peer went fails as it starts. So a sender learns of a loss as soon as a receiver does: at
 once for a peer whose link closes, after the heartbeat timeout for one that freezes.
 
+An abort reaches every peer over the sparse overlay, as the news of a departure does (see
+:mod:`p2pcoll.transport.overlay`), not over a link to each: the rank that failed sends it to
+the peers it has sent anything to (its ``told``, so it comes after that on their links) and
+to its fingers ``r + 1, r + 2, r + 4, ...``; a peer that learns that an operation failed
+passes the abort on to its own fingers, once per operation (and again only for a timeout
+that found whom to blame), naming the rank whose failure it is (``origin``). So a failure
+costs each peer about log2 p messages and links, whatever the size of the group, and
+reaches everyone within about log2 p hops. A copy passed on may overtake what the origin
+sent a peer before its abort, so a peer in the origin's ``told`` takes the origin's own
+copy, which comes after that data; any other copy comes no earlier than a direct abort
+could have, on a link of its own. A peer takes each (origin, operation) once (see
+:meth:`FailureModel.on_abort`); whatever copy comes first, the error reads the same.
+
 A peer that leaves after its group broke says why in its goodbye (see
 :meth:`FailureModel.first_failure`: the operation, the error's class and message, the rank a
 PeerLost names; and, from the session, a rank it knows to be lost), and so does the news of
@@ -67,6 +80,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Collection
 from enum import StrEnum
 from typing import Any
 
@@ -79,12 +93,15 @@ from ..errors import (
     P2PCollError,
     PeerLost,
 )
+from ..transport import overlay
 from ..transport.base import Transport
 from ..wire import ABSENT, FAILED, FINISHED, NOT_STARTED, OWN, SILENT, WAITING, Header
 from ..wire.header import MAX_CAUSE_NAME, MAX_CAUSE_TEXT
 
 # The longest a rank whose deadline passed waits for its peers' answers (see inquiry_time).
 INQUIRY_S = 1.0
+# Aborts remembered (see FailureModel.on_abort): far more than a failing group sends.
+MAX_ABORTS_KEPT = 1024
 
 
 def inquiry_time(limit: float) -> float:
@@ -127,6 +144,11 @@ class FailureModel:
         self._inquiries: dict[int, Inquiry] = {}  # seq -> the answers to this rank's why
         self._watchdog = Watchdog()  # every running operation's deadline, on one timer
         self._anyone_gone = False  # whether the session has recorded a departure
+        # The aborts taken, by (origin, number, tag), and how much this rank has passed on
+        # about each failed operation, by (number, tag) (see _pass_on): the latest
+        # MAX_ABORTS_KEPT of each.
+        self._seen: dict[tuple[int, int, int | None], int] = {}
+        self._passed_on: dict[tuple[int, int | None], int] = {}
 
     def attach(self, rank: int, group_id: str, matcher: Matcher, transport: Transport) -> None:
         """The session is formed: failures from now on are reported to its peers."""
@@ -303,7 +325,10 @@ class FailureModel:
         return None
 
     def _inquire(self, seq: int) -> Inquiry:
-        """Ask every peer that is still there what it waits for in collective ``seq``."""
+        """Ask every peer that is still there what it waits for in collective ``seq``.
+
+        Unlike an abort, this goes to every peer (opening the links it takes): each peer's
+        own answer is what is asked for, and a rank asks only when a deadline passes."""
         assert self._matcher is not None
         departures = self._matcher.departures
         asked = {p for p in range(departures.membership.world_size)
@@ -414,13 +439,50 @@ class FailureModel:
                 meta = {"lost": err.rank}  # so the peers' PeerLost names it too
             if self._transport is not None:
                 number, tag = (seq, None) if isinstance(seq, int) else (seq[3], seq[2])
-                self._transport.broadcast(Header(
+                self._send_abort(Header(
                     "abort", self._group, self._rank, number,
-                    err=[type(err).__name__, str(err)], meta=meta, tag=tag,
+                    err=[type(err).__name__, str(err)], meta=meta or {}, tag=tag,
                 ))
         if self._matcher is not None:
             for other in self._active.keys() - {seq}:
                 self._matcher.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))
+
+    def _send_abort(self, abort: Header) -> None:
+        """Tell the peers that this rank failed ``abort``'s operation: directly the peers it
+        has sent anything to (``told``: its abort comes after that on their links), and
+        through its fingers everyone else (see :meth:`_pass_on`)."""
+        assert self._transport is not None and self._matcher is not None
+        gone = self._matcher.departures.gone()
+        told = sorted(p for p in self._transport.contacts() if p not in gone)
+        assert abort.meta is not None
+        abort.meta["told"] = told
+        for peer in told:
+            self._transport.post(peer, abort)
+        self._pass_on(abort, self._rank, skip=set(told))
+
+    def _pass_on(self, abort: Header, origin: int, skip: Collection[int] = ()) -> None:
+        """Forward the abort of ``origin`` to this rank's fingers (see
+        :mod:`p2pcoll.transport.overlay`), the first time this rank learns that the
+        operation failed somewhere, or when it learns whom a timeout of it blames: each
+        peer does so about once per failed operation, so the news reaches every peer in
+        about log2 p hops and costs a peer log2 p messages (and links), not p - 1."""
+        if self.state is GroupState.CLOSED or self._transport is None or self._matcher is None:
+            return
+        op, level = (abort.seq, abort.tag), _news(abort)
+        if self._passed_on.get(op, 0) >= level:
+            return
+        _remember(self._passed_on, op, level)
+        meta = dict(abort.meta or ())
+        meta.setdefault("told", [])
+        if origin != self._rank:
+            meta["origin"] = origin
+        relay = Header("abort", self._group, self._rank, abort.seq, err=abort.err,
+                       meta=meta, tag=abort.tag)
+        departures = self._matcher.departures
+        gone = departures.gone()
+        for peer in overlay.fingers(self._rank, departures.membership.world_size, gone):
+            if peer != origin and peer != abort.src and peer not in skip:
+                self._transport.post(peer, relay)
 
     def _break(self, err: P2PCollError, at: tuple[int, int | None]) -> None:
         """The group is broken by ``err`` (in collective ``at[0]``, or the transfer with
@@ -461,18 +523,34 @@ class FailureModel:
         self._aborted(Header(
             "abort", self._group, rank, cause["q"], err=[kind, text],
             meta=None if named is None else {"lost": named}, tag=cause.get("t"),
-        ), f"{text} (reported by rank {rank} as it left)")
+        ), rank, f"{text} (reported by rank {rank} as it left)")
 
     def on_abort(self, header: Header) -> None:
-        """A peer reports that collective ``header.seq`` failed there."""
+        """A peer reports that collective ``header.seq`` failed at ``origin`` (itself, or
+        the rank whose abort it passes on): take it once, and pass it on.
+
+        An abort the origin sent to this rank as well (``told``) comes after everything
+        the origin sent here before it, on their link; a copy passed on by another peer may
+        overtake that data, so it is left to the origin's own (as a goodbye's news is:
+        see :meth:`~p2pcoll.session.session.Session.gone_from`). Any other copy can come
+        no earlier than the origin's abort itself could have on a link of its own."""
         assert header.err is not None
+        meta = header.meta or {}
+        origin = meta.get("origin", header.src)
+        if origin == self._rank or (origin != header.src and self._rank in meta.get("told", ())):
+            return
+        key = (origin, header.seq, header.tag)
+        if key in self._seen:
+            return
+        _remember(self._seen, key, 1)
+        self._pass_on(header, origin)
         what = (f"collective #{header.seq}" if header.tag is None
                 else f"a point-to-point transfer (tag {header.tag})")
-        self._aborted(header, f"rank {header.src} failed {what}: {header.err[1]}")
+        self._aborted(header, origin, f"rank {origin} failed {what}: {header.err[1]}")
 
-    def _aborted(self, header: Header, message: str) -> None:
-        """The abort ``header`` (or a goodbye's cause, as one): its error, saying
-        ``message``, fails the operation it names here, or breaks the group."""
+    def _aborted(self, header: Header, origin: int, message: str) -> None:
+        """The abort ``header`` of rank ``origin`` (or a goodbye's cause, as one): its
+        error, saying ``message``, fails the operation it names here, or breaks the group."""
         assert header.err is not None and self._matcher is not None
         cls = REMOTE_ERRORS.get(header.err[0], P2PCollError)
         meta = header.meta or {}
@@ -495,11 +573,11 @@ class FailureModel:
                 self._matcher.fail(op, exc)
             return
         inquiry = self._inquiries.get(header.seq)
-        if inquiry is not None and header.src in inquiry.asked:
+        if inquiry is not None and origin in inquiry.asked:
             # This rank is asking why the collective is stuck: the peer has failed it (it
             # is alive, or it left after that), and if it has found the ranks that did not
             # come, that is the answer (see _expired).
-            inquiry.answers.setdefault(header.src, (FAILED, []))
+            inquiry.answers.setdefault(origin, (FAILED, []))
             found = cls is CollectiveTimeout and blame != OWN
             if found or len(inquiry.answers) == len(inquiry.asked):
                 inquiry.complete.set()
@@ -533,6 +611,24 @@ class Inquiry:
         self.complete = asyncio.Event()
         if not asked:
             self.complete.set()
+
+
+def _news(abort: Header) -> int:
+    """How much an abort says, for passing it on (see :meth:`FailureModel._pass_on`): 2 for
+    a timeout that found the ranks to blame (the peers then name the same ones), else 1."""
+    meta = abort.meta or {}
+    found = (abort.err is not None and abort.err[0] == CollectiveTimeout.__name__
+             and meta.get("blame", OWN) != OWN)
+    return 2 if found else 1
+
+
+def _remember(memory: dict[Any, int], key: Any, value: int) -> None:
+    """Keep ``key`` in a bounded memory of aborts, forgetting the oldest beyond
+    :data:`MAX_ABORTS_KEPT` (a failed group sees a handful)."""
+    memory.pop(key, None)
+    memory[key] = value
+    if len(memory) > MAX_ABORTS_KEPT:
+        del memory[next(iter(memory))]
 
 
 def _title(name: str, seq: OpId) -> str:

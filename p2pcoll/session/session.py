@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from .activity import Activity
@@ -23,7 +24,7 @@ from ..engine.timeline import Timeline
 from ..errors import GroupBroken
 from ..settings import Settings
 from ..transport import overlay
-from ..transport.base import Piece, Transport
+from ..transport.base import Transport
 from ..types import Membership
 from ..wire import Header
 from . import control
@@ -32,8 +33,6 @@ from .failure import FailureModel
 from .peers import Peers
 
 log = logging.getLogger("p2pcoll")
-
-_DEPARTURES = frozenset({"bye", "gone"})  # the kinds that may carry a failure report
 
 
 class Session:
@@ -87,8 +86,10 @@ class Session:
         return self.membership.world_size
 
     def start(self) -> None:
-        """Connect the transport; incoming messages are dispatched from now on."""
-        self.transport.connect(self.membership, self.on_message, self.peers.link_down)
+        """Connect the transport; incoming messages are dispatched from now on (by
+        :func:`.control.dispatch`, called by the transport itself)."""
+        self.transport.connect(self.membership, partial(control.dispatch, self),
+                               self.peers.link_down)
 
     @property
     def board(self) -> BoardPath | None:
@@ -118,12 +119,7 @@ class Session:
         self.transfers[channel] = count + 1
         return (src, dst, tag, count)
 
-    def on_message(self, header: Header, pieces: list[Piece]) -> None:
-        if header.meta is not None and header.kind in _DEPARTURES:
-            self._read_report(header)  # first: the root cause, then the departure
-        control.dispatch(self, header, pieces)
-
-    def _read_report(self, header: Header) -> None:
+    def read_report(self, header: Header) -> None:
         """A goodbye, or news of one (validated), that says what broke its peer's group:
         take it as news of the peer it lost (``lost``) and as its abort (``cause``), before
         the departure itself, once per departed peer.
@@ -243,7 +239,7 @@ class Session:
             self.executor.timeline.close()
 
     def _failure_report(self) -> dict[str, Any]:
-        """What this peer's goodbye says broke its group (see :meth:`_read_report`): the
+        """What this peer's goodbye says broke its group (see :meth:`read_report`): the
         first failure (``cause``, see :meth:`FailureModel.first_failure`) and a peer it
         knows to be lost (``lost``: the one the cause names if it was lost, else the first
         lost); nothing after a healthy run, whose goodbye reads as "rank X left"."""

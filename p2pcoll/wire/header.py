@@ -69,9 +69,13 @@ The fields:
 
 Kinds: ``data`` carries a collective's payload; ``hello`` and ``bye`` open and close a
 peer's part in the session; ``abort`` reports that collective ``q`` failed at its sender
-(meta ``{collective, waiting_on, blame}``: the ranks it blamed for a timeout, and how it
-found them, one of :data:`BLAMES`: they did not answer, they had not started, or only whom
-it waits for itself, which its peers need not take for theirs). ``why`` and
+(meta ``{collective, waiting_on, blame, lost, origin, told}``: the ranks it blamed for a
+timeout, and how it found them, one of :data:`BLAMES`: they did not answer, they had not
+started, or only whom it waits for itself, which its peers need not take for theirs; the
+rank a PeerLost names; ``origin``, the rank whose failure it is when the sender only passes
+it on over the overlay (see :mod:`p2pcoll.session.failure`; absent: the sender's own); and
+``told``, the peers the origin sent it to itself, which take that copy, after the origin's
+data on their link, and not one passed on). ``why`` and
 ``waiting`` are how a rank whose deadline passed finds out whom to blame before it aborts:
 it asks every peer ``why`` about collective ``q``, and each answers at once with
 ``waiting``, meta ``{state, waiting_on}``: one of :data:`STATES` and the ranks its receives
@@ -117,10 +121,11 @@ from ..strategy import COLLECTIVES
 
 WIRE_VERSION = 9  # 9 (0.11): links closed for the budget and opened again (generations in
 # link identities, "end"); a goodbye (and the news of it) carries what broke its peer's group
-# (meta "lost", "cause"); 8 (0.10): links on demand, news of departures ("gone"); 7 (0.8): data
-# messages have a fixed binary header instead of a msgpack map; hellos may name the
-# shared-memory board (6: link identities with the group secret and a nonce; rosters in two
-# frames)
+# (meta "lost", "cause"); an abort spreads over the overlay's fingers, naming the rank whose
+# failure it is (meta "origin") and the peers that rank sent it to itself ("told");
+# 8 (0.10): links on demand, news of departures ("gone"); 7 (0.8): data messages have a
+# fixed binary header instead of a msgpack map; hellos may name the shared-memory board
+# (6: link identities with the group secret and a nonce; rosters in two frames)
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting", "lane",
                    "gone", "end"})
 WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting", "gone"})  # kinds that carry "q"

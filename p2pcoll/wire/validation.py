@@ -92,6 +92,7 @@ FIELDS = frozenset({"v", "k", "g", "r", "q", "err", "meta", "t"})  # of a contro
 BYE_FIELDS = frozenset({"told", "lost", "cause"})  # of a bye's meta
 GONE_FIELDS = frozenset({"rank", "graceful"}) | BYE_FIELDS  # of a gone's meta
 CAUSE_FIELDS = frozenset({"q", "t", "err", "rank"})  # of the cause a goodbye carries
+ABORT_FIELDS = frozenset({"collective", "waiting_on", "blame", "lost", "origin", "told"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,13 +376,18 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
     elif kind == "abort":
         coll, waiting = meta.get("collective", ""), meta.get("waiting_on", [])
         blame = meta.get("blame", OWN)
-        if "lost" in meta:
-            _int(meta, "lost", 0, MAX_RANK)
-        if (set(meta) - {"collective", "waiting_on", "blame", "lost"}
+        for name in ("lost", "origin"):
+            if name in meta:
+                _int(meta, name, 0, MAX_RANK)
+        if (not ABORT_FIELDS.issuperset(meta)
                 or not (isinstance(coll, str) and len(coll) <= 256)
                 or not (isinstance(blame, str) and blame in BLAMES)):
-            raise ProtocolError(f"abort meta is {_short(meta)}")
+            raise ProtocolError(f"abort meta is {_short(meta)}, expected {{'collective': "
+                                f"name, 'waiting_on': [rank, ...], 'blame': one of "
+                                f"{sorted(BLAMES)}, 'lost': rank, 'origin': rank, "
+                                f"'told': [rank, ...]}}")
         _ranks(waiting, "waiting_on")
+        _ranks(meta.get("told", []), "told")
     elif kind == "waiting":
         state = meta.get("state", WAITING)
         if set(meta) - {"state", "waiting_on"} or not (isinstance(state, str)
@@ -519,20 +525,30 @@ def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequenc
     if header.src != link:  # the link is another member's (checked first), so src is too
         raise ProtocolError(f"header claims rank {header.src} but came on rank {link}'s link",
                             reason="mismatch")
-    if header.kind in ("gone", "bye") and header.meta is not None:
-        meta = header.meta
+    if header.meta is not None and header.kind != "data":  # a data message's: its layout
+        _in_group(header.kind, header.meta, limits.world_size)
+    return header
+
+
+def _in_group(kind: str, meta: dict[str, Any], world_size: int) -> None:
+    """The ranks a control message's meta names are ranks of this group."""
+    if kind in ("gone", "bye"):
         named = [meta.get("rank", 0), meta.get("lost", 0), *meta.get("told", ())]
         if "cause" in meta:
             named.append(meta["cause"].get("rank", 0))
-        if max(named) >= limits.world_size:
-            raise ProtocolError(f"{header.kind} message names ranks {_short(named)}, not all "
-                                f"in this group of {limits.world_size}")
-    if header.kind == "waiting" and header.meta is not None:
-        strange = [r for r in header.meta.get("waiting_on", ()) if r >= limits.world_size]
+    elif kind == "abort":
+        named = [meta.get("origin", 0), meta.get("lost", 0), *meta.get("told", ())]
+    elif kind == "waiting":
+        strange = [r for r in meta.get("waiting_on", ()) if r >= world_size]
         if strange:
             raise ProtocolError(f"waiting message names ranks {_short(strange)}, not in this "
-                                f"group of {limits.world_size}")
-    return header
+                                f"group of {world_size}")
+        return
+    else:
+        return
+    if max(named) >= world_size:
+        raise ProtocolError(f"{kind} message names ranks {_short(named)}, not all in this "
+                            f"group of {world_size}")
 
 
 def _mismatch(header: Header, payload_sizes: Sequence[int], inline: list[int]) -> NoReturn:
