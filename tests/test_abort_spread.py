@@ -10,9 +10,9 @@ about log2 p links and messages, not p - 1, and every survivor's error reads as 
   name a rank that found the mismatch (not the peer that passed it on), and no rank opened
   more than a few links because of the failure (it opened p - 1 minus its ring links when
   aborts went to every peer);
-- 16 peer processes over tcp (tests/abort_spread_worker.py), one SIGKILLed while the others
-  wait for it in a ring allreduce: every survivor raises the victim's PeerLost, again over a
-  few links each;
+- 16 peer processes over tcp (64: scale; tests/abort_spread_worker.py), one SIGKILLed while
+  the others wait for it in a ring allreduce: every survivor raises the victim's PeerLost,
+  again over a few links each;
 - in memory: a copy passed on names its origin and reaches the passer's fingers; a copy
   passed on to a peer that the origin told itself waits for the origin's own, which comes
   after the origin's data on their link (a broadcast that gets its data succeeds); a copy to
@@ -100,13 +100,14 @@ async def test_a_mismatch_among_sixteen_reaches_everyone_over_few_links() -> Non
     assert max(opened) <= few_links(n), opened
 
 
-def test_a_killed_peer_among_sixteen_is_named_over_few_links(tmp_path: Path) -> None:
-    n, victim = 16, 6
+@pytest.mark.parametrize("n", [16, pytest.param(64, marks=pytest.mark.scale)])
+def test_a_killed_peer_is_named_over_few_links(tmp_path: Path, n: int) -> None:
+    victim = 6
     job = PeerProcesses(n, lambda r: [sys.executable, str(WORKER), str(tmp_path), str(victim)],
                         env=lambda r: {"P2PCOLL_TRANSPORT": "tcp",
                                        "P2PCOLL_HOST_ID": f"host-{r}"})
     try:
-        ready = job.wait_for("ready", list(range(n)), timeout=240)
+        ready = job.wait_for("ready", list(range(n)), timeout=300)
         time.sleep(0.5)  # the others are in the collective, which waits for the victim
         job.procs[victim].send_signal(signal.SIGKILL)
         job.procs[victim].wait(timeout=30)
