@@ -48,8 +48,9 @@ once for a peer whose link closes, after the heartbeat timeout for one that free
 
 An abort reaches every peer over the sparse overlay, as the news of a departure does (see
 :mod:`p2pcoll.transport.overlay`), not over a link to each: the rank that failed sends it to
-the peers it has sent anything to (its ``told``, so it comes after that on their links) and
-to its fingers ``r + 1, r + 2, r + 4, ...``; a peer that learns that an operation failed
+the peers that may not have read all it sent them (its ``told``: its open links, those
+still draining, and its watchers; it comes after that data on their links) and to its
+fingers ``r + 1, r + 2, r + 4, ...``; a peer that learns that an operation failed
 passes the abort on to its own fingers, once per operation (and again only for a timeout
 that found whom to blame), naming the rank whose failure it is (``origin``). So a failure
 costs each peer about log2 p messages and links, whatever the size of the group, and
@@ -448,9 +449,10 @@ class FailureModel:
                 self._matcher.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))
 
     def _send_abort(self, abort: Header) -> None:
-        """Tell the peers that this rank failed ``abort``'s operation: directly the peers it
-        has sent anything to (``told``: its abort comes after that on their links), and
-        through its fingers everyone else (see :meth:`_pass_on`)."""
+        """Tell the peers that this rank failed ``abort``'s operation: directly its contacts,
+        the peers that may not have read all it sent them (``told``: its abort comes after
+        that on their links), and through its fingers everyone else (see
+        :meth:`_pass_on`)."""
         assert self._transport is not None and self._matcher is not None
         gone = self._matcher.departures.gone()
         told = sorted(p for p in self._transport.contacts() if p not in gone)
