@@ -43,8 +43,8 @@ WORKER = Path(__file__).with_name("abort_spread_worker.py")
 
 
 def few_links(p: int) -> int:
-    """The links a failure may open at a peer: its fingers (log2 p), its watchers (a goodbye's
-    and an abort's contacts) and one finger moved past a lost rank."""
+    """The links a failure may open at a peer: its fingers (log2 p), one finger moved past a
+    lost rank, and a margin of WATCHED (the overlay's other constant)."""
     return math.ceil(math.log2(p)) + overlay.WATCHED + 1
 
 

@@ -48,17 +48,17 @@ once for a peer whose link closes, after the heartbeat timeout for one that free
 
 An abort reaches every peer over the sparse overlay, as the news of a departure does (see
 :mod:`p2pcoll.transport.overlay`), not over a link to each: the rank that failed sends it to
-the peers that may not have read all it sent them (its ``told``: its open links, those
-still draining, and its watchers; it comes after that data on their links) and to its
-fingers ``r + 1, r + 2, r + 4, ...``; a peer that learns that an operation failed
-passes the abort on to its own fingers, once per operation (and again only for a timeout
-that found whom to blame), naming the rank whose failure it is (``origin``). So a failure
-costs each peer about log2 p messages and links, whatever the size of the group, and
-reaches everyone within about log2 p hops. A copy passed on may overtake what the origin
-sent a peer before its abort, so a peer in the origin's ``told`` takes the origin's own
-copy, which comes after that data; any other copy comes no earlier than a direct abort
-could have, on a link of its own. A peer takes each (origin, operation) once (see
-:meth:`FailureModel.on_abort`); whatever copy comes first, the error reads the same.
+the peers that may not have read all it sent them (its ``told``: its open links and those
+still draining; it comes after that data on their links) and to its fingers ``r + 1,
+r + 2, r + 4, ...``; a peer that learns that an operation failed passes the abort on to its
+own fingers, once per operation (and again only for a timeout that found whom to blame),
+naming the rank whose failure it is (``origin``). So a failure costs each peer about
+log2 p messages and links, whatever the size of the group, and reaches everyone within
+about log2 p hops. A copy passed on may overtake what the origin sent a peer before its
+abort, so a peer in the origin's ``told`` takes the origin's own copy, which comes after
+that data; any other copy comes no earlier than a direct abort could have, on a link of
+its own. A peer takes each (origin, operation) once (see :meth:`FailureModel.on_abort`);
+whatever copy comes first, the error reads the same.
 
 A peer that leaves after its group broke says why in its goodbye (see
 :meth:`FailureModel.first_failure`: the operation, the error's class and message, the rank a
@@ -449,13 +449,13 @@ class FailureModel:
                 self._matcher.fail(other, GroupBroken(f"collective #{seq} failed: {err}"))
 
     def _send_abort(self, abort: Header) -> None:
-        """Tell the peers that this rank failed ``abort``'s operation: directly its contacts,
-        the peers that may not have read all it sent them (``told``: its abort comes after
-        that on their links), and through its fingers everyone else (see
-        :meth:`_pass_on`)."""
+        """Tell the peers that this rank failed ``abort``'s operation: directly the peers
+        that may not have read all it sent them (``told``, see ``Transport.unread``: its
+        abort comes after that on their links), and through its fingers everyone else
+        (see :meth:`_pass_on`)."""
         assert self._transport is not None and self._matcher is not None
         gone = self._matcher.departures.gone()
-        told = sorted(p for p in self._transport.contacts() if p not in gone)
+        told = sorted(p for p in self._transport.unread() if p not in gone)
         assert abort.meta is not None
         abort.meta["told"] = told
         for peer in told:
