@@ -26,7 +26,7 @@ from .session.failure import GroupState
 from .settings import Settings
 from .types import CustomOp, Membership, ReduceOp
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 __all__ = [
     "CollectiveMismatch",

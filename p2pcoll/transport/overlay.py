@@ -9,7 +9,10 @@ has gone (its probe or link went down, it said goodbye, or a peer told it), it t
 :func:`fingers` once: ranks ``r + 1, r + 2, r + 4, ...``. Every peer that learns something
 new forwards it the same way, so the news reaches all ``p`` peers within about ``log2 p``
 hops, each peer sending ``log2 p`` messages per departure; a finger known to have gone is
-replaced by the next rank after it.
+replaced by the next rank after it. Aborts travel the same way (see
+:mod:`p2pcoll.session.failure`): the rank whose collective failed tells the peers it has sent
+anything to and its fingers, and every peer passes the first abort of an operation on to its
+own fingers once.
 
 When a watched peer goes, its watchers watch the next live successor instead (``gone``
 below), so after every departure each live rank is watched by :data:`WATCHED` live
