@@ -544,18 +544,14 @@ class _Reader:
 
     def links(self, name: str) -> int | None:
         """A link budget: 0, or an integer of at least MIN_LINKS."""
-        value = self.raw(name)
-        if value is None:
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            number = -1
-        if not (number == 0 or MIN_LINKS <= number <= 1 << 20):
-            raise bad_value(f"${name}", value, _LINKS_ALLOWED)
+        number = self.integer(name, 0, 1 << 20, allowed=_LINKS_ALLOWED)
+        if number is not None and 0 < number < MIN_LINKS:
+            raise bad_value(f"${name}", self.raw(name), _LINKS_ALLOWED)
         return number
 
-    def integer(self, name: str, low: int, high: int) -> int | None:
+    def integer(self, name: str, low: int, high: int, *, allowed: str = "") -> int | None:
+        """An integer from ``low`` to ``high``, or None when unset; ``allowed`` says what
+        the error names as allowed (by default that span)."""
         value = self.raw(name)
         if value is None:
             return None
@@ -564,7 +560,8 @@ class _Reader:
         except ValueError:
             number = low - 1
         if not low <= number <= high:
-            raise bad_value(f"${name}", value, f"an integer from {low} to {high}")
+            raise bad_value(f"${name}", value,
+                            allowed or f"an integer from {low} to {high}")
         return number
 
     def size(self, name: str, minimum: int) -> int | None:
