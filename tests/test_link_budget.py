@@ -86,8 +86,8 @@ def check_clean(report: dict[str, Any]) -> None:
     assert final["open"] == len(final["links"]), (report["rank"], final)
 
 
-def test_a_budget_of_four_holds_through_every_root(tmp_path: Path) -> None:
-    job = Job(tmp_path, "collectives")
+def ready_reports(job: Job) -> list[dict[str, Any]]:
+    """Every rank's "ready" report, the job closed: each with no wrong result and clean."""
     try:
         ready = job.wait_for("ready", list(range(N)), timeout=300)
     finally:
@@ -95,6 +95,12 @@ def test_a_budget_of_four_holds_through_every_root(tmp_path: Path) -> None:
     for report in ready:
         assert report["wrong"] == [], report
         check_clean(report)
+    return ready
+
+
+def test_a_budget_of_four_holds_through_every_root(tmp_path: Path) -> None:
+    ready = ready_reports(Job(tmp_path, "collectives"))
+    for report in ready:
         for note in report["notes"]:
             assert note["open"] <= BUDGET, (report["rank"], note)
             assert note["open"] == len(note["links"]), (report["rank"], note)
@@ -113,15 +119,9 @@ def test_a_budget_of_four_holds_through_every_root(tmp_path: Path) -> None:
 
 
 def test_on_one_host_only_pinned_links_exceed_the_budget(tmp_path: Path) -> None:
-    job = Job(tmp_path, "collectives", one_host=True)
-    try:
-        ready = job.wait_for("ready", list(range(N)), timeout=300)
-    finally:
-        job.close()
+    ready = ready_reports(Job(tmp_path, "collectives", one_host=True))
     most = 0
     for report in ready:
-        assert report["wrong"] == [], report
-        check_clean(report)
         for note in report["notes"]:
             assert note["open"] == len(note["links"]), (report["rank"], note)
             most = max(most, note["open"])
@@ -138,14 +138,7 @@ def test_order_across_closed_and_reopened_links(tmp_path: Path, hosts: str) -> N
     """On one host the links that carry a lane stay (at most 8 lanes a peer), and the others
     go through the same ordering as the lanes' (socket and lane in turn), across links."""
     rounds = 15
-    job = Job(tmp_path, "p2p", str(rounds), one_host=hosts == "one")
-    try:
-        ready = job.wait_for("ready", list(range(N)), timeout=300)
-    finally:
-        job.close()
-    for report in ready:
-        assert report["wrong"] == [], report
-        check_clean(report)
+    ready = ready_reports(Job(tmp_path, "p2p", str(rounds), one_host=hosts == "one"))
     sender = ready[0]
     for report in ready[1:]:
         # as JSON: the keys are strings, the pairs lists
