@@ -105,8 +105,11 @@ def test_a_settings_error_under_launch_is_one_line_per_rank(tmp_path: Path) -> N
     assert done.returncode == 1
     assert "Traceback" not in done.stderr, done.stderr
     errors = [line for line in done.stderr.splitlines() if "SettingsError" in line]
-    assert len(errors) == 2, done.stderr
-    for rank in (0, 1):
+    # The launcher stops the other rank once one has failed (as torchrun does),
+    # so the second rank may be stopped before it reports: one or two lines.
+    ranks = sorted(int(line[1:line.index("]")]) for line in errors)
+    assert ranks in ([0], [1], [0, 1]), done.stderr
+    for rank in ranks:
         [line] = [e for e in errors if e.startswith(f"[{rank}] ")]
         assert line.startswith(f"[{rank}] rank {rank}: SettingsError: ")
         assert "P2PCOLL_TIMEOUT" in line and "'soon'" in line
