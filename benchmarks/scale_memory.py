@@ -14,6 +14,12 @@ machine. Also printed: the time to form the p groups, and the process's peak res
 after each size (what p ranks' groups and compiled programs take: a ring's 2(p-1) steps per
 rank). The machine's load changes the figures (this is one core's work); run the sizes
 more than once when they matter.
+
+``--peers N`` is the control: at each size p it runs N // p separate groups of p at once
+(all in this process, every call of each), so that every size has N peers in the process.
+What then still grows with p is the group's size; what grew without it was the number of
+peers one process simulates (each message touches its receiver's state; a thousand peers'
+state does not stay in the CPU's caches, sixteen peers' does).
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ from p2pcoll.testing import memory_groups
 STRATEGIES = ("ring", "recursive_doubling", "rabenseifner", "reduce_broadcast", "gloo_ring")
 
 
-async def measure(p: int, strategies: list[str], calls: int, nelem: int) -> dict[str, tuple[
-        float, float, int]]:
-    """(wall and CPU seconds per call, messages per call) of each strategy at world size ``p``."""
+async def measure(p: int, strategies: list[str], calls: int, nelem: int,
+                  copies: int = 1) -> dict[str, tuple[float, float, int]]:
+    """(wall and CPU seconds per call, messages per call) of each strategy at world size ``p``,
+    with ``copies`` groups of ``p`` calling at once (their messages summed)."""
     started = time.perf_counter()
-    groups = await memory_groups(p, collective_timeout=600.0)
-    print(f"p = {p}: formed in {time.perf_counter() - started:.2f} s", flush=True)
+    groups = [g for _ in range(copies)
+              for g in await memory_groups(p, collective_timeout=600.0)]
+    print(f"p = {p}{f' x {copies} groups' if copies > 1 else ''}: formed in "
+          f"{time.perf_counter() - started:.2f} s", flush=True)
     data = [np.full(nelem, r + 1, np.float32) for r in range(p)]
     expected = np.full(nelem, p * (p + 1) / 2, np.float32)
     results: dict[str, tuple[float, float, int]] = {}
@@ -67,10 +76,14 @@ async def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--calls", type=int, default=2, help="timed calls per strategy")
     parser.add_argument("--bytes", type=int, default=4096, help="allreduce size (float32)")
+    parser.add_argument("--peers", type=int, default=0,
+                        help="peers in the process at every size: N // p groups of p at once")
     args = parser.parse_args()
     table: dict[int, dict[str, tuple[float, float, int]]] = {}
     for p in args.sizes:
-        table[p] = await measure(p, args.strategies, args.calls, max(1, args.bytes // 4))
+        copies = max(1, args.peers // p)
+        table[p] = await measure(p, args.strategies, args.calls, max(1, args.bytes // 4),
+                                 copies)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         print(f"p = {p}: peak RSS so far {peak:.0f} MiB", flush=True)
     print()

@@ -115,7 +115,7 @@ class Prepared:
 
     strategy: Strategy
     ctx: Context
-    chunks: list[list[tuple[int, int, int]]]
+    chunks: Sequence[Sequence[tuple[int, int, int]]]  # once compiled: the shared Cuts'
     nseg: int
     sig: Signature
     meta: dict[str, Any] | None
@@ -341,6 +341,9 @@ class Runner:
             compiled = program.program = compile_program(
                 plan(program.strategy, program.ctx, len(program.chunks)), program.chunks,
                 [a.itemsize for a in call.flat], program.nseg, session.executor.depth)
+            # The process's one copy of this layout (every rank of a group in one process
+            # cuts the same chunks): the rank's own goes, O(p) less memory a rank.
+            program.chunks = compiled.cuts.chunks
         board = session.board
         if board is not None and board.owes_turn:
             await board.turn()  # see BoardPath.turn

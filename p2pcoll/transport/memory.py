@@ -14,6 +14,7 @@ was cut off, waits (until the failure model ends it) as it would over a socket.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,6 +150,15 @@ class MemoryNetwork:
         loop.call_at(when, self._arrived, sender, dst, frames, True)
 
 
+@functools.lru_cache(maxsize=4)
+def _ranks_of(endpoints: tuple[str, ...]) -> dict[str, int]:
+    """Endpoint -> rank of a roster, one dict for all the peers that hold it (read only).
+
+    Every message received looks its sender up here: with a dict per peer, p = 1024 peers of
+    one process kept a million entries (46 MiB) and each lookup missed the caches."""
+    return {endpoint: r for r, endpoint in enumerate(endpoints)}
+
+
 class MemoryTransport:
     """One peer's end of a :class:`MemoryNetwork`."""
 
@@ -188,7 +198,7 @@ class MemoryTransport:
             membership.group_id, membership.rank, membership.world_size,
             self.max_message_bytes)
         self.hello_peers = frozenset(overlay.watchers(membership.rank, membership.world_size))
-        self._ranks = {endpoint: r for r, endpoint in enumerate(membership.endpoints)}
+        self._ranks = _ranks_of(membership.endpoints)
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)

@@ -23,6 +23,7 @@ import logging
 import resource
 import time
 from collections.abc import Callable
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -254,6 +255,7 @@ class LinkCensus:
         self._warned = 0  # refused when the last WARNING was written
 
     RECOUNT_S = 1.0  # how long after a handshake beyond the count it is counted again
+    MAX_RECOUNTS = 10  # ... and again while the ROUTER has unread messages, at most so often
 
     def handshake(self, expected: int) -> bool:
         """One more handshake on the ROUTER; whether it is beyond the ``expected`` links."""
@@ -274,12 +276,20 @@ class LinkCensus:
         each beyond ``expected()`` members' links, logged at most once per interval.
 
         A member's link that opens anew is counted in ``expected()`` once its first
-        message is read, which may come a moment after its handshake: a handshake beyond
-        the count is counted again :data:`RECOUNT_S` later, and refused only if it still is.
+        message is read, which may come a while after its handshake when the reader is
+        behind: a handshake beyond the count is counted again :data:`RECOUNT_S` later, and
+        refused only if it still is and the reader has caught up (nothing waits on the
+        ROUTER); while it has not, again later, at most :data:`MAX_RECOUNTS` times (a
+        stranger that floods is refused all the same, a few seconds late).
         """
         loop = asyncio.get_running_loop()
 
-        def recount() -> None:
+        def recount(left: int) -> None:
+            if self.handshakes - self.refused <= expected():
+                return
+            if left > 0 and self._unread():
+                loop.call_later(self.RECOUNT_S, recount, left - 1)
+                return
             if self.beyond(expected()):
                 on_refused()
                 self._warn(rank)
@@ -291,9 +301,16 @@ class LinkCensus:
                     continue
                 self.handshakes += 1
                 if self.handshakes - self.refused > expected():
-                    loop.call_later(self.RECOUNT_S, recount)
+                    loop.call_later(self.RECOUNT_S, recount, self.MAX_RECOUNTS)
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
+
+    def _unread(self) -> bool:
+        """Whether messages wait on the ROUTER, not yet read by the mesh."""
+        try:
+            return bool(cast(int, self.router.get(zmq.EVENTS)) & zmq.POLLIN)
+        except zmq.ZMQError:  # closed meanwhile
+            return False
 
     def _warn(self, rank: int) -> None:
         now = time.monotonic()
