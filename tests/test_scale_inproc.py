@@ -9,11 +9,13 @@ some 6,400 descriptors in all, over the limit. With ``P2PCOLL_MAX_LINKS=8`` a pe
 most 8 links open (checked after every collective: ``links_opened - links_closed``), closing
 the least recently used one and opening it again when needed, and the whole group fits.
 
-No rank closes its group before every rank has finished every collective (they are tasks
-of one process: an event says so). Closing reopens links (a goodbye goes to every peer a
-peer ever sent to, and each answers), so a group that closed early would compete with the
-collectives still running for descriptors; the close itself is measured (its time and the
-most descriptors seen, sampled) and printed, not asserted.
+Each rank closes its group as soon as it has finished, while the others still run their
+collectives: leaving opens no link (the goodbye goes on the links a peer has, the farewell
+comes back on the same connection, see ``Transport.leaving`` and ``Transport.answer``), so
+closing competes with nobody for descriptors. The most descriptors the process held,
+sampled from the join to the last close, stay under the limit, every rank closes, and none
+opens a link while closing; the time from the first rank that closed to the last, and the
+goodbyes left unanswered (sent to a peer that had closed already), are printed.
 
 The peers run in a child process, so that its descriptor limit is its own and nothing it
 leaves behind outlives the test. It prints one JSON line of results.
@@ -47,6 +49,7 @@ CHILD = textwrap.dedent("""
     reached = {}  # rank -> the last collective it finished (told if the run fails)
     most_links = [0]  # the most links any peer held open after a collective
     closed = [0]  # links closed for the budget, in all
+    opened_closing = [0]  # the most links a peer opened while closing its group
     fds_at = {}  # collective -> the most descriptors the process held when a rank finished it
 
     def note(g, name):
@@ -55,9 +58,8 @@ CHILD = textwrap.dedent("""
         reached[g.rank] = name
         fds_at[name] = max(fds_at.get(name, 0), len(os.listdir("/proc/self/fd")))
 
-    finished = []
-    finished_at = []  # when the last rank finished (then they all close)
-    everyone_finished = asyncio.Event()
+    finished_at = []  # when each rank finished and closed its group
+    unanswered = {}  # rank -> the peers that did not answer its goodbye
 
     async def every_collective(g):
         joined.append(time.monotonic())
@@ -105,14 +107,15 @@ CHILD = textwrap.dedent("""
         checked.append("barrier")
         fds.append(len(os.listdir("/proc/self/fd")))
         note(g, "barrier")
-        closed[0] += g.stats()["links_closed"]
-        # No rank closes before every rank has finished: a closing peer's goodbyes reopen
-        # links (to every peer it ever sent to), which the collectives would compete with.
-        finished.append(r)
-        if len(finished) == n:
-            finished_at.append(time.monotonic())
-            everyone_finished.set()
-        await everyone_finished.wait()
+        stats = g.stats()
+        closed[0] += stats["links_closed"]
+        # Close at once, the others still running: leaving opens no link.
+        session = g.session
+        finished_at.append(time.monotonic())
+        await g.close()
+        unanswered[r] = sorted(session.unanswered())
+        opened_closing[0] = max(opened_closing[0],
+                                session.transport.counters.links_opened - stats["links_opened"])
         return checked
 
     peak = [0]  # the most descriptors seen, sampled, from the join to the last close
@@ -138,8 +141,10 @@ CHILD = textwrap.dedent("""
                   f"joined {len(joined)}, descriptors {max(fds, default=0)}, by call {fds_at}",
                   file=sys.stderr)
             raise
-        closing = time.monotonic() - finished_at[0]
-        print(json.dumps({"join": max(joined) - start, "checked": results[0],
+        closing = time.monotonic() - min(finished_at)
+        print(json.dumps({"unanswered": {r: u for r, u in unanswered.items() if u},
+                          "closes": len(unanswered), "opened_closing": opened_closing[0],
+                          "join": max(joined) - start, "checked": results[0],
                           "closing": closing, "peak": peak[0],
                           "all": all(r == results[0] for r in results),
                           "seconds": time.monotonic() - start, "fds": max(fds),
@@ -163,11 +168,18 @@ def test_two_hundred_fifty_six_inproc_peers_under_4096_descriptors() -> None:
           f"in {result['join']:.2f} s, every collective in {result['seconds']:.1f} s in all, "
           f"{result['fds']} descriptors, at most {result['most_links']} links a peer, "
           f"{result['closed']} closed for the budget; descriptors by call {result['fds_at']}; "
-          f"closing the groups took {result['closing']:.1f} s, with up to {result['peak']} "
-          f"descriptors (sampled)")
+          f"closing the groups (each as its rank finished) took {result['closing']:.1f} s from "
+          f"the first, with up to {result['peak']} descriptors (sampled) in the whole run")
     assert result["all"], "the ranks ran different collectives"
     assert result["checked"] == [
         "allreduce/recursive_doubling", "allreduce/rabenseifner", "allreduce/auto", "reduce",
         "broadcast", "allgather", "reduce_scatter", "gather", "scatter", "barrier"]
     assert result["most_links"] <= MAX_LINKS, result
     assert result["closed"] > 0, result  # the budget was needed
+    assert result["peak"] < NOFILE, result
+    assert result["closes"] == P, result  # every rank closed its group
+    # A goodbye to a peer that closed first stays unanswered when this peer's link to it
+    # was opened after that peer's goodbye went out (news of another departure posted to
+    # it): printed, not asserted; the close still completes at its deadline.
+    print(f"goodbyes unanswered: {sum(map(len, result['unanswered'].values()))}")
+    assert result["opened_closing"] == 0, result  # leaving opens no link

@@ -621,6 +621,8 @@ class Group:
             return
         session, self._session = self._session, None
         healthy = self._failures.state in USABLE  # ready, or degraded: a member has gone
+        if session is not None:
+            session.leaving()  # the aborts of what it leaves running open no link either
         self._failures.leave(reason)
         self._failures.close()
         if session is not None:

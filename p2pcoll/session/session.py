@@ -200,6 +200,11 @@ class Session:
         if self.hellos >= self.transport.hello_peers:
             self.all_hello.set()
 
+    def leaving(self) -> None:
+        """This peer is about to leave: nothing it sends from now on opens a link (see
+        :meth:`Transport.leaving`). Idempotent; :meth:`close` calls it too."""
+        self.transport.leaving()
+
     async def close(self, drain: float) -> None:
         """Say goodbye to the peers, fail everything pending, and wait (at most ``drain``
         seconds) until every peer still there has read the goodbye (the transport stays
@@ -209,10 +214,27 @@ class Session:
         after everything sent before it on that link, so once all have answered nothing
         this peer sent is still in flight: it may close its sockets. (Closing while a
         receiver's queue is full may otherwise lose the tail over ipc, in libzmq.)
+
+        Leaving opens no link (see :meth:`Transport.leaving`), so it needs no descriptor
+        and stays within the link budget: the goodbye goes on the links this peer has (and
+        to a watcher it has none to, over that watcher's probe) and each answer comes back
+        on the connection its goodbye went on (:meth:`Transport.answer`). A peer whose
+        link was closed for the budget gets no goodbye: this peer first waits until that
+        peer has read all the link carried (:meth:`Transport.drained`), and it learns of the
+        departure as the peers this one sent nothing to do, from the others' news.
         """
         self.matcher.close(GroupBroken("the group was closed"))
         self._closing = True
+        self.leaving()
         if self.world_size > 1:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + drain
+            try:
+                await asyncio.wait_for(self.transport.drained(), drain)
+            except TimeoutError:
+                log.debug("rank %d: closing before ranks %s read its closed links",
+                          self.rank, sorted(self.transport.unread()
+                                            - self.transport.contacts()))
             bye = self.header("bye")
             bye.seq = self.seq  # the peers learn which collectives this peer took part in
             # To the peers this one has dealt with (and its watchers); they tell the others
@@ -221,9 +243,13 @@ class Session:
             bye.meta = {"told": sorted(self._told), **self._failure_report()}
             for peer in sorted(self._told):
                 self.transport.post(peer, bye)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + drain
-            while (waiting := self._unacknowledged()) and loop.time() < deadline:
+            # And back to the peers that send here and were not told: a peer that has a link
+            # to this one it did not (yet) say goodbye on reads it when it leaves, and then
+            # waits for no farewell from a peer that has gone. Not in told: they learn of
+            # this departure from the news as well, and need not wait for this goodbye.
+            for peer in sorted(self.transport.senders() - self._told - set(self.peers.gone())):
+                self.transport.answer(peer, bye)
+            while (waiting := self.unanswered()) and loop.time() < deadline:
                 self._progress.clear()
                 try:
                     await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
@@ -253,14 +279,16 @@ class Session:
             report["lost"] = named if named in lost else lost[0]
         return report
 
-    def _unacknowledged(self) -> set[int]:
+    def unanswered(self) -> set[int]:
+        """The peers this peer's goodbye went to that have neither answered it nor gone."""
         return self._told - self.farewells - set(self.peers.gone())
 
     def bye_from(self, rank: int, started: int, told: frozenset[int]) -> None:
-        """``rank`` said goodbye (to ``told``): record it, and answer that everything before
-        was read."""
+        """``rank`` said goodbye (to ``told``): answer that everything before was read (on
+        the connection the goodbye came on: it opens no link), and record it (which lets
+        go of what the transport keeps for ``rank``, that connection too)."""
+        self.transport.answer(rank, self.header("farewell"))
         self.peers.left(rank, started=started, told=told)
-        self.transport.post(rank, self.header("farewell"))
 
     def farewell_from(self, rank: int) -> None:
         self.farewells.add(rank)

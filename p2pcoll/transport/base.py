@@ -129,6 +129,30 @@ class Transport(Protocol):
         """Send a control message (no payload) without waiting; never raises."""
         ...
 
+    def answer(self, rank: int, header: Header) -> None:
+        """Post a control message back on the connection the last message from ``rank``
+        came on (a ``farewell`` answers a ``bye`` so): an answer never opens a link, and
+        the asker reads it where it asked. Never raises; an answer that cannot go (the
+        connection has gone) is not sent."""
+        ...
+
+    def senders(self) -> set[int]:
+        """The peers that have sent to this one on a connection :meth:`answer` reaches now
+        (a goodbye said back on it is read when that peer leaves, or drains its link)."""
+        ...
+
+    def leaving(self) -> None:
+        """This peer is leaving its group: from now on it opens no link (a goodbye goes on
+        the links it has, and to a watcher it has none to over that watcher's probe, see
+        :meth:`contacts`), and it reads the answers that come back on its links.
+        Idempotent."""
+        ...
+
+    async def drained(self) -> None:
+        """Wait until every peer this one closed a link to (for its budget) has read all it
+        sent on it; the caller bounds the wait. Cancellation: nothing is lost."""
+        ...
+
     def broadcast(self, header: Header) -> None:
         """Post a control message to every other peer; never raises."""
         ...
@@ -141,7 +165,8 @@ class Transport(Protocol):
 
     def contacts(self) -> set[int]:
         """The peers that may not have read everything this one sent them
-        (:meth:`unread`), and those that watch it (see .overlay)."""
+        (:meth:`unread`), and those that watch it (see .overlay); once :meth:`leaving`,
+        only those a message can still reach without a new link."""
         ...
 
     def unread(self) -> set[int]:

@@ -4,7 +4,8 @@ Whatever carried a message (a ZeroMQ link, a lane, the in-memory network), once 
 transport knows which member's link it came on, the same steps follow, here:
 
 1. **Validate** it (:func:`p2pcoll.wire.validate`): a message with no header frame, or one
-   that fails, is dropped.
+   that fails, is dropped; so is one of a kind this path does not carry (``unexpected``:
+   a link's answers are farewells only, see :meth:`~.base.Transport.answer`).
 2. **Dispatch** by kind: a kind the transport *keeps* (a lane marker) goes to its handler
    and no further, and what the handler returns goes back to the caller; a kind the
    transport *watches* (a hello naming shared memory) goes to its handler and then on.
@@ -24,7 +25,7 @@ path reads them at each message (:class:`Host`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from ..errors import ProtocolError
@@ -55,6 +56,8 @@ class Inbound:
         watch: handlers of the kinds the transport looks at before they are handed on.
             Neither may name ``data``.
         resolve: the payload pieces of a valid message (None: its frames).
+        kinds: the kinds this path carries (None: every kind); a message of another kind
+            is dropped as ``unexpected``.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Inbound:
         keep: Mapping[str, Callable[[Header], object]] | None = None,
         watch: Mapping[str, Callable[[Header], None]] | None = None,
         resolve: Resolve | None = None,
+        kinds: Collection[str] | None = None,
     ) -> None:
         self.host = host
         self.limits = limits
@@ -73,6 +77,7 @@ class Inbound:
         if "data" in self.keep or "data" in self.watch:
             raise ValueError("data messages always go through: keep and watch other kinds")
         self.resolve = resolve
+        self.kinds = None if kinds is None else frozenset(kinds)
 
     def accept(self, source: int, head: bytes | memoryview | None,
                frames: Sequence[Piece] = ()) -> object:
@@ -96,6 +101,9 @@ class Inbound:
                                     reason="stranger")
             header = validate(source, head, [len(f) for f in frames], self.limits)
             kind = header.kind
+            if self.kinds is not None and kind not in self.kinds:
+                raise ProtocolError(f"a {kind!r} message where only {sorted(self.kinds)} "
+                                    f"may come", reason="unexpected")
             if kind != "data":  # (data is never kept or watched: one compare on the hot path)
                 kept = self.keep.get(kind)
                 if kept is not None:

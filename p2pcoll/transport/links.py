@@ -119,6 +119,11 @@ class Successions(Generic[Message]):
         parsed = parse_identity(identity)
         return None if parsed is None else self.claims.get(parsed[0])
 
+    def nonce(self, rank: int) -> bytes | None:
+        """The nonce of ``rank``'s links (None: none of them has spoken yet)."""
+        sender = self._senders.get(rank)
+        return None if sender is None else sender.nonce
+
     def arrive(self, identity: bytes, message: Message) -> int | None:
         """A message on a link that is not the current link of any rank (see the class)."""
         parsed = parse_identity(identity)

@@ -182,6 +182,7 @@ class MemoryTransport:
         self._early: list[tuple[str, list[bytes]]] = []
         self.hello_peers: frozenset[int] = frozenset()  # as the mesh's: the overlay's
         self._talked: set[int] = set()  # the peers sent to (see contacts)
+        self._heard: set[int] = set()  # the peers received from (see senders)
         self._ranks: dict[str, int] = {}  # endpoint -> rank, of the members
 
     async def bind(self) -> list[str]:
@@ -229,6 +230,23 @@ class MemoryTransport:
         self.network.deliver(self.endpoints[0], self.membership.endpoints[dst],
                              [encode_header(header)], False)
 
+    def answer(self, rank: int, header: Header) -> None:
+        """As :meth:`post`: the network has no links to open (see Transport.answer)."""
+        if self.closed or self.membership is None:
+            return
+        self.network.deliver(self.endpoints[0], self.membership.endpoints[rank],
+                             [encode_header(header)], False)
+
+    def senders(self) -> set[int]:
+        """The peers this one has received from."""
+        return set(self._heard)
+
+    def leaving(self) -> None:
+        """Nothing to do: every peer is reachable without opening anything."""
+
+    async def drained(self) -> None:
+        """Nothing drains: no link is closed for a budget."""
+
     def greet(self, header: Header) -> None:
         assert self.membership is not None
         for peer in overlay.watched(self.membership.rank, self.membership.world_size):
@@ -265,6 +283,8 @@ class MemoryTransport:
             return
         # not a member: -1, which validate() refuses like any other stranger
         link = self._ranks.get(sender, -1)
+        if link >= 0:
+            self._heard.add(link)
         self._inbound.accept(link, frames[0] if frames else None,
                              [BytesPiece(f) for f in frames[1:]])
 

@@ -46,9 +46,10 @@ from .sockets import SocketFactory
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["Route", "Routes"]
+__all__ = ["ENDED", "Route", "Routes"]
 
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+ENDED = b"ended"  # a receiver's answer to a link's end, on that link
 
 class Route:
     """This peer's way to one other peer (see the module docstring)."""
@@ -112,16 +113,21 @@ class Routes:
         budget: the most links kept open (0: no bound), draining ones included.
         opened: called with each route whose first link has just opened (this peer's
             hello goes first on it).
+        heard: called with a route and a message that came back on its draining link
+            other than the answer to its end (a goodbye said back on it, see
+            ``Transport.answer``).
     """
 
     def __init__(self, sockets: SocketFactory, counters: Counters, budget: int,
-                 opened: Callable[[Route], None]) -> None:
+                 opened: Callable[[Route], None],
+                 heard: Callable[[Route, list[zmq.Frame]], None]) -> None:
         if budget and budget < MIN_LINKS:
             raise ValueError(f"a link budget of {budget} is below {MIN_LINKS}")
         self.sockets = sockets
         self.counters = counters
         self.budget = budget
         self.opened = opened
+        self.heard = heard
         self.routes: dict[int, Route] = {}
         # Links closed for the budget whose end the peer has not answered yet, each with
         # the task that waits for the answer: (peer, generation) -> (route, task).
@@ -194,6 +200,12 @@ class Routes:
             await asyncio.wait([task for _, task in self.draining.values()],
                                return_when=asyncio.FIRST_COMPLETED)
 
+    async def drained(self) -> None:
+        """Wait until no link drains: each closed link's peer has answered its end (or is
+        gone). Cancellation: nothing is lost; the links go on draining."""
+        while self.draining:
+            await asyncio.wait([task for _, task in self.draining.values()])
+
     def check(self, dst: int) -> None:
         """Raises ValueError unless ``dst`` is another member's rank."""
         if not 0 <= dst < len(self._endpoints) or dst == self._rank:
@@ -231,7 +243,11 @@ class Routes:
     async def _drain(self, key: tuple[int, int], route: Route) -> None:
         """Close a link once its peer has answered its end (see the module docstring)."""
         with contextlib.suppress(zmq.ZMQError):
-            await route.link.recv()  # the peer answers nothing else on a link
+            while True:
+                frames = await route.link.recv_multipart(copy=False)
+                if len(frames) == 1 and frames[0].bytes == ENDED:
+                    break
+                self.heard(route, frames)
             route.link.close(linger=0)
         self.draining.pop(key, None)
 

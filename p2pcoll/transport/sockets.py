@@ -140,9 +140,9 @@ class SocketFactory:
         sock = self._client(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
-        # A link only sends: whatever the far end sends back is never read, so it may
-        # neither be large nor pile up.
-        sock.setsockopt(zmq.RCVHWM, 1)
+        # A link sends; what comes back on it is small and few (read when it is: see
+        # ZmqMesh.answer): the answer to its end, a farewell, the peer's goodbye said back.
+        sock.setsockopt(zmq.RCVHWM, 4)
         sock.setsockopt(zmq.MAXMSGSIZE, LINK_RECEIVE_BYTES)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         return sock

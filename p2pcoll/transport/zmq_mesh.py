@@ -64,10 +64,10 @@ from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, 
 from .endpoints import EndpointPolicy
 from .inbound import Inbound
 from .malloc import tune_malloc
-from .links import Successions
+from .links import Successions, link_identity
 from .ordering import LaneReceiver, LaneSender
-from .route import Route, Routes
-from .sockets import LinkCensus, SocketFactory
+from .route import ENDED, Route, Routes
+from .sockets import LINGER_MS, LinkCensus, SocketFactory
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -83,6 +83,13 @@ def _marker(header: Header) -> bool:
     """A lane marker's value (True: "lane on"); validate() checked its meta."""
     assert header.meta is not None
     return bool(header.meta["on"])
+
+
+def _misplaced(header: Header) -> None:
+    """A farewell on a member's link to this peer: it answers a bye and comes back on the
+    connection the bye went on (a link of this peer's, a watcher's probe), never here."""
+    raise ProtocolError(f"rank {header.src} sent a farewell on its own link",
+                        reason="unexpected")
 
 
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
@@ -145,18 +152,33 @@ class ZmqMesh:
         self._limits: Limits | None = None
         # Every message, once its link's member is known, goes through this (see .inbound):
         # lane markers come back to the ordering, hellos are looked at on the way.
-        self._inbound = Inbound(self, keep={"lane": _marker, "end": self._on_end},
+        self._inbound = Inbound(self, keep={"lane": _marker, "end": self._on_end,
+                                            "farewell": _misplaced},
                                 watch={"hello": self._on_hello}, resolve=self._pieces)
+        # A goodbye is answered on the connection it came on (see answer): the farewells
+        # that come back on this peer's links, or from a watcher's probe it said goodbye
+        # on, are read here, and nothing else; a bye over the probe of a peer this one
+        # watches likewise.
+        self._answers = Inbound(self, kinds={"farewell", "bye"})
+        self._byes = Inbound(self, kinds={"bye"})
+        self._leaving = False  # no link opens any more (see leaving)
+        # Probe identity -> rank, of the watchers this peer said goodbye to on their probes
+        # (their farewells come back on them); the watched peers whose goodbye came on
+        # this peer's probe (answered there).
+        self._probers: dict[bytes, int] = {}
+        self._bye_on_probe: set[int] = set()
+        self._bye_on_link: set[int] = set()  # whose goodbye came back on this peer's link
         # Link identity -> rank, of the members' links being read now; the order of each
         # member's successive links (made at connect); this peer's nonce (see .links).
         self._ranks: dict[bytes, int] = {}
         self._successions: Successions[list[zmq.Frame]] | None = None
         self._nonce = secrets.token_hex(8)
+        self._secret = ""  # the group's link secret: never log
         self.identity = b""  # of this peer's first links; holds the secret: never log
         self._router: zmq.asyncio.Socket | None = None
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
-                             opened=self._opened)
+                             opened=self._opened, heard=self._heard_back)
         # Heartbeat-only links to the watched peers, each with its monitor and the task
         # reading that (see _probe).
         self._probes: dict[int, tuple[zmq.asyncio.Socket, zmq.asyncio.Socket,
@@ -205,9 +227,10 @@ class ZmqMesh:
         self.on_message, self.on_link_down = on_message, on_link_down
         group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
-        self._limits = self._inbound.limits = Limits(group_id, rank, membership.world_size,
-                                                     self.settings.max_message_bytes)
-        secret = membership.secret or group_id  # in-process test sessions have no secret
+        self._limits = Limits(group_id, rank, membership.world_size,
+                              self.settings.max_message_bytes)
+        self._inbound.limits = self._answers.limits = self._byes.limits = self._limits
+        secret = self._secret = membership.secret or group_id  # in-process tests have none
         size = membership.world_size
         self._ranks = {}
         self._successions = Successions(
@@ -302,7 +325,8 @@ class ZmqMesh:
         if late:
             events |= zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
         monitor = probe.get_monitor_socket(events)
-        self._probes[peer] = (probe, monitor, asyncio.create_task(self._watch(peer, monitor)))
+        task = asyncio.create_task(self._watch(peer, probe, monitor))
+        self._probes[peer] = (probe, monitor, task)
         probe.connect(self._peer_endpoints[peer])
 
     def _unprobe(self, peer: int) -> None:
@@ -313,7 +337,8 @@ class ZmqMesh:
         probe, monitor, task = self._probes.pop(peer)
         probe.disable_monitor()
         task.cancel()
-        probe.close(linger=0)
+        # a farewell answered on it (the peer said goodbye there) must still go out
+        probe.close(linger=LINGER_MS if peer in self._bye_on_probe else 0)
         monitor.close(linger=0)
 
     def forget(self, rank: int) -> None:
@@ -345,7 +370,15 @@ class ZmqMesh:
             return set()
         size = len(self._peer_endpoints)
         watchers = overlay.watchers(self.rank, size, gone=self._gone)
+        if self._leaving:  # only those reachable without a new link (see leaving)
+            links = set(self.routes.routes)
+            return links | {w for w in watchers
+                            if w in links or self._probe_identity(w) is not None}
         return (self.unread() | set(watchers)) - {self.rank}
+
+    def senders(self) -> set[int]:
+        """The peers whose link to this one is read now: :meth:`answer` reaches them."""
+        return set() if self._successions is None else set(self._successions.current)
 
     def unread(self) -> set[int]:
         """The peers that may not have read everything this peer sent them: those it has a
@@ -412,8 +445,8 @@ class ZmqMesh:
         for dst in dsts:  # a bad rank fails before anything is sent (and opens nothing)
             if dst not in table:
                 self.routes.check(dst)
-                if self._closed:
-                    raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
+                if self._closed or self._leaving:
+                    raise self._cannot_link(dst)
         nbytes = [a.nbytes for a in payload]
         rings = self._rings
         near = rings.readers(dsts) if rings is not None else []
@@ -500,15 +533,22 @@ class ZmqMesh:
         routes = self.routes
         route = routes.routes.get(dst)
         if route is None:
-            if self._closed:
-                raise PeerLost(f"cannot send to rank {dst}: this peer has closed", dst)
+            if self._closed or self._leaving:
+                raise self._cannot_link(dst)
             return routes.get(dst)
         route.used = next(routes.clock)  # for the budget: the least recently used goes first
         return route
 
+    def _cannot_link(self, dst: int) -> PeerLost:
+        why = "closed" if self._closed else "left its group"
+        return PeerLost(f"cannot send to rank {dst}: this peer has {why}", dst)
+
     def post(self, dst: int, header: Header) -> None:
         """Send a control message (no payload) without waiting; never raises."""
         if self._closed or self.rank < 0:
+            return
+        if self._leaving and dst not in self.routes.routes:
+            self._post_to_probe(dst, header)
             return
         try:
             route = self._link(dst)
@@ -528,6 +568,93 @@ class ZmqMesh:
             return
         # An asyncio socket reports a full queue (EAGAIN) through the returned future.
         sent.add_done_callback(_discard_outcome)
+
+    def answer(self, rank: int, header: Header) -> None:
+        """Post a control message back on the connection the last message from ``rank``
+        came on: its link to this peer (through this peer's ROUTER, as an ``end`` is
+        answered), or, for a goodbye that came on this peer's probe of ``rank``, that
+        probe. Opens no link; never raises (an answer that cannot go is not sent)."""
+        if self._closed or self.rank < 0 or rank in self._bye_on_link:
+            return  # (one that came back on this peer's own link is not answered)
+        frame = encode_header(header)
+        probe = self._probes.get(rank) if rank in self._bye_on_probe else None
+        try:
+            if probe is not None:
+                zmq.Socket.shadow(probe[0].underlying).send(frame, _NOBLOCK)
+                return
+            identity = None if self._successions is None else (
+                self._successions.current.get(rank))
+            reading = self._reading
+            if identity is None or reading is None:
+                log.debug("rank %d: no connection from rank %d to answer on", self.rank, rank)
+                return
+            # a ROUTER drops what it cannot route at once: this never waits
+            reading[0].send_multipart([identity, frame], _NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("rank %d: answer to rank %d not sent: %s", self.rank, rank, exc)
+
+    def leaving(self) -> None:
+        """This peer is leaving its group: it opens no link from now on, whatever it sends
+        (a goodbye, an abort of what it leaves running), so closing costs no descriptor
+        and stays within the budget. A message to a peer it has no link to goes over that
+        peer's probe if the peer watches this one (what a watcher must hear before this
+        peer's port closes under its probe), else nowhere: this peer sent it nothing, or
+        everything on a link closed for the budget, which :meth:`drained` waits for. The
+        answers that come back on its links (farewells) are read from now on."""
+        if self._leaving or self._closed:
+            return
+        self._leaving = True
+        for route in self.routes.routes.values():
+            self._tasks.append(asyncio.create_task(self._hear_answers(route)))
+
+    async def drained(self) -> None:
+        """Wait until the peers behind this peer's draining links have read them (see
+        .route); the caller bounds the wait."""
+        await self.routes.drained()
+
+    async def _hear_answers(self, route: Route) -> None:
+        """Read the answers coming back on a link (see :meth:`leaving`), as the peer's."""
+        try:
+            while True:
+                self._heard_back(route, await route.link.recv_multipart(copy=False))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def _heard_back(self, route: Route, frames: list[zmq.Frame]) -> None:
+        """A message back on this peer's link: a farewell, or the peer's goodbye said
+        back on it (see :meth:`senders`), which is not answered (nobody waits for it)."""
+        self._bye_on_link.add(route.peer)
+        self._answers.accept(route.peer, frames[0].buffer, frames[1:])
+
+    def _probe_identity(self, watcher: int) -> bytes | None:
+        """The identity of ``watcher``'s probe of this peer (its first link's, see
+        SocketFactory.mesh_probe), if this peer can reach it: probes are made (not over
+        inproc) and the watcher's links have spoken here (its hello, at forming)."""
+        successions = self._successions
+        if not self._monitored or successions is None:
+            return None
+        nonce = successions.nonce(watcher)
+        if nonce is None:
+            return None
+        return link_identity(watcher, self._secret, nonce.decode()) + b"~probe"
+
+    def _post_to_probe(self, dst: int, header: Header) -> None:
+        """Post to a watcher this peer has no link to, on the watcher's probe (see
+        :meth:`leaving`); its answer comes back on it."""
+        size = len(self._peer_endpoints)
+        identity = (self._probe_identity(dst)
+                    if dst in overlay.watchers(self.rank, size, gone=self._gone) else None)
+        reading = self._reading
+        if identity is None or reading is None:
+            log.debug("rank %d: no connection to rank %d left to post a %s on", self.rank,
+                      dst, header.kind)
+            return
+        self._probers[identity] = dst
+        try:
+            reading[0].send_multipart([identity, encode_header(header)], _NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("rank %d: %s to rank %d's probe not sent: %s", self.rank, header.kind,
+                      dst, exc)
 
     def greet(self, header: Header) -> None:
         """Post a hello to the peers this one watches now (to every peer in a board group),
@@ -630,6 +757,10 @@ class ZmqMesh:
                             ProtocolError("message has no header frame"))
             return
         if source is None:
+            watcher = self._probers.get(identity)
+            if watcher is not None:  # a watcher answering a goodbye on its probe
+                self._answers.accept(watcher, frames[1].buffer, frames[2:])
+                return
             # A link heard for the first time, or a member's later link: the rank's link
             # now; or held for its turn, or dropped and counted as a ``stranger`` (no
             # ``rank@secret`` of this group) or an ``impostor`` (another nonce claiming a
@@ -665,7 +796,7 @@ class ZmqMesh:
             reading = self._reading
             if reading is not None:
                 try:  # a ROUTER drops what it cannot route at once: this never waits
-                    reading[0].send_multipart([ended, b"ended"], _NOBLOCK)
+                    reading[0].send_multipart([ended, ENDED], _NOBLOCK)
                 except zmq.ZMQError as exc:
                     log.debug("rank %d: end of rank %d's link not answered: %s", self.rank,
                               header.src, exc)
@@ -803,7 +934,23 @@ class ZmqMesh:
         return [next(inline_frames) if at == -1 else inbox.take(at, n, k)
                 for n, at, k in zip(header.nbytes, header.shm[1], header.shm[2], strict=True)]
 
-    async def _watch(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
+    async def _watch(self, peer: int, probe: zmq.asyncio.Socket,
+                     monitor: zmq.asyncio.Socket) -> None:
+        """Follow a probe's connection (its monitor's events), and read what comes on it:
+        only the goodbye of a watched peer that has no link to this one (see
+        :meth:`leaving`)."""
+        await asyncio.gather(self._follow(peer, monitor), self._hear(peer, probe))
+
+    async def _hear(self, peer: int, probe: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                frames = await probe.recv_multipart(copy=False)
+                self._bye_on_probe.add(peer)  # its farewell goes back there (see answer)
+                self._byes.accept(peer, frames[0].buffer, frames[1:])
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    async def _follow(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
         connected = False
         try:
             while True:

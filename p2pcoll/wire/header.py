@@ -10,7 +10,8 @@ binary frame of another version is refused as such, not as garbage.
 The msgpack map (control messages)::
 
     v    format version (WIRE_VERSION)        k    kind: "abort" | "hello" | "bye"
-                                                   | "farewell" (a bye was read)
+                                                   | "farewell" (a bye was read;
+                                                     back on the bye's connection)
                                                    | "why" | "waiting" | "lane" (see below)
                                                    | "gone" (news of a departure)
                                                    | "end" (a link's last message, see

@@ -27,6 +27,9 @@ counts the messages it drops (``Group.stats()["messages_dropped_by_reason"]``):
     mismatch    the header disagrees with the message it heads or the link it came on: the
                 number or sizes of its frames, or a source rank other than the link's
     duplicate   a second message with the same key (raised by the matcher, after this)
+    unexpected  a valid message on a connection that does not carry its kind: a farewell
+                anywhere but back on the connection its bye went on (raised by the
+                transport, see ``Transport.answer``)
     malformed   anything else: not msgpack, unknown kinds or keys, wrong types, bounds
                 (ProtocolError's default, so the checks below name only the others)
 
@@ -75,7 +78,7 @@ from .header import (
 )
 
 REASONS = ("stranger", "impostor", "oversize", "version", "group", "mismatch", "duplicate",
-           "malformed")
+           "unexpected", "malformed")
 
 # Bounds on what a header may describe; far above any real use, far below what would let a
 # few bytes make a peer allocate gigabytes or recurse without end.
