@@ -247,6 +247,49 @@ async def test_messages_keep_their_order_across_a_closed_and_reopened_link() -> 
     assert results[0] >= rounds * (n - 1 - BUDGET), results
 
 
+async def test_an_inquiry_to_every_peer_keeps_the_budget() -> None:
+    """Rank 0 alone starts an allreduce and its deadline passes: it asks every other peer
+    why (a control message to each, most over links it does not have). Under a budget of 4
+    those go as room comes, a link opening as another drains, so rank 0 never holds more
+    than the budget and one draining link; every peer still answers (all are named as not
+    having started it) and nothing is lost."""
+    n = 12
+    together = Together(n)
+
+    async def fn(g: p2pcoll.Group) -> dict[str, object]:
+        routes = g.session.transport.routes
+        most, error = 0, None
+        if g.rank == 0:
+            async def sample() -> None:
+                nonlocal most
+                while True:
+                    most = max(most, len(routes.routes) + len(routes.draining))
+                    await asyncio.sleep(0)
+
+            sampler = asyncio.create_task(sample())
+            try:
+                await g.allreduce(np.ones(4), timeout=1.0)
+            except p2pcoll.CollectiveTimeout as exc:
+                error = str(exc)
+            finally:
+                sampler.cancel()
+        stats = g.stats()
+        await together.done()
+        return {"most": most, "error": error, "closed": stats["links_closed"],
+                "dropped": stats["messages_dropped"]}
+
+    kw = budget_peers(n)
+    results = await run_ranks(n, fn, host_ids=kw.pop("host_ids"), **kw)
+    first = results[0]
+    # Every peer answered: the one rank 0 waits for is blamed, the others listed.
+    assert first["error"] is not None and "rank 1 has not started it" in first["error"], first
+    assert f"not started: ranks {', '.join(map(str, range(2, n)))}" in first["error"], first
+    assert "did not answer" not in first["error"], first
+    assert first["closed"] >= n - 1 - BUDGET, first  # the inquiry churned its links
+    assert first["most"] <= BUDGET + 1, first
+    assert all(r["dropped"] == 0 for r in results), results
+
+
 def test_a_bad_budget_is_refused_by_name() -> None:
     for bad in ("2", "-1", "x", "1.5"):
         with pytest.raises(p2pcoll.SettingsError, match="P2PCOLL_MAX_LINKS"):

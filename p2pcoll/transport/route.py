@@ -21,7 +21,8 @@ receiver that may not be reading just then (a long step of its own), so no linge
 do. The receiver answers the ``end`` on the same connection once it has read it, and only
 then is the socket closed (or when the peer is gone, or this peer closes). Until then it
 holds its descriptors and counts against the budget: a send that needs a new link waits
-while the budget is full of draining links (:meth:`Routes.room`). A peer whose last link
+while the budget is full of draining links (:meth:`Routes.room`), and so does a control
+message, which the mesh defers until then (in the order posted). A peer whose last link
 was answered has read everything this one sent it: a goodbye need not go to it
 (:meth:`Routes.contacts`).
 """
@@ -190,13 +191,18 @@ class Routes:
             task.cancel()
             drained.link.close(linger=0)
 
+    def full(self) -> bool:
+        """Whether a new link must wait (:meth:`room`): the budget is full and some of it
+        drains."""
+        return bool(self.budget and self.draining
+                    and len(self.routes) + len(self.draining) >= self.budget)
+
     async def room(self) -> None:
         """Wait while the budget is full and some of it drains: until a closed link's peer
         has answered (a root that sends to every peer in turn would otherwise hold a
-        draining link to each). Sends wait here; control messages (:meth:`get` from a
-        callback) do not, and may exceed the budget."""
-        while (self.budget and self.draining
-               and len(self.routes) + len(self.draining) >= self.budget):
+        draining link to each). Every new link waits here (the mesh defers a control
+        message that needs one); only when every link must stay is the budget exceeded."""
+        while self.full():
             await asyncio.wait([task for _, task in self.draining.values()],
                                return_when=asyncio.FIRST_COMPLETED)
 

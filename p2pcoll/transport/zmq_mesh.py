@@ -42,6 +42,7 @@ and lanes as small adapters.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import secrets
@@ -190,6 +191,10 @@ class ZmqMesh:
         self.hello_peers: frozenset[int] = frozenset()
         self._greeted: frozenset[int] = frozenset()  # whom greet() says hello to at once
         self._tasks: list[asyncio.Task[None]] = []
+        # Control messages that need a new link while the budget is full of draining ones,
+        # in the order posted, and the task that sends them as room comes (see post).
+        self._deferred: collections.deque[tuple[int, Header]] = collections.deque()
+        self._deferring: asyncio.Task[None] | None = None
         self._closed = False
         self._monitored = False
         # Over inproc every large piece goes as a snapshot (see connect).
@@ -544,9 +549,33 @@ class ZmqMesh:
         return PeerLost(f"cannot send to rank {dst}: this peer has {why}", dst)
 
     def post(self, dst: int, header: Header) -> None:
-        """Send a control message (no payload) without waiting; never raises."""
+        """Send a control message (no payload) without waiting; never raises.
+
+        One that needs a new link while the budget is full of draining links goes once
+        there is room, after those deferred before it, so that a burst of them (an
+        inquiry to every peer, the news of a loss) keeps the budget as a send does: a
+        link each that opens and then drains, not all at once."""
         if self._closed or self.rank < 0:
             return
+        if not self._leaving and dst not in self.routes.routes and (
+                self._deferred or self.routes.full()):
+            self._deferred.append((dst, header))
+            if self._deferring is None:
+                self._deferring = asyncio.create_task(self._post_deferred())
+            return
+        self._post(dst, header)
+
+    async def _post_deferred(self) -> None:
+        try:
+            while self._deferred:
+                await self.routes.room()
+                if self._closed:
+                    return
+                self._post(*self._deferred.popleft())
+        finally:
+            self._deferring = None
+
+    def _post(self, dst: int, header: Header) -> None:
         if self._leaving and dst not in self.routes.routes:
             self._post_to_probe(dst, header)
             return
@@ -971,10 +1000,12 @@ class ZmqMesh:
         watching = [task for _, _, task in self._probes.values()]
         for peer in list(self._probes):
             self._unprobe(peer)
-        for task in self._tasks:
+        self._deferred.clear()
+        tasks = [*self._tasks, *([self._deferring] if self._deferring is not None else [])]
+        for task in tasks:
             task.cancel()
         draining = self.routes.close()
-        await asyncio.gather(*self._tasks, *watching, *draining, return_exceptions=True)
+        await asyncio.gather(*tasks, *watching, *draining, return_exceptions=True)
         if self._census is not None:
             self._census.stop()
         if self._rings is not None:
