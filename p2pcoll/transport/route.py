@@ -134,6 +134,7 @@ class Routes:
         # the task that waits for the answer: (peer, generation) -> (route, task).
         self.draining: dict[tuple[int, int], tuple[Route, asyncio.Task[None]]] = {}
         self._generations: dict[int, int] = {}  # peer -> links opened to it so far
+        self._gone: set[int] = set()  # the peers gone (see forget): they answer no end
         self.clock = itertools.count(1)  # ticks of use: Route.used
         self._secret = self._nonce = ""
         self._rank = -1
@@ -185,7 +186,9 @@ class Routes:
     def forget(self, peer: int) -> None:
         """``peer`` has gone: its draining links close now, whatever they still queue (it
         will not answer their ends). Its open link stays: what goes on it now says why
-        (an abort, a goodbye) to a peer that may only seem gone (a cut connection)."""
+        (an abort, a goodbye) to a peer that may only seem gone (a cut connection); if the
+        budget needs it, it closes at once, undrained (see :meth:`_make_room`)."""
+        self._gone.add(peer)
         for key in [key for key in self.draining if key[0] == peer]:
             drained, task = self.draining.pop(key)
             task.cancel()
@@ -238,6 +241,14 @@ class Routes:
         for route in sorted(self.routes.values(), key=lambda r: r.used):
             if route.peer in pinned or route.lane is not None or route.waiting:
                 continue
+            if route.peer in self._gone:
+                # Its peer will answer no end: the link closes now (what it queues gets
+                # the linger). Drained, it would hold the budget for good, and a send that
+                # waits for room (see room) would wait for ever.
+                del self.routes[route.peer]
+                route.link.close()
+                self.counters.links_closed += 1
+                return
             if not route.send_now(self._end):  # its queue is full: it is busy
                 continue
             del self.routes[route.peer]
