@@ -23,7 +23,6 @@ import logging
 import resource
 import time
 from collections.abc import Callable
-from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -275,23 +274,25 @@ class LinkCensus:
         return True
 
     async def watch(self, expected: Callable[[], int], on_refused: Callable[[], None],
-                    rank: int) -> None:
+                    rank: int, behind: Callable[[], bool]) -> None:
         """Count the ROUTER's handshakes until cancelled or stopped; ``on_refused()`` for
         each beyond ``expected()`` members' links, logged at most once per interval.
 
         A member's link that opens anew is counted in ``expected()`` once its first
         message is read, which may come a while after its handshake when the reader is
         behind: a handshake beyond the count is counted again :data:`RECOUNT_S` later, and
-        refused only if it still is and the reader has caught up (nothing waits on the
-        ROUTER); while it has not, again later, at most :data:`MAX_RECOUNTS` times (a
-        stranger that floods is refused all the same, a few seconds late).
+        refused only if it still is and the reader has caught up (``behind()`` false: it
+        last read the ROUTER empty); while it has not, again later, at most
+        :data:`MAX_RECOUNTS` times (a stranger that floods is refused all the same, a few
+        seconds late). The census never asks the ROUTER itself: reading its ZMQ_EVENTS
+        would take the edge its reader waits for (see ZmqMesh._read).
         """
         loop = asyncio.get_running_loop()
 
         def recount(left: int) -> None:
             if self.handshakes - self.refused <= expected():
                 return
-            if left > 0 and self._unread():
+            if left > 0 and behind():
                 loop.call_later(self.RECOUNT_S, recount, left - 1)
                 return
             if self.beyond(expected()):
@@ -308,13 +309,6 @@ class LinkCensus:
                     loop.call_later(self.RECOUNT_S, recount, self.MAX_RECOUNTS)
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
-
-    def _unread(self) -> bool:
-        """Whether messages wait on the ROUTER, not yet read by the mesh."""
-        try:
-            return bool(cast(int, self.router.get(zmq.EVENTS)) & zmq.POLLIN)
-        except zmq.ZMQError:  # closed meanwhile
-            return False
 
     def _warn(self, rank: int) -> None:
         now = time.monotonic()

@@ -201,6 +201,7 @@ class ZmqMesh:
         self._snapshot_all = False
         self._rings: shm.SharedRings | None = None
         self._reading: tuple[zmq.Socket, asyncio.Future[None]] | None = None
+        self._behind = False  # the last drain stopped with messages left (see _drain)
         self._census: LinkCensus | None = None  # counts connections that are no member's link
         # Lanes to and from the peers of this host (see .lane), and the order of each
         # peer's messages across socket and lane (see .ordering): a sender on the route of
@@ -305,8 +306,8 @@ class ZmqMesh:
                 # watcher after each departure (see forget)
                 return members + successions.later_links + len(self._gone)
 
-            self._tasks.append(asyncio.create_task(self._census.watch(expected, refused,
-                                                                      rank)))
+            self._tasks.append(asyncio.create_task(self._census.watch(
+                expected, refused, rank, behind=lambda: self._behind)))
 
     @property
     def links(self) -> int:
@@ -412,7 +413,7 @@ class ZmqMesh:
             if identity is None:
                 continue
             try:
-                reading[0].send_multipart([identity, b""], _NOBLOCK)
+                self._send_back(reading[0], [identity, b""])
             except zmq.ZMQError:  # not connected (EHOSTUNREACH), or its queue is full
                 continue
             out.add(peer)
@@ -655,7 +656,7 @@ class ZmqMesh:
                 log.debug("rank %d: no connection from rank %d to answer on", self.rank, rank)
                 return
             # never waits: what cannot go at once fails (the ROUTER is mandatory)
-            reading[0].send_multipart([identity, frame], _NOBLOCK)
+            self._send_back(reading[0], [identity, frame])
         except zmq.ZMQError as exc:
             log.debug("rank %d: answer to rank %d not sent: %s", self.rank, rank, exc)
 
@@ -717,7 +718,7 @@ class ZmqMesh:
             return
         self._probers[identity] = dst
         try:
-            reading[0].send_multipart([identity, encode_header(header)], _NOBLOCK)
+            self._send_back(reading[0], [identity, encode_header(header)])
         except zmq.ZMQError as exc:
             log.debug("rank %d: %s to rank %d's probe not sent: %s", self.rank, header.kind,
                       dst, exc)
@@ -804,6 +805,7 @@ class ZmqMesh:
                 # complete only when the receiver frees its frame.
                 del frames
         except zmq.Again:
+            self._behind = False
             return
         except zmq.ZMQError as exc:
             if self._closed or isinstance(exc, zmq.ContextTerminated):
@@ -812,7 +814,18 @@ class ZmqMesh:
                 return
             log.error("rank %d: receive failed: %s", self.rank, exc)
         # More may be waiting and no edge will say so: go on after the other callbacks.
+        self._behind = True
         asyncio.get_running_loop().call_soon(self._drain)
+
+    def _send_back(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        """Send ``frames`` (an identity first) through the ROUTER at once; raises
+        zmq.ZMQError where they cannot go (the ROUTER is mandatory). A drain follows: any
+        operation on a socket may take the edge its ZMQ_FD would have signalled to
+        :meth:`_drain` (see :meth:`_read`), and what waits would stay unread for good."""
+        try:
+            router.send_multipart(frames, _NOBLOCK)
+        finally:
+            asyncio.get_running_loop().call_soon(self._drain)
 
     def _deliver(self, frames: list[zmq.Frame]) -> None:
         """One message from the ROUTER: handed on in its sender's order, or dropped."""
@@ -862,7 +875,7 @@ class ZmqMesh:
             reading = self._reading
             if reading is not None:
                 try:  # never waits: what cannot go at once fails (the ROUTER is mandatory)
-                    reading[0].send_multipart([ended, ENDED], _NOBLOCK)
+                    self._send_back(reading[0], [ended, ENDED])
                 except zmq.ZMQError as exc:
                     log.debug("rank %d: end of rank %d's link not answered: %s", self.rank,
                               header.src, exc)
