@@ -29,10 +29,6 @@ Modes:
   the others report whether what they received is right.
 - ``slow COUNT SECONDS``: a link closed for the budget while its receiver does not read
   (see :func:`slow`).
-- ``close``: a ring allreduce and a gather to every root in turn (links closed and opened
-  for the budget), a barrier, then the group closes; ``after``: the links opened while
-  closing, the peers that did not answer its goodbye (and those told over their probe
-  that closed it unread), what its transport dropped.
 """
 
 from __future__ import annotations
@@ -270,23 +266,6 @@ async def slow(g: p2pcoll.Group, where: str, count: int, sleep: float) -> None:
     await wait_for_file(os.path.join(where, "done"))
 
 
-async def close(g: p2pcoll.Group) -> None:
-    r, p = g.rank, g.world_size
-    await g.allreduce(np.ones(4), strategy="ring")
-    for root in range(p):
-        await g.gather(np.array([r]), root=root, strategy="root")
-    await g.barrier()
-    session = g.session
-    counters = session.transport.counters
-    before = links(g)
-    await g.close()
-    say(after={"rank": r, "before": before, "opened": counters.links_opened - before["opened"],
-               "told": sorted(session._told), "unanswered": sorted(session.unanswered()),
-               "unheard": sorted(session._unheard),
-               "dropped": counters.messages_dropped,
-               "dropped_by": dict(counters.dropped_by_reason)})
-
-
 async def main() -> None:
     where, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     async with p2pcoll.join(timeout=300) as g:
@@ -298,8 +277,6 @@ async def main() -> None:
             await fail(g, where, int(args[0]))
         elif mode == "leave":
             await leave(g, where, int(args[0]))
-        elif mode == "close":
-            await close(g)
         elif mode == "slow":
             await slow(g, where, int(args[0]), float(args[1]))
         else:

@@ -234,29 +234,6 @@ def test_a_link_closed_while_its_receiver_is_not_reading_loses_nothing(
     assert after[3]["received"] == count + 1, after[3]
 
 
-def test_closing_under_the_budget_opens_no_link(tmp_path: Path) -> None:
-    """Every peer closes its group right after a barrier (some while slower ones are still
-    in it), holding links closed and opened for the budget: its goodbye goes on the links
-    it has (and to a peer it has none to whose probe of it is connected, over that probe),
-    each farewell comes back on the connection its goodbye went on, so closing opens no
-    link; every peer told answers (but a watcher that closed its probe unread: it left
-    too), and nothing is dropped (no farewell comes where none was asked)."""
-    job = Job(tmp_path, "close")
-    try:
-        after = job.wait_for("after", list(range(N)), timeout=300)
-    finally:
-        job.close()
-    for report in after:
-        assert report["opened"] == 0, report
-        assert report["unanswered"] == [], report
-        assert report["dropped"] == 0, report
-    assert any(r["before"]["closed"] > 0 for r in after), after  # the budget was needed
-    told = sorted(len(r["told"]) for r in after)
-    unheard = sum(len(r["unheard"]) for r in after)
-    print(f"\np={N}, budget {BUDGET}: closing opened no link; each goodbye went to "
-          f"{told[0]}..{told[-1]} peers, all answered but {unheard} (a probe closed unread)")
-
-
 # --- bad values (Settings.resolve's own checks are in tests/test_lazy_links.py) ------------
 
 @pytest.fixture

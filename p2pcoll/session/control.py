@@ -46,5 +46,3 @@ def dispatch(session: Session, header: Header, pieces: list[Piece]) -> None:
         session.failures.answer(header)
     elif kind == "waiting":
         session.failures.on_answer(header)
-    if session.goodbye is not None:  # this peer has said goodbye: to this sender too
-        session.say_back(header.src)

@@ -34,8 +34,6 @@ from .peers import Peers
 
 log = logging.getLogger("p2pcoll")
 
-RECHECK = 0.1  # seconds between asking, while closing, which peers told are still there
-
 
 class Session:
     """The state of one epoch of a group; see the module docstring."""
@@ -62,9 +60,7 @@ class Session:
         self.all_hello = asyncio.Event()
         self.farewells: set[int] = set()  # peers that have read this peer's goodbye
         self._told: set[int] = set()  # the peers this peer's goodbye went to
-        self.goodbye: Header | None = None  # this peer's, once said (see say_back)
-        self._said: set[int] = set()  # the peers it went to, told or said back to
-        self._unheard: set[int] = set()  # told, that closed the probe it went on unread
+        self._closing = False  # a peer that is leaving passes on no news
         # What broke the group of each peer that said goodbye after a failure (its bye's
         # "lost" and "cause"), read before its departure and passed on with the news of it.
         self._reports: dict[int, dict[str, Any]] = {}
@@ -162,11 +158,9 @@ class Session:
     def _spread(self, rank: int) -> None:
         """Tell this rank's fingers that ``rank`` has gone (see
         :mod:`p2pcoll.transport.overlay`): each peer does so once, when it first learns it,
-        so the news reaches every peer within about log2 p hops, whoever saw it first. A
-        peer that is leaving passes it on as well, to the fingers it has a link to (it
-        opens none): a peer still running learns so of departures it was not told of."""
+        so the news reaches every peer within about log2 p hops, whoever saw it first."""
         departure = self.peers.gone().get(rank)
-        if departure is None:
+        if departure is None or self._closing:
             return
         news = self.header("gone")
         news.seq = departure.started
@@ -223,14 +217,14 @@ class Session:
 
         Leaving opens no link (see :meth:`Transport.leaving`), so it needs no descriptor
         and stays within the link budget: the goodbye goes on the links this peer has (and
-        to a watcher it has none to, over that watcher's probe if connected) and each
-        answer comes back on the connection its goodbye went on (:meth:`Transport.answer`);
-        a watcher that closes its probe meanwhile needs no answer. A peer whose
+        to a watcher it has none to, over that watcher's probe) and each answer comes back
+        on the connection its goodbye went on (:meth:`Transport.answer`). A peer whose
         link was closed for the budget gets no goodbye: this peer first waits until that
         peer has read all the link carried (:meth:`Transport.drained`), and it learns of the
         departure as the peers this one sent nothing to do, from the others' news.
         """
         self.matcher.close(GroupBroken("the group was closed"))
+        self._closing = True
         self.leaving()
         if self.world_size > 1:
             loop = asyncio.get_running_loop()
@@ -249,21 +243,18 @@ class Session:
             bye.meta = {"told": sorted(self._told), **self._failure_report()}
             for peer in sorted(self._told):
                 self.transport.post(peer, bye)
-            # And back to the peers that send here, now and while this peer waits for its
-            # farewells (see say_back).
-            self.goodbye, self._said = bye, set(self._told)
-            for peer in sorted(self.transport.senders()):
-                self.say_back(peer)
+            # And back to the peers that send here and were not told: a peer that has a link
+            # to this one it did not (yet) say goodbye on reads it when it leaves, and then
+            # waits for no farewell from a peer that has gone. Not in told: they learn of
+            # this departure from the news as well, and need not wait for this goodbye.
+            for peer in sorted(self.transport.senders() - self._told - set(self.peers.gone())):
+                self.transport.answer(peer, bye)
             while (waiting := self.unanswered()) and loop.time() < deadline:
                 self._progress.clear()
                 try:
-                    await asyncio.wait_for(self._progress.wait(),
-                                           min(RECHECK, deadline - loop.time()))
+                    await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
                 except TimeoutError:
-                    # A peer told over its probe of this one that has closed that probe
-                    # will not answer, and needs no goodbye: it has left too (without
-                    # waiting for this one's), or learned of this departure from the news.
-                    self._unheard |= waiting - self.transport.reachable(waiting)
+                    break
             if waiting:
                 log.debug("rank %d: closing before ranks %s read its goodbye", self.rank,
                           sorted(waiting))
@@ -288,27 +279,9 @@ class Session:
             report["lost"] = named if named in lost else lost[0]
         return report
 
-    def say_back(self, peer: int) -> None:
-        """Once this peer has said goodbye (see :meth:`close`), say it back on the link
-        ``peer`` sends here on, if it was not said to ``peer`` yet: a peer that has a link
-        to this one it did not (yet) say goodbye on reads it when it leaves, and then waits
-        for no farewell from a peer that has gone. Also to a peer whose link opens while
-        this one waits for its farewells (it passes on news of others' departures, say):
-        else it would wait for this one's farewell in vain. Not in told: such a peer learns
-        of this departure from the news as well, and need not wait for this goodbye. Never
-        to a peer that may not have read all this one sent it (a closed link that did not
-        drain in time): the goodbye would overtake it."""
-        bye = self.goodbye
-        if bye is None or peer in self._said or peer in self.peers.gone() or (
-                peer in self.transport.unread()):
-            return
-        self._said.add(peer)
-        self.transport.answer(peer, bye)
-
     def unanswered(self) -> set[int]:
-        """The peers this peer's goodbye went to that have neither answered it nor gone
-        (nor closed the probe it went on, see :meth:`close`)."""
-        return self._told - self.farewells - set(self.peers.gone()) - self._unheard
+        """The peers this peer's goodbye went to that have neither answered it nor gone."""
+        return self._told - self.farewells - set(self.peers.gone())
 
     def bye_from(self, rank: int, started: int, told: frozenset[int]) -> None:
         """``rank`` said goodbye (to ``told``): answer that everything before was read (on

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -146,11 +146,6 @@ class Transport(Protocol):
         the links it has, and to a watcher it has none to over that watcher's probe, see
         :meth:`contacts`), and it reads the answers that come back on its links.
         Idempotent."""
-        ...
-
-    def reachable(self, peers: Iterable[int]) -> set[int]:
-        """Of ``peers``, those a message posted now reaches without a new link (once
-        :meth:`leaving`: a peer that has closed its probe of this one is not)."""
         ...
 
     async def drained(self) -> None:

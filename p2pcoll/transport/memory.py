@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -243,10 +243,6 @@ class MemoryTransport:
 
     def leaving(self) -> None:
         """Nothing to do: every peer is reachable without opening anything."""
-
-    def reachable(self, peers: Iterable[int]) -> set[int]:
-        """All of ``peers``: the network reaches every peer without opening anything."""
-        return set(peers)
 
     async def drained(self) -> None:
         """Nothing drains: no link is closed for a budget."""

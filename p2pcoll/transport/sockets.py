@@ -127,10 +127,6 @@ class SocketFactory:
         # and its messages dropped as ``impostor``; the mesh counts such connections (see
         # LinkCensus).
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # What this peer sends back on it (an answer, a goodbye over a watcher's probe)
-        # fails at once where it cannot go (EHOSTUNREACH) rather than being dropped
-        # unseen: ZmqMesh._probing asks so which probes are connected.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A hard per-frame cap: libzmq drops the connection of a peer that exceeds it.
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         # A handshake that does not complete in time (a client that connects and says

@@ -46,7 +46,7 @@ import collections
 import dataclasses
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -362,9 +362,7 @@ class ZmqMesh:
         self.routes.pin(watched)
         if rank in self._probes:
             self._unprobe(rank)
-        # A peer that is leaving opens no probe either (see leaving): it watches no one
-        # any more, and a probe of a peer that has just closed would call that one lost.
-        if self._monitored and not self._leaving:
+        if self._monitored:
             for peer in watched:
                 if peer not in self._probes:
                     self._probe(peer, late=True)
@@ -373,51 +371,16 @@ class ZmqMesh:
         """The peers this one has sent anything to (it opened a link to them, open still
         or closed for the budget) and those that watch it. A goodbye goes to them: what it
         sent them is read by then (the others learn of it from them, see
-        :mod:`.overlay`). Once :meth:`leaving`: those it has a link to, and those whose
-        probe of it is connected (:meth:`reachable`)."""
+        :mod:`.overlay`)."""
         if self.rank < 0:
             return set()
-        if self._leaving:  # only those reachable without a new link (see leaving)
-            return self.reachable(range(len(self._peer_endpoints)))
         size = len(self._peer_endpoints)
         watchers = overlay.watchers(self.rank, size, gone=self._gone)
+        if self._leaving:  # only those reachable without a new link (see leaving)
+            links = set(self.routes.routes)
+            return links | {w for w in watchers
+                            if w in links or self._probe_identity(w) is not None}
         return (self.unread() | set(watchers)) - {self.rank}
-
-    def reachable(self, peers: Iterable[int]) -> set[int]:
-        """Of ``peers``, those a message posted now reaches without a new link: over this
-        peer's link to them, or over their probe of this one (see :meth:`_probing`)."""
-        links = set(self.routes.routes)
-        wanted = set(peers)
-        return (wanted & links) | self._probing(wanted - links)
-
-    def _probing(self, peers: set[int]) -> set[int]:
-        """Of ``peers``, those whose probe of this one is connected now, of those this peer
-        has sent nothing not yet read (no link, none draining): a goodbye to them goes over
-        their probe (see :meth:`leaving`).
-
-        Asked of the ROUTER, not worked out from the overlay: a peer watches the successors
-        it knows to be live, and what this peer knows of departures may differ from what
-        its watchers know. Worked out here, a goodbye went to the probe of a peer that did
-        not watch this one (dropped unread by the ROUTER: its farewell never came), and a
-        peer that had come to watch this one (a late probe, see forget) was not told, and
-        took this peer for lost when its port closed. The ROUTER is mandatory (see
-        SocketFactory.mesh_router): an empty message to a probe that is not connected
-        fails at once; one that is connected skips it (see :meth:`_hear`)."""
-        reading = self._reading
-        if reading is None:
-            return set()
-        out: set[int] = set()
-        skip = self.unread() | self._gone | {self.rank}
-        for peer in sorted(peers - skip):
-            identity = self._probe_identity(peer)
-            if identity is None:
-                continue
-            try:
-                self._send_back(reading[0], [identity, b""])
-            except zmq.ZMQError:  # not connected (EHOSTUNREACH), or its queue is full
-                continue
-            out.add(peer)
-        return out
 
     def senders(self) -> set[int]:
         """The peers whose link to this one is read now: :meth:`answer` reaches them."""
@@ -655,7 +618,7 @@ class ZmqMesh:
             if identity is None or reading is None:
                 log.debug("rank %d: no connection from rank %d to answer on", self.rank, rank)
                 return
-            # never waits: what cannot go at once fails (the ROUTER is mandatory)
+            # a ROUTER drops what it cannot route at once: this never waits
             self._send_back(reading[0], [identity, frame])
         except zmq.ZMQError as exc:
             log.debug("rank %d: answer to rank %d not sent: %s", self.rank, rank, exc)
@@ -663,11 +626,10 @@ class ZmqMesh:
     def leaving(self) -> None:
         """This peer is leaving its group: it opens no link from now on, whatever it sends
         (a goodbye, an abort of what it leaves running), so closing costs no descriptor
-        and stays within the budget. A goodbye to a peer it has no link to goes over that
-        peer's probe of this one if it is connected (what a watcher must hear before this
-        peer's port closes under its probe, see :meth:`_probing`), else nowhere, as does
-        anything else: this peer sent that peer nothing, or everything on a link closed for
-        the budget, which :meth:`drained` waits for. The
+        and stays within the budget. A message to a peer it has no link to goes over that
+        peer's probe if the peer watches this one (what a watcher must hear before this
+        peer's port closes under its probe), else nowhere: this peer sent it nothing, or
+        everything on a link closed for the budget, which :meth:`drained` waits for. The
         answers that come back on its links (farewells) are read from now on."""
         if self._leaving or self._closed:
             return
@@ -707,10 +669,11 @@ class ZmqMesh:
         return link_identity(watcher, self._secret, nonce.decode()) + b"~probe"
 
     def _post_to_probe(self, dst: int, header: Header) -> None:
-        """Post a goodbye to a peer this one has no link to, on that peer's probe of this
-        one (see :meth:`_probing`); its answer comes back on it. Nothing else goes over a
-        probe: its reader takes only a goodbye."""
-        identity = self._probe_identity(dst) if header.kind == "bye" else None
+        """Post to a watcher this peer has no link to, on the watcher's probe (see
+        :meth:`leaving`); its answer comes back on it."""
+        size = len(self._peer_endpoints)
+        identity = (self._probe_identity(dst)
+                    if dst in overlay.watchers(self.rank, size, gone=self._gone) else None)
         reading = self._reading
         if identity is None or reading is None:
             log.debug("rank %d: no connection to rank %d left to post a %s on", self.rank,
@@ -819,7 +782,7 @@ class ZmqMesh:
 
     def _send_back(self, router: zmq.Socket, frames: list[bytes]) -> None:
         """Send ``frames`` (an identity first) through the ROUTER at once; raises
-        zmq.ZMQError where they cannot go (the ROUTER is mandatory). A drain follows: any
+        zmq.ZMQError where they cannot go at once. A drain follows: any
         operation on a socket may take the edge its ZMQ_FD would have signalled to
         :meth:`_drain` (see :meth:`_read`), and what waits would stay unread for good."""
         try:
@@ -874,7 +837,7 @@ class ZmqMesh:
             del self._ranks[ended]
             reading = self._reading
             if reading is not None:
-                try:  # never waits: what cannot go at once fails (the ROUTER is mandatory)
+                try:  # a ROUTER drops what it cannot route at once: this never waits
                     self._send_back(reading[0], [ended, ENDED])
                 except zmq.ZMQError as exc:
                     log.debug("rank %d: end of rank %d's link not answered: %s", self.rank,
@@ -1024,8 +987,6 @@ class ZmqMesh:
         try:
             while True:
                 frames = await probe.recv_multipart(copy=False)
-                if len(frames) == 1 and not frames[0].bytes:
-                    continue  # the peer asked whether this probe is there (see _probing)
                 self._bye_on_probe.add(peer)  # its farewell goes back there (see answer)
                 self._byes.accept(peer, frames[0].buffer, frames[1:])
         except (asyncio.CancelledError, zmq.ZMQError):
