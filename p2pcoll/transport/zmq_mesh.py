@@ -377,9 +377,8 @@ class ZmqMesh:
         size = len(self._peer_endpoints)
         watchers = overlay.watchers(self.rank, size, gone=self._gone)
         if self._leaving:  # only those reachable without a new link (see leaving)
-            links = set(self.routes.routes)
-            return links | {w for w in watchers
-                            if w in links or self._probe_identity(w) is not None}
+            return set(self.routes.routes) | {w for w in watchers
+                                              if self._probe_identity(w) is not None}
         return (self.unread() | set(watchers)) - {self.rank}
 
     def senders(self) -> set[int]:
@@ -669,11 +668,12 @@ class ZmqMesh:
         return link_identity(watcher, self._secret, nonce.decode()) + b"~probe"
 
     def _post_to_probe(self, dst: int, header: Header) -> None:
-        """Post to a watcher this peer has no link to, on the watcher's probe (see
-        :meth:`leaving`); its answer comes back on it."""
+        """Post a goodbye to a watcher this peer has no link to, on the watcher's probe (see
+        :meth:`leaving`); its answer comes back on it. Nothing else goes there: the probe's
+        reader takes only a goodbye (see _hear), and would drop anything else."""
         size = len(self._peer_endpoints)
-        identity = (self._probe_identity(dst)
-                    if dst in overlay.watchers(self.rank, size, gone=self._gone) else None)
+        identity = (self._probe_identity(dst) if header.kind == "bye"
+                    and dst in overlay.watchers(self.rank, size, gone=self._gone) else None)
         reading = self._reading
         if identity is None or reading is None:
             log.debug("rank %d: no connection to rank %d left to post a %s on", self.rank,
