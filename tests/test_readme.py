@@ -171,6 +171,13 @@ def test_links_lead_somewhere(path: Path) -> None:
             assert anchor in heading_anchors(linked), f"{path.name} links to {target}: no such heading"
 
 
+def test_benchmarks_index_names_every_script() -> None:
+    """benchmarks/README.md's index has a line for every script in benchmarks/."""
+    index = section((ROOT / "benchmarks" / "README.md").read_text(), "Index")
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        assert f"| `{script.name}` |" in index, f"benchmarks/README.md's index lacks {script.name}"
+
+
 def test_readme_names_every_builtin_strategy() -> None:
     import p2pcoll
 
