@@ -129,9 +129,21 @@ def test_a_frozen_peer_is_named_by_every_survivor(frozen: int) -> None:
             assert LOST_BY <= elapsed < LOST_BY + 0.1, elapsed
             network.thaw(frozen)
 
-    started = time.monotonic()
     run_virtual(main())
-    print(f"frozen peer named by every survivor in {time.monotonic() - started:.2f}s wall")
+
+
+def test_a_killed_peer_is_named_by_every_survivor_after_the_grace_alone() -> None:
+    # cut(rank) alone is a crash: every link to it goes down at once, no heartbeat waited.
+    async def main() -> None:
+        network = MemoryNetwork()
+        async with groups_of(4, network=network) as groups:
+            start = now()
+            network.cut(1)
+            errors = await each(groups, [0, 2, 3], allreduce)
+            assert [(type(e), e.rank) for e in errors] == [(p2pcoll.PeerLost, 1)] * 3, errors
+            assert now() - start == pytest.approx(LINK_LOSS_GRACE)
+
+    run_virtual(main())
 
 
 def test_a_peer_thawed_within_the_heartbeat_is_not_lost() -> None:
