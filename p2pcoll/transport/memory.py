@@ -12,12 +12,12 @@ send waits for room, so one to a frozen peer, or to one that was cut off, waits 
 failure model ends it) as it would over a socket.
 
 Liveness is the mesh's (see :mod:`.zmq_mesh` and :mod:`.overlay`): each peer probes the
-ranks it watches, and a probe whose peer does not answer for the heartbeat (the peer is
-frozen, or the link between the two is cut) reports it lost through
-:meth:`MemoryTransport.probe_lost`, the one place where the memory transport produces the
-event the mesh's probe monitor produces. A probe is a timer armed when the network changes,
-not a stream of heartbeats, so a frozen peer costs nothing until it is found; under
-:func:`p2pcoll.testing.run_virtual` finding it costs no wall time either.
+ranks it watches (:meth:`MemoryTransport.watch`), and a probe whose peer does not answer for
+the heartbeat (the peer is frozen, or the link between the two is cut) reports it lost
+through :meth:`MemoryTransport.probe_lost`, the one place where the memory transport
+produces the event the mesh's probe monitor produces. A probe is a timer armed when the
+network changes, not a stream of heartbeats, so a frozen peer costs nothing until it is
+found; under :func:`p2pcoll.testing.run_virtual` finding it costs no wall time either.
 """
 
 from __future__ import annotations
@@ -312,8 +312,7 @@ class MemoryTransport:
         self.hello_peers = frozenset(overlay.watchers(membership.rank, membership.world_size))
         self._ranks = _ranks_of(membership.endpoints)
         self._loop = asyncio.get_running_loop()
-        self._watched = overlay.watched(membership.rank, membership.world_size)
-        self.rearm()
+        self.watch(overlay.watched(membership.rank, membership.world_size))
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)
@@ -386,7 +385,13 @@ class MemoryTransport:
         if m is None or rank == m.rank or rank in self._gone:
             return
         self._gone.add(rank)
-        self._watched = overlay.watched(m.rank, m.world_size, gone=self._gone)
+        self.watch(overlay.watched(m.rank, m.world_size, gone=self._gone))
+
+    def watch(self, ranks: list[int]) -> None:
+        """Probe exactly ``ranks`` from now on (the overlay's choice; the seam through which
+        whoever owns the overlay says whom to watch, as :meth:`probe_lost` is the one
+        through which a probe says it lost its peer)."""
+        self._watched = list(ranks)
         self.rearm()
 
     def rearm(self) -> None:
