@@ -107,7 +107,7 @@ def test_the_clock_only_moves_forward() -> None:
 # --- a frozen peer ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frozen", [0, 2, 3])
+@pytest.mark.parametrize("frozen", range(4))
 def test_a_frozen_peer_is_named_by_every_survivor(frozen: int) -> None:
     survivors = [r for r in range(4) if r != frozen]
 
@@ -128,6 +128,20 @@ def test_a_frozen_peer_is_named_by_every_survivor(frozen: int) -> None:
             # deadline (the news of it reaches the others in the same turn of the clock)
             assert LOST_BY <= elapsed < LOST_BY + 0.1, elapsed
             network.thaw(frozen)
+
+    run_virtual(main())
+
+
+def test_the_heartbeat_is_the_groups_setting() -> None:
+    async def main() -> None:
+        network = MemoryNetwork()
+        async with groups_of(4, network=network, heartbeat_timeout=1.5) as groups:
+            start = now()
+            network.freeze(3)
+            errors = await each(groups, [0, 1, 2], allreduce)
+            assert [(type(e), e.rank) for e in errors] == [(p2pcoll.PeerLost, 3)] * 3, errors
+            assert now() - start == pytest.approx(1.5 + LINK_LOSS_GRACE)
+            network.thaw(3)
 
     run_virtual(main())
 
