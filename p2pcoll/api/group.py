@@ -15,7 +15,6 @@ collectives started after it wait their turn and start in the order they were st
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -549,7 +548,8 @@ class Group:
         session = self.session
         session.failures.check_usable()
         limit = self.timeout if timeout is None else check_seconds(timeout, "timeout=")
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()  # its clock: the one asyncio.timeout reads
+        started = loop.time()
         candidates = {r: (r, self.rank, tag, session.transfers[(r, self.rank, tag)])
                       for r in others}
         try:
@@ -560,7 +560,7 @@ class Group:
                 f"recv_any with tag {tag}: nothing came from any rank in {limit:g}s",
                 collective="recv", waiting_on=others) from None
         # No await between the choice and recv() taking that transfer's number.
-        left = max(limit - (time.monotonic() - started), 1e-3)
+        left = max(limit - (loop.time() - started), 1e-3)
         return src, await self.recv(src, tag=tag, out=out, timeout=left)
 
     # --- the rest -----------------------------------------------------------------------

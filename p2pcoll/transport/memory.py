@@ -3,12 +3,21 @@
 For tests of everything above the transport (matching, the executor, the failure model):
 a :class:`MemoryNetwork` connects :class:`MemoryTransport` peers, and can drop, delay and
 reorder data messages (seeded, so a failing run can be replayed), cut a peer off as a
-crash would, or freeze one as SIGSTOP would. Messages are encoded and go through the same
-validation point as the ZeroMQ mesh's, and dropped ones are counted by reason with the same
-:class:`~.base.Counters` and :class:`~.base.Drops`, so what a test sees is what a real peer
-would. Like a link's queue, each ordered pair of peers holds at most ``capacity`` data
-messages not yet delivered: a send waits for room, so one to a frozen peer, or to one that
-was cut off, waits (until the failure model ends it) as it would over a socket.
+crash would, cut the link between two peers as a partition would, or freeze one as SIGSTOP
+would. Messages are encoded and go through the same validation point as the ZeroMQ mesh's,
+and dropped ones are counted by reason with the same :class:`~.base.Counters` and
+:class:`~.base.Drops`, so what a test sees is what a real peer would. Like a link's queue,
+each ordered pair of peers holds at most ``capacity`` data messages not yet delivered: a
+send waits for room, so one to a frozen peer, or to one that was cut off, waits (until the
+failure model ends it) as it would over a socket.
+
+Liveness is the mesh's (see :mod:`.zmq_mesh` and :mod:`.overlay`): each peer probes the
+ranks it watches (:meth:`MemoryTransport.watch`), and a probe whose peer does not answer for
+the heartbeat (the peer is frozen, or the link between the two is cut) reports it lost
+through :meth:`MemoryTransport.probe_lost`, the one place where the memory transport
+produces the event the mesh's probe monitor produces. A probe is a timer armed when the
+network changes, not a stream of heartbeats, so a frozen peer costs nothing until it is
+found; under :func:`p2pcoll.testing.run_virtual` finding it costs no wall time either.
 """
 
 from __future__ import annotations
@@ -48,9 +57,20 @@ class Faults:
     seed: int = 0
 
 
+Peer = int | str
+"""A peer of a :class:`MemoryNetwork`: its rank in the group formed on the network, or its
+endpoint (``group.endpoint``)."""
+
+
 @dataclass
 class MemoryNetwork:
-    """The peers of one in-memory group, by endpoint."""
+    """The peers of one in-memory group, by endpoint, and the faults between them.
+
+    Faults are set and lifted while the group runs: :meth:`freeze` / :meth:`thaw` a peer,
+    :meth:`cut` / :meth:`heal` the link between two peers, :meth:`cut` one peer off for good
+    (a crash). A peer is named by its rank (in the one group formed on this network) or its
+    endpoint.
+    """
 
     faults: Faults = field(default_factory=Faults)
     peers: dict[str, MemoryTransport] = field(default_factory=dict)
@@ -60,34 +80,117 @@ class MemoryNetwork:
         self.random = random.Random(self.faults.seed)
         self._last: dict[tuple[str, str], float] = {}
         self.frozen: set[str] = set()
+        self.cuts: set[frozenset[str]] = set()  # the links cut (pairs of endpoints)
+        # Messages that cannot go yet (to or from a frozen peer, over a cut link), in order.
         self._held: list[tuple[str, str, list[bytes], bool]] = []
         self._queued: dict[tuple[str, str], int] = {}  # data messages not yet delivered
         self._room: dict[tuple[str, str], asyncio.Event] = {}  # set when there is room
 
-    def freeze(self, endpoint: str) -> None:
-        """The peer at ``endpoint`` stops as a stopped process would: its links stay up, but
-        nothing reaches it and nothing it sends goes out, until :meth:`thaw`."""
-        self.frozen.add(endpoint)
+    def freeze(self, peer: Peer) -> None:
+        """``peer`` stops as a stopped process would: its links stay up, but nothing reaches
+        it and nothing it sends goes out, until :meth:`thaw`; its watchers' probes lose it
+        after their heartbeat.
 
-    def thaw(self, endpoint: str) -> None:
-        """The frozen peer goes on: what was held back to and from it is delivered."""
-        self.frozen.discard(endpoint)
-        held, self._held = self._held, []
-        for sender, dst, frames, data in held:
-            self._route(sender, dst, frames, data)
+        Raises:
+            ValueError: ``peer`` names no peer of this network (see :meth:`endpoint`).
+        """
+        self.frozen.add(self.endpoint(peer))
+        self._changed()
 
-    def transport(self) -> MemoryTransport:
-        return MemoryTransport(self)
+    def thaw(self, peer: Peer) -> None:
+        """The frozen ``peer`` goes on: what was held back to and from it is delivered.
 
-    def cut(self, endpoint: str) -> None:
-        """The peer at ``endpoint`` vanishes as if killed: no bye, its links go down."""
+        Raises:
+            ValueError: ``peer`` names no peer of this network (see :meth:`endpoint`).
+        """
+        self.frozen.discard(self.endpoint(peer))
+        self._release()
+
+    def cut(self, a: Peer, b: Peer | None = None) -> None:
+        """Cut the link between ``a`` and ``b`` as a partition would: both stay up, but
+        nothing goes between them (it is held, as a socket's queue holds it) until
+        :meth:`heal`; a probe between them loses its peer after the heartbeat, as over
+        sockets (so a cut between two peers that do not watch each other ends only in the
+        collectives that wait on it).
+
+        With ``a`` alone: ``a`` vanishes as if killed, for good: no goodbye, every peer's
+        link to it goes down at once.
+
+        Raises:
+            ValueError: a peer that this network does not know (see :meth:`endpoint`), or
+                ``a`` and ``b`` are one peer.
+        """
+        if b is None:
+            self._kill(self.endpoint(a))
+            return
+        pair = frozenset((self.endpoint(a), self.endpoint(b)))
+        if len(pair) != 2:
+            raise ValueError(f"cut({a!r}, {b!r}): a link joins two different peers")
+        self.cuts.add(pair)
+        self._changed()
+
+    def heal(self, a: Peer, b: Peer) -> None:
+        """The link between ``a`` and ``b`` carries again what was held on it and what
+        comes next.
+
+        Raises:
+            ValueError: a peer that this network does not know (see :meth:`endpoint`).
+        """
+        self.cuts.discard(frozenset((self.endpoint(a), self.endpoint(b))))
+        self._release()
+
+    def answers(self, watcher: str, peer: str) -> bool:
+        """Whether ``peer`` answers ``watcher``'s heartbeats: it is not frozen and the link
+        between them is not cut."""
+        return peer not in self.frozen and frozenset((watcher, peer)) not in self.cuts
+
+    def endpoint(self, peer: Peer) -> str:
+        """The endpoint of ``peer``: given as one, or as a rank of the group on this network.
+
+        Raises:
+            ValueError: a rank, while this network carries no group or more than one, or a
+                rank out of range.
+        """
+        if isinstance(peer, str):
+            return peer
+        rosters = {t.membership.endpoints for t in self.peers.values()
+                   if t.membership is not None}
+        if len(rosters) != 1:
+            raise ValueError(
+                f"rank {peer!r} names no peer: this network carries {len(rosters)} groups, "
+                f"not one; name the peer by its endpoint")
+        roster = rosters.pop()
+        if not 0 <= peer < len(roster):
+            raise ValueError(f"rank {peer!r} is not a rank of this network's group of "
+                             f"{len(roster)}")
+        return roster[peer]
+
+    def transport(self, heartbeat_s: float = 5.0) -> MemoryTransport:
+        """A new peer's transport; its probes lose a peer silent for ``heartbeat_s``
+        (the heartbeat_timeout setting)."""
+        return MemoryTransport(self, heartbeat_s=heartbeat_s)
+
+    def _kill(self, endpoint: str) -> None:
         victim = self.peers.pop(endpoint, None)
         if victim is None:
             return
         victim.closed = True
+        victim.rearm()  # a dead peer probes nothing
         for peer in self.peers.values():
             if peer.membership is not None and endpoint in peer.membership.endpoints:
                 peer.on_link_down(peer.membership.endpoints.index(endpoint))
+
+    def _changed(self) -> None:
+        """A fault was set or lifted: every peer's probes look again at whom they watch."""
+        for peer in list(self.peers.values()):
+            peer.rearm()
+
+    def _release(self) -> None:
+        """Send again what was held: what may go now goes, in order; the rest stays."""
+        held, self._held = self._held, []
+        for sender, dst, frames, data in held:
+            self._route(sender, dst, frames, data)
+        self._changed()
 
     async def room(self, sender: str, dst: str) -> None:
         """Wait until ``sender`` may queue another data message to ``dst``."""
@@ -123,7 +226,7 @@ class MemoryNetwork:
         target = self.peers.get(dst)
         if target is None:
             return
-        if sender in self.frozen or dst in self.frozen:
+        if sender in self.frozen or not self.answers(sender, dst):
             self._held.append((sender, dst, frames, data))
             return
         loop = asyncio.get_running_loop()
@@ -166,8 +269,10 @@ class MemoryTransport:
     sent: MessageHook | None = None  # see p2pcoll.transport.base
     delivered: MessageHook | None = None
 
-    def __init__(self, network: MemoryNetwork, max_message_bytes: int = 256 << 20) -> None:
+    def __init__(self, network: MemoryNetwork, max_message_bytes: int = 256 << 20,
+                 heartbeat_s: float = 5.0) -> None:
         self.network = network
+        self.heartbeat_s = heartbeat_s
         self.counters = Counters()
         self.endpoints: list[str] = []
         self.membership: Membership | None = None
@@ -184,6 +289,12 @@ class MemoryTransport:
         self._talked: set[int] = set()  # the peers sent to (see contacts)
         self._heard: set[int] = set()  # the peers received from (see senders)
         self._ranks: dict[str, int] = {}  # endpoint -> rank, of the members
+        # Liveness (see the module docstring): the ranks this peer watches, those known gone
+        # (see forget), and the probe timer of each watched peer that does not answer.
+        self._watched: list[int] = []
+        self._gone: set[int] = set()
+        self._probes: dict[int, asyncio.TimerHandle] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def bind(self) -> list[str]:
         endpoint = f"mem://{len(self.network.peers)}-{id(self)}"
@@ -200,6 +311,8 @@ class MemoryTransport:
             self.max_message_bytes)
         self.hello_peers = frozenset(overlay.watchers(membership.rank, membership.world_size))
         self._ranks = _ranks_of(membership.endpoints)
+        self._loop = asyncio.get_running_loop()
+        self.watch(overlay.watched(membership.rank, membership.world_size))
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)
@@ -265,7 +378,51 @@ class MemoryTransport:
         return set(self._talked)
 
     def forget(self, rank: int) -> None:
-        """Nothing to let go of: the network tells every peer of a loss itself."""
+        """``rank`` has gone (the session says so, whoever saw it first): if it was
+        watched, watch the next live successor instead (see :mod:`.overlay`), as the mesh
+        does, so that every live peer stays watched."""
+        m = self.membership
+        if m is None or rank == m.rank or rank in self._gone:
+            return
+        self._gone.add(rank)
+        self.watch(overlay.watched(m.rank, m.world_size, gone=self._gone))
+
+    def watch(self, ranks: list[int]) -> None:
+        """Probe exactly ``ranks`` from now on (the overlay's choice; the seam through which
+        whoever owns the overlay says whom to watch, as :meth:`probe_lost` is the one
+        through which a probe says it lost its peer)."""
+        self._watched = list(ranks)
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Look again at the peers this one watches (the network changed, or whom it
+        watches did): a probe runs its heartbeat's timer while its peer does not answer,
+        and only while this peer runs (a frozen or closed peer notices nothing). A probe
+        whose peer answers again before the timer ends is disarmed; one armed anew (a
+        peer watched in a lost one's place, or after this peer thaws) waits a whole
+        heartbeat, as a new probe's handshake would."""
+        m, loop = self.membership, self._loop
+        me = self.endpoints[0] if self.endpoints else ""
+        silent: set[int] = set()
+        if m is not None and loop is not None and not self.closed and \
+                me not in self.network.frozen:
+            silent = {p for p in self._watched if not self.network.answers(me, m.endpoints[p])}
+            for peer in silent - self._probes.keys():
+                self._probes[peer] = loop.call_later(self.heartbeat_s, self._timed_out, peer)
+        for peer in self._probes.keys() - silent:
+            self._probes.pop(peer).cancel()
+
+    def _timed_out(self, peer: int) -> None:
+        del self._probes[peer]
+        self.probe_lost(peer)
+
+    def probe_lost(self, peer: int) -> None:
+        """The seam of liveness: this peer's probe of ``peer`` went down (it did not answer
+        for the heartbeat), the event the mesh's probe monitor reports (see
+        ``ZmqMesh._follow``); handed to the session as a link down, which declares
+        ``peer`` lost after a short grace unless it says goodbye meanwhile."""
+        if not self.closed:
+            self.on_link_down(peer)
 
     def broadcast(self, header: Header) -> None:
         assert self.membership is not None
@@ -290,5 +447,6 @@ class MemoryTransport:
 
     async def aclose(self) -> None:
         self.closed = True
+        self.rearm()  # its probes stop
         for endpoint in self.endpoints:
             self.network.peers.pop(endpoint, None)
