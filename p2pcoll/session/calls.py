@@ -30,10 +30,10 @@ from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
 from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
-from ..engine.plan import plan
+from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
 from ..engine.timeline import COLLECTIVE
-from ..errors import CollectiveMismatch, P2PCollError, PluginValidationError, ProtocolError
+from ..errors import CollectiveMismatch, P2PCollError, ProtocolError
 from ..registry import registry
 from ..settings import check_seconds
 from ..strategy import Context, Strategy, host_numbers
@@ -202,26 +202,20 @@ class Runner:
         else:
             parts = name in ("allgather", "gather", "scatter")
             strat = strategy or self.choose(name, call.strategy, nbytes)
+            nchunks, cuts = 1, None
+            if not parts and name != "barrier":  # its chunks, checked (in engine.plan)
+                nchunks, cuts = chunking(strat, p, sum(a.size for a in flat),
+                                         flat[0].itemsize if flat else 1)
             if name in ("allreduce", "reduce"):
-                nchunks = strat.chunks(p)
-                cuts = strat.cuts(p, sum(a.size for a in flat), flat[0].itemsize if flat else 1)
-                if cuts is not None and len(cuts) != nchunks + 1:
-                    raise PluginValidationError(
-                        f"{name} strategy {strat.name!r} gave {len(cuts)} cuts for "
-                        f"{nchunks} chunks (chunks + 1 offsets are needed)")
                 layout = Layout.split(flat, nchunks) if cuts is None else Layout.cut(flat, cuts)
             elif name == "reduce_scatter":
-                if strat.chunks(p) != p:
-                    raise PluginValidationError(
-                        f"reduce_scatter strategy {strat.name!r} must cut the data into {p} "
-                        f"chunks")
                 layout = Layout.split(flat, p, row_sizes=[call.rows])
             elif parts:
                 layout = Layout.parts(flat)
             elif name == "barrier":
                 layout = Layout([], [[]])
             else:  # broadcast
-                layout = Layout.split(flat, strat.chunks(p))
+                layout = Layout.split(flat, nchunks)
             if name in ("broadcast", "scatter") and call.root == self.rank:
                 meta = _layout_meta(strat.name, call)
             data = describe_data(call.leaves[:1] if name in ("allgather", "gather")
