@@ -74,6 +74,7 @@ from typing import Any
 
 from . import launchers
 from .errors import SettingsError, UnknownStrategy
+from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
 from .strategy import COLLECTIVES
@@ -115,13 +116,6 @@ KNOWN_VARS = frozenset(
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
 )
-
-
-def bad_value(name: str, value: object, allowed: str) -> SettingsError:
-    """The error for a bad ``value`` of variable or argument ``name``."""
-    shown = f"{name}{value!r}" if name.endswith("=") else f"{name}={value!r}"
-    return SettingsError(f"{shown} is not allowed: expected {allowed}", name=name, value=value,
-                         allowed=allowed)
 
 
 def parse_bytes(text: str) -> int:

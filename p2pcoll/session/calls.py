@@ -19,9 +19,9 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import numpy as np
@@ -44,7 +44,14 @@ from ..wire.validation import check_layout
 from .turns import Turns
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..engine.board_path import BoardPath
+    from ..engine.costs import Constants
+    from ..engine.executor import Executor
+    from ..engine.matching import Matcher
+    from ..settings import Settings
+    from ..types import Membership
+    from .activity import Activity
+    from .failure import FailureModel
 
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
@@ -129,10 +136,36 @@ class Prepared:
     board: Any = None
 
 
+class RunnerSession(Protocol):
+    """What a :class:`Runner` uses of its session (a :class:`~.session.Session`), named
+    here so that this module does not import the session, which makes the runner."""
+
+    membership: Membership
+    settings: Settings
+    failures: FailureModel
+    matcher: Matcher
+    executor: Executor
+    activity: Activity
+    constants: Mapping[str, Constants]
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def board(self) -> BoardPath | None: ...
+
+    def next_seq(self) -> int: ...
+
+    def next_transfer(self, src: int, dst: int, tag: int) -> tuple[int, int, int, int]: ...
+
+
 class Runner:
     """Runs calls for one session: :meth:`Session.run` is :meth:`run`."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: RunnerSession) -> None:
         self.session = session
         self.rank, self.size = session.rank, session.world_size
         # The host of every rank as small ints (strategy.Context.hosts), from the roster;
