@@ -90,7 +90,7 @@ OMP_THREADS_NOTE = (
 )
 DRAIN_TIMEOUT = 2.0  # seconds to wait for output still in the pipes once every child exited
 PARTIAL_DELAY = 0.05  # seconds a redrawn line (a \r, no newline yet) waits for its redraw
-MAX_PARTIAL = 1 << 16  # bytes of a line without its newline held back at most
+MAX_PARTIAL = 1 << 20  # bytes of a line without its newline held back at most (per rank)
 _LINE_BREAK = re.compile(rb"(\r|\n)")
 
 
