@@ -69,6 +69,13 @@ def compare(got: Any, want: Any, exact: bool) -> str | None:
     return None
 
 
+def summary(stats: dict[str, Any]) -> str:
+    """A line of ``Group.stats()`` (the whole dict is a page: counters by strategy, latency
+    histograms, drops by reason)."""
+    return (f"{stats['collectives']} collectives, {stats['messages_sent']} messages sent "
+            f"({stats['bytes_sent'] / 1024:.0f} KiB), {stats['messages_dropped']} dropped")
+
+
 async def main() -> int:
     async with p2pcoll.join(collective_timeout=60) as g:
         print(f"rank {g.rank} of {g.world_size} joined at {g.endpoint}")
@@ -102,8 +109,10 @@ async def main() -> int:
                 got = await g.allreduce(value, op="avg", strategy=name)
                 await check(f"allreduce {name} avg {describe(value)}", got, mean, exact=False)
 
+        total = await g.allreduce(mine[0], op="sum")  # what a collective returns, shown
         if g.rank == 0:
-            print(f"stats: {g.stats()}")
+            print(f"sum of the ranks' arrays: {total[:6].tolist()} ... ({describe(total)})")
+            print(f"stats: {summary(g.stats())}")
             if failed:
                 print(f"FAILED: {len(failed)} checks: {', '.join(failed)}", file=sys.stderr)
             else:

@@ -25,6 +25,7 @@ import zmq
 from . import __version__
 from .engine.costs import DEFAULT_CONSTANTS, CostModel
 from .errors import P2PCollError, SettingsError
+from .extras import MissingExtra, needs, require
 from .launch import launch
 from .registry import Registry, registry
 from .rendezvous import RendezvousServer
@@ -40,21 +41,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if args.subcommand == "bench":
-            return _bench(extra)
-        if args.subcommand == "simulate":
-            return _simulate(extra)
+        if args.subcommand in ("bench", "simulate"):
+            with needs(f"{PROG} {args.subcommand}"):
+                return _bench(extra) if args.subcommand == "bench" else _simulate(extra)
         if extra:
             hint = " (put the command after --)" if args.subcommand == "launch" else ""
             parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    except MissingExtra as exc:
+        return _fail_extra(exc)
     if args.subcommand is None:
         parser.print_help(sys.stderr)
         return 2
     handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous,
                "keygen": _keygen, "peer": _peer, "timeline": _timeline}
-    return handler[args.subcommand](args)
+    # Any command: an optional module missing says which extra to install, in one line.
+    try:
+        with needs(f"{PROG} {args.subcommand}"):
+            return handler[args.subcommand](args)
+    except MissingExtra as exc:
+        return _fail_extra(exc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +204,9 @@ def _peer(args: argparse.Namespace) -> int:
         service = ServiceSettings.resolve(metrics_port=args.metrics_port,
                                           metrics_host=args.metrics_host,
                                           log_level=args.log_level)
+        if service.metrics_port is not None:  # refused before joining anything
+            require(f"{PROG} peer's metrics port (--metrics-port, $P2PCOLL_METRICS_PORT)",
+                    "aiohttp", "prometheus_client")
         logs = configure_logging(service.log_level)
         job = load_job(args.job)
         options = {k: v for k, v in (("rendezvous", args.rendezvous),
@@ -406,6 +416,11 @@ def _simulate(argv: list[str]) -> int:
 
 def _fail(message: str) -> int:
     print(f"{PROG} {message}", file=sys.stderr)
+    return 2
+
+
+def _fail_extra(exc: MissingExtra) -> int:
+    print(f"{PROG}: {exc}", file=sys.stderr)
     return 2
 
 

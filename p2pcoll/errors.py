@@ -50,6 +50,14 @@ class SettingsError(P2PCollError, ValueError):
         self.allowed = allowed
 
 
+def bad_value(name: str, value: object, allowed: str) -> SettingsError:
+    """The error for a bad ``value`` of variable or argument ``name`` (``$P2PCOLL_TIMEOUT``,
+    ``timeout=``): ``$P2PCOLL_TIMEOUT='abc' is not allowed: expected ALLOWED``."""
+    shown = f"{name}{value!r}" if name.endswith("=") else f"{name}={value!r}"
+    return SettingsError(f"{shown} is not allowed: expected {allowed}", name=name, value=value,
+                         allowed=allowed)
+
+
 class RendezvousError(P2PCollError):
     """The group could not be formed (timeout, duplicate rank, size disagreement, ...).
 

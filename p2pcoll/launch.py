@@ -27,10 +27,13 @@ processes:
 
 - Output: each line a child writes is prefixed with its rank (``[2] loss 0.1``), its stdout
   on our stdout and its stderr on our stderr. Children read stdin from ``/dev/null``.
-  Output is passed on as it comes, so a progress bar on rank 0 stays live: whatever ends in
-  a newline at once, a piece without one after at most ``PARTIAL_DELAY`` (50 ms), the time a
-  line printed in several writes (``print(a, b)`` under ``-u``) takes to complete, so that
-  ranks printing together still give whole lines. The prefix starts every line and follows
+  Output goes out in whole lines: whatever ends in a newline at once, and the rest of a
+  rank's line waits for its newline (its end of output, or ``MAX_PARTIAL`` bytes), however
+  long the writes of a line printed in pieces (``print(a, b)`` under ``-u`` writes each
+  piece on its own) are apart under load; so 64 ranks printing together give whole lines.
+  Only a line being redrawn (a ``\r`` in it: a progress bar) goes out before its newline,
+  after ``PARTIAL_DELAY`` (50 ms, for its redraw to complete), so a bar on rank 0 stays
+  live. The prefix starts every line and follows
   every ``\r``, so a bar's redraws keep their ``[0] ``. A line is never shared by two ranks:
   if one writes while another's line is open (a bar not yet finished), the open line is
   ended and the newcomer starts a fresh one; the bar goes on, prefixed, on a line below.
@@ -86,7 +89,8 @@ OMP_THREADS_NOTE = (
     "the host and results do not depend on the launcher; set OMP_NUM_THREADS to choose another"
 )
 DRAIN_TIMEOUT = 2.0  # seconds to wait for output still in the pipes once every child exited
-PARTIAL_DELAY = 0.05  # seconds a piece without a newline waits for the rest of its line
+PARTIAL_DELAY = 0.05  # seconds a redrawn line (a \r, no newline yet) waits for its redraw
+MAX_PARTIAL = 1 << 20  # bytes of a line without its newline held back at most (per rank)
 _LINE_BREAK = re.compile(rb"(\r|\n)")
 
 
@@ -324,9 +328,10 @@ def _same_file(a: TextIO, b: TextIO) -> bool:
 class _Child(asyncio.SubprocessProtocol):
     """One child process: passes its output on as it comes, prefixed, and notes its exit.
 
-    Whatever ends in a newline is passed on at once; a piece after the last newline (a
-    progress bar being redrawn, or a line printed in several writes) waits up to
-    ``PARTIAL_DELAY`` for the rest of its line, then goes out as it is.
+    Whatever ends in a newline is passed on at once. A piece after the last newline (a
+    line printed in several writes) waits for the rest of its line; only one with a ``\r``
+    in it (a progress bar being redrawn) goes out as it is after ``PARTIAL_DELAY``, and one
+    of ``MAX_PARTIAL`` bytes at once.
     """
 
     def __init__(self, rank: int, prefix: bytes, output: _Output) -> None:
@@ -361,14 +366,18 @@ class _Child(asyncio.SubprocessProtocol):
         if end:
             self._output.write(fd, self._prefix, bytes(pending[:end]))
             del pending[:end]
+        if len(pending) >= MAX_PARTIAL:
+            self._flush(fd)
         if not pending and fd in self._timers:
             self._timers.pop(fd).cancel()
-        elif pending and fd not in self._timers:
+        elif b"\r" in pending and fd not in self._timers:
             loop = asyncio.get_running_loop()
             self._timers[fd] = loop.call_later(PARTIAL_DELAY, self._flush, fd)
 
     def _flush(self, fd: int) -> None:
-        self._timers.pop(fd, None)
+        timer = self._timers.pop(fd, None)
+        if timer is not None:
+            timer.cancel()  # harmless when it is the timer running this
         pending = self._partial[fd]
         if pending:
             self._output.write(fd, self._prefix, bytes(pending))

@@ -108,7 +108,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from .errors import SettingsError
+from .errors import SettingsError, bad_value
 
 # Every variable that can give the rank or the world size, in the order they are tried.
 RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PET_NODE_RANK",
@@ -123,12 +123,6 @@ _HOST = r"(?:[^\s,\[\]]|\[[^\[\]]*\])+"
 _HOSTLIST = re.compile(rf"{_HOST}(?:,{_HOST})*")
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
 _RANGES = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
-
-
-def _bad(name: str, value: object, allowed: str) -> SettingsError:
-    from .settings import bad_value
-
-    return bad_value(name, value, allowed)
 
 
 def _none() -> str | None:
@@ -221,14 +215,14 @@ def _int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
     except ValueError:
         number = minimum - 1
     if number < minimum:
-        raise _bad(f"${name}", value, f"an integer >= {minimum}")
+        raise bad_value(f"${name}", value, f"an integer >= {minimum}")
     return number
 
 
 def _port(env: Mapping[str, str], name: str) -> int:
     value = _raw(env, name) or ""
     if not value.isdigit() or not 0 < int(value) < 65536:
-        raise _bad(f"${name}", value, "a TCP port number 1..65535")
+        raise bad_value(f"${name}", value, "a TCP port number 1..65535")
     return int(value)
 
 
@@ -346,7 +340,7 @@ def slurm_port(env: Mapping[str, str]) -> int | None:
     if reserved is not None:
         first = reserved.split(",")[0].split("-")[0]
         if not first.isdigit() or not 0 < int(first) < 65536:
-            raise _bad("$SLURM_STEP_RESV_PORTS", reserved, "ports like 12000-12003")
+            raise bad_value("$SLURM_STEP_RESV_PORTS", reserved, "ports like 12000-12003")
         return int(first)
     job = _int(env, "SLURM_JOB_ID", 0)
     return None if job is None else PORT_BASE + job % PORT_SPAN
@@ -370,7 +364,7 @@ def first_host(nodelist: str, name: str = "nodelist") -> str:
     """
     ranges = [m.group(1) for m in _BRACKET.finditer(nodelist)]
     if not _HOSTLIST.fullmatch(nodelist) or not all(map(_ascending, ranges)):
-        raise _bad(name, nodelist, "a Slurm hostlist like node[01-04,07],gpu1")
+        raise bad_value(name, nodelist, "a Slurm hostlist like node[01-04,07],gpu1")
     first = re.match(_HOST, nodelist).group(0)  # type: ignore[union-attr]
     # Each bracket's first value is the low end of its first range, as written.
     return _BRACKET.sub(lambda m: re.split("[,-]", m.group(1))[0], first)
@@ -410,7 +404,7 @@ def kubeflow(env: Mapping[str, str]) -> Launch | None:
                 f"is not set", name=f"${name}", allowed="an integer")
     per_node = _raw(env, "PET_NPROC_PER_NODE")
     if per_node not in (None, "1"):
-        raise _bad("$PET_NPROC_PER_NODE", per_node,
+        raise bad_value("$PET_NPROC_PER_NODE", per_node,
                    "1: p2pcoll runs one peer per pod (set numProcPerNode: 1 in the TrainJob's "
                    "trainer), unless torchrun starts the processes (its command: torchrun ...)")
 

@@ -8,15 +8,15 @@ lowest time for the data size and world size, under the constants of the group's
 when none is given). A strategy without a cost model is never auto's choice, unless no
 installed strategy of its collective has one: then auto takes ``DEFAULTS[collective]``.
 
-Loading is all or nothing per entry point, never per registry: the first lookup loads every
-entry point into a new table and only then swaps it in, so a registry is either not loaded
-yet or loaded completely. An entry point that fails to import or to validate does not stop
-the others: it is recorded as a :class:`BrokenPlugin` (name, distribution, problem), logged
-once as a WARNING on the ``p2pcoll.registry`` logger, listed by :meth:`Registry.broken` and
-at the end of ``p2pcoll strategies``; selecting it by name raises
-:class:`~p2pcoll.PluginValidationError` with that problem. Nothing here falls back silently:
-when the strategy that ``"auto"`` picks is not installed, ``auto`` raises and says which one
-it wanted and what is installed.
+Loading, validation where a plugin loads, clashes and broken plugins are those of the one
+entry-point table both strategies and codecs use (:mod:`p2pcoll.plugin_table`): the first
+lookup loads every entry point, all or nothing; an entry point that fails to import or to
+validate does not stop the others: it is recorded as a :class:`BrokenPlugin` (name,
+distribution, problem), logged once as a WARNING on the ``p2pcoll.registry`` logger, listed
+by :meth:`Registry.broken` and at the end of ``p2pcoll strategies``; selecting it by name
+raises :class:`~p2pcoll.PluginValidationError` with that problem. Nothing here falls back
+silently: when the strategy that ``"auto"`` picks is not installed, ``auto`` raises and says
+which one it wanted and what is installed.
 
 The registry reads no environment variable: the group passes the default strategy of each
 collective (``join(strategies=...)`` over ``$P2PCOLL_<COLLECTIVE>``, from
@@ -28,19 +28,17 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import threading
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from .engine.costs import CostModel
 from .errors import PluginValidationError, UnknownStrategy
+from .plugin_table import OWN_DISTRIBUTION, BrokenPlugin, PluginTable
 from .strategy import COLLECTIVES, Strategy
 
 log = logging.getLogger("p2pcoll.registry")
 
 ENTRY_POINT_GROUP = "p2pcoll.strategies"
-OWN_DISTRIBUTION = "p2pcoll"  # its entry points (the built-ins) load first, so they win clashes
 DEFAULT_MODEL = CostModel()  # auto's model when the caller has none: ipc constants
 
 # What "auto" takes when no installed strategy of the collective declares a cost model:
@@ -63,37 +61,6 @@ class Entry:
     origin: str  # where it came from, for `p2pcoll strategies`
 
 
-@dataclass(frozen=True)
-class BrokenPlugin:
-    """An entry point that could not be used: it failed to import or to validate.
-
-    Attributes:
-        entry_point: the entry point's name, ``"<collective>.<strategy name>"`` by convention.
-        value: what it points at, ``"module:Class"``.
-        distribution: the distribution that declares it, ``"name version"``.
-        collective: the collective it was meant for, when the entry point's name or the
-            loaded class says so; else None.
-        name: the strategy name users would select it by, likewise; else None.
-        problem: what went wrong, one line.
-        error: the exception raised while importing or validating it.
-    """
-
-    entry_point: str
-    value: str
-    distribution: str
-    collective: str | None
-    name: str | None
-    problem: str
-    error: BaseException = field(compare=False, repr=False)
-
-    @property
-    def where(self) -> str:
-        return f"plugin {self.entry_point!r} = {self.value!r} from {self.distribution}"
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.problem}"
-
-
 def validate(obj: object, where: str) -> type[Strategy]:
     """Check that ``obj`` is a usable Strategy class, or raise PluginValidationError."""
     if not (inspect.isclass(obj) and issubclass(obj, Strategy)):
@@ -112,7 +79,25 @@ def validate(obj: object, where: str) -> type[Strategy]:
     return obj
 
 
-Table = dict[str, dict[str, Entry]]
+def _usable(obj: object, where: str) -> Strategy:
+    """The strategy of a plugin's class: :func:`validate`, then an instance of it."""
+    cls = validate(obj, where)
+    try:
+        return cls()
+    except Exception as exc:
+        raise PluginValidationError(f"{where}: {cls.__name__!r}() raised "
+                                    f"{type(exc).__name__}: {exc}") from exc
+
+
+Key = tuple[str, str]  # (collective, name)
+
+
+def _key(strategy: Strategy) -> Key:
+    return strategy.collective, strategy.name
+
+
+def _key_of(collective: str | None, name: str | None) -> Key | None:
+    return None if collective is None or name is None else (collective, name)
 
 
 class Registry:
@@ -124,53 +109,49 @@ class Registry:
     """
 
     def __init__(self) -> None:
-        self._entries: Table = {c: {} for c in COLLECTIVES}
-        self._broken: list[BrokenPlugin] = []
-        self._loaded = False
-        self._lock = threading.Lock()  # load() may run in a thread (see join)
+        self._table: PluginTable[Key, Strategy] = PluginTable(
+            kind="strategy", scan=lambda: entry_points(group=ENTRY_POINT_GROUP),
+            check=_usable, key=_key, intended=_intended, key_of=_key_of, log=log)
+        self._view: dict[str, dict[str, Entry]] = {c: {} for c in COLLECTIVES}
+        self._view_version = -1
         self._picks: dict[tuple[str, int, int, CostModel], str] = {}  # auto's, until a change
 
     # --- loading ---------------------------------------------------------------------
 
     def _load(self) -> None:
-        """Load every entry point, then swap the complete table in. Never half-loads: if
-        something unexpected escapes (the metadata scan itself failing), nothing changes
-        and the next call tries again."""
-        if self._loaded:
-            return
-        entries: Table = {c: {} for c in COLLECTIVES}
-        broken: list[BrokenPlugin] = []
-        for ep in _in_load_order(entry_points(group=ENTRY_POINT_GROUP)):
-            problem = _load_one(ep, entries)
-            if problem is not None:
-                broken.append(problem)
-        self._entries, self._broken, self._loaded = entries, broken, True
-        self._picks.clear()
-        for plugin in broken:  # once per load, and a registry loads once
-            log.warning("strategy %s; it is not available", plugin)
+        """Load every entry point (once), and keep the by-collective view up to date."""
+        self._table.load()
+        if self._view_version != self._table.version:
+            view: dict[str, dict[str, Entry]] = {c: {} for c in COLLECTIVES}
+            for (collective, name), entry in self._table.entries().items():
+                view[collective][name] = Entry(entry.value, entry.origin)
+            self._view, self._view_version = view, self._table.version
+            self._picks.clear()
+
+    @property
+    def _entries(self) -> dict[str, dict[str, Entry]]:
+        self._load()
+        return self._view
 
     @property
     def loaded(self) -> bool:
-        return self._loaded
+        return self._table.loaded
 
     def load(self) -> None:
         """Load the installed strategies now rather than on first use. ``join()`` does it
         (in a thread, so the event loop goes on), so that a group's first collective does
         not pay for the scan of the installed packages' metadata (about 0.1 s here), in
         which time its peers would wait for it. Thread-safe."""
-        with self._lock:
-            self._load()
+        self._load()
 
     def register(self, cls: type[Strategy], origin: str = "registered at runtime") -> None:
         """Add a strategy class. Raises PluginValidationError on a bad class or a name clash."""
+        self._table.add(cls, origin)
         self._load()
-        _add(self._entries, validate(cls, origin), origin)
-        self._picks.clear()
 
     def unregister(self, collective: str, name: str) -> None:
+        self._table.remove((collective, name))
         self._load()
-        self._entries[collective].pop(name, None)
-        self._picks.clear()
 
     # --- what is installed -----------------------------------------------------------
 
@@ -186,8 +167,7 @@ class Registry:
 
     def broken(self) -> list[BrokenPlugin]:
         """The entry points that failed to import or to validate, in load order."""
-        self._load()
-        return list(self._broken)
+        return self._table.broken()
 
     # --- selection -------------------------------------------------------------------
 
@@ -298,10 +278,7 @@ class Registry:
         return self.get(collective, name)
 
     def _broken_for(self, collective: str, name: str) -> BrokenPlugin | None:
-        for plugin in self._broken:
-            if (plugin.collective, plugin.name) == (collective, name):
-                return plugin
-        return None
+        return self._table.broken_for((collective, name))
 
     def _names(self, collective: str) -> str:
         return ", ".join(["auto", *sorted(self._entries[collective])])
@@ -318,25 +295,6 @@ def _builtin(entry: Entry) -> bool:
     return entry.origin.startswith(f"{OWN_DISTRIBUTION} ")
 
 
-def _distribution(ep: EntryPoint) -> tuple[str, str]:
-    """(normalized name, ``"name version"``) of the distribution declaring ``ep``."""
-    dist = ep.dist
-    if dist is None:
-        return "", "unknown distribution"
-    return dist.name.lower().replace("_", "-"), f"{dist.name} {dist.version}"
-
-
-def _in_load_order(eps: Iterable[EntryPoint]) -> list[EntryPoint]:
-    """p2pcoll's own entry points first (a plugin cannot displace a built-in), then the
-    others by distribution and name: the same order, and so the same winner of a name
-    clash, whatever order the metadata scan found them in."""
-    def key(ep: EntryPoint) -> tuple[bool, str, str]:
-        dist = _distribution(ep)[0]
-        return dist != OWN_DISTRIBUTION, dist, ep.name
-
-    return sorted(eps, key=key)
-
-
 def _intended(ep: EntryPoint, obj: object = None) -> tuple[str | None, str | None]:
     """The (collective, name) an entry point was meant to provide: from the loaded class
     when its attributes are usable, else from the entry point's ``collective.name``."""
@@ -347,43 +305,6 @@ def _intended(ep: EntryPoint, obj: object = None) -> tuple[str | None, str | Non
     if dot and head in COLLECTIVES and tail.isidentifier():
         return head, tail
     return None, None
-
-
-def _load_one(ep: EntryPoint, entries: Table) -> BrokenPlugin | None:
-    """Import and validate one entry point into ``entries``; what went wrong, if anything."""
-    dist = _distribution(ep)[1]
-    where = f"plugin {ep.name!r} = {ep.value!r} from {dist}"
-    obj: object = None
-    try:
-        obj = ep.load()
-    except Exception as exc:  # any failure of a plugin's import is that plugin's problem
-        problem = f"failed to import: {type(exc).__name__}: {exc}"
-        error: BaseException = exc
-    else:
-        try:
-            _add(entries, validate(obj, where), f"{dist}: {ep.value}")
-            return None
-        except PluginValidationError as exc:
-            text = str(exc)
-            problem = text[len(where) + 2:] if text.startswith(f"{where}: ") else text
-            error = exc
-        except Exception as exc:  # its constructor failed
-            problem = f"{getattr(obj, '__name__', obj)!r}() raised {type(exc).__name__}: {exc}"
-            error = exc
-    collective, name = _intended(ep, obj)
-    return BrokenPlugin(ep.name, ep.value, dist, collective, name, problem, error)
-
-
-def _add(entries: Table, cls: type[Strategy], origin: str) -> None:
-    """Put a validated class in ``entries``; PluginValidationError if the name is taken."""
-    table = entries[cls.collective]
-    old = table.get(cls.name)
-    if old is not None and type(old.strategy) is not cls:
-        raise PluginValidationError(
-            f"{cls.collective} strategy {cls.name!r} from {origin} clashes with the one "
-            f"from {old.origin}"
-        )
-    table[cls.name] = Entry(cls(), origin)
 
 
 registry = Registry()

@@ -14,7 +14,9 @@ from p2pcoll_plugins.gloo_ring import gloo_cuts, gloo_reduce_cuts
 
 import p2pcoll
 from p2pcoll.engine.layout import Layout
+from p2pcoll.engine.plan import chunking
 from p2pcoll.registry import registry
+from p2pcoll.strategy import Strategy
 from p2pcoll.testing import run_ranks
 
 
@@ -96,9 +98,26 @@ def test_bad_cuts_are_named() -> None:
     arrays = [np.zeros(4), np.zeros(3)]
     layout = Layout.cut(arrays, [0, 2, 6, 7])
     assert layout.chunks == [[(0, 0, 2)], [(0, 2, 4), (1, 0, 2)], [(1, 2, 3)]]
-    for bad in ([0, 5], [1, 7], [0, 5, 3, 7], [7]):
-        with pytest.raises(p2pcoll.PluginValidationError, match="non-decreasing from 0 to 7"):
-            Layout.cut(arrays, bad)
+
+    class Cutter(Strategy):
+        name = "cutter"
+        collective = "allreduce"
+        given: list[int] = []  # noqa: RUF012
+
+        def chunks(self, size: int) -> int:
+            return len(self.given) - 1
+
+        def cuts(self, size: int, count: int, itemsize: int) -> list[int]:
+            return self.given
+
+    for bad in ([0, 5], [1, 7], [0, 5, 3, 7], [0, 7, 7, 7, 7, 6]):
+        Cutter.given = bad
+        with pytest.raises(p2pcoll.PluginValidationError,
+                           match=r"allreduce strategy 'cutter' gave cuts \[.*; they must run "
+                                 r"non-decreasing from 0 to 7"):
+            chunking(Cutter(), 2, 7, 8)
+    Cutter.given = [0, 2, 6, 7]
+    assert chunking(Cutter(), 2, 7, 8) == (3, (0, 2, 6, 7))
 
 
 def _max_abs(mine: np.ndarray, incoming: np.ndarray) -> None:

@@ -81,7 +81,11 @@ def test_demo_on_three_processes() -> None:
         assert f"allreduce {name} avg pytree(4 arrays): ok" in checks
     for name in strategies["broadcast"]:
         assert f"broadcast {name} pytree(4 arrays): ok" in checks
-    assert any(line.startswith("stats: {'bytes_sent': ") for line in lines[0])
+    # The results, and the stats as one short line, not Group.stats()'s whole dict.
+    assert any(line.startswith("sum of the ranks' arrays: [") for line in lines[0])
+    assert any(re.fullmatch(r"stats: \d+ collectives, \d+ messages sent \(\d+ KiB\), 0 dropped",
+                            line) for line in lines[0])
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 100
     assert lines[0][-1] == "every check passed on all 3 ranks"
     assert "MISMATCH" not in proc.stdout + proc.stderr
 
@@ -263,3 +267,19 @@ def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
     for grandchild in pids[1::2]:
         if alive(grandchild):
             os.kill(grandchild, signal.SIGKILL)
+
+
+def test_a_bad_strategy_variable_is_one_line_per_rank() -> None:
+    # The README's promise: a bad P2PCOLL_* setting under launch is one line, no traceback.
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2pcoll", "launch", "-n", "2", "--", sys.executable, str(DEMO)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+        env={**os.environ, "P2PCOLL_ALLREDUCE": "rign"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("p2pcoll launch:")]
+    assert said, proc.stderr
+    for line in said:
+        assert re.fullmatch(r"\[(\d)\] rank \1: SettingsError: \$P2PCOLL_ALLREDUCE='rign' is "
+                            r"not allowed: no allreduce strategy named 'rign' \(did you mean "
+                            r"'ring'\?\); available: .*", line), line

@@ -104,3 +104,39 @@ def test_ctrl_c_ends_with_one_line_per_rank_and_no_traceback() -> None:
     assert lines[1:] == [
         f"p2pcoll launch: rank {r} was killed by SIGTERM (exit code 143)" for r in range(3)
     ]
+
+
+PIECES = """
+import os, sys, time
+from pathlib import Path
+here = Path(sys.argv[1])
+
+def wait_for(name):
+    while not (here / name).exists():
+        time.sleep(0.01)
+
+if os.environ["RANK"] == "0":
+    wait_for("up1")
+    sys.stdout.write("R")  # a line in pieces, as print("R", 21, True, 93) under -u writes it
+    (here / "r0").touch()
+    wait_for("printed1")  # rank 1 printed a whole line meanwhile
+    time.sleep(0.2)  # well over PARTIAL_DELAY
+    for piece in [" ", "21", " ", "True", " ", "93", "\\n"]:
+        sys.stdout.write(piece)
+else:
+    (here / "up1").touch()
+    wait_for("r0")
+    time.sleep(0.2)
+    print("other")
+    (here / "printed1").touch()
+"""
+
+
+def test_a_line_written_in_pieces_comes_out_whole_and_prefixed_once(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2pcoll", "launch", "-n", "2", "--",
+         sys.executable, "-c", PIECES, str(tmp_path)],
+        capture_output=True, timeout=60, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.decode().splitlines()) == ["[0] R 21 True 93", "[1] other"]

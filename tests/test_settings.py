@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import p2pcoll
-from p2pcoll.errors import SettingsError
+from p2pcoll.errors import SettingsError, UnknownStrategy
+from p2pcoll.registry import available_strategies
 from p2pcoll.settings import Settings
 from p2pcoll.testing import free_port
 
@@ -85,8 +86,10 @@ def test_transport_names(name: str) -> None:
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_strategy_per_collective(collective: str) -> None:
-    s = Settings.resolve({f"P2PCOLL_{collective.upper()}": "ring"})
-    assert dict(s.strategies) == {collective: "ring"}
+    # An installed strategy of that collective (a name that is not one is a SettingsError).
+    name = next(n for n in available_strategies()[collective] if n != "auto")
+    s = Settings.resolve({f"P2PCOLL_{collective.upper()}": name})
+    assert dict(s.strategies) == {collective: name}
 
 
 @pytest.mark.parametrize("text", SIZE_TEXTS)
@@ -287,3 +290,14 @@ async def test_small_segments_and_depth_one_take_effect(
         assert np.array_equal(total, want)
         # No message carries more than one 64 KiB segment of payload.
         assert stats["messages_sent"] >= stats["bytes_sent"] / (64 * K), stats
+
+
+def test_a_strategy_variable_naming_no_installed_strategy_is_a_setting_error() -> None:
+    with pytest.raises(SettingsError) as caught:
+        Settings.resolve({"P2PCOLL_ALLREDUCE": "rign"})
+    assert str(caught.value).splitlines()[0].startswith(
+        "$P2PCOLL_ALLREDUCE='rign' is not allowed: no allreduce strategy named 'rign' "
+        "(did you mean 'ring'?); available: auto, ")
+    assert caught.value.name == "$P2PCOLL_ALLREDUCE" and caught.value.value == "rign"
+    assert isinstance(caught.value, UnknownStrategy)  # as the same name in code is
+    assert Settings.resolve({"P2PCOLL_ALLREDUCE": "auto"}).strategies == {"allreduce": "auto"}

@@ -12,7 +12,6 @@ is written, what it measures, and options it decides itself).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.costs import TRANSPORTS, load_constants
+from ..extras import install_command, installed
 from ..registry import available_strategies
 from ..settings import TRANSPORT_NAMES, bad_value, check_path, parse_bytes
 from ..types import check_dtype
@@ -34,8 +34,8 @@ TRANSPORT_VARIABLE = "P2PCOLL_TRANSPORT"  # the default of --transport
 COST_MODEL_VARIABLE = "P2PCOLL_COST_MODEL"  # auto's constants; where --calibrate writes them
 COST_MODEL_FILE = "p2pcoll-cost-model.json"  # ... when neither --cost-model nor it is given
 
-BENCH_EXTRA = "pip install 'p2pcoll[bench]'"
-MPI_INSTALL = "pip install 'p2pcoll[mpi]'"
+BENCH_EXTRA = install_command("bench")
+MPI_INSTALL = install_command("mpi")
 PEERS = {  # --compare NAME: (what its worker needs: (module or program, how to install it))
     "gloo": (("torch", BENCH_EXTRA),),
     "mpi": (("mpi4py", MPI_INSTALL), ("mpirun", MPI_INSTALL)),
@@ -196,17 +196,10 @@ def missing_extras(args: argparse.Namespace) -> str | None:
     if args.plot is not None:
         needs.append(("--plot", "matplotlib", BENCH_EXTRA))
     for option, what, install in needs:
-        found = shutil.which(what) is not None if what == "mpirun" else _importable(what)
+        found = shutil.which(what) is not None if what == "mpirun" else installed(what)
         if not found:
             return f"{option} needs {what}, which is not installed: {install}"
     return None
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: sys.modules[module] is None
-        return False
 
 
 def check_cost_model(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:

@@ -41,6 +41,7 @@ from ..engine.costs import (
     CostModel,
     load_constants,
 )
+from ..extras import needs
 from ..registry import Registry, registry
 from ..settings import Settings, format_bytes
 from ..strategy import COLLECTIVES, Cost, Strategy
@@ -334,10 +335,8 @@ def report(args: argparse.Namespace, reg: Registry = registry) -> str:
 def draw(path: str, reg: Registry, model: CostModel, collective: str, p: int, nbytes: int,
          low: int, high: int, changes: Sequence[tuple[int, str]]) -> None:
     """Write a PNG: predicted time against size (log-log), one line per strategy."""
-    try:
+    with needs("p2pcoll simulate --plot"):
         from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ValueError("--plot needs matplotlib: pip install 'p2pcoll[bench]'") from exc
     sizes = sorted({int(low * 2 ** (k / 4)) for k in range(int(4 * math.log2(high / low)) + 1)}
                    | {high})
     fig = Figure(figsize=(8, 5), dpi=90, layout="constrained")

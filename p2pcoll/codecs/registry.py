@@ -1,5 +1,6 @@
 """Finds codecs: the built-ins, then entry points of the group ``p2pcoll.codecs``, each
-validated where it loads.
+validated where it loads, through the one entry-point table strategies use too
+(:mod:`p2pcoll.plugin_table`).
 
 The built-ins ("fp16", "bf16", "int8") are registered first, by the same validation as any
 plugin, so a plugin cannot displace one; p2pcoll's own entry points for them (when the
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
+from collections.abc import Iterator
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import numpy as np
 
 from ..errors import PluginValidationError
+from ..plugin_table import PluginTable
 from ..types import CustomOp, ReduceOp, check_dtype
 from .base import Codec, UnknownCodec
 from .builtin import BFloat16, Float16, Int8
@@ -32,7 +34,6 @@ log = logging.getLogger("p2pcoll.codecs")
 
 ENTRY_POINT_GROUP = "p2pcoll.codecs"
 BUILTINS: tuple[type[Codec], ...] = (Float16, BFloat16, Int8)
-OWN_DISTRIBUTION = "p2pcoll"
 
 
 def validate(obj: object, where: str) -> Codec:
@@ -108,29 +109,10 @@ class CodecRegistry:
     """Every codec known to this process, by name; loaded on first use."""
 
     def __init__(self) -> None:
-        self._codecs: dict[str, tuple[Codec, str]] = {}
-        self._broken: dict[str, str] = {}
-        self._loaded = False
-        self._lock = threading.Lock()
-
-    def _load(self) -> None:
-        if self._loaded:
-            return
-        with self._lock:
-            if self._loaded:
-                return
-            codecs: dict[str, tuple[Codec, str]] = {}
-            broken: dict[str, str] = {}
-            for cls in BUILTINS:
-                _add(codecs, validate(cls, f"built-in codec {cls.name!r}"), "p2pcoll (built-in)")
-            for ep in sorted(entry_points(group=ENTRY_POINT_GROUP),
-                             key=lambda e: (_distribution(e) != OWN_DISTRIBUTION,
-                                            _distribution(e), e.name)):
-                problem = _load_one(ep, codecs)
-                if problem is not None:
-                    broken.setdefault(ep.name, problem)
-                    log.warning("codec %s; it is not available", problem)
-            self._codecs, self._broken, self._loaded = codecs, broken, True
+        self._table: PluginTable[str, Codec] = PluginTable(
+            kind="codec", scan=lambda: entry_points(group=ENTRY_POINT_GROUP),
+            check=validate, key=lambda codec: codec.name, intended=_intended,
+            key_of=lambda _, name: name, builtins=_builtins, log=log)
 
     def get(self, name: Any) -> Codec:
         """The codec called ``name``.
@@ -143,63 +125,41 @@ class CodecRegistry:
         if not isinstance(name, str):
             raise TypeError(f"codec must be a codec's name ({self._names()}) or None, got "
                             f"{name!r}")
-        self._load()
-        found = self._codecs.get(name)
+        found = self._table.entries().get(name)
         if found is not None:
-            return found[0]
-        if name in self._broken:
-            raise PluginValidationError(f"codec {name!r} cannot be used: {self._broken[name]}")
+            return found.value
+        plugin = self._table.broken_for(name)
+        if plugin is not None:
+            raise PluginValidationError(f"codec {name!r} cannot be used: {plugin}"
+                                        ) from plugin.error
         raise UnknownCodec(f"no codec named {name!r}; installed: {self._names()}")
 
     def available(self) -> dict[str, float]:
         """``{name: bytes on the wire per element}`` of every usable codec."""
-        self._load()
-        return {name: codec.wire_bytes for name, (codec, _) in sorted(self._codecs.items())}
+        return {name: e.value.wire_bytes for name, e in sorted(self._table.entries().items())}
 
     def broken(self) -> dict[str, str]:
         """``{entry point: problem}`` of the codec plugins that failed to load."""
-        self._load()
-        return dict(self._broken)
+        return {plugin.entry_point: str(plugin) for plugin in self._table.broken()}
 
     def register(self, cls: type[Codec], origin: str) -> None:
         """Add a codec class. Raises PluginValidationError on a bad class or a name clash."""
-        self._load()
-        with self._lock:
-            _add(self._codecs, validate(cls, origin), origin)
+        self._table.add(cls, origin)
 
     def _names(self) -> str:
-        self._load()
-        return ", ".join(repr(n) for n in sorted(self._codecs))
+        return ", ".join(repr(n) for n in sorted(self._table.entries()))
 
 
-def _distribution(ep: EntryPoint) -> str:
-    dist = ep.dist
-    return "" if dist is None else dist.name.lower().replace("_", "-")
+def _builtins() -> Iterator[tuple[object, str]]:
+    for cls in BUILTINS:
+        yield cls, "p2pcoll (built-in)"
 
 
-def _load_one(ep: EntryPoint, codecs: dict[str, tuple[Codec, str]]) -> str | None:
-    """Import and validate one entry point into ``codecs``; what went wrong, if anything."""
-    dist = ep.dist
-    where = (f"plugin {ep.name!r} = {ep.value!r} from "
-             f"{'unknown distribution' if dist is None else f'{dist.name} {dist.version}'}")
-    try:
-        obj = ep.load()
-    except Exception as exc:  # a plugin's failing import is that plugin's problem
-        return f"{where}: failed to import: {type(exc).__name__}: {exc}"
-    try:
-        _add(codecs, validate(obj, where), where)
-    except PluginValidationError as exc:
-        return str(exc)
-    return None
-
-
-def _add(codecs: dict[str, tuple[Codec, str]], codec: Codec, origin: str) -> None:
-    old = codecs.get(codec.name)
-    if old is not None and type(old[0]) is not type(codec):
-        raise PluginValidationError(f"codec {codec.name!r} from {origin} clashes with the one "
-                                    f"from {old[1]}")
-    if old is None:
-        codecs[codec.name] = (codec, origin)
+def _intended(ep: EntryPoint, obj: object) -> tuple[str | None, str | None]:
+    """(None, the name) a codec entry point was meant to provide: the loaded class's name
+    when it has a usable one, else the entry point's name."""
+    name = getattr(obj, "name", None)
+    return None, name if isinstance(name, str) and name else ep.name
 
 
 registry = CodecRegistry()

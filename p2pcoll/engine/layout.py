@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import PluginValidationError
 from ..strategy import Chunk, _All
 import itertools
 
@@ -63,18 +62,9 @@ class Layout:
     @classmethod
     def cut(cls, arrays: Sequence[np.ndarray], cuts: Sequence[int]) -> Layout:
         """Chunk c is elements ``[cuts[c], cuts[c + 1])`` of the arrays seen as one flat run
-        (a chunk may span arrays, or be empty).
-
-        Raises:
-            PluginValidationError: the cuts do not run non-decreasing from 0 to the count.
-        """
-        total = sum(a.size for a in arrays)
+        (a chunk may span arrays, or be empty). ``cuts`` as :func:`~.plan.chunking` checked
+        them: non-decreasing from 0 to the count."""
         bounds = [int(c) for c in cuts]
-        if (len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total
-                or any(b < a for a, b in itertools.pairwise(bounds))):
-            raise PluginValidationError(
-                f"a strategy's cuts must run non-decreasing from 0 to {total}, got "
-                f"{bounds[:4]}{'...' if len(bounds) > 4 else ''} ({len(bounds)} offsets)")
         starts = np.cumsum([0] + [a.size for a in arrays]).tolist()
         chunks: list[list[Piece]] = []
         for lo, hi in itertools.pairwise(bounds):

@@ -1,9 +1,15 @@
 """A strategy's schedule turned into a checked, cached plan, and what the executor derives
 from it once per plan: which sends go as copies, and which sends share a chunk.
+
+This is the one place where what a strategy gives back is checked (its class is checked
+where it loads, :mod:`p2pcoll.plugin_table`): its chunk count and cuts
+(:func:`chunking`) and its schedule (:func:`plan`), each failure a
+:class:`~p2pcoll.PluginValidationError` naming the strategy.
 """
 
 from __future__ import annotations
 
+import itertools
 from functools import lru_cache
 from typing import Any
 
@@ -110,6 +116,40 @@ def send_groups(
                 groups.setdefault(op.chunk, []).append((j, op.to))
         out.append(tuple((chunk, tuple(g)) for chunk, g in groups.items()))
     return tuple(out)
+
+
+def chunking(strategy: Strategy, size: int, count: int, itemsize: int
+             ) -> tuple[int, tuple[int, ...] | None]:
+    """How ``strategy`` cuts ``count`` elements of ``itemsize`` bytes on ``size`` ranks:
+    (its chunk count, its cuts or None), checked: a count of at least 1 (``size`` for a
+    reduce_scatter), and for a reduce or an allreduce cuts that are ``count + 1`` offsets
+    running non-decreasing from 0 to ``count`` (see :meth:`Strategy.cuts`).
+
+    Raises:
+        PluginValidationError: naming the strategy and what it gave.
+    """
+    where = f"{strategy.collective} strategy {strategy.name!r}"
+    nchunks = strategy.chunks(size)
+    if not isinstance(nchunks, int) or isinstance(nchunks, bool) or nchunks < 1:
+        raise PluginValidationError(f"{where} gave {nchunks!r} chunks for {size} ranks "
+                                    f"(a whole number of at least 1 is needed)")
+    if strategy.collective == "reduce_scatter" and nchunks != size:
+        raise PluginValidationError(f"{where} must cut the data into {size} chunks, "
+                                    f"not {nchunks}")
+    if strategy.collective not in ("allreduce", "reduce"):
+        return nchunks, None
+    given = strategy.cuts(size, count, itemsize)
+    if given is None:
+        return nchunks, None
+    cuts = tuple(int(c) for c in given)
+    if len(cuts) != nchunks + 1:
+        raise PluginValidationError(f"{where} gave {len(cuts)} cuts for {nchunks} chunks "
+                                    f"(chunks + 1 offsets are needed)")
+    if cuts[0] != 0 or cuts[-1] != count or any(b < a for a, b in itertools.pairwise(cuts)):
+        shown = f"{list(cuts[:4])}{'...' if len(cuts) > 4 else ''}"
+        raise PluginValidationError(f"{where} gave cuts {shown} ({len(cuts)} offsets); they "
+                                    f"must run non-decreasing from 0 to {count}")
+    return nchunks, cuts
 
 
 def _check_chunk(op: Op, nchunks: int, where: str) -> None:

@@ -81,7 +81,7 @@ from .metrics import registry_for, render
 
 if TYPE_CHECKING:
     from ..settings import ServiceSettings
-    from .peer import Peer
+    from .view import PeerView
 
 log = logging.getLogger("p2pcoll.service")
 
@@ -125,7 +125,7 @@ class HealthServer:
             False: on the loop that calls :meth:`start` (the peer's).
     """
 
-    def __init__(self, peer: Peer, settings: ServiceSettings | None = None, *,
+    def __init__(self, peer: PeerView, settings: ServiceSettings | None = None, *,
                  thread: bool = True) -> None:
         self.peer = peer
         self.thread = thread

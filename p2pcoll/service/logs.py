@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .peer import Peer
+    from .view import PeerView
 
 FORMAT = "%(asctime)s %(levelname)s rank=%(rank)s group=%(group)s %(name)s: %(message)s"
 
@@ -16,7 +16,7 @@ FORMAT = "%(asctime)s %(levelname)s rank=%(rank)s group=%(group)s %(name)s: %(me
 class PeerContext(logging.Filter):
     """Adds ``rank`` and ``group`` (``-`` until the peer has joined) to every record."""
 
-    def __init__(self, peer: Peer | None = None) -> None:
+    def __init__(self, peer: PeerView | None = None) -> None:
         super().__init__()
         self.peer = peer
 
@@ -26,7 +26,7 @@ class PeerContext(logging.Filter):
         return True
 
 
-def configure_logging(level: str = "INFO", peer: Peer | None = None) -> PeerContext:
+def configure_logging(level: str = "INFO", peer: PeerView | None = None) -> PeerContext:
     """Log to stderr at ``level`` with :data:`FORMAT`, for a process that runs one peer
     (``p2pcoll peer``). Returns the filter, whose ``peer`` may be set later."""
     context = PeerContext(peer)

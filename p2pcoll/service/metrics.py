@@ -55,7 +55,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .peer import Peer
+    from .view import PeerView
 
 STATES = ("starting", "forming", "ready", "degraded", "broken", "closed")
 
@@ -63,7 +63,7 @@ STATES = ("starting", "forming", "ready", "degraded", "broken", "closed")
 class PeerCollector(Collector):
     """Reads one peer's counters whenever Prometheus scrapes."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: PeerView) -> None:
         self.peer = peer
 
     def collect(self) -> Iterator[Metric]:
@@ -137,7 +137,7 @@ def _bound(le: float) -> str:
     return "+Inf" if le == float("inf") else repr(float(le))
 
 
-def registry_for(peer: Peer) -> CollectorRegistry:
+def registry_for(peer: PeerView) -> CollectorRegistry:
     """A registry of its own holding ``peer``'s collector."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PeerCollector(peer))

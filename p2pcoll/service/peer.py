@@ -24,6 +24,7 @@ from typing import Any, Self
 
 from ..api import Group, join
 from ..errors import GroupBroken, P2PCollError, ServiceStopped
+from ..extras import needs
 from ..settings import ServiceSettings
 from .logs import PeerContext
 
@@ -133,10 +134,12 @@ class Peer:
 
         Raises:
             OSError: the port cannot be bound.
+            MissingExtra: aiohttp or prometheus_client (the ``service`` extra) is missing.
         """
         if self._http is None and self.service.metrics_port is not None:
             # aiohttp and prometheus_client (the service extra) only when HTTP is asked for
-            from .http import HealthServer
+            with needs("p2pcoll.service.Peer's metrics port (metrics_port=)"):
+                from .http import HealthServer
 
             http = HealthServer(self)
             await http.start(self.service.metrics_host, self.service.metrics_port)

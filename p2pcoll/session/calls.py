@@ -19,9 +19,9 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import numpy as np
@@ -30,10 +30,10 @@ from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
 from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
-from ..engine.plan import plan
+from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
 from ..engine.timeline import COLLECTIVE
-from ..errors import CollectiveMismatch, P2PCollError, PluginValidationError, ProtocolError
+from ..errors import CollectiveMismatch, P2PCollError, ProtocolError
 from ..registry import registry
 from ..settings import check_seconds
 from ..strategy import Context, Strategy, host_numbers
@@ -44,7 +44,14 @@ from ..wire.validation import check_layout
 from .turns import Turns
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..engine.board_path import BoardPath
+    from ..engine.costs import Constants
+    from ..engine.executor import Executor
+    from ..engine.matching import Matcher
+    from ..settings import Settings
+    from ..types import Membership
+    from .activity import Activity
+    from .failure import FailureModel
 
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
@@ -129,10 +136,36 @@ class Prepared:
     board: Any = None
 
 
+class RunnerSession(Protocol):
+    """What a :class:`Runner` uses of its session (a :class:`~.session.Session`), named
+    here so that this module does not import the session, which makes the runner."""
+
+    membership: Membership
+    settings: Settings
+    failures: FailureModel
+    matcher: Matcher
+    executor: Executor
+    activity: Activity
+    constants: Mapping[str, Constants]
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def board(self) -> BoardPath | None: ...
+
+    def next_seq(self) -> int: ...
+
+    def next_transfer(self, src: int, dst: int, tag: int) -> tuple[int, int, int, int]: ...
+
+
 class Runner:
     """Runs calls for one session: :meth:`Session.run` is :meth:`run`."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: RunnerSession) -> None:
         self.session = session
         self.rank, self.size = session.rank, session.world_size
         # The host of every rank as small ints (strategy.Context.hosts), from the roster;
@@ -202,26 +235,20 @@ class Runner:
         else:
             parts = name in ("allgather", "gather", "scatter")
             strat = strategy or self.choose(name, call.strategy, nbytes)
+            nchunks, cuts = 1, None
+            if not parts and name != "barrier":  # its chunks, checked (in engine.plan)
+                nchunks, cuts = chunking(strat, p, sum(a.size for a in flat),
+                                         flat[0].itemsize if flat else 1)
             if name in ("allreduce", "reduce"):
-                nchunks = strat.chunks(p)
-                cuts = strat.cuts(p, sum(a.size for a in flat), flat[0].itemsize if flat else 1)
-                if cuts is not None and len(cuts) != nchunks + 1:
-                    raise PluginValidationError(
-                        f"{name} strategy {strat.name!r} gave {len(cuts)} cuts for "
-                        f"{nchunks} chunks (chunks + 1 offsets are needed)")
                 layout = Layout.split(flat, nchunks) if cuts is None else Layout.cut(flat, cuts)
             elif name == "reduce_scatter":
-                if strat.chunks(p) != p:
-                    raise PluginValidationError(
-                        f"reduce_scatter strategy {strat.name!r} must cut the data into {p} "
-                        f"chunks")
                 layout = Layout.split(flat, p, row_sizes=[call.rows])
             elif parts:
                 layout = Layout.parts(flat)
             elif name == "barrier":
                 layout = Layout([], [[]])
             else:  # broadcast
-                layout = Layout.split(flat, strat.chunks(p))
+                layout = Layout.split(flat, nchunks)
             if name in ("broadcast", "scatter") and call.root == self.rank:
                 meta = _layout_meta(strat.name, call)
             data = describe_data(call.leaves[:1] if name in ("allgather", "gather")

@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..transport.base import Piece
 from ..wire import Header
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..engine.matching import Matcher
+    from .failure import FailureModel
 
 
-def dispatch(session: Session, header: Header, pieces: list[Piece]) -> None:
+class Receiver(Protocol):
+    """The parts of a session (a :class:`~.session.Session`) that incoming messages go to,
+    named here so that this module does not import the session, which starts it."""
+
+    matcher: Matcher
+    failures: FailureModel
+
+    def hello_from(self, rank: int) -> None: ...
+
+    def read_report(self, header: Header) -> None: ...
+
+    def bye_from(self, rank: int, started: int, told: frozenset[int]) -> None: ...
+
+    def farewell_from(self, rank: int) -> None: ...
+
+    def gone_from(self, src: int, rank: int, graceful: bool, started: int,
+                  told: frozenset[int]) -> None: ...
+
+
+def dispatch(session: Receiver, header: Header, pieces: list[Piece]) -> None:
     """Hand one validated message to its handler.
 
     Raises:
