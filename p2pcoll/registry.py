@@ -28,11 +28,12 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from .engine.costs import CostModel
-from .errors import PluginValidationError, UnknownStrategy
+from .errors import PluginValidationError, SettingsError, UnknownStrategy
 from .plugin_table import OWN_DISTRIBUTION, BrokenPlugin, PluginTable
 from .strategy import COLLECTIVES, Strategy
 
@@ -308,6 +309,33 @@ def _intended(ep: EntryPoint, obj: object = None) -> tuple[str | None, str | Non
 
 
 registry = Registry()
+
+
+class UnknownStrategySetting(SettingsError, UnknownStrategy):
+    """A strategy chosen by a setting (``$P2PCOLL_<COLLECTIVE>`` or ``strategies=``) that is
+    not installed: a bad setting (printed as one line under ``p2pcoll launch``) and an
+    UnknownStrategy, as a name in code is."""
+
+
+def check_chosen(strategies: dict[str, str], environ: dict[str, str] | None = None) -> None:
+    """Check that every strategy the settings choose (other than ``auto``) is installed.
+
+    Raises:
+        UnknownStrategySetting: one is not; the message names the variable (or the
+            ``strategies`` entry) that chose it, and the installed ones.
+    """
+    env = os.environ if environ is None else environ
+    for collective, name in strategies.items():
+        if name == "auto":
+            continue
+        try:
+            registry.get(collective, name)
+        except UnknownStrategy as exc:
+            variable = f"P2PCOLL_{collective.upper()}"
+            where = f"${variable}" if env.get(variable) == name else f"strategies[{collective!r}]"
+            raise UnknownStrategySetting(
+                f"{where}={name!r} is not allowed: {exc}", name=where, value=name,
+                allowed=f"an installed {collective} strategy") from None
 
 
 def available_strategies() -> dict[str, list[str]]:

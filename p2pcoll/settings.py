@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from . import launchers
-from .errors import SettingsError, UnknownStrategy
+from .errors import SettingsError
 from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
@@ -604,30 +604,8 @@ class _Reader:
             name = f"P2PCOLL_{coll.upper()}"
             value = self.raw(name)
             if value is not None:
-                _check_installed(f"${name}", coll, value)
-                out[coll] = value
+                out[coll] = value  # installed? checked where the plugins load (api.join)
         return out
-
-
-class _UnknownStrategySetting(SettingsError, UnknownStrategy):
-    """A ``$P2PCOLL_<COLLECTIVE>`` naming no installed strategy: a bad setting (printed as
-    one line under ``p2pcoll launch``) and an UnknownStrategy, as a name in code is."""
-
-
-def _check_installed(name: str, collective: str, strategy: str) -> None:
-    """Raise the error of a variable ``name`` that names no installed strategy."""
-    if strategy == "auto":
-        return
-    # Here, not at the top: only a program that sets such a variable loads the plugins now
-    # (join() loads them anyway, a moment later).
-    from .registry import registry
-
-    try:
-        registry.get(collective, strategy)
-    except UnknownStrategy as exc:
-        raise _UnknownStrategySetting(
-            f"{name}={strategy!r} is not allowed: {exc}", name=name, value=strategy,
-            allowed=f"an installed {collective} strategy") from None
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..engine.costs import DEFAULT_CONSTANTS, load_constants
 from ..errors import SettingsError
-from ..registry import registry
+from ..registry import check_chosen, registry
 from ..session.failure import FailureModel
 from ..session.forming import form, handshake
 from ..session.session import Session
@@ -39,16 +39,15 @@ async def form_group(settings: Settings, *, store: Any = None,
             rendezvous (``p2pcoll.testing.memory_groups``: the in-memory network).
 
     Raises:
-        UnknownStrategy: ``settings.strategies`` names a strategy that is not installed.
+        UnknownStrategySetting: ``settings.strategies`` names a strategy that is not
+            installed (an UnknownStrategy and a SettingsError).
         SettingsError: the cost-model file is bad.
         RendezvousError: the group did not form in time, or a peer was lost meanwhile.
     Cancellation: everything opened so far is closed.
     """
     if not registry.loaded:  # now rather than in the first collective, the peers waiting
         await asyncio.to_thread(registry.load)
-    for collective, name in settings.strategies.items():  # before any socket
-        if name != "auto":
-            registry.get(collective, name)
+    check_chosen(dict(settings.strategies))  # before any socket
     # auto's constants, read and checked once, before any socket.
     constants = load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS
     failures = FailureModel()
