@@ -201,17 +201,14 @@ def join(
     one line naming the rank, the message and the line that called join, instead of a
     traceback from every rank (see :func:`_brief_settings_errors`).
     """
-    try:
-        settings = Settings.resolve(
-            rendezvous=rendezvous, world_size=world_size, rank=rank, join_timeout=timeout,
-            strategies=strategies, collective_timeout=collective_timeout, transport=transport,
-            key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
-            min_world_size=min_world_size, max_world_size=max_world_size, order=order,
-            timeline=timeline, host_id=host_id, max_links=max_links,
-        )
-    except SettingsError:
-        _brief_settings_errors()
-        raise
+    _brief_settings_errors()  # a bad setting may show now, or when the plugins load
+    settings = Settings.resolve(
+        rendezvous=rendezvous, world_size=world_size, rank=rank, join_timeout=timeout,
+        strategies=strategies, collective_timeout=collective_timeout, transport=transport,
+        key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
+        min_world_size=min_world_size, max_world_size=max_world_size, order=order,
+        timeline=timeline, host_id=host_id, max_links=max_links,
+    )
     return Join(settings)
 
 
