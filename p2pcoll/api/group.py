@@ -24,7 +24,8 @@ import numpy as np
 from ..codecs import reduce_coded
 from ..engine.costs import CostModel
 from ..errors import CollectiveMismatch, CollectiveTimeout, GroupBroken
-from ..pytree import LEAF
+from .. import tensors
+from ..pytree import LEAF, TreeDef, flatten_with, unflatten
 from ..rendezvous import RendezvousServer
 from ..session.calls import Call, describe_specs
 from ..session.failure import USABLE, FailureModel, GroupState
@@ -37,12 +38,8 @@ from ..types import (
     Membership,
     Pytree,
     ReduceOp,
-    TreeDef,
-    as_op,
     check_dtype,
     check_op_dtype,
-    flatten,
-    unflatten,
 )
 from ..wire import MAX_TAG
 
@@ -50,11 +47,34 @@ T = TypeVar("T")
 
 
 def _native(a: Any) -> np.ndarray:
-    """Validate a leaf and return it C-contiguous in native byte order (no copy if it is)."""
-    arr = a if isinstance(a, np.ndarray) else np.asarray(a)
+    """Validate a leaf and return it C-contiguous in native byte order (no copy if it is);
+    a bfloat16 tensor as its int16 bits (:mod:`p2pcoll.tensors`)."""
+    arr = a if isinstance(a, np.ndarray) else tensors.as_array(a, bits=True)
     dtype = check_dtype(arr.dtype)
     # ascontiguousarray turns 0-d arrays into 1-d ones; keep the caller's shape.
     return np.ascontiguousarray(arr, dtype=dtype).reshape(arr.shape)
+
+
+def _pair(leaf: Any, path: str) -> tuple[Any, np.ndarray]:
+    return leaf, tensors.as_array(leaf, path, bits=True)
+
+
+def _flatten(tree: Pytree) -> tuple[list[Any], list[np.ndarray], TreeDef]:
+    """A pytree's leaves as given, the arrays they move as (a bfloat16 tensor: its int16
+    bits), and its treedef."""
+    pairs, treedef = flatten_with(tree, _pair)
+    return [given for given, _ in pairs], [arr for _, arr in pairs], treedef
+
+
+def _results(given: list[Any], arrays: list[np.ndarray]) -> list[Any]:
+    """Each result array in the kind of the leaf given for it (a tensor for a tensor)."""
+    return [tensors.result(g, a) for g, a in zip(given, arrays, strict=True)]
+
+
+def _no_codec_for_bfloat16(given: list[Any], codec: str) -> None:
+    if any(tensors.is_bfloat16(leaf) for leaf in given):
+        raise TypeError(f"codec {codec!r} takes float16, float32 and float64 data, not "
+                        f"bfloat16 tensors (reduce them without a codec)")
 
 
 class Group:
@@ -155,17 +175,19 @@ class Group:
     def _reduction(
         self, collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int | None,
         strategy: str | None, timeout: float | None, out: Pytree | None = None,
-    ) -> Call:
-        red = as_op(op)
+    ) -> tuple[Call, list[Any], bool]:
+        """The call, the leaves as given (for :func:`_results`), and whether to divide
+        the results by the world size (a bfloat16 avg: :func:`p2pcoll.tensors.reduction`)."""
         if type(value) is np.ndarray and (out is None or type(out) is np.ndarray):
-            leaves, treedef = [value], LEAF  # one array: the common call, no pytree walk
+            given, leaves, treedef = [value], [value], LEAF  # one array: no pytree walk
             targets = None if out is None else [_check_out(out, value)]
         else:
-            leaves, treedef = flatten(value)
+            given, leaves, treedef = _flatten(value)
             targets = _out_leaves(out, treedef, leaves) if out is not None else None
+        rule = tensors.reduction(op, given)
+        red = rule.op
         work = []
-        for i, leaf in enumerate(leaves):
-            arr = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
+        for i, arr in enumerate(leaves):
             dtype = check_dtype(arr.dtype)
             check_op_dtype(red, dtype)
             if targets is None:
@@ -174,13 +196,22 @@ class Group:
                 if targets[i] is not arr:
                     np.copyto(targets[i], arr)
                 work.append(targets[i])
-        return Call(collective, work, treedef, red, root, strategy, timeout,
+        call = Call(collective, work, treedef, red, root, strategy, timeout,
                     flat=[w.reshape(-1) for w in work])
+        return call, given, rule.average
 
-    def _learner(self, call: Call, given: Pytree | None, what: str) -> None:
+    def _finish(self, call: Call, average: bool) -> list[np.ndarray]:
+        """A reduction's result arrays, a bfloat16 avg's sum divided by the world size."""
+        if average:
+            for arr in call.leaves:
+                tensors.divide(arr, self.world_size)
+        return call.leaves
+
+    def _learner(self, call: Call, given: Pytree | None, what: str) -> list[Any] | None:
         """Make ``call`` learn its layout from the origin's: into the caller's buffers
-        ``given`` where they fit (checked), else new arrays."""
-        mine = flatten(given) if given is not None else None
+        ``given`` where they fit (checked), else new arrays. Returns ``given``'s leaves."""
+        flat = _flatten(given) if given is not None else None
+        mine = (flat[1], flat[2]) if flat is not None else None
 
         def learn(treedef: TreeDef, specs: list[tuple[np.dtype[Any], tuple[int, ...]]],
                   strategy: str) -> None:
@@ -199,6 +230,7 @@ class Group:
             call.treedef = treedef
 
         call.learn = learn
+        return flat[0] if flat is not None else None
 
     # --- reductions -------------------------------------------------------------------
 
@@ -251,9 +283,11 @@ class Group:
         """
         if codec is not None:
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
-        call = self._reduction("allreduce", value, op, None, strategy, timeout, out)
+        call, given, average = self._reduction("allreduce", value, op, None, strategy,
+                                               timeout, out)
         await self.session.run(call)
-        return out if out is not None else unflatten(call.treedef, call.leaves)
+        results = self._finish(call, average)
+        return out if out is not None else unflatten(call.treedef, _results(given, results))
 
     async def reduce(
         self, value: Pytree, root: int = 0, op: str | ReduceOp | CustomOp = "sum", *,
@@ -268,9 +302,11 @@ class Group:
         self._check_root(root)
         if codec is not None:
             return await self._coded("reduce", value, op, root, strategy, timeout, None, codec)
-        call = self._reduction("reduce", value, op, root, strategy, timeout)
+        call, given, average = self._reduction("reduce", value, op, root, strategy, timeout)
         await self.session.run(call)
-        return unflatten(call.treedef, call.leaves) if self.rank == root else None
+        if self.rank != root:
+            return None
+        return unflatten(call.treedef, _results(given, self._finish(call, average)))
 
     async def reduce_scatter(
         self, array: np.ndarray, op: str | ReduceOp | CustomOp = "sum", *,
@@ -285,28 +321,33 @@ class Group:
             ValueError: a 0-d array; otherwise as :meth:`allreduce`.
         Cancellation: breaks the group.
         """
-        arr = np.asarray(array)
+        arr = tensors.as_array(array, bits=True)
         if arr.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         if codec is not None:
+            _no_codec_for_bfloat16([array], codec)
             parts = await reduce_coded(self, codec, [arr], _plain_op(op),
                                        collective="reduce_scatter", strategy=strategy,
                                        timeout=timeout)
             assert parts is not None  # every rank gets its part
             return parts[0]
-        call = self._reduction("reduce_scatter", arr, op, None, strategy, timeout)
+        call, _, average = self._reduction("reduce_scatter", array if tensors.is_tensor(array)
+                                           else arr, op, None, strategy, timeout)
         work = call.leaves[0]
         call.rows = int(np.prod(work.shape[1:], dtype=np.int64))
         await self.session.run(call)
-        return np.array_split(work, self.world_size, axis=0)[self.rank].copy()
+        part = np.array_split(work, self.world_size, axis=0)[self.rank].copy()
+        if average:
+            tensors.divide(part, self.world_size)
+        return tensors.like(array, part)  # type: ignore[no-any-return]
 
     async def _coded(
         self, collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int,
         strategy: str | None, timeout: float | None, out: Pytree | None, codec: str,
     ) -> Pytree:
         """An allreduce or reduce of ``value`` through ``codec`` (see :mod:`p2pcoll.codecs`)."""
-        leaves, treedef = flatten(value)
-        arrays = [leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf) for leaf in leaves]
+        given, arrays, treedef = _flatten(value)
+        _no_codec_for_bfloat16(given, codec)
         targets = _out_leaves(out, treedef, arrays) if out is not None else None
         results = await reduce_coded(self, codec, arrays, _plain_op(op),
                                      collective="reduce" if collective == "reduce"
@@ -314,7 +355,7 @@ class Group:
                                      timeout=timeout, out=targets)
         if results is None:
             return None
-        return out if out is not None else unflatten(treedef, results)
+        return out if out is not None else unflatten(treedef, _results(given, results))
 
     # --- data movement ----------------------------------------------------------------
 
@@ -343,16 +384,17 @@ class Group:
         """
         self._check_root(root)
         if self.rank == root:
-            leaves, treedef = flatten(value)
+            _, leaves, treedef = _flatten(value)
             send = [_native(leaf) for leaf in leaves]
             call = Call("broadcast", send, treedef, None, root, strategy, timeout,
                         flat=[a.reshape(-1) for a in send])
             await self.session.run(call)
             return value
         call = Call("broadcast", [], None, None, root, strategy, timeout)
-        self._learner(call, value, f"broadcast from root {root}")
+        given = self._learner(call, value, f"broadcast from root {root}")
         await self.session.run(call)
-        return unflatten(call.treedef, call.leaves)
+        return unflatten(call.treedef, call.leaves if given is None
+                         else _results(given, call.leaves))
 
     async def allgather(
         self, array: np.ndarray, *, strategy: str | None = None, timeout: float | None = None,
@@ -370,7 +412,7 @@ class Group:
         await self.session.run(Call("allgather", parts, None, None, None, strategy, timeout,
                                     flat=[p.reshape(-1) for p in parts]))
         parts[self.rank] = mine.copy()
-        return parts
+        return [tensors.like(array, p) for p in parts]
 
     async def gather(
         self, array: np.ndarray, root: int = 0, *,
@@ -389,7 +431,7 @@ class Group:
         if self.rank != root:
             return None
         parts[self.rank] = mine.copy()
-        return parts
+        return [tensors.like(array, p) for p in parts]
 
     async def scatter(
         self, parts: Sequence[np.ndarray] | None, root: int = 0, *,
@@ -412,7 +454,7 @@ class Group:
             send = [_native(a) for a in parts]
             await self.session.run(Call("scatter", send, None, None, root, strategy, timeout,
                                         flat=[a.reshape(-1) for a in send]))
-            return send[self.rank].copy()
+            return tensors.like(parts[self.rank], send[self.rank].copy())  # type: ignore[no-any-return]
         call = Call("scatter", [], None, None, root, strategy, timeout)
         self._learner(call, None, f"scatter from root {root}")
         await self.session.run(call)
@@ -469,7 +511,7 @@ class Group:
                 x = await g.recv(src=0, tag=7)              # rank 1: array([0, 1, 2])
         """
         self._check_transfer(dst, "dst", tag)
-        leaves, treedef = flatten(value)
+        _, leaves, treedef = _flatten(value)
         data = [_native(leaf) for leaf in leaves]
         await self.session.run(Call("send", data, treedef, None, dst, None, timeout, tag,
                                     flat=[a.reshape(-1) for a in data]))
@@ -501,10 +543,10 @@ class Group:
         next receive).
         """
         self._check_transfer(src, "src", tag)
-        mine = flatten(out) if out is not None else None
+        mine = _flatten(out) if out is not None else None
         if mine is not None and not all(
-                isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
-                and a.dtype.isnative for a in mine[0]):
+                a.flags.c_contiguous and a.flags.writeable and a.dtype.isnative
+                for a in mine[1]):
             raise ValueError("out= arrays must be C-contiguous, writable and in native "
                              "byte order")
         call = Call("recv", [], None, None, src, None, timeout, tag)
@@ -653,7 +695,7 @@ def _plain_op(op: str | ReduceOp | CustomOp) -> str | ReduceOp:
 
 def _out_leaves(out: Pytree, treedef: TreeDef, leaves: list[np.ndarray]) -> list[np.ndarray]:
     """Validate an ``out=`` argument against the input and return its leaves."""
-    targets, out_def = flatten(out)
+    _, targets, out_def = _flatten(out)
     if out_def != treedef:
         raise ValueError("out= must have the same pytree structure as the input")
     return [_check_out(target, leaf) for target, leaf in zip(targets, leaves, strict=True)]
@@ -661,7 +703,7 @@ def _out_leaves(out: Pytree, treedef: TreeDef, leaves: list[np.ndarray]) -> list
 
 def _check_out(target: np.ndarray, leaf: Any) -> np.ndarray:
     """``target`` if it can hold the result for input ``leaf``, else ValueError."""
-    arr = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
+    arr = leaf if isinstance(leaf, np.ndarray) else tensors.as_array(leaf, bits=True)
     want = (arr.shape, check_dtype(arr.dtype))
     if (target.shape, target.dtype) != want:
         raise ValueError(
