@@ -1,6 +1,7 @@
 """The package's layers: imports only go down the stack, and plugins see only the strategy API.
 
-    base       errors, types, pytree, strategy, settings, launchers, security (the job key)
+    base       errors, types, tensors, pytree, strategy, settings, launchers, security (the
+               job key)
     wire       the message format and its one validation point
     transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory)
     engine     plans, matching, the executor            rendezvous  server, client, URLs
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "p2pcoll"
 
 LAYERS = {
-    "errors": 0, "types": 0, "pytree": 0, "strategy": 0, "settings": 0, "security": 0,
+    "errors": 0, "types": 0, "tensors": 0, "pytree": 0, "strategy": 0, "settings": 0, "security": 0,
     "launchers": 0,
     "wire": 1,
     "transport": 2,
