@@ -128,7 +128,8 @@ def _tensor_memory(t: Any, path: str, bits: bool) -> np.ndarray:
         raise TypeError(f"tensor {_where(path)} has layout {t.layout}; p2pcoll moves dense "
                         f"tensors (call .to_dense() first)")
     t = t.detach()
-    if t.is_conj() or t.is_neg():  # lazy conjugate or negation: the values are a copy's
+    lazy = t.is_conj() or t.is_neg()
+    if lazy:  # a lazy conjugate or negation: its values are a copy's
         t = t.resolve_conj().resolve_neg()
     if t.dtype is torch.bfloat16:
         if not bits:
@@ -139,7 +140,10 @@ def _tensor_memory(t: Any, path: str, bits: bool) -> np.ndarray:
     dtype = _numpy_dtype(t.dtype)
     if dtype is None:
         raise TypeError(f"tensor {_where(path)} has dtype {t.dtype}, which numpy cannot hold")
-    return np.asarray(_Exported(t, dtype))
+    array: np.ndarray = np.asarray(_Exported(t, dtype))
+    if lazy:  # results written here would not reach the tensor: refuse them
+        array.flags.writeable = False
+    return array
 
 
 def shares(given: Any, array: np.ndarray) -> bool:

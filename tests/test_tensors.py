@@ -63,7 +63,9 @@ def test_what_cannot_be_an_array_is_named() -> None:
 
 def test_a_lazy_conjugate_reads_its_values() -> None:
     z = torch.tensor([1 + 2j, 3 - 1j]).conj()
-    np.testing.assert_array_equal(tensors.as_array(z), np.array([1 - 2j, 3 + 1j]))
+    a = tensors.as_array(z)
+    np.testing.assert_array_equal(a, np.array([1 - 2j, 3 + 1j]))
+    assert not a.flags.writeable  # a copy: results written there would not reach ``z``
 
 
 def test_writable_aliases_a_read_only_array() -> None:

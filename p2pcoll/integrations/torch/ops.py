@@ -107,9 +107,10 @@ def check_tensor(t: torch.Tensor, collective: str) -> None:
 
 def bits(t: torch.Tensor) -> np.ndarray:
     """``t`` as a numpy array to move unchanged: its memory when contiguous (bfloat16 as
-    int16 bits), else a contiguous copy (write it back with :func:`store`)."""
+    int16 bits), else a contiguous copy (write it back with :func:`store`; a lazy conjugate's
+    values are a copy too)."""
     a = tensors.as_array(t, bits=True)
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous and a.flags.writeable else np.array(a, order="C")
 
 
 def values(t: torch.Tensor, factor: float | None = None) -> np.ndarray:
