@@ -31,6 +31,7 @@ def test_blocking_forwards_each_collective_with_its_arguments(name: str) -> None
         [(p.name, p.kind, p.default) for p in ours.values()]
 
 
+@pytest.mark.slow  # importing Ray takes seconds
 def test_the_ray_backend_implements_every_call_of_ray() -> None:
     if importlib.util.find_spec("ray") is None:  # pragma: no cover - the ray extra is in dev
         pytest.skip("ray not installed: pip install 'p2pcoll[ray]'")
