@@ -57,6 +57,8 @@ __all__ = [
 
 def is_tensor(obj: Any) -> bool:
     """Whether ``obj`` is a torch tensor (without importing torch)."""
+    if type(obj) is np.ndarray:  # the common case, without torch's slower isinstance
+        return False
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 

@@ -14,7 +14,7 @@ from .. import tensors
 from ..errors import CollectiveMismatch
 from ..pytree import LEAF, TreeDef, flatten_with
 from ..session.calls import Call, describe_specs
-from ..types import CustomOp, Pytree, ReduceOp, check_dtype, check_op_dtype
+from ..types import CustomOp, Pytree, ReduceOp, as_op, check_dtype, check_op_dtype
 
 
 def native(a: Any) -> np.ndarray:
@@ -33,13 +33,19 @@ def _pair(leaf: Any, path: str) -> tuple[Any, np.ndarray]:
 def flatten_leaves(tree: Pytree) -> tuple[list[Any], list[np.ndarray], TreeDef]:
     """A pytree's leaves as given, the arrays they move as (a bfloat16 tensor: its int16
     bits), and its treedef."""
+    if type(tree) is np.ndarray:  # one array: the common call, no pytree walk
+        return [tree], [tree], LEAF
     pairs, treedef = flatten_with(tree, _pair)
     return [given for given, _ in pairs], [arr for _, arr in pairs], treedef
 
 
-def as_given(given: list[Any], arrays: list[np.ndarray]) -> list[Any]:
-    """Each result array in the kind of the leaf given for it (a tensor for a tensor)."""
-    return [tensors.result(g, a) for g, a in zip(given, arrays, strict=True)]
+def as_given(given: list[Any] | None, arrays: list[np.ndarray]) -> list[Any]:
+    """Each result array in the kind of the leaf given for it (a tensor for a tensor);
+    ``arrays`` as they are for ``given`` None (arrays were given)."""
+    if given is None:
+        return arrays
+    return [a if type(g) is np.ndarray else tensors.result(g, a)
+            for g, a in zip(given, arrays, strict=True)]
 
 
 def no_codec_for_bfloat16(given: list[Any], codec: str) -> None:
@@ -51,17 +57,20 @@ def no_codec_for_bfloat16(given: list[Any], codec: str) -> None:
 def reduction_call(
     collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int | None,
     strategy: str | None, timeout: float | None, out: Pytree | None = None,
-) -> tuple[Call, list[Any], bool]:
-    """The call, the leaves as given (for :func:`as_given`), and whether to divide
-    the results by the world size (a bfloat16 avg: :func:`p2pcoll.tensors.reduction`)."""
+) -> tuple[Call, list[Any] | None, bool]:
+    """The call, the leaves as given (for :func:`as_given`; None for one ndarray), and
+    whether to divide the results by the world size (a bfloat16 avg:
+    :func:`p2pcoll.tensors.reduction`)."""
+    given: list[Any] | None
     if type(value) is np.ndarray and (out is None or type(out) is np.ndarray):
-        given, leaves, treedef = [value], [value], LEAF  # one array: no pytree walk
+        given, leaves, treedef = None, [value], LEAF  # one array: no pytree walk
         targets = None if out is None else [check_out(out, value)]
+        red, average = as_op(op), False  # no tensor: the op as it is
     else:
         given, leaves, treedef = flatten_leaves(value)
         targets = out_leaves(out, treedef, leaves) if out is not None else None
-    rule = tensors.reduction(op, given)
-    red = rule.op
+        rule = tensors.reduction(op, given)
+        red, average = rule.op, rule.average
     work = []
     for i, arr in enumerate(leaves):
         dtype = check_dtype(arr.dtype)
@@ -74,7 +83,8 @@ def reduction_call(
             work.append(targets[i])
     call = Call(collective, work, treedef, red, root, strategy, timeout,
                 flat=[w.reshape(-1) for w in work])
-    return call, given, rule.average
+    return call, given, average
+
 
 def finish(call: Call, average: bool, world_size: int) -> list[np.ndarray]:
     """A reduction's result arrays, a bfloat16 avg's sum divided by the world size."""
