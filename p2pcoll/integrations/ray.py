@@ -252,13 +252,13 @@ class _Buffer:
         return self.array if self.in_place else None
 
 
-def _one(tensors: Any, what: str) -> Any:
-    if not isinstance(tensors, list) or len(tensors) != 1:
-        got = f"{len(tensors)} tensors" if isinstance(tensors, list) else type(tensors).__name__
+def _one(items: Any, what: str) -> Any:
+    if not isinstance(items, list) or len(items) != 1:
+        got = f"{len(items)} tensors" if isinstance(items, list) else type(items).__name__
         raise ValueError(f"{what}: ray.util.collective passes one tensor in a list (its "
                          f"multi-GPU calls are not for p2pcoll, which moves CPU memory); "
                          f"got {got}")
-    return tensors[0]
+    return items[0]
 
 
 class P2PCollGroup(BaseGroup):
