@@ -29,23 +29,28 @@ A bare leaf's path is ``""``. The order is by key at each level and by position,
 joined path: ``{"a": {"x": p}, "a-b": q}`` gives ``"a.x"`` before ``"a-b"``, and a list of
 eleven leaves gives ``"10"`` after ``"9"``.
 
-Torch tensors are read through ``tensor.detach().numpy()``, which shares their memory. This
-module never imports torch: a tensor can only exist once its program has imported torch.
+Leaves become arrays through :mod:`p2pcoll.tensors` (a torch tensor: an array over its own
+memory). This module never imports torch: a tensor can only exist once its program has
+imported torch.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+from .tensors import as_array as _as_array
+from .tensors import is_tensor
+from .tensors import like as like
 
 __all__ = [
     "Pytree",
     "TreeDef",
     "as_array",
     "flatten",
+    "flatten_with",
     "is_torch_tensor",
     "like",
     "listed_paths",
@@ -62,45 +67,28 @@ LEAF = "*"
 
 # --- leaves -------------------------------------------------------------------------------
 
+L = TypeVar("L")
+
 
 def is_torch_tensor(obj: Any) -> bool:
     """Whether ``obj`` is a torch tensor (without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+    return is_tensor(obj)
 
 
 def as_array(leaf: Any, path: str = "") -> np.ndarray:
-    """A leaf as an ndarray: itself, a view of a CPU torch tensor, or a new array of a number.
+    """A leaf as an ndarray: itself, a CPU torch tensor's own memory, or a new array of a
+    number (:func:`p2pcoll.tensors.as_array`, where bfloat16 is a TypeError: numpy has no
+    bfloat16; the group's collectives take such tensors as they are).
 
     Args:
         leaf: the leaf.
         path: its path, for error messages.
 
     Raises:
-        TypeError: a tensor not on the CPU, None, or a leaf that is not numeric.
+        TypeError: a tensor not on the CPU or of a dtype numpy has not, None, or a leaf
+            that is not numeric.
     """
-    if isinstance(leaf, np.ndarray):
-        return leaf
-    if leaf is None:
-        raise TypeError(f"pytree leaf {_where(path)} is None; leaves must be arrays")
-    if is_torch_tensor(leaf):
-        if leaf.device.type != "cpu":
-            raise TypeError(f"tensor {_where(path)} is on {leaf.device}; move it to the CPU first")
-        view: np.ndarray = leaf.detach().numpy()  # shares the tensor's memory
-        return view
-    arr = np.asarray(leaf)
-    if arr.dtype == object:
-        raise TypeError(
-            f"pytree leaf {_where(path)} of type {type(leaf).__name__} is not a numeric array"
-        )
-    return arr
-
-
-def like(template: Any, array: np.ndarray) -> Any:
-    """``array`` as a torch tensor sharing its memory if ``template`` is a tensor, else itself."""
-    if is_torch_tensor(template):
-        return sys.modules["torch"].from_numpy(array)
-    return array
+    return _as_array(leaf, path)
 
 
 # --- the walk -----------------------------------------------------------------------------
@@ -112,7 +100,12 @@ def flatten(tree: Pytree) -> tuple[list[np.ndarray], TreeDef]:
     Raises:
         TypeError: a dict key that is not a str, or a leaf that :func:`as_array` refuses.
     """
-    leaves: list[np.ndarray] = []
+    return flatten_with(tree, as_array)
+
+
+def flatten_with(tree: Pytree, convert: Callable[[Any, str], L]) -> tuple[list[L], TreeDef]:
+    """:func:`flatten` with each leaf turned into ``convert(leaf, path)`` (which may raise)."""
+    leaves: list[L] = []
 
     def walk(node: Any, path: str) -> TreeDef:
         if isinstance(node, Mapping):
@@ -121,7 +114,7 @@ def flatten(tree: Pytree) -> tuple[list[np.ndarray], TreeDef]:
         if isinstance(node, (list, tuple)):
             return ["l" if isinstance(node, list) else "t",
                     [walk(child, _join(path, i)) for i, child in enumerate(node)]]
-        leaves.append(as_array(node, path))
+        leaves.append(convert(node, path))
         return LEAF
 
     treedef = walk(tree, "")

@@ -1,4 +1,4 @@
-"""Small value types shared by the layers: reduction ops, membership, and pytrees."""
+"""Small value types shared by the layers: reduction ops and membership."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
-
-# The pytree helpers live in p2pcoll.pytree; re-exported here for the layers that use them.
-from .pytree import TreeDef as TreeDef
-from .pytree import flatten as flatten
-from .pytree import unflatten as unflatten
 
 Rank = int
 Pytree = Any  # an ndarray, or a dict / list / tuple of pytrees

@@ -1,7 +1,7 @@
 """The package's layers: imports only go down the stack, and plugins see only the strategy API.
 
-    base       errors, types, pytree, strategy, settings, launchers, security (the job key),
-               plugin_table (entry points), extras (optional dependencies)
+    base       errors, types, tensors, pytree, strategy, settings, launchers, security (the
+               job key), plugin_table (entry points), extras (optional dependencies)
     wire       the message format and its one validation point
     transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory)
     engine     plans, matching, the executor            rendezvous  server, client, URLs
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "p2pcoll"
 
 LAYERS = {
-    "errors": 0, "types": 0, "pytree": 0, "strategy": 0, "settings": 0, "security": 0,
-    "launchers": 0, "plugin_table": 0, "extras": 0,
+    "errors": 0, "types": 0, "tensors": 0, "pytree": 0, "strategy": 0, "settings": 0,
+    "security": 0, "launchers": 0, "plugin_table": 0, "extras": 0,
     "wire": 1,
     "transport": 2,
     "engine": 3, "rendezvous": 3,

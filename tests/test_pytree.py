@@ -155,8 +155,10 @@ def test_listed_paths_follow_insertion_order() -> None:
     assert [p for p, _ in named_leaves(tree)] == ["b.a", "b.z", "l.0", "w"]
 
 
-def test_types_re_exports_the_one_flatten() -> None:
-    assert p2pcoll.types.flatten is flatten and p2pcoll.types.unflatten is unflatten
+def test_the_one_flatten_lives_in_pytree() -> None:
+    # p2pcoll.types no longer re-exports it: types -> pytree -> tensors -> types was a circle.
+    assert not hasattr(p2pcoll.types, "flatten") and not hasattr(p2pcoll.types, "unflatten")
+    assert p2pcoll.pytree.flatten is flatten
 
 
 # --- torch tensors -----------------------------------------------------------------------------

@@ -5,6 +5,8 @@
     python tests/torch_worker.py default   init_process_group("p2pcoll") with no p2pcoll
                                            import (the entry point), errors, subgroups
     python tests/torch_worker.py kill      the last rank dies; the others' wait() raises
+    python tests/torch_worker.py bf16      one bfloat16 all_reduce through p2pcoll and Gloo:
+                                           prints ``BITS <backend> <hex>`` of each result
 
 The rank, world size and rendezvous come from the environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). Each prints ``FAIL ...`` lines and finally ``OK <checks>``.
@@ -312,8 +314,27 @@ def main_kill() -> None:
     os._exit(0 if not failures else 1)  # the group is broken: nothing left to close
 
 
+BF16_N = 1000  # elements of main_bf16's tensors
+
+
+def main_bf16() -> None:
+    """The bits of one bfloat16 SUM of :func:`noise` through each backend, for
+    tests/test_bf16_front_ends.py to compare with the other front ends'."""
+    dist.init_process_group("gloo")
+    import p2pcoll.torch  # noqa: F401
+
+    p2p = dist.new_group(backend="p2pcoll")
+    for name, group in (("p2pcoll", p2p), ("gloo", dist.group.WORLD)):
+        t = noise(dist.get_rank(), BF16_N, torch.bfloat16)
+        dist.all_reduce(t, group=group)
+        print(f"BITS {name} {t.view(torch.int16).numpy().tobytes().hex()}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"compare": main_compare, "default": main_default, "kill": main_kill}[sys.argv[1]]()
+    {"compare": main_compare, "default": main_default, "kill": main_kill,
+     "bf16": main_bf16}[sys.argv[1]]()
     for f in failures:
         print("FAIL", f, flush=True)
     print(f"OK {checks}" if not failures else f"FAILED {len(failures)} of {checks}",

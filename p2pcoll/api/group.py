@@ -20,40 +20,24 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .. import tensors
 from ..codecs import reduce_coded
 from ..engine.costs import CostModel
-from ..errors import CollectiveMismatch, CollectiveTimeout, GroupBroken
-from ..pytree import LEAF
+from ..errors import CollectiveTimeout, GroupBroken
+from ..pytree import unflatten
 from ..rendezvous import RendezvousServer
-from ..session.calls import Call, describe_specs
+from ..session.calls import Call
 from ..session.failure import USABLE, FailureModel, GroupState
 from ..session.session import Session
 from ..session.turns import Turns
 from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
-from ..types import (
-    CustomOp,
-    Membership,
-    Pytree,
-    ReduceOp,
-    TreeDef,
-    as_op,
-    check_dtype,
-    check_op_dtype,
-    flatten,
-    unflatten,
-)
+from ..types import CustomOp, Membership, Pytree, ReduceOp
 from ..wire import MAX_TAG
+from .arguments import (as_given, finish, flatten_leaves, learner, native,
+                        no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
 
 T = TypeVar("T")
-
-
-def _native(a: Any) -> np.ndarray:
-    """Validate a leaf and return it C-contiguous in native byte order (no copy if it is)."""
-    arr = a if isinstance(a, np.ndarray) else np.asarray(a)
-    dtype = check_dtype(arr.dtype)
-    # ascontiguousarray turns 0-d arrays into 1-d ones; keep the caller's shape.
-    return np.ascontiguousarray(arr, dtype=dtype).reshape(arr.shape)
 
 
 class Group:
@@ -151,54 +135,6 @@ class Group:
         """auto's cost model (:meth:`CostModel.for_group`: the one ``p2pcoll simulate`` uses)."""
         return self.session.runner.costs()
 
-    def _reduction(
-        self, collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int | None,
-        strategy: str | None, timeout: float | None, out: Pytree | None = None,
-    ) -> Call:
-        red = as_op(op)
-        if type(value) is np.ndarray and (out is None or type(out) is np.ndarray):
-            leaves, treedef = [value], LEAF  # one array: the common call, no pytree walk
-            targets = None if out is None else [_check_out(out, value)]
-        else:
-            leaves, treedef = flatten(value)
-            targets = _out_leaves(out, treedef, leaves) if out is not None else None
-        work = []
-        for i, leaf in enumerate(leaves):
-            arr = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
-            dtype = check_dtype(arr.dtype)
-            check_op_dtype(red, dtype)
-            if targets is None:
-                work.append(np.array(arr, dtype=dtype, order="C", copy=True))
-            else:
-                if targets[i] is not arr:
-                    np.copyto(targets[i], arr)
-                work.append(targets[i])
-        return Call(collective, work, treedef, red, root, strategy, timeout,
-                    flat=[w.reshape(-1) for w in work])
-
-    def _learner(self, call: Call, given: Pytree | None, what: str) -> None:
-        """Make ``call`` learn its layout from the origin's: into the caller's buffers
-        ``given`` where they fit (checked), else new arrays."""
-        mine = flatten(given) if given is not None else None
-
-        def learn(treedef: TreeDef, specs: list[tuple[np.dtype[Any], tuple[int, ...]]],
-                  strategy: str) -> None:
-            if mine is not None:
-                have = [(leaf.dtype, leaf.shape) for leaf in mine[0]]
-                if mine[1] != treedef or have != specs:
-                    raise CollectiveMismatch(
-                        f"{what}: rank {call.root} sends {describe_specs(specs)}, rank "
-                        f"{self.rank} passed {describe_specs(have)}")
-                call.leaves = [
-                    leaf if isinstance(leaf, np.ndarray) and leaf.flags.c_contiguous
-                    and leaf.flags.writeable and leaf.dtype.isnative else np.empty(s, d)
-                    for leaf, (d, s) in zip(mine[0], specs, strict=True)]
-            else:
-                call.leaves = [np.empty(s, d) for d, s in specs]
-            call.treedef = treedef
-
-        call.learn = learn
-
     # --- reductions -------------------------------------------------------------------
 
     async def allreduce(
@@ -209,7 +145,10 @@ class Group:
         """Reduce ``value`` over all ranks and return the result on every rank.
 
         Args:
-            value: an ndarray (any shape, 0-d included) or a pytree of them.
+            value: an ndarray (any shape, 0-d included) or a CPU torch tensor, or a pytree
+                of them. bfloat16 tensors are reduced exactly on their bfloat16 bits,
+                rounded at every step as torch's backends do (:mod:`p2pcoll.tensors`),
+                never in one call with leaves of other dtypes (TypeError).
             op: "sum", "prod", "min", "max" or "avg" (floating dtypes only), or a
                 :class:`~p2pcoll.CustomOp` of the caller's own.
             strategy: a strategy name (``p2pcoll.available_strategies()["allreduce"]``);
@@ -228,8 +167,9 @@ class Group:
                 default): the data as it is.
 
         Returns:
-            ``out`` if given, else new arrays of the same structure; ``value`` is not
-            modified unless it is ``out``. Every rank gets the same bits.
+            ``out`` if given, else new arrays of the same structure (a tensor leaf's result
+            is a tensor of its dtype, as from every collective); ``value`` is not modified
+            unless it is ``out``. Every rank gets the same bits.
 
         Raises:
             ValueError, TypeError: ``out`` does not match, a dtype is not allowed or the op
@@ -250,9 +190,11 @@ class Group:
         """
         if codec is not None:
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
-        call = self._reduction("allreduce", value, op, None, strategy, timeout, out)
+        call, given, average = reduction_call("allreduce", value, op, None, strategy,
+                                              timeout, out)
         await self.session.run(call)
-        return out if out is not None else unflatten(call.treedef, call.leaves)
+        results = finish(call, average, self.world_size)
+        return out if out is not None else unflatten(call.treedef, as_given(given, results))
 
     async def reduce(
         self, value: Pytree, root: int = 0, op: str | ReduceOp | CustomOp = "sum", *,
@@ -267,9 +209,11 @@ class Group:
         self._check_root(root)
         if codec is not None:
             return await self._coded("reduce", value, op, root, strategy, timeout, None, codec)
-        call = self._reduction("reduce", value, op, root, strategy, timeout)
+        call, given, average = reduction_call("reduce", value, op, root, strategy, timeout)
         await self.session.run(call)
-        return unflatten(call.treedef, call.leaves) if self.rank == root else None
+        if self.rank != root:
+            return None
+        return unflatten(call.treedef, as_given(given, finish(call, average, self.world_size)))
 
     async def reduce_scatter(
         self, array: np.ndarray, op: str | ReduceOp | CustomOp = "sum", *,
@@ -284,36 +228,41 @@ class Group:
             ValueError: a 0-d array; otherwise as :meth:`allreduce`.
         Cancellation: breaks the group.
         """
-        arr = np.asarray(array)
+        arr = tensors.as_array(array, bits=True)
         if arr.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         if codec is not None:
-            parts = await reduce_coded(self, codec, [arr], _plain_op(op),
+            no_codec_for_bfloat16([array], codec)
+            parts = await reduce_coded(self, codec, [arr], plain_op(op),
                                        collective="reduce_scatter", strategy=strategy,
                                        timeout=timeout)
             assert parts is not None  # every rank gets its part
             return parts[0]
-        call = self._reduction("reduce_scatter", arr, op, None, strategy, timeout)
+        call, _, average = reduction_call("reduce_scatter", array if tensors.is_tensor(array)
+                                           else arr, op, None, strategy, timeout)
         work = call.leaves[0]
         call.rows = int(np.prod(work.shape[1:], dtype=np.int64))
         await self.session.run(call)
-        return np.array_split(work, self.world_size, axis=0)[self.rank].copy()
+        part = np.array_split(work, self.world_size, axis=0)[self.rank].copy()
+        if average:
+            tensors.divide(part, self.world_size)
+        return tensors.like(array, part)  # type: ignore[no-any-return]
 
     async def _coded(
         self, collective: str, value: Pytree, op: str | ReduceOp | CustomOp, root: int,
         strategy: str | None, timeout: float | None, out: Pytree | None, codec: str,
     ) -> Pytree:
         """An allreduce or reduce of ``value`` through ``codec`` (see :mod:`p2pcoll.codecs`)."""
-        leaves, treedef = flatten(value)
-        arrays = [leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf) for leaf in leaves]
-        targets = _out_leaves(out, treedef, arrays) if out is not None else None
-        results = await reduce_coded(self, codec, arrays, _plain_op(op),
+        given, arrays, treedef = flatten_leaves(value)
+        no_codec_for_bfloat16(given, codec)
+        targets = out_leaves(out, treedef, arrays) if out is not None else None
+        results = await reduce_coded(self, codec, arrays, plain_op(op),
                                      collective="reduce" if collective == "reduce"
                                      else "allreduce", root=root, strategy=strategy,
                                      timeout=timeout, out=targets)
         if results is None:
             return None
-        return out if out is not None else unflatten(treedef, results)
+        return out if out is not None else unflatten(treedef, as_given(given, results))
 
     # --- data movement ----------------------------------------------------------------
 
@@ -342,16 +291,17 @@ class Group:
         """
         self._check_root(root)
         if self.rank == root:
-            leaves, treedef = flatten(value)
-            send = [_native(leaf) for leaf in leaves]
+            _, leaves, treedef = flatten_leaves(value)
+            send = [native(leaf) for leaf in leaves]
             call = Call("broadcast", send, treedef, None, root, strategy, timeout,
                         flat=[a.reshape(-1) for a in send])
             await self.session.run(call)
             return value
         call = Call("broadcast", [], None, None, root, strategy, timeout)
-        self._learner(call, value, f"broadcast from root {root}")
+        given = learner(call, value, f"broadcast from root {root}", self.rank)
         await self.session.run(call)
-        return unflatten(call.treedef, call.leaves)
+        return unflatten(call.treedef, call.leaves if given is None
+                         else as_given(given, call.leaves))
 
     async def allgather(
         self, array: np.ndarray, *, strategy: str | None = None, timeout: float | None = None,
@@ -364,12 +314,12 @@ class Group:
             CollectiveTimeout, PeerLost, GroupBroken.
         Cancellation: breaks the group.
         """
-        mine = _native(array)
+        mine = native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
         await self.session.run(Call("allgather", parts, None, None, None, strategy, timeout,
                                     flat=[p.reshape(-1) for p in parts]))
         parts[self.rank] = mine.copy()
-        return parts
+        return [tensors.like(array, p) for p in parts]
 
     async def gather(
         self, array: np.ndarray, root: int = 0, *,
@@ -381,14 +331,14 @@ class Group:
         Cancellation: breaks the group.
         """
         self._check_root(root)
-        mine = _native(array)
+        mine = native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
         await self.session.run(Call("gather", parts, None, None, root, strategy, timeout,
                                     flat=[p.reshape(-1) for p in parts]))
         if self.rank != root:
             return None
         parts[self.rank] = mine.copy()
-        return parts
+        return [tensors.like(array, p) for p in parts]
 
     async def scatter(
         self, parts: Sequence[np.ndarray] | None, root: int = 0, *,
@@ -408,12 +358,12 @@ class Group:
             if parts is None or len(parts) != p:
                 got = "None" if parts is None else f"{len(parts)} parts"
                 raise ValueError(f"scatter root needs a list of {p} arrays, got {got}")
-            send = [_native(a) for a in parts]
+            send = [native(a) for a in parts]
             await self.session.run(Call("scatter", send, None, None, root, strategy, timeout,
                                         flat=[a.reshape(-1) for a in send]))
-            return send[self.rank].copy()
+            return tensors.like(parts[self.rank], send[self.rank].copy())  # type: ignore[no-any-return]
         call = Call("scatter", [], None, None, root, strategy, timeout)
-        self._learner(call, None, f"scatter from root {root}")
+        learner(call, None, f"scatter from root {root}", self.rank)
         await self.session.run(call)
         return call.leaves[self.rank]
 
@@ -468,8 +418,8 @@ class Group:
                 x = await g.recv(src=0, tag=7)              # rank 1: array([0, 1, 2])
         """
         self._check_transfer(dst, "dst", tag)
-        leaves, treedef = flatten(value)
-        data = [_native(leaf) for leaf in leaves]
+        _, leaves, treedef = flatten_leaves(value)
+        data = [native(leaf) for leaf in leaves]
         await self.session.run(Call("send", data, treedef, None, dst, None, timeout, tag,
                                     flat=[a.reshape(-1) for a in data]))
 
@@ -500,14 +450,14 @@ class Group:
         next receive).
         """
         self._check_transfer(src, "src", tag)
-        mine = flatten(out) if out is not None else None
+        mine = flatten_leaves(out) if out is not None else None
         if mine is not None and not all(
-                isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
-                and a.dtype.isnative for a in mine[0]):
+                a.flags.c_contiguous and a.flags.writeable and a.dtype.isnative
+                for a in mine[1]):
             raise ValueError("out= arrays must be C-contiguous, writable and in native "
                              "byte order")
         call = Call("recv", [], None, None, src, None, timeout, tag)
-        self._learner(call, out, f"recv from rank {src} with tag {tag}")
+        learner(call, out, f"recv from rank {src} with tag {tag}", self.rank)
         await self.session.run(call)
         return out if out is not None else unflatten(call.treedef, call.leaves)
 
@@ -641,34 +591,3 @@ class Group:
         if self._session is None:
             return f"<Group {self.state}>"
         return f"<Group rank {self.rank}/{self.world_size} {self.endpoint} {self.state}>"
-
-
-def _plain_op(op: str | ReduceOp | CustomOp) -> str | ReduceOp:
-    """``op`` unless it is a CustomOp, which no codec carries (ValueError)."""
-    if isinstance(op, CustomOp):
-        raise ValueError(f"a codec carries the built-in ops (sum, avg, ...), not the "
-                         f"CustomOp {op.name!r}")
-    return op
-
-
-def _out_leaves(out: Pytree, treedef: TreeDef, leaves: list[np.ndarray]) -> list[np.ndarray]:
-    """Validate an ``out=`` argument against the input and return its leaves."""
-    targets, out_def = flatten(out)
-    if out_def != treedef:
-        raise ValueError("out= must have the same pytree structure as the input")
-    return [_check_out(target, leaf) for target, leaf in zip(targets, leaves, strict=True)]
-
-
-def _check_out(target: np.ndarray, leaf: Any) -> np.ndarray:
-    """``target`` if it can hold the result for input ``leaf``, else ValueError."""
-    arr = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
-    want = (arr.shape, check_dtype(arr.dtype))
-    if (target.shape, target.dtype) != want:
-        raise ValueError(
-            f"out= array {target.dtype}{list(target.shape)} does not match the input "
-            f"{want[1]}{list(want[0])}"
-        )
-    if not (target.flags.c_contiguous and target.flags.writeable):
-        raise ValueError("out= arrays must be C-contiguous and writable")
-    return target
-

@@ -82,7 +82,9 @@ class Join(Coroutine[Any, Any, Group]):
     ``asyncio.create_task(join(...))``, ``asyncio.gather(join(...), ...)`` and
     ``asyncio.wait_for(join(...), t)`` all work. Like any coroutine it runs once: awaiting
     it a second time raises RuntimeError. Nothing starts until it is first awaited or
-    sent to, so a Join that is never used leaves no "never awaited" warning.
+    sent to, so a Join that is never used leaves no "never awaited" warning. Asking it for
+    a Group's attribute (``p2pcoll.join(...).rank``: the ``await`` forgotten) raises an
+    AttributeError that says to await it or to use :func:`p2pcoll.blocking.join`.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -115,6 +117,17 @@ class Join(Coroutine[Any, Any, Group]):
     async def __aexit__(self, *exc: object) -> None:
         if self._group is not None:
             await self._group.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a name a Join lacks: most likely a Group's, asked of the Join
+        # that was never awaited (``g = p2pcoll.join(...); g.rank``).
+        if name.startswith("__"):  # protocols (copy, pickle) probing: the plain error
+            raise AttributeError(name)
+        raise AttributeError(
+            f"'Join' object has no attribute {name!r}: p2pcoll.join() returns a Join to "
+            f"await, not a Group; write g = await p2pcoll.join(...) (or async with "
+            f"p2pcoll.join(...) as g), or use p2pcoll.blocking.join() in code without "
+            f"asyncio", name=name, obj=self)
 
 
 def join(

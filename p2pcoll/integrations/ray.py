@@ -31,10 +31,15 @@ its other methods meanwhile, run the call in a thread:
 What GLOO's backend takes, this one takes: allreduce, broadcast, reduce, allgather,
 reducescatter, barrier, send and recv; ``ReduceOp`` SUM, PRODUCT, MIN and MAX; numpy
 arrays and CPU torch tensors of bool, (u)int8/16/32/64, float16/32/64, complex64/128, and
-torch's bfloat16 (reduced in float32 and rounded back once, where Gloo rounds after every
-addition). Results land in the caller's tensors, in place, as with GLOO; unlike GLOO's
-``reducescatter``, the input list is left as it was. A CUDA tensor is a ``TypeError`` that
-names its device: p2pcoll moves CPU memory.
+torch's bfloat16 (reduced exactly on the bfloat16 bits, rounded at every step, as Gloo and
+every p2pcoll front end do: :mod:`p2pcoll.tensors`). Results land in the caller's tensors,
+in place, as with GLOO; unlike GLOO's ``reducescatter``, the input list is left as it was. A
+CUDA tensor is a ``TypeError`` that names its device: p2pcoll moves CPU memory.
+
+An array that came through Ray's object store (``ray.get``, or an actor's argument) is
+read-only to numpy, but its memory is not: as GLOO's backend does (``torch.from_numpy``),
+results are written into it. That memory is the object store's copy of the object, which
+other readers of it on the node see too; to keep it, pass a copy (``np.array(x)``).
 
 Failures are p2pcoll's errors (:mod:`p2pcoll.errors`), raised from Ray's call: a rank that
 dies (``ray.kill``) is a ``PeerLost`` naming it within the heartbeat bound
@@ -76,8 +81,9 @@ from ray.util.collective.types import (
     SendOptions,
 )
 
-from .. import blocking
+from .. import blocking, tensors
 from ..errors import RendezvousError
+from ..types import CustomOp, ReduceOp as P2PReduceOp
 
 __all__ = ["BACKEND", "P2PCollGroup", "register"]
 
@@ -196,70 +202,63 @@ def _op(options: Any) -> str:
     return _OPS[op]
 
 
+def _reduction(options: Any, buffers: list[_Buffer]) -> P2PReduceOp | CustomOp:
+    """The p2pcoll op for ``options``' reduce op over ``buffers`` (bfloat16: exact on its bits)."""
+    return tensors.reduction(_op(options), [b.given for b in buffers]).op
+
+
 class _Buffer:
     """A caller's numpy array or CPU torch tensor, seen as a numpy array.
 
-    ``array`` shares the caller's memory when it can (``writable``); otherwise it is a copy
-    and :meth:`store` writes results back. bfloat16 (no numpy dtype) travels as float32 for
-    reductions and as its raw 16 bits otherwise.
+    ``array`` is the caller's memory when it is contiguous (``in_place``; a read-only array
+    from Ray's object store too, as GLOO writes into it); otherwise a contiguous copy, and
+    :meth:`store` writes results back. bfloat16 travels as its int16 bits (:mod:`p2pcoll.tensors`).
     """
 
-    def __init__(self, tensor: Any, *, reducing: bool = False) -> None:
-        self.tensor = tensor
-        self.bf16 = False
-        if isinstance(tensor, np.ndarray):
-            self.array = tensor
-            self.writable = tensor.flags.c_contiguous and tensor.flags.writeable
-            return
-        import torch
-
-        if not isinstance(tensor, torch.Tensor):
+    def __init__(self, given: Any) -> None:
+        if not isinstance(given, np.ndarray) and not tensors.is_tensor(given):
             raise TypeError(f"p2pcoll's Ray backend takes numpy arrays and CPU torch tensors, "
-                            f"not {type(tensor).__name__}")
-        if tensor.device.type != "cpu":
-            raise TypeError(f"p2pcoll moves CPU memory: this tensor is on {tensor.device}")
-        plain = tensor.detach()
-        if plain.dtype == torch.bfloat16:
-            self.bf16 = True
-            if reducing:
-                self.array = plain.float().numpy()
-                self.writable = False
-                return
-            plain = plain.view(torch.int16)
-        self.array = plain.numpy()
-        self.writable = plain.is_contiguous()
+                            f"not {type(given).__name__}")
+        if tensors.is_tensor(given) and given.device.type != "cpu":
+            raise TypeError(f"p2pcoll moves CPU memory: this tensor is on {given.device}")
+        self.given = given
+        view = tensors.as_array(given, bits=True)
+        # Where results go: the caller's memory, as numpy sees it (a tensor's memory is
+        # not its own when it is a lazy conjugate: then it goes through torch).
+        memory = (tensors.writable(view) if isinstance(given, np.ndarray)
+                  else view if tensors.shares(given, view) else None)
+        self._memory = memory
+        self.in_place = memory is not None and bool(memory.flags.c_contiguous)
+        self.array = (memory if memory is not None and memory.flags.c_contiguous
+                      else np.ascontiguousarray(view))
 
     def store(self, result: np.ndarray | None = None) -> None:
         """Put ``result`` (default: ``self.array``, filled in place) into the caller's tensor."""
         if result is None:
-            if self.writable:
+            if self.in_place:
                 return
             result = self.array
-        if isinstance(self.tensor, np.ndarray):
-            self.tensor[...] = result
+        if self._memory is not None:
+            self._memory[...] = result.reshape(self._memory.shape)
             return
         import torch
 
-        value = torch.from_numpy(np.ascontiguousarray(result))
-        if self.bf16 and value.dtype == torch.int16:
-            value = value.view(torch.bfloat16)  # the raw bits, moved as they were
-        elif self.bf16:
-            value = value.to(torch.bfloat16)  # reduced in float32: rounded once, here
         with torch.no_grad():
-            self.tensor.copy_(value.reshape(self.tensor.shape))
+            self.given.copy_(tensors.like(self.given, np.ascontiguousarray(result))
+                             .reshape(self.given.shape))
 
     def out(self) -> np.ndarray | None:
         """Where p2pcoll may write the result in place, or None for a returned copy."""
-        return self.array if self.writable else None
+        return self.array if self.in_place else None
 
 
-def _one(tensors: Any, what: str) -> Any:
-    if not isinstance(tensors, list) or len(tensors) != 1:
-        got = f"{len(tensors)} tensors" if isinstance(tensors, list) else type(tensors).__name__
+def _one(items: Any, what: str) -> Any:
+    if not isinstance(items, list) or len(items) != 1:
+        got = f"{len(items)} tensors" if isinstance(items, list) else type(items).__name__
         raise ValueError(f"{what}: ray.util.collective passes one tensor in a list (its "
                          f"multi-GPU calls are not for p2pcoll, which moves CPU memory); "
                          f"got {got}")
-    return tensors[0]
+    return items[0]
 
 
 class P2PCollGroup(BaseGroup):
@@ -301,8 +300,9 @@ class P2PCollGroup(BaseGroup):
 
     def allreduce(self, tensor: list[Any], allreduce_options: Any = None) -> None:
         options = allreduce_options or AllReduceOptions()
-        buf = _Buffer(_one(tensor, "allreduce"), reducing=True)
-        result = _off_loop(self._group.allreduce, buf.array, op=_op(options), out=buf.out(),
+        buf = _Buffer(_one(tensor, "allreduce"))
+        result = _off_loop(self._group.allreduce, buf.array, op=_reduction(options, [buf]),
+                           out=buf.out(),
                            timeout=_seconds(options))
         buf.store(None if buf.out() is not None else result)
 
@@ -311,9 +311,9 @@ class P2PCollGroup(BaseGroup):
 
     def reduce(self, tensor: list[Any], reduce_options: Any = None) -> None:
         options = reduce_options or ReduceOptions()
-        buf = _Buffer(_one(tensor, "reduce"), reducing=True)
+        buf = _Buffer(_one(tensor, "reduce"))
         root = int(options.root_rank)
-        result = _off_loop(self._group.reduce, buf.array, root, op=_op(options),
+        result = _off_loop(self._group.reduce, buf.array, root, op=_reduction(options, [buf]),
                            timeout=_seconds(options))
         if self.rank == root:
             buf.store(result)
@@ -328,10 +328,7 @@ class P2PCollGroup(BaseGroup):
         mine = _Buffer(_one(tensor, "allgather"))
         parts = _off_loop(self._group.allgather, mine.array, timeout=_seconds(options))
         for out, part in zip(outputs, parts, strict=True):
-            if out.writable:
-                np.copyto(out.array, part.reshape(out.array.shape))
-            else:
-                out.store(part)
+            out.store(part)
 
     def broadcast(self, tensor: list[Any], broadcast_options: Any = None) -> None:
         options = broadcast_options or BroadcastOptions()
@@ -345,8 +342,8 @@ class P2PCollGroup(BaseGroup):
     def reducescatter(self, tensor: list[Any], tensor_list: list[Any],
                       reducescatter_options: Any = None) -> None:
         options = reducescatter_options or ReduceScatterOptions()
-        out = _Buffer(_one(tensor, "reducescatter"), reducing=True)
-        inputs = [_Buffer(t, reducing=True) for t in _one(tensor_list, "reducescatter")]
+        out = _Buffer(_one(tensor, "reducescatter"))
+        inputs = [_Buffer(t) for t in _one(tensor_list, "reducescatter")]
         if len(inputs) != self.world_size:
             raise ValueError(f"reducescatter: {len(inputs)} input tensors for a group of "
                              f"{self.world_size}")
@@ -357,7 +354,8 @@ class P2PCollGroup(BaseGroup):
                              f"dtype; got shapes {sorted(map(str, shapes))}, dtypes "
                              f"{sorted(map(str, dtypes))}")
         stacked = np.stack([i.array for i in inputs])
-        part = _off_loop(self._group.reduce_scatter, stacked, op=_op(options),
+        part = _off_loop(self._group.reduce_scatter, stacked,
+                         op=_reduction(options, [out, *inputs]),
                          timeout=_seconds(options))
         out.store(part.reshape(out.array.shape))
 

@@ -34,10 +34,11 @@ from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
 from ..engine.timeline import COLLECTIVE
 from ..errors import CollectiveMismatch, P2PCollError, ProtocolError
+from ..pytree import TreeDef
 from ..registry import registry
 from ..settings import check_seconds
 from ..strategy import Context, Strategy, host_numbers
-from ..types import CustomOp, ReduceOp, TreeDef, fold_of
+from ..types import CustomOp, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
