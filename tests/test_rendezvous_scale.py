@@ -16,7 +16,7 @@ import msgpack
 import pytest
 
 import p2pcoll
-import p2pcoll.rendezvous.server as server_module
+import p2pcoll.rendezvous.jobs as jobs_module
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import rendezvous
 from p2pcoll.types import Membership
@@ -49,7 +49,7 @@ async def test_two_hundred_fifty_six_clients_get_one_roster() -> None:
         return out
 
     try:
-        server_module.msgpack.packb = counting_packb  # type: ignore[assignment]
+        jobs_module.msgpack.packb = counting_packb  # type: ignore[assignment]
         started = time.monotonic()
         # Half ask for their rank (every odd one), the others take the free ranks.
         members = await asyncio.gather(*(client(url, r if r % 2 else None)
@@ -57,7 +57,7 @@ async def test_two_hundred_fifty_six_clients_get_one_roster() -> None:
         print(f"\n{P} rendezvous clients in one process: roster in "
               f"{time.monotonic() - started:.2f} s")
     finally:
-        server_module.msgpack.packb = real_packb  # type: ignore[assignment]
+        jobs_module.msgpack.packb = real_packb  # type: ignore[assignment]
         await server.aclose()
     assert sorted(m.rank for m in members) == list(range(P))
     assert {m.world_size for m in members} == {P}
