@@ -36,7 +36,8 @@ def request(op: str = "join", **fields: Any) -> bytes:
     if op == "join":
         base.update(rank=None, world_size=None, endpoints=["tcp://127.0.0.1:1"], host="h",
                     pid=1, token=None, heartbeat=5.0, order=None, min=None, max=None)
-    return msgpack.packb({**base, **fields})
+    packed: bytes = msgpack.packb({**base, **fields})
+    return packed
 
 
 def decode(reply: Reply) -> dict[str, Any]:
@@ -124,7 +125,7 @@ def test_a_resent_join_is_a_heartbeat_not_a_second_peer() -> None:
 
 def test_a_status_names_the_first_peers_that_joined() -> None:
     rv = Rendezvous()
-    rv.join("a", rank=0, world_size=20, host="node-a", pid=11)
+    rv.join("a", rank=0, world_size=20, host="node-a/boot/1:2/3:4", pid=11)
     status = only(rv.join("b", world_size=20, host="node-b", pid=12), "b")
     assert status["joined"] == [[0, "node-a", 11], [None, "node-b", 12]]
     for i in range(12):
@@ -160,7 +161,7 @@ def test_a_formed_job_starts_its_next_group_and_jobs_are_apart() -> None:
 
 def test_two_processes_asking_for_one_rank_are_named_by_host_and_pid() -> None:
     rv = Rendezvous()
-    rv.join("a", rank=0, world_size=3, host="node-1", pid=4242)
+    rv.join("a", rank=0, world_size=3, host="node-1/boot/1:2/3:4", pid=4242)
     rv.join("b", rank=1, world_size=3)
     replies = rv.join("c", rank=0, world_size=3, host="node-1", pid=4343)
     reason = "rank 0 was requested by two peers: node-1 pid 4242 and node-1 pid 4343"

@@ -4,26 +4,29 @@ The request is re-sent every :data:`~.server.RESEND` seconds (the server's sign 
 peer is alive, and how a restarted server learns of it), byte for byte the same: until the
 socket connects, ZeroMQ queues the copies and then delivers them at once, as a server whose
 loop stalled reads them at once, and the server takes copies of a connection's last request
-over its rate bound for re-sends, never for a flood (:meth:`.server.RendezvousServer._admit`).
+over its rate bound for re-sends, never for a flood (:mod:`.admission`).
 The client watches its socket's handshakes, and tells what it sees apart:
 
-- evidence that the keys do not fit is an error at once (``permanent``): one side secured
-  and the other not (ZeroMQ reports the mechanism mismatch), or a key the server's ZAP gate
-  refused;
-- a handshake that broke the protocol is something else listening there, also at once;
-- a connection cut during its handshake, or a handshake that has not completed after
-  :data:`STALL` seconds, is not evidence of anything by itself: a host that is rebinding
-  its port (a group re-formed, a server restarting) cuts the connections its old socket had
-  accepted, and a server of another protocol that answered and keeps the connection open
-  looks like a slow host. So the client asks what answers there over a plain connection
-  (:mod:`.probe`: a ZeroMQ greeting names the server's security mechanism, whatever the
-  load): a rendezvous secured with a job key when this peer has none (or the reverse), or
-  something that is not ZeroMQ (quoted), is an error at once (``permanent``). Otherwise the
-  client connects again; only when every handshake is cut for :data:`CUTS_PERSIST` seconds
-  (at least :data:`CUTS` of them, none completing, and a probe answered) is it an error:
-  with a job key, the server holds a different one (a CURVE server that cannot open a
-  client's hello closes it without a word); without, what listens is not a p2pcoll
-  rendezvous.
+- a key the server's ZAP gate refused is an error at once (``permanent``), and so is a
+  handshake that broke the protocol (something else listens there);
+- that one side is secured and the other not (ZeroMQ reports the mechanism mismatch) is
+  an error as soon as the probe below has said what answers: a secured client takes
+  anything that is not ZeroMQ 3 (an HTTP server's answer) for a plain ZeroMQ peer;
+- a connection cut during its handshake, or (without a job key) a handshake that has not
+  completed after :data:`STALL` seconds, is not evidence of anything by itself: a host that
+  is rebinding its port (a group re-formed, a server restarting) cuts the connections its
+  old socket had accepted, and a server of another protocol that answered and keeps the
+  connection open looks like a slow host. So the client asks what answers there over a
+  plain connection (:mod:`.probe`: a ZeroMQ greeting names the server's security
+  mechanism, whatever the load): a rendezvous secured with a job key when this peer has
+  none (or the reverse), or something that is not ZeroMQ (quoted), is an error at once
+  (``permanent``). Otherwise the client connects again; only when every handshake is cut
+  for :data:`CUTS_PERSIST` seconds (at least :data:`CUTS` of them, none completing, and a
+  probe answered) is it an error: with a job key, the server holds a different one (a
+  CURVE server that cannot open a client's hello closes it without a word); without, what
+  listens is not a p2pcoll rendezvous. (A secured client does not probe a handshake that
+  is only slow: a probe cannot complete a CURVE handshake, and a secured server counts one
+  that stops short as a refused key.)
 
 A host that answered and then went silent for the heartbeat timeout is gone. When nothing
 has answered for :data:`SILENT_WARNING` seconds, a warning says so once (naming the
@@ -150,6 +153,7 @@ class _Link:
         self.cuts = 0  # handshakes cut since the last one that completed...
         self._first_cut = 0.0  # ...the first of them when
         self._doubt = False  # a handshake was cut or stalled: ask what answers
+        self._mismatched = False  # libzmq reported the mechanisms differ
         self._probe: asyncio.Task[Answer] | None = None
         self._probed: Answer | None = None  # the last answer, since the last cut or stall
         self._next_probe = 0.0
@@ -183,17 +187,20 @@ class _Link:
                            "(P2PCOLL_KEY_FILE / key_file=) and the rendezvous holds a "
                            "different one")
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                    self._mismatch()
-                self._fail("the handshake broke the protocol",
-                           "what listens there is not a p2pcoll rendezvous")
+                if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                    self._fail("the handshake broke the protocol",
+                               "what listens there is not a p2pcoll rendezvous")
+                # Evidence, but of what: a secured client takes anything that is not
+                # ZeroMQ 3 (an HTTP server's answer) for a plain ZeroMQ peer. The probe's
+                # answer says which, at once.
+                self._mismatched, self._doubt, self._next_probe = True, True, 0.0
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or (
                     kind == zmq.EVENT_DISCONNECTED and self._pending is not None):
                 self._pending = None
                 self._cut()
         now = time.monotonic()
-        if self._pending is not None and now - self._pending >= STALL:
-            self._doubt = True
+        if self._pending is not None and now - self._pending >= STALL and not self.secure:
+            self._doubt = True  # (secured: see the module docstring)
         self._ask(now)
 
     def _ask(self, now: float) -> None:
@@ -216,6 +223,8 @@ class _Link:
                 f"{self.url} is not a p2pcoll rendezvous: what answers there sent "
                 f"{answer.quoted()} ({len(answer.sample)} bytes, not a ZeroMQ greeting); is "
                 f"the address right (another service holds that port)?", permanent=True)
+        if self._mismatched:
+            self._mismatch()
         if answer.kind != "zmtp" or answer.mechanism == self.mechanism:
             return  # nothing that tells: the handshakes say on
         if answer.mechanism in ("NULL", "CURVE"):

@@ -111,7 +111,14 @@ class _Entry:
 
     def describe(self) -> str:
         asked = f", asking for rank {self.rank}" if self.rank is not None else ""
-        return f"the peer on {self.host} (pid {self.pid}{asked})"
+        return f"the peer on {readable(self.host)} (pid {self.pid}{asked})"
+
+
+def readable(host: str) -> str:
+    """The part of a host identity a reader knows the host by: its hostname (with the
+    ``P2PCOLL_HOST_ID`` given, if any), without the boot id and file systems that follow
+    (see :func:`p2pcoll.transport.endpoints.host_identity`)."""
+    return host.partition("/")[0] or host
 
 
 @dataclass
@@ -136,7 +143,7 @@ class _Forming:
         """``[rank or None, host, pid]`` of the first JOINED_SHOWN peers that joined: made
         again only after an arrival or a departure (O(JOINED_SHOWN) then)."""
         if self.shown is None:
-            self.shown = [[e.rank, e.host, e.pid]
+            self.shown = [[e.rank, readable(e.host), e.pid]
                           for e in islice(self.entries.values(), JOINED_SHOWN)]
         return self.shown
 
@@ -361,8 +368,8 @@ class Jobs:
             self._check_fit(forming, rank, size, low, high, host, pid, stale)
         except _Misfit as exc:
             asked = f", asking for rank {rank}" if rank is not None else ""
-            self._refuse_member(forming, f"the peer on {host} (pid {pid}{asked}) was "
-                                         f"refused: {exc}")
+            self._refuse_member(forming, f"the peer on {readable(host)} (pid {pid}{asked}) "
+                                         f"was refused: {exc}")
             raise
         if stale is not None:
             log.info("rendezvous: job %r: %s registered again: the old registration is "
@@ -424,8 +431,8 @@ class Jobs:
         if other is not None and other is not stale:
             # Host and pid tell the two processes apart for whoever reads it (the token,
             # which tells them apart here, means nothing to a reader).
-            reason = (f"rank {rank} was requested by two peers: {other.host} pid {other.pid} "
-                      f"and {host} pid {pid}")
+            reason = (f"rank {rank} was requested by two peers: {readable(other.host)} pid "
+                      f"{other.pid} and {readable(host)} pid {pid}")
             self._remove(forming, other)
             self._reply(other.identity, op="error", reason=reason)
             raise _Misfit(reason)

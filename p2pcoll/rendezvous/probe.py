@@ -92,8 +92,11 @@ async def probe(host: str, port: int, mechanism: str, wait: float) -> Answer:
                     break
                 data += chunk
                 answer = read_greeting(data)
-        if answer.kind == "zmtp":  # the server hears the mechanism offered, and what it means
-            writer.write(mine[11:] + (_READY if answer.mechanism == mechanism == "NULL" else b""))
+        if answer.kind == "zmtp" and answer.mechanism != mechanism:
+            writer.write(mine[11:])  # the server counts the mismatch: it is one
+            await writer.drain()
+        elif answer.kind == "zmtp" and mechanism == "NULL":
+            writer.write(mine[11:] + _READY)
             await writer.drain()
         return answer
     except TimeoutError:

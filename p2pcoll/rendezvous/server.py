@@ -9,9 +9,10 @@ peer that hosts it for a group of fixed size closes it once that group has forme
 :mod:`p2pcoll.session.forming`); an elastic group's host keeps it, for the next round.
 
 The rules (the protocol, how a group forms, which refusals fail whom, what anyone who can
-reach the port may cost) are :class:`~.jobs.Jobs`', without I/O: see :mod:`.jobs`. This
-module does its I/O: it binds the ROUTER, reads requests into it with the time, sends the
-replies it returns, and gives it the clock every :data:`TICK` seconds.
+reach the port may cost) live in :class:`~.jobs.Jobs`, without I/O (see :mod:`.jobs`).
+This module does the I/O: it binds the ROUTER, hands each request read to the jobs with
+the time, sends the replies they return, and gives them the clock every :data:`TICK`
+seconds.
 
 Handshakes the socket refuses (a different job key, none at a secured rendezvous, a key at
 a plain one) never become requests: they are counted (:meth:`RendezvousServer.refusals`),
