@@ -56,8 +56,10 @@ async def test_a_waiting_host_says_who_it_waits_for_and_what_sets_the_wait(
     monkeypatch.setenv("P2PCOLL_TIMEOUT", "5")
     url = f"tcp://127.0.0.1:{free_port()}"
     with (caplog.at_level("WARNING", logger="p2pcoll.rendezvous"),
-          pytest.raises(p2pcoll.RendezvousError, match="timed out")):
+          pytest.raises(p2pcoll.RendezvousError, match="timed out") as info):
         await p2pcoll.join(url, world_size=3, rank=0, timeout=2.5)
+    assert first_line(info.value).endswith(
+        "(the join timeout: P2PCOLL_JOIN_TIMEOUT, or join(timeout=))"), info.value
     reports = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
     assert len(reports) >= 2, [r.getMessage() for r in caplog.records]  # again and again
     line = reports[-1].splitlines()[0]

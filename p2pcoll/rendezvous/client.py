@@ -411,7 +411,8 @@ def _timed_out(url: str, timeout: float, status: dict[str, Any] | None, link: _L
         server = hosted_at(parse_url(url)[1])
         refused = server.refusals() if server is not None else ""
         return RendezvousError(f"rendezvous at {url} timed out after {timeout:.3g}s: "
-                               + _progress(status) + (f"; {refused}" if refused else ""))
+                               + _progress(status) + (f"; {refused}" if refused else "")
+                               + " (the join timeout: P2PCOLL_JOIN_TIMEOUT, or join(timeout=))")
     if not link.connected:
         return RendezvousError(
             f"no rendezvous host at {url}: no answer within {timeout:.3g}s, nothing accepted "
