@@ -16,7 +16,7 @@ import msgpack
 import pytest
 
 import p2pcoll
-import p2pcoll.rendezvous.server as server_module
+import p2pcoll.rendezvous.jobs as jobs_module
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import rendezvous
 from p2pcoll.types import Membership
@@ -28,7 +28,13 @@ def first(host: str, endpoints: list[str]) -> str:
     return endpoints[0]
 
 
-async def client(url: str, rank: int | None, timeout: float = 60.0) -> Membership:
+async def client(url: str, rank: int | None, timeout: float = 60.0,
+                 until: float | None = None) -> Membership:
+    """A client of rank ``rank``; with ``until``, its join times out then (a moment shared
+    by every client: one that timed out first leaves, and the errors of those that time
+    out later would count it as missing)."""
+    if until is not None:
+        timeout = until - time.monotonic()
     return await rendezvous(
         url, endpoints=[f"tcp://127.0.0.1:{10000 + (rank if rank is not None else 0)}",
                         f"ipc:///tmp/p2pcoll-test-{id(object())}"],
@@ -49,7 +55,7 @@ async def test_two_hundred_fifty_six_clients_get_one_roster() -> None:
         return out
 
     try:
-        server_module.msgpack.packb = counting_packb  # type: ignore[assignment]
+        jobs_module.msgpack.packb = counting_packb  # type: ignore[assignment]
         started = time.monotonic()
         # Half ask for their rank (every odd one), the others take the free ranks.
         members = await asyncio.gather(*(client(url, r if r % 2 else None)
@@ -57,7 +63,7 @@ async def test_two_hundred_fifty_six_clients_get_one_roster() -> None:
         print(f"\n{P} rendezvous clients in one process: roster in "
               f"{time.monotonic() - started:.2f} s")
     finally:
-        server_module.msgpack.packb = real_packb  # type: ignore[assignment]
+        jobs_module.msgpack.packb = real_packb  # type: ignore[assignment]
         await server.aclose()
     assert sorted(m.rank for m in members) == list(range(P))
     assert {m.world_size for m in members} == {P}
@@ -74,8 +80,9 @@ async def test_a_missing_peer_among_two_hundred_fifty_six_is_named() -> None:
     server = RendezvousServer("tcp://127.0.0.1:0")
     url = server.bind()
     absent = 137
+    until = time.monotonic() + 6.0
     try:
-        outcomes = await asyncio.gather(*(client(url, r, timeout=4.0)
+        outcomes = await asyncio.gather(*(client(url, r, until=until)
                                           for r in range(P) if r != absent),
                                         return_exceptions=True)
     finally:
@@ -94,8 +101,9 @@ async def test_many_missing_ranks_are_counted_and_the_first_named(missing: int) 
     server = RendezvousServer("tcp://127.0.0.1:0")
     url = server.bind()
     absent = set(range(0, missing * 5, 5))
+    until = time.monotonic() + 6.0
     try:
-        outcomes = await asyncio.gather(*(client(url, r, timeout=4.0)
+        outcomes = await asyncio.gather(*(client(url, r, until=until)
                                           for r in range(P) if r not in absent),
                                         return_exceptions=True)
     finally:

@@ -4,29 +4,43 @@ The request is re-sent every :data:`~.server.RESEND` seconds (the server's sign 
 peer is alive, and how a restarted server learns of it), byte for byte the same: until the
 socket connects, ZeroMQ queues the copies and then delivers them at once, as a server whose
 loop stalled reads them at once, and the server takes copies of a connection's last request
-over its rate bound for re-sends, never for a flood (:meth:`.server.RendezvousServer._admit`).
+over its rate bound for re-sends, never for a flood (:mod:`.admission`).
 The client watches its socket's handshakes, and tells what it sees apart:
 
-- evidence that the keys do not fit is an error at once (``permanent``): one side secured
-  and the other not (ZeroMQ reports the mechanism mismatch), or a key the server's ZAP gate
-  refused;
-- a handshake that broke the protocol is something else listening there, also at once;
-- a connection cut during its handshake is not evidence of anything by itself: a host
-  that is rebinding its port (a group re-formed, a server restarting) cuts the connections
-  its old socket had accepted. The client connects again; only when every handshake is cut
-  for :data:`CUTS_PERSIST` seconds (at least :data:`CUTS` of them, none completing) is it
-  an error: with a job key, the server holds a different one (a CURVE server that cannot
-  open a client's hello closes it without a word); without, what listens is not a p2pcoll
-  rendezvous.
+- a key the server's ZAP gate refused is an error at once (``permanent``), and so is a
+  handshake that broke the protocol (something else listens there);
+- that one side is secured and the other not (ZeroMQ reports the mechanism mismatch) is
+  an error as soon as the probe below has said what answers: a secured client takes
+  anything that is not ZeroMQ 3 (an HTTP server's answer) for a plain ZeroMQ peer;
+- a connection cut during its handshake, or (without a job key) a handshake that has not
+  completed after :data:`STALL` seconds, is not evidence of anything by itself: a host that
+  is rebinding its port (a group re-formed, a server restarting) cuts the connections its
+  old socket had accepted, and a server of another protocol that answered and keeps the
+  connection open looks like a slow host. So the client asks what answers there over a
+  plain connection (:mod:`.probe`: a ZeroMQ greeting names the server's security
+  mechanism, whatever the load): a rendezvous secured with a job key when this peer has
+  none (or the reverse), or something that is not ZeroMQ (quoted), is an error at once
+  (``permanent``). Otherwise the client connects again; only when every handshake is cut
+  for :data:`CUTS_PERSIST` seconds (at least :data:`CUTS` of them, none completing, and a
+  probe answered) is it an error: with a job key, the server holds a different one (a
+  CURVE server that cannot open a client's hello closes it without a word); without, what
+  listens is not a p2pcoll rendezvous. (A secured client does not probe a handshake that
+  is only slow: a probe cannot complete a CURVE handshake, and a secured server counts one
+  that stops short as a refused key.)
 
 A host that answered and then went silent for the heartbeat timeout is gone. When nothing
 has answered for :data:`SILENT_WARNING` seconds, a warning says so once (naming the
 address; the client keeps trying until its deadline), so a mistyped address or a host not
-started yet shows within seconds rather than at the end of the join timeout.
+started yet shows within seconds rather than at the end of the join timeout. While the
+group forms, every :data:`WAIT_REPORT` seconds a warning says how many peers of how many
+have joined (which, and which ranks are missing) and how long this peer waits in all, and
+that ``P2PCOLL_JOIN_TIMEOUT`` sets that (``P2PCOLL_TIMEOUT`` is the collectives' deadline,
+a common mix-up).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -43,12 +57,16 @@ from ..errors import RendezvousError
 from ..transport.sockets import SocketFactory
 from ..types import Membership
 from ..wire import WIRE_VERSION
+from .probe import Answer, probe
 from .server import RESEND, hosted_at
 from .url import parse_url
 
 log = logging.getLogger("p2pcoll.rendezvous")
 
 SILENT_WARNING = 5.0  # seconds without any answer before a warning says so (once)
+WAIT_REPORT = 10.0  # seconds between the warnings that say who the group still waits for
+STALL = 1.0  # seconds a handshake may take before the client asks what answers (a probe)
+PROBE_WAIT = 1.0  # seconds a probe waits for an answer
 
 _token = secrets.token_hex(8)  # this process's, in its join requests: see _renew_token
 
@@ -121,7 +139,7 @@ class _Link:
 
     def __init__(self, url: str, sockets: SocketFactory) -> None:
         self.url = url
-        host, port = parse_url(url)
+        self.host, self.port = parse_url(url)
         self.sock = sockets.rendezvous_client(b"j" + os.urandom(8).hex().encode())
         # Plain (not asyncio) views of the socket and its monitor: sends that must not
         # wait, and events read as they are, between polls.
@@ -131,51 +149,106 @@ class _Link:
         self.secure = sockets.secure
         self.connected = False  # a TCP connection was ever made
         self.answered: float | None = None  # when the last reply came
-        self._pending = False  # connected, handshake not yet done
+        self._pending: float | None = None  # connected, handshake not yet done: since when
         self.cuts = 0  # handshakes cut since the last one that completed...
         self._first_cut = 0.0  # ...the first of them when
-        self.sock.connect(f"tcp://{host}:{port}")
+        self._doubt = False  # a handshake was cut or stalled: ask what answers
+        self._mismatched = False  # libzmq reported the mechanisms differ
+        self._probe: asyncio.Task[Answer] | None = None
+        self._probed: Answer | None = None  # the last answer, since the last cut or stall
+        self._next_probe = 0.0
+        self._probe_every = 2 * PROBE_WAIT  # doubled after each probe (a silent listener)
+        self.sock.connect(f"tcp://{self.host}:{self.port}")
+
+    @property
+    def mechanism(self) -> str:
+        return "CURVE" if self.secure else "NULL"
 
     def events(self) -> None:
-        """Read the monitor's events (see the module docstring for what they mean).
+        """Read the monitor's events and the probe's answer (see the module docstring for
+        what they mean); start a probe if a handshake was cut or stalled.
 
         Raises:
             RendezvousError: ``permanent``, when the keys do not fit, the handshake broke
-                the protocol, or every handshake has been cut for CUTS_PERSIST seconds.
+                the protocol, something that is not ZeroMQ answers, or every handshake has
+                been cut for CUTS_PERSIST seconds.
         """
         while self.monitor.poll(0):
             event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_CONNECTED:
-                self.connected, self._pending = True, True
+                self.connected, self._pending = True, time.monotonic()
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._pending = False
+                self._pending = None
                 self.cuts = 0
+                self._doubt = False
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._fail("it refused this peer's key", "this peer uses a job key "
                            "(P2PCOLL_KEY_FILE / key_file=) and the rendezvous holds a "
                            "different one")
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                    self._fail("one side is secured and the other not", (
-                        "this peer uses a job key (P2PCOLL_KEY_FILE / key_file=): the "
-                        "rendezvous has none" if self.secure else
-                        "this peer has no job key: the rendezvous is secured (set "
-                        "P2PCOLL_KEY_FILE to the job's key file)"))
-                self._fail("the handshake broke the protocol",
-                           "what listens there is not a p2pcoll rendezvous")
+                if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                    self._fail("the handshake broke the protocol",
+                               "what listens there is not a p2pcoll rendezvous")
+                # Evidence, but of what: a secured client takes anything that is not
+                # ZeroMQ 3 (an HTTP server's answer) for a plain ZeroMQ peer. The probe's
+                # answer says which, at once.
+                self._mismatched, self._doubt, self._next_probe = True, True, 0.0
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or (
-                    kind == zmq.EVENT_DISCONNECTED and self._pending):
-                self._pending = False
+                    kind == zmq.EVENT_DISCONNECTED and self._pending is not None):
+                self._pending = None
                 self._cut()
+        now = time.monotonic()
+        if self._pending is not None and now - self._pending >= STALL and not self.secure:
+            self._doubt = True  # (secured: see the module docstring)
+        self._ask(now)
+
+    def _ask(self, now: float) -> None:
+        """Judge the probe's answer if it came; start one if in doubt and due."""
+        if self._probe is not None and self._probe.done():
+            answer, self._probe = self._probe.result(), None
+            self._probed = answer
+            self._judge(answer)
+        if self._doubt and self._probe is None and now >= self._next_probe:
+            self._doubt = False
+            self._next_probe = now + self._probe_every
+            self._probe_every *= 2
+            self._probe = asyncio.ensure_future(
+                probe(self.host, self.port, self.mechanism, PROBE_WAIT))
+
+    def _judge(self, answer: Answer) -> None:
+        """An error at once if what answered cannot be this job's rendezvous."""
+        if answer.kind == "other":
+            raise RendezvousError(
+                f"{self.url} is not a p2pcoll rendezvous: what answers there sent "
+                f"{answer.quoted()} ({len(answer.sample)} bytes, not a ZeroMQ greeting); is "
+                f"the address right (another service holds that port)?", permanent=True)
+        if self._mismatched:
+            self._mismatch()
+        if answer.kind != "zmtp" or answer.mechanism == self.mechanism:
+            return  # nothing that tells: the handshakes say on
+        if answer.mechanism in ("NULL", "CURVE"):
+            self._mismatch()
+        self._fail(f"it offers the {answer.mechanism} security mechanism",
+                   "what listens there is ZeroMQ but not a p2pcoll rendezvous")
+
+    def _mismatch(self) -> None:
+        self._fail("one side is secured and the other not", (
+            "this peer uses a job key (P2PCOLL_KEY_FILE / key_file=): the rendezvous has "
+            "none" if self.secure else "this peer has no job key: the rendezvous is "
+            "secured (set P2PCOLL_KEY_FILE to the job's key file)"))
 
     def _cut(self) -> None:
-        """A handshake was cut: an error only when it keeps happening."""
+        """A handshake was cut: an error only when it keeps happening (and a probe, asked
+        since the first cut, found nothing more telling)."""
         now = time.monotonic()
         if self.cuts == 0:
             self._first_cut = now
+            self._probed = None
         self.cuts += 1
-        if self.cuts >= CUTS and now - self._first_cut >= CUTS_PERSIST:
+        self._doubt = True
+        if (self.cuts >= CUTS and now - self._first_cut >= CUTS_PERSIST
+                and self._probed is not None):
             self._fail(
                 f"it closed every handshake for {now - self._first_cut:.1f}s, {self.cuts} "
                 f"of them", "this peer uses a job key (P2PCOLL_KEY_FILE / key_file=): the "
@@ -195,6 +268,8 @@ class _Link:
             # made, up to the high-water mark): the next re-send tries again
 
     def close(self, goodbye: dict[str, Any] | None = None) -> None:
+        if self._probe is not None:
+            self._probe.cancel()  # it closes its connection
         if goodbye is not None and self.connected:  # the join may have got there
             self.send(goodbye)
         self.sock.disable_monitor()
@@ -245,6 +320,7 @@ async def rendezvous(
     deadline = start + timeout
     goodbye: dict[str, Any] | None = {"v": WIRE_VERSION, "op": "leave", "job": job}
     warn_at = start + SILENT_WARNING if timeout > SILENT_WARNING else float("inf")
+    report_at = start + WAIT_REPORT
     try:
         next_send = 0.0
         while True:
@@ -258,6 +334,10 @@ async def rendezvous(
                 if link.answered is None:
                     log.warning("%s; still trying until the join timeout (%.3gs in all)",
                                 _silence(url, now - start, link), timeout)
+            if now >= report_at:
+                report_at = now + WAIT_REPORT
+                if status is not None:
+                    log.warning(_waiting(url, now - start, timeout, status))
             if link.answered is not None and now - link.answered > heartbeat:
                 raise RendezvousError(
                     f"no rendezvous host at {url}: it answered until {now - link.answered:.1f}s"
@@ -266,7 +346,7 @@ async def rendezvous(
                 )
             if now >= deadline:
                 raise _timed_out(url, timeout, status, link)
-            wait = min(next_send, deadline, warn_at) - now
+            wait = min(next_send, deadline, warn_at, report_at) - now
             if not await link.sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
                 continue
             msg = _reply(await link.sock.recv_multipart(), url, ("status", "error", "roster"))
@@ -297,6 +377,26 @@ def _progress(status: dict[str, Any] | None) -> str:
             + (f"; missing ranks {missing}{more}" if missing else ""))
 
 
+def _waiting(url: str, waited: float, timeout: float, status: dict[str, Any]) -> str:
+    """Who the group still waits for, who joined, and what sets how long this peer waits."""
+    joined = status.get("joined")
+    names = []
+    if isinstance(joined, list):
+        for peer in joined:
+            if isinstance(peer, list) and len(peer) == 3:
+                rank, host, pid = peer
+                names.append(f"rank {rank} ({host}, pid {pid})" if rank is not None
+                             else f"{host} (pid {pid})")
+    arrived = status.get("arrived")
+    more = (f" and {arrived - len(names)} more" if isinstance(arrived, int)
+            and arrived > len(names) else "")
+    return (f"still waiting at the rendezvous {url} after {waited:.0f}s: {_progress(status)}"
+            + (f"; joined: {', '.join(names)}{more}" if names else "")
+            + f". This peer waits {timeout:.3g}s in all for the group to form: the join "
+            f"timeout (P2PCOLL_JOIN_TIMEOUT, or join(timeout=)); P2PCOLL_TIMEOUT is the "
+            f"deadline of each collective, not of the join")
+
+
 def _silence(url: str, seconds: float, link: _Link) -> str:
     if not link.connected:
         return (f"no rendezvous host at {url}: nothing has accepted a connection there for "
@@ -311,7 +411,8 @@ def _timed_out(url: str, timeout: float, status: dict[str, Any] | None, link: _L
         server = hosted_at(parse_url(url)[1])
         refused = server.refusals() if server is not None else ""
         return RendezvousError(f"rendezvous at {url} timed out after {timeout:.3g}s: "
-                               + _progress(status) + (f"; {refused}" if refused else ""))
+                               + _progress(status) + (f"; {refused}" if refused else "")
+                               + " (the join timeout: P2PCOLL_JOIN_TIMEOUT, or join(timeout=))")
     if not link.connected:
         return RendezvousError(
             f"no rendezvous host at {url}: no answer within {timeout:.3g}s, nothing accepted "

@@ -8,185 +8,45 @@ time, and once a group has formed the next requests of that job start the next g
 peer that hosts it for a group of fixed size closes it once that group has formed (see
 :mod:`p2pcoll.session.forming`); an elastic group's host keeps it, for the next round.
 
-The protocol (msgpack maps over a ROUTER; every client keeps one routing identity for the
-whole join, across reconnections):
+The rules (the protocol, how a group forms, which refusals fail whom, what anyone who can
+reach the port may cost) live in :class:`~.jobs.Jobs`, without I/O (see :mod:`.jobs`).
+This module does the I/O: it binds the ROUTER, hands each request read to the jobs with
+the time, sends the replies they return, and gives them the clock every :data:`TICK`
+seconds.
 
-- ``join``: endpoints, host, pid, process token, requested rank, world size (or, for an
-  elastic group, ``min``/``max``), heartbeat and ``order``. Clients re-send it every :data:`RESEND`
-  seconds until the roster comes; that is their heartbeat, and it is how a restarted
-  server learns the peers again. Each one is answered, to that client alone, with a
-  ``status`` (how many arrived, how many ranks are missing and the first
-  :data:`MISSING_SHOWN` of them), an ``error`` for the peers concerned (duplicate rank,
-  rank out of range, world size disagreement, a bound of :class:`RendezvousLimits`
-  exceeded, a registered peer lost: ``permanent`` false, a new attempt may form a group),
-  or the ``roster`` once the group is complete: two frames, the peer's own part (rank,
-  group id, secret) and the group's endpoints and hosts, one buffer shared by every
-  member's reply (it is sent again to a peer that asks again, in case it was lost). A
-  join from the same process (its ``token``, random, made once per process: host and pid
-  do not tell processes apart, two containers on the host network both run pid 1) for the
-  rank an earlier registration of it holds replaces that one: it is the same peer trying
-  again.
-- ``leave``: a client gives up (its join was cancelled or timed out).
-- ``waiting``: how many peers of a job are waiting for its next group (the elastic training
-  layer asks this at round boundaries).
+Handshakes the socket refuses (a different job key, none at a secured rendezvous, a key at
+a plain one) never become requests: they are counted (:meth:`RendezvousServer.refusals`),
+the first of each kind is logged at once, and a host's join that times out says how many
+there were.
 
-A group of fixed size forms when every rank is there. An elastic group (world size None,
-``min`` given) forms when ``max`` peers are there, or at least ``min`` are and nobody new
-arrived for :data:`SETTLE` seconds. Ranks go to the requested ones first, then by ``order``
-(lower first), then by arrival. A registered peer that has not re-sent its request for its
-heartbeat timeout is lost: the others of a fixed-size group fail at once naming it (an
-elastic group just goes on without it). A malformed request is logged and dropped.
-
-A refused join that a member of the job made (it passed the job key's handshake, or there
-is no key) and that means the fixed-size group cannot form as asked (its world size or
-rank disagrees with the group's, or two peers asked for one rank) fails the peers already
-registered at once, naming the refused peer and why: they would otherwise wait out their
-join timeout for a peer that will not come back. A refusal that says nothing about the job
-(over a bound of :class:`RendezvousLimits`, too many requests, a malformed request) fails
-nobody else: anyone who can reach the port could send one. Handshakes the socket refuses
-(a different job key, none at a secured rendezvous, a key at a plain one) never become
-requests: they are counted (:meth:`RendezvousServer.refusals`), the first of each kind is
-logged at once, and a host's join that times out says how many there were.
-
-What anyone who can reach the port may cost it is bounded (:class:`RendezvousLimits`, each
-a setting): the world size and heartbeat a join may ask for, the registrations and jobs
-held at once, the requests per second of one connection. A copy of a connection's last
-request (the same bytes) is never over that bound: a client re-sends its join every
-:data:`RESEND` seconds, and whatever holds those back (a host that binds its port late:
-ZeroMQ queues them until it connects; a server whose loop stalls) delivers them at once; the
-copies beyond the bound are not handled (the answer to the request they repeat stands), and
-the client is not refused. Every request costs O(1) (the
-status goes to the asking peer only; forming a group of n costs O(n log n), once);
-registrations expire after their heartbeat, a job with none left is forgotten, rosters are
-kept for :data:`FORMED_TTL` seconds. And the server's work is kept off the path of the
-collectives of a peer that hosts it in its event loop: it reads a batch of requests, then
-lets the loop run others for three times as long as the batch took (:data:`SHARE`).
+The server's work is kept off the path of the collectives of a peer that hosts it in its
+event loop: it reads a batch of requests, then lets the loop run others for three times as
+long as the batch took (:data:`SHARE`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
-import secrets
 import time
-import uuid
 import weakref
-from bisect import bisect_left, insort
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ..settings import RendezvousLimits
 from ..transport.sockets import SocketFactory
-from ..wire import WIRE_VERSION
+from .jobs import RESEND, Jobs, Reply
 from .url import parse_url
 
 log = logging.getLogger("p2pcoll.rendezvous")
 
-RESEND = 0.5  # seconds between a client's re-sent join requests (its heartbeat)
-SETTLE = 1.0  # an elastic group with enough peers forms after this long without arrivals
 TICK = 0.1  # how often the server looks for lost peers and settled elastic groups
-FORMED_KEPT = 4096  # rosters kept to answer peers that ask again...
-FORMED_TTL = 30.0  # ...for this many seconds after their group formed
-MISSING_SHOWN = 16  # missing ranks a status lists (it counts them all)
 BATCH = 64  # requests read in one go, at most...
 BATCH_S = 0.002  # ...or for this long, before the event loop runs others
 SHARE = 0.25  # the share of its event loop's time the server takes, at most, when busy
-MIN_HEARTBEAT = 2 * RESEND  # a shorter heartbeat would lose a peer between its re-sends
-
-
-@dataclass(eq=False)
-class _Entry:
-    identity: bytes
-    rank: int | None
-    endpoints: list[str]
-    host: str
-    pid: int
-    token: str | None  # the process's (None never matches)
-    order: float  # None (no preference) sorts last
-    arrival: int
-    heartbeat: float
-    seen: float
-
-    def describe(self) -> str:
-        asked = f", asking for rank {self.rank}" if self.rank is not None else ""
-        return f"the peer on {self.host} (pid {self.pid}{asked})"
-
-
-@dataclass(eq=False, slots=True)
-class _Connection:
-    """What the server keeps of one client connection (its routing identity): its token
-    bucket and which request it sent last."""
-
-    tokens: float
-    refilled: float  # when ``tokens`` was last brought up to date
-    told: bool = False  # over its rate and told so, until it has a token again
-    last: tuple[int, int] = (0, -1)  # the last request admitted: hash and length of its bytes
-
-
-@dataclass
-class _Forming:
-    """The group of one job that is forming."""
-
-    job: str
-    world_size: int | None = None
-    low: int | None = None  # elastic bounds
-    high: int | None = None
-    entries: dict[bytes, _Entry] = field(default_factory=dict)
-    by_rank: dict[int, _Entry] = field(default_factory=dict)
-    taken: list[int] = field(default_factory=list)  # the requested ranks, sorted
-    last_arrival: float = 0.0
-
-    @property
-    def elastic(self) -> bool:
-        return self.world_size is None and self.low is not None
-
-    def missing(self) -> tuple[int, list[int]]:
-        """How many ranks no peer will get yet, and the first MISSING_SHOWN of them.
-
-        The free ranks (those not requested) go to the unranked peers in order, so the
-        missing ones are the free ranks after the first ``unranked``. The j-th free rank is
-        ``j + #{i : taken[i] - i <= j}`` (``taken[i] - i`` never decreases): a bisection,
-        so this costs O(MISSING_SHOWN log n), never O(world size).
-        """
-        if self.world_size is None:
-            return 0, []
-        unranked = len(self.entries) - len(self.taken)
-        count = max(0, self.world_size - len(self.entries))
-        shown = []
-        for j in range(unranked, unranked + min(count, MISSING_SHOWN)):
-            lo, hi = 0, len(self.taken)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self.taken[mid] - mid <= j:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            shown.append(j + lo)
-        return count, shown
-
-
-@dataclass
-class _Roster:
-    job: str
-    formed: float
-    head: bytes  # this peer's part
-    body: zmq.Frame  # the group's part, one buffer for every member
-
-
-class _Rejected(Exception):
-    """A request that gets an error reply."""
-
-
-class _Misfit(_Rejected):
-    """A join that cannot fit the group that is forming (world size, bounds or rank): a
-    member's mistake, which fails the peers of a fixed-size group already registered."""
 
 
 # Handshakes the rendezvous socket refused, by what the monitor reports: (event, value) ->
@@ -212,18 +72,6 @@ def hosted_at(port: int) -> RendezvousServer | None:
     return _hosted.get(port)
 
 
-def _int(msg: dict[str, Any], name: str, low: int, high: int | None = None,
-         bound: str = "") -> int | None:
-    value = msg.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise _Rejected(f"{name} must be an integer >= {low}, got {value!r}")
-    if high is not None and value > high:
-        raise _Rejected(f"{name} {value} is over this rendezvous's bound of {high} ({bound})")
-    return value
-
-
 class RendezvousServer:
     """Forms the groups of the peers that join at one address; see the module docstring.
 
@@ -236,46 +84,40 @@ class RendezvousServer:
     def __init__(self, url: str, sockets: SocketFactory | None = None,
                  limits: RendezvousLimits | None = None) -> None:
         self.url = url
-        self.limits = limits or RendezvousLimits()
+        self.jobs = Jobs(limits or RendezvousLimits())
         self._own_sockets = sockets is None
         self._sockets = sockets or SocketFactory()
         self._sock: zmq.asyncio.Socket | None = None
         self._plain: zmq.Socket[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._forming: dict[str, _Forming] = {}
-        self._peers = 0  # registrations, over every job
-        self._expiry: list[tuple[float, int, str, bytes]] = []  # (deadline, arrival, job, id)
-        self._settling: set[str] = set()  # elastic jobs with at least their minimum
-        self._formed: OrderedDict[bytes, _Roster] = OrderedDict()  # identity -> roster
-        self._connections: OrderedDict[bytes, _Connection] = OrderedDict()  # by identity
         self._drained = 0.0  # see _serve
-        self._arrivals = 0
-        self.groups_formed = 0
-        self.requests = 0  # read
-        self.dropped = 0  # over a connection's rate, or malformed
-        self.resends = 0  # copies of a connection's last request over its rate, not handled
+        self._body: tuple[bytes, zmq.Frame] | None = None  # the last roster body sent
         self._monitor_async: zmq.asyncio.Socket | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._refused: dict[str, int] = {}  # what a refused handshake meant -> how many
-        self.refused_joins: list[str] = []  # the last few member joins refused, described
+
+    @property
+    def limits(self) -> RendezvousLimits:
+        return self.jobs.limits
+
+    @property
+    def groups_formed(self) -> int:
+        return self.jobs.groups_formed
 
     def stats(self) -> dict[str, int]:
         """What it holds and has done: ``peers`` registered, ``jobs`` forming, ``rosters``
         kept, ``groups_formed``, ``requests`` read, ``dropped`` (over a connection's rate,
         or malformed), ``resends`` (copies of a connection's last request over its rate,
         not handled, not refused) and ``handshakes_refused``."""
-        return {"peers": self._peers, "jobs": len(self._forming), "rosters": len(self._formed),
-                "groups_formed": self.groups_formed, "requests": self.requests,
-                "dropped": self.dropped, "resends": self.resends,
-                "handshakes_refused": sum(self._refused.values())}
+        return {**self.jobs.stats(), "handshakes_refused": sum(self._refused.values())}
 
     def refusals(self) -> str:
         """What it refused so far, for an error message: handshakes (by kind) and member
         joins; '' if nothing."""
         parts = [f"{n} handshake(s) with {what}" for what, n in self._refused.items()]
-        if self.refused_joins:
-            parts.append(f"{len(self.refused_joins)} join(s): "
-                         + "; ".join(self.refused_joins[-3:]))
+        refused_joins = self.jobs.refused_joins
+        if refused_joins:
+            parts.append(f"{len(refused_joins)} join(s): " + "; ".join(refused_joins[-3:]))
         return ("the rendezvous this process hosts refused " + ", and ".join(parts)
                 if parts else "")
 
@@ -321,7 +163,7 @@ class RendezvousServer:
                     break
                 except zmq.ZMQError:
                     return
-                self._receive(frames)
+                self._send(self.jobs.request(frames, time.monotonic()))
                 if time.perf_counter() - start > BATCH_S:
                     break
             try:
@@ -333,92 +175,14 @@ class RendezvousServer:
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
 
-    def _receive(self, frames: list[bytes]) -> None:
-        self.requests += 1
-        try:
-            if len(frames) != 2:
-                raise ValueError(f"{len(frames) - 1} frames, expected 1")
-            identity, raw = frames
-            if not self._admit(identity, raw):
-                return
-            msg = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
-            if not isinstance(msg, dict):
-                raise ValueError("not a map")
-        except Exception as exc:
-            self.dropped += 1
-            log.debug("rendezvous: dropped a malformed request: %s", exc)
-            return
-        try:
-            self._handle(identity, msg)
-        except _Rejected as exc:
-            self._reply(identity, op="error", reason=str(exc))
-        except Exception:
-            log.exception("rendezvous: failed to handle a request")
-
-    def _admit(self, identity: bytes, raw: bytes) -> bool:
-        """Whether to handle a request, before it is decoded: O(1).
-
-        A token bucket per connection: ``rate`` requests per second, in bursts of as many.
-        A request over it that repeats the connection's last admitted one (the same bytes:
-        a client re-sends its join unchanged until it is answered) is that client's re-send,
-        held back and delivered with others at once: it is not handled (the answer to the
-        request it repeats stands), only counted (``resends``), so a client that repeats
-        itself is never refused, however many of its re-sends arrive together. Any other
-        request over it is dropped, and the first of them answered with an error naming
-        the bound; the rest are dropped silently until the bucket refills.
-        """
-        conn = self._connection(identity, time.monotonic())
-        request = (hash(raw), len(raw))  # a bytes hash, keyed at random per process
-        if conn.tokens >= 1:
-            conn.tokens -= 1
-            conn.told = False
-            conn.last = request
-            return True
-        if request == conn.last:
-            self.resends += 1
-            return False
-        self.dropped += 1
-        if not conn.told:
-            conn.told = True
-            self._reply(identity, op="error", reason=(
-                f"more than {self.limits.rate:g} requests per second from this connection, "
-                f"this rendezvous's bound (P2PCOLL_RENDEZVOUS_RATE): the rest are dropped"))
-        return False
-
-    def _connection(self, identity: bytes, now: float) -> _Connection:
-        """The connection's record, its bucket refilled up to ``now``. The records kept are
-        bounded (the registrations and jobs held at once): the least recently heard from
-        is forgotten first."""
-        rate = self.limits.rate
-        burst = max(1.0, rate)
-        conn = self._connections.get(identity)
-        if conn is None:
-            conn = self._connections[identity] = _Connection(burst, now)
-            if len(self._connections) > self.limits.max_peers + self.limits.max_jobs:
-                self._connections.popitem(last=False)
-        else:
-            self._connections.move_to_end(identity)
-            conn.tokens = min(burst, conn.tokens + (now - conn.refilled) * rate)
-            conn.refilled = now
-        return conn
-
     async def _watch(self) -> None:
-        """Lost peers, settled elastic groups and old rosters, every TICK seconds: the work
-        of one tick is what is due, not what is held."""
+        """Refused handshakes, and the clock for the jobs (lost peers, settled elastic
+        groups, old rosters), every TICK seconds."""
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
             self._handshakes()
-            self._expire(self._read_up_to(now), now)
-            for job in list(self._settling):
-                forming = self._forming.get(job)
-                if forming is not None:
-                    self._progress(forming, now)
-            while self._formed:
-                roster = next(iter(self._formed.values()))
-                if now - roster.formed < FORMED_TTL and len(self._formed) <= FORMED_KEPT:
-                    break
-                self._formed.popitem(last=False)
+            self._send(self.jobs.tick(now, self._read_up_to(now)))
 
     def _handshakes(self) -> None:
         """Count the handshakes the socket refused; log the first of each kind at once
@@ -446,277 +210,20 @@ class RendezvousServer:
             return self._drained
         return self._drained if pending else now
 
-    def _reply(self, identity: bytes, **msg: Any) -> None:
-        self._send([identity, msgpack.packb(msg)])
-
-    def _send(self, frames: list[Any]) -> None:
+    def _send(self, replies: list[Reply]) -> None:
+        """Send without waiting; a reply that cannot go is dropped (its peer asks again).
+        A roster's body, the same object for every member, goes as one shared frame."""
         assert self._plain is not None
-        try:
-            self._plain.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:
-            log.debug("rendezvous: reply not sent: %s", exc)
-
-    def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
-        if msg.get("v") != WIRE_VERSION:
-            raise _Rejected(f"wire version {msg.get('v')!r}, the rendezvous speaks {WIRE_VERSION}")
-        job = msg.get("job", "")
-        if not isinstance(job, str) or len(job) > 128:
-            raise _Rejected("malformed job id")
-        if op == "waiting":
-            forming = self._forming.get(job)
-            self._reply(identity, op="waiting", count=len(forming.entries) if forming else 0)
-        elif op == "leave":
-            forming = self._forming.get(job)
-            entry = forming.entries.get(identity) if forming is not None else None
-            if forming is not None and entry is not None:
-                self._remove(forming, entry)
-        elif op == "join":
-            self._join(identity, job, msg)
-        else:
-            raise _Rejected(f"unknown request {op!r}")
-
-    def _join(self, identity: bytes, job: str, msg: dict[str, Any]) -> None:
-        formed = self._formed.get(identity)
-        if formed is not None and formed.job == job:  # it asked again: its roster was lost
-            self._send([identity, formed.head, formed.body])
-            return
-        limits = self.limits
-        bound = "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE"
-        size = _int(msg, "world_size", 1, limits.max_world_size, bound)
-        rank = _int(msg, "rank", 0, limits.max_world_size - 1, bound)
-        low = _int(msg, "min", 1, limits.max_world_size, bound)
-        high = _int(msg, "max", 1, limits.max_world_size, bound)
-        order, pid = _int(msg, "order", 0), _int(msg, "pid", 0) or 0
-        endpoints, host, heartbeat = msg.get("endpoints"), msg.get("host"), msg.get("heartbeat")
-        token = msg.get("token")
-        if (not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
-                or not (token is None or (isinstance(token, str) and len(token) <= 64))
-                or not all(isinstance(e, str) and len(e) <= 256 for e in endpoints)
-                or not isinstance(host, str) or len(host) > 256
-                or not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool)
-                or not heartbeat > 0):
-            raise _Rejected("malformed join request")
-        if heartbeat > limits.max_heartbeat:
-            raise _Rejected(f"heartbeat {heartbeat:g}s is over this rendezvous's bound of "
-                            f"{limits.max_heartbeat:g}s (P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT)")
-        now = time.monotonic()
-        forming = self._forming.get(job)
-        entry = forming.entries.get(identity) if forming is not None else None
-        if forming is not None and entry is not None:  # a re-sent request: it is alive
-            entry.seen = now
-            self._status(forming, entry)
-            return
-        if forming is None:
-            if len(self._forming) >= limits.max_jobs:
-                raise _Rejected(f"groups of {len(self._forming)} jobs are forming, this "
-                                f"rendezvous's bound (P2PCOLL_RENDEZVOUS_MAX_JOBS)")
-            forming = _Forming(job)
-        stale = None
-        if rank is not None:
-            other = forming.by_rank.get(rank)
-            if other is not None and token is not None and other.token == token:
-                stale = other  # the same process asking again: it gave up on that one
-        if self._peers - (stale is not None) >= limits.max_peers:
-            raise _Rejected(f"{self._peers} peers are waiting at this rendezvous, its bound "
-                            f"(P2PCOLL_RENDEZVOUS_MAX_PEERS)")
-        try:
-            self._check_fit(forming, rank, size, low, high, host, stale)
-        except _Misfit as exc:
-            asked = f", asking for rank {rank}" if rank is not None else ""
-            self._refuse_member(forming, f"the peer on {host} (pid {pid}{asked}) was "
-                                         f"refused: {exc}")
-            raise
-        if stale is not None:
-            log.info("rendezvous: job %r: %s registered again: the old registration is "
-                     "replaced", job, stale.describe())
-            self._remove(forming, stale)
-            self._reply(stale.identity, op="error", reason=(
-                f"a newer request of this process (pid {pid}) for rank {rank} replaced this "
-                f"one"))
-        if not forming.entries:
-            self._forming[job] = forming
-            if size is not None:
-                forming.world_size = size
-            elif low is not None:
-                forming.low, forming.high = low, high
-        self._arrivals += 1
-        entry = _Entry(identity, rank, endpoints, host, pid, token,
-                       float("inf") if order is None else order, self._arrivals,
-                       max(float(heartbeat), MIN_HEARTBEAT), now)
-        forming.entries[identity] = entry
-        self._peers += 1
-        if rank is not None:
-            forming.by_rank[rank] = entry
-            insort(forming.taken, rank)
-        self._expire_at(now + entry.heartbeat, entry, job)
-        forming.last_arrival = now
-        if not self._progress(forming, now):
-            self._status(forming, entry)
-
-    def _check_fit(self, forming: _Forming, rank: int | None,
-                   size: int | None, low: int | None, high: int | None, host: str,
-                   stale: _Entry | None) -> None:
-        """Raises _Rejected if a new peer asking for this does not fit the forming group
-        (a duplicate rank fails the peer that held it too)."""
-        others = len(forming.entries) - (stale is not None)
-        if size is not None:
-            if forming.world_size is None and others and forming.elastic:
-                raise _Misfit(f"world_size {size} disagrees with an elastic group of the "
-                                f"{others} peer(s) already at the rendezvous")
-            if forming.world_size is None and others:  # peers that gave no size came first
-                self._adopt_size(forming, size)
-            elif forming.world_size is not None and others and size != forming.world_size:
-                raise _Misfit(f"world_size {size} disagrees with world_size "
-                                f"{forming.world_size} of the {others} peer(s) already at "
-                                f"the rendezvous")
-        elif low is not None:
-            if others and (forming.world_size is not None
-                           or (low, high) != (forming.low, forming.high)):
-                raise _Misfit(f"elastic bounds {low}..{high} disagree with those of the "
-                                f"{others} peer(s) already at the rendezvous")
-            if rank is not None:
-                raise _Misfit("an elastic group assigns every rank: do not ask for one")
-        if rank is None:
-            return
-        world = forming.world_size if others else size  # a first peer sets the size
-        if world is not None and rank >= world:
-            raise _Misfit(f"rank {rank} is out of range for world_size {world}")
-        other = forming.by_rank.get(rank)
-        if other is not None and other is not stale:
-            reason = f"rank {rank} was requested by two peers ({other.host} and {host})"
-            self._remove(forming, other)
-            self._reply(other.identity, op="error", reason=reason)
-            raise _Misfit(reason)
-
-    def _refuse_member(self, forming: _Forming, what: str) -> None:
-        """A member's join was refused: log it, and fail the peers of a fixed-size group
-        already registered (the group cannot form as asked; an elastic one goes on)."""
-        self.refused_joins = [*self.refused_joins[-7:], what]
-        log.warning("rendezvous: job %r: %s", forming.job, what)
-        if forming.elastic or not forming.entries or self._forming.get(forming.job) is not forming:
-            return
-        for e in list(forming.entries.values()):
-            self._reply(e.identity, op="error", about="other", reason=(
-                f"{what}; the group of world_size {forming.world_size} cannot form as asked"))
-            self._remove(forming, e)
-
-    def _adopt_size(self, forming: _Forming, size: int) -> None:
-        """The first world size given for a group whose first peers gave none: those that
-        asked for a rank out of its range are told so (once per group: O(n))."""
-        forming.world_size = size
-        for rank in [r for r in forming.taken if r >= size]:
-            entry = forming.by_rank[rank]
-            self._remove(forming, entry, keep=True)
-            self._reply(entry.identity, op="error",
-                        reason=f"rank {rank} is out of range for world_size {size}")
-
-    def _remove(self, forming: _Forming, entry: _Entry, keep: bool = False) -> None:
-        """Drop a registration; a job with none left is forgotten (unless ``keep``)."""
-        del forming.entries[entry.identity]
-        self._peers -= 1
-        if entry.rank is not None:
-            del forming.by_rank[entry.rank]
-            forming.taken.pop(bisect_left(forming.taken, entry.rank))
-        if not forming.entries and not keep:
-            self._forming.pop(forming.job, None)
-            self._settling.discard(forming.job)
-
-    def _status(self, forming: _Forming, entry: _Entry) -> None:
-        count, shown = forming.missing()
-        self._reply(entry.identity, op="status", arrived=len(forming.entries),
-                    world_size=forming.world_size or forming.low, missing=shown,
-                    missing_count=count)
-
-    def _expire_at(self, deadline: float, entry: _Entry, job: str) -> None:
-        """Look at ``entry`` again at ``deadline``. The heap keeps the items of entries that
-        formed or left until their deadline; when they outnumber the entries held, it is
-        rebuilt from those (O(n) after n pushes: O(1) a push)."""
-        heapq.heappush(self._expiry, (deadline, entry.arrival, job, entry.identity))
-        if len(self._expiry) > 2 * (self._peers + self.limits.max_jobs):
-            self._expiry = [(e.seen + e.heartbeat, e.arrival, f.job, e.identity)
-                            for f in self._forming.values() for e in f.entries.values()]
-            heapq.heapify(self._expiry)
-
-    def _expire(self, read: float, now: float) -> None:
-        """Peers that stopped re-sending their request are lost: the registrations whose
-        deadline passed before ``read`` (every request up to then has been read), from a
-        heap, so O(those) per tick, grouped by job."""
-        lost: dict[str, dict[bytes, _Entry]] = {}
-        while self._expiry and self._expiry[0][0] <= read:
-            _, _, job, identity = heapq.heappop(self._expiry)
-            forming = self._forming.get(job)
-            entry = forming.entries.get(identity) if forming is not None else None
-            if entry is None:
-                continue  # it formed, left or was replaced
-            if entry.seen + entry.heartbeat > read:  # heard since: check again then
-                self._expire_at(entry.seen + entry.heartbeat, entry, job)
-                continue
-            lost.setdefault(job, {})[identity] = entry
-        for job, by_identity in lost.items():
-            forming, entries = self._forming[job], list(by_identity.values())
-            for e in entries:
-                self._remove(forming, e, keep=True)
-            names = "; ".join(f"{e.describe()} registered and then stopped answering for "
-                              f"{now - e.seen:.1f}s" for e in entries[:4])
-            if len(entries) > 4:
-                names += f"; and {len(entries) - 4} more"
-            log.warning("rendezvous: job %r: %s", job, names)
-            if not forming.elastic:
-                for e in forming.entries.values():
-                    self._reply(e.identity, op="error", reason=f"{names}: it was lost while "
-                                f"the group formed", permanent=False)
-                for e in list(forming.entries.values()):
-                    self._remove(forming, e, keep=True)
-            if not forming.entries:
-                del self._forming[job]
-                self._settling.discard(job)
-            elif forming.elastic and len(forming.entries) < (forming.low or 1):
-                self._settling.discard(job)
-
-    def _progress(self, forming: _Forming, now: float) -> bool:
-        """Form the group if it is complete; returns whether it formed. O(1) unless it
-        forms (then O(n log n), once)."""
-        count = len(forming.entries)
-        if forming.elastic:
-            assert forming.low is not None
-            full = forming.high is not None and count >= forming.high
-            if count >= forming.low:
-                self._settling.add(forming.job)
-            settled = count >= forming.low and now - forming.last_arrival >= SETTLE
-            if not (full or settled):
-                return False
-            entries = sorted(forming.entries.values(),
-                             key=lambda e: (e.order, e.arrival))[:forming.high]
-            size = len(entries)
-        else:
-            if forming.world_size is None or count < forming.world_size:
-                return False
-            size = forming.world_size
-            entries = sorted(forming.entries.values(), key=lambda e: (e.order, e.arrival))
-        free = iter(r for r in range(size) if r not in forming.by_rank)
-        ranks = {e.identity: e.rank if e.rank is not None else next(free) for e in entries}
-        by_rank = sorted(entries, key=lambda e: ranks[e.identity])
-        group_id = uuid.uuid4().hex[:16]
-        group = {"op": "roster", "group": group_id, "secret": secrets.token_hex(16),
-                 "epoch": 0, "world_size": size}
-        body = zmq.Frame(msgpack.packb({"endpoints": [e.endpoints for e in by_rank],
-                                        "hosts": [e.host for e in by_rank]}))
-        for e in by_rank:
-            roster = _Roster(forming.job, now, msgpack.packb({**group, "rank": ranks[e.identity]}),
-                             body)
-            self._formed[e.identity] = roster
-            self._formed.move_to_end(e.identity)
-            self._send([e.identity, roster.head, body])
-            self._remove(forming, e, keep=True)
-        while len(self._formed) > FORMED_KEPT:
-            self._formed.popitem(last=False)
-        self.groups_formed += 1
-        log.info("rendezvous: job %r: formed group %s of %d", forming.job, group_id, size)
-        if not forming.entries:  # peers left over from an elastic group start the next
-            del self._forming[forming.job]
-            self._settling.discard(forming.job)
-        return True
+        for reply in replies:
+            frames: list[Any] = [reply.to, *reply.frames]
+            if len(frames) == 3:
+                if self._body is None or self._body[0] is not frames[2]:
+                    self._body = (frames[2], zmq.Frame(frames[2]))
+                frames[2] = self._body[1]
+            try:
+                self._plain.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                log.debug("rendezvous: reply not sent: %s", exc)
 
     async def aclose(self) -> None:
         """Stop serving and close the socket (and its factory, if it made its own).
@@ -735,3 +242,5 @@ class RendezvousServer:
             self._sockets.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+
+__all__ = ["RESEND", "RendezvousServer", "hosted_at"]
