@@ -14,7 +14,6 @@ from typing import Any
 from ..engine.costs import DEFAULT_CONSTANTS, load_constants
 from ..errors import SettingsError
 from ..registry import registry
-from ..session.failure import FailureModel
 from ..session.forming import form, handshake
 from ..session.session import Session
 from ..settings import Settings
@@ -51,24 +50,22 @@ async def form_group(settings: Settings, *, store: Any = None,
             registry.get(collective, name)
     # auto's constants, read and checked once, before any socket.
     constants = load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS
-    failures = FailureModel()
     sockets = None
     server = None
     try:
         if transport is not None:
             assert membership is not None, "a transport needs its membership"
-            session = Session(membership, transport, settings, failures, constants)
+            session = Session(membership, transport, settings, constants)
             session.start()
             await handshake(session, settings.join_timeout)
         else:
             sockets = SocketFactory.for_settings(settings)
-            session, server = await form(settings, failures, sockets, constants, store=store)
+            session, server = await form(settings, sockets, constants, store=store)
     except BaseException:
-        failures.close()
         if sockets is not None:
             sockets.close()
         raise
-    return Group(session, failures=failures, server=server, sockets=sockets)
+    return Group(session, server=server, sockets=sockets)
 
 
 async def _join(settings: Settings) -> Group:
@@ -113,9 +110,12 @@ class Join(Coroutine[Any, Any, Group]):
         self._group = await self._coroutine()
         return self._group
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         if self._group is not None:
-            await self._group.close()
+            # Left by an error of the program: the peers are told this rank crashed, and
+            # why (a cancellation or Ctrl-C is a close like any other).
+            await self._group._leave("", exc if isinstance(exc, Exception) else None)
 
 
 def join(
