@@ -137,5 +137,5 @@ async def test_a_peer_whose_program_crashed_is_named_as_crashed(in_flight: bool)
                 "with tag 5" if in_flight
                 else "rank 1 crashed (ValueError: boom) and closed the group")
     assert expected in first_line(err), first_line(err)
-    assert err.rank == 1
+    assert err.rank == 1 and err.origin == 1  # reported by rank 1 itself
     assert "CancelledError" not in shown(err)
