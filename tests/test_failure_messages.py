@@ -12,6 +12,7 @@ import pytest
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.testing import memory_groups
+from p2pcoll.transport.memory import MemoryNetwork
 from p2pcoll.types import OpKey
 from p2pcoll.wire.header import readable_data
 
@@ -60,11 +61,11 @@ def test_signature_data_reads_in_numpy_names(data: str, text: str) -> None:
 
 
 async def test_a_killed_peer_is_gone_without_closing_and_no_cancellation_shows() -> None:
-    groups = await memory_groups(2, collective_timeout=30)
+    network = MemoryNetwork()
+    groups = await memory_groups(2, network=network, collective_timeout=30)
     try:
         running = asyncio.create_task(groups[0].allreduce(np.ones(4)))
         await until_waiting(groups[0], 0)
-        network = groups[1].session.transport.network
         network.cut(groups[0].membership.endpoints[1])
         with pytest.raises(p2pcoll.PeerLost) as caught:
             await running

@@ -537,7 +537,7 @@ class FailureModel:
         if inquiry is not None and origin in inquiry.asked:
             # This rank is asking why the collective is stuck: the peer has failed it (it
             # is alive, or it left after that), and if it has found the ranks that did not
-            # come, that is the answer (see _expired).
+            # come, that is the answer (see expired).
             inquiry.answers.setdefault(origin, (FAILED, []))
             found = cls is CollectiveTimeout and blame.is_found(rule)
             if found or len(inquiry.answers) == len(inquiry.asked):
