@@ -97,7 +97,10 @@ class PeerLost(P2PCollError):
             the group normally; ``"crashed"``: it closed the group because of an error;
             ``"killed"``: its process went away without closing, as a kill or a crash of
             the process does; ``"unresponsive"``: its connection stayed silent past the
-            heartbeat timeout, a frozen or overloaded process or a cut network), or ``""``.
+            heartbeat timeout, a frozen or overloaded process or a cut network), or ``""``
+            when this rank cannot tell: the message then says what it knows (a loss seen
+            by the transport: "killed or crashed, or stopped answering"; a crash a peer
+            reported in its goodbye or abort: "rank 1 crashed (ValueError: ...)").
     """
 
     def __init__(self, message: str, rank: int | None = None, *, how: str = "") -> None:

@@ -101,6 +101,7 @@ async def test_a_peer_whose_program_crashed_is_named_as_crashed(in_flight: bool)
     url = server.bind()
     waiting = asyncio.Event()
     receives: list[asyncio.Task[object]] = []
+    crashers: list[p2pcoll.Group] = []
 
     async def survivor() -> BaseException:
         async with p2pcoll.join(url, world_size=2, rank=0, timeout=30,
@@ -116,6 +117,7 @@ async def test_a_peer_whose_program_crashed_is_named_as_crashed(in_flight: bool)
     async def crasher() -> None:
         async with p2pcoll.join(url, world_size=2, rank=1, timeout=30,
                                 collective_timeout=30) as g:
+            crashers.append(g)
             await g.barrier()
             await waiting.wait()
             if in_flight:  # a receive from rank 0, which never sends
@@ -139,4 +141,6 @@ async def test_a_peer_whose_program_crashed_is_named_as_crashed(in_flight: bool)
                 else "rank 1 crashed (ValueError: boom) and closed the group")
     assert expected in first_line(err), first_line(err)
     assert err.rank == 1 and err.origin == 1  # reported by rank 1 itself
+    own = crashers[0].cause  # what rank 1 itself says broke its group
+    assert isinstance(own, p2pcoll.PeerLost) and own.how == "crashed" and own.origin is None
     assert "CancelledError" not in shown(err)

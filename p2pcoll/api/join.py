@@ -80,7 +80,9 @@ class Join(Coroutine[Any, Any, Group]):
     ``asyncio.create_task(join(...))``, ``asyncio.gather(join(...), ...)`` and
     ``asyncio.wait_for(join(...), t)`` all work. Like any coroutine it runs once: awaiting
     it a second time raises RuntimeError. Nothing starts until it is first awaited or
-    sent to, so a Join that is never used leaves no "never awaited" warning.
+    sent to, so a Join that is never used leaves no "never awaited" warning. An ``async
+    with`` block left by an exception closes the group as a crash: the peers' PeerLost
+    says that this rank crashed, with the error's first line.
     """
 
     def __init__(self, settings: Settings) -> None:

@@ -31,8 +31,9 @@ for, once its message is out, is libzmq letting go of its zero-copy frames, whic
 after a receiver that read them has closed. (A receive needs its sender only while its
 message has not come: the matcher fails it, see :mod:`p2pcoll.engine.matching`.) It raises
 the peer's :class:`PeerLost`, the same error its receivers get, and breaks the group as any
-failure does; one started after the peer went fails as it starts. So a sender learns of a loss as soon as a receiver does: at
-once for a peer whose link closes, after the heartbeat timeout for one that freezes.
+failure does; one started after the peer went fails as it starts. So a sender learns of a
+loss as soon as a receiver does: at once for a peer whose link closes, after the heartbeat
+timeout for one that freezes.
 
 An abort reaches every peer over the sparse overlay, as the news of a departure does (see
 :mod:`p2pcoll.transport.overlay`), not over a link to each: the rank that failed sends it to
@@ -156,15 +157,12 @@ class FailureModel:
 
     def leave(self, reason: str, crash: BaseException | None = None, next_seq: int = 0
               ) -> None:
-        """This rank leaves. Call before :meth:`close` (which mutes aborts).
-
-        Collectives in flight are aborted: the peers are told it left (an abort carrying a
-        :class:`PeerLost` that names this rank and ``reason``); here they end with
-        :class:`GroupBroken`. ``crash`` is the error of this rank's program that made it
-        close (``async with join(...)`` left by an exception): the peers' PeerLost then
-        says that it crashed, and why, in flight or not (its goodbye carries it as its
-        cause, see :meth:`first_failure`, for collective ``next_seq`` on: the next it
-        would have run)."""
+        """This rank leaves (call before :meth:`close`, which mutes aborts). What is in
+        flight is aborted: the peers get a :class:`PeerLost` naming this rank and
+        ``reason``, here :class:`GroupBroken`. ``crash``: the error that made this rank's
+        program close (``async with join()`` left by it): the peers' PeerLost says that it
+        crashed, and why, in flight or not (its goodbye's cause, see :meth:`first_failure`,
+        from collective ``next_seq``, the next it would have run, on)."""
         me = self._rank
         crashed = f"crashed ({_error_text(crash)})" if crash is not None else ""
         if self._active and self.state in USABLE:
