@@ -29,7 +29,16 @@ from collections.abc import Iterable
 
 
 class P2PCollError(Exception):
-    """Base class of every p2pcoll error."""
+    """Base class of every p2pcoll error.
+
+    Attributes:
+        origin: the rank whose failure this is, when another rank reported it (its abort,
+            or the cause its goodbye carried) and this rank raises it in its turn; None
+            when the failure happened here. A rank tells its peers of a failure only when
+            ``origin`` is None: a reported one has been told already.
+    """
+
+    origin: int | None = None
 
 
 class SettingsError(P2PCollError, ValueError):
@@ -88,23 +97,52 @@ class ProtocolError(P2PCollError):
 
 
 class PeerLost(P2PCollError):
-    """A peer left or disappeared while a collective needed it."""
+    """A peer left or disappeared while a collective needed it.
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    Attributes:
+        rank: the peer, if known.
+        how: how it went, if known: one of :data:`DEPARTURES` (``"closed"``: it closed
+            the group normally; ``"crashed"``: it closed the group because of an error;
+            ``"killed"``: its process went away without closing, as a kill or a crash of
+            the process does; ``"unresponsive"``: its connection stayed silent past the
+            heartbeat timeout, a frozen or overloaded process or a cut network), or ``""``
+            when this rank cannot tell: the message then says what it knows (a loss seen
+            by the transport: "killed or crashed, or stopped answering"; a crash a peer
+            reported in its goodbye or abort: "rank 1 crashed (ValueError: ...)").
+    """
+
+    def __init__(self, message: str, rank: int | None = None, *, how: str = "") -> None:
         super().__init__(message)
         self.rank = rank
+        self.how = how
+
+
+# How a peer goes (PeerLost.how), as the peers that see it can tell.
+CLOSED, CRASHED, KILLED, UNRESPONSIVE = "closed", "crashed", "killed", "unresponsive"
+DEPARTURES = (CLOSED, CRASHED, KILLED, UNRESPONSIVE)
 
 
 class CollectiveTimeout(P2PCollError):
-    """A collective did not finish before its deadline."""
+    """A collective did not finish before its deadline.
+
+    Attributes:
+        collective: its name (``"allreduce"``, ``"send"``, ...).
+        seq: its sequence number (a transfer's count on its channel).
+        waiting_on: the ranks blamed: those that did not come.
+        blame: how they were found (see :mod:`p2pcoll.session.blame`): ``"silent"``, they
+            did not answer when asked; ``"absent"``, they had not started the collective;
+            ``"own"``, they are only whom the rank that timed out waited for.
+    """
 
     def __init__(
-        self, message: str, *, collective: str = "", seq: int = -1, waiting_on: Iterable[int] = ()
+        self, message: str, *, collective: str = "", seq: int = -1,
+        waiting_on: Iterable[int] = (), blame: str = "own",
     ) -> None:
         super().__init__(message)
         self.collective = collective
         self.seq = seq
         self.waiting_on = sorted(set(waiting_on))
+        self.blame = blame
 
 
 class CollectiveMismatch(P2PCollError):

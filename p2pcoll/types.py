@@ -1,11 +1,11 @@
-"""Small value types shared by the layers: reduction ops and membership."""
+"""Small value types shared by the layers: reduction ops, membership and operation keys."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -127,3 +127,43 @@ class Membership:
     # or the torch store). It names the members' links (see ``link_identity``), so an
     # outsider who knows the group id still cannot pass for a member. Never logged or served.
     secret: str = field(default="", repr=False, compare=False)
+
+
+class OpKey(NamedTuple):
+    """Which operation of a session a message, a deadline or a failure belongs to.
+
+    A collective is keyed by its sequence number alone (``OpKey(seq)``; every rank numbers
+    its collectives alike). A point-to-point transfer has no sequence number: only its two
+    ranks take part, so it is keyed by its channel ``(src, dst, tag)`` and its count on that
+    channel (``OpKey.transfer(src, dst, tag, count)``: how many messages ``src`` had sent
+    ``dst`` with ``tag`` before, which both ranks count alike, MPI's non-overtaking rule).
+
+    A frozen value. It is a NamedTuple rather than a dataclass because it keys the
+    matcher's dicts for every message: a tuple hashes and compares in C.
+    """
+
+    number: int  # the collective's sequence number, or the transfer's count
+    tag: int | None = None  # None: a collective
+    src: int = -1  # a transfer's sending rank (-1 for a collective)
+    dst: int = -1  # a transfer's receiving rank (-1 for a collective)
+
+    @classmethod
+    def transfer(cls, src: int, dst: int, tag: int, count: int) -> OpKey:
+        """The key of message ``count`` from ``src`` to ``dst`` with ``tag``."""
+        return cls(count, tag, src, dst)
+
+    @property
+    def is_transfer(self) -> bool:
+        return self.tag is not None
+
+    @property
+    def channel(self) -> tuple[int, int, int] | None:
+        """``(src, dst, tag)`` of a transfer; None for the collectives (one channel)."""
+        return None if self.tag is None else (self.src, self.dst, self.tag)
+
+    def title(self, name: str) -> str:
+        """How errors name the operation: ``allreduce #3``, or ``send #3 from rank 0 to
+        rank 1 with tag 7``."""
+        if self.tag is None:
+            return f"{name} #{self.number}"
+        return f"{name} #{self.number} from rank {self.src} to rank {self.dst} with tag {self.tag}"

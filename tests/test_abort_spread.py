@@ -93,7 +93,7 @@ async def test_a_mismatch_among_sixteen_reaches_everyone_over_few_links() -> Non
     finders = {odd - 1, odd, odd + 1}  # the ring neighbours exchange with the odd rank
     for rank, (err, _, _) in enumerate(results):
         assert isinstance(err, p2pcoll.CollectiveMismatch), (rank, repr(err))
-        assert "(10,)" in str(err) and "(11,)" in str(err), (rank, str(err))
+        assert "float32[10]" in str(err) and "float32[11]" in str(err), (rank, str(err))
         if "failed collective #1" in str(err):
             origin = int(str(err).split()[1])
             assert origin in finders, (rank, str(err))  # the origin, never a relay

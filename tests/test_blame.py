@@ -100,6 +100,8 @@ async def test_the_others_name_the_ranks_the_first_one_blamed() -> None:
         assert time.monotonic() - start < 10
         for rank, err in errors.items():
             assert err.waiting_on == [ABSENT], (rank, str(err))
+            # Found by rank 0 (the others' errors say whose it is) as a silent rank.
+            assert (err.origin, err.blame) == (None if rank == 0 else 0, "silent"), rank
         assert str(errors[1]).startswith("rank 0 failed collective #0: allreduce #0 timed out")
         assert "rank 2 did not answer" in str(errors[1])
         assert str(errors[1]).endswith("rank 1 was still waiting for ranks [0]")

@@ -15,6 +15,7 @@ import pytest
 
 import p2pcoll
 from p2pcoll.testing import memory_groups, run_ranks
+from p2pcoll.types import OpKey
 
 
 async def test_concurrent_collectives_expire_in_order_each_with_its_own_timeout() -> None:
@@ -128,8 +129,8 @@ async def test_each_deadline_fires_in_its_order_with_its_own_timeout() -> None:
 
         async def one(seq: int) -> BaseException:
             try:
-                async with failures.collective(seq, "allreduce", limits[seq]):
-                    matcher.note_waiting(seq, [1])
+                async with failures.collective(OpKey(seq), "allreduce", limits[seq]):
+                    matcher.note_waiting(OpKey(seq), [1])
                     try:
                         await asyncio.sleep(30)
                     except asyncio.CancelledError:
@@ -148,7 +149,7 @@ async def test_each_deadline_fires_in_its_order_with_its_own_timeout() -> None:
             assert err.seq == seq and f"timed out after {limits[seq]:g}s" in str(err)
             # Whom it waited for came from note_waiting; rank 1 said it had not started.
             assert err.waiting_on == [1] and "not started" in str(err), err
-        assert len(failures._watchdog) == 0 and matcher.waiting_on(1000) == []
+        assert len(failures._watchdog) == 0 and matcher.waiting_on(OpKey(1000)) == []
     finally:
         await asyncio.gather(*(g.close() for g in groups))
 
@@ -165,7 +166,7 @@ async def test_a_body_that_ends_as_its_deadline_passes_times_out_cleanly() -> No
         for seq in range(1000, 1005):
             done = loop.create_future()
             with pytest.raises(p2pcoll.CollectiveTimeout):
-                async with failures.collective(seq, "allreduce", 0.05):
+                async with failures.collective(OpKey(seq), "allreduce", 0.05):
                     deadline = failures._watchdog._queue[-1][0]
                     loop.call_at(deadline, lambda f=done: f.done() or f.set_result(None))
                     await done
@@ -180,7 +181,7 @@ async def test_a_body_that_ends_before_its_deadline_is_not_touched_by_the_timer(
     try:
         failures = groups[0]._failures
         for seq in range(1000, 1003):
-            async with failures.collective(seq, "allreduce", 0.1):
+            async with failures.collective(OpKey(seq), "allreduce", 0.1):
                 await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)  # the timer armed for the first fires: nothing is due
         assert len(failures._watchdog) == 0 and failures._watchdog._timer is None
@@ -196,7 +197,7 @@ async def test_a_cancellation_at_the_deadline_is_a_cancellation() -> None:
         loop = asyncio.get_running_loop()
 
         async def body() -> None:
-            async with failures.collective(1000, "allreduce", 0.05):
+            async with failures.collective(OpKey(1000), "allreduce", 0.05):
                 task = asyncio.current_task()
                 assert task is not None
                 loop.call_at(failures._watchdog._queue[-1][0], task.cancel)  # same turn
@@ -267,9 +268,9 @@ async def test_watch_tells_of_each_message_of_a_collective_until_it_finishes() -
     try:
         matcher = groups[1].session.matcher
         seen: list[tuple[int, int, int]] = []
-        matcher.watch(0, lambda h: seen.append((h.seq, h.src, h.seg)))
-        matcher.watch(1, lambda h: seen.append((-1, -1, -1)))
-        matcher.unwatch(1)
+        matcher.watch(OpKey(0), lambda h: seen.append((h.seq, h.src, h.seg)))
+        matcher.watch(OpKey(1), lambda h: seen.append((-1, -1, -1)))
+        matcher.unwatch(OpKey(1))
         sent = asyncio.create_task(groups[0].allreduce(np.arange(4.0), strategy="ring"))
         for _ in range(500):
             if seen:
@@ -292,10 +293,10 @@ async def test_note_waiting_is_named_until_the_collective_finishes() -> None:
     groups = await memory_groups(3)
     try:
         matcher = groups[0].session.matcher
-        matcher.note_waiting(7, [2, 1])
-        assert matcher.waiting_on(7) == [1, 2]
-        assert matcher.waiting_on(8) == []
-        matcher.finish(7)
-        assert matcher.waiting_on(7) == []
+        matcher.note_waiting(OpKey(7), [2, 1])
+        assert matcher.waiting_on(OpKey(7)) == [1, 2]
+        assert matcher.waiting_on(OpKey(8)) == []
+        matcher.finish(OpKey(7))
+        assert matcher.waiting_on(OpKey(7)) == []
     finally:
         await asyncio.gather(*(g.close() for g in groups))

@@ -27,12 +27,12 @@ from ..errors import CollectiveTimeout, GroupBroken
 from ..pytree import unflatten
 from ..rendezvous import RendezvousServer
 from ..session.calls import Call
-from ..session.failure import USABLE, FailureModel, GroupState
+from ..session.failure import USABLE, GroupState
 from ..session.session import Session
 from ..session.turns import Turns
 from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
-from ..types import CustomOp, Membership, Pytree, ReduceOp
+from ..types import CustomOp, Membership, OpKey, Pytree, ReduceOp
 from ..wire import MAX_TAG
 from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
@@ -51,14 +51,14 @@ class Group:
         cause: the failure that broke the group, or None.
     """
 
-    def __init__(self, session: Session, *, failures: FailureModel,
+    def __init__(self, session: Session, *,
                  server: RendezvousServer | None = None,
                  sockets: SocketFactory | None = None) -> None:
         """A group over a formed ``session``; made by :func:`p2pcoll.api.form_group`
         (which :func:`p2pcoll.join`, the torch backend and :mod:`p2pcoll.testing` use)."""
         self.settings = session.settings
         self._session: Session | None = session
-        self._failures = failures
+        self._failures = session.failures  # its state outlives the session (close)
         self._server = server
         self._sockets = sockets
         self._extensions: dict[str, Any] = {}
@@ -500,7 +500,7 @@ class Group:
         limit = self.timeout if timeout is None else check_seconds(timeout, "timeout=")
         loop = asyncio.get_running_loop()  # its clock: the one asyncio.timeout reads
         started = loop.time()
-        candidates = {r: (r, self.rank, tag, session.transfers[(r, self.rank, tag)])
+        candidates = {r: OpKey.transfer(r, self.rank, tag, session.transfers[(r, self.rank, tag)])
                       for r in others}
         try:
             async with asyncio.timeout(limit):
@@ -567,13 +567,18 @@ class Group:
 
         Cancellation: the sockets may stay open until the process exits.
         """
+        await self._leave(reason, None)
+
+    async def _leave(self, reason: str, crash: BaseException | None) -> None:
+        """:meth:`close`; ``crash``: the error that made this rank's program close it
+        (``async with join(...)`` left by an exception), which the peers' PeerLost names."""
         if self._failures.state is GroupState.CLOSED and self._session is None:
             return
         session, self._session = self._session, None
         healthy = self._failures.state in USABLE  # ready, or degraded: a member has gone
         if session is not None:
             session.leaving()  # the aborts of what it leaves running open no link either
-        self._failures.leave(reason)
+        self._failures.leave(reason, crash, session.seq if session is not None else 0)
         self._failures.close()
         if session is not None:
             # Wait for the peers to read the goodbye (and so all before it), at most as

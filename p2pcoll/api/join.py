@@ -14,7 +14,6 @@ from typing import Any
 from ..engine.costs import DEFAULT_CONSTANTS, load_constants
 from ..errors import SettingsError
 from ..registry import check_chosen, registry
-from ..session.failure import FailureModel
 from ..session.forming import form, handshake
 from ..session.session import Session
 from ..settings import Settings
@@ -50,24 +49,22 @@ async def form_group(settings: Settings, *, store: Any = None,
     check_chosen(dict(settings.strategies))  # before any socket
     # auto's constants, read and checked once, before any socket.
     constants = load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS
-    failures = FailureModel()
     sockets = None
     server = None
     try:
         if transport is not None:
             assert membership is not None, "a transport needs its membership"
-            session = Session(membership, transport, settings, failures, constants)
+            session = Session(membership, transport, settings, constants)
             session.start()
             await handshake(session, settings.join_timeout)
         else:
             sockets = SocketFactory.for_settings(settings)
-            session, server = await form(settings, failures, sockets, constants, store=store)
+            session, server = await form(settings, sockets, constants, store=store)
     except BaseException:
-        failures.close()
         if sockets is not None:
             sockets.close()
         raise
-    return Group(session, failures=failures, server=server, sockets=sockets)
+    return Group(session, server=server, sockets=sockets)
 
 
 async def _join(settings: Settings) -> Group:
@@ -84,7 +81,9 @@ class Join(Coroutine[Any, Any, Group]):
     it a second time raises RuntimeError. Nothing starts until it is first awaited or
     sent to, so a Join that is never used leaves no "never awaited" warning. Asking it for
     a Group's attribute (``p2pcoll.join(...).rank``: the ``await`` forgotten) raises an
-    AttributeError that says to await it or to use :func:`p2pcoll.blocking.join`.
+    AttributeError that says to await it or to use :func:`p2pcoll.blocking.join`. An
+    ``async with`` block left by an exception closes the group as a crash: the peers'
+    PeerLost says that this rank crashed, with the error's first line.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -114,9 +113,12 @@ class Join(Coroutine[Any, Any, Group]):
         self._group = await self._coroutine()
         return self._group
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         if self._group is not None:
-            await self._group.close()
+            # Left by an error of the program: the peers are told this rank crashed, and
+            # why (a cancellation or Ctrl-C is a close like any other).
+            await self._group._leave("", exc if isinstance(exc, Exception) else None)
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for a name a Join lacks: most likely a Group's, asked of the Join

@@ -55,6 +55,7 @@ from ..transport.board import (
     WORDS,
     Board,
 )
+from ..types import OpKey
 from ..transport.shmfile import barrier as fence
 from ..wire import Signature
 from ..wire.header import SIGNATURE_FIELDS
@@ -159,14 +160,15 @@ class BoardPath:
         w, me, matcher = self._w, self._me, self.matcher
         loop = asyncio.get_running_loop()
         nap = MIN_NAP
-        matcher.note_waiting(seq, ranks)
+        op = OpKey(seq)
+        matcher.note_waiting(op, ranks)
         try:
             while True:
                 w[me + SLEEPING] = count
                 fence()  # the store above before the loads below (see the docstring)
                 if self._missing(count, ranks) < 0:
                     return
-                failure = matcher.failure(seq) or self._stray(seq)
+                failure = matcher.failure(op) or self._stray(seq)
                 if failure is not None:
                     raise failure
                 waiter = self._waiter = loop.create_future()
@@ -336,7 +338,7 @@ class BoardPath:
 
     def _stray(self, seq: int) -> CollectiveMismatch | None:
         """A peer that sent collective ``seq`` as messages runs it otherwise: a mismatch."""
-        header = self.matcher.stray(seq)
+        header = self.matcher.stray(OpKey(seq))
         if header is None:
             return None
         sig = self._sig

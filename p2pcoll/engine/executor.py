@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import CollectiveMismatch, P2PCollError
 from ..strategy import Strategy
 from ..transport.base import Piece, Tracker, Transport
+from ..types import OpKey
 from ..wire import Header, Signature
 from .matching import Departures, Key, Matcher
 from .program import EARLY, LAST, LATE, REDUCE, SEND, Program
@@ -85,21 +86,18 @@ class Executor:
     async def run(
         self,
         *,
-        seq: int,
+        op: OpKey,
         program: Program,
         arrays: Sequence[np.ndarray],
         ufunc: Ufunc | None,
         sig: Signature,
         meta: dict[str, Any] | None = None,
-        tag: int | None = None,
         strategy: Strategy,
-        peer: int | None = None,
     ) -> None:
-        """Run ``program`` (this rank's compiled part of collective ``seq`` with
-        ``strategy``) over ``arrays``, in place.
-
-        With a ``tag`` it is a point-to-point transfer with ``peer`` instead (see
-        :mod:`p2pcoll.engine.matching`): ``seq`` is its count on the (peer, tag) channel.
+        """Run ``program`` (this rank's compiled part of operation ``op`` with
+        ``strategy``) over ``arrays``, in place: a collective, or a point-to-point transfer
+        (see :mod:`p2pcoll.engine.matching`) whose count on its channel takes the sequence
+        number's place in the messages.
 
         Raises:
             CollectiveMismatch: a peer's message carried another signature or size.
@@ -107,35 +105,32 @@ class Executor:
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
         if self.timeline is None:
-            await self._run(seq, program, arrays, ufunc, sig, meta, tag)
+            await self._run(op, program, arrays, ufunc, sig, meta)
             return
         timeline, started, error = self.timeline, Timeline.now(), None
         try:
-            await self._run(seq, program, arrays, ufunc, sig, meta, tag)
+            await self._run(op, program, arrays, ufunc, sig, meta)
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             args: dict[str, Any] = {
-                "strategy": strategy.name, "seq": seq,
+                "strategy": strategy.name, "seq": op.number,
                 "bytes": sum(int(a.nbytes) for a in arrays), "segments": program.nseg}
-            if tag is not None:
-                args.update(tag=tag, peer=peer)
+            if op.tag is not None:
+                rank = self.departures.membership.rank
+                args.update(tag=op.tag, peer=op.dst if op.src == rank else op.src)
             if error is not None:
                 args["error"] = error
-            timeline.span(COLLECTIVE, f"{strategy.collective} #{seq}", started, args)
+            timeline.span(COLLECTIVE, f"{strategy.collective} #{op.number}", started, args)
 
     async def _run(
-        self, seq: int, program: Program, arrays: Sequence[np.ndarray],
+        self, op: OpKey, program: Program, arrays: Sequence[np.ndarray],
         ufunc: Ufunc | None, sig: Signature, meta: dict[str, Any] | None,
-        tag: int | None,
     ) -> None:
         rank = self.departures.membership.rank
-        if tag is None:
-            self.matcher.expect(seq, sig, rank)
-        else:
-            for frm in program.sources:
-                self.matcher.expect((frm, rank, tag, seq), sig, rank)
+        if op.tag is None or program.sources:  # a send expects nothing, a receive op.src
+            self.matcher.expect(op, sig, rank)
         wire = self.wire
         if self.timeline is not None:  # a send, receive and fold of each step on its track
             tracer = Tracer(self.timeline, wire, program.steps, rank)
@@ -146,14 +141,14 @@ class Executor:
         pending: list[Tracker] = []
         run = self._segment
         if nseg == 1:
-            await run(wire, seq, 0, program, arrays, ufunc, sig, meta, rank, pending, tag)
+            await run(wire, op, 0, program, arrays, ufunc, sig, meta, rank, pending)
         else:
             window = asyncio.Semaphore(self.depth)
 
             async def one(seg: int) -> None:
                 async with window:
-                    await run(wire, seq, seg, program, arrays, ufunc, sig, meta, rank,
-                              pending, tag)
+                    await run(wire, op, seg, program, arrays, ufunc, sig, meta, rank,
+                              pending)
 
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -168,7 +163,7 @@ class Executor:
     async def _segment(
         self,
         wire: Wire,
-        seq: int,
+        op: OpKey,
         seg: int,
         program: Program,
         arrays: Sequence[np.ndarray],
@@ -177,14 +172,13 @@ class Executor:
         meta: dict[str, Any] | None,
         rank: int,
         pending: list[Tracker],
-        tag: int | None,
     ) -> None:
         seg_meta = meta if seg == 0 else None
         digest, group_id, lost = sig.digest, self.group_id, self.departures.lost
         told = self._told
         # What the data headers say the collective is (a transfer's is its sender's call).
+        seq, tag = op.number, op.tag
         collective = sig.collective if tag is None else "send"
-        op_id: Any = seq if tag is None else None
         where = program.cuts.where[seg]
         copy_bit = LATE if seg >= program.first_late else EARLY
         dsts: list[int] = []  # the send group being gathered, and its headers
@@ -215,7 +209,7 @@ class Executor:
                 dsts, headers = [], []
                 continue
             into = where[w]
-            key: Key = (op_id if tag is None else (peer, rank, tag, seq), seg, peer, n)
+            key: Key = (op, seg, peer, n)
             header, frames = await wire.get(key)  # signature checked there
             if header.nbytes != into.nbytes:
                 raise CollectiveMismatch(

@@ -1,6 +1,7 @@
 """Matches arriving messages to the receives waiting for them.
 
-A message's key is ``(seq, segment, src, index)``: the collective's sequence number, the
+A message's key is ``(op, segment, src, index)``: the collective's sequence number (as an
+:class:`~p2pcoll.types.OpKey`), the
 pipeline segment, the sending rank, and how many messages that rank had already sent us in
 this (seq, segment). Because the index is in the key, messages may even arrive out of order;
 a strategy only has to post its sends and receives in a consistent order per pair of ranks,
@@ -8,10 +9,11 @@ and several collectives can be in flight at once without mixing.
 
 Point-to-point transfers (``Group.send``/``Group.recv``) are matched here too, under the
 same rules: only two ranks take part in one, so it has no collective sequence number but
-an operation id ``(src, dst, tag, count)``: the count is how many messages the sender had
-sent the receiver with that tag before (each side counts on its own: MPI's non-overtaking
-rule, per tag). The id takes the sequence number's place in the key; the collectives and
-each (src, dst, tag) are separate channels, each with its own record of what finished.
+its channel ``(src, dst, tag)`` and a count, how many messages the sender had sent the
+receiver with that tag before (each side counts on its own: MPI's non-overtaking rule, per
+tag). Either is an :class:`~p2pcoll.types.OpKey`, the first part of a message's key; the
+collectives and each (src, dst, tag) are separate channels, each with its own record of
+what finished.
 
 Every message's signature digest (what its sender thinks the collective is) is compared
 with this rank's own as soon as both are known, so ranks that disagree fail at the first
@@ -28,23 +30,13 @@ from typing import Any, Protocol
 
 from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
 from ..transport.base import Piece
-from ..types import Membership
+from ..types import Membership, OpKey
 from ..wire import Header, Signature
 
-# What a message belongs to: a collective's sequence number, or a point-to-point
-# transfer's (src, dst, tag, count).
-OpId = int | tuple[int, int, int, int]
-Key = tuple[OpId, int, int, int]  # (op, segment, src, index)
+Key = tuple[OpKey, int, int, int]  # (op, segment, src, index)
 Message = tuple[Header, list[Piece]]
 Channel = tuple[int, int, int] | None  # None: the collectives; (src, dst, tag): transfers
 MAX_SIGNATURES = 8192  # readable signatures kept, by (src, digest)
-
-
-def channel(op: OpId) -> tuple[Channel, int]:
-    """The channel of an operation and its number in it."""
-    if isinstance(op, int):
-        return None, op
-    return op[:3], op[3]
 
 
 class _Finished:
@@ -102,16 +94,16 @@ class Matcher:
         self.departures = departures
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
-        self._first_header: dict[OpId, Header] = {}  # op -> its first segment-0 header
-        self._first: dict[OpId, asyncio.Future[Header]] = {}  # op -> a first() waiting for it
-        self._failed: dict[OpId, P2PCollError] = {}
+        self._first_header: dict[OpKey, Header] = {}  # op -> its first segment-0 header
+        self._first: dict[OpKey, asyncio.Future[Header]] = {}  # op -> a first() waiting for it
+        self._failed: dict[OpKey, P2PCollError] = {}
         self._finished: dict[Channel, _Finished] = {None: _Finished()}
-        self._expected: dict[OpId, tuple[Signature, int]] = {}  # op -> (signature, my rank)
-        self._stalled: dict[OpId, set[int]] = {}  # op -> sources of cancelled receives
-        self._first_origin: dict[OpId, int] = {}  # op -> the rank a first() waits on
+        self._expected: dict[OpKey, tuple[Signature, int]] = {}  # op -> (signature, my rank)
+        self._stalled: dict[OpKey, set[int]] = {}  # op -> sources of cancelled receives
+        self._first_origin: dict[OpKey, int] = {}  # op -> the rank a first() waits on
         self._any_waiters: set[asyncio.Future[None]] = set()  # first_of_any()s: departures
-        self._noted: dict[OpId, Sequence[int]] = {}  # op -> whom a wait outside here is on
-        self._watched: dict[OpId, Callable[[Header], None]] = {}  # op -> told of each message
+        self._noted: dict[OpKey, Sequence[int]] = {}  # op -> whom a wait outside here is on
+        self._watched: dict[OpKey, Callable[[Header], None]] = {}  # op -> told of each message
         # (src, digest) -> the readable signature: a sender describes a digest to each peer
         # once (see the executor), on whichever message of it came first.
         self._signatures: dict[tuple[int, bytes], list[Any]] = {}
@@ -130,25 +122,25 @@ class Matcher:
             if len(signatures) >= MAX_SIGNATURES:
                 signatures.clear()  # only mismatch messages lose detail, never a result
             signatures[header.src, header.sig] = header.described
-        seq = self.op_of(header)
-        if seq in self._failed:
+        op = self.op_of(header)
+        if op in self._failed:
             return True  # that collective already failed here: late traffic is expected
-        if self.finished(seq):
+        if self.finished(op):
             return False
-        key = (seq, header.seg, header.src, header.step)
+        key = (op, header.seg, header.src, header.step)
         if key in self._buffered:
             raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)",
                                 reason="duplicate")
         if self._watched:
-            watcher = self._watched.get(seq)
+            watcher = self._watched.get(op)
             if watcher is not None:
                 watcher(header)
-        if seq in self._expected and not self._check(header):
+        if op in self._expected and not self._check(header):
             return True
-        if header.seg == 0 and seq not in self._first_header:
+        if header.seg == 0 and op not in self._first_header:
             # Kept for a first() that may come; a future only if one waits already.
-            self._first_header[seq] = header
-            first = self._first.get(seq)
+            self._first_header[op] = header
+            first = self._first.get(op)
             if first is not None and not first.done():
                 first.set_result(header)
         waiter = self._waiting.pop(key, None)
@@ -158,17 +150,17 @@ class Matcher:
             self._buffered[key] = (header, frames)
         return True
 
-    def op_of(self, header: Header) -> OpId:
+    def op_of(self, header: Header) -> OpKey:
         """The operation a data message for this rank belongs to."""
         if header.tag is None:
-            return header.seq
-        return (header.src, self.departures.membership.rank, header.tag, header.seq)
+            return OpKey(header.seq)
+        return OpKey(header.seq, header.tag, header.src, self.departures.membership.rank)
 
-    def expect(self, seq: OpId, sig: Signature, rank: int) -> None:
-        """Declare this rank's signature of collective ``seq`` and check what already came."""
-        self._expected[seq] = (sig, rank)
+    def expect(self, op: OpKey, sig: Signature, rank: int) -> None:
+        """Declare this rank's signature of collective ``op`` and check what already came."""
+        self._expected[op] = (sig, rank)
         for key, (header, _) in list(self._buffered.items()):
-            if key[0] == seq and not self._check(header):
+            if key[0] == op and not self._check(header):
                 return
 
     def _check(self, header: Header) -> bool:
@@ -182,11 +174,11 @@ class Matcher:
         self.fail(op, CollectiveMismatch(f"{what} {sig.collective}: {diff}"))
         return False
 
-    def leftover(self, seq: OpId) -> list[int]:
-        """Source ranks of messages of ``seq`` that arrived but were never received."""
+    def leftover(self, op: OpKey) -> list[int]:
+        """Source ranks of messages of ``op`` that arrived but were never received."""
         if not self._buffered:
             return []
-        return sorted({k[2] for k in self._buffered if k[0] == seq})
+        return sorted({k[2] for k in self._buffered if k[0] == op})
 
     def described(self, header: Header) -> list[Any] | None:
         """The readable signature of a data message's sender for its digest, if it has
@@ -195,12 +187,12 @@ class Matcher:
             return header.described
         return self._signatures.get((header.src, header.sig))
 
-    def stray(self, seq: OpId) -> Header | None:
-        """A header of a message of ``seq`` that arrived but was never received (one
+    def stray(self, op: OpKey) -> Header | None:
+        """A header of a message of ``op`` that arrived but was never received (one
         whose readable signature is known, if there is one), or None."""
         found = None
         for key, (header, _) in self._buffered.items():
-            if key[0] == seq:
+            if key[0] == op:
                 if self.described(header) is not None:
                     return header
                 found = found or header
@@ -213,9 +205,9 @@ class Matcher:
             P2PCollError: the collective was aborted, or the source rank is gone.
         Cancellation: consumes nothing; a message that arrives later is buffered.
         """
-        seq, _, src, _ = key
-        if seq in self._failed:
-            raise self._failed[seq]
+        op, _, src, _ = key
+        if op in self._failed:
+            raise self._failed[op]
         msg = self._buffered.pop(key, None)
         if msg is not None:
             return msg
@@ -227,42 +219,42 @@ class Matcher:
         try:
             return await fut
         except BaseException:
-            self._stalled.setdefault(seq, set()).add(src)  # for the error's message
+            self._stalled.setdefault(op, set()).add(src)  # for the error's message
             raise
         finally:
             if self._waiting.get(key) is fut:
                 del self._waiting[key]
 
-    async def first(self, seq: OpId, origin: int) -> Header:
-        """The header of the first segment-0 message of collective ``seq`` from anyone.
+    async def first(self, op: OpKey, origin: int) -> Header:
+        """The header of the first segment-0 message of collective ``op`` from anyone.
 
         ``origin`` is the rank the data comes from (a root), named while this waits. Which
         rank actually sends the first message depends on the strategy, which this rank learns
         only from that message, so the wait fails on ``origin``'s departure only if it left
         without taking its part (it was lost, or said goodbye before starting collective
-        ``seq``): a root that finished its part and left may still have its data come
+        ``op``): a root that finished its part and left may still have its data come
         through another rank, whose own loss then fails the receive that needs it.
         """
-        if seq in self._failed:
-            raise self._failed[seq]
-        header = self._first_header.get(seq)
+        if op in self._failed:
+            raise self._failed[op]
+        header = self._first_header.get(op)
         if header is not None:
             return header
-        fut = self._first.get(seq)
+        fut = self._first.get(op)
         if fut is None:
-            fut = self._first[seq] = asyncio.get_running_loop().create_future()
-        if not fut.done() and self._abandoned(origin, seq):
+            fut = self._first[op] = asyncio.get_running_loop().create_future()
+        if not fut.done() and self._abandoned(origin, op):
             raise self.departures.lost(origin)  # type: ignore[misc]
-        self._first_origin[seq] = origin
+        self._first_origin[op] = origin
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            self._stalled.setdefault(seq, set()).add(origin)  # for the timeout's message
+            self._stalled.setdefault(op, set()).add(origin)  # for the timeout's message
             raise
         finally:
-            self._first_origin.pop(seq, None)
+            self._first_origin.pop(op, None)
 
-    async def first_of_any(self, candidates: Mapping[int, OpId]) -> int:
+    async def first_of_any(self, candidates: Mapping[int, OpKey]) -> int:
         """The source rank among ``candidates`` (source -> the transfer it would send next)
         whose message has come; the lowest such rank if several have. Consumes nothing: the
         caller then receives that transfer as usual.
@@ -299,63 +291,62 @@ class Matcher:
             finally:
                 self._any_waiters.discard(departed)
 
-    def _abandoned(self, rank: int, seq: OpId) -> bool:
-        """Whether ``rank`` is gone without taking its part in ``seq``. A sender that has
+    def _abandoned(self, rank: int, op: OpKey) -> bool:
+        """Whether ``rank`` is gone without taking its part in ``op``. A sender that has
         gone in any way will not send a transfer's message that has not come: everything
         it sent before its goodbye arrived before the goodbye."""
-        if isinstance(seq, int):
-            return self.departures.abandoned(rank, seq)
+        if op.tag is None:
+            return self.departures.abandoned(rank, op.number)
         return self.departures.lost(rank) is not None
 
-    def failure(self, seq: OpId) -> P2PCollError | None:
-        """The recorded failure of collective ``seq``, if a peer aborted it."""
-        return self._failed.get(seq)
+    def failure(self, op: OpKey) -> P2PCollError | None:
+        """The recorded failure of collective ``op``, if a peer aborted it."""
+        return self._failed.get(op)
 
-    def finished(self, seq: OpId) -> bool:
-        """Whether collective ``seq`` has finished here (returned or failed)."""
-        chan, n = channel(seq)
-        done = self._finished.get(chan)
-        return done is not None and n in done
+    def finished(self, op: OpKey) -> bool:
+        """Whether collective ``op`` has finished here (returned or failed)."""
+        done = self._finished.get(op.channel)
+        return done is not None and op.number in done
 
-    def waiting_on(self, seq: OpId) -> list[int]:
-        """Source ranks that receives of collective ``seq`` are waiting for (or were, when
+    def waiting_on(self, op: OpKey) -> list[int]:
+        """Source ranks that receives of collective ``op`` are waiting for (or were, when
         they were cancelled: the deadline's cancellation leaves its answer here)."""
-        now = {k[2] for k in self._waiting if k[0] == seq}
-        now.update(self._noted.get(seq, ()))
-        if seq in self._first_origin:
-            now.add(self._first_origin[seq])
-        return sorted(now | self._stalled.get(seq, set()))
+        now = {k[2] for k in self._waiting if k[0] == op}
+        now.update(self._noted.get(op, ()))
+        if op in self._first_origin:
+            now.add(self._first_origin[op])
+        return sorted(now | self._stalled.get(op, set()))
 
-    def note_waiting(self, seq: OpId, ranks: Sequence[int]) -> None:
+    def note_waiting(self, op: OpKey, ranks: Sequence[int]) -> None:
         """An engine path that waits outside the matcher (the board) waits for ``ranks``
-        in ``seq``: :meth:`waiting_on` says so (a timeout's inquiry asks it)."""
-        self._noted[seq] = ranks
+        in ``op``: :meth:`waiting_on` says so (a timeout's inquiry asks it)."""
+        self._noted[op] = ranks
 
-    def watch(self, seq: OpId, callback: Callable[[Header], None]) -> None:
-        """Call ``callback(header)`` for each data message of ``seq`` that arrives from now
+    def watch(self, op: OpKey, callback: Callable[[Header], None]) -> None:
+        """Call ``callback(header)`` for each data message of ``op`` that arrives from now
         on, before it is matched or buffered as usual, until :meth:`unwatch` or
         :meth:`finish`: so an engine path that waits outside the matcher (the board) can
-        wake up when a peer sends instead. Replaces an earlier callback for ``seq``.
+        wake up when a peer sends instead. Replaces an earlier callback for ``op``.
 
         The callback runs in the transport's dispatch and must not raise; it is not called
         for a message that is dropped (its operation finished or failed here) or that
         repeats a key (a :class:`ProtocolError`).
         """
-        self._watched[seq] = callback
+        self._watched[op] = callback
 
-    def unwatch(self, seq: OpId) -> None:
-        """Stop calling the callback :meth:`watch` set for ``seq`` (if any)."""
-        self._watched.pop(seq, None)
+    def unwatch(self, op: OpKey) -> None:
+        """Stop calling the callback :meth:`watch` set for ``op`` (if any)."""
+        self._watched.pop(op, None)
 
-    def fail(self, seq: OpId, exc: P2PCollError) -> bool:
-        """Fail collective ``seq`` now and later. Returns False if it had already finished."""
-        if self.finished(seq):
+    def fail(self, op: OpKey, exc: P2PCollError) -> bool:
+        """Fail collective ``op`` now and later. Returns False if it had already finished."""
+        if self.finished(op):
             return False
-        self._failed.setdefault(seq, exc)
+        self._failed.setdefault(op, exc)
         for key, fut in list(self._waiting.items()):
-            if key[0] == seq and not fut.done():
+            if key[0] == op and not fut.done():
                 fut.set_exception(exc)
-        first = self._first.get(seq)
+        first = self._first.get(op)
         if first is not None and not first.done():
             first.set_exception(exc)
             first.exception()  # mark retrieved; a waiter may have gone
@@ -372,31 +363,31 @@ class Matcher:
         for key, fut in list(self._waiting.items()):
             if key[2] == rank and not fut.done():
                 fut.set_exception(exc)
-        for seq, origin in self._first_origin.items():
-            if origin == rank and self._abandoned(rank, seq):
-                first = self._first.get(seq)
+        for op, origin in self._first_origin.items():
+            if origin == rank and self._abandoned(rank, op):
+                first = self._first.get(op)
                 if first is not None and not first.done():
                     first.set_exception(exc)
                     first.exception()
 
-    def finish(self, seq: OpId) -> None:
-        """Forget everything about collective ``seq``; later messages for it are stale."""
-        chan, n = channel(seq)
+    def finish(self, op: OpKey) -> None:
+        """Forget everything about collective ``op``; later messages for it are stale."""
+        chan = op.channel
         done = self._finished.get(chan)
         if done is None:
             done = self._finished[chan] = _Finished()
-        done.add(n)
-        self._failed.pop(seq, None)
-        self._expected.pop(seq, None)
-        self._stalled.pop(seq, None)
-        self._noted.pop(seq, None)
-        self._watched.pop(seq, None)
-        self._first_header.pop(seq, None)
-        first = self._first.pop(seq, None)
+        done.add(op.number)
+        self._failed.pop(op, None)
+        self._expected.pop(op, None)
+        self._stalled.pop(op, None)
+        self._noted.pop(op, None)
+        self._watched.pop(op, None)
+        self._first_header.pop(op, None)
+        first = self._first.pop(op, None)
         if first is not None and not first.done():
             first.cancel()
         if self._buffered:
-            for key in [k for k in self._buffered if k[0] == seq]:
+            for key in [k for k in self._buffered if k[0] == op]:
                 del self._buffered[key]
 
     def close(self, exc: P2PCollError) -> None:

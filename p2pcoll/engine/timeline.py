@@ -231,8 +231,8 @@ class Tracer:
         timeline = self.timeline
         started = timeline.now()
         header, pieces = await self.inner.get(key)
-        op, seg, frm, n = key  # op: a collective's seq, or (src, dst, tag, count)
-        flow_seq = (op[3], op[2]) if isinstance(op, tuple) else (op, -1)
+        op, seg, frm, n = key  # op: the OpKey of a collective or a transfer
+        flow_seq = (op.number, -1 if op.tag is None else op.tag)
         flow = flow_id(timeline.group_id, flow_seq, seg, frm, self.rank, n)
         timeline.span(RECV, "recv", started, self._where(frm, n, seg, header), ends=(flow,))
         return header, pieces

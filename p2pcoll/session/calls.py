@@ -38,7 +38,7 @@ from ..pytree import TreeDef
 from ..registry import registry
 from ..settings import check_seconds
 from ..strategy import Context, Strategy, host_numbers
-from ..types import CustomOp, ReduceOp, fold_of
+from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
@@ -158,9 +158,9 @@ class RunnerSession(Protocol):
     @property
     def board(self) -> BoardPath | None: ...
 
-    def next_seq(self) -> int: ...
+    def next_seq(self) -> OpKey: ...
 
-    def next_transfer(self, src: int, dst: int, tag: int) -> tuple[int, int, int, int]: ...
+    def next_transfer(self, src: int, dst: int, tag: int) -> OpKey: ...
 
 
 class Runner:
@@ -295,19 +295,19 @@ class Runner:
         # bad schedule is this rank's own error, and the group stays usable.
         program = self.prepare(call) if call.learn is None else None
         if call.tag is None:
-            op_id: Any = session.next_seq()
+            op = session.next_seq()
         elif call.collective == "send":
-            op_id = session.next_transfer(self.rank, call.root or 0, call.tag)
+            op = session.next_transfer(self.rank, call.root or 0, call.tag)
         else:
-            op_id = session.next_transfer(call.root or 0, self.rank, call.tag)
+            op = session.next_transfer(call.root or 0, self.rank, call.tag)
         started, error = time.perf_counter(), None
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
             if program is not None and call.tag is None:
-                self._remember(op_id, program.sig)
-            async with session.failures.collective(op_id, call.collective, limit):
-                await self._execute(op_id, call, program)
+                self._remember(op.number, program.sig)
+            async with session.failures.collective(op, call.collective, limit):
+                await self._execute(op, call, program)
         except BaseException as exc:
             error = exc
             raise
@@ -317,16 +317,16 @@ class Runner:
                 time.perf_counter() - started, error if isinstance(error, P2PCollError) else None)
             if timeline is not None and (call.strategy_used == BOARD or self.size == 1):
                 # The executor traces what it runs; what it does not run is traced here.
-                args: dict[str, Any] = {"strategy": BOARD, "seq": op_id,
+                args: dict[str, Any] = {"strategy": BOARD, "seq": op.number,
                                         "bytes": sum(a.nbytes for a in call.flat)}
                 if error is not None:
                     args["error"] = f"{type(error).__name__}: {error}"
-                timeline.span(COLLECTIVE, f"{call.collective} #{op_id}", traced, args)
+                timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)
 
-    async def _execute(self, op_id: Any, call: Call, program: Prepared | None) -> None:
+    async def _execute(self, op: OpKey, call: Call, program: Prepared | None) -> None:
         session = self.session
         name = call.collective
         header = None
@@ -336,31 +336,31 @@ class Runner:
                 board = session.board
                 assert board is not None
                 if name == "broadcast":  # the root
-                    if await board.broadcast_root(op_id, call.flat, on_board):
+                    if await board.broadcast_root(op.number, call.flat, on_board):
                         call.strategy_used = BOARD
                         return
                 elif name == "barrier":
                     call.strategy_used = BOARD
-                    await board.barrier(op_id, program.sig)
+                    await board.barrier(op.number, program.sig)
                     return
                 else:
                     assert call.op is not None
                     call.strategy_used = BOARD
-                    await board.reduction(op_id, name, call.flat, fold_of(call.op),
+                    await board.reduction(op.number, name, call.flat, fold_of(call.op),
                                           call.op.value, program.sig, call.root, on_board)
                     return
         else:
             board = session.board if call.tag is None else None
             if board is not None and name == "broadcast" and self._on_board(call, 0):
-                got = await board.broadcast_receive(op_id, call.root or 0)
+                got = await board.broadcast_receive(op.number, call.root or 0)
                 if got is not None:
                     self._learn_board(call, *got)
                     call.strategy_used = BOARD
                     return
-            header = await session.matcher.first(op_id, call.root or 0)
-            program = self.prepare(call, self._learn_message(op_id, call, header))
+            header = await session.matcher.first(op, call.root or 0)
+            program = self.prepare(call, self._learn_message(op, call, header))
             if call.tag is None:
-                self._remember(op_id, program.sig)
+                self._remember(op.number, program.sig)
         call.strategy_used = program.strategy.name
         if self.size == 1:
             return  # a group of one: every collective leaves the data as it is
@@ -378,11 +378,9 @@ class Runner:
         meta = program.meta
         if header is not None and call.tag is None:
             meta = header.meta  # forward the layout too: this rank may be someone's first sender
-        await session.executor.run(seq=op_id if call.tag is None else op_id[3],
-                                   program=compiled, arrays=call.flat,
+        await session.executor.run(op=op, program=compiled, arrays=call.flat,
                                    ufunc=fold_of(call.op) if call.op is not None else None,
-                                   sig=program.sig, meta=meta, tag=call.tag,
-                                   strategy=program.strategy, peer=call.root)
+                                   sig=program.sig, meta=meta, strategy=program.strategy)
 
     def _remember(self, seq: int, sig: Signature) -> None:
         recent = self._recent
@@ -402,12 +400,12 @@ class Runner:
             return sum((a.nbytes + 7) & ~7 for a in call.flat) <= slot
         return True
 
-    def _learn_message(self, op_id: Any, call: Call, header: Header) -> Strategy:
+    def _learn_message(self, op: OpKey, call: Call, header: Header) -> Strategy:
         """A receiver learns the layout from the first message of its origin."""
         meta = header.meta
         origin = call.root or 0
-        what = (f"collective #{op_id} {call.collective}" if call.tag is None else
-                f"recv #{op_id[3]} from rank {origin} with tag {call.tag}")
+        what = (f"collective #{op.number} {call.collective}" if call.tag is None else
+                f"recv #{op.number} from rank {origin} with tag {call.tag}")
         if meta is None:
             described = self.session.matcher.described(header)
             theirs = (header.collective or (str(described[0]) if described else "")

@@ -39,13 +39,12 @@ from ..transport.endpoints import (
 from ..transport.sockets import SocketFactory
 from ..transport.zmq_mesh import ZmqMesh
 from ..types import Membership
-from .failure import FailureModel
 from .session import Session
 
 log = logging.getLogger("p2pcoll")
 
 
-async def form(settings: Settings, failures: FailureModel, sockets: SocketFactory,
+async def form(settings: Settings, sockets: SocketFactory,
                constants: Mapping[str, Constants], *,
                store: Any = None) -> tuple[Session, RendezvousServer | None]:
     """Form the group ``settings`` describe; returns its first session (with auto's
@@ -67,7 +66,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
     if store is not None:
         if rank is None or size is None:
             raise RendezvousError("forming through a torch store needs the rank and size")
-        return await _form_through_store(settings, failures, sockets, constants, store, rank,
+        return await _form_through_store(settings, sockets, constants, store, rank,
                                          size, deadline)
     if url is None and settings.world_size is None:
         warn_alone()  # a group of one that nothing asked for
@@ -104,7 +103,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
                     settings, address, endpoints, policy, sockets, me,
                     max(0.0, deadline - loop.time()))
         _check_reachable(policy.name, membership, me if url is not None else "")
-        session = await _start(membership, transport, settings, failures, constants, deadline)
+        session = await _start(membership, transport, settings, constants, deadline)
         if server is not None and elastic(settings) is None:
             await server.aclose()  # every peer has its roster: nothing left to serve
             server = None
@@ -119,7 +118,7 @@ async def form(settings: Settings, failures: FailureModel, sockets: SocketFactor
 
 
 async def _form_through_store(
-    settings: Settings, failures: FailureModel, sockets: SocketFactory,
+    settings: Settings, sockets: SocketFactory,
     constants: Mapping[str, Constants], store: Any, rank: int, size: int, deadline: float,
 ) -> tuple[Session, None]:
     """:func:`form` through torch's ``store``: the endpoints advertised are on the
@@ -141,7 +140,7 @@ async def _form_through_store(
                 choose=lambda h, addresses: policy.choose(me, h, addresses),
             )
             _check_reachable(policy.name, membership, me)
-        return await _start(membership, transport, settings, failures, constants, deadline), None
+        return await _start(membership, transport, settings, constants, deadline), None
     except BaseException:
         await transport.aclose()
         raise
@@ -153,12 +152,12 @@ def _alone(endpoints: list[str]) -> Membership:
 
 
 async def _start(membership: Membership, transport: ZmqMesh, settings: Settings,
-                 failures: FailureModel, constants: Mapping[str, Constants],
+                 constants: Mapping[str, Constants],
                  deadline: float) -> Session:
     """The session of a roster that was agreed on, started, once every peer said hello
     (the hellos bounded by the heartbeat, at least HELLO_MIN_WAIT, and the deadline).
     If that fails or is cancelled, the session is closed (the transport is the caller's)."""
-    session = Session(membership, transport, settings, failures, constants)
+    session = Session(membership, transport, settings, constants)
     try:
         session.start()
         left = deadline - asyncio.get_running_loop().time()

@@ -17,12 +17,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import PeerLost
+from ..errors import CLOSED, PeerLost
 from ..types import Membership
 
 log = logging.getLogger("p2pcoll")
 
 LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
+# What a lost link says of its peer (the transport does not yet tell which it was).
+GONE_HOW = ("its process was killed or crashed, or it stopped answering (frozen, overloaded "
+            "or cut off)")
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,9 @@ class Peers:
 
     def left(self, rank: int, started: int, told: frozenset[int] = frozenset()) -> None:
         """``rank`` said goodbye, having started ``started`` collectives, to ``told``."""
-        self._record(rank, Departure(PeerLost(f"rank {rank} left the group", rank), True,
-                                     started, told))
+        self._record(rank, Departure(PeerLost(
+            f"rank {rank} left the group: it closed it normally", rank, how=CLOSED,
+        ), True, started, told))
 
     def link_down(self, rank: int) -> None:
         """The link to ``rank`` went down: declare it lost unless it says goodbye meanwhile."""
@@ -77,8 +81,8 @@ class Peers:
             me = self.membership.rank
             log.warning("rank %d: lost the connection to rank %d", me, rank)
             self._record(rank, Departure(PeerLost(
-                f"rank {me} lost the connection to rank {rank} "
-                f"({self.membership.endpoints[rank]}): it closed or stopped answering", rank,
+                f"rank {rank} ({self.membership.endpoints[rank]}) is gone without closing "
+                f"the group: {GONE_HOW}; rank {me} lost the connection to rank {rank}", rank,
             ), False))
 
         asyncio.get_running_loop().call_later(LINK_LOSS_GRACE, declare)
@@ -91,9 +95,10 @@ class Peers:
         me = self.membership.rank
         log.warning("rank %d: rank %d reports that it lost rank %d", me, by, rank)
         self._record(rank, Departure(PeerLost(
-            f"rank {by} lost the connection to rank {rank} "
-            f"({self.membership.endpoints[rank]}): it closed or stopped answering "
-            f"(reported to rank {me})", rank,
+            f"rank {rank} ({self.membership.endpoints[rank]}) is gone without closing "
+            f"the group: {GONE_HOW}; rank {by} lost the connection to rank {rank} "
+            f"(reported to rank {me})",
+            rank,
         ), False))
 
     def close(self) -> None:

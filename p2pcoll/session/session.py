@@ -25,7 +25,7 @@ from ..errors import GroupBroken
 from ..settings import Settings
 from ..transport import overlay
 from ..transport.base import Transport
-from ..types import Membership
+from ..types import Membership, OpKey
 from ..wire import Header
 from . import control
 from .calls import Runner
@@ -39,14 +39,14 @@ class Session:
     """The state of one epoch of a group; see the module docstring."""
 
     def __init__(self, membership: Membership, transport: Transport, settings: Settings,
-                 failures: FailureModel,
                  constants: Mapping[str, Constants] = DEFAULT_CONSTANTS) -> None:
         self.membership = membership
         self.transport = transport
         self.settings = settings
-        self.failures = failures
         self.peers = Peers(membership, self._departed)
         self.matcher = Matcher(self.peers)
+        self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
+                                     transport)
         self.executor = Executor(
             transport, self.matcher, self.peers, membership.group_id,
             segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
@@ -75,7 +75,6 @@ class Session:
         self.run = self.runner.run
         if membership.world_size == 1:
             self.all_hello.set()
-        failures.attach(membership.rank, membership.group_id, self.matcher, transport)
 
     @property
     def rank(self) -> int:
@@ -103,21 +102,22 @@ class Session:
                 self._board.history = self.runner.recent
         return self._board
 
-    def next_seq(self) -> int:
-        """The next collective's sequence number; the same on every rank that agrees."""
+    def next_seq(self) -> OpKey:
+        """The next collective's key (its sequence number); the same on every rank that
+        agrees."""
         self.failures.check_usable()
         seq = self.seq
         self.seq += 1
-        return seq
+        return OpKey(seq)
 
-    def next_transfer(self, src: int, dst: int, tag: int) -> tuple[int, int, int, int]:
-        """The id of the next point-to-point transfer from ``src`` to ``dst`` with ``tag``
-        (one of them this rank): ``(src, dst, tag, count)``, the same on both ranks."""
+    def next_transfer(self, src: int, dst: int, tag: int) -> OpKey:
+        """The key of the next point-to-point transfer from ``src`` to ``dst`` with ``tag``
+        (one of them this rank), the same on both ranks."""
         self.failures.check_usable()
         channel = (src, dst, tag)
         count = self.transfers[channel]
         self.transfers[channel] = count + 1
-        return (src, dst, tag, count)
+        return OpKey.transfer(src, dst, tag, count)
 
     def read_report(self, header: Header) -> None:
         """A goodbye, or news of one (validated), that says what broke its peer's group:

@@ -110,6 +110,7 @@ strings, lists and maps. Decoding and checking a received message happens in one
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ from functools import lru_cache
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ..strategy import COLLECTIVES
 
@@ -209,14 +211,57 @@ class Signature:
             return (f"rank {them} sent a message of another collective signature than "
                     f"rank {me}'s {self.text()}")
         diffs = [
-            f"{name}: rank {me} has {a!r}, rank {them} has {b!r}"
+            f"{name}: rank {me} has {shown(name, a)}, rank {them} has {shown(name, b)}"
             for name, a, b in zip(SIGNATURE_FIELDS, self.fields, theirs, strict=False)
             if a != b
         ]
         return "; ".join(diffs) or f"rank {them}'s signature differs from rank {me}'s"
 
     def text(self) -> str:
-        return ", ".join(f"{n}={v!r}" for n, v in zip(SIGNATURE_FIELDS, self.fields, strict=True))
+        return ", ".join(f"{n}={shown(n, v)}"
+                         for n, v in zip(SIGNATURE_FIELDS, self.fields, strict=True))
+
+
+# One leaf of a signature's data field: numpy's dtype code and the shape as a tuple
+# (``<f4(4,)``, ``|i1(2, 3)``, ``<f8()``), as p2pcoll.session.calls.describe_data writes it.
+_LEAF = re.compile(r"([<>|=])([biufc])(\d+)\(((?:\d+, )*\d*),?\)")
+
+
+def shown(name: str, value: Any) -> str:
+    """A signature field as error messages show it: the data field in the user's terms
+    (``float32[4]``, see :func:`readable_data`), the others as Python literals."""
+    if name == "data" and isinstance(value, str):
+        return readable_data(value)
+    return repr(value)
+
+
+def readable_data(text: str) -> str:
+    """The data field of a signature (``<pytree>|<leaf>,<leaf>...``, each leaf numpy's dtype
+    code and shape: ``*|<f4(4,)``) in the user's terms: ``float32[4]``, ``int8[2, 3]``,
+    ``float64 scalar``, with the pytree named unless it is one array. What the ranks
+    compare (and the wire carries) is unchanged; a text not of that form is shown as is."""
+    tree, bar, leaves = text.partition("|")
+    if not bar:
+        return text  # a long layout, by its digest
+    shown_leaves = []
+    at = 0
+    while at < len(leaves):
+        match = _LEAF.match(leaves, at)
+        if match is None:
+            return repr(text)
+        order, kind, size, dims = match.groups()
+        try:
+            dtype = np.dtype(f"{order}{kind}{size}").name
+        except (TypeError, ValueError):
+            return repr(text)
+        shown_leaves.append(f"{dtype}[{dims}]" if dims else f"{dtype} scalar")
+        at = match.end()
+        if at < len(leaves):
+            if leaves[at] != ",":
+                return repr(text)
+            at += 1
+    body = ", ".join(shown_leaves) or "no arrays"
+    return body if tree in ("*", "None") else f"{body} in pytree {tree}"
 
 
 @lru_cache(maxsize=4096)
