@@ -10,7 +10,8 @@ import p2pcoll
 from p2pcoll.errors import ProtocolError
 from p2pcoll.engine.layout import Layout
 from p2pcoll.strategy import ALL
-from p2pcoll.types import check_dtype, flatten, unflatten
+from p2pcoll.pytree import flatten, unflatten
+from p2pcoll.types import check_dtype
 from p2pcoll.wire import (
     WIRE_VERSION,
     Header,
