@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -75,8 +74,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ReplicaDivergence
+from ..session.failure import GroupState
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
+from .fragments import split_fragments
 from .modes import (
     Traffic,
     agree_on,
@@ -309,7 +310,7 @@ class DiLoCo:
         self.model = _Model(params, "DiLoCo")
         self.codec = check_codec(codec, [s.dtype for s in self.model.specs], group.world_size)
         self.error_feedback = bool(error_feedback)
-        self.fragments = _fragments(self.model.specs, self.model.names, fragments,
+        self.fragments = split_fragments(self.model.specs, self.model.names, fragments,
                                     self.inner_steps)
         if (not isinstance(overlap, int) or isinstance(overlap, bool)
                 or not 0 <= overlap <= self.inner_steps):
@@ -395,14 +396,14 @@ class DiLoCo:
         for f in sorted(self._in_flight):
             if self._in_flight[f][0] <= self.step:
                 _, task = self._in_flight.pop(f)
-                self._apply(f, await task)
+                self._apply(f, await self._outcome(task))
                 applied = True
         for f, offset in enumerate(self._offsets):
             if (self.step - offset) % self.inner_steps:
                 continue  # steps offset, offset + H, ...: fragment 0 first at H
             task = self._start(f)
             if self.overlap == 0:
-                self._apply(f, await task)
+                self._apply(f, await self._outcome(task))
                 applied = True
             else:
                 self._in_flight[f] = (self.step + self.overlap, task)
@@ -418,9 +419,47 @@ class DiLoCo:
         done = 0
         for f in sorted(self._in_flight):
             _, task = self._in_flight.pop(f)
-            self._apply(f, await task)
+            self._apply(f, await self._outcome(task))
             done += 1
         return done
+
+    async def _outcome(self, task: asyncio.Task[list[np.ndarray]]) -> list[np.ndarray]:
+        """The averaged pseudo-gradients of one exchange, the one place that awaits them.
+
+        When the exchange fails and takes the group with it (the group is no longer
+        ``ready``), or this call is cancelled, the other exchanges in flight cannot finish
+        either: they are ended here (cancelled if this call was) and awaited, so each ends
+        with the group's error, retrieved, instead of being left running to be reported as
+        a task exception never retrieved. A failure that leaves the group usable (a
+        mismatch, NaN in a pseudo-gradient) leaves the others in flight, due as before.
+        """
+        try:
+            return await task
+        except asyncio.CancelledError:
+            await self._end_in_flight(cancel=True)
+            raise
+        except BaseException:
+            if self.group.state is not GroupState.READY:
+                await self._end_in_flight(cancel=False)
+            raise
+
+    async def _end_in_flight(self, *, cancel: bool) -> None:
+        """End every exchange still in flight and retrieve how each ended."""
+        tasks = {task for _, task in self._in_flight.values()}
+        if self._last is not None:
+            tasks.add(self._last)
+        self._in_flight.clear()
+        self._last = None
+        pending = {task for task in tasks if not task.done()}
+        if cancel:
+            for task in pending:
+                task.cancel()
+        if pending:
+            # On a group that broke each of them fails at its next collective.
+            await asyncio.wait(pending)
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()  # retrieved: the error is the group's, raised already
 
     def _start(self, f: int) -> asyncio.Task[list[np.ndarray]]:
         """Start fragment f's exchange: its pseudo-gradient, taken now, averaged in a task
@@ -573,57 +612,3 @@ def _leaves(tree: Pytree) -> list[np.ndarray]:
 
 def _bucket_bytes(bucket_bytes: int | None) -> int:
     return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Rows ``start:stop`` of tensor ``index`` (all of a 0-d tensor), named for messages."""
-
-    index: int
-    start: int
-    stop: int
-    name: str
-
-    def of(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        """The piece of its tensor in ``arrays``: a view (writes go to the tensor)."""
-        array = arrays[self.index]
-        return array[...] if array.ndim == 0 else array[self.start:self.stop]
-
-
-def _fragments(specs: Sequence[TensorSpec], names: Sequence[str], count: Any,
-               inner_steps: int) -> list[list[_Piece]]:
-    """``count`` fragments of nearly equal size: the non-empty tensors in leaf order, laid end
-    to end and cut into ``count`` runs, each row going to the fragment its first element
-    falls in.
-
-    Raises:
-        ValueError: ``count`` is not an int in [1, H], or rows too large leave a fragment
-            empty.
-    """
-    if (not isinstance(count, int) or isinstance(count, bool)
-            or not 1 <= count <= inner_steps):
-        raise ValueError(f"fragments must be an int in [1, inner_steps={inner_steps}], got "
-                         f"{count!r}")
-    tensors = [i for i, spec in enumerate(specs) if spec.size]
-    total = sum(specs[i].size for i in tensors)
-    fragments: list[list[_Piece]] = [[] for _ in range(count)]
-    done = 0  # elements laid down before this tensor
-    for i in tensors:
-        spec, name = specs[i], names[i]
-        if not spec.shape:
-            fragments[done * count // total].append(_Piece(i, 0, 0, name))
-            done += 1
-            continue
-        rows = spec.shape[0]
-        owner = (done + np.arange(rows, dtype=np.int64) * (spec.size // rows)) * count // total
-        bounds = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), rows]
-        for a, b in itertools.pairwise(bounds):
-            fragments[int(owner[a])].append(
-                _Piece(i, a, b, name if (a, b) == (0, rows) else f"{name}[{a}:{b}]"))
-        done += spec.size
-    empty = [f for f, pieces in enumerate(fragments) if not pieces]
-    if empty:
-        raise ValueError(f"fragments={count} leaves fragment {empty[0]} empty: a row of a "
-                         f"tensor holds more than 1/{count} of the parameters; use fewer "
-                         f"fragments")
-    return fragments
