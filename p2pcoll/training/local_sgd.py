@@ -66,9 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,101 +75,25 @@ from ..errors import ReplicaDivergence
 from ..session.failure import GroupState
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
+from .compressors import make_compressor
 from .fragments import split_fragments
 from .modes import (
     Traffic,
     agree_on,
     average,
     check_codec,
-    float_tensors,
     positive_int,
     report_nonfinite,
     wire_bytes,
 )
 from .nonfinite import Nonfinite, check_nonfinite
+from .outer import Model, OuterSGD
 from .state import state_of
 
 if TYPE_CHECKING:
     from .. import Group
 
 __all__ = ["DiLoCo", "DiLoCoRounds", "LocalSGD", "OuterSGD"]
-
-
-@dataclass(frozen=True)
-class OuterSGD:
-    """The outer optimizer: SGD with (Nesterov) momentum on the averaged pseudo-gradient.
-
-    Attributes:
-        lr: the outer learning rate (> 0; DiLoCo's paper: 0.7).
-        momentum: in [0, 1) (the paper: 0.9); 0 is plain SGD.
-        nesterov: Nesterov momentum (the paper's), else heavy ball.
-
-    Raises:
-        ValueError: an ``lr`` that is not a finite number > 0, a momentum outside [0, 1).
-    """
-
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-
-    def __post_init__(self) -> None:
-        if (not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool)
-                or not math.isfinite(self.lr) or self.lr <= 0):
-            raise ValueError(f"outer_lr must be a finite number > 0, got {self.lr!r}")
-        if (not isinstance(self.momentum, (int, float)) or isinstance(self.momentum, bool)
-                or not 0 <= self.momentum < 1):
-            raise ValueError(f"outer_momentum must be a number in [0, 1), got "
-                             f"{self.momentum!r}")
-
-    def apply(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
-              delta: Sequence[np.ndarray]) -> None:
-        """One step, in place on ``params`` and ``velocity``: element-wise numpy in a fixed
-        order, so equal inputs give equal bits on every rank."""
-        for p, v, d in zip(params, velocity, delta, strict=True):
-            lr, mu = p.dtype.type(self.lr), p.dtype.type(self.momentum)
-            if self.momentum == 0:
-                step = d
-            else:
-                v *= mu
-                v += d
-                step = d + mu * v if self.nesterov else v
-            p -= lr * step
-
-    def settings(self) -> dict[str, Any]:
-        return {"outer_lr": float(self.lr), "outer_momentum": float(self.momentum),
-                "nesterov": bool(self.nesterov)}
-
-
-class _Model:
-    """The caller's parameters: names, specs, and writable arrays (views of tensors)."""
-
-    def __init__(self, params: Pytree, what: str) -> None:
-        self.tree = params
-        self.names, self.arrays, self.specs = float_tensors(params, what)
-        if not self.specs:
-            raise ValueError(f"{what} needs at least one parameter")
-        for name, array in zip(self.names, self.arrays, strict=True):
-            if not array.flags.writeable:
-                raise ValueError(f"{what}: parameter {name!r} is read-only; the exchanges "
-                                 f"write into it")
-
-    def reread(self, params: Pytree | None, what: str) -> None:
-        """Take the arrays of ``params`` (the same tensors, maybe new arrays) if given.
-
-        Raises:
-            ValueError: other names, shapes or dtypes than at the start.
-        """
-        if params is None:
-            return
-        _, arrays, specs = float_tensors(params, what)
-        if specs != self.specs:
-            raise ValueError(f"{what}: the parameters changed (names, shapes or dtypes) since "
-                             f"it was made")
-        self.tree, self.arrays = params, arrays
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
 
 
 class LocalSGD:
@@ -207,7 +129,7 @@ class LocalSGD:
                  timeout: float | None = None) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
-        self.model = _Model(params, "LocalSGD")
+        self.model = Model(params, "LocalSGD")
         self.bucket_bytes, self.strategy, self.timeout = bucket_bytes, strategy, timeout
         self.step = 0
         self.syncs = 0
@@ -282,6 +204,13 @@ class DiLoCo:
         bucket_bytes, strategy: as :func:`allreduce_gradients`.
         nonfinite: a NaN or Inf in a pseudo-gradient: "raise" :class:`NonFiniteGradients`
             naming the tensors (the outer state is left as it was), "warn", "ignore".
+        compressor: another way for the pseudo-gradients to travel, instead of a codec:
+            "topk2bit", each chunk's largest entries (``density`` of them) as 2-bit codes
+            against a step the group agrees, the rest kept for the next exchange (with
+            ``error_feedback``), summed exactly in the integer domain
+            (:mod:`.compressors`); None: the codec's way.
+        density: the share of the entries ``compressor`` sends, in (0, 1] (None: its
+            default, 1.5 %).
         timeout: seconds for each collective (default: the group's).
 
     Attributes:
@@ -293,7 +222,8 @@ class DiLoCo:
     Raises:
         ValueError: H < 1, a bad F, tau, mix, outer lr or momentum, no parameters, a
             read-only parameter; a codec that cannot average over this group (int8: more
-            than 127 ranks).
+            than 127 ranks); an unknown ``compressor``, a ``density`` outside (0, 1] or
+            without a compressor, both a codec and a compressor.
         UnknownCodec: no codec of that name (a ValueError; it lists the installed ones).
         TypeError: a parameter that is not floating-point; a codec that is not a name.
     """
@@ -303,11 +233,16 @@ class DiLoCo:
                  codec: str | None = None, error_feedback: bool = True, fragments: int = 1,
                  overlap: int = 0, mix: float = 0.0, bucket_bytes: int | None = None,
                  strategy: str | None = None, nonfinite: Nonfinite = "raise",
+                 compressor: str | None = None, density: float | None = None,
                  timeout: float | None = None) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.model = _Model(params, "DiLoCo")
+        self.model = Model(params, "DiLoCo")
+        self.compressor = make_compressor(compressor, density)
+        if self.compressor is not None and codec is not None:
+            raise ValueError(f"codec={codec!r} and compressor={compressor!r} are two ways to "
+                             f"send the pseudo-gradients; pass one")
         self.codec = check_codec(codec, [s.dtype for s in self.model.specs], group.world_size)
         self.error_feedback = bool(error_feedback)
         self.fragments = split_fragments(self.model.specs, self.model.names, fragments,
@@ -326,7 +261,8 @@ class DiLoCo:
         self.velocity = [np.zeros_like(a) for a in self.anchor]
         # What the codec lost of each tensor's pseudo-gradient, this rank's own.
         self.residuals = ([np.zeros_like(a) for a in self.anchor]
-                          if self.codec is not None and self.codec.lossy and self.error_feedback
+                          if self.error_feedback and (self.compressor is not None or (
+                              self.codec is not None and self.codec.lossy))
                           else None)
         self.step = 0
         self.outer_steps = 0
@@ -345,6 +281,8 @@ class DiLoCo:
                 "error_feedback": self.residuals is not None,
                 "fragments": len(self.fragments), "overlap": self.overlap, "mix": self.mix,
                 "nonfinite": self.nonfinite, "bucket_bytes": _bucket_bytes(self.bucket_bytes),
+                **(self.compressor.settings if self.compressor is not None
+                   else {"compressor": None}),
                 **self.outer.settings()}
 
     def offset(self, fragment: int) -> int:
@@ -379,7 +317,8 @@ class DiLoCo:
 
         Raises:
             CollectiveMismatch: the ranks are at different inner steps or rounds, or disagree
-                on H, F, the codec, the outer optimizer or the tensors (named, every rank).
+                on H, F, the codec, the compressor or its density, the outer optimizer or
+                the tensors (named, every rank).
             ReplicaDivergence: at a fragment's first exchange, the ranks' global parameters
                 (those they gave DiLoCo) differ: broadcast them first.
             NonFiniteGradients: an averaged pseudo-gradient holds NaN or Inf; that fragment's
@@ -492,17 +431,26 @@ class DiLoCo:
                     f"DiLoCo started from different parameters on different ranks ({exc}); "
                     f"give every rank the same parameters before making it "
                     f"(training.broadcast_parameters)", exc.ranks, exc.tensor) from None
-            averaged = await average(
-                self.group, delta, names=[s.name for s in specs], codec=self.codec,
-                residuals=residuals, nonfinite=self.nonfinite, round_no=round_no,
-                bucket_bytes=self.bucket_bytes, strategy=self.strategy, timeout=self.timeout)
+            if self.compressor is not None:
+                averaged = await self.compressor.average(
+                    self.group, delta, residuals, names=[s.name for s in specs],
+                    round_no=round_no, nonfinite=self.nonfinite, strategy=self.strategy,
+                    timeout=self.timeout)
+            else:
+                averaged = await average(
+                    self.group, delta, names=[s.name for s in specs], codec=self.codec,
+                    residuals=residuals, nonfinite=self.nonfinite, round_no=round_no,
+                    bucket_bytes=self.bucket_bytes, strategy=self.strategy,
+                    timeout=self.timeout)
             report_nonfinite("DiLoCo's averaged pseudo-gradient", [s.name for s in specs],
                              averaged, self.nonfinite, round_no)
             return averaged
 
         self._last = asyncio.ensure_future(exchange())
         self.traffic.rounds += 1
-        self.traffic.sent_bytes += wire_bytes(delta, self.codec)
+        self.traffic.sent_bytes += (
+            wire_bytes(delta, self.codec) if self.compressor is None
+            else self.compressor.message_bytes([d.size for d in delta], self.group.world_size))
         return self._last
 
     def _apply(self, f: int, averaged: list[np.ndarray]) -> None:
@@ -563,7 +511,7 @@ class DiLoCoRounds:
                  timeout: float | None = None) -> None:
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.model = _Model(params, "DiLoCoRounds")
+        self.model = Model(params, "DiLoCoRounds")
         self.inner, self.timeout = inner, timeout
         self.state: dict[str, Pytree] = {
             "params": replace_leaves(params, [a.copy() for a in self.model.arrays]),
