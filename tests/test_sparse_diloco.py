@@ -102,7 +102,7 @@ def inputs(n: int, shapes: Sequence[tuple[int, ...]], seed: int
     return deltas, residuals
 
 
-@pytest.mark.parametrize("density", [0.015, 0.2])
+@pytest.mark.parametrize("density", [0.015, 0.2, 0.9])  # 0.9: the dense way
 async def test_the_accumulator_keeps_exactly_what_was_not_sent(density: float) -> None:
     """Per rank: where nothing was sent the accumulator is delta + residual bit for bit;
     k entries per chunk were sent, each a code in {-2, -1, 1, 2} times the chunk's step
@@ -143,7 +143,9 @@ async def test_the_accumulator_keeps_exactly_what_was_not_sent(density: float) -
             # sent s or 2 s, and the rank that held that largest one sent 2 s.
             every = np.concatenate(magnitudes)
             step = every.max() / 2
-            assert set(np.unique(every).tolist()) <= {step, 2 * step}
+            # (a - kept is the code times the step up to the rounding of kept, see above)
+            assert np.all(np.isclose(every, step, rtol=1e-6, atol=0)
+                          | np.isclose(every, 2 * step, rtol=1e-6, atol=0))
         total = np.sum(sent, axis=0)
         np.testing.assert_allclose(averaged[0][t].reshape(-1).astype(np.float64) * n, total,
                                    rtol=1e-6, atol=0)
@@ -171,7 +173,7 @@ async def test_the_sparse_and_the_dense_sums_give_the_same_bits() -> None:
         def dense(self, sizes: Sequence[int], world_size: int) -> bool:
             return False
 
-    n, shapes, density = 2, [(CHUNK + 10,), (3,)], 0.5
+    n, shapes, density = 2, [(CHUNK + 10,), (3,)], 0.9
     assert TopK2Bit(density).dense([CHUNK + 10, 3], n), "this density sums densely"
     deltas, residuals = inputs(n, shapes, seed=3)
     dense_res = [[e.copy() for e in es] for es in residuals]
@@ -198,7 +200,7 @@ async def test_bytes_are_thousands_of_times_fewer_than_per_step_fp32() -> None:
 
     for diloco in await on_groups(4, rank):
         selected = 16 * 62  # ceil(0.015 * 4096) of each chunk
-        per_exchange = 16 * 4 + 2 * selected + selected // 4  # maxima, indices, 2-bit codes
+        per_exchange = 16 * 4 + 3 * selected // 2 + selected // 4  # maxima, indices, codes
         assert diloco.traffic.rounds == 2
         assert diloco.traffic.sent_bytes == 2 * per_exchange
         assert diloco.traffic.ratio >= 3000

@@ -20,7 +20,7 @@ exchange, on every rank::
     out    = Q * s / p                     the average, the same bits on every rank
 
 ``Q`` is gathered one of two ways, chosen from (p, k, chunk) alone so every rank chooses
-the same: the *sparse* way, an allgather of each rank's indices (uint16 within the chunk)
+the same: the *sparse* way, an allgather of each rank's indices (12 bits within the chunk)
 and packed codes, summed by every rank in rank order; or, when p ranks' entries could
 cover as many bytes as the dense chunk (the union is dense), the *dense* way, an allreduce
 of the codes laid out densely (int8; int16 beyond 63 ranks), which the strategies run as a
@@ -32,11 +32,14 @@ it was, ``e`` is ``a - q * s`` rounded once to the tensor's dtype (exact when ``
 half a float32). So what was sent plus what was kept is what there was, to half a unit in
 the last place of the kept value.
 
-Bytes: each rank hands ``k`` times (2 + 1/4) bytes per chunk to the allgather, plus 4
-bytes of its chunk maxima: at density 1.5 % about 0.035 bytes per float32 element, 115x
-fewer than the element's 4; DiLoCo with H = 50 makes that about 5,700x fewer than a
-per-step float32 allreduce. An allgather delivers every rank's message to every rank, so
-what each rank *receives* grows with p (``p - 1`` messages), what it hands over does not.
+Bytes: each rank hands ``k`` times (1.5 + 0.25) bytes per chunk to the allgather (12-bit
+indices, 2-bit codes), plus 4 bytes of its chunk maxima: at density 1.5 % about 0.027
+bytes per float32 element, 150x fewer than the element's 4; DiLoCo with H = 50 makes that
+about 7,500x fewer than a per-step float32 allreduce hands over. On the wire an allgather
+delivers every rank's message to every other, ``(p - 1) m`` bytes sent per rank, where a
+ring allreduce of n floats sends ``2 (p - 1) / p * 4 n``: the advantage over the dense
+allreduce shrinks as p grows, about ``300 H / p`` at 1.5 %, and past
+``p m >= 2 n`` (p about 75 at 1.5 %) the dense int8 codes are the cheaper way.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ if TYPE_CHECKING:
 __all__ = ["CHUNK", "COMPRESSORS", "Compressor", "TopK2Bit", "make_compressor"]
 
 CHUNK = 4096
-"""Elements per chunk of ``topk2bit``: one agreed step each, indices fit in uint16."""
+"""Elements per chunk of ``topk2bit``: one agreed step each; an index within it fits in
+12 bits."""
 
 
 class Compressor(ABC):
@@ -143,11 +147,11 @@ class TopK2Bit(Compressor):
         return sum(-(-n // self.chunk) for n in sizes)
 
     def dense(self, sizes: Sequence[int], world_size: int) -> bool:
-        """Whether the codes travel densely: p ranks' sparse messages would carry as many
-        bytes as the dense codes (the union of the indices is dense)."""
-        total = sum(sizes)
-        return world_size * _sparse_bytes(self._selected(sizes)) >= total * _code_dtype(
-            world_size).itemsize
+        """Whether the codes travel densely: each rank would send as many bytes in the
+        allgather of p sparse messages, (p - 1) m, as in an allreduce of the dense codes,
+        2 (p - 1) / p n (the union of the indices is dense)."""
+        dense_bytes = sum(sizes) * _code_dtype(world_size).itemsize
+        return world_size * _sparse_bytes(self._selected(sizes)) >= 2 * dense_bytes
 
     def message_bytes(self, sizes: Sequence[int], world_size: int) -> int:
         scales = 4 * self._chunks(sizes)
@@ -248,11 +252,10 @@ class TopK2Bit(Compressor):
             bounds = np.cumsum([0, *sizes])
             return [summed[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
         # The sparse way: each rank's chunk-local indices and packed codes, gathered.
-        local = [(idx - np.repeat(self._layout(n)[0], self._layout(n)[1])).astype(np.uint16)
-                 for n, idx in zip(sizes, picks, strict=True)]
+        local = [idx - np.repeat(*self._layout(n)) for n, idx in zip(sizes, picks, strict=True)]
         selected = sum(idx.size for idx in picks)
         message = np.concatenate([
-            np.concatenate(local or [np.empty(0, np.uint16)]).view(np.uint8),
+            _pack_indices(np.concatenate(local or [np.empty(0, np.int64)])),
             _pack(np.concatenate(codes or [np.empty(0, np.int8)]))])
         messages = await group.allgather(message, strategy=strategy, timeout=timeout)
         out = [np.zeros(n, np.int64) for n in sizes]
@@ -261,8 +264,9 @@ class TopK2Bit(Compressor):
             if got.size != _sparse_bytes(selected):
                 raise ProtocolError(f"topk2bit: a rank sent {got.size} bytes, expected "
                                     f"{_sparse_bytes(selected)}")
-            indices = got[:2 * selected].view(np.uint16).astype(np.int64)
-            qs = _unpack(got[2 * selected:], selected)
+            split = _index_bytes(selected)
+            indices = _unpack_indices(got[:split], selected)
+            qs = _unpack(got[split:], selected)
             at = 0
             for o, n in zip(out, sizes, strict=True):
                 starts, ks = self._layout(n)
@@ -300,8 +304,29 @@ def _code_dtype(world_size: int) -> np.dtype[Any]:
 
 
 def _sparse_bytes(selected: int) -> int:
-    """A rank's sparse message: a uint16 index and a 2-bit code per selected entry."""
-    return 2 * selected + -(-selected // 4)
+    """A rank's sparse message: a 12-bit index and a 2-bit code per selected entry."""
+    return _index_bytes(selected) + -(-selected // 4)
+
+
+def _index_bytes(selected: int) -> int:
+    return 3 * -(-selected // 2)
+
+
+def _pack_indices(indices: np.ndarray) -> np.ndarray:
+    """Indices in [0, 4096) as 12 bits each, two to three bytes (little-endian nibbles)."""
+    pairs = np.concatenate([indices, np.zeros(indices.size % 2, np.int64)]).reshape(-1, 2)
+    a, b = pairs[:, 0], pairs[:, 1]
+    packed = np.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=1)
+    out: np.ndarray = packed.astype(np.uint8).reshape(-1)
+    return out
+
+
+def _unpack_indices(packed: np.ndarray, count: int) -> np.ndarray:
+    triples = packed.reshape(-1, 3).astype(np.int64)
+    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    indices: np.ndarray = np.stack([a, b], axis=1).reshape(-1)[:count]
+    return indices
 
 
 def _per_entry(steps: np.ndarray, ks: np.ndarray) -> np.ndarray:
