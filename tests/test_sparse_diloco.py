@@ -122,10 +122,11 @@ async def test_the_accumulator_keeps_exactly_what_was_not_sent(density: float) -
         starts = list(range(0, size, CHUNK))
         sent = [(before[r][t] - residuals[r][t]).astype(np.float64).reshape(-1)
                 for r in range(n)]
+        exact = [np.zeros(size) for _ in range(n)]  # code times step, exactly
         for lo in starts:
             hi = min(size, lo + CHUNK)
             k = compressor.k_of(hi - lo)
-            magnitudes: list[np.ndarray] = []
+            chosen: list[np.ndarray] = []
             for r in range(n):
                 a = before[r][t].reshape(-1)[lo:hi]
                 kept = residuals[r][t].reshape(-1)[lo:hi]
@@ -138,15 +139,17 @@ async def test_the_accumulator_keeps_exactly_what_was_not_sent(density: float) -
                 err = np.abs(a.astype(np.float64) - (kept.astype(np.float64)
                                                      + sent[r][lo:hi]))
                 assert np.all(err <= np.spacing(np.abs(kept)) / 2)
-                magnitudes.append(np.abs(sent[r][lo:hi][where]))
-            # The step s is half the largest selected magnitude over the ranks: every rank
-            # sent s or 2 s, and the rank that held that largest one sent 2 s.
-            every = np.concatenate(magnitudes)
-            step = every.max() / 2
-            # (a - kept is the code times the step up to the rounding of kept, see above)
-            assert np.all(np.isclose(every, step, rtol=1e-6, atol=0)
-                          | np.isclose(every, 2 * step, rtol=1e-6, atol=0))
-        total = np.sum(sent, axis=0)
+                chosen.append(where)
+            # The step s is half the largest selected magnitude over the ranks (the rank
+            # that held it sent exactly 2 s); every rank sent a code in {-2, -1, 1, 2} times
+            # s (a - kept is that up to kept's rounding, see above).
+            step = max(np.abs(sent[r][lo:hi][w]).max() for r, w in enumerate(chosen)) / 2
+            for r, where in enumerate(chosen):
+                codes = np.rint(sent[r][lo:hi][where] / step)
+                assert set(codes.tolist()) <= {-2, -1, 1, 2}
+                np.testing.assert_allclose(sent[r][lo:hi][where], codes * step, rtol=1e-6)
+                exact[r][lo:hi][where] = codes * step
+        total = np.sum(exact, axis=0)
         np.testing.assert_allclose(averaged[0][t].reshape(-1).astype(np.float64) * n, total,
                                    rtol=1e-6, atol=0)
 
