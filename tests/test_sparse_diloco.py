@@ -260,3 +260,20 @@ async def test_ranks_that_disagree_are_told_before_anything_moves(
         np.testing.assert_array_equal(got, np.full(3, 2.0))
 
     await on_groups(2, rank)
+
+
+async def test_nan_in_a_pseudo_gradient_is_reported_by_name_and_not_applied() -> None:
+    async def rank(group: p2pcoll.Group) -> None:
+        params = model()
+        diloco = training.DiLoCo(group, params, inner_steps=1, compressor="topk2bit",
+                                 timeout=TIMEOUT)
+        if group.rank == 1:
+            params["small"][3, 4] = np.nan
+        with pytest.raises(training.NonFiniteGradients, match="'small'"):
+            await diloco.after_inner_step()
+        for name, anchor in zip(sorted(params), diloco.anchor, strict=True):
+            np.testing.assert_array_equal(anchor, model()[name])  # nothing applied
+        assert diloco.residuals is not None
+        assert not any(r.any() for r in diloco.residuals)  # nothing kept either
+
+    await on_groups(2, rank)

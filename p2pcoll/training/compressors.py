@@ -155,8 +155,6 @@ class TopK2Bit(Compressor):
 
     def message_bytes(self, sizes: Sequence[int], world_size: int) -> int:
         scales = 4 * self._chunks(sizes)
-        if world_size == 1:
-            return 0
         if self.dense(sizes, world_size):
             return scales + sum(sizes) * _code_dtype(world_size).itemsize
         return scales + _sparse_bytes(self._selected(sizes))
@@ -203,7 +201,7 @@ class TopK2Bit(Compressor):
                                                   strict=True):
                 sent = (q * _per_entry(s, k)).astype(a.dtype)
                 a[idx] -= sent
-                np.copyto(r.reshape(-1), a)
+                np.copyto(r, a.reshape(r.shape))  # r may be a view that cannot be flattened
         return results
 
     def _pick(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
