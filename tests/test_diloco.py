@@ -494,7 +494,7 @@ async def test_a_lost_peer_ends_every_streaming_exchange_in_flight_with_the_grou
         for group, exc in zip(groups[:3], errors[:3], strict=True):
             assert isinstance(exc, p2pcoll.PeerLost), exc
             assert exc is group.cause  # the group's own error, not a later one
-        assert isinstance(errors[3], p2pcoll.GroupBroken), errors[3]
+        assert isinstance(errors[3], p2pcoll.P2PCollError), errors[3]
     finally:
         for group in groups:
             await group.close()

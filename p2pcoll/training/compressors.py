@@ -35,7 +35,7 @@ the last place of the kept value.
 Bytes: each rank hands ``k`` times (1.5 + 0.25) bytes per chunk to the allgather (12-bit
 indices, 2-bit codes), plus 4 bytes of its chunk maxima: at density 1.5 % about 0.027
 bytes per float32 element, 150x fewer than the element's 4; DiLoCo with H = 50 makes that
-about 7,500x fewer than a per-step float32 allreduce hands over. On the wire an allgather
+about 7,300x fewer than a per-step float32 allreduce hands over. On the wire an allgather
 delivers every rank's message to every other, ``(p - 1) m`` bytes sent per rank, where a
 ring allreduce of n floats sends ``2 (p - 1) / p * 4 n``: the advantage over the dense
 allreduce shrinks as p grows, about ``300 H / p`` at 1.5 %, and past
