@@ -48,10 +48,11 @@ equal the anchor right after each exchange; between exchanges they are each work
 Cost in bytes per inner step (``N`` bytes of float parameters, plain allreduce = ``N`` per
 step): local SGD ``N / H``; DiLoCo ``N / H`` times the codec's ratio (int8: about a
 quarter of float32's), so DiLoCo with ``H = 50`` and int8 hands the network about 200x
-fewer bytes than a per-step allreduce; topk2bit at density 1.5 % hands over about 0.027
-bytes per float32 element, about 7,300x fewer with H = 50 (on the wire its allgather
-reaches p - 1 peers: about 3,800x fewer than an allreduce's at p = 4, 1,000x at 16);
-streaming DiLoCo the same on average, in pieces of ``N / F``. The agreement header adds 48 bytes per rank per exchange.
+fewer bytes than a per-step allreduce; streaming DiLoCo the same on average, in pieces of
+``N / F``; topk2bit at density 1.5 % hands over about 0.027 bytes per float32 element,
+about 7,300x fewer with H = 50 (on the wire its allgather reaches p - 1 peers: about
+3,800x fewer than an allreduce's at p = 4, 1,000x at 16). The agreement header adds 48
+bytes per rank per exchange.
 
 Overlap, what it does and does not do: an exchange in flight is an asyncio task on the
 group's event loop, so it advances only while the loop runs. :meth:`DiLoCo.after_inner_step`
