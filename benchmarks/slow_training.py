@@ -33,7 +33,13 @@ The modes differ only in what the workers exchange:
 - ``diloco_fp32``: DiLoCo with float32 pseudo-gradients (no codec; not one of the issue's);
 - ``streaming_diloco``: DiLoCo (int8) in F = 3 fragments synchronised at staggered steps,
   each exchange overlapping 5 inner steps, merged with alpha = 0.5;
+- ``diloco_topk2bit``: DiLoCo (H = 50) with sparse 2-bit pseudo-gradients,
+  ``compressor="topk2bit", density=0.015`` (1.5 % of each chunk of 4096, error feedback);
 - ``gloo_ddp``: torch's DistributedDataParallel over Gloo (tcp), the reference.
+
+``--scaling 4,8,16`` measures instead, without namespaces, how the bytes of one DiLoCo
+round grow with the number of peers: the MLP's shapes on memory-transport groups of each
+size, fp32 per-step allreduce against topk2bit, bytes sent per rank from ``group.stats()``.
 
 A mode p2pcoll does not have (yet) is reported as "not available", with the reason. Adding
 one is one function in MODES.
@@ -281,6 +287,14 @@ def mode_streaming_diloco(args: argparse.Namespace) -> Update:
         every_step=True)
 
 
+def mode_diloco_topk2bit(args: argparse.Namespace) -> Update:
+    diloco = _training("DiLoCo")
+    if "compressor" not in inspect.signature(diloco).parameters:
+        raise NotAvailable("training.DiLoCo has no compressor= yet")
+    return _outer_loop(lambda g, params: diloco(
+        g, params, inner_steps=50, compressor="topk2bit", density=0.015))
+
+
 def mode_gloo_ddp(args: argparse.Namespace) -> Update:
     async def step(group: Any, model: Any, optimizer: Any, step_no: int) -> bool:
         optimizer.step()  # DDP averaged the gradients during the backward pass
@@ -299,6 +313,7 @@ MODES: dict[str, Callable[[argparse.Namespace], Update]] = {
     "diloco_h100": mode_diloco_h100,
     "diloco_fp32": mode_diloco_fp32,
     "streaming_diloco": mode_streaming_diloco,
+    "diloco_topk2bit": mode_diloco_topk2bit,
     "gloo_ddp": mode_gloo_ddp,
 }
 
@@ -500,7 +515,7 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
 # (mode, fewer bytes per step at least, less time to the target at least, accuracy points
 # lost at most); None: no target for that figure.
 TARGETS = [("diloco", 400.0, 5.0, 1.0), ("diloco_h100", 400.0, 5.0, 1.0),
-           ("int8_ef", 4.0, None, 0.5)]
+           ("int8_ef", 4.0, None, 0.5), ("diloco_topk2bit", 3000.0, None, 0.5)]
 
 
 def targets(results: list[Result], args: argparse.Namespace) -> list[str]:
@@ -571,6 +586,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
     parser.add_argument("--plot", default="slow_training.png", help="the plot's PNG path")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode")
+    parser.add_argument("--scaling", default=None,
+                        help="peer counts (4,8,16): bytes per round on memory groups instead")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -589,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return worker(args)
+    if args.scaling is not None:
+        print(asyncio.run(scaling(args, [int(p) for p in args.scaling.split(",")])))
+        return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -638,6 +658,63 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, args.plot, title)
     print(f"\n(plot: {args.plot}; {time.monotonic() - started:.0f} s in all)")
     return 0
+
+
+async def _bytes_per_round(world: int, shapes: list[tuple[int, ...]], rounds: int,
+                           mode: str) -> float:
+    """Mean bytes each rank sent per round (group.stats()) on ``world`` memory groups: one
+    fp32 allreduce of the gradients (``mode="fp32"``), or one topk2bit DiLoCo exchange."""
+    import numpy as np
+
+    from p2pcoll import training
+    from p2pcoll.testing import memory_groups
+
+    groups = await memory_groups(world)
+
+    async def rank(group: Any) -> int:
+        start = np.random.default_rng(0)  # the same parameters on every rank
+        params = {f"t{i}": start.standard_normal(s).astype(np.float32)
+                  for i, s in enumerate(shapes)}
+        rng = np.random.default_rng(group.rank + 1)
+        diloco = training.DiLoCo(group, params, inner_steps=1, compressor="topk2bit",
+                                 density=0.015)
+        await group.barrier()
+        before = group.stats()["bytes_sent"]
+        for _ in range(rounds):
+            for v in params.values():  # a pseudo-gradient of the rank's own
+                v -= (0.01 * rng.standard_normal(v.shape)).astype(np.float32)
+            if mode == "fp32":
+                await training.allreduce_gradients(group, params, op="avg")
+            else:
+                await diloco.after_inner_step()
+        return int(group.stats()["bytes_sent"] - before)
+
+    try:
+        sent = await asyncio.gather(*(rank(g) for g in groups))
+    finally:
+        for g in groups:
+            await g.close()
+    return sum(sent) / world / rounds
+
+
+async def scaling(args: argparse.Namespace, worlds: list[int]) -> str:
+    """How one round's bytes grow with the peers: fp32 allreduce against topk2bit."""
+    import numpy as np
+
+    shapes = [(b, a) if i % 2 == 0 else (b,) for a, b in pairwise(args.widths)
+              for i in range(2)]
+    n = sum(int(np.prod(s)) for s in shapes)
+    lines = [f"Bytes per round per rank on memory groups, MLP {'-'.join(map(str, args.widths))}"
+             f" ({n / 1e6:.2f} M float32 parameters), topk2bit density 1.5 %; "
+             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n",
+             "| peers | fp32 allreduce KB/round | topk2bit KB/round | fewer bytes per round "
+             "| with H = 50 |", "|---|---|---|---|---|"]
+    for world in worlds:
+        dense = await _bytes_per_round(world, shapes, 2, "fp32")
+        sparse = await _bytes_per_round(world, shapes, 3, "topk2bit")
+        lines.append(f"| {world} | {dense / 1e3:.0f} | {sparse / 1e3:.1f} | "
+                     f"{dense / sparse:.0f}x | {50 * dense / sparse:.0f}x |")
+    return "\n".join(lines)
 
 
 def netns_rate_bits(rate: str) -> float:

@@ -6,6 +6,7 @@ bytes drop by about H, and ranks that disagree are told what differs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ import pytest
 
 import p2pcoll
 from p2pcoll import training
-from p2pcoll.testing import free_port, run_ranks
+from p2pcoll.testing import free_port, memory_groups, run_ranks
 
 TIMEOUT = 10.0
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
@@ -457,6 +458,51 @@ async def test_a_nan_pseudo_gradient_is_reported_and_not_applied() -> None:
         assert digest(diloco.global_state()) == before and diloco.outer_steps == 0
 
     await run_ranks(2, fn, collective_timeout=TIMEOUT)
+
+
+async def test_a_lost_peer_ends_every_streaming_exchange_in_flight_with_the_groups_error(
+) -> None:
+    """Streaming DiLoCo with several fragments' exchanges in flight; rank 3 vanishes. Each
+    survivor's after_inner_step raises the group's error and the other exchanges in flight
+    end with it too, retrieved: nothing reaches the loop as a task exception never
+    retrieved once the objects are gone (the victim's own flush likewise)."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    groups = await memory_groups(4, heartbeat_timeout=1.0)
+
+    async def rank(group: p2pcoll.Group) -> BaseException | None:
+        params = model(0)
+        # H = 8, F = 4: a fragment starts every 2 steps and stays in flight 6: three at once.
+        diloco = training.DiLoCo(group, params, inner_steps=8, fragments=4, overlap=6,
+                                 timeout=TIMEOUT)
+        try:
+            for step in range(1, 41):
+                for name, g in noisy_grads(params, group.rank, step).items():
+                    params[name] -= 0.01 * g
+                if group.rank == 3 and step == 12:  # in the middle of the second round
+                    group.session.transport.network.cut(group.membership.endpoints[3])
+                    await group.close()
+                    await diloco.flush()
+                await diloco.after_inner_step()
+        except p2pcoll.P2PCollError as exc:
+            return exc
+        return None
+
+    try:
+        errors = await asyncio.gather(*(rank(g) for g in groups))
+        for group, exc in zip(groups[:3], errors[:3], strict=True):
+            assert isinstance(exc, p2pcoll.PeerLost), exc
+            assert exc is group.cause  # the group's own error, not a later one
+        assert isinstance(errors[3], p2pcoll.P2PCollError), errors[3]
+    finally:
+        for group in groups:
+            await group.close()
+    del errors, groups, group, exc  # the exchanges go with the DiLoCo objects
+    for _ in range(3):
+        gc.collect()
+        await asyncio.sleep(0)
+    assert not unretrieved, [str(c.get("exception")) for c in unretrieved]
 
 
 # --- elastic: a peer lost mid outer step ----------------------------------------------------------

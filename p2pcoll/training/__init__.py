@@ -60,7 +60,8 @@ an allreduce of every gradient, each keeping the replicas bit-identical:
 of ``n m`` per matrix), :class:`TopK` (each rank's largest entries, with error feedback,
 over one allgather, summed in rank order), :class:`LocalSGD` (average the parameters every
 H steps) and :class:`DiLoCo` (an outer step with Nesterov momentum on the averaged
-parameter change every H steps, the change optionally sent through a codec; with
+parameter change every H steps, the change optionally sent through a codec or as sparse
+2-bit codes, ``compressor="topk2bit"``; with
 ``fragments=F`` the streaming variant, fragments synced at staggered steps, optionally
 overlapped with the inner steps); :class:`DiLoCoRounds` runs DiLoCo under
 :func:`train_elastic`. Their settings (rank r, fraction, H, F, codec ...) go into the
@@ -78,8 +79,9 @@ first-difference report), ``replicas`` (check_replicas), ``gradients``
 (allreduce_gradients), ``parameters`` (broadcast_parameters), ``reducer`` (GradientReducer,
 Round), ``nonfinite`` (NaN/Inf reports), ``state`` (round numbers per group), ``elastic``
 (train_elastic, ElasticResult, Formation), ``powersgd`` (PowerSGD), ``topk`` (TopK),
-``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds, OuterSGD), ``modes`` (what those share),
-``errors``.
+``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds), ``outer`` (OuterSGD), ``fragments``
+(streaming DiLoCo's fragments), ``compressors`` (DiLoCo's ``compressor=``: TopK2Bit),
+``modes`` (what those share), ``errors``.
 """
 
 from __future__ import annotations

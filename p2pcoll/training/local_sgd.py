@@ -12,8 +12,10 @@ bring the replicas together:
   parameters, with SGD and Nesterov momentum (:class:`OuterSGD`; the paper: lr 0.7,
   momentum 0.9). The pseudo-gradient can travel compressed (``codec="int8"`` or
   ``"fp16"``), since it is an update, not the weights; with a lossy codec what it loses of
-  each tensor is added to that tensor's next pseudo-gradient (error feedback). Every worker
-  then starts the next ``H`` steps from the new global parameters.
+  each tensor is added to that tensor's next pseudo-gradient (error feedback). Or sparse:
+  ``compressor="topk2bit", density=0.015`` sends 1.5 % of each chunk of the pseudo-gradient
+  as 2-bit codes and keeps the rest for the next exchange (:mod:`.compressors`). Every
+  worker then starts the next ``H`` steps from the new global parameters.
 - Streaming DiLoCo (Douillard et al. 2025, *Streaming DiLoCo with overlapping
   communication*): ``DiLoCo(..., fragments=F)`` splits the parameters into ``F`` fragments
   of nearly equal size (the tensors in leaf order, cut between rows where needed: one large
@@ -47,7 +49,10 @@ Cost in bytes per inner step (``N`` bytes of float parameters, plain allreduce =
 step): local SGD ``N / H``; DiLoCo ``N / H`` times the codec's ratio (int8: about a
 quarter of float32's), so DiLoCo with ``H = 50`` and int8 hands the network about 200x
 fewer bytes than a per-step allreduce; streaming DiLoCo the same on average, in pieces of
-``N / F``. The agreement header adds 48 bytes per rank per exchange.
+``N / F``; topk2bit at density 1.5 % hands over about 0.027 bytes per float32 element,
+about 7,300x fewer with H = 50 (on the wire its allgather reaches p - 1 peers: about
+3,800x fewer than an allreduce's at p = 4, 1,000x at 16). The agreement header adds 48
+bytes per rank per exchange.
 
 Overlap, what it does and does not do: an exchange in flight is an asyncio task on the
 group's event loop, so it advances only while the loop runs. :meth:`DiLoCo.after_inner_step`
@@ -56,7 +61,10 @@ queued even while Python computes; for the network to move during the whole inne
 the step's computation in a thread (``await asyncio.to_thread(train_step, batch)``: numpy
 and torch release the GIL in their kernels), and the loop drives the exchange meanwhile.
 Exchanges are chained: each starts its collectives only after the previous one finished, so
-every rank issues the same collectives in the same order.
+every rank issues the same collectives in the same order. An exchange that fails and takes
+the group with it (a peer lost) ends the others in flight too: the call that met the
+failure waits for them, each ends with the group's error, and none is left running to be
+reported as a task exception never retrieved.
 
 :class:`DiLoCoRounds` runs DiLoCo's outer steps as :func:`train_elastic` rounds: the outer
 state is the elastic state, so a peer that joins gets it, and no outer step is applied twice.
@@ -66,111 +74,34 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
-import math
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ReplicaDivergence
+from ..session.failure import GroupState
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
+from .compressors import make_compressor
+from .fragments import split_fragments
 from .modes import (
     Traffic,
     agree_on,
     average,
     check_codec,
-    float_tensors,
     positive_int,
     report_nonfinite,
     wire_bytes,
 )
 from .nonfinite import Nonfinite, check_nonfinite
+from .outer import Model, OuterSGD
 from .state import state_of
 
 if TYPE_CHECKING:
     from .. import Group
 
 __all__ = ["DiLoCo", "DiLoCoRounds", "LocalSGD", "OuterSGD"]
-
-
-@dataclass(frozen=True)
-class OuterSGD:
-    """The outer optimizer: SGD with (Nesterov) momentum on the averaged pseudo-gradient.
-
-    Attributes:
-        lr: the outer learning rate (> 0; DiLoCo's paper: 0.7).
-        momentum: in [0, 1) (the paper: 0.9); 0 is plain SGD.
-        nesterov: Nesterov momentum (the paper's), else heavy ball.
-
-    Raises:
-        ValueError: an ``lr`` that is not a finite number > 0, a momentum outside [0, 1).
-    """
-
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-
-    def __post_init__(self) -> None:
-        if (not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool)
-                or not math.isfinite(self.lr) or self.lr <= 0):
-            raise ValueError(f"outer_lr must be a finite number > 0, got {self.lr!r}")
-        if (not isinstance(self.momentum, (int, float)) or isinstance(self.momentum, bool)
-                or not 0 <= self.momentum < 1):
-            raise ValueError(f"outer_momentum must be a number in [0, 1), got "
-                             f"{self.momentum!r}")
-
-    def apply(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
-              delta: Sequence[np.ndarray]) -> None:
-        """One step, in place on ``params`` and ``velocity``: element-wise numpy in a fixed
-        order, so equal inputs give equal bits on every rank."""
-        for p, v, d in zip(params, velocity, delta, strict=True):
-            lr, mu = p.dtype.type(self.lr), p.dtype.type(self.momentum)
-            if self.momentum == 0:
-                step = d
-            else:
-                v *= mu
-                v += d
-                step = d + mu * v if self.nesterov else v
-            p -= lr * step
-
-    def settings(self) -> dict[str, Any]:
-        return {"outer_lr": float(self.lr), "outer_momentum": float(self.momentum),
-                "nesterov": bool(self.nesterov)}
-
-
-class _Model:
-    """The caller's parameters: names, specs, and writable arrays (views of tensors)."""
-
-    def __init__(self, params: Pytree, what: str) -> None:
-        self.tree = params
-        self.names, self.arrays, self.specs = float_tensors(params, what)
-        if not self.specs:
-            raise ValueError(f"{what} needs at least one parameter")
-        for name, array in zip(self.names, self.arrays, strict=True):
-            if not array.flags.writeable:
-                raise ValueError(f"{what}: parameter {name!r} is read-only; the exchanges "
-                                 f"write into it")
-
-    def reread(self, params: Pytree | None, what: str) -> None:
-        """Take the arrays of ``params`` (the same tensors, maybe new arrays) if given.
-
-        Raises:
-            ValueError: other names, shapes or dtypes than at the start.
-        """
-        if params is None:
-            return
-        _, arrays, specs = float_tensors(params, what)
-        if specs != self.specs:
-            raise ValueError(f"{what}: the parameters changed (names, shapes or dtypes) since "
-                             f"it was made")
-        self.tree, self.arrays = params, arrays
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
 
 
 class LocalSGD:
@@ -206,7 +137,7 @@ class LocalSGD:
                  timeout: float | None = None) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
-        self.model = _Model(params, "LocalSGD")
+        self.model = Model(params, "LocalSGD")
         self.bucket_bytes, self.strategy, self.timeout = bucket_bytes, strategy, timeout
         self.step = 0
         self.syncs = 0
@@ -281,6 +212,13 @@ class DiLoCo:
         bucket_bytes, strategy: as :func:`allreduce_gradients`.
         nonfinite: a NaN or Inf in a pseudo-gradient: "raise" :class:`NonFiniteGradients`
             naming the tensors (the outer state is left as it was), "warn", "ignore".
+        compressor: another way for the pseudo-gradients to travel, instead of a codec:
+            "topk2bit", each chunk's largest entries (``density`` of them) as 2-bit codes
+            against a step the group agrees, the rest kept for the next exchange (with
+            ``error_feedback``), summed exactly in the integer domain
+            (:mod:`.compressors`); None: the codec's way.
+        density: the share of the entries ``compressor`` sends, in (0, 1] (None: its
+            default, 1.5 %).
         timeout: seconds for each collective (default: the group's).
 
     Attributes:
@@ -292,7 +230,8 @@ class DiLoCo:
     Raises:
         ValueError: H < 1, a bad F, tau, mix, outer lr or momentum, no parameters, a
             read-only parameter; a codec that cannot average over this group (int8: more
-            than 127 ranks).
+            than 127 ranks); an unknown ``compressor``, a ``density`` outside (0, 1] or
+            without a compressor, both a codec and a compressor.
         UnknownCodec: no codec of that name (a ValueError; it lists the installed ones).
         TypeError: a parameter that is not floating-point; a codec that is not a name.
     """
@@ -302,14 +241,19 @@ class DiLoCo:
                  codec: str | None = None, error_feedback: bool = True, fragments: int = 1,
                  overlap: int = 0, mix: float = 0.0, bucket_bytes: int | None = None,
                  strategy: str | None = None, nonfinite: Nonfinite = "raise",
+                 compressor: str | None = None, density: float | None = None,
                  timeout: float | None = None) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.model = _Model(params, "DiLoCo")
+        self.model = Model(params, "DiLoCo")
+        self.compressor = make_compressor(compressor, density)
+        if self.compressor is not None and codec is not None:
+            raise ValueError(f"codec={codec!r} and compressor={compressor!r} are two ways to "
+                             f"send the pseudo-gradients; pass one")
         self.codec = check_codec(codec, [s.dtype for s in self.model.specs], group.world_size)
         self.error_feedback = bool(error_feedback)
-        self.fragments = _fragments(self.model.specs, self.model.names, fragments,
+        self.fragments = split_fragments(self.model.specs, self.model.names, fragments,
                                     self.inner_steps)
         if (not isinstance(overlap, int) or isinstance(overlap, bool)
                 or not 0 <= overlap <= self.inner_steps):
@@ -325,7 +269,8 @@ class DiLoCo:
         self.velocity = [np.zeros_like(a) for a in self.anchor]
         # What the codec lost of each tensor's pseudo-gradient, this rank's own.
         self.residuals = ([np.zeros_like(a) for a in self.anchor]
-                          if self.codec is not None and self.codec.lossy and self.error_feedback
+                          if self.error_feedback and (self.compressor is not None or (
+                              self.codec is not None and self.codec.lossy))
                           else None)
         self.step = 0
         self.outer_steps = 0
@@ -344,6 +289,8 @@ class DiLoCo:
                 "error_feedback": self.residuals is not None,
                 "fragments": len(self.fragments), "overlap": self.overlap, "mix": self.mix,
                 "nonfinite": self.nonfinite, "bucket_bytes": _bucket_bytes(self.bucket_bytes),
+                **(self.compressor.settings if self.compressor is not None
+                   else {"compressor": None}),
                 **self.outer.settings()}
 
     def offset(self, fragment: int) -> int:
@@ -378,7 +325,8 @@ class DiLoCo:
 
         Raises:
             CollectiveMismatch: the ranks are at different inner steps or rounds, or disagree
-                on H, F, the codec, the outer optimizer or the tensors (named, every rank).
+                on H, F, the codec, the compressor or its density, the outer optimizer or
+                the tensors (named, every rank).
             ReplicaDivergence: at a fragment's first exchange, the ranks' global parameters
                 (those they gave DiLoCo) differ: broadcast them first.
             NonFiniteGradients: an averaged pseudo-gradient holds NaN or Inf; that fragment's
@@ -395,14 +343,14 @@ class DiLoCo:
         for f in sorted(self._in_flight):
             if self._in_flight[f][0] <= self.step:
                 _, task = self._in_flight.pop(f)
-                self._apply(f, await task)
+                self._apply(f, await self._outcome(task))
                 applied = True
         for f, offset in enumerate(self._offsets):
             if (self.step - offset) % self.inner_steps:
                 continue  # steps offset, offset + H, ...: fragment 0 first at H
             task = self._start(f)
             if self.overlap == 0:
-                self._apply(f, await task)
+                self._apply(f, await self._outcome(task))
                 applied = True
             else:
                 self._in_flight[f] = (self.step + self.overlap, task)
@@ -418,9 +366,47 @@ class DiLoCo:
         done = 0
         for f in sorted(self._in_flight):
             _, task = self._in_flight.pop(f)
-            self._apply(f, await task)
+            self._apply(f, await self._outcome(task))
             done += 1
         return done
+
+    async def _outcome(self, task: asyncio.Task[list[np.ndarray]]) -> list[np.ndarray]:
+        """The averaged pseudo-gradients of one exchange, the one place that awaits them.
+
+        When the exchange fails and takes the group with it (the group is no longer
+        ``ready``), or this call is cancelled, the other exchanges in flight cannot finish
+        either: they are ended here (cancelled if this call was) and awaited, so each ends
+        with the group's error, retrieved, instead of being left running to be reported as
+        a task exception never retrieved. A failure that leaves the group usable (a
+        mismatch, NaN in a pseudo-gradient) leaves the others in flight, due as before.
+        """
+        try:
+            return await task
+        except asyncio.CancelledError:
+            await self._end_in_flight(cancel=True)
+            raise
+        except BaseException:
+            if self.group.state is not GroupState.READY:
+                await self._end_in_flight(cancel=False)
+            raise
+
+    async def _end_in_flight(self, *, cancel: bool) -> None:
+        """End every exchange still in flight and retrieve how each ended."""
+        tasks = {task for _, task in self._in_flight.values()}
+        if self._last is not None:
+            tasks.add(self._last)
+        self._in_flight.clear()
+        self._last = None
+        pending = {task for task in tasks if not task.done()}
+        if cancel:
+            for task in pending:
+                task.cancel()
+        if pending:
+            # On a group that broke each of them fails at its next collective.
+            await asyncio.wait(pending)
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()  # retrieved: the error is the group's, raised already
 
     def _start(self, f: int) -> asyncio.Task[list[np.ndarray]]:
         """Start fragment f's exchange: its pseudo-gradient, taken now, averaged in a task
@@ -453,17 +439,26 @@ class DiLoCo:
                     f"DiLoCo started from different parameters on different ranks ({exc}); "
                     f"give every rank the same parameters before making it "
                     f"(training.broadcast_parameters)", exc.ranks, exc.tensor) from None
-            averaged = await average(
-                self.group, delta, names=[s.name for s in specs], codec=self.codec,
-                residuals=residuals, nonfinite=self.nonfinite, round_no=round_no,
-                bucket_bytes=self.bucket_bytes, strategy=self.strategy, timeout=self.timeout)
+            if self.compressor is not None:
+                averaged = await self.compressor.average(
+                    self.group, delta, residuals, names=[s.name for s in specs],
+                    round_no=round_no, nonfinite=self.nonfinite, strategy=self.strategy,
+                    timeout=self.timeout)
+            else:
+                averaged = await average(
+                    self.group, delta, names=[s.name for s in specs], codec=self.codec,
+                    residuals=residuals, nonfinite=self.nonfinite, round_no=round_no,
+                    bucket_bytes=self.bucket_bytes, strategy=self.strategy,
+                    timeout=self.timeout)
             report_nonfinite("DiLoCo's averaged pseudo-gradient", [s.name for s in specs],
                              averaged, self.nonfinite, round_no)
             return averaged
 
         self._last = asyncio.ensure_future(exchange())
         self.traffic.rounds += 1
-        self.traffic.sent_bytes += wire_bytes(delta, self.codec)
+        self.traffic.sent_bytes += (
+            wire_bytes(delta, self.codec) if self.compressor is None
+            else self.compressor.message_bytes([d.size for d in delta], self.group.world_size))
         return self._last
 
     def _apply(self, f: int, averaged: list[np.ndarray]) -> None:
@@ -524,7 +519,7 @@ class DiLoCoRounds:
                  timeout: float | None = None) -> None:
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.model = _Model(params, "DiLoCoRounds")
+        self.model = Model(params, "DiLoCoRounds")
         self.inner, self.timeout = inner, timeout
         self.state: dict[str, Pytree] = {
             "params": replace_leaves(params, [a.copy() for a in self.model.arrays]),
@@ -573,57 +568,3 @@ def _leaves(tree: Pytree) -> list[np.ndarray]:
 
 def _bucket_bytes(bucket_bytes: int | None) -> int:
     return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Rows ``start:stop`` of tensor ``index`` (all of a 0-d tensor), named for messages."""
-
-    index: int
-    start: int
-    stop: int
-    name: str
-
-    def of(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        """The piece of its tensor in ``arrays``: a view (writes go to the tensor)."""
-        array = arrays[self.index]
-        return array[...] if array.ndim == 0 else array[self.start:self.stop]
-
-
-def _fragments(specs: Sequence[TensorSpec], names: Sequence[str], count: Any,
-               inner_steps: int) -> list[list[_Piece]]:
-    """``count`` fragments of nearly equal size: the non-empty tensors in leaf order, laid end
-    to end and cut into ``count`` runs, each row going to the fragment its first element
-    falls in.
-
-    Raises:
-        ValueError: ``count`` is not an int in [1, H], or rows too large leave a fragment
-            empty.
-    """
-    if (not isinstance(count, int) or isinstance(count, bool)
-            or not 1 <= count <= inner_steps):
-        raise ValueError(f"fragments must be an int in [1, inner_steps={inner_steps}], got "
-                         f"{count!r}")
-    tensors = [i for i, spec in enumerate(specs) if spec.size]
-    total = sum(specs[i].size for i in tensors)
-    fragments: list[list[_Piece]] = [[] for _ in range(count)]
-    done = 0  # elements laid down before this tensor
-    for i in tensors:
-        spec, name = specs[i], names[i]
-        if not spec.shape:
-            fragments[done * count // total].append(_Piece(i, 0, 0, name))
-            done += 1
-            continue
-        rows = spec.shape[0]
-        owner = (done + np.arange(rows, dtype=np.int64) * (spec.size // rows)) * count // total
-        bounds = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), rows]
-        for a, b in itertools.pairwise(bounds):
-            fragments[int(owner[a])].append(
-                _Piece(i, a, b, name if (a, b) == (0, rows) else f"{name}[{a}:{b}]"))
-        done += spec.size
-    empty = [f for f, pieces in enumerate(fragments) if not pieces]
-    if empty:
-        raise ValueError(f"fragments={count} leaves fragment {empty[0]} empty: a row of a "
-                         f"tensor holds more than 1/{count} of the parameters; use fewer "
-                         f"fragments")
-    return fragments
