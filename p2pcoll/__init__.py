@@ -4,7 +4,8 @@
         grads = await g.allreduce(grads, op="avg")
 """
 
-from .api import Group, form_group, join
+from typing import TYPE_CHECKING
+
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -21,10 +22,15 @@ from .errors import (
     UnknownCodec,
     UnknownStrategy,
 )
-from .registry import available_strategies, register_strategy
-from .session.failure import GroupState
-from .settings import Settings
-from .types import CustomOp, Membership, ReduceOp
+
+if TYPE_CHECKING:
+    from . import blocking, training
+    from .api.group import Group
+    from .api.join import form_group, join
+    from .registry import available_strategies, register_strategy
+    from .session.failure import GroupState
+    from .settings import Settings
+    from .types import CustomOp, Membership, ReduceOp
 
 __version__ = "0.11.0"
 
@@ -58,11 +64,31 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # p2pcoll.training and p2pcoll.blocking are imported on first use, so `import p2pcoll`
-    # stays light (and starts no exit hook).
-    if name in ("training", "blocking"):
-        import importlib
+# Where each name that is not imported eagerly lives: everything but the errors is imported
+# on first use, so that `import p2pcoll.departures` (or p2pcoll.errors) loads no ZeroMQ and
+# no event loop, and `import p2pcoll` stays light (and starts no exit hook).
+_LAZY = {
+    "Group": ".api", "form_group": ".api", "join": ".api",
+    "available_strategies": ".registry", "register_strategy": ".registry",
+    "GroupState": ".session.failure",
+    "Settings": ".settings",
+    "CustomOp": ".types", "Membership": ".types", "ReduceOp": ".types",
+}
+_MODULES = ("training", "blocking")
 
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _MODULES:
         return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value  # once: later reads find it without this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pcoll.transport import overlay
+from p2pcoll.departures import overlay
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 17, 64, 1024])

@@ -94,7 +94,7 @@ from ..errors import (
     P2PCollError,
     PeerLost,
 )
-from ..transport import overlay
+from ..departures import overlay
 from ..transport.base import Transport
 from ..wire import ABSENT, FAILED, FINISHED, NOT_STARTED, OWN, SILENT, WAITING, Header
 from ..wire.header import MAX_CAUSE_NAME, MAX_CAUSE_TEXT

@@ -23,7 +23,7 @@ from ..engine.matching import Matcher
 from ..engine.timeline import Timeline
 from ..errors import GroupBroken
 from ..settings import Settings
-from ..transport import overlay
+from ..departures import overlay
 from ..transport.base import Transport
 from ..types import Membership
 from ..wire import Header

@@ -60,7 +60,8 @@ from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
 from . import board as boards
-from . import lane, overlay, shm
+from ..departures import overlay
+from . import lane, shm
 from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .inbound import Inbound
