@@ -121,6 +121,7 @@ class Departures:
         self.told: frozenset[int] = frozenset()  # whom this peer's goodbye went to
         self.farewells: set[int] = set()  # who has read it
         self._reports: dict[int, dict[str, Any]] = {}  # a leaver's cause and loss, once
+        self._newsed: dict[int, set[int]] = {}  # finger -> the departures it was told of
         self._seen: dict[tuple[int, int, int | None], int] = {}  # aborts taken
         self._passed_on: dict[tuple[int, int | None], int] = {}  # aborts passed on, level
         self._ops: dict[Hashable, _Op] = {}
@@ -200,7 +201,7 @@ class Departures:
             if due <= now and peer in self._suspects:
                 del self._suspects[peer]
                 actions += self._lose(peer, by=self.rank)
-        return actions
+        return self._out(actions)
 
     def received(self, header: Header, now: float) -> list[Action]:
         """A validated control message of this group: ``bye``, ``farewell``, ``gone`` or
@@ -223,7 +224,7 @@ class Departures:
             actions += self._news_from(header)
         elif kind == "abort":
             actions += self._abort_from(header)
-        return actions
+        return self._out(actions)
 
     def failed(self, abort: Header, unread: Collection[int]) -> list[Action]:
         """This peer failed ``abort``'s operation (its header, with ``err`` and ``meta``):
@@ -330,10 +331,23 @@ class Departures:
         actions += [Unwatch(p) for p in self._watched if p not in watched]
         actions += [Watch(p, late=True) for p in watched if p not in self._watched]
         self._watched = watched
-        if not self._closing:
-            actions += self._posts(overlay.fingers(self.rank, self.size, self._gone),
-                                   self._news(rank, departure))
+        if self._closing:
+            return actions
+        fingers = overlay.fingers(self.rank, self.size, self._gone)
+        actions += self._spread(fingers, rank)
+        # The news this peer passed to ``rank`` may have gone no further (it was leaving,
+        # and a leaving peer passes on none, or it died first): pass it to the finger that
+        # replaces ``rank`` now, so that it goes on around the ring.
+        before = overlay.fingers(self.rank, self.size, set(self._gone) - {rank})
+        for other in sorted(self._newsed.pop(rank, ())):
+            actions += self._spread([p for p in fingers if p not in before], other)
         return actions
+
+    def _spread(self, fingers: list[int], rank: int) -> list[Action]:
+        """Tell ``fingers`` that ``rank`` has gone (and remember who was told)."""
+        for p in fingers:
+            self._newsed.setdefault(p, set()).add(rank)
+        return self._posts(fingers, self._news(rank, self._gone[rank]))
 
     def _fail(self, op: Hashable, error: PeerLost) -> list[Action]:
         self._ops.pop(op, None)
@@ -462,6 +476,12 @@ class Departures:
                        tag=abort.tag)
         return self._posts([p for p in overlay.fingers(self.rank, self.size, self._gone)
                             if p != origin and p != abort.src and p not in skip], relay)
+
+    def _out(self, actions: list[Action]) -> list[Action]:
+        """An event's actions, without the posts to peers it found gone on the way (a
+        departure's news may name a peer that the next departure of the same event is)."""
+        return [a for a in actions if not (isinstance(a, Post) and a.via != "answer"
+                                           and a.dst in self._gone)]
 
     def _posts(self, peers: Collection[int], header: Header) -> list[Action]:
         return [Post(p, header) for p in peers if p not in self._gone and p != self.rank]
