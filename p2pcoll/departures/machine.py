@@ -194,6 +194,11 @@ class Departures:
         self._suspects[peer] = now + self.grace
         return actions
 
+    def unreachable(self, peer: int, now: float) -> list[Action]:
+        """``peer`` could not be reached at all (it never said hello while the group
+        formed): lost at once."""
+        return self._out(self._clock(now) + self._lose(peer, by=self.rank))
+
     def tick(self, now: float) -> list[Action]:
         """Time has passed: declare the suspects whose grace is over."""
         actions = self._clock(now)

@@ -550,6 +550,11 @@ class FailureModel:
                 else f"a point-to-point transfer (tag {header.tag})")
         self._aborted(header, origin, f"rank {origin} failed {what}: {header.err[1]}")
 
+    def taken(self, header: Header, origin: int, message: str) -> None:
+        """An abort, or a goodbye's cause as one, that :class:`~p2pcoll.departures.Departures`
+        took (see :class:`~p2pcoll.departures.Aborted`): apply it here."""
+        self._aborted(header, origin, message)
+
     def _aborted(self, header: Header, origin: int, message: str) -> None:
         """The abort ``header`` of rank ``origin`` (or a goodbye's cause, as one): its
         error, saying ``message``, fails the operation it names here, or breaks the group."""
