@@ -36,11 +36,13 @@ The protocol, in the order things happen:
   that peer's :class:`~p2pcoll.errors.PeerLost`, exactly once: a collective, any member
   lost or gone before it started it; a send, its receiver lost (a goodbye ends only the
   sends that start after it).
-- **A stalled peer.** The clock passed in also tells a peer that it was itself stopped (a
-  gap between events longer than ``stall``, the heartbeat timeout and the grace: its
-  watchers have declared it lost by then). It fails everything it runs with that
-  (:class:`~.actions.DeclaredLost`), not with the loss of the healthy neighbours its own
-  probes report as it resumes (those losses were its own, and are ignored from then on).
+- **A stalled peer.** The clock passed in also tells a peer that it was itself stopped: a
+  gap between events longer than ``stall`` (the heartbeat timeout: its watchers have
+  declared it lost by then), followed within the grace by the loss of a peer it watches
+  (its own probes' heartbeats timed out as it resumed; a loop that was only blocked keeps
+  its probes, which libzmq answers on its own thread). It fails everything it runs with
+  that (:class:`~.actions.DeclaredLost`), not with the loss of the healthy neighbours its
+  probes report (those losses were its own, and are ignored from then on).
   A survivor that hears news from a peer it declared lost does not believe it, and answers
   that peer that it was declared lost (the same end, should its clock not have seen it).
 """
@@ -96,9 +98,9 @@ class Departures:
         group: the group's id (for the headers of the messages it posts).
         endpoints: the peers' endpoints, named in errors (optional).
         grace: how long a suspect may still say goodbye before it is declared lost.
-        stall: a gap between two events longer than this means this peer was stopped
-            for longer than its watchers wait (None: never); the caller then ticks at
-            least every ``stall / 2``.
+        stall: a gap between two events longer than this, with a loss right after it,
+            means this peer was stopped for longer than its watchers wait (None: never
+            so); the caller then ticks at least every ``stall / 2``.
     Raises:
         ValueError: ``rank`` is not a rank of a group of ``size``.
     """
@@ -114,6 +116,7 @@ class Departures:
         self._suspects: dict[int, float] = {}  # rank -> when it is declared lost
         self._watched: list[int] = []
         self._last: float | None = None  # the time of the last event
+        self._resumed: tuple[float, float] | None = None  # after a gap: (when, how long)
         self._closing = False  # said goodbye: passes on no news, opens no link
         self._muted = False  # closed: nothing happens any more
         self._declared: PeerLost | None = None  # the others declared this peer lost
@@ -191,6 +194,8 @@ class Departures:
         if (self._muted or self._declared is not None or peer in self._gone
                 or peer == self.rank or peer in self._suspects):
             return actions
+        if self._resumed is not None and now - self._resumed[0] <= self.grace:
+            return actions + self._declared_lost(None, self._resumed[1])
         self._suspects[peer] = now + self.grace
         return actions
 
@@ -291,13 +296,15 @@ class Departures:
     # -- the rules ---------------------------------------------------------------------
 
     def _clock(self, now: float) -> list[Action]:
-        """Note the time of an event: after a gap longer than ``stall`` this peer was
-        stopped for longer than its watchers wait, and is lost to them."""
+        """Note the time of an event, and a gap longer than ``stall`` before it (see
+        :meth:`link_closed`). Returns no action (one day, maybe: hence the list)."""
         last, self._last = self._last, now
-        if (self.stall is None or last is None or now - last <= self.stall or self._muted
-                or self._declared is not None or self._closing):
-            return []
-        return self._declared_lost(None, now - last)
+        if (self.stall is not None and last is not None and now - last > self.stall
+                and not self._closing):
+            self._resumed = (now, now - last)
+            # what it suspected before the gap was its own loss too
+            self._suspects = {p: now + self.grace for p in self._suspects}
+        return []
 
     def _lose(self, peer: int, by: int) -> list[Action]:
         """``peer`` is lost, as ``by`` (this peer, or the one that says so) saw."""

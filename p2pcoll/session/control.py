@@ -25,7 +25,7 @@ def dispatch(session: Session, header: Header, pieces: list[Piece]) -> None:
             # for a finished collective means the ranks disagreed about it.
             session.failures.on_stray(header)
     elif kind == "abort":
-        session.failures.on_abort(header)
+        session.on_departure_message(header)  # passed on, then taken (failures.taken)
     elif kind == "hello":
         session.hello_from(header.src)
     elif kind in ("bye", "farewell", "gone"):

@@ -81,7 +81,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from enum import StrEnum
 from typing import Any
 
@@ -150,6 +150,8 @@ class FailureModel:
         # MAX_ABORTS_KEPT of each.
         self._seen: dict[tuple[int, int, int | None], int] = {}
         self._passed_on: dict[tuple[int, int | None], int] = {}
+        # Set by the session: sends this rank's abort (see p2pcoll.departures.Departures.failed)
+        self.spread_abort: Callable[[Header], None] | None = None
 
     def attach(self, rank: int, group_id: str, matcher: Matcher, transport: Transport) -> None:
         """The session is formed: failures from now on are reported to its peers."""
@@ -453,6 +455,9 @@ class FailureModel:
         that may not have read all it sent them (``told``, see ``Transport.unread``: its
         abort comes after that on their links), and through its fingers everyone else
         (see :meth:`_pass_on`)."""
+        if self.spread_abort is not None:  # the session's departures machine does it
+            self.spread_abort(abort)
+            return
         assert self._transport is not None and self._matcher is not None
         gone = self._matcher.departures.gone()
         told = sorted(p for p in self._transport.unread() if p not in gone)

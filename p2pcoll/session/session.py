@@ -37,7 +37,7 @@ from ..types import Membership
 from ..wire import Header
 from . import control
 from .calls import Runner
-from .failure import FailureModel
+from .failure import FailureModel, GroupState
 
 log = logging.getLogger("p2pcoll")
 
@@ -55,8 +55,8 @@ class Session:
         # Who has gone, and what follows from it, is decided by the departures machine;
         # this session carries out what it says (see _do) and feeds it what happens.
         self.departures = Departures(membership.rank, membership.world_size,
-                                     membership.group_id, endpoints=membership.endpoints)
-        self.departures.start(0.0)  # (the transport opens its probes itself, for now)
+                                     membership.group_id, endpoints=membership.endpoints,
+                                     stall=settings.heartbeat_timeout)
         self._timer: asyncio.TimerHandle | None = None
         self.peers = Record(self)
         self.matcher = Matcher(self.peers)
@@ -83,6 +83,12 @@ class Session:
         if membership.world_size == 1:
             self.all_hello.set()
         failures.attach(membership.rank, membership.group_id, self.matcher, transport)
+        failures.spread_abort = self._spread_abort
+
+    def _spread_abort(self, abort: Header) -> None:
+        """This rank failed ``abort``'s operation: the departures machine says whom to tell
+        (the peers that may not have read all this rank sent them, and its fingers)."""
+        self._do(self.departures.failed(abort, self.transport.unread()))
 
     @property
     def rank(self) -> int:
@@ -95,6 +101,8 @@ class Session:
     def start(self) -> None:
         """Connect the transport; incoming messages are dispatched from now on (by
         :func:`.control.dispatch`, called by the transport itself)."""
+        self.departures.start(self._now())  # (the transport opens its probes itself, for now)
+        self._schedule()
         self.transport.connect(self.membership, partial(control.dispatch, self),
                                self.link_down)
 
@@ -127,9 +135,13 @@ class Session:
         return (src, dst, tag, count)
 
     def on_departure_message(self, header: Header) -> None:
-        """A goodbye, a farewell or news of a departure (validated): the departures machine
-        decides what it means (see :mod:`p2pcoll.departures`)."""
-        self._do(self.departures.received(header, self._now()))
+        """A goodbye, a farewell, news of a departure or an abort (validated): the departures
+        machine decides what it means (see :mod:`p2pcoll.departures`). A closed group
+        passes no abort on."""
+        actions = self.departures.received(header, self._now())
+        if header.kind == "abort" and self.failures.state is GroupState.CLOSED:
+            actions = [a for a in actions if not isinstance(a, Post)]
+        self._do(actions)
         if header.kind == "farewell":
             self._progress.set()
 

@@ -990,8 +990,8 @@ class ZmqMesh:
                 frames = await probe.recv_multipart(copy=False)
                 self._bye_on_probe.add(peer)  # its farewell goes back there (see answer)
                 self._byes.accept(peer, frames[0].buffer, frames[1:])
-        except (asyncio.CancelledError, zmq.ZMQError):
-            pass
+        except (asyncio.CancelledError, zmq.ZMQError, OSError):
+            pass  # closed (an OSError: its descriptor was closed under the poller)
 
     async def _follow(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
         connected = False
@@ -1003,7 +1003,7 @@ class ZmqMesh:
                     event == zmq.EVENT_CONNECT_RETRIED and not connected)
                 if down and not self._closed:
                     self.on_link_down(peer)
-        except (asyncio.CancelledError, zmq.ZMQError):
+        except (asyncio.CancelledError, zmq.ZMQError, OSError):
             pass
 
     async def aclose(self) -> None:
