@@ -555,6 +555,18 @@ class FailureModel:
                 else f"a point-to-point transfer (tag {header.tag})")
         self._aborted(header, origin, f"rank {origin} failed {what}: {header.err[1]}")
 
+    def declared_lost(self, err: PeerLost) -> None:
+        """The others declared this rank lost (it was stopped; see
+        :class:`~p2pcoll.departures.DeclaredLost`): what runs fails with ``err``, naming
+        this rank, and so does every later call (the group is broken)."""
+        if self._matcher is None:
+            return
+        running = sorted(self._active, key=lambda op: channel(op)[1])
+        first = running[0] if running else 0
+        self._break(err, (first, None) if isinstance(first, int) else (first[3], first[2]))
+        for op in running:
+            self._matcher.fail(op, err)
+
     def taken(self, header: Header, origin: int, message: str) -> None:
         """An abort, or a goodbye's cause as one, that :class:`~p2pcoll.departures.Departures`
         took (see :class:`~p2pcoll.departures.Aborted`): apply it here."""

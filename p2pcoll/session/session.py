@@ -162,7 +162,7 @@ class Session:
             elif isinstance(action, Aborted):
                 self.failures.taken(action.header, action.origin, action.message)
             elif isinstance(action, DeclaredLost):
-                self.matcher.close(action.error)
+                self.failures.declared_lost(action.error)
             # Watch and Unwatch: the transport follows the overlay itself (forget); Fail and
             # Degrade: the failure model ends the operations (peer_departed).
         self._schedule()
