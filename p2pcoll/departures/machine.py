@@ -223,13 +223,16 @@ class Departures:
         if kind == "farewell":
             self.farewells.add(header.src)
         elif kind == "bye":
+            # The news goes out before the farewell, which lets the leaver close its port:
+            # a peer that watches it and was not told then hears of the goodbye rather
+            # than seeing its probe go down first (and calling it lost).
             meta = header.meta or {}
             told = frozenset(meta.get("told", ()))
-            actions.append(Post(header.src, self._header("farewell"), "answer"))
             actions += self._report(header)
             actions += self._record(header.src, Departure(
                 PeerLost(f"rank {header.src} left the group", header.src), True,
                 header.seq, told))
+            actions.append(Post(header.src, self._header("farewell"), "answer"))
         elif kind == "gone":
             actions += self._news_from(header)
         elif kind == "abort":

@@ -398,8 +398,11 @@ class ZmqMesh:
     def _wake(self, peer: int) -> None:
         """Write into ``peer``'s wake-up pipe, if this peer can (the peer's hello opened it)."""
         lanes = self._lanes
-        if lanes is not None and peer in lanes._wakers:
-            lanes.wake(peer)
+        if lanes is not None:
+            try:
+                lanes.wake(peer)
+            except KeyError:
+                pass  # its pipe is not open yet: its hello has not come
 
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
