@@ -244,6 +244,16 @@ def test_a_peer_that_closes_while_others_still_read() -> None:
     p.op_ended("send")
 
 
+def test_the_news_of_a_goodbye_goes_out_before_its_farewell() -> None:
+    # The farewell lets the leaver close its port: its untold watchers should hear first.
+    p = Departures(1, 8, GROUP)
+    actions = p.received(Header("bye", GROUP, 2, 0, meta={"told": [1]}), 0.0)
+    posts = [a for a in actions if isinstance(a, Post)]
+    assert (posts[-1].header.kind, posts[-1].via, posts[-1].dst) == ("farewell", "answer", 2)
+    assert {a.header.kind for a in posts[:-1]} == {"gone"}
+    assert {a.dst for a in posts[:-1]} == set(overlay.fingers(1, 8, gone={2}))
+
+
 def test_a_goodbye_that_crosses_a_loss_is_a_goodbye() -> None:
     net = Net(4)
     net.close(2, seq=1)
