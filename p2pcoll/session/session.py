@@ -262,7 +262,7 @@ class Session:
             self.executor.timeline.close()
 
     def _failure_report(self) -> dict[str, Any]:
-        """What this peer's goodbye says broke its group (see :meth:`read_report`): the
+        """What this peer's goodbye says broke its group (read as in Departures._report): the
         first failure (``cause``, see :meth:`FailureModel.first_failure`) and a peer it
         knows to be lost (``lost``: the one the cause names if it was lost, else the first
         lost); nothing after a healthy run, whose goodbye reads as "rank X left"."""
