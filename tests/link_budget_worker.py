@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 import p2pcoll
-from p2pcoll.transport import overlay
+from p2pcoll.departures import overlay
 
 
 def say(**event: object) -> None:

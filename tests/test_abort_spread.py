@@ -36,7 +36,7 @@ from peer_processes import PeerProcesses
 
 import p2pcoll
 from p2pcoll.testing import memory_groups, run_ranks
-from p2pcoll.transport import overlay
+from p2pcoll.departures import overlay
 from p2pcoll.wire import Header, encode_header
 
 WORKER = Path(__file__).with_name("abort_spread_worker.py")

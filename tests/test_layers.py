@@ -3,7 +3,8 @@
     base       errors, types, tensors, pytree, strategy, settings, launchers, security (the
                job key), plugin_table (entry points), extras (optional dependencies)
     wire       the message format and its one validation point
-    transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory)
+    transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory);
+               departures (who has gone: a sans-IO machine the session and transport feed)
     engine     plans, matching, the executor            rendezvous  server, client, URLs
     session    one membership epoch, forming, failure    registry    strategy plugins, codecs
     api        Group and join
@@ -29,7 +30,7 @@ LAYERS = {
     "errors": 0, "types": 0, "tensors": 0, "pytree": 0, "strategy": 0, "settings": 0,
     "security": 0, "launchers": 0, "plugin_table": 0, "extras": 0,
     "wire": 1,
-    "transport": 2,
+    "transport": 2, "departures": 2,
     "engine": 3, "rendezvous": 3,
     "session": 4, "registry": 4, "codecs": 4,
     "api": 5,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import p2pcoll
 from p2pcoll.testing import run_ranks
-from p2pcoll.transport import overlay
+from p2pcoll.departures import overlay
 
 N = 20
 

@@ -1,4 +1,4 @@
-"""The sparse overlay's arithmetic (p2pcoll.transport.overlay), without sockets: who watches
+"""The sparse overlay's arithmetic (p2pcoll.departures.overlay), without sockets: who watches
 whom, who greets whom, and that news passed on to each rank's fingers reaches every live
 rank within about log2 p hops, with a constant number of watchers per rank at any p."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pcoll.transport import overlay
+from p2pcoll.departures import overlay
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 17, 64, 1024])

@@ -22,7 +22,7 @@ from conftest import finish
 
 import p2pcoll
 from p2pcoll.service import Peer
-from p2pcoll.session.peers import LINK_LOSS_GRACE
+from p2pcoll.departures import LINK_LOSS_GRACE
 from p2pcoll.testing import free_port
 
 TESTS = Path(__file__).resolve().parent

@@ -104,7 +104,7 @@ def assert_typed(h: Header) -> None:
 
 def assert_failure_report(meta: dict[str, Any]) -> None:
     """What a goodbye (or the news of one) says broke its peer's group: what the session
-    reads from it without checking again (see Session.read_report)."""
+    reads from it without checking again (see p2pcoll.departures.Departures._report)."""
     if "lost" in meta:
         assert _is_int(meta["lost"]) and 0 <= meta["lost"] < LIMITS.world_size
     if "cause" in meta:

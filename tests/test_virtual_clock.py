@@ -21,7 +21,7 @@ import pytest
 
 import p2pcoll
 from conftest import groups_of
-from p2pcoll.session.peers import LINK_LOSS_GRACE
+from p2pcoll.departures import LINK_LOSS_GRACE
 from p2pcoll.testing import MemoryNetwork, VirtualClockLoop, memory_groups, run_virtual
 
 T = TypeVar("T")
@@ -178,7 +178,7 @@ def test_a_peer_thawed_within_the_heartbeat_is_not_lost() -> None:
 
 def test_a_run_of_frozen_peers_is_found_one_after_another() -> None:
     # Ranks 2, 3 and 4 of 8 freeze: 4's watchers are 3 and 2, so 4 is found only once 1
-    # watches it in their place (see p2pcoll.transport.overlay): a heartbeat later.
+    # watches it in their place (see p2pcoll.departures.overlay): a heartbeat later.
     run = {2, 3, 4}
 
     async def main() -> None:

@@ -63,7 +63,7 @@ class _Finished:
 
 
 class Departures(Protocol):
-    """The session's record of peers that have gone (see p2pcoll.session.peers)."""
+    """The session's record of peers that have gone (see p2pcoll.departures)."""
 
     @property
     def membership(self) -> Membership:

@@ -21,14 +21,7 @@ class Receiver(Protocol):
 
     def hello_from(self, rank: int) -> None: ...
 
-    def read_report(self, header: Header) -> None: ...
-
-    def bye_from(self, rank: int, started: int, told: frozenset[int]) -> None: ...
-
-    def farewell_from(self, rank: int) -> None: ...
-
-    def gone_from(self, src: int, rank: int, graceful: bool, started: int,
-                  told: frozenset[int]) -> None: ...
+    def on_departure_message(self, header: Header) -> None: ...
 
 
 def dispatch(session: Receiver, header: Header, pieces: list[Piece]) -> None:
@@ -45,21 +38,11 @@ def dispatch(session: Receiver, header: Header, pieces: list[Piece]) -> None:
             # for a finished collective means the ranks disagreed about it.
             session.failures.on_stray(header)
     elif kind == "abort":
-        session.failures.on_abort(header)
+        session.on_departure_message(header)  # passed on, then taken (failures.taken)
     elif kind == "hello":
         session.hello_from(header.src)
-    elif kind == "bye":
-        if header.meta is not None:
-            session.read_report(header)  # first the root cause, then the departure
-        told = frozenset(header.meta["told"]) if header.meta else frozenset()
-        session.bye_from(header.src, started=header.seq, told=told)
-    elif kind == "farewell":
-        session.farewell_from(header.src)
-    elif kind == "gone":
-        assert header.meta is not None  # validated: {"rank": r, "graceful": bool}
-        session.read_report(header)
-        session.gone_from(header.src, header.meta["rank"], header.meta["graceful"],
-                          header.seq, frozenset(header.meta.get("told", ())))
+    elif kind in ("bye", "farewell", "gone"):
+        session.on_departure_message(header)  # see p2pcoll.departures
     elif kind == "why":
         # A peer's deadline passed: answer at once whatever this rank is doing (waiting in
         # that collective, failing it, not there yet), from what its receives wait for.

@@ -35,29 +35,13 @@ failure does; one started after the peer went fails as it starts. So a sender le
 loss as soon as a receiver does: at once for a peer whose link closes, after the heartbeat
 timeout for one that freezes.
 
-An abort reaches every peer over the sparse overlay, as the news of a departure does (see
-:mod:`p2pcoll.transport.overlay`), not over a link to each: the rank that failed sends it to
-the peers that may not have read all it sent them (its ``told``: its open links and those
-still draining; it comes after that data on their links) and to its fingers ``r + 1,
-r + 2, r + 4, ...``; a peer that learns that an operation failed passes the abort on to its
-own fingers, once per operation (and again only for a timeout that found whom to blame),
-naming the rank whose failure it is (``origin``). So a failure costs each peer about
-log2 p messages and links, whatever the size of the group, and reaches everyone within
-about log2 p hops. A copy passed on may overtake what the origin sent a peer before its
-abort, so a peer in the origin's ``told`` takes the origin's own copy, which comes after
-that data; any other copy comes no earlier than a direct abort could have, on a link of
-its own. A peer takes each (origin, operation) once (see :meth:`FailureModel.on_abort`);
-whatever copy comes first, the error reads the same.
-
-A peer that leaves after its group broke says why in its goodbye (see
-:meth:`FailureModel.first_failure`: the operation, the error's class and message, the rank a
-PeerLost names; and, from the session, a rank it knows to be lost), and so does the news of
-that goodbye passed on over the overlay. A peer that reads it takes it as news of that loss
-and as that peer's abort (:meth:`FailureModel.on_cause`) before the departure itself: a
-survivor that heard of a loss first and closed at once cannot make a slower one, which reads
-its goodbye before the news of the loss, fail with "rank X left the group" instead of the
-lost rank's PeerLost. A goodbye after a healthy run carries nothing and reads as "rank X left
-the group"; one whose program crashed carries the crash (see :meth:`FailureModel.leave`).
+How aborts, goodbyes and news of a loss travel (the overlay's fingers, each operation taken
+once, the cause a goodbye carries) is decided by :mod:`p2pcoll.departures`; this model makes
+the abort of an operation this rank failed (:meth:`FailureModel.fail`, handed to the
+session's ``spread_abort``), and applies one the departures machine took
+(:meth:`FailureModel.taken`). A peer that leaves after its group broke says why in its
+goodbye (:meth:`FailureModel.first_failure`); one whose program crashed carries the crash
+(:meth:`FailureModel.leave`).
 
 A peer that goes while nothing runs is noticed all the same (its goodbye, its link closing,
 its heartbeats stopping are read by the transport whether or not a collective waits): the
@@ -68,7 +52,7 @@ without waiting for the next collective, which then fails with the peer's PeerLo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -83,16 +67,12 @@ from ..errors import (
     P2PCollError,
     PeerLost,
 )
-from ..transport import overlay
 from ..transport.base import Transport
 from ..types import OpKey
 from ..wire import FAILED, FINISHED, NOT_STARTED, OWN, WAITING, Header
 from ..wire.header import MAX_CAUSE_NAME, MAX_CAUSE_TEXT
 from . import blame
 from .deadline import Collective, Watchdog
-
-# Aborts remembered (see FailureModel.on_abort): far more than a failing group sends.
-MAX_ABORTS_KEPT = 1024
 
 
 class GroupState(StrEnum):
@@ -135,11 +115,8 @@ class FailureModel:
         self._watchdog = Watchdog()  # every running operation's deadline, on one timer
         # Whether the session has recorded a departure (it tells peer_departed of each).
         self._anyone_gone = bool(matcher.departures.gone())
-        # The aborts taken, by (origin, number, tag), and how much this rank has passed on
-        # about each failed operation, by (number, tag) (see _pass_on): the latest
-        # MAX_ABORTS_KEPT of each.
-        self._seen: dict[tuple[int, int, int | None], int] = {}
-        self._passed_on: dict[tuple[int, int | None], int] = {}
+        # Set by the session: sends this rank's abort (see p2pcoll.departures.Departures.failed)
+        self.spread_abort: Callable[[Header], None] | None = None
 
     def check_usable(self) -> None:
         """Raises GroupBroken unless collectives may run."""
@@ -408,41 +385,10 @@ class FailureModel:
             self._matcher.fail(other, GroupBroken(f"collective #{key.number} failed: {err}"))
 
     def _send_abort(self, abort: Header) -> None:
-        """Tell the peers that this rank failed ``abort``'s operation: directly the peers
-        that may not have read all it sent them (``told``, see ``Transport.unread``: its
-        abort comes after that on their links), and through its fingers everyone else
-        (see :meth:`_pass_on`)."""
-        gone = self._matcher.departures.gone()
-        told = sorted(p for p in self._transport.unread() if p not in gone)
-        assert abort.meta is not None
-        abort.meta["told"] = told
-        for peer in told:
-            self._transport.post(peer, abort)
-        self._pass_on(abort, self._rank, skip=set(told))
-
-    def _pass_on(self, abort: Header, origin: int, skip: Collection[int] = ()) -> None:
-        """Forward the abort of ``origin`` to this rank's fingers (see
-        :mod:`p2pcoll.transport.overlay`), the first time this rank learns that the
-        operation failed somewhere, or when it learns whom a timeout of it blames: each
-        peer does so about once per failed operation, so the news reaches every peer in
-        about log2 p hops and costs a peer log2 p messages (and links), not p - 1."""
-        if self.state is GroupState.CLOSED:
-            return
-        op, level = (abort.seq, abort.tag), _news(abort)
-        if self._passed_on.get(op, 0) >= level:
-            return
-        _remember(self._passed_on, op, level)
-        meta = dict(abort.meta or ())
-        meta.setdefault("told", [])
-        if origin != self._rank:
-            meta["origin"] = origin
-        relay = Header("abort", self._group, self._rank, abort.seq, err=abort.err,
-                       meta=meta, tag=abort.tag)
-        departures = self._matcher.departures
-        gone = departures.gone()
-        for peer in overlay.fingers(self._rank, departures.membership.world_size, gone):
-            if peer != origin and peer != abort.src and peer not in skip:
-                self._transport.post(peer, relay)
+        """Tell the peers that this rank failed ``abort``'s operation: the session's
+        departures machine says whom (see :meth:`p2pcoll.departures.Departures.failed`)."""
+        if self.spread_abort is not None:  # the session's departures machine does it
+            self.spread_abort(abort)
 
     def _break(self, err: P2PCollError, at: tuple[int, int | None]) -> None:
         """The group is broken by ``err`` (in collective ``at[0]``, or the transfer with
@@ -473,40 +419,20 @@ class FailureModel:
             cause["rank"] = err.rank
         return cause
 
-    def on_cause(self, rank: int, cause: dict[str, Any]) -> None:
-        """Peer ``rank`` has left after ``cause`` broke its group (see
-        :meth:`first_failure`; validated): taken as its abort of that operation, so a
-        peer that hears of the departure before (or instead of) the abort fails with the
-        root cause, not only with "rank ``rank`` left the group"."""
-        named = cause.get("rank")
-        kind, text = cause["err"]
-        self._aborted(Header(
-            "abort", self._group, rank, cause["q"], err=[kind, text],
-            meta=None if named is None else {"lost": named}, tag=cause.get("t"),
-        ), rank, text if named == rank else f"{text} (reported by rank {rank} as it left)")
+    def declared_lost(self, err: PeerLost) -> None:
+        """The others declared this rank lost (it was stopped; see
+        :class:`~p2pcoll.departures.DeclaredLost`): what runs fails with ``err``, naming
+        this rank, and so does every later call (the group is broken)."""
+        running = sorted(self._active, key=lambda op: op.number)
+        first = running[0] if running else OpKey(0)
+        self._break(err, (first.number, first.tag))
+        for op in running:
+            self._matcher.fail(op, err)
 
-    def on_abort(self, header: Header) -> None:
-        """A peer reports that collective ``header.seq`` failed at ``origin`` (itself, or
-        the rank whose abort it passes on): take it once, and pass it on.
-
-        An abort the origin sent to this rank as well (``told``) comes after everything
-        the origin sent here before it, on their link; a copy passed on by another peer may
-        overtake that data, so it is left to the origin's own (as a goodbye's news is:
-        see :meth:`~p2pcoll.session.session.Session.gone_from`). Any other copy can come
-        no earlier than the origin's abort itself could have on a link of its own."""
-        assert header.err is not None
-        meta = header.meta or {}
-        origin = meta.get("origin", header.src)
-        if origin == self._rank or (origin != header.src and self._rank in meta.get("told", ())):
-            return
-        key = (origin, header.seq, header.tag)
-        if key in self._seen:
-            return
-        _remember(self._seen, key, 1)
-        self._pass_on(header, origin)
-        what = (f"collective #{header.seq}" if header.tag is None
-                else f"a point-to-point transfer (tag {header.tag})")
-        self._aborted(header, origin, f"rank {origin} failed {what}: {header.err[1]}")
+    def taken(self, header: Header, origin: int, message: str) -> None:
+        """An abort, or a goodbye's cause as one, that :class:`~p2pcoll.departures.Departures`
+        took (see :class:`~p2pcoll.departures.Aborted`): apply it here."""
+        self._aborted(header, origin, message)
 
     def _aborted(self, header: Header, origin: int, message: str) -> None:
         """The abort ``header`` of rank ``origin`` (or a goodbye's cause, as one): its
@@ -575,24 +501,6 @@ def _error_text(err: BaseException) -> str:
     """``ValueError: boom``: an error in one line, as a peer's message quotes it."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-
-
-def _news(abort: Header) -> int:
-    """How much an abort says, for passing it on (see :meth:`FailureModel._pass_on`): 2 for
-    a timeout that found the ranks to blame (the peers then name the same ones), else 1."""
-    meta = abort.meta or {}
-    found = (abort.err is not None and abort.err[0] == CollectiveTimeout.__name__
-             and meta.get("blame", OWN) != OWN)
-    return 2 if found else 1
-
-
-def _remember(memory: dict[Any, int], key: Any, value: int) -> None:
-    """Keep ``key`` in a bounded memory of aborts, forgetting the oldest beyond
-    :data:`MAX_ABORTS_KEPT` (a failed group sees a handful)."""
-    memory.pop(key, None)
-    memory[key] = value
-    if len(memory) > MAX_ABORTS_KEPT:
-        del memory[next(iter(memory))]
 
 
 __all__ = ["USABLE", "FailureModel", "GroupState", "Inquiry"]

@@ -315,7 +315,7 @@ class _Hosting:
 async def handshake(session: Session, left: float) -> None:
     """Hello to the peers this one watches, then wait for the hellos of those that watch it
     (at most ``left`` seconds; every peer, in a group on a shared-memory board): see
-    ``transport.hello_peers`` and :mod:`p2pcoll.transport.overlay`.
+    ``transport.hello_peers`` and :mod:`p2pcoll.departures.overlay`.
 
     Every peer has bound its endpoints before it registers, so once the roster is out the
     hellos take milliseconds; a peer not heard from within ``left`` (the heartbeat timeout,
@@ -332,7 +332,7 @@ async def handshake(session: Session, left: float) -> None:
         await asyncio.wait_for(session.all_hello.wait(), left)
     except TimeoutError:
         missing = sorted(session.transport.hello_peers - session.hellos)
-        for rank in missing:  # the others hear of it from this peer (see Session._spread)
+        for rank in missing:  # the others hear of it from this peer (p2pcoll.departures)
             session.peers.reported_lost(rank, by=m.rank)
         raise RendezvousError(
             f"rank {m.rank} could not reach ranks {missing} of the group within {left:.3g}s "

@@ -21,16 +21,23 @@ from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
 from ..engine.timeline import Timeline
-from ..errors import GroupBroken
+from ..errors import GroupBroken, PeerLost
 from ..settings import Settings
-from ..transport import overlay
+from ..departures import (
+    Aborted,
+    Action,
+    DeclaredLost,
+    Departure,
+    Departures,
+    Forget,
+    Post,
+)
 from ..transport.base import Transport
 from ..types import Membership, OpKey
 from ..wire import Header
 from . import control
 from .calls import Runner
-from .failure import FailureModel
-from .peers import Peers
+from .failure import FailureModel, GroupState
 
 log = logging.getLogger("p2pcoll")
 
@@ -43,7 +50,13 @@ class Session:
         self.membership = membership
         self.transport = transport
         self.settings = settings
-        self.peers = Peers(membership, self._departed)
+        # Who has gone, and what follows from it, is decided by the departures machine;
+        # this session carries out what it says (see _do) and feeds it what happens.
+        self.departures = Departures(membership.rank, membership.world_size,
+                                     membership.group_id, endpoints=membership.endpoints,
+                                     stall=settings.heartbeat_timeout)
+        self._timer: asyncio.TimerHandle | None = None
+        self.peers = Record(self)
         self.matcher = Matcher(self.peers)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
                                      transport)
@@ -58,12 +71,6 @@ class Session:
         self.transfers: Counter[tuple[int, int, int]] = Counter()  # (src, dst, tag) -> sent
         self.hellos: set[int] = set()
         self.all_hello = asyncio.Event()
-        self.farewells: set[int] = set()  # peers that have read this peer's goodbye
-        self._told: set[int] = set()  # the peers this peer's goodbye went to
-        self._closing = False  # a peer that is leaving passes on no news
-        # What broke the group of each peer that said goodbye after a failure (its bye's
-        # "lost" and "cause"), read before its departure and passed on with the news of it.
-        self._reports: dict[int, dict[str, Any]] = {}
         self._progress = asyncio.Event()  # set on each farewell or departure
         self._board: BoardPath | None = None
         self._board_known = False
@@ -75,6 +82,12 @@ class Session:
         self.run = self.runner.run
         if membership.world_size == 1:
             self.all_hello.set()
+        self.failures.spread_abort = self._spread_abort
+
+    def _spread_abort(self, abort: Header) -> None:
+        """This rank failed ``abort``'s operation: the departures machine says whom to tell
+        (the peers that may not have read all this rank sent them, and its fingers)."""
+        self._do(self.departures.failed(abort, self.transport.unread()))
 
     @property
     def rank(self) -> int:
@@ -87,8 +100,10 @@ class Session:
     def start(self) -> None:
         """Connect the transport; incoming messages are dispatched from now on (by
         :func:`.control.dispatch`, called by the transport itself)."""
+        self.departures.start(self._now())  # (the transport opens its probes itself, for now)
+        self._schedule()
         self.transport.connect(self.membership, partial(control.dispatch, self),
-                               self.peers.link_down)
+                               self.link_down)
 
     @property
     def board(self) -> BoardPath | None:
@@ -119,75 +134,60 @@ class Session:
         self.transfers[channel] = count + 1
         return OpKey.transfer(src, dst, tag, count)
 
-    def read_report(self, header: Header) -> None:
-        """A goodbye, or news of one (validated), that says what broke its peer's group:
-        take it as news of the peer it lost (``lost``) and as its abort (``cause``), before
-        the departure itself, once per departed peer.
+    def on_departure_message(self, header: Header) -> None:
+        """A goodbye, a farewell, news of a departure or an abort (validated): the departures
+        machine decides what it means (see :mod:`p2pcoll.departures`). A closed group
+        passes no abort on."""
+        actions = self.departures.received(header, self._now())
+        if header.kind == "abort" and self.failures.state is GroupState.CLOSED:
+            actions = [a for a in actions if not isinstance(a, Post)]
+        self._do(actions)
+        if header.kind == "farewell":
+            self._progress.set()
 
-        So a peer that hears of a goodbye before the news of what led to it (the news of
-        a loss spreads over the overlay's fingers, and the goodbye of a peer that failed
-        at once may overtake it) still fails with the root cause: the PeerLost naming the
-        rank that was lost, not "rank X left the group" naming the one that left. News of
-        a goodbye that was sent here too is left to the goodbye itself, which comes after
-        the data its peer sent before it (as in :meth:`gone_from`)."""
-        meta = header.meta
-        assert meta is not None
-        if header.kind == "bye":
-            rank = header.src
-        elif meta["graceful"] and self.rank not in meta.get("told", ()):
-            rank = meta["rank"]
-        else:
-            return  # a loss; or a goodbye that comes here too, after the data before it
-        if rank == self.rank or rank in self._reports or not (
-                "lost" in meta or "cause" in meta):
+    def link_down(self, rank: int) -> None:
+        """The transport saw a link or probe to ``rank`` go down."""
+        self._do(self.departures.link_closed(rank, self._now()))
+
+    def _do(self, actions: list[Action]) -> None:
+        """Carry out what the departures machine says, and time its next tick."""
+        for action in actions:
+            if isinstance(action, Post):
+                if action.via == "answer":
+                    self.transport.answer(action.dst, action.header)
+                else:  # over a link, or (while leaving, see Transport.leaving) a probe
+                    self.transport.post(action.dst, action.header)
+            elif isinstance(action, Forget):
+                self._departed(action.peer)
+            elif isinstance(action, Aborted):
+                self.failures.taken(action.header, action.origin, action.message)
+            elif isinstance(action, DeclaredLost):
+                self.failures.declared_lost(action.error)
+            # Watch and Unwatch: the transport follows the overlay itself (forget); Fail and
+            # Degrade: the failure model ends the operations (peer_departed).
+        self._schedule()
+
+    def _schedule(self) -> None:
+        due = self.departures.deadline()
+        if due is None or (self._timer is not None and self._timer.when() <= due):
             return
-        report = self._reports[rank] = {k: meta[k] for k in ("lost", "cause") if k in meta}
-        lost = report.get("lost")
-        if lost is not None and lost != self.rank:
-            self.peers.reported_lost(lost, by=header.src)
-        if "cause" in report:
-            self.failures.on_cause(rank, report["cause"])
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_at(due, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._do(self.departures.tick(self._now()))
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
 
     def _departed(self, rank: int) -> None:
         self.matcher.peer_departed(rank)  # the receives waiting for it
         self.failures.peer_departed(rank)  # every operation that needs it, sends included
         self._progress.set()
         self.transport.forget(rank)  # and watch another peer in its place (see overlay)
-        self._spread(rank)
-
-    def _spread(self, rank: int) -> None:
-        """Tell this rank's fingers that ``rank`` has gone (see
-        :mod:`p2pcoll.transport.overlay`): each peer does so once, when it first learns it,
-        so the news reaches every peer within about log2 p hops, whoever saw it first."""
-        departure = self.peers.gone().get(rank)
-        if departure is None or self._closing:
-            return
-        news = self.header("gone")
-        news.seq = departure.started
-        news.meta = {"rank": rank, "graceful": departure.graceful}
-        if departure.graceful:
-            news.meta["told"] = sorted(departure.told)
-            news.meta.update(self._reports.get(rank, ()))
-        for peer in overlay.fingers(self.rank, self.world_size, self.peers.gone()):
-            self.transport.post(peer, news)
-
-    def gone_from(self, src: int, rank: int, graceful: bool, started: int,
-                  told: frozenset[int]) -> None:
-        """``src`` says that ``rank`` has gone: with a goodbye (having started ``started``
-        collectives) to the peers ``told``, or lost. A peer told that it is itself lost
-        ignores it (whoever lost it will find the group broken at its next collective).
-
-        A goodbye is ordered after everything its peer sent on the same link, and it went
-        to every peer that peer ever sent to: a peer in ``told`` waits for it (its data may
-        still be on the way); a peer not in it was never sent anything, so the news is
-        all there is to wait for."""
-        if rank == self.rank:
-            return
-        if graceful:
-            if self.rank not in told:
-                self.peers.left(rank, started=started, told=told)
-        else:
-            self.peers.reported_lost(rank, by=src)
 
     def header(self, kind: str) -> Header:
         return Header(kind, self.membership.group_id, self.membership.rank)
@@ -224,7 +224,6 @@ class Session:
         departure as the peers this one sent nothing to do, from the others' news.
         """
         self.matcher.close(GroupBroken("the group was closed"))
-        self._closing = True
         self.leaving()
         if self.world_size > 1:
             loop = asyncio.get_running_loop()
@@ -235,20 +234,15 @@ class Session:
                 log.debug("rank %d: closing before ranks %s read its closed links",
                           self.rank, sorted(self.transport.unread()
                                             - self.transport.contacts()))
-            bye = self.header("bye")
-            bye.seq = self.seq  # the peers learn which collectives this peer took part in
-            # To the peers this one has dealt with (and its watchers); they tell the others
-            # (see _spread).
-            self._told = self.transport.contacts() - set(self.peers.gone())
-            bye.meta = {"told": sorted(self._told), **self._failure_report()}
-            for peer in sorted(self._told):
-                self.transport.post(peer, bye)
-            # And back to the peers that send here and were not told: a peer that has a link
-            # to this one it did not (yet) say goodbye on reads it when it leaves, and then
-            # waits for no farewell from a peer that has gone. Not in told: they learn of
-            # this departure from the news as well, and need not wait for this goodbye.
-            for peer in sorted(self.transport.senders() - self._told - set(self.peers.gone())):
-                self.transport.answer(peer, bye)
+            # To the peers this one has dealt with (and its watchers: those the transport can
+            # reach without a new link, its contacts); they tell the others. And back to
+            # the peers that send here and were not told: a peer that has a link to this one
+            # it did not (yet) say goodbye on reads it when it leaves, and then waits for no
+            # farewell from a peer that has gone. The bye says how many collectives this
+            # peer started (which it took part in) and what broke its group, if anything.
+            self._do(self.departures.close(
+                self.seq, unread=self.transport.contacts(), senders=self.transport.senders(),
+                probed_by=(), report=self._failure_report()))
             while (waiting := self.unanswered()) and loop.time() < deadline:
                 self._progress.clear()
                 try:
@@ -258,14 +252,17 @@ class Session:
             if waiting:
                 log.debug("rank %d: closing before ranks %s read its goodbye", self.rank,
                           sorted(waiting))
-        self.peers.close()
+        self.departures.closed()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._board is not None:
             self._board.close()
         if self.executor.timeline is not None:
             self.executor.timeline.close()
 
     def _failure_report(self) -> dict[str, Any]:
-        """What this peer's goodbye says broke its group (see :meth:`read_report`): the
+        """What this peer's goodbye says broke its group (read as in Departures._report): the
         first failure (``cause``, see :meth:`FailureModel.first_failure`) and a peer it
         knows to be lost (``lost``: the one the cause names if it was lost, else the first
         lost); nothing after a healthy run, whose goodbye reads as "rank X left"."""
@@ -281,15 +278,31 @@ class Session:
 
     def unanswered(self) -> set[int]:
         """The peers this peer's goodbye went to that have neither answered it nor gone."""
-        return self._told - self.farewells - set(self.peers.gone())
+        return self.departures.unanswered()
 
-    def bye_from(self, rank: int, started: int, told: frozenset[int]) -> None:
-        """``rank`` said goodbye (to ``told``): answer that everything before was read (on
-        the connection the goodbye came on: it opens no link), and record it (which lets
-        go of what the transport keeps for ``rank``, that connection too)."""
-        self.transport.answer(rank, self.header("farewell"))
-        self.peers.left(rank, started=started, told=told)
 
-    def farewell_from(self, rank: int) -> None:
-        self.farewells.add(rank)
-        self._progress.set()
+class Record:
+    """The session's record of departed peers, as the matcher, the failure model and the
+    group's forming read it (see :class:`p2pcoll.engine.matching.Departures`): a view of
+    the departures machine, and the events forming feeds it."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self.membership = session.membership
+
+    def lost(self, rank: int) -> PeerLost | None:
+        return self._session.departures.lost(rank)
+
+    def abandoned(self, rank: int, seq: int) -> bool:
+        return self._session.departures.abandoned(rank, seq)
+
+    def gone(self) -> dict[int, Departure]:
+        return self._session.departures.gone()
+
+    def said_goodbye(self, rank: int) -> bool:
+        return self._session.departures.said_goodbye(rank)
+
+    def reported_lost(self, rank: int, by: int) -> None:
+        """``rank`` could not be reached by this peer (``by``) while the group formed."""
+        s = self._session
+        s._do(s.departures.unreachable(rank, s._now()))

@@ -99,7 +99,7 @@ class Transport(Protocol):
     sent: MessageHook | None  # see the module docstring
     delivered: MessageHook | None
     # The peers whose hellos the group's forming waits for (those that watch this one, see
-    # .overlay; every peer in a group on a board), known once connected.
+    # p2pcoll.departures.overlay; every peer in a group on a board), known once connected.
     hello_peers: frozenset[int]
 
     async def bind(self) -> list[str]:
@@ -158,14 +158,14 @@ class Transport(Protocol):
         ...
 
     def greet(self, header: Header) -> None:
-        """Post a hello to the peers this one watches (see .overlay), with whatever the
+        """Post a hello to the peers this one watches (departures.overlay), with whatever the
         transport needs to announce, and to any other peer before the first message sent
         to it."""
         ...
 
     def contacts(self) -> set[int]:
         """The peers that may not have read everything this one sent them
-        (:meth:`unread`), and those that watch it (see .overlay); once :meth:`leaving`,
+        (:meth:`unread`), and those that watch it (departures.overlay); once :meth:`leaving`,
         only those a message can still reach without a new link."""
         ...
 
@@ -175,7 +175,7 @@ class Transport(Protocol):
 
     def forget(self, rank: int) -> None:
         """``rank`` has gone: let go of what is kept for it, and watch another peer in its
-        place if it was watched (see .overlay)."""
+        place if it was watched (see p2pcoll.departures.overlay)."""
         ...
 
     async def aclose(self) -> None:

@@ -11,7 +11,7 @@ each ordered pair of peers holds at most ``capacity`` data messages not yet deli
 send waits for room, so one to a frozen peer, or to one that was cut off, waits (until the
 failure model ends it) as it would over a socket.
 
-Liveness is the mesh's (see :mod:`.zmq_mesh` and :mod:`.overlay`): each peer probes the
+Liveness is the mesh's (see :mod:`.zmq_mesh` and departures.overlay): each peer probes the
 ranks it watches (:meth:`MemoryTransport.watch`), and a probe whose peer does not answer for
 the heartbeat (the peer is frozen, or the link between the two is cut) reports it lost
 through :meth:`MemoryTransport.probe_lost`, the one place where the memory transport
@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import PeerLost
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
-from . import overlay
+from ..departures import overlay
 from .base import (
     BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook,
 )
@@ -379,7 +379,7 @@ class MemoryTransport:
 
     def forget(self, rank: int) -> None:
         """``rank`` has gone (the session says so, whoever saw it first): if it was
-        watched, watch the next live successor instead (see :mod:`.overlay`), as the mesh
+        watched, watch the next live successor instead (departures.overlay), as the mesh
         does, so that every live peer stays watched."""
         m = self.membership
         if m is None or rank == m.rank or rank in self._gone:

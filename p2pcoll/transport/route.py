@@ -9,7 +9,7 @@ through this peer's shared-memory ring, which all its readers share: see :mod:`.
 :class:`Routes` is the table of them, and keeps the link budget (``P2PCOLL_MAX_LINKS``):
 when a send needs a link this peer does not have and it holds ``budget`` links already, the
 least recently used link that may go is closed first. A link may go when nothing waits for
-room in its queue, it leads to no peer this one watches on the overlay (:mod:`.overlay`),
+room in its queue, it leads to no peer this one watches on the overlay (departures.overlay),
 and it carries no lane (whose order rests on the link's markers). Its last message is an
 ``end``, and the next link to that peer is the next *generation* (its identity says so, see
 :mod:`.links`), which the receiver reads only after that ``end``: the peer's messages stay in

@@ -15,7 +15,7 @@ own ZeroMQ queue with a high-water mark, which gives backpressure per destinatio
 first message on a peer's first link is this peer's hello (what the receiver needs to map
 its shared memory), once the group has formed.
 
-Liveness rests on a sparse overlay (:mod:`.overlay`): each rank watches its two ring
+Liveness rests on a sparse overlay (departures.overlay): each rank watches its two ring
 successors with a probe, a connection that carries only ZMTP heartbeats, so that a peer
 that dies is seen at once by its watchers, one that freezes after the heartbeat timeout, and
 one that is merely slow (its queue full) not at all; the session spreads the news to
@@ -53,22 +53,23 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
 from . import board as boards
-from . import lane, overlay, shm
+from ..departures import overlay
+from . import lane, shm
 from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .inbound import Inbound
 from .malloc import tune_malloc
 from .links import Successions, link_identity
+from .liveness import Probes
 from .ordering import LaneReceiver, LaneSender
 from .route import ENDED, Route, Routes
-from .sockets import LINGER_MS, LinkCensus, SocketFactory
+from .sockets import LinkCensus, SocketFactory
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -164,10 +165,8 @@ class ZmqMesh:
         self._byes = Inbound(self, kinds={"bye"})
         self._leaving = False  # no link opens any more (see leaving)
         # Probe identity -> rank, of the watchers this peer said goodbye to on their probes
-        # (their farewells come back on them); the watched peers whose goodbye came on
-        # this peer's probe (answered there).
+        # (their farewells come back on them).
         self._probers: dict[bytes, int] = {}
-        self._bye_on_probe: set[int] = set()
         self._bye_on_link: set[int] = set()  # whose goodbye came back on this peer's link
         # Link identity -> rank, of the members' links being read now; the order of each
         # member's successive links (made at connect); this peer's nonce (see .links).
@@ -180,10 +179,8 @@ class ZmqMesh:
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back)
-        # Heartbeat-only links to the watched peers, each with its monitor and the task
-        # reading that (see _probe).
-        self._probes: dict[int, tuple[zmq.asyncio.Socket, zmq.asyncio.Socket,
-                                      asyncio.Task[None]]] = {}
+        # Heartbeat-only links to the watched peers (see .liveness).
+        self._probes = Probes(self.sockets, self._probe_down, self._bye_on_probe)
         self._gone: set[int] = set()  # peers the session has told this one are gone
         self._peer_endpoints: tuple[str, ...] = ()
         self._hello: Header | None = None  # sent first on every link opened after greet()
@@ -320,37 +317,23 @@ class ZmqMesh:
         return len(self._probes)
 
     def _probe(self, peer: int, *, late: bool = False) -> None:
-        """Watch ``peer``: the probe's heartbeats see it die, freeze or be cut off (see
-        mesh_probe); its monitor sees a connection that closes at once. A ``late`` probe,
-        opened after the group formed to replace a watched peer that has gone, also calls
-        the peer lost when it cannot connect at all (its port is gone: every peer's was
-        bound before the group formed)."""
+        """Watch ``peer`` (see .liveness)."""
         assert self._peer_endpoints
-        probe = self.sockets.mesh_probe(self.identity + b"~probe")
-        events = zmq.EVENT_DISCONNECTED
-        if late:
-            events |= zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
-        monitor = probe.get_monitor_socket(events)
-        task = asyncio.create_task(self._watch(peer, probe, monitor))
-        self._probes[peer] = (probe, monitor, task)
-        probe.connect(self._peer_endpoints[peer])
+        self._probes.open(peer, self._peer_endpoints[peer], self.identity + b"~probe",
+                          late=late)
 
-    def _unprobe(self, peer: int) -> None:
-        """Close a probe and its monitor. The monitor is stopped while its PAIR socket is
-        still open: libzmq sends a final event on stop, and a send to a PAIR whose reader
-        has closed blocks forever. Closed here, not by its task: a task cancelled before
-        it ran never runs its ``finally``."""
-        probe, monitor, task = self._probes.pop(peer)
-        probe.disable_monitor()
-        task.cancel()
-        # a farewell answered on it (the peer said goodbye there) must still go out
-        probe.close(linger=LINGER_MS if peer in self._bye_on_probe else 0)
-        monitor.close(linger=0)
+    def _probe_down(self, peer: int) -> None:
+        if not self._closed:
+            self.on_link_down(peer)
+
+    def _bye_on_probe(self, peer: int, frames: list[zmq.Frame]) -> None:
+        """A watched peer with no link to this one said goodbye on this peer's probe."""
+        self._byes.accept(peer, frames[0].buffer, frames[1:])
 
     def forget(self, rank: int) -> None:
         """``rank`` has gone (the session says so, whoever saw it first): let go of what
         this peer kept for it, and if it was watched, watch the next live successor
-        instead (see :mod:`.overlay`), so that every live peer stays watched."""
+        instead (see :mod:`p2pcoll.departures.overlay`), so that every live peer stays watched."""
         if rank in self._gone or rank == self.rank or self._closed or self.rank < 0:
             return
         self._gone.add(rank)
@@ -360,8 +343,7 @@ class ZmqMesh:
         size = len(self._peer_endpoints)
         watched = overlay.watched(self.rank, size, gone=self._gone)
         self.routes.pin(watched)
-        if rank in self._probes:
-            self._unprobe(rank)
+        self._probes.close(rank)
         if self._monitored:
             for peer in watched:
                 if peer not in self._probes:
@@ -416,8 +398,11 @@ class ZmqMesh:
     def _wake(self, peer: int) -> None:
         """Write into ``peer``'s wake-up pipe, if this peer can (the peer's hello opened it)."""
         lanes = self._lanes
-        if lanes is not None and peer in lanes._wakers:
-            lanes.wake(peer)
+        if lanes is not None:
+            try:
+                lanes.wake(peer)
+            except KeyError:
+                pass  # its pipe is not open yet: its hello has not come
 
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
@@ -606,10 +591,8 @@ class ZmqMesh:
         if self._closed or self.rank < 0 or rank in self._bye_on_link:
             return  # (one that came back on this peer's own link is not answered)
         frame = encode_header(header)
-        probe = self._probes.get(rank) if rank in self._bye_on_probe else None
         try:
-            if probe is not None:
-                zmq.Socket.shadow(probe[0].underlying).send(frame, _NOBLOCK)
+            if self._probes.answer(rank, frame):
                 return
             identity = None if self._successions is None else (
                 self._successions.current.get(rank))
@@ -976,43 +959,12 @@ class ZmqMesh:
         return [next(inline_frames) if at == -1 else inbox.take(at, n, k)
                 for n, at, k in zip(header.nbytes, header.shm[1], header.shm[2], strict=True)]
 
-    async def _watch(self, peer: int, probe: zmq.asyncio.Socket,
-                     monitor: zmq.asyncio.Socket) -> None:
-        """Follow a probe's connection (its monitor's events), and read what comes on it:
-        only the goodbye of a watched peer that has no link to this one (see
-        :meth:`leaving`)."""
-        await asyncio.gather(self._follow(peer, monitor), self._hear(peer, probe))
-
-    async def _hear(self, peer: int, probe: zmq.asyncio.Socket) -> None:
-        try:
-            while True:
-                frames = await probe.recv_multipart(copy=False)
-                self._bye_on_probe.add(peer)  # its farewell goes back there (see answer)
-                self._byes.accept(peer, frames[0].buffer, frames[1:])
-        except (asyncio.CancelledError, zmq.ZMQError):
-            pass
-
-    async def _follow(self, peer: int, monitor: zmq.asyncio.Socket) -> None:
-        connected = False
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                connected = connected or event == zmq.EVENT_CONNECTED
-                down = event == zmq.EVENT_DISCONNECTED or (
-                    event == zmq.EVENT_CONNECT_RETRIED and not connected)
-                if down and not self._closed:
-                    self.on_link_down(peer)
-        except (asyncio.CancelledError, zmq.ZMQError):
-            pass
-
     async def aclose(self) -> None:
         """Stop reading and close every socket; queued outgoing messages get LINGER_MS."""
         if self._closed:
             return
         self._closed = True
-        watching = [task for _, _, task in self._probes.values()]
-        for peer in list(self._probes):
-            self._unprobe(peer)
+        watching = self._probes.close_all()
         self._deferred.clear()
         tasks = [*self._tasks, *([self._deferring] if self._deferring is not None else [])]
         for task in tasks:

@@ -1,18 +1,19 @@
 """The sparse overlay: who watches whom, and how news of a departure reaches everyone.
 
 A peer does not keep a link to every other peer (links open on demand, see
-:mod:`.zmq_mesh`), so liveness cannot rest on every pair either. Instead each rank watches
-its :data:`WATCHED` ring successors (a heartbeat probe each, see ``SocketFactory.mesh_probe``)
-and is watched by its as many predecessors, so a peer's liveness costs a constant number of
-connections and heartbeats whatever the size of the group. When a peer learns that another
+:mod:`p2pcoll.transport.zmq_mesh`), so liveness cannot rest on every pair either. Instead
+each rank watches its :data:`WATCHED` ring successors (a heartbeat probe each, which
+:class:`~p2pcoll.departures.Departures` asks the transport to open) and is watched by its as
+many predecessors, so a peer's liveness costs a constant number of connections and heartbeats
+whatever the size of the group. When a peer learns that another
 has gone (its probe or link went down, it said goodbye, or a peer told it), it tells its
 :func:`fingers` once: ranks ``r + 1, r + 2, r + 4, ...``. Every peer that learns something
 new forwards it the same way, so the news reaches all ``p`` peers within about ``log2 p``
 hops, each peer sending ``log2 p`` messages per departure; a finger known to have gone is
 replaced by the next rank after it. Aborts travel the same way (see
-:mod:`p2pcoll.session.failure`): the rank whose collective failed tells the peers it has sent
-anything to and its fingers, and every peer passes the first abort of an operation on to its
-own fingers once.
+:class:`~p2pcoll.departures.Departures`): the rank whose collective failed tells the peers
+it has sent anything to and its fingers, and every peer passes the first abort of an
+operation on to its own fingers once.
 
 When a watched peer goes, its watchers watch the next live successor instead (``gone``
 below), so after every departure each live rank is watched by :data:`WATCHED` live

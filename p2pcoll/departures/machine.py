@@ -1,0 +1,529 @@
+"""How one peer learns that others have left its group, as a state machine without I/O.
+
+:class:`Departures` is fed events (a probe or a link went down, a control message came, this
+peer failed an operation or is closing, the clock moved) and answers each with the
+:mod:`actions <.actions>` its peer must carry out (post a message, watch a peer, forget one,
+fail an operation). It holds the one record of who has gone and how, and it never touches a
+socket, a task or a clock: the time is passed in, so every scenario runs in a test in
+microseconds, in any order of events.
+
+The protocol, in the order things happen:
+
+- **Watching.** Each peer watches its :data:`~.overlay.WATCHED` live ring successors (see
+  :mod:`.overlay`) with a probe. A probe or a link that goes down makes its peer a
+  *suspect*; unless the peer says goodbye within :data:`LINK_LOSS_GRACE` (its port closes
+  right after its goodbye, which may come second), the next tick declares it lost. When a
+  watched peer goes, the next live successor is watched instead (a ``late`` probe, which
+  also calls the peer lost if it cannot connect at all), so a run of consecutive losses is
+  found one after the other.
+- **News.** A peer that learns of a departure first-hand or from another tells its
+  :func:`~.overlay.fingers` once (``gone``), so every survivor knows within about log2 p
+  hops. A goodbye's news carries the peers it went to (``told``): those wait for the
+  goodbye itself, which comes after the data its peer sent them. News from a peer known to
+  be lost is not believed: that peer stalled and is answered that it was declared lost.
+- **Goodbyes.** A closing peer says goodbye (``bye``, with how many collectives it
+  started) to the peers that may not have read all it sent (``unread``: its open and
+  draining links) and to its watchers (over their probe if it has no link to them), and
+  back to the peers whose links to it are read (``senders``, as an answer); each answers a
+  ``farewell`` on the connection the goodbye came on. A closing peer opens no link and
+  passes on no news. A goodbye sent after a failure carries what broke the group
+  (``cause``, ``lost``), taken by its readers before the departure itself.
+- **Aborts.** A peer whose operation failed sends the abort to its ``unread`` peers (it
+  comes after the data on their links) and its fingers; a peer that learns of a failed
+  operation passes it on to its own fingers once (again only for a timeout that found whom
+  to blame).
+- **Operations.** A running operation that needs a peer that has gone fails at once with
+  that peer's :class:`~p2pcoll.errors.PeerLost`, exactly once: a collective, any member
+  lost or gone before it started it; a send, its receiver lost (a goodbye ends only the
+  sends that start after it).
+- **A stalled peer.** The clock passed in also tells a peer that it was itself stopped: a
+  gap between events longer than ``stall`` (the heartbeat timeout: its watchers have
+  declared it lost by then), followed within the grace by the loss of a peer it watches
+  (its own probes' heartbeats timed out as it resumed; a loop that was only blocked keeps
+  its probes, which libzmq answers on its own thread). It fails everything it runs with
+  that (:class:`~.actions.DeclaredLost`), not with the loss of the healthy neighbours its
+  probes report (those losses were its own, and are ignored from then on).
+  A survivor that hears news from a peer it declared lost does not believe it, and answers
+  that peer that it was declared lost (the same end, should its clock not have seen it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CLOSED, PeerLost
+from ..wire.header import OWN, Header
+from . import overlay
+from .actions import Aborted, Action, DeclaredLost, Degrade, Fail, Forget, Post, Unwatch, Watch
+
+# What a lost link says of its peer (the transport cannot yet tell a kill from a freeze).
+GONE_HOW = ("its process was killed or crashed, or it stopped answering (frozen, overloaded "
+            "or cut off)")
+
+
+def _left(rank: int) -> PeerLost:
+    """The departure of a peer that said goodbye after a healthy run."""
+    return PeerLost(f"rank {rank} left the group: it closed it normally", rank, how=CLOSED)
+
+__all__ = ["LINK_LOSS_GRACE", "Departure", "Departures"]
+
+log = logging.getLogger("p2pcoll")
+
+LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
+MAX_ABORTS_KEPT = 1024  # aborts remembered: far more than a failing group sends
+_TIMEOUT = "CollectiveTimeout"  # the error class name of a deadline, as aborts carry it
+
+
+@dataclass(frozen=True)
+class Departure:
+    """How one peer went."""
+
+    error: PeerLost
+    graceful: bool  # said goodbye, as opposed to lost
+    started: int = 0  # with a goodbye: how many collectives the peer had started
+    # with a goodbye: the peers it went to, on the links that carried all the peer sent
+    # them (the others were never sent anything by it)
+    told: frozenset[int] = frozenset()
+
+
+@dataclass
+class _Op:
+    needs: frozenset[int]
+    seq: int | None  # a collective's number; None for a send
+
+
+class Departures:
+    """The departures of one peer's group, seen from ``rank``; see the module docstring.
+
+    Every event method returns the actions to carry out, in order. Times are seconds on any
+    monotonic clock, the same for every call.
+
+    Args:
+        rank: this peer's rank.
+        size: the group's size.
+        group: the group's id (for the headers of the messages it posts).
+        endpoints: the peers' endpoints, named in errors (optional).
+        grace: how long a suspect may still say goodbye before it is declared lost.
+        stall: a gap between two events longer than this, with a loss right after it,
+            means this peer was stopped for longer than its watchers wait (None: never
+            so); the caller then ticks at least every ``stall / 2``.
+    Raises:
+        ValueError: ``rank`` is not a rank of a group of ``size``.
+    """
+
+    def __init__(self, rank: int, size: int, group: str, *,
+                 endpoints: Sequence[str] = (), grace: float = LINK_LOSS_GRACE,
+                 stall: float | None = None) -> None:
+        overlay.watched(rank, size)  # checks the rank
+        self.rank, self.size, self.group = rank, size, group
+        self.endpoints = tuple(endpoints)
+        self.grace, self.stall = grace, stall
+        self._gone: dict[int, Departure] = {}
+        self._suspects: dict[int, float] = {}  # rank -> when it is declared lost
+        self._watched: list[int] = []
+        self._last: float | None = None  # the time of the last event
+        self._resumed: tuple[float, float] | None = None  # after a gap: (when, how long)
+        self._closing = False  # said goodbye: passes on no news, opens no link
+        self._muted = False  # closed: nothing happens any more
+        self._declared: PeerLost | None = None  # the others declared this peer lost
+        self._answered: set[int] = set()  # stalled peers told they were declared lost
+        self.told: frozenset[int] = frozenset()  # whom this peer's goodbye went to
+        self.farewells: set[int] = set()  # who has read it
+        self._reports: dict[int, dict[str, Any]] = {}  # a leaver's cause and loss, once
+        self._newsed: dict[int, set[int]] = {}  # finger -> the departures it was told of
+        self._seen: dict[tuple[int, int, int | None], int] = {}  # aborts taken
+        self._passed_on: dict[tuple[int, int | None], int] = {}  # aborts passed on, level
+        self._ops: dict[Hashable, _Op] = {}
+        self._failed: set[Hashable] = set()
+        self._degraded = False
+
+    # -- what it knows ---------------------------------------------------------------
+
+    def gone(self) -> dict[int, Departure]:
+        """Every peer known to have gone, and how."""
+        return dict(self._gone)
+
+    def lost(self, rank: int) -> PeerLost | None:
+        """The error of ``rank``'s departure, or None while it is there."""
+        gone = self._gone.get(rank)
+        return gone.error if gone else None
+
+    def said_goodbye(self, rank: int) -> bool:
+        gone = self._gone.get(rank)
+        return gone is not None and gone.graceful
+
+    def abandoned(self, rank: int, seq: int) -> bool:
+        """Whether ``rank`` is gone without taking its part in collective ``seq``: lost, or
+        said goodbye before it started it."""
+        gone = self._gone.get(rank)
+        return gone is not None and (not gone.graceful or gone.started <= seq)
+
+    @property
+    def watched(self) -> list[int]:
+        """The peers this one watches now."""
+        return list(self._watched)
+
+    def watchers(self) -> list[int]:
+        """The live peers that watch this one."""
+        return overlay.watchers(self.rank, self.size, gone=self._gone)
+
+    def unanswered(self) -> set[int]:
+        """The peers this peer's goodbye went to that have neither answered nor gone."""
+        return set(self.told) - self.farewells - set(self._gone)
+
+    def deadline(self) -> float | None:
+        """When the next :meth:`tick` is due (None: no need)."""
+        if self._muted:
+            return None
+        times = list(self._suspects.values())
+        if self.stall is not None and self._last is not None:
+            times.append(self._last + self.stall / 2)
+        return min(times, default=None)
+
+    # -- events ----------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Action]:
+        """The group has formed: watch the first successors."""
+        actions = self._clock(now)
+        self._watched = overlay.watched(self.rank, self.size, gone=self._gone)
+        return actions + [Watch(peer) for peer in self._watched]
+
+    def probe_lost(self, peer: int, now: float) -> list[Action]:
+        """A probe of ``peer`` went down (or a late one could not connect)."""
+        return self.link_closed(peer, now)
+
+    def link_closed(self, peer: int, now: float) -> list[Action]:
+        """A connection to ``peer`` went down: it is lost unless it says goodbye within the
+        grace period. Once this peer knows it was declared lost, the losses it sees are its
+        own, and ignored."""
+        actions = self._clock(now)
+        if (self._muted or self._declared is not None or peer in self._gone
+                or peer == self.rank or peer in self._suspects):
+            return actions
+        if self._resumed is not None and now - self._resumed[0] <= self.grace:
+            return actions + self._declared_lost(None, self._resumed[1])
+        self._suspects[peer] = now + self.grace
+        return actions
+
+    def unreachable(self, peer: int, now: float) -> list[Action]:
+        """``peer`` could not be reached at all (it never said hello while the group
+        formed): lost at once."""
+        return self._out(self._clock(now) + self._lose(peer, by=self.rank))
+
+    def tick(self, now: float) -> list[Action]:
+        """Time has passed: declare the suspects whose grace is over."""
+        actions = self._clock(now)
+        for peer, due in sorted(self._suspects.items()):
+            if due <= now and peer in self._suspects:
+                del self._suspects[peer]
+                actions += self._lose(peer, by=self.rank)
+        return self._out(actions)
+
+    def received(self, header: Header, now: float) -> list[Action]:
+        """A validated control message of this group: ``bye``, ``farewell``, ``gone`` or
+        ``abort`` (anything else is not this machine's and returns nothing)."""
+        actions = self._clock(now)
+        if self._muted:
+            return actions
+        kind = header.kind
+        if kind == "farewell":
+            self.farewells.add(header.src)
+        elif kind == "bye":
+            # The news goes out before the farewell, which lets the leaver close its port:
+            # a peer that watches it and was not told then hears of the goodbye rather
+            # than seeing its probe go down first (and calling it lost).
+            meta = header.meta or {}
+            told = frozenset(meta.get("told", ()))
+            actions += self._report(header)
+            actions += self._record(header.src, Departure(
+                _left(header.src), True,
+                header.seq, told))
+            actions.append(Post(header.src, self._header("farewell"), "answer"))
+        elif kind == "gone":
+            actions += self._news_from(header)
+        elif kind == "abort":
+            actions += self._abort_from(header)
+        return self._out(actions)
+
+    def failed(self, abort: Header, unread: Collection[int]) -> list[Action]:
+        """This peer failed ``abort``'s operation (its header, with ``err`` and ``meta``):
+        tell directly the peers that may not have read all it sent them (``unread``; the
+        abort comes after that data on their links), and everyone else over the fingers."""
+        if self._muted:
+            return []
+        told = sorted(p for p in unread if p not in self._gone and p != self.rank)
+        abort.meta = {**(abort.meta or {}), "told": told}
+        return self._posts(told, abort) + self._pass_on(abort, self.rank, skip=set(told))
+
+    def close(self, seq: int, unread: Collection[int], senders: Collection[int],
+              probed_by: Collection[int] | None = None,
+              report: dict[str, Any] | None = None) -> list[Action]:
+        """This peer leaves, having started ``seq`` collectives: say goodbye (see the module
+        docstring) to ``unread`` and to the watchers whose probe of it can be reached
+        (``probed_by``; None: all), and back to the ``senders`` not told; ``report`` is what
+        broke the group, if anything did. Watch :meth:`unanswered` for the farewells."""
+        if self._muted or self._closing:
+            return []
+        self._closing = True
+        gone = set(self._gone) | {self.rank}
+        links = set(unread) - gone
+        watchers = {w for w in self.watchers()
+                    if probed_by is None or w in probed_by or w in links} - gone
+        self.told = frozenset(links | watchers)
+        bye = self._header("bye")
+        bye.seq = seq
+        bye.meta = {"told": sorted(self.told), **(report or {})}
+        actions: list[Action] = [Post(p, bye, "link" if p in links else "probe")
+                                 for p in sorted(self.told)]
+        return actions + [Post(p, bye, "answer")
+                          for p in sorted(set(senders) - self.told - gone)]
+
+    def closed(self) -> None:
+        """This peer has closed: nothing happens any more."""
+        self._muted = True
+        self._suspects.clear()
+
+    def op_started(self, op: Hashable, needs: Collection[int],
+                   seq: int | None = None) -> list[Action]:
+        """An operation started that needs ``needs``: a collective numbered ``seq``, or a
+        send (``seq`` None). It fails at once if one of them has already abandoned it."""
+        if op in self._ops or op in self._failed:
+            raise ValueError(f"operation {op!r} has started already")
+        self._ops[op] = _Op(frozenset(needs) - {self.rank}, seq)
+        if self._declared is not None:
+            return self._fail(op, self._declared)
+        for rank in sorted(self._ops[op].needs):
+            gone = self._gone.get(rank)
+            if gone is not None and (seq is None or self.abandoned(rank, seq)):
+                return self._fail(op, gone.error)
+        return []
+
+    def op_ended(self, op: Hashable) -> None:
+        """An operation ended (whether it failed); forgetting an unknown one is a no-op."""
+        self._ops.pop(op, None)
+
+    # -- the rules ---------------------------------------------------------------------
+
+    def _clock(self, now: float) -> list[Action]:
+        """Note the time of an event, and a gap longer than ``stall`` before it (see
+        :meth:`link_closed`). Returns no action (one day, maybe: hence the list)."""
+        last, self._last = self._last, now
+        if (self.stall is not None and last is not None and now - last > self.stall
+                and not self._closing):
+            self._resumed = (now, now - last)
+            # what it suspected before the gap was its own loss too
+            self._suspects = {p: now + self.grace for p in self._suspects}
+        return []
+
+    def _lose(self, peer: int, by: int) -> list[Action]:
+        """``peer`` is lost, as ``by`` (this peer, or the one that says so) saw."""
+        if self._muted or peer in self._gone or peer == self.rank or (
+                by == self.rank and self._declared is not None):
+            return []
+        where = f" ({self.endpoints[peer]})" if peer < len(self.endpoints) else ""
+        text = (f"rank {peer}{where} is gone without closing the group: {GONE_HOW}; rank {by} "
+                f"lost the connection to rank {peer}")
+        if by != self.rank:
+            text += f" (reported to rank {self.rank})"
+        # A peer that is leaving sees its neighbours close too: nothing to warn of.
+        level = logging.DEBUG if self._closing else logging.WARNING
+        log.log(level, "rank %d: %s", self.rank,
+                f"lost the connection to rank {peer}" if by == self.rank
+                else f"rank {by} reports that it lost rank {peer}")
+        return self._record(peer, Departure(PeerLost(text, peer), False))
+
+    def _record(self, rank: int, departure: Departure) -> list[Action]:
+        """The one place a departure is recorded, and what follows from it."""
+        if self._muted or rank in self._gone or rank == self.rank:
+            return []
+        self._gone[rank] = departure
+        self._suspects.pop(rank, None)
+        actions: list[Action] = [Forget(rank)]
+        for op, state in list(self._ops.items()):
+            if rank in state.needs and (not departure.graceful or (
+                    state.seq is not None and departure.started <= state.seq)):
+                actions += self._fail(op, departure.error)
+        if not self._degraded:
+            self._degraded = True
+            actions.append(Degrade())
+        watched = overlay.watched(self.rank, self.size, gone=self._gone)
+        actions += [Unwatch(p) for p in self._watched if p not in watched]
+        actions += [Watch(p, late=True) for p in watched if p not in self._watched]
+        self._watched = watched
+        if self._closing:
+            return actions
+        fingers = overlay.fingers(self.rank, self.size, self._gone)
+        actions += self._spread(fingers, rank)
+        # The news this peer passed to ``rank`` may have gone no further (it was leaving,
+        # and a leaving peer passes on none, or it died first): pass it to the finger that
+        # replaces ``rank`` now, so that it goes on around the ring.
+        before = overlay.fingers(self.rank, self.size, set(self._gone) - {rank})
+        for other in sorted(self._newsed.pop(rank, ())):
+            actions += self._spread([p for p in fingers if p not in before], other)
+        return actions
+
+    def _spread(self, fingers: list[int], rank: int) -> list[Action]:
+        """Tell ``fingers`` that ``rank`` has gone (and remember who was told)."""
+        for p in fingers:
+            self._newsed.setdefault(p, set()).add(rank)
+        return self._posts(fingers, self._news(rank, self._gone[rank]))
+
+    def _fail(self, op: Hashable, error: PeerLost) -> list[Action]:
+        self._ops.pop(op, None)
+        self._failed.add(op)
+        return [Fail(op, error)]
+
+    def _news(self, rank: int, departure: Departure) -> Header:
+        news = self._header("gone")
+        news.seq = departure.started
+        news.meta = {"rank": rank, "graceful": departure.graceful}
+        if departure.graceful:
+            news.meta["told"] = sorted(departure.told)
+            news.meta.update(self._reports.get(rank, ()))
+        return news
+
+    def _news_from(self, header: Header) -> list[Action]:
+        """``header.src`` says that ``meta["rank"]`` has gone: with a goodbye (having started
+        ``seq`` collectives) to ``told``, or lost.
+
+        A goodbye is ordered after everything its peer sent on the same link, so a peer in
+        its ``told`` waits for the goodbye itself; the others were never sent anything."""
+        meta = header.meta or {}
+        rank, src = int(meta["rank"]), header.src
+        if src in self._gone and not self._gone[src].graceful:
+            # A peer this one declared lost is talking: it stalled and has resumed. Its news
+            # is not believed (it lost its neighbours because it stopped, most likely).
+            if src in self._answered:
+                return []
+            self._answered.add(src)
+            return [Post(src, self._news(src, self._gone[src]), "answer")]
+        if rank == self.rank:
+            if meta["graceful"] or self._declared is not None or self._closing:
+                return []
+            return self._declared_lost(src)
+        actions = self._report(header)
+        if meta["graceful"]:
+            if self.rank in meta.get("told", ()):
+                return actions
+            return actions + self._record(rank, Departure(
+                _left(rank), True, header.seq,
+                frozenset(meta.get("told", ()))))
+        return actions + self._lose(rank, by=src)
+
+    def _declared_lost(self, by: int | None, stalled: float = 0.0) -> list[Action]:
+        """The others declared this peer lost (``by`` said so, or it saw itself stopped for
+        ``stalled`` seconds): what it runs fails, and the losses it suspects were its own."""
+        if by is None:
+            text = (f"rank {self.rank} was stopped for {stalled:.1f} s, longer than its "
+                    f"watchers wait: the group has declared it lost")
+        else:
+            text = (f"rank {by} says that rank {self.rank} was declared lost: it stopped "
+                    f"answering for longer than the heartbeat timeout (it was stopped, or "
+                    f"cut off)")
+        log.warning("rank %d: %s", self.rank, text)
+        self._declared = PeerLost(text, self.rank)
+        self._suspects.clear()
+        actions: list[Action] = []
+        for op in list(self._ops):
+            actions += self._fail(op, self._declared)
+        return [*actions, DeclaredLost(self.rank if by is None else by, self._declared)]
+
+    def _report(self, header: Header) -> list[Action]:
+        """A goodbye, or news of one, that says what broke its peer's group: taken as news of
+        the peer it lost (``lost``) and as its abort (``cause``), before the departure
+        itself, once per departed peer. News of a goodbye that was sent here too is left to
+        the goodbye, which comes after the data its peer sent before it."""
+        meta = header.meta or {}
+        if header.kind == "bye":
+            rank = header.src
+        elif meta.get("graceful") and self.rank not in meta.get("told", ()):
+            rank = int(meta["rank"])
+        else:
+            return []
+        if rank == self.rank or rank in self._reports or not (
+                "lost" in meta or "cause" in meta):
+            return []
+        report = self._reports[rank] = {k: meta[k] for k in ("lost", "cause") if k in meta}
+        actions: list[Action] = []
+        lost = report.get("lost")
+        if lost is not None and lost != self.rank:
+            actions += self._lose(int(lost), by=header.src)
+        cause = report.get("cause")
+        if cause is not None:
+            named = cause.get("rank")
+            kind, text = cause["err"]
+            actions.append(Aborted(Header(
+                "abort", self.group, rank, cause["q"], err=[kind, text],
+                meta=None if named is None else {"lost": named}, tag=cause.get("t"),
+            ), rank, f"{text} (reported by rank {rank} as it left)"))
+        return actions
+
+    def _abort_from(self, header: Header) -> list[Action]:
+        """A peer reports that an operation failed at ``origin`` (itself, or the rank whose
+        abort it passes on): taken once, and passed on.
+
+        An abort the origin sent here as well (``told``) comes after everything the origin
+        sent here before it; a copy passed on by another may overtake that data, so it is
+        left to the origin's own."""
+        if header.err is None:
+            return []
+        meta = header.meta or {}
+        origin = int(meta.get("origin", header.src))
+        if origin == self.rank or (origin != header.src and self.rank in meta.get("told", ())):
+            return []
+        key = (origin, header.seq, header.tag)
+        if key in self._seen:
+            return []
+        _remember(self._seen, key, 1)
+        what = (f"collective #{header.seq}" if header.tag is None
+                else f"a point-to-point transfer (tag {header.tag})")
+        message = f"rank {origin} failed {what}: {header.err[1]}"
+        return [*self._pass_on(header, origin), Aborted(header, origin, message)]
+
+    def _pass_on(self, abort: Header, origin: int, skip: Collection[int] = ()) -> list[Action]:
+        """Forward ``origin``'s abort to this peer's fingers, the first time it learns that
+        the operation failed, or when it learns whom a timeout of it blames."""
+        op, level = (abort.seq, abort.tag), _level(abort)
+        if self._passed_on.get(op, 0) >= level:
+            return []
+        _remember(self._passed_on, op, level)
+        meta = dict(abort.meta or ())
+        meta.setdefault("told", [])
+        if origin != self.rank:
+            meta["origin"] = origin
+        relay = Header("abort", self.group, self.rank, abort.seq, err=abort.err, meta=meta,
+                       tag=abort.tag)
+        return self._posts([p for p in overlay.fingers(self.rank, self.size, self._gone)
+                            if p != origin and p != abort.src and p not in skip], relay)
+
+    def _out(self, actions: list[Action]) -> list[Action]:
+        """An event's actions, without the posts to peers it found gone on the way (a
+        departure's news may name a peer that the next departure of the same event is)."""
+        return [a for a in actions if not (isinstance(a, Post) and a.via != "answer"
+                                           and a.dst in self._gone)]
+
+    def _posts(self, peers: Collection[int], header: Header) -> list[Action]:
+        return [Post(p, header) for p in peers if p not in self._gone and p != self.rank]
+
+    def _header(self, kind: str) -> Header:
+        return Header(kind, self.group, self.rank)
+
+
+def _level(abort: Header) -> int:
+    """How much an abort says, for passing it on: 2 for a timeout that found the ranks to
+    blame (the peers then name the same ones), else 1."""
+    meta = abort.meta or {}
+    found = (abort.err is not None and abort.err[0] == _TIMEOUT
+             and meta.get("blame", OWN) != OWN)
+    return 2 if found else 1
+
+
+def _remember(memory: dict[Any, int], key: Any, value: int) -> None:
+    """Keep ``key`` in a bounded memory, forgetting the oldest beyond MAX_ABORTS_KEPT."""
+    memory.pop(key, None)
+    memory[key] = value
+    if len(memory) > MAX_ABORTS_KEPT:
+        del memory[next(iter(memory))]
