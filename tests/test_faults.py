@@ -21,13 +21,17 @@ from p2pcoll.wire import WIRE_VERSION
 
 
 async def test_rank_that_never_calls_makes_others_time_out() -> None:
+    timed_out = asyncio.Semaphore(0)  # released by each of the three that call
+
     async def fn(g: p2pcoll.Group) -> object:
         if g.rank == 2:
-            await asyncio.sleep(1.5)  # never calls the collective
+            for _ in range(3):  # never calls the collective; stays until the others are done
+                await timed_out.acquire()
             return None
         start = time.monotonic()
         with pytest.raises(p2pcoll.CollectiveTimeout) as info:
             await g.allreduce(np.ones(8, np.float32), strategy="ring", timeout=0.5)
+        timed_out.release()
         return time.monotonic() - start, info.value
 
     results = await run_ranks(4, fn)
@@ -43,6 +47,8 @@ async def test_rank_that_never_calls_makes_others_time_out() -> None:
 
 
 async def test_group_is_broken_after_a_failure() -> None:
+    checked = asyncio.Event()
+
     async def fn(g: p2pcoll.Group) -> object:
         if g.rank == 0:
             with pytest.raises(p2pcoll.CollectiveTimeout):
@@ -50,8 +56,9 @@ async def test_group_is_broken_after_a_failure() -> None:
             with pytest.raises(p2pcoll.GroupBroken) as info:
                 await g.allreduce(np.ones(4))
             assert isinstance(info.value.__cause__, p2pcoll.CollectiveTimeout)
+            checked.set()
         else:
-            await asyncio.sleep(0.6)
+            await checked.wait()  # never calls, and stays in the group until rank 0 is done
         return True
 
     assert await run_ranks(2, fn) == [True, True]
@@ -126,6 +133,7 @@ async def test_malformed_messages_are_dropped_and_counted(
 ) -> None:
     monkeypatch.setenv("P2PCOLL_MAX_MESSAGE_BYTES", str(1 << 20))
     caplog.set_level(logging.DEBUG, logger="p2pcoll.transport")
+    injected = asyncio.Event()
 
     async def fn(g: p2pcoll.Group) -> object:
         if g.rank == 0:
@@ -144,8 +152,9 @@ async def test_malformed_messages_are_dropped_and_counted(
                 [msgpack.packb({**header, "k": "exec"})],
                 [msgpack.packb(header), b"12345678"],  # well-formed, but rank 5 is no member
             ])
+            injected.set()
         else:
-            await asyncio.sleep(0.5)
+            await injected.wait()
             dropped = None
         out = await g.allreduce(np.arange(5.0) * (g.rank + 1), timeout=10)
         return dropped, out
@@ -192,6 +201,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.processes
 async def test_killed_process_is_reported_as_peer_lost() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     child = subprocess.Popen([sys.executable, "-c", CHILD, url], stdout=subprocess.DEVNULL)
@@ -291,12 +301,16 @@ async def test_allreduce_out_in_place_and_validation() -> None:
 
 
 async def test_non_root_waiting_for_a_broadcast_names_the_root() -> None:
+    timed_out = asyncio.Semaphore(0)  # released by each of the two that call
+
     async def fn(g: p2pcoll.Group) -> object:
         if g.rank == 1:
-            await asyncio.sleep(1.2)  # the root never calls
+            for _ in range(2):  # the root never calls; it stays until the others are done
+                await timed_out.acquire()
             return None
         with pytest.raises(p2pcoll.CollectiveTimeout) as info:
             await g.broadcast(None, root=1, timeout=0.5)
+        timed_out.release()
         return info.value.waiting_on
 
     assert (await run_ranks(3, fn))[0] == [1]
