@@ -68,6 +68,7 @@ def test_modules_run_with_python_m(module: str) -> None:
     assert done.stdout.startswith(f"usage: python -m {module} ")
 
 
+@pytest.mark.processes
 def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     text = run_bench("-n", "2", "--strategy", "all", "--sizes", "1K,8K", "--iters", "3",
@@ -107,6 +108,7 @@ def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])
 
 
+@pytest.mark.processes
 def test_allgather_three_peers_auto() -> None:
     text = run_bench("--collective", "allgather", "-n", "3", "--sizes", "4K", "--iters", "3",
                      "--warmup", "0", "--json", "-")
@@ -163,6 +165,7 @@ def test_main_inproc_through_configure_parser(capsys: pytest.CaptureFixture[str]
     assert rows[0][3].startswith("auto:")
 
 
+@pytest.mark.processes
 def test_compare_gloo_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     text = run_bench("-n", "2", "--strategy", "ring,recursive_doubling", "--sizes", "1K,8K",

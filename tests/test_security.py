@@ -414,6 +414,7 @@ SHOW_KEY = """
 """
 
 
+@pytest.mark.processes
 def test_launch_is_secure_by_default_and_removes_its_key() -> None:
     env = {k: v for k, v in os.environ.items() if k != "P2PCOLL_KEY_FILE"}
     done = subprocess.run([sys.executable, "-m", "p2pcoll", "launch", "-n", "2", "--",
@@ -432,6 +433,7 @@ def test_launch_is_secure_by_default_and_removes_its_key() -> None:
     assert insecure.stdout.split().count("NOKEY") == 2, insecure.stdout
 
 
+@pytest.mark.processes
 def test_launched_ranks_form_a_secured_group() -> None:
     done = subprocess.run([sys.executable, "-m", "p2pcoll", "launch", "-n", "3", "--",
                            sys.executable, "-c", textwrap.dedent("""

@@ -82,6 +82,7 @@ def test_owner_gone() -> None:
     assert not owner_gone(10**12)  # no pid at all (kill() overflows): nothing we made
 
 
+@pytest.mark.processes
 def test_a_zombie_is_gone() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
@@ -202,6 +203,7 @@ def _files_of(pid: int, sock_dir: str, ring_dir: str) -> list[str]:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ring_mapped", [False, True], ids=["ring-unmapped", "ring-mapped"])
 async def test_files_of_a_killed_peer_go_with_the_next_group(
     ring_mapped: bool, live_pid: int, sock_dir: str, ring_dir: str,
