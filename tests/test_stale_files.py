@@ -82,7 +82,6 @@ def test_owner_gone() -> None:
     assert not owner_gone(10**12)  # no pid at all (kill() overflows): nothing we made
 
 
-@pytest.mark.processes
 def test_a_zombie_is_gone() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
