@@ -315,6 +315,7 @@ def finish(peer: subprocess.Popen[str]) -> str:
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("size", "rank", "why"), [
     (3, 1, "world_size 3 disagrees with world_size 2"),
     (4, 3, "world_size 4 disagrees with world_size 2"),
@@ -337,6 +338,7 @@ async def test_a_member_refused_fails_the_host_at_once(size: int, rank: int, why
     assert why in said  # the refused peer is told too
 
 
+@pytest.mark.processes
 async def test_a_member_refused_first_fails_the_host_that_comes_second() -> None:
     rendezvous = url()
     peer = start_peer(rendezvous, 3, 1)  # it waits for a host to come up
@@ -347,6 +349,7 @@ async def test_a_member_refused_first_fails_the_host_that_comes_second() -> None
     assert "world_size" in said
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("stranger_key", ["other", "none"])
 async def test_a_stranger_does_not_fail_the_host_but_is_named_and_logged(
     stranger_key: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
