@@ -19,6 +19,24 @@ import zmq.asyncio
 import p2pcoll
 from p2pcoll.testing import memory_groups
 
+# --- the test tiers ---------------------------------------------------------------------------
+# `python -m pytest` runs the fast tier: pure logic, the memory transport, one real-socket pass
+# per transport, hostile input and security (pyproject's addopts: -m "not processes and not
+# slow"). A test that starts peer processes is marked `processes`; torch's suite and hooks,
+# Ray, network namespaces, scale and the container are `slow`. Each test is in one tier.
+SLOW_KINDS = ("scale", "container")  # markers of their own, and slow as well
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the markers added here count
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") and item.get_closest_marker("processes"):
+            raise pytest.UsageError(f"{item.nodeid} is marked both slow and processes: "
+                                    "each test belongs to one tier (slow, when both fit)")
+
+
 # The link identity (and source rank) of the rogue sender: no member of a test group uses it.
 ROGUE_RANK = 5
 

@@ -100,7 +100,8 @@ async def test_a_mismatch_among_sixteen_reaches_everyone_over_few_links() -> Non
     assert max(opened) <= few_links(n), opened
 
 
-@pytest.mark.parametrize("n", [16, pytest.param(64, marks=pytest.mark.scale)])
+@pytest.mark.parametrize("n", [pytest.param(16, marks=pytest.mark.processes),
+                               pytest.param(64, marks=pytest.mark.scale)])
 def test_a_killed_peer_is_named_over_few_links(tmp_path: Path, n: int) -> None:
     victim = 6
     job = PeerProcesses(n, lambda r: [sys.executable, str(WORKER), str(tmp_path), str(victim)],

@@ -212,6 +212,7 @@ def _run_group(tmp_path: Path, freeze: bool) -> dict[int, dict[str, Any]]:
                     stream.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", ["frozen", "never_calls"])
 def test_processes_blame_the_rank_that_did_not_come(tmp_path: Path, case: str) -> None:
     """The issue's probe: 4 processes, rank 2 stopped (or idle), a ring allreduce with

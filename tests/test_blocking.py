@@ -28,6 +28,8 @@ from p2pcoll import blocking
 from p2pcoll.api.loop_thread import LoopThread
 from p2pcoll.testing import free_port
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 120  # the longest a thread or child may take before the test counts it as hung
 

@@ -243,6 +243,7 @@ _KILLED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_a_killed_peer_is_named_by_ranks_waiting_on_the_board(tmp_path: Any) -> None:
     script = tmp_path / "killed.py"
     script.write_text(_KILLED)
@@ -286,6 +287,7 @@ _SPIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("spin", ["0", "50"])
 def test_processes_on_the_board_with_and_without_polling(tmp_path: Any, spin: str) -> None:
     script = tmp_path / "spin.py"

@@ -44,6 +44,7 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return path, done.stdout
 
 
+@pytest.mark.processes
 def test_the_calibration_writes_plausible_constants(calibrated: tuple[Path, str]) -> None:
     path, out = calibrated
     doc = json.loads(path.read_text())
@@ -66,6 +67,7 @@ def test_the_calibration_writes_plausible_constants(calibrated: tuple[Path, str]
     assert out.rstrip().endswith(f"export {VARIABLE}={path}")
 
 
+@pytest.mark.processes
 async def test_a_group_uses_the_calibrated_file(calibrated: tuple[Path, str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path, _ = calibrated

@@ -78,6 +78,7 @@ def check_named(after: list[dict[str, Any]], victim: int, closer: int) -> None:
         assert f"rank {closer} left the group" not in report["error"], report
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode, victim, closer, bystanders", [
     ("idle", 9, 8, (7,)),  # the closer watches the victim: it hears of the loss first
     ("failing", 8, 0, ()),  # the closer hears of it from the others

@@ -110,6 +110,7 @@ def test_usage_errors_exit_2(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_launch_takes_the_command_with_or_without_separator(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -143,6 +144,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.processes
 def test_standalone_rendezvous_server(tmp_path: Path) -> None:
     port = free_port()
     key = tmp_path / "job.key"
@@ -186,6 +188,7 @@ def test_standalone_rendezvous_server(tmp_path: Path) -> None:
         server.communicate()
 
 
+@pytest.mark.processes
 def test_standalone_rendezvous_reads_its_bounds() -> None:
     """`p2pcoll rendezvous` applies $P2PCOLL_RENDEZVOUS_*: a join over a bound is refused
     naming it, and a bad value stops the server before it listens."""

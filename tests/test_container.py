@@ -34,6 +34,8 @@ import pytest
 
 from p2pcoll.testing import free_port
 
+pytestmark = pytest.mark.slow
+
 # The tests that build and run the image (the others only read files).
 container = pytest.mark.container
 

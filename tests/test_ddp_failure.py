@@ -38,6 +38,8 @@ from conftest import stop
 
 from p2pcoll.testing import free_port
 
+pytestmark = pytest.mark.processes
+
 torch = pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("ddp_failure_worker.py")

@@ -646,6 +646,7 @@ asyncio.run(main())
 '''
 
 
+@pytest.mark.processes
 def test_a_killed_peer_mid_outer_step_loses_no_outer_step_and_repeats_none(
         tmp_path: Path) -> None:
     """Three processes; one SIGKILLs itself in outer step 3 while the others wait for its

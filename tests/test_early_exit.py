@@ -119,16 +119,20 @@ async def root_leaves_at_once(
 
 
 # The full matrix at 1 KiB with two start orders; the other orders and the large size on a
-# subset of sizes, to keep the file well under a minute on two cores.
+# subset of sizes, to keep the file well under a minute on two cores. Groups of more than
+# DEFAULT_P peers go in the slow tier.
+DEFAULT_P = 5
 SMALL = [
-    pytest.param(c, s, p, root, order, id=f"{cid}-p{p}-root{root}-{order}")
+    pytest.param(c, s, p, root, order, id=f"{cid}-p{p}-root{root}-{order}",
+                 marks=() if p <= DEFAULT_P else pytest.mark.slow)
     for (c, s), cid in zip(CASES, CASE_IDS)
     for p in range(2, 9)
     for root in sorted({0, p - 1})
     for order in ("root_first", "root_last")
 ]
 SMALL_ORDERS = [  # reverse with root p-1: the root starts first, the rendezvous host last
-    pytest.param(c, s, p, root, order, id=f"{cid}-p{p}-root{root}-{order}")
+    pytest.param(c, s, p, root, order, id=f"{cid}-p{p}-root{root}-{order}",
+                 marks=() if p <= DEFAULT_P else pytest.mark.slow)
     for (c, s), cid in zip(CASES, CASE_IDS)
     for p in (3, 5, 8)
     for root, order in ((p - 1, "reverse"), (0, "random"), (p - 1, "random"))
@@ -180,6 +184,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("attempt", range(5))
 @pytest.mark.parametrize("strategy", ["binomial", "pipeline"])
 def test_root_process_exits_right_after_broadcast(

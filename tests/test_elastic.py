@@ -55,6 +55,7 @@ def as_dicts(result: training.ElasticResult) -> list[dict[str, Any]]:
 # --- processes: the example's scenario ------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_a_killed_peer_is_replaced_and_every_replica_ends_identical(tmp_path: Path) -> None:
     example = load_example()
     args = example.parse_args(["--demo", "--epochs", "15", "--die-at", "30"])

@@ -56,6 +56,8 @@ import pytest
 from conftest import ScriptChild
 from hostile import header_bytes, mutate, random_key, random_object
 
+pytestmark = pytest.mark.processes
+
 CAP = 1 << 20  # P2PCOLL_MAX_MESSAGE_BYTES of the flooded groups
 FLOOD = 100_000  # hostile messages per run, the bound
 WORLD = 3

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "mesh_footprint.py"
 
 

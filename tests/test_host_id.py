@@ -127,6 +127,7 @@ def _board_calls(report: dict[str, Any]) -> int:
     return sum(by.get("shm", 0) for by in report["strategies"].values())
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2, 4])
 def test_different_hosts_never_share_memory(world: int) -> None:
     reports = run_peers([f"node-{r}" for r in range(world)])
@@ -141,6 +142,7 @@ def test_different_hosts_never_share_memory(world: int) -> None:
         assert rep["bytes_sent"] >= 4 * COUNT * (world - 1) // world
 
 
+@pytest.mark.processes
 def test_equal_host_ids_share_memory_as_without_them() -> None:
     for host_ids in (["rack1-node7"] * 2, [None] * 2):
         reports = run_peers(host_ids)
@@ -152,6 +154,7 @@ def test_equal_host_ids_share_memory_as_without_them() -> None:
             assert rep["mapped"], host_ids
 
 
+@pytest.mark.processes
 def test_two_hosts_of_two_peers() -> None:
     """Ranks 0 and 1 on host a, 2 and 3 on host b: ipc and rings within a host, tcp
     between hosts, and no board (which needs every peer on one host)."""
@@ -166,6 +169,7 @@ def test_two_hosts_of_two_peers() -> None:
         assert _board_calls(rep) == 0, rep["strategies"]
 
 
+@pytest.mark.processes
 def test_set_and_unset_are_different_hosts() -> None:
     """A peer that names its host and one that leaves it to detection do not share memory:
     only equal values (or both unset) say "same host"."""
@@ -260,6 +264,7 @@ def test_peer_with_a_bad_value_fails_before_joining() -> None:
     assert "SettingsError" in done.stderr and "$P2PCOLL_HOST_ID='bad value'" in done.stderr
 
 
+@pytest.mark.slow
 def test_namespaces_with_their_own_host_ids_use_their_cables() -> None:
     reason = netns.unavailable()
     if reason is not None:

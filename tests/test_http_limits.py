@@ -238,6 +238,7 @@ def watch(group: Peers, proc: subprocess.Popen[str]) -> int:
 # --- the tests -------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_idle_partial_requests_are_capped_and_cut_at_the_deadline(tmp_path: Path) -> None:
     # The rate is set out of the way: here the connection caps and the deadline bound it.
     with peers(tmp_path, {"P2PCOLL_METRICS_RATE": "100000"}) as group:
@@ -270,6 +271,7 @@ def test_idle_partial_requests_are_capped_and_cut_at_the_deadline(tmp_path: Path
     assert during and during[-1] > before, group.output()
 
 
+@pytest.mark.processes
 def test_a_get_flood_leaves_the_collectives_running(tmp_path: Path) -> None:
     with peers(tmp_path) as group:
         time.sleep(2.0)  # a quiet stretch, for the rate without a flood

@@ -54,6 +54,7 @@ async def _await_arrivals(url: str, count: int) -> None:
     raise AssertionError(f"{count} peers never registered at {url}")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
 async def test_a_peer_lost_after_registering_fails_the_others_fast(how: signal.Signals) -> None:
     """Probe: a peer killed at the rendezvous made every other peer wait out the whole join
@@ -144,6 +145,7 @@ HOSTED = """
 """ % HEARTBEAT
 
 
+@pytest.mark.processes
 async def test_a_hosting_peer_killed_during_join_is_named() -> None:
     """Rank 0 hosts the rendezvous in its own process and is SIGKILLed before the group
     completes: the others say the host is gone, within the bound."""
@@ -226,6 +228,7 @@ async def test_an_unresolvable_host_is_named_after_retrying() -> None:
     assert time.monotonic() - start >= 1.0  # it tried again until the deadline
 
 
+@pytest.mark.processes
 async def test_inproc_across_processes_is_refused_at_once() -> None:
     """Probe: P2PCOLL_TRANSPORT=inproc across processes timed out."""
     url = f"tcp://127.0.0.1:{free_port()}"

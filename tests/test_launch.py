@@ -17,6 +17,8 @@ import pytest
 import p2pcoll
 from p2pcoll.launch import launch
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "allreduce_demo.py"
 RUN_TIMEOUT = 60  # seconds for one launch; far more than any of them needs

@@ -11,6 +11,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 PAUSE = 0.5  # seconds between the pieces a child writes: far more than PARTIAL_DELAY
 

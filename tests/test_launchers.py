@@ -418,6 +418,7 @@ async def test_a_group_of_one_nothing_asked_for_warns_naming_what_is_missing(
         assert g.world_size == 1
 
 
+@pytest.mark.processes
 def test_the_group_of_one_warning_comes_once_per_process() -> None:
     script = textwrap.dedent("""
         import asyncio, p2pcoll
@@ -504,6 +505,7 @@ def free_slurm_job_id() -> int:
     raise AssertionError("no free port in 20000..29999")
 
 
+@pytest.mark.processes
 def test_srun_like_run_needs_no_p2pcoll_variable() -> None:
     job = free_slurm_job_id()
     envs = [clean_env(SLURM_PROCID=str(r), SLURM_NTASKS="3", SLURM_JOB_ID=str(job),
@@ -515,6 +517,7 @@ def test_srun_like_run_needs_no_p2pcoll_variable() -> None:
         assert f"rank {r} of 3 joined" in out
 
 
+@pytest.mark.processes
 def test_statefulset_like_run() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     envs = [clean_env(HOSTNAME=f"p2pcoll-{r}", KUBERNETES_SERVICE_HOST="10.96.0.1",
@@ -525,6 +528,7 @@ def test_statefulset_like_run() -> None:
         assert f"rank {r} of 3 joined" in out
 
 
+@pytest.mark.processes
 def test_trainjob_like_run() -> None:
     """Three processes with what Kubeflow's torch runtime gives three nodes (no torchrun)."""
     port = free_port()
@@ -539,6 +543,7 @@ def test_trainjob_like_run() -> None:
         assert "UserWarning" not in out
 
 
+@pytest.mark.processes
 def test_indexed_job_like_run() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     envs = [clean_env(JOB_COMPLETION_INDEX=str(r), HOSTNAME=f"digits-{r}", WORLD_SIZE="3",
@@ -562,6 +567,7 @@ def mpirun(*command: str, n: int = 3, **env: str) -> subprocess.CompletedProcess
         check=False)
 
 
+@pytest.mark.processes
 def test_mpirun_runs_the_demo_with_no_p2pcoll_variable() -> None:
     done = mpirun(DEMO)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -581,6 +587,7 @@ THROUGH_MPI = """
 """
 
 
+@pytest.mark.processes
 def test_mpirun_on_several_nodes_meets_through_mpi(tmp_path: Path) -> None:
     script = tmp_path / "through_mpi.py"
     script.write_text(textwrap.dedent(THROUGH_MPI))

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from peer_processes import PeerProcesses
 
+pytestmark = pytest.mark.processes
+
 
 WORKER = Path(__file__).with_name("lazy_failure_worker.py")
 N, VICTIM, OPENER = 8, 4, 0

@@ -45,6 +45,8 @@ from peer_processes import PeerProcesses
 import p2pcoll
 from p2pcoll.errors import SettingsError
 
+pytestmark = pytest.mark.processes
+
 WORKER = Path(__file__).with_name("link_budget_worker.py")
 N, BUDGET = 12, 4
 DEADLINE = 120  # P2PCOLL_TIMEOUT: a survivor that waited for it would show

@@ -152,6 +152,7 @@ class _Lines:
         return "\n".join(self.lines)
 
 
+@pytest.mark.processes
 def test_an_outsider_learns_nothing_from_the_endpoints_and_cannot_take_a_link(
         tmp_path: Path) -> None:
     """Two ``p2pcoll peer`` processes over tcp, no key. An outsider reads rank 0's

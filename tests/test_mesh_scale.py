@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from peer_processes import PeerProcesses
 
+pytestmark = pytest.mark.slow
+
 
 WORKER = Path(__file__).with_name("mesh_worker.py")
 

@@ -38,6 +38,8 @@ from typing import Any
 import netns
 import pytest
 
+pytestmark = pytest.mark.slow
+
 WORLD = 4
 PORT = 29500  # every lab is new: nothing else listens in its namespaces
 RENDEZVOUS = f"tcp://{netns.address(0)}:{PORT}"

@@ -42,6 +42,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 PRINT_THREADS = "import os; print('threads', os.environ.get('OMP_NUM_THREADS'))"
 
 
+@pytest.mark.processes
 def test_launch_sets_one_omp_thread_per_rank_and_says_so() -> None:
     done = run_launch("-n", "2", "--", sys.executable, "-c", PRINT_THREADS, env=clean_env())
     assert done.returncode == 0, done.stderr
@@ -50,6 +51,7 @@ def test_launch_sets_one_omp_thread_per_rank_and_says_so() -> None:
     assert len(notes) == 1 and "torchrun" in notes[0], done.stderr
 
 
+@pytest.mark.processes
 def test_launch_keeps_the_users_omp_num_threads() -> None:
     done = run_launch("-n", "2", "--", sys.executable, "-c", PRINT_THREADS,
                       env=clean_env(OMP_NUM_THREADS="3"))
@@ -58,6 +60,7 @@ def test_launch_keeps_the_users_omp_num_threads() -> None:
     assert "OMP_NUM_THREADS" not in done.stderr
 
 
+@pytest.mark.processes
 def test_launch_of_one_rank_leaves_omp_num_threads_unset() -> None:
     done = run_launch("-n", "1", "--", sys.executable, "-c", PRINT_THREADS, env=clean_env())
     assert done.returncode == 0, done.stderr
@@ -97,6 +100,7 @@ OWN_ERROR = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_a_settings_error_under_launch_is_one_line_per_rank(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(JOINS)
@@ -116,6 +120,7 @@ def test_a_settings_error_under_launch_is_one_line_per_rank(tmp_path: Path) -> N
         assert f"({script}, line 5)" in line  # the user's line that called join
 
 
+@pytest.mark.processes
 def test_the_users_own_errors_keep_their_traceback(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(OWN_ERROR)
@@ -310,6 +315,7 @@ def finish(peer: subprocess.Popen[str]) -> str:
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("size", "rank", "why"), [
     (3, 1, "world_size 3 disagrees with world_size 2"),
     (4, 3, "world_size 4 disagrees with world_size 2"),
@@ -332,6 +338,7 @@ async def test_a_member_refused_fails_the_host_at_once(size: int, rank: int, why
     assert why in said  # the refused peer is told too
 
 
+@pytest.mark.processes
 async def test_a_member_refused_first_fails_the_host_that_comes_second() -> None:
     rendezvous = url()
     peer = start_peer(rendezvous, 3, 1)  # it waits for a host to come up
@@ -342,6 +349,7 @@ async def test_a_member_refused_first_fails_the_host_that_comes_second() -> None
     assert "world_size" in said
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("stranger_key", ["other", "none"])
 async def test_a_stranger_does_not_fail_the_host_but_is_named_and_logged(
     stranger_key: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -30,6 +30,8 @@ from ray.util.collective.types import ReduceOp
 
 from p2pcoll.integrations import ray as p2pcoll_ray
 
+pytestmark = pytest.mark.slow
+
 HEARTBEAT = 2.0
 DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64", "complex64", "complex128"]

@@ -33,7 +33,8 @@ import ray_train  # noqa: E402  # examples/ray_train.py, once examples/ is on th
 
 WORKERS = 4
 # Ray Train's own modules warn about their own deprecated settings (ray.data's context)
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")]
 
 
 @pytest.fixture(scope="module", autouse=True)

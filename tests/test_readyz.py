@@ -82,6 +82,7 @@ def until_unready(port: int, limit: float) -> tuple[float, dict[str, object]]:
     raise AssertionError(f"/readyz still 200 {limit:g}s after a member went")
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP],
                          ids=["SIGTERM", "SIGKILL", "SIGSTOP"])

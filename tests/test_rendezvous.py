@@ -92,6 +92,7 @@ OTHER_RANK_1 = """
 """
 
 
+@pytest.mark.processes
 async def test_duplicate_rank_fails_both_peers_at_once() -> None:
     """Two processes ask for rank 1 (two in one process are one peer asking again: see
     below)."""

@@ -225,6 +225,7 @@ def _rate(a: dict[str, Any], b: dict[str, Any]) -> float:
     return (b["collectives"] - a["collectives"]) / max(1e-9, b["at"] - a["at"])
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 async def test_a_huge_world_size_is_refused_at_no_cost(tmp_path: Path) -> None:
     """Probe: one join asking for a world of 20,000,000 held rank 0's loop 5.4 s and took
@@ -292,6 +293,7 @@ async def test_a_peer_that_never_hosts_leaves_the_bounds_to_the_server() -> None
         await server.aclose()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 async def test_registrations_expire_and_a_group_still_forms(tmp_path: Path) -> None:
     """Probe: 300 connections asking for a world of 100,000 took the server to 7.8 GB and
@@ -339,6 +341,7 @@ async def test_registrations_expire_and_a_group_still_forms(tmp_path: Path) -> N
     assert after["rss_peak_kb"] - before["rss_kb"] < RSS_SLACK_KB, (before, after)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 async def test_a_flood_of_joins_leaves_the_collectives_running(tmp_path: Path) -> None:
     """Probe: 100,000 tiny joins with new job ids and a heartbeat of 1,000,000 s cut the

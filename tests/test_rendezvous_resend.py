@@ -51,8 +51,10 @@ async def client(url: str, rank: int, world_size: int = 2) -> Membership:
                             host_id="here", choose=first)
 
 
-@pytest.mark.parametrize(("limits", "late_s"), [(TIGHT, DELAY_S), (RendezvousLimits(), 11.0)],
-                         ids=["rate-3", "default-rate"])
+@pytest.mark.parametrize(("limits", "late_s"), [
+    pytest.param(TIGHT, DELAY_S, id="rate-3"),
+    pytest.param(RendezvousLimits(), 11.0, id="default-rate", marks=pytest.mark.slow),
+])
 async def test_a_host_that_binds_late_gets_every_resend_at_once_and_forms(
         limits: RendezvousLimits, late_s: float) -> None:
     """The peers start first and re-send while nothing listens; ZeroMQ delivers what

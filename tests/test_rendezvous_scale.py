@@ -21,6 +21,8 @@ from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import rendezvous
 from p2pcoll.types import Membership
 
+pytestmark = pytest.mark.slow
+
 P = 256
 
 

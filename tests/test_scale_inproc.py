@@ -31,6 +31,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 P = 256
 NOFILE = 4096
 MAX_LINKS = 8

@@ -18,6 +18,8 @@ from p2pcoll.registry import Registry
 from p2pcoll.strategy import Context, Send, _All
 from p2pcoll.testing import memory_groups
 
+pytestmark = pytest.mark.slow
+
 
 STRATEGIES = ["ring", "gloo_ring", "recursive_doubling", "rabenseifner", "reduce_broadcast"]
 

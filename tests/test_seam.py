@@ -140,6 +140,7 @@ def test_memory_transport_hooks() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.processes
 def test_profile_script_prints_its_table() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "profile_small.py"), "--iterations", "30"],
@@ -151,6 +152,7 @@ def test_profile_script_prints_its_table() -> None:
         assert line in out, out
 
 
+@pytest.mark.processes
 def test_floors_script_prints_its_table() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "floors.py"), "--iterations", "50"],

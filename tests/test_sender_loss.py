@@ -107,6 +107,7 @@ CASES = [
 ]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("scenario", "transport", "signum"), CASES)
 def test_senders_fail_naming_the_lost_peer(scenario: str, transport: str,
                                            signum: signal.Signals) -> None:

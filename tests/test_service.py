@@ -257,6 +257,7 @@ def start_peers(n: int, job: str, *, extra_env: dict[str, str] | None = None,
     return procs, ports
 
 
+@pytest.mark.processes
 def test_peer_command_runs_the_job_and_exits_with_its_code() -> None:
     procs, _ = start_peers(3, "service_jobs:sum_ranks", extra_env={"EXIT_CODE": "3"})
     results = finish(procs)
@@ -270,6 +271,7 @@ def test_peer_command_runs_the_job_and_exits_with_its_code() -> None:
                          rf"finished: 3 \(exit 3\)", text), text
 
 
+@pytest.mark.processes
 def test_sigterm_aborts_the_collective_and_the_peers_name_the_leaver() -> None:
     procs, ports = start_peers(3, "service_jobs:forever", metrics=True)
     try:
@@ -299,6 +301,7 @@ def test_sigterm_aborts_the_collective_and_the_peers_name_the_leaver() -> None:
                          r"the group", text), text
 
 
+@pytest.mark.processes
 def test_sigterm_while_joining_exits_promptly() -> None:
     procs, _ = start_peers(1, "service_jobs:forever", extra_env={"WORLD_SIZE": "2"})
     proc = procs[0]
@@ -309,6 +312,7 @@ def test_sigterm_while_joining_exits_promptly() -> None:
     assert "Traceback" not in text
 
 
+@pytest.mark.processes
 def test_a_job_that_raises_exits_1_with_its_traceback() -> None:
     procs, _ = start_peers(1, "service_jobs:fails")
     (code, text), = finish(procs)
@@ -316,6 +320,7 @@ def test_a_job_that_raises_exits_1_with_its_traceback() -> None:
     assert "service_jobs:fails raised" in text and "RuntimeError: the job's own bug" in text
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("args", "env", "message"), [
     (["--job", "service_jobs"], {}, "is not MODULE:FUNCTION"),
     (["--job", "service_jobs:sync_job"], {}, "not an async function"),

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "slow_receiver.py"
 MIB = 16  # the tensor
 RING_MIB = 16  # the default ring size ($P2PCOLL_SHM_BYTES)

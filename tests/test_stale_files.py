@@ -202,6 +202,7 @@ def _files_of(pid: int, sock_dir: str, ring_dir: str) -> list[str]:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ring_mapped", [False, True], ids=["ring-unmapped", "ring-mapped"])
 async def test_files_of_a_killed_peer_go_with_the_next_group(
     ring_mapped: bool, live_pid: int, sock_dir: str, ring_dir: str,

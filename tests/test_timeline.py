@@ -59,6 +59,7 @@ def launch_job(tmp_path: Path, n: int, *args: str) -> tuple[subprocess.Completed
     return done, trace
 
 
+@pytest.mark.processes
 def test_launch_merges_one_track_per_rank_with_every_step(tmp_path: Path) -> None:
     n, elements = 4, 1 << 16  # 256 KiB: one segment per chunk
     done, trace = launch_job(tmp_path, n, str(elements))
@@ -99,6 +100,7 @@ def test_launch_merges_one_track_per_rank_with_every_step(tmp_path: Path) -> Non
     assert all(starts[i] != ends[i] for i in starts)
 
 
+@pytest.mark.processes
 def test_rank_killed_mid_run_leaves_a_readable_file(tmp_path: Path) -> None:
     done, trace = launch_job(tmp_path, 3, "4096", "die")
     assert done.returncode == 128 + signal.SIGKILL, done.stderr
@@ -120,6 +122,7 @@ def test_rank_killed_mid_run_leaves_a_readable_file(tmp_path: Path) -> None:
     assert all("PeerLost" in e["args"]["error"] for e in failed), failed
 
 
+@pytest.mark.processes
 def test_timeline_cli_merges_files_of_a_run_without_launch(tmp_path: Path) -> None:
     trace = tmp_path / "run.json"
 

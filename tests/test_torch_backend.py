@@ -17,6 +17,8 @@ from conftest import finish, stop
 
 from p2pcoll.testing import free_port
 
+pytestmark = pytest.mark.processes
+
 pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("torch_worker.py")

@@ -30,6 +30,8 @@ from conftest import finish
 
 from p2pcoll.testing import free_port
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("torch_hooks_worker.py")

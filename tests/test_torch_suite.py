@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).with_name("torch_suite.py")
 SELECTION = ("all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter", "gather",
              "scatter", "DistributedDataParallelCPU", "send_recv")

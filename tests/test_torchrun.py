@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which(
     "torchrun")
 
-pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torch (the dev extra) is needed")
+pytestmark = [pytest.mark.processes,
+              pytest.mark.skipif(TORCHRUN is None, reason="torch (the dev extra) is needed")]
 
 
 

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 90  # seconds; a run takes a few, mostly importing scikit-learn (and torch)

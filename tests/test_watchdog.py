@@ -59,6 +59,7 @@ async def test_an_outside_cancellation_is_not_a_timeout() -> None:
         await asyncio.gather(*(g.close() for g in groups))
 
 
+@pytest.mark.slow
 async def test_ten_thousand_collectives_leave_nothing_behind() -> None:
     groups = await memory_groups(2)
     try:

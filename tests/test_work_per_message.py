@@ -22,6 +22,8 @@ import pytest
 
 from p2pcoll.testing import memory_groups
 
+pytestmark = pytest.mark.slow
+
 STRATEGIES = ["ring", "gloo_ring", "recursive_doubling", "rabenseifner", "reduce_broadcast"]
 
 
