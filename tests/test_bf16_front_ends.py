@@ -36,7 +36,7 @@ from torch_worker import BF16_N, noise
 from p2pcoll.integrations import ray as p2pcoll_ray
 from p2pcoll.testing import memory_groups
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes]
+pytestmark = pytest.mark.slow  # Ray and torch processes: the slow tier
 
 SIZE = 3
 ORDER = "gloo_ring"
