@@ -28,7 +28,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
@@ -317,14 +317,14 @@ class UnknownStrategySetting(SettingsError, UnknownStrategy):
     UnknownStrategy, as a name in code is."""
 
 
-def check_chosen(strategies: dict[str, str], environ: dict[str, str] | None = None) -> None:
-    """Check that every strategy the settings choose (other than ``auto``) is installed.
+def check_chosen(strategies: Mapping[str, str], environ: Mapping[str, str]) -> None:
+    """Check that every strategy the settings choose (other than ``auto``) is installed;
+    ``environ`` (the process's environment) tells which variable chose one.
 
     Raises:
         UnknownStrategySetting: one is not; the message names the variable (or the
             ``strategies`` entry) that chose it, and the installed ones.
     """
-    env = os.environ if environ is None else environ
     for collective, name in strategies.items():
         if name == "auto":
             continue
@@ -332,7 +332,8 @@ def check_chosen(strategies: dict[str, str], environ: dict[str, str] | None = No
             registry.get(collective, name)
         except UnknownStrategy as exc:
             variable = f"P2PCOLL_{collective.upper()}"
-            where = f"${variable}" if env.get(variable) == name else f"strategies[{collective!r}]"
+            where = (f"${variable}" if environ.get(variable) == name
+                     else f"strategies[{collective!r}]")
             raise UnknownStrategySetting(
                 f"{where}={name!r} is not allowed: {exc}", name=where, value=name,
                 allowed=f"an installed {collective} strategy") from None

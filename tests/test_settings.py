@@ -300,7 +300,7 @@ def test_a_strategy_variable_naming_no_installed_strategy_is_a_setting_error() -
     env = {"P2PCOLL_ALLREDUCE": "rign"}
     settings = Settings.resolve(env)
     with pytest.raises(SettingsError) as caught:
-        check_chosen(dict(settings.strategies), env)
+        check_chosen(settings.strategies, env)
     assert str(caught.value).splitlines()[0].startswith(
         "$P2PCOLL_ALLREDUCE='rign' is not allowed: no allreduce strategy named 'rign' "
         "(did you mean 'ring'?); available: auto, ")

@@ -46,7 +46,7 @@ async def form_group(settings: Settings, *, store: Any = None,
     """
     if not registry.loaded:  # now rather than in the first collective, the peers waiting
         await asyncio.to_thread(registry.load)
-    check_chosen(dict(settings.strategies))  # before any socket
+    check_chosen(settings.strategies, os.environ)  # before any socket
     # auto's constants, read and checked once, before any socket.
     constants = load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS
     sockets = None
