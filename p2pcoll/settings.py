@@ -66,10 +66,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import launchers
@@ -77,27 +75,21 @@ from .errors import SettingsError
 from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
+from .settings_env import LINKS_ALLOWED, EnvReader, check_host_id, check_int, check_job_id
+
+# The parsers and checks shared with the reader, still importable from here.
+from .settings_env import MIN_LINKS as MIN_LINKS
+from .settings_env import check_path as check_path
+from .settings_env import check_seconds as check_seconds
+from .settings_env import format_bytes as format_bytes
+from .settings_env import parse_bytes as parse_bytes
 from .strategy import COLLECTIVES
 
 log = logging.getLogger("p2pcoll")
 
 TRANSPORT_NAMES = ("auto", "tcp", "ipc", "inproc")
 
-_SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", re.IGNORECASE)
-_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-_JOB_ID_ALLOWED = "up to 128 letters, digits and . _ : - (starting with a letter or digit)"
-# A host's name, a node's, a container's, a UUID. At most 64 characters: the identity it
-# starts (see p2pcoll.transport.host_identity) must fit a rendezvous's 256-byte host field.
-_HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
-_HOST_ID_ALLOWED = ("a host name of up to 64 letters, digits and . _ : - (starting with a "
-                    "letter or digit); peers with different values never share memory")
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
 # Every variable this module knows, for the warning about unknown ones.
-MIN_LINKS = 4  # a link budget leaves room for the two watched peers and a partner each way
-_LINKS_ALLOWED = f"0 (no bound) or an integer of at least {MIN_LINKS}"
-
 KNOWN_VARS = frozenset(
     {
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_HOST_ID", "P2PCOLL_TRANSPORT",
@@ -116,22 +108,6 @@ KNOWN_VARS = frozenset(
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
 )
-
-
-def parse_bytes(text: str) -> int:
-    """``"64K"`` -> 65536. Raises ValueError on anything else than a count with a suffix."""
-    m = _SIZE.fullmatch(text)
-    if m is None:
-        raise ValueError(f"{text!r} is not a byte count (like 65536, 64K, 16M, 1G)")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
-
-
-def format_bytes(n: int) -> str:
-    """65536 -> ``"64K"``; the inverse of :func:`parse_bytes` for round sizes."""
-    for shift, suffix in ((30, "G"), (20, "M"), (10, "K")):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{suffix}"
-    return str(n)
 
 
 @dataclass(frozen=True)
@@ -237,7 +213,7 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown settings {sorted(unknown)}")
         given = {k: v for k, v in arguments.items() if v is not None}
-        reader = _Reader(env)
+        reader = EnvReader(env)
         values: dict[str, Any] = {
             "rendezvous": reader.raw("P2PCOLL_RENDEZVOUS"),  # else the launcher's, below
             "host": reader.raw("P2PCOLL_HOST"),
@@ -284,9 +260,9 @@ class Settings:
             if name in given:
                 check_seconds(given[name], f"{name}=")
         if "world_size" in given:
-            _check_int(given["world_size"], "world_size=", 1)
+            check_int(given["world_size"], "world_size=", 1)
         if "rank" in given:
-            _check_int(given["rank"], "rank=", 0)
+            check_int(given["rank"], "rank=", 0)
         if "transport" in given and given["transport"] not in TRANSPORT_NAMES:
             raise bad_value(
                 "transport=", given["transport"], f"one of {', '.join(TRANSPORT_NAMES)}"
@@ -294,15 +270,15 @@ class Settings:
         for name, low in (("segment_bytes", 1 << 10), ("max_message_bytes", 4 << 10),
                           ("shm_bytes", 64 << 10)):
             if name in given:
-                _check_int(given[name], f"{name}=", low)
+                check_int(given[name], f"{name}=", low)
         if "pipeline_depth" in given:
-            _check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
+            check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
         if "spin_us" in given:
-            _check_int(given["spin_us"], "spin_us=", 0, 10_000)
+            check_int(given["spin_us"], "spin_us=", 0, 10_000)
         if "max_links" in given:
             links = given["max_links"]
             if not (type(links) is int and (links == 0 or MIN_LINKS <= links <= 1 << 20)):
-                raise bad_value("max_links=", links, _LINKS_ALLOWED)
+                raise bad_value("max_links=", links, LINKS_ALLOWED)
         if given.get("timeline"):  # made a str by resolve()
             check_path(given["timeline"], "timeline=")
         if "heartbeat_timeout" in given:
@@ -313,12 +289,11 @@ class Settings:
             raise bad_value(where, self.heartbeat_timeout, "a finite number of seconds > 0")
         for name in ("min_world_size", "max_world_size", "order"):
             if name in given:
-                _check_int(given[name], f"{name}=", 0 if name == "order" else 1)
-        if "host_id" in given and not (isinstance(given["host_id"], str)
-                                       and _HOST_ID.fullmatch(given["host_id"])):
-            raise bad_value("host_id=", given["host_id"], _HOST_ID_ALLOWED)
-        if "job_id" in given and not _JOB_ID.fullmatch(str(given["job_id"])):
-            raise bad_value("job_id=", given["job_id"], _JOB_ID_ALLOWED)
+                check_int(given[name], f"{name}=", 0 if name == "order" else 1)
+        if "host_id" in given:
+            check_host_id(given["host_id"], "host_id=")
+        if "job_id" in given:
+            check_job_id(given["job_id"], "job_id=")
         if "key" in given and not isinstance(given["key"], JobKey):
             raise bad_value("key=", given["key"], "a p2pcoll.security.JobKey")
         least, most = self.min_world_size, self.max_world_size
@@ -386,7 +361,7 @@ class RendezvousLimits:
         Raises:
             SettingsError: a value out of its range, naming the variable.
         """
-        reader = _Reader(os.environ if environ is None else environ)
+        reader = EnvReader(os.environ if environ is None else environ)
         values: dict[str, Any] = {
             "max_world_size": reader.integer("P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", 1, 1 << 20),
             "max_peers": reader.integer("P2PCOLL_RENDEZVOUS_MAX_PEERS", 1, 1 << 24),
@@ -409,23 +384,7 @@ def job_key(environ: Mapping[str, str] | None = None) -> JobKey | None:
     Raises:
         SettingsError: the file is missing, malformed or readable by every user.
     """
-    return _Reader(os.environ if environ is None else environ).key()
-
-
-def check_seconds(value: object, where: str) -> float:
-    """A deadline: a positive number of seconds (``math.inf`` for none). Returns it."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    if not ok or math.isnan(value):  # type: ignore[arg-type]
-        raise bad_value(where, value, "a number of seconds > 0 (math.inf for no deadline)")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _check_int(value: object, where: str, low: int, high: int | None = None) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if not ok or (high is not None and value > high):  # type: ignore[operator]
-        span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-        raise bad_value(where, value, span)
-    return value  # type: ignore[return-value]
+    return EnvReader(os.environ if environ is None else environ).key()
 
 
 def _check_strategies(value: object) -> dict[str, str]:
@@ -462,150 +421,6 @@ def _from_launcher(merged: dict[str, Any], env: Mapping[str, str]) -> None:
         log.debug("launcher %s: rank %s from %s, world size %s from %s, rendezvous %s",
                   found.launcher, found.rank, found.rank_from or "-", found.world_size,
                   found.world_size_from or "-", merged.get("rendezvous"))
-
-
-def check_path(path: str, where: str) -> str:
-    """``path`` if a file can be written there (its directory exists and is writable):
-    the timeline's, ``p2pcoll bench --calibrate``'s cost model.
-
-    Raises:
-        SettingsError: naming ``where``, the path and what is wrong with it.
-    """
-    allowed = "a file path in an existing, writable directory"
-    p = Path(path)
-    if not path or p.name in ("", ".", ".."):
-        raise SettingsError(f"{where}={path!r} is not a file path", name=where, value=path,
-                            allowed=allowed)
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise SettingsError(f"{where}={path!r}: the directory {str(folder)!r} does not exist",
-                            name=where, value=path, allowed=allowed)
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise SettingsError(f"{where}={path!r}: the directory {str(folder)!r} is not writable",
-                            name=where, value=path, allowed=allowed)
-    return path
-
-
-def _float(value: str) -> float:
-    """``value`` as a float; NaN, which every range check refuses, when it is not one."""
-    try:
-        return float(value)
-    except ValueError:
-        return math.nan
-
-
-class _Reader:
-    """Reads and checks one environment; every method returns None for an unset variable."""
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = env
-
-    def raw(self, name: str) -> str | None:
-        value = self.env.get(name)
-        return None if value is None or value.strip() == "" else value.strip()
-
-    def path(self, name: str) -> str | None:
-        """A path a file will be written to (its directory must exist and be writable)."""
-        value = self.raw(name)
-        return None if value is None else check_path(value, f"${name}")
-
-    def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
-        value = self.raw(name)
-        if value is not None and value not in allowed:
-            raise bad_value(f"${name}", value, f"one of {', '.join(allowed)}")
-        return value
-
-    def seconds(self, name: str) -> float | None:
-        value = self.raw(name)
-        if value is None:
-            return None
-        number = _float(value)
-        if not number > 0:
-            raise bad_value(f"${name}", value, "a number of seconds > 0 (inf for none)")
-        return number
-
-    def number(self, name: str, *, unit: str = "", zero_ok: bool = False) -> float | None:
-        """A finite number > 0 (>= 0 with ``zero_ok``), or None when unset."""
-        value = self.raw(name)
-        if value is None:
-            return None
-        number = _float(value)
-        if not (0 <= number < math.inf and (zero_ok or number > 0)):
-            of = f" of {unit}" if unit else ""
-            raise bad_value(f"${name}", value,
-                            f"a finite number{of} {'>=' if zero_ok else '>'} 0")
-        return number
-
-    def links(self, name: str) -> int | None:
-        """A link budget: 0, or an integer of at least MIN_LINKS."""
-        number = self.integer(name, 0, 1 << 20, allowed=_LINKS_ALLOWED)
-        if number is not None and 0 < number < MIN_LINKS:
-            raise bad_value(f"${name}", self.raw(name), _LINKS_ALLOWED)
-        return number
-
-    def integer(self, name: str, low: int, high: int, *, allowed: str = "") -> int | None:
-        """An integer from ``low`` to ``high``, or None when unset; ``allowed`` says what
-        the error names as allowed (by default that span)."""
-        value = self.raw(name)
-        if value is None:
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            number = low - 1
-        if not low <= number <= high:
-            raise bad_value(f"${name}", value,
-                            allowed or f"an integer from {low} to {high}")
-        return number
-
-    def size(self, name: str, minimum: int) -> int | None:
-        value = self.raw(name)
-        if value is None:
-            return None
-        try:
-            number = parse_bytes(value)
-        except ValueError:
-            number = -1
-        if number < minimum:
-            raise bad_value(
-                f"${name}", value, f"a byte count >= {format_bytes(minimum)} (like 64K, 16M)"
-            )
-        return number
-
-    def switch(self, name: str) -> bool | None:
-        value = self.raw(name)
-        if value is None:
-            return None
-        if value.lower() in _TRUE:
-            return True
-        if value.lower() in _FALSE:
-            return False
-        raise bad_value(f"${name}", value, "1 or 0 (true/false, yes/no, on/off)")
-
-    def key(self) -> JobKey | None:
-        path = self.raw("P2PCOLL_KEY_FILE")
-        return None if path is None else JobKey.load(path, where="$P2PCOLL_KEY_FILE=")
-
-    def job_id(self) -> str | None:
-        value = self.raw("P2PCOLL_JOB_ID")
-        if value is not None and not _JOB_ID.fullmatch(value):
-            raise bad_value("$P2PCOLL_JOB_ID", value, _JOB_ID_ALLOWED)
-        return value
-
-    def host_id(self) -> str | None:
-        value = self.raw("P2PCOLL_HOST_ID")
-        if value is not None and not _HOST_ID.fullmatch(value):
-            raise bad_value("$P2PCOLL_HOST_ID", value, _HOST_ID_ALLOWED)
-        return value
-
-    def strategies(self) -> dict[str, str]:
-        out = {}
-        for coll in COLLECTIVES:
-            name = f"P2PCOLL_{coll.upper()}"
-            value = self.raw(name)
-            if value is not None:
-                out[coll] = value  # installed? checked where the plugins load (api.join)
-        return out
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -662,10 +477,10 @@ class ServiceSettings:
             SettingsError: a port outside 0..65535, an empty host, an unknown level, or a
                 limit out of its range (the message names the variable).
         """
-        reader = _Reader(os.environ if environ is None else environ)
+        reader = EnvReader(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
         if metrics_port is not None:
-            values["metrics_port"] = _check_int(metrics_port, "metrics_port=", 0, 65535)
+            values["metrics_port"] = check_int(metrics_port, "metrics_port=", 0, 65535)
         else:
             values["metrics_port"] = reader.integer("P2PCOLL_METRICS_PORT", 0, 65535)
         host = metrics_host if metrics_host is not None else reader.raw("P2PCOLL_METRICS_HOST")
