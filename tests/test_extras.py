@@ -123,3 +123,38 @@ def test_simulate_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
     assert first_line(capsys.readouterr().err) == (
         "p2pcoll: p2pcoll simulate --plot needs matplotlib, which is not installed: "
         "pip install 'p2pcoll[bench]'")
+
+
+def block(monkeypatch: pytest.MonkeyPatch, top: str, *importers: str) -> None:
+    """Import ``top`` (and its submodules) as if it were not installed, and forget the
+    p2pcoll modules ``importers`` (and their submodules) so that importing them runs again."""
+    monkeypatch.setitem(sys.modules, top, None)
+    for name in [n for n in sys.modules if n.startswith(f"{top}.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in [n for n in sys.modules if n in importers or n.startswith(importers)]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+TORCH = ("p2pcoll's torch.distributed backend (p2pcoll.torch) needs torch, which is not "
+         "installed: pip install 'p2pcoll[torch]'")
+
+
+@pytest.mark.parametrize("module", ["p2pcoll.torch", "p2pcoll.integrations.torch",
+                                    "p2pcoll.integrations.torch.hooks"])
+def test_torch_backend_without_the_torch_extra(monkeypatch: pytest.MonkeyPatch,
+                                               module: str) -> None:
+    block(monkeypatch, "torch", "p2pcoll.torch", "p2pcoll.integrations.torch")
+    with pytest.raises(MissingExtra) as caught:
+        __import__(module)
+    assert first_line(str(caught.value)) == TORCH
+    assert caught.value.extra == "torch" and caught.value.name == "torch"
+
+
+def test_ray_backend_without_the_ray_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    block(monkeypatch, "ray", "p2pcoll.integrations.ray")
+    with pytest.raises(MissingExtra) as caught:
+        import p2pcoll.integrations.ray  # noqa: F401
+    assert first_line(str(caught.value)) == (
+        "p2pcoll's Ray collective backend (p2pcoll.integrations.ray) needs ray, which is not "
+        "installed: pip install 'p2pcoll[ray]'")
+    assert caught.value.extra == "ray" and caught.value.name == "ray"

@@ -62,28 +62,32 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import numpy as np
-import ray
-from ray.experimental import internal_kv
-from ray.util.collective.backend_registry import (
-    BackendRegistry,
-    register_collective_backend,
-)
-from ray.util.collective.collective_group.base_collective_group import BaseGroup
-from ray.util.collective.types import (
-    AllGatherOptions,
-    AllReduceOptions,
-    BarrierOptions,
-    BroadcastOptions,
-    RecvOptions,
-    ReduceOp,
-    ReduceOptions,
-    ReduceScatterOptions,
-    SendOptions,
-)
 
 from .. import blocking, tensors
 from ..errors import RendezvousError
+from ..extras import needs
 from ..types import CustomOp, ReduceOp as P2PReduceOp
+
+# Ray is the ray extra's: without it, importing this module says what to install.
+with needs("p2pcoll's Ray collective backend (p2pcoll.integrations.ray)"):
+    import ray
+    from ray.experimental import internal_kv
+    from ray.util.collective.backend_registry import (
+        BackendRegistry,
+        register_collective_backend,
+    )
+    from ray.util.collective.collective_group.base_collective_group import BaseGroup
+    from ray.util.collective.types import (
+        AllGatherOptions,
+        AllReduceOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        RecvOptions,
+        ReduceOp,
+        ReduceOptions,
+        ReduceScatterOptions,
+        SendOptions,
+    )
 
 __all__ = ["BACKEND", "P2PCollGroup", "register"]
 

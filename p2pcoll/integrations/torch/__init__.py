@@ -10,10 +10,15 @@ onto p2pcoll's.
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from ...extras import needs
 
-from .backend import ALLTOALL_TAG, Options, ProcessGroupP2PColl, create
-from .ops import UnsupportedOperation
+# torch is the torch extra's: without it, importing the backend (``import p2pcoll.torch``
+# included) says what to install. Its submodules all import torch, and all load after this.
+with needs("p2pcoll's torch.distributed backend (p2pcoll.torch)"):
+    import torch.distributed as dist
+
+    from .backend import ALLTOALL_TAG, Options, ProcessGroupP2PColl, create
+    from .ops import UnsupportedOperation
 
 NAME = "p2pcoll"
 
