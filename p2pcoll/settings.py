@@ -76,9 +76,7 @@ from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
 from .settings_env import LINKS_ALLOWED, EnvReader, check_host_id, check_int, check_job_id
-
-# The parsers and checks shared with the reader, still importable from here.
-from .settings_env import MIN_LINKS as MIN_LINKS
+from .settings_env import MIN_LINKS as MIN_LINKS  # these still importable from here
 from .settings_env import check_path as check_path
 from .settings_env import check_seconds as check_seconds
 from .settings_env import format_bytes as format_bytes

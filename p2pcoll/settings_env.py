@@ -56,7 +56,11 @@ def format_bytes(n: int) -> str:
 
 
 def check_seconds(value: object, where: str) -> float:
-    """A deadline: a positive number of seconds (``math.inf`` for none). Returns it."""
+    """A deadline: a positive number of seconds (``math.inf`` for none). Returns it.
+
+    Raises:
+        SettingsError: naming ``where`` and the value (a bool, NaN, or not > 0).
+    """
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     if not ok or math.isnan(value):  # type: ignore[arg-type]
         raise bad_value(where, value, "a number of seconds > 0 (math.inf for no deadline)")
@@ -64,12 +68,16 @@ def check_seconds(value: object, where: str) -> float:
 
 
 def check_int(value: object, where: str, low: int, high: int | None = None) -> int:
+    """An integer (not a bool) from ``low`` to ``high`` (no upper bound: None). Returns it.
+
+    Raises:
+        SettingsError: naming ``where``, the value and the span allowed.
+    """
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
     if not ok or (high is not None and value > high):  # type: ignore[operator]
         span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
         raise bad_value(where, value, span)
     return value  # type: ignore[return-value]
-
 
 
 def check_job_id(value: object, where: str) -> None:
@@ -123,7 +131,9 @@ def _float(value: str) -> float:
 
 
 class EnvReader:
-    """Reads and checks one environment; every method returns None for an unset variable."""
+    """Reads and checks one environment; every method returns None for an unset (or empty)
+    variable and raises :class:`~p2pcoll.SettingsError`, naming ``$VARIABLE``, for a value
+    it does not allow."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = env

@@ -307,3 +307,29 @@ def test_a_strategy_variable_naming_no_installed_strategy_is_a_setting_error() -
     assert caught.value.name == "$P2PCOLL_ALLREDUCE" and caught.value.value == "rign"
     assert isinstance(caught.value, UnknownStrategy)  # as the same name in code is
     assert Settings.resolve({"P2PCOLL_ALLREDUCE": "auto"}).strategies == {"allreduce": "auto"}
+
+
+def test_what_settings_exported_before_the_reader_moved_out_still_imports() -> None:
+    # p2pcoll.settings_env holds the reader and its checks; p2pcoll.settings re-exports them.
+    import p2pcoll.settings as settings
+    import p2pcoll.settings_env as settings_env
+    for name in ("parse_bytes", "format_bytes", "check_seconds", "check_path", "MIN_LINKS"):
+        assert getattr(settings, name) is getattr(settings_env, name), name
+    for name in ("Settings", "RendezvousLimits", "ServiceSettings", "job_key", "KNOWN_VARS",
+                 "TRANSPORT_NAMES", "LOG_LEVELS", "bad_value", "RANK_VARS", "WORLD_SIZE_VARS"):
+        assert hasattr(settings, name), name
+
+
+@pytest.mark.parametrize(("name", "variable", "value", "allowed"), [
+    ("job_id", "P2PCOLL_JOB_ID", "-job", "up to 128 letters"),
+    ("host_id", "P2PCOLL_HOST_ID", "a b", "a host name of up to 64"),
+])
+def test_ids_are_checked_alike_from_the_environment_and_from_arguments(
+        name: str, variable: str, value: str, allowed: str) -> None:
+    with pytest.raises(SettingsError) as from_env:
+        Settings.resolve({variable: value, "WORLD_SIZE": "1"})
+    with pytest.raises(SettingsError) as from_argument:
+        Settings.resolve({"WORLD_SIZE": "1"}, **{name: value})
+    assert (from_env.value.name, from_argument.value.name) == (f"${variable}", f"{name}=")
+    assert from_env.value.allowed == from_argument.value.allowed
+    assert from_env.value.allowed.startswith(allowed)
