@@ -1,7 +1,7 @@
 """The package's layers: imports only go down the stack, and plugins see only the strategy API.
 
     base       errors, types, tensors, pytree, strategy, settings, launchers, security (the
-               job key), plugin_table (entry points), extras (optional dependencies)
+               job key), plugin_table (entry points), extras (optional dependencies), settings_env
     wire       the message format and its one validation point
     transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory);
                departures (who has gone: a sans-IO machine the session and transport feed)
