@@ -47,8 +47,6 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Sequence
-from functools import partial
-from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import zmq
@@ -61,18 +59,17 @@ from ..wire import Header, Limits, encode_header
 from . import board as boards
 from ..departures import overlay
 from . import lane, shm
-from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
+from .base import Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .inbound import Inbound
 from .malloc import tune_malloc
 from .links import Successions, link_identity
 from .liveness import Probes
-from .ordering import LaneReceiver, LaneSender
 from .route import ENDED, Route, Routes
+from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take these from here)
+from .same_host import YIELD_EVERY, SameHost
+from .same_host import ring_put as _put
 from .sockets import LinkCensus, SocketFactory
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -97,33 +94,6 @@ def _misplaced(header: Header) -> None:
 def _discard_outcome(fut: asyncio.Future[object]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.debug("control message not sent: %s", fut.exception())
-
-
-# How long a send waits for room in a shared-memory ring before it goes over the socket
-# instead. The receiver frees room as it consumes, so a short wait usually suffices; the
-# bound keeps two peers whose rings are both full from waiting on each other. After a wait
-# that ran out, later sends do not wait until one finds room again, so a stalled reader
-# costs one wait, not one per piece.
-RING_WAIT_S = 0.005
-YIELD_EVERY = 64  # messages the reader takes in a row before it lets other tasks run
-
-
-async def _put(
-    outbox: shm.Outbox, piece: np.ndarray, readers: Sequence[int]
-) -> tuple[int, list[int]] | None:
-    at = outbox.put(piece, readers)
-    if at is not None or outbox.stalled or piece.nbytes > outbox.ring:
-        outbox.stalled = outbox.stalled and at is None
-        return at
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + RING_WAIT_S
-    delay = 0.0
-    while at is None and loop.time() < deadline:
-        await asyncio.sleep(delay)
-        delay = min(delay * 2 or 2e-5, 5e-4)
-        at = outbox.put(piece, readers)
-    outbox.stalled = at is None
-    return at
 
 
 class ZmqMesh:
@@ -152,11 +122,15 @@ class ZmqMesh:
         self.group_id = ""
         self.rank = -1
         self._limits: Limits | None = None
+        # The paths to the peers of this host: rings, lanes, the board (see .same_host).
+        local = self._local = SameHost(self.drops, self._accept, self._lane_down)
+        self._take_in = local.take_in
+        self._lane_put = local.lane_put
         # Every message, once its link's member is known, goes through this (see .inbound):
         # lane markers come back to the ordering, hellos are looked at on the way.
         self._inbound = Inbound(self, keep={"lane": _marker, "end": self._on_end,
                                             "farewell": _misplaced},
-                                watch={"hello": self._on_hello}, resolve=self._pieces)
+                                watch={"hello": local.on_hello}, resolve=local.pieces)
         # A goodbye is answered on the connection it came on (see answer): the farewells
         # that come back on this peer's links, or from a watcher's probe it said goodbye
         # on, are read here, and nothing else; a bye over the probe of a peer this one
@@ -196,20 +170,9 @@ class ZmqMesh:
         self._monitored = False
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
-        self._rings: shm.SharedRings | None = None
         self._reading: tuple[zmq.Socket, asyncio.Future[None]] | None = None
         self._behind = False  # the last drain stopped with messages left (see _drain)
         self._census: LinkCensus | None = None  # counts connections that are no member's link
-        # Lanes to and from the peers of this host (see .lane), and the order of each
-        # peer's messages across socket and lane (see .ordering): a sender on the route of
-        # each peer whose lane is ready, a receiver per peer of this host.
-        self._lanes: lane.Lanes | None = None
-        self._receivers: dict[int, LaneReceiver[list[zmq.Frame], lane.Record]] = {}
-        self._marker_on = self._marker_off = b""
-        # The group's board (see .board), when every peer shares this host: rank 0's, or
-        # mapped from rank 0's hello (then _board_from_hello until it comes).
-        self.board: boards.Board | None = None
-        self._board_from_hello = False
         tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
@@ -256,31 +219,13 @@ class ZmqMesh:
             if peer != rank and endpoint.startswith("ipc://")
         }
         if near and not inproc and self.settings.shm and shm.available():
-            # Peers reached over ipc share this host: large pieces may go through shared
-            # memory, to those of them that map the ring announced in the hello, and
-            # messages through lanes (see .lane), made for a peer when a link to it opens.
-            self._rings = shm.SharedRings(rank, len(endpoints), near, group_id,
-                                          self.settings.shm_bytes)
-            try:
-                self._lanes = lane.Lanes(rank, near, shm.group_tag(group_id))
-            except OSError as exc:
-                log.warning("rank %d: no shared-memory lanes (%s); messages go over the "
-                            "sockets", rank, exc)
-            else:
-                self._receivers = {
-                    peer: LaneReceiver(partial(self._take, peer),
-                                       partial(self.drops.drop, peer))
-                    for peer in near}
-                self._marker_on, self._marker_off = (
-                    encode_header(Header("lane", group_id, rank, meta={"on": on}))
-                    for on in (True, False))
-                self._lanes.marker_room = lane.record_size([self._marker_off])
-                self._open_board(membership, near)
+            # Peers reached over ipc share this host (see .same_host).
+            self._local.open(membership, near, self.settings.shm_bytes)
         self._peer_endpoints = tuple(endpoints)
         # A group on a board wakes every peer through its wake-up pipe, which a peer opens
         # from the other's hello: there every peer greets every other (a board group is
         # small, see board.MAX_BOARD_RANKS). Elsewhere only the overlay's neighbours.
-        if self.board is not None or self._board_from_hello:
+        if self._local.on_board():
             self.hello_peers = self._greeted = frozenset(range(size)) - {rank}
         else:  # hellos go to the peers this one watches, and come from those watching it
             self.hello_peers = frozenset(overlay.watchers(rank, size))
@@ -305,6 +250,19 @@ class ZmqMesh:
 
             self._tasks.append(asyncio.create_task(self._census.watch(
                 expected, refused, rank, behind=lambda: self._behind)))
+
+    @property
+    def board(self) -> boards.Board | None:
+        """The group's board, when every peer shares this host (see .same_host)."""
+        return self._local.board
+
+    @property
+    def _lanes(self) -> lane.Lanes | None:
+        """This peer's lanes (for tests: see .same_host)."""
+        return self._local.lanes
+
+    def _lane_down(self, peer: int) -> None:
+        self.on_link_down(peer)
 
     @property
     def links(self) -> int:
@@ -378,32 +336,6 @@ class ZmqMesh:
         if self._hello is not None:
             self._post_hello(route.peer)
 
-    def _open_board(self, membership: Membership, near: set[int]) -> None:
-        """Rank 0 creates the group's board when every peer shares this host (and lanes,
-        whose wake-up pipes it uses, are open); the others map it from its hello."""
-        size = membership.world_size
-        if len(near) != size - 1 or size > boards.MAX_BOARD_RANKS or not boards.supported():
-            return
-        if self.rank != 0:
-            self._board_from_hello = True
-            return
-        try:
-            self.board = boards.Board.create(0, size, shm.group_tag(membership.group_id))
-        except OSError as exc:
-            log.warning("rank 0: no shared-memory board (%s); small collectives go as "
-                        "messages", exc)
-            return
-        self.board.wake = self._wake
-
-    def _wake(self, peer: int) -> None:
-        """Write into ``peer``'s wake-up pipe, if this peer can (the peer's hello opened it)."""
-        lanes = self._lanes
-        if lanes is not None:
-            try:
-                lanes.wake(peer)
-            except KeyError:
-                pass  # its pipe is not open yet: its hello has not come
-
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
     ) -> zmq.MessageTracker | None:
@@ -438,9 +370,7 @@ class ZmqMesh:
                 if self._closed or self._leaving:
                     raise self._cannot_link(dst)
         nbytes = [a.nbytes for a in payload]
-        rings = self._rings
-        near = rings.readers(dsts) if rings is not None else []
-        outbox = rings.outbox if near and rings is not None else None
+        near, outbox = self._local.readers(dsts)
         # Where each piece went in the ring: (offset, reader indices), or None.
         placed: list[tuple[int, list[int]] | None] = []
         for piece in payload:
@@ -493,25 +423,6 @@ class ZmqMesh:
                 if self.sent is not None:
                     self.sent(dst, header, sum(nbytes))
         return zmq.MessageTracker(*tracked) if tracked else None
-
-    def _lane_put(self, route: Route, frames: Sequence[object]) -> bool:
-        """Put one message (bytes-like frames) on the lane of a route if it may go there;
-        False: the socket. Never waits. Which, and the markers that keep the order, is the
-        :class:`~.ordering.LaneSender`'s to say; it is made when the lane is ready (and
-        keeps the route's link open from then on, see .route)."""
-        sender = route.lane
-        if sender is None:
-            lanes = self._lanes
-            out = lanes.ready(route.peer) if lanes is not None else None
-            if out is None:
-                return False
-            assert lanes is not None
-            sender = route.lane = LaneSender(
-                out, marker_on=self._marker_on, marker_off=[self._marker_off],
-                marker_room=lanes.marker_room, send_marker=route.send_now,
-                socket_waiting=lambda: route.waiting > 0,
-                wake=partial(lanes.wake, route.peer))
-        return sender.put(cast("Sequence[Buffer]", frames))  # arrays are, to Python 3.12
 
     def _link(self, dst: int) -> Route:
         """The route to ``dst``, its link opened if need be.
@@ -683,18 +594,7 @@ class ZmqMesh:
 
     def _post_hello(self, peer: int) -> None:
         assert self._hello is not None
-        outbox = self._rings.outbox if self._rings is not None else None
-        lanes = self._lanes
-        meta: dict[str, str] = {}
-        if outbox and self._rings is not None and peer in self._rings.peers:
-            meta["ring"] = outbox.name
-        if lanes is not None and peer in lanes.peers:
-            try:
-                meta.update(lanes.announce(peer))
-            except OSError as exc:
-                log.info("rank %d: no lane to rank %d (%s)", self.rank, peer, exc)
-        if self.board is not None and self.board.owner:
-            meta["board"] = self.board.name
+        meta = self._local.hello_meta(peer)
         self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
 
     def broadcast(self, header: Header) -> None:
@@ -720,9 +620,9 @@ class ZmqMesh:
         done = loop.create_future()
         self._reading = (router, done)
         loop.add_reader(fd, self._drain)
-        wakeup = self._lanes.wakeup.fd if self._lanes is not None else None
+        wakeup = self._local.wakeup()
         if wakeup is not None:
-            loop.add_reader(wakeup, self._on_wake)
+            loop.add_reader(wakeup, self._local.on_wake)
         try:
             self._drain()  # what came before the registration signalled no edge to it
             await done
@@ -798,16 +698,6 @@ class ZmqMesh:
             self._ranks[identity] = source
         self._take_in(source, frames)
 
-    def _take_in(self, source: int, frames: list[zmq.Frame]) -> None:
-        """A message on member ``source``'s current link, handed on in its order."""
-        if source in self._receivers:  # a peer of this host: in its order (see .ordering)
-            self._pump(source, frames)
-        else:
-            marker = self._accept(source, frames[1].buffer, frames[2:])
-            if marker is not None:  # it has no lane to this peer
-                self.drops.drop(source, ProtocolError(
-                    f"rank {source} moved {'to' if marker else 'off'} a lane out of turn"))
-
     def _on_end(self, header: Header) -> None:
         """A member's link has ended (closed for its link budget): answer on it, so that
         its sender may close it (see .route), and read its next one, whatever came on that
@@ -840,54 +730,6 @@ class ZmqMesh:
         rank = None if self._successions is None else self._successions.rank_of(identity)
         return identity[:8] if rank is None else f"a link claiming rank {rank}"
 
-    def _pump(self, src: int, frames: list[zmq.Frame] | None = None) -> None:
-        """Hand on ``src``'s messages in the order it sent them: ``frames`` from its socket
-        (now, or held until its turn), then whatever waits on its lane or was held; at most
-        YIELD_EVERY of them, the rest after the other callbacks (a flood must not hold the
-        loop)."""
-        receiver = self._receivers.get(src)
-        if receiver is None or self._lanes is None:  # closed meanwhile
-            return
-        try:
-            if frames is None:
-                more = receiver.pump(YIELD_EVERY)
-            else:
-                more = receiver.from_socket(frames, YIELD_EVERY)
-        except ProtocolError as exc:  # its lane is corrupt: what it sent is lost
-            self.drops.drop(src, exc)
-            log.error("rank %d: %s", self.rank, exc)
-            self.on_link_down(src)
-            return
-        if more:
-            asyncio.get_running_loop().call_soon(self._pump, src)
-
-    def _take(self, src: int, message: list[zmq.Frame] | lane.Record, on_lane: bool
-              ) -> bool | None:
-        """One message of ``src`` whose turn it is (see :class:`~.ordering.LaneReceiver`):
-        validated and handed on, or dropped; a marker's value if it was one."""
-        if not on_lane:
-            assert isinstance(message, list)
-            return self._accept(src, message[1].buffer, message[2:])
-        assert isinstance(message, tuple) and self._lanes is not None
-        first, rest = message
-        try:
-            return self._accept(src, first, [BytesPiece(b) for b in rest])
-        finally:
-            first.release()
-            self._lanes.into[src].release()
-
-    def _on_wake(self) -> None:
-        """A lane sender wrote into this peer's wake-up pipe: read the lanes now current."""
-        lanes = self._lanes
-        if lanes is None or self._closed:
-            return
-        lanes.wakeup.clear()  # before reading, so that a later record wakes the loop again
-        board = self.board
-        if board is not None and board.on_wake is not None:
-            board.on_wake()
-        for src in [src for src, r in self._receivers.items() if r.lane_current]:
-            self._pump(src)
-
     def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if
         anything fails (see :mod:`.inbound`). A lane marker is not handed on: its value
@@ -895,75 +737,12 @@ class ZmqMesh:
         marker = self._inbound.accept(source, head, frames)
         return None if marker is None else bool(marker)
 
-    def _on_hello(self, header: Header) -> None:
-        """What a hello of a peer of this host names: its ring, its lane, the board."""
-        meta = header.meta
-        if not meta:
-            return
-        if "ring" in meta:
-            self._accept_ring(header.src, meta["ring"])
-        if "lane" in meta:
-            self._accept_lane(header.src, meta["lane"], meta.get("wake"))
-        if "board" in meta:
-            self._accept_board(header.src, meta["board"])
-
-    def _accept_lane(self, peer: int, name: object, wake: object) -> None:
-        """Open the lane a peer of this host announced (and its wake-up pipe); if that
-        fails, the peer keeps sending to this one over the socket."""
-        if self._lanes is None or peer not in self._lanes.peers:
-            return
-        try:
-            self._lanes.accept(peer, name, wake)
-        except ProtocolError as exc:
-            log.info("rank %d: no lane from rank %d: %s", self.rank, peer, exc)
-            return
-        self._receivers[peer].lane = self._lanes.into[peer]
-
-    def _accept_board(self, peer: int, name: object) -> None:
-        """Map the board rank 0 announced. If that fails this peer runs small collectives
-        as messages while the others use the board: they fail with a CollectiveMismatch
-        that says so, at the first one, rather than hang; the error log says why."""
-        if peer != 0 or not self._board_from_hello or self.board is not None:
-            raise ProtocolError(f"rank {peer} may not announce a board here")
-        self._board_from_hello = False
-        try:
-            assert self._limits is not None
-            self.board = boards.Board.attach(name, self.rank, self._limits.world_size,
-                                             shm.group_tag(self.group_id))
-        except ProtocolError as exc:
-            log.error("rank %d: cannot use the group's shared-memory board: %s", self.rank,
-                      exc)
-            return
-        self.board.wake = self._wake
-
-    def _accept_ring(self, peer: int, name: object) -> None:
-        """Map the shared-memory ring a peer of this host announced; if that fails, the
-        peer keeps sending to this one over the socket."""
-        if self._rings is None or peer not in self._rings.peers:
-            return
-        try:
-            if not isinstance(name, str):
-                raise ProtocolError(f"ring name {name!r} is not a string")
-            self._rings.accept(peer, name)
-        except ProtocolError as exc:
-            log.info("rank %d: no shared memory from rank %d: %s", self.rank, peer, exc)
-
-    def _pieces(self, header: Header, frames: Sequence[Piece]) -> list[Piece]:
-        """The payload pieces: the frames, and pieces in the sender's shared-memory ring."""
-        if header.shm is None:
-            return list(frames)
-        if self._rings is None:
-            raise ProtocolError("message names a shared-memory ring, this peer maps none")
-        inbox = self._rings.inbox(header.src, header.shm[0])
-        inline_frames = iter(frames)
-        return [next(inline_frames) if at == -1 else inbox.take(at, n, k)
-                for n, at, k in zip(header.nbytes, header.shm[1], header.shm[2], strict=True)]
-
     async def aclose(self) -> None:
         """Stop reading and close every socket; queued outgoing messages get LINGER_MS."""
         if self._closed:
             return
         self._closed = True
+        self._local.closing()
         watching = self._probes.close_all()
         self._deferred.clear()
         tasks = [*self._tasks, *([self._deferring] if self._deferring is not None else [])]
@@ -973,15 +752,7 @@ class ZmqMesh:
         await asyncio.gather(*tasks, *watching, *draining, return_exceptions=True)
         if self._census is not None:
             self._census.stop()
-        if self._rings is not None:
-            self._rings.close()
-        if self.board is not None:
-            self.board.close()
-            self.board = None
-        if self._lanes is not None:
-            self._receivers.clear()
-            self._lanes.close()
-            self._lanes = None
+        self._local.close()
         if self._router is not None:
             self._router.close(linger=0)
             for endpoint in self.endpoints:
