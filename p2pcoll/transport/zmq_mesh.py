@@ -1,42 +1,41 @@
 """The peer mesh: one bound ROUTER per peer for receiving, one route per peer it sends to.
 
-Rank r binds one ROUTER and connects a DEALER link (identity ``b"r@<link secret>@<nonce>@<
-generation>"``, see :mod:`.links`) to another peer's ROUTER the first time it sends to that
-peer: links open on demand, so a peer's sockets, descriptors and memory grow with the peers
-its collectives talk to (a ring: two; recursive doubling: log2 p), not with the group; under
-a link budget (``P2PCOLL_MAX_LINKS``) the least recently used idle link is closed and opened
-again when needed (see :mod:`.route`, which keeps each peer's route: its link and, to a peer
-of this host, its lane). Every message arrives with the identity of the link it came on,
-which must agree with the source rank in its header; the first connection of a rank that
-speaks fixes the rank's nonce for the group, and the messages of any other connection
-claiming the rank are dropped as ``impostor``; a rank's successive links are read one after
-the other, in the order it opened them (see :class:`~.links.Successions`). Each link has its
-own ZeroMQ queue with a high-water mark, which gives backpressure per destination. The
-first message on a peer's first link is this peer's hello (what the receiver needs to map
-its shared memory), once the group has formed.
+:class:`ZmqMesh` composes four parts, each owning its state, and keeps what joins them: the
+group's forming (hellos), control messages (posted, deferred under the budget, answered) and
+leaving, the placement of ``send_many``, closing.
 
-Liveness rests on a sparse overlay (departures.overlay): each rank watches its two ring
-successors with a probe, a connection that carries only ZMTP heartbeats, so that a peer
-that dies is seen at once by its watchers, one that freezes after the heartbeat timeout, and
-one that is merely slow (its queue full) not at all; the session spreads the news to
-everyone (:mod:`p2pcoll.session.session`). Probes and their monitors are a constant number
-per peer, whatever the size of the group.
+- **The router** (:mod:`.router`): this peer's ROUTER, read in a callback on its ZMQ_FD;
+  every message arrives with the identity of the link it came on, which fixes its source
+  (``impostor`` and ``stranger`` links are dropped), a rank's successive links are read in
+  the order it opened them, and the census counts connections that are no member's.
+- **The routes** (:mod:`.route`): rank r connects a DEALER link (identity ``b"r@<link
+  secret>@<nonce>@<generation>"``, see :mod:`.links`) to another peer's ROUTER the first time
+  it sends to that peer: links open on demand, so a peer's sockets, descriptors and memory
+  grow with the peers its collectives talk to (a ring: two; recursive doubling: log2 p), not
+  with the group; under a link budget (``P2PCOLL_MAX_LINKS``) the least recently used idle
+  link is closed and opened again when needed. Each link has its own ZeroMQ queue with a
+  high-water mark, which gives backpressure per destination. The first message on a peer's
+  first link is this peer's hello (what the receiver needs to map its shared memory), once
+  the group has formed.
+- **Liveness** (:mod:`.liveness`) rests on a sparse overlay (departures.overlay): each rank
+  watches its two ring successors with a probe, a connection that carries only ZMTP
+  heartbeats, so that a peer that dies is seen at once by its watchers, one that freezes
+  after the heartbeat timeout, and one that is merely slow (its queue full) not at all; the
+  session spreads the news to everyone (:mod:`p2pcoll.session.session`). Probes and their
+  monitors are a constant number per peer, whatever the size of the group.
+- **The same-host paths** (:mod:`.same_host`): between peers of one host, large pieces go
+  through the sender's shared-memory ring and whole messages through lanes, in each
+  sender's order across socket and lane; small collectives of a group all on one host go
+  on its board.
 
-The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback on its ZMQ_FD
-and a send to a link whose queue has room is a plain non-blocking send (only a send that
-meets the high-water mark waits, through the asyncio socket). One reader drains the ROUTER
-and passes every message through the one validation point
-(:func:`p2pcoll.wire.validate`) before handing it to ``on_message``; a message that fails it,
-or whose handling raises anything at all, is dropped, counted and logged (at most one line
-per source every few seconds), and the reader goes on. Sockets come from the
+The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback (see
+:mod:`.router`) and a send to a link whose queue has room is a plain non-blocking send (only
+a send that meets the high-water mark waits, through the asyncio socket). Every message of a
+member passes through the one validation point (:func:`p2pcoll.wire.validate`, see
+:mod:`.inbound`) before it is handed to ``on_message``; a message that fails it, or whose
+handling raises anything at all, is dropped, counted and logged (at most one line per source
+every few seconds), and the reader goes on. Sockets come from the
 :class:`~.sockets.SocketFactory`, which owns their options.
-
-Between peers of one host, large pieces go through the sender's shared-memory ring
-(:mod:`.shm`) and whole messages through lanes (:mod:`.lane`), read in a callback on this
-peer's wake-up pipe; the order of each sender's messages across its socket and its lane is
-kept by :mod:`.ordering` (a :class:`~.ordering.LaneSender` per peer sent to, a
-:class:`~.ordering.LaneReceiver` per peer of this host), which the mesh hands its sockets
-and lanes as small adapters.
 """
 
 from __future__ import annotations
@@ -50,32 +49,31 @@ from collections.abc import Sequence
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
+from ..departures import overlay
 from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
 from . import board as boards
-from ..departures import overlay
 from . import lane, shm
 from .base import Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .inbound import Inbound
-from .malloc import tune_malloc
-from .links import Successions, link_identity
+from .links import link_identity
 from .liveness import Probes
-from .route import ENDED, Route, Routes
-from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take these from here)
-from .same_host import YIELD_EVERY, SameHost
+from .malloc import tune_malloc
+from .route import Route, Routes
+from .router import Router
+from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take it and _put from here)
+from .same_host import SameHost
 from .same_host import ring_put as _put
-from .sockets import LinkCensus, SocketFactory
+from .sockets import SocketFactory
 
 log = logging.getLogger("p2pcoll.transport")
 
 # Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
-_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def _marker(header: Header) -> bool:
@@ -97,7 +95,9 @@ def _discard_outcome(fut: asyncio.Future[object]) -> None:
 
 
 class ZmqMesh:
-    """The production transport: frames between the peers of one group over ZeroMQ."""
+    """The production transport: frames between the peers of one group over ZeroMQ; a
+    :class:`~.router.Router`, :class:`~.route.Routes`, :class:`~.liveness.Probes` and
+    :class:`~.same_host.SameHost` composed (see the module docstring)."""
 
     sent: MessageHook | None = None  # instrumentation hooks: see p2pcoll.transport.base
     delivered: MessageHook | None = None
@@ -118,38 +118,32 @@ class ZmqMesh:
         self.on_link_down: LinkDownHandler = lambda peer: None
         self.counters = Counters()
         self.drops = Drops(self.counters, lambda: self.rank)
-        self.endpoints: list[str] = []
         self.group_id = ""
         self.rank = -1
         self._limits: Limits | None = None
         # The paths to the peers of this host: rings, lanes, the board (see .same_host).
         local = self._local = SameHost(self.drops, self._accept, self._lane_down)
-        self._take_in = local.take_in
-        self._lane_put = local.lane_put
-        # Every message, once its link's member is known, goes through this (see .inbound):
-        # lane markers come back to the ordering, hellos are looked at on the way.
-        self._inbound = Inbound(self, keep={"lane": _marker, "end": self._on_end,
-                                            "farewell": _misplaced},
-                                watch={"hello": local.on_hello}, resolve=local.pieces)
+        self._lane_put = local.lane_put  # bound once: every send tries the lane first
         # A goodbye is answered on the connection it came on (see answer): the farewells
         # that come back on this peer's links, or from a watcher's probe it said goodbye
         # on, are read here, and nothing else; a bye over the probe of a peer this one
         # watches likewise.
         self._answers = Inbound(self, kinds={"farewell", "bye"})
         self._byes = Inbound(self, kinds={"bye"})
+        # This peer's ROUTER: every member's links, read in their order (see .router).
+        self._router = Router(self.sockets, policy, self.counters, self.drops,
+                              take_in=local.take_in, answered=self._answers.accept)
+        self.endpoints: list[str] = self._router.endpoints
+        # Every message, once its link's member is known, goes through this (see .inbound):
+        # lane markers come back to the ordering, hellos are looked at on the way.
+        self._inbound = Inbound(self, keep={"lane": _marker, "end": self._router.on_end,
+                                            "farewell": _misplaced},
+                                watch={"hello": local.on_hello}, resolve=local.pieces)
         self._leaving = False  # no link opens any more (see leaving)
-        # Probe identity -> rank, of the watchers this peer said goodbye to on their probes
-        # (their farewells come back on them).
-        self._probers: dict[bytes, int] = {}
         self._bye_on_link: set[int] = set()  # whose goodbye came back on this peer's link
-        # Link identity -> rank, of the members' links being read now; the order of each
-        # member's successive links (made at connect); this peer's nonce (see .links).
-        self._ranks: dict[bytes, int] = {}
-        self._successions: Successions[list[zmq.Frame]] | None = None
-        self._nonce = secrets.token_hex(8)
+        self._nonce = secrets.token_hex(8)  # this peer's nonce (see .links)
         self._secret = ""  # the group's link secret: never log
         self.identity = b""  # of this peer's first links; holds the secret: never log
-        self._router: zmq.asyncio.Socket | None = None
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back)
@@ -170,26 +164,16 @@ class ZmqMesh:
         self._monitored = False
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
-        self._reading: tuple[zmq.Socket, asyncio.Future[None]] | None = None
-        self._behind = False  # the last drain stopped with messages left (see _drain)
-        self._census: LinkCensus | None = None  # counts connections that are no member's link
         tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
         """Bind this peer's ROUTER and return the endpoints the others may connect to."""
-        router = self.sockets.mesh_router()
-        self._router = router
-        if self.policy.name != "inproc":  # inproc makes no handshakes to count
-            self._census = LinkCensus(router)
-        for address in self.policy.bind_addresses(self.host):
-            router.bind(address)
-            self.endpoints.append(router.getsockopt_string(zmq.LAST_ENDPOINT))
-        return self.endpoints
+        return self._router.bind(self.host)
 
     def connect(self, membership: Membership, on_message: MessageHandler,
                 on_link_down: LinkDownHandler) -> None:
         """Open a link to every other peer and start reading."""
-        assert self._router is not None, "bind() first"
+        assert self._router.bound, "bind() first"
         self.on_message, self.on_link_down = on_message, on_link_down
         group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
@@ -198,11 +182,7 @@ class ZmqMesh:
         self._inbound.limits = self._answers.limits = self._byes.limits = self._limits
         secret = self._secret = membership.secret or group_id  # in-process tests have none
         size = membership.world_size
-        self._ranks = {}
-        self._successions = Successions(
-            {b"%d@%s" % (r, secret.encode()): r for r in range(size) if r != rank},
-            release=self._release, drop=self.drops.drop,
-            size=lambda frames: sum(len(f) for f in frames))
+        self._router.start(rank, size, secret)
         self.routes.start(rank, secret, self._nonce, endpoints,
                           pinned=overlay.watched(rank, size),
                           end=encode_header(Header("end", group_id, rank)))
@@ -233,23 +213,14 @@ class ZmqMesh:
         if monitored:
             for peer in overlay.watched(rank, size):
                 self._probe(peer)
-        self._tasks.append(asyncio.create_task(self._read()))
-        if self._census is not None:
+        self._tasks.append(asyncio.create_task(
+            self._router.read(self._local.wakeup, self._local.on_wake)))
+        if self._router.counts_links:
             # A member connects at most its link and, if it watches this peer, its probe:
             # what comes beyond is no member's link (counted as links_refused; LinkCensus).
-            def refused() -> None:
-                self.counters.links_refused += 1
-
             members = size - 1 + len(overlay.watchers(rank, size))
-            successions = self._successions
-
-            def expected() -> int:
-                # and the later links of members that closed one, and the probe of a new
-                # watcher after each departure (see forget)
-                return members + successions.later_links + len(self._gone)
-
-            self._tasks.append(asyncio.create_task(self._census.watch(
-                expected, refused, rank, behind=lambda: self._behind)))
+            self._tasks.append(asyncio.create_task(
+                self._router.census(members, lambda: len(self._gone))))
 
     @property
     def board(self) -> boards.Board | None:
@@ -296,8 +267,7 @@ class ZmqMesh:
             return
         self._gone.add(rank)
         self.routes.forget(rank)
-        if self._successions is not None:
-            self._successions.forget(rank)
+        self._router.forget(rank)
         size = len(self._peer_endpoints)
         watched = overlay.watched(self.rank, size, gone=self._gone)
         self.routes.pin(watched)
@@ -323,7 +293,7 @@ class ZmqMesh:
 
     def senders(self) -> set[int]:
         """The peers whose link to this one is read now: :meth:`answer` reaches them."""
-        return set() if self._successions is None else set(self._successions.current)
+        return self._router.senders()
 
     def unread(self) -> set[int]:
         """The peers that may not have read everything this peer sent them: those it has a
@@ -505,14 +475,7 @@ class ZmqMesh:
         try:
             if self._probes.answer(rank, frame):
                 return
-            identity = None if self._successions is None else (
-                self._successions.current.get(rank))
-            reading = self._reading
-            if identity is None or reading is None:
-                log.debug("rank %d: no connection from rank %d to answer on", self.rank, rank)
-                return
-            # a ROUTER drops what it cannot route at once: this never waits
-            self._send_back(reading[0], [identity, frame])
+            self._router.answer(rank, frame)
         except zmq.ZMQError as exc:
             log.debug("rank %d: answer to rank %d not sent: %s", self.rank, rank, exc)
 
@@ -553,10 +516,9 @@ class ZmqMesh:
         """The identity of ``watcher``'s probe of this peer (its first link's, see
         SocketFactory.mesh_probe), if this peer can reach it: probes are made (not over
         inproc) and the watcher's links have spoken here (its hello, at forming)."""
-        successions = self._successions
-        if not self._monitored or successions is None:
+        if not self._monitored:
             return None
-        nonce = successions.nonce(watcher)
+        nonce = self._router.nonce(watcher)
         if nonce is None:
             return None
         return link_identity(watcher, self._secret, nonce.decode()) + b"~probe"
@@ -568,17 +530,7 @@ class ZmqMesh:
         size = len(self._peer_endpoints)
         identity = (self._probe_identity(dst) if header.kind == "bye"
                     and dst in overlay.watchers(self.rank, size, gone=self._gone) else None)
-        reading = self._reading
-        if identity is None or reading is None:
-            log.debug("rank %d: no connection to rank %d left to post a %s on", self.rank,
-                      dst, header.kind)
-            return
-        self._probers[identity] = dst
-        try:
-            self._send_back(reading[0], [identity, encode_header(header)])
-        except zmq.ZMQError as exc:
-            log.debug("rank %d: %s to rank %d's probe not sent: %s", self.rank, header.kind,
-                      dst, exc)
+        self._router.to_probe(dst, identity, header)
 
     def greet(self, header: Header) -> None:
         """Post a hello to the peers this one watches now (to every peer in a board group),
@@ -603,133 +555,6 @@ class ZmqMesh:
             if peer != self.rank:
                 self.post(peer, header)
 
-    async def _read(self) -> None:
-        """Drain the ROUTER for good: whatever one message does, the next is read.
-
-        Not through pyzmq's asyncio layer (a future, a callback and a task wake-up per
-        message, about a third of a small collective's time): the loop watches the socket's
-        ZMQ_FD and :meth:`_drain` reads and delivers every waiting message right in that
-        callback. ZMQ_FD is edge-triggered, so a drain reads until ZMQ_EVENTS says the queue
-        is empty, or hands the rest to a drain of its own after YIELD_EVERY messages so that
-        a flood cannot hold the event loop. This task only owns the registration.
-        """
-        assert self._router is not None
-        router = zmq.Socket.shadow(self._router.underlying)
-        fd = router.getsockopt(zmq.FD)
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._reading = (router, done)
-        loop.add_reader(fd, self._drain)
-        wakeup = self._local.wakeup()
-        if wakeup is not None:
-            loop.add_reader(wakeup, self._local.on_wake)
-        try:
-            self._drain()  # what came before the registration signalled no edge to it
-            await done
-        except asyncio.CancelledError:
-            return
-        finally:
-            loop.remove_reader(fd)
-            if wakeup is not None:
-                loop.remove_reader(wakeup)
-            self._reading = None
-
-    def _drain(self) -> None:
-        reading = self._reading
-        if reading is None:
-            return
-        router, done = reading
-        try:
-            for _ in range(YIELD_EVERY):
-                frame = router.recv(_NOBLOCK, copy=False)  # zmq.Again: drained
-                frames = [frame]
-                while frame.more:  # the parts of a message arrive together
-                    frame = router.recv(_NOBLOCK, copy=False)
-                    frames.append(frame)
-                self._deliver(frames)
-                # Let go of the frames before the next: over inproc a zero-copy send is
-                # complete only when the receiver frees its frame.
-                del frames
-        except zmq.Again:
-            self._behind = False
-            return
-        except zmq.ZMQError as exc:
-            if self._closed or isinstance(exc, zmq.ContextTerminated):
-                if not done.done():
-                    done.set_result(None)
-                return
-            log.error("rank %d: receive failed: %s", self.rank, exc)
-        # More may be waiting and no edge will say so: go on after the other callbacks.
-        self._behind = True
-        asyncio.get_running_loop().call_soon(self._drain)
-
-    def _send_back(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        """Send ``frames`` (an identity first) through the ROUTER at once; raises
-        zmq.ZMQError where they cannot go at once. A drain follows: any
-        operation on a socket may take the edge its ZMQ_FD would have signalled to
-        :meth:`_drain` (see :meth:`_read`), and what waits would stay unread for good."""
-        try:
-            router.send_multipart(frames, _NOBLOCK)
-        finally:
-            asyncio.get_running_loop().call_soon(self._drain)
-
-    def _deliver(self, frames: list[zmq.Frame]) -> None:
-        """One message from the ROUTER: handed on in its sender's order, or dropped."""
-        identity = frames[0].bytes if frames else b""
-        source = self._ranks.get(identity)
-        if len(frames) < 2:
-            self.drops.drop(source if source is not None else self._stranger(identity),
-                            ProtocolError("message has no header frame"))
-            return
-        if source is None:
-            watcher = self._probers.get(identity)
-            if watcher is not None:  # a watcher answering a goodbye on its probe
-                self._answers.accept(watcher, frames[1].buffer, frames[2:])
-                return
-            # A link heard for the first time, or a member's later link: the rank's link
-            # now; or held for its turn, or dropped and counted as a ``stranger`` (no
-            # ``rank@secret`` of this group) or an ``impostor`` (another nonce claiming a
-            # rank whose link has spoken). Identities are logged cut short: a member's
-            # holds the group's secret.
-            successions = self._successions
-            source = None if successions is None else successions.arrive(identity, frames)
-            if source is None:
-                return
-            self._ranks[identity] = source
-        self._take_in(source, frames)
-
-    def _on_end(self, header: Header) -> None:
-        """A member's link has ended (closed for its link budget): answer on it, so that
-        its sender may close it (see .route), and read its next one, whatever came on that
-        one meanwhile first."""
-        successions = self._successions
-        if successions is None:
-            return
-        ended = successions.current.get(header.src)
-        if ended is not None:
-            del self._ranks[ended]
-            reading = self._reading
-            if reading is not None:
-                try:  # a ROUTER drops what it cannot route at once: this never waits
-                    self._send_back(reading[0], [ended, ENDED])
-                except zmq.ZMQError as exc:
-                    log.debug("rank %d: end of rank %d's link not answered: %s", self.rank,
-                              header.src, exc)
-        successions.end(header.src)
-
-    def _release(self, rank: int, identity: bytes, messages: list[list[zmq.Frame]]) -> None:
-        """The turn of a member's next link has come: what it held, in order."""
-        self._ranks[identity] = rank
-        for frames in messages:
-            if self._ranks.get(identity) != rank:  # ended among these (an end was read)
-                break
-            self._take_in(rank, frames)
-
-    def _stranger(self, identity: bytes) -> object:
-        """How the log names a link that is not (yet) a member's: never by the secret."""
-        rank = None if self._successions is None else self._successions.rank_of(identity)
-        return identity[:8] if rank is None else f"a link claiming rank {rank}"
-
     def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if
         anything fails (see :mod:`.inbound`). A lane marker is not handed on: its value
@@ -742,6 +567,7 @@ class ZmqMesh:
         if self._closed:
             return
         self._closed = True
+        self._router.closing()
         self._local.closing()
         watching = self._probes.close_all()
         self._deferred.clear()
@@ -750,10 +576,6 @@ class ZmqMesh:
             task.cancel()
         draining = self.routes.close()
         await asyncio.gather(*tasks, *watching, *draining, return_exceptions=True)
-        if self._census is not None:
-            self._census.stop()
+        self._router.stop_census()
         self._local.close()
-        if self._router is not None:
-            self._router.close(linger=0)
-            for endpoint in self.endpoints:
-                self.policy.cleanup(endpoint)
+        self._router.close()
