@@ -134,12 +134,6 @@ class SameHost:
         """The descriptor of this peer's wake-up pipe (read with :meth:`on_wake`), if any."""
         return self.lanes.wakeup.fd if self.lanes is not None else None
 
-    def readers(self, dsts: Sequence[int]) -> tuple[list[int], shm.Outbox | None]:
-        """Which of ``dsts`` read this peer's ring, and the ring (None: none of them)."""
-        rings = self.rings
-        near = rings.readers(dsts) if rings is not None else []
-        return near, rings.outbox if near and rings is not None else None
-
     def hello_meta(self, peer: int) -> dict[str, str]:
         """What this peer's hello to ``peer`` names: its ring, its lane, the board."""
         outbox = self.rings.outbox if self.rings is not None else None

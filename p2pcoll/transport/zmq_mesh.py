@@ -340,7 +340,10 @@ class ZmqMesh:
                 if self._closed or self._leaving:
                     raise self._cannot_link(dst)
         nbytes = [a.nbytes for a in payload]
-        near, outbox = self._local.readers(dsts)
+        # Which of dsts read this peer's ring (see .same_host), inline: once per message.
+        rings = self._local.rings
+        near = rings.readers(dsts) if rings is not None else []
+        outbox = rings.outbox if near and rings is not None else None
         # Where each piece went in the ring: (offset, reader indices), or None.
         placed: list[tuple[int, list[int]] | None] = []
         for piece in payload:
