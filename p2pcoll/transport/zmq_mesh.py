@@ -1,42 +1,41 @@
 """The peer mesh: one bound ROUTER per peer for receiving, one route per peer it sends to.
 
-Rank r binds one ROUTER and connects a DEALER link (identity ``b"r@<link secret>@<nonce>@<
-generation>"``, see :mod:`.links`) to another peer's ROUTER the first time it sends to that
-peer: links open on demand, so a peer's sockets, descriptors and memory grow with the peers
-its collectives talk to (a ring: two; recursive doubling: log2 p), not with the group; under
-a link budget (``P2PCOLL_MAX_LINKS``) the least recently used idle link is closed and opened
-again when needed (see :mod:`.route`, which keeps each peer's route: its link and, to a peer
-of this host, its lane). Every message arrives with the identity of the link it came on,
-which must agree with the source rank in its header; the first connection of a rank that
-speaks fixes the rank's nonce for the group, and the messages of any other connection
-claiming the rank are dropped as ``impostor``; a rank's successive links are read one after
-the other, in the order it opened them (see :class:`~.links.Successions`). Each link has its
-own ZeroMQ queue with a high-water mark, which gives backpressure per destination. The
-first message on a peer's first link is this peer's hello (what the receiver needs to map
-its shared memory), once the group has formed.
+:class:`ZmqMesh` composes four parts, each owning its state, and keeps what joins them: the
+group's forming (hellos), control messages (posted, deferred under the budget, answered) and
+leaving, the placement of ``send_many``, closing.
 
-Liveness rests on a sparse overlay (departures.overlay): each rank watches its two ring
-successors with a probe, a connection that carries only ZMTP heartbeats, so that a peer
-that dies is seen at once by its watchers, one that freezes after the heartbeat timeout, and
-one that is merely slow (its queue full) not at all; the session spreads the news to
-everyone (:mod:`p2pcoll.session.session`). Probes and their monitors are a constant number
-per peer, whatever the size of the group.
+- **The router** (:mod:`.router`): this peer's ROUTER, read in a callback on its ZMQ_FD;
+  every message arrives with the identity of the link it came on, which fixes its source
+  (``impostor`` and ``stranger`` links are dropped), a rank's successive links are read in
+  the order it opened them, and the census counts connections that are no member's.
+- **The routes** (:mod:`.route`): rank r connects a DEALER link (identity ``b"r@<link
+  secret>@<nonce>@<generation>"``, see :mod:`.links`) to another peer's ROUTER the first time
+  it sends to that peer: links open on demand, so a peer's sockets, descriptors and memory
+  grow with the peers its collectives talk to (a ring: two; recursive doubling: log2 p), not
+  with the group; under a link budget (``P2PCOLL_MAX_LINKS``) the least recently used idle
+  link is closed and opened again when needed. Each link has its own ZeroMQ queue with a
+  high-water mark, which gives backpressure per destination. The first message on a peer's
+  first link is this peer's hello (what the receiver needs to map its shared memory), once
+  the group has formed.
+- **Liveness** (:mod:`.liveness`) rests on a sparse overlay (departures.overlay): each rank
+  watches its two ring successors with a probe, a connection that carries only ZMTP
+  heartbeats, so that a peer that dies is seen at once by its watchers, one that freezes
+  after the heartbeat timeout, and one that is merely slow (its queue full) not at all; the
+  session spreads the news to everyone (:mod:`p2pcoll.session.session`). Probes and their
+  monitors are a constant number per peer, whatever the size of the group.
+- **The same-host paths** (:mod:`.same_host`): between peers of one host, large pieces go
+  through the sender's shared-memory ring and whole messages through lanes, in each
+  sender's order across socket and lane; small collectives of a group all on one host go
+  on its board.
 
-The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback on its ZMQ_FD
-and a send to a link whose queue has room is a plain non-blocking send (only a send that
-meets the high-water mark waits, through the asyncio socket). One reader drains the ROUTER
-and passes every message through the one validation point
-(:func:`p2pcoll.wire.validate`) before handing it to ``on_message``; a message that fails it,
-or whose handling raises anything at all, is dropped, counted and logged (at most one line
-per source every few seconds), and the reader goes on. Sockets come from the
+The hot path bypasses pyzmq's asyncio layer: the ROUTER is read in a callback (see
+:mod:`.router`) and a send to a link whose queue has room is a plain non-blocking send (only
+a send that meets the high-water mark waits, through the asyncio socket). Every message of a
+member passes through the one validation point (:func:`p2pcoll.wire.validate`, see
+:mod:`.inbound`) before it is handed to ``on_message``; a message that fails it, or whose
+handling raises anything at all, is dropped, counted and logged (at most one line per source
+every few seconds), and the reader goes on. Sockets come from the
 :class:`~.sockets.SocketFactory`, which owns their options.
-
-Between peers of one host, large pieces go through the sender's shared-memory ring
-(:mod:`.shm`) and whole messages through lanes (:mod:`.lane`), read in a callback on this
-peer's wake-up pipe; the order of each sender's messages across its socket and its lane is
-kept by :mod:`.ordering` (a :class:`~.ordering.LaneSender` per peer sent to, a
-:class:`~.ordering.LaneReceiver` per peer of this host), which the mesh hands its sockets
-and lanes as small adapters.
 """
 
 from __future__ import annotations
@@ -47,38 +46,34 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Sequence
-from functools import partial
-from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
+from ..departures import overlay
 from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
 from . import board as boards
-from ..departures import overlay
 from . import lane, shm
-from .base import BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
+from .base import Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
 from .endpoints import EndpointPolicy
 from .inbound import Inbound
-from .malloc import tune_malloc
-from .links import Successions, link_identity
+from .links import link_identity
 from .liveness import Probes
-from .ordering import LaneReceiver, LaneSender
-from .route import ENDED, Route, Routes
-from .sockets import LinkCensus, SocketFactory
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+from .malloc import tune_malloc
+from .route import Route, Routes
+from .router import Router
+from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take it and _put from here)
+from .same_host import SameHost
+from .same_host import ring_put as _put
+from .sockets import SocketFactory
 
 log = logging.getLogger("p2pcoll.transport")
 
 # Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
-_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def _marker(header: Header) -> bool:
@@ -99,35 +94,10 @@ def _discard_outcome(fut: asyncio.Future[object]) -> None:
         log.debug("control message not sent: %s", fut.exception())
 
 
-# How long a send waits for room in a shared-memory ring before it goes over the socket
-# instead. The receiver frees room as it consumes, so a short wait usually suffices; the
-# bound keeps two peers whose rings are both full from waiting on each other. After a wait
-# that ran out, later sends do not wait until one finds room again, so a stalled reader
-# costs one wait, not one per piece.
-RING_WAIT_S = 0.005
-YIELD_EVERY = 64  # messages the reader takes in a row before it lets other tasks run
-
-
-async def _put(
-    outbox: shm.Outbox, piece: np.ndarray, readers: Sequence[int]
-) -> tuple[int, list[int]] | None:
-    at = outbox.put(piece, readers)
-    if at is not None or outbox.stalled or piece.nbytes > outbox.ring:
-        outbox.stalled = outbox.stalled and at is None
-        return at
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + RING_WAIT_S
-    delay = 0.0
-    while at is None and loop.time() < deadline:
-        await asyncio.sleep(delay)
-        delay = min(delay * 2 or 2e-5, 5e-4)
-        at = outbox.put(piece, readers)
-    outbox.stalled = at is None
-    return at
-
-
 class ZmqMesh:
-    """The production transport: frames between the peers of one group over ZeroMQ."""
+    """The production transport: frames between the peers of one group over ZeroMQ; a
+    :class:`~.router.Router`, :class:`~.route.Routes`, :class:`~.liveness.Probes` and
+    :class:`~.same_host.SameHost` composed (see the module docstring)."""
 
     sent: MessageHook | None = None  # instrumentation hooks: see p2pcoll.transport.base
     delivered: MessageHook | None = None
@@ -148,34 +118,32 @@ class ZmqMesh:
         self.on_link_down: LinkDownHandler = lambda peer: None
         self.counters = Counters()
         self.drops = Drops(self.counters, lambda: self.rank)
-        self.endpoints: list[str] = []
         self.group_id = ""
         self.rank = -1
         self._limits: Limits | None = None
-        # Every message, once its link's member is known, goes through this (see .inbound):
-        # lane markers come back to the ordering, hellos are looked at on the way.
-        self._inbound = Inbound(self, keep={"lane": _marker, "end": self._on_end,
-                                            "farewell": _misplaced},
-                                watch={"hello": self._on_hello}, resolve=self._pieces)
+        # The paths to the peers of this host: rings, lanes, the board (see .same_host).
+        local = self._local = SameHost(self.drops, self._accept, self._lane_down)
+        self._lane_put = local.lane_put  # bound once: every send tries the lane first
         # A goodbye is answered on the connection it came on (see answer): the farewells
         # that come back on this peer's links, or from a watcher's probe it said goodbye
         # on, are read here, and nothing else; a bye over the probe of a peer this one
         # watches likewise.
         self._answers = Inbound(self, kinds={"farewell", "bye"})
         self._byes = Inbound(self, kinds={"bye"})
+        # This peer's ROUTER: every member's links, read in their order (see .router).
+        self._router = Router(self.sockets, policy, self.counters, self.drops,
+                              take_in=local.take_in, answered=self._answers.accept)
+        self.endpoints: list[str] = self._router.endpoints
+        # Every message, once its link's member is known, goes through this (see .inbound):
+        # lane markers come back to the ordering, hellos are looked at on the way.
+        self._inbound = Inbound(self, keep={"lane": _marker, "end": self._router.on_end,
+                                            "farewell": _misplaced},
+                                watch={"hello": local.on_hello}, resolve=local.pieces)
         self._leaving = False  # no link opens any more (see leaving)
-        # Probe identity -> rank, of the watchers this peer said goodbye to on their probes
-        # (their farewells come back on them).
-        self._probers: dict[bytes, int] = {}
         self._bye_on_link: set[int] = set()  # whose goodbye came back on this peer's link
-        # Link identity -> rank, of the members' links being read now; the order of each
-        # member's successive links (made at connect); this peer's nonce (see .links).
-        self._ranks: dict[bytes, int] = {}
-        self._successions: Successions[list[zmq.Frame]] | None = None
-        self._nonce = secrets.token_hex(8)
+        self._nonce = secrets.token_hex(8)  # this peer's nonce (see .links)
         self._secret = ""  # the group's link secret: never log
         self.identity = b""  # of this peer's first links; holds the secret: never log
-        self._router: zmq.asyncio.Socket | None = None
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back)
@@ -196,37 +164,16 @@ class ZmqMesh:
         self._monitored = False
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
-        self._rings: shm.SharedRings | None = None
-        self._reading: tuple[zmq.Socket, asyncio.Future[None]] | None = None
-        self._behind = False  # the last drain stopped with messages left (see _drain)
-        self._census: LinkCensus | None = None  # counts connections that are no member's link
-        # Lanes to and from the peers of this host (see .lane), and the order of each
-        # peer's messages across socket and lane (see .ordering): a sender on the route of
-        # each peer whose lane is ready, a receiver per peer of this host.
-        self._lanes: lane.Lanes | None = None
-        self._receivers: dict[int, LaneReceiver[list[zmq.Frame], lane.Record]] = {}
-        self._marker_on = self._marker_off = b""
-        # The group's board (see .board), when every peer shares this host: rank 0's, or
-        # mapped from rank 0's hello (then _board_from_hello until it comes).
-        self.board: boards.Board | None = None
-        self._board_from_hello = False
         tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
         """Bind this peer's ROUTER and return the endpoints the others may connect to."""
-        router = self.sockets.mesh_router()
-        self._router = router
-        if self.policy.name != "inproc":  # inproc makes no handshakes to count
-            self._census = LinkCensus(router)
-        for address in self.policy.bind_addresses(self.host):
-            router.bind(address)
-            self.endpoints.append(router.getsockopt_string(zmq.LAST_ENDPOINT))
-        return self.endpoints
+        return self._router.bind(self.host)
 
     def connect(self, membership: Membership, on_message: MessageHandler,
                 on_link_down: LinkDownHandler) -> None:
         """Open a link to every other peer and start reading."""
-        assert self._router is not None, "bind() first"
+        assert self._router.bound, "bind() first"
         self.on_message, self.on_link_down = on_message, on_link_down
         group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
@@ -235,11 +182,7 @@ class ZmqMesh:
         self._inbound.limits = self._answers.limits = self._byes.limits = self._limits
         secret = self._secret = membership.secret or group_id  # in-process tests have none
         size = membership.world_size
-        self._ranks = {}
-        self._successions = Successions(
-            {b"%d@%s" % (r, secret.encode()): r for r in range(size) if r != rank},
-            release=self._release, drop=self.drops.drop,
-            size=lambda frames: sum(len(f) for f in frames))
+        self._router.start(rank, size, secret)
         self.routes.start(rank, secret, self._nonce, endpoints,
                           pinned=overlay.watched(rank, size),
                           end=encode_header(Header("end", group_id, rank)))
@@ -256,31 +199,13 @@ class ZmqMesh:
             if peer != rank and endpoint.startswith("ipc://")
         }
         if near and not inproc and self.settings.shm and shm.available():
-            # Peers reached over ipc share this host: large pieces may go through shared
-            # memory, to those of them that map the ring announced in the hello, and
-            # messages through lanes (see .lane), made for a peer when a link to it opens.
-            self._rings = shm.SharedRings(rank, len(endpoints), near, group_id,
-                                          self.settings.shm_bytes)
-            try:
-                self._lanes = lane.Lanes(rank, near, shm.group_tag(group_id))
-            except OSError as exc:
-                log.warning("rank %d: no shared-memory lanes (%s); messages go over the "
-                            "sockets", rank, exc)
-            else:
-                self._receivers = {
-                    peer: LaneReceiver(partial(self._take, peer),
-                                       partial(self.drops.drop, peer))
-                    for peer in near}
-                self._marker_on, self._marker_off = (
-                    encode_header(Header("lane", group_id, rank, meta={"on": on}))
-                    for on in (True, False))
-                self._lanes.marker_room = lane.record_size([self._marker_off])
-                self._open_board(membership, near)
+            # Peers reached over ipc share this host (see .same_host).
+            self._local.open(membership, near, self.settings.shm_bytes)
         self._peer_endpoints = tuple(endpoints)
         # A group on a board wakes every peer through its wake-up pipe, which a peer opens
         # from the other's hello: there every peer greets every other (a board group is
         # small, see board.MAX_BOARD_RANKS). Elsewhere only the overlay's neighbours.
-        if self.board is not None or self._board_from_hello:
+        if self._local.on_board():
             self.hello_peers = self._greeted = frozenset(range(size)) - {rank}
         else:  # hellos go to the peers this one watches, and come from those watching it
             self.hello_peers = frozenset(overlay.watchers(rank, size))
@@ -288,23 +213,27 @@ class ZmqMesh:
         if monitored:
             for peer in overlay.watched(rank, size):
                 self._probe(peer)
-        self._tasks.append(asyncio.create_task(self._read()))
-        if self._census is not None:
+        self._tasks.append(asyncio.create_task(
+            self._router.read(self._local.wakeup, self._local.on_wake)))
+        if self._router.counts_links:
             # A member connects at most its link and, if it watches this peer, its probe:
             # what comes beyond is no member's link (counted as links_refused; LinkCensus).
-            def refused() -> None:
-                self.counters.links_refused += 1
-
             members = size - 1 + len(overlay.watchers(rank, size))
-            successions = self._successions
+            self._tasks.append(asyncio.create_task(
+                self._router.census(members, lambda: len(self._gone))))
 
-            def expected() -> int:
-                # and the later links of members that closed one, and the probe of a new
-                # watcher after each departure (see forget)
-                return members + successions.later_links + len(self._gone)
+    @property
+    def board(self) -> boards.Board | None:
+        """The group's board, when every peer shares this host (see .same_host)."""
+        return self._local.board
 
-            self._tasks.append(asyncio.create_task(self._census.watch(
-                expected, refused, rank, behind=lambda: self._behind)))
+    @property
+    def _lanes(self) -> lane.Lanes | None:
+        """This peer's lanes (for tests: see .same_host)."""
+        return self._local.lanes
+
+    def _lane_down(self, peer: int) -> None:
+        self.on_link_down(peer)
 
     @property
     def links(self) -> int:
@@ -338,8 +267,7 @@ class ZmqMesh:
             return
         self._gone.add(rank)
         self.routes.forget(rank)
-        if self._successions is not None:
-            self._successions.forget(rank)
+        self._router.forget(rank)
         size = len(self._peer_endpoints)
         watched = overlay.watched(self.rank, size, gone=self._gone)
         self.routes.pin(watched)
@@ -365,7 +293,7 @@ class ZmqMesh:
 
     def senders(self) -> set[int]:
         """The peers whose link to this one is read now: :meth:`answer` reaches them."""
-        return set() if self._successions is None else set(self._successions.current)
+        return self._router.senders()
 
     def unread(self) -> set[int]:
         """The peers that may not have read everything this peer sent them: those it has a
@@ -377,32 +305,6 @@ class ZmqMesh:
         is greeted (the peer keeps what it names when the link is later opened again)."""
         if self._hello is not None:
             self._post_hello(route.peer)
-
-    def _open_board(self, membership: Membership, near: set[int]) -> None:
-        """Rank 0 creates the group's board when every peer shares this host (and lanes,
-        whose wake-up pipes it uses, are open); the others map it from its hello."""
-        size = membership.world_size
-        if len(near) != size - 1 or size > boards.MAX_BOARD_RANKS or not boards.supported():
-            return
-        if self.rank != 0:
-            self._board_from_hello = True
-            return
-        try:
-            self.board = boards.Board.create(0, size, shm.group_tag(membership.group_id))
-        except OSError as exc:
-            log.warning("rank 0: no shared-memory board (%s); small collectives go as "
-                        "messages", exc)
-            return
-        self.board.wake = self._wake
-
-    def _wake(self, peer: int) -> None:
-        """Write into ``peer``'s wake-up pipe, if this peer can (the peer's hello opened it)."""
-        lanes = self._lanes
-        if lanes is not None:
-            try:
-                lanes.wake(peer)
-            except KeyError:
-                pass  # its pipe is not open yet: its hello has not come
 
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
@@ -438,7 +340,8 @@ class ZmqMesh:
                 if self._closed or self._leaving:
                     raise self._cannot_link(dst)
         nbytes = [a.nbytes for a in payload]
-        rings = self._rings
+        # Which of dsts read this peer's ring (see .same_host), inline: once per message.
+        rings = self._local.rings
         near = rings.readers(dsts) if rings is not None else []
         outbox = rings.outbox if near and rings is not None else None
         # Where each piece went in the ring: (offset, reader indices), or None.
@@ -493,25 +396,6 @@ class ZmqMesh:
                 if self.sent is not None:
                     self.sent(dst, header, sum(nbytes))
         return zmq.MessageTracker(*tracked) if tracked else None
-
-    def _lane_put(self, route: Route, frames: Sequence[object]) -> bool:
-        """Put one message (bytes-like frames) on the lane of a route if it may go there;
-        False: the socket. Never waits. Which, and the markers that keep the order, is the
-        :class:`~.ordering.LaneSender`'s to say; it is made when the lane is ready (and
-        keeps the route's link open from then on, see .route)."""
-        sender = route.lane
-        if sender is None:
-            lanes = self._lanes
-            out = lanes.ready(route.peer) if lanes is not None else None
-            if out is None:
-                return False
-            assert lanes is not None
-            sender = route.lane = LaneSender(
-                out, marker_on=self._marker_on, marker_off=[self._marker_off],
-                marker_room=lanes.marker_room, send_marker=route.send_now,
-                socket_waiting=lambda: route.waiting > 0,
-                wake=partial(lanes.wake, route.peer))
-        return sender.put(cast("Sequence[Buffer]", frames))  # arrays are, to Python 3.12
 
     def _link(self, dst: int) -> Route:
         """The route to ``dst``, its link opened if need be.
@@ -594,14 +478,7 @@ class ZmqMesh:
         try:
             if self._probes.answer(rank, frame):
                 return
-            identity = None if self._successions is None else (
-                self._successions.current.get(rank))
-            reading = self._reading
-            if identity is None or reading is None:
-                log.debug("rank %d: no connection from rank %d to answer on", self.rank, rank)
-                return
-            # a ROUTER drops what it cannot route at once: this never waits
-            self._send_back(reading[0], [identity, frame])
+            self._router.answer(rank, frame)
         except zmq.ZMQError as exc:
             log.debug("rank %d: answer to rank %d not sent: %s", self.rank, rank, exc)
 
@@ -642,10 +519,9 @@ class ZmqMesh:
         """The identity of ``watcher``'s probe of this peer (its first link's, see
         SocketFactory.mesh_probe), if this peer can reach it: probes are made (not over
         inproc) and the watcher's links have spoken here (its hello, at forming)."""
-        successions = self._successions
-        if not self._monitored or successions is None:
+        if not self._monitored:
             return None
-        nonce = successions.nonce(watcher)
+        nonce = self._router.nonce(watcher)
         if nonce is None:
             return None
         return link_identity(watcher, self._secret, nonce.decode()) + b"~probe"
@@ -657,17 +533,7 @@ class ZmqMesh:
         size = len(self._peer_endpoints)
         identity = (self._probe_identity(dst) if header.kind == "bye"
                     and dst in overlay.watchers(self.rank, size, gone=self._gone) else None)
-        reading = self._reading
-        if identity is None or reading is None:
-            log.debug("rank %d: no connection to rank %d left to post a %s on", self.rank,
-                      dst, header.kind)
-            return
-        self._probers[identity] = dst
-        try:
-            self._send_back(reading[0], [identity, encode_header(header)])
-        except zmq.ZMQError as exc:
-            log.debug("rank %d: %s to rank %d's probe not sent: %s", self.rank, header.kind,
-                      dst, exc)
+        self._router.to_probe(dst, identity, header)
 
     def greet(self, header: Header) -> None:
         """Post a hello to the peers this one watches now (to every peer in a board group),
@@ -683,18 +549,7 @@ class ZmqMesh:
 
     def _post_hello(self, peer: int) -> None:
         assert self._hello is not None
-        outbox = self._rings.outbox if self._rings is not None else None
-        lanes = self._lanes
-        meta: dict[str, str] = {}
-        if outbox and self._rings is not None and peer in self._rings.peers:
-            meta["ring"] = outbox.name
-        if lanes is not None and peer in lanes.peers:
-            try:
-                meta.update(lanes.announce(peer))
-            except OSError as exc:
-                log.info("rank %d: no lane to rank %d (%s)", self.rank, peer, exc)
-        if self.board is not None and self.board.owner:
-            meta["board"] = self.board.name
+        meta = self._local.hello_meta(peer)
         self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
 
     def broadcast(self, header: Header) -> None:
@@ -703,191 +558,6 @@ class ZmqMesh:
             if peer != self.rank:
                 self.post(peer, header)
 
-    async def _read(self) -> None:
-        """Drain the ROUTER for good: whatever one message does, the next is read.
-
-        Not through pyzmq's asyncio layer (a future, a callback and a task wake-up per
-        message, about a third of a small collective's time): the loop watches the socket's
-        ZMQ_FD and :meth:`_drain` reads and delivers every waiting message right in that
-        callback. ZMQ_FD is edge-triggered, so a drain reads until ZMQ_EVENTS says the queue
-        is empty, or hands the rest to a drain of its own after YIELD_EVERY messages so that
-        a flood cannot hold the event loop. This task only owns the registration.
-        """
-        assert self._router is not None
-        router = zmq.Socket.shadow(self._router.underlying)
-        fd = router.getsockopt(zmq.FD)
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._reading = (router, done)
-        loop.add_reader(fd, self._drain)
-        wakeup = self._lanes.wakeup.fd if self._lanes is not None else None
-        if wakeup is not None:
-            loop.add_reader(wakeup, self._on_wake)
-        try:
-            self._drain()  # what came before the registration signalled no edge to it
-            await done
-        except asyncio.CancelledError:
-            return
-        finally:
-            loop.remove_reader(fd)
-            if wakeup is not None:
-                loop.remove_reader(wakeup)
-            self._reading = None
-
-    def _drain(self) -> None:
-        reading = self._reading
-        if reading is None:
-            return
-        router, done = reading
-        try:
-            for _ in range(YIELD_EVERY):
-                frame = router.recv(_NOBLOCK, copy=False)  # zmq.Again: drained
-                frames = [frame]
-                while frame.more:  # the parts of a message arrive together
-                    frame = router.recv(_NOBLOCK, copy=False)
-                    frames.append(frame)
-                self._deliver(frames)
-                # Let go of the frames before the next: over inproc a zero-copy send is
-                # complete only when the receiver frees its frame.
-                del frames
-        except zmq.Again:
-            self._behind = False
-            return
-        except zmq.ZMQError as exc:
-            if self._closed or isinstance(exc, zmq.ContextTerminated):
-                if not done.done():
-                    done.set_result(None)
-                return
-            log.error("rank %d: receive failed: %s", self.rank, exc)
-        # More may be waiting and no edge will say so: go on after the other callbacks.
-        self._behind = True
-        asyncio.get_running_loop().call_soon(self._drain)
-
-    def _send_back(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        """Send ``frames`` (an identity first) through the ROUTER at once; raises
-        zmq.ZMQError where they cannot go at once. A drain follows: any
-        operation on a socket may take the edge its ZMQ_FD would have signalled to
-        :meth:`_drain` (see :meth:`_read`), and what waits would stay unread for good."""
-        try:
-            router.send_multipart(frames, _NOBLOCK)
-        finally:
-            asyncio.get_running_loop().call_soon(self._drain)
-
-    def _deliver(self, frames: list[zmq.Frame]) -> None:
-        """One message from the ROUTER: handed on in its sender's order, or dropped."""
-        identity = frames[0].bytes if frames else b""
-        source = self._ranks.get(identity)
-        if len(frames) < 2:
-            self.drops.drop(source if source is not None else self._stranger(identity),
-                            ProtocolError("message has no header frame"))
-            return
-        if source is None:
-            watcher = self._probers.get(identity)
-            if watcher is not None:  # a watcher answering a goodbye on its probe
-                self._answers.accept(watcher, frames[1].buffer, frames[2:])
-                return
-            # A link heard for the first time, or a member's later link: the rank's link
-            # now; or held for its turn, or dropped and counted as a ``stranger`` (no
-            # ``rank@secret`` of this group) or an ``impostor`` (another nonce claiming a
-            # rank whose link has spoken). Identities are logged cut short: a member's
-            # holds the group's secret.
-            successions = self._successions
-            source = None if successions is None else successions.arrive(identity, frames)
-            if source is None:
-                return
-            self._ranks[identity] = source
-        self._take_in(source, frames)
-
-    def _take_in(self, source: int, frames: list[zmq.Frame]) -> None:
-        """A message on member ``source``'s current link, handed on in its order."""
-        if source in self._receivers:  # a peer of this host: in its order (see .ordering)
-            self._pump(source, frames)
-        else:
-            marker = self._accept(source, frames[1].buffer, frames[2:])
-            if marker is not None:  # it has no lane to this peer
-                self.drops.drop(source, ProtocolError(
-                    f"rank {source} moved {'to' if marker else 'off'} a lane out of turn"))
-
-    def _on_end(self, header: Header) -> None:
-        """A member's link has ended (closed for its link budget): answer on it, so that
-        its sender may close it (see .route), and read its next one, whatever came on that
-        one meanwhile first."""
-        successions = self._successions
-        if successions is None:
-            return
-        ended = successions.current.get(header.src)
-        if ended is not None:
-            del self._ranks[ended]
-            reading = self._reading
-            if reading is not None:
-                try:  # a ROUTER drops what it cannot route at once: this never waits
-                    self._send_back(reading[0], [ended, ENDED])
-                except zmq.ZMQError as exc:
-                    log.debug("rank %d: end of rank %d's link not answered: %s", self.rank,
-                              header.src, exc)
-        successions.end(header.src)
-
-    def _release(self, rank: int, identity: bytes, messages: list[list[zmq.Frame]]) -> None:
-        """The turn of a member's next link has come: what it held, in order."""
-        self._ranks[identity] = rank
-        for frames in messages:
-            if self._ranks.get(identity) != rank:  # ended among these (an end was read)
-                break
-            self._take_in(rank, frames)
-
-    def _stranger(self, identity: bytes) -> object:
-        """How the log names a link that is not (yet) a member's: never by the secret."""
-        rank = None if self._successions is None else self._successions.rank_of(identity)
-        return identity[:8] if rank is None else f"a link claiming rank {rank}"
-
-    def _pump(self, src: int, frames: list[zmq.Frame] | None = None) -> None:
-        """Hand on ``src``'s messages in the order it sent them: ``frames`` from its socket
-        (now, or held until its turn), then whatever waits on its lane or was held; at most
-        YIELD_EVERY of them, the rest after the other callbacks (a flood must not hold the
-        loop)."""
-        receiver = self._receivers.get(src)
-        if receiver is None or self._lanes is None:  # closed meanwhile
-            return
-        try:
-            if frames is None:
-                more = receiver.pump(YIELD_EVERY)
-            else:
-                more = receiver.from_socket(frames, YIELD_EVERY)
-        except ProtocolError as exc:  # its lane is corrupt: what it sent is lost
-            self.drops.drop(src, exc)
-            log.error("rank %d: %s", self.rank, exc)
-            self.on_link_down(src)
-            return
-        if more:
-            asyncio.get_running_loop().call_soon(self._pump, src)
-
-    def _take(self, src: int, message: list[zmq.Frame] | lane.Record, on_lane: bool
-              ) -> bool | None:
-        """One message of ``src`` whose turn it is (see :class:`~.ordering.LaneReceiver`):
-        validated and handed on, or dropped; a marker's value if it was one."""
-        if not on_lane:
-            assert isinstance(message, list)
-            return self._accept(src, message[1].buffer, message[2:])
-        assert isinstance(message, tuple) and self._lanes is not None
-        first, rest = message
-        try:
-            return self._accept(src, first, [BytesPiece(b) for b in rest])
-        finally:
-            first.release()
-            self._lanes.into[src].release()
-
-    def _on_wake(self) -> None:
-        """A lane sender wrote into this peer's wake-up pipe: read the lanes now current."""
-        lanes = self._lanes
-        if lanes is None or self._closed:
-            return
-        lanes.wakeup.clear()  # before reading, so that a later record wakes the loop again
-        board = self.board
-        if board is not None and board.on_wake is not None:
-            board.on_wake()
-        for src in [src for src, r in self._receivers.items() if r.lane_current]:
-            self._pump(src)
-
     def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if
         anything fails (see :mod:`.inbound`). A lane marker is not handed on: its value
@@ -895,75 +565,13 @@ class ZmqMesh:
         marker = self._inbound.accept(source, head, frames)
         return None if marker is None else bool(marker)
 
-    def _on_hello(self, header: Header) -> None:
-        """What a hello of a peer of this host names: its ring, its lane, the board."""
-        meta = header.meta
-        if not meta:
-            return
-        if "ring" in meta:
-            self._accept_ring(header.src, meta["ring"])
-        if "lane" in meta:
-            self._accept_lane(header.src, meta["lane"], meta.get("wake"))
-        if "board" in meta:
-            self._accept_board(header.src, meta["board"])
-
-    def _accept_lane(self, peer: int, name: object, wake: object) -> None:
-        """Open the lane a peer of this host announced (and its wake-up pipe); if that
-        fails, the peer keeps sending to this one over the socket."""
-        if self._lanes is None or peer not in self._lanes.peers:
-            return
-        try:
-            self._lanes.accept(peer, name, wake)
-        except ProtocolError as exc:
-            log.info("rank %d: no lane from rank %d: %s", self.rank, peer, exc)
-            return
-        self._receivers[peer].lane = self._lanes.into[peer]
-
-    def _accept_board(self, peer: int, name: object) -> None:
-        """Map the board rank 0 announced. If that fails this peer runs small collectives
-        as messages while the others use the board: they fail with a CollectiveMismatch
-        that says so, at the first one, rather than hang; the error log says why."""
-        if peer != 0 or not self._board_from_hello or self.board is not None:
-            raise ProtocolError(f"rank {peer} may not announce a board here")
-        self._board_from_hello = False
-        try:
-            assert self._limits is not None
-            self.board = boards.Board.attach(name, self.rank, self._limits.world_size,
-                                             shm.group_tag(self.group_id))
-        except ProtocolError as exc:
-            log.error("rank %d: cannot use the group's shared-memory board: %s", self.rank,
-                      exc)
-            return
-        self.board.wake = self._wake
-
-    def _accept_ring(self, peer: int, name: object) -> None:
-        """Map the shared-memory ring a peer of this host announced; if that fails, the
-        peer keeps sending to this one over the socket."""
-        if self._rings is None or peer not in self._rings.peers:
-            return
-        try:
-            if not isinstance(name, str):
-                raise ProtocolError(f"ring name {name!r} is not a string")
-            self._rings.accept(peer, name)
-        except ProtocolError as exc:
-            log.info("rank %d: no shared memory from rank %d: %s", self.rank, peer, exc)
-
-    def _pieces(self, header: Header, frames: Sequence[Piece]) -> list[Piece]:
-        """The payload pieces: the frames, and pieces in the sender's shared-memory ring."""
-        if header.shm is None:
-            return list(frames)
-        if self._rings is None:
-            raise ProtocolError("message names a shared-memory ring, this peer maps none")
-        inbox = self._rings.inbox(header.src, header.shm[0])
-        inline_frames = iter(frames)
-        return [next(inline_frames) if at == -1 else inbox.take(at, n, k)
-                for n, at, k in zip(header.nbytes, header.shm[1], header.shm[2], strict=True)]
-
     async def aclose(self) -> None:
         """Stop reading and close every socket; queued outgoing messages get LINGER_MS."""
         if self._closed:
             return
         self._closed = True
+        self._router.closing()
+        self._local.closing()
         watching = self._probes.close_all()
         self._deferred.clear()
         tasks = [*self._tasks, *([self._deferring] if self._deferring is not None else [])]
@@ -971,18 +579,6 @@ class ZmqMesh:
             task.cancel()
         draining = self.routes.close()
         await asyncio.gather(*tasks, *watching, *draining, return_exceptions=True)
-        if self._census is not None:
-            self._census.stop()
-        if self._rings is not None:
-            self._rings.close()
-        if self.board is not None:
-            self.board.close()
-            self.board = None
-        if self._lanes is not None:
-            self._receivers.clear()
-            self._lanes.close()
-            self._lanes = None
-        if self._router is not None:
-            self._router.close(linger=0)
-            for endpoint in self.endpoints:
-                self.policy.cleanup(endpoint)
+        self._router.stop_census()
+        self._local.close()
+        self._router.close()
