@@ -79,7 +79,7 @@ class Counters:
     messages_dropped: int = 0
     # of messages_dropped, how many for each reason: a ProtocolError's reason (see
     # p2pcoll.wire.validation; "impostor": from a second connection claiming a member's
-    # rank, see ZmqMesh._admit), or "error" for a failure to handle a message (a bug)
+    # rank, see Router._deliver), or "error" for a failure to handle a message (a bug)
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
     # connections to this peer's mesh port that are no member's link (a stranger's or an
     # impostor's, whose messages are dropped as such): see sockets.LinkCensus

@@ -419,7 +419,7 @@ class MemoryTransport:
     def probe_lost(self, peer: int) -> None:
         """The seam of liveness: this peer's probe of ``peer`` went down (it did not answer
         for the heartbeat), the event the mesh's probe monitor reports (see
-        ``ZmqMesh._follow``); handed to the session as a link down, which declares
+        ``Probes._follow`` in liveness.py); handed to the session as a link down, which declares
         ``peer`` lost after a short grace unless it says goodbye meanwhile."""
         if not self.closed:
             self.on_link_down(peer)

@@ -24,7 +24,7 @@ order (``head``, a running byte count) and frees the oldest reservations once ev
 they were addressed to has released them. A piece is released when its :class:`ShmFrame`
 is dropped; whoever holds a frame must not keep views of its buffer beyond that (the
 executor reduces or copies out of it at once). A send that finds no room waits briefly
-(see ``mesh._put``) and then goes over the socket, so a slow receiver never blocks a sender
+(see ``SameHost.ring_put``) and then goes over the socket, so a slow receiver never blocks a sender
 and nothing can deadlock on the ring.
 
 Clean-up: the file is unlinked as soon as every peer it was announced to has mapped it (by
@@ -135,7 +135,7 @@ class Outbox:
         # Reservations not yet freed, oldest first: (start, end, ((reader, index), ...)).
         self._live: deque[tuple[int, int, tuple[tuple[int, int], ...]]] = deque()
         self._next: dict[int, int] = {}  # per reader: the index of its next piece
-        self.stalled = False  # the last wait for room ran out (see mesh._put)
+        self.stalled = False  # the last wait for room ran out (see SameHost.ring_put)
         self.closed = False
 
     @property

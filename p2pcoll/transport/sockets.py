@@ -281,7 +281,7 @@ class LinkCensus:
         last read the ROUTER empty); while it has not, again later, at most
         :data:`MAX_RECOUNTS` times (a stranger that floods is refused all the same, a few
         seconds late). The census never asks the ROUTER itself: reading its ZMQ_EVENTS
-        would take the edge its reader waits for (see ZmqMesh._read).
+        would take the edge its reader waits for (see Router.read).
         """
         loop = asyncio.get_running_loop()
 
