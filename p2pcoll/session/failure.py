@@ -38,7 +38,7 @@ timeout for one that freezes.
 How aborts, goodbyes and news of a loss travel (the overlay's fingers, each operation taken
 once, the cause a goodbye carries) is decided by :mod:`p2pcoll.departures`; this model makes
 the abort of an operation this rank failed (:meth:`FailureModel.fail`, handed to the
-session's ``spread_abort``), and applies one the departures machine took
+session's ``spread_abort``, given at construction), and applies one the departures machine took
 (:meth:`FailureModel.taken`). A peer that leaves after its group broke says why in its
 goodbye (:meth:`FailureModel.first_failure`); one whose program crashed carries the crash
 (:meth:`FailureModel.leave`).
@@ -97,13 +97,13 @@ class FailureModel:
     """The state of one group's session and what failures do to it.
 
     Made by the session with what it works with: this rank, the group, the matcher (whose
-    ``departures`` is the session's record of peers gone) and the transport its aborts and
-    questions go over. It is the :class:`~.deadline.Rules` of every operation's
-    :class:`~.deadline.Collective`.
+    ``departures`` is the session's record of peers gone), the transport its questions go
+    over, and ``spread_abort``, which sends this rank's aborts. It is the
+    :class:`~.deadline.Rules` of every operation's :class:`~.deadline.Collective`.
     """
 
     def __init__(self, rank: int, group_id: str, matcher: Matcher,
-                 transport: Transport) -> None:
+                 transport: Transport, spread_abort: Callable[[Header], None]) -> None:
         self.state = GroupState.READY
         self.cause: P2PCollError | None = None
         self._cause_at: tuple[int, int | None] | None = None  # where it happened (_break)
@@ -115,8 +115,9 @@ class FailureModel:
         self._watchdog = Watchdog()  # every running operation's deadline, on one timer
         # Whether the session has recorded a departure (it tells peer_departed of each).
         self._anyone_gone = bool(matcher.departures.gone())
-        # Set by the session: sends this rank's abort (see p2pcoll.departures.Departures.failed)
-        self.spread_abort: Callable[[Header], None] | None = None
+        # Sends this rank's abort (the session's departures machine says to whom, see
+        # p2pcoll.departures.Departures.failed).
+        self._spread_abort = spread_abort
 
     def check_usable(self) -> None:
         """Raises GroupBroken unless collectives may run."""
@@ -387,8 +388,7 @@ class FailureModel:
     def _send_abort(self, abort: Header) -> None:
         """Tell the peers that this rank failed ``abort``'s operation: the session's
         departures machine says whom (see :meth:`p2pcoll.departures.Departures.failed`)."""
-        if self.spread_abort is not None:  # the session's departures machine does it
-            self.spread_abort(abort)
+        self._spread_abort(abort)
 
     def _break(self, err: P2PCollError, at: tuple[int, int | None]) -> None:
         """The group is broken by ``err`` (in collective ``at[0]``, or the transfer with

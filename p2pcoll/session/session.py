@@ -59,7 +59,7 @@ class Session:
         self.peers = Record(self)
         self.matcher = Matcher(self.peers)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
-                                     transport)
+                                     transport, self._spread_abort)
         self.executor = Executor(
             transport, self.matcher, self.peers, membership.group_id,
             segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
@@ -82,7 +82,6 @@ class Session:
         self.run = self.runner.run
         if membership.world_size == 1:
             self.all_hello.set()
-        self.failures.spread_abort = self._spread_abort
 
     def _spread_abort(self, abort: Header) -> None:
         """This rank failed ``abort``'s operation: the departures machine says whom to tell
