@@ -14,13 +14,25 @@ Pytree = Any  # an ndarray, or a dict / list / tuple of pytrees
 
 
 class ReduceOp(StrEnum):
-    """Reduction applied element-wise across ranks."""
+    """Reduction applied element-wise across ranks.
+
+    MEDIAN and TRIMMED_MEAN (with ``trim=k``: the k largest and k smallest values of each
+    element dropped, the rest averaged) are robust ops: they fold nothing pairwise, so
+    only ``allreduce`` computes them, over an exchange of the inputs
+    (:mod:`p2pcoll.engine.robust`).
+    """
 
     SUM = "sum"
     PROD = "prod"
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+    MEDIAN = "median"
+    TRIMMED_MEAN = "trimmed_mean"
+
+
+# The ops no pairwise fold computes: each rank needs every rank's value of an element.
+ROBUST = frozenset({ReduceOp.MEDIAN, ReduceOp.TRIMMED_MEAN})
 
 
 # The binary ufunc each op folds with; "avg" folds with add and divides once at the end.
@@ -89,14 +101,44 @@ def as_op(op: str | ReduceOp | CustomOp) -> ReduceOp | CustomOp:
 
 
 def fold_of(op: ReduceOp | CustomOp) -> Callable[..., Any]:
-    """What the executor folds an incoming piece into this rank's with."""
-    return op if isinstance(op, CustomOp) else UFUNCS[op]
+    """What the executor folds an incoming piece into this rank's with (a robust op has
+    no fold: ValueError)."""
+    if isinstance(op, CustomOp):
+        return op
+    if op in ROBUST:
+        raise ValueError(f"op {op.value!r} folds nothing pairwise: only allreduce computes it")
+    return UFUNCS[op]
+
+
+def check_trim(op: ReduceOp | CustomOp, trim: int | None, world_size: int) -> int:
+    """The trim of a robust op (0 for median), checked against the group's size.
+
+    Raises:
+        ValueError: ``trim`` without ``op="trimmed_mean"``, a trimmed mean without ``trim``,
+            or a ``trim`` that is not an int with ``0 <= 2 * trim < world_size`` (naming it).
+    """
+    if op is not ReduceOp.TRIMMED_MEAN:
+        if trim is not None:
+            name = op.value if isinstance(op, (ReduceOp, CustomOp)) else op
+            raise ValueError(f"trim={trim!r} needs op='trimmed_mean', not {name!r}")
+        return 0
+    if trim is None:
+        raise ValueError("op='trimmed_mean' needs trim=k: the k largest and k smallest "
+                         "values of each element to drop")
+    if not isinstance(trim, int) or isinstance(trim, bool) or trim < 0:
+        raise ValueError(f"trim must be an int >= 0, got {trim!r}")
+    if 2 * trim >= world_size:
+        raise ValueError(f"trim={trim} drops {2 * trim} of the {world_size} values of each "
+                         f"element: nothing is left (trim must be below {world_size / 2:g})")
+    return trim
 
 
 def check_op_dtype(op: ReduceOp | CustomOp, dtype: np.dtype[Any]) -> None:
     """Reject op/dtype pairs that have no sensible meaning (a CustomOp takes any)."""
     if op is ReduceOp.AVG and dtype.kind not in "fc":
         raise ValueError(f"op 'avg' needs a floating-point dtype, got {dtype}; use 'sum' instead")
+    if op in ROBUST and dtype.kind != "f":
+        raise ValueError(f"op {op.value!r} needs a real floating-point dtype, got {dtype}")
     if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "c":
         raise ValueError(f"op {op.value!r} is not defined for complex dtype {dtype}")
 

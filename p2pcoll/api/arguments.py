@@ -14,7 +14,8 @@ from .. import tensors
 from ..errors import CollectiveMismatch
 from ..pytree import LEAF, TreeDef, flatten_with
 from ..session.calls import Call, describe_specs
-from ..types import CustomOp, Pytree, ReduceOp, as_op, check_dtype, check_op_dtype
+from ..types import (ROBUST, CustomOp, Pytree, ReduceOp, as_op, check_dtype,
+                     check_op_dtype)
 
 
 def native(a: Any) -> np.ndarray:
@@ -71,6 +72,9 @@ def reduction_call(
         targets = out_leaves(out, treedef, leaves) if out is not None else None
         rule = tensors.reduction(op, given)
         red, average = rule.op, rule.average
+    if red in ROBUST:
+        raise ValueError(f"op {red.value!r} folds nothing pairwise: only allreduce computes "
+                         f"it, not {collective}")
     work = []
     for i, arr in enumerate(leaves):
         dtype = check_dtype(arr.dtype)

@@ -32,10 +32,11 @@ from ..session.session import Session
 from ..session.turns import Turns
 from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
-from ..types import CustomOp, Membership, OpKey, Pytree, ReduceOp
+from ..types import ROBUST, CustomOp, Membership, OpKey, Pytree, ReduceOp, as_op
 from ..wire import MAX_TAG
 from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
+from .robust import robust_allreduce
 
 T = TypeVar("T")
 
@@ -140,7 +141,7 @@ class Group:
     async def allreduce(
         self, value: Pytree, op: str | ReduceOp | CustomOp = "sum", *,
         strategy: str | None = None, timeout: float | None = None, out: Pytree | None = None,
-        codec: str | None = None,
+        codec: str | None = None, trim: int | None = None,
     ) -> Pytree:
         """Reduce ``value`` over all ranks and return the result on every rank.
 
@@ -149,22 +150,21 @@ class Group:
                 of them. bfloat16 tensors are reduced exactly on their bfloat16 bits,
                 rounded at every step as torch's backends do (:mod:`p2pcoll.tensors`),
                 never in one call with leaves of other dtypes (TypeError).
-            op: "sum", "prod", "min", "max" or "avg" (floating dtypes only), or a
-                :class:`~p2pcoll.CustomOp` of the caller's own.
+            op: "sum", "prod", "min", "max" or "avg" (floating dtypes only), a
+                :class:`~p2pcoll.CustomOp` of the caller's own, or the robust "median" and
+                "trimmed_mean" with ``trim=k`` (k largest and smallest values dropped,
+                ``0 <= 2k < world_size``; :mod:`p2pcoll.api.robust`).
             strategy: a strategy name (``p2pcoll.available_strategies()["allreduce"]``);
                 None means the group's choice, ``$P2PCOLL_ALLREDUCE``, or "auto" (which,
                 when every peer shares this host and the data fits a slot, 64 KiB, runs
                 on the shared-memory board: strategy "shm" in ``stats()``).
             timeout: seconds for the whole collective (default: the group's).
             out: where to put the result: arrays of the same structure, shapes and dtypes,
-                C-contiguous and writable; ``out=value`` reduces in place. Reusing ``out``
-                across calls saves allocating (and page-faulting) a result every time.
+                C-contiguous and writable; ``out=value`` reduces in place.
             codec: send the data compressed (floating-point data only): ``"fp16"``,
-                ``"bf16"``, ``"int8"`` or a plugin's (:mod:`p2pcoll.codecs`, which says
-                each one's bytes per element, precision and ops). The leaves travel as one
-                collective of the codec's wire dtype (int8 first agrees on its scales in
-                a small allreduce); ``stats()`` counts the compressed bytes. None (the
-                default): the data as it is.
+                ``"bf16"``, ``"int8"`` or a plugin's (:mod:`p2pcoll.codecs`: bytes per
+                element, precision, ops), as one collective of the codec's wire dtype (int8
+                first agrees on its scales); ``stats()`` counts the compressed bytes.
 
         Returns:
             ``out`` if given, else new arrays of the same structure (a tensor leaf's result
@@ -173,14 +173,14 @@ class Group:
 
         Raises:
             ValueError, TypeError: ``out`` does not match, a dtype is not allowed or the op
-                is not defined for it; a codec on data that is not floating point, an op
-                the codec cannot carry (int8: min, max, prod), an unknown codec
-                (:class:`~p2pcoll.codecs.UnknownCodec` lists the installed ones). Raised
+                is not defined for it (median of integers), a bad ``trim``; a codec on data
+                that is not floating point, an op the codec cannot carry (int8: min, max,
+                prod), an unknown codec (:class:`~p2pcoll.codecs.UnknownCodec`). Raised
                 before anything is sent; the group stays usable.
             NonFiniteInput: int8 found NaN or Inf in some rank's data (a FloatingPointError;
                 every rank raises it, only the scales have moved; the group stays usable).
             CollectiveTimeout, CollectiveMismatch, PeerLost, GroupBroken (a rank that
-                uses another codec, or none, is a CollectiveMismatch naming the codec).
+                uses another codec, op or trim is a CollectiveMismatch naming it).
         Cancellation: breaks the group (the other ranks get an abort).
 
         Example::
@@ -188,6 +188,9 @@ class Group:
             total = await g.allreduce(np.array([g.rank]))   # every rank -> [0 + 1 + ... ]
             mean = await g.allreduce(grad, "avg", codec="int8")   # about 1/4 of the bytes
         """
+        if trim is not None or op in ROBUST:
+            return await robust_allreduce(self, value, as_op(op), trim, strategy, timeout, out,
+                                          codec)
         if codec is not None:
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
         call, given, average = reduction_call("allreduce", value, op, None, strategy,
@@ -202,8 +205,7 @@ class Group:
     ) -> Pytree | None:
         """Reduce ``value`` over all ranks; the result on ``root``, None elsewhere.
 
-        Args and errors as :meth:`allreduce` (``codec`` too: int8's scales are agreed by
-        every rank); ``root`` must be a rank (ValueError).
+        Args and errors as :meth:`allreduce` (no robust op); ``root`` must be a rank.
         Cancellation: breaks the group.
         """
         self._check_root(root)

@@ -95,6 +95,8 @@ class Call:
             specs and strategy name; it checks them against what the caller passed and
             sets ``leaves`` and ``treedef``, or raises CollectiveMismatch.
         strategy_used: set by the run: the strategy (or "shm") it ran with.
+        schedule: an engine's own strategy to run, never a registered one (the robust
+            reductions' exchange, :mod:`p2pcoll.engine.robust`); None: ``strategy``'s.
     """
 
     collective: str
@@ -109,6 +111,7 @@ class Call:
     learn: Learn | None = None
     strategy_used: str = ""
     flat: list[np.ndarray] = field(default_factory=list)
+    schedule: Strategy | None = None
 
     def key(self) -> tuple[Any, ...]:
         """What a prepared program depends on."""
@@ -293,7 +296,7 @@ class Runner:
                  else check_seconds(call.timeout, "timeout="))
         # Prepared before the sequence number is taken: an unknown strategy or a plugin's
         # bad schedule is this rank's own error, and the group stays usable.
-        program = self.prepare(call) if call.learn is None else None
+        program = self.prepare(call, call.schedule) if call.learn is None else None
         if call.tag is None:
             op = session.next_seq()
         elif call.collective == "send":
@@ -391,7 +394,7 @@ class Runner:
         """Whether ``call`` goes on the board: no strategy asked for (by the call or the
         group), and (reductions) its data fits a slot."""
         name = call.collective
-        if name not in ("allreduce", "reduce", "broadcast", "barrier"):
+        if name not in ("allreduce", "reduce", "broadcast", "barrier") or call.schedule:
             return False
         if call.strategy not in (None, "auto") or \
                 self.session.settings.strategies.get(name, "auto") != "auto":
