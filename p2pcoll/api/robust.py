@@ -19,6 +19,7 @@ rounded once to bfloat16.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,18 +37,25 @@ from .arguments import as_given, flatten_leaves, out_leaves
 if TYPE_CHECKING:
     from .group import Group
 
-__all__ = ["predict", "robust_allreduce"]
+__all__ = ["Label", "predict", "robust_allreduce"]
 
 
 def _nothing(mine: np.ndarray, incoming: np.ndarray) -> None:
-    """The exchange only copies; its op is there to name the reduction in the signature."""
+    """The exchange only copies: its op is there to name the reduction in the signature."""
 
 
-def label(op: ReduceOp, trim: int) -> CustomOp:
-    """What the ranks compare: the op and its trim (a rank with another one is a
-    CollectiveMismatch naming both, ``custom:trimmed_mean(trim=1)``)."""
-    name = "median" if op is ReduceOp.MEDIAN else f"trimmed_mean(trim={trim})"
-    return CustomOp(name, _nothing)
+@dataclass(frozen=True)
+class Label(CustomOp):
+    """What the ranks compare of a robust op: ``median`` or ``trimmed_mean(trim=k)`` (a
+    rank with another op or trim is a CollectiveMismatch showing both)."""
+
+    @property
+    def value(self) -> str:
+        return self.name
+
+
+def label(op: ReduceOp, trim: int) -> Label:
+    return Label("median" if op is ReduceOp.MEDIAN else f"trimmed_mean(trim={trim})", _nothing)
 
 
 def check_strategy(strategy: str | None, op: ReduceOp) -> None:
@@ -139,7 +147,7 @@ async def robust_allreduce(
     return unflatten(treedef, as_given(given, final))
 
 
-async def _reduce(group: Group, flat: np.ndarray, trim: int, name: CustomOp,
+async def _reduce(group: Group, flat: np.ndarray, trim: int, name: Label,
                   strategy: str | None, timeout: float | None,
                   release: Callable[[], None] | None) -> np.ndarray:
     """The robust reduction of one flat array: exchange, reduce this rank's part,
