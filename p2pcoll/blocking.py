@@ -208,22 +208,27 @@ class Group:
     @overload
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., out: Pytree | None = ...,
-                  codec: str | None = ..., async_op: Literal[False] = ...) -> Pytree: ...
+                  codec: str | None = ..., trim: int | None = ...,
+                  async_op: Literal[False] = ...) -> Pytree: ...
     @overload
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., out: Pytree | None = ...,
-                  codec: str | None = ..., async_op: Literal[True]) -> Handle[Pytree]: ...
+                  codec: str | None = ..., trim: int | None = ...,
+                  async_op: Literal[True]) -> Handle[Pytree]: ...
     @overload
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,
                   timeout: float | None = ..., out: Pytree | None = ...,
-                  codec: str | None = ..., async_op: bool = ...) -> Pytree | Handle[Pytree]: ...
+                  codec: str | None = ..., trim: int | None = ...,
+                  async_op: bool = ...) -> Pytree | Handle[Pytree]: ...
     def allreduce(self, value: Pytree, op: Op = "sum", *, strategy: str | None = None,
                   timeout: float | None = None, out: Pytree | None = None,
-                  codec: str | None = None, async_op: bool = False) -> Pytree | Handle[Pytree]:
+                  codec: str | None = None, trim: int | None = None,
+                  async_op: bool = False) -> Pytree | Handle[Pytree]:
         """Reduce ``value`` over all ranks; the result on every rank
-        (:meth:`p2pcoll.Group.allreduce`, ``codec`` too)."""
+        (:meth:`p2pcoll.Group.allreduce`, ``codec`` and ``trim`` too)."""
         return self._call("allreduce", self._group.allreduce(
-            value, op, strategy=strategy, timeout=timeout, out=out, codec=codec), async_op)
+            value, op, strategy=strategy, timeout=timeout, out=out, codec=codec, trim=trim),
+            async_op)
 
     @overload
     def reduce(self, value: Pytree, root: int = ..., op: Op = ..., *,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -35,7 +35,24 @@ from ..types import CustomOp, Pytree, ReduceOp, check_dtype, check_op_dtype, che
 from .arguments import as_given, flatten_leaves, out_leaves
 
 if TYPE_CHECKING:
-    from .group import Group
+    from ..session.session import Session
+    from ..session.turns import Turns
+
+
+class Group(Protocol):
+    """What the robust reductions use of a :class:`p2pcoll.Group`."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def turns(self) -> Turns: ...
+
+    @property
+    def session(self) -> Session: ...
 
 __all__ = ["Label", "predict", "robust_allreduce"]
 
