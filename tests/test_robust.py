@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import p2pcoll
-from p2pcoll import CollectiveMismatch
+from p2pcoll import CollectiveMismatch, training
 from p2pcoll.api.robust import predict
 from p2pcoll.engine.costs import CostModel
 from p2pcoll.engine.robust import EXCHANGE, stage_cuts
@@ -249,3 +249,94 @@ async def test_over_real_sockets() -> None:
     assert all(r == got[0] for r in got)
     assert got[0][0] == np.median(xs, axis=0).tobytes()
     assert got[0][1] == trimmed_reference(xs, 1).tobytes()
+
+
+# --- the training modes -----------------------------------------------------------------------
+
+
+def params(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((8, 6)).astype(np.float32),
+            "b": rng.standard_normal(6).astype(np.float32)}
+
+
+@pytest.mark.parametrize(("op", "trim"), [("median", None), ("trimmed_mean", 1)])
+def test_diloco_with_a_robust_op_keeps_replicas_equal_and_ignores_one_bad_peer(
+        op: str, trim: int | None) -> None:
+    """Rank 2 scales its pseudo-gradient by 100: the robust outer step stays near the
+    clean one (the others' pseudo-gradients agree), and every replica has the same bits."""
+    async def rank(g: p2pcoll.Group) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        mine = params()
+        diloco = training.DiLoCo(g, mine, inner_steps=2, op=op, trim=trim)
+        for step in range(6):
+            for v in mine.values():
+                v -= np.float32(0.01 * (1 + step % 2))  # every worker's own step: the same
+            if g.rank == 2 and (step + 1) % 2 == 0:  # its pseudo-gradient times 100
+                for name, v in mine.items():
+                    anchor = diloco.anchor[diloco.model.names.index(name)]
+                    v[...] = anchor - 100 * (anchor - v)
+            await diloco.after_inner_step()
+        return mine, diloco.global_state()["params"]
+
+    got = on_groups(5, rank)
+    anchors = [a for _, a in got]
+    for a in anchors[1:]:
+        assert all(a[k].tobytes() == anchors[0][k].tobytes() for k in a)
+    # The clean run: each outer step sees the same pseudo-gradient from every honest peer.
+    clean = on_groups(5, lambda g: _clean(g))
+    for k in anchors[0]:
+        np.testing.assert_allclose(anchors[0][k], clean[0][k], rtol=1e-5, atol=1e-5)
+
+
+async def _clean(g: p2pcoll.Group) -> dict[str, np.ndarray]:
+    mine = params()
+    diloco = training.DiLoCo(g, mine, inner_steps=2)
+    for step in range(6):
+        for v in mine.values():
+            v -= np.float32(0.01 * (1 + step % 2))
+        await diloco.after_inner_step()
+    return diloco.global_state()["params"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"op": "sum"}, "op must be"),
+    ({"op": "trimmed_mean", "trim": 2}, "trim=2"),
+    ({"op": "trimmed_mean"}, "trim=k"),
+    ({"op": "avg", "trim": 1}, "trim=1"),
+    ({"op": "median", "codec": "int8"}, "codec='int8'"),
+    ({"op": "median", "compressor": "topk2bit"}, "compressor='topk2bit'"),
+])
+def test_diloco_refuses_a_bad_op_or_trim_at_construction(kwargs: dict[str, Any],
+                                                          words: str) -> None:
+    async def rank(g: p2pcoll.Group) -> None:
+        with pytest.raises(ValueError, match=words):
+            training.DiLoCo(g, params(), inner_steps=2, **kwargs)
+
+    on_groups(4, rank)
+
+
+def test_diloco_ranks_that_disagree_on_the_op_are_told_before_anything_moves() -> None:
+    async def rank(g: p2pcoll.Group) -> str:
+        trim = 2 if g.rank == 0 else 1
+        diloco = training.DiLoCo(g, params(), inner_steps=1, op="trimmed_mean", trim=trim)
+        with pytest.raises(CollectiveMismatch) as caught:
+            await diloco.after_inner_step()
+        return str(caught.value)
+
+    for message in on_groups(5, rank):
+        assert "trim" in message
+
+
+def test_allreduce_gradients_takes_a_robust_op() -> None:
+    async def rank(g: p2pcoll.Group) -> dict[str, np.ndarray]:
+        grads = {k: v * (100 if g.rank == 0 else 1) + g.rank * 1e-3 for k, v in params().items()}
+        return await training.allreduce_gradients(g, grads, "trimmed_mean", trim=1)  # type: ignore[no-any-return]
+
+    got = on_groups(4, rank)
+    want = params()
+    for r in got:
+        for k in want:
+            assert r[k].tobytes() == got[0][k].tobytes()
+            # the scaled value and one honest extreme are dropped: the middle two remain
+            middle = np.where(want[k] > 0, want[k] + 2.5e-3, want[k] + 1.5e-3)
+            np.testing.assert_allclose(r[k], middle, rtol=1e-5, atol=1e-5)

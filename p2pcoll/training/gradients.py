@@ -26,7 +26,7 @@ import numpy as np
 
 from ..codecs import Codec, NonFiniteInput, get_codec, reduce_coded
 from ..pytree import Pytree, as_array, like, named_leaves, replace_leaves
-from ..types import CustomOp, ReduceOp, as_op, check_op_dtype
+from ..types import CustomOp, ReduceOp, as_op, check_op_dtype, check_trim
 from .agreement import Call, Kind, agree, table
 from .buckets import Bucket, BucketPlan, TensorSpec
 from .errors import NonFiniteGradients
@@ -51,6 +51,7 @@ async def allreduce_gradients(
     timeout: float | None = None,
     codec: str | None = None,
     error_feedback: bool = True,
+    trim: int | None = None,
 ) -> Pytree:
     """Reduce named gradients over the group, fused into buckets; every rank gets the result.
 
@@ -64,7 +65,8 @@ async def allreduce_gradients(
         grads: a pytree of gradients (usually a dict of name -> ndarray or CPU torch tensor).
             An empty pytree is a no-op without communication on every rank (it still counts
             as a round).
-        op: "avg" (default), "sum", "min", "max" or "prod".
+        op: "avg" (default), "sum", "min", "max" or "prod"; or the robust "median" and
+            "trimmed_mean" (with ``trim``; no codec), as :meth:`p2pcoll.Group.allreduce`.
         bucket_bytes: how large a fused buffer may grow; None is :data:`DEFAULT_BUCKET_BYTES`,
             0 reduces each tensor on its own.
         strategy: the allreduce strategy of every bucket ("ring", "recursive_doubling",
@@ -82,6 +84,7 @@ async def allreduce_gradients(
         error_feedback: with a lossy codec and "sum"/"avg", add what the codec lost of each
             gradient last time to it this time (the residuals are kept per tensor name,
             with the group; see the module docstring). False: every round on its own.
+        trim: "trimmed_mean"'s k: the k largest and smallest values of each element dropped.
 
     Returns:
         ``grads``' structure holding new arrays (torch tensors where the input had them) of
@@ -105,6 +108,7 @@ async def allreduce_gradients(
     Cancellation: breaks the group if it happens during a collective.
     """
     red = as_op(op)
+    check_trim(red, trim, group.world_size)
     check_nonfinite(nonfinite)
     named = named_leaves(grads)
     arrays = [as_array(leaf, path) for path, leaf in named]
@@ -116,14 +120,14 @@ async def allreduce_gradients(
     if not specs:
         return replace_leaves(grads, [])
     settings = {"op": red.value, "bucket_bytes": plan.bucket_bytes, "nonfinite": nonfinite,
-                "codec": codec}
+                "codec": codec, "trim": trim}
     await agree(group, Call(Kind.GRADIENTS, round_no, "allreduce_gradients",
                             table(settings, specs)), timeout)
     flats = plan.pack(arrays, reuse=state.take_scratch())
     try:
         if coder is None:
             reduced = await asyncio.gather(*(
-                group.allreduce(flat, red, strategy=strategy, timeout=timeout)
+                group.allreduce(flat, red, strategy=strategy, timeout=timeout, trim=trim)
                 for flat in flats
             ))
         else:

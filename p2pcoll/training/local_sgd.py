@@ -90,6 +90,7 @@ from .modes import (
     agree_on,
     average,
     check_codec,
+    outer_op,
     positive_int,
     report_nonfinite,
     wire_bytes,
@@ -220,6 +221,9 @@ class DiLoCo:
         density: the share of the entries ``compressor`` sends, in (0, 1] (None: its
             default, 1.5 %).
         timeout: seconds for each collective (default: the group's).
+        op, trim: how the pseudo-gradients are combined: "avg", or the robust "median" or
+            "trimmed_mean" with ``trim=k`` (one bad peer cannot move the update; no codec or
+            compressor; :meth:`p2pcoll.Group.allreduce`).
 
     Attributes:
         step: inner steps taken; outer_steps: fragment exchanges applied (one per outer
@@ -231,7 +235,8 @@ class DiLoCo:
         ValueError: H < 1, a bad F, tau, mix, outer lr or momentum, no parameters, a
             read-only parameter; a codec that cannot average over this group (int8: more
             than 127 ranks); an unknown ``compressor``, a ``density`` outside (0, 1] or
-            without a compressor, both a codec and a compressor.
+            without a compressor, both a codec and a compressor; another ``op``, a bad
+            ``trim``, a robust op with a codec or a compressor.
         UnknownCodec: no codec of that name (a ValueError; it lists the installed ones).
         TypeError: a parameter that is not floating-point; a codec that is not a name.
     """
@@ -242,7 +247,8 @@ class DiLoCo:
                  overlap: int = 0, mix: float = 0.0, bucket_bytes: int | None = None,
                  strategy: str | None = None, nonfinite: Nonfinite = "raise",
                  compressor: str | None = None, density: float | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, op: str = "avg", trim: int | None = None
+                 ) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
@@ -252,6 +258,8 @@ class DiLoCo:
             raise ValueError(f"codec={codec!r} and compressor={compressor!r} are two ways to "
                              f"send the pseudo-gradients; pass one")
         self.codec = check_codec(codec, [s.dtype for s in self.model.specs], group.world_size)
+        self.op = outer_op(op, trim, group.world_size, codec=codec, compressor=compressor)
+        self.trim = trim
         self.error_feedback = bool(error_feedback)
         self.fragments = split_fragments(self.model.specs, self.model.names, fragments,
                                     self.inner_steps)
@@ -289,6 +297,7 @@ class DiLoCo:
                 "error_feedback": self.residuals is not None,
                 "fragments": len(self.fragments), "overlap": self.overlap, "mix": self.mix,
                 "nonfinite": self.nonfinite, "bucket_bytes": _bucket_bytes(self.bucket_bytes),
+                "op": self.op.value, "trim": self.trim,
                 **(self.compressor.settings if self.compressor is not None
                    else {"compressor": None}),
                 **self.outer.settings()}
@@ -449,7 +458,7 @@ class DiLoCo:
                     self.group, delta, names=[s.name for s in specs], codec=self.codec,
                     residuals=residuals, nonfinite=self.nonfinite, round_no=round_no,
                     bucket_bytes=self.bucket_bytes, strategy=self.strategy,
-                    timeout=self.timeout)
+                    timeout=self.timeout, op=self.op, trim=self.trim)
             report_nonfinite("DiLoCo's averaged pseudo-gradient", [s.name for s in specs],
                              averaged, self.nonfinite, round_no)
             return averaged

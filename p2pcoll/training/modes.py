@@ -26,7 +26,7 @@ import numpy as np
 
 from ..codecs import Codec, NonFiniteInput, get_codec, reduce_coded
 from ..pytree import Pytree, as_array, named_leaves
-from ..types import ReduceOp
+from ..types import ROBUST, ReduceOp, as_op, check_trim
 from .agreement import Call, Kind, agree, table
 from .buckets import BucketPlan, TensorSpec
 from .errors import NonFiniteGradients
@@ -98,6 +98,25 @@ def check_codec(codec: Any, dtypes: Iterable[np.dtype[Any]], world_size: int) ->
     return found
 
 
+def outer_op(op: Any, trim: int | None, world_size: int, *, codec: Any = None,
+             compressor: Any = None) -> ReduceOp:
+    """How a mode averages its pseudo-gradients: "avg", "median" or "trimmed_mean" (with
+    ``trim``, checked against ``world_size``); a robust op moves the data as it is.
+
+    Raises:
+        ValueError: another op, a bad ``trim`` (naming it), a robust op with a codec or a
+            compressor.
+    """
+    red = as_op(op)
+    if red is not ReduceOp.AVG and red not in ROBUST:
+        raise ValueError(f"op must be 'avg', 'median' or 'trimmed_mean', got {op!r}")
+    check_trim(red, trim, world_size)
+    if red in ROBUST and (codec is not None or compressor is not None):
+        raise ValueError(f"op={red.value!r} moves the pseudo-gradients as they are: no "
+                         f"codec={codec!r} or compressor={compressor!r}")
+    return red
+
+
 def float_tensors(tree: Pytree, what: str) -> tuple[list[str], list[np.ndarray],
                                                     list[TensorSpec]]:
     """The names, arrays (views of torch tensors) and specs of a pytree of float tensors.
@@ -140,9 +159,10 @@ async def average(group: Group, arrays: Sequence[np.ndarray], *, names: Sequence
                   codec: Codec | None = None, residuals: Sequence[np.ndarray] | None = None,
                   nonfinite: str = "raise", round_no: int = -1,
                   bucket_bytes: int | None = None, strategy: str | None = None,
-                  timeout: float | None = None) -> list[np.ndarray]:
+                  timeout: float | None = None, op: ReduceOp = ReduceOp.AVG,
+                  trim: int | None = None) -> list[np.ndarray]:
     """The average over the group of each of ``arrays``; the same bits on every rank (new
-    arrays).
+    arrays). ``op``: "avg", or a robust op (:func:`outer_op`; no codec) with its ``trim``.
 
     Every rank passes arrays of the same shapes and dtypes in the same order; the caller has
     checked that (:func:`agree_on`). Without a codec they are fused into buckets of
@@ -175,7 +195,8 @@ async def average(group: Group, arrays: Sequence[np.ndarray], *, names: Sequence
     plan = BucketPlan(specs, bucket_bytes)
     flats = plan.pack(list(arrays))
     reduced = await asyncio.gather(*(
-        group.allreduce(flat, "avg", strategy=strategy, timeout=timeout) for flat in flats))
+        group.allreduce(flat, op, strategy=strategy, timeout=timeout, trim=trim)
+        for flat in flats))
     return plan.unpack(reduced)
 
 
