@@ -19,7 +19,7 @@ import p2pcoll
 from p2pcoll import CollectiveMismatch, training
 from p2pcoll.api.robust import predict
 from p2pcoll.engine.costs import CostModel
-from p2pcoll.engine.robust import EXCHANGE, stage_cuts
+from p2pcoll.engine.robust import EXCHANGE, Exchange, stage_size
 from p2pcoll.strategy import Workload
 from p2pcoll.testing import memory_groups, run_ranks, run_virtual
 
@@ -63,7 +63,8 @@ def test_matrix_equals_numpy_on_every_rank_and_strategy(p: int) -> None:
         got = {}
         for (n, d), xs in inputs.items():
             for op, trim in ops:
-                for s in strategies:
+                # every allgather strategy on one shape; auto's choice on the others
+                for s in strategies if (n, d) == (1000, np.float32) else [None]:
                     r = await g.allreduce(xs[g.rank], op, trim=trim, strategy=s)
                     assert r.dtype == d and r.shape == (n,)
                     got[n, d, op, trim, s] = r.tobytes()
@@ -78,9 +79,8 @@ def test_matrix_equals_numpy_on_every_rank_and_strategy(p: int) -> None:
                 else trimmed_reference(xs, trim))
         assert want.tobytes() == bits, key
     # Every strategy gives the same bits.
-    for n, d in inputs:
-        for op, trim in ops:
-            assert len({results[0][n, d, op, trim, s] for s in strategies}) == 1
+    for op, trim in ops:
+        assert len({results[0][1000, np.float32, op, trim, s] for s in strategies}) == 1
 
 
 def test_median_of_even_count_is_the_mean_of_the_middle_two() -> None:
@@ -220,7 +220,10 @@ def test_cost_model_knows_the_exchange() -> None:
     assert EXCHANGE.traffic(work).bytes_sent == (3000,) * 4
     model = CostModel()
     assert predict(model, 4_000_000, 8) > predict(model, 4_000, 8) > 0
-    assert stage_cuts(2, 6) == [0, 2, 3, 5, 6]  # rows of 3 cut into 2 + 1
+    # n = 5 on 3 ranks: parts 2, 2, 1; rank 2's stage: a slot of 2 for each other rank's
+    # part 2 (1 element, after the spare chunk 0 holding the rest), then its own row
+    assert stage_size(5, 3) == 9
+    assert Exchange(2, 5).cuts(3, 9, 4) == [0, 1, 1, 2, 3, 3, 4, 6, 8, 9]
 
 
 def test_stats_count_the_exchange_and_the_allgather() -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import tensors
 from ..engine.costs import CostModel
-from ..engine.robust import EXCHANGE, reduce_part
+from ..engine.robust import EXCHANGE, exchange, reduce_part, stage_size
 from ..errors import UnknownStrategy
 from ..pytree import unflatten
 from ..registry import registry
@@ -145,10 +145,9 @@ async def robust_allreduce(
         await turns.wait(turn)
         with turns.holding():  # its own collectives do not queue behind it
             for g, members in enumerate(groups):
-                flat = np.concatenate([values[i].reshape(-1) for i in members])
                 last = g == len(groups) - 1
-                done = await _reduce(group, flat, k, name, strategy, timeout,
-                                     release if last else None)
+                done = await _reduce(group, [values[i] for i in members], k, name, strategy,
+                                     timeout, release if last else None)
                 at = 0
                 for i in members:
                     results[i] = done[at:at + values[i].size].reshape(values[i].shape)
@@ -164,22 +163,28 @@ async def robust_allreduce(
     return unflatten(treedef, as_given(given, final))
 
 
-async def _reduce(group: Group, flat: np.ndarray, trim: int, name: Label,
+async def _reduce(group: Group, leaves: list[np.ndarray], trim: int, name: Label,
                   strategy: str | None, timeout: float | None,
                   release: Callable[[], None] | None) -> np.ndarray:
-    """The robust reduction of one flat array: exchange, reduce this rank's part,
-    allgather (``release``: passes the turn on just before the allgather starts)."""
-    p, r, n = group.world_size, group.rank, flat.size
-    stage = np.empty(p * n, flat.dtype)
-    rows = stage.reshape(p, n)
-    rows[r] = flat
+    """The robust reduction of ``leaves`` (one dtype) as one flat run: exchange, reduce
+    this rank's part, allgather (``release``: passes the turn on just before the allgather
+    starts)."""
+    p, r, n = group.world_size, group.rank, sum(a.size for a in leaves)
+    dtype = leaves[0].dtype
+    plan = exchange(r, n)
+    stage = np.empty(stage_size(n, p), dtype)
+    cuts = plan.cuts(p, stage.size, dtype.itemsize)
+    at = cuts[r * p]  # this rank's own row: its input, every part of it
+    for a in leaves:
+        stage[at:at + a.size] = a.reshape(-1)
+        at += a.size
     session = group.session
     await session.run(Call("allreduce", [stage], None, name, None, None, timeout,
-                           flat=[stage], schedule=EXCHANGE))
-    result = np.empty(n, flat.dtype)
+                           flat=[stage], schedule=plan))
+    result = np.empty(n, dtype)
     parts = np.array_split(result, p)
-    lo = sum(len(x) for x in parts[:r])
-    reduce_part(rows[:, lo:lo + len(parts[r])], trim, parts[r])
+    rows = np.stack([stage[cuts[q * p + r]:cuts[q * p + r + 1]] for q in range(p)])
+    reduce_part(rows, trim, parts[r])
     if release is not None:
         # Passing the turn on only schedules the next one's wake-up: the allgather,
         # started below before any await, takes its number first.

@@ -7,10 +7,10 @@ rank's value of it at once. So each rank reduces one partition of the data
 rank's values of that partition, and the finished parts are then allgathered:
 
 1. **Exchange** (:class:`Exchange`, an all-to-all of slices): rank r sends its part c to
-   rank c and receives every rank's part r. It runs on a *stage* of ``p * n`` elements,
-   row q holding rank q's input (this rank's own row is its input): chunk ``q * p + c`` is
-   row q's part c, so the exchange is plain Sends and Recvs and the executor does the rest
-   (segments, zero copies, signatures).
+   rank c and receives every rank's part r. It runs on a *stage* where chunk ``q * p + c``
+   is rank q's part c (only this rank's own row and the parts it receives take room), so
+   the exchange is plain Sends and Recvs and the executor does the rest (segments, zero
+   copies, signatures).
 2. **Reduce** (:func:`reduce_part`): rank r sorts each element's p values (rows in rank
    order, NaNs last) and averages the middle ones, in a fixed order.
 3. **Allgather** of the finished parts, with any allgather strategy (only copies).
@@ -28,11 +28,13 @@ of n bytes costs.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from ..strategy import Context, Cost, Recv, Schedule, Send, Strategy, Traffic, Workload
 
-__all__ = ["EXCHANGE", "Exchange", "reduce_part", "stage_cuts"]
+__all__ = ["EXCHANGE", "Exchange", "exchange", "reduce_part", "stage_size"]
 
 
 def _split(n: int, p: int, c: int) -> int:
@@ -41,28 +43,46 @@ def _split(n: int, p: int, c: int) -> int:
     return c * q + min(c, r)
 
 
-def stage_cuts(size: int, count: int) -> list[int]:
-    """Where the chunks of a stage of ``count = size * n`` elements begin: chunk
-    ``q * size + c`` is row q's part c; ``size * size + 1`` offsets."""
-    p, n = size, count // size
-    return [q * n + _split(n, p, c) for q in range(p) for c in range(p)] + [count]
-
-
 class Exchange(Strategy):
     """The all-to-all of slices, in the pairwise order (MPICH's
     ``MPIR_Alltoall_intra_pairwise``): in step s = 1 .. p-1, rank r sends its part to rank
     r+s and receives rank r-s's part r, so every step pairs each rank with one sender and
-    one receiver and no rank is flooded. Not registered: the robust allreduce runs it."""
+    one receiver and no rank is flooded. Not registered: the robust allreduce runs it.
+
+    Rank r's stage holds n + (p-1) * ceil(n/p) elements, the same on every rank: its own
+    input where row r goes, and for every other rank q a slot of ceil(n/p) for the one part
+    it receives from q (chunk ``q * p + r``, the rest of the slot a chunk nobody moves).
+    So the stage costs about twice the input, not p times; one instance per (rank, n).
+    """
 
     name = "exchange"
     collective = "allreduce"
     description = "all-to-all of slices for the robust ops; (p-1)/p·n bytes per rank"
 
+    def __init__(self, rank: int = 0, n: int = 0) -> None:
+        self.rank, self.n = rank, n
+
     def chunks(self, size: int) -> int:
         return size * size
 
     def cuts(self, size: int, count: int, itemsize: int) -> list[int]:
-        return stage_cuts(size, count)
+        p, r, n = size, self.rank, self.n
+        slot = -(-n // p)
+        mine = _split(n, p, r + 1) - _split(n, p, r)
+        spare = (r + 1) % p  # the chunk that holds the rest of a slot
+        lengths = []
+        for q in range(p):
+            for c in range(p):
+                if q == r:
+                    lengths.append(_split(n, p, c + 1) - _split(n, p, c))
+                elif c == r:
+                    lengths.append(mine)
+                else:
+                    lengths.append(slot - mine if c == spare else 0)
+        cuts = [0]
+        for length in lengths:
+            cuts.append(cuts[-1] + length)
+        return cuts
 
     def schedule(self, ctx: Context) -> Schedule:
         p, r = ctx.size, ctx.rank
@@ -82,7 +102,19 @@ class Exchange(Strategy):
                        tuple(n - work.part(r, p) for r in range(p)))
 
 
-EXCHANGE = Exchange()
+EXCHANGE = Exchange()  # for cost models: every instance costs the same
+
+
+@lru_cache(maxsize=256)
+def exchange(rank: int, n: int) -> Exchange:
+    """The exchange of rank ``rank`` for ``n`` elements (one instance each, so that the
+    engine's plans are cached)."""
+    return Exchange(rank, n)
+
+
+def stage_size(n: int, size: int) -> int:
+    """Elements of every rank's stage for ``n`` elements on ``size`` ranks."""
+    return n + (size - 1) * -(-n // size)
 
 
 def reduce_part(rows: np.ndarray, trim: int, out: np.ndarray) -> None:
