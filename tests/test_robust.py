@@ -343,3 +343,18 @@ def test_allreduce_gradients_takes_a_robust_op() -> None:
             # the scaled value and one honest extreme are dropped: the middle two remain
             middle = np.where(want[k] > 0, want[k] + 2.5e-3, want[k] + 1.5e-3)
             np.testing.assert_allclose(r[k], middle, rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_reducer_takes_a_robust_op_and_checks_trim_at_construction() -> None:
+    async def rank(g: p2pcoll.Group) -> dict[str, np.ndarray]:
+        with pytest.raises(ValueError, match="trim=2"):
+            training.GradientReducer(g, params(), "trimmed_mean", trim=2)
+        reducer = training.GradientReducer(g, params(), "median")
+        grads = {k: v * (100 if g.rank == 0 else 1) for k, v in params().items()}
+        return await reducer.allreduce(grads)  # type: ignore[no-any-return]
+
+    got = on_groups(3, rank)
+    for r in got:
+        for k, v in params().items():
+            # values v * 100, v, v: the median is v whatever the sign
+            assert r[k].tobytes() == v.tobytes()

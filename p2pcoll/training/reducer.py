@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..pytree import Pytree, as_array, like, listed_paths, named_leaves, replace_leaves
-from ..types import ReduceOp, as_op
+from ..types import ReduceOp, as_op, check_trim
 from .agreement import Call, Kind, agree, table
 from .buckets import BucketPlan
 from .errors import RoundError
@@ -61,7 +61,8 @@ class GradientReducer:
             With ``check_every`` they are also what is compared between ranks: the reducer
             keeps this pytree (not copies) and reads its leaves at each check, so update the
             arrays in place or assign new ones into the same dicts.
-        op: "avg" (default), "sum", "min", "max" or "prod".
+        op: "avg" (default), "sum", "min", "max" or "prod"; or "median" and "trimmed_mean"
+            (with ``trim``), as :func:`allreduce_gradients`.
         order: the names in the order their gradients will be produced; None is the
             reverse of the order ``params`` lists them in (dict insertion order, as
             ``model.named_parameters()`` gives), which is what a backward pass through
@@ -78,6 +79,7 @@ class GradientReducer:
         error_feedback: with a lossy codec and "sum"/"avg", carry what the codec lost of
             each gradient into the next round (the residuals are the reducer's, per
             parameter; ``reducer.residuals.clear()`` forgets them).
+        trim: "trimmed_mean"'s k (``0 <= 2k < world_size``).
 
     Raises:
         ValueError, TypeError: bad arguments, as for :func:`allreduce_gradients`, or an
@@ -98,10 +100,13 @@ class GradientReducer:
         timeout: float | None = None,
         codec: str | None = None,
         error_feedback: bool = True,
+        trim: int | None = None,
     ) -> None:
         self.group = group
         self.params = params
         self.op = as_op(op)
+        self.trim = trim
+        check_trim(self.op, trim, group.world_size)
         check_nonfinite(nonfinite)
         if not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be an int >= 0, got {check_every!r}")
@@ -119,7 +124,8 @@ class GradientReducer:
         self.check_every = check_every
         self.timeout = timeout
         settings = {"op": self.op.value, "bucket_bytes": self.plan.bucket_bytes,
-                    "nonfinite": nonfinite, "check_every": check_every, "codec": codec}
+                    "nonfinite": nonfinite, "check_every": check_every, "codec": codec,
+                    "trim": trim}
         self._spec_table = table(settings, self.plan.specs)
         self._open: Round | None = None
         # One set of bucket buffers for all rounds: a round's allreduces have copied them
@@ -273,7 +279,7 @@ class Round:
                 await full.wait()
                 if coder is None:
                     work = reducer.group.allreduce(flat, reducer.op, strategy=reducer.strategy,
-                                                   timeout=reducer.timeout)
+                                                   timeout=reducer.timeout, trim=reducer.trim)
                 else:
                     work = reduce_bucket(reducer.group, coder, reducer.plan, bucket, flat,
                                          reducer.op, reducer.residuals, reducer.strategy,
