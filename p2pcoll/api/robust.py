@@ -38,8 +38,10 @@ if TYPE_CHECKING:
     from ..session.session import Session
     from ..session.turns import Turns
 
+__all__ = ["Label", "RobustGroup", "predict", "robust_allreduce"]
 
-class Group(Protocol):
+
+class RobustGroup(Protocol):
     """What the robust reductions use of a :class:`p2pcoll.Group`."""
 
     @property
@@ -53,8 +55,6 @@ class Group(Protocol):
 
     @property
     def session(self) -> Session: ...
-
-__all__ = ["Label", "predict", "robust_allreduce"]
 
 
 def _nothing(mine: np.ndarray, incoming: np.ndarray) -> None:
@@ -99,7 +99,7 @@ def predict(model: CostModel, nbytes: int, size: int) -> float:
 
 
 async def robust_allreduce(
-    group: Group, value: Pytree, op: ReduceOp | CustomOp, trim: int | None,
+    group: RobustGroup, value: Pytree, op: ReduceOp | CustomOp, trim: int | None,
     strategy: str | None, timeout: float | None, out: Pytree | None, codec: str | None = None,
 ) -> Pytree:
     """:meth:`p2pcoll.Group.allreduce` with ``op`` "median" or "trimmed_mean" (see there).
@@ -163,7 +163,7 @@ async def robust_allreduce(
     return unflatten(treedef, as_given(given, final))
 
 
-async def _reduce(group: Group, leaves: list[np.ndarray], trim: int, name: Label,
+async def _reduce(group: RobustGroup, leaves: list[np.ndarray], trim: int, name: Label,
                   strategy: str | None, timeout: float | None,
                   release: Callable[[], None] | None) -> np.ndarray:
     """The robust reduction of ``leaves`` (one dtype) as one flat run: exchange, reduce
