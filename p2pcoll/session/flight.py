@@ -1,0 +1,290 @@
+"""The flight recorder: each group's last calls, kept to say after a hang or a failure
+what every rank was doing.
+
+The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
+takes) opens an :class:`Entry` when a call has its sequence number and closes it when the
+call ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), an append
+and two clock reads per call. What a running call still waits for is not kept as it
+changes: :meth:`Recorder.snapshot` asks the matcher then (the answer a timeout's inquiry
+gets, see :mod:`p2pcoll.session.blame`). A failed call keeps whom its error blames.
+
+``P2PCOLL_FLIGHT_DIR=DIR``: each rank writes its record to ``DIR/rank-R.json`` when a call
+fails (a timeout, a mismatch, a lost peer), or its group is found broken, and on SIGUSR1
+(:func:`arm_signal`). The snapshot is taken on the loop; the JSON is encoded and written
+(to a temporary file, then renamed: a reader never sees half a file) on a worker thread, so
+the loop is held for the snapshot only. ``p2pcoll flight DIR`` reads the files
+(:mod:`p2pcoll.flight`).
+
+A process with several groups of one rank number (torch's subgroups) writes one file per
+rank: the group that wrote last wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import CollectiveTimeout, PeerLost
+from ..types import OpKey
+
+log = logging.getLogger("p2pcoll")
+
+FORMAT = "p2pcoll-flight"  # a file's "format" field: p2pcoll.flight refuses others
+VERSION = 1
+RUNNING, DONE, FAILED = "running", "done", "failed"
+
+Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
+
+
+class Entry:
+    """One call in the record (see :meth:`Recorder.snapshot` for its fields)."""
+
+    __slots__ = ("collective", "dtype", "ended", "key", "nbytes", "started", "state",
+                 "strategy", "waited")
+
+    def __init__(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str
+                 ) -> None:
+        self.key, self.collective, self.strategy = key, collective, strategy
+        self.nbytes, self.dtype = nbytes, dtype
+        self.state = RUNNING
+        self.started = time.time()
+        self.ended: float | None = None
+        self.waited: list[int] = []  # a failed call's: whom its error names
+
+
+_NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
+
+
+def describe(arrays: Sequence[np.ndarray]) -> tuple[int, str]:
+    """The bytes of ``arrays`` and their dtypes' names (``"float32"``, ``"float32,int64"``
+    for several kinds; ``""`` for none)."""
+    names: list[str] = []
+    nbytes = 0
+    for a in arrays:
+        nbytes += a.nbytes
+        name = _NAMES.get(a.dtype)
+        if name is None:
+            name = _NAMES[a.dtype] = a.dtype.name
+        if name not in names:
+            names.append(name)
+    return nbytes, ",".join(names)
+
+
+class Recorder:
+    """The flight record of one group on this rank.
+
+    Args:
+        size: how many calls it keeps (> 0).
+        rank, world_size, group: what the files say about the rank that wrote them.
+        waiting: the ranks a running operation waits for (the session's matcher's).
+        waited: the ranks a failed collective waited for when it failed (the failure
+            model's), for an error that names nobody.
+        folder: where :meth:`dump` writes ``rank-R.json`` ("" : it does not).
+    """
+
+    def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
+                 waited: Waiting, folder: str = "") -> None:
+        self.entries: deque[Entry] = deque(maxlen=size)
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.folder = folder
+        self._waiting, self._waited = waiting, waited
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writing = False  # a write is under way on a worker thread
+        self._again: str | None = None  # and another was asked for meanwhile (its reason)
+        self._dumped_broken = False  # the broken group has been written since it broke
+        if folder:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._loop = None
+            _recorders.add(self)
+            arm_signal()
+
+    # --- on the runner's path ------------------------------------------------------------
+
+    def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str
+              ) -> Entry:
+        """A call has taken its key ``key``: record it as running."""
+        entry = Entry(key, collective, strategy, nbytes, dtype)
+        self.entries.append(entry)
+        return entry
+
+    def end(self, entry: Entry, strategy: str, error: BaseException | None) -> None:
+        """``entry``'s call has ended (``error``: with that error); a failure is written
+        to the folder."""
+        entry.ended = time.time()
+        entry.strategy = strategy
+        if error is None:
+            entry.state = DONE
+            return
+        entry.state = FAILED
+        if isinstance(error, CollectiveTimeout):
+            entry.waited = list(error.waiting_on)
+        elif isinstance(error, PeerLost) and error.rank is not None:
+            entry.waited = [error.rank]
+        elif entry.key.tag is None:
+            entry.waited = self._waited(entry.key)
+        else:  # a transfer: its one peer
+            entry.waited = [entry.key.src if entry.key.dst == self.rank else entry.key.dst]
+        if self.folder:
+            self._dumped_broken = True
+            self.dump(f"{entry.collective} #{entry.key.number} failed: "
+                      f"{type(error).__name__}")
+
+    def refused(self, error: BaseException) -> None:
+        """A call was refused before it started (the group is broken: a peer's abort
+        broke it between this rank's calls): written once."""
+        if self.folder and not self._dumped_broken:
+            self._dumped_broken = True
+            self.dump(f"the group is broken: {type(error).__name__}")
+
+    # --- reading -------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The record, oldest first: ``seq`` (a collective's sequence number; a transfer's
+        count on its channel), ``collective``, ``strategy`` (the one it ran with, "board"
+        for the shared-memory board; while running, the one asked for), ``bytes`` (this
+        rank's data), ``dtype``, ``state`` (``running``, ``done``, ``failed``),
+        ``started`` and ``ended`` (wall-clock seconds, ``ended`` None while running) and
+        ``waiting_for``: for a running call the ranks it still waits for, for a failed
+        one those its error names; else ``[]``. Called on the group's loop."""
+        waiting = self._waiting
+        out = []
+        for e in self.entries:
+            if e.state == RUNNING:
+                waits = waiting(e.key)
+            else:
+                waits = list(e.waited)
+            out.append({"seq": e.key.number, "collective": e.collective,
+                        "strategy": e.strategy, "bytes": e.nbytes, "dtype": e.dtype,
+                        "state": e.state, "started": e.started, "ended": e.ended,
+                        "waiting_for": waits})
+        return out
+
+    # --- writing -------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.folder, f"rank-{self.rank}.json")
+
+    def dump(self, reason: str) -> None:
+        """Write the record to :attr:`path` (on a worker thread; the snapshot now). A dump
+        asked for while one is being written follows it."""
+        if not self.folder:
+            return
+        if self._writing:
+            self._again = reason
+            return
+        document = {"format": FORMAT, "version": VERSION, "rank": self.rank,
+                    "world_size": self.world_size, "group": self.group, "reason": reason,
+                    "written": time.time(), "record": self.snapshot()}
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            write(self.path, document)
+            return
+        self._writing = True
+        future = loop.run_in_executor(None, write, self.path, document)
+        future.add_done_callback(self._written)
+
+    def _written(self, future: asyncio.Future[None]) -> None:
+        self._writing = False
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("rank %d: could not write its flight record to %s: %s", self.rank,
+                        self.path, future.exception())
+        again, self._again = self._again, None
+        if again is not None:
+            self.dump(again)
+
+    def on_signal(self) -> None:
+        """SIGUSR1 came: dump on the group's loop (the record changes only there)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self.dump, "SIGUSR1")
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+
+def write(path: str, document: dict[str, Any]) -> None:
+    """Write ``document`` as JSON to ``path`` atomically (a temporary file beside it,
+    renamed over it)."""
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(document, f, separators=(",", ":"))
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+class _Session(Protocol):
+    flight: Recorder | None
+
+
+class _Group(Protocol):
+    @property
+    def session(self) -> _Session: ...
+
+
+def flight_record(group: _Group) -> list[dict[str, Any]]:
+    """The flight record of ``group`` on this rank (``Group.flight_record()``): its last
+    calls (``P2PCOLL_FLIGHT_RECORD``, 2,000), oldest first, as :meth:`Recorder.snapshot`
+    describes them; ``[]`` when the record is off.
+
+    Raises:
+        GroupBroken: the group is closed.
+    """
+    recorder = group.session.flight
+    return recorder.snapshot() if recorder is not None else []
+
+
+# --- SIGUSR1 ---------------------------------------------------------------------------------
+
+_recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()  # those with a folder
+_armed = False
+_previous: Any = None
+
+
+def arm_signal() -> bool:
+    """Make SIGUSR1 dump every recorder that has a folder, once per process, if called
+    from the main thread (a signal handler can be set only there; the blocking API and the
+    torch backend call it from theirs). A handler set before is called after. Returns
+    whether the handler is in place."""
+    global _armed, _previous
+    if _armed:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    _previous = signal.signal(signal.SIGUSR1, _on_sigusr1)
+    _armed = True
+    return True
+
+
+def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
+    for recorder in list(_recorders):
+        recorder.on_signal()
+    previous = _previous
+    if callable(previous):  # not SIG_DFL (which would end the process) or SIG_IGN
+        previous(signum, frame)
+
+
+__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder",
+           "arm_signal", "describe", "flight_record", "write"]
