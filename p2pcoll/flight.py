@@ -30,9 +30,10 @@ from .session.flight import FAILED, FORMAT, RUNNING
 
 MAX_FILE_BYTES = 256 << 20  # a record of a million calls is ~200 MB
 FILE_NAME = re.compile(r"rank-(\d+)\.json")
-KEYS: dict[str, type | tuple[type, ...]] = {"seq": int, "collective": str, "strategy": str, "bytes": int, "dtype": str,
-        "state": str, "started": (int, float), "ended": (int, float, type(None)),
-        "waiting_for": list}
+# The keys of an entry and their types.
+KEYS: dict[str, type | tuple[type, ...]] = {
+    "seq": int, "collective": str, "strategy": str, "bytes": int, "dtype": str, "state": str,
+    "started": (int, float), "ended": (int, float, type(None)), "waiting_for": list}
 TRANSFERS = ("send", "recv")
 
 
