@@ -9,7 +9,9 @@ read, finds:
 - the first collective (by sequence number) where the ranks differ: in the collective,
   its bytes or its dtypes, or because some rank had not started it;
 - whom the ranks wait for: what each rank's running calls, and its first failed one,
-  still wait for (or its error named), and the ranks every waiting rank names;
+  still wait for (or its error named), and the ranks those waits lead to (named, and
+  waiting for nobody themselves: a ring's rank waits for its neighbour, which may wait
+  further up);
 - the ranks whose file is missing (a rank frozen, killed, or never told).
 
 Point-to-point transfers are numbered per channel, not per group: they are not compared,
@@ -71,7 +73,8 @@ class Analysis:
         at_difference: what each rank did there, by rank (``"allreduce 4096 bytes float32
             (failed)"``, ``"not started (its last: #4)"``).
         waits: by waiting rank, what it waits for (``[(what, [ranks])]``).
-        waited_for: the ranks every waiting rank names (else those named most).
+        waited_for: the ranks the waits lead to: those named that wait for nobody
+            (else, in a circle of waits, those named most).
         bad: files left out and why (from :class:`Loaded`).
         foreign: ranks whose file is of another group.
     """
@@ -227,11 +230,11 @@ def _waits(result: Analysis, records: Mapping[int, Sequence[Mapping[str, Any]]])
                 named[r] = named.get(r, 0) + 1
     if not named:
         return
-    # Every waiting rank names it (a rank does not wait for itself: it counts as naming it).
-    everyone = [r for r in sorted(named)
-                if named[r] + (1 if r in result.waits else 0) >= len(result.waits)]
+    # The ends of the chains: named ranks that wait for nobody themselves (a ring's rank
+    # waits for its neighbour, which waits further up); in a circle, those named most.
+    ends = [r for r in sorted(named) if r not in result.waits]
     most = max(named.values())
-    result.waited_for = everyone or [r for r in sorted(named) if named[r] == most]
+    result.waited_for = ends or [r for r in sorted(named) if named[r] == most]
 
 
 def report(folder: str, analysis: Analysis) -> str:
