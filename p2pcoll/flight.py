@@ -185,9 +185,10 @@ def _collectives(record: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[str, 
 
 
 def describe(entry: Mapping[str, Any]) -> str:
-    """``allreduce 4096 bytes float32 (failed)``."""
-    dtype = f" {entry['dtype']}" if entry["dtype"] else ""
-    return f"{entry['collective']} {entry['bytes']} bytes{dtype} ({entry['state']})"
+    """``allreduce 4096 bytes float32 (failed)``; ``broadcast (failed)`` for no data (a
+    barrier) or none known (a receiver that had not learned its layout)."""
+    data = f" {entry['bytes']} bytes {entry['dtype']}" if entry["dtype"] else ""
+    return f"{entry['collective']}{data} ({entry['state']})"
 
 
 def _first_difference(result: Analysis, by_rank: Mapping[int, Mapping[int, Mapping[str, Any]]]
