@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from p2pcoll.testing import free_port
 from tests.peer_processes import PeerProcesses
 
 pytestmark = pytest.mark.processes
@@ -91,3 +92,24 @@ def test_sigusr1_writes_each_rank_s_record_of_the_ring_s_size(tmp_path: Path) ->
             (1, "allreduce", "done"), (2, "allreduce", "done")]
     out = flight(tmp_path)
     assert "the ranks agree" in out and "nobody waits" in out
+
+
+def test_under_torch_the_record_holds_every_op_of_the_backend() -> None:
+    pytest.importorskip("torch")
+    worker = str(Path(__file__).with_name("flight_torch_worker.py"))
+    port = free_port()
+    job = PeerProcesses(2, lambda r: [sys.executable, worker],
+                        lambda r: {"MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore",
+                                   "MASTER_PORT": str(port)})
+    try:
+        records = job.wait_for("record", [0, 1], timeout=120)
+    finally:
+        job.close()
+    # all_to_all_single is made of sends and receives on the backend's own tag.
+    head = [["allreduce", "done"], ["broadcast", "done"]]
+    assert records[0][:3] == [*head, ["send", "done"]]
+    assert records[1][:3] == [*head, ["recv", "done"]]
+    for record in records:
+        assert record[-1] == ["barrier", "done"]
+        middle = {c for c, _ in record[3:-1]}
+        assert middle == {"send", "recv"} and all(s == "done" for _, s in record)

@@ -43,7 +43,7 @@ from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
-from .flight import describe
+from .flight import DTYPE, NBYTES, STRATEGY, describe
 from .turns import Turns
 
 if TYPE_CHECKING:
@@ -314,14 +314,15 @@ class Runner:
             if flight is not None:
                 flight.refused(exc)
             raise
+        started, error = time.perf_counter(), None
         if flight is not None:
             # What the call is, known from its program (a receiver's learns it: at its end).
             if program is not None:
                 entry = flight.start(op, call.collective, program.strategy.name,
-                                     program.nbytes, program.dtype)
+                                     program.nbytes, program.dtype, started)
             else:
-                entry = flight.start(op, call.collective, call.strategy or "auto", 0, "")
-        started, error = time.perf_counter(), None
+                entry = flight.start(op, call.collective, call.strategy or "auto", 0, "",
+                                     started)
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
@@ -333,9 +334,10 @@ class Runner:
             error = exc
             raise
         finally:
+            ended = time.perf_counter()
             session.activity.record(
                 call.collective, call.strategy_used or (call.strategy or "auto"),
-                time.perf_counter() - started, error if isinstance(error, P2PCollError) else None)
+                ended - started, error if isinstance(error, P2PCollError) else None)
             if timeline is not None and (call.strategy_used == BOARD or self.size == 1):
                 # The executor traces what it runs; what it does not run is traced here.
                 args: dict[str, Any] = {"strategy": BOARD, "seq": op.number,
@@ -345,8 +347,8 @@ class Runner:
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
                 if program is None:
-                    entry.nbytes, entry.dtype = describe(call.flat)
-                flight.end(entry, call.strategy_used or entry.strategy, error)
+                    entry[NBYTES:DTYPE + 1] = describe(call.flat)
+                flight.end(entry, call.strategy_used or entry[STRATEGY], ended, error)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)

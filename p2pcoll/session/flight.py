@@ -2,11 +2,12 @@
 what every rank was doing.
 
 The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
-takes) opens an :class:`Entry` when a call has its sequence number and closes it when the
-call ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), an append
-and two clock reads per call. What a running call still waits for is not kept as it
-changes: :meth:`Recorder.snapshot` asks the matcher then (the answer a timeout's inquiry
-gets, see :mod:`p2pcoll.session.blame`). A failed call keeps whom its error blames.
+takes) opens an entry when a call has its sequence number and closes it when the call
+ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), a short list
+and an append per call, its times the runner's own clock reads. What a running call still
+waits for is not kept as it changes: :meth:`Recorder.snapshot` asks the matcher then (the
+answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`). A failed call keeps
+whom its error blames.
 
 ``P2PCOLL_FLIGHT_DIR=DIR``: each rank writes its record to ``DIR/rank-R.json`` when a call
 fails (a timeout, a mismatch, a lost peer), or its group is found broken, and on SIGUSR1
@@ -48,20 +49,12 @@ RUNNING, DONE, FAILED = "running", "done", "failed"
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
 
 
-class Entry:
-    """One call in the record (see :meth:`Recorder.snapshot` for its fields)."""
-
-    __slots__ = ("collective", "dtype", "ended", "key", "nbytes", "started", "state",
-                 "strategy", "waited")
-
-    def __init__(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str
-                 ) -> None:
-        self.key, self.collective, self.strategy = key, collective, strategy
-        self.nbytes, self.dtype = nbytes, dtype
-        self.state = RUNNING
-        self.started = time.time()
-        self.ended: float | None = None
-        self.waited: list[int] = []  # a failed call's: whom its error names
+# An entry of the record is a list, the cheapest thing to make and change per call:
+# [key, collective, strategy, bytes, dtypes, started, ended, waited], the times by
+# time.perf_counter (turned into wall-clock seconds when read), ended None while running,
+# waited None unless it failed (then whom its error names).
+Entry = list[Any]
+KEY, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(8)
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
@@ -100,6 +93,8 @@ class Recorder:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
         self._waiting, self._waited = waiting, waited
+        # perf_counter's times + this = wall-clock seconds (comparable across ranks)
+        self._wall = time.time() - time.perf_counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writing = False  # a write is under way on a worker thread
         self._again: str | None = None  # and another was asked for meanwhile (its reason)
@@ -114,34 +109,36 @@ class Recorder:
 
     # --- on the runner's path ------------------------------------------------------------
 
-    def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str
-              ) -> Entry:
-        """A call has taken its key ``key``: record it as running."""
-        entry = Entry(key, collective, strategy, nbytes, dtype)
+    def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str,
+              started: float) -> Entry:
+        """A call has taken its key ``key`` at ``started`` (``time.perf_counter()``):
+        record it as running."""
+        entry = [key, collective, strategy, nbytes, dtype, started, None, None]
         self.entries.append(entry)
         return entry
 
-    def end(self, entry: Entry, strategy: str, error: BaseException | None) -> None:
-        """``entry``'s call has ended (``error``: with that error); a failure is written
-        to the folder."""
-        entry.ended = time.time()
-        entry.strategy = strategy
-        if error is None:
-            entry.state = DONE
-            return
-        entry.state = FAILED
+    def end(self, entry: Entry, strategy: str, ended: float, error: BaseException | None
+            ) -> None:
+        """``entry``'s call has ended at ``ended`` (``error``: with that error); a failure
+        is written to the folder."""
+        entry[STRATEGY] = strategy
+        entry[ENDED] = ended
+        if error is not None:
+            self._failed(entry, error)
+
+    def _failed(self, entry: Entry, error: BaseException) -> None:
+        key: OpKey = entry[KEY]
         if isinstance(error, CollectiveTimeout):
-            entry.waited = list(error.waiting_on)
+            entry[WAITED] = list(error.waiting_on)
         elif isinstance(error, PeerLost) and error.rank is not None:
-            entry.waited = [error.rank]
-        elif entry.key.tag is None:
-            entry.waited = self._waited(entry.key)
+            entry[WAITED] = [error.rank]
+        elif key.tag is None:
+            entry[WAITED] = self._waited(key)
         else:  # a transfer: its one peer
-            entry.waited = [entry.key.src if entry.key.dst == self.rank else entry.key.dst]
+            entry[WAITED] = [key.src if key.dst == self.rank else key.dst]
         if self.folder:
             self._dumped_broken = True
-            self.dump(f"{entry.collective} #{entry.key.number} failed: "
-                      f"{type(error).__name__}")
+            self.dump(f"{entry[COLLECTIVE]} #{key.number} failed: {type(error).__name__}")
 
     def refused(self, error: BaseException) -> None:
         """A call was refused before it started (the group is broken: a peer's abort
@@ -160,16 +157,17 @@ class Recorder:
         ``started`` and ``ended`` (wall-clock seconds, ``ended`` None while running) and
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
-        waiting = self._waiting
+        waiting, wall = self._waiting, self._wall
         out = []
-        for e in self.entries:
-            if e.state == RUNNING:
-                waits = waiting(e.key)
+        for key, collective, strategy, nbytes, dtype, started, ended, waited in self.entries:
+            if ended is None:
+                state, waits = RUNNING, waiting(key)
             else:
-                waits = list(e.waited)
-            out.append({"seq": e.key.number, "collective": e.collective,
-                        "strategy": e.strategy, "bytes": e.nbytes, "dtype": e.dtype,
-                        "state": e.state, "started": e.started, "ended": e.ended,
+                state, waits = (DONE, []) if waited is None else (FAILED, list(waited))
+            out.append({"seq": key.number, "collective": collective, "strategy": strategy,
+                        "bytes": nbytes, "dtype": dtype, "state": state,
+                        "started": started + wall,
+                        "ended": None if ended is None else ended + wall,
                         "waiting_for": waits})
         return out
 
