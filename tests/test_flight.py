@@ -14,9 +14,10 @@ import pytest
 from p2pcoll import CollectiveMismatch, P2PCollError, PeerLost, SettingsError
 from p2pcoll.cli import main
 from p2pcoll.flight import MAX_FILE_BYTES, Loaded, RankFile, analyse, load, report
-from p2pcoll.session.flight import FORMAT, VERSION
+from p2pcoll.session.flight import FORMAT, VERSION, Recorder
 from p2pcoll.settings import Settings
 from p2pcoll.testing import MemoryNetwork, memory_groups, run_virtual
+from p2pcoll.types import OpKey
 
 KEYS = ["seq", "collective", "strategy", "bytes", "dtype", "state", "started", "ended",
         "waiting_for"]
@@ -324,3 +325,17 @@ def test_the_flight_dir_must_be_an_existing_directory(tmp_path: Path) -> None:
         Settings.resolve({"P2PCOLL_FLIGHT_DIR": str(tmp_path / "nowhere")})
     with pytest.raises(SettingsError, match="flight_dir="):
         Settings.resolve({}, flight_dir=tmp_path / "nowhere")
+
+
+def test_a_call_that_outlives_its_slot_leaves_the_newer_call_alone() -> None:
+    recorder = Recorder(2, 0, 2, "g", lambda key: [1], lambda key: [])
+    keys = [OpKey(n) for n in range(3)]
+    slots = [recorder.start(k, "allreduce", "ring", 8, "float32", 1.0 + k.number)
+             for k in keys]
+    assert slots == [0, 1, 0]  # the third took the first's slot
+    recorder.end(slots[0], keys[0], "ring", 9.0, None)  # the first ends late: not recorded
+    recorder.end(slots[1], keys[1], "board", 5.0, None)
+    record = recorder.snapshot()
+    assert [(e["seq"], e["state"], e["strategy"], e["waiting_for"]) for e in record] == [
+        (1, "done", "board", []), (2, "running", "ring", [1])]
+    assert record[1]["ended"] is None and record[0]["ended"] > record[0]["started"]

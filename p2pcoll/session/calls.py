@@ -43,7 +43,7 @@ from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
-from .flight import DTYPE, NBYTES, STRATEGY, describe
+from .flight import describe
 from .turns import Turns
 
 if TYPE_CHECKING:
@@ -318,11 +318,11 @@ class Runner:
         if flight is not None:
             # What the call is, known from its program (a receiver's learns it: at its end).
             if program is not None:
-                entry = flight.start(op, call.collective, program.strategy.name,
-                                     program.nbytes, program.dtype, started)
+                slot = flight.start(op, call.collective, program.strategy.name,
+                                    program.nbytes, program.dtype, started)
             else:
-                entry = flight.start(op, call.collective, call.strategy or "auto", 0, "",
-                                     started)
+                slot = flight.start(op, call.collective, call.strategy or "auto", 0, "",
+                                    started)
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
@@ -346,9 +346,8 @@ class Runner:
                     args["error"] = f"{type(error).__name__}: {error}"
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
-                if program is None:
-                    entry[NBYTES:DTYPE + 1] = describe(call.flat)
-                flight.end(entry, call.strategy_used or entry[STRATEGY], ended, error)
+                flight.end(slot, op, call.strategy_used, ended, error,
+                           describe(call.flat) if program is None else None)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)

@@ -3,8 +3,9 @@ what every rank was doing.
 
 The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
 takes) opens an entry when a call has its sequence number and closes it when the call
-ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), a short list
-and an append per call, its times the runner's own clock reads. What a running call still
+ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), made once, that
+a call writes a slot of (nothing allocated per call), its times the runner's own clock
+reads. What a running call still
 waits for is not kept as it changes: :meth:`Recorder.snapshot` asks the matcher then (the
 answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`). A failed call keeps
 whom its error blames.
@@ -30,7 +31,6 @@ import signal
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, Protocol
@@ -49,12 +49,7 @@ RUNNING, DONE, FAILED = "running", "done", "failed"
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
 
 
-# An entry of the record is a list, the cheapest thing to make and change per call:
-# [key, collective, strategy, bytes, dtypes, started, ended, waited], the times by
-# time.perf_counter (turned into wall-clock seconds when read), ended None while running,
-# waited None unless it failed (then whom its error names).
-Entry = list[Any]
-KEY, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(8)
+Slot = int  # where a call is in the ring (Recorder.start)
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
@@ -89,10 +84,25 @@ class Recorder:
 
     def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
                  waited: Waiting, folder: str = "") -> None:
-        self.entries: deque[Entry] = deque(maxlen=size)
+        # The ring, as one list per field, made once: a call stores into them and makes
+        # no object the garbage collector has to follow (a list or an object per call
+        # would, and 2,000 of them kept alive slow its collections down). The times are
+        # time.perf_counter's (made wall-clock seconds when read); ended None: running;
+        # waited None unless it failed (then whom its error names).
+        self.size = size
+        self._keys: list[OpKey | None] = [None] * size
+        self._collective = [""] * size
+        self._strategy = [""] * size
+        self._nbytes = [0] * size
+        self._dtype = [""] * size
+        self._started = [0.0] * size
+        self._ended: list[float | None] = [None] * size
+        self._waited: list[list[int] | None] = [None] * size
+        self._next = 0  # the slot the next call takes
+        self._count = 0  # calls recorded in all
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
-        self._waiting, self._waited = waiting, waited
+        self._waiting, self._waited_for = waiting, waited
         # perf_counter's times + this = wall-clock seconds (comparable across ranks)
         self._wall = time.time() - time.perf_counter()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -110,35 +120,53 @@ class Recorder:
     # --- on the runner's path ------------------------------------------------------------
 
     def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str,
-              started: float) -> Entry:
+              started: float) -> Slot:
         """A call has taken its key ``key`` at ``started`` (``time.perf_counter()``):
-        record it as running."""
-        entry = [key, collective, strategy, nbytes, dtype, started, None, None]
-        self.entries.append(entry)
-        return entry
+        record it as running, in place of the oldest. Returns its slot, for :meth:`end`."""
+        i = self._next
+        self._next = i + 1 if i + 1 < self.size else 0
+        self._count += 1
+        self._keys[i] = key
+        self._collective[i] = collective
+        self._strategy[i] = strategy
+        self._nbytes[i] = nbytes
+        self._dtype[i] = dtype
+        self._started[i] = started
+        self._ended[i] = None
+        self._waited[i] = None
+        return i
 
-    def end(self, entry: Entry, strategy: str, ended: float, error: BaseException | None
-            ) -> None:
-        """``entry``'s call has ended at ``ended`` (``error``: with that error); a failure
-        is written to the folder."""
-        entry[STRATEGY] = strategy
-        entry[ENDED] = ended
+    def end(self, slot: Slot, key: OpKey, strategy: str, ended: float,
+            error: BaseException | None, data: tuple[int, str] | None = None) -> None:
+        """The call :meth:`start` put in ``slot`` as ``key`` has ended at ``ended``, run
+        with ``strategy`` ("": not known, as started), with ``error`` if it failed;
+        ``data``: its bytes and dtypes, if learned since. A failure is written to the
+        folder. A call whose slot a newer one has taken (it ran
+        while ``size`` others started) is not recorded."""
+        if self._keys[slot] is not key:
+            return
+        if strategy:
+            self._strategy[slot] = strategy
+        self._ended[slot] = ended
+        if data is not None:
+            self._nbytes[slot], self._dtype[slot] = data
         if error is not None:
-            self._failed(entry, error)
+            self._failed(slot, key, error)
 
-    def _failed(self, entry: Entry, error: BaseException) -> None:
-        key: OpKey = entry[KEY]
+    def _failed(self, slot: Slot, key: OpKey, error: BaseException) -> None:
         if isinstance(error, CollectiveTimeout):
-            entry[WAITED] = list(error.waiting_on)
+            waited = list(error.waiting_on)
         elif isinstance(error, PeerLost) and error.rank is not None:
-            entry[WAITED] = [error.rank]
+            waited = [error.rank]
         elif key.tag is None:
-            entry[WAITED] = self._waited(key)
+            waited = self._waited_for(key)
         else:  # a transfer: its one peer
-            entry[WAITED] = [key.src if key.dst == self.rank else key.dst]
+            waited = [key.src if key.dst == self.rank else key.dst]
+        self._waited[slot] = waited
         if self.folder:
             self._dumped_broken = True
-            self.dump(f"{entry[COLLECTIVE]} #{key.number} failed: {type(error).__name__}")
+            self.dump(f"{self._collective[slot]} #{key.number} failed: "
+                      f"{type(error).__name__}")
 
     def refused(self, error: BaseException) -> None:
         """A call was refused before it started (the group is broken: a peer's abort
@@ -158,15 +186,20 @@ class Recorder:
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
         waiting, wall = self._waiting, self._wall
+        held = min(self._count, self.size)
+        first = (self._next - held) % self.size
         out = []
-        for key, collective, strategy, nbytes, dtype, started, ended, waited in self.entries:
+        for i in [(first + k) % self.size for k in range(held)]:
+            key, ended, waited = self._keys[i], self._ended[i], self._waited[i]
+            assert key is not None
             if ended is None:
                 state, waits = RUNNING, waiting(key)
             else:
                 state, waits = (DONE, []) if waited is None else (FAILED, list(waited))
-            out.append({"seq": key.number, "collective": collective, "strategy": strategy,
-                        "bytes": nbytes, "dtype": dtype, "state": state,
-                        "started": started + wall,
+            out.append({"seq": key.number, "collective": self._collective[i],
+                        "strategy": self._strategy[i], "bytes": self._nbytes[i],
+                        "dtype": self._dtype[i], "state": state,
+                        "started": self._started[i] + wall,
                         "ended": None if ended is None else ended + wall,
                         "waiting_for": waits})
         return out
@@ -284,5 +317,5 @@ def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
         previous(signum, frame)
 
 
-__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder",
+__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Recorder", "Slot",
            "arm_signal", "describe", "flight_record", "write"]
