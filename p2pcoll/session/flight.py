@@ -49,7 +49,8 @@ RUNNING, DONE, FAILED = "running", "done", "failed"
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
 
 
-Slot = int  # where a call is in the ring (Recorder.start)
+Slot = list[Any]  # a call's row in the ring (see Recorder.__init__)
+KEY, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(8)
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
@@ -84,22 +85,15 @@ class Recorder:
 
     def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
                  waited: Waiting, folder: str = "") -> None:
-        # The ring, as one list per field, made once: a call stores into them and makes
-        # no object the garbage collector has to follow (a list or an object per call
-        # would, and 2,000 of them kept alive slow its collections down). The times are
-        # time.perf_counter's (made wall-clock seconds when read); ended None: running;
+        # The ring: ``size`` rows made once, each [key, collective, strategy, bytes,
+        # dtypes, started, ended, waited]. A call overwrites a row and makes nothing the
+        # garbage collector follows (a list or an object per call would, and 2,000 of them
+        # alive slow its collections down). The times are time.perf_counter's (made
+        # wall-clock seconds when read); key None: never used; ended None: running;
         # waited None unless it failed (then whom its error names).
         self.size = size
-        self._keys: list[OpKey | None] = [None] * size
-        self._collective = [""] * size
-        self._strategy = [""] * size
-        self._nbytes = [0] * size
-        self._dtype = [""] * size
-        self._started = [0.0] * size
-        self._ended: list[float | None] = [None] * size
-        self._waited: list[list[int] | None] = [None] * size
-        self._next = 0  # the slot the next call takes
-        self._count = 0  # calls recorded in all
+        self._rows: list[list[Any]] = [[None] * 8 for _ in range(size)]
+        self._next = 0  # the row the next call takes
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
         self._waiting, self._waited_for = waiting, waited
@@ -122,38 +116,31 @@ class Recorder:
     def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str,
               started: float) -> Slot:
         """A call has taken its key ``key`` at ``started`` (``time.perf_counter()``):
-        record it as running, in place of the oldest. Returns its slot, for :meth:`end`."""
+        record it as running, in place of the oldest. Returns its row, for :meth:`end`."""
         i = self._next
         self._next = i + 1 if i + 1 < self.size else 0
-        self._count += 1
-        self._keys[i] = key
-        self._collective[i] = collective
-        self._strategy[i] = strategy
-        self._nbytes[i] = nbytes
-        self._dtype[i] = dtype
-        self._started[i] = started
-        self._ended[i] = None
-        self._waited[i] = None
-        return i
+        row = self._rows[i]
+        row[:] = (key, collective, strategy, nbytes, dtype, started, None, None)
+        return row
 
-    def end(self, slot: Slot, key: OpKey, strategy: str, ended: float,
+    def end(self, row: Slot, key: OpKey, strategy: str, ended: float,
             error: BaseException | None, data: tuple[int, str] | None = None) -> None:
-        """The call :meth:`start` put in ``slot`` as ``key`` has ended at ``ended``, run
+        """The call :meth:`start` put in ``row`` as ``key`` has ended at ``ended``, run
         with ``strategy`` ("": not known, as started), with ``error`` if it failed;
         ``data``: its bytes and dtypes, if learned since. A failure is written to the
-        folder. A call whose slot a newer one has taken (it ran
-        while ``size`` others started) is not recorded."""
-        if self._keys[slot] is not key:
+        folder. A call whose row a newer one has taken (it ran while ``size`` others
+        started) is not recorded."""
+        if row[KEY] is not key:
             return
         if strategy:
-            self._strategy[slot] = strategy
-        self._ended[slot] = ended
+            row[STRATEGY] = strategy
+        row[ENDED] = ended
         if data is not None:
-            self._nbytes[slot], self._dtype[slot] = data
+            row[NBYTES], row[DTYPE] = data
         if error is not None:
-            self._failed(slot, key, error)
+            self._failed(row, key, error)
 
-    def _failed(self, slot: Slot, key: OpKey, error: BaseException) -> None:
+    def _failed(self, row: Slot, key: OpKey, error: BaseException) -> None:
         if isinstance(error, CollectiveTimeout):
             waited = list(error.waiting_on)
         elif isinstance(error, PeerLost) and error.rank is not None:
@@ -162,11 +149,10 @@ class Recorder:
             waited = self._waited_for(key)
         else:  # a transfer: its one peer
             waited = [key.src if key.dst == self.rank else key.dst]
-        self._waited[slot] = waited
+        row[WAITED] = waited
         if self.folder:
             self._dumped_broken = True
-            self.dump(f"{self._collective[slot]} #{key.number} failed: "
-                      f"{type(error).__name__}")
+            self.dump(f"{row[COLLECTIVE]} #{key.number} failed: {type(error).__name__}")
 
     def refused(self, error: BaseException) -> None:
         """A call was refused before it started (the group is broken: a peer's abort
@@ -186,20 +172,18 @@ class Recorder:
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
         waiting, wall = self._waiting, self._wall
-        held = min(self._count, self.size)
-        first = (self._next - held) % self.size
         out = []
-        for i in [(first + k) % self.size for k in range(held)]:
-            key, ended, waited = self._keys[i], self._ended[i], self._waited[i]
-            assert key is not None
+        rows = self._rows[self._next:] + self._rows[:self._next]  # oldest first
+        for key, collective, strategy, nbytes, dtype, started, ended, waited in rows:
+            if key is None:
+                continue  # not used yet
             if ended is None:
                 state, waits = RUNNING, waiting(key)
             else:
                 state, waits = (DONE, []) if waited is None else (FAILED, list(waited))
-            out.append({"seq": key.number, "collective": self._collective[i],
-                        "strategy": self._strategy[i], "bytes": self._nbytes[i],
-                        "dtype": self._dtype[i], "state": state,
-                        "started": self._started[i] + wall,
+            out.append({"seq": key.number, "collective": collective, "strategy": strategy,
+                        "bytes": nbytes, "dtype": dtype, "state": state,
+                        "started": started + wall,
                         "ended": None if ended is None else ended + wall,
                         "waiting_for": waits})
         return out
