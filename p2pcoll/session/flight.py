@@ -50,7 +50,7 @@ Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits fo
 
 
 Slot = list[Any]  # a call's row in the ring (see Recorder.__init__)
-KEY, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(8)
+KEY, SEQ, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(9)
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
@@ -85,14 +85,16 @@ class Recorder:
 
     def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
                  waited: Waiting, folder: str = "") -> None:
-        # The ring: ``size`` rows made once, each [key, collective, strategy, bytes,
-        # dtypes, started, ended, waited]. A call overwrites a row and makes nothing the
-        # garbage collector follows (a list or an object per call would, and 2,000 of them
-        # alive slow its collections down). The times are time.perf_counter's (made
-        # wall-clock seconds when read); key None: never used; ended None: running;
-        # waited None unless it failed (then whom its error names).
+        # The ring: ``size`` rows made once, each [key, seq, collective, strategy, bytes,
+        # dtypes, started, ended, waited]. A call overwrites a row and keeps nothing alive
+        # that the garbage collector follows (a list or an object per call would, and so
+        # would its OpKey, a tuple: 2,000 of them alive cost each call a microsecond in
+        # collections): the key is held only while the call runs (ended None), for
+        # whom it waits. The times are time.perf_counter's (made wall-clock seconds when
+        # read); seq None: never used; waited None unless it failed (then whom its error
+        # names).
         self.size = size
-        self._rows: list[list[Any]] = [[None] * 8 for _ in range(size)]
+        self._rows: list[list[Any]] = [[None] * 9 for _ in range(size)]
         self._next = 0  # the row the next call takes
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
@@ -120,7 +122,7 @@ class Recorder:
         i = self._next
         self._next = i + 1 if i + 1 < self.size else 0
         row = self._rows[i]
-        row[:] = (key, collective, strategy, nbytes, dtype, started, None, None)
+        row[:] = (key, key.number, collective, strategy, nbytes, dtype, started, None, None)
         return row
 
     def end(self, row: Slot, key: OpKey, strategy: str, ended: float,
@@ -132,6 +134,7 @@ class Recorder:
         started) is not recorded."""
         if row[KEY] is not key:
             return
+        row[KEY] = None
         if strategy:
             row[STRATEGY] = strategy
         row[ENDED] = ended
@@ -174,14 +177,14 @@ class Recorder:
         waiting, wall = self._waiting, self._wall
         out = []
         rows = self._rows[self._next:] + self._rows[:self._next]  # oldest first
-        for key, collective, strategy, nbytes, dtype, started, ended, waited in rows:
-            if key is None:
+        for key, seq, collective, strategy, nbytes, dtype, started, ended, waited in rows:
+            if seq is None:
                 continue  # not used yet
             if ended is None:
                 state, waits = RUNNING, waiting(key)
             else:
                 state, waits = (DONE, []) if waited is None else (FAILED, list(waited))
-            out.append({"seq": key.number, "collective": collective, "strategy": strategy,
+            out.append({"seq": seq, "collective": collective, "strategy": strategy,
                         "bytes": nbytes, "dtype": dtype, "state": state,
                         "started": started + wall,
                         "ended": None if ended is None else ended + wall,
