@@ -50,6 +50,7 @@ from .api.join import join as _resolve
 from .api.loop_thread import LoopBlocked, LoopThread, wait
 from .errors import GroupBroken
 from .session.failure import GroupState
+from .session.flight import arm_signal
 from .settings import Settings
 from .types import CustomOp, Membership, Pytree, ReduceOp
 
@@ -185,6 +186,16 @@ class Group:
         """
         self._check_open("stats")
         return self._loop_thread.call(self._group.stats)
+
+    def flight_record(self) -> list[dict[str, Any]]:
+        """This rank's last calls, oldest first (see :meth:`p2pcoll.Group.flight_record`).
+
+        Raises:
+            GroupBroken: the group is closed.
+            LoopBlocked: called on a thread running an event loop.
+        """
+        self._check_open("flight_record")
+        return self._loop_thread.call(self._group.flight_record)
 
     # --- the calls ----------------------------------------------------------------------
 
@@ -482,6 +493,8 @@ def join(
         max_world_size=max_world_size, order=order, timeline=timeline,
     ).settings
     LoopThread.check_may_block("p2pcoll.blocking.join()")
+    if settings.flight_dir:  # the loop's thread cannot set a signal handler: this one may
+        arm_signal()
     loop_thread = LoopThread.acquire()
     try:
         group = wait(loop_thread.submit(_join(settings)))

@@ -8,6 +8,7 @@
     p2pcoll bench --collective allreduce -n 4        time a collective (see p2pcoll.bench)
     p2pcoll simulate -n 1024 --size 100MB            the cost model's time of each strategy
     p2pcoll timeline trace.json                      merge the ranks' timeline files
+    p2pcoll flight DIR                               why a job is stuck: the flight records
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous,
-               "keygen": _keygen, "peer": _peer, "timeline": _timeline}
+               "keygen": _keygen, "peer": _peer, "timeline": _timeline, "flight": _flight}
     # Any command: an optional module missing says which extra to install, in one line.
     try:
         with needs(f"{PROG} {args.subcommand}"):
@@ -186,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--keep", action="store_true",
                           help="keep the rank files after merging")
 
+    flight = sub.add_parser(
+        "flight",
+        help="why a job is stuck or failed, from the ranks' flight records",
+        description="Read the flight records the ranks wrote to DIR ($P2PCOLL_FLIGHT_DIR=DIR: "
+                    "DIR/rank-R.json, when a call fails and on SIGUSR1) and print the first "
+                    "collective where the ranks differ, the ranks everyone waits for and the "
+                    "ranks whose file is missing. Exits 0 when it could analyse.",
+    )
+    flight.add_argument("dir", metavar="DIR", help="the directory the ranks wrote to")
+
     # Its options are added by p2pcoll.bench, imported only when it runs (see _bench).
     sub.add_parser("bench", add_help=False, help="time a collective between peer processes")
     sub.add_parser("simulate", add_help=False,
@@ -234,6 +245,24 @@ def _timeline(args: argparse.Namespace) -> int:
         return _fail(f"timeline: no rank files for {args.path} (looked for "
                      f"STEM-GROUP-rankR{os.path.splitext(args.path)[1] or '.json'} beside it)")
     print(f"merged {count} rank files into {args.path}")
+    return 0
+
+
+# --- flight ---------------------------------------------------------------------------------
+
+
+def _flight(args: argparse.Namespace) -> int:
+    from .flight import analyse, load, report
+
+    try:
+        loaded = load(args.dir)
+    except OSError as exc:
+        return _fail(f"flight: cannot read {args.dir!r}: {exc.strerror or exc}")
+    analysis = analyse(loaded)
+    if analysis is None:
+        unusable = "".join(f"; {name}: {why}" for name, why in sorted(loaded.bad.items()))
+        return _fail(f"flight: no usable rank-R.json in {args.dir!r}{unusable}")
+    print(report(args.dir, analysis), end="")
     return 0
 
 

@@ -28,6 +28,11 @@ variable                       meaning (default)
                                (:mod:`p2pcoll.engine.costs`; built-in constants)
 ``P2PCOLL_TIMELINE``           write every collective's sends, receives and reductions
                                as a Chrome trace (:mod:`p2pcoll.engine.timeline`; off)
+``P2PCOLL_FLIGHT_RECORD``      calls each group keeps in its flight record
+                               (:mod:`p2pcoll.session.flight`), 0..1000000; 0: off (2000)
+``P2PCOLL_FLIGHT_DIR``         write each rank's flight record to ``DIR/rank-R.json``
+                               when a call fails and on SIGUSR1 (an existing, writable
+                               directory; off)
 ``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
 ``P2PCOLL_SPIN``               microseconds a small collective on the shared-memory
@@ -75,7 +80,8 @@ from .errors import SettingsError
 from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
-from .settings_env import LINKS_ALLOWED, EnvReader, check_host_id, check_int, check_job_id
+from .settings_env import (LINKS_ALLOWED, EnvReader, check_directory, check_host_id, check_int,
+                           check_job_id)
 from .settings_env import MIN_LINKS as MIN_LINKS  # these still importable from here
 from .settings_env import check_path as check_path
 from .settings_env import check_seconds as check_seconds
@@ -86,6 +92,7 @@ from .strategy import COLLECTIVES
 log = logging.getLogger("p2pcoll")
 
 TRANSPORT_NAMES = ("auto", "tcp", "ipc", "inproc")
+MAX_FLIGHT_RECORD = 1_000_000  # calls a flight record keeps at most (~200 bytes each)
 
 # Every variable this module knows, for the warning about unknown ones.
 KNOWN_VARS = frozenset(
@@ -94,6 +101,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM",
+        "P2PCOLL_FLIGHT_RECORD", "P2PCOLL_FLIGHT_DIR",
         "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC", "P2PCOLL_MAX_LINKS",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
@@ -136,6 +144,10 @@ class Settings:
             the built-in ones (loaded and checked when the group is made).
         timeline: path of the Chrome trace of every collective (see
             :mod:`p2pcoll.engine.timeline`; each rank writes a file beside it), or "".
+        flight_record: how many calls the flight record keeps (0: none; see
+            :mod:`p2pcoll.session.flight`).
+        flight_dir: the directory each rank writes its flight record to when a call
+            fails and on SIGUSR1, or "".
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
         spin_us: how long (microseconds) a collective on the shared-memory board polls
@@ -175,6 +187,8 @@ class Settings:
     max_message_bytes: int = 256 << 20
     cost_model: str = ""
     timeline: str = ""
+    flight_record: int = 2000
+    flight_dir: str = ""
     shm: bool = True
     shm_bytes: int = 16 << 20
     spin_us: int = 50
@@ -225,6 +239,8 @@ class Settings:
             "max_message_bytes": reader.size("P2PCOLL_MAX_MESSAGE_BYTES", minimum=4 << 10),
             "cost_model": reader.raw("P2PCOLL_COST_MODEL"),
             "timeline": reader.path("P2PCOLL_TIMELINE"),
+            "flight_record": reader.integer("P2PCOLL_FLIGHT_RECORD", 0, MAX_FLIGHT_RECORD),
+            "flight_dir": reader.directory("P2PCOLL_FLIGHT_DIR"),
             "shm": reader.switch("P2PCOLL_SHM"),
             "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
             "spin_us": reader.integer("P2PCOLL_SPIN", 0, 10_000),
@@ -241,8 +257,9 @@ class Settings:
         if "strategies" in given:
             merged["strategies"] = {**values["strategies"], **_check_strategies(
                 given.pop("strategies"))}
-        if "timeline" in given:
-            given["timeline"] = os.fspath(given["timeline"])
+        for name in ("timeline", "flight_dir"):
+            if name in given:
+                given[name] = os.fspath(given[name])
         key_file = given.pop("key_file", None)
         if key_file is not None:
             merged["key"] = JobKey.load(key_file, where="key_file=")
@@ -279,6 +296,10 @@ class Settings:
                 raise bad_value("max_links=", links, LINKS_ALLOWED)
         if given.get("timeline"):  # made a str by resolve()
             check_path(given["timeline"], "timeline=")
+        if "flight_record" in given:
+            check_int(given["flight_record"], "flight_record=", 0, MAX_FLIGHT_RECORD)
+        if given.get("flight_dir"):
+            check_directory(given["flight_dir"], "flight_dir=")
         if "heartbeat_timeout" in given:
             check_seconds(given["heartbeat_timeout"], "heartbeat_timeout=")
         if math.isinf(self.heartbeat_timeout):  # from either: a peer must be lost at some point

@@ -122,6 +122,22 @@ def check_path(path: str, where: str) -> str:
     return path
 
 
+def check_directory(path: str, where: str) -> str:
+    """``path`` if it is an existing, writable directory (``$P2PCOLL_FLIGHT_DIR``).
+
+    Raises:
+        SettingsError: naming ``where``, the path and what is wrong with it.
+    """
+    allowed = "an existing, writable directory"
+    if not os.path.isdir(path):
+        raise SettingsError(f"{where}={path!r} is not an existing directory", name=where,
+                            value=path, allowed=allowed)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SettingsError(f"{where}={path!r}: the directory is not writable", name=where,
+                            value=path, allowed=allowed)
+    return path
+
+
 def _float(value: str) -> float:
     """``value`` as a float; NaN, which every range check refuses, when it is not one."""
     try:
@@ -146,6 +162,11 @@ class EnvReader:
         """A path a file will be written to (its directory must exist and be writable)."""
         value = self.raw(name)
         return None if value is None else check_path(value, f"${name}")
+
+    def directory(self, name: str) -> str | None:
+        """A directory files will be written to (it must exist and be writable)."""
+        value = self.raw(name)
+        return None if value is None else check_directory(value, f"${name}")
 
     def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
         value = self.raw(name)

@@ -28,6 +28,7 @@ from ..pytree import unflatten
 from ..rendezvous import RendezvousServer
 from ..session.calls import Call
 from ..session.failure import USABLE, GroupState
+from ..session.flight import flight_record as _flight_record
 from ..session.session import Session
 from ..session.turns import Turns
 from ..settings import check_seconds
@@ -553,6 +554,7 @@ class Group:
             "collectives": session.seq,
             **self._activity.report(),
         }
+    flight_record = _flight_record  # this rank's last calls (see p2pcoll.session.flight)
 
     async def close(self, reason: str = "") -> None:
         """Leave the group: tell the peers, then close every socket. Idempotent.

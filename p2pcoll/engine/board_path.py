@@ -161,7 +161,9 @@ class BoardPath:
         loop = asyncio.get_running_loop()
         nap = MIN_NAP
         op = OpKey(seq)
-        matcher.note_waiting(op, ranks)
+        # Whom it still waits for, as it goes to sleep (a timeout's inquiry and the
+        # flight record ask): those that have not published yet.
+        matcher.note_waiting(op, [q for q in ranks if w[q * WORDS + COUNT] < count])
         try:
             while True:
                 w[me + SLEEPING] = count

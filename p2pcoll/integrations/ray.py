@@ -302,6 +302,10 @@ class P2PCollGroup(BaseGroup):
         """Close this rank's p2pcoll group (the peers see it leave)."""
         _off_loop(self._group.close)
 
+    def flight_record(self) -> list[dict[str, Any]]:
+        """This rank's last calls, oldest first (see :meth:`p2pcoll.Group.flight_record`)."""
+        return self._group.flight_record()
+
     def allreduce(self, tensor: list[Any], allreduce_options: Any = None) -> None:
         options = allreduce_options or AllReduceOptions()
         buf = _Buffer(_one(tensor, "allreduce"))

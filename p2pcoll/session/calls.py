@@ -11,7 +11,8 @@ same key only look it up: no choice, no Layout, no Signature per call. A new ses
 new epoch) starts with no programs; the cache is bounded.
 
 Small collectives among peers of one host go on the board
-(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for.
+(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for. Every call is entered in
+the group's flight record (:mod:`p2pcoll.session.flight`) here.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..engine.p2p import RECV, SEND
 from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
 from ..engine.timeline import COLLECTIVE
-from ..errors import CollectiveMismatch, P2PCollError, ProtocolError
+from ..errors import CollectiveMismatch, GroupBroken, P2PCollError, ProtocolError
 from ..pytree import TreeDef
 from ..registry import registry
 from ..settings import check_seconds
@@ -42,6 +43,7 @@ from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
+from .flight import describe
 from .turns import Turns
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from ..types import Membership
     from .activity import Activity
     from .failure import FailureModel
+    from .flight import Recorder
 
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
@@ -134,6 +137,8 @@ class Prepared:
     # This rank's part as messages, compiled when first run: after the sequence number
     # is taken, so that the peers hear of a plugin's bad schedule (it aborts the collective).
     program: Program | None = None
+    nbytes: int = 0  # the data's, and its dtypes' names, for the flight record
+    dtype: str = ""
     # On the board: a reduction's plan (where its data lies), True for a barrier, or a
     # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
     # the board only says so). None: not on the board.
@@ -151,6 +156,7 @@ class RunnerSession(Protocol):
     executor: Executor
     activity: Activity
     constants: Mapping[str, Constants]
+    flight: Recorder | None
 
     @property
     def rank(self) -> int: ...
@@ -264,8 +270,10 @@ class Runner:
         settings = self.session.settings
         nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes,
                               whole=strat.whole_messages)
+        nbytes, dtype = describe(flat)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
-                           int.from_bytes(sig.digest, "little", signed=True))
+                           int.from_bytes(sig.digest, "little", signed=True),
+                           nbytes=nbytes, dtype=dtype)
         if on_board:
             assert board is not None
             if name in ("allreduce", "reduce"):
@@ -297,13 +305,27 @@ class Runner:
         # Prepared before the sequence number is taken: an unknown strategy or a plugin's
         # bad schedule is this rank's own error, and the group stays usable.
         program = self.prepare(call, call.schedule) if call.learn is None else None
-        if call.tag is None:
-            op = session.next_seq()
-        elif call.collective == "send":
-            op = session.next_transfer(self.rank, call.root or 0, call.tag)
-        else:
-            op = session.next_transfer(call.root or 0, self.rank, call.tag)
+        flight = session.flight
+        try:
+            if call.tag is None:
+                op = session.next_seq()
+            elif call.collective == "send":
+                op = session.next_transfer(self.rank, call.root or 0, call.tag)
+            else:
+                op = session.next_transfer(call.root or 0, self.rank, call.tag)
+        except GroupBroken as exc:
+            if flight is not None:
+                flight.refused(exc)
+            raise
         started, error = time.perf_counter(), None
+        if flight is not None:
+            # What the call is, known from its program (a receiver's learns it: at its end).
+            if program is not None:
+                slot = flight.start(op, call.collective, program.strategy.name,
+                                    program.nbytes, program.dtype, started)
+            else:
+                slot = flight.start(op, call.collective, call.strategy or "auto", 0, "",
+                                    started)
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
@@ -315,9 +337,10 @@ class Runner:
             error = exc
             raise
         finally:
+            ended = time.perf_counter()
             session.activity.record(
                 call.collective, call.strategy_used or (call.strategy or "auto"),
-                time.perf_counter() - started, error if isinstance(error, P2PCollError) else None)
+                ended - started, error if isinstance(error, P2PCollError) else None)
             if timeline is not None and (call.strategy_used == BOARD or self.size == 1):
                 # The executor traces what it runs; what it does not run is traced here.
                 args: dict[str, Any] = {"strategy": BOARD, "seq": op.number,
@@ -325,6 +348,9 @@ class Runner:
                 if error is not None:
                     args["error"] = f"{type(error).__name__}: {error}"
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
+            if flight is not None:
+                flight.end(slot, op, call.strategy_used, ended, error,
+                           describe(call.flat) if program is None else None)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)

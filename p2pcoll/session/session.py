@@ -38,6 +38,7 @@ from ..wire import Header
 from . import control
 from .calls import Runner
 from .failure import FailureModel, GroupState
+from .flight import Recorder
 
 log = logging.getLogger("p2pcoll")
 
@@ -78,6 +79,12 @@ class Session:
         # its own in) and auto's constants (read and checked when the group was formed).
         self.activity = Activity()
         self.constants = constants
+        # The last calls, for `p2pcoll flight` (see .flight); None when it is off.
+        self.flight = Recorder(
+            settings.flight_record, membership.rank, membership.world_size,
+            membership.group_id, self.matcher.waiting_on,
+            lambda key: self.failures.status(key.number)[1], settings.flight_dir,
+        ) if settings.flight_record else None
         self.runner = Runner(self)
         self.run = self.runner.run
         if membership.world_size == 1:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from ...api import Group, form_group
 from ...errors import P2PCollError
 from ...registry import available_strategies
+from ...session.flight import arm_signal
 from ...settings import Settings
 from ...wire import MAX_TAG
 from . import ops
@@ -107,6 +108,8 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         self._gloo_calls = gloo if size == 2 else {}
         if size != 2:
             settings = replace(settings, strategies={**settings.strategies, **gloo})
+        if settings.flight_dir:  # here: the loop's thread cannot set a signal handler
+            arm_signal()
         self._runtime = Runtime.acquire()
         try:
             group = self._runtime.run(form_group(settings, store=store))
@@ -141,6 +144,12 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
 
             raise GroupBroken("the p2pcoll process group has been shut down")
         return self._group
+
+    def flight_record(self) -> list[dict[str, Any]]:
+        """This rank's last calls through this process group, oldest first (see
+        :meth:`p2pcoll.Group.flight_record`): every op of the backend is a call of its
+        group, point-to-point ones too."""
+        return self._runtime.run(_snapshot(self.group))
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Leave the p2pcoll group and close its sockets; the last group of the process
@@ -537,6 +546,10 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         work = self._launch("recv", [t], lambda g: [run(g)])
         work.sender = sender
         return work
+
+
+async def _snapshot(group: Group) -> list[dict[str, Any]]:
+    return group.flight_record()  # on the loop, where the record changes
 
 
 def _options(pg_options: Any) -> Options | None:

@@ -1,0 +1,306 @@
+"""The flight recorder: each group's last calls, kept to say after a hang or a failure
+what every rank was doing.
+
+The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
+takes) opens an entry when a call has its sequence number and closes it when the call
+ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), its rows made
+once and overwritten (nothing the garbage collector follows is kept per call), its times
+the runner's own clock reads: about half a microsecond a call. What a running call still
+waits for is not kept as it changes: :meth:`Recorder.snapshot` asks the matcher then (the
+answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`). A failed call keeps
+whom its error blames.
+
+``P2PCOLL_FLIGHT_DIR=DIR``: each rank writes its record to ``DIR/rank-R.json`` when a call
+fails (a timeout, a mismatch, a lost peer), or its group is found broken, and on SIGUSR1
+(:func:`arm_signal`). The snapshot is taken on the loop; the JSON is encoded and written
+(to a temporary file, then renamed: a reader never sees half a file) on a worker thread, so
+the loop is held for the snapshot only. ``p2pcoll flight DIR`` reads the files
+(:mod:`p2pcoll.flight`).
+
+A process with several groups of one rank number (torch's subgroups) writes one file per
+rank: the group that wrote last wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import CollectiveTimeout, PeerLost
+from ..types import OpKey
+
+log = logging.getLogger("p2pcoll")
+
+FORMAT = "p2pcoll-flight"  # a file's "format" field: p2pcoll.flight refuses others
+VERSION = 1
+RUNNING, DONE, FAILED = "running", "done", "failed"
+
+Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
+Slot = list[Any]  # a call's row in the ring (see Recorder.__init__)
+KEY, SEQ, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(9)
+
+
+_NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
+
+
+def describe(arrays: Sequence[np.ndarray]) -> tuple[int, str]:
+    """The bytes of ``arrays`` and their dtypes' names (``"float32"``, ``"float32,int64"``
+    for several kinds; ``""`` for none)."""
+    names: list[str] = []
+    nbytes = 0
+    for a in arrays:
+        nbytes += a.nbytes
+        name = _NAMES.get(a.dtype)
+        if name is None:
+            name = _NAMES[a.dtype] = a.dtype.name
+        if name not in names:
+            names.append(name)
+    return nbytes, ",".join(names)
+
+
+class Recorder:
+    """The flight record of one group on this rank.
+
+    Args:
+        size: how many calls it keeps (> 0).
+        rank, world_size, group: what the files say about the rank that wrote them.
+        waiting: the ranks a running operation waits for (the session's matcher's).
+        waited: the ranks a failed collective waited for when it failed (the failure
+            model's), for an error that names nobody.
+        folder: where :meth:`dump` writes ``rank-R.json`` ("" : it does not).
+    """
+
+    def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
+                 waited: Waiting, folder: str = "") -> None:
+        # The ring: ``size`` rows made once, each [key, seq, collective, strategy, bytes,
+        # dtypes, started, ended, waited]. A call overwrites a row and keeps nothing alive
+        # that the garbage collector follows (a list or an object per call would, and so
+        # would its OpKey, a tuple: 2,000 of them alive cost each call a microsecond in
+        # collections): the key is held only while the call runs (ended None), for
+        # whom it waits. The times are time.perf_counter's (made wall-clock seconds when
+        # read); seq None: never used; waited None unless it failed (then whom its error
+        # names).
+        self.size = size
+        self._rows: list[list[Any]] = [[None] * 9 for _ in range(size)]
+        self._next = 0  # the row the next call takes
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.folder = folder
+        self._waiting, self._waited_for = waiting, waited
+        # perf_counter's times + this = wall-clock seconds (comparable across ranks)
+        self._wall = time.time() - time.perf_counter()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writing = False  # a write is under way on a worker thread
+        self._again: str | None = None  # and another was asked for meanwhile (its reason)
+        self._dumped_broken = False  # the broken group has been written since it broke
+        if folder:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._loop = None
+            _recorders.add(self)
+            arm_signal()
+
+    # --- on the runner's path ------------------------------------------------------------
+
+    def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str,
+              started: float) -> Slot:
+        """A call has taken its key ``key`` at ``started`` (``time.perf_counter()``):
+        record it as running, in place of the oldest. Returns its row, for :meth:`end`."""
+        i = self._next
+        self._next = i + 1 if i + 1 < self.size else 0
+        row = self._rows[i]
+        row[:] = (key, key.number, collective, strategy, nbytes, dtype, started, None, None)
+        return row
+
+    def end(self, row: Slot, key: OpKey, strategy: str, ended: float,
+            error: BaseException | None, data: tuple[int, str] | None = None) -> None:
+        """The call :meth:`start` put in ``row`` as ``key`` has ended at ``ended``, run
+        with ``strategy`` ("": not known, as started), with ``error`` if it failed;
+        ``data``: its bytes and dtypes, if learned since. A failure is written to the
+        folder. A call whose row a newer one has taken (it ran while ``size`` others
+        started) is not recorded."""
+        if row[KEY] is not key:
+            return
+        row[KEY] = None
+        if strategy:
+            row[STRATEGY] = strategy
+        row[ENDED] = ended
+        if data is not None:
+            row[NBYTES], row[DTYPE] = data
+        if error is not None:
+            self._failed(row, key, error)
+
+    def _failed(self, row: Slot, key: OpKey, error: BaseException) -> None:
+        if isinstance(error, CollectiveTimeout):
+            waited = list(error.waiting_on)
+        elif isinstance(error, PeerLost) and error.rank is not None:
+            waited = [error.rank]
+        elif key.tag is None:
+            waited = self._waited_for(key)
+        else:  # a transfer: its one peer
+            waited = [key.src if key.dst == self.rank else key.dst]
+        row[WAITED] = waited
+        if self.folder:
+            self._dumped_broken = True
+            self.dump(f"{row[COLLECTIVE]} #{key.number} failed: {type(error).__name__}")
+
+    def refused(self, error: BaseException) -> None:
+        """A call was refused before it started (the group is broken: a peer's abort
+        broke it between this rank's calls): written once."""
+        if self.folder and not self._dumped_broken:
+            self._dumped_broken = True
+            self.dump(f"the group is broken: {type(error).__name__}")
+
+    # --- reading -------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The record, oldest first: ``seq`` (a collective's sequence number; a transfer's
+        count on its channel), ``collective``, ``strategy`` (the one it ran with, "board"
+        for the shared-memory board; while running, the one asked for), ``bytes`` (this
+        rank's data), ``dtype``, ``state`` (``running``, ``done``, ``failed``),
+        ``started`` and ``ended`` (wall-clock seconds, ``ended`` None while running) and
+        ``waiting_for``: for a running call the ranks it still waits for, for a failed
+        one those its error names; else ``[]``. Called on the group's loop."""
+        waiting, wall = self._waiting, self._wall
+        out = []
+        rows = self._rows[self._next:] + self._rows[:self._next]  # oldest first
+        for key, seq, collective, strategy, nbytes, dtype, started, ended, waited in rows:
+            if seq is None:
+                continue  # not used yet
+            if ended is None:
+                state, waits = RUNNING, waiting(key)
+            else:
+                state, waits = (DONE, []) if waited is None else (FAILED, list(waited))
+            out.append({"seq": seq, "collective": collective, "strategy": strategy,
+                        "bytes": nbytes, "dtype": dtype, "state": state,
+                        "started": started + wall,
+                        "ended": None if ended is None else ended + wall,
+                        "waiting_for": waits})
+        return out
+
+    # --- writing -------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.folder, f"rank-{self.rank}.json")
+
+    def dump(self, reason: str) -> None:
+        """Write the record to :attr:`path` (on a worker thread; the snapshot now). A dump
+        asked for while one is being written follows it."""
+        if not self.folder:
+            return
+        if self._writing:
+            self._again = reason
+            return
+        document = {"format": FORMAT, "version": VERSION, "rank": self.rank,
+                    "world_size": self.world_size, "group": self.group, "reason": reason,
+                    "written": time.time(), "record": self.snapshot()}
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            write(self.path, document)
+            return
+        self._writing = True
+        future = loop.run_in_executor(None, write, self.path, document)
+        future.add_done_callback(self._written)
+
+    def _written(self, future: asyncio.Future[None]) -> None:
+        self._writing = False
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("rank %d: could not write its flight record to %s: %s", self.rank,
+                        self.path, future.exception())
+        again, self._again = self._again, None
+        if again is not None:
+            self.dump(again)
+
+    def on_signal(self) -> None:
+        """SIGUSR1 came: dump on the group's loop (the record changes only there)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self.dump, "SIGUSR1")
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+
+def write(path: str, document: dict[str, Any]) -> None:
+    """Write ``document`` as JSON to ``path`` atomically (a temporary file beside it,
+    renamed over it)."""
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(document, f, separators=(",", ":"))
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+class _Session(Protocol):
+    flight: Recorder | None
+
+
+class _Group(Protocol):
+    @property
+    def session(self) -> _Session: ...
+
+
+def flight_record(group: _Group) -> list[dict[str, Any]]:
+    """The flight record of ``group`` on this rank (``Group.flight_record()``): its last
+    calls (``P2PCOLL_FLIGHT_RECORD``, 2,000), oldest first, as :meth:`Recorder.snapshot`
+    describes them; ``[]`` when the record is off.
+
+    Raises:
+        GroupBroken: the group is closed.
+    """
+    recorder = group.session.flight
+    return recorder.snapshot() if recorder is not None else []
+
+
+# --- SIGUSR1 ---------------------------------------------------------------------------------
+
+_recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()  # those with a folder
+_armed = False
+_previous: Any = None
+
+
+def arm_signal() -> bool:
+    """Make SIGUSR1 dump every recorder that has a folder, once per process, if called
+    from the main thread (a signal handler can be set only there; the blocking API and the
+    torch backend call it from theirs). A handler set before is called after. Returns
+    whether the handler is in place."""
+    global _armed, _previous
+    if _armed:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    _previous = signal.signal(signal.SIGUSR1, _on_sigusr1)
+    _armed = True
+    return True
+
+
+def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
+    for recorder in list(_recorders):
+        recorder.on_signal()
+    previous = _previous
+    if callable(previous):  # not SIG_DFL (which would end the process) or SIG_IGN
+        previous(signum, frame)
+
+
+__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Recorder", "Slot",
+           "arm_signal", "describe", "flight_record", "write"]
