@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2pcoll.departures import (
+    CHECK_WAIT,
     LINK_LOSS_GRACE,
     Aborted,
     Action,
@@ -327,6 +328,54 @@ def test_news_passed_to_a_finger_that_went_goes_on_from_its_replacement() -> Non
     for r in net.survivors():
         assert set(net.peers[r].gone()) == {0, 1, 4}, r
     assert not net.violations
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    ("killed", "ended without a word: its process was killed or crashed hard"),
+    ("unresponsive", "stopped answering: its process is there but silent past the "
+                     "heartbeat timeout"),
+    ("", "is gone without closing the group: its process was killed or crashed, or it "
+         "stopped answering"),
+])
+def test_a_loss_says_how_its_peer_went_and_its_news_carries_that(how: str, says: str) -> None:
+    net = Net(6)
+    net.killed.add(3)  # its other watcher's probe stays up: that one learns from the news
+    # rank 2 (a watcher of 3) finds out what became of it before the grace is over
+    net.apply(2, net.peers[2].link_closed(3, net.now, checking=True), 0)
+    net.apply(2, net.peers[2].classified(3, how, net.now + 0.01), 0)
+    net.settle()
+    for r in net.survivors():
+        err = net.peers[r].lost(3)
+        assert err is not None and err.how == how and err.rank == 3
+        assert str(err).startswith(f"rank 3 {says}"), str(err)
+    assert not net.violations
+
+
+def test_a_loss_waits_for_how_its_peer_went_but_not_forever() -> None:
+    p = Departures(0, 4, GROUP)
+    p.op_started("op", needs=range(4), seq=0)
+    assert p.link_closed(1, 0.0, checking=True) == []
+    assert p.tick(LINK_LOSS_GRACE + 0.01) == [] and p.suspects(1)  # still finding out
+    assert p.deadline() == pytest.approx(LINK_LOSS_GRACE + CHECK_WAIT)
+    fails = [a for a in p.tick(LINK_LOSS_GRACE + CHECK_WAIT) if isinstance(a, Fail)]
+    assert [f.error.how for f in fails] == [""] and p.lost(1) is fails[0].error
+    # found out in time, after the grace: lost at once, saying so
+    q = Departures(0, 4, GROUP)
+    q.link_closed(1, 0.0, checking=True)
+    q.tick(LINK_LOSS_GRACE + 0.01)
+    assert q.classified(1, "killed", LINK_LOSS_GRACE + 0.02)
+    err = q.lost(1)
+    assert err is not None and err.how == "killed"
+
+
+def test_a_goodbye_after_a_link_closed_wins_over_how_it_was_found() -> None:
+    p = Departures(0, 4, GROUP)
+    p.link_closed(1, 0.0, checking=True)
+    p.classified(1, "killed", 0.1)
+    p.received(Header("bye", GROUP, 1, 0, meta={"told": [0]}), 0.2)
+    p.tick(1.0)
+    err = p.lost(1)
+    assert p.said_goodbye(1) and err is not None and err.how == "closed"
 
 
 def test_a_leaving_peer_logs_no_loss(caplog: pytest.LogCaptureFixture) -> None:
