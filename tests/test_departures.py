@@ -387,6 +387,35 @@ def test_a_leaving_peer_logs_no_loss(caplog: pytest.LogCaptureFixture) -> None:
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_group_that_closes_around_a_peer_warns_it_of_nothing(
+        seed: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35: 64 ranks that closed normally logged "rank 55: lost the connection to
+    rank 14": a closing peer passes on no news, so a peer still there that watches, late,
+    one whose watchers had both closed finds its port closed and its goodbye unheard."""
+    rng = random.Random(seed)
+    net = Net(16)
+    for r in rng.sample(range(1, 16), 15):
+        net.close(r, seq=1)
+        for _ in range(rng.randint(0, 5)):
+            if net.queue:
+                net.deliver(rng.randrange(len(net.queue)))
+        for c in net.closing():
+            if not net.peers[c].unanswered() and rng.random() < 0.5:
+                net.finish_close(c)
+    net.settle()
+    assert set(net.peers[0].gone()) == set(range(1, 16))
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_loss_before_any_goodbye_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    net = Net(4)
+    net.kill(2)
+    net.settle()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "rank 1: lost the connection to rank 2" in warned, warned
+
+
 def test_an_operation_fails_once_whatever_else_goes() -> None:
     p = Departures(0, 8, GROUP)
     p.op_started("op", needs=range(8), seq=0)

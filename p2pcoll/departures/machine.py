@@ -367,11 +367,19 @@ class Departures:
                 f"connection to rank {peer}")
         if by != self.rank:
             text += f" (reported to rank {self.rank})"
-        # A peer that is leaving sees its neighbours close too: nothing to warn of.
-        level = logging.DEBUG if self._closing else logging.WARNING
-        log.log(level, "rank %d: %s", self.rank,
+        # A peer that is leaving sees its neighbours close too: nothing to warn of. Nor
+        # does one whose group is closing around it (a peer has left after a healthy run):
+        # a peer that closes says goodbye to its watchers, and they pass on no news once
+        # leaving themselves, so a peer watched only later (a late probe) may be found gone
+        # with its goodbye unheard. What it was running still fails, saying so.
+        winding_down = any(d.graceful and r not in self._reports
+                           for r, d in self._gone.items())
+        level = (logging.DEBUG if self._closing
+                 else logging.INFO if winding_down else logging.WARNING)
+        log.log(level, "rank %d: %s%s", self.rank,
                 f"lost the connection to rank {peer}" if by == self.rank
-                else f"rank {by} reports that it lost rank {peer}")
+                else f"rank {by} reports that it lost rank {peer}",
+                " as the group closes (it most likely closed too)" if winding_down else "")
         return self._record(peer, Departure(PeerLost(text, peer, how=how), False))
 
     def _record(self, rank: int, departure: Departure) -> list[Action]:
