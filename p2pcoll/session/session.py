@@ -162,13 +162,16 @@ class Session:
         process is gone: killed), or something does (it is there, silent: unresponsive).
         Asked half a grace after the link went down: a process being killed closes its
         connections a moment before its listening sockets."""
+        how = ""
         try:
             await asyncio.sleep(self.departures.grace / 2)
             found = await listening(endpoint, CHECK_WAIT / 2)
+            how = KILLED if found is False else UNRESPONSIVE
+        except ValueError:  # an address it cannot check: the loss says it cannot tell
+            pass
         finally:
             self._checks.pop(rank, None)
-        self._do(self.departures.classified(rank, KILLED if found is False else UNRESPONSIVE,
-                                            self._now()))
+        self._do(self.departures.classified(rank, how, self._now()))
 
     def _do(self, actions: list[Action]) -> None:
         """Carry out what the departures machine says, and time its next tick."""

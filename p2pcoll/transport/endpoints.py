@@ -284,6 +284,8 @@ async def listening(endpoint: str, timeout: float) -> bool | None:
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
         family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+        if not port.isdigit():
+            raise ValueError(f"cannot check {endpoint!r}: no port number")
         address = (host.strip("[]"), int(port))
     elif endpoint.startswith("ipc://"):
         family, address = socket.AF_UNIX, endpoint.removeprefix("ipc://")
