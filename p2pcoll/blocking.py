@@ -432,6 +432,11 @@ class Group:
             LoopBlocked: called on a thread running an event loop (use ``await g.aio.close()``
                 there, then ``close()`` elsewhere, or close from a thread).
         """
+        self._close(reason, None)
+
+    def _close(self, reason: str, crash: BaseException | None) -> None:
+        """:meth:`close`; ``crash``: the error that left the ``with`` block, which the
+        peers' PeerLost names (they read that this rank crashed, not that it closed)."""
         with self._lock:
             if self._closed:
                 return
@@ -439,7 +444,7 @@ class Group:
             self._closed = True
         LoopThread.forget(self._exit_key)
         try:
-            wait(self._loop_thread.submit(self._group.close(reason)))
+            wait(self._loop_thread.submit(self._group._leave(reason, crash)))
         finally:
             LoopThread.release()
 
@@ -451,7 +456,9 @@ class Group:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close("" if exc is None else f"{kind.__name__ if kind else 'error'}: {exc}")
+        # Left by an error of the program: the peers are told this rank crashed, and why,
+        # as by the async Group's ``async with`` (a Ctrl-C or SystemExit is a close).
+        self._close("", exc if isinstance(exc, Exception) else None)
 
     def __repr__(self) -> str:
         return f"<blocking {self._group!r}>"

@@ -201,6 +201,7 @@ def test_compare_gloo_side_by_side(tmp_path: Path) -> None:
         assert float(cells[7].rstrip("x")) == pytest.approx(pair["busbw_ratio"], abs=0.006)
 
 
+@pytest.mark.slow  # matplotlib, and a real bench of every allreduce strategy
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from matplotlib.image import imread
 

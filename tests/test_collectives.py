@@ -539,10 +539,12 @@ async def test_matrix(collective: str, p: int) -> None:
     await run_matrix(p, WALKS[collective]())
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ipc", "inproc"])
+@pytest.mark.parametrize("transport", [
+    "tcp", pytest.param("ipc", marks=pytest.mark.slow), "inproc"])
 async def test_matrix_over_transport(transport: str) -> None:
     """The whole matrix at one world size over each transport forced, in one group each
-    (the other tests use the default, auto: ipc between peers of one host)."""
+    (the other tests use the default, auto: ipc between peers of one host, so the ipc
+    pass, which repeats test_matrix at p = 4, is in the slow tier)."""
     await run_matrix(4, *(make() for make in WALKS.values()), transport=transport)
 
 

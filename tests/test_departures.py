@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2pcoll.departures import (
+    CHECK_WAIT,
     LINK_LOSS_GRACE,
     Aborted,
     Action,
@@ -329,6 +330,54 @@ def test_news_passed_to_a_finger_that_went_goes_on_from_its_replacement() -> Non
     assert not net.violations
 
 
+@pytest.mark.parametrize(("how", "says"), [
+    ("killed", "ended without a word: its process was killed or crashed hard"),
+    ("unresponsive", "stopped answering: its process is there but silent past the "
+                     "heartbeat timeout"),
+    ("", "is gone without closing the group: its process was killed or crashed, or it "
+         "stopped answering"),
+])
+def test_a_loss_says_how_its_peer_went_and_its_news_carries_that(how: str, says: str) -> None:
+    net = Net(6)
+    net.killed.add(3)  # its other watcher's probe stays up: that one learns from the news
+    # rank 2 (a watcher of 3) finds out what became of it before the grace is over
+    net.apply(2, net.peers[2].link_closed(3, net.now, checking=True), 0)
+    net.apply(2, net.peers[2].classified(3, how, net.now + 0.01), 0)
+    net.settle()
+    for r in net.survivors():
+        err = net.peers[r].lost(3)
+        assert err is not None and err.how == how and err.rank == 3
+        assert str(err).startswith(f"rank 3 {says}"), str(err)
+    assert not net.violations
+
+
+def test_a_loss_waits_for_how_its_peer_went_but_not_forever() -> None:
+    p = Departures(0, 4, GROUP)
+    p.op_started("op", needs=range(4), seq=0)
+    assert p.link_closed(1, 0.0, checking=True) == []
+    assert p.tick(LINK_LOSS_GRACE + 0.01) == [] and p.suspects(1)  # still finding out
+    assert p.deadline() == pytest.approx(LINK_LOSS_GRACE + CHECK_WAIT)
+    fails = [a for a in p.tick(LINK_LOSS_GRACE + CHECK_WAIT) if isinstance(a, Fail)]
+    assert [f.error.how for f in fails] == [""] and p.lost(1) is fails[0].error
+    # found out in time, after the grace: lost at once, saying so
+    q = Departures(0, 4, GROUP)
+    q.link_closed(1, 0.0, checking=True)
+    q.tick(LINK_LOSS_GRACE + 0.01)
+    assert q.classified(1, "killed", LINK_LOSS_GRACE + 0.02)
+    err = q.lost(1)
+    assert err is not None and err.how == "killed"
+
+
+def test_a_goodbye_after_a_link_closed_wins_over_how_it_was_found() -> None:
+    p = Departures(0, 4, GROUP)
+    p.link_closed(1, 0.0, checking=True)
+    p.classified(1, "killed", 0.1)
+    p.received(Header("bye", GROUP, 1, 0, meta={"told": [0]}), 0.2)
+    p.tick(1.0)
+    err = p.lost(1)
+    assert p.said_goodbye(1) and err is not None and err.how == "closed"
+
+
 def test_a_leaving_peer_logs_no_loss(caplog: pytest.LogCaptureFixture) -> None:
     net = Net(4)
     net.close(0)
@@ -336,6 +385,35 @@ def test_a_leaving_peer_logs_no_loss(caplog: pytest.LogCaptureFixture) -> None:
     net.apply(0, net.peers[0].probe_lost(1, net.now), 0)
     net.tick(LINK_LOSS_GRACE + 0.01)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_group_that_closes_around_a_peer_warns_it_of_nothing(
+        seed: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35: 64 ranks that closed normally logged "rank 55: lost the connection to
+    rank 14": a closing peer passes on no news, so a peer still there that watches, late,
+    one whose watchers had both closed finds its port closed and its goodbye unheard."""
+    rng = random.Random(seed)
+    net = Net(16)
+    for r in rng.sample(range(1, 16), 15):
+        net.close(r, seq=1)
+        for _ in range(rng.randint(0, 5)):
+            if net.queue:
+                net.deliver(rng.randrange(len(net.queue)))
+        for c in net.closing():
+            if not net.peers[c].unanswered() and rng.random() < 0.5:
+                net.finish_close(c)
+    net.settle()
+    assert set(net.peers[0].gone()) == set(range(1, 16))
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_loss_before_any_goodbye_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    net = Net(4)
+    net.kill(2)
+    net.settle()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "rank 1: lost the connection to rank 2" in warned, warned
 
 
 def test_an_operation_fails_once_whatever_else_goes() -> None:

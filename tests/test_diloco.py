@@ -55,6 +55,7 @@ def noisy_grads(params: dict[str, np.ndarray], rank: int, step: int) -> dict[str
 # --- the outer optimizer ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # torch.optim (its first import takes seconds)
 def test_outer_sgd_is_torchs_sgd_with_nesterov_momentum() -> None:
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
@@ -325,6 +326,7 @@ async def test_nan_under_int8_is_reported_by_name_and_not_applied() -> None:
     await run_ranks(2, fn, collective_timeout=TIMEOUT)
 
 
+@pytest.mark.slow  # torch.optim (its first import takes seconds)
 async def test_torch_parameters_are_trained_in_place() -> None:
     torch = pytest.importorskip("torch")
 

@@ -121,7 +121,7 @@ async def root_leaves_at_once(
 # The full matrix at 1 KiB with two start orders; the other orders and the large size on a
 # subset of sizes, to keep the file well under a minute on two cores. Groups of more than
 # DEFAULT_P peers go in the slow tier.
-DEFAULT_P = 5
+DEFAULT_P = 4
 SMALL = [
     pytest.param(c, s, p, root, order, id=f"{cid}-p{p}-root{root}-{order}",
                  marks=() if p <= DEFAULT_P else pytest.mark.slow)

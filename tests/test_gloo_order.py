@@ -129,10 +129,13 @@ async def test_a_custom_op_reduces_with_every_strategy() -> None:
     p = 5
     data = [np.array([1.0, -2.0 * r, 0.5 * r, 3.0]) for r in range(p)]
     want = np.array([1.0, -8.0, 2.0, 3.0])
-    for strategy in p2pcoll.available_strategies()["allreduce"]:
-        results = await run_ranks(p, lambda g, s=strategy: g.allreduce(data[g.rank], op,
-                                                                       strategy=s))
-        for r in results:
+    strategies = p2pcoll.available_strategies()["allreduce"]
+
+    async def every(g: p2pcoll.Group) -> list[np.ndarray]:  # one group, each strategy in turn
+        return [await g.allreduce(data[g.rank], op, strategy=s) for s in strategies]
+
+    for results in await run_ranks(p, every):
+        for strategy, r in zip(strategies, results, strict=True):
             assert np.array_equal(r, want), strategy
 
 

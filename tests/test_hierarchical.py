@@ -466,7 +466,8 @@ def test_simulate_names_a_bad_layout(argv: list[str], problem: str) -> None:
 # --- many ranks ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("collective", [
+    pytest.param(c, marks=pytest.mark.slow) if c == "allgather" else c for c in COLLECTIVES])
 def test_large_layouts_in_lockstep(collective: str, monkeypatch: pytest.MonkeyPatch) -> None:
     strategy = hierarchical(collective)
     rng = np.random.default_rng(3)

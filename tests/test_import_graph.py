@@ -16,6 +16,7 @@ What counts as an import, read with :mod:`ast` from the source (nothing is impor
 from __future__ import annotations
 
 import ast
+import functools
 import graphlib
 from pathlib import Path
 
@@ -91,8 +92,18 @@ def circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@functools.cache
+def _package_graph() -> dict[str, frozenset[str]]:
+    return {k: frozenset(v) for k, v in import_graph(ROOT).items()}
+
+
+def package_graph() -> dict[str, set[str]]:
+    """p2pcoll's import graph, read once per run (a copy each time)."""
+    return {k: set(v) for k, v in _package_graph().items()}
+
+
 def test_no_import_circles() -> None:
-    graph = import_graph(ROOT)
+    graph = package_graph()
     assert len(graph) > 100 and "p2pcoll.session.calls" in graph
     for importer, imported in KNOWN:
         assert imported in graph[importer], f"{importer} no longer imports {imported}: " \
@@ -103,7 +114,7 @@ def test_no_import_circles() -> None:
 
 
 def test_the_circles_issue_34_named_are_gone() -> None:
-    graph = import_graph(ROOT)
+    graph = package_graph()
     assert "p2pcoll.settings" not in graph["p2pcoll.launchers"]
     assert not graph["p2pcoll.service.metrics"] & {"p2pcoll.service.peer", "p2pcoll.service.http"}
     assert "p2pcoll.service.peer" not in graph["p2pcoll.service.http"]

@@ -270,6 +270,7 @@ def _replies(sock: object) -> list[dict[str, object]]:
     return out
 
 
+@pytest.mark.slow  # three stalls of 1.6 s by design
 async def test_a_live_peer_is_not_lost_when_the_hosts_loop_stalls(
         caplog: pytest.LogCaptureFixture) -> None:
     """Review probe: a registration's expiry was checked against ``now`` while the server

@@ -231,6 +231,8 @@ async def test_two_processes_asking_for_one_rank_are_named_by_host_and_pid() -> 
         other.close()
         ctx.term()
         await server.aclose()
-    both = f"rank 0 was requested by two peers: node-a pid {os.getpid()} and node-a pid 99999"
+    both = (f"rank 0 was requested by two peers: node-a pid {os.getpid()} and node-a pid "
+            f"99999; give each process its own rank (rank= or $RANK), or none to have the "
+            f"rendezvous number them")
     assert first_line(first.value) == f"rendezvous at {url} rejected this peer: {both}"
     assert second == {"op": "error", "reason": both}

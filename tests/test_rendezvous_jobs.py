@@ -162,7 +162,9 @@ def test_two_processes_asking_for_one_rank_are_named_by_host_and_pid() -> None:
     rv.join("a", rank=0, world_size=3, host="node-1/boot/1:2/3:4", pid=4242)
     rv.join("b", rank=1, world_size=3)
     replies = rv.join("c", rank=0, world_size=3, host="node-1", pid=4343)
-    reason = "rank 0 was requested by two peers: node-1 pid 4242 and node-1 pid 4343"
+    reason = ("rank 0 was requested by two peers: node-1 pid 4242 and node-1 pid 4343; give "
+              "each process its own rank (rank= or $RANK), or none to have the rendezvous "
+              "number them")
     assert replies["a"][0]["reason"] == reason
     assert replies["c"][0]["reason"] == reason
     other = replies["b"][0]  # the group cannot form as asked: the peer waiting is told

@@ -109,7 +109,8 @@ def assert_failure_report(meta: dict[str, Any]) -> None:
         assert _is_int(meta["lost"]) and 0 <= meta["lost"] < LIMITS.world_size
     if "cause" in meta:
         cause = meta["cause"]
-        assert isinstance(cause, dict) and set(cause) <= {"q", "t", "err", "rank"}
+        assert isinstance(cause, dict) and set(cause) <= {"q", "t", "err", "rank", "how"}
+        assert cause.get("how", "closed") in ("closed", "crashed", "killed", "unresponsive")
         assert _is_int(cause["q"]) and cause["q"] >= 0
         assert "t" not in cause or (_is_int(cause["t"]) and 0 <= cause["t"] <= MAX_TAG)
         assert "rank" not in cause or (_is_int(cause["rank"])
@@ -119,6 +120,7 @@ def assert_failure_report(meta: dict[str, Any]) -> None:
         assert isinstance(text, str) and len(text) <= MAX_CAUSE_TEXT
     if meta.get("graceful") is False:
         assert "lost" not in meta and "cause" not in meta
+        assert meta.get("how", "killed") in ("killed", "unresponsive")
 
 
 def inline_sizes(h: Header) -> list[int]:
@@ -411,6 +413,8 @@ def valid_headers(draw: st.DrawFn) -> Header:
                                            max_size=4))
         if h.meta["graceful"]:
             h.meta.update(draw(failure_reports()))
+        elif draw(st.booleans()):
+            h.meta["how"] = draw(st.sampled_from(["killed", "unresponsive"]))
     return h
 
 
@@ -429,6 +433,9 @@ def failure_reports(draw: st.DrawFn) -> dict[str, Any]:
             cause["t"] = draw(st.integers(0, MAX_TAG))
         if draw(st.booleans()):
             cause["rank"] = draw(st.integers(0, LIMITS.world_size - 1))
+        if draw(st.booleans()):
+            cause["how"] = draw(st.sampled_from(["closed", "crashed", "killed",
+                                                 "unresponsive"]))
         report["cause"] = cause
     return report
 
@@ -651,6 +658,10 @@ GOOD_CAUSE = {"q": 4, "err": ["PeerLost", "rank 1 lost rank 3"], "rank": 3}
     ("gone", {"rank": 2, "graceful": False, "cause": GOOD_CAUSE}, "only a goodbye"),
     ("gone", {"rank": 2, "graceful": True, "lost": 7}, "not all in this group of 4"),
     ("gone", {"rank": 2, "graceful": True, "cause": {**GOOD_CAUSE, "q": "4"}}, "'q' is '4'"),
+    ("gone", {"rank": 2, "graceful": False, "how": "asleep"}, "gone 'how' is 'asleep'"),
+    ("gone", {"rank": 2, "graceful": True, "how": "killed"}, "news of a lost peer"),
+    ("gone", {"rank": 2, "graceful": False, "how": "closed"}, "gone 'how' is 'closed'"),
+    ("bye", {"told": [0], "cause": {**GOOD_CAUSE, "how": 3}}, "cause 'how' is 3"),
 ])
 def test_a_goodbyes_failure_report_is_checked(kind: str, meta: dict[str, Any],
                                               match: str) -> None:
@@ -685,6 +696,7 @@ def test_a_goodbyes_failure_report_set_to_anything(kind: str, lost: Any, cause: 
     ({"origin": 2, "told": [0, "1"]}, "'told' holds '1'"),
     ({"origin": 2, "told": [0, 7]}, "not all in this group of 4"),
     ({"origin": 2, "via": 3}, "abort meta is"),
+    ({"lost": 2, "how": "gone"}, "abort 'how' is 'gone'"),
 ])
 def test_an_aborts_origin_and_told_are_checked(meta: dict[str, Any], match: str) -> None:
     """Each wrong ``origin`` or ``told`` of an abort is refused by name at the validation

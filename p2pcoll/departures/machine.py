@@ -12,7 +12,10 @@ The protocol, in the order things happen:
 - **Watching.** Each peer watches its :data:`~.overlay.WATCHED` live ring successors (see
   :mod:`.overlay`) with a probe. A probe or a link that goes down makes its peer a
   *suspect*; unless the peer says goodbye within :data:`LINK_LOSS_GRACE` (its port closes
-  right after its goodbye, which may come second), the next tick declares it lost. When a
+  right after its goodbye, which may come second), the next tick declares it lost. The
+  caller may find out meanwhile what became of it (:meth:`Departures.classified`: its
+  process is gone, ``killed``, or is there but silent, ``unresponsive``), which its loss
+  then names (a loss is held up to :data:`CHECK_WAIT` for that answer). When a
   watched peer goes, the next live successor is watched instead (a ``late`` probe, which
   also calls the peer lost if it cannot connect at all), so a run of consecutive losses is
   found one after the other.
@@ -54,14 +57,24 @@ from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CLOSED, PeerLost
+from ..errors import CLOSED, KILLED, UNRESPONSIVE, PeerLost
 from ..wire.header import OWN, Header
 from . import overlay
 from .actions import Aborted, Action, DeclaredLost, Degrade, Fail, Forget, Post, Unwatch, Watch
 
-# What a lost link says of its peer (the transport cannot yet tell a kill from a freeze).
+# What a lost link says of its peer when nothing tells a kill from a freeze.
 GONE_HOW = ("its process was killed or crashed, or it stopped answering (frozen, overloaded "
             "or cut off)")
+# The first words of a loss, by how the peer went (see Departures.classified).
+_LOST = {
+    KILLED: "ended without a word: its process was killed or crashed hard (it did not close "
+            "the group, and nothing listens at its address any more; its own output or "
+            "log says why)",
+    UNRESPONSIVE: "stopped answering: its process is there but silent past the heartbeat "
+                  "timeout (stopped, frozen, overloaded or cut off; raise "
+                  "$P2PCOLL_HEARTBEAT_TIMEOUT if it is only busy)",
+    "": f"is gone without closing the group: {GONE_HOW}",
+}
 
 
 def _left(rank: int) -> PeerLost:
@@ -73,6 +86,7 @@ __all__ = ["LINK_LOSS_GRACE", "Departure", "Departures"]
 log = logging.getLogger("p2pcoll")
 
 LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
+CHECK_WAIT = 2.0  # seconds more a loss waits for what became of its peer (classified)
 MAX_ABORTS_KEPT = 1024  # aborts remembered: far more than a failing group sends
 _TIMEOUT = "CollectiveTimeout"  # the error class name of a deadline, as aborts carry it
 
@@ -123,6 +137,7 @@ class Departures:
         self.grace, self.stall = grace, stall
         self._gone: dict[int, Departure] = {}
         self._suspects: dict[int, float] = {}  # rank -> when it is declared lost
+        self._how: dict[int, str | None] = {}  # suspect -> how it went (None: being found)
         self._watched: list[int] = []
         self._last: float | None = None  # the time of the last event
         self._resumed: tuple[float, float] | None = None  # after a gap: (when, how long)
@@ -178,7 +193,8 @@ class Departures:
         """When the next :meth:`tick` is due (None: no need)."""
         if self._muted:
             return None
-        times = list(self._suspects.values())
+        times = [due + CHECK_WAIT if self._how.get(p, "") is None else due
+                 for p, due in self._suspects.items()]
         if self.stall is not None and self._last is not None:
             times.append(self._last + self.stall / 2)
         return min(times, default=None)
@@ -195,10 +211,12 @@ class Departures:
         """A probe of ``peer`` went down (or a late one could not connect)."""
         return self.link_closed(peer, now)
 
-    def link_closed(self, peer: int, now: float) -> list[Action]:
+    def link_closed(self, peer: int, now: float, *, checking: bool = False) -> list[Action]:
         """A connection to ``peer`` went down: it is lost unless it says goodbye within the
         grace period. Once this peer knows it was declared lost, the losses it sees are its
-        own, and ignored."""
+        own, and ignored. ``checking``: the caller finds out how it went, and says so
+        with :meth:`classified` (a new suspect's loss waits for that, see
+        :data:`CHECK_WAIT`)."""
         actions = self._clock(now)
         if (self._muted or self._declared is not None or peer in self._gone
                 or peer == self.rank or peer in self._suspects):
@@ -206,7 +224,23 @@ class Departures:
         if self._resumed is not None and now - self._resumed[0] <= self.grace:
             return actions + self._declared_lost(None, self._resumed[1])
         self._suspects[peer] = now + self.grace
+        self._how[peer] = None if checking else ""
         return actions
+
+    def suspects(self, peer: int) -> bool:
+        """Whether ``peer``'s link went down and it has neither said goodbye nor been
+        declared lost yet."""
+        return peer in self._suspects
+
+    def classified(self, peer: int, how: str, now: float) -> list[Action]:
+        """What became of suspect ``peer``, as the caller found out after its
+        :meth:`link_closed`: :data:`~p2pcoll.errors.KILLED` (its process is gone) or
+        :data:`~p2pcoll.errors.UNRESPONSIVE` (it is there, silent), or "" (unknown); its
+        loss says so. A goodbye that comes still wins."""
+        actions = self._clock(now)
+        if peer in self._suspects:
+            self._how[peer] = how
+        return actions + self.tick(now)
 
     def unreachable(self, peer: int, now: float) -> list[Action]:
         """``peer`` could not be reached at all (it never said hello while the group
@@ -217,9 +251,12 @@ class Departures:
         """Time has passed: declare the suspects whose grace is over."""
         actions = self._clock(now)
         for peer, due in sorted(self._suspects.items()):
+            how = self._how.get(peer, "")
+            if how is None and now < due + CHECK_WAIT:
+                continue  # what became of it is still being found out
             if due <= now and peer in self._suspects:
                 del self._suspects[peer]
-                actions += self._lose(peer, by=self.rank)
+                actions += self._lose(peer, by=self.rank, how=how or "")
         return self._out(actions)
 
     def received(self, header: Header, now: float) -> list[Action]:
@@ -285,6 +322,7 @@ class Departures:
         """This peer has closed: nothing happens any more."""
         self._muted = True
         self._suspects.clear()
+        self._how.clear()
 
     def op_started(self, op: Hashable, needs: Collection[int],
                    seq: int | None = None) -> list[Action]:
@@ -318,22 +356,31 @@ class Departures:
             self._suspects = {p: now + self.grace for p in self._suspects}
         return []
 
-    def _lose(self, peer: int, by: int) -> list[Action]:
-        """``peer`` is lost, as ``by`` (this peer, or the one that says so) saw."""
+    def _lose(self, peer: int, by: int, how: str = "") -> list[Action]:
+        """``peer`` is lost, as ``by`` (this peer, or the one that says so) saw: ``how``
+        (KILLED, UNRESPONSIVE, or "" unknown)."""
         if self._muted or peer in self._gone or peer == self.rank or (
                 by == self.rank and self._declared is not None):
             return []
         where = f" ({self.endpoints[peer]})" if peer < len(self.endpoints) else ""
-        text = (f"rank {peer}{where} is gone without closing the group: {GONE_HOW}; rank {by} "
-                f"lost the connection to rank {peer}")
+        text = (f"rank {peer}{where} {_LOST.get(how, _LOST[''])}; rank {by} lost the "
+                f"connection to rank {peer}")
         if by != self.rank:
             text += f" (reported to rank {self.rank})"
-        # A peer that is leaving sees its neighbours close too: nothing to warn of.
-        level = logging.DEBUG if self._closing else logging.WARNING
-        log.log(level, "rank %d: %s", self.rank,
+        # A peer that is leaving sees its neighbours close too: nothing to warn of. Nor
+        # does one whose group is closing around it (a peer has left after a healthy run):
+        # a peer that closes says goodbye to its watchers, and they pass on no news once
+        # leaving themselves, so a peer watched only later (a late probe) may be found gone
+        # with its goodbye unheard. What it was running still fails, saying so.
+        winding_down = any(d.graceful and r not in self._reports
+                           for r, d in self._gone.items())
+        level = (logging.DEBUG if self._closing
+                 else logging.INFO if winding_down else logging.WARNING)
+        log.log(level, "rank %d: %s%s", self.rank,
                 f"lost the connection to rank {peer}" if by == self.rank
-                else f"rank {by} reports that it lost rank {peer}")
-        return self._record(peer, Departure(PeerLost(text, peer), False))
+                else f"rank {by} reports that it lost rank {peer}",
+                " as the group closes (it most likely closed too)" if winding_down else "")
+        return self._record(peer, Departure(PeerLost(text, peer, how=how), False))
 
     def _record(self, rank: int, departure: Departure) -> list[Action]:
         """The one place a departure is recorded, and what follows from it."""
@@ -341,6 +388,7 @@ class Departures:
             return []
         self._gone[rank] = departure
         self._suspects.pop(rank, None)
+        self._how.pop(rank, None)
         actions: list[Action] = [Forget(rank)]
         for op, state in list(self._ops.items()):
             if rank in state.needs and (not departure.graceful or (
@@ -380,6 +428,8 @@ class Departures:
         news = self._header("gone")
         news.seq = departure.started
         news.meta = {"rank": rank, "graceful": departure.graceful}
+        if departure.error.how in (KILLED, UNRESPONSIVE):
+            news.meta["how"] = departure.error.how
         if departure.graceful:
             news.meta["told"] = sorted(departure.told)
             news.meta.update(self._reports.get(rank, ()))
@@ -411,7 +461,7 @@ class Departures:
             return actions + self._record(rank, Departure(
                 _left(rank), True, header.seq,
                 frozenset(meta.get("told", ()))))
-        return actions + self._lose(rank, by=src)
+        return actions + self._lose(rank, by=src, how=meta.get("how", ""))
 
     def _declared_lost(self, by: int | None, stalled: float = 0.0) -> list[Action]:
         """The others declared this peer lost (``by`` said so, or it saw itself stopped for
@@ -426,6 +476,7 @@ class Departures:
         log.warning("rank %d: %s", self.rank, text)
         self._declared = PeerLost(text, self.rank)
         self._suspects.clear()
+        self._how.clear()
         actions: list[Action] = []
         for op in list(self._ops):
             actions += self._fail(op, self._declared)
@@ -457,7 +508,9 @@ class Departures:
             kind, text = cause["err"]
             actions.append(Aborted(Header(
                 "abort", self.group, rank, cause["q"], err=[kind, text],
-                meta=None if named is None else {"lost": named}, tag=cause.get("t"),
+                meta=None if named is None else {
+                    "lost": named, **{k: cause[k] for k in ("how",) if k in cause}},
+                tag=cause.get("t"),
             ), rank, f"{text} (reported by rank {rank} as it left)"))
         return actions
 

@@ -83,6 +83,9 @@ FORMED_KEPT = 4096  # rosters kept to answer peers that ask again...
 FORMED_TTL = 30.0  # ...for this many seconds after their group formed
 MISSING_SHOWN = 16  # missing ranks a status lists (it counts them all)
 JOINED_SHOWN = 8  # peers that joined a status names, first come first
+# What to do about two processes asking for one rank (the end of that error).
+DUPLICATE_HINT = ("give each process its own rank (rank= or $RANK), or none to have the "
+                  "rendezvous number them")
 MIN_HEARTBEAT = 2 * RESEND  # a shorter heartbeat would lose a peer between its re-sends
 
 
@@ -432,7 +435,7 @@ class Jobs:
             # Host and pid tell the two processes apart for whoever reads it (the token,
             # which tells them apart here, means nothing to a reader).
             reason = (f"rank {rank} was requested by two peers: {readable(other.host)} pid "
-                      f"{other.pid} and {readable(host)} pid {pid}")
+                      f"{other.pid} and {readable(host)} pid {pid}; {DUPLICATE_HINT}")
             self._remove(forming, other)
             self._reply(other.identity, op="error", reason=reason)
             raise _Misfit(reason)

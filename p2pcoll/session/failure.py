@@ -377,7 +377,9 @@ class FailureModel:
                 meta = {"collective": err.collective, "waiting_on": err.waiting_on,
                         "blame": err.blame}
             elif isinstance(err, PeerLost) and err.rank is not None:
-                meta = {"lost": err.rank}  # so the peers' PeerLost names it too
+                meta = {"lost": err.rank}  # so the peers' PeerLost names it too (and how)
+                if err.how:
+                    meta["how"] = err.how
             self._send_abort(Header(
                 "abort", self._group, self._rank, key.number,
                 err=[type(err).__name__, str(err)], meta=meta or {}, tag=key.tag,
@@ -402,8 +404,9 @@ class FailureModel:
     def first_failure(self) -> dict[str, Any] | None:
         """What broke this group, as this peer's goodbye carries it (its ``cause``, see
         :meth:`on_cause`), or None if nothing did: ``{"q": number, "t": tag (a transfer
-        only), "err": [class, message], "rank": the rank a PeerLost names}``. The message
-        is cut to :data:`~p2pcoll.wire.header.MAX_CAUSE_TEXT` characters."""
+        only), "err": [class, message], "rank": the rank a PeerLost names, "how": how it
+        went, if known}``. The message is cut to
+        :data:`~p2pcoll.wire.header.MAX_CAUSE_TEXT` characters."""
         err = self.cause
         if err is None or self._cause_at is None:
             return None
@@ -417,6 +420,8 @@ class FailureModel:
             cause["t"] = tag
         if isinstance(err, PeerLost) and err.rank is not None:
             cause["rank"] = err.rank
+            if err.how:
+                cause["how"] = err.how
         return cause
 
     def declared_lost(self, err: PeerLost) -> None:
@@ -447,7 +452,7 @@ class FailureModel:
                 waiting_on=meta.get("waiting_on", []), blame=rule,
             )
         elif cls is PeerLost:
-            exc = PeerLost(message, meta.get("lost"))
+            exc = PeerLost(message, meta.get("lost"), how=meta.get("how", ""))
         else:
             exc = cls(message)
         exc.origin = origin

@@ -21,9 +21,10 @@ from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
 from ..engine.timeline import Timeline
-from ..errors import GroupBroken, PeerLost
+from ..errors import KILLED, UNRESPONSIVE, GroupBroken, PeerLost
 from ..settings import Settings
 from ..departures import (
+    CHECK_WAIT,
     Aborted,
     Action,
     DeclaredLost,
@@ -33,6 +34,7 @@ from ..departures import (
     Post,
 )
 from ..transport.base import Transport
+from ..transport.endpoints import CHECKABLE, listening
 from ..types import Membership, OpKey
 from ..wire import Header
 from . import control
@@ -57,6 +59,7 @@ class Session:
                                      membership.group_id, endpoints=membership.endpoints,
                                      stall=settings.heartbeat_timeout)
         self._timer: asyncio.TimerHandle | None = None
+        self._checks: dict[int, asyncio.Task[None]] = {}  # suspects' addresses (link_down)
         self.peers = Record(self)
         self.matcher = Matcher(self.peers)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
@@ -152,8 +155,30 @@ class Session:
             self._progress.set()
 
     def link_down(self, rank: int) -> None:
-        """The transport saw a link or probe to ``rank`` go down."""
-        self._do(self.departures.link_closed(rank, self._now()))
+        """The transport saw a link or probe to ``rank`` go down. A new suspect's address
+        is checked, so that its loss says whether it was killed or stopped answering."""
+        endpoint = self.membership.endpoints[rank]
+        checking = (endpoint.startswith(CHECKABLE) and not self.departures.suspects(rank)
+                    and rank not in self._checks)
+        self._do(self.departures.link_closed(rank, self._now(), checking=checking))
+        if checking and self.departures.suspects(rank):
+            self._checks[rank] = asyncio.create_task(self._check(rank, endpoint))
+
+    async def _check(self, rank: int, endpoint: str) -> None:
+        """What became of suspect ``rank``: nothing listens at its address any more (its
+        process is gone: killed), or something does (it is there, silent: unresponsive).
+        Asked half a grace after the link went down: a process being killed closes its
+        connections a moment before its listening sockets."""
+        how = ""
+        try:
+            await asyncio.sleep(self.departures.grace / 2)
+            found = await listening(endpoint, CHECK_WAIT / 2)
+            how = KILLED if found is False else UNRESPONSIVE
+        except ValueError:  # an address it cannot check: the loss says it cannot tell
+            pass
+        finally:
+            self._checks.pop(rank, None)
+        self._do(self.departures.classified(rank, how, self._now()))
 
     def _do(self, actions: list[Action]) -> None:
         """Carry out what the departures machine says, and time its next tick."""
@@ -259,6 +284,8 @@ class Session:
                 log.debug("rank %d: closing before ranks %s read its goodbye", self.rank,
                           sorted(waiting))
         self.departures.closed()
+        for check in list(self._checks.values()):
+            check.cancel()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

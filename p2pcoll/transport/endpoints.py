@@ -18,6 +18,7 @@ a shared-memory ring does the same for the rings of dead peers (:func:`.shm.swee
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
@@ -263,3 +264,40 @@ def endpoint_policy(name: str) -> EndpointPolicy:
         raise ValueError(
             f"unknown transport {name!r}; expected one of {', '.join(POLICIES)}"
         ) from None
+
+
+# The endpoints :func:`listening` can check.
+CHECKABLE = ("tcp://", "ipc://")
+
+
+async def listening(endpoint: str, timeout: float) -> bool | None:
+    """Whether something still listens at a peer's ``endpoint`` (one of :data:`CHECKABLE`):
+    a process that is gone has no listening socket (a connection is refused, or the socket
+    file is gone), one that is stopped or frozen still has, and its kernel accepts for it.
+    None: no answer within ``timeout`` (a cut network, say). The connection is closed at
+    once, before any byte.
+
+    Raises:
+        ValueError: ``endpoint`` is not one of :data:`CHECKABLE`.
+    """
+    address: str | tuple[str, int]
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+        if not port.isdigit():
+            raise ValueError(f"cannot check {endpoint!r}: no port number")
+        address = (host.strip("[]"), int(port))
+    elif endpoint.startswith("ipc://"):
+        family, address = socket.AF_UNIX, endpoint.removeprefix("ipc://")
+    else:
+        raise ValueError(f"cannot check {endpoint!r}: expected one of {CHECKABLE}")
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, address),
+                                   timeout)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except (OSError, TimeoutError):
+            return None
+    return True

@@ -367,8 +367,9 @@ class MemoryTransport:
 
     def contacts(self) -> set[int]:
         """As the mesh's: the peers sent to, and those that watch this one (a goodbye goes
-        to them; see :mod:`.overlay`)."""
-        if self.membership is None:
+        to them; see :mod:`.overlay`). None once cut off as if killed (see
+        :meth:`MemoryNetwork.cut`): its goodbye reaches nobody, so none is waited for."""
+        if self.membership is None or self.closed:
             return set()
         m = self.membership
         return (self._talked | set(overlay.watchers(m.rank, m.world_size))) - {m.rank}

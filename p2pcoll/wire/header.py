@@ -87,8 +87,9 @@ failed, ``lost`` a rank it knows to be lost and ``cause`` what broke its group,
 PeerLost names; message at most :data:`MAX_CAUSE_TEXT` characters), which a reader takes as
 news of that loss and as that abort before the goodbye itself, so the root cause is never
 overtaken by the departure it led to. A ``gone`` (news of a departure, see
-:mod:`p2pcoll.departures.overlay`) has meta ``{rank, graceful, told, lost, cause}``: the
-departed rank, whether it said goodbye, and for a goodbye the rest of its ``bye``'s meta.
+:mod:`p2pcoll.departures.overlay`) has meta ``{rank, graceful, how, told, lost, cause}``:
+the departed rank, whether it said goodbye, for a lost one how it went if known
+(``killed``, ``unresponsive``), and for a goodbye the rest of its ``bye``'s meta.
 A ``hello`` may name the sender's shared-memory ring (meta
 ``ring``) and, to a peer of its host, its lane to that peer and its wake-up pipe (``lane``,
 ``wake``: see :mod:`p2pcoll.transport.lane`) and the shared-memory board (``board``).

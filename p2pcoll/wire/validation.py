@@ -48,7 +48,7 @@ from typing import Any, NoReturn, cast
 import msgpack
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import DEPARTURES, ProtocolError
 from ..types import ALLOWED_DTYPES
 from .header import (
     BLAMES,
@@ -93,9 +93,10 @@ MAX_PIECE_BYTES = 1 << 48
 MAX_U32 = (1 << 32) - 1
 FIELDS = frozenset({"v", "k", "g", "r", "q", "err", "meta", "t"})  # of a control message
 BYE_FIELDS = frozenset({"told", "lost", "cause"})  # of a bye's meta
-GONE_FIELDS = frozenset({"rank", "graceful"}) | BYE_FIELDS  # of a gone's meta
-CAUSE_FIELDS = frozenset({"q", "t", "err", "rank"})  # of the cause a goodbye carries
-ABORT_FIELDS = frozenset({"collective", "waiting_on", "blame", "lost", "origin", "told"})
+GONE_FIELDS = frozenset({"rank", "graceful", "how"}) | BYE_FIELDS  # of a gone's meta
+GONE_HOWS = ("killed", "unresponsive")  # a lost peer's PeerLost.how, as news carries it
+CAUSE_FIELDS = frozenset({"q", "t", "err", "rank", "how"})  # of the cause a goodbye carries
+ABORT_FIELDS = frozenset({"collective", "waiting_on", "blame", "lost", "how", "origin", "told"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,6 +365,9 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
         if not meta["graceful"] and ("lost" in meta or "cause" in meta):
             raise ProtocolError("news of a lost peer carries no 'lost' or 'cause' (only a "
                                 "goodbye does)")
+        if "how" in meta and (meta["graceful"] or meta["how"] not in GONE_HOWS):
+            raise ProtocolError(f"gone 'how' is {_short(meta['how'])}: expected one of "
+                                f"{GONE_HOWS}, in news of a lost peer")
         _failure_news(meta)
     elif kind == "bye":
         if not {"told"} <= set(meta) <= BYE_FIELDS:
@@ -391,6 +395,7 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
                                 f"'told': [rank, ...]}}")
         _ranks(waiting, "waiting_on")
         _ranks(meta.get("told", []), "told")
+        _how(meta, "abort")
     elif kind == "waiting":
         state = meta.get("state", WAITING)
         if set(meta) - {"state", "waiting_on"} or not (isinstance(state, str)
@@ -422,6 +427,7 @@ def _failure_news(meta: dict[str, Any]) -> None:
         _int(cause, "t", 0, MAX_TAG)
     if "rank" in cause:
         _int(cause, "rank", 0, MAX_RANK)
+    _how(cause, "cause")
     err = cause["err"]
     if not (type(err) is list and len(err) == 2
             and type(err[0]) is str and 0 < len(err[0]) <= MAX_CAUSE_NAME
@@ -429,6 +435,13 @@ def _failure_news(meta: dict[str, Any]) -> None:
         raise ProtocolError(f"header field 'cause' has 'err' {_short(err)}, expected [class "
                             f"name of at most {MAX_CAUSE_NAME} characters, message of at most "
                             f"{MAX_CAUSE_TEXT}]")
+
+
+def _how(meta: dict[str, Any], where: str) -> None:
+    """How the rank a PeerLost names went (its ``how``), if ``meta`` says."""
+    if "how" in meta and meta["how"] not in DEPARTURES:
+        raise ProtocolError(f"{where} 'how' is {_short(meta['how'])}, expected one of "
+                            f"{DEPARTURES}")
 
 
 def check_layout(meta: dict[str, Any]) -> None:
