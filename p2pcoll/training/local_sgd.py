@@ -83,7 +83,8 @@ from ..errors import ReplicaDivergence
 from ..session.failure import GroupState
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
-from .compressors import make_compressor
+from .compressors import Compressor, make_compressor
+from .delayed import check_delay, retrieve_later
 from .fragments import split_fragments
 from .modes import (
     Traffic,
@@ -241,8 +242,8 @@ class DiLoCo:
                  codec: str | None = None, error_feedback: bool = True, fragments: int = 1,
                  overlap: int = 0, mix: float = 0.0, bucket_bytes: int | None = None,
                  strategy: str | None = None, nonfinite: Nonfinite = "raise",
-                 compressor: str | None = None, density: float | None = None,
-                 timeout: float | None = None) -> None:
+                 compressor: str | Compressor | None = None, density: float | None = None,
+                 delay: int = 0, timeout: float | None = None) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
@@ -263,6 +264,7 @@ class DiLoCo:
                 or not 0 <= mix < 1):
             raise ValueError(f"mix must be a number in [0, 1), got {mix!r}")
         check_nonfinite(nonfinite)
+        self.delay = check_delay(delay, len(self.fragments), overlap)
         self.overlap, self.mix, self.nonfinite = overlap, float(mix), nonfinite
         self.bucket_bytes, self.strategy, self.timeout = bucket_bytes, strategy, timeout
         self.anchor = [a.copy() for a in self.model.arrays]  # the global parameters
@@ -288,6 +290,7 @@ class DiLoCo:
                 "codec": self.codec.name if self.codec is not None else None,
                 "error_feedback": self.residuals is not None,
                 "fragments": len(self.fragments), "overlap": self.overlap, "mix": self.mix,
+                "delay": self.delay,
                 "nonfinite": self.nonfinite, "bucket_bytes": _bucket_bytes(self.bucket_bytes),
                 **(self.compressor.settings if self.compressor is not None
                    else {"compressor": None}),
@@ -339,6 +342,8 @@ class DiLoCo:
         self.model.reread(params, "DiLoCo")
         self.step += 1
         self.traffic.dense_bytes += self.model.nbytes
+        if self.delay:
+            return await self._delayed_step()
         applied = False
         for f in sorted(self._in_flight):
             if self._in_flight[f][0] <= self.step:
@@ -357,6 +362,28 @@ class DiLoCo:
         if self._in_flight:
             await asyncio.sleep(0)  # a turn of the loop for the exchanges in flight
         return applied
+
+    async def _delayed_step(self) -> bool:
+        """Asynchronous DiLoCo's inner step (``delay=1``, :mod:`.delayed`): at the end of a
+        round, start its exchange, then apply the previous round's and restart from the
+        anchor; between, surface a failed exchange at once."""
+        pending = self._in_flight.get(0)
+        if self.step % self.inner_steps:
+            if pending is not None and pending[1].done() and not pending[1].cancelled() \
+                    and pending[1].exception() is not None:
+                del self._in_flight[0]
+                await self._outcome(pending[1])  # raises its error, ends the others
+            return False
+        task = self._start(0)  # this round's pseudo-gradient, against the current anchor
+        retrieve_later(task)
+        if pending is None:  # the first round: nothing to apply yet
+            for local, anchor in zip(self.model.arrays, self.anchor, strict=True):
+                np.copyto(local, anchor)
+            self._in_flight[0] = (self.step + self.inner_steps, task)
+            return False
+        self._in_flight[0] = (self.step + self.inner_steps, task)
+        self._apply(0, await self._outcome(pending[1]))
+        return True
 
     async def flush(self) -> int:
         """Wait for the exchanges in flight and apply them now; returns how many.

@@ -1,0 +1,199 @@
+"""Asynchronous DiLoCo (``DiLoCo(..., delay=1)``) over real peers: the one-step-delayed
+outer update of p2pcoll.training.delayed, bit for bit against a numpy reference; replicas
+identical after every outer step; bad and disagreeing settings; a loss while the delayed
+reduction is in flight ends it with the group's error, retrieved."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll import training
+from p2pcoll.testing import memory_groups, run_ranks
+
+TIMEOUT = 10.0
+
+
+def digest(tree: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name, leaf in training.named_leaves(tree):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def dyadic_grads(rank: int, step: int) -> dict[str, np.ndarray]:
+    """Small integers: with 4 ranks every sum and average below is exact in float64."""
+    rng = np.random.default_rng(10 * step + rank)
+    return {"w": rng.integers(-8, 8, (4, 3)).astype(np.float64),
+            "b": rng.integers(-8, 8, 3).astype(np.float64)}
+
+
+def reference(n: int, h: int, steps: int, lr: float, outer: training.OuterSGD
+              ) -> list[dict[str, np.ndarray]]:
+    """The rule of p2pcoll.training.delayed, in numpy: the anchor after each outer step."""
+    anchor = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+    velocity = {k: np.zeros_like(v) for k, v in anchor.items()}
+    local = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
+    pending: dict[str, np.ndarray] | None = None
+    states = []
+    for t in range(steps):
+        for r in range(n):
+            for k, g in dyadic_grads(r, t).items():
+                local[r][k] -= lr * g
+        if (t + 1) % h:
+            continue
+        deltas = [{k: anchor[k] - local[r][k] for k in anchor} for r in range(n)]
+        fresh = {k: sum(d[k] for d in deltas) / n for k in anchor}
+        if pending is not None:
+            keys = list(anchor)
+            outer.apply([anchor[k] for k in keys], [velocity[k] for k in keys],
+                        [pending[k] for k in keys])
+            states.append({k: v.copy() for k, v in anchor.items()})
+        pending = fresh
+        local = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
+    assert pending is not None
+    keys = list(anchor)
+    outer.apply([anchor[k] for k in keys], [velocity[k] for k in keys],
+                [pending[k] for k in keys])
+    states.append({k: v.copy() for k, v in anchor.items()})
+    return states
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+async def test_delay_1_applies_each_round_one_round_late_and_keeps_replicas_equal(
+        codec: str | None) -> None:
+    n, h, rounds, lr = 4, 3, 5, 0.5
+    outer = training.OuterSGD(lr=0.5, momentum=0.5)
+
+    async def fn(g: p2pcoll.Group) -> list[str]:
+        params = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, outer_lr=0.5, outer_momentum=0.5,
+                                 delay=1, codec=codec, timeout=TIMEOUT)
+        applied: list[str] = []
+        for t in range(h * rounds):
+            for k, grad in dyadic_grads(g.rank, t).items():
+                params[k] -= lr * grad
+            if await diloco.after_inner_step():
+                assert digest(params) == digest(diloco.global_state()["params"])
+                applied.append(digest(diloco.global_state()["params"]))
+            elif (t + 1) == h:  # round 0 ends with nothing to apply: back to the anchor
+                assert digest(params) == digest(diloco.global_state()["params"])
+        assert diloco.outer_steps == rounds - 1  # the last round's is still in flight
+        assert await diloco.flush() == 1
+        applied.append(digest(diloco.global_state()["params"]))
+        assert diloco.outer_steps == rounds and digest(params) == applied[-1]
+        return applied
+
+    results = await run_ranks(n, fn, collective_timeout=TIMEOUT)
+    assert all(r == results[0] for r in results)  # bit-identical after every outer step
+    assert len(set(results[0])) == rounds
+    if codec is None:  # dyadic values over 4 ranks: the reference is exact
+        assert results[0] == [digest(s) for s in reference(n, h, h * rounds, lr, outer)]
+
+
+async def test_delay_1_reduces_in_the_background_and_applies_at_the_next_rounds_end(
+) -> None:
+    """Round 0's reduction finishes while nobody calls after_inner_step (as during round
+    1's inner steps); it is applied only at round 1's end."""
+    h = 4
+
+    async def fn(g: p2pcoll.Group) -> None:
+        params = {"w": np.zeros(8)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, delay=1, timeout=TIMEOUT)
+        for t in range(1, 2 * h + 1):
+            params["w"] -= 1.0
+            applied = await diloco.after_inner_step()
+            assert applied == (t == 2 * h)
+            if t == h:
+                _, reduction = diloco._in_flight[0]
+                await asyncio.wait([reduction])  # no after_inner_step meanwhile
+                assert reduction.result()[0].tolist() == [float(h)] * 8
+                assert diloco.outer_steps == 0
+        assert diloco.outer_steps == 1
+        await diloco.flush()
+
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"delay": 2}, "delay must be 0 or 1, got 2"),
+    ({"delay": -1}, "delay must be 0 or 1, got -1"),
+    ({"delay": True}, "delay must be 0 or 1, got True"),
+    ({"delay": "1"}, "delay must be 0 or 1, got '1'"),
+    ({"delay": 1, "fragments": 2}, "fragments=2"),
+    ({"delay": 1, "overlap": 2}, "overlap=2"),
+])
+async def test_bad_delays_are_refused_at_construction(kwargs: dict[str, Any], match: str
+                                                       ) -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        with pytest.raises(ValueError, match=match):
+            training.DiLoCo(g, {"w": np.ones((4, 2))}, inner_steps=4, **kwargs)
+
+    await run_ranks(1, fn)
+
+
+async def test_ranks_that_disagree_on_delay_are_told_before_anything_moves() -> None:
+    async def fn(g: p2pcoll.Group) -> Exception | None:
+        params = {"w": np.ones(3)}
+        diloco = training.DiLoCo(g, params, inner_steps=2, delay=g.rank, timeout=TIMEOUT)
+        before = digest(diloco.global_state())
+        try:
+            for _ in range(6):
+                params["w"] -= 1.0
+                await diloco.after_inner_step()
+        except p2pcoll.CollectiveMismatch as exc:
+            assert digest(diloco.global_state()) == before
+            return exc
+        return None
+
+    for exc in await run_ranks(2, fn, collective_timeout=TIMEOUT):
+        assert isinstance(exc, p2pcoll.CollectiveMismatch)
+        assert "delay is 0 on rank 0 but 1 on rank 1" in str(exc), str(exc)
+
+
+async def test_a_loss_during_the_delayed_reduction_ends_it_with_the_groups_error() -> None:
+    """Rank 3 vanishes while round 1's reduction is in flight: each survivor's next
+    after_inner_step raises the group's error, and nothing reaches the loop as a task
+    exception never retrieved, the victim's included (it never awaits its own again)."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    groups = await memory_groups(4, heartbeat_timeout=1.0)
+
+    async def rank(group: p2pcoll.Group) -> BaseException | None:
+        params = {"w": np.zeros((4, 3))}
+        diloco = training.DiLoCo(group, params, inner_steps=4, delay=1, timeout=TIMEOUT)
+        try:
+            for step in range(1, 41):
+                params["w"] -= 0.5
+                if group.rank == 3 and step == 4:  # its round-0 reduction just started
+                    await diloco.after_inner_step()
+                    group.session.transport.network.cut(group.membership.endpoints[3])
+                    await group.close()
+                    return None  # leaves, never awaiting the reduction in flight
+                await diloco.after_inner_step()
+        except p2pcoll.P2PCollError as exc:
+            return exc
+        return None
+
+    try:
+        errors = await asyncio.gather(*(rank(g) for g in groups))
+        for group, exc in zip(groups[:3], errors[:3], strict=True):
+            assert isinstance(exc, p2pcoll.P2PCollError), exc
+            assert group.cause is not None
+            assert exc is group.cause or isinstance(exc, p2pcoll.GroupBroken), exc
+    finally:
+        for group in groups:
+            await group.close()
+    del errors, groups, group, exc
+    for _ in range(3):
+        gc.collect()
+        await asyncio.sleep(0)
+    assert not unretrieved, [str(c.get("exception")) for c in unretrieved]
