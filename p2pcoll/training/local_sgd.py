@@ -217,9 +217,13 @@ class DiLoCo:
             "topk2bit", each chunk's largest entries (``density`` of them) as 2-bit codes
             against a step the group agrees, the rest kept for the next exchange (with
             ``error_feedback``), summed exactly in the integer domain
-            (:mod:`.compressors`); None: the codec's way.
-        density: the share of the entries ``compressor`` sends, in (0, 1] (None: its
-            default, 1.5 %).
+            (:mod:`.compressors`); another name from the ``p2pcoll.compressors`` entry
+            points, or a :class:`~.compressors.Compressor` object; None: the codec's way.
+        density: the share of the entries a named ``compressor`` sends, in (0, 1] (None:
+            its default, 1.5 % for topk2bit).
+        delay: 0, each outer step waits for its own reduction; 1, asynchronous DiLoCo:
+            round k's reduction runs while round k+1's inner steps compute and is applied
+            at round k+1's end (:mod:`.delayed`; one fragment, no overlap).
         timeout: seconds for each collective (default: the group's).
 
     Attributes:
@@ -231,10 +235,13 @@ class DiLoCo:
     Raises:
         ValueError: H < 1, a bad F, tau, mix, outer lr or momentum, no parameters, a
             read-only parameter; a codec that cannot average over this group (int8: more
-            than 127 ranks); an unknown ``compressor``, a ``density`` outside (0, 1] or
-            without a compressor, both a codec and a compressor.
+            than 127 ranks); an unknown ``compressor`` (naming the known ones), a
+            ``density`` outside (0, 1] or without a named compressor, both a codec and a
+            compressor, one that is neither a name nor a Compressor; ``delay`` other than
+            0 or 1, or 1 with fragments or overlap.
         UnknownCodec: no codec of that name (a ValueError; it lists the installed ones).
         TypeError: a parameter that is not floating-point; a codec that is not a name.
+        PluginValidationError: the plugin that provides ``compressor`` is broken.
     """
 
     def __init__(self, group: Group, params: Pytree, *, inner_steps: int,
