@@ -66,22 +66,21 @@ the group with it (a peer lost) ends the others in flight too: the call that met
 failure waits for them, each ends with the group's error, and none is left running to be
 reported as a task exception never retrieved.
 
-:class:`DiLoCoRounds` runs DiLoCo's outer steps as :func:`train_elastic` rounds: the outer
-state is the elastic state, so a peer that joins gets it, and no outer step is applied twice.
+:class:`~.diloco_rounds.DiLoCoRounds` runs DiLoCo's outer steps as :func:`train_elastic`
+rounds: the outer state is the elastic state, so a peer that joins gets it, and no outer step
+is applied twice (with ``delay=1`` too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ReplicaDivergence
 from ..session.failure import GroupState
-from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from ..pytree import Pytree, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from .compressors import Compressor, make_compressor
 from .delayed import check_delay, retrieve_later
@@ -102,7 +101,7 @@ from .state import state_of
 if TYPE_CHECKING:
     from .. import Group
 
-__all__ = ["DiLoCo", "DiLoCoRounds", "LocalSGD", "OuterSGD"]
+__all__ = ["DiLoCo", "LocalSGD", "OuterSGD"]
 
 
 class LocalSGD:
@@ -508,96 +507,6 @@ class DiLoCo:
                 alpha = local.dtype.type(self.mix)
                 np.copyto(local, alpha * local + (local.dtype.type(1) - alpha) * anchor)
         self.outer_steps += 1
-
-
-InnerStep = Callable[["Group", int, int], Awaitable[None] | None]
-"""``inner(group, round, i)``: one inner step (i = 0 .. H-1 of outer step ``round``) on the
-parameters, in place; a plain function or a coroutine function."""
-
-
-class DiLoCoRounds:
-    """DiLoCo's outer steps as the rounds of :func:`train_elastic`, so that peers may die and
-    join: the outer state (global parameters and momentum) is the elastic state, which a new
-    group takes from its most advanced member, and each outer step is applied exactly once::
-
-        rounds = training.DiLoCoRounds(params, inner, inner_steps=50)
-        await training.train_elastic(rounds.step, rounds.apply, rounds.state,
-                                     rounds=outer_steps, min_world_size=2, ...)
-        rounds.finish()                       # the global parameters into ``params``
-
-    ``step`` copies the global parameters into ``params``, runs ``inner`` H times, checks
-    that the ranks agree on the settings (one small allgather) and returns the
-    pseudo-gradients; train_elastic averages them (``op="avg"``) and ``apply`` takes the
-    outer step on the state. For int8 (or fp16) pseudo-gradients pass ``codec="int8"`` to
-    train_elastic, which reduces each round under it. Streaming and overlap are
-    :class:`DiLoCo`'s only.
-
-    Args:
-        params: the model's parameters (writable float arrays or CPU torch tensors), which
-            the inner steps train in place.
-        inner: ``inner(group, round, i)``, one inner step (see :data:`InnerStep`).
-        inner_steps: H, >= 1.
-        outer_lr, outer_momentum, nesterov: the outer optimizer (:class:`OuterSGD`).
-        timeout: seconds for the settings check.
-
-    Attributes:
-        state: ``{"params": ..., "velocity": ...}``, numpy copies in the parameters'
-            structure: pass it to train_elastic as its state.
-
-    Raises:
-        ValueError, TypeError: as :class:`DiLoCo`.
-    """
-
-    def __init__(self, params: Pytree, inner: InnerStep, *, inner_steps: int,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 timeout: float | None = None) -> None:
-        self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
-        self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.model = Model(params, "DiLoCoRounds")
-        self.inner, self.timeout = inner, timeout
-        self.state: dict[str, Pytree] = {
-            "params": replace_leaves(params, [a.copy() for a in self.model.arrays]),
-            "velocity": replace_leaves(params, [np.zeros_like(a) for a in self.model.arrays]),
-        }
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {"mode": "diloco-elastic", "inner_steps": self.inner_steps,
-                **self.outer.settings()}
-
-    async def step(self, group: Group, round: int, state: Pytree) -> dict[str, np.ndarray]:
-        """train_elastic's step: H inner steps from the global parameters; the
-        pseudo-gradients by parameter name. Does not change ``state``.
-
-        Raises:
-            CollectiveMismatch: the ranks disagree on H or the outer optimizer.
-            Whatever ``inner`` raises.
-        """
-        anchor = _leaves(state["params"])
-        for mine, start in zip(self.model.arrays, anchor, strict=True):
-            np.copyto(mine, start)
-        for i in range(self.inner_steps):
-            result = self.inner(group, round, i)
-            if inspect.isawaitable(result):
-                await result
-        await agree_on(group, "DiLoCoRounds", round, self.settings, self.model.specs,
-                       self.timeout)
-        return {name: start - mine for name, start, mine
-                in zip(self.model.names, anchor, self.model.arrays, strict=True)}
-
-    def apply(self, state: Pytree, deltas: dict[str, Any], round: int) -> None:
-        """train_elastic's apply: the outer step on ``state`` with the averaged deltas."""
-        self.outer.apply(_leaves(state["params"]), _leaves(state["velocity"]),
-                         [as_array(deltas[name], name) for name in self.model.names])
-
-    def finish(self) -> None:
-        """Copy the global parameters into the model's (after train_elastic returned)."""
-        for mine, start in zip(self.model.arrays, _leaves(self.state["params"]), strict=True):
-            np.copyto(mine, start)
-
-
-def _leaves(tree: Pytree) -> list[np.ndarray]:
-    return [as_array(leaf, path) for path, leaf in named_leaves(tree)]
 
 
 def _bucket_bytes(bucket_bytes: int | None) -> int:
