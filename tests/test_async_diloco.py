@@ -197,3 +197,128 @@ async def test_a_loss_during_the_delayed_reduction_ends_it_with_the_groups_error
         gc.collect()
         await asyncio.sleep(0)
     assert not unretrieved, [str(c.get("exception")) for c in unretrieved]
+
+
+# --- under train_elastic: churn with delay=1 ------------------------------------------------------
+
+
+class ElasticJob:
+    """Peers of one elastic asynchronous-DiLoCo job as tasks. Each inner step takes every
+    parameter down by exactly 1, so every pseudo-gradient is H whatever the world size and
+    the start: the final state tells how many outer steps were applied, and a newcomer's
+    zeros counted in an average would show (they would pull it below H)."""
+
+    H = 3
+
+    def __init__(self, rounds: int, codec: str | None = None) -> None:
+        from p2pcoll.testing import free_port
+
+        self.url = f"tcp://127.0.0.1:{free_port()}"
+        self.rounds, self.codec = rounds, codec
+        self.stuck = asyncio.Event()     # the victim is in an inner step, never to return
+        self.smaller = asyncio.Event()   # the survivors took outer steps without it
+        self.joined = asyncio.Event()    # the newcomer trains
+        self.digests: dict[int, list[str]] = {}  # round -> state digests as applied
+
+    def start(self, die_at: int | None = None, newcomer: bool = False) -> asyncio.Task[Any]:
+        return asyncio.create_task(self.peer(die_at, newcomer))
+
+    async def peer(self, die_at: int | None, newcomer: bool) -> Any:
+        params = {"w": np.full((2, 3), 9.0 if newcomer else 0.0), "b": np.zeros(3)}
+
+        async def inner(group: p2pcoll.Group, r: int, i: int) -> None:
+            if r == die_at and i == 1:
+                self.stuck.set()
+                await asyncio.sleep(3600)  # until cancelled, while the others wait for it
+            if group.world_size < 3 and r >= (die_at or 0) + 3:
+                self.smaller.set()
+            if newcomer:
+                self.joined.set()
+            # Two peers wait for the newcomer at a slower pace, so it gets in before the end.
+            await asyncio.sleep(0.05 if group.world_size < 3 and not self.joined.is_set()
+                                else 0.002)
+            for p in params.values():
+                p -= 1.0
+
+        rounds = training.DiLoCoRounds(params, inner, inner_steps=self.H, outer_lr=0.5,
+                                       outer_momentum=0.5, delay=1)
+
+        def apply(state: Any, deltas: dict[str, Any], r: int) -> None:
+            rounds.apply(state, deltas, r)
+            self.digests.setdefault(r, []).append(digest(state))
+
+        result = await training.train_elastic(
+            rounds.step, apply, rounds.state, rounds=self.rounds, min_world_size=2,
+            max_world_size=3, rendezvous=self.url, timeout=20.0, poll_every=0.2,
+            codec=self.codec, delay=rounds.delay, settings=rounds.settings)
+        rounds.finish()
+        return result, rounds
+
+
+def replayed(rounds: int, h: int) -> dict[str, Any]:
+    want = {"b": np.zeros(3), "w": np.zeros((2, 3))}
+    velocity = {k: np.zeros_like(v) for k, v in want.items()}
+    outer = training.OuterSGD(lr=0.5, momentum=0.5)
+    for _ in range(rounds):
+        outer.apply(list(want.values()), list(velocity.values()),
+                    [np.full(3, float(h)), np.full((2, 3), float(h))])
+    return {"params": want, "velocity": velocity}
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+async def test_elastic_delay_1_applies_each_outer_step_once_through_a_loss_and_a_join(
+        codec: str | None) -> None:
+    job = ElasticJob(rounds=20, codec=codec)
+    victim = job.start(die_at=4)
+    survivors = [job.start(), job.start()]
+    await job.stuck.wait()
+    victim.cancel()  # it closes its group while round 3's reduction may be in flight
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    await job.smaller.wait()
+    newcomer = job.start(newcomer=True)  # joins mid-round: a reduction is in flight
+    results = await asyncio.gather(*survivors, newcomer)
+
+    want = digest(replayed(job.rounds, job.H))
+    for _, rounds in results:
+        assert digest(rounds.state) == want  # every outer step once, the holders' average
+    for r, digests in job.digests.items():
+        assert len(set(digests)) == 1, f"round {r}: replicas differ"
+    (first, _), (second, _), (late, _) = results
+    # The log of applied rounds per replica: the survivors applied every round themselves,
+    # once each, in order; the newcomer every round from the one it joined in.
+    assert first.applied == second.applied == list(range(job.rounds))
+    assert late.applied == list(range(late.joined_at, job.rounds))
+    assert late.joined_at > 4 and late.formations[0].received
+    assert [f.world_size for f in first.formations] == [3, 2, 3]
+
+
+async def test_elastic_ranks_that_disagree_on_delay_are_told_before_the_state_moves() -> None:
+    from p2pcoll.testing import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def peer(delay: int) -> Any:
+        params = {"w": np.zeros(3)}
+        rounds = training.DiLoCoRounds(params, lambda g, r, i: None, inner_steps=2,
+                                       delay=delay)
+        return await training.train_elastic(rounds.step, rounds.apply, rounds.state,
+                                            rounds=2, min_world_size=2, max_world_size=2,
+                                            rendezvous=url, timeout=10, delay=delay,
+                                            settings=rounds.settings)
+
+    errors = await asyncio.gather(peer(0), peer(1), return_exceptions=True)
+    for exc in errors:
+        assert isinstance(exc, p2pcoll.CollectiveMismatch), exc
+        assert ("delay is 0 on rank 0 but 1 on rank 1" in str(exc)
+                or "delay is 1 on rank 0 but 0 on rank 1" in str(exc)), str(exc)
+
+
+async def test_elastic_bad_delays_are_refused() -> None:
+    with pytest.raises(ValueError, match="delay must be 0 or 1, got 2"):
+        training.DiLoCoRounds({"w": np.zeros(3)}, lambda g, r, i: None, inner_steps=2,
+                              delay=2)
+    with pytest.raises(ValueError, match="delay must be 0 or 1, got 3"):
+        await training.train_elastic(lambda g, r, s: {}, lambda s, g, r: None,
+                                     {"w": np.zeros(3)}, rounds=1, min_world_size=1,
+                                     rendezvous="tcp://127.0.0.1:1", delay=3)
