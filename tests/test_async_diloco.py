@@ -41,6 +41,7 @@ def reference(n: int, h: int, steps: int, lr: float, outer: training.OuterSGD
     anchor = {"w": np.zeros((4, 3)), "b": np.ones(3)}
     velocity = {k: np.zeros_like(v) for k, v in anchor.items()}
     local = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
+    origin = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
     pending: dict[str, np.ndarray] | None = None
     states = []
     for t in range(steps):
@@ -49,7 +50,7 @@ def reference(n: int, h: int, steps: int, lr: float, outer: training.OuterSGD
                 local[r][k] -= lr * g
         if (t + 1) % h:
             continue
-        deltas = [{k: anchor[k] - local[r][k] for k in anchor} for r in range(n)]
+        deltas = [{k: origin[r][k] - local[r][k] for k in anchor} for r in range(n)]
         fresh = {k: sum(d[k] for d in deltas) / n for k in anchor}
         if pending is not None:
             keys = list(anchor)
@@ -57,7 +58,8 @@ def reference(n: int, h: int, steps: int, lr: float, outer: training.OuterSGD
                         [pending[k] for k in keys])
             states.append({k: v.copy() for k, v in anchor.items()})
         pending = fresh
-        local = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
+        local = [{k: anchor[k] - deltas[r][k] for k in anchor} for r in range(n)]
+        origin = [{k: v.copy() for k, v in mine.items()} for mine in local]
     assert pending is not None
     keys = list(anchor)
     outer.apply([anchor[k] for k in keys], [velocity[k] for k in keys],
@@ -72,30 +74,31 @@ async def test_delay_1_applies_each_round_one_round_late_and_keeps_replicas_equa
     n, h, rounds, lr = 4, 3, 5, 0.5
     outer = training.OuterSGD(lr=0.5, momentum=0.5)
 
-    async def fn(g: p2pcoll.Group) -> list[str]:
+    async def fn(g: p2pcoll.Group) -> list[tuple[str, str]]:
         params = {"w": np.zeros((4, 3)), "b": np.ones(3)}
         diloco = training.DiLoCo(g, params, inner_steps=h, outer_lr=0.5, outer_momentum=0.5,
                                  delay=1, codec=codec, timeout=TIMEOUT)
-        applied: list[str] = []
+        applied: list[tuple[str, str]] = []
         for t in range(h * rounds):
             for k, grad in dyadic_grads(g.rank, t).items():
                 params[k] -= lr * grad
             if await diloco.after_inner_step():
-                assert digest(params) == digest(diloco.global_state()["params"])
-                applied.append(digest(diloco.global_state()["params"]))
-            elif (t + 1) == h:  # round 0 ends with nothing to apply: back to the anchor
-                assert digest(params) == digest(diloco.global_state()["params"])
+                state = diloco.global_state()
+                applied.append((digest(state["params"]), digest(state)))
         assert diloco.outer_steps == rounds - 1  # the last round's is still in flight
         assert await diloco.flush() == 1
-        applied.append(digest(diloco.global_state()["params"]))
-        assert diloco.outer_steps == rounds and digest(params) == applied[-1]
+        state = diloco.global_state()
+        applied.append((digest(state["params"]), digest(state)))
+        assert diloco.outer_steps == rounds
+        assert digest(params) == digest(diloco.global_state()["params"])  # all applied
         return applied
 
     results = await run_ranks(n, fn, collective_timeout=TIMEOUT)
     assert all(r == results[0] for r in results)  # bit-identical after every outer step
     assert len(set(results[0])) == rounds
     if codec is None:  # dyadic values over 4 ranks: the reference is exact
-        assert results[0] == [digest(s) for s in reference(n, h, h * rounds, lr, outer)]
+        want = reference(n, h, h * rounds, lr, outer)
+        assert [x[0] for x in results[0]] == [digest(s) for s in want]
 
 
 async def test_delay_1_reduces_in_the_background_and_applies_at_the_next_rounds_end(
@@ -262,7 +265,7 @@ def replayed(rounds: int, h: int) -> dict[str, Any]:
     for _ in range(rounds):
         outer.apply(list(want.values()), list(velocity.values()),
                     [np.full(3, float(h)), np.full((2, 3), float(h))])
-    return {"params": want, "velocity": velocity}
+    return {"params": want, "velocity": velocity, "applied": np.array([rounds], np.int64)}
 
 
 @pytest.mark.parametrize("codec", [None, "int8"])
@@ -322,3 +325,47 @@ async def test_elastic_bad_delays_are_refused() -> None:
         await training.train_elastic(lambda g, r, s: {}, lambda s, g, r: None,
                                      {"w": np.zeros(3)}, rounds=1, min_world_size=1,
                                      rendezvous="tcp://127.0.0.1:1", delay=3)
+
+
+async def test_diloco_rounds_with_delay_1_follows_the_same_rule_as_diloco() -> None:
+    """The same inner steps (which depend on where they start) under DiLoCo(delay=1) and
+    under DiLoCoRounds(delay=1) with train_elastic end in the same global state."""
+    from p2pcoll.testing import free_port
+
+    h, n_rounds = 2, 5
+
+    def inner_step(params: dict[str, np.ndarray], rank: int) -> None:
+        for p in params.values():
+            p *= 0.5
+            p -= rank + 1
+
+    async def with_diloco(g: p2pcoll.Group) -> dict[str, Any]:
+        params = {"w": np.full(3, 8.0)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, outer_lr=0.5, outer_momentum=0.5,
+                                 delay=1, timeout=TIMEOUT)
+        for _ in range(h * n_rounds):
+            inner_step(params, g.rank)
+            await diloco.after_inner_step()
+        await diloco.flush()
+        return {k: {n: a.copy() for n, a in v.items()} for k, v in
+                diloco.global_state().items()}
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def with_rounds() -> dict[str, Any]:
+        params = {"w": np.full(3, 8.0)}
+        rounds = training.DiLoCoRounds(
+            params, lambda g, r, i: inner_step(params, g.rank), inner_steps=h,
+            outer_lr=0.5, outer_momentum=0.5, delay=1)
+        await training.train_elastic(rounds.step, rounds.apply, rounds.state,
+                                     rounds=n_rounds, min_world_size=2, max_world_size=2,
+                                     rendezvous=url, timeout=10, delay=1,
+                                     settings=rounds.settings)
+        return rounds.state
+
+    want = (await run_ranks(2, with_diloco, collective_timeout=TIMEOUT))[0]
+    got = await asyncio.gather(with_rounds(), with_rounds())
+    for state in got:
+        assert int(state["applied"][0]) == n_rounds
+        for key in ("params", "velocity"):
+            np.testing.assert_allclose(state[key]["w"], want[key]["w"], rtol=1e-12)

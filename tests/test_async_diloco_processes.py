@@ -91,7 +91,8 @@ def replayed(rounds: int) -> list[str]:
     for _ in range(rounds):
         outer.apply(list(want.values()), list(velocity.values()),
                     [np.full(3, 3.0), np.full((2, 3), 3.0)])
-        out.append(digest({"params": want, "velocity": velocity}))
+        out.append(digest({"params": want, "velocity": velocity,
+                           "applied": np.array([len(out) + 1], np.int64)}))
     return out
 
 

@@ -63,7 +63,8 @@ class DiLoCoRounds:
 
     Attributes:
         state: ``{"params": ..., "velocity": ...}``, numpy copies in the parameters'
-            structure: pass it to train_elastic as its state.
+            structure (and, with ``delay=1``, ``"applied"``: the outer steps it holds):
+            pass it to train_elastic as its state.
 
     Raises:
         ValueError, TypeError: as :class:`DiLoCo`; ``delay`` other than 0 or 1.
@@ -81,6 +82,9 @@ class DiLoCoRounds:
             "params": replace_leaves(params, [a.copy() for a in self.model.arrays]),
             "velocity": replace_leaves(params, [np.zeros_like(a) for a in self.model.arrays]),
         }
+        if self.delay:  # how many outer steps the state holds: travels with it
+            self.state["applied"] = np.zeros(1, np.int64)
+        self._returned: dict[int, list[np.ndarray]] = {}  # delay=1: this rank's last deltas
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -98,8 +102,12 @@ class DiLoCoRounds:
             Whatever ``inner`` raises.
         """
         anchor = _leaves(state["params"])
-        for mine, start in zip(self.model.arrays, anchor, strict=True):
-            np.copyto(mine, start)
+        # delay=1: round - 1 in flight, this rank goes on from its own progress in it too.
+        own = (self._returned.get(round - 1) if self.delay
+               and int(as_array(state["applied"])[0]) == round - 1 else None)
+        start = anchor if own is None else [a - o for a, o in zip(anchor, own, strict=True)]
+        for mine, begin in zip(self.model.arrays, start, strict=True):
+            np.copyto(mine, begin)
         for i in range(self.inner_steps):
             result = self.inner(group, round, i)
             if inspect.isawaitable(result):
@@ -107,13 +115,18 @@ class DiLoCoRounds:
         if not self.delay:
             await agree_on(group, "DiLoCoRounds", round, self.settings, self.model.specs,
                            self.timeout)
-        return {name: start - mine for name, start, mine
-                in zip(self.model.names, anchor, self.model.arrays, strict=True)}
+        deltas = [begin - mine for begin, mine in zip(start, self.model.arrays, strict=True)]
+        if self.delay:
+            self._returned = {round: deltas, **{r: d for r, d in self._returned.items()
+                                                if r == round - 1}}
+        return dict(zip(self.model.names, deltas, strict=True))
 
     def apply(self, state: Pytree, deltas: dict[str, Any], round: int) -> None:
         """train_elastic's apply: the outer step on ``state`` with the averaged deltas."""
         self.outer.apply(_leaves(state["params"]), _leaves(state["velocity"]),
                          [as_array(deltas[name], name) for name in self.model.names])
+        if self.delay:
+            as_array(state["applied"])[0] = round + 1
 
     def finish(self) -> None:
         """Copy the global parameters into the model's (after train_elastic returned)."""

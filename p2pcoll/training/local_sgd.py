@@ -288,6 +288,9 @@ class DiLoCo:
         self._in_flight: dict[int, tuple[int, asyncio.Task[list[np.ndarray]]]] = {}
         self._last: asyncio.Task[list[np.ndarray]] | None = None
         self._checked: set[int] = set()  # fragments whose starting parameters were compared
+        # delay=1: where this worker's round started (the anchor plus its own progress of
+        # the round in flight); the pseudo-gradient is measured from it.
+        self._origin = [a.copy() for a in self.anchor] if self.delay else None
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -371,8 +374,9 @@ class DiLoCo:
 
     async def _delayed_step(self) -> bool:
         """Asynchronous DiLoCo's inner step (``delay=1``, :mod:`.delayed`): at the end of a
-        round, start its exchange, then apply the previous round's and restart from the
-        anchor; between, surface a failed exchange at once."""
+        round, start its exchange, apply the previous round's, and go on from the new
+        anchor plus this worker's own progress of the round that is still travelling;
+        between, surface a failed exchange at once."""
         pending = self._in_flight.get(0)
         if self.step % self.inner_steps:
             if pending is not None and pending[1].done() and not pending[1].cancelled() \
@@ -380,16 +384,18 @@ class DiLoCo:
                 del self._in_flight[0]
                 await self._outcome(pending[1])  # raises its error, ends the others
             return False
-        task = self._start(0)  # this round's pseudo-gradient, against the current anchor
+        assert self._origin is not None
+        own = [o - a for o, a in zip(self._origin, self.model.arrays, strict=True)]
+        task = self._start(0)  # the same pseudo-gradient, from where the round started
         retrieve_later(task)
-        if pending is None:  # the first round: nothing to apply yet
-            for local, anchor in zip(self.model.arrays, self.anchor, strict=True):
-                np.copyto(local, anchor)
-            self._in_flight[0] = (self.step + self.inner_steps, task)
-            return False
         self._in_flight[0] = (self.step + self.inner_steps, task)
-        self._apply(0, await self._outcome(pending[1]))
-        return True
+        if pending is not None:
+            self._apply(0, await self._outcome(pending[1]))
+        for local, origin, anchor, mine in zip(self.model.arrays, self._origin, self.anchor,
+                                               own, strict=True):
+            np.copyto(local, anchor - mine)
+            np.copyto(origin, local)
+        return pending is not None
 
     async def flush(self) -> int:
         """Wait for the exchanges in flight and apply them now; returns how many.
@@ -401,6 +407,9 @@ class DiLoCo:
             _, task = self._in_flight.pop(f)
             self._apply(f, await self._outcome(task))
             done += 1
+        if self._origin is not None:  # every round applied: the next starts from the anchor
+            for origin, anchor in zip(self._origin, self.anchor, strict=True):
+                np.copyto(origin, anchor)
         return done
 
     async def _outcome(self, task: asyncio.Task[list[np.ndarray]]) -> list[np.ndarray]:
@@ -445,7 +454,8 @@ class DiLoCo:
         """Start fragment f's exchange: its pseudo-gradient, taken now, averaged in a task
         that waits for the previous exchange (so the collectives keep one order)."""
         pieces = self.fragments[f]
-        delta = [p.of(self.anchor) - p.of(self.model.arrays) for p in pieces]
+        base = self._origin if self._origin is not None else self.anchor
+        delta = [p.of(base) - p.of(self.model.arrays) for p in pieces]
         round_no = state_of(self.group).take_round()  # now, in the same order on every rank
         specs = [TensorSpec.of(p.name, d) for p, d in zip(pieces, delta, strict=True)]
         # "step" and "this_fragment" sort after the settings, so a rank with another H or F
