@@ -46,7 +46,7 @@ ROUNDS, H, N = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 async def main() -> None:
     rng = np.random.default_rng(0)
     params = {"w": rng.standard_normal(N).astype(np.float32)}
-    side = 512
+    side = min(512, int(N ** 0.5))
     mix = rng.standard_normal((side, side)).astype(np.float32) / side
     inner_times = []
 
