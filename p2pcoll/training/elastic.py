@@ -102,7 +102,7 @@ from ..settings import Settings, check_seconds
 from ..transport.sockets import SocketFactory
 from .agreement import NOT_A_ROUND
 from .delayed import check_delay
-from .elastic_delayed import HOLDERS, train_delayed, zeros_from_holder
+from .elastic_delayed import ADMIT, HOLDERS, train_delayed, zeros_from_holder
 from .errors import WorldTooSmall
 from .gradients import allreduce_gradients
 from .modes import agree_on
@@ -119,7 +119,6 @@ log = logging.getLogger("p2pcoll.training")
 Step = Callable[["Group", int, Pytree], Awaitable[Mapping[str, Any]]]
 Apply = Callable[[Pytree, dict[str, Any], int], None]
 
-ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
 # The failures of a round or a formation after which the survivors form a new group.
 RECOVERABLE = (PeerLost, GroupBroken, CollectiveTimeout)
 RETRY_S = 0.2  # pause before joining again after a join that failed for a passing reason
@@ -426,7 +425,9 @@ class _Run:
                   if group.rank == 0 and (high is None or group.world_size < high) else None)
         try:
             if self.delay:
-                return await train_delayed(self, group, formation, census)
+                return await train_delayed(
+                    self, group, formation.applied,
+                    lambda: census is not None and bool(census.fresh()))
             while self.round < self.rounds:
                 r = self.round
                 grads = await self.compute(group, r)

@@ -43,8 +43,8 @@ runs none; the settings are checked at each formation instead (train_elastic's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -54,11 +54,28 @@ from .gradients import allreduce_gradients
 
 if TYPE_CHECKING:
     from .. import Group
-    from .elastic import Formation, _Census, _Run
 
-__all__ = ["HOLDERS", "reduce_round", "train_delayed", "zeros_from_holder"]
+__all__ = ["ADMIT", "HOLDERS", "Pipeline", "reduce_round", "train_delayed",
+           "zeros_from_holder"]
 
+ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
 HOLDERS = "p2pcoll.holders"  # the gradient entry that counts the holders of a round
+
+
+class Pipeline(Protocol):
+    """What the pipelined rounds read and change of a rank's elastic run (elastic's _Run)."""
+
+    round: int
+    rounds: int
+    state: Pytree
+    reduce: dict[str, Any]
+    held: dict[int, dict[str, Any]]
+    holders: int
+    zeros: dict[str, Any] | None
+
+    def apply(self, state: Pytree, grads: dict[str, Any], round: int) -> None: ...
+
+    async def compute(self, group: Group, r: int) -> dict[str, Any]: ...
 
 
 async def zeros_from_holder(group: Group, held: Mapping[str, Any] | None,
@@ -86,8 +103,6 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
                        ) -> tuple[dict[str, Any], bool]:
     """Round r's reduction over the group: the holders' sum (divided by their count under
     ``op="avg"``) and rank 0's admission flag."""
-    from .elastic import ADMIT
-
     op = reduce["op"]
     options = {**reduce, "op": "sum"}
     if reduce["codec"] is None:  # the counts ride in the round's buckets, exactly
@@ -108,9 +123,10 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
     return reduced, admitted
 
 
-async def train_delayed(run: _Run, group: Group, formation: Formation,
-                        census: _Census | None) -> str:
-    """Rounds in ``group``, pipelined by one, until the last or until peers wait."""
+async def train_delayed(run: Pipeline, group: Group, applied: list[int],
+                        ask: Callable[[], bool]) -> str:
+    """Rounds in ``group``, pipelined by one, until the last or until peers wait; each
+    round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's)."""
     while run.round < run.rounds:
         r = run.round
         if run.holders == 0:  # nobody holds round r: every member computes it now
@@ -120,7 +136,7 @@ async def train_delayed(run: _Run, group: Group, formation: Formation,
         if mine is None:
             mine = run.zeros
         assert mine is not None  # the formation made zeros for a member that holds none
-        flag = census is not None and bool(census.fresh())
+        flag = ask()
         reduction = asyncio.ensure_future(reduce_round(
             group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
         retrieve_later(reduction)
@@ -138,7 +154,7 @@ async def train_delayed(run: _Run, group: Group, formation: Formation,
         run.round = r + 1
         run.held.pop(r, None)
         run.holders = group.world_size if following is not None else 0
-        formation.applied.append(r)
+        applied.append(r)
         if admit and run.round < run.rounds:
             return "admitting"
     return "finished"
