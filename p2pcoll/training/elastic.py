@@ -58,6 +58,14 @@ Admission. At each round boundary rank 0 asks the rendezvous how many peers wait
 its own: no extra message per round, and every rank that completes the round learns the
 decision with the round itself. A full group (``max_world_size`` members) does not ask.
 
+Pipelined rounds (``delay=1``, :mod:`.elastic_delayed`): round r's reduction runs while
+round r + 1's step computes; each rank also holds the contributions it computed and has
+not seen applied, and a formation reduces the round in flight again over the members that
+hold one (zeros from the others), so the pair above still changes only in the two ways
+described, and each round is applied exactly once. Every formation starts with the ranks
+agreeing on ``delay`` and ``settings`` (a :class:`~p2pcoll.CollectiveMismatch` naming the
+first that differs, before the state moves).
+
 Formation. The rendezvous forms a group once ``max_world_size`` peers are there, or at
 least ``min_world_size`` are and nobody new arrived for a second. A join that fails for a
 passing reason (a peer lost while the group formed, the rendezvous host gone while another
