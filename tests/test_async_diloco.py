@@ -68,7 +68,7 @@ def reference(n: int, h: int, steps: int, lr: float, outer: training.OuterSGD
     return states
 
 
-@pytest.mark.parametrize("codec", [None, "int8"])
+@pytest.mark.parametrize("codec", [None, "int8", "topk2bit"])
 async def test_delay_1_applies_each_round_one_round_late_and_keeps_replicas_equal(
         codec: str | None) -> None:
     n, h, rounds, lr = 4, 3, 5, 0.5
@@ -77,7 +77,9 @@ async def test_delay_1_applies_each_round_one_round_late_and_keeps_replicas_equa
     async def fn(g: p2pcoll.Group) -> list[tuple[str, str]]:
         params = {"w": np.zeros((4, 3)), "b": np.ones(3)}
         diloco = training.DiLoCo(g, params, inner_steps=h, outer_lr=0.5, outer_momentum=0.5,
-                                 delay=1, codec=codec, timeout=TIMEOUT)
+                                 delay=1, timeout=TIMEOUT,
+                                 **({"compressor": codec, "density": 0.2}
+                                    if codec == "topk2bit" else {"codec": codec}))
         applied: list[tuple[str, str]] = []
         for t in range(h * rounds):
             for k, grad in dyadic_grads(g.rank, t).items():
