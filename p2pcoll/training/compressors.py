@@ -185,12 +185,6 @@ class TopK2Bit(Compressor):
         local_max = np.concatenate([m for _, _, m in picks] or [np.empty(0, np.float32)])
         agreed = (local_max if p == 1 else
                   await group.allreduce(local_max, "max", strategy=strategy, timeout=timeout))
-        import os
-        if os.environ.get("P2PCOLL_TOPK_SCALE") == "mean":
-            local_mean = np.concatenate([np.array([np.abs(a[idx][(idx >= st) & (idx < st + self.chunk)]).mean() for st in starts], np.float32) for a, (idx, starts, _) in zip(accs, picks)])
-            agreed = (local_mean if p == 1 else
-                      await group.allreduce(local_mean, "sum", strategy=strategy, timeout=timeout)) / p
-            agreed = agreed * 2
         steps, offset = [], 0
         for _, starts, _ in picks:
             steps.append(agreed[offset:offset + starts.size].astype(np.float64) / 2)
