@@ -28,6 +28,8 @@ The modes differ only in what the workers exchange:
 - ``local_sgd``: H = 8 local steps, then the parameters averaged;
 - ``diloco``: H = 50 inner steps, then an outer Nesterov step on the averaged
   pseudo-gradients, sent as int8;
+- ``diloco_async``: asynchronous DiLoCo (int8, H = 50, ``delay=1``): each round's reduction
+  runs during the next round's inner steps and is applied one round late;
 - ``diloco_h100``: DiLoCo (int8) with H = 100 (not one of the issue's: the setting behind
   OpenDiLoCo's and INTELLECT-1's 400x; H = 50 with int8 gives 200x);
 - ``diloco_fp32``: DiLoCo with float32 pseudo-gradients (no codec; not one of the issue's);
@@ -50,7 +52,8 @@ evaluations left out), the time at which the test accuracy first reached ``--tar
 synchronisation, for the local modes), the final test accuracy, the bytes each worker sent:
 the payload from ``group.stats()`` and the frames its cable's counters saw (joining and
 barriers included), per step and in all; and whether the four replicas ended bit-identical
-(a digest of every parameter, compared across the workers).
+(a digest of every parameter, compared across the workers); for the local modes, the share of
+the wall time spent in inner steps (backward and optimizer step, timed in their thread).
 """
 
 from __future__ import annotations
@@ -145,6 +148,13 @@ class Update:
     finish: Callable[[], Awaitable[Any]] | None = None
     kind: str = "p2pcoll"  # or "gloo": torch's DDP instead of a p2pcoll group
     stats: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    # The optimizer steps in the thread with the backward pass (the inner step of the local
+    # modes), so exchanges in flight move during the whole inner step; ``step`` then only
+    # counts it.
+    inner_in_thread: bool = False
+    # Made before the first step, from the group and the model (the local modes' object,
+    # which takes the parameters as they start).
+    prepare: Callable[[Any, Any], None] | None = None
 
 
 def _set_grads(model: Any, grads: dict[str, Any]) -> None:
@@ -225,15 +235,16 @@ def mode_topk(args: argparse.Namespace) -> Update:
 def _outer_loop(make: Callable[[Any, dict[str, Any]], Any], *, every_step: bool = False
                 ) -> Update:
     """A mode of inner steps and exchanges (LocalSGD, DiLoCo): ``make(group, params)``
-    builds its object at the first step; the optimizer steps on each worker's own. The
+    builds its object before the first step; the optimizer steps on each worker's own, in
+    the inner step's thread. The
     replicas share the model's parameters after an exchange, or DiLoCo's global parameters
     at any step (``every_step``)."""
     made: list[Any] = []
 
+    def prepare(group: Any, model: Any) -> None:
+        made.append(make(group, _params(model)))
+
     async def step(group: Any, model: Any, optimizer: Any, step_no: int) -> bool:
-        if not made:
-            made.append(make(group, _params(model)))
-        optimizer.step()
         return bool(await made[0].after_inner_step()) or every_step
 
     def shared(model: Any) -> dict[str, Any]:
@@ -248,7 +259,7 @@ def _outer_loop(make: Callable[[Any, dict[str, Any]], Any], *, every_step: bool 
         if made and hasattr(made[0], "flush"):
             await made[0].flush()
 
-    return Update(step, shared=shared, finish=finish,
+    return Update(step, shared=shared, finish=finish, inner_in_thread=True, prepare=prepare,
                   stats=lambda: {"ratio": made[0].traffic.ratio} if made else {})
 
 
@@ -261,6 +272,17 @@ def mode_diloco(args: argparse.Namespace) -> Update:
     diloco = _training("DiLoCo")
     _codecs()
     return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50, codec="int8"))
+
+
+def mode_diloco_async(args: argparse.Namespace) -> Update:
+    """Asynchronous DiLoCo (int8, H = 50): round k's reduction runs during round k+1's
+    inner steps and is applied one round late (``delay=1``)."""
+    diloco = _training("DiLoCo")
+    _codecs()
+    if "delay" not in inspect.signature(diloco).parameters:
+        raise NotAvailable("training.DiLoCo has no delay= yet")
+    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50, codec="int8",
+                                                delay=1))
 
 
 def mode_diloco_h100(args: argparse.Namespace) -> Update:
@@ -310,6 +332,7 @@ MODES: dict[str, Callable[[argparse.Namespace], Update]] = {
     "topk": mode_topk,
     "local_sgd": mode_local_sgd,
     "diloco": mode_diloco,
+    "diloco_async": mode_diloco_async,
     "diloco_h100": mode_diloco_h100,
     "diloco_fp32": mode_diloco_fp32,
     "streaming_diloco": mode_streaming_diloco,
@@ -340,15 +363,27 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
         optimizer.zero_grad(set_to_none=False)
         loss_fn(model(x_train[idx]), y_train[idx]).backward()
 
+    def inner_step(idx: Any) -> float:
+        """The local modes' inner step, timed: backward and the optimizer's step."""
+        t = time.perf_counter()
+        backward(idx)
+        optimizer.step()
+        return time.perf_counter() - t
+
+    if update.prepare is not None:
+        update.prepare(group, module)
     curve = [(0.0, 0, accuracy())]
     paused = 0.0  # seconds spent evaluating, left out of the wall time
+    computing = 0.0  # seconds in inner steps (the local modes): utilisation = computing / wall
     last_eval = 0
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         idx = batch_of(step, len(y_train), args.batch, args.seed)[rank::world]
         if update.kind == "gloo":
             backward(idx)  # DDP's hooks run on this thread
-        else:  # the group's exchanges in flight move on meanwhile (streaming DiLoCo)
+        elif update.inner_in_thread:  # exchanges in flight move on meanwhile
+            computing += await asyncio.to_thread(inner_step, idx)
+        else:
             await asyncio.to_thread(backward, idx)
         synced = await update.step(group, model, optimizer, step)
         if synced and step - last_eval >= args.eval_every:
@@ -366,7 +401,7 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
     for _, p in sorted(update.shared(module).items()):
         h.update(p.detach().contiguous().numpy().tobytes())
     return {"rank": rank, "wall": wall, "final": final, "curve": curve,
-            "digest": h.hexdigest(), **update.stats()}
+            "digest": h.hexdigest(), "computing": computing, **update.stats()}
 
 
 async def p2pcoll_worker(args: argparse.Namespace, update: Update) -> dict[str, Any]:
@@ -485,12 +520,13 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     base_bytes = (sum(x["bytes_sent"] for x in base.reports) / WORLD) if base else None
     lines = [
         f"| mode | wall s | to {args.target:.0%} s | final acc | MB sent/worker (stats) "
-        f"| KB/step (stats) | fewer bytes than fp32 | MB on the cable/worker | replicas |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| KB/step (stats) | fewer bytes than fp32 | MB on the cable/worker | replicas "
+        f"| inner steps / wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.missing:
-            lines.append(f"| {r.mode} | not available: {r.missing} | | | | | | | |")
+            lines.append(f"| {r.mode} | not available: {r.missing} | | | | | | | | |")
             continue
         wall = max(x["wall"] for x in r.reports)
         reached = r.time_to(args.target)
@@ -505,9 +541,11 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
             ratio = f"{base_bytes / mean:.3g}x" if base_bytes and mean else "-"
             stats_cells = [_mb(mean), f"{mean / steps / 1e3:.4g}", ratio]
         to_target = "not reached" if reached is None else f"{reached:.1f}"
+        util = utilisation(r)
         lines.append(
             f"| {r.mode} | {wall:.1f} | {to_target} | {final:.2%} | "
-            f"{' | '.join(stats_cells)} | {_mb(cable)} | {'equal' if equal else 'DIFFER'} |")
+            f"{' | '.join(stats_cells)} | {_mb(cable)} | {'equal' if equal else 'DIFFER'} "
+            f"| {'-' if util is None else f'{util:.1%}'} |")
     return "\n".join(lines)
 
 
@@ -518,13 +556,33 @@ TARGETS = [("diloco", 400.0, 5.0, 1.0), ("diloco_h100", 400.0, 5.0, 1.0),
            ("int8_ef", 4.0, None, 0.5), ("diloco_topk2bit", 3000.0, None, 0.5)]
 
 
+def utilisation(r: Result) -> float | None:
+    """The mean over the workers of the time in inner steps over the wall time (the local
+    modes, whose inner steps are timed), or None."""
+    if not all(x.get("computing") for x in r.reports):
+        return None
+    return sum(x["computing"] / x["wall"] for x in r.reports) / len(r.reports)
+
+
 def targets(results: list[Result], args: argparse.Namespace) -> list[str]:
     """One line per target mode that ran: its figures against fp32's and the issue's."""
     by_mode = {r.mode: r for r in results if r.reports}
+    lines = []
+    sync, async_ = by_mode.get("diloco"), by_mode.get("diloco_async")
+    if async_ is not None:
+        util = utilisation(async_)
+        parts = [f"{util:.1%} of the wall time in inner steps (issue: >= 98 %)"
+                 if util is not None else "no utilisation"]
+        if sync is not None:
+            gap = (async_.reports[0]["final"] - sync.reports[0]["final"]) * 100
+            sync_util = utilisation(sync)
+            parts.append(f"final accuracy {gap:+.2f} points against synchronous DiLoCo's "
+                         f"(issue: within 0.5); synchronous DiLoCo: "
+                         + (f"{sync_util:.1%} in inner steps" if sync_util else "-"))
+        lines.append("- diloco_async: " + "; ".join(parts))
     base = by_mode.get("fp32")
     if base is None:
-        return []
-    lines = []
+        return lines
     for mode, fewer, faster, points in TARGETS:
         r = by_mode.get(mode)
         if r is None:

@@ -91,7 +91,8 @@ from .buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketPlan, TensorSpec
 from .elastic import ElasticResult, Formation, train_elastic
 from .errors import NonFiniteGradients, RoundError, WorldTooSmall
 from .gradients import allreduce_gradients
-from .local_sgd import DiLoCo, DiLoCoRounds, LocalSGD, OuterSGD
+from .diloco_rounds import DiLoCoRounds
+from .local_sgd import DiLoCo, LocalSGD, OuterSGD
 from .nonfinite import Nonfinite
 from .parameters import broadcast_parameters
 from .powersgd import PowerSGD

@@ -3,7 +3,12 @@
 A :class:`Compressor` averages a list of pseudo-gradients over a group, bit-identically on
 every rank, keeping in a per-rank accumulator (error feedback) what it did not send. DiLoCo
 takes one by name (``DiLoCo(..., compressor="topk2bit", density=0.015)``, see
-:func:`make_compressor`); the class is the unit another compressor would be registered as.
+:func:`make_compressor`) or as an object. The names come from one entry-point table
+(:data:`COMPRESSORS`, the group ``p2pcoll.compressors``): the built-in ``topk2bit``, then
+plugins, each a Compressor subclass named in its distribution's metadata::
+
+    [project.entry-points."p2pcoll.compressors"]
+    signsgd = "mypkg.compress:SignSGD"
 
 ``topk2bit`` (:class:`TopK2Bit`, after SparseLoCo: Sarfi et al. 2025) sends, of each chunk
 of ``CHUNK`` consecutive elements of each tensor, the ``k = ceil(density * chunk)`` entries
@@ -44,21 +49,26 @@ allreduce shrinks as p grows, about ``300 H / p`` at 1.5 %, and past
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import PluginValidationError, ProtocolError
+from ..plugin_table import PluginTable
 from .errors import NonFiniteGradients
 
 if TYPE_CHECKING:
     from .. import Group
 
-__all__ = ["CHUNK", "COMPRESSORS", "Compressor", "TopK2Bit", "make_compressor"]
+__all__ = ["CHUNK", "COMPRESSORS", "ENTRY_POINT_GROUP", "Compressor", "TopK2Bit",
+           "compressor_table", "make_compressor", "validate"]
 
 CHUNK = 4096
 """Elements per chunk of ``topk2bit``: one agreed step each; an index within it fits in
@@ -71,6 +81,8 @@ class Compressor(ABC):
     An implementation is deterministic: every rank that calls :meth:`average` with arrays
     of the same shapes gets the same bits back, whatever the strategy. It keeps its
     error-feedback accumulator in the ``residuals`` it is handed (the caller owns them).
+    A plugin's class is made as ``cls(density)`` when DiLoCo is given a density, ``cls()``
+    otherwise.
     """
 
     name: ClassVar[str]
@@ -274,26 +286,90 @@ class TopK2Bit(Compressor):
         return out
 
 
-COMPRESSORS: dict[str, type[TopK2Bit]] = {TopK2Bit.name: TopK2Bit}
-"""The compressors by name (the built-in one; an entry-point table may extend it)."""
+ENTRY_POINT_GROUP = "p2pcoll.compressors"
+"""Where compressor plugins are declared: ``name = "module:Class"``, a :class:`Compressor`
+subclass whose constructor takes ``density`` (or nothing, when it has no density)."""
+
+
+def validate(obj: object, where: str) -> type[Compressor]:
+    """``obj`` if it is a usable Compressor class, else PluginValidationError naming
+    ``where``: a concrete subclass with a name like ``"topk2bit"`` that can be made with
+    its defaults."""
+    if not (inspect.isclass(obj) and issubclass(obj, Compressor)):
+        raise PluginValidationError(f"{where}: {obj!r} is not a "
+                                    f"p2pcoll.training.compressors.Compressor subclass")
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
+        raise PluginValidationError(f"{where}: {obj.__name__}.name must be a name like "
+                                    f"'topk2bit', got {name!r}")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        raise PluginValidationError(f"{where}: {obj.__name__} does not define {missing}")
+    try:
+        obj()
+    except Exception as exc:
+        raise PluginValidationError(f"{where}: {obj.__name__}() raised "
+                                    f"{type(exc).__name__}: {exc}") from exc
+    return obj
+
+
+def _intended(ep: EntryPoint, obj: object) -> tuple[str | None, str | None]:
+    name = getattr(obj, "name", None)
+    return None, name if isinstance(name, str) and name else ep.name
+
+
+def compressor_table() -> PluginTable[str, type[Compressor]]:
+    """A new table of the compressors (loaded on first use): the built-in ``topk2bit``, then
+    the entry points of ``p2pcoll.compressors``."""
+    return PluginTable(
+        kind="compressor", scan=lambda: entry_points(group=ENTRY_POINT_GROUP), check=validate,
+        key=lambda cls: cls.name, intended=_intended, key_of=lambda _, name: name,
+        builtins=lambda: [(TopK2Bit, "p2pcoll (built-in)")],
+        log=logging.getLogger("p2pcoll.training"))
+
+
+COMPRESSORS = compressor_table()
+"""The compressors by name: the built-in ``topk2bit``, then the entry points of
+``p2pcoll.compressors`` (:mod:`p2pcoll.plugin_table`, the table strategies and codecs use)."""
 
 
 def make_compressor(compressor: Any, density: Any) -> Compressor | None:
-    """The compressor called ``compressor`` (None for None) at ``density``.
+    """The compressor ``compressor`` names (at ``density``), or ``compressor`` itself if it
+    is one already; None for None.
+
+    Args:
+        compressor: a name from :data:`COMPRESSORS` (``"topk2bit"`` or a plugin's), an
+            object implementing :class:`Compressor`, or None.
+        density: the named compressor's density, or None for its default.
 
     Raises:
-        ValueError: an unknown ``compressor`` (naming the known ones), ``density`` outside
-            (0, 1], or ``density`` without a compressor.
+        ValueError: an unknown name (naming it and the known ones), ``compressor`` neither
+            a name nor a Compressor, ``density`` outside (0, 1] or without a named
+            compressor.
+        PluginValidationError: the plugin that provides the name is installed but broken.
     """
-    if compressor is None:
+    if compressor is None or isinstance(compressor, Compressor):
         if density is not None:
-            raise ValueError(f"density={density!r} applies to a compressor; pass "
-                             f"compressor=\"topk2bit\" too")
-        return None
-    if not isinstance(compressor, str) or compressor not in COMPRESSORS:
-        raise ValueError(f"unknown compressor {compressor!r}; known: "
-                         f"{', '.join(sorted(COMPRESSORS))}")
-    return COMPRESSORS[compressor]() if density is None else COMPRESSORS[compressor](density)
+            raise ValueError(f"density={density!r} applies to a compressor given by name; "
+                             f"pass compressor=\"topk2bit\" too" if compressor is None else
+                             f"density={density!r} applies to a compressor given by name; "
+                             f"{type(compressor).__name__} has its own")
+        return compressor
+    if not isinstance(compressor, str):
+        raise ValueError(f"compressor must be a name ({_known()}) or a Compressor, got "
+                         f"{compressor!r}")
+    found = COMPRESSORS.entries().get(compressor)
+    if found is None:
+        plugin = COMPRESSORS.broken_for(compressor)
+        if plugin is not None:
+            raise PluginValidationError(f"compressor {compressor!r} cannot be used: {plugin}"
+                                        ) from plugin.error
+        raise ValueError(f"unknown compressor {compressor!r}; known: {_known()}")
+    return found.value() if density is None else found.value(density)  # type: ignore[call-arg]
+
+
+def _known() -> str:
+    return ", ".join(repr(n) for n in sorted(COMPRESSORS.entries()))
 
 
 def _code_dtype(world_size: int) -> np.dtype[Any]:

@@ -58,6 +58,14 @@ Admission. At each round boundary rank 0 asks the rendezvous how many peers wait
 its own: no extra message per round, and every rank that completes the round learns the
 decision with the round itself. A full group (``max_world_size`` members) does not ask.
 
+Pipelined rounds (``delay=1``, :mod:`.elastic_delayed`): round r's reduction runs while
+round r + 1's step computes; each rank also holds the contributions it computed and has
+not seen applied, and a formation reduces the round in flight again over the members that
+hold one (zeros from the others), so the pair above still changes only in the two ways
+described, and each round is applied exactly once. Every formation starts with the ranks
+agreeing on ``delay`` and ``settings`` (a :class:`~p2pcoll.CollectiveMismatch` naming the
+first that differs, before the state moves).
+
 Formation. The rendezvous forms a group once ``max_world_size`` peers are there, or at
 least ``min_world_size`` are and nobody new arrived for a second. A join that fails for a
 passing reason (a peer lost while the group formed, the rendezvous host gone while another
@@ -100,8 +108,12 @@ from ..pytree import Pytree, as_array, named_leaves, replace_leaves
 from ..rendezvous.client import waiting
 from ..settings import Settings, check_seconds
 from ..transport.sockets import SocketFactory
+from .agreement import NOT_A_ROUND
+from .delayed import check_delay
+from .elastic_delayed import ADMIT, HOLDERS, train_delayed, zeros_from_holder
 from .errors import WorldTooSmall
 from .gradients import allreduce_gradients
+from .modes import agree_on
 from .nonfinite import Nonfinite
 from .parameters import broadcast_parameters
 
@@ -115,7 +127,6 @@ log = logging.getLogger("p2pcoll.training")
 Step = Callable[["Group", int, Pytree], Awaitable[Mapping[str, Any]]]
 Apply = Callable[[Pytree, dict[str, Any], int], None]
 
-ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
 # The failures of a round or a formation after which the survivors form a new group.
 RECOVERABLE = (PeerLost, GroupBroken, CollectiveTimeout)
 RETRY_S = 0.2  # pause before joining again after a join that failed for a passing reason
@@ -197,6 +208,8 @@ async def train_elastic(
     strategy: str | None = None,
     nonfinite: Nonfinite = "raise",
     codec: str | None = None,
+    delay: int = 0,
+    settings: Mapping[str, Any] | None = None,
     **join_kwargs: Any,
 ) -> ElasticResult:
     """Run rounds ``0 .. rounds-1`` in elastic groups, each exactly once (module docstring).
@@ -221,6 +234,13 @@ async def train_elastic(
         op: "avg" or "sum" (see the module docstring); bucket_bytes, strategy, nonfinite,
             codec: as :func:`allreduce_gradients`. Under a lossy codec each group keeps its
             own error-feedback residuals: a re-formation starts them again from zero.
+        delay: 0, or 1: round r's reduction runs while round r + 1's step computes, and
+            is applied after it (:mod:`.elastic_delayed`: what a peer that joins or leaves
+            mid-round contributes). ``step`` then must not run collectives, and must
+            return a flat dict of name -> array.
+        settings: what every rank must agree on besides ``delay`` (a dict of JSON-able
+            values, :attr:`DiLoCoRounds.settings`), checked at each formation before the
+            state moves.
         **join_kwargs: other arguments of :func:`p2pcoll.join` (``key_file``,
             ``heartbeat_timeout``, ``job_id``, ``collective_timeout``, ``transport``,
             ``strategies``); not ``world_size``, ``rank`` or ``order``.
@@ -238,7 +258,8 @@ async def train_elastic(
         RendezvousError: the rendezvous rejected this peer (bounds that disagree with the
             others') or the handshake with it failed (another job key).
         CollectiveMismatch, NonFiniteGradients: as :func:`allreduce_gradients` (the ranks
-            disagree about the gradients; NaN or Inf): these are not recovered from.
+            disagree about the gradients; NaN or Inf), or the ranks disagree on ``delay``
+            or ``settings`` (named): these are not recovered from.
         Whatever ``step`` or ``apply`` raise, other than the failures recovered from.
 
     Cancellation: closes the group; ``state`` holds a whole number of rounds (the round in
@@ -252,7 +273,9 @@ async def train_elastic(
     check_seconds(poll_every, "poll_every=")
     if op not in ("avg", "sum"):
         raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
-    run = _Run(step, apply, state, rounds, poll_every,
+    check_delay(delay)
+    agreed = {**(dict(settings) if settings is not None else {}), "delay": delay}
+    run = _Run(step, apply, state, rounds, poll_every, agreed,
                {"op": op, "bucket_bytes": bucket_bytes, "strategy": strategy,
                 "nonfinite": nonfinite, "codec": codec},
                {"rendezvous": rendezvous, "min_world_size": min_world_size,
@@ -264,8 +287,10 @@ class _Run:
     """One rank's elastic run: its (round, state) pair and the groups it goes through."""
 
     def __init__(self, step: Step, apply: Apply, state: Pytree, rounds: int,
-                 poll_every: float, reduce: dict[str, Any], joining: dict[str, Any]) -> None:
+                 poll_every: float, agreed: dict[str, Any], reduce: dict[str, Any],
+                 joining: dict[str, Any]) -> None:
         self.step, self.apply, self.state, self.rounds = step, apply, state, rounds
+        self.agreed, self.delay = agreed, agreed["delay"]
         self.poll_every, self.reduce, self.joining = poll_every, reduce, joining
         self.leaves = [as_array(leaf, path) for path, leaf in named_leaves(state)]
         for (path, _), array in zip(named_leaves(state), self.leaves, strict=True):
@@ -278,6 +303,11 @@ class _Run:
         self.started = -1  # the highest round whose step this rank ran
         self.redone = 0
         self.formations: list[Formation] = []
+        # delay=1 (elastic_delayed): this rank's contributions by round, not yet applied;
+        # how many members hold one for the round in flight; zeros for a member that does not.
+        self.held: dict[int, dict[str, Any]] = {}
+        self.holders = 0
+        self.zeros: dict[str, Any] | None = None
 
     async def run(self) -> ElasticResult:
         while True:
@@ -346,10 +376,15 @@ class _Run:
         Cancellation, or a failure: ``state`` and the round are as they were, or the
         source's, never a mix.
         """
+        await agree_on(group, "train_elastic", NOT_A_ROUND, self.agreed, [], None)
         mine = self.round if self.synced else -1  # a newcomer has no state to offer
-        counters = await group.allgather(np.array([mine], np.int64))
+        held = sorted(self.held)[-2:] if self.synced else []
+        counters = await group.allgather(np.array([mine, *held, *[-1] * (2 - len(held))],
+                                                  np.int64))
         have = [int(c[0]) for c in counters]
         source = have.index(max(have))  # the first of the highest: the lowest rank
+        m = max(have[source], 0)
+        holding = [r for r, c in enumerate(counters) if m in c[1:].tolist()]
         if group.world_size > 1 and group.rank == source:
             await broadcast_parameters(group, self.state, root=source)
         elif group.world_size > 1:
@@ -357,12 +392,39 @@ class _Run:
             got = await broadcast_parameters(group, incoming, root=source)
             for own, (_, new) in zip(self.leaves, named_leaves(got), strict=True):
                 np.copyto(own, as_array(new))  # all of it, or (above) none of it
-        self.round, self.synced = max(have[source], 0), True
+        self.round, self.synced = m, True
+        # delay=1: round m is reduced again over its holders (elastic_delayed's rule).
+        self.held = {m: self.held[m]} if group.rank in holding else {}
+        self.holders = len(holding)
+        self.zeros = None
+        if holding and len(holding) < group.world_size:
+            self.zeros = await zeros_from_holder(group, self.held.get(m), holding[0])
         formation = Formation(group.rank, group.world_size, self.round, source)
         self.formations.append(formation)
         log.info("elastic: rank %d of %d from round %d (state of rank %d)", group.rank,
                  group.world_size, self.round, source)
         return formation
+
+    async def compute(self, group: Group, r: int) -> dict[str, Any]:
+        """``step(group, r, state)``, counted (a round computed again is ``redone``).
+
+        Raises:
+            TypeError, ValueError: it returned no dict, or one with a name train_elastic
+                uses (or, with delay=1, not a flat one).
+        """
+        if r <= self.started:
+            self.redone += 1
+        self.started = max(self.started, r)
+        grads = await self.step(group, r, self.state)
+        if not isinstance(grads, Mapping):
+            raise TypeError(f"step must return a dict of gradients, got "
+                            f"{type(grads).__name__}")
+        for name in (ADMIT, HOLDERS):
+            if name in grads:
+                raise ValueError(f"a gradient is named {name!r}, the name train_elastic uses")
+        if self.delay and any(isinstance(v, (Mapping, list, tuple)) for v in grads.values()):
+            raise ValueError("with delay=1, step must return a flat dict of name -> array")
+        return dict(grads)
 
     async def _train(self, group: Group, formation: Formation) -> str:
         """Rounds in ``group`` until the last, or until peers wait to get in."""
@@ -370,12 +432,13 @@ class _Run:
         census = (_Census(group.settings, self.poll_every)
                   if group.rank == 0 and (high is None or group.world_size < high) else None)
         try:
+            if self.delay:
+                return await train_delayed(
+                    self, group, formation.applied,
+                    lambda: census is not None and bool(census.fresh()))
             while self.round < self.rounds:
                 r = self.round
-                if r <= self.started:
-                    self.redone += 1
-                self.started = max(self.started, r)
-                grads = await self.step(group, r, self.state)
+                grads = await self.compute(group, r)
                 flag = census is not None and bool(census.fresh())
                 payload = _with_flag(grads, flag, group.world_size, self.reduce["op"])
                 if self.reduce["codec"] is None:  # the flag rides in the round's buckets

@@ -66,24 +66,24 @@ the group with it (a peer lost) ends the others in flight too: the call that met
 failure waits for them, each ends with the group's error, and none is left running to be
 reported as a task exception never retrieved.
 
-:class:`DiLoCoRounds` runs DiLoCo's outer steps as :func:`train_elastic` rounds: the outer
-state is the elastic state, so a peer that joins gets it, and no outer step is applied twice.
+:class:`~.diloco_rounds.DiLoCoRounds` runs DiLoCo's outer steps as :func:`train_elastic`
+rounds: the outer state is the elastic state, so a peer that joins gets it, and no outer step
+is applied twice (with ``delay=1`` too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ReplicaDivergence
 from ..session.failure import GroupState
-from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from ..pytree import Pytree, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
-from .compressors import make_compressor
+from .compressors import Compressor, make_compressor
+from .delayed import check_delay, retrieve_later
 from .fragments import split_fragments
 from .modes import (
     Traffic,
@@ -102,7 +102,7 @@ from .state import state_of
 if TYPE_CHECKING:
     from .. import Group
 
-__all__ = ["DiLoCo", "DiLoCoRounds", "LocalSGD", "OuterSGD"]
+__all__ = ["DiLoCo", "LocalSGD", "OuterSGD"]
 
 
 class LocalSGD:
@@ -217,9 +217,13 @@ class DiLoCo:
             "topk2bit", each chunk's largest entries (``density`` of them) as 2-bit codes
             against a step the group agrees, the rest kept for the next exchange (with
             ``error_feedback``), summed exactly in the integer domain
-            (:mod:`.compressors`); None: the codec's way.
-        density: the share of the entries ``compressor`` sends, in (0, 1] (None: its
-            default, 1.5 %).
+            (:mod:`.compressors`); another name from the ``p2pcoll.compressors`` entry
+            points, or a :class:`~.compressors.Compressor` object; None: the codec's way.
+        density: the share of the entries a named ``compressor`` sends, in (0, 1] (None:
+            its default, 1.5 % for topk2bit).
+        delay: 0, each outer step waits for its own reduction; 1, asynchronous DiLoCo:
+            round k's reduction runs while round k+1's inner steps compute and is applied
+            at round k+1's end (:mod:`.delayed`; one fragment, no overlap).
         timeout: seconds for each collective (default: the group's).
         op, trim: how the pseudo-gradients are combined: "avg", or the robust "median" or
             "trimmed_mean" with ``trim=k`` (one bad peer cannot move the update; no codec or
@@ -234,11 +238,14 @@ class DiLoCo:
     Raises:
         ValueError: H < 1, a bad F, tau, mix, outer lr or momentum, no parameters, a
             read-only parameter; a codec that cannot average over this group (int8: more
-            than 127 ranks); an unknown ``compressor``, a ``density`` outside (0, 1] or
-            without a compressor, both a codec and a compressor; another ``op``, a bad
-            ``trim``, a robust op with a codec or a compressor.
+            than 127 ranks); an unknown ``compressor`` (naming the known ones), a
+            ``density`` outside (0, 1] or without a named compressor, both a codec and a
+            compressor, one that is neither a name nor a Compressor; ``delay`` other than
+            0 or 1, or 1 with fragments or overlap; another ``op``, a bad ``trim``, a
+            robust op with a codec or a compressor.
         UnknownCodec: no codec of that name (a ValueError; it lists the installed ones).
         TypeError: a parameter that is not floating-point; a codec that is not a name.
+        PluginValidationError: the plugin that provides ``compressor`` is broken.
     """
 
     def __init__(self, group: Group, params: Pytree, *, inner_steps: int,
@@ -246,9 +253,9 @@ class DiLoCo:
                  codec: str | None = None, error_feedback: bool = True, fragments: int = 1,
                  overlap: int = 0, mix: float = 0.0, bucket_bytes: int | None = None,
                  strategy: str | None = None, nonfinite: Nonfinite = "raise",
-                 compressor: str | None = None, density: float | None = None,
-                 timeout: float | None = None, op: str = "avg", trim: int | None = None
-                 ) -> None:
+                 compressor: str | Compressor | None = None, density: float | None = None,
+                 delay: int = 0, timeout: float | None = None, op: str = "avg",
+                 trim: int | None = None) -> None:
         self.group = group
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
@@ -271,6 +278,7 @@ class DiLoCo:
                 or not 0 <= mix < 1):
             raise ValueError(f"mix must be a number in [0, 1), got {mix!r}")
         check_nonfinite(nonfinite)
+        self.delay = check_delay(delay, len(self.fragments), overlap)
         self.overlap, self.mix, self.nonfinite = overlap, float(mix), nonfinite
         self.bucket_bytes, self.strategy, self.timeout = bucket_bytes, strategy, timeout
         self.anchor = [a.copy() for a in self.model.arrays]  # the global parameters
@@ -288,6 +296,9 @@ class DiLoCo:
         self._in_flight: dict[int, tuple[int, asyncio.Task[list[np.ndarray]]]] = {}
         self._last: asyncio.Task[list[np.ndarray]] | None = None
         self._checked: set[int] = set()  # fragments whose starting parameters were compared
+        # delay=1: where this worker's round started (the anchor plus its own progress of
+        # the round in flight); the pseudo-gradient is measured from it.
+        self._origin = [a.copy() for a in self.anchor] if self.delay else None
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -296,6 +307,7 @@ class DiLoCo:
                 "codec": self.codec.name if self.codec is not None else None,
                 "error_feedback": self.residuals is not None,
                 "fragments": len(self.fragments), "overlap": self.overlap, "mix": self.mix,
+                "delay": self.delay,
                 "nonfinite": self.nonfinite, "bucket_bytes": _bucket_bytes(self.bucket_bytes),
                 "op": self.op.value, "trim": self.trim,
                 **(self.compressor.settings if self.compressor is not None
@@ -348,6 +360,8 @@ class DiLoCo:
         self.model.reread(params, "DiLoCo")
         self.step += 1
         self.traffic.dense_bytes += self.model.nbytes
+        if self.delay:
+            return await self._delayed_step()
         applied = False
         for f in sorted(self._in_flight):
             if self._in_flight[f][0] <= self.step:
@@ -367,6 +381,31 @@ class DiLoCo:
             await asyncio.sleep(0)  # a turn of the loop for the exchanges in flight
         return applied
 
+    async def _delayed_step(self) -> bool:
+        """Asynchronous DiLoCo's inner step (``delay=1``, :mod:`.delayed`): at the end of a
+        round, start its exchange, apply the previous round's, and go on from the new
+        anchor plus this worker's own progress of the round that is still travelling;
+        between, surface a failed exchange at once."""
+        pending = self._in_flight.get(0)
+        if self.step % self.inner_steps:
+            if pending is not None and pending[1].done() and not pending[1].cancelled() \
+                    and pending[1].exception() is not None:
+                del self._in_flight[0]
+                await self._outcome(pending[1])  # raises its error, ends the others
+            return False
+        assert self._origin is not None
+        own = [o - a for o, a in zip(self._origin, self.model.arrays, strict=True)]
+        task = self._start(0)  # the same pseudo-gradient, from where the round started
+        retrieve_later(task)
+        self._in_flight[0] = (self.step + self.inner_steps, task)
+        if pending is not None:
+            self._apply(0, await self._outcome(pending[1]))
+        for local, origin, anchor, mine in zip(self.model.arrays, self._origin, self.anchor,
+                                               own, strict=True):
+            np.copyto(local, anchor - mine)
+            np.copyto(origin, local)
+        return pending is not None
+
     async def flush(self) -> int:
         """Wait for the exchanges in flight and apply them now; returns how many.
 
@@ -377,6 +416,9 @@ class DiLoCo:
             _, task = self._in_flight.pop(f)
             self._apply(f, await self._outcome(task))
             done += 1
+        if self._origin is not None:  # every round applied: the next starts from the anchor
+            for origin, anchor in zip(self._origin, self.anchor, strict=True):
+                np.copyto(origin, anchor)
         return done
 
     async def _outcome(self, task: asyncio.Task[list[np.ndarray]]) -> list[np.ndarray]:
@@ -421,7 +463,8 @@ class DiLoCo:
         """Start fragment f's exchange: its pseudo-gradient, taken now, averaged in a task
         that waits for the previous exchange (so the collectives keep one order)."""
         pieces = self.fragments[f]
-        delta = [p.of(self.anchor) - p.of(self.model.arrays) for p in pieces]
+        base = self._origin if self._origin is not None else self.anchor
+        delta = [p.of(base) - p.of(self.model.arrays) for p in pieces]
         round_no = state_of(self.group).take_round()  # now, in the same order on every rank
         specs = [TensorSpec.of(p.name, d) for p, d in zip(pieces, delta, strict=True)]
         # "step" and "this_fragment" sort after the settings, so a rank with another H or F
@@ -483,96 +526,6 @@ class DiLoCo:
                 alpha = local.dtype.type(self.mix)
                 np.copyto(local, alpha * local + (local.dtype.type(1) - alpha) * anchor)
         self.outer_steps += 1
-
-
-InnerStep = Callable[["Group", int, int], Awaitable[None] | None]
-"""``inner(group, round, i)``: one inner step (i = 0 .. H-1 of outer step ``round``) on the
-parameters, in place; a plain function or a coroutine function."""
-
-
-class DiLoCoRounds:
-    """DiLoCo's outer steps as the rounds of :func:`train_elastic`, so that peers may die and
-    join: the outer state (global parameters and momentum) is the elastic state, which a new
-    group takes from its most advanced member, and each outer step is applied exactly once::
-
-        rounds = training.DiLoCoRounds(params, inner, inner_steps=50)
-        await training.train_elastic(rounds.step, rounds.apply, rounds.state,
-                                     rounds=outer_steps, min_world_size=2, ...)
-        rounds.finish()                       # the global parameters into ``params``
-
-    ``step`` copies the global parameters into ``params``, runs ``inner`` H times, checks
-    that the ranks agree on the settings (one small allgather) and returns the
-    pseudo-gradients; train_elastic averages them (``op="avg"``) and ``apply`` takes the
-    outer step on the state. For int8 (or fp16) pseudo-gradients pass ``codec="int8"`` to
-    train_elastic, which reduces each round under it. Streaming and overlap are
-    :class:`DiLoCo`'s only.
-
-    Args:
-        params: the model's parameters (writable float arrays or CPU torch tensors), which
-            the inner steps train in place.
-        inner: ``inner(group, round, i)``, one inner step (see :data:`InnerStep`).
-        inner_steps: H, >= 1.
-        outer_lr, outer_momentum, nesterov: the outer optimizer (:class:`OuterSGD`).
-        timeout: seconds for the settings check.
-
-    Attributes:
-        state: ``{"params": ..., "velocity": ...}``, numpy copies in the parameters'
-            structure: pass it to train_elastic as its state.
-
-    Raises:
-        ValueError, TypeError: as :class:`DiLoCo`.
-    """
-
-    def __init__(self, params: Pytree, inner: InnerStep, *, inner_steps: int,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 timeout: float | None = None) -> None:
-        self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
-        self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
-        self.model = Model(params, "DiLoCoRounds")
-        self.inner, self.timeout = inner, timeout
-        self.state: dict[str, Pytree] = {
-            "params": replace_leaves(params, [a.copy() for a in self.model.arrays]),
-            "velocity": replace_leaves(params, [np.zeros_like(a) for a in self.model.arrays]),
-        }
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {"mode": "diloco-elastic", "inner_steps": self.inner_steps,
-                **self.outer.settings()}
-
-    async def step(self, group: Group, round: int, state: Pytree) -> dict[str, np.ndarray]:
-        """train_elastic's step: H inner steps from the global parameters; the
-        pseudo-gradients by parameter name. Does not change ``state``.
-
-        Raises:
-            CollectiveMismatch: the ranks disagree on H or the outer optimizer.
-            Whatever ``inner`` raises.
-        """
-        anchor = _leaves(state["params"])
-        for mine, start in zip(self.model.arrays, anchor, strict=True):
-            np.copyto(mine, start)
-        for i in range(self.inner_steps):
-            result = self.inner(group, round, i)
-            if inspect.isawaitable(result):
-                await result
-        await agree_on(group, "DiLoCoRounds", round, self.settings, self.model.specs,
-                       self.timeout)
-        return {name: start - mine for name, start, mine
-                in zip(self.model.names, anchor, self.model.arrays, strict=True)}
-
-    def apply(self, state: Pytree, deltas: dict[str, Any], round: int) -> None:
-        """train_elastic's apply: the outer step on ``state`` with the averaged deltas."""
-        self.outer.apply(_leaves(state["params"]), _leaves(state["velocity"]),
-                         [as_array(deltas[name], name) for name in self.model.names])
-
-    def finish(self) -> None:
-        """Copy the global parameters into the model's (after train_elastic returned)."""
-        for mine, start in zip(self.model.arrays, _leaves(self.state["params"]), strict=True):
-            np.copyto(mine, start)
-
-
-def _leaves(tree: Pytree) -> list[np.ndarray]:
-    return [as_array(leaf, path) for path, leaf in named_leaves(tree)]
 
 
 def _bucket_bytes(bucket_bytes: int | None) -> int:

@@ -1,0 +1,160 @@
+"""train_elastic with ``delay=1``: round r's reduction runs while round r + 1's step computes.
+
+The rounds of :func:`train_elastic` pipelined by one (asynchronous DiLoCo under churn,
+:mod:`.delayed`)::
+
+    step(r + 1) computes from the state with rounds < r applied, while r is reduced
+    then round r is applied (no await in between), the counter becomes r + 1,
+    and round r + 1's reduction starts while step(r + 2) computes
+
+Besides its pair (counter c, state S), each rank *holds* the contributions (step results)
+it computed and has not seen applied: round c's, and round c + 1's once its step is done.
+A contribution of round r is computed from the state with rounds < r - 1 applied, the same
+on every rank, so one computed in one group is as good in the next.
+
+Churn, the deterministic rule. At a formation the members take the most advanced pair
+``(m, S_m)`` as always (:mod:`.elastic`), and every member tells which rounds it holds
+(in the same allgather as the counters). Round m, the one in flight, is then reduced again
+in the new group over the members that hold a contribution to it (the *holders*): each
+holder adds its own, every other member (a newcomer, a survivor whose step of round m did
+not finish) adds zeros, and with ``op="avg"`` the sum is divided by the number of holders,
+a count that travels in the same reduction. So
+
+- a peer that left has its unfinished contribution dropped: nobody holds it any more;
+- a peer that joins mid-round receives round m's outcome with the others and computes
+  from round m + 1 on (its zeros have the holders' names, shapes and dtypes, broadcast by
+  the lowest holder at the formation);
+- contributions to rounds below m are dropped (m - 1 was applied by the source), those to
+  m + 1 recomputed by everyone from ``S_m``, which gives the same result;
+- if no member holds round m (a new job, or every holder died), every member computes
+  round m at once, from ``S_m``: that one round starts one outer step fresher than the
+  rule would have it.
+
+Each round is applied exactly once on every rank and with the same bits: its reduction is
+one allreduce whose result is the same everywhere, and the division by the holders' count
+is the same element-wise operation on every rank.
+
+``step`` must not run collectives on the group: they would interleave with the reduction
+in flight, in an order that differs between ranks. :class:`DiLoCoRounds` with ``delay=1``
+runs none; the settings are checked at each formation instead (train_elastic's
+``settings=``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from .delayed import retrieve_later
+from .gradients import allreduce_gradients
+
+if TYPE_CHECKING:
+    from .. import Group
+
+__all__ = ["ADMIT", "HOLDERS", "Pipeline", "reduce_round", "train_delayed",
+           "zeros_from_holder"]
+
+ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
+HOLDERS = "p2pcoll.holders"  # the gradient entry that counts the holders of a round
+
+
+class Pipeline(Protocol):
+    """What the pipelined rounds read and change of a rank's elastic run (elastic's _Run)."""
+
+    round: int
+    rounds: int
+    state: Pytree
+    reduce: dict[str, Any]
+    held: dict[int, dict[str, Any]]
+    holders: int
+    zeros: dict[str, Any] | None
+
+    def apply(self, state: Pytree, grads: dict[str, Any], round: int) -> None: ...
+
+    async def compute(self, group: Group, r: int) -> dict[str, Any]: ...
+
+
+async def zeros_from_holder(group: Group, held: Mapping[str, Any] | None,
+                            holder: int) -> dict[str, Any]:
+    """Zeros with the names, shapes and dtypes of ``holder``'s contribution (broadcast from
+    it: empty arrays of each dtype and the shapes, not the values)."""
+    if group.rank == holder:
+        assert held is not None
+        leaves = [as_array(leaf, path) for path, leaf in named_leaves(dict(held))]
+        template: Pytree = {
+            "tree": replace_leaves(dict(held), [np.empty(0, a.dtype) for a in leaves]),
+            "shapes": [np.array(a.shape, np.int64) for a in leaves]}
+        await group.broadcast(template, root=holder)
+    else:
+        template = await group.broadcast(None, root=holder)
+    assert isinstance(template, dict)
+    tree, shapes = template["tree"], template["shapes"]
+    empties = [as_array(leaf, path) for path, leaf in named_leaves(tree)]
+    return dict(replace_leaves(tree, [np.zeros(tuple(int(n) for n in shape), e.dtype)
+                                      for e, shape in zip(empties, shapes, strict=True)]))
+
+
+async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
+                       admit: bool, r: int, reduce: dict[str, Any]
+                       ) -> tuple[dict[str, Any], bool]:
+    """Round r's reduction over the group: the holders' sum (divided by their count under
+    ``op="avg"``) and rank 0's admission flag."""
+    op = reduce["op"]
+    options = {**reduce, "op": "sum"}
+    if reduce["codec"] is None:  # the counts ride in the round's buckets, exactly
+        dtypes = [as_array(leaf, path).dtype for path, leaf in named_leaves(dict(grads))]
+        dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
+        payload = {**grads, ADMIT: np.array([int(admit)], dtype),
+                   HOLDERS: np.array([int(holding)], dtype)}
+        reduced = await allreduce_gradients(group, payload, round=r, **options)
+        admitted, holders = float(reduced.pop(ADMIT)[0]) > 0.5, reduced.pop(HOLDERS)[0]
+    else:  # not in a compressed bucket, whose block scale could round them
+        counts = await group.allreduce(np.array([int(admit), int(holding)], np.int64), "sum")
+        reduced = await allreduce_gradients(group, dict(grads), round=r, **options)
+        admitted, holders = bool(counts[0]), counts[1]
+    if op == "avg":
+        reduced = dict(replace_leaves(reduced, [
+            a / a.dtype.type(holders) if a.dtype.kind == "f" else a
+            for a in (as_array(leaf, path) for path, leaf in named_leaves(reduced))]))
+    return reduced, admitted
+
+
+async def train_delayed(run: Pipeline, group: Group, applied: list[int],
+                        ask: Callable[[], bool]) -> str:
+    """Rounds in ``group``, pipelined by one, until the last or until peers wait; each
+    round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's)."""
+    while run.round < run.rounds:
+        r = run.round
+        if run.holders == 0:  # nobody holds round r: every member computes it now
+            run.held = {r: await run.compute(group, r)}
+            run.holders = group.world_size
+        mine = run.held.get(r)
+        if mine is None:
+            mine = run.zeros
+        assert mine is not None  # the formation made zeros for a member that holds none
+        flag = ask()
+        reduction = asyncio.ensure_future(reduce_round(
+            group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
+        retrieve_later(reduction)
+        try:
+            following = await run.compute(group, r + 1) if r + 1 < run.rounds else None
+        except BaseException:
+            reduction.cancel()
+            await asyncio.wait([reduction])
+            raise
+        if following is not None:
+            run.held[r + 1] = following  # kept if round r's reduction fails
+        reduced, admit = await reduction
+        # No await from here on: round r is applied whole, with the counter.
+        run.apply(run.state, reduced, r)
+        run.round = r + 1
+        run.held.pop(r, None)
+        run.holders = group.world_size if following is not None else 0
+        applied.append(r)
+        if admit and run.round < run.rounds:
+            return "admitting"
+    return "finished"

@@ -1,0 +1,373 @@
+"""Asynchronous DiLoCo (``DiLoCo(..., delay=1)``) over real peers: the one-step-delayed
+outer update of p2pcoll.training.delayed, bit for bit against a numpy reference; replicas
+identical after every outer step; bad and disagreeing settings; a loss while the delayed
+reduction is in flight ends it with the group's error, retrieved."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll import training
+from p2pcoll.testing import memory_groups, run_ranks
+
+TIMEOUT = 10.0
+
+
+def digest(tree: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name, leaf in training.named_leaves(tree):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def dyadic_grads(rank: int, step: int) -> dict[str, np.ndarray]:
+    """Small integers: with 4 ranks every sum and average below is exact in float64."""
+    rng = np.random.default_rng(10 * step + rank)
+    return {"w": rng.integers(-8, 8, (4, 3)).astype(np.float64),
+            "b": rng.integers(-8, 8, 3).astype(np.float64)}
+
+
+def reference(n: int, h: int, steps: int, lr: float, outer: training.OuterSGD
+              ) -> list[dict[str, np.ndarray]]:
+    """The rule of p2pcoll.training.delayed, in numpy: the anchor after each outer step."""
+    anchor = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+    velocity = {k: np.zeros_like(v) for k, v in anchor.items()}
+    local = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
+    origin = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
+    pending: dict[str, np.ndarray] | None = None
+    states = []
+    for t in range(steps):
+        for r in range(n):
+            for k, g in dyadic_grads(r, t).items():
+                local[r][k] -= lr * g
+        if (t + 1) % h:
+            continue
+        deltas = [{k: origin[r][k] - local[r][k] for k in anchor} for r in range(n)]
+        fresh = {k: sum(d[k] for d in deltas) / n for k in anchor}
+        if pending is not None:
+            keys = list(anchor)
+            outer.apply([anchor[k] for k in keys], [velocity[k] for k in keys],
+                        [pending[k] for k in keys])
+            states.append({k: v.copy() for k, v in anchor.items()})
+        pending = fresh
+        local = [{k: anchor[k] - deltas[r][k] for k in anchor} for r in range(n)]
+        origin = [{k: v.copy() for k, v in mine.items()} for mine in local]
+    assert pending is not None
+    keys = list(anchor)
+    outer.apply([anchor[k] for k in keys], [velocity[k] for k in keys],
+                [pending[k] for k in keys])
+    states.append({k: v.copy() for k, v in anchor.items()})
+    return states
+
+
+@pytest.mark.parametrize("codec", [None, "int8", "topk2bit"])
+async def test_delay_1_applies_each_round_one_round_late_and_keeps_replicas_equal(
+        codec: str | None) -> None:
+    n, h, rounds, lr = 4, 3, 5, 0.5
+    outer = training.OuterSGD(lr=0.5, momentum=0.5)
+
+    async def fn(g: p2pcoll.Group) -> list[tuple[str, str]]:
+        params = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, outer_lr=0.5, outer_momentum=0.5,
+                                 delay=1, timeout=TIMEOUT,
+                                 **({"compressor": codec, "density": 0.2}
+                                    if codec == "topk2bit" else {"codec": codec}))
+        applied: list[tuple[str, str]] = []
+        for t in range(h * rounds):
+            for k, grad in dyadic_grads(g.rank, t).items():
+                params[k] -= lr * grad
+            if await diloco.after_inner_step():
+                state = diloco.global_state()
+                applied.append((digest(state["params"]), digest(state)))
+        assert diloco.outer_steps == rounds - 1  # the last round's is still in flight
+        assert await diloco.flush() == 1
+        state = diloco.global_state()
+        applied.append((digest(state["params"]), digest(state)))
+        assert diloco.outer_steps == rounds
+        assert digest(params) == digest(diloco.global_state()["params"])  # all applied
+        return applied
+
+    results = await run_ranks(n, fn, collective_timeout=TIMEOUT)
+    assert all(r == results[0] for r in results)  # bit-identical after every outer step
+    assert len(set(results[0])) == rounds
+    if codec is None:  # dyadic values over 4 ranks: the reference is exact
+        want = reference(n, h, h * rounds, lr, outer)
+        assert [x[0] for x in results[0]] == [digest(s) for s in want]
+
+
+async def test_delay_1_reduces_in_the_background_and_applies_at_the_next_rounds_end(
+) -> None:
+    """Round 0's reduction finishes while nobody calls after_inner_step (as during round
+    1's inner steps); it is applied only at round 1's end."""
+    h = 4
+
+    async def fn(g: p2pcoll.Group) -> None:
+        params = {"w": np.zeros(8)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, delay=1, timeout=TIMEOUT)
+        for t in range(1, 2 * h + 1):
+            params["w"] -= 1.0
+            applied = await diloco.after_inner_step()
+            assert applied == (t == 2 * h)
+            if t == h:
+                _, reduction = diloco._in_flight[0]
+                await asyncio.wait([reduction])  # no after_inner_step meanwhile
+                assert reduction.result()[0].tolist() == [float(h)] * 8
+                assert diloco.outer_steps == 0
+        assert diloco.outer_steps == 1
+        await diloco.flush()
+
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"delay": 2}, "delay must be 0 or 1, got 2"),
+    ({"delay": -1}, "delay must be 0 or 1, got -1"),
+    ({"delay": True}, "delay must be 0 or 1, got True"),
+    ({"delay": "1"}, "delay must be 0 or 1, got '1'"),
+    ({"delay": 1, "fragments": 2}, "fragments=2"),
+    ({"delay": 1, "overlap": 2}, "overlap=2"),
+])
+async def test_bad_delays_are_refused_at_construction(kwargs: dict[str, Any], match: str
+                                                       ) -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        with pytest.raises(ValueError, match=match):
+            training.DiLoCo(g, {"w": np.ones((4, 2))}, inner_steps=4, **kwargs)
+
+    await run_ranks(1, fn)
+
+
+async def test_ranks_that_disagree_on_delay_are_told_before_anything_moves() -> None:
+    async def fn(g: p2pcoll.Group) -> Exception | None:
+        params = {"w": np.ones(3)}
+        diloco = training.DiLoCo(g, params, inner_steps=2, delay=g.rank, timeout=TIMEOUT)
+        before = digest(diloco.global_state())
+        try:
+            for _ in range(6):
+                params["w"] -= 1.0
+                await diloco.after_inner_step()
+        except p2pcoll.CollectiveMismatch as exc:
+            assert digest(diloco.global_state()) == before
+            return exc
+        return None
+
+    for exc in await run_ranks(2, fn, collective_timeout=TIMEOUT):
+        assert isinstance(exc, p2pcoll.CollectiveMismatch)
+        assert "delay is 0 on rank 0 but 1 on rank 1" in str(exc), str(exc)
+
+
+async def test_a_loss_during_the_delayed_reduction_ends_it_with_the_groups_error() -> None:
+    """Rank 3 vanishes while round 1's reduction is in flight: each survivor's next
+    after_inner_step raises the group's error, and nothing reaches the loop as a task
+    exception never retrieved, the victim's included (it never awaits its own again)."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    groups = await memory_groups(4, heartbeat_timeout=1.0)
+
+    async def rank(group: p2pcoll.Group) -> BaseException | None:
+        params = {"w": np.zeros((4, 3))}
+        diloco = training.DiLoCo(group, params, inner_steps=4, delay=1, timeout=TIMEOUT)
+        try:
+            for step in range(1, 41):
+                params["w"] -= 0.5
+                if group.rank == 3 and step == 4:  # its round-0 reduction just started
+                    await diloco.after_inner_step()
+                    group.session.transport.network.cut(group.membership.endpoints[3])
+                    await group.close()
+                    return None  # leaves, never awaiting the reduction in flight
+                await diloco.after_inner_step()
+        except p2pcoll.P2PCollError as exc:
+            return exc
+        return None
+
+    try:
+        errors = await asyncio.gather(*(rank(g) for g in groups))
+        for group, exc in zip(groups[:3], errors[:3], strict=True):
+            assert isinstance(exc, p2pcoll.P2PCollError), exc
+            assert group.cause is not None
+            assert exc is group.cause or isinstance(exc, p2pcoll.GroupBroken), exc
+    finally:
+        for group in groups:
+            await group.close()
+    del errors, groups, group, exc
+    for _ in range(3):
+        gc.collect()
+        await asyncio.sleep(0)
+    assert not unretrieved, [str(c.get("exception")) for c in unretrieved]
+
+
+# --- under train_elastic: churn with delay=1 ------------------------------------------------------
+
+
+class ElasticJob:
+    """Peers of one elastic asynchronous-DiLoCo job as tasks. Each inner step takes every
+    parameter down by exactly 1, so every pseudo-gradient is H whatever the world size and
+    the start: the final state tells how many outer steps were applied, and a newcomer's
+    zeros counted in an average would show (they would pull it below H)."""
+
+    H = 3
+
+    def __init__(self, rounds: int, codec: str | None = None) -> None:
+        from p2pcoll.testing import free_port
+
+        self.url = f"tcp://127.0.0.1:{free_port()}"
+        self.rounds, self.codec = rounds, codec
+        self.stuck = asyncio.Event()     # the victim is in an inner step, never to return
+        self.smaller = asyncio.Event()   # the survivors took outer steps without it
+        self.joined = asyncio.Event()    # the newcomer trains
+        self.digests: dict[int, list[str]] = {}  # round -> state digests as applied
+
+    def start(self, die_at: int | None = None, newcomer: bool = False) -> asyncio.Task[Any]:
+        return asyncio.create_task(self.peer(die_at, newcomer))
+
+    async def peer(self, die_at: int | None, newcomer: bool) -> Any:
+        params = {"w": np.full((2, 3), 9.0 if newcomer else 0.0), "b": np.zeros(3)}
+
+        async def inner(group: p2pcoll.Group, r: int, i: int) -> None:
+            if r == die_at and i == 1:
+                self.stuck.set()
+                await asyncio.sleep(3600)  # until cancelled, while the others wait for it
+            if group.world_size < 3 and r >= (die_at or 0) + 3:
+                self.smaller.set()
+            if newcomer:
+                self.joined.set()
+            # Two peers wait for the newcomer at a slower pace, so it gets in before the end.
+            await asyncio.sleep(0.05 if group.world_size < 3 and not self.joined.is_set()
+                                else 0.002)
+            for p in params.values():
+                p -= 1.0
+
+        rounds = training.DiLoCoRounds(params, inner, inner_steps=self.H, outer_lr=0.5,
+                                       outer_momentum=0.5, delay=1)
+
+        def apply(state: Any, deltas: dict[str, Any], r: int) -> None:
+            rounds.apply(state, deltas, r)
+            self.digests.setdefault(r, []).append(digest(state))
+
+        result = await training.train_elastic(
+            rounds.step, apply, rounds.state, rounds=self.rounds, min_world_size=2,
+            max_world_size=3, rendezvous=self.url, timeout=20.0, poll_every=0.2,
+            codec=self.codec, delay=rounds.delay, settings=rounds.settings)
+        rounds.finish()
+        return result, rounds
+
+
+def replayed(rounds: int, h: int) -> dict[str, Any]:
+    want = {"b": np.zeros(3), "w": np.zeros((2, 3))}
+    velocity = {k: np.zeros_like(v) for k, v in want.items()}
+    outer = training.OuterSGD(lr=0.5, momentum=0.5)
+    for _ in range(rounds):
+        outer.apply(list(want.values()), list(velocity.values()),
+                    [np.full(3, float(h)), np.full((2, 3), float(h))])
+    return {"params": want, "velocity": velocity, "applied": np.array([rounds], np.int64)}
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+async def test_elastic_delay_1_applies_each_outer_step_once_through_a_loss_and_a_join(
+        codec: str | None) -> None:
+    job = ElasticJob(rounds=20, codec=codec)
+    victim = job.start(die_at=4)
+    survivors = [job.start(), job.start()]
+    await job.stuck.wait()
+    victim.cancel()  # it closes its group while round 3's reduction may be in flight
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    await job.smaller.wait()
+    newcomer = job.start(newcomer=True)  # joins mid-round: a reduction is in flight
+    results = await asyncio.gather(*survivors, newcomer)
+
+    want = digest(replayed(job.rounds, job.H))
+    for _, rounds in results:
+        assert digest(rounds.state) == want  # every outer step once, the holders' average
+    for r, digests in job.digests.items():
+        assert len(set(digests)) == 1, f"round {r}: replicas differ"
+    (first, _), (second, _), (late, _) = results
+    # The log of applied rounds per replica: the survivors applied every round themselves,
+    # once each, in order; the newcomer every round from the one it joined in.
+    assert first.applied == second.applied == list(range(job.rounds))
+    assert late.applied == list(range(late.joined_at, job.rounds))
+    assert late.joined_at > 4 and late.formations[0].received
+    assert [f.world_size for f in first.formations] == [3, 2, 3]
+
+
+async def test_elastic_ranks_that_disagree_on_delay_are_told_before_the_state_moves() -> None:
+    from p2pcoll.testing import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def peer(delay: int) -> Any:
+        params = {"w": np.zeros(3)}
+        rounds = training.DiLoCoRounds(params, lambda g, r, i: None, inner_steps=2,
+                                       delay=delay)
+        return await training.train_elastic(rounds.step, rounds.apply, rounds.state,
+                                            rounds=2, min_world_size=2, max_world_size=2,
+                                            rendezvous=url, timeout=10, delay=delay,
+                                            settings=rounds.settings)
+
+    errors = await asyncio.gather(peer(0), peer(1), return_exceptions=True)
+    for exc in errors:
+        assert isinstance(exc, p2pcoll.CollectiveMismatch), exc
+        assert ("delay is 0 on rank 0 but 1 on rank 1" in str(exc)
+                or "delay is 1 on rank 0 but 0 on rank 1" in str(exc)), str(exc)
+
+
+async def test_elastic_bad_delays_are_refused() -> None:
+    with pytest.raises(ValueError, match="delay must be 0 or 1, got 2"):
+        training.DiLoCoRounds({"w": np.zeros(3)}, lambda g, r, i: None, inner_steps=2,
+                              delay=2)
+    with pytest.raises(ValueError, match="delay must be 0 or 1, got 3"):
+        await training.train_elastic(lambda g, r, s: {}, lambda s, g, r: None,
+                                     {"w": np.zeros(3)}, rounds=1, min_world_size=1,
+                                     rendezvous="tcp://127.0.0.1:1", delay=3)
+
+
+async def test_diloco_rounds_with_delay_1_follows_the_same_rule_as_diloco() -> None:
+    """The same inner steps (which depend on where they start) under DiLoCo(delay=1) and
+    under DiLoCoRounds(delay=1) with train_elastic end in the same global state."""
+    from p2pcoll.testing import free_port
+
+    h, n_rounds = 2, 5
+
+    def inner_step(params: dict[str, np.ndarray], rank: int) -> None:
+        for p in params.values():
+            p *= 0.5
+            p -= rank + 1
+
+    async def with_diloco(g: p2pcoll.Group) -> dict[str, Any]:
+        params = {"w": np.full(3, 8.0)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, outer_lr=0.5, outer_momentum=0.5,
+                                 delay=1, timeout=TIMEOUT)
+        for _ in range(h * n_rounds):
+            inner_step(params, g.rank)
+            await diloco.after_inner_step()
+        await diloco.flush()
+        return {k: {n: a.copy() for n, a in v.items()} for k, v in
+                diloco.global_state().items()}
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def with_rounds() -> dict[str, Any]:
+        params = {"w": np.full(3, 8.0)}
+        rounds = training.DiLoCoRounds(
+            params, lambda g, r, i: inner_step(params, g.rank), inner_steps=h,
+            outer_lr=0.5, outer_momentum=0.5, delay=1)
+        await training.train_elastic(rounds.step, rounds.apply, rounds.state,
+                                     rounds=n_rounds, min_world_size=2, max_world_size=2,
+                                     rendezvous=url, timeout=10, delay=1,
+                                     settings=rounds.settings)
+        return rounds.state
+
+    want = (await run_ranks(2, with_diloco, collective_timeout=TIMEOUT))[0]
+    got = await asyncio.gather(with_rounds(), with_rounds())
+    for state in got:
+        assert int(state["applied"][0]) == n_rounds
+        for key in ("params", "velocity"):
+            np.testing.assert_allclose(state[key]["w"], want[key]["w"], rtol=1e-12)
