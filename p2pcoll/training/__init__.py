@@ -79,7 +79,8 @@ first-difference report), ``replicas`` (check_replicas), ``gradients``
 (allreduce_gradients), ``parameters`` (broadcast_parameters), ``reducer`` (GradientReducer,
 Round), ``nonfinite`` (NaN/Inf reports), ``state`` (round numbers per group), ``elastic``
 (train_elastic, ElasticResult, Formation), ``powersgd`` (PowerSGD), ``topk`` (TopK),
-``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds), ``outer`` (OuterSGD), ``fragments``
+``heal`` (heal, HealProgress, HealReport, HealFailed: a joiner's state striped over every
+survivor), ``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds), ``outer`` (OuterSGD), ``fragments``
 (streaming DiLoCo's fragments), ``compressors`` (DiLoCo's ``compressor=``: TopK2Bit),
 ``modes`` (what those share), ``errors``.
 """
@@ -91,6 +92,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketPlan, TensorSpec
 from .elastic import ElasticResult, Formation, train_elastic
 from .errors import NonFiniteGradients, RoundError, WorldTooSmall
 from .gradients import allreduce_gradients
+from .heal import HealFailed, HealProgress, HealReport, heal
 from .local_sgd import DiLoCo, DiLoCoRounds, LocalSGD, OuterSGD
 from .nonfinite import Nonfinite
 from .parameters import broadcast_parameters
@@ -108,6 +110,9 @@ __all__ = [
     "ElasticResult",
     "Formation",
     "GradientReducer",
+    "HealFailed",
+    "HealProgress",
+    "HealReport",
     "LocalSGD",
     "NonFiniteGradients",
     "Nonfinite",
@@ -121,6 +126,7 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_parameters",
     "check_replicas",
+    "heal",
     "named_leaves",
     "replace_leaves",
     "train_elastic",
