@@ -69,6 +69,7 @@ CHUNK_BYTES = 4 << 20
 """The default size of one range: big enough that a message's overhead is nothing, small
 enough that a round's message queued behind one waits little."""
 HEAL_TAG = 0x4845414C  # "HEAL": the point-to-point tag of the ranges
+IN_FLIGHT = 2  # ranges on their way per (source, receiver): the link never waits for a turn
 DIGEST = 32  # bytes of a SHA-256 digest
 Piece = tuple[int, int, int]  # (leaf, first byte, end byte) of one range's part of a leaf
 
@@ -279,12 +280,10 @@ class StripedHeal:
             if sender == me:
                 mine.setdefault(r, []).append(i)
 
-        async def to(r: int, indices: list[int]) -> None:
-            for i in indices:
-                await self.send_range(group, r, i, [data[leaf][a:b] for leaf, a, b
-                                                    in ranges[i]])
+        def to(r: int, i: int) -> Coroutine[Any, Any, None]:
+            return self.send_range(group, r, i, [data[leaf][a:b] for leaf, a, b in ranges[i]])
 
-        await _all([to(r, indices) for r, indices in mine.items()])
+        await _all([_in_turn([to(r, i) for i in indices]) for r, indices in mine.items()])
 
     async def _receive(self, group: Group, ranges: list[list[Piece]], data: list[np.ndarray],
                        agreed: np.ndarray, assigned: dict[tuple[int, int], int],
@@ -297,18 +296,18 @@ class StripedHeal:
             if r == me:
                 by_sender.setdefault(sender, []).append(i)
 
-        async def fetch(sender: int, indices: list[int]) -> None:
-            for i in indices:
-                kept.verified.pop(i, None)
-                pieces = [data[leaf][a:b] for leaf, a, b in ranges[i]]
-                await group.recv(sender, tag=HEAL_TAG, out=pieces, timeout=self.timeout)
-                digest = await asyncio.to_thread(_digest, pieces)
-                if digest == bytes(agreed[i]):
-                    kept.verified[i] = digest
-                else:
-                    failed[i] = 1
+        async def fetch(sender: int, i: int) -> None:
+            kept.verified.pop(i, None)
+            pieces = [data[leaf][a:b] for leaf, a, b in ranges[i]]
+            await group.recv(sender, tag=HEAL_TAG, out=pieces, timeout=self.timeout)
+            digest = await asyncio.to_thread(_digest, pieces)
+            if digest == bytes(agreed[i]):
+                kept.verified[i] = digest
+            else:
+                failed[i] = 1
 
-        await _all([fetch(s, indices) for s, indices in by_sender.items()])
+        await _all([_in_turn([fetch(s, i) for i in indices])
+                    for s, indices in by_sender.items()])
         return sum(len(indices) for indices in by_sender.values())
 
 
@@ -393,11 +392,42 @@ def _after(sources: list[int], sender: int) -> list[int]:
     return sources[at + 1:] + sources[:at + 1]
 
 
+async def _in_turn(coros: list[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` in order, :data:`IN_FLIGHT` at a time; each starts (and so takes its
+    transfer's number on the channel) in list order. The first failure ends the others, as
+    :func:`_all`; a coroutine never started is closed."""
+    running: set[asyncio.Future[None]] = set()
+    started: list[asyncio.Future[None]] = []
+    failed = False
+    try:
+        for coro in coros:
+            while len(running) >= IN_FLIGHT and not failed:
+                done, running = await asyncio.wait(running,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                failed = any(t.cancelled() or t.exception() is not None for t in done)
+            if failed:
+                break  # the rest never starts; _all_tasks raises the root cause
+            started.append(asyncio.ensure_future(coro))
+            running.add(started[-1])
+        await _all_tasks(started)
+    finally:
+        for coro in coros[len(started):]:
+            coro.close()
+        if any(not t.done() for t in started):
+            for task in started:
+                task.cancel()
+            await asyncio.gather(*started, return_exceptions=True)
+
+
 async def _all(coros: list[Coroutine[Any, Any, None]]) -> None:
     """Run ``coros`` at once. The first to fail cancels the others, every one is awaited
     (no exception is left unretrieved), and the root cause is raised: a lost peer rather
     than the broken group it left behind."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
+    await _all_tasks([asyncio.ensure_future(c) for c in coros])
+
+
+async def _all_tasks(tasks: list[asyncio.Future[None]]) -> None:
+    """:func:`_all` of tasks already started."""
     try:
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:
