@@ -104,8 +104,6 @@ async def worker(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0)
         await g.barrier()
         started = time.perf_counter()
-        if os.environ.get("HEAL_DEBUG"):
-            print("T start", rank, time.time(), file=sys.stderr)
         healing = asyncio.create_task(training.heal(g, state, sources))
         during: list[float] = []
         if rank != joiner:  # keep training while serving
@@ -154,8 +152,6 @@ def run(lab: netns.Lab, hosts: list[int], args: argparse.Namespace) -> list[dict
             if proc.returncode != 0:
                 raise SystemExit(f"heal: rank {rank} exited with {proc.returncode}:\n"
                                  f"{err[-3000:]}")
-            if os.environ.get("HEAL_DEBUG"):
-                print(err, file=sys.stderr)
             rows.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:

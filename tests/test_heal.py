@@ -291,3 +291,24 @@ async def test_every_sender_lost_is_the_groups_error_and_the_receiver_keeps_its_
 
 def progress_ranges() -> int:
     return len(plan_ranges([a.nbytes for _, a in training.named_leaves(state(0))], CHUNK))
+
+
+async def test_two_receivers_and_a_corrupt_source_both_end_bit_identical() -> None:
+    groups = await memory_groups(5, collective_timeout=TIMEOUT)
+    trees = [state(0), state(0), state(0), state(6), state(7)]
+    try:
+        reports = await asyncio.gather(*(Corrupting(liar=2).run(g, t, [0, 1, 2])
+                                         for g, t in zip(groups, trees, strict=True)))
+    finally:
+        await close(groups)
+    assert [digest(t) for t in trees] == [digest(state(0))] * 5
+    assert all(r.bad == [2] for r in reports)
+
+
+async def test_a_state_of_no_bytes_heals_to_nothing() -> None:
+    groups = await memory_groups(2, collective_timeout=TIMEOUT)
+    try:
+        reports = await asyncio.gather(*(heal(g, {"e": np.zeros((0, 3))}, [0]) for g in groups))
+    finally:
+        await close(groups)
+    assert [r.ranges for r in reports] == [0, 0]
