@@ -67,7 +67,7 @@ async def main():
             out["first"] = f"{type(exc).__name__}: {exc}"
             out["lost"] = getattr(exc, "rank", None)
     out["after_first"] = digest(tree)
-    out["verified"] = len(progress.verified)
+    out["verified"] = len(progress.held)
     new_rank = {0: 0, 2: 1, 3: 2}[rank]
     async with p2pcoll.join(second, world_size=3, rank=new_rank, timeout=30,
                             collective_timeout=30) as g:

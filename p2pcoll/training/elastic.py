@@ -284,7 +284,7 @@ class _Run:
         self.started = -1  # the highest round whose step this rank ran
         self.redone = 0
         self.formations: list[Formation] = []
-        self.healing = HealProgress()  # the ranges verified of a heal a loss cut short
+        self.healing = HealProgress()  # what this rank holds of a heal a loss cut short
 
     async def run(self) -> ElasticResult:
         while True:
@@ -358,12 +358,12 @@ class _Run:
         have = [int(c[0]) for c in counters]
         top = max(have)
         source = have.index(top)  # the first of the highest: the lowest rank
-        if top < 0 and self.healing.verified:
+        if top < 0 and self.healing.held:
             raise HealFailed(
                 f"elastic: every member that held the state was lost while this rank "
-                f"received it ({len(self.healing.verified)} ranges verified), and no member "
+                f"received it ({len(self.healing.held)} ranges received), and no member "
                 f"of the new group holds it: not starting over from this rank's own state",
-                ranges=sorted(self.healing.verified), bad=[])
+                ranges=sorted(self.healing.held), bad=[])
         # Every member at the top counter holds the same bits: each serves a stripe.
         sources = [r for r, h in enumerate(have) if h == top] if top >= 0 else [source]
         if group.world_size > 1:  # a receiver's state changes all at once, or not at all

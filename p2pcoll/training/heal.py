@@ -11,31 +11,32 @@ from the ``i * S // n``-th. Every rank computes this plan from the same (sources
 sizes), so nothing about it is sent. A receiver thus takes 1/S of the state from each
 source at once, and a heal over thin uplinks takes about 1/S of one sender's time.
 
-Digests. Before any range moves, each source hashes every range (SHA-256, in a thread, so
-the loop goes on) and the group allgathers the tables, 32 bytes a range. The *agreed*
+Digests. Each source hashes every range (SHA-256, in a thread, so the loop goes on) while
+the first pass moves, and the group allgathers the tables, 32 bytes a range. The *agreed*
 digest of a range is the one a strict majority of the sources hold: a source whose table
-differs anywhere is outvoted, named in a warning and sends nothing; a range without a
-majority (two sources that disagree) is a :class:`HealFailed` on every rank, before any
-byte moves. A receiver hashes each range it receives and keeps it only if it matches the
+differs anywhere is outvoted, named in a warning and sends nothing more; a range without a
+majority (two sources that disagree) is a :class:`HealFailed` on every rank once the pass
+is over. A receiver hashes each range it receives and keeps it only if it matches the
 agreed digest. After each pass the group allgathers the receivers' failures (one byte a
 range): a source whose bytes did not match is named in a warning and sends nothing more,
 and each failed range is fetched again from the next source of the stripe order that has
 not failed it. A range that no source sent intact is a :class:`HealFailed`.
 
 All or nothing. A receiver writes into fresh buffers and copies them over its state only
-once every range has been verified, so its state is its own or the sources', never a mix.
-A source that dies breaks the group (as any lost peer does): the heal ends, on every rank,
-with the group's error (:class:`~p2pcoll.PeerLost`), each range in flight ending with it,
-and a receiver keeps what it verified in its :class:`HealProgress`: passed to the next
-heal (in the group formed by the survivors), those ranges are not sent again, the others
+once every range matches its agreed digest, so its state is its own or the sources', never
+a mix. A source that dies breaks the group (as any lost peer does): the heal ends, on every
+rank, with the group's error (:class:`~p2pcoll.PeerLost`), each range in flight ending with
+it, and a receiver keeps what it received, with each range's digest, in its
+:class:`HealProgress`: passed to the next heal (in the group formed by the survivors), the
+ranges whose digest is the one the sources agree on there are not sent again, the others
 come from the sources that are left.
 
 Survivors keep training while they serve: the heal is a coroutine that a source may run as
 a task beside its own computation (hashing in a thread, each range handed to the transport
 as one message). Its traffic yields to a round's by size: ranges of a few MiB, one at a
 time per receiver, so a round's message queued behind them waits for at most one range.
-The heal runs small allgathers of its own (the tensors' agreement, the digests, one per
-pass for the failures): issue no other collective on the group while it runs.
+The heal runs small allgathers of its own (the tensors' agreement, what receivers hold, the
+digests, one per pass for the failures): issue no other collective on the group while it runs.
 
 ``StripedHeal.send_range`` is the one place a range leaves a source: a test subclasses it
 to corrupt one source's bytes.
@@ -92,32 +93,34 @@ class HealFailed(P2PCollError):
 
 @dataclass
 class HealProgress:
-    """What a receiver verified of a heal that did not finish, for the next one.
+    """What a receiver holds of a heal that did not finish, for the next one.
 
     Pass the same object to every heal of one receiver: a heal that ends with an error
-    leaves in it the ranges this rank verified, and the next heal fetches only the others
-    (those whose agreed digest is still the same). A heal that finishes empties it.
+    leaves in it the ranges this rank received, and the next heal fetches only the others
+    and those whose digest is not the one its sources agree on. A heal that finishes
+    empties it.
 
     Attributes:
         layout: the leaves' sizes in bytes and the range size the buffers belong to.
         buffers: the received bytes, one flat uint8 buffer per leaf.
-        verified: range index -> the digest its bytes matched.
+        held: range index -> the digest of the bytes held of it (used only once it is the
+            agreed digest).
     """
 
     layout: tuple[tuple[int, ...], int] | None = None
     buffers: list[np.ndarray] = field(default_factory=list)
-    verified: dict[int, bytes] = field(default_factory=dict)
+    held: dict[int, bytes] = field(default_factory=dict)
 
     def buffers_for(self, sizes: tuple[int, ...], chunk_bytes: int) -> list[np.ndarray]:
         """The buffers for this layout: the kept ones, or fresh ones (forgetting the rest)."""
         if self.layout != (sizes, chunk_bytes):
             self.layout = (sizes, chunk_bytes)
             self.buffers = [np.empty(n, np.uint8) for n in sizes]
-            self.verified = {}
+            self.held = {}
         return self.buffers
 
     def clear(self) -> None:
-        self.layout, self.buffers, self.verified = None, [], {}
+        self.layout, self.buffers, self.held = None, [], {}
 
 
 @dataclass
@@ -128,7 +131,8 @@ class HealReport:
         sources, receivers: the ranks that served and received.
         ranges: how many ranges the state was cut into.
         received: ranges this rank received (kept or not); 0 on a source.
-        resumed: ranges this rank had verified in an earlier heal and did not fetch again.
+        resumed: ranges this rank held from an earlier heal, with the agreed digest, and did
+            not fetch again.
         refetched: ranges fetched again after a bad copy (over all receivers).
         bad: sources named for wrong digests or wrong bytes, in rank order.
         passes: transfer passes (1 when nothing had to be fetched again).
@@ -168,7 +172,7 @@ async def heal(group: Group, state: Pytree, sources: Sequence[int], *,
         HealFailed: no source gave some range intact (see the class).
         CollectiveMismatch: the ranks disagree on the tensors or the sources.
         PeerLost, GroupBroken, CollectiveTimeout: as the group's collectives and transfers;
-            a receiver's state is then unchanged and ``progress`` holds what it verified.
+            a receiver's state is then unchanged and ``progress`` holds what it received.
 
     Cancellation: breaks the group; a receiver's state is unchanged.
     """
@@ -214,61 +218,96 @@ class StripedHeal:
         kept = progress if progress is not None else HealProgress()
         if me in sources:
             data = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-            mine = await asyncio.to_thread(_digests, data, ranges)
+            held = np.zeros((n, DIGEST), np.uint8)
         else:
             data = kept.buffers_for(sizes, self.chunk_bytes)
-            mine = np.zeros((n, DIGEST), np.uint8)
-            for i, digest in kept.verified.items():
-                mine[i] = np.frombuffer(digest, np.uint8)
-        tables = await group.allgather(mine, timeout=self.timeout)
-        agreed, bad = _vote(tables, sources)
+            held = np.zeros((n, DIGEST), np.uint8)
+            for i, digest in kept.held.items():
+                held[i] = np.frombuffer(digest, np.uint8)
+        # What each receiver holds from an earlier heal; the first pass sends the rest.
+        holding = await group.allgather(held, timeout=self.timeout)
+        assigned = {(r, i): sources[i * len(sources) // n] for r in receivers
+                    for i in range(n) if not holding[r][i].any()}
+        vote = _Vote()
+
+        async def digests() -> None:  # while the first pass moves
+            mine = (await asyncio.to_thread(_digests, data, ranges) if me in sources
+                    else np.zeros((n, DIGEST), np.uint8))
+            tables = await group.allgather(mine, timeout=self.timeout)
+            try:
+                vote.agreed, vote.bad = _vote(tables, sources)
+            except HealFailed as exc:
+                vote.failed = exc  # raised once the pass is over: the group stays usable
+            vote.done.set()
+
+        failed = np.zeros(n, np.uint8)
+        report.passes = 1
+        await _all([digests(), self._pass(group, ranges, data, vote, assigned, failed, kept,
+                                          report)])
+        if vote.failed is not None:
+            raise vote.failed
+        bad = list(vote.bad)
         if bad:
             log.warning("heal: source(s) %s hold other bytes than the majority of %s: "
-                        "outvoted, they send nothing", bad, list(sources))
-        senders = [s for s in sources if s not in bad]
-        # (receiver, range) -> its sender in this pass; and the senders each has tried.
-        assigned = {(r, i): senders[i * len(senders) // n] for r in receivers
-                    for i in range(n) if bytes(tables[r][i]) != bytes(agreed[i])}
-        if me in receivers:
-            report.resumed = n - sum(1 for r, _ in assigned if r == me)
-        tried: dict[tuple[int, int], set[int]] = {key: set() for key in assigned}
-        while assigned:
-            report.passes += 1
-            failed = np.zeros(n, np.uint8)
-            if me in receivers:
-                report.received += await self._receive(group, ranges, data, agreed, assigned,
-                                                       failed, kept)
-            elif me in senders:
-                await self._serve(group, ranges, data, assigned)
+                        "outvoted, they send nothing more", bad, list(sources))
+        stale: set[int] = set()
+        if me in receivers:  # ranges kept from an earlier heal of other bytes
+            for i in range(n):
+                if holding[me][i].any() and bytes(holding[me][i]) != bytes(vote.agreed[i]):
+                    kept.held.pop(i, None)
+                    failed[i], stale = 1, stale | {i}
+            report.resumed = int(sum(1 for i in range(n) if holding[me][i].any())) - len(stale)
+        tried: dict[tuple[int, int], set[int]] = {}
+        while True:
             failures = await group.allgather(failed, timeout=self.timeout)
-            again: dict[tuple[int, int], int] = {}
-            for key, sender in assigned.items():
-                if failures[key[0]][key[1]]:
-                    tried[key].add(sender)
+            again: dict[tuple[int, int], int | None] = {}
+            for r in receivers:
+                for i in np.flatnonzero(failures[r]).tolist():
+                    sender = assigned.get((r, i))
+                    again[(r, i)] = sender
+                    if sender is None:
+                        continue  # a stale range kept from before: nobody to blame
+                    tried.setdefault((r, i), set()).add(sender)
                     if sender not in bad:
                         bad.append(sender)
-                        log.warning("heal: rank %d sent range %d to rank %d with bytes that "
-                                    "do not match the agreed digest: not applied; fetching "
-                                    "it elsewhere, and nothing more from rank %d", sender,
-                                    key[1], key[0], sender)
-                    again[key] = sender
-            senders = [s for s in senders if s not in bad]
+                    log.warning("heal: rank %d sent range %d to rank %d with bytes that do "
+                                "not match the agreed digest: not applied; fetching it "
+                                "elsewhere, and nothing more from rank %d", sender, i, r,
+                                sender)
+            if not again:
+                break
+            senders = [s for s in sources if s not in bad]
             assigned = {}
             for key, sender in sorted(again.items()):
-                left = [s for s in _after(sources, sender) if s in senders
-                        and s not in tried[key]]
+                order = _after(sources, sender) if sender is not None else sources
+                left = [s for s in order if s in senders and s not in tried.get(key, ())]
                 if not left:
                     raise HealFailed(
                         f"heal: no source sent range {key[1]} intact to rank {key[0]} "
-                        f"(tried {sorted(tried[key])})", ranges=[key[1]], bad=sorted(bad))
+                        f"(tried {sorted(tried.get(key, ()))})", ranges=[key[1]],
+                        bad=sorted(bad))
                 assigned[key] = left[0]
             report.refetched += len(assigned)
+            report.passes += 1
+            failed = np.zeros(n, np.uint8)
+            await self._pass(group, ranges, data, vote, assigned, failed, kept, report)
         report.bad = sorted(bad)
         if me in receivers:
             for own, got in zip(arrays, data, strict=True):  # all of it, only now
                 np.copyto(own, got.view(own.dtype).reshape(own.shape))
             kept.clear()
         return report
+
+    async def _pass(self, group: Group, ranges: list[list[Piece]], data: list[np.ndarray],
+                    vote: _Vote, assigned: dict[tuple[int, int], int], failed: np.ndarray,
+                    kept: HealProgress, report: HealReport) -> None:
+        """One transfer pass: a source sends what ``assigned`` gives it, a receiver receives
+        and checks what is assigned to it (marking ``failed``)."""
+        if group.rank in report.receivers:
+            report.received += await self._receive(group, ranges, data, vote, assigned,
+                                                   failed, kept)
+        elif group.rank not in vote.bad:
+            await self._serve(group, ranges, data, assigned)
 
     async def _serve(self, group: Group, ranges: list[list[Piece]], data: list[np.ndarray],
                      assigned: dict[tuple[int, int], int]) -> None:
@@ -286,10 +325,11 @@ class StripedHeal:
         await _all([_in_turn([to(r, i) for i in indices]) for r, indices in mine.items()])
 
     async def _receive(self, group: Group, ranges: list[list[Piece]], data: list[np.ndarray],
-                       agreed: np.ndarray, assigned: dict[tuple[int, int], int],
+                       vote: _Vote, assigned: dict[tuple[int, int], int],
                        failed: np.ndarray, kept: HealProgress) -> int:
         """Receive this rank's ranges of the pass from each sender at once, in range order;
-        mark in ``failed`` those whose digest is not the agreed one. Returns how many came."""
+        once the vote is in, mark in ``failed`` those whose digest is not the agreed one.
+        Returns how many came."""
         me = group.rank
         by_sender: dict[int, list[int]] = {}
         for (r, i), sender in sorted(assigned.items()):
@@ -297,18 +337,29 @@ class StripedHeal:
                 by_sender.setdefault(sender, []).append(i)
 
         async def fetch(sender: int, i: int) -> None:
-            kept.verified.pop(i, None)
+            kept.held.pop(i, None)
             pieces = [data[leaf][a:b] for leaf, a, b in ranges[i]]
             await group.recv(sender, tag=HEAL_TAG, out=pieces, timeout=self.timeout)
             digest = await asyncio.to_thread(_digest, pieces)
-            if digest == bytes(agreed[i]):
-                kept.verified[i] = digest
-            else:
+            kept.held[i] = digest  # if the vote never comes, the next heal checks it
+            await vote.done.wait()
+            if vote.failed is None and digest != bytes(vote.agreed[i]):
                 failed[i] = 1
+                del kept.held[i]
 
         await _all([_in_turn([fetch(s, i) for i in indices])
                     for s, indices in by_sender.items()])
         return sum(len(indices) for indices in by_sender.values())
+
+
+@dataclass
+class _Vote:
+    """The sources' vote on the digests, which the first pass's receivers wait for."""
+
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    agreed: np.ndarray = field(default_factory=lambda: np.zeros((0, DIGEST), np.uint8))
+    bad: list[int] = field(default_factory=list)
+    failed: HealFailed | None = None
 
 
 def plan_ranges(sizes: Sequence[int], chunk_bytes: int) -> list[list[Piece]]:
