@@ -103,7 +103,7 @@ async def worker(args: argparse.Namespace) -> None:
                 before.append(time.perf_counter() - t)
                 await asyncio.sleep(0)
         await g.barrier()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         healing = asyncio.create_task(training.heal(g, state, sources))
         during: list[float] = []
         if rank != joiner:  # keep training while serving
@@ -114,11 +114,12 @@ async def worker(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0)
         report = await healing
         seconds = time.perf_counter() - started
+        cpu = time.process_time() - cpu  # every thread of the process: hashing, zmq's I/O
         await training.check_replicas(g, state)  # raises ReplicaDivergence if they differ
         row = {"rank": rank, "world": world, "seconds": seconds, "step_before":
                statistics.median(before) if before else None,
                "step_during": statistics.median(during) if during else None,
-               "steps_during": len(during), "received": report.received,
+               "steps_during": len(during), "cpu": cpu, "received": report.received,
                "ranges": report.ranges, "identical": True}
         print(json.dumps(row), flush=True)
 
@@ -178,6 +179,8 @@ def summary(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"run": name, "sources": len(sources), "seconds": round(joiner["seconds"], 2),
             "step_before_ms": round(before * 1e3, 2), "step_during_ms": round(during * 1e3, 2),
             "step_ratio": round(during / before, 3), "ranges": joiner["ranges"],
+            "cpu_joiner_s": round(joiner["cpu"], 2),
+            "cpu_sources_s": round(sum(r["cpu"] for r in sources), 2),
             "identical": all(r["identical"] for r in rows)}
 
 
@@ -218,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nheal of {args.mib} MiB, uplinks {args.uplink}, joiner's downlink "
           f"{args.downlink}, {args.step} steps of {args.step_ms:g} ms, load {load:.2f} at "
           f"the start")
-    print("| run | sources | heal (s) | step before (ms) | step during (ms) | ratio | identical |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | sources | heal (s) | step before (ms) | step during (ms) | ratio | "
+          "CPU s: joiner, sources | identical |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['run']} | {r['sources']} | {r['seconds']} | {r['step_before_ms']} | "
-              f"{r['step_during_ms']} | {r['step_ratio']} | {r['identical']} |")
+              f"{r['step_during_ms']} | {r['step_ratio']} | {r['cpu_joiner_s']}, "
+              f"{r['cpu_sources_s']} | {r['identical']} |")
     return 0
 
 

@@ -238,25 +238,19 @@ class StripedHeal:
                 vote.agreed, vote.bad = _vote(tables, sources)
             except HealFailed as exc:
                 vote.failed = exc  # raised once the pass is over: the group stays usable
-            vote.done.set()
 
-        failed = np.zeros(n, np.uint8)
         report.passes = 1
-        await _all([digests(), self._pass(group, ranges, data, vote, assigned, failed, kept,
-                                          report)])
+        await _all([digests(), self._pass(group, ranges, data, assigned, kept, report, [])])
         if vote.failed is not None:
             raise vote.failed
-        bad = list(vote.bad)
+        agreed, bad = vote.agreed, list(vote.bad)
         if bad:
             log.warning("heal: source(s) %s hold other bytes than the majority of %s: "
                         "outvoted, they send nothing more", bad, list(sources))
-        stale: set[int] = set()
-        if me in receivers:  # ranges kept from an earlier heal of other bytes
-            for i in range(n):
-                if holding[me][i].any() and bytes(holding[me][i]) != bytes(vote.agreed[i]):
-                    kept.held.pop(i, None)
-                    failed[i], stale = 1, stale | {i}
-            report.resumed = int(sum(1 for i in range(n) if holding[me][i].any())) - len(stale)
+        failed = _check(kept, agreed) if me in receivers else np.zeros(n, np.uint8)
+        if me in receivers:
+            report.resumed = sum(1 for i in range(n)
+                                 if holding[me][i].any() and not failed[i])
         tried: dict[tuple[int, int], set[int]] = {}
         while True:
             failures = await group.allgather(failed, timeout=self.timeout)
@@ -289,8 +283,8 @@ class StripedHeal:
                 assigned[key] = left[0]
             report.refetched += len(assigned)
             report.passes += 1
-            failed = np.zeros(n, np.uint8)
-            await self._pass(group, ranges, data, vote, assigned, failed, kept, report)
+            await self._pass(group, ranges, data, assigned, kept, report, bad)
+            failed = _check(kept, agreed) if me in receivers else np.zeros(n, np.uint8)
         report.bad = sorted(bad)
         if me in receivers:
             for own, got in zip(arrays, data, strict=True):  # all of it, only now
@@ -299,14 +293,13 @@ class StripedHeal:
         return report
 
     async def _pass(self, group: Group, ranges: list[list[Piece]], data: list[np.ndarray],
-                    vote: _Vote, assigned: dict[tuple[int, int], int], failed: np.ndarray,
-                    kept: HealProgress, report: HealReport) -> None:
-        """One transfer pass: a source sends what ``assigned`` gives it, a receiver receives
-        and checks what is assigned to it (marking ``failed``)."""
+                    assigned: dict[tuple[int, int], int], kept: HealProgress,
+                    report: HealReport, bad: list[int]) -> None:
+        """One transfer pass: a source sends what ``assigned`` gives it (unless it is
+        ``bad``), a receiver receives what is assigned to it into ``kept``."""
         if group.rank in report.receivers:
-            report.received += await self._receive(group, ranges, data, vote, assigned,
-                                                   failed, kept)
-        elif group.rank not in vote.bad:
+            report.received += await self._receive(group, ranges, data, assigned, kept)
+        elif group.rank not in bad:
             await self._serve(group, ranges, data, assigned)
 
     async def _serve(self, group: Group, ranges: list[list[Piece]], data: list[np.ndarray],
@@ -325,11 +318,9 @@ class StripedHeal:
         await _all([_in_turn([to(r, i) for i in indices]) for r, indices in mine.items()])
 
     async def _receive(self, group: Group, ranges: list[list[Piece]], data: list[np.ndarray],
-                       vote: _Vote, assigned: dict[tuple[int, int], int],
-                       failed: np.ndarray, kept: HealProgress) -> int:
-        """Receive this rank's ranges of the pass from each sender at once, in range order;
-        once the vote is in, mark in ``failed`` those whose digest is not the agreed one.
-        Returns how many came."""
+                       assigned: dict[tuple[int, int], int], kept: HealProgress) -> int:
+        """Receive this rank's ranges of the pass from each sender at once, in range order,
+        each with its digest into ``kept``. Returns how many came."""
         me = group.rank
         by_sender: dict[int, list[int]] = {}
         for (r, i), sender in sorted(assigned.items()):
@@ -341,11 +332,7 @@ class StripedHeal:
             pieces = [data[leaf][a:b] for leaf, a, b in ranges[i]]
             await group.recv(sender, tag=HEAL_TAG, out=pieces, timeout=self.timeout)
             digest = await asyncio.to_thread(_digest, pieces)
-            kept.held[i] = digest  # if the vote never comes, the next heal checks it
-            await vote.done.wait()
-            if vote.failed is None and digest != bytes(vote.agreed[i]):
-                failed[i] = 1
-                del kept.held[i]
+            kept.held[i] = digest  # checked against the vote after the pass, or next heal
 
         await _all([_in_turn([fetch(s, i) for i in indices])
                     for s, indices in by_sender.items()])
@@ -354,9 +341,8 @@ class StripedHeal:
 
 @dataclass
 class _Vote:
-    """The sources' vote on the digests, which the first pass's receivers wait for."""
+    """The sources' vote on the digests, taken while the first pass moves."""
 
-    done: asyncio.Event = field(default_factory=asyncio.Event)
     agreed: np.ndarray = field(default_factory=lambda: np.zeros((0, DIGEST), np.uint8))
     bad: list[int] = field(default_factory=list)
     failed: HealFailed | None = None
@@ -380,6 +366,18 @@ def plan_ranges(sizes: Sequence[int], chunk_bytes: int) -> list[list[Piece]]:
     if current:
         ranges.append(current)
     return ranges
+
+
+def _check(kept: HealProgress, agreed: np.ndarray) -> np.ndarray:
+    """The ranges a receiver lacks, or holds with another digest than the agreed one (those
+    are forgotten): one byte a range, 1 for "fetch it"."""
+    failed = np.zeros(agreed.shape[0], np.uint8)
+    for i in range(agreed.shape[0]):
+        digest = kept.held.get(i)
+        if digest is None or digest != bytes(agreed[i]):
+            kept.held.pop(i, None)
+            failed[i] = 1
+    return failed
 
 
 def _check_sources(sources: Sequence[int], world_size: int) -> list[int]:
