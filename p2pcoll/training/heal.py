@@ -32,11 +32,13 @@ ranges whose digest is the one the sources agree on there are not sent again, th
 come from the sources that are left.
 
 Survivors keep training while they serve: the heal is a coroutine that a source may run as
-a task beside its own computation (hashing in a thread, each range handed to the transport
-as one message). Its traffic yields to a round's by size: ranges of a few MiB, one at a
-time per receiver, so a round's message queued behind them waits for at most one range.
-The heal runs small allgathers of its own (the tensors' agreement, what receivers hold, the
-digests, one per pass for the failures): issue no other collective on the group while it runs.
+a task beside its own computation (hashing in a thread; each range handed to the transport
+zero-copy, as one message). Its traffic yields to other traffic by size: ranges of a few
+MiB, at most :data:`IN_FLIGHT` per link handed to the transport at a time, so another
+message to the same peer queues behind those and the socket's buffer, not behind the
+state (the transport has no priority lane). The heal runs small allgathers of its own
+(the tensors' agreement, what receivers hold, the digests, one per pass for the failures):
+issue no other collective on the group while it runs.
 
 ``StripedHeal.send_range`` is the one place a range leaves a source: a test subclasses it
 to corrupt one source's bytes.
