@@ -141,7 +141,8 @@ def run(lab: netns.Lab, hosts: list[int], args: argparse.Namespace) -> list[dict
     world = len(hosts)
     procs = []
     for rank, host in enumerate(hosts):
-        argv = [sys.executable, str(Path(__file__).resolve()), "worker", "--rank", str(rank),
+        argv = ["nice", "-n", str(args.nice)] if args.nice else []
+        argv += [sys.executable, str(Path(__file__).resolve()), "worker", "--rank", str(rank),
                 "--world", str(world), "--mib", str(args.mib), "--step-ms", str(args.step_ms), "--step", args.step]
         procs.append(subprocess.Popen(lab.command(host, argv), env=environment(rank), cwd=ROOT,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -201,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--downlink", default="500mbit")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--skip-one", action="store_true", help="only the striped run")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run the peers at this niceness (negative: ahead of the rest of "
+                        "a shared machine's load, as on hosts of their own)")
     args = parser.parse_args(argv)
     if args.command == "worker":
         asyncio.run(worker(args))
@@ -219,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(summary("one sender", run(lab, [0, s], args)))
             print(json.dumps(results[-1]), flush=True)
     print(f"\nheal of {args.mib} MiB, uplinks {args.uplink}, joiner's downlink "
-          f"{args.downlink}, {args.step} steps of {args.step_ms:g} ms, load {load:.2f} at "
-          f"the start")
+          f"{args.downlink}, {args.step} steps of {args.step_ms:g} ms, niceness {args.nice}, "
+          f"load {load:.2f} at the start")
     print("| run | sources | heal (s) | step before (ms) | step during (ms) | ratio | "
           "CPU s: joiner, sources | identical |")
     print("|---|---|---|---|---|---|---|---|")
