@@ -11,16 +11,17 @@ from the ``i * S // n``-th. Every rank computes this plan from the same (sources
 sizes), so nothing about it is sent. A receiver thus takes 1/S of the state from each
 source at once, and a heal over thin uplinks takes about 1/S of one sender's time.
 
-Digests. Each source hashes every range (SHA-256, in a thread, so the loop goes on) while
-the first pass moves, and the group allgathers the tables, 32 bytes a range. The *agreed*
-digest of a range is the one a strict majority of the sources hold: a source whose table
-differs anywhere is outvoted, named in a warning and sends nothing more; a range without a
-majority (two sources that disagree) is a :class:`HealFailed` on every rank once the pass
-is over. A receiver hashes each range it receives and keeps it only if it matches the
-agreed digest. After each pass the group allgathers the receivers' failures (one byte a
-range): a source whose bytes did not match is named in a warning and sends nothing more,
-and each failed range is fetched again from the next source of the stripe order that has
-not failed it. A range that no source sent intact is a :class:`HealFailed`.
+Digests. Each source hashes every range (SHA-256, in a thread of the lowest CPU priority,
+so the loop, the transport and training go first) while the first pass moves, and the
+group allgathers the tables, 32 bytes a range. The *agreed* digest of a range is the one a
+strict majority of the sources hold: a source whose table differs anywhere is outvoted,
+named in a warning and sends nothing more; a range without a majority (two sources that
+disagree) is a :class:`HealFailed` on every rank once the pass is over. A receiver hashes
+each range it receives and keeps it only if it matches the agreed digest. After each pass
+the group allgathers the receivers' failures (one byte a range): a source whose bytes did
+not match is named in a warning and sends nothing more, and each failed range is fetched
+again from the next source of the stripe order that has not failed it. A range that no
+source sent intact is a :class:`HealFailed`.
 
 All or nothing. A receiver writes into fresh buffers and copies them over its state only
 once every range matches its agreed digest, so its state is its own or the sources', never
@@ -32,13 +33,13 @@ ranges whose digest is the one the sources agree on there are not sent again, th
 come from the sources that are left.
 
 Survivors keep training while they serve: the heal is a coroutine that a source may run as
-a task beside its own computation (hashing in a thread; each range handed to the transport
-zero-copy, as one message). Its traffic yields to other traffic by size: ranges of a few
-MiB, at most :data:`IN_FLIGHT` per link handed to the transport at a time, so another
-message to the same peer queues behind those and the socket's buffer, not behind the
-state (the transport has no priority lane). The heal runs small allgathers of its own
-(the tensors' agreement, what receivers hold, the digests, one per pass for the failures):
-issue no other collective on the group while it runs.
+a task beside its own computation (hashing in a low-priority thread; each range handed to
+the transport zero-copy, as one message). Its traffic yields to other traffic by size:
+ranges of a few MiB, at most :data:`IN_FLIGHT` per link handed to the transport at a time,
+so another message to the same peer queues behind those and the socket's buffer, not
+behind the state (the transport has no priority lane). The heal runs small allgathers of
+its own (the tensors' agreement, what receivers hold, the digests, one per pass for the
+failures): issue no other collective on the group while it runs.
 
 ``StripedHeal.send_range`` is the one place a range leaves a source: a test subclasses it
 to corrupt one source's bytes.
@@ -47,9 +48,13 @@ to corrupt one source's bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
-from collections.abc import Coroutine, Sequence
+import os
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +238,7 @@ class StripedHeal:
         vote = _Vote()
 
         async def digests() -> None:  # while the first pass moves
-            mine = (await asyncio.to_thread(_digests, data, ranges) if me in sources
+            mine = (await _in_background(_digests, data, ranges) if me in sources
                     else np.zeros((n, DIGEST), np.uint8))
             tables = await group.allgather(mine, timeout=self.timeout)
             try:
@@ -391,6 +396,21 @@ def _check_sources(sources: Sequence[int], world_size: int) -> list[int]:
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"sources holds a rank twice: {sources!r}")
     return sorted(ranks)
+
+
+async def _in_background(fn: Callable[[list[np.ndarray], list[list[Piece]]], np.ndarray],
+                         data: list[np.ndarray], ranges: list[list[Piece]]) -> np.ndarray:
+    """``fn(data, ranges)`` in a thread of its own at the lowest CPU priority (Linux: a
+    thread's own niceness), so that hashing the state takes only what training and the
+    transport leave: the loop, zmq's I/O threads and a training step come first."""
+    with ThreadPoolExecutor(1, thread_name_prefix="p2pcoll-heal",
+                            initializer=_lowest_priority) as pool:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, data, ranges)
+
+
+def _lowest_priority() -> None:
+    with contextlib.suppress(AttributeError, OSError):  # not Linux: as it is
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _digest(pieces: Sequence[np.ndarray]) -> bytes:
