@@ -334,15 +334,22 @@ class StripedHeal:
             if r == me:
                 by_sender.setdefault(sender, []).append(i)
 
+        hashing: list[asyncio.Future[None]] = []
+
+        async def digest(i: int, pieces: list[np.ndarray]) -> None:
+            kept.held[i] = await asyncio.to_thread(_digest, pieces)  # checked after the pass
+
         async def fetch(sender: int, i: int) -> None:
             kept.held.pop(i, None)
             pieces = [data[leaf][a:b] for leaf, a, b in ranges[i]]
             await group.recv(sender, tag=HEAL_TAG, out=pieces, timeout=self.timeout)
-            digest = await asyncio.to_thread(_digest, pieces)
-            kept.held[i] = digest  # checked against the vote after the pass, or next heal
+            hashing.append(asyncio.ensure_future(digest(i, pieces)))  # the next recv goes on
 
-        await _all([_in_turn([fetch(s, i) for i in indices])
-                    for s, indices in by_sender.items()])
+        try:
+            await _all([_in_turn([fetch(s, i) for i in indices])
+                        for s, indices in by_sender.items()])
+        finally:
+            await _all_tasks(hashing)
         return sum(len(indices) for indices in by_sender.values())
 
 
