@@ -59,7 +59,8 @@ def make_state(mib: int, source: bool) -> dict[str, Any]:
     if source:  # the same bits on every source, different from a joiner's
         base = np.arange(n, dtype=np.float32)
         return {"params": base * np.float32(1e-3), "velocity": base * np.float32(-2e-4)}
-    return {"params": np.zeros(n, np.float32), "velocity": np.zeros(n, np.float32)}
+    # A joiner's own initial weights: written, so its memory is there (as a model's is).
+    return {"params": np.full(n, -1, np.float32), "velocity": np.full(n, -1, np.float32)}
 
 
 def training_step(work: list[Any], count: int, kind: str) -> None:
