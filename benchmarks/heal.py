@@ -21,7 +21,9 @@ the heal every rank checks the replicas (``check_replicas``): the joiner's state
 bit-identical to the sources'.
 
 Run as root: ``python benchmarks/heal.py`` (about 2.5 minutes at 1 GiB; ``--mib 256`` for a
-quarter). Figures: the heal's time on the joiner (from the start of the heal to its state
+quarter). On a shared machine give the peers ``--nice -10``: five peers, the lab's bridge
+and everything else on 2 cores otherwise starve the joiner, which must take 55 MB/s (the
+heal's CPU: about 3.5 s on the joiner and 0.9 s on each source per GiB, hashing included). Figures: the heal's time on the joiner (from the start of the heal to its state
 written), the sources' step times, and the targets (striped <= 25 s at 1 GiB; one sender
 needs >= 8 * size / uplink).
 """
