@@ -313,3 +313,31 @@ async def test_a_state_of_no_bytes_heals_to_nothing() -> None:
     finally:
         await close(groups)
     assert [r.ranges for r in reports] == [0, 0]
+
+
+async def test_under_train_elastic_a_receiver_whose_senders_all_died_does_not_start_over(
+) -> None:
+    """A formation in which nobody holds the state (every member a newcomer) while this
+    rank holds ranges of a heal cut short: HealFailed, its state untouched, rather than the
+    job starting over from a newcomer's weights."""
+    from p2pcoll.training.elastic import _Run
+
+    async def step(group: p2pcoll.Group, r: int, s: Any) -> dict[str, Any]:
+        return {}
+
+    groups = await memory_groups(2, collective_timeout=TIMEOUT)
+    trees = [state(5), state(6)]
+    runs = [_Run(step, lambda s, g, r: None, t, 3, 1.0, {},
+                 {"rendezvous": "tcp://127.0.0.1:9", "min_world_size": 1}) for t in trees]
+    for run in runs:
+        run.healing.held = {0: bytes(32)}
+    try:
+        errors = await asyncio.gather(*(run._sync(g) for run, g in zip(runs, groups,
+                                                                       strict=True)),
+                                      return_exceptions=True)
+    finally:
+        await close(groups)
+    for exc in errors:
+        assert isinstance(exc, HealFailed), exc
+        assert "every member that held the state was lost" in str(exc)
+    assert [digest(t) for t in trees] == [digest(state(5)), digest(state(6))]
