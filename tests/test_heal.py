@@ -17,6 +17,7 @@ import pytest
 import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import memory_groups
+from p2pcoll.transport.memory import MemoryTransport
 from p2pcoll.training.heal import HealFailed, HealProgress, StripedHeal, heal, plan_ranges
 
 TIMEOUT = 10.0
@@ -211,7 +212,9 @@ class Dying(StripedHeal):
     async def send_range(self, group: p2pcoll.Group, dst: int, index: int,
                          pieces: list[np.ndarray]) -> None:
         if group.rank in self.victims and self.sent == self.after:
-            group.session.transport.network.cut(group.endpoint)
+            transport = group.session.transport
+            assert isinstance(transport, MemoryTransport)
+            transport.network.cut(group.endpoint)
             await group.close()
         self.sent += 1
         await super().send_range(group, dst, index, pieces)
