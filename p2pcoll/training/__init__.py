@@ -79,7 +79,8 @@ first-difference report), ``replicas`` (check_replicas), ``gradients``
 (allreduce_gradients), ``parameters`` (broadcast_parameters), ``reducer`` (GradientReducer,
 Round), ``nonfinite`` (NaN/Inf reports), ``state`` (round numbers per group), ``elastic``
 (train_elastic, ElasticResult, Formation), ``powersgd`` (PowerSGD), ``topk`` (TopK),
-``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds), ``outer`` (OuterSGD), ``fragments``
+``heal`` (heal, HealProgress, HealReport, HealFailed: a joiner's state striped over every
+survivor), ``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds), ``outer`` (OuterSGD), ``fragments``
 (streaming DiLoCo's fragments), ``compressors`` (DiLoCo's ``compressor=``: TopK2Bit),
 ``modes`` (what those share), ``errors``.
 """
@@ -92,6 +93,7 @@ from .elastic import ElasticResult, Formation, train_elastic
 from .errors import NonFiniteGradients, RoundError, WorldTooSmall
 from .gradients import allreduce_gradients
 from .diloco_rounds import DiLoCoRounds
+from .heal import HealFailed, HealProgress, HealReport, heal
 from .local_sgd import DiLoCo, LocalSGD, OuterSGD
 from .nonfinite import Nonfinite
 from .parameters import broadcast_parameters
@@ -109,6 +111,9 @@ __all__ = [
     "ElasticResult",
     "Formation",
     "GradientReducer",
+    "HealFailed",
+    "HealProgress",
+    "HealReport",
     "LocalSGD",
     "NonFiniteGradients",
     "Nonfinite",
@@ -122,6 +127,7 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_parameters",
     "check_replicas",
+    "heal",
     "named_leaves",
     "replace_leaves",
     "train_elastic",

@@ -22,8 +22,12 @@ passing their old rank as ``order`` so they keep their order; when peers wait at
 rendezvous, everyone closes and joins anew at the next round boundary so they get in. Each
 new group starts with a *formation*: the ranks compare their round counters (one small
 allgather), and the rank with the highest counter (ties: the lowest rank, so the lowest
-old rank among the survivors) broadcasts its state to all; a newcomer has no counter and
-always receives. Everyone then goes on from that same (round, state).
+old rank among the survivors) is the source of the state; a newcomer has no counter and
+always receives. Every member at the highest counter holds the same bits, so each of them
+sends a stripe of the state to those behind, every range checked against the digest they
+agree on (:func:`~p2pcoll.training.heal.heal`: a heal from every survivor; a range a lost
+member did not send is fetched from the others in the next group). Everyone then goes on
+from that same (round, state).
 
 Exactly once. A rank's round counter ``c`` and its state ``S`` change only together, and
 only in two ways, each with no ``await`` inside, so nothing (no failure, no cancellation)
@@ -32,8 +36,8 @@ can come between the two halves:
 - *applying* round ``c``: once the allreduce of round ``c`` has returned on this rank,
   ``apply`` runs and ``c`` becomes ``c + 1``. If the allreduce fails, neither changes.
 - *adopting* at a formation: the source's state is received into fresh buffers and
-  copied over ``S``, with its counter, only once the whole broadcast has arrived (a
-  broadcast cut off half-way leaves ``S`` and ``c`` as they were).
+  copied over ``S``, with its counter, only once every range has arrived and matched its
+  digest (a heal cut off half-way leaves ``S`` and ``c`` as they were).
 
 So a rank's pair always satisfies: ``S`` is the initial state updated by rounds
 ``0 .. c-1``, each exactly once, in order (by induction: applying extends such a pair by
@@ -46,7 +50,7 @@ which may complete on some ranks and not on others: those hold ``(r + 1, S')``, 
 nobody runs round ``r`` again; if every rank that completed it died, the survivors all hold
 ``(r, S)`` and run round ``r`` again in the new group, exactly once in what survives. Counters
 of one group differ by at most one (a rank cannot finish round ``r + 1`` without the
-others' part of it). The state broadcast never reads a half-applied state, since ``apply``
+others' part of it). The heal never reads a half-applied state, since ``apply``
 is a plain function, not a coroutine. Finishing is the one place no protocol can agree
 (two generals): if round ``rounds - 1``'s allreduce completes on some ranks, which return,
 and fails on others, the others run it again without them and may end with other bits.
@@ -104,7 +108,7 @@ import numpy as np
 
 from ..api import join
 from ..errors import CollectiveTimeout, GroupBroken, PeerLost, RendezvousError, SettingsError
-from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from ..pytree import Pytree, as_array, named_leaves
 from ..rendezvous.client import waiting
 from ..settings import Settings, check_seconds
 from ..transport.sockets import SocketFactory
@@ -115,7 +119,7 @@ from .errors import WorldTooSmall
 from .gradients import allreduce_gradients
 from .modes import agree_on
 from .nonfinite import Nonfinite
-from .parameters import broadcast_parameters
+from .heal import HealFailed, HealProgress, heal
 
 if TYPE_CHECKING:
     from .. import Group
@@ -260,6 +264,8 @@ async def train_elastic(
         CollectiveMismatch, NonFiniteGradients: as :func:`allreduce_gradients` (the ranks
             disagree about the gradients; NaN or Inf), or the ranks disagree on ``delay``
             or ``settings`` (named): these are not recovered from.
+        HealFailed: the members that hold the state disagree on its bytes with no majority,
+            none sent a range intact, or every one was lost while this rank received it.
         Whatever ``step`` or ``apply`` raise, other than the failures recovered from.
 
     Cancellation: closes the group; ``state`` holds a whole number of rounds (the round in
@@ -308,6 +314,7 @@ class _Run:
         self.held: dict[int, dict[str, Any]] = {}
         self.holders = 0
         self.zeros: dict[str, Any] | None = None
+        self.healing = HealProgress()  # what this rank holds of a heal a loss cut short
 
     async def run(self) -> ElasticResult:
         while True:
@@ -382,16 +389,20 @@ class _Run:
         counters = await group.allgather(np.array([mine, *held, *[-1] * (2 - len(held))],
                                                   np.int64))
         have = [int(c[0]) for c in counters]
-        source = have.index(max(have))  # the first of the highest: the lowest rank
-        m = max(have[source], 0)
+        top = max(have)
+        source = have.index(top)  # the first of the highest: the lowest rank
+        if top < 0 and self.healing.held:
+            raise HealFailed(
+                f"elastic: every member that held the state was lost while this rank "
+                f"received it ({len(self.healing.held)} ranges received), and no member "
+                f"of the new group holds it: not starting over from this rank's own state",
+                ranges=sorted(self.healing.held), bad=[])
+        m = max(top, 0)
         holding = [r for r, c in enumerate(counters) if m in c[1:].tolist()]
-        if group.world_size > 1 and group.rank == source:
-            await broadcast_parameters(group, self.state, root=source)
-        elif group.world_size > 1:
-            incoming = replace_leaves(self.state, [np.empty_like(a) for a in self.leaves])
-            got = await broadcast_parameters(group, incoming, root=source)
-            for own, (_, new) in zip(self.leaves, named_leaves(got), strict=True):
-                np.copyto(own, as_array(new))  # all of it, or (above) none of it
+        # Every member at the top counter holds the same bits: each serves a stripe.
+        sources = [r for r, h in enumerate(have) if h == top] if top >= 0 else [source]
+        if group.world_size > 1:  # a receiver's state changes all at once, or not at all
+            await heal(group, self.state, sources, progress=self.healing)
         self.round, self.synced = m, True
         # delay=1: round m is reduced again over its holders (elastic_delayed's rule).
         self.held = {m: self.held[m]} if group.rank in holding else {}

@@ -7,6 +7,7 @@ P2PCollError
 ├── ReplicaDivergence         the replicas' parameters differ (p2pcoll.errors)
 ├── NonFiniteGradients        also a FloatingPointError: a reduced gradient holds NaN or Inf
 ├── RoundError                also a RuntimeError: a GradientReducer round used out of turn
+├── HealFailed                no source gave a range of the state intact (.heal)
 └── RendezvousError           join() could not form the group (p2pcoll.errors)
     └── WorldTooSmall         train_elastic found fewer peers than its minimum
 ```
