@@ -34,6 +34,7 @@ from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
 from ..types import CustomOp, Membership, OpKey, Pytree, ReduceOp
 from ..wire import MAX_TAG
+from .alltoall import alltoall
 from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
 
@@ -320,6 +321,30 @@ class Group:
                                     flat=[p.reshape(-1) for p in parts]))
         parts[self.rank] = mine.copy()
         return [tensors.like(array, p) for p in parts]
+
+    async def alltoall(
+        self, parts: Sequence[np.ndarray], *, strategy: str | None = None,
+        timeout: float | None = None, out: Sequence[np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
+        """Send ``parts[j]`` to rank j; return the list received, ``out[i]`` from rank i.
+
+        Parts may differ in length (first axis), per destination and per rank (alltoallv),
+        zero included; all of one dtype and one shape after the first axis, on every rank.
+        ``out=`` receives in place (p arrays of the lengths this rank expects, checked
+        against the senders'). ``strategy``: ``pairwise``, ``bruck``, ``hierarchical`` or
+        auto. Runs as a small agreement on every length, then the exchange
+        (:mod:`p2pcoll.api.alltoall`).
+
+        Raises:
+            TypeError, ValueError: ``parts`` is not a sequence of arrays of one dtype and
+                row shape, a dtype is not allowed, ``out`` does not fit (nothing sent).
+            CollectiveMismatch: a rank passed other than world_size parts, the ranks'
+                dtypes or row shapes differ, or a receiver's ``out`` disagrees with its
+                sender's length: on every rank, naming the ranks; the group stays usable.
+            CollectiveTimeout, PeerLost, GroupBroken.
+        Cancellation: breaks the group.
+        """
+        return await alltoall(self, parts, out, strategy, timeout)
 
     async def gather(
         self, array: np.ndarray, root: int = 0, *,

@@ -310,7 +310,7 @@ def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[flo
     def units(chunk: Any) -> int:
         if chunk is ALL:
             return nchunks
-        return len(chunk) if isinstance(chunk, range) else 1
+        return len(chunk) if isinstance(chunk, (range, tuple)) else 1
 
     local_rounds = remote_rounds = 0
     local_bytes = remote_bytes = host_bytes = 0
@@ -359,7 +359,8 @@ def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size
     elements = nbytes // itemsize
     if collective == "barrier":
         layout = Layout([], [[]])
-    elif collective in PARTS:  # p equal parts: the data is what every rank has together
+    elif collective in PARTS or collective == "alltoall":
+        # p equal parts: the data is what every rank has together (alltoall: sends)
         elements -= elements % size
         part = _Extent(elements // size, itemsize)
         layout = Layout.parts(cast(list[np.ndarray], [part] * size))

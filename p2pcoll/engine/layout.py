@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..strategy import Chunk, _All
+from ..strategy import Chunk, chunk_indices
 import itertools
 
 Piece = tuple[int, int, int]  # (array index, start, stop) in elements
@@ -107,12 +107,8 @@ class Layout:
         self.nseg = nseg
         return self.nseg
 
-    def chunk_ids(self, chunk: Chunk) -> range:
-        if isinstance(chunk, _All):  # the one ALL
-            return range(len(self.chunks))
-        if isinstance(chunk, range):
-            return chunk
-        return range(chunk, chunk + 1)
+    def chunk_ids(self, chunk: Chunk) -> Sequence[int]:
+        return chunk_indices(chunk, len(self.chunks))
 
     def pieces(self, chunk: Chunk, seg: int) -> list[np.ndarray]:
         """The array views that make up ``chunk`` in segment ``seg``."""

@@ -21,13 +21,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgpack
 import numpy as np
 
 from ..engine.board_path import STRATEGY as BOARD
-from ..engine.costs import CostModel
+from ..engine.costs import CostModel, _Extent
 from ..engine.layout import Layout
 from ..engine.p2p import RECV, SEND
 from ..engine.plan import chunking, plan
@@ -37,7 +37,7 @@ from ..errors import CollectiveMismatch, P2PCollError, ProtocolError
 from ..pytree import TreeDef
 from ..registry import registry
 from ..settings import check_seconds
-from ..strategy import Context, Strategy, host_numbers
+from ..strategy import Context, Strategy, chunk_indices, host_numbers
 from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
@@ -90,6 +90,9 @@ class Call:
         timeout: seconds (None: the group's).
         tag: a transfer's tag (None: a collective).
         rows: reduce_scatter: elements per row, where chunks may be cut.
+        counts: alltoall: the elements of every block, row by row (``counts[i * p + j]``
+            rank i sends rank j), agreed by every rank; ``leaves`` are this rank's p parts
+            to send, then the p buffers it receives into.
         learn: for a rank that learns the layout from the data's origin (a broadcast or
             scatter that is not the root, a receive): called with the origin's tree, leaf
             specs and strategy name; it checks them against what the caller passed and
@@ -109,12 +112,14 @@ class Call:
     learn: Learn | None = None
     strategy_used: str = ""
     flat: list[np.ndarray] = field(default_factory=list)
+    counts: tuple[int, ...] = ()
 
     def key(self) -> tuple[Any, ...]:
         """What a prepared program depends on."""
         op = self.op.value if self.op is not None else ""
         return (self.collective, self.strategy, op, self.root, self.tag is None, self.rows,
-                str(self.treedef), tuple((a.dtype.str, a.shape) for a in self.leaves))
+                str(self.treedef), tuple((a.dtype.str, a.shape) for a in self.leaves),
+                self.counts)
 
 
 @dataclass(slots=True)
@@ -135,6 +140,8 @@ class Prepared:
     # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
     # the board only says so). None: not on the board.
     board: Any = None
+    # An alltoall's blocks of other ranks that this rank's schedule holds on their way.
+    forwarded: tuple[int, ...] = ()
 
 
 class RunnerSession(Protocol):
@@ -233,6 +240,16 @@ class Runner:
             if name == "send":
                 meta = _layout_meta(SEND.name, call)
             ctx = Context(self.rank, p, call.root or 0)
+        elif name == "alltoall":
+            item = call.leaves[0].itemsize
+            strat = strategy or self.choose(name, call.strategy, sum(call.counts) * item // p)
+            chunking(strat, p, 0, item)  # checked: p * p chunks
+            layout = Layout.parts(cast(list[np.ndarray],
+                                       [_Extent(n, item) for n in call.counts]))
+            digest = hashlib.blake2b(repr(call.counts).encode(), digest_size=8).hexdigest()
+            sig = Signature.of(name, strat.name, "", -1, f"{call.leaves[0].dtype.str} "
+                               f"blocks {digest}")
+            ctx = Context(self.rank, p, 0, self.hosts)
         else:
             parts = name in ("allgather", "gather", "scatter")
             strat = strategy or self.choose(name, call.strategy, nbytes)
@@ -263,6 +280,11 @@ class Runner:
                               whole=strat.whole_messages)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True))
+        if name == "alltoall" and p > 1:
+            mine = {b for b in range(p * p) if b // p == self.rank or b % p == self.rank}
+            program.forwarded = tuple(sorted(
+                {i for ops in plan(strat, ctx, p * p) for op in ops
+                 for i in chunk_indices(op.chunk, p * p)} - mine))
         if on_board:
             assert board is not None
             if name in ("allreduce", "reduce"):
@@ -294,6 +316,9 @@ class Runner:
         # Prepared before the sequence number is taken: an unknown strategy or a plugin's
         # bad schedule is this rank's own error, and the group stays usable.
         program = self.prepare(call) if call.learn is None else None
+        if call.collective == "alltoall":
+            assert program is not None
+            call.flat = _blocks(call, program.forwarded, self.rank, self.size)
         if call.tag is None:
             op = session.next_seq()
         elif call.collective == "send":
@@ -454,6 +479,21 @@ class _BoardStrategy(Strategy):
             made = cls._made[collective] = type(f"Board_{collective}", (cls,),
                                                 {"collective": collective})()
         return made
+
+
+def _blocks(call: Call, forwarded: Sequence[int], rank: int, p: int) -> list[np.ndarray]:
+    """An alltoall's arrays, one per block (the strategy's chunks): this rank's parts to
+    send (its row), the buffers it receives into (its column), a fresh buffer for each
+    block it forwards, and an empty array for every block it never holds."""
+    leaves, counts = call.leaves, call.counts
+    none = leaves[0][:0]
+    out = [none] * (p * p)
+    for b in forwarded:
+        out[b] = np.empty(counts[b], leaves[0].dtype)
+    for j in range(p):
+        out[j * p + rank] = leaves[p + j]
+        out[rank * p + j] = leaves[j]
+    return out
 
 
 def _layout_meta(strategy: str, call: Call) -> dict[str, Any]:
