@@ -17,24 +17,42 @@ started after an all-to-all take their sequence numbers after its exchange on ev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .. import tensors
 from ..errors import CollectiveMismatch
 from ..session.calls import Call
+from ..session.session import Session
+from ..session.turns import Turns
 from .arguments import native
-
-if TYPE_CHECKING:
-    from .group import Group
 
 HEAD = 4  # the table's first columns: parts, dtype, elements per row, expects (0 or 1)
 
 
+class Group(Protocol):
+    """What an all-to-all uses of its :class:`~p2pcoll.Group`."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def turns(self) -> Turns: ...
+
+    @property
+    def session(self) -> Session: ...
+
+    async def allreduce(self, value: Any, op: Any = "sum", *,
+                        timeout: float | None = None) -> Any: ...
+
+
 async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None,
                    strategy: str | None, timeout: float | None) -> list[Any]:
-    """:meth:`Group.alltoall` (see there)."""
+    """:meth:`p2pcoll.Group.alltoall` (see there)."""
     p, rank = group.world_size, group.rank
     if isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence):
         raise TypeError(f"alltoall takes a sequence of {p} arrays (one per rank), got "
