@@ -196,8 +196,9 @@ def compare(p2p: dist.ProcessGroup, gloo: dist.ProcessGroup, tag: str) -> None:
         check(f"all_to_all {cell}", *both(a2a, p2p, gloo))
 
         def a2s(g: dist.ProcessGroup) -> torch.Tensor:
-            ins = [j + 1 for j in range(p)]  # rank r sends j + 1 rows to rank j
-            outs = [rank + 1] * p
+            # Rank r sends (r + j) % 3 rows to rank j: zero rows between some pairs.
+            ins = [(rank + j) % 3 for j in range(p)]
+            outs = [(i + rank) % 3 for i in range(p)]
             out = torch.zeros(sum(outs), 2, dtype=dtype)
             dist.all_to_all_single(out, data(rank, 2 * sum(ins), dtype).reshape(-1, 2),
                                    outs, ins, group=g)
