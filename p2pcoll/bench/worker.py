@@ -70,6 +70,8 @@ def _collective_call(g: Any, collective: str, strategy: str | None) -> Call:
         return lambda x: g.allgather(x, strategy=strategy)
     if collective == "reduce_scatter":
         return lambda x: g.reduce_scatter(x, strategy=strategy)
+    if collective == "alltoall":  # part j of x (numpy.array_split) to rank j
+        return lambda x: g.alltoall(np.array_split(x, g.world_size), strategy=strategy)
     raise ValueError(f"unknown collective {collective!r}")
 
 
