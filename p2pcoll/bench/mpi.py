@@ -69,9 +69,9 @@ class _Collective:
         if c == "allgather":
             return comm.Allgather(x, self._output) if wait else comm.Iallgather(x, self._output)
         if c == "alltoall":
-            send = [x, self._counts]
-            recv = [self._output, [self._counts[self._rank]] * self._p]
-            return comm.Alltoallv(send, recv) if wait else comm.Ialltoallv(send, recv)
+            sends: list[Any] = [x, self._counts]
+            recvs: list[Any] = [self._output, [self._counts[self._rank]] * self._p]
+            return comm.Alltoallv(sends, recvs) if wait else comm.Ialltoallv(sends, recvs)
         if c == "reduce_scatter":
             if wait:
                 return comm.Reduce_scatter(x, self._output, recvcounts=self._counts)
