@@ -9,7 +9,9 @@ buffer of its own, so a message may carry any set of blocks: a tuple of their nu
 Pairwise exchange (MPICH ``MPIR_Alltoall_intra_pairwise``, Thakur & al. 2005): in round s,
 1 <= s < p, rank r sends its block to ``r + s`` and receives from ``r - s``. p-1 rounds, each
 block sent once and straight to its owner: (p-1)/p of a rank's data, the least there is;
-the choice for large blocks.
+the choice for large blocks. The rounds are posted together, in round order (as Gloo's
+alltoall and MPICH's ``scattered`` variant do): at every moment each rank sends to a
+different peer, and no round waits for the one before it.
 
 Bruck (Bruck & al. 1997; MPICH ``MPIR_Alltoall_intra_brucks``): in round k (distance 2^k,
 k = 0 .. ceil(lg p)-1) rank r sends to ``r + 2^k`` every block whose distance ``d`` from its
@@ -52,9 +54,9 @@ class PairwiseAlltoall(Strategy):
 
     def schedule(self, ctx: Context) -> Schedule:
         p, r = ctx.size, ctx.rank
-        for s in range(1, p):
-            to, frm = (r + s) % p, (r - s) % p
-            yield [Send(to, ctx.block(r, to)), Recv(frm, ctx.block(frm, r))]
+        rounds = [((r + s) % p, (r - s) % p) for s in range(1, p)]
+        yield [Send(to, ctx.block(r, to)) for to, _ in rounds] + \
+              [Recv(frm, ctx.block(frm, r)) for _, frm in rounds]
 
     def cost(self, work: Workload) -> Cost:
         p, n = work.size, work.nbytes
