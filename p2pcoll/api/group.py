@@ -326,21 +326,15 @@ class Group:
         self, parts: Sequence[np.ndarray], *, strategy: str | None = None,
         timeout: float | None = None, out: Sequence[np.ndarray] | None = None,
     ) -> list[np.ndarray]:
-        """Send ``parts[j]`` to rank j; return the list received, ``out[i]`` from rank i.
-
-        Parts may differ in length (first axis), per destination and per rank (alltoallv),
-        zero included; all of one dtype and one shape after the first axis, on every rank.
-        ``out=`` receives in place (p arrays of the lengths this rank expects, checked
-        against the senders'). ``strategy``: ``pairwise``, ``bruck``, ``hierarchical`` or
-        auto. Runs as a small agreement on every length, then the exchange
-        (:mod:`p2pcoll.api.alltoall`).
+        """Send ``parts[j]`` to rank j; return the list received, ``[i]`` from rank i.
+        Lengths (first axis) may differ per pair, zero included; one dtype and row shape.
+        ``out=``: p buffers of the lengths expected. See :mod:`p2pcoll.api.alltoall`.
 
         Raises:
-            TypeError, ValueError: ``parts`` is not a sequence of arrays of one dtype and
-                row shape, a dtype is not allowed, ``out`` does not fit (nothing sent).
-            CollectiveMismatch: a rank passed other than world_size parts, the ranks'
-                dtypes or row shapes differ, or a receiver's ``out`` disagrees with its
-                sender's length: on every rank, naming the ranks; the group stays usable.
+            TypeError, ValueError: bad ``parts`` or ``out`` (nothing sent).
+            CollectiveMismatch: on every rank, naming the ranks, the group usable after: a
+                rank passed other than world_size parts, dtypes or row shapes differ, or an
+                ``out`` length disagrees with its sender's.
             CollectiveTimeout, PeerLost, GroupBroken.
         Cancellation: breaks the group.
         """
