@@ -47,7 +47,8 @@ from p2pcoll.strategy import (
 class PairwiseAlltoall(Strategy):
     name = "pairwise"
     collective = "alltoall"
-    description = "p-1 rounds of shifted exchanges, each block straight to its owner"
+    description = ("p-1 shifted exchanges posted together, each block straight to its owner; "
+                   "for large blocks")
 
     def chunks(self, size: int) -> int:
         return size * size

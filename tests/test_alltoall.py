@@ -123,6 +123,34 @@ def test_out_receives_in_place_and_tensors_come_back_as_tensors() -> None:
     run_virtual(main())
 
 
+def test_calls_in_flight_together_start_in_the_callers_order_on_every_rank() -> None:
+    """An alltoall is two collectives; others started after it (and a second alltoall)
+    must not take their sequence numbers between them on some ranks."""
+    async def main() -> None:
+        groups = await memory_groups(4)
+        try:
+            async def one(g: p2pcoll.Group) -> list[Any]:
+                r, a, b = g.rank, lengths(4, 1), lengths(4, 2)
+                return list(await asyncio.gather(
+                    g.alltoall([block(r, j, a[r, j], np.float32) for j in range(4)]),
+                    g.allreduce(np.full(3, r + 1.0)),
+                    g.alltoall([block(r, j, b[r, j], np.int64) for j in range(4)],
+                               strategy="bruck"),
+                    g.broadcast(np.arange(5) if r == 1 else None, root=1)))
+
+            got = await asyncio.gather(*(one(g) for g in groups))
+            a, b = lengths(4, 1), lengths(4, 2)
+            for r, (x, total, y, z) in enumerate(got):
+                assert all(np.array_equal(x[i], block(i, r, a[i, r], np.float32)) and
+                           np.array_equal(y[i], block(i, r, b[i, r], np.int64))
+                           for i in range(4))
+                assert total.tolist() == [10.0] * 3 and z.tolist() == list(range(5))
+        finally:
+            await asyncio.gather(*(g.close() for g in groups))
+
+    run_virtual(main())
+
+
 def test_over_real_sockets() -> None:
     async def rank_main(g: p2pcoll.Group) -> None:
         p, r = g.world_size, g.rank
