@@ -118,11 +118,11 @@ class HierarchicalAlltoall(Strategy):
     def schedule(self, ctx: Context) -> Schedule:
         r, local, leader = ctx.rank, ctx.local_ranks, ctx.leader
         others = [q for q in range(ctx.size) if ctx.host_of(q) != ctx.host]
-        # 1. Within the host, pairwise among its ranks.
+        # 1. Within the host, pairwise among its ranks (the rounds posted together).
         n, i = len(local), ctx.local_rank
-        for s in range(1, n):
-            to, frm = local[(i + s) % n], local[(i - s) % n]
-            yield [Send(to, ctx.block(r, to)), Recv(frm, ctx.block(frm, r))]
+        rounds = [(local[(i + s) % n], local[(i - s) % n]) for s in range(1, n)]
+        yield [Send(to, ctx.block(r, to)) for to, _ in rounds] + \
+              [Recv(frm, ctx.block(frm, r)) for _, frm in rounds]
         if not others:
             return
         # 2. Every other rank hands its blocks for other hosts to its leader.
@@ -132,10 +132,10 @@ class HierarchicalAlltoall(Strategy):
             yield [Recv(q, tuple(ctx.block(q, j) for j in others)) for q in local if q != r]
             # 3. The leaders exchange pairwise over hosts: host h's blocks for host g.
             hosts, h = ctx.nhosts, ctx.host
-            for s in range(1, hosts):
-                g_to, g_from = (h + s) % hosts, (h - s) % hosts
-                yield [Send(ctx.leaders[g_to], _between(ctx, local, ctx.ranks_on(g_to))),
-                       Recv(ctx.leaders[g_from], _between(ctx, ctx.ranks_on(g_from), local))]
+            pairs = [((h + s) % hosts, (h - s) % hosts) for s in range(1, hosts)]
+            yield [Send(ctx.leaders[g], _between(ctx, local, ctx.ranks_on(g)))
+                   for g, _ in pairs] + \
+                  [Recv(ctx.leaders[g], _between(ctx, ctx.ranks_on(g), local)) for _, g in pairs]
         # 4. The leader hands each rank of its host its blocks from other hosts.
         if r == leader:
             yield [Send(q, tuple(ctx.block(i, q) for i in others)) for q in local if q != r]
@@ -145,6 +145,8 @@ class HierarchicalAlltoall(Strategy):
     def cost(self, work: Workload) -> Cost:
         ctx = work.context
         p, hosts, block = work.size, ctx.nhosts, work.nbytes / max(work.size, 1)
+        if hosts == 1:  # the pairwise exchange of one host
+            return Cost((p - 1) * work.waves, (p - 1) * block)
         k = max(len(ctx.ranks_on(h)) for h in range(hosts))
         # Critical path: the leader's k-1 exchanges in its host, k-1 receipts, H-1
         # exchanges with the other leaders (k*k blocks each), k-1 hand-outs.

@@ -73,7 +73,7 @@ import numpy as np
 
 from ..errors import SettingsError
 from ..strategy import ALL, Context, Cost, Recv, Reduce, Send, Strategy, Workload, host_numbers
-from .layout import Layout
+from .layout import Extent, Layout
 
 TRANSPORTS = ("ipc", "tcp")
 FIELDS = ("alpha", "beta", "gamma", "overhead", "repeat")
@@ -346,13 +346,6 @@ def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[flo
             host_bytes / remote_bytes if remote_bytes else 1.0)
 
 
-class _Extent:
-    """Stands in for a flat array in a :class:`Layout`: only its length and item size."""
-
-    def __init__(self, size: int, itemsize: int) -> None:
-        self.size, self.itemsize, self.nbytes = size, itemsize, size * itemsize
-
-
 @lru_cache(maxsize=4096)
 def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size: int,
               itemsize: int, whole: bool = False) -> Workload:
@@ -362,10 +355,10 @@ def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size
     elif collective in PARTS or collective == "alltoall":
         # p equal parts: the data is what every rank has together (alltoall: sends)
         elements -= elements % size
-        part = _Extent(elements // size, itemsize)
+        part = Extent(elements // size, itemsize)
         layout = Layout.parts(cast(list[np.ndarray], [part] * size))
     else:
-        layout = Layout.split(cast(list[np.ndarray], [_Extent(elements, itemsize)]), nchunks)
+        layout = Layout.split(cast(list[np.ndarray], [Extent(elements, itemsize)]), nchunks)
     segments = layout.segment(model.segment_bytes, model.max_message_bytes, whole=whole)
     hosts = model.hosts if len(model.hosts) == size else ()
     return Workload(size, elements * itemsize, itemsize, segments, model.depth, hosts)

@@ -32,6 +32,14 @@ def _split_point(length: int, parts: int, i: int) -> int:
     return i * q + min(i, r)
 
 
+class Extent:
+    """Stands in for a flat array in a :class:`Layout`: only its length and item size (a
+    cost model's data, an alltoall's blocks of other ranks: the same cut on every rank)."""
+
+    def __init__(self, size: int, itemsize: int) -> None:
+        self.size, self.itemsize, self.nbytes = size, itemsize, size * itemsize
+
+
 class Layout:
     """Chunks and segments over a list of flat arrays."""
 

@@ -27,8 +27,8 @@ import msgpack
 import numpy as np
 
 from ..engine.board_path import STRATEGY as BOARD
-from ..engine.costs import CostModel, _Extent
-from ..engine.layout import Layout
+from ..engine.costs import CostModel
+from ..engine.layout import Extent, Layout
 from ..engine.p2p import RECV, SEND
 from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
@@ -245,7 +245,7 @@ class Runner:
             strat = strategy or self.choose(name, call.strategy, sum(call.counts) * item // p)
             chunking(strat, p, 0, item)  # checked: p * p chunks
             layout = Layout.parts(cast(list[np.ndarray],
-                                       [_Extent(n, item) for n in call.counts]))
+                                       [Extent(n, item) for n in call.counts]))
             digest = hashlib.blake2b(repr(call.counts).encode(), digest_size=8).hexdigest()
             sig = Signature.of(name, strat.name, "", -1, f"{call.leaves[0].dtype.str} "
                                f"blocks {digest}")
