@@ -60,8 +60,12 @@ class PairwiseAlltoall(Strategy):
               [Recv(frm, ctx.block(frm, r)) for _, frm in rounds]
 
     def cost(self, work: Workload) -> Cost:
+        # The p-1 messages go out together: where peers read shared memory their latencies
+        # overlap as a root's repeats do (the transport's ``repeat`` share of alpha, 0 over
+        # the rings); a single port (sockets) pays each. Their bytes are all distinct.
         p, n = work.size, work.nbytes
-        return Cost((p - 1) * work.waves, (p - 1) / p * n)
+        return Cost((p - 1) * work.waves, (p - 1) / p * n,
+                    repeats=max(p - 2, 0) * work.waves)
 
     def traffic(self, work: Workload) -> Traffic:
         return _traffic(self, work)

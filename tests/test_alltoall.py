@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import p2pcoll
-from p2pcoll.engine.costs import CostModel
+from p2pcoll.engine.costs import DEFAULT_CONSTANTS, CostModel
 from p2pcoll.registry import registry
 from p2pcoll.strategy import Workload
 from p2pcoll.testing import Faults, MemoryNetwork, memory_groups, run_ranks, run_virtual
@@ -364,9 +364,15 @@ def test_traffic_is_the_textbooks(p: int) -> None:
     run_virtual(main())
 
 
-def test_auto_takes_bruck_for_small_blocks_and_pairwise_for_large() -> None:
-    model = CostModel()
+def test_auto_takes_bruck_for_small_blocks_over_sockets_and_pairwise_otherwise() -> None:
+    """Over sockets each of pairwise's p-1 messages pays its latency, so Bruck's lg p rounds
+    win for small blocks; over the shared-memory rings the latencies of messages posted
+    together overlap, and pairwise's fewer bytes win at every size."""
+    sockets = CostModel(DEFAULT_CONSTANTS["tcp"])
+    rings = CostModel(DEFAULT_CONSTANTS["ipc"])
     for p in (4, 8):
-        small = registry.choose("alltoall", None, None, 64 * p, p, model)
-        large = registry.choose("alltoall", None, None, (4 << 20) * p, p, model)
+        small = registry.choose("alltoall", None, None, 64 * p, p, sockets)
+        large = registry.choose("alltoall", None, None, (4 << 20) * p, p, sockets)
         assert (small.name, large.name) == ("bruck", "pairwise")
+        for nbytes in (64 * p, (4 << 20) * p):
+            assert registry.choose("alltoall", None, None, nbytes, p, rings).name == "pairwise"

@@ -208,8 +208,8 @@ class CostModel:
                   cores: int | None = None, hosts: Sequence[str] = ()) -> CostModel:
         """auto's model for the group whose peers listen at ``endpoints``, seen from
         ``rank``. With ``hosts`` (the roster's host of every rank) naming several hosts, two
-        levels: ipc constants inside a host, tcp between hosts, the ranks of ``rank``'s host
-        against its ``cores``. Otherwise one: tcp constants if any other peer is reached
+        levels: ipc constants inside a host, tcp between hosts, the ranks of the busiest host
+        against its ``cores`` (the same on every rank, so every rank picks alike). Otherwise one: tcp constants if any other peer is reached
         over tcp, else ipc; the ranks of this host (those not reached over tcp) against its
         ``cores`` (default: the CPUs this process may run on). A live group and ``p2pcoll
         simulate`` both build their model here, so what simulate says auto picks is what a
@@ -221,8 +221,10 @@ class CostModel:
             if constants is None:
                 path = getattr(settings, "cost_model", None)
                 constants = load_constants(path) if path else DEFAULT_CONSTANTS
-            inside = cls.for_settings(settings, "ipc", constants,
-                                      local=numbers.count(numbers[rank]), cores=cores)
+            # The busiest host's ranks, not this rank's: every rank must price alike, or
+            # ranks of uneven hosts would pick different strategies.
+            busiest = max(numbers.count(h) for h in set(numbers))
+            inside = cls.for_settings(settings, "ipc", constants, local=busiest, cores=cores)
             return replace(inside, between=constants["tcp"], hosts=numbers)
         remote = sum(e.startswith("tcp://") for r, e in enumerate(endpoints) if r != rank)
         return cls.for_settings(settings, "tcp" if remote else "ipc", constants,
