@@ -367,10 +367,18 @@ def test_traffic_is_the_textbooks(p: int) -> None:
 def test_auto_takes_bruck_for_small_blocks_over_sockets_and_pairwise_otherwise() -> None:
     """Over sockets each of pairwise's p-1 messages pays its latency, so Bruck's lg p rounds
     win for small blocks; over the shared-memory rings the latencies of messages posted
-    together overlap, and pairwise's fewer bytes win at every size."""
+    together overlap, and pairwise's fewer bytes win at every size. Bruck is not priced for
+    blocks over 16 KiB, even on a host whose ranks outnumber its cores (where the model
+    counts messages, which Bruck has fewer of)."""
     sockets = CostModel(DEFAULT_CONSTANTS["tcp"])
     rings = CostModel(DEFAULT_CONSTANTS["ipc"])
+    crowded = CostModel(DEFAULT_CONSTANTS["ipc"], local=8, cores=2)
+    bruck = registry.get("alltoall", "bruck")
+    assert bruck.cost(sockets.workload(bruck, (16 << 10) * 4, 4)) is not None
+    assert bruck.cost(sockets.workload(bruck, (16 << 10) * 4 + 4, 4)) is None
     for p in (4, 8):
+        assert registry.choose("alltoall", None, None, (1 << 20) * p, p, crowded).name == \
+            "pairwise"
         small = registry.choose("alltoall", None, None, 64 * p, p, sockets)
         large = registry.choose("alltoall", None, None, (4 << 20) * p, p, sockets)
         assert (small.name, large.name) == ("bruck", "pairwise")
