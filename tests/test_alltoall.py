@@ -151,18 +151,24 @@ def test_calls_in_flight_together_start_in_the_callers_order_on_every_rank() -> 
     run_virtual(main())
 
 
-def test_over_real_sockets() -> None:
-    async def rank_main(g: p2pcoll.Group) -> None:
+def test_over_real_sockets_and_the_board() -> None:
+    """Every strategy over sockets; auto on one host puts small calls on the board (shm)."""
+    async def rank_main(g: p2pcoll.Group) -> dict[str, int]:
         p, r = g.world_size, g.rank
-        for n, strategy in enumerate((*STRATEGIES, None)):
+        for n, strategy in enumerate((*STRATEGIES, None, None)):
             rows = lengths(p, 40 + n)
+            if n == 4:  # the last: 80 KB a rank, over a board slot (64 KiB)
+                rows = np.full((p, p), 5000) * (rows > 0)
+                rows[:, 0] = 5000
             got = await g.alltoall([block(r, j, rows[r, j], np.float32) for j in range(p)],
                                    strategy=strategy)
             for i in range(p):
                 assert np.array_equal(got[i], block(i, r, rows[i, r], np.float32))
+        return dict(g.stats()["collectives_by_strategy"]["alltoall"])
 
     async def main() -> None:
-        await run_ranks(4, rank_main)
+        used = await run_ranks(4, rank_main)
+        assert all(u["shm"] == 1 and sum(u.values()) == 5 for u in used), used
         await run_ranks(5, rank_main, host_ids=["a", "a", "b", "b", "b"])
 
     asyncio.run(main())

@@ -208,12 +208,13 @@ class CostModel:
                   cores: int | None = None, hosts: Sequence[str] = ()) -> CostModel:
         """auto's model for the group whose peers listen at ``endpoints``, seen from
         ``rank``. With ``hosts`` (the roster's host of every rank) naming several hosts, two
-        levels: ipc constants inside a host, tcp between hosts, the ranks of the busiest host
-        against its ``cores`` (the same on every rank, so every rank picks alike). Otherwise one: tcp constants if any other peer is reached
-        over tcp, else ipc; the ranks of this host (those not reached over tcp) against its
-        ``cores`` (default: the CPUs this process may run on). A live group and ``p2pcoll
-        simulate`` both build their model here, so what simulate says auto picks is what a
-        group of that shape runs. Raises SettingsError on a bad constants file."""
+        levels: ipc constants inside a host, tcp between hosts, the ranks of the busiest
+        host against its ``cores`` (the same on every rank, so every rank picks alike).
+        Otherwise one: tcp constants if any other peer is reached over tcp, else ipc; the
+        ranks of this host (those not reached over tcp) against its ``cores`` (default: the
+        CPUs this process may run on). A live group and ``p2pcoll simulate`` both build
+        their model here, so what simulate says auto picks is what a group of that shape
+        runs. Raises SettingsError on a bad constants file."""
         if cores is None:
             cores = len(os.sched_getaffinity(0))
         numbers = host_numbers(hosts) if len(hosts) == len(endpoints) else ()

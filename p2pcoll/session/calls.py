@@ -11,7 +11,8 @@ same key only look it up: no choice, no Layout, no Signature per call. A new ses
 new epoch) starts with no programs; the cache is bounded.
 
 Small collectives among peers of one host go on the board
-(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for.
+(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for (an alltoall when every
+rank's parts together fit a slot).
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ class Runner:
         elif name == "alltoall":
             item = call.leaves[0].itemsize
             strat = strategy or self.choose(name, call.strategy, sum(call.counts) * item // p)
-            chunking(strat, p, 0, item)  # checked: p * p chunks
+            if not on_board:
+                chunking(strat, p, 0, item)  # checked: p * p chunks
             layout = Layout.parts(cast(list[np.ndarray],
                                        [Extent(n, item) for n in call.counts]))
             digest = hashlib.blake2b(repr(call.counts).encode(), digest_size=8).hexdigest()
@@ -280,7 +282,7 @@ class Runner:
                               whole=strat.whole_messages)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True))
-        if name == "alltoall" and p > 1:
+        if name == "alltoall" and p > 1 and not on_board:
             mine = {b for b in range(p * p) if b // p == self.rank or b % p == self.rank}
             program.forwarded = tuple(sorted(
                 {i for ops in plan(strat, ctx, p * p) for op in ops
@@ -291,6 +293,11 @@ class Runner:
                 program.board = board.plan(flat)
             elif name == "barrier":
                 program.board = True
+            elif name == "alltoall":  # where my part lies in each row; each row's bytes
+                rows = [call.counts[q * p:(q + 1) * p] for q in range(p)]
+                item = call.leaves[0].itemsize
+                program.board = (tuple(sum(r[:self.rank]) * item for r in rows),
+                                 tuple(sum(r) * item for r in rows))
             else:  # a broadcast root: its data on the board if it fits, else word of messages
                 packed = _pack(_layout_meta(BOARD, call))
                 fits = (sum((a.nbytes + 7) & ~7 for a in flat) <= board.slot_bytes
@@ -368,6 +375,12 @@ class Runner:
                     call.strategy_used = BOARD
                     await board.barrier(op.number, program.sig)
                     return
+                elif name == "alltoall":
+                    call.strategy_used = BOARD
+                    p, (at, rows) = self.size, on_board
+                    await board.alltoall(op.number, call.leaves[:p], call.leaves[p:], at,
+                                         rows, program.sig)
+                    return
                 else:
                     assert call.op is not None
                     call.strategy_used = BOARD
@@ -416,13 +429,16 @@ class Runner:
         """Whether ``call`` goes on the board: no strategy asked for (by the call or the
         group), and (reductions) its data fits a slot."""
         name = call.collective
-        if name not in ("allreduce", "reduce", "broadcast", "barrier"):
+        if name not in ("allreduce", "reduce", "broadcast", "barrier", "alltoall"):
             return False
         if call.strategy not in (None, "auto") or \
                 self.session.settings.strategies.get(name, "auto") != "auto":
             return False
         if name in ("allreduce", "reduce"):
             return sum((a.nbytes + 7) & ~7 for a in call.flat) <= slot
+        if name == "alltoall":  # every rank's row fits: the same answer on every rank
+            p, item = self.size, call.leaves[0].itemsize
+            return max(sum(call.counts[q * p:(q + 1) * p]) for q in range(p)) * item <= slot
         return True
 
     def _learn_message(self, op: OpKey, call: Call, header: Header) -> Strategy:
