@@ -9,9 +9,11 @@ buffer of its own, so a message may carry any set of blocks: a tuple of their nu
 Pairwise exchange (MPICH ``MPIR_Alltoall_intra_pairwise``, Thakur & al. 2005): in round s,
 1 <= s < p, rank r sends its block to ``r + s`` and receives from ``r - s``. p-1 rounds, each
 block sent once and straight to its owner: (p-1)/p of a rank's data, the least there is;
-the choice for large blocks. The rounds are posted together, in round order (as Gloo's
-alltoall and MPICH's ``scattered`` variant do): at every moment each rank sends to a
-different peer, and no round waits for the one before it.
+the choice for large blocks, which the executor cuts into segments that overlap.
+
+Scattered (MPICH ``MPIR_Alltoall_intra_scattered``, Gloo's alltoall): the same p-1 shifted
+exchanges, posted together in round order, so no round waits for the one before it; the
+choice for blocks of one segment, where there is no pipeline to overlap them.
 
 Bruck (Bruck & al. 1997; MPICH ``MPIR_Alltoall_intra_brucks``): in round k (distance 2^k,
 k = 0 .. ceil(lg p)-1) rank r sends to ``r + 2^k`` every block whose distance ``d`` from its
@@ -47,8 +49,29 @@ from p2pcoll.strategy import (
 class PairwiseAlltoall(Strategy):
     name = "pairwise"
     collective = "alltoall"
-    description = ("p-1 shifted exchanges posted together, each block straight to its owner; "
-                   "for large blocks")
+    description = "p-1 rounds of shifted exchanges, each block straight to its owner"
+
+    def chunks(self, size: int) -> int:
+        return size * size
+
+    def schedule(self, ctx: Context) -> Schedule:
+        p, r = ctx.size, ctx.rank
+        for s in range(1, p):
+            to, frm = (r + s) % p, (r - s) % p
+            yield [Send(to, ctx.block(r, to)), Recv(frm, ctx.block(frm, r))]
+
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        return Cost((p - 1) * work.waves, (p - 1) / p * n)
+
+    def traffic(self, work: Workload) -> Traffic:
+        return _traffic(self, work)
+
+
+class ScatteredAlltoall(Strategy):
+    name = "scattered"
+    collective = "alltoall"
+    description = "the pairwise exchanges posted together; for blocks of one segment"
 
     def chunks(self, size: int) -> int:
         return size * size
@@ -60,12 +83,15 @@ class PairwiseAlltoall(Strategy):
               [Recv(frm, ctx.block(frm, r)) for _, frm in rounds]
 
     def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        if work.segments > 1:
+            # Every segment of every block at once overfills the shared-memory rings, and
+            # the messages queue one behind the other: no wave of segments overlaps.
+            return Cost((p - 1) * work.segments, (p - 1) / p * n)
         # The p-1 messages go out together: where peers read shared memory their latencies
         # overlap as a root's repeats do (the transport's ``repeat`` share of alpha, 0 over
         # the rings); a single port (sockets) pays each. Their bytes are all distinct.
-        p, n = work.size, work.nbytes
-        return Cost((p - 1) * work.waves, (p - 1) / p * n,
-                    repeats=max(p - 2, 0) * work.waves)
+        return Cost(p - 1, (p - 1) / p * n, repeats=max(p - 2, 0))
 
     def traffic(self, work: Workload) -> Traffic:
         return _traffic(self, work)

@@ -25,7 +25,7 @@ from p2pcoll.registry import registry
 from p2pcoll.strategy import Workload
 from p2pcoll.testing import Faults, MemoryNetwork, memory_groups, run_ranks, run_virtual
 
-STRATEGIES = ("pairwise", "bruck", "hierarchical")
+STRATEGIES = ("pairwise", "scattered", "bruck", "hierarchical")
 SIZES = range(1, 10)
 DTYPES = (np.float32, np.int64, np.uint8, np.float64)
 
@@ -157,7 +157,7 @@ def test_over_real_sockets_and_the_board() -> None:
         p, r = g.world_size, g.rank
         for n, strategy in enumerate((*STRATEGIES, None, None)):
             rows = lengths(p, 40 + n)
-            if n == 4:  # the last: 80 KB a rank, over a board slot (64 KiB)
+            if n == len(STRATEGIES) + 1:  # the last: 80 KB a rank, over a slot (64 KiB)
                 rows = np.full((p, p), 5000) * (rows > 0)
                 rows[:, 0] = 5000
             got = await g.alltoall([block(r, j, rows[r, j], np.float32) for j in range(p)],
@@ -168,7 +168,8 @@ def test_over_real_sockets_and_the_board() -> None:
 
     async def main() -> None:
         used = await run_ranks(4, rank_main)
-        assert all(u["shm"] == 1 and sum(u.values()) == 5 for u in used), used
+        assert all(u["shm"] == 1 and sum(u.values()) == len(STRATEGIES) + 2
+                   for u in used), used
         await run_ranks(5, rank_main, host_ids=["a", "a", "b", "b", "b"])
 
     asyncio.run(main())
@@ -348,7 +349,7 @@ def test_traffic_is_the_textbooks(p: int) -> None:
                         [np.ones(count, np.float32)] * p, strategy=strategy))
                     messages = [x - y for x, y in zip(m, agree[0])]
                     sent = [x - y for x, y in zip(b, agree[1])]
-                    if strategy == "pairwise":
+                    if strategy in ("pairwise", "scattered"):
                         want = pairwise_traffic(p, sizes, segments)
                     elif strategy == "bruck":
                         want = bruck_traffic(p, sizes, segments)
@@ -370,10 +371,10 @@ def test_traffic_is_the_textbooks(p: int) -> None:
     run_virtual(main())
 
 
-def test_auto_takes_bruck_for_small_blocks_over_sockets_and_pairwise_otherwise() -> None:
-    """Over sockets each of pairwise's p-1 messages pays its latency, so Bruck's lg p rounds
-    win for small blocks; over the shared-memory rings the latencies of messages posted
-    together overlap, and pairwise's fewer bytes win at every size. Bruck is not priced for
+def test_auto_takes_bruck_or_scattered_for_small_blocks_and_pairwise_for_large() -> None:
+    """Over sockets each of the p-1 messages pays its latency, so Bruck's lg p rounds win
+    for small blocks; over the shared-memory rings the latencies of messages posted together
+    overlap (scattered). Blocks of several segments go pairwise. Bruck is not priced for
     blocks over 16 KiB, even on a host whose ranks outnumber its cores (where the model
     counts messages, which Bruck has fewer of)."""
     sockets = CostModel(DEFAULT_CONSTANTS["tcp"])
@@ -383,10 +384,11 @@ def test_auto_takes_bruck_for_small_blocks_over_sockets_and_pairwise_otherwise()
     assert bruck.cost(sockets.workload(bruck, (16 << 10) * 4, 4)) is not None
     assert bruck.cost(sockets.workload(bruck, (16 << 10) * 4 + 4, 4)) is None
     for p in (4, 8):
-        assert registry.choose("alltoall", None, None, (1 << 20) * p, p, crowded).name == \
+        assert registry.choose("alltoall", None, None, (4 << 20) * p, p, crowded).name == \
             "pairwise"
         small = registry.choose("alltoall", None, None, 64 * p, p, sockets)
         large = registry.choose("alltoall", None, None, (4 << 20) * p, p, sockets)
         assert (small.name, large.name) == ("bruck", "pairwise")
-        for nbytes in (64 * p, (4 << 20) * p):
-            assert registry.choose("alltoall", None, None, nbytes, p, rings).name == "pairwise"
+        small = registry.choose("alltoall", None, None, 64 * p, p, rings)
+        large = registry.choose("alltoall", None, None, (4 << 20) * p, p, rings)
+        assert (small.name, large.name) == ("scattered", "pairwise")
