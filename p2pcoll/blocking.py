@@ -318,6 +318,25 @@ class Group:
             array, strategy=strategy, timeout=timeout), async_op)
 
     @overload
+    def alltoall(self, parts: Sequence[np.ndarray], *, strategy: str | None = ...,
+                 timeout: float | None = ..., out: Sequence[np.ndarray] | None = ...,
+                 async_op: Literal[False] = ...) -> list[np.ndarray]: ...
+    @overload
+    def alltoall(self, parts: Sequence[np.ndarray], *, strategy: str | None = ...,
+                 timeout: float | None = ..., out: Sequence[np.ndarray] | None = ...,
+                 async_op: Literal[True]) -> Handle[list[np.ndarray]]: ...
+    @overload
+    def alltoall(self, parts: Sequence[np.ndarray], *, strategy: str | None = ...,
+                 timeout: float | None = ..., out: Sequence[np.ndarray] | None = ...,
+                 async_op: bool = ...) -> list[np.ndarray] | Handle[list[np.ndarray]]: ...
+    def alltoall(self, parts: Sequence[np.ndarray], *, strategy: str | None = None,
+                 timeout: float | None = None, out: Sequence[np.ndarray] | None = None,
+                 async_op: bool = False) -> list[np.ndarray] | Handle[list[np.ndarray]]:
+        """``parts[j]`` to rank j; the parts received, ``[i]`` from rank i (alltoallv)."""
+        return self._call("alltoall", self._group.alltoall(
+            parts, strategy=strategy, timeout=timeout, out=out), async_op)
+
+    @overload
     def gather(self, array: np.ndarray, root: int = ..., *, strategy: str | None = ...,
                timeout: float | None = ...,
                async_op: Literal[False] = ...) -> list[np.ndarray] | None: ...

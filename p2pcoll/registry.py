@@ -53,6 +53,7 @@ DEFAULTS = {
     "gather": "root",
     "scatter": "root",
     "barrier": "dissemination",
+    "alltoall": "pairwise",
 }
 
 

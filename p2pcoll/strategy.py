@@ -11,8 +11,10 @@ A step may also be a list of those, run together (for example a send and a recei
 same partner, so that neither waits for the other). The data is cut into ``chunks(size)``
 equal-as-possible chunks (``numpy.array_split`` convention; a reduction's strategy may place
 them with ``cuts``); for allgather, gather and
-scatter there is always one chunk per rank, chunk r being rank r's part. ``ALL`` means the
-whole data; ``range(a, b)`` means chunks a..b-1.
+scatter there is always one chunk per rank, chunk r being rank r's part; for alltoall one
+chunk per pair of ranks, ``ctx.block(i, j)`` being what rank i sends rank j. ``ALL`` means
+the whole data; ``range(a, b)`` means chunks a..b-1; a tuple of chunk numbers means those
+chunks, in that order, in one message.
 
 The k-th message rank a sends to rank b in one collective is the k-th one b receives from a
 (MPI's non-overtaking rule), so schedules only need a consistent order per pair of ranks.
@@ -99,6 +101,7 @@ __all__ = [
     "Subgroup",
     "Traffic",
     "Workload",
+    "chunk_indices",
     "host_numbers",
     "largest_power_of_two",
 ]
@@ -119,7 +122,16 @@ class _All:
 
 
 ALL = _All()
-Chunk = int | range | _All
+Chunk = int | range | tuple[int, ...] | _All
+
+
+def chunk_indices(chunk: Chunk, nchunks: int) -> Sequence[int]:
+    """The chunk numbers ``chunk`` stands for, in message order, out of ``nchunks``."""
+    if isinstance(chunk, _All):
+        return range(nchunks)
+    if isinstance(chunk, int):
+        return range(chunk, chunk + 1)
+    return chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +171,7 @@ COLLECTIVES = (
     "gather",
     "scatter",
     "barrier",
+    "alltoall",
 )
 
 
@@ -198,6 +211,10 @@ class Context:
     def real(self, q: int) -> int:
         """The real rank of relative rank ``q`` (taken mod size, so ``q - 1`` of 0 works)."""
         return (q + self.root) % self.size
+
+    def block(self, src: int, dst: int) -> int:
+        """An alltoall's chunk that rank ``src`` sends rank ``dst`` (both taken mod size)."""
+        return (src % self.size) * self.size + dst % self.size
 
     # --- hosts: sub-groups for hierarchical schedules -------------------------------------
 
@@ -391,7 +408,8 @@ class Workload:
         size: p, the number of ranks.
         nbytes: n, the bytes of the collective's data: each rank's tensor (broadcast,
             reduce, allreduce, reduce_scatter), or all the parts together (allgather,
-            gather, scatter: p parts of n/p bytes).
+            gather, scatter: p parts of n/p bytes; alltoall: the p parts each rank sends,
+            part j of ``part(j, size)`` bytes).
         itemsize: the unit the data is cut at (an element; for reduce_scatter a row).
         segments: S, how many pipeline segments the executor cuts every message into: each
             segment is a run of the whole schedule, so a rank sends S times its messages.
@@ -511,6 +529,10 @@ class Strategy:
         allgather: every rank holds every part (part r starts on rank r).
         gather: the root holds every part.  scatter: rank r holds part r (all start on root).
         barrier: no data; every rank must hear, directly or not, from every other.
+        alltoall: ``chunks(size)`` is ``size * size``; rank r starts with the blocks
+            ``ctx.block(r, j)`` and must end with every ``ctx.block(i, r)``. Blocks may
+            differ in length (every rank knows every length); a rank may hold and forward
+            others' blocks (Bruck), each in a buffer of its own.
     """
 
     name: ClassVar[str]

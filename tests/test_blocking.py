@@ -112,6 +112,7 @@ def test_every_collective_gives_the_async_apis_results(pair: list[blocking.Group
         out["reduce_scatter"] = done(g.reduce_scatter(x, async_op=async_op))
         out["broadcast"] = done(g.broadcast(x if r == 0 else None, async_op=async_op))
         out["allgather"] = done(g.allgather(x, async_op=async_op))
+        out["alltoall"] = done(g.alltoall([x[:r * 3], x[:4 + r]], async_op=async_op))
         out["gather"] = done(g.gather(x, root=1, async_op=async_op))
         parts = [np.full(3, 10.0), np.full(5, 20.0)] if r == 0 else None
         out["scatter"] = done(g.scatter(parts, async_op=async_op))
@@ -134,6 +135,8 @@ def test_every_collective_gives_the_async_apis_results(pair: list[blocking.Group
         np.testing.assert_array_equal(res["tree"]["b"][0], np.full(3, 3, np.int32))
         np.testing.assert_array_equal(res["broadcast"], x0)
         assert [a.tolist() for a in res["allgather"]] == [x0.tolist(), x1.tolist()]
+    assert [a.tolist() for a in r0["alltoall"]] == [[], x1[:3].tolist()]  # zero: 0 to 0
+    assert [a.tolist() for a in r1["alltoall"]] == [x0[:4].tolist(), x1[:5].tolist()]
     assert r0["reduce"] is None and r0["gather"] is None
     np.testing.assert_array_equal(r1["reduce"], x0 * x1)
     assert [a.tolist() for a in r1["gather"]] == [x0.tolist(), x1.tolist()]

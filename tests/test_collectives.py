@@ -499,6 +499,33 @@ async def walk_scatter(g: p2pcoll.Group, report: Report) -> None:
             report.array(got, data(rank, kind_of(rank), p, d, salt=salt))
 
 
+async def walk_alltoall(g: p2pcoll.Group, report: Report) -> None:
+    """Rank i's part j reaches rank j; lengths differ per pair (some zero), parts may be
+    2-d or strided views, or each over a segment."""
+    p, rank = g.world_size, g.rank
+
+    def part(i: int, j: int, shape: str) -> Kind:
+        n = (i + 2 * j) % 4
+        if shape == "2d":
+            return Kind(f"{n}x3", lambda _: (n, 3))
+        if shape == "strided":
+            return Kind(f"{n}, strided", lambda _: (2 * n,), lambda a: a[::2])
+        return per_rank_big(p) if shape == "big" else Kind(f"{n}", lambda _: (n,))
+
+    salt = 0
+    for s in strategies("alltoall"):
+        cells = [(d, "1d") for d in DTYPES]
+        cells += [(DTYPES[i], shape) for i, shape in enumerate(("2d", "strided"))]
+        cells += [(FLOAT32, "big")]
+        for d, shape in cells:
+            salt += 1
+            report.at(f"alltoall {s} {d} {shape}")
+            got = await g.alltoall([data(rank, part(rank, j, shape), p, d, salt=16 * salt + j)
+                                    for j in range(p)], strategy=s)
+            report.tree(got, [data(i, part(i, rank, shape), p, d, salt=16 * salt + rank)
+                              for i in range(p)])
+
+
 async def walk_barrier(
     g: p2pcoll.Group, report: Report, arrived: dict[tuple[str, int], set[int]]
 ) -> None:
@@ -530,6 +557,7 @@ WALKS: dict[str, Callable[[], Walk]] = {
     "gather": lambda: walk_gather,
     "scatter": lambda: walk_scatter,
     "barrier": barrier_walk,
+    "alltoall": lambda: walk_alltoall,
 }
 
 

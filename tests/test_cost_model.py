@@ -66,6 +66,8 @@ async def run(g: p2pcoll.Group, strategy: Strategy, m: int) -> None:
         await g.scatter([x] * p if r == 0 else None, strategy=name)
     elif c == "barrier":
         await g.barrier(strategy=name)
+    elif c == "alltoall":
+        await g.alltoall([x] * p, strategy=name)
     else:  # pragma: no cover - a new collective needs a line here
         raise AssertionError(c)
 
@@ -82,7 +84,7 @@ async def test_traffic_is_exact(p: int) -> None:
         for strategy in modelled():
             sizes = (0,) if strategy.collective == "barrier" else ELEMENTS
             for m in sizes:
-                parts = strategy.collective in ("allgather", "gather", "scatter")
+                parts = strategy.collective in ("allgather", "gather", "scatter", "alltoall")
                 nbytes = m * ITEM * (p if parts else 1)
                 work = MODEL.workload(strategy, nbytes, p, ITEM)
                 traffic = strategy.traffic(work)
@@ -91,6 +93,14 @@ async def test_traffic_is_exact(p: int) -> None:
                 await asyncio.gather(*(run(g, strategy, m) for g in groups))
                 after = sent(groups)
                 got = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+                if strategy.collective == "alltoall":  # less its agreement on the lengths:
+                    # an allreduce of a p x (2p + 4) table, measured on its own
+                    table = np.zeros((p, 2 * p + 4), np.int64)
+                    before = sent(groups)
+                    await asyncio.gather(*(g.allreduce(table) for g in groups))
+                    after = sent(groups)
+                    got = [(m0 - (a[0] - b[0]), b0 - (a[1] - b[1])) for (m0, b0), a, b
+                           in zip(got, after, before, strict=True)]
                 want = list(zip(traffic.messages, traffic.bytes_sent, strict=True))
                 if got != want:
                     wrong.append(f"{strategy.collective}.{strategy.name} p={p} m={m} "

@@ -237,7 +237,7 @@ class OtherDirect(OtherRing):
         (named(""), r"name must be an identifier, got ''"),
         (named(42), r"name must be an identifier, got 42"),
         (named("auto"), r"name must be an identifier, got 'auto'"),
-        (named("fine", "alltoall"), r"collective is 'alltoall'; expected one of"),
+        (named("fine", "alltoallw"), r"collective is 'alltoallw'; expected one of"),
         (named("fine", None), r"collective is None; expected one of"),
         (WithoutSchedule, r"WithoutSchedule does not define schedule\(\)"),
         (OtherRing, r"'ring' .* clashes with the one from p2pcoll .*p2pcoll_plugins\.ring"),

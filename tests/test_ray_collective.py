@@ -123,6 +123,11 @@ class Worker:
         x = _make(lib, np.zeros(2))
         col.recv(x, (rank - 1) % size, group_name=group)
         out["recv"] = _numpy(x).copy()
+        # Ray has no all-to-all call; the group's own: rank r sends rank j j + r elements.
+        outputs = [_make(lib, np.zeros(rank + i)) for i in range(size)]
+        col.get_group_handle(group).alltoall(
+            outputs, [_make(lib, np.full(j + rank, 10 * rank + j)) for j in range(size)])
+        out["alltoall"] = [_numpy(o).copy() for o in outputs]
         return out
 
     def matrix(self, group: str, lib: str) -> dict[tuple[str, str], Any]:
@@ -217,6 +222,8 @@ def test_every_call(trio: list[Any], lib: str) -> None:
         for i, part in enumerate(got["reducescatter_inputs"]):  # left as they were
             np.testing.assert_array_equal(part, np.full(2, 10 * rank + i))
         np.testing.assert_array_equal(got["recv"], np.full(2, (rank - 1) % size))
+        for i, part in enumerate(got["alltoall"]):  # zero elements from rank 0 to rank 0
+            np.testing.assert_array_equal(part, np.full(rank + i, 10 * i + rank))
 
 
 @pytest.mark.timeout(300)

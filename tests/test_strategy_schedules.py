@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,10 +65,10 @@ class Traffic:
     heard: list[frozenset[int]] = field(default_factory=list)
 
 
-def chunk_ids(chunk: Any, nchunks: int) -> range:
+def chunk_ids(chunk: Any, nchunks: int) -> Sequence[int]:
     if chunk is ALL:
         return range(nchunks)
-    if isinstance(chunk, range):
+    if isinstance(chunk, (range, tuple)):
         return chunk
     return range(chunk, chunk + 1)
 
@@ -190,6 +190,10 @@ def run_collective(
     elif coll == "barrier":
         nchunks = strategy.chunks(p)
         start = [[np.empty(0, dtype) for _ in range(nchunks)] for _ in range(p)]
+    elif coll == "alltoall":  # block b = i*p + j, rank i's for rank j; lengths differ
+        assert strategy.chunks(p) == p * p, f"alltoall {strategy.name}: chunks({p})"
+        start = [[fresh(nelem + b % 3) if b // p == r else np.zeros(nelem + b % 3, dtype)
+                  for b in range(p * p)] for r in range(p)]
     else:
         nchunks = strategy.chunks(p)
         assert nchunks >= 1, f"{strategy.name}: chunks({p}) = {nchunks}"
@@ -229,6 +233,11 @@ def run_collective(
         for r in range(p):
             np.testing.assert_array_equal(
                 data[r][r], start[root][r], err_msg=f"{where}: rank {r}")
+    elif coll == "alltoall":
+        for r in range(p):
+            for i in range(p):
+                np.testing.assert_array_equal(data[r][i * p + r], start[i][i * p + r],
+                                              err_msg=f"{where}: rank {r}, block from {i}")
     elif coll == "barrier":
         for r in range(p):
             missing = set(range(p)) - traffic.heard[r]

@@ -196,8 +196,9 @@ def compare(p2p: dist.ProcessGroup, gloo: dist.ProcessGroup, tag: str) -> None:
         check(f"all_to_all {cell}", *both(a2a, p2p, gloo))
 
         def a2s(g: dist.ProcessGroup) -> torch.Tensor:
-            ins = [j + 1 for j in range(p)]  # rank r sends j + 1 rows to rank j
-            outs = [rank + 1] * p
+            # Rank r sends (r + j) % 3 rows to rank j: zero rows between some pairs.
+            ins = [(rank + j) % 3 for j in range(p)]
+            outs = [(i + rank) % 3 for i in range(p)]
             out = torch.zeros(sum(outs), 2, dtype=dtype)
             dist.all_to_all_single(out, data(rank, 2 * sum(ins), dtype).reshape(-1, 2),
                                    outs, ins, group=g)
@@ -238,6 +239,22 @@ def compare(p2p: dist.ProcessGroup, gloo: dist.ProcessGroup, tag: str) -> None:
         q.wait()
     check(f"{tag} send/recv float", got_f, torch.full((3,), float(left)))
     check(f"{tag} send/recv int", got_i, torch.full((2,), left * 10, dtype=torch.int64))
+
+    # Split sizes that rank 0 (sender) and rank 1 (receiver) disagree on: an error naming
+    # them on every rank, and the group still works.
+    outs = [2 if rank == 1 and i == 0 else 1 for i in range(p)]
+    try:
+        dist.all_to_all_single(torch.zeros(sum(outs)), torch.ones(p), outs, [1] * p,
+                               group=p2p)
+        said = ""
+    except Exception as exc:  # what torch makes of the backend's CollectiveMismatch
+        said = str(exc)
+    check(f"{tag} all_to_all_single split sizes that disagree",
+          [torch.tensor("rank 0 sends rank 1 1 rows, rank 1 expects 2" in said)],
+          [torch.tensor(True)])
+    after = torch.zeros(p)
+    dist.all_to_all_single(after, torch.full((p,), float(rank)), group=p2p)
+    check(f"{tag} all_to_all_single after the mismatch", after, torch.arange(p).float())
     dist.barrier(group=p2p)
 
 

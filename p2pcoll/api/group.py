@@ -35,6 +35,7 @@ from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
 from ..types import ROBUST, CustomOp, Membership, OpKey, Pytree, ReduceOp, as_op
 from ..wire import MAX_TAG
+from .alltoall import alltoall
 from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
 from .robust import robust_allreduce
@@ -323,6 +324,24 @@ class Group:
                                     flat=[p.reshape(-1) for p in parts]))
         parts[self.rank] = mine.copy()
         return [tensors.like(array, p) for p in parts]
+
+    async def alltoall(
+        self, parts: Sequence[np.ndarray], *, strategy: str | None = None,
+        timeout: float | None = None, out: Sequence[np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
+        """Send ``parts[j]`` to rank j; return the list received, ``[i]`` from rank i.
+        Lengths (first axis) may differ per pair, zero included; one dtype and row shape.
+        ``out=``: p buffers of the lengths expected. See :mod:`p2pcoll.api.alltoall`.
+
+        Raises:
+            TypeError, ValueError: bad ``parts`` or ``out`` (nothing sent).
+            CollectiveMismatch: on every rank, naming the ranks, the group usable after: a
+                rank passed other than world_size parts, dtypes or row shapes differ, or an
+                ``out`` length disagrees with its sender's.
+            CollectiveTimeout, PeerLost, GroupBroken.
+        Cancellation: breaks the group.
+        """
+        return await alltoall(self, parts, out, strategy, timeout)
 
     async def gather(
         self, array: np.ndarray, root: int = 0, *,

@@ -18,7 +18,8 @@ started together (``async_op=True``) and waited for, the time divided by their n
 The collectives are torch's in-place or preallocated forms: ``all_reduce`` (in place),
 ``broadcast`` and ``reduce`` from/to rank 0 (in place), ``all_gather_single`` into one
 preallocated tensor, ``reduce_scatter_single`` (``reduce_scatter`` with a list of parts when
-the count does not divide evenly), summing.
+the count does not divide evenly), summing; ``all_to_all_single`` with split sizes (part j of
+``numpy.array_split`` to rank j) into one preallocated tensor.
 
 Rank 0 writes the raw rows (the same fields as the p2pcoll worker's, strategy ``"gloo"``) as
 JSON to ``PATH``.
@@ -65,6 +66,10 @@ class _Collective:
         elif collective == "reduce_scatter":
             self._parts = list(torch.tensor_split(self._input, self._p))
             self._output = torch.empty_like(self._parts[self._rank])
+        elif collective == "alltoall":  # part j (numpy.array_split) to rank j
+            self._splits = [len(a) for a in np.array_split(self.x, self._p)]
+            self._output = torch.empty(self._splits[self._rank] * self._p,
+                                       dtype=self._input.dtype)
 
     def refill(self) -> None:
         self.x.fill(self._value)
@@ -86,6 +91,10 @@ class _Collective:
                            or dist.reduce_scatter_tensor)
                 return scatter(self._output, x, async_op=async_op)
             return dist.reduce_scatter(self._output, self._parts, async_op=async_op)
+        if c == "alltoall":
+            mine = self._splits[self._rank]
+            return dist.all_to_all_single(self._output, x, [mine] * self._p, self._splits,
+                                          async_op=async_op)
         raise ValueError(f"unknown collective {c!r}")
 
     def result(self) -> Any:

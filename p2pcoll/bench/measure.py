@@ -76,6 +76,9 @@ def blocking_result(collective: str, rank: int, p: int, data: np.ndarray,
     if collective == "allgather":
         assert output is not None
         return list(output.reshape(p, -1))
+    if collective == "alltoall":
+        assert output is not None
+        return np.array_split(output, p)
     if collective == "reduce_scatter":
         assert output is not None
         return output
@@ -99,6 +102,9 @@ def check_result(collective: str, result: Any, rank: int, p: int, count: int,
         expected = None
     elif collective == "allgather":
         expected = [(fill_value(r), count) for r in range(p)]
+    elif collective == "alltoall":  # part r of every rank's count elements, from each
+        part = len(np.array_split(np.empty(count, np.uint8), p)[rank])
+        expected = [(fill_value(r), part) for r in range(p)]
     elif collective == "broadcast":
         expected = [(fill_value(ROOT), count)]
     elif collective == "reduce_scatter":
@@ -109,7 +115,7 @@ def check_result(collective: str, result: Any, rank: int, p: int, count: int,
     if expected is None:
         ok = result is None
     else:
-        arrays = result if collective == "allgather" else [result]
+        arrays = result if collective in ("allgather", "alltoall") else [result]
         ok = len(arrays) == len(expected) and all(
             a.shape == (n,) and bool(np.all(a == np.array(value).astype(dtype)))
             for a, (value, n) in zip(arrays, expected, strict=True)

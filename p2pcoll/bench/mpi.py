@@ -49,6 +49,9 @@ class _Collective:
         elif collective == "reduce_scatter":
             self._counts = [len(part) for part in np.array_split(self.x, self._p)]
             self._output = np.empty(self._counts[self._rank], dtype=dtype)
+        elif collective == "alltoall":  # part j (numpy.array_split) to rank j
+            self._counts = [len(part) for part in np.array_split(self.x, self._p)]
+            self._output = np.empty(self._counts[self._rank] * self._p, dtype=dtype)
 
     def refill(self) -> None:
         self.x.fill(self._value)
@@ -65,6 +68,10 @@ class _Collective:
                     else comm.Ireduce(send, recv, root=ROOT))
         if c == "allgather":
             return comm.Allgather(x, self._output) if wait else comm.Iallgather(x, self._output)
+        if c == "alltoall":
+            sends: list[Any] = [x, self._counts]
+            recvs: list[Any] = [self._output, [self._counts[self._rank]] * self._p]
+            return comm.Alltoallv(sends, recvs) if wait else comm.Ialltoallv(sends, recvs)
         if c == "reduce_scatter":
             if wait:
                 return comm.Reduce_scatter(x, self._output, recvcounts=self._counts)

@@ -27,7 +27,7 @@ from ..registry import available_strategies
 from ..settings import TRANSPORT_NAMES, bad_value, check_path, parse_bytes
 from ..types import check_dtype
 
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall")
 DEFAULT_SIZES = "4K,64K,1M,16M"
 CALIBRATE_SIZES = "4K,16K,64K,256K,1M,4M,16M"  # small ones give alpha, large ones beta
 TRANSPORT_VARIABLE = "P2PCOLL_TRANSPORT"  # the default of --transport

@@ -32,7 +32,7 @@ def bus_factor(collective: str, world_size: int) -> float:
     p = world_size
     if collective == "allreduce":
         return 2 * (p - 1) / p
-    if collective in ("allgather", "reduce_scatter"):
+    if collective in ("allgather", "reduce_scatter", "alltoall"):
         return (p - 1) / p
     if collective in ("broadcast", "reduce"):
         return 1.0
@@ -42,7 +42,7 @@ def bus_factor(collective: str, world_size: int) -> float:
 def factor_text(collective: str) -> str:
     """:func:`bus_factor` as a formula, for titles."""
     return {"allreduce": "2(p-1)/p", "allgather": "(p-1)/p",
-            "reduce_scatter": "(p-1)/p"}.get(collective, "1")
+            "reduce_scatter": "(p-1)/p", "alltoall": "(p-1)/p"}.get(collective, "1")
 
 
 def data_bytes(collective: str, nbytes: int, world_size: int) -> int:
@@ -141,7 +141,9 @@ def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any],
     where = ("tasks in one process" if config["transport"] == "inproc"
              else f"processes, {config['transport']}")
     size_note = ("size = each rank's part; algbw counts the gathered world_size x size bytes"
-                 if c == "allgather" else "size = bytes of the tensor each rank passes")
+                 if c == "allgather" else "size = bytes each rank sends, one 1/p part to "
+                 "every rank (itself too)" if c == "alltoall"
+                 else "size = bytes of the tensor each rank passes")
     root_note = f", root {ROOT}" if c in ("broadcast", "reduce") else ""
     in_place = {"allreduce": "; allreduce runs in place (out=x)",
                 "broadcast": "; broadcast writes into the non-roots' input"}.get(c, "")

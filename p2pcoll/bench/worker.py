@@ -70,7 +70,25 @@ def _collective_call(g: Any, collective: str, strategy: str | None) -> Call:
         return lambda x: g.allgather(x, strategy=strategy)
     if collective == "reduce_scatter":
         return lambda x: g.reduce_scatter(x, strategy=strategy)
+    if collective == "alltoall":
+        return _alltoall_call(g, strategy)
     raise ValueError(f"unknown collective {collective!r}")
+
+
+def _alltoall_call(g: Any, strategy: str | None) -> Call:
+    """Part j of x (``numpy.array_split``) to rank j, received into buffers allocated once
+    per size (as Gloo's output tensor is; the pipelined calls share them)."""
+    outs: dict[int, list[np.ndarray]] = {}
+
+    def call(x: np.ndarray) -> Awaitable[Any]:
+        p = g.world_size
+        out = outs.get(x.size)
+        if out is None:
+            n = len(np.array_split(x, p)[g.rank])
+            out = outs[x.size] = [np.empty(n, x.dtype) for _ in range(p)]
+        return g.alltoall(np.array_split(x, p), strategy=strategy, out=out)  # type: ignore[no-any-return]
+
+    return call
 
 
 async def _slowest(g: Any, values: list[float]) -> list[float]:

@@ -73,7 +73,7 @@ import numpy as np
 
 from ..errors import SettingsError
 from ..strategy import ALL, Context, Cost, Recv, Reduce, Send, Strategy, Workload, host_numbers
-from .layout import Layout
+from .layout import Extent, Layout
 
 TRANSPORTS = ("ipc", "tcp")
 FIELDS = ("alpha", "beta", "gamma", "overhead", "repeat")
@@ -208,12 +208,13 @@ class CostModel:
                   cores: int | None = None, hosts: Sequence[str] = ()) -> CostModel:
         """auto's model for the group whose peers listen at ``endpoints``, seen from
         ``rank``. With ``hosts`` (the roster's host of every rank) naming several hosts, two
-        levels: ipc constants inside a host, tcp between hosts, the ranks of ``rank``'s host
-        against its ``cores``. Otherwise one: tcp constants if any other peer is reached
-        over tcp, else ipc; the ranks of this host (those not reached over tcp) against its
-        ``cores`` (default: the CPUs this process may run on). A live group and ``p2pcoll
-        simulate`` both build their model here, so what simulate says auto picks is what a
-        group of that shape runs. Raises SettingsError on a bad constants file."""
+        levels: ipc constants inside a host, tcp between hosts, the ranks of the busiest
+        host against its ``cores`` (the same on every rank, so every rank picks alike).
+        Otherwise one: tcp constants if any other peer is reached over tcp, else ipc; the
+        ranks of this host (those not reached over tcp) against its ``cores`` (default: the
+        CPUs this process may run on). A live group and ``p2pcoll simulate`` both build
+        their model here, so what simulate says auto picks is what a group of that shape
+        runs. Raises SettingsError on a bad constants file."""
         if cores is None:
             cores = len(os.sched_getaffinity(0))
         numbers = host_numbers(hosts) if len(hosts) == len(endpoints) else ()
@@ -221,8 +222,10 @@ class CostModel:
             if constants is None:
                 path = getattr(settings, "cost_model", None)
                 constants = load_constants(path) if path else DEFAULT_CONSTANTS
-            inside = cls.for_settings(settings, "ipc", constants,
-                                      local=numbers.count(numbers[rank]), cores=cores)
+            # The busiest host's ranks, not this rank's: every rank must price alike, or
+            # ranks of uneven hosts would pick different strategies.
+            busiest = max(numbers.count(h) for h in set(numbers))
+            inside = cls.for_settings(settings, "ipc", constants, local=busiest, cores=cores)
             return replace(inside, between=constants["tcp"], hosts=numbers)
         remote = sum(e.startswith("tcp://") for r, e in enumerate(endpoints) if r != rank)
         return cls.for_settings(settings, "tcp" if remote else "ipc", constants,
@@ -310,7 +313,7 @@ def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[flo
     def units(chunk: Any) -> int:
         if chunk is ALL:
             return nchunks
-        return len(chunk) if isinstance(chunk, range) else 1
+        return len(chunk) if isinstance(chunk, (range, tuple)) else 1
 
     local_rounds = remote_rounds = 0
     local_bytes = remote_bytes = host_bytes = 0
@@ -346,25 +349,19 @@ def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[flo
             host_bytes / remote_bytes if remote_bytes else 1.0)
 
 
-class _Extent:
-    """Stands in for a flat array in a :class:`Layout`: only its length and item size."""
-
-    def __init__(self, size: int, itemsize: int) -> None:
-        self.size, self.itemsize, self.nbytes = size, itemsize, size * itemsize
-
-
 @lru_cache(maxsize=4096)
 def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size: int,
               itemsize: int, whole: bool = False) -> Workload:
     elements = nbytes // itemsize
     if collective == "barrier":
         layout = Layout([], [[]])
-    elif collective in PARTS:  # p equal parts: the data is what every rank has together
+    elif collective in PARTS or collective == "alltoall":
+        # p equal parts: the data is what every rank has together (alltoall: sends)
         elements -= elements % size
-        part = _Extent(elements // size, itemsize)
+        part = Extent(elements // size, itemsize)
         layout = Layout.parts(cast(list[np.ndarray], [part] * size))
     else:
-        layout = Layout.split(cast(list[np.ndarray], [_Extent(elements, itemsize)]), nchunks)
+        layout = Layout.split(cast(list[np.ndarray], [Extent(elements, itemsize)]), nchunks)
     segments = layout.segment(model.segment_bytes, model.max_message_bytes, whole=whole)
     hosts = model.hosts if len(model.hosts) == size else ()
     return Workload(size, elements * itemsize, itemsize, segments, model.depth, hosts)

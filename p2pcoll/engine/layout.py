@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..strategy import Chunk, _All
+from ..strategy import Chunk, chunk_indices
 import itertools
 
 Piece = tuple[int, int, int]  # (array index, start, stop) in elements
@@ -30,6 +30,14 @@ def _split_point(length: int, parts: int, i: int) -> int:
     """Start of part i when ``length`` items are split like ``numpy.array_split``."""
     q, r = divmod(length, parts)
     return i * q + min(i, r)
+
+
+class Extent:
+    """Stands in for a flat array in a :class:`Layout`: only its length and item size (a
+    cost model's data, an alltoall's blocks of other ranks: the same cut on every rank)."""
+
+    def __init__(self, size: int, itemsize: int) -> None:
+        self.size, self.itemsize, self.nbytes = size, itemsize, size * itemsize
 
 
 class Layout:
@@ -107,12 +115,8 @@ class Layout:
         self.nseg = nseg
         return self.nseg
 
-    def chunk_ids(self, chunk: Chunk) -> range:
-        if isinstance(chunk, _All):  # the one ALL
-            return range(len(self.chunks))
-        if isinstance(chunk, range):
-            return chunk
-        return range(chunk, chunk + 1)
+    def chunk_ids(self, chunk: Chunk) -> Sequence[int]:
+        return chunk_indices(chunk, len(self.chunks))
 
     def pieces(self, chunk: Chunk, seg: int) -> list[np.ndarray]:
         """The array views that make up ``chunk`` in segment ``seg``."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import itertools
 from functools import lru_cache
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import PluginValidationError
-from ..strategy import Chunk, Context, Op, Recv, Reduce, Send, Strategy, _All
+from ..strategy import Chunk, Context, Op, Recv, Reduce, Send, Strategy, _All, chunk_indices
 
 Steps = tuple[tuple[Op, ...], ...]
 
@@ -58,10 +59,8 @@ def snapshots(steps: tuple[tuple[Op, ...], ...], nchunks: int) -> frozenset[tupl
     ever waits for libzmq to let go of memory it is about to overwrite (which over a busy
     link can take as long as the transfer itself).
     """
-    def ids(chunk: Chunk) -> range:
-        if isinstance(chunk, _All):
-            return range(nchunks)
-        return chunk if isinstance(chunk, range) else range(chunk, chunk + 1)
+    def ids(chunk: Chunk) -> Sequence[int]:
+        return chunk_indices(chunk, nchunks)
 
     # The last step that writes each chunk (a receive or a reduction into it): one pass, so
     # that a schedule of p steps (a ring's) costs O(p), not O(p^2), per rank.
@@ -136,6 +135,9 @@ def chunking(strategy: Strategy, size: int, count: int, itemsize: int
     if strategy.collective == "reduce_scatter" and nchunks != size:
         raise PluginValidationError(f"{where} must cut the data into {size} chunks, "
                                     f"not {nchunks}")
+    if strategy.collective == "alltoall" and nchunks != size * size:
+        raise PluginValidationError(f"{where} must have {size * size} chunks (one per "
+                                    f"pair of ranks), not {nchunks}")
     if strategy.collective not in ("allreduce", "reduce"):
         return nchunks, None
     given = strategy.cuts(size, count, itemsize)
@@ -158,6 +160,8 @@ def _check_chunk(op: Op, nchunks: int, where: str) -> None:
         isinstance(c, _All)
         or (isinstance(c, int) and 0 <= c < nchunks)
         or (isinstance(c, range) and c.step == 1 and 0 <= c.start <= c.stop <= nchunks)
+        or (isinstance(c, tuple) and len(set(c)) == len(c)
+            and all(isinstance(i, int) and 0 <= i < nchunks for i in c))
     )
     if not ok:
         raise PluginValidationError(f"{where} yielded {op!r}: chunk outside 0..{nchunks - 1}")

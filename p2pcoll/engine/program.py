@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..strategy import Chunk, Op, Recv, Reduce, Send, _All
+from ..strategy import Chunk, Op, Recv, Reduce, Send, chunk_indices
 from .layout import Piece, _split_point
 from .plan import Steps, copies, send_groups
 
@@ -98,8 +98,7 @@ class Cuts:
 
     def _ranges(self, chunk: Chunk, seg: int) -> tuple[Range, ...]:
         nchunks, nseg = len(self.chunks), self.nseg
-        ids = (range(nchunks) if isinstance(chunk, _All) else
-               chunk if isinstance(chunk, range) else range(chunk, chunk + 1))
+        ids = chunk_indices(chunk, nchunks)
         out: list[Range] = []
         for c in ids:
             for i, lo, hi in self.chunks[c]:

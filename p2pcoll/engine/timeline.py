@@ -251,11 +251,14 @@ class Tracer:
 
 
 def chunk_name(chunk: object) -> int | str:
-    """A chunk as the timeline shows it: its index, ``a..b`` for a range, ``all``."""
+    """A chunk as the timeline shows it: its index, ``a..b`` for a range, ``i,j,k`` for a
+    tuple, ``all``."""
     if isinstance(chunk, int):
         return chunk
     if isinstance(chunk, range):
         return f"{chunk.start}..{chunk.stop - 1}"
+    if isinstance(chunk, tuple):
+        return ",".join(map(str, chunk))
     return "all"
 
 

@@ -35,6 +35,9 @@ torch's bfloat16 (reduced exactly on the bfloat16 bits, rounded at every step, a
 every p2pcoll front end do: :mod:`p2pcoll.tensors`). Results land in the caller's tensors,
 in place, as with GLOO; unlike GLOO's ``reducescatter``, the input list is left as it was. A
 CUDA tensor is a ``TypeError`` that names its device: p2pcoll moves CPU memory.
+``ray.util.collective`` has no all-to-all; the group's own ``alltoall(outputs, inputs)``
+(through ``col.get_group_handle(name)``) fills ``outputs[i]`` with what rank i sent
+(lengths per pair may differ: :meth:`p2pcoll.Group.alltoall`).
 
 An array that came through Ray's object store (``ray.get``, or an actor's argument) is
 read-only to numpy, but its memory is not: as GLOO's backend does (``torch.from_numpy``),
@@ -366,6 +369,18 @@ class P2PCollGroup(BaseGroup):
                          op=_reduction(options, [out, *inputs]),
                          timeout=_seconds(options))
         out.store(part.reshape(out.array.shape))
+
+    def alltoall(self, outputs: list[Any], inputs: list[Any],
+                 alltoall_options: Any = None) -> None:
+        """``inputs[j]`` to rank j, ``outputs[i]`` filled from rank i (Ray has no call for
+        it: use ``col.get_group_handle(name).alltoall(...)``). Raises as
+        :meth:`p2pcoll.Group.alltoall`: a length that the sender and ``outputs`` disagree
+        on is a CollectiveMismatch on every rank."""
+        outs, ins = [_Buffer(t) for t in outputs], [_Buffer(t) for t in inputs]
+        _off_loop(self._group.alltoall, [i.array for i in ins], out=[o.array for o in outs],
+                  timeout=_seconds(alltoall_options))
+        for o in outs:
+            o.store()
 
     def send(self, tensor: list[Any], send_options: Any = None) -> None:
         options = send_options or SendOptions()

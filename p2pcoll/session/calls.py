@@ -11,8 +11,9 @@ same key only look it up: no choice, no Layout, no Signature per call. A new ses
 new epoch) starts with no programs; the cache is bounded.
 
 Small collectives among peers of one host go on the board
-(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for. Every call is entered in
-the group's flight record (:mod:`p2pcoll.session.flight`) here.
+(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for (an alltoall when every
+rank's parts together fit a slot). Every call is entered in the group's flight record
+(:mod:`p2pcoll.session.flight`) here.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgpack
 import numpy as np
 
 from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
-from ..engine.layout import Layout
+from ..engine.layout import Extent, Layout
 from ..engine.p2p import RECV, SEND
 from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
@@ -38,7 +39,7 @@ from ..errors import CollectiveMismatch, GroupBroken, P2PCollError, ProtocolErro
 from ..pytree import TreeDef
 from ..registry import registry
 from ..settings import check_seconds
-from ..strategy import Context, Strategy, host_numbers
+from ..strategy import Context, Strategy, chunk_indices, host_numbers
 from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
@@ -93,6 +94,9 @@ class Call:
         timeout: seconds (None: the group's).
         tag: a transfer's tag (None: a collective).
         rows: reduce_scatter: elements per row, where chunks may be cut.
+        counts: alltoall: the elements of every block, row by row (``counts[i * p + j]``
+            rank i sends rank j), agreed by every rank; ``leaves`` are this rank's p parts
+            to send, then the p buffers it receives into.
         learn: for a rank that learns the layout from the data's origin (a broadcast or
             scatter that is not the root, a receive): called with the origin's tree, leaf
             specs and strategy name; it checks them against what the caller passed and
@@ -115,12 +119,14 @@ class Call:
     strategy_used: str = ""
     flat: list[np.ndarray] = field(default_factory=list)
     schedule: Strategy | None = None
+    counts: tuple[int, ...] = ()
 
     def key(self) -> tuple[Any, ...]:
         """What a prepared program depends on."""
         op = self.op.value if self.op is not None else ""
         return (self.collective, self.strategy, op, self.root, self.tag is None, self.rows,
-                str(self.treedef), tuple((a.dtype.str, a.shape) for a in self.leaves))
+                str(self.treedef), tuple((a.dtype.str, a.shape) for a in self.leaves),
+                self.counts)
 
 
 @dataclass(slots=True)
@@ -143,6 +149,8 @@ class Prepared:
     # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
     # the board only says so). None: not on the board.
     board: Any = None
+    # An alltoall's blocks of other ranks that this rank's schedule holds on their way.
+    forwarded: tuple[int, ...] = ()
 
 
 class RunnerSession(Protocol):
@@ -242,6 +250,17 @@ class Runner:
             if name == "send":
                 meta = _layout_meta(SEND.name, call)
             ctx = Context(self.rank, p, call.root or 0)
+        elif name == "alltoall":
+            item = call.leaves[0].itemsize
+            strat = strategy or self.choose(name, call.strategy, sum(call.counts) * item // p)
+            if not on_board:
+                chunking(strat, p, 0, item)  # checked: p * p chunks
+            layout = Layout.parts(cast(list[np.ndarray],
+                                       [Extent(n, item) for n in call.counts]))
+            digest = hashlib.blake2b(repr(call.counts).encode(), digest_size=8).hexdigest()
+            sig = Signature.of(name, strat.name, "", -1, f"{call.leaves[0].dtype.str} "
+                               f"blocks {digest}")
+            ctx = Context(self.rank, p, 0, self.hosts)
         else:
             parts = name in ("allgather", "gather", "scatter")
             strat = strategy or self.choose(name, call.strategy, nbytes)
@@ -274,12 +293,22 @@ class Runner:
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True),
                            nbytes=nbytes, dtype=dtype)
+        if name == "alltoall" and p > 1 and not on_board:
+            mine = {b for b in range(p * p) if b // p == self.rank or b % p == self.rank}
+            program.forwarded = tuple(sorted(
+                {i for ops in plan(strat, ctx, p * p) for op in ops
+                 for i in chunk_indices(op.chunk, p * p)} - mine))
         if on_board:
             assert board is not None
             if name in ("allreduce", "reduce"):
                 program.board = board.plan(flat)
             elif name == "barrier":
                 program.board = True
+            elif name == "alltoall":  # where my part lies in each row; each row's bytes
+                rows = [call.counts[q * p:(q + 1) * p] for q in range(p)]
+                item = call.leaves[0].itemsize
+                program.board = (tuple(sum(r[:self.rank]) * item for r in rows),
+                                 tuple(sum(r) * item for r in rows))
             else:  # a broadcast root: its data on the board if it fits, else word of messages
                 packed = _pack(_layout_meta(BOARD, call))
                 fits = (sum((a.nbytes + 7) & ~7 for a in flat) <= board.slot_bytes
@@ -305,6 +334,9 @@ class Runner:
         # Prepared before the sequence number is taken: an unknown strategy or a plugin's
         # bad schedule is this rank's own error, and the group stays usable.
         program = self.prepare(call, call.schedule) if call.learn is None else None
+        if call.collective == "alltoall":
+            assert program is not None
+            call.flat = _blocks(call, program.forwarded, self.rank, self.size)
         flight = session.flight
         try:
             if call.tag is None:
@@ -372,6 +404,12 @@ class Runner:
                     call.strategy_used = BOARD
                     await board.barrier(op.number, program.sig)
                     return
+                elif name == "alltoall":
+                    call.strategy_used = BOARD
+                    p, (at, rows) = self.size, on_board
+                    await board.alltoall(op.number, call.leaves[:p], call.leaves[p:], at,
+                                         rows, program.sig)
+                    return
                 else:
                     assert call.op is not None
                     call.strategy_used = BOARD
@@ -420,13 +458,17 @@ class Runner:
         """Whether ``call`` goes on the board: no strategy asked for (by the call or the
         group), and (reductions) its data fits a slot."""
         name = call.collective
-        if name not in ("allreduce", "reduce", "broadcast", "barrier") or call.schedule:
+        if name not in ("allreduce", "reduce", "broadcast", "barrier", "alltoall") \
+                or call.schedule:
             return False
         if call.strategy not in (None, "auto") or \
                 self.session.settings.strategies.get(name, "auto") != "auto":
             return False
         if name in ("allreduce", "reduce"):
             return sum((a.nbytes + 7) & ~7 for a in call.flat) <= slot
+        if name == "alltoall":  # every rank's row fits: the same answer on every rank
+            p, item = self.size, call.leaves[0].itemsize
+            return max(sum(call.counts[q * p:(q + 1) * p]) for q in range(p)) * item <= slot
         return True
 
     def _learn_message(self, op: OpKey, call: Call, header: Header) -> Strategy:
@@ -483,6 +525,21 @@ class _BoardStrategy(Strategy):
             made = cls._made[collective] = type(f"Board_{collective}", (cls,),
                                                 {"collective": collective})()
         return made
+
+
+def _blocks(call: Call, forwarded: Sequence[int], rank: int, p: int) -> list[np.ndarray]:
+    """An alltoall's arrays, one per block (the strategy's chunks): this rank's parts to
+    send (its row), the buffers it receives into (its column), a fresh buffer for each
+    block it forwards, and an empty array for every block it never holds."""
+    leaves, counts = call.leaves, call.counts
+    none = leaves[0][:0]
+    out = [none] * (p * p)
+    for b in forwarded:
+        out[b] = np.empty(counts[b], leaves[0].dtype)
+    for j in range(p):
+        out[j * p + rank] = leaves[p + j]
+        out[rank * p + j] = leaves[j]
+    return out
 
 
 def _layout_meta(strategy: str, call: Call) -> dict[str, Any]:

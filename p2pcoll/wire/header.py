@@ -31,7 +31,7 @@ The binary data frame. Integers are little-endian and unsigned; nothing is padde
     1            1        WIRE_VERSION
     2            1        flags: 1 tag, 2 shm (m), 4 described (d), 8 meta; others zero
     3            1        collective code: the index in CALLS ("" = 0, then COLLECTIVES
-                          of p2pcoll.strategy, then "send", "recv")
+                          of p2pcoll.strategy up to barrier, "send", "recv", then alltoall)
     4            8        group digest: blake2b of the group id's UTF-8, 8 bytes
     12           4        src     source rank (at most MAX_RANK)
     16           8        seq     collective sequence number (at most 2**62)
@@ -153,9 +153,10 @@ DATA_FIXED = struct.Struct("<BBBB8sIQII8sI")  # magic .. count: 44 bytes
 TAG_FLAG, SHM_FLAG, DESCRIBED_FLAG, META_FLAG = 1, 2, 4, 8
 TAIL_FLAGS = SHM_FLAG | DESCRIBED_FLAG | META_FLAG  # the parts in the msgpack tail
 DATA_FLAGS = TAG_FLAG | TAIL_FLAGS
-# What a data message's ``collective`` may name, by its one-byte code (the index). A new
-# collective in COLLECTIVES moves the codes of "send" and "recv": a new wire version.
-CALLS = ("", *COLLECTIVES, "send", "recv")
+# What a data message's ``collective`` may name, by its one-byte code (the index). The
+# collectives added since "send" and "recv" (alltoall) go after them, so no code moves.
+_LATER = ("alltoall",)
+CALLS = ("", *(c for c in COLLECTIVES if c not in _LATER), "send", "recv", *_LATER)
 _CODES = {name: code for code, name in enumerate(CALLS)}
 NO_SIG = bytes(DIGEST_BYTES)  # what a data header without a signature digest carries
 

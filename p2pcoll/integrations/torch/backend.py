@@ -16,8 +16,7 @@ before the work completes. How each torch call maps onto p2pcoll's:
     reduce_scatter                     per output, as Gloo: one allreduce per input tensor,
                                        keeping the ``rank``-th
     gather, scatter, barrier           gather, scatter, barrier
-    alltoall, all_to_all_single        a send to and a receive from every peer, with
-                                       the reserved tag ALLTOALL_TAG
+    alltoall, all_to_all_single        one alltoall (split sizes: its per-pair lengths)
     send, recv                         send, recv (with torch's tag)
 
 (with a reduce_scatter strategy configured, the reduce_scatters are one p2pcoll
@@ -63,7 +62,8 @@ from .work import Work
 # What runs unless pg_options or $P2PCOLL_<COLLECTIVE> say otherwise: Gloo's summation order,
 # so a script moved from "gloo" to "p2pcoll" computes the same bits.
 GLOO_ORDER = {"allreduce": "gloo_ring", "reduce": "gloo_ring"}
-ALLTOALL_TAG = MAX_TAG  # the tag alltoall's transfers use; torch's send/recv tags are others
+# Reserved: alltoall ran as transfers on this tag before it was a collective of its own.
+ALLTOALL_TAG = MAX_TAG
 Coro = Coroutine[Any, Any, Any]
 
 
@@ -466,24 +466,21 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
     def _exchange(self, collective: str, sends: list[torch.Tensor],
                   recvs: list[torch.Tensor], outputs: list[torch.Tensor],
                   timeout: timedelta | None) -> Work:
-        """Rank r's ``sends[j]`` arrives in rank j's ``recvs[r]``."""
-        p, me = self.size(), self.rank()
+        """Rank r's ``sends[j]`` arrives in rank j's ``recvs[r]``: one p2pcoll alltoall of
+        the tensors' elements (received in place where a tensor is contiguous), whose
+        lengths the senders and receivers must agree on (else CollectiveMismatch)."""
         for t in sends + recvs:
             ops.check_tensor(t, collective)
         limit = _seconds(timeout)
-        data = [bits(t) for t in sends]
+        data = [bits(t).reshape(-1) for t in sends]
+        into = [bits(t).reshape(-1) for t in recvs]
 
-        def make(g: Group) -> list[Coro]:
-            async def receive(j: int) -> None:
-                store(recvs[j], await g.recv(j, tag=ALLTOALL_TAG, timeout=limit))
+        async def run(g: Group) -> None:
+            await g.alltoall(data, out=into, timeout=limit)
+            for t, a in zip(recvs, into, strict=True):
+                store(t, a)  # a copy's only: a contiguous tensor has it already
 
-            coros: list[Coro] = [g.send(data[j], j, tag=ALLTOALL_TAG, timeout=limit)
-                                 for j in range(p) if j != me]
-            coros += [receive(j) for j in range(p) if j != me]
-            return coros
-
-        store(recvs[me], data[me])
-        return self._launch(collective, outputs, make)
+        return self._launch(collective, outputs, lambda g: [run(g)])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> Work:
