@@ -11,7 +11,7 @@ import pytest
 
 from p2pcoll import Group, blocking
 
-COLLECTIVES = sorted(name for name, fn in vars(Group).items()
+COLLECTIVES = sorted(name for name, fn in inspect.getmembers(Group)
                      if inspect.iscoroutinefunction(fn) and not name.startswith("_")
                      and name != "close")
 
