@@ -15,7 +15,8 @@ collectives started after it wait their turn and start in the order they were st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -591,6 +592,30 @@ class Group:
             await server.aclose()
         if self._sockets is not None:
             self._sockets.close()
+
+    async def shrink(self, exclude: Sequence[int], *, timeout: float | None = None,
+                     strategies: Mapping[str, str] | None = None) -> Group:
+        """A new group of the ranks not in ``exclude`` (lost or alive), renumbered in the
+        order of their ranks here; every one of them calls it, no rendezvous or store is
+        used (:mod:`p2pcoll.session.shrink`). This group stays as it is (close it).
+
+        ``strategies``: the new group's, by collective (default: this group's settings).
+        Its collectives give the bits of a group formed fresh by the same peers.
+
+        Raises:
+            ValueError, TypeError: ``exclude`` is empty, repeats a rank, names one out of
+                range or every rank, or holds no ints.
+            RuntimeError: this rank is in ``exclude``.
+            PeerLost: a survivor was lost meanwhile (on every survivor, within the heartbeat).
+            CollectiveMismatch: the survivors exclude different ranks.
+            RendezvousError: not every survivor shrank within ``timeout`` (default: the
+                group's collective timeout). GroupBroken: this group is closed.
+        Cancellation: nothing of the new group is left open.
+        """
+        from ..session.shrink import shrink  # (it makes Groups: imported when called)
+        settings = None if strategies is None else replace(
+            self.settings, strategies=dict(strategies))
+        return await shrink(self, exclude, settings, timeout)
 
     def __repr__(self) -> str:
         if self._session is None:
