@@ -30,6 +30,7 @@ from ..rendezvous import RendezvousServer
 from ..session.calls import Call
 from ..session.failure import USABLE, GroupState
 from ..session.session import Session
+from ..session.shrink import shrink
 from ..session.turns import Turns
 from ..settings import check_seconds
 from ..transport.sockets import SocketFactory
@@ -612,10 +613,10 @@ class Group:
                 group's collective timeout). GroupBroken: this group is closed.
         Cancellation: nothing of the new group is left open.
         """
-        from ..session.shrink import shrink  # (it makes Groups: imported when called)
-        settings = None if strategies is None else replace(
+        settings = self.settings if strategies is None else replace(
             self.settings, strategies=dict(strategies))
-        return await shrink(self, exclude, settings, timeout)
+        session, sockets = await shrink(self.session, exclude, settings, timeout)
+        return Group(session, sockets=sockets)
 
     def __repr__(self) -> str:
         if self._session is None:

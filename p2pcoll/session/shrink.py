@@ -25,7 +25,7 @@ import asyncio
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -42,9 +42,6 @@ from ..wire import MAX_TAG, Header, Signature
 from .failure import GroupState
 from .forming import handshake
 from .session import Session
-
-if TYPE_CHECKING:
-    from ..api.group import Group
 
 SHRINK_TAG = MAX_TAG - 1  # the tag of the survivors' exchange over the old group's links
 _SIGNATURE = Signature.of("send", "shrink", "", -1, "shrink")
@@ -84,19 +81,17 @@ def survivors(membership: Membership, exclude: Iterable[int]) -> tuple[list[int]
     return excluded, [r for r in range(n) if r not in excluded]
 
 
-async def shrink(group: Group, exclude: Iterable[int], settings: Settings | None,
-                 timeout: float | None) -> Group:
-    """:meth:`p2pcoll.Group.shrink` (see there); ``settings``: the new group's (default:
-    the old group's, with the new rank and size)."""
-    from ..api.group import Group  # the api imports this module; the class is needed here
-
-    old = group.session
-    if group.state is GroupState.CLOSED:
+async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
+                 timeout: float | None) -> tuple[Session, SocketFactory | None]:
+    """:meth:`p2pcoll.Group.shrink` of the group whose session is ``old`` (see there):
+    the new group's session and the sockets it owns. ``settings``: the new group's
+    (with the new rank and size once shrunk)."""
+    if old.failures.state is GroupState.CLOSED:
         raise GroupBroken("the group is closed")
     m = old.membership
     excluded, kept = survivors(m, exclude)
     rank = kept.index(m.rank)
-    base = settings or group.settings
+    base = settings
     new_settings = replace(base, rank=rank, world_size=len(kept))
     limit = base.collective_timeout if timeout is None else timeout
     transport, sockets, choose = _sibling(old.transport, new_settings)
@@ -121,7 +116,7 @@ async def shrink(group: Group, exclude: Iterable[int], settings: Settings | None
     except BaseException:
         await _discard(transport, sockets)
         raise
-    return Group(session, sockets=sockets)
+    return session, sockets
 
 
 def _sibling(transport: Transport, settings: Settings
