@@ -595,13 +595,15 @@ class Group:
             self._sockets.close()
 
     async def shrink(self, exclude: Sequence[int], *, timeout: float | None = None,
-                     strategies: Mapping[str, str] | None = None) -> Group:
+                     strategies: Mapping[str, str] | None = None, abort: bool = False
+                     ) -> Group:
         """A new group of the ranks not in ``exclude`` (lost or alive), renumbered in the
         order of their ranks here; every one of them calls it, no rendezvous or store is
         used (:mod:`p2pcoll.session.shrink`). This group stays as it is (close it).
 
         ``strategies``: the new group's, by collective (default: this group's settings).
-        Its collectives give the bits of a group formed fresh by the same peers.
+        Its collectives give the bits of a group formed fresh by the same peers. ``abort``:
+        first end this group's calls in flight with GroupBroken (which breaks it).
 
         Raises:
             ValueError, TypeError: ``exclude`` is empty, repeats a rank, names one out of
@@ -615,7 +617,7 @@ class Group:
         """
         settings = self.settings if strategies is None else replace(
             self.settings, strategies=dict(strategies))
-        session, sockets = await shrink(self.session, exclude, settings, timeout)
+        session, sockets = await shrink(self.session, exclude, settings, timeout, abort)
         return Group(session, sockets=sockets)
 
     def __repr__(self) -> str:

@@ -82,7 +82,8 @@ def survivors(membership: Membership, exclude: Iterable[int]) -> tuple[list[int]
 
 
 async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
-                 timeout: float | None) -> tuple[Session, SocketFactory | None]:
+                 timeout: float | None, abort: bool = False
+                 ) -> tuple[Session, SocketFactory | None]:
     """:meth:`p2pcoll.Group.shrink` of the group whose session is ``old`` (see there):
     the new group's session and the sockets it owns. ``settings``: the new group's
     (with the new rank and size once shrunk)."""
@@ -90,6 +91,9 @@ async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
         raise GroupBroken("the group is closed")
     m = old.membership
     excluded, kept = survivors(m, exclude)
+    if abort:
+        old.failures.abort(GroupBroken(f"aborted: rank {m.rank} shrinks the group "
+                                       f"without ranks {excluded}"))
     rank = kept.index(m.rank)
     base = settings
     new_settings = replace(base, rank=rank, world_size=len(kept))

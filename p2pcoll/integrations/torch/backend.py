@@ -54,7 +54,7 @@ from ...errors import P2PCollError
 from ...registry import available_strategies
 from ...settings import Settings
 from ...wire import MAX_TAG
-from . import ops
+from . import ops, shrinking
 from .ops import Reduction, UnsupportedOperation, bits, shares, store, values
 from .runtime import Runtime
 from .work import Work
@@ -87,8 +87,12 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
     """A torch process group on a p2pcoll group (made by torch through the creator)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta,
-                 options: Options | None = None) -> None:
+                 options: Options | None = None, *,
+                 form: Callable[[Settings], Coro] | None = None) -> None:
+        """``form(settings)``: how the p2pcoll group comes to be (default: formed through
+        ``store``; :meth:`shrink` passes the old group's shrink)."""
         super().__init__(rank, size)
+        self._options, self._given_timeout = options, timeout
         self._name = ""
         self._desc = ""
         seconds = timeout.total_seconds() if timeout.total_seconds() > 0 else math.inf
@@ -108,8 +112,10 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         if size != 2:
             settings = replace(settings, strategies={**settings.strategies, **gloo})
         self._runtime = Runtime.acquire()
+        shrinking.install()
         try:
-            group = self._runtime.run(form_group(settings, store=store))
+            group = self._runtime.run(form(settings) if form is not None
+                                      else form_group(settings, store=store))
         except BaseException:
             Runtime.release()
             raise
@@ -157,6 +163,31 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+    # --- dist.shrink_group (see .shrinking) ---------------------------------------------
+
+    supports_shrinking = True
+    supports_splitting = supports_coalescing = supports_time_estimate = False
+
+    def _get_backend(self, device: Any) -> ProcessGroupP2PColl:
+        """torch's shrink_group asks a group for its backend: for CPU, this group."""
+        return shrinking.backend_for(self, device)
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def shrink(self, ranks_to_exclude: list[int], shrink_flags: int = 0,
+               opts_override: Any = None) -> ProcessGroupP2PColl:
+        """torch's ``Backend.shrink``, which ``dist.shrink_group`` calls with the ranks
+        checked: a process group of the survivors over :meth:`p2pcoll.Group.shrink`
+        (``SHRINK_ABORT`` first ends this group's calls in flight)."""
+        old, abort = self.group, shrinking.abort_flag(shrink_flags)
+        rank, size = shrinking.renumbered(self.rank(), self.size(), ranks_to_exclude)
+        return ProcessGroupP2PColl(
+            None, rank, size, self._given_timeout,
+            _options(opts_override) or self._options,
+            form=lambda s: old.shrink(ranks_to_exclude, strategies=s.strategies,
+                                      abort=abort))
 
     def __repr__(self) -> str:
         return f"ProcessGroupP2PColl(rank={self.rank()}, size={self.size()})"
