@@ -176,6 +176,11 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
     def supports_tensor_alloc(self, device: Any) -> bool:
         return False
 
+    def lost_ranks(self) -> list[int]:
+        """The ranks of this group known to have gone (lost, or left): what the survivors
+        pass to ``dist.shrink_group``."""
+        return sorted(self.group.session.peers.gone())
+
     def shrink(self, ranks_to_exclude: list[int], shrink_flags: int = 0,
                opts_override: Any = None) -> ProcessGroupP2PColl:
         """torch's ``Backend.shrink``, which ``dist.shrink_group`` calls with the ranks
