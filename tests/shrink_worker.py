@@ -2,6 +2,7 @@
 
     python tests/shrink_worker.py identical     # 4 ranks: rank 3 is SIGKILLed
     python tests/shrink_worker.py inflight FLAG # 3 ranks: rank 2 (alive) is left out
+    python tests/shrink_worker.py abort         # 2 ranks: rank 1 stops itself
 
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment. Each rank prints
 ``KEY value`` lines the test reads:
@@ -15,6 +16,10 @@ inflight: rank 0 has a receive in flight on the default group when ranks 0 and 1
 without rank 2 (with FLAG ``default`` or ``abort``): ``INFLIGHT <error class>`` says how it
 ended; rank 2 calls shrink_group itself (``EXCLUDED RuntimeError``), then waits in a
 barrier until the survivors leave (``LEFT <error class>``).
+
+abort: rank 1 SIGSTOPs itself while rank 0 has a receive from it in flight; rank 0's
+``abort()`` of the group returns without waiting for the frozen peer: ``ABORT <seconds>
+<error class of the receive>``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -116,10 +122,29 @@ def inflight(flag: str) -> None:
     dist.destroy_process_group()
 
 
+def abort() -> None:
+    t = torch.zeros(3)
+    dist.all_reduce(t)  # both ranks are there
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it
+    work = dist.irecv(t, src=1, tag=3)
+    started = time.perf_counter()
+    dist.group.WORLD.abort()  # type: ignore[union-attr]
+    took = time.perf_counter() - started
+    try:
+        work.wait()
+        say(f"ABORT {took:.3f} completed")
+    except RuntimeError as exc:
+        say(f"ABORT {took:.3f} {type(exc).__name__}")
+    os._exit(0)
+
+
 def main() -> None:
     dist.init_process_group("p2pcoll")
     if sys.argv[1] == "identical":
         identical()
+    elif sys.argv[1] == "abort":
+        abort()
     else:
         inflight(sys.argv[2])
 

@@ -4,7 +4,7 @@ DDP loses a rank (SIGKILL, or SIGSTOP: found after the heartbeat) and the surviv
 training with examples/torch_shrink.py, with SHRINK_DEFAULT and SHRINK_ABORT; the shrunk
 group gives the bits of a group formed fresh by the survivors; torch's errors for bad
 ranks; an operation in flight on the old group ends with either flag
-(tests/shrink_worker.py).
+(tests/shrink_worker.py); ``abort()`` returns without waiting for a frozen peer.
 """
 
 from __future__ import annotations
@@ -36,15 +36,18 @@ def environment(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def run_world(size: int, *args: str) -> list[str]:
-    """Run ``size`` ranks of the worker; their output lines, once all have ended."""
+def run_world(size: int, *args: str, heartbeat: float = 5.0, wait: int | None = None
+              ) -> list[str]:
+    """Run ``size`` ranks of the worker; their output lines, once all have ended (or,
+    with ``wait``, once rank ``wait`` has: the others are then killed)."""
     env = environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                      WORLD_SIZE=str(size), P2PCOLL_HEARTBEAT_TIMEOUT="5")
+                      WORLD_SIZE=str(size), P2PCOLL_HEARTBEAT_TIMEOUT=str(heartbeat))
     procs = [subprocess.Popen([sys.executable, str(WORKER), *args],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(size)]
     try:
-        outs = [p.communicate(timeout=WORLD_TIMEOUT)[0] for p in procs]
+        waited = procs if wait is None else [procs[wait]]
+        outs = [p.communicate(timeout=WORLD_TIMEOUT)[0] for p in waited]
     finally:
         for p in procs:
             stop(p)
@@ -95,3 +98,11 @@ def test_an_operation_in_flight_on_the_old_group_ends(flag: str) -> None:
     if flag == "abort":
         assert "aborted: rank 0 shrinks the group without ranks [2]" in ended[0], lines
     assert lines.count("SUM 3 SIZE 2") == 2, lines
+
+
+def test_abort_returns_at_once_with_an_operation_in_flight_and_a_frozen_peer() -> None:
+    # The heartbeat is long: a close that waited for the frozen peer would take it.
+    lines = run_world(2, "abort", heartbeat=120.0, wait=0)
+    ended = [line.split() for line in lines if line.startswith("ABORT")]
+    assert len(ended) == 1 and ended[0][2] == "GroupBroken", lines
+    assert float(ended[0][1]) < 60.0, lines

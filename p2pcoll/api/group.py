@@ -554,7 +554,7 @@ class Group:
             **self._activity.report(),
         }
 
-    async def close(self, reason: str = "") -> None:
+    async def close(self, reason: str = "", *, wait: bool = True) -> None:
         """Leave the group: tell the peers, then close every socket. Idempotent.
 
         It waits until every peer still there has read the goodbye, and so everything this
@@ -565,19 +565,21 @@ class Group:
         Closing while collectives of this group are in flight (a service told to stop,
         say) aborts them: here they raise :class:`GroupBroken`, and the peers'
         :class:`PeerLost` naming this rank and ``reason``, at once rather than at a
-        deadline.
+        deadline. ``wait=False`` (an abort) closes without waiting for the goodbye to be
+        read: what this peer sent last may be lost.
 
         Cancellation: the sockets may stay open until the process exits.
         """
-        await self._leave(reason, None)
+        await self._leave(reason, None, wait)
 
-    async def _leave(self, reason: str, crash: BaseException | None) -> None:
+    async def _leave(self, reason: str, crash: BaseException | None, wait: bool = True
+                     ) -> None:
         """:meth:`close`; ``crash``: the error that made this rank's program close it
         (``async with join(...)`` left by an exception), which the peers' PeerLost names."""
         if self._failures.state is GroupState.CLOSED and self._session is None:
             return
         session, self._session = self._session, None
-        healthy = self._failures.state in USABLE  # ready, or degraded: a member has gone
+        healthy = wait and self._failures.state in USABLE  # (degraded: a member has gone)
         if session is not None:
             session.leaving()  # the aborts of what it leaves running open no link either
         self._failures.leave(reason, crash, session.seq if session is not None else 0)

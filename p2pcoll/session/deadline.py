@@ -18,7 +18,7 @@ import math
 from collections import deque
 from typing import Protocol
 
-from ..errors import CollectiveTimeout, P2PCollError, PeerLost
+from ..errors import CollectiveTimeout, P2PCollError
 from ..types import OpKey
 
 

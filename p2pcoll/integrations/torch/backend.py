@@ -148,21 +148,25 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
             raise GroupBroken("the p2pcoll process group has been shut down")
         return self._group
 
-    def shutdown(self, timeout: float = 60.0) -> None:
+    def shutdown(self, timeout: float = 60.0, *, wait: bool = True) -> None:
         """Leave the p2pcoll group and close its sockets; the last group of the process
         also stops the loop and completer threads (and waits for them). Idempotent; run
-        at exit for groups that were never destroyed."""
+        at exit for groups that were never destroyed. Calls in flight end with
+        GroupBroken here and PeerLost on the peers; it waits (at most the heartbeat
+        timeout, for a frozen peer) until the peers have read the goodbye, unless not
+        ``wait``."""
         group, self._group = self._group, None
         if group is None:
             return
         Runtime._open.discard(self)
         try:
-            self._runtime.run(group.close(), timeout=timeout)
+            self._runtime.run(group.close(wait=wait), timeout=timeout)
         finally:
             Runtime.release()
 
     def abort(self) -> None:
-        self.shutdown()
+        """:meth:`shutdown` at once: no waiting for the peers to read the goodbye."""
+        self.shutdown(wait=False)
 
     # --- dist.shrink_group (see .shrinking) ---------------------------------------------
 
@@ -170,16 +174,14 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
     supports_splitting = supports_coalescing = supports_time_estimate = False
 
     def _get_backend(self, device: Any) -> ProcessGroupP2PColl:
-        """torch's shrink_group asks a group for its backend: for CPU, this group."""
-        return shrinking.backend_for(self, device)
+        return shrinking.backend_for(self, device)  # for CPU, this group itself
 
     def supports_tensor_alloc(self, device: Any) -> bool:
         return False
 
     def lost_ranks(self) -> list[int]:
-        """The ranks of this group known to have gone (lost, or left): what the survivors
-        pass to ``dist.shrink_group``."""
-        return sorted(self.group.session.peers.gone())
+        """The ranks to pass to ``dist.shrink_group``: see :func:`.shrinking.lost_ranks`."""
+        return shrinking.lost_ranks(self.group)
 
     def shrink(self, ranks_to_exclude: list[int], shrink_flags: int = 0,
                opts_override: Any = None) -> ProcessGroupP2PColl:

@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ...api import Group
+from ...errors import PeerLost
+
 G = TypeVar("G")
 SHRINK_ABORT = 0x01  # torch.distributed.distributed_c10d.SHRINK_ABORT
 
@@ -61,6 +64,16 @@ def backend_for(group: G, device: Any) -> G:
     if kind != "cpu":
         raise RuntimeError(f"No backend type associated with device type {kind}")
     return group
+
+
+def lost_ranks(group: Group) -> list[int]:
+    """The ranks of ``group`` known to have gone (lost, or left), and the one named by the
+    failure that broke it (a peer's abort may come before the news of the loss it names):
+    what the survivors pass to ``dist.shrink_group``."""
+    gone = set(group.session.peers.gone())
+    if isinstance(group.cause, PeerLost) and group.cause.rank is not None:
+        gone.add(group.cause.rank)
+    return sorted(gone)
 
 
 def abort_flag(flags: int) -> bool:
