@@ -134,6 +134,17 @@ def test_survivors_that_exclude_different_ranks_get_a_mismatch() -> None:
     run_virtual(main())
 
 
+def test_a_survivor_that_does_not_shrink_is_named_at_the_deadline() -> None:
+    async def main() -> None:
+        old = await memory_groups(3, heartbeat_timeout=HEARTBEAT)
+        with pytest.raises(p2pcoll.CollectiveTimeout, match=r"waited 4s for ranks \[1\]") as e:
+            await old[0].shrink([2], timeout=4)  # rank 1 is alive but does not shrink
+        assert e.value.waiting_on == [1]
+        await close(old)
+
+    run_virtual(main())
+
+
 def test_a_closed_group_cannot_shrink() -> None:
     async def main() -> None:
         old = await memory_groups(2, heartbeat_timeout=HEARTBEAT)

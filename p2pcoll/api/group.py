@@ -613,8 +613,8 @@ class Group:
             RuntimeError: this rank is in ``exclude``.
             PeerLost: a survivor was lost meanwhile (on every survivor, within the heartbeat).
             CollectiveMismatch: the survivors exclude different ranks.
-            RendezvousError: not every survivor shrank within ``timeout`` (default: the
-                group's collective timeout). GroupBroken: this group is closed.
+            CollectiveTimeout: not every survivor shrank within ``timeout`` (default: the
+                group's collective timeout); it names them. GroupBroken: this is closed.
         Cancellation: nothing of the new group is left open.
         """
         settings = self.settings if strategies is None else replace(

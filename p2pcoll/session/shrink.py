@@ -30,7 +30,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..errors import CollectiveMismatch, GroupBroken, PeerLost, ProtocolError, RendezvousError
+from ..errors import (CollectiveMismatch, CollectiveTimeout, GroupBroken, PeerLost,
+                      ProtocolError, RendezvousError)
 from ..settings import Settings
 from ..transport.base import Transport
 from ..transport.endpoints import host_identity
@@ -99,9 +100,10 @@ async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
     new_settings = replace(base, rank=rank, world_size=len(kept))
     limit = base.collective_timeout if timeout is None else timeout
     transport, sockets, choose = _sibling(old.transport, new_settings)
+    heard = {m.rank}  # whose offers have come
     try:
         async with asyncio.timeout(limit):
-            offers = await _exchange(old, excluded, kept, await transport.bind())
+            offers = await _exchange(old, excluded, kept, await transport.bind(), heard)
             membership = _roster(m, kept, offers, choose)
             session = Session(membership, transport, new_settings, old.constants)
             session.start()
@@ -114,9 +116,12 @@ async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
                 raise
     except TimeoutError:
         await _discard(transport, sockets)
-        raise RendezvousError(
-            f"rank {m.rank}: the survivors {kept} did not all shrink the group within "
-            f"{limit:g}s (does every survivor exclude {excluded}?)") from None
+        missing = sorted(set(kept) - heard)
+        raise CollectiveTimeout(
+            f"shrink: rank {m.rank} waited {limit:g}s for ranks {missing} (all survivors "
+            f"must shrink, excluding {excluded})" if missing else
+            f"shrink: rank {m.rank} heard every survivor, but the new group did not form "
+            f"within {limit:g}s", collective="shrink", waiting_on=missing) from None
     except BaseException:
         await _discard(transport, sockets)
         raise
@@ -144,10 +149,10 @@ async def _discard(transport: Transport, sockets: SocketFactory | None) -> None:
 
 
 async def _exchange(old: Session, excluded: list[int], kept: list[int],
-                    endpoints: list[str]) -> dict[int, dict[str, Any]]:
+                    endpoints: list[str], heard: set[int]) -> dict[int, dict[str, Any]]:
     """Send this rank's offer (its new endpoints, its host, whom it excludes) to every
     other survivor over the old group's links, and return theirs, by old rank (this
-    rank's own included).
+    rank's own included); ``heard`` gets the rank of each offer as it comes.
 
     Raises:
         PeerLost: a survivor was lost before its offer came (the old group's record).
@@ -177,6 +182,7 @@ async def _exchange(old: Session, excluded: list[int], kept: list[int],
             _, pieces = await old.matcher.get((keys[r], 0, r, 0))
         finally:
             old.matcher.finish(keys[r])
+        heard.add(r)
         return _offer(r, b"".join(bytes(p.buffer) for p in pieces), excluded, me)
 
     offers = await asyncio.gather(*(receive(r) for r in others))
