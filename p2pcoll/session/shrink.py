@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -95,14 +96,12 @@ async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
     if abort:
         old.failures.abort(GroupBroken(f"aborted: rank {m.rank} shrinks the group "
                                        f"without ranks {excluded}"))
-    rank = kept.index(m.rank)
-    base = settings
-    new_settings = replace(base, rank=rank, world_size=len(kept))
-    limit = base.collective_timeout if timeout is None else timeout
+    new_settings = replace(settings, rank=kept.index(m.rank), world_size=len(kept))
+    limit = settings.collective_timeout if timeout is None else timeout
     transport, sockets, choose = _sibling(old.transport, new_settings)
     heard = {m.rank}  # whose offers have come
     try:
-        async with asyncio.timeout(limit):
+        async with asyncio.timeout(None if math.isinf(limit) else limit):
             offers = await _exchange(old, excluded, kept, await transport.bind(), heard)
             membership = _roster(m, kept, offers, choose)
             session = Session(membership, transport, new_settings, old.constants)
