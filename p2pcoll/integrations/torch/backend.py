@@ -93,8 +93,8 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         ``store``; :meth:`shrink` passes the old group's shrink)."""
         super().__init__(rank, size)
         self._options, self._given_timeout = options, timeout
-        self._name = ""
-        self._desc = ""
+        self._name = self._desc = ""
+        self._shrunk = False  # once shrunk, it closes at once: the survivors have moved on
         seconds = timeout.total_seconds() if timeout.total_seconds() > 0 else math.inf
         self._timeout = seconds
         settings = Settings.resolve(
@@ -160,7 +160,7 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
             return
         Runtime._open.discard(self)
         try:
-            self._runtime.run(group.close(wait=wait), timeout=timeout)
+            self._runtime.run(group.close(wait=wait and not self._shrunk), timeout=timeout)
         finally:
             Runtime.release()
 
@@ -190,11 +190,13 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         (``SHRINK_ABORT`` first ends this group's calls in flight)."""
         old, abort = self.group, shrinking.abort_flag(shrink_flags)
         rank, size = shrinking.renumbered(self.rank(), self.size(), ranks_to_exclude)
-        return ProcessGroupP2PColl(
+        new = ProcessGroupP2PColl(
             None, rank, size, self._given_timeout,
             _options(opts_override) or self._options,
             form=lambda s: old.shrink(ranks_to_exclude, strategies=s.strategies,
                                       abort=abort))
+        self._shrunk = True
+        return new
 
     def __repr__(self) -> str:
         return f"ProcessGroupP2PColl(rank={self.rank()}, size={self.size()})"
