@@ -94,9 +94,11 @@ def test_an_operation_in_flight_on_the_old_group_ends(flag: str) -> None:
     assert "EXCLUDED RuntimeError" in lines, lines
     assert any(line.startswith("LEFT ") for line in lines), lines
     ended = [line for line in lines if line.startswith("INFLIGHT")]
-    assert len(ended) == 1 and "GroupBroken" in ended[0], lines
-    if flag == "abort":
-        assert "aborted: rank 0 shrinks the group without ranks [2]" in ended[0], lines
+    assert len(ended) == 1, lines
+    if flag == "abort":  # ended before the shrink
+        assert "GroupBroken aborted: rank 0 shrinks the group without ranks [2]" in ended[0]
+    else:  # ended when torch destroys the old group: here, or at rank 1 first
+        assert ended[0].split()[1] in ("GroupBroken", "PeerLost"), lines
     assert lines.count("SUM 3 SIZE 2") == 2, lines
 
 
