@@ -14,7 +14,8 @@ collectives started after it wait their turn and start in the order they were st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -29,6 +30,7 @@ from ..session.calls import Call
 from ..session.failure import USABLE, GroupState
 from ..session.flight import flight_record as _flight_record
 from ..session.session import Session
+from ..session.shrink import shrink
 from ..session.turns import Turns
 from ..transport.sockets import SocketFactory
 from ..types import ROBUST, CustomOp, Membership, Pytree, ReduceOp, as_op
@@ -436,7 +438,7 @@ class Group(PointToPoint):
         }
     flight_record = _flight_record  # this rank's last calls (see p2pcoll.session.flight)
 
-    async def close(self, reason: str = "") -> None:
+    async def close(self, reason: str = "", *, wait: bool = True) -> None:
         """Leave the group: tell the peers, then close every socket. Idempotent.
 
         It waits until every peer still there has read the goodbye, and so everything this
@@ -447,19 +449,21 @@ class Group(PointToPoint):
         Closing while collectives of this group are in flight (a service told to stop,
         say) aborts them: here they raise :class:`GroupBroken`, and the peers'
         :class:`PeerLost` naming this rank and ``reason``, at once rather than at a
-        deadline.
+        deadline. ``wait=False`` (an abort) closes without waiting for the goodbye to be
+        read: what this peer sent last may be lost.
 
         Cancellation: the sockets may stay open until the process exits.
         """
-        await self._leave(reason, None)
+        await self._leave(reason, None, wait)
 
-    async def _leave(self, reason: str, crash: BaseException | None) -> None:
+    async def _leave(self, reason: str, crash: BaseException | None, wait: bool = True
+                     ) -> None:
         """:meth:`close`; ``crash``: the error that made this rank's program close it
         (``async with join(...)`` left by an exception), which the peers' PeerLost names."""
         if self._failures.state is GroupState.CLOSED and self._session is None:
             return
         session, self._session = self._session, None
-        healthy = self._failures.state in USABLE  # ready, or degraded: a member has gone
+        healthy = wait and self._failures.state in USABLE  # (degraded: a member has gone)
         if session is not None:
             session.leaving()  # the aborts of what it leaves running open no link either
         self._failures.leave(reason, crash, session.seq if session is not None else 0)
@@ -475,6 +479,32 @@ class Group(PointToPoint):
             await server.aclose()
         if self._sockets is not None:
             self._sockets.close()
+
+    async def shrink(self, exclude: Sequence[int], *, timeout: float | None = None,
+                     strategies: Mapping[str, str] | None = None, abort: bool = False
+                     ) -> Group:
+        """A new group of the ranks not in ``exclude`` (lost or alive), renumbered in the
+        order of their ranks here; every one of them calls it, no rendezvous or store is
+        used (:mod:`p2pcoll.session.shrink`). This group stays as it is (close it).
+
+        ``strategies``: the new group's, by collective (default: this group's settings).
+        Its collectives give the bits of a group formed fresh by the same peers. ``abort``:
+        first end this group's calls in flight with GroupBroken (which breaks it).
+
+        Raises:
+            ValueError, TypeError: ``exclude`` is empty, repeats a rank, names one out of
+                range or every rank, or holds no ints.
+            RuntimeError: this rank is in ``exclude``.
+            PeerLost: a survivor was lost meanwhile (on every survivor, within the heartbeat).
+            CollectiveMismatch: the survivors exclude different ranks.
+            CollectiveTimeout: not every survivor shrank within ``timeout`` (default: the
+                group's collective timeout); it names them. GroupBroken: this is closed.
+        Cancellation: nothing of the new group is left open.
+        """
+        settings = self.settings if strategies is None else replace(
+            self.settings, strategies=dict(strategies))
+        session, sockets = await shrink(self.session, exclude, settings, timeout, abort)
+        return Group(session, sockets=sockets)
 
     def __repr__(self) -> str:
         if self._session is None:

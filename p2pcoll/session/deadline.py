@@ -18,7 +18,7 @@ import math
 from collections import deque
 from typing import Protocol
 
-from ..errors import CollectiveTimeout, PeerLost
+from ..errors import CollectiveTimeout, P2PCollError
 from ..types import OpKey
 
 
@@ -168,7 +168,7 @@ class Collective:
                  limit: float) -> None:
         self.rules, self.watchdog, self.key, self.name, self.limit = (
             rules, watchdog, key, name, limit)
-        self.lost: PeerLost | None = None  # a peer it needs has gone (see interrupt)
+        self.lost: P2PCollError | None = None  # a peer it needs has gone (see interrupt)
         self.finished = False
         self.queued = False  # its deadline is in the watchdog's queue
         self._expired = False
@@ -197,7 +197,7 @@ class Collective:
         self._expired = True
         self._task.cancel()
 
-    def interrupt(self, lost: PeerLost) -> None:
+    def interrupt(self, lost: P2PCollError) -> None:
         """End the body now, wherever it waits, and raise ``lost`` on leaving (the body
         is cancelled the one way this class already handles, and :meth:`Rules.expired`
         sees why)."""

@@ -193,6 +193,13 @@ class FailureModel:
             if gone is not None:
                 c.interrupt(gone)  # once: a second peer's loss changes nothing
 
+    def abort(self, err: P2PCollError) -> None:
+        """End every operation running now with ``err``, wherever it waits (each breaks
+        the group and tells the peers, as any failure); for :meth:`p2pcoll.Group.shrink`
+        with ``abort=True``."""
+        for c in list(self._active.values()):
+            c.interrupt(err)
+
     # --- the Rules of a Collective (see .deadline) -----------------------------------
 
     def started(self, c: Collective) -> None:

@@ -17,7 +17,8 @@ from ...extras import needs
 with needs("p2pcoll's torch.distributed backend (p2pcoll.torch)"):
     import torch.distributed as dist
 
-    from .backend import ALLTOALL_TAG, Options, ProcessGroupP2PColl, create
+    from .backend import ALLTOALL_TAG, ProcessGroupP2PColl, create
+    from .options import Options
     from .ops import UnsupportedOperation
 
 NAME = "p2pcoll"

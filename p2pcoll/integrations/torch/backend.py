@@ -39,8 +39,8 @@ Gloo (its AVG: a SUM, then torch's division).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -54,8 +54,9 @@ from ...registry import available_strategies
 from ...session.flight import arm_signal
 from ...settings import Settings
 from ...wire import MAX_TAG
-from . import ops
-from .ops import Reduction, UnsupportedOperation, bits, shares, store, values
+from . import ops, shrinking
+from .options import Options, options_from
+from .ops import Reduction, bits, shares, store, values
 from .runtime import Runtime
 from .work import Work
 
@@ -65,15 +66,6 @@ GLOO_ORDER = {"allreduce": "gloo_ring", "reduce": "gloo_ring"}
 # Reserved: alltoall ran as transfers on this tag before it was a collective of its own.
 ALLTOALL_TAG = MAX_TAG
 Coro = Coroutine[Any, Any, Any]
-
-
-@dataclass(frozen=True)
-class Options:
-    """``pg_options`` of ``init_process_group("p2pcoll", pg_options=...)`` and
-    ``new_group``: the strategy per collective, over ``$P2PCOLL_<COLLECTIVE>``
-    (a plain mapping ``{"allreduce": "ring"}`` is taken as ``strategies`` too)."""
-
-    strategies: Mapping[str, str] = field(default_factory=dict)
 
 
 def _seconds(timeout: timedelta | None) -> float | None:
@@ -88,10 +80,14 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
     """A torch process group on a p2pcoll group (made by torch through the creator)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta,
-                 options: Options | None = None) -> None:
+                 options: Options | None = None, *,
+                 form: Callable[[Settings], Coro] | None = None) -> None:
+        """``form(settings)``: how the p2pcoll group comes to be (default: formed through
+        ``store``; :meth:`shrink` passes the old group's shrink)."""
         super().__init__(rank, size)
-        self._name = ""
-        self._desc = ""
+        self._options, self._given_timeout = options, timeout
+        self._name = self._desc = ""
+        self._shrunk = False  # once shrunk, it closes at once: the survivors have moved on
         seconds = timeout.total_seconds() if timeout.total_seconds() > 0 else math.inf
         self._timeout = seconds
         settings = Settings.resolve(
@@ -111,8 +107,10 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         if settings.flight_dir:  # here: the loop's thread cannot set a signal handler
             arm_signal()
         self._runtime = Runtime.acquire()
+        shrinking.install()
         try:
-            group = self._runtime.run(form_group(settings, store=store))
+            group = self._runtime.run(form(settings) if form is not None
+                                      else form_group(settings, store=store))
         except BaseException:
             Runtime.release()
             raise
@@ -151,21 +149,55 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
         group, point-to-point ones too."""
         return self._runtime.run(_snapshot(self.group))
 
-    def shutdown(self, timeout: float = 60.0) -> None:
+    def shutdown(self, timeout: float = 60.0, *, wait: bool = True) -> None:
         """Leave the p2pcoll group and close its sockets; the last group of the process
         also stops the loop and completer threads (and waits for them). Idempotent; run
-        at exit for groups that were never destroyed."""
+        at exit for groups that were never destroyed. Calls in flight end with
+        GroupBroken here and PeerLost on the peers; it waits (at most the heartbeat
+        timeout, for a frozen peer) until the peers have read the goodbye, unless not
+        ``wait``."""
         group, self._group = self._group, None
         if group is None:
             return
         Runtime._open.discard(self)
         try:
-            self._runtime.run(group.close(), timeout=timeout)
+            self._runtime.run(group.close(wait=wait and not self._shrunk), timeout=timeout)
         finally:
             Runtime.release()
 
     def abort(self) -> None:
-        self.shutdown()
+        """:meth:`shutdown` at once: no waiting for the peers to read the goodbye."""
+        self.shutdown(wait=False)
+
+    # --- dist.shrink_group (see .shrinking) ---------------------------------------------
+
+    supports_shrinking = True
+    supports_splitting = supports_coalescing = supports_time_estimate = False
+
+    def _get_backend(self, device: Any) -> ProcessGroupP2PColl:
+        return shrinking.backend_for(self, device)  # for CPU, this group itself
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def lost_ranks(self) -> list[int]:
+        """The ranks to pass to ``dist.shrink_group``: see :func:`.shrinking.lost_ranks`."""
+        return shrinking.lost_ranks(self.group)
+
+    def shrink(self, ranks_to_exclude: list[int], shrink_flags: int = 0,
+               opts_override: Any = None) -> ProcessGroupP2PColl:
+        """torch's ``Backend.shrink``, which ``dist.shrink_group`` calls with the ranks
+        checked: a process group of the survivors over :meth:`p2pcoll.Group.shrink`
+        (``SHRINK_ABORT`` first ends this group's calls in flight)."""
+        old, abort = self.group, shrinking.abort_flag(shrink_flags)
+        rank, size = shrinking.renumbered(self.rank(), self.size(), ranks_to_exclude)
+        new = ProcessGroupP2PColl(
+            None, rank, size, self._given_timeout,
+            options_from(opts_override) or self._options,
+            form=lambda s: old.shrink(ranks_to_exclude, strategies=s.strategies,
+                                      abort=abort))
+        self._shrunk = True
+        return new
 
     def __repr__(self) -> str:
         return f"ProcessGroupP2PColl(rank={self.rank()}, size={self.size()})"
@@ -549,21 +581,11 @@ async def _snapshot(group: Group) -> list[dict[str, Any]]:
     return group.flight_record()  # on the loop, where the record changes
 
 
-def _options(pg_options: Any) -> Options | None:
-    if pg_options is None or isinstance(pg_options, Options):
-        return pg_options
-    if isinstance(pg_options, Mapping):
-        return Options(strategies=dict(pg_options))
-    raise UnsupportedOperation(
-        f"pg_options for the p2pcoll backend must be p2pcoll.torch.Options or a mapping "
-        f"of strategies, got {type(pg_options).__name__}")
-
-
 def create(opts: Any, pg_options: Any = None) -> ProcessGroupP2PColl:
     """torch's creator (``extended_api=True``): one p2pcoll group per process group,
     formed through the prefix store torch passes."""
     return ProcessGroupP2PColl(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                               _options(pg_options))
+                               options_from(pg_options))
 
 
 __all__ = ["ALLTOALL_TAG", "Options", "P2PCollError", "ProcessGroupP2PColl", "create"]
