@@ -453,6 +453,17 @@ class Group:
         """
         self._close(reason, None)
 
+    def shrink(self, exclude: Sequence[int], *, timeout: float | None = None,
+               strategies: Mapping[str, str] | None = None, abort: bool = False) -> Group:
+        """A new group of the ranks not in ``exclude``, formed over this one's links with
+        no rendezvous or store: :meth:`p2pcoll.Group.shrink` (same arguments, same
+        Raises; also LoopBlocked). Close this group too, when done with it."""
+        self._check_open("shrink")
+        self._loop_thread.check_may_block("shrink()")
+        new = wait(self._loop_thread.submit(self._group.shrink(
+            exclude, timeout=timeout, strategies=strategies, abort=abort)))
+        return Group(new, LoopThread.acquire())
+
     def _close(self, reason: str, crash: BaseException | None) -> None:
         """:meth:`close`; ``crash``: the error that left the ``with`` block, which the
         peers' PeerLost names (they read that this rank crashed, not that it closed)."""

@@ -448,3 +448,19 @@ def test_the_torch_backend_runs_on_the_same_loop_thread(pair: list[blocking.Grou
 
 async def _thread_name() -> str:
     return threading.current_thread().name
+
+
+def test_shrink_gives_a_blocking_group_of_the_survivors() -> None:
+    groups = join_pair(3)
+    new: list[blocking.Group] = []
+    try:
+        groups[1].close()  # rank 1 leaves; ranks 0 and 2 carry on as 0 and 1
+        new = on_ranks([partial(g.shrink, [1]) for g in (groups[0], groups[2])])
+        assert [g.rank for g in new] == [0, 1] and all(g.world_size == 2 for g in new)
+        sums = each(new, lambda g: g.allreduce(np.arange(3.0) + g.rank))
+        for s in sums:
+            np.testing.assert_array_equal(s, [1.0, 3.0, 5.0])
+        with pytest.raises(RuntimeError):
+            new[0].shrink([0])
+    finally:
+        each([*groups, *new], lambda g: g.close())

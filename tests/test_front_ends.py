@@ -13,7 +13,7 @@ from p2pcoll import Group, blocking
 
 COLLECTIVES = sorted(name for name, fn in inspect.getmembers(Group)
                      if inspect.iscoroutinefunction(fn) and not name.startswith("_")
-                     and name != "close")
+                     and name not in ("close", "shrink"))
 
 
 def test_the_collectives_are_the_ones_the_docs_name() -> None:
@@ -28,6 +28,13 @@ def test_blocking_forwards_each_collective_with_its_arguments(name: str) -> None
     theirs = dict(inspect.signature(getattr(blocking.Group, name)).parameters)
     flag = theirs.pop("async_op")
     assert flag.kind is inspect.Parameter.KEYWORD_ONLY and flag.default is False
+    assert [(p.name, p.kind, p.default) for p in theirs.values()] == \
+        [(p.name, p.kind, p.default) for p in ours.values()]
+
+
+def test_blocking_shrink_takes_the_async_arguments() -> None:
+    ours = inspect.signature(Group.shrink).parameters
+    theirs = inspect.signature(blocking.Group.shrink).parameters
     assert [(p.name, p.kind, p.default) for p in theirs.values()] == \
         [(p.name, p.kind, p.default) for p in ours.values()]
 
