@@ -123,13 +123,15 @@ import numpy as np
 
 from ..strategy import COLLECTIVES
 
-WIRE_VERSION = 9  # 9 (0.11): links closed for the budget and opened again (generations in
-# link identities, "end"); a goodbye (and the news of it) carries what broke its peer's group
-# (meta "lost", "cause"); an abort spreads over the overlay's fingers, naming the rank whose
-# failure it is (meta "origin") and the peers that rank sent it to itself ("told");
-# 8 (0.10): links on demand, news of departures ("gone"); 7 (0.8): data messages have a
-# fixed binary header instead of a msgpack map; hellos may name the shared-memory board
-# (6: link identities with the group secret and a nonce; rosters in two frames)
+WIRE_VERSION = 10  # 10 (0.13): the alltoall collective's code; news, aborts and a goodbye's
+# cause say how a lost peer went (meta "how": killed, unresponsive); 9 (0.11): links closed
+# for the budget and opened again (generations in link identities, "end"); a goodbye (and the
+# news of it) carries what broke its peer's group (meta "lost", "cause"); an abort spreads
+# over the overlay's fingers, naming the rank whose failure it is (meta "origin") and the
+# peers that rank sent it to itself ("told"); 8 (0.10): links on demand, news of departures
+# ("gone"); 7 (0.8): data messages have a fixed binary header instead of a msgpack map; hellos
+# may name the shared-memory board (6: link identities with the group secret and a nonce;
+# rosters in two frames)
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting", "lane",
                    "gone", "end"})
 WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting", "gone"})  # kinds that carry "q"
