@@ -16,6 +16,7 @@ from .actions import (
     Degrade,
     Fail,
     Forget,
+    Leave,
     Post,
     Unwatch,
     Via,
@@ -24,4 +25,4 @@ from .actions import (
 from .machine import LINK_LOSS_GRACE, Departure, Departures
 
 __all__ = ["LINK_LOSS_GRACE", "Aborted", "Action", "DeclaredLost", "Degrade", "Departure",
-           "Departures", "Fail", "Forget", "Post", "Unwatch", "Via", "Watch", "overlay"]
+           "Departures", "Fail", "Forget", "Leave", "Post", "Unwatch", "Via", "Watch", "overlay"]
