@@ -57,11 +57,11 @@ from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
 from . import board as boards
-from . import lane, shm
+from . import lane, shm, shmfile
 from .base import (
     Counters, Drops, Follow, LinkEvent, LinkHandler, MessageHandler, MessageHook, Piece,
 )
-from .endpoints import EndpointPolicy
+from .endpoints import EndpointPolicy, sweep_peer
 from .inbound import Inbound
 from .links import link_identity
 from .liveness import Probes
@@ -296,6 +296,11 @@ class ZmqMesh:
         self._gone.add(rank)
         self.routes.forget(rank)
         self._router.forget(rank)
+        # A peer of this host that was killed left its socket and shared-memory files:
+        # whoever forgets it removes them, if its process has exited (see sweep_peer).
+        removed = sweep_peer(self._peer_endpoints[rank], shmfile.SHM_DIR)
+        if removed:
+            log.debug("rank %d: removed %d files rank %d left", self.rank, len(removed), rank)
 
     def _opened(self, route: Route) -> None:
         """A route's first link has opened: its first message is the hello once the group
