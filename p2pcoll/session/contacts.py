@@ -10,6 +10,8 @@ this keeps what follows from them, for the departures machine's goodbyes and abo
 - :meth:`Contacts.linked`: those it has an open link to (all a leaving peer can reach);
 - :meth:`Contacts.senders`: the peers whose link to this one has been read (an answer
   reaches them, on that connection);
+- :meth:`Contacts.probes_known`: those whose probe of this one a goodbye reaches, if they
+  watch it;
 - :meth:`Contacts.drained`: wait until no closed link still drains.
 """
 
@@ -29,6 +31,7 @@ class Contacts:
         self._linked: set[int] = set()
         self._draining: set[int] = set()
         self._heard: set[int] = set()
+        self._probes: set[int] = set()
         self._none_draining = asyncio.Event()
         self._none_draining.set()
 
@@ -47,6 +50,8 @@ class Contacts:
                 self._none_draining.set()
         elif event is LinkEvent.HEARD:
             self._heard.add(peer)
+        elif event is LinkEvent.PROBE_KNOWN:
+            self._probes.add(peer)
 
     def forget(self, peer: int) -> None:
         """``peer`` has gone: nothing of it is waited for (its links close undrained)."""
@@ -63,6 +68,9 @@ class Contacts:
 
     def senders(self) -> set[int]:
         return set(self._heard)
+
+    def probes_known(self) -> set[int]:
+        return set(self._probes)
 
     async def drained(self) -> None:
         """Wait until no link this peer closed still drains; the caller bounds the wait.

@@ -256,7 +256,8 @@ class Session:
             except TimeoutError:
                 log.debug("rank %d: closing before ranks %s read its closed links",
                           self.rank, sorted(self.contacts.draining()))
-            # To the peers this one has a link to, and its watchers (over their probes);
+            # To the peers this one has a link to, and its watchers (over their probes, those
+            # it can reach);
             # they tell the others. And back to the peers that send here and were not
             # told: a peer that has a link to this one it did not (yet) say goodbye on
             # reads it when it leaves, and then waits for no farewell from a peer that has
@@ -264,7 +265,7 @@ class Session:
             # part in) and what broke its group, if anything.
             self._do(self.departures.close(
                 self.seq, unread=self.contacts.linked(), senders=self.contacts.senders(),
-                report=self._failure_report()))
+                probed_by=self.contacts.probes_known(), report=self._failure_report()))
             while (waiting := self.unanswered()) and loop.time() < deadline:
                 self._progress.clear()
                 try:

@@ -77,6 +77,9 @@ class LinkEvent(StrEnum):
     CLOSED = "closed"  # a link to the peer was closed for the budget: it drains
     DRAINED = "drained"  # the peer has read every link this one closed to it
     HEARD = "heard"  # the peer's link to this one is read: an answer reaches it
+    # and if the peer watches this one, a goodbye reaches it over its probe (not over inproc,
+    # which has no probes)
+    PROBE_KNOWN = "probe known"
     DOWN = "down"  # a link or probe to the peer went down (lost, unless it says goodbye)
 
 

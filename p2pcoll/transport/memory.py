@@ -412,6 +412,7 @@ class MemoryTransport:
         if link >= 0 and link not in self._heard:
             self._heard.add(link)
             self.on_link(link, LinkEvent.HEARD)
+            self.on_link(link, LinkEvent.PROBE_KNOWN)  # (every peer is reachable here)
         self._inbound.accept(link, frames[0] if frames else None,
                              [BytesPiece(f) for f in frames[1:]])
 

@@ -247,6 +247,8 @@ class ZmqMesh:
 
     def _heard_from(self, peer: int) -> None:
         self._link_event(peer, LinkEvent.HEARD)
+        if self._monitored:  # its nonce is known: so is its probe's identity
+            self._link_event(peer, LinkEvent.PROBE_KNOWN)
 
     @property
     def links(self) -> int:
@@ -451,11 +453,11 @@ class ZmqMesh:
         finally:
             self._deferring = None
 
-    def _post(self, dst: int, header: Header, *, opening: bool = False) -> None:
+    def _post(self, dst: int, header: Header) -> None:
         """Post on this peer's link to ``dst``: opened if need be, unless this peer is
-        leaving (and not ``opening`` all the same). News read on the link from now on:
-        a peer that declared this one lost answers it there (see departures.machine)."""
-        if self._leaving and not opening and dst not in self.routes.routes:
+        leaving. After news, the link is read: a peer that declared this one lost answers
+        it there (see departures.machine)."""
+        if self._leaving and dst not in self.routes.routes:
             log.debug("rank %d: leaving, with no link to rank %d for a %s", self.rank, dst,
                       header.kind)
             return
@@ -530,10 +532,10 @@ class ZmqMesh:
         """Post a goodbye to a watcher this peer has no link to, on the watcher's probe
         (see :meth:`_leave`); its answer comes back on it. Nothing else goes there: the
         probe's reader takes only a goodbye (see liveness), and would drop anything else.
-        Without probes (inproc) it goes on a link, which costs no descriptor there."""
-        if dst in self.routes.routes or not self._monitored:
-            self._post(dst, header, opening=True)
-        elif header.kind == "bye":
+        A watcher this peer has a link to gets it there."""
+        if dst in self.routes.routes:
+            self._post(dst, header)
+        elif header.kind == "bye" and self._monitored:
             self._router.to_probe(dst, self._probe_identity(dst), header)
 
     def greet(self, header: Header) -> None:
