@@ -89,7 +89,7 @@ class Departure:
     told: frozenset[int] = frozenset()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     needs: frozenset[int] | None  # None: every member
     seq: int | None  # a collective's number; None for a send
@@ -297,6 +297,8 @@ class Departures:
                                     seq)
         if self._declared is not None:
             return self._fail(op, self._declared)
+        if not self._gone:  # (the rule: every collective starts here)
+            return []
         for rank in sorted(self._gone if state.needs is None else state.needs & self._gone.keys()):
             gone = self._gone.get(rank)
             if gone is not None and (seq is None or self.abandoned(rank, seq)):
