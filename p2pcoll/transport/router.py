@@ -127,7 +127,7 @@ class Router:
     async def census(self, members: int, departed: Callable[[], int]) -> None:
         """Count the connections beyond the ``members`` expected (``links_refused``), and
         the later links of members that closed one, and the probe of a new watcher after
-        each of the ``departed`` (see ZmqMesh.forget); if the ROUTER counts none (inproc),
+        each of the ``departed`` (see ZmqMesh.follow); if the ROUTER counts none (inproc),
         return at once."""
         if self._census is None:
             return
