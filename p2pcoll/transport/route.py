@@ -260,6 +260,8 @@ class Routes:
                 # the linger). Drained, it would hold the budget for good, and a send that
                 # waits for room (see room) would wait for ever.
                 del self.routes[route.peer]
+                if route.reader is not None:
+                    route.reader.cancel()
                 route.link.close()
                 self.counters.links_closed += 1
                 return
@@ -276,8 +278,9 @@ class Routes:
 
     async def _read(self, route: Route) -> None:
         """Read a link (see :meth:`listen`); close it once its peer has answered its end
-        (see the module docstring)."""
-        with contextlib.suppress(zmq.ZMQError):
+        (see the module docstring). A link closed under its reader ends it (a ZMQError, or
+        an OSError for a descriptor closed under the poller)."""
+        with contextlib.suppress(zmq.ZMQError, OSError):
             while True:
                 frames = await route.link.recv_multipart(copy=False)
                 if len(frames) == 1 and frames[0].bytes == ENDED:
