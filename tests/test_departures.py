@@ -246,6 +246,20 @@ def test_a_peer_that_closes_while_others_still_read() -> None:
     p.op_ended("send")
 
 
+def test_a_collective_that_needs_every_member_fails_on_any_loss() -> None:
+    # needs=None: every member (what the failure model gives for a collective: no set of
+    # p ranks built per call), including one lost before it started.
+    net = Net(4)
+    p = net.peers[0]
+    assert p.op_started("allreduce#0", needs=None, seq=0) == []
+    net.kill(2)
+    net.settle()
+    assert net.fails[(0, "allreduce#0")] == 1
+    [fail] = p.op_started("allreduce#1", needs=None, seq=1)
+    assert isinstance(fail, Fail) and fail.error.rank == 2
+    assert p.op_started("recv", needs=()) == []  # a receive needs nobody
+
+
 def test_the_news_of_a_goodbye_goes_out_before_its_farewell() -> None:
     # The farewell lets the leaver close its port: its untold watchers should hear first.
     p = Departures(1, 8, GROUP)

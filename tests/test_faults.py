@@ -363,8 +363,10 @@ async def test_an_abort_of_a_finished_collective_fails_the_running_ones_at_once(
         running = [asyncio.ensure_future(g.allreduce(np.ones(4), timeout=30))
                    for g in (g1, g2)]
         await asyncio.sleep(0.05)
-        g0.session.transport.broadcast(Header(
-            "abort", g0.membership.group_id, 0, 0, err=["GroupBroken", "rank 0 went wrong"]))
+        abort = Header("abort", g0.membership.group_id, 0, 0,
+                       err=["GroupBroken", "rank 0 went wrong"])
+        for peer in (1, 2):
+            g0.session.transport.post(peer, abort)
         t0 = time.monotonic()
         for task in running:
             with pytest.raises(p2pcoll.GroupBroken, match="rank 0 failed collective #0: rank 0 went wrong"):

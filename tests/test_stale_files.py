@@ -1,6 +1,7 @@
 """Files of dead peers: the ipc socket files and shared-memory rings that a peer killed with
-SIGKILL leaves behind are removed by the next group on the host as soon as it is gone, and
-nothing of a live process, of another user, or not named like ours ever is."""
+SIGKILL leaves behind are removed by the survivors of its group on the host as they find it
+lost (and else by the next group on the host), and nothing of a live process, of another
+user, or not named like ours ever is."""
 
 from __future__ import annotations
 
@@ -204,19 +205,24 @@ def _files_of(pid: int, sock_dir: str, ring_dir: str) -> list[str]:
 
 @pytest.mark.processes
 @pytest.mark.parametrize("ring_mapped", [False, True], ids=["ring-unmapped", "ring-mapped"])
-async def test_files_of_a_killed_peer_go_with_the_next_group(
+async def test_files_of_a_killed_peer_go_with_its_survivors(
     ring_mapped: bool, live_pid: int, sock_dir: str, ring_dir: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A peer joins a 2-peer group over ipc with shared memory on and is SIGKILLed in a
     collective. Its socket file stays; so does its ring if the other peer never mapped it
-    (shared memory off there), not if it did. The next group on the host removes what is
-    left while it forms; files named after a live process stay."""
+    (shared memory off there), not if it did. The survivor removes what is left as it finds
+    the peer lost; files named after a live process stay, there and in the next group."""
     monkeypatch.setattr(tempfile, "tempdir", sock_dir)  # as $TMPDIR would
     monkeypatch.setattr(shmfile, "SHM_DIR", ring_dir)
     url = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "P2PCOLL_SHM": "1", "TMPDIR": sock_dir}
     monkeypatch.setenv("P2PCOLL_SHM", "1" if ring_mapped else "0")  # for this process
+    # Files named after a live process (no peer): the sweeps must leave them.
+    fake_sock = os.path.join(sock_dir, f"p2pcoll-{live_pid}-{_hex()}.sock")
+    fake_ring = os.path.join(ring_dir, f"p2pcoll-{live_pid}-{_hex()}")
+    _socket_file(fake_sock)
+    Path(fake_ring).touch()
     with subprocess.Popen([sys.executable, "-c", CHILD, url, ring_dir], env=env,
                           stdout=subprocess.PIPE, text=True) as child:
         try:
@@ -231,24 +237,21 @@ async def test_files_of_a_killed_peer_go_with_the_next_group(
                 # is shmfile.SHM_DIR in the child); mapped, rank 0 unlinked them.
                 assert len(socks) == 1 and len(left) == (1 if ring_mapped else 3), left
                 os.kill(child.pid, signal.SIGKILL)  # in its second allreduce
+                # (not reaped yet: a zombie holds nothing, and counts as gone)
+                while g.state is p2pcoll.GroupState.READY:  # until rank 0 finds it lost
+                    await asyncio.sleep(0.02)
+                assert g.state is p2pcoll.GroupState.DEGRADED
+                assert _files_of(child.pid, sock_dir, ring_dir) == []
+                assert os.path.exists(fake_sock) and os.path.exists(fake_ring)
                 assert await asyncio.to_thread(child.wait) == -signal.SIGKILL
         finally:
             child.kill()  # (dead already, unless something above failed)
-    assert _files_of(child.pid, sock_dir, ring_dir) == left  # dead, and its files left over
-
-    # Files named after a live process (no peer): the sweeps must leave them.
-    fake_sock = os.path.join(sock_dir, f"p2pcoll-{live_pid}-{_hex()}.sock")
-    fake_ring = os.path.join(ring_dir, f"p2pcoll-{live_pid}-{_hex()}")
-    _socket_file(fake_sock)
-    Path(fake_ring).touch()
     monkeypatch.setenv("P2PCOLL_SHM", "1")
 
-    async def fn(g: p2pcoll.Group) -> tuple[list[str], bool]:
+    async def fn(g: p2pcoll.Group) -> bool:
         # Right after join both sweeps have run: at bind, and when the ring was made.
-        return _files_of(child.pid, sock_dir, ring_dir), \
-            os.path.exists(fake_sock) and os.path.exists(fake_ring)
+        return os.path.exists(fake_sock) and os.path.exists(fake_ring)
 
-    for files, fakes_kept in await run_ranks(2, fn, transport="ipc"):
-        assert files == [] and fakes_kept
+    assert await run_ranks(2, fn, transport="ipc") == [True, True]
     assert os.listdir(sock_dir) == [os.path.basename(fake_sock)]  # the group's own went too
     assert os.listdir(ring_dir) == [os.path.basename(fake_ring)]

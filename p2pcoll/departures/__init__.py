@@ -16,6 +16,7 @@ from .actions import (
     Degrade,
     Fail,
     Forget,
+    Leave,
     Post,
     Unwatch,
     Via,
@@ -24,5 +25,5 @@ from .actions import (
 from .machine import CHECK_WAIT, LINK_LOSS_GRACE, Departure, Departures
 
 __all__ = ["CHECK_WAIT", "LINK_LOSS_GRACE", "Aborted", "Action", "DeclaredLost", "Degrade",
-           "Departure", "Departures", "Fail", "Forget", "Post", "Unwatch", "Via", "Watch",
-           "overlay"]
+           "Departure", "Departures", "Fail", "Forget", "Leave", "Post", "Unwatch", "Via",
+           "Watch", "overlay"]

@@ -10,6 +10,9 @@ out by the session and the transport (which never decide anything about departur
   cannot connect at all means a lost peer too).
 - :class:`Forget`: a peer has gone: let go of what is kept for it (its links, its
   successions, what waits for it in the matcher).
+- :class:`Leave`: this peer is leaving its group: open no link from now on (a goodbye goes
+  on the links it has and over its watchers' probes) and read the answers on its links.
+  The session gives it to the transport as the group closes, before the goodbyes.
 - :class:`Fail`: fail a running operation with an error (each operation at most once).
 - :class:`Degrade`: the group has lost a member (once; see ``GroupState.DEGRADED``).
 - :class:`Aborted`: an abort (or a goodbye's cause, as one) reached this peer for the first
@@ -27,8 +30,8 @@ from typing import Literal
 from ..errors import PeerLost
 from ..wire.header import Header
 
-__all__ = ["Aborted", "Action", "DeclaredLost", "Degrade", "Fail", "Forget", "Post", "Unwatch",
-           "Via", "Watch"]
+__all__ = ["Aborted", "Action", "DeclaredLost", "Degrade", "Fail", "Forget", "Leave", "Post",
+           "Unwatch", "Via", "Watch"]
 
 Via = Literal["link", "probe", "answer"]
 
@@ -54,6 +57,11 @@ class Unwatch:
 @dataclass(frozen=True, slots=True)
 class Forget:
     peer: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,9 +103,9 @@ class Departure:
     told: frozenset[int] = frozenset()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
-    needs: frozenset[int]
+    needs: frozenset[int] | None  # None: every member
     seq: int | None  # a collective's number; None for a send
 
 
@@ -324,16 +324,20 @@ class Departures:
         self._suspects.clear()
         self._how.clear()
 
-    def op_started(self, op: Hashable, needs: Collection[int],
+    def op_started(self, op: Hashable, needs: Collection[int] | None,
                    seq: int | None = None) -> list[Action]:
-        """An operation started that needs ``needs``: a collective numbered ``seq``, or a
-        send (``seq`` None). It fails at once if one of them has already abandoned it."""
+        """An operation started that needs ``needs`` (None: every member): a collective
+        numbered ``seq``, or a send (``seq`` None). It fails at once if one of them has
+        already abandoned it."""
         if op in self._ops or op in self._failed:
             raise ValueError(f"operation {op!r} has started already")
-        self._ops[op] = _Op(frozenset(needs) - {self.rank}, seq)
+        state = self._ops[op] = _Op(None if needs is None else frozenset(needs) - {self.rank},
+                                    seq)
         if self._declared is not None:
             return self._fail(op, self._declared)
-        for rank in sorted(self._ops[op].needs):
+        if not self._gone:  # (the rule: every collective starts here)
+            return []
+        for rank in sorted(self._gone if state.needs is None else state.needs & self._gone.keys()):
             gone = self._gone.get(rank)
             if gone is not None and (seq is None or self.abandoned(rank, seq)):
                 return self._fail(op, gone.error)
@@ -391,7 +395,7 @@ class Departures:
         self._how.pop(rank, None)
         actions: list[Action] = [Forget(rank)]
         for op, state in list(self._ops.items()):
-            if rank in state.needs and (not departure.graceful or (
+            if (state.needs is None or rank in state.needs) and (not departure.graceful or (
                     state.seq is not None and departure.started <= state.seq)):
                 actions += self._fail(op, departure.error)
         if not self._degraded:

@@ -82,10 +82,6 @@ class Departures(Protocol):
         """The peers that have gone, by rank (usually none)."""
         ...
 
-    def said_goodbye(self, rank: int) -> bool:
-        """Whether ``rank`` has gone with a goodbye (as opposed to lost, or not gone)."""
-        ...
-
 
 class Matcher:
     """Per-session store of early messages and of receives still waiting."""

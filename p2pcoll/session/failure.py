@@ -20,9 +20,10 @@ blames its sender. Its abort carries the tag, and the peers that get it break th
 too, failing whatever they are running.
 
 A peer that goes (lost, or gone with a goodbye) fails at once every running operation that
-needs it, wherever that operation waits: a receive for its message, or a send for room in
-a full queue, for a zero-copy buffer libzmq still holds, for a shared-memory ring. An
-operation needs a peer that has *abandoned* it (see :meth:`FailureModel.gone_peer`): a
+needs it (the departures machine decides which, see :meth:`FailureModel.interrupt`: each
+operation is reported to it as it starts and ends), wherever that operation waits: a
+receive for its message, or a send for room in a full queue, for a zero-copy buffer libzmq
+still holds, for a shared-memory ring. An operation needs a peer that has *abandoned* it: a
 collective, every member that is lost or said goodbye before starting it (all of a group
 take part in each of its collectives); a send, its receiver lost, or gone in any way before
 the send started. A receiver's goodbye does not end a send already running: the goodbye
@@ -52,9 +53,9 @@ without waiting for the next collective, which then fails with the peer's PeerLo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Hashable
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from ..engine.matching import Matcher
 from ..errors import (
@@ -93,17 +94,36 @@ class GroupState(StrEnum):
 USABLE = (GroupState.READY, GroupState.DEGRADED)  # states that calls may run in
 
 
+class Operations(Protocol):
+    """Where the failure model reports what it runs and what it fails (the session, which
+    hands it to its departures machine, see :class:`p2pcoll.departures.Departures`)."""
+
+    def op_started(self, op: Hashable, needs: frozenset[int] | None, seq: int | None) -> None:
+        """Operation ``op`` started, needing ``needs`` (None: every member): a collective
+        numbered ``seq``, or a transfer (``seq`` None). If a peer it needs has gone, the
+        session calls :meth:`FailureModel.interrupt` (at once, or when it goes)."""
+        ...
+
+    def op_ended(self, op: Hashable) -> None:
+        """Operation ``op`` ended, however."""
+        ...
+
+    def spread_abort(self, abort: Header) -> None:
+        """This rank failed ``abort``'s operation: tell the peers."""
+        ...
+
+
 class FailureModel:
     """The state of one group's session and what failures do to it.
 
     Made by the session with what it works with: this rank, the group, the matcher (whose
     ``departures`` is the session's record of peers gone), the transport its questions go
-    over, and ``spread_abort``, which sends this rank's aborts. It is the
+    over, and the :class:`Operations` it reports to. It is the
     :class:`~.deadline.Rules` of every operation's :class:`~.deadline.Collective`.
     """
 
     def __init__(self, rank: int, group_id: str, matcher: Matcher,
-                 transport: Transport, spread_abort: Callable[[Header], None]) -> None:
+                 transport: Transport, ops: Operations) -> None:
         self.state = GroupState.READY
         self.cause: P2PCollError | None = None
         self._cause_at: tuple[int, int | None] | None = None  # where it happened (_break)
@@ -113,11 +133,7 @@ class FailureModel:
         self._failed: dict[OpKey, list[int]] = {}  # op -> whom it waited for when it failed
         self._inquiries: dict[int, Inquiry] = {}  # seq -> the answers to this rank's why
         self._watchdog = Watchdog()  # every running operation's deadline, on one timer
-        # Whether the session has recorded a departure (it tells peer_departed of each).
-        self._anyone_gone = bool(matcher.departures.gone())
-        # Sends this rank's abort (the session's departures machine says to whom, see
-        # p2pcoll.departures.Departures.failed).
-        self._spread_abort = spread_abort
+        self._ops = ops
 
     def check_usable(self) -> None:
         """Raises GroupBroken unless collectives may run."""
@@ -161,37 +177,19 @@ class FailureModel:
         and every failure turns into a broken group (see :class:`~.deadline.Collective`)."""
         return Collective(self, self._watchdog, key, collective, limit)
 
-    def gone_peer(self, key: OpKey, *, running: bool = False) -> PeerLost | None:
-        """The :class:`PeerLost` of a peer that operation ``key`` needs and that has
-        abandoned it, or None (see the module docstring): for a collective, any member lost
-        or gone before it started it; for a send, its receiver lost, or (unless the send is
-        ``running`` already) gone with a goodbye; for a receive, nobody (the matcher knows
-        whether its message can still come)."""
-        if not self._anyone_gone:  # the session tells peer_departed of every departure
-            return None
-        departures = self._matcher.departures
-        if key.is_transfer:
-            if key.src != self._rank:
-                return None
-            if running and departures.said_goodbye(key.dst):
-                return None  # it may well have received this one (see the docstring)
-            return departures.lost(key.dst)
-        for rank in departures.gone():
-            if departures.abandoned(rank, key.number):
-                return departures.lost(rank)
-        return None
-
-    def peer_departed(self, rank: int) -> None:
-        """``rank`` has gone (the session's record says how): every running operation that
-        needs it ends now, with its :class:`PeerLost`, wherever it waits, and a ready
-        group is degraded from now on, whether or not anything was running."""
-        self._anyone_gone = True
+    def degrade(self) -> None:
+        """A member has gone (the first one; see :class:`~p2pcoll.departures.Degrade`): a
+        ready group is degraded from now on, whether or not anything was running."""
         if self.state is GroupState.READY:
             self.state = GroupState.DEGRADED
-        for c in list(self._active.values()):
-            gone = self.gone_peer(c.key, running=True)
-            if gone is not None:
-                c.interrupt(gone)  # once: a second peer's loss changes nothing
+
+    def interrupt(self, op: Hashable, lost: PeerLost) -> None:
+        """A peer that running operation ``op`` needs has gone (the departures machine says
+        so, see :class:`~p2pcoll.departures.Fail`): it ends now, wherever it waits, with
+        ``lost``."""
+        c = self._active.get(op) if isinstance(op, OpKey) else None
+        if c is not None:
+            c.interrupt(lost)  # once: a second peer's loss changes nothing
 
     def abort(self, err: P2PCollError) -> None:
         """End every operation running now with ``err``, wherever it waits (each breaks
@@ -203,14 +201,20 @@ class FailureModel:
     # --- the Rules of a Collective (see .deadline) -----------------------------------
 
     def started(self, c: Collective) -> None:
-        self._active[c.key] = c
-        if self._anyone_gone:
-            gone = self.gone_peer(c.key)
-            if gone is not None:  # gone before it started: fail at the first await
-                c.interrupt(gone)
+        key = c.key
+        self._active[key] = c
+        # What it needs: a collective, every member; a send, its receiver; a receive,
+        # nobody (the matcher knows whether its message can still come). One gone before
+        # it started fails it at its first await (see Collective.interrupt).
+        if not key.is_transfer:
+            self._ops.op_started(key, None, key.number)
+        else:
+            self._ops.op_started(key, frozenset((key.dst,)) if key.src == self._rank
+                              else frozenset(), None)
 
     def ended(self, c: Collective) -> None:
         self._active.pop(c.key, None)
+        self._ops.op_ended(c.key)
         self._matcher.finish(c.key)
 
     def outcome(self, c: Collective, err: BaseException | None) -> BaseException | None:
@@ -318,8 +322,9 @@ class FailureModel:
         asked = {p for p in range(departures.membership.world_size)
                  if p != self._rank and departures.lost(p) is None}
         inquiry = self._inquiries[seq] = Inquiry(asked)
-        if asked:
-            self._transport.broadcast(Header("why", self._group, self._rank, seq))
+        why = Header("why", self._group, self._rank, seq)
+        for peer in sorted(asked):
+            self._transport.post(peer, why)
         return inquiry
 
     def _blame(self, c: Collective, inquiry: Inquiry | None) -> CollectiveTimeout:
@@ -397,7 +402,7 @@ class FailureModel:
     def _send_abort(self, abort: Header) -> None:
         """Tell the peers that this rank failed ``abort``'s operation: the session's
         departures machine says whom (see :meth:`p2pcoll.departures.Departures.failed`)."""
-        self._spread_abort(abort)
+        self._ops.spread_abort(abort)
 
     def _break(self, err: P2PCollError, at: tuple[int, int | None]) -> None:
         """The group is broken by ``err`` (in collective ``at[0]``, or the transfer with
@@ -515,4 +520,4 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
-__all__ = ["USABLE", "FailureModel", "GroupState", "Inquiry"]
+__all__ = ["USABLE", "FailureModel", "GroupState", "Inquiry", "Operations"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from functools import partial
 from typing import Any
 
@@ -28,17 +28,23 @@ from ..departures import (
     Aborted,
     Action,
     DeclaredLost,
+    Degrade,
     Departure,
     Departures,
+    Fail,
     Forget,
+    Leave,
     Post,
+    Unwatch,
+    Watch,
 )
-from ..transport.base import Transport
+from ..transport.base import LinkEvent, Transport
 from ..transport.endpoints import CHECKABLE, listening
 from ..types import Membership, OpKey
 from ..wire import Header
 from . import control
 from .calls import Runner
+from .contacts import Contacts
 from .failure import FailureModel, GroupState
 from .flight import Recorder
 
@@ -60,10 +66,11 @@ class Session:
                                      stall=settings.heartbeat_timeout)
         self._timer: asyncio.TimerHandle | None = None
         self._checks: dict[int, asyncio.Task[None]] = {}  # suspects' addresses (link_down)
+        self.contacts = Contacts()  # what the transport's link events say (see on_link)
         self.peers = Record(self)
         self.matcher = Matcher(self.peers)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
-                                     transport, self._spread_abort)
+                                     transport, self)
         self.executor = Executor(
             transport, self.matcher, self.peers, membership.group_id,
             segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
@@ -93,10 +100,22 @@ class Session:
         if membership.world_size == 1:
             self.all_hello.set()
 
-    def _spread_abort(self, abort: Header) -> None:
+    # -- the failure model's Operations: what it runs and fails, to the departures machine
+
+    def spread_abort(self, abort: Header) -> None:
         """This rank failed ``abort``'s operation: the departures machine says whom to tell
         (the peers that may not have read all this rank sent them, and its fingers)."""
-        self._do(self.departures.failed(abort, self.transport.unread()))
+        self._do(self.departures.failed(abort, self.contacts.unread()))
+
+    def op_started(self, op: Hashable, needs: frozenset[int] | None, seq: int | None) -> None:
+        """An operation started (see :class:`.failure.Operations`): one that needs a peer
+        gone already fails at once (a Fail action, see :meth:`_do`)."""
+        actions = self.departures.op_started(op, needs, seq)
+        if actions:
+            self._do(actions)
+
+    def op_ended(self, op: Hashable) -> None:
+        self.departures.op_ended(op)
 
     @property
     def rank(self) -> int:
@@ -107,12 +126,12 @@ class Session:
         return self.membership.world_size
 
     def start(self) -> None:
-        """Connect the transport; incoming messages are dispatched from now on (by
-        :func:`.control.dispatch`, called by the transport itself)."""
-        self.departures.start(self._now())  # (the transport opens its probes itself, for now)
-        self._schedule()
+        """Connect the transport and watch the first successors; incoming messages are
+        dispatched from now on (by :func:`.control.dispatch`, called by the transport
+        itself), and its link events come to :meth:`on_link`."""
         self.transport.connect(self.membership, partial(control.dispatch, self),
-                               self.link_down)
+                               self.on_link)
+        self._do(self.departures.start(self._now()))
 
     @property
     def board(self) -> BoardPath | None:
@@ -154,9 +173,17 @@ class Session:
         if header.kind == "farewell":
             self._progress.set()
 
+    def on_link(self, peer: int, event: LinkEvent) -> None:
+        """What the transport saw of its connections to ``peer``: a link or probe that went
+        down goes to the departures machine, the rest to :attr:`contacts`."""
+        if event is LinkEvent.DOWN:
+            self.link_down(peer)
+        else:
+            self.contacts.on_link(peer, event)
+
     def link_down(self, rank: int) -> None:
-        """The transport saw a link or probe to ``rank`` go down. A new suspect's address
-        is checked, so that its loss says whether it was killed or stopped answering."""
+        """A link or probe to ``rank`` went down. A new suspect's address is checked, so
+        that its loss says whether it was killed or stopped answering."""
         endpoint = self.membership.endpoints[rank]
         checking = (endpoint.startswith(CHECKABLE) and not self.departures.suspects(rank)
                     and rank not in self._checks)
@@ -184,18 +211,20 @@ class Session:
         """Carry out what the departures machine says, and time its next tick."""
         for action in actions:
             if isinstance(action, Post):
-                if action.via == "answer":
-                    self.transport.answer(action.dst, action.header)
-                else:  # over a link, or (while leaving, see Transport.leaving) a probe
-                    self.transport.post(action.dst, action.header)
+                self.transport.post(action.dst, action.header, action.via)
+            elif isinstance(action, (Watch, Unwatch)):
+                self.transport.follow(action)
             elif isinstance(action, Forget):
                 self._departed(action.peer)
+                self.transport.follow(action)
+            elif isinstance(action, Fail):
+                self.failures.interrupt(action.op, action.error)
+            elif isinstance(action, Degrade):
+                self.failures.degrade()
             elif isinstance(action, Aborted):
                 self.failures.taken(action.header, action.origin, action.message)
             elif isinstance(action, DeclaredLost):
                 self.failures.declared_lost(action.error)
-            # Watch and Unwatch: the transport follows the overlay itself (forget); Fail and
-            # Degrade: the failure model ends the operations (peer_departed).
         self._schedule()
 
     def _schedule(self) -> None:
@@ -216,9 +245,8 @@ class Session:
 
     def _departed(self, rank: int) -> None:
         self.matcher.peer_departed(rank)  # the receives waiting for it
-        self.failures.peer_departed(rank)  # every operation that needs it, sends included
+        self.contacts.forget(rank)
         self._progress.set()
-        self.transport.forget(rank)  # and watch another peer in its place (see overlay)
 
     def header(self, kind: str) -> Header:
         return Header(kind, self.membership.group_id, self.membership.rank)
@@ -233,8 +261,8 @@ class Session:
 
     def leaving(self) -> None:
         """This peer is about to leave: nothing it sends from now on opens a link (see
-        :meth:`Transport.leaving`). Idempotent; :meth:`close` calls it too."""
-        self.transport.leaving()
+        :class:`~p2pcoll.departures.Leave`). Idempotent; :meth:`close` calls it too."""
+        self.transport.follow(Leave())
 
     async def close(self, drain: float) -> None:
         """Say goodbye to the peers, fail everything pending, and wait (at most ``drain``
@@ -246,13 +274,13 @@ class Session:
         this peer sent is still in flight: it may close its sockets. (Closing while a
         receiver's queue is full may otherwise lose the tail over ipc, in libzmq.)
 
-        Leaving opens no link (see :meth:`Transport.leaving`), so it needs no descriptor
-        and stays within the link budget: the goodbye goes on the links this peer has (and
-        to a watcher it has none to, over that watcher's probe) and each answer comes back
-        on the connection its goodbye went on (:meth:`Transport.answer`). A peer whose
-        link was closed for the budget gets no goodbye: this peer first waits until that
-        peer has read all the link carried (:meth:`Transport.drained`), and it learns of the
-        departure as the peers this one sent nothing to do, from the others' news.
+        Leaving opens no link (see :class:`~p2pcoll.departures.Leave`), so it needs no
+        descriptor and stays within the link budget: the goodbye goes on the links this
+        peer has (and to a watcher it has none to, over that watcher's probe) and each
+        answer comes back on the connection its goodbye went on (``via="answer"``). A peer
+        whose link was closed for the budget gets no goodbye: this peer first waits until
+        that peer has read all the link carried (:meth:`Contacts.drained`), and it learns
+        of the departure as the peers this one sent nothing to do, from the others' news.
         """
         self.matcher.close(GroupBroken("the group was closed"))
         self.leaving()
@@ -260,20 +288,20 @@ class Session:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + drain
             try:
-                await asyncio.wait_for(self.transport.drained(), drain)
+                await asyncio.wait_for(self.contacts.drained(), drain)
             except TimeoutError:
                 log.debug("rank %d: closing before ranks %s read its closed links",
-                          self.rank, sorted(self.transport.unread()
-                                            - self.transport.contacts()))
-            # To the peers this one has dealt with (and its watchers: those the transport can
-            # reach without a new link, its contacts); they tell the others. And back to
-            # the peers that send here and were not told: a peer that has a link to this one
-            # it did not (yet) say goodbye on reads it when it leaves, and then waits for no
-            # farewell from a peer that has gone. The bye says how many collectives this
-            # peer started (which it took part in) and what broke its group, if anything.
+                          self.rank, sorted(self.contacts.draining()))
+            # To the peers this one has a link to, and its watchers (over their probes, those
+            # it can reach);
+            # they tell the others. And back to the peers that send here and were not
+            # told: a peer that has a link to this one it did not (yet) say goodbye on
+            # reads it when it leaves, and then waits for no farewell from a peer that has
+            # gone. The bye says how many collectives this peer started (which it took
+            # part in) and what broke its group, if anything.
             self._do(self.departures.close(
-                self.seq, unread=self.transport.contacts(), senders=self.transport.senders(),
-                probed_by=(), report=self._failure_report()))
+                self.seq, unread=self.contacts.linked(), senders=self.contacts.senders(),
+                probed_by=self.contacts.probes_known(), report=self._failure_report()))
             while (waiting := self.unanswered()) and loop.time() < deadline:
                 self._progress.clear()
                 try:

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
+from enum import StrEnum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from ..departures.actions import Forget, Leave, Unwatch, Via, Watch
 from ..errors import ProtocolError
 from ..types import Membership
 from ..wire import Header
@@ -62,8 +64,27 @@ class BytesPiece:
 
 
 MessageHandler = Callable[[Header, list[Piece]], None]
-LinkDownHandler = Callable[[int], None]
 MessageHook = Callable[[int, Header, int], None]  # (dst or src, header, payload bytes)
+
+
+class LinkEvent(StrEnum):
+    """A fact about this peer's connections to another, as a transport reports it (see
+    :class:`Transport`); the session keeps what follows from them (who may not have read
+    all this peer sent, whom an answer reaches) and feeds ``DOWN`` to the departures
+    machine."""
+
+    OPENED = "opened"  # a link to the peer opened: what goes on it may not be read yet
+    CLOSED = "closed"  # a link to the peer was closed for the budget: it drains
+    DRAINED = "drained"  # the peer has read every link this one closed to it
+    HEARD = "heard"  # the peer's link to this one is read: an answer reaches it
+    # and if the peer watches this one, a goodbye reaches it over its probe (not over inproc,
+    # which has no probes)
+    PROBE_KNOWN = "probe known"
+    DOWN = "down"  # a link or probe to the peer went down (lost, unless it says goodbye)
+
+
+LinkHandler = Callable[[int, LinkEvent], None]  # (peer, what happened)
+Follow = Watch | Unwatch | Forget | Leave  # the departures actions a transport carries out
 
 
 @dataclass
@@ -91,7 +112,12 @@ class Counters:
 
 
 class Transport(Protocol):
-    """Moves messages between the peers of one group."""
+    """Moves messages between the peers of one group.
+
+    It reports what happens to its connections (:class:`LinkEvent`) through the
+    ``on_link`` given at :meth:`connect`, and decides nothing about departures: it carries
+    out what the departures machine says (:meth:`post`'s ``via``, :meth:`follow`).
+    """
 
     name: str
     counters: Counters
@@ -107,9 +133,9 @@ class Transport(Protocol):
         ...
 
     def connect(self, membership: Membership, on_message: MessageHandler,
-                on_link_down: LinkDownHandler) -> None:
+                on_link: LinkHandler) -> None:
         """Start delivering; links to the other peers of ``membership`` open as they are
-        first sent to."""
+        first sent to. Watches nobody until told (:meth:`follow`)."""
         ...
 
     async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
@@ -121,40 +147,22 @@ class Transport(Protocol):
         is returned and the arrays must not be written until it is done.
 
         Raises:
-            PeerLost: this peer has closed.
+            PeerLost: this peer has closed (or, leaving, has no link to a destination).
         """
         ...
 
-    def post(self, dst: int, header: Header) -> None:
-        """Send a control message (no payload) without waiting; never raises."""
-        ...
+    def post(self, dst: int, header: Header, via: Via = "link") -> None:
+        """Send a control message (no payload) without waiting; never raises. ``via``:
 
-    def answer(self, rank: int, header: Header) -> None:
-        """Post a control message back on the connection the last message from ``rank``
-        came on (a ``farewell`` answers a ``bye`` so): an answer never opens a link, and
-        the asker reads it where it asked. Never raises; an answer that cannot go (the
-        connection has gone) is not sent."""
-        ...
+        - ``"link"``: this peer's link to ``dst``, opened if need be (not once leaving:
+          then a message to a peer it has no link to is not sent);
+        - ``"probe"``: ``dst``'s probe of this peer (a goodbye to a watcher this peer has
+          no link to; its answer comes back on it);
+        - ``"answer"``: back on the connection ``dst``'s last message came on, even once
+          ``dst`` is forgotten (a peer told it was declared lost); opens nothing.
 
-    def senders(self) -> set[int]:
-        """The peers that have sent to this one on a connection :meth:`answer` reaches now
-        (a goodbye said back on it is read when that peer leaves, or drains its link)."""
-        ...
-
-    def leaving(self) -> None:
-        """This peer is leaving its group: from now on it opens no link (a goodbye goes on
-        the links it has, and to a watcher it has none to over that watcher's probe, see
-        :meth:`contacts`), and it reads the answers that come back on its links.
-        Idempotent."""
-        ...
-
-    async def drained(self) -> None:
-        """Wait until every peer this one closed a link to (for its budget) has read all it
-        sent on it; the caller bounds the wait. Cancellation: nothing is lost."""
-        ...
-
-    def broadcast(self, header: Header) -> None:
-        """Post a control message to every other peer; never raises."""
+        A message that cannot go is not sent (and logged at DEBUG).
+        """
         ...
 
     def greet(self, header: Header) -> None:
@@ -163,19 +171,11 @@ class Transport(Protocol):
         to it."""
         ...
 
-    def contacts(self) -> set[int]:
-        """The peers that may not have read everything this one sent them
-        (:meth:`unread`), and those that watch it (departures.overlay); once :meth:`leaving`,
-        only those a message can still reach without a new link."""
-        ...
-
-    def unread(self) -> set[int]:
-        """The peers that may not have read everything this one sent them."""
-        ...
-
-    def forget(self, rank: int) -> None:
-        """``rank`` has gone: let go of what is kept for it, and watch another peer in its
-        place if it was watched (see p2pcoll.departures.overlay)."""
+    def follow(self, action: Follow) -> None:
+        """Carry out a departures action: probe a peer (:class:`Watch`) or stop
+        (:class:`Unwatch`), let go of what is kept for a peer that has gone
+        (:class:`Forget`), or (:class:`Leave`) open no link from now on and read the
+        answers that come back on the links this peer has. Idempotent; never raises."""
         ...
 
     async def aclose(self) -> None:

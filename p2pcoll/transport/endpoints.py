@@ -140,6 +140,25 @@ def sweep_ipc(directory: str | None = None) -> list[str]:
                           _listened_on)
 
 
+def sweep_peer(endpoint: str, shm_dir: str) -> list[str]:
+    """Remove the files a peer of this host left behind, if its process has exited (a
+    SIGKILLed peer removes nothing itself): the socket file of its ipc ``endpoint`` and
+    its files in ``shm_dir`` (rings, lanes, a board: named after its pid, see
+    :mod:`.shmfile`); returns them. Nothing of a live process (a stopped peer, one in
+    another pid namespace still serving) goes, nor anything of another endpoint kind.
+    Costs a ``listdir`` of each directory. Never raises."""
+    path = endpoint.removeprefix("ipc://")
+    match = IPC_NAME.fullmatch(os.path.basename(path))
+    if not endpoint.startswith("ipc://") or match is None:
+        return []
+    pid = match.group(1)
+    return (remove_orphans(os.path.dirname(path) or ".",
+                           re.compile(rf"p2pcoll-({pid})-[0-9a-f]{{16}}\.sock"),
+                           stat.S_ISSOCK, _listened_on)
+            + remove_orphans(shm_dir, re.compile(rf"p2pcoll-({pid})-[0-9a-f]{{16}}"),
+                             stat.S_ISREG))
+
+
 class TcpEndpoints(EndpointPolicy):
     name = "tcp"
 

@@ -5,7 +5,7 @@ transport knows which member's link it came on, the same steps follow, here:
 
 1. **Validate** it (:func:`p2pcoll.wire.validate`): a message with no header frame, or one
    that fails, is dropped; so is one of a kind this path does not carry (``unexpected``:
-   a link's answers are farewells only, see :meth:`~.base.Transport.answer`).
+   what comes back on a link is answers only, see :meth:`~.base.Transport.post`).
 2. **Dispatch** by kind: a kind the transport *keeps* (a lane marker) goes to its handler
    and no further, and what the handler returns goes back to the caller; a kind the
    transport *watches* (a hello naming shared memory) goes to its handler and then on.

@@ -12,12 +12,13 @@ send waits for room, so one to a frozen peer, or to one that was cut off, waits 
 failure model ends it) as it would over a socket.
 
 Liveness is the mesh's (see :mod:`.zmq_mesh` and departures.overlay): each peer probes the
-ranks it watches (:meth:`MemoryTransport.watch`), and a probe whose peer does not answer for
-the heartbeat (the peer is frozen, or the link between the two is cut) reports it lost
-through :meth:`MemoryTransport.probe_lost`, the one place where the memory transport
-produces the event the mesh's probe monitor produces. A probe is a timer armed when the
-network changes, not a stream of heartbeats, so a frozen peer costs nothing until it is
-found; under :func:`p2pcoll.testing.run_virtual` finding it costs no wall time either.
+ranks the departures machine says it watches (:meth:`MemoryTransport.follow`), and a probe
+whose peer does not answer for the heartbeat (the peer is frozen, or the link between the
+two is cut) reports it lost through :meth:`MemoryTransport.probe_lost`, the one place where
+the memory transport produces the event the mesh's probe monitor produces. A probe is a
+timer armed when the network changes, not a stream of heartbeats, so a frozen peer costs
+nothing until it is found; under :func:`p2pcoll.testing.run_virtual` finding it costs no
+wall time either.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..departures import Forget, Unwatch, Via, Watch, overlay
 from ..errors import PeerLost
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
-from ..departures import overlay
 from .base import (
-    BytesPiece, Counters, Drops, LinkDownHandler, MessageHandler, MessageHook,
+    BytesPiece, Counters, Drops, Follow, LinkEvent, LinkHandler, MessageHandler, MessageHook,
 )
 from .inbound import Inbound
 
@@ -178,7 +179,7 @@ class MemoryNetwork:
         victim.rearm()  # a dead peer probes nothing
         for peer in self.peers.values():
             if peer.membership is not None and endpoint in peer.membership.endpoints:
-                peer.on_link_down(peer.membership.endpoints.index(endpoint))
+                peer.on_link(peer.membership.endpoints.index(endpoint), LinkEvent.DOWN)
 
     def _changed(self) -> None:
         """A fault was set or lifted: every peer's probes look again at whom they watch."""
@@ -277,7 +278,7 @@ class MemoryTransport:
         self.endpoints: list[str] = []
         self.membership: Membership | None = None
         self.on_message: MessageHandler = lambda header, pieces: None
-        self.on_link_down: LinkDownHandler = lambda peer: None
+        self.on_link: LinkHandler = lambda peer, event: None
         self.max_message_bytes = max_message_bytes
         self.drops = Drops(self.counters, lambda: self.membership.rank if self.membership else -1)
         self.closed = False
@@ -286,13 +287,12 @@ class MemoryTransport:
         # What came before connect(): held, as a bound socket holds it, and read at connect.
         self._early: list[tuple[str, list[bytes]]] = []
         self.hello_peers: frozenset[int] = frozenset()  # as the mesh's: the overlay's
-        self._talked: set[int] = set()  # the peers sent to (see contacts)
-        self._heard: set[int] = set()  # the peers received from (see senders)
+        self._talked: set[int] = set()  # the peers sent to (a link "opened" to each)
+        self._heard: set[int] = set()  # the peers received from (each "heard")
         self._ranks: dict[str, int] = {}  # endpoint -> rank, of the members
-        # Liveness (see the module docstring): the ranks this peer watches, those known gone
-        # (see forget), and the probe timer of each watched peer that does not answer.
-        self._watched: list[int] = []
-        self._gone: set[int] = set()
+        # Liveness (see the module docstring): the ranks this peer watches, and the probe
+        # timer of each watched peer that does not answer.
+        self._watched: set[int] = set()
         self._probes: dict[int, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -303,16 +303,15 @@ class MemoryTransport:
         return self.endpoints
 
     def connect(self, membership: Membership, on_message: MessageHandler,
-                on_link_down: LinkDownHandler) -> None:
+                on_link: LinkHandler) -> None:
         self.membership = membership
-        self.on_message, self.on_link_down = on_message, on_link_down
+        self.on_message, self.on_link = on_message, on_link
         self._limits = self._inbound.limits = Limits(
             membership.group_id, membership.rank, membership.world_size,
             self.max_message_bytes)
         self.hello_peers = frozenset(overlay.watchers(membership.rank, membership.world_size))
         self._ranks = _ranks_of(membership.endpoints)
         self._loop = asyncio.get_running_loop()
-        self.watch(overlay.watched(membership.rank, membership.world_size))
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)
@@ -322,9 +321,9 @@ class MemoryTransport:
         if self.closed or self.membership is None:
             raise PeerLost("cannot send: this peer has closed", dsts[0] if dsts else None)
         pieces = [a.tobytes() for a in payload]
-        self._talked.update(dsts)
         for dst, header in zip(dsts, headers, strict=True):
             header.nbytes = [len(p) for p in pieces]
+            self._talk(dst)
             if header.kind == "data":
                 await self.network.room(self.endpoints[0], self.membership.endpoints[dst])
             self.network.deliver(self.endpoints[0], self.membership.endpoints[dst],
@@ -336,64 +335,39 @@ class MemoryTransport:
                     self.sent(dst, header, sum(header.nbytes))
         await asyncio.sleep(0)  # a send is a turn of the loop, as over a socket
 
-    def post(self, dst: int, header: Header) -> None:
+    def post(self, dst: int, header: Header, via: Via = "link") -> None:
+        """As the mesh's, but every ``via`` is the same here: the network has no links to
+        open, no probes to post on (see Transport.post)."""
         if self.closed or self.membership is None:
             return
-        self._talked.add(dst)
+        if via == "link":
+            self._talk(dst)
         self.network.deliver(self.endpoints[0], self.membership.endpoints[dst],
                              [encode_header(header)], False)
 
-    def answer(self, rank: int, header: Header) -> None:
-        """As :meth:`post`: the network has no links to open (see Transport.answer)."""
-        if self.closed or self.membership is None:
-            return
-        self.network.deliver(self.endpoints[0], self.membership.endpoints[rank],
-                             [encode_header(header)], False)
-
-    def senders(self) -> set[int]:
-        """The peers this one has received from."""
-        return set(self._heard)
-
-    def leaving(self) -> None:
-        """Nothing to do: every peer is reachable without opening anything."""
-
-    async def drained(self) -> None:
-        """Nothing drains: no link is closed for a budget."""
+    def _talk(self, dst: int) -> None:
+        """The first message to ``dst`` "opens a link" to it (what was sent may not be read
+        yet, as on the mesh's)."""
+        if dst not in self._talked:
+            self._talked.add(dst)
+            self.on_link(dst, LinkEvent.OPENED)
 
     def greet(self, header: Header) -> None:
         assert self.membership is not None
         for peer in overlay.watched(self.membership.rank, self.membership.world_size):
             self.post(peer, header)
 
-    def contacts(self) -> set[int]:
-        """As the mesh's: the peers sent to, and those that watch this one (a goodbye goes
-        to them; see :mod:`.overlay`). None once cut off as if killed (see
-        :meth:`MemoryNetwork.cut`): its goodbye reaches nobody, so none is waited for."""
-        if self.membership is None or self.closed:
-            return set()
-        m = self.membership
-        return (self._talked | set(overlay.watchers(m.rank, m.world_size))) - {m.rank}
-
-    def unread(self) -> set[int]:
-        """The peers sent to: what was sent may still be on its way."""
-        return set(self._talked)
-
-    def forget(self, rank: int) -> None:
-        """``rank`` has gone (the session says so, whoever saw it first): if it was
-        watched, watch the next live successor instead (departures.overlay), as the mesh
-        does, so that every live peer stays watched."""
-        m = self.membership
-        if m is None or rank == m.rank or rank in self._gone:
-            return
-        self._gone.add(rank)
-        self.watch(overlay.watched(m.rank, m.world_size, gone=self._gone))
-
-    def watch(self, ranks: list[int]) -> None:
-        """Probe exactly ``ranks`` from now on (the overlay's choice; the seam through which
-        whoever owns the overlay says whom to watch, as :meth:`probe_lost` is the one
-        through which a probe says it lost its peer)."""
-        self._watched = list(ranks)
-        self.rearm()
+    def follow(self, action: Follow) -> None:
+        """Watch a peer, or stop (see :meth:`rearm`); nothing is kept for a peer that has
+        gone, and every peer is reachable without a link (:class:`Leave` changes nothing)."""
+        if isinstance(action, Watch):
+            self._watched.add(action.peer)
+            self.rearm()
+        elif isinstance(action, Unwatch):
+            self._watched.discard(action.peer)
+            self.rearm()
+        elif isinstance(action, Forget):
+            pass
 
     def rearm(self) -> None:
         """Look again at the peers this one watches (the network changed, or whom it
@@ -423,13 +397,7 @@ class MemoryTransport:
         ``Probes._follow`` in liveness.py); handed to the session as a link down, which declares
         ``peer`` lost after a short grace unless it says goodbye meanwhile."""
         if not self.closed:
-            self.on_link_down(peer)
-
-    def broadcast(self, header: Header) -> None:
-        assert self.membership is not None
-        for peer in range(self.membership.world_size):
-            if peer != self.membership.rank:
-                self.post(peer, header)
+            self.on_link(peer, LinkEvent.DOWN)
 
     def receive(self, sender: str, frames: list[bytes]) -> None:
         """Validate and hand on one message that ``sender`` (an endpoint) sent here."""
@@ -441,8 +409,10 @@ class MemoryTransport:
             return
         # not a member: -1, which validate() refuses like any other stranger
         link = self._ranks.get(sender, -1)
-        if link >= 0:
+        if link >= 0 and link not in self._heard:
             self._heard.add(link)
+            self.on_link(link, LinkEvent.HEARD)
+            self.on_link(link, LinkEvent.PROBE_KNOWN)  # (every peer is reachable here)
         self._inbound.accept(link, frames[0] if frames else None,
                              [BytesPiece(f) for f in frames[1:]])
 

@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from ..settings import MIN_LINKS
-from .base import Counters
+from .base import Counters, LinkEvent, LinkHandler
 from .links import link_identity
 from .ordering import LaneSender
 from .sockets import SocketFactory
@@ -55,7 +55,7 @@ ENDED = b"ended"  # a receiver's answer to a link's end, on that link
 class Route:
     """This peer's way to one other peer (see the module docstring)."""
 
-    __slots__ = ("generation", "lane", "link", "peer", "plain", "used", "waiting")
+    __slots__ = ("generation", "lane", "link", "peer", "plain", "reader", "used", "waiting")
 
     def __init__(self, peer: int, link: zmq.asyncio.Socket, generation: int) -> None:
         self.peer = peer
@@ -67,6 +67,8 @@ class Route:
         self.waiting = 0  # sends that wait for room in the link's queue
         self.lane: LaneSender[Sequence[Buffer]] | None = None  # once the peer's lane is ready
         self.used = 0  # when it last sent (Routes.clock): the least recently used goes first
+        # reads what comes back on the link, once something may (see Routes.listen)
+        self.reader: asyncio.Task[None] | None = None
 
     async def put(self, frames: list[object]) -> None:
         """Queue one message on the link: at once when its queue has room, which is the
@@ -114,14 +116,16 @@ class Routes:
         budget: the most links kept open (0: no bound), draining ones included.
         opened: called with each route whose first link has just opened (this peer's
             hello goes first on it).
-        heard: called with a route and a message that came back on its draining link
-            other than the answer to its end (a goodbye said back on it, see
-            ``Transport.answer``).
+        heard: called with a route and a message that came back on its link other than
+            the answer to its end, once it is read (see :meth:`listen`).
+        on_link: told when a link opens, when one is closed for the budget, and when every
+            link closed to a peer has drained (see :class:`~.base.LinkEvent`).
     """
 
     def __init__(self, sockets: SocketFactory, counters: Counters, budget: int,
                  opened: Callable[[Route], None],
-                 heard: Callable[[Route, list[zmq.Frame]], None]) -> None:
+                 heard: Callable[[Route, list[zmq.Frame]], None],
+                 on_link: LinkHandler) -> None:
         if budget and budget < MIN_LINKS:
             raise ValueError(f"a link budget of {budget} is below {MIN_LINKS}")
         self.sockets = sockets
@@ -129,6 +133,7 @@ class Routes:
         self.budget = budget
         self.opened = opened
         self.heard = heard
+        self.on_link = on_link
         self.routes: dict[int, Route] = {}
         # Links closed for the budget whose end the peer has not answered yet, each with
         # the task that waits for the answer: (peer, generation) -> (route, task).
@@ -183,6 +188,14 @@ class Routes:
     def __len__(self) -> int:
         return len(self.routes)
 
+    def listen(self, route: Route) -> None:
+        """Read what comes back on ``route``'s link from now on (a link is read only once
+        something may come back: answers to a leaving peer's goodbye, or to its news, or
+        to a closed link's end): each message goes to ``heard``, and the answer to the
+        link's end, if it is closed for the budget, lets it close. Idempotent."""
+        if route.reader is None:
+            route.reader = asyncio.create_task(self._read(route))
+
     def forget(self, peer: int) -> None:
         """``peer`` has gone: its draining links close now, whatever they still queue (it
         will not answer their ends). Its open link stays: what goes on it now says why
@@ -231,6 +244,7 @@ class Routes:
         route = self.routes[dst] = Route(dst, link, generation)
         self._generations[dst] = generation + 1
         self.counters.links_opened += 1
+        self.on_link(dst, LinkEvent.OPENED)
         if generation == 0:
             self.opened(route)
         return route
@@ -246,6 +260,8 @@ class Routes:
                 # the linger). Drained, it would hold the budget for good, and a send that
                 # waits for room (see room) would wait for ever.
                 del self.routes[route.peer]
+                if route.reader is not None:
+                    route.reader.cancel()
                 route.link.close()
                 self.counters.links_closed += 1
                 return
@@ -253,28 +269,39 @@ class Routes:
                 continue
             del self.routes[route.peer]
             key = (route.peer, route.generation)
-            self.draining[key] = (route, asyncio.create_task(self._drain(key, route)))
+            self.listen(route)
+            assert route.reader is not None
+            self.draining[key] = (route, route.reader)
             self.counters.links_closed += 1
+            self.on_link(route.peer, LinkEvent.CLOSED)
             return
 
-    async def _drain(self, key: tuple[int, int], route: Route) -> None:
-        """Close a link once its peer has answered its end (see the module docstring)."""
-        with contextlib.suppress(zmq.ZMQError):
+    async def _read(self, route: Route) -> None:
+        """Read a link (see :meth:`listen`); close it once its peer has answered its end
+        (see the module docstring). A link closed under its reader ends it (a ZMQError, or
+        an OSError for a descriptor closed under the poller)."""
+        with contextlib.suppress(zmq.ZMQError, OSError):
             while True:
                 frames = await route.link.recv_multipart(copy=False)
                 if len(frames) == 1 and frames[0].bytes == ENDED:
                     break
                 self.heard(route, frames)
             route.link.close(linger=0)
-        self.draining.pop(key, None)
+        peer = route.peer
+        if self.draining.pop((peer, route.generation), None) is not None:
+            if not any(p == peer for p, _ in self.draining):
+                self.on_link(peer, LinkEvent.DRAINED)
 
     def close(self) -> list[asyncio.Task[None]]:
         """Close every link (what they queue gets the factory's linger); the tasks that
-        waited for draining links, cancelled, to be awaited."""
+        read links, cancelled, to be awaited."""
+        tasks = []
         for route in self.routes.values():
+            if route.reader is not None:
+                route.reader.cancel()
+                tasks.append(route.reader)
             route.link.close()
         self.routes.clear()
-        tasks = []
         for route, task in self.draining.values():
             task.cancel()
             route.link.close()

@@ -60,16 +60,20 @@ class Router:
         counters, drops: the mesh's.
         take_in: takes each message of a member's current link.
         answered: takes each answer that comes back on a watcher's probe.
+        heard: called with a member whose link (each in turn) is read from now on: an
+            answer reaches it (see :meth:`answer`).
     """
 
     def __init__(self, sockets: SocketFactory, policy: EndpointPolicy, counters: Counters,
-                 drops: Drops, *, take_in: TakeIn, answered: Answered) -> None:
+                 drops: Drops, *, take_in: TakeIn, answered: Answered,
+                 heard: Callable[[int], None]) -> None:
         self._sockets = sockets
         self._policy = policy
         self._counters = counters
         self._drops = drops
         self._take_in = take_in
         self._answered = answered
+        self._heard = heard
         self.endpoints: list[str] = []
         self.rank = -1
         self._socket: zmq.asyncio.Socket | None = None
@@ -110,10 +114,6 @@ class Router:
             release=self._release, drop=self._drops.drop,
             size=lambda frames: sum(len(f) for f in frames))
 
-    def senders(self) -> set[int]:
-        """The peers whose link to this one is read now: :meth:`answer` reaches them."""
-        return set() if self._successions is None else set(self._successions.current)
-
     def nonce(self, rank: int) -> bytes | None:
         """The nonce of ``rank``'s links, once one has spoken here (see .links)."""
         successions = self._successions
@@ -127,7 +127,7 @@ class Router:
     async def census(self, members: int, departed: Callable[[], int]) -> None:
         """Count the connections beyond the ``members`` expected (``links_refused``), and
         the later links of members that closed one, and the probe of a new watcher after
-        each of the ``departed`` (see ZmqMesh.forget); if the ROUTER counts none (inproc),
+        each of the ``departed`` (see ZmqMesh.follow); if the ROUTER counts none (inproc),
         return at once."""
         if self._census is None:
             return
@@ -243,6 +243,7 @@ class Router:
             if source is None:
                 return
             self._ranks[identity] = source
+            self._heard(source)
         self._take_in(source, frames)
 
     def on_end(self, header: Header) -> None:
@@ -267,6 +268,7 @@ class Router:
     def _release(self, rank: int, identity: bytes, messages: list[list[zmq.Frame]]) -> None:
         """The turn of a member's next link has come: what it held, in order."""
         self._ranks[identity] = rank
+        self._heard(rank)
         for frames in messages:
             if self._ranks.get(identity) != rank:  # ended among these (an end was read)
                 break

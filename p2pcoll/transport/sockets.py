@@ -140,7 +140,8 @@ class SocketFactory:
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         # A link sends; what comes back on it is small and few (read when it is: see
-        # ZmqMesh.answer): the answer to its end, a farewell, the peer's goodbye said back.
+        # Routes.listen): the answer to its end, a farewell, the peer's goodbye said back,
+        # news that this peer was declared lost.
         sock.setsockopt(zmq.RCVHWM, 4)
         sock.setsockopt(zmq.MAXMSGSIZE, LINK_RECEIVE_BYTES)
         sock.setsockopt(zmq.LINGER, LINGER_MS)

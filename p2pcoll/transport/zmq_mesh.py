@@ -18,11 +18,12 @@ leaving, the placement of ``send_many``, closing.
   first link is this peer's hello (what the receiver needs to map its shared memory), once
   the group has formed.
 - **Liveness** (:mod:`.liveness`) rests on a sparse overlay (departures.overlay): each rank
-  watches its two ring successors with a probe, a connection that carries only ZMTP
-  heartbeats, so that a peer that dies is seen at once by its watchers, one that freezes
-  after the heartbeat timeout, and one that is merely slow (its queue full) not at all; the
-  session spreads the news to everyone (:mod:`p2pcoll.session.session`). Probes and their
-  monitors are a constant number per peer, whatever the size of the group.
+  watches its two ring successors with a probe (the departures machine says whom:
+  :meth:`ZmqMesh.follow`), a connection that carries only ZMTP heartbeats, so that a peer
+  that dies is seen at once by its watchers, one that freezes after the heartbeat timeout,
+  and one that is merely slow (its queue full) not at all; the departures machine spreads
+  the news to everyone. Probes and their monitors are a constant number per peer, whatever
+  the size of the group.
 - **The same-host paths** (:mod:`.same_host`): between peers of one host, large pieces go
   through the sender's shared-memory ring and whole messages through lanes, in each
   sender's order across socket and lane; small collectives of a group all on one host go
@@ -50,15 +51,17 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from ..departures import overlay
+from ..departures import Forget, Unwatch, Via, Watch, overlay
 from ..errors import PeerLost, ProtocolError
 from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
 from . import board as boards
-from . import lane, shm
-from .base import Counters, Drops, LinkDownHandler, MessageHandler, MessageHook, Piece
-from .endpoints import EndpointPolicy
+from . import lane, shm, shmfile
+from .base import (
+    Counters, Drops, Follow, LinkEvent, LinkHandler, MessageHandler, MessageHook, Piece,
+)
+from .endpoints import EndpointPolicy, sweep_peer
 from .inbound import Inbound
 from .links import link_identity
 from .liveness import Probes
@@ -115,7 +118,7 @@ class ZmqMesh:
         self.settings = settings
         self.sockets = sockets or SocketFactory()
         self.on_message: MessageHandler = lambda header, pieces: None
-        self.on_link_down: LinkDownHandler = lambda peer: None
+        self.on_link: LinkHandler = lambda peer, event: None
         self.counters = Counters()
         self.drops = Drops(self.counters, lambda: self.rank)
         self.group_id = ""
@@ -124,15 +127,19 @@ class ZmqMesh:
         # The paths to the peers of this host: rings, lanes, the board (see .same_host).
         local = self._local = SameHost(self.drops, self._accept, self._lane_down)
         self._lane_put = local.lane_put  # bound once: every send tries the lane first
-        # A goodbye is answered on the connection it came on (see answer): the farewells
-        # that come back on this peer's links, or from a watcher's probe it said goodbye
-        # on, are read here, and nothing else; a bye over the probe of a peer this one
-        # watches likewise.
+        # A goodbye is answered on the connection it came on (see _answer): the farewells
+        # that come back from a watcher's probe it said goodbye on are read here, and
+        # nothing else; a bye over the probe of a peer this one watches likewise. What
+        # comes back on this peer's links (see _heard_back): farewells, goodbyes said back
+        # on them, and news that this peer was declared lost.
         self._answers = Inbound(self, kinds={"farewell", "bye"})
+        self._back = Inbound(self, kinds={"farewell", "bye", "gone"},
+                             watch={"farewell": self._answered_back, "bye": self._answered_back})
         self._byes = Inbound(self, kinds={"bye"})
         # This peer's ROUTER: every member's links, read in their order (see .router).
         self._router = Router(self.sockets, policy, self.counters, self.drops,
-                              take_in=local.take_in, answered=self._answers.accept)
+                              take_in=local.take_in, answered=self._answers.accept,
+                              heard=self._heard_from)
         self.endpoints: list[str] = self._router.endpoints
         # Every message, once its link's member is known, goes through this (see .inbound):
         # lane markers come back to the ordering, hellos are looked at on the way.
@@ -146,10 +153,12 @@ class ZmqMesh:
         self.identity = b""  # of this peer's first links; holds the secret: never log
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
-                             opened=self._opened, heard=self._heard_back)
+                             opened=self._opened, heard=self._heard_back,
+                             on_link=self._link_event)
         # Heartbeat-only links to the watched peers (see .liveness).
         self._probes = Probes(self.sockets, self._probe_down, self._bye_on_probe)
         self._gone: set[int] = set()  # peers the session has told this one are gone
+        self._watched: set[int] = set()  # the peers this one watches (see follow)
         self._peer_endpoints: tuple[str, ...] = ()
         self._hello: Header | None = None  # sent first on every link opened after greet()
         # The peers whose hellos the group's forming waits for (see hello_peers).
@@ -171,28 +180,28 @@ class ZmqMesh:
         return self._router.bind(self.host)
 
     def connect(self, membership: Membership, on_message: MessageHandler,
-                on_link_down: LinkDownHandler) -> None:
-        """Open a link to every other peer and start reading."""
+                on_link: LinkHandler) -> None:
+        """Start reading; links open as they are first sent to (see Transport.connect)."""
         assert self._router.bound, "bind() first"
-        self.on_message, self.on_link_down = on_message, on_link_down
+        self.on_message, self.on_link = on_message, on_link
         group_id, rank, endpoints = membership.group_id, membership.rank, membership.endpoints
         self.group_id, self.rank = group_id, rank
         self._limits = Limits(group_id, rank, membership.world_size,
                               self.settings.max_message_bytes)
         self._inbound.limits = self._answers.limits = self._byes.limits = self._limits
+        self._back.limits = self._limits
         secret = self._secret = membership.secret or group_id  # in-process tests have none
         size = membership.world_size
         self._router.start(rank, size, secret)
         self.routes.start(rank, secret, self._nonce, endpoints,
-                          pinned=overlay.watched(rank, size),
-                          end=encode_header(Header("end", group_id, rank)))
+                          pinned=(), end=encode_header(Header("end", group_id, rank)))
         self.identity = self.routes.identity()
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
         # each hold the other's frame while waiting to reuse their own would deadlock:
         # inproc sends snapshots (copies owned by libzmq, nobody waits for them) instead.
         inproc = self.policy.name == "inproc"
-        monitored = self._monitored = not inproc
+        self._monitored = not inproc
         self._snapshot_all = inproc
         near = {
             peer for peer, endpoint in enumerate(endpoints)
@@ -210,9 +219,6 @@ class ZmqMesh:
         else:  # hellos go to the peers this one watches, and come from those watching it
             self.hello_peers = frozenset(overlay.watchers(rank, size))
             self._greeted = frozenset(overlay.watched(rank, size))
-        if monitored:
-            for peer in overlay.watched(rank, size):
-                self._probe(peer)
         self._tasks.append(asyncio.create_task(
             self._router.read(self._local.wakeup, self._local.on_wake)))
         if self._router.counts_links:
@@ -233,7 +239,16 @@ class ZmqMesh:
         return self._local.lanes
 
     def _lane_down(self, peer: int) -> None:
-        self.on_link_down(peer)
+        self.on_link(peer, LinkEvent.DOWN)
+
+    def _link_event(self, peer: int, event: LinkEvent) -> None:
+        if not self._closed:
+            self.on_link(peer, event)
+
+    def _heard_from(self, peer: int) -> None:
+        self._link_event(peer, LinkEvent.HEARD)
+        if self._monitored:  # its nonce is known: so is its probe's identity
+            self._link_event(peer, LinkEvent.PROBE_KNOWN)
 
     @property
     def links(self) -> int:
@@ -245,60 +260,49 @@ class ZmqMesh:
         """How many heartbeat probes this peer keeps (the peers it watches)."""
         return len(self._probes)
 
-    def _probe(self, peer: int, *, late: bool = False) -> None:
-        """Watch ``peer`` (see .liveness)."""
-        assert self._peer_endpoints
-        self._probes.open(peer, self._peer_endpoints[peer], self.identity + b"~probe",
-                          late=late)
-
     def _probe_down(self, peer: int) -> None:
-        if not self._closed:
-            self.on_link_down(peer)
+        self._link_event(peer, LinkEvent.DOWN)
 
     def _bye_on_probe(self, peer: int, frames: list[zmq.Frame]) -> None:
         """A watched peer with no link to this one said goodbye on this peer's probe."""
         self._byes.accept(peer, frames[0].buffer, frames[1:])
 
-    def forget(self, rank: int) -> None:
-        """``rank`` has gone (the session says so, whoever saw it first): let go of what
-        this peer kept for it, and if it was watched, watch the next live successor
-        instead (see :mod:`p2pcoll.departures.overlay`), so that every live peer stays watched."""
-        if rank in self._gone or rank == self.rank or self._closed or self.rank < 0:
+    def follow(self, action: Follow) -> None:
+        """Carry out a departures action (see Transport.follow): open or close a probe
+        (the watched peers' links stay under the budget: see .route), let go of a peer
+        that has gone, or leave."""
+        if self._closed or self.rank < 0:
+            return
+        if isinstance(action, Watch):
+            self._watch(action.peer, action.late)
+        elif isinstance(action, Unwatch):
+            self._watched.discard(action.peer)
+            self.routes.pin(self._watched)
+            self._probes.close(action.peer)
+        elif isinstance(action, Forget):
+            self._forget(action.peer)
+        else:
+            self._leave()
+
+    def _watch(self, peer: int, late: bool) -> None:
+        self._watched.add(peer)
+        self.routes.pin(self._watched)
+        if self._monitored and peer not in self._probes:  # (inproc has no heartbeats)
+            self._probes.open(peer, self._peer_endpoints[peer], self.identity + b"~probe",
+                              late=late)
+
+    def _forget(self, rank: int) -> None:
+        """``rank`` has gone (whoever saw it first): let go of what this peer kept for it."""
+        if rank in self._gone or rank == self.rank:
             return
         self._gone.add(rank)
         self.routes.forget(rank)
         self._router.forget(rank)
-        size = len(self._peer_endpoints)
-        watched = overlay.watched(self.rank, size, gone=self._gone)
-        self.routes.pin(watched)
-        self._probes.close(rank)
-        if self._monitored:
-            for peer in watched:
-                if peer not in self._probes:
-                    self._probe(peer, late=True)
-
-    def contacts(self) -> set[int]:
-        """The peers this one has sent anything to (it opened a link to them, open still
-        or closed for the budget) and those that watch it. A goodbye goes to them: what it
-        sent them is read by then (the others learn of it from them, see
-        :mod:`.overlay`)."""
-        if self.rank < 0:
-            return set()
-        size = len(self._peer_endpoints)
-        watchers = overlay.watchers(self.rank, size, gone=self._gone)
-        if self._leaving:  # only those reachable without a new link (see leaving)
-            return set(self.routes.routes) | {w for w in watchers
-                                              if self._probe_identity(w) is not None}
-        return (self.unread() | set(watchers)) - {self.rank}
-
-    def senders(self) -> set[int]:
-        """The peers whose link to this one is read now: :meth:`answer` reaches them."""
-        return self._router.senders()
-
-    def unread(self) -> set[int]:
-        """The peers that may not have read everything this peer sent them: those it has a
-        link to, and those whose closed link has not drained (see .route)."""
-        return self.routes.contacts()
+        # A peer of this host that was killed left its socket and shared-memory files:
+        # whoever forgets it removes them, if its process has exited (see sweep_peer).
+        removed = sweep_peer(self._peer_endpoints[rank], shmfile.SHM_DIR)
+        if removed:
+            log.debug("rank %d: removed %d files rank %d left", self.rank, len(removed), rank)
 
     def _opened(self, route: Route) -> None:
         """A route's first link has opened: its first message is the hello once the group
@@ -417,8 +421,9 @@ class ZmqMesh:
         why = "closed" if self._closed else "left its group"
         return PeerLost(f"cannot send to rank {dst}: this peer has {why}", dst)
 
-    def post(self, dst: int, header: Header) -> None:
-        """Send a control message (no payload) without waiting; never raises.
+    def post(self, dst: int, header: Header, via: Via = "link") -> None:
+        """Send a control message (no payload) without waiting; never raises (see
+        Transport.post for ``via``).
 
         One that needs a new link while the budget is full of draining links goes once
         there is room, after those deferred before it, so that a burst of them (an
@@ -426,13 +431,17 @@ class ZmqMesh:
         link each that opens and then drains, not all at once."""
         if self._closed or self.rank < 0:
             return
-        if not self._leaving and dst not in self.routes.routes and (
+        if via == "answer":
+            self._answer(dst, header)
+        elif via == "probe":
+            self._post_to_probe(dst, header)
+        elif not self._leaving and dst not in self.routes.routes and (
                 self._deferred or self.routes.full()):
             self._deferred.append((dst, header))
             if self._deferring is None:
                 self._deferring = asyncio.create_task(self._post_deferred())
-            return
-        self._post(dst, header)
+        else:
+            self._post(dst, header)
 
     async def _post_deferred(self) -> None:
         try:
@@ -445,17 +454,23 @@ class ZmqMesh:
             self._deferring = None
 
     def _post(self, dst: int, header: Header) -> None:
+        """Post on this peer's link to ``dst``: opened if need be, unless this peer is
+        leaving. After news, the link is read: a peer that declared this one lost answers
+        it there (see departures.machine)."""
         if self._leaving and dst not in self.routes.routes:
-            self._post_to_probe(dst, header)
+            log.debug("rank %d: leaving, with no link to rank %d for a %s", self.rank, dst,
+                      header.kind)
             return
         try:
-            route = self._link(dst)
+            route = self.routes.get(dst)
         except (ValueError, OSError, zmq.ZMQError) as exc:
             log.debug("control message to rank %d not sent: %s", dst, exc)
             return
         link = route.link
         if link.closed:
             return
+        if header.kind == "gone":
+            self.routes.listen(route)
         frame = encode_header(header)
         if self._lane_put(route, [frame]):
             return
@@ -467,13 +482,15 @@ class ZmqMesh:
         # An asyncio socket reports a full queue (EAGAIN) through the returned future.
         sent.add_done_callback(_discard_outcome)
 
-    def answer(self, rank: int, header: Header) -> None:
-        """Post a control message back on the connection the last message from ``rank``
-        came on: its link to this peer (through this peer's ROUTER, as an ``end`` is
-        answered), or, for a goodbye that came on this peer's probe of ``rank``, that
-        probe. Opens no link; never raises (an answer that cannot go is not sent)."""
-        if self._closed or self.rank < 0 or rank in self._bye_on_link:
-            return  # (one that came back on this peer's own link is not answered)
+    def _answer(self, rank: int, header: Header) -> None:
+        """Post back on the connection the last message from ``rank`` came on: its link to
+        this peer (through this peer's ROUTER, as an ``end`` is answered), or, for a
+        goodbye that came on this peer's probe of ``rank``, that probe. A peer forgotten
+        is answered all the same, once (a stalled peer told it was declared lost): a
+        ROUTER drops what it cannot route at once, so nothing waits on a dead peer, and
+        no link to it opens. Never raises."""
+        if rank in self._bye_on_link:
+            return  # (a goodbye said back on this peer's own link is not answered)
         frame = encode_header(header)
         try:
             if self._probes.answer(rank, frame):
@@ -482,58 +499,44 @@ class ZmqMesh:
         except zmq.ZMQError as exc:
             log.debug("rank %d: answer to rank %d not sent: %s", self.rank, rank, exc)
 
-    def leaving(self) -> None:
+    def _leave(self) -> None:
         """This peer is leaving its group: it opens no link from now on, whatever it sends
         (a goodbye, an abort of what it leaves running), so closing costs no descriptor
-        and stays within the budget. A message to a peer it has no link to goes over that
-        peer's probe if the peer watches this one (what a watcher must hear before this
-        peer's port closes under its probe), else nowhere: this peer sent it nothing, or
-        everything on a link closed for the budget, which :meth:`drained` waits for. The
-        answers that come back on its links (farewells) are read from now on."""
-        if self._leaving or self._closed:
+        and stays within the budget. A goodbye to a watcher it has no link to goes over
+        that watcher's probe (``via="probe"``). The answers that come back on its links
+        (farewells) are read from now on."""
+        if self._leaving:
             return
         self._leaving = True
         for route in self.routes.routes.values():
-            self._tasks.append(asyncio.create_task(self._hear_answers(route)))
-
-    async def drained(self) -> None:
-        """Wait until the peers behind this peer's draining links have read them (see
-        .route); the caller bounds the wait."""
-        await self.routes.drained()
-
-    async def _hear_answers(self, route: Route) -> None:
-        """Read the answers coming back on a link (see :meth:`leaving`), as the peer's."""
-        try:
-            while True:
-                self._heard_back(route, await route.link.recv_multipart(copy=False))
-        except (asyncio.CancelledError, zmq.ZMQError):
-            pass
+            self.routes.listen(route)
 
     def _heard_back(self, route: Route, frames: list[zmq.Frame]) -> None:
-        """A message back on this peer's link: a farewell, or the peer's goodbye said
-        back on it (see :meth:`senders`), which is not answered (nobody waits for it)."""
-        self._bye_on_link.add(route.peer)
-        self._answers.accept(route.peer, frames[0].buffer, frames[1:])
+        """A message back on this peer's link: a farewell, news that this peer was declared
+        lost, or the peer's goodbye said back on it (not answered: nobody waits for it)."""
+        self._back.accept(route.peer, frames[0].buffer, frames[1:])
+
+    def _answered_back(self, header: Header) -> None:
+        self._bye_on_link.add(header.src)
 
     def _probe_identity(self, watcher: int) -> bytes | None:
         """The identity of ``watcher``'s probe of this peer (its first link's, see
-        SocketFactory.mesh_probe), if this peer can reach it: probes are made (not over
-        inproc) and the watcher's links have spoken here (its hello, at forming)."""
-        if not self._monitored:
-            return None
+        SocketFactory.mesh_probe), if this peer can reach it: the watcher's links have
+        spoken here (its hello, at forming)."""
         nonce = self._router.nonce(watcher)
         if nonce is None:
             return None
         return link_identity(watcher, self._secret, nonce.decode()) + b"~probe"
 
     def _post_to_probe(self, dst: int, header: Header) -> None:
-        """Post a goodbye to a watcher this peer has no link to, on the watcher's probe (see
-        :meth:`leaving`); its answer comes back on it. Nothing else goes there: the probe's
-        reader takes only a goodbye (see _hear), and would drop anything else."""
-        size = len(self._peer_endpoints)
-        identity = (self._probe_identity(dst) if header.kind == "bye"
-                    and dst in overlay.watchers(self.rank, size, gone=self._gone) else None)
-        self._router.to_probe(dst, identity, header)
+        """Post a goodbye to a watcher this peer has no link to, on the watcher's probe
+        (see :meth:`_leave`); its answer comes back on it. Nothing else goes there: the
+        probe's reader takes only a goodbye (see liveness), and would drop anything else.
+        A watcher this peer has a link to gets it there."""
+        if dst in self.routes.routes:
+            self._post(dst, header)
+        elif header.kind == "bye" and self._monitored:
+            self._router.to_probe(dst, self._probe_identity(dst), header)
 
     def greet(self, header: Header) -> None:
         """Post a hello to the peers this one watches now (to every peer in a board group),
@@ -551,12 +554,6 @@ class ZmqMesh:
         assert self._hello is not None
         meta = self._local.hello_meta(peer)
         self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
-
-    def broadcast(self, header: Header) -> None:
-        """Post a control message to every other peer (opening the links it takes)."""
-        for peer in range(len(self._peer_endpoints)):
-            if peer != self.rank:
-                self.post(peer, header)
 
     def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if

@@ -29,7 +29,7 @@ counts the messages it drops (``Group.stats()["messages_dropped_by_reason"]``):
     duplicate   a second message with the same key (raised by the matcher, after this)
     unexpected  a valid message on a connection that does not carry its kind: a farewell
                 anywhere but back on the connection its bye went on (raised by the
-                transport, see ``Transport.answer``)
+                transport, see ``Transport.post``)
     malformed   anything else: not msgpack, unknown kinds or keys, wrong types, bounds
                 (ProtocolError's default, so the checks below name only the others)
 
