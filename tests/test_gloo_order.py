@@ -155,4 +155,4 @@ def test_a_malformed_custom_op_is_refused() -> None:
     with pytest.raises(ValueError, match="non-empty name and a callable fold"):
         as_op(p2pcoll.CustomOp("x", None))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="or a CustomOp"):
-        as_op("median")
+        as_op("mode")
