@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from .sockets import LINGER_MS, SocketFactory
+from .sockets import LINGER_MS, SocketFactory, monitor
 
 __all__ = ["Probes"]
 
@@ -63,9 +63,9 @@ class Probes:
         events = zmq.EVENT_DISCONNECTED
         if late:
             events |= zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
-        monitor = probe.get_monitor_socket(events)
-        task = asyncio.create_task(self._watch(peer, probe, monitor))
-        self._probes[peer] = (probe, monitor, task)
+        events_of = monitor(probe, events)
+        task = asyncio.create_task(self._watch(peer, probe, events_of))
+        self._probes[peer] = (probe, events_of, task)
         probe.connect(endpoint)
 
     def close(self, peer: int) -> asyncio.Task[None] | None:

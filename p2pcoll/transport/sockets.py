@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import resource
 import time
@@ -48,6 +49,17 @@ def queue_messages(message_bytes: int) -> int:
     """The high-water mark (messages) that keeps one link's queue near QUEUE_BYTES."""
     return max(MIN_HWM, min(MAX_HWM, QUEUE_BYTES // max(1, message_bytes)))
 
+
+
+_monitors = itertools.count()
+
+
+def monitor(socket: zmq.asyncio.Socket, events: int) -> zmq.asyncio.Socket:
+    """A PAIR socket that reads ``socket``'s ``events``. Each monitor gets an inproc address
+    of its own: pyzmq's default names it by the socket's descriptor, which a socket made
+    after this one closes may reuse while this monitor's endpoint is still being torn
+    down, and then one socket's events could reach another's reader."""
+    return socket.get_monitor_socket(events, addr=f"inproc://p2pcoll-monitor-{next(_monitors)}")
 
 class SocketFactory:
     """Makes the sockets of one peer (or of one rendezvous server).
@@ -248,7 +260,7 @@ class LinkCensus:
 
     def __init__(self, router: zmq.asyncio.Socket) -> None:
         self.router = router
-        self.monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.monitor = monitor(router, zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.handshakes = 0
         self.refused = 0
         self._warned_at = -self.WARN_EVERY_S
