@@ -180,6 +180,13 @@ class MemoryNetwork:
         for peer in self.peers.values():
             if peer.membership is not None and endpoint in peer.membership.endpoints:
                 peer.on_link(peer.membership.endpoints.index(endpoint), LinkEvent.DOWN)
+        # And the victim's own links are down: should it still close (a test closes every
+        # group), its goodbye reaches nobody and it waits for no farewell.
+        m = victim.membership
+        if m is not None:
+            for rank in range(m.world_size):
+                if rank != m.rank:
+                    victim.on_link(rank, LinkEvent.DOWN)
 
     def _changed(self) -> None:
         """A fault was set or lifted: every peer's probes look again at whom they watch."""
