@@ -105,11 +105,12 @@ def test_under_torch_the_record_holds_every_op_of_the_backend() -> None:
         records = job.wait_for("record", [0, 1], timeout=120)
     finally:
         job.close()
-    # all_to_all_single is made of sends and receives on the backend's own tag.
+    # all_to_all_single is one p2pcoll alltoall: an agreement on the lengths (an allreduce)
+    # and the exchange.
     head = [["allreduce", "done"], ["broadcast", "done"]]
     assert records[0][:3] == [*head, ["send", "done"]]
     assert records[1][:3] == [*head, ["recv", "done"]]
     for record in records:
         assert record[-1] == ["barrier", "done"]
         middle = {c for c, _ in record[3:-1]}
-        assert middle == {"send", "recv"} and all(s == "done" for _, s in record)
+        assert middle == {"allreduce", "alltoall"} and all(s == "done" for _, s in record)
