@@ -19,6 +19,7 @@ from DISTRIBUTION VERSION``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable
@@ -206,6 +207,23 @@ class PluginTable(Generic[K, V]):
                 problem, error = f"{type(exc).__name__}: {exc}", exc
         collective, name = self._intended(ep, obj)
         return BrokenPlugin(ep.name, ep.value, dist, collective, name, problem, error)
+
+
+def named_class(obj: object, base: type, base_name: str, example: str, where: str) -> type:
+    """``obj`` if it is a concrete subclass of ``base`` (called ``base_name`` in the error)
+    whose ``name`` reads like ``example`` (an identifier, dashes allowed); else a
+    PluginValidationError naming ``where``. What every kind of class plugin is checked for
+    first; each kind then checks what it needs of its own."""
+    if not (inspect.isclass(obj) and issubclass(obj, base)):
+        raise PluginValidationError(f"{where}: {obj!r} is not a {base_name} subclass")
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
+        raise PluginValidationError(f"{where}: {obj.__name__}.name must be a name like "
+                                    f"{example!r}, got {name!r}")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        raise PluginValidationError(f"{where}: {obj.__name__} does not define {missing}")
+    return obj
 
 
 def distribution(ep: EntryPoint) -> tuple[str, str]:

@@ -14,7 +14,6 @@ problem. Loading is all or nothing: the table is swapped in once complete.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint, entry_points
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PluginValidationError
-from ..plugin_table import PluginTable
+from ..plugin_table import PluginTable, named_class
 from ..types import CustomOp, ReduceOp, check_dtype
 from .base import Codec, UnknownCodec
 from .builtin import BFloat16, Float16, Int8
@@ -45,16 +44,7 @@ def validate(obj: object, where: str) -> Codec:
     that each op's fold is commutative bit for bit (a fold that is not would give the two
     ranks of a recursive-doubling exchange different bits).
     """
-    if not (inspect.isclass(obj) and issubclass(obj, Codec)):
-        raise PluginValidationError(f"{where}: {obj!r} is not a p2pcoll.codecs.Codec subclass")
-    cls = obj
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name or not name.replace("-", "_").isidentifier():
-        raise PluginValidationError(f"{where}: {cls.__name__}.name must be a name like "
-                                    f"'int8', got {name!r}")
-    if inspect.isabstract(cls):
-        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
-        raise PluginValidationError(f"{where}: {cls.__name__} does not define {missing}")
+    cls: type[Codec] = named_class(obj, Codec, "p2pcoll.codecs.Codec", "int8", where)
     try:
         check_dtype(np.dtype(getattr(cls, "wire_dtype", None)))
     except TypeError as exc:

@@ -49,7 +49,6 @@ allreduce shrinks as p grows, about ``300 H / p`` at 1.5 %, and past
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import math
@@ -61,7 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..errors import PluginValidationError, ProtocolError
-from ..plugin_table import PluginTable
+from ..plugin_table import PluginTable, named_class
 from .errors import NonFiniteGradients
 
 if TYPE_CHECKING:
@@ -295,22 +294,15 @@ def validate(obj: object, where: str) -> type[Compressor]:
     """``obj`` if it is a usable Compressor class, else PluginValidationError naming
     ``where``: a concrete subclass with a name like ``"topk2bit"`` that can be made with
     its defaults."""
-    if not (inspect.isclass(obj) and issubclass(obj, Compressor)):
-        raise PluginValidationError(f"{where}: {obj!r} is not a "
-                                    f"p2pcoll.training.compressors.Compressor subclass")
-    name = getattr(obj, "name", None)
-    if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
-        raise PluginValidationError(f"{where}: {obj.__name__}.name must be a name like "
-                                    f"'topk2bit', got {name!r}")
-    if inspect.isabstract(obj):
-        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
-        raise PluginValidationError(f"{where}: {obj.__name__} does not define {missing}")
+    cls: type[Compressor] = named_class(obj, Compressor,
+                                        "p2pcoll.training.compressors.Compressor",
+                                        "topk2bit", where)
     try:
-        obj()
+        cls()
     except Exception as exc:
-        raise PluginValidationError(f"{where}: {obj.__name__}() raised "
+        raise PluginValidationError(f"{where}: {cls.__name__}() raised "
                                     f"{type(exc).__name__}: {exc}") from exc
-    return obj
+    return cls
 
 
 def _intended(ep: EntryPoint, obj: object) -> tuple[str | None, str | None]:
