@@ -67,26 +67,17 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
     mine[HEAD:HEAD + min(len(send), p)] = [a.shape[0] for a in send[:p]]
     if recv is not None:
         mine[HEAD + p:] = [a.shape[0] for a in recv]
-    turns = group.turns
-    turn = turns.take()  # before the first await: the order the caller started it in
-    finished = False
-    try:
-        await turns.wait(turn)
-        with turns.holding():  # its own collectives do not queue behind it
-            agreed = await group.allreduce(table, timeout=timeout)
-            rows = _check(agreed, p)
-            counts = tuple(int(n) * row for n in rows.reshape(-1))
-            if recv is None:
-                recv = [np.empty((int(rows[i, rank]), *rest), dtype) for i in range(p)]
-            call = Call("alltoall", [a.reshape(-1) for a in send]
-                        + [a.reshape(-1) for a in recv], strategy=strategy,
-                        timeout=timeout, counts=counts)
-            finished = True
-            turns.finish(turn)  # the exchange below takes its number before any await
-            await group.session.run(call)
-    finally:
-        if not finished:
-            turns.finish(turn)
+    async with group.turns.hold() as turn:  # taken before the first await
+        agreed = await group.allreduce(table, timeout=timeout)
+        rows = _check(agreed, p)
+        counts = tuple(int(n) * row for n in rows.reshape(-1))
+        if recv is None:
+            recv = [np.empty((int(rows[i, rank]), *rest), dtype) for i in range(p)]
+        call = Call("alltoall", [a.reshape(-1) for a in send]
+                    + [a.reshape(-1) for a in recv], strategy=strategy,
+                    timeout=timeout, counts=counts)
+        turn.release()  # the exchange below takes its number before any await
+        await group.session.run(call)
     np.copyto(recv[rank], send[rank])
     if out is not None:
         return list(out)

@@ -131,29 +131,16 @@ async def robust_allreduce(
     groups = [[i for i, a in enumerate(values) if a.dtype == d] for d in dtypes]
     name = label(op, k)
 
-    turns = group.turns
-    turn = turns.take()  # before the first await: the order the caller started it in
-    held = [True]
-
-    def release() -> None:
-        if held[0]:
-            held[0] = False
-            turns.finish(turn)
-
     results: list[np.ndarray] = [np.empty(0)] * len(values)
-    try:
-        await turns.wait(turn)
-        with turns.holding():  # its own collectives do not queue behind it
-            for g, members in enumerate(groups):
-                last = g == len(groups) - 1
-                done = await _reduce(group, [values[i] for i in members], k, name, strategy,
-                                     timeout, release if last else None)
-                at = 0
-                for i in members:
-                    results[i] = done[at:at + values[i].size].reshape(values[i].shape)
-                    at += values[i].size
-    finally:
-        release()
+    async with group.turns.hold() as turn:  # taken before the first await
+        for g, members in enumerate(groups):
+            last = g == len(groups) - 1
+            done = await _reduce(group, [values[i] for i in members], k, name, strategy,
+                                 timeout, turn.release if last else None)
+            at = 0
+            for i in members:
+                results[i] = done[at:at + values[i].size].reshape(values[i].shape)
+                at += values[i].size
     final = [tensors.narrow(r).reshape(r.shape) if h else r
              for r, h in zip(results, half, strict=True)]
     if targets is not None:

@@ -139,28 +139,19 @@ async def reduce_coded(
     else:
         residuals = None
 
-    turns = group.turns
-    turn = turns.take()  # before the first await: the order the caller started it in
-    finished = False
-    try:
-        await turns.wait(turn)
-        with turns.holding():  # its own collectives do not queue behind it
-            agreed = await _agree(group, coder, values, nonfinite, timeout)
-            contexts = [Context(red, p, scales) for scales in agreed]
-            wires = [coder.encode(v, ctx) for v, ctx in zip(values, contexts, strict=True)]
-            if residuals is not None:
-                for v, wire, ctx, r in zip(values, wires, contexts, residuals, strict=True):
-                    _feedback(coder, v, wire, ctx, r.reshape(-1))
-            wire = wires[0] if len(wires) == 1 else np.concatenate(wires)
-            # Passing the turn on only schedules the next one's wake-up: the data's
-            # collective, started below before any await, takes its number first.
-            finished = True
-            turns.finish(turn)
-            total, start = await _run(group, collective, wire, coder.fold(red), root, strategy,
-                                      timeout, data[0].shape)
-    finally:
-        if not finished:
-            turns.finish(turn)
+    async with group.turns.hold() as turn:  # taken before the first await
+        agreed = await _agree(group, coder, values, nonfinite, timeout)
+        contexts = [Context(red, p, scales) for scales in agreed]
+        wires = [coder.encode(v, ctx) for v, ctx in zip(values, contexts, strict=True)]
+        if residuals is not None:
+            for v, wire, ctx, r in zip(values, wires, contexts, residuals, strict=True):
+                _feedback(coder, v, wire, ctx, r.reshape(-1))
+        wire = wires[0] if len(wires) == 1 else np.concatenate(wires)
+        # Passing the turn on only schedules the next one's wake-up: the data's
+        # collective, started below before any await, takes its number first.
+        turn.release()
+        total, start = await _run(group, collective, wire, coder.fold(red), root, strategy,
+                                  timeout, data[0].shape)
     if total is None:
         return None
     if collective == "reduce_scatter":

@@ -17,7 +17,8 @@ whatever the timing. When nothing holds a turn (no coded reduction waiting for i
 scales), a collective starts at once: the plain path pays one attribute test.
 
 The session's runner keeps the turns and consults them at the start of every call
-(:meth:`p2pcoll.session.calls.Runner.run`); :func:`p2pcoll.codecs.reduce_coded` takes one.
+(:meth:`p2pcoll.session.calls.Runner.run`); a call made of several collectives (a coded
+reduction, a robust one, an alltoall) holds one with ``async with turns.hold()``.
 The holder's own collectives (its scales, its data) run inside its turn: a context
 variable marks the task that holds the current turn.
 """
@@ -25,11 +26,9 @@ variable marks the task that holds the current turn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 
-__all__ = ["Turns"]
+__all__ = ["Turn", "Turns"]
 
 _holding: ContextVar[Turns | None] = ContextVar("p2pcoll_codec_turn", default=None)
 
@@ -92,12 +91,40 @@ class Turns:
         finally:
             self.finish(turn)
 
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        """Mark this task as the holder of the current turn: its own collectives do not
-        queue."""
-        token = _holding.set(self)
+    def hold(self) -> Turn:
+        """Take a turn now (call it before any await: the order the caller started in) for
+        ``async with``: the body runs once every earlier turn has finished, holding this one
+        (its own collectives do not queue behind it); the turn is passed on at the latest
+        when the body ends, or earlier by :meth:`Turn.release`."""
+        return Turn(self)
+
+
+class Turn:
+    """One taken turn of :class:`Turns` (see :meth:`Turns.hold`)."""
+
+    def __init__(self, turns: Turns) -> None:
+        self._turns = turns
+        self._number = turns.take()
+        self._held = True
+        self._token: Token[Turns | None] | None = None
+
+    def release(self) -> None:
+        """Pass the turn on (its last collective is about to start, before the caller's
+        next await); idempotent."""
+        if self._held:
+            self._held = False
+            self._turns.finish(self._number)
+
+    async def __aenter__(self) -> Turn:
         try:
-            yield
-        finally:
-            _holding.reset(token)
+            await self._turns.wait(self._number)
+        except BaseException:
+            self.release()
+            raise
+        self._token = _holding.set(self._turns)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _holding.reset(self._token)
+        self.release()
