@@ -21,15 +21,12 @@ machine is quiet.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import resource
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,62 +34,36 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "mesh_worker.py"
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+sys.path.insert(0, str(ROOT / "tests"))
+
+from peer_processes import PeerProcesses  # noqa: E402  # tests/, on the path above
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Run:
-    """One run: ``n`` worker processes, their report lines, their stderr."""
+class Run(PeerProcesses):
+    """One run: ``n`` worker processes, their report lines, their stderr; unlike a test,
+    it counts what went wrong rather than failing."""
 
     def __init__(self, tmp: Path, n: int, nofile: int) -> None:
-        self.tmp, self.n = tmp, n
-        port = free_port()
-        base = {k: v for k, v in os.environ.items()
-                if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
+        super().__init__(n, lambda r: [sys.executable, str(WORKER), str(tmp), "--collectives"],
+                         nofile=nofile or None, tail=4000)
 
-        def limit() -> None:
-            if nofile:
-                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
-
-        self.reports: list[dict[str, Any]] = [{} for _ in range(n)]
-        self.errors = ["" for _ in range(n)]
-        self.procs = [subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp), "--collectives"],
-            env=dict(base, P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", WORLD_SIZE=str(n),
-                     RANK=str(r)),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
-            for r in range(n)]
-        self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
-                        for r in range(n)]
-        for t in self.readers:
-            t.start()
-
-    def _read(self, r: int) -> None:
-        proc = self.procs[r]
-        assert proc.stdout is not None and proc.stderr is not None
-        for line in proc.stdout:
-            if line.startswith("{"):
-                self.reports[r].update(json.loads(line))
-        self.errors[r] = proc.stderr.read()[-4000:]
+    @property
+    def reports(self) -> list[dict[str, Any]]:
+        """Each rank's reports so far, merged (a key's last report)."""
+        return [{k: v for line in list(lines) for k, v in line.items()} for lines in self.lines]
 
     def wait(self, key: str, ranks: list[int], bound: float) -> list[int]:
         """Wait (at most ``bound`` s) until each of ``ranks`` reported ``key`` or exited;
         returns those that did neither."""
+        def has(r: int) -> bool:
+            return any(key in line for line in list(self.lines[r]))
+
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
-            if all(key in self.reports[r] or self.procs[r].poll() is not None for r in ranks):
+            if all(has(r) or self.procs[r].poll() is not None for r in ranks):
                 break
             time.sleep(0.05)
-        return [r for r in ranks if key not in self.reports[r] and self.procs[r].poll() is None]
+        return [r for r in ranks if not has(r) and self.procs[r].poll() is None]
 
     def close(self) -> None:
         for proc in self.procs:
@@ -110,14 +81,15 @@ def trial(n: int, victim: int, nofile: int, bound: float) -> tuple[Counter[str],
         run = Run(Path(tmp), n, nofile)
         try:
             everyone = list(range(n))
-            if run.wait("ready", everyone, 600) or not all(
-                    "ready" in run.reports[r] for r in everyone):
+            run.wait("ready", everyone, 600)
+            reports = run.reports
+            if not all("ready" in reports[r] for r in everyone):
                 counts["failed"] += 1
-                bad = [r for r in everyone if "ready" not in run.reports[r]]
+                bad = [r for r in everyone if "ready" not in reports[r]]
                 run.close()
                 return counts, f"group did not form (ranks {bad[:8]}): " + next(
                     (run.errors[r][-300:] for r in bad if run.errors[r]), "")
-            counts["wrong"] += sum(bool(run.reports[r]["ready"]["wrong"]) for r in everyone)
+            counts["wrong"] += sum(bool(reports[r]["ready"]["wrong"]) for r in everyone)
             run.procs[victim].send_signal(signal.SIGKILL)
             run.procs[victim].wait()
             (Path(tmp) / "go").touch()
@@ -133,12 +105,13 @@ def trial(n: int, victim: int, nofile: int, bound: float) -> tuple[Counter[str],
                         pass
             lingering = {r for r in survivors if run.procs[r].poll() is None}
             run.close()  # (kills the lingering: not an abort)
+            reports = run.reports
             seconds = []
             for r in survivors:
                 code = run.procs[r].returncode
                 if (r not in lingering and code < 0) or "Assertion failed" in run.errors[r]:
                     counts["abort"] += 1
-                after = run.reports[r].get("after")
+                after = reports[r].get("after")
                 if after is None:
                     if r not in hung:
                         counts["unnamed"] += 1

@@ -3,7 +3,8 @@
 Each worker prints JSON objects, one per line (``{"ready": {...}}``, ``{"after": {...}}``);
 :meth:`PeerProcesses.wait_for` returns each rank's report under one key, or fails the test
 naming the ranks that exited first (with the tail of their stderr) or never reported.
-Used by tests/test_mesh_scale.py and tests/test_lazy_link_failures.py.
+Used by tests/test_mesh_scale.py, tests/test_lazy_link_failures.py and
+benchmarks/kill_loop.py.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 class PeerProcesses:
     """``n`` peers, rank r run as ``argv(r)`` with the job's rendezvous, ``WORLD_SIZE`` and
     ``RANK`` over a clean environment (no launcher's or p2pcoll's variables) plus
-    ``env(r)``, each under a soft limit of ``nofile`` open files if given."""
+    ``env(r)``, each under a soft limit of ``nofile`` open files if given; the last ``tail``
+    characters of each one's stderr are kept in ``errors``."""
 
     def __init__(self, n: int, argv: Callable[[int], list[str]],
                  env: Callable[[int], dict[str, str]] = lambda r: {},
-                 nofile: int | None = None) -> None:
-        self.n = n
+                 nofile: int | None = None, tail: int = 2000) -> None:
+        self.n, self._tail = n, tail
         port = free_port()
         base = {k: v for k, v in os.environ.items()
                 if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
@@ -61,7 +63,7 @@ class PeerProcesses:
         for line in proc.stdout:
             if line.startswith("{"):
                 self.lines[r].append(json.loads(line))
-        self.errors[r] = proc.stderr.read()[-2000:]
+        self.errors[r] = proc.stderr.read()[-self._tail:]
 
     def wait_for(self, key: str, ranks: list[int], timeout: float) -> list[dict[str, Any]]:
         """Each of ``ranks``' report under ``key``, in that order."""
