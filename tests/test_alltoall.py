@@ -152,7 +152,8 @@ def test_calls_in_flight_together_start_in_the_callers_order_on_every_rank() -> 
 
 
 def test_over_real_sockets_and_the_board() -> None:
-    """Every strategy over sockets; auto on one host puts small calls on the board (shm)."""
+    """Every strategy over sockets; auto on one host puts every call on the board (shm),
+    one over a slot in its window."""
     async def rank_main(g: p2pcoll.Group) -> dict[str, int]:
         p, r = g.world_size, g.rank
         for n, strategy in enumerate((*STRATEGIES, None, None)):
@@ -168,7 +169,7 @@ def test_over_real_sockets_and_the_board() -> None:
 
     async def main() -> None:
         used = await run_ranks(4, rank_main)
-        assert all(u["shm"] == 1 and sum(u.values()) == len(STRATEGIES) + 2
+        assert all(u["shm"] == 2 and sum(u.values()) == len(STRATEGIES) + 2
                    for u in used), used
         await run_ranks(5, rank_main, host_ids=["a", "a", "b", "b", "b"])
 

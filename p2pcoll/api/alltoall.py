@@ -1,17 +1,19 @@
-"""All-to-all with per-pair lengths (alltoallv): agree on every block, then exchange.
+"""All-to-all with per-pair lengths (alltoallv): every rank's lengths agreed, then the
+exchange.
 
-An all-to-all is two collectives. First every rank learns what every other one passed
-(the number of parts, the dtype, the elements per row, the rows of each part and, with
-``out=``, the rows it expects from each rank): a small allreduce of a p x (2p + 4) table
-in which each rank fills its own row, so on one host it goes on the board. Every rank then
-checks the same table the same way, so a disagreement is the same
-:class:`~p2pcoll.CollectiveMismatch`, naming the ranks, on every rank, raised before any
-data moves: the group stays usable. Only then does the exchange run, with the strategy
-chosen from the agreed lengths (which every rank knows, so a strategy may forward others'
-blocks: Bruck, a host's leader).
+Every rank first needs what every other one passed (the number of parts, the dtype, the
+elements per row, the rows of each part and, with ``out=``, the rows it expects from each
+rank): the table of :mod:`p2pcoll.engine.alltoall_table`, which every rank checks the same
+way, so a disagreement is the same :class:`~p2pcoll.CollectiveMismatch`, naming the
+ranks, on every rank, raised before any data is read: the group stays usable.
 
-The two collectives hold one turn of the group (:mod:`p2pcoll.session.turns`), so calls
-started after an all-to-all take their sequence numbers after its exchange on every rank.
+Among the peers of one host (the board, no strategy asked for) it is one collective: the
+table travels in the board round that carries the parts
+(:mod:`p2pcoll.engine.board_alltoall`). Otherwise it is two: a small allreduce of the
+table, then the exchange, with the strategy chosen from the agreed lengths (which every
+rank knows, so a strategy may forward others' blocks: Bruck, a host's leader). The two
+hold one turn of the group (:mod:`p2pcoll.session.turns`), so calls started after an
+all-to-all take their sequence numbers after its exchange on every rank.
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import tensors
-from ..errors import CollectiveMismatch
+from ..engine import alltoall_table as table
 from ..session.calls import Call
 from ..session.session import Session
 from ..session.turns import Turns
 from .arguments import native
-
-HEAD = 4  # the table's first columns: parts, dtype, elements per row, expects (0 or 1)
-
 
 class Group(Protocol):
     """What an all-to-all uses of its :class:`~p2pcoll.Group`."""
@@ -53,23 +52,40 @@ class Group(Protocol):
 async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None,
                    strategy: str | None, timeout: float | None) -> list[Any]:
     """:meth:`p2pcoll.Group.alltoall` (see there)."""
-    p, rank = group.world_size, group.rank
+    p = group.world_size
     if isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence):
         raise TypeError(f"alltoall takes a sequence of {p} arrays (one per rank), got "
                         f"{type(parts).__name__}")
     send = [native(a) for a in parts]
     dtype, rest = _common(send, "parts")
     recv = _buffers(out, p, dtype, rest) if out is not None else None
+    session = group.session
+    if session.runner.alltoall_on_board(strategy):  # one round, the lengths in it
+        call = Call("alltoall", send + (recv or []), strategy=strategy, timeout=timeout,
+                    flat=[a.reshape(-1) for a in send])
+        await session.run(call)
+        recv = call.leaves[p:]
+    else:
+        recv = await _agree_and_exchange(group, send, recv, dtype, rest, strategy, timeout)
+    if out is not None:
+        return list(out)
+    like = parts[0] if parts else None
+    return [tensors.like(like, a) if like is not None else a for a in recv]
+
+
+async def _agree_and_exchange(group: Group, send: list[np.ndarray],
+                              recv: list[np.ndarray] | None, dtype: np.dtype[Any],
+                              rest: tuple[int, ...], strategy: str | None,
+                              timeout: float | None) -> list[np.ndarray]:
+    """The message path: the table agreed by an allreduce, then the exchange."""
+    p, rank = group.world_size, group.rank
     row = int(np.prod(rest, dtype=np.int64))
-    table = np.zeros((p, 2 * p + HEAD), np.int64)
-    mine = table[rank]
-    mine[:HEAD] = len(send), _word(dtype), row, recv is not None
-    mine[HEAD:HEAD + min(len(send), p)] = [a.shape[0] for a in send[:p]]
-    if recv is not None:
-        mine[HEAD + p:] = [a.shape[0] for a in recv]
+    mine = np.zeros((p, table.width(p)), np.int64)
+    table.fill(mine[rank], p, [a.shape[0] for a in send], dtype, row,
+               None if recv is None else [a.shape[0] for a in recv])
     async with group.turns.hold() as turn:  # taken before the first await
-        agreed = await group.allreduce(table, timeout=timeout)
-        rows = _check(agreed, p)
+        agreed = await group.allreduce(mine, timeout=timeout)
+        rows = table.check(agreed, p)
         counts = tuple(int(n) * row for n in rows.reshape(-1))
         if recv is None:
             recv = [np.empty((int(rows[i, rank]), *rest), dtype) for i in range(p)]
@@ -79,10 +95,7 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
         turn.release()  # the exchange below takes its number before any await
         await group.session.run(call)
     np.copyto(recv[rank], send[rank])
-    if out is not None:
-        return list(out)
-    like = parts[0] if parts else None
-    return [tensors.like(like, a) if like is not None else a for a in recv]
+    return recv
 
 
 def _common(arrays: Sequence[np.ndarray], what: str) -> tuple[np.dtype[Any], tuple[int, ...]]:
@@ -116,47 +129,3 @@ def _buffers(out: Sequence[Any], p: int, dtype: np.dtype[Any],
                              f"{dtype} with rows of shape {list(rest)}, got {a.dtype}"
                              f"{list(a.shape)}")
     return arrays
-
-
-def _word(dtype: np.dtype[Any]) -> int:
-    """A dtype as one int64 (its ``str``, at most 8 bytes: ``<f4``)."""
-    return int.from_bytes(dtype.str.encode()[:8].ljust(8, b"\0"), "little", signed=True)
-
-
-def _dtype_name(word: int) -> str:
-    text = int(word).to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
-    try:
-        return str(np.dtype(text))
-    except TypeError:
-        return text
-
-
-def _check(table: np.ndarray, p: int) -> np.ndarray:
-    """Every rank's part of the agreed ``table`` checked alike; the rows of each block
-    (``rows[i, j]``: rank i to rank j).
-
-    Raises:
-        CollectiveMismatch: naming the ranks that disagree (the same on every rank).
-    """
-    head, sent, expected = table[:, :HEAD], table[:, HEAD:HEAD + p], table[:, HEAD + p:]
-    for i in range(p):
-        if head[i, 0] != p:
-            raise CollectiveMismatch(f"alltoall: rank {i} passed {head[i, 0]} parts; a group "
-                                     f"of {p} needs {p} (one per rank)")
-    for i in range(1, p):
-        if head[i, 1] != head[0, 1]:
-            raise CollectiveMismatch(
-                f"alltoall: rank 0 sends {_dtype_name(head[0, 1])}, rank {i} sends "
-                f"{_dtype_name(head[i, 1])}: the ranks' dtypes must be the same")
-        if head[i, 2] != head[0, 2]:
-            raise CollectiveMismatch(
-                f"alltoall: rank 0's rows have {head[0, 2]} elements, rank {i}'s "
-                f"{head[i, 2]}: the ranks' shapes after the first axis must match")
-    for j in range(p):
-        if head[j, 3]:
-            for i in range(p):
-                if sent[i, j] != expected[j, i]:
-                    raise CollectiveMismatch(
-                        f"alltoall: rank {i} sends rank {j} {sent[i, j]} rows, rank {j} "
-                        f"expects {expected[j, i]} from rank {i}")
-    return sent

@@ -2,9 +2,9 @@
 are already there.
 
 When every peer of a group shares this host, rank 0 creates the group's board
-(:mod:`p2pcoll.transport.board`) and allreduce, reduce, broadcast, barrier and alltoall of
-up to :data:`~p2pcoll.transport.board.SLOT_BYTES` (an alltoall: every rank's parts
-together) run on it instead of as messages. A rank
+(:mod:`p2pcoll.transport.board`) and allreduce, reduce, broadcast and barrier of
+up to :data:`~p2pcoll.transport.board.SLOT_BYTES`, and alltoall of any size
+(:mod:`.board_alltoall`), run on it instead of as messages. A rank
 copies its data into its slot and publishes a count; the ranks that need it read it in
 place. The reductions fold the slots in rank order 0, 1, ..., p-1 on every rank, so every
 rank gets the same bits (and integer results equal every other strategy's).
@@ -132,6 +132,8 @@ class BoardPath:
         self._signatures: dict[bytes, tuple[int, bytes]] = {}
         self._written: list[int | None] = [None, None]
         board.on_wake = self._on_wake
+        from .board_alltoall import BoardAlltoall  # it uses this module's steps
+        self.alltoall = BoardAlltoall(self)
 
     # --- the protocol's steps ---------------------------------------------------------
 
@@ -393,17 +395,6 @@ class BoardPath:
         finally:
             self._end(seq)
 
-    async def alltoall(self, seq: int, sends: Sequence[np.ndarray],
-                       recvs: Sequence[np.ndarray], at: Sequence[int], rows: Sequence[int],
-                       sig: Signature) -> None:
-        """This rank's ``sends`` (flat, one per rank) into its slot one after the other;
-        ``recvs[q]`` read from rank q's slot at byte ``at[q]``, ``rows[q]`` being the bytes
-        rank q writes (the agreed lengths: every rank computes the same ones)."""
-        try:
-            await self._alltoall(await self._start(seq), seq, sends, recvs, at, rows, sig)
-        finally:
-            self._end(seq)
-
     def plan(self, arrays: Sequence[np.ndarray]) -> _Plan:
         """Where each of ``arrays`` lies in the slots: built once per prepared call."""
         spans, at = [], 0
@@ -446,25 +437,6 @@ class BoardPath:
                     fold(a, second[i], out=a)
                     for part in rest:
                         fold(a, part[i], out=a)
-
-    async def _alltoall(self, count: int, seq: int, sends: Sequence[np.ndarray],
-                        recvs: Sequence[np.ndarray], at: Sequence[int], rows: Sequence[int],
-                        sig: Signature) -> None:
-        parity = count & 1
-        code = codes("alltoall", "", -1)
-        data = self.board.data
-        mine, o = data[self.rank][parity], 0
-        for a in sends:
-            mine[o:o + a.nbytes] = a.view(np.uint8)
-            o += a.nbytes
-        digest, described = self._signed(sig, parity)
-        self._fields(parity, seq, digest, rows[self.rank], code, described)
-        self._publish(count)
-        await self._wait(count, self.others, seq)
-        for q in self.others:
-            self._check(q, parity, seq, digest, code, rows[q])
-            part = recvs[q]
-            part.view(np.uint8)[:] = data[q][parity][at[q]:at[q] + part.nbytes]
 
     async def _barrier(self, count: int, seq: int, sig: Signature) -> None:
         parity = count & 1
@@ -509,6 +481,7 @@ class BoardPath:
         return layout, board.data[root][parity][:nbytes]
 
     def close(self) -> None:
+        self.alltoall.close()
         self._w.release()
         self.board.on_wake = None
 

@@ -11,8 +11,8 @@ same key only look it up: no choice, no Layout, no Signature per call. A new ses
 new epoch) starts with no programs; the cache is bounded.
 
 Small collectives among peers of one host go on the board
-(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for (an alltoall when every
-rank's parts together fit a slot). Every call is entered in the group's flight record
+(:mod:`p2pcoll.engine.board_path`) when no strategy was asked for (an alltoall of any
+size, its lengths agreed as it runs). Every call is entered in the group's flight record
 (:mod:`p2pcoll.session.flight`) here.
 """
 
@@ -250,6 +250,10 @@ class Runner:
             if name == "send":
                 meta = _layout_meta(SEND.name, call)
             ctx = Context(self.rank, p, call.root or 0)
+        elif name == "alltoall" and on_board:  # the lengths are agreed on the board
+            strat, layout = _BoardStrategy.of(name), Layout([], [[]])
+            sig = Signature.of(name, BOARD, "", -1, "lengths agreed on the board")
+            ctx = Context(self.rank, p, 0, self.hosts)
         elif name == "alltoall":
             item = call.leaves[0].itemsize
             strat = strategy or self.choose(name, call.strategy, sum(call.counts) * item // p)
@@ -304,11 +308,8 @@ class Runner:
                 program.board = board.plan(flat)
             elif name == "barrier":
                 program.board = True
-            elif name == "alltoall":  # where my part lies in each row; each row's bytes
-                rows = [call.counts[q * p:(q + 1) * p] for q in range(p)]
-                item = call.leaves[0].itemsize
-                program.board = (tuple(sum(r[:self.rank]) * item for r in rows),
-                                 tuple(sum(r) * item for r in rows))
+            elif name == "alltoall":
+                program.board = True
             else:  # a broadcast root: its data on the board if it fits, else word of messages
                 packed = _pack(_layout_meta(BOARD, call))
                 fits = (sum((a.nbytes + 7) & ~7 for a in flat) <= board.slot_bytes
@@ -334,8 +335,7 @@ class Runner:
         # Prepared before the sequence number is taken: an unknown strategy or a plugin's
         # bad schedule is this rank's own error, and the group stays usable.
         program = self.prepare(call, call.schedule) if call.learn is None else None
-        if call.collective == "alltoall":
-            assert program is not None
+        if call.collective == "alltoall" and program is not None and program.board is None:
             call.flat = _blocks(call, program.forwarded, self.rank, self.size)
         flight = session.flight
         try:
@@ -404,11 +404,12 @@ class Runner:
                     call.strategy_used = BOARD
                     await board.barrier(op.number, program.sig)
                     return
-                elif name == "alltoall":
+                elif name == "alltoall":  # the parts to send, then out= (if given)
                     call.strategy_used = BOARD
-                    p, (at, rows) = self.size, on_board
-                    await board.alltoall(op.number, call.leaves[:p], call.leaves[p:], at,
-                                         rows, program.sig)
+                    p = self.size
+                    parts = await board.alltoall.run(op.number, call.leaves[:p],
+                                                   call.leaves[p:] or None, program.sig)
+                    call.leaves[p:] = parts
                     return
                 else:
                     assert call.op is not None
@@ -454,6 +455,12 @@ class Runner:
         recent[seq] = sig
         recent.pop(seq - HISTORY, None)
 
+    def alltoall_on_board(self, strategy: str | None) -> bool:
+        """Whether an alltoall asking for ``strategy`` runs on the board, where its lengths
+        are agreed as it runs (:mod:`p2pcoll.engine.board_alltoall`): no agreement first."""
+        return self.session.board is not None and \
+            self._on_board(Call("alltoall", [], strategy=strategy), 0)
+
     def _on_board(self, call: Call, slot: int) -> bool:
         """Whether ``call`` goes on the board: no strategy asked for (by the call or the
         group), and (reductions) its data fits a slot."""
@@ -466,10 +473,7 @@ class Runner:
             return False
         if name in ("allreduce", "reduce"):
             return sum((a.nbytes + 7) & ~7 for a in call.flat) <= slot
-        if name == "alltoall":  # every rank's row fits: the same answer on every rank
-            p, item = self.size, call.leaves[0].itemsize
-            return max(sum(call.counts[q * p:(q + 1) * p]) for q in range(p)) * item <= slot
-        return True
+        return True  # barrier, broadcast, alltoall: any size
 
     def _learn_message(self, op: OpKey, call: Call, header: Header) -> Strategy:
         """A receiver learns the layout from the first message of its origin."""

@@ -1,0 +1,85 @@
+"""An all-to-all's table of lengths: what every rank passed, checked alike on every rank.
+
+Row i is what rank i passed: the number of its parts, its dtype (as one int64 word), the
+elements per row of its parts, whether it gave ``out=`` buffers (1) or not (0), then the
+rows of its part for each rank j, then (with ``out=``) the rows it expects from each rank.
+Every rank fills its own row; the table reaches every rank either as a small allreduce
+(:mod:`p2pcoll.api.alltoall`, the message path) or as the headers of the board's one
+round (:mod:`.board_alltoall`). Every rank then checks the same table with :func:`check`,
+so a disagreement is the same :class:`~p2pcoll.CollectiveMismatch`, naming the ranks, on
+every rank, before any data is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatch
+
+HEAD = 4  # the first columns: parts, dtype, elements per row, expects (0 or 1)
+
+
+def width(p: int) -> int:
+    """The columns of a group of ``p``'s table."""
+    return 2 * p + HEAD
+
+
+def fill(row: np.ndarray, p: int, sends: list[int], dtype: np.dtype[Any], elements: int,
+         expects: list[int] | None) -> None:
+    """Write one rank's row: ``sends`` its parts' rows (as many as it passed),
+    ``expects`` the rows of its ``out=`` buffers (None: it gave none)."""
+    row[:] = 0
+    row[:HEAD] = len(sends), word(dtype), elements, expects is not None
+    row[HEAD:HEAD + min(len(sends), p)] = sends[:p]
+    if expects is not None:
+        row[HEAD + p:HEAD + p + min(len(expects), p)] = expects[:p]
+
+
+def word(dtype: np.dtype[Any]) -> int:
+    """A dtype as one int64 (its ``str``, at most 8 bytes: ``<f4``)."""
+    return int.from_bytes(dtype.str.encode()[:8].ljust(8, b"\0"), "little", signed=True)
+
+
+def _dtype_name(value: int) -> str:
+    text = int(value).to_bytes(8, "little", signed=True).rstrip(b"\0").decode(
+        errors="replace")
+    try:
+        return str(np.dtype(text))
+    except TypeError:
+        return text
+
+
+def check(table: np.ndarray, p: int) -> np.ndarray:
+    """Every rank's row of ``table`` checked alike; the rows of each block
+    (``rows[i, j]``: rank i to rank j).
+
+    Raises:
+        CollectiveMismatch: naming the ranks that disagree (the same on every rank).
+    """
+    head, sent, expected = table[:, :HEAD], table[:, HEAD:HEAD + p], table[:, HEAD + p:]
+    for i in range(p):
+        if head[i, 0] != p:
+            raise CollectiveMismatch(f"alltoall: rank {i} passed {head[i, 0]} parts; a group "
+                                     f"of {p} needs {p} (one per rank)")
+    for i in range(1, p):
+        if head[i, 1] != head[0, 1]:
+            raise CollectiveMismatch(
+                f"alltoall: rank 0 sends {_dtype_name(head[0, 1])}, rank {i} sends "
+                f"{_dtype_name(head[i, 1])}: the ranks' dtypes must be the same")
+        if head[i, 2] != head[0, 2]:
+            raise CollectiveMismatch(
+                f"alltoall: rank 0's rows have {head[0, 2]} elements, rank {i}'s "
+                f"{head[i, 2]}: the ranks' shapes after the first axis must match")
+    for j in range(p):
+        if head[j, 3]:
+            for i in range(p):
+                if sent[i, j] != expected[j, i]:
+                    raise CollectiveMismatch(
+                        f"alltoall: rank {i} sends rank {j} {sent[i, j]} rows, rank {j} "
+                        f"expects {expected[j, i]} from rank {i}")
+    return sent
+
+
+__all__ = ["HEAD", "check", "fill", "width", "word"]

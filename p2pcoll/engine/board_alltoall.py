@@ -1,0 +1,230 @@
+"""All-to-all among the peers of one host: one board round, the lengths agreed as it runs.
+
+Over messages an all-to-all is two collectives, an agreement on every length and then the
+exchange (:mod:`p2pcoll.api.alltoall`). On the board (:mod:`.board_path`) it is one round
+of any size: every rank writes, at the start of its slot, a header with its row of the
+lengths table (:mod:`.alltoall_table`) and where its parts lie, then its parts (except its
+own) one after the other, and publishes; once every peer has published, every rank reads
+every header, so every rank has the whole table and checks it alike (a disagreement is the
+same :class:`~p2pcoll.CollectiveMismatch`, naming the pair, on every rank, before any data
+is read), then copies its part of each peer's parts straight out. Each byte is copied
+twice, once into shared memory by its sender and once out by its receiver (a socket
+copies it into the kernel and out again, and wakes I/O threads to do so), and a small
+call costs one wake-up per rank instead of two rounds' worth.
+
+Parts that fit the slot after the header go in the slot. Larger ones go in the rank's
+window of the board count's parity: a file in ``/dev/shm`` that only its rank writes,
+grown (replaced by a larger one) when a call needs more, named in the header. The board's
+double buffering keeps a window safe to rewrite: a rank writes parity b for count c only
+once every peer has published c - 1, so has finished reading c - 2, the last reader of that
+window. A peer maps a window when it first sees its name (whether or not it has a part in
+it this time) and marks its line in the window's header page; the window's rank unlinks
+the name once every peer has marked it, and closes it with the board. Names, like every
+other header field, are checked before use; a window that does not add up is a
+:class:`~p2pcoll.errors.ProtocolError`.
+
+Header (int64 words at the start of the slot): the table row (``alltoall_table.width(p)``
+words), the bytes of the rank's window (0: its parts follow the header in the slot), then
+the window's name (:data:`NAME_WORDS` words of ASCII, zero-padded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..transport.shmfile import MAX_NAME, PAGE, ShmFile
+from ..wire import Signature
+from . import alltoall_table as table
+from .board_path import codes
+
+if TYPE_CHECKING:
+    from .board_path import BoardPath
+
+NAME_WORDS = (MAX_NAME + 7) // 8
+MIN_WINDOW = 1 << 20  # a window's data bytes: the parts' bytes rounded up to a power of two
+MAX_WINDOW = 1 << 40
+# A window's header page: int64 words MAGIC, its rank, the group's size, its data bytes,
+# then one word per rank: 1 once that rank has mapped it.
+MAGIC, RANK, SIZE, BYTES, MAPPED = 0x70327061_32610001, 0, 1, 2, 4
+_CODE = codes("alltoall", "", -1)
+
+
+def header_words(p: int) -> int:
+    return table.width(p) + 1 + NAME_WORDS
+
+
+class BoardAlltoall:
+    """A session's all-to-all on the board, and the windows it uses (see the module
+    docstring). :meth:`close` with the board."""
+
+    def __init__(self, path: BoardPath) -> None:
+        self.path = path
+        self.rank, self.size = path.rank, path.size
+        self._head = header_words(self.size) * 8
+        self._own: list[ShmFile | None] = [None, None]  # my window of each parity
+        self._theirs: dict[tuple[int, int], ShmFile] = {}  # (rank, parity) -> mapped window
+
+    async def run(self, seq: int, parts: Sequence[np.ndarray],
+                  out: Sequence[np.ndarray] | None, sig: Signature) -> list[np.ndarray]:
+        """This rank's ``parts`` (native C-contiguous arrays, ``parts[j]`` to rank j) out,
+        the parts from every rank in: into ``out`` when given (checked against the
+        senders' lengths), else into new arrays. Returns them (``[i]`` from rank i), the
+        rank's own part included.
+
+        Raises:
+            CollectiveMismatch: the ranks' tables disagree (the same on every rank), or a
+                peer runs another collective here.
+            PeerLost, CollectiveTimeout: through the board's wait.
+            ProtocolError: a peer's header or window does not add up.
+        """
+        path = self.path
+        try:
+            count = await path._start(seq)
+            return await self._run(count, seq, parts, out, sig)
+        finally:
+            path._end(seq)
+
+    async def _run(self, count: int, seq: int, parts: Sequence[np.ndarray],
+                   out: Sequence[np.ndarray] | None, sig: Signature) -> list[np.ndarray]:
+        path, p, me = self.path, self.size, self.rank
+        parity = count & 1
+        slot = path.board.data[me][parity]
+        mine = parts[0] if parts else None
+        dtype = mine.dtype if mine is not None else np.dtype(np.float32)
+        rest = mine.shape[1:] if mine is not None else ()
+        elements = int(np.prod(rest, dtype=np.int64))
+        item = dtype.itemsize * elements  # bytes per row
+        sends = [int(a.shape[0]) for a in parts]
+        moving = sum(a.nbytes for j, a in enumerate(parts[:p]) if j != me)
+        words = np.zeros(header_words(p), np.int64)
+        table.fill(words[:table.width(p)], p, sends, dtype, elements,
+                   None if out is None else [int(a.shape[0]) for a in out])
+        # Where my parts go: after the header in the slot if they fit, else my window.
+        if self._head + moving <= len(slot):
+            area, at = slot, self._head
+        else:
+            window = self._window(parity, moving)
+            area, at = np.frombuffer(window.map, np.uint8, offset=PAGE), 0
+            words[table.width(p)] = window.size - PAGE
+            words[table.width(p) + 1:] = np.frombuffer(
+                window.name.encode().ljust(NAME_WORDS * 8, b"\0"), np.int64)
+        for j, a in enumerate(parts[:p]):
+            if j != me:
+                n = a.nbytes
+                area[at:at + n] = a.reshape(-1).view(np.uint8)
+                at += n
+        slot[:self._head] = words.view(np.uint8)
+        digest, described = path._signed(sig, parity)
+        path._fields(parity, seq, digest, self._head + (moving if area is slot else 0),
+                     _CODE, described)
+        path._publish(count)
+        await path._wait(count, path.others, seq)
+        # Every peer's header, checked; then the whole table, the same on every rank.
+        rows = np.zeros((p, table.width(p)), np.int64)
+        rows[me] = words[:table.width(p)]
+        sources: dict[int, np.ndarray] = {}
+        for q in path.others:
+            nbytes, _, _ = path._check(q, parity, seq, digest, _CODE, None)
+            theirs = path.board.data[q][parity]
+            head = theirs[:self._head].view(np.int64)
+            rows[q] = head[:table.width(p)]
+            sources[q] = self._source(q, parity, head, theirs, nbytes)
+        agreed = table.check(rows, p)
+        spans = {}  # where my part of each peer's parts lies in its source
+        for q, source in sources.items():
+            row = agreed[q]
+            if (row < 0).any():
+                raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
+                                    f"negative length: {list(row)}")
+            at = item * (int(row[:me].sum()) - (int(row[q]) if q < me else 0))
+            n = int(row[me]) * item
+            if at + n > len(source):
+                raise ProtocolError(f"rank {q}'s parts on the shared-memory board end at "
+                                    f"byte {at + n}, beyond the {len(source)} it wrote")
+            spans[q] = (at, n)
+        got = [np.empty((int(agreed[i, me]), *rest), dtype) for i in range(p)] \
+            if out is None else list(out)
+        for q, (at, n) in spans.items():
+            got[q].reshape(-1).view(np.uint8)[:] = sources[q][at:at + n]
+        np.copyto(got[me], parts[me])
+        return got
+
+    def _window(self, parity: int, nbytes: int) -> ShmFile:
+        """My window of ``parity`` with room for ``nbytes``, grown if it has not; its name
+        unlinked once every peer has mapped it.
+
+        Raises:
+            OSError: ``/dev/shm`` is full (the call fails on this rank: its peers time out
+                or see it leave, as for any local failure mid-collective).
+        """
+        window = self._own[parity]
+        if window is None or window.size - PAGE < nbytes:
+            if window is not None:  # every peer has read the last call of this parity
+                window.close()
+                self._own[parity] = None
+            size = max(MIN_WINDOW, 1 << max(nbytes - 1, 0).bit_length())
+            window = ShmFile.create(PAGE + size)
+            head = np.frombuffer(window.map, np.int64, count=MAPPED + self.size)
+            head[:MAPPED] = MAGIC, self.rank, self.size, size
+            head[MAPPED + self.rank] = 1
+            self._own[parity] = window
+        elif window.linked:
+            mapped = np.frombuffer(window.map, np.int64, count=self.size, offset=MAPPED * 8)
+            if mapped.all():
+                window.unlink()
+        return window
+
+    def _source(self, q: int, parity: int, head: np.ndarray, slot: np.ndarray,
+                nbytes: int) -> np.ndarray:
+        """Where rank ``q``'s parts lie (its slot after the header, or its window, mapped
+        on first sight), as bytes."""
+        p = self.size
+        size = int(head[table.width(p)])
+        if size == 0:
+            return slot[self._head:nbytes]
+        raw = head[table.width(p) + 1:].tobytes().rstrip(b"\0")
+        try:
+            name = raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"rank {q}'s window name on the shared-memory board is not "
+                                f"ASCII: {raw[:48]!r}") from None
+        window = self._theirs.get((q, parity))
+        if window is None or window.name != name:
+            if window is not None:
+                window.close()
+                del self._theirs[q, parity]
+            window = self._map(q, name, size)
+            self._theirs[q, parity] = window
+        if window.size - PAGE != size:
+            raise ProtocolError(f"rank {q}'s window {name!r} has {window.size - PAGE} bytes, "
+                                f"its header says {size}")
+        return np.frombuffer(window.map, np.uint8, offset=PAGE)
+
+    def _map(self, q: int, name: str, size: int) -> ShmFile:
+        if not 0 < size <= MAX_WINDOW:
+            raise ProtocolError(f"rank {q}'s window on the shared-memory board has {size} "
+                                f"bytes")
+        window = ShmFile.open(name, "alltoall window", min_size=PAGE + size,
+                              max_size=PAGE + size)
+        head = np.frombuffer(window.map, np.int64, count=MAPPED + self.size)
+        if list(head[:MAPPED]) != [MAGIC, q, self.size, size]:
+            window.close()
+            raise ProtocolError(f"alltoall window {name!r} is not rank {q}'s of this group")
+        head[MAPPED + self.rank] = 1
+        del head
+        return window
+
+    def close(self) -> None:
+        """Unlink and unmap my windows, unmap the peers'."""
+        for window in [*self._own, *self._theirs.values()]:
+            if window is not None:
+                window.close()
+        self._own = [None, None]
+        self._theirs.clear()
+
+
+__all__ = ["BoardAlltoall"]
