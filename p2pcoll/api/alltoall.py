@@ -28,6 +28,7 @@ from ..engine import alltoall_table as table
 from ..session.calls import Call
 from ..session.session import Session
 from ..session.turns import Turns
+from ..types import check_dtype
 from .arguments import native
 
 class Group(Protocol):
@@ -56,7 +57,7 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
     if isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence):
         raise TypeError(f"alltoall takes a sequence of {p} arrays (one per rank), got "
                         f"{type(parts).__name__}")
-    send = [native(a) for a in parts]
+    send = [_native(a) for a in parts]
     dtype, rest = _common(send, "parts")
     recv = _buffers(out, p, dtype, rest) if out is not None else None
     session = group.session
@@ -114,15 +115,24 @@ def _common(arrays: Sequence[np.ndarray], what: str) -> tuple[np.dtype[Any], tup
     return first.dtype, tuple(first.shape[1:])
 
 
+def _native(a: Any) -> np.ndarray:
+    """:func:`~.arguments.native`, without its new view of an array that is already
+    native and C-contiguous (the usual part: an all-to-all passes 2p of them)."""
+    if type(a) is np.ndarray and a.flags.c_contiguous and a.dtype.isnative:
+        check_dtype(a.dtype)
+        return a
+    return native(a)
+
+
 def _buffers(out: Sequence[Any], p: int, dtype: np.dtype[Any],
              rest: tuple[int, ...]) -> list[np.ndarray]:
     """``out=`` checked: p writable C-contiguous arrays of the parts' dtype and row shape."""
     if len(out) != p:
         raise ValueError(f"alltoall out= needs {p} arrays (one per rank), got {len(out)}")
-    arrays = [native(a) for a in out]
+    arrays = [_native(a) for a in out]
     for i, (given, a) in enumerate(zip(out, arrays, strict=True)):
         if (a.dtype != dtype or a.ndim == 0 or a.shape[1:] != rest
-                or not a.flags.writeable or (a.size and not np.shares_memory(
+                or not a.flags.writeable or (a.size and a is not given and not np.shares_memory(
                     a, given if isinstance(given, np.ndarray)
                     else tensors.as_array(given, bits=True)))):
             raise ValueError(f"alltoall out[{i}] must be a writable C-contiguous array of "

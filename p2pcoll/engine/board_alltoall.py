@@ -31,7 +31,7 @@ the window's name (:data:`NAME_WORDS` words of ASCII, zero-padded).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,26 @@ MAX_WINDOW = 1 << 40
 # then one word per rank: 1 once that rank has mapped it.
 MAGIC, RANK, SIZE, BYTES, MAPPED = 0x70327061_32610001, 0, 1, 2, 4
 _CODE = codes("alltoall", "", -1)
+MAX_SHAPES = 64  # the shapes of calls whose header is kept
+
+
+class _Shape(NamedTuple):
+    """What a rank passed, worked out once per dtype and shapes."""
+
+    row: np.ndarray  # its table row, as bytes
+    dtype: np.dtype[Any]
+    rest: tuple[int, ...]  # the parts' shape after the first axis
+    item: int  # bytes per row
+    moving: int  # bytes of its parts for other ranks
+
+
+class _Agreed(NamedTuple):
+    """A round's agreed table, kept per parity: a round whose headers are the same bytes
+    (same lengths, same windows) is the same round again."""
+
+    heads: bytes  # every rank's header
+    rows: tuple[int, ...]  # the rows this rank receives from each rank
+    spans: dict[int, tuple[np.ndarray, int, int]]  # a peer's parts; my part's byte, bytes
 
 
 def header_words(p: int) -> int:
@@ -67,6 +87,12 @@ class BoardAlltoall:
         self._head = header_words(self.size) * 8
         self._own: list[ShmFile | None] = [None, None]  # my window of each parity
         self._theirs: dict[tuple[int, int], ShmFile] = {}  # (rank, parity) -> mapped window
+        # My header after the table row: zeros (parts in the slot), or per parity my
+        # window's bytes and name.
+        self._in_slot = np.zeros((1 + NAME_WORDS) * 8, np.uint8)
+        self._tails = [self._in_slot, self._in_slot]
+        self._shapes: dict[tuple[Any, ...], _Shape] = {}
+        self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
 
     async def run(self, seq: int, parts: Sequence[np.ndarray],
                   out: Sequence[np.ndarray] | None, sig: Signature) -> list[np.ndarray]:
@@ -92,49 +118,84 @@ class BoardAlltoall:
                    out: Sequence[np.ndarray] | None, sig: Signature) -> list[np.ndarray]:
         path, p, me = self.path, self.size, self.rank
         parity = count & 1
-        slot = path.board.data[me][parity]
-        mine = parts[0] if parts else None
-        dtype = mine.dtype if mine is not None else np.dtype(np.float32)
-        rest = mine.shape[1:] if mine is not None else ()
-        elements = int(np.prod(rest, dtype=np.int64))
-        item = dtype.itemsize * elements  # bytes per row
-        sends = [int(a.shape[0]) for a in parts]
-        moving = sum(a.nbytes for j, a in enumerate(parts[:p]) if j != me)
-        words = np.zeros(header_words(p), np.int64)
-        table.fill(words[:table.width(p)], p, sends, dtype, elements,
-                   None if out is None else [int(a.shape[0]) for a in out])
+        data = path.board.data
+        slot = data[me][parity]
+        shape = self._shape(parts, out)
         # Where my parts go: after the header in the slot if they fit, else my window.
-        if self._head + moving <= len(slot):
-            area, at = slot, self._head
+        if self._head + shape.moving <= len(slot):
+            area, at, tail = slot, self._head, self._in_slot
         else:
-            window = self._window(parity, moving)
-            area, at = np.frombuffer(window.map, np.uint8, offset=PAGE), 0
-            words[table.width(p)] = window.size - PAGE
-            words[table.width(p) + 1:] = np.frombuffer(
-                window.name.encode().ljust(NAME_WORDS * 8, b"\0"), np.int64)
+            window = self._window(parity, shape.moving)
+            area, at, tail = np.frombuffer(window.map, np.uint8, offset=PAGE), 0, \
+                self._tails[parity]
         for j, a in enumerate(parts[:p]):
             if j != me:
                 n = a.nbytes
                 area[at:at + n] = a.reshape(-1).view(np.uint8)
                 at += n
-        slot[:self._head] = words.view(np.uint8)
+        width = len(shape.row)
+        slot[:width] = shape.row
+        slot[width:self._head] = tail
         digest, described = path._signed(sig, parity)
-        path._fields(parity, seq, digest, self._head + (moving if area is slot else 0),
-                     _CODE, described)
+        path._fields(parity, seq, digest, at if area is slot else self._head, _CODE,
+                     described)
         path._publish(count)
         await path._wait(count, path.others, seq)
-        # Every peer's header, checked; then the whole table, the same on every rank.
-        rows = np.zeros((p, table.width(p)), np.int64)
-        rows[me] = words[:table.width(p)]
-        sources: dict[int, np.ndarray] = {}
-        for q in path.others:
-            nbytes, _, _ = path._check(q, parity, seq, digest, _CODE, None)
-            theirs = path.board.data[q][parity]
-            head = theirs[:self._head].view(np.int64)
-            rows[q] = head[:table.width(p)]
-            sources[q] = self._source(q, parity, head, theirs, nbytes)
-        agreed = table.check(rows, p)
-        spans = {}  # where my part of each peer's parts lies in its source
+        nbytes = [path._check(q, parity, seq, digest, _CODE, None)[0] if q != me else 0
+                  for q in range(p)]
+        # Every rank's header as read: the same as last time on this parity (a loop of
+        # one call), the same table and places; else checked and worked out anew.
+        heads = b"".join([data[q][parity][:self._head].tobytes() for q in range(p)])
+        agreed = self._agreed[parity]
+        if agreed is None or agreed.heads != heads:
+            # The old round's views go first (a window replaced is unmapped at once), and
+            # a failure below leaves no round kept.
+            agreed = self._agreed[parity] = None
+            agreed = self._agree(parity, heads, nbytes, shape.item)
+            self._agreed[parity] = agreed
+        rest, dtype = shape.rest, shape.dtype
+        got = [np.empty((n, *rest), dtype) for n in agreed.rows] if out is None else list(out)
+        for q, (source, at, n) in agreed.spans.items():
+            got[q].reshape(-1).view(np.uint8)[:] = source[at:at + n]
+        np.copyto(got[me], parts[me])
+        return got
+
+    def _shape(self, parts: Sequence[np.ndarray], out: Sequence[np.ndarray] | None) -> _Shape:
+        """What this rank passed, worked out once per dtype and shapes."""
+        first = parts[0] if parts else None
+        dtype = first.dtype if first is not None else np.dtype(np.float32)
+        key = (dtype, tuple(a.shape for a in parts),
+               None if out is None else tuple(a.shape for a in out))
+        shape = self._shapes.get(key)
+        if shape is None:
+            p = self.size
+            rest = first.shape[1:] if first is not None else ()
+            elements = int(np.prod(rest, dtype=np.int64))
+            row = np.zeros(table.width(p), np.int64)
+            table.fill(row, p, [int(a.shape[0]) for a in parts], dtype, elements,
+                       None if out is None else [int(a.shape[0]) for a in out])
+            moving = sum(a.nbytes for j, a in enumerate(parts[:p]) if j != self.rank)
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.clear()
+            shape = self._shapes[key] = _Shape(row.view(np.uint8), dtype, rest,
+                                               dtype.itemsize * elements, moving)
+        return shape
+
+    def _agree(self, parity: int, heads: bytes, nbytes: list[int], item: int) -> _Agreed:
+        """Every rank's header checked, its window mapped, then the whole table, alike on
+        every rank; where my part of each peer's parts lies.
+
+        Raises:
+            CollectiveMismatch: the table does not add up (the same on every rank).
+            ProtocolError: a header or window does not.
+        """
+        p, me, data = self.size, self.rank, self.path.board.data
+        words = np.frombuffer(heads, np.int64).reshape(p, -1)
+        width = table.width(p)
+        sources = {q: self._source(q, parity, words[q, width:], data[q][parity], nbytes[q])
+                   for q in range(p) if q != me}
+        agreed = table.check(words[:, :width], p)
+        spans = {}
         for q, source in sources.items():
             row = agreed[q]
             if (row < 0).any():
@@ -145,13 +206,8 @@ class BoardAlltoall:
             if at + n > len(source):
                 raise ProtocolError(f"rank {q}'s parts on the shared-memory board end at "
                                     f"byte {at + n}, beyond the {len(source)} it wrote")
-            spans[q] = (at, n)
-        got = [np.empty((int(agreed[i, me]), *rest), dtype) for i in range(p)] \
-            if out is None else list(out)
-        for q, (at, n) in spans.items():
-            got[q].reshape(-1).view(np.uint8)[:] = sources[q][at:at + n]
-        np.copyto(got[me], parts[me])
-        return got
+            spans[q] = (source, at, n)
+        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans)
 
     def _window(self, parity: int, nbytes: int) -> ShmFile:
         """My window of ``parity`` with room for ``nbytes``, grown if it has not; its name
@@ -172,21 +228,25 @@ class BoardAlltoall:
             head[:MAPPED] = MAGIC, self.rank, self.size, size
             head[MAPPED + self.rank] = 1
             self._own[parity] = window
+            tail = np.zeros(1 + NAME_WORDS, np.int64)
+            tail[0] = size
+            tail[1:] = np.frombuffer(window.name.encode().ljust(NAME_WORDS * 8, b"\0"),
+                                     np.int64)
+            self._tails[parity] = tail.view(np.uint8)
         elif window.linked:
             mapped = np.frombuffer(window.map, np.int64, count=self.size, offset=MAPPED * 8)
             if mapped.all():
                 window.unlink()
         return window
 
-    def _source(self, q: int, parity: int, head: np.ndarray, slot: np.ndarray,
+    def _source(self, q: int, parity: int, tail: np.ndarray, slot: np.ndarray,
                 nbytes: int) -> np.ndarray:
         """Where rank ``q``'s parts lie (its slot after the header, or its window, mapped
-        on first sight), as bytes."""
-        p = self.size
-        size = int(head[table.width(p)])
+        on first sight), as bytes; ``tail`` its header's words after the table row."""
+        size = int(tail[0])
         if size == 0:
             return slot[self._head:nbytes]
-        raw = head[table.width(p) + 1:].tobytes().rstrip(b"\0")
+        raw = tail[1:].tobytes().rstrip(b"\0")
         try:
             name = raw.decode("ascii")
         except UnicodeDecodeError:
@@ -225,6 +285,7 @@ class BoardAlltoall:
                 window.close()
         self._own = [None, None]
         self._theirs.clear()
+        self._agreed = [None, None]
 
 
 __all__ = ["BoardAlltoall"]
