@@ -65,6 +65,8 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
         call = Call("alltoall", send + (recv or []), strategy=strategy, timeout=timeout,
                     flat=[a.reshape(-1) for a in send])
         await session.run(call)
+        if call.refused is not None:
+            raise call.refused
         recv = call.leaves[p:]
     else:
         recv = await _agree_and_exchange(group, send, recv, dtype, rest, strategy, timeout)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import CollectiveMismatch, ProtocolError
 from ..transport.shmfile import MAX_NAME, PAGE, ShmFile
 from ..wire import Signature
 from . import alltoall_table as table
@@ -95,15 +95,17 @@ class BoardAlltoall:
         self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
 
     async def run(self, seq: int, parts: Sequence[np.ndarray],
-                  out: Sequence[np.ndarray] | None, sig: Signature) -> list[np.ndarray]:
+                  out: Sequence[np.ndarray] | None,
+                  sig: Signature) -> list[np.ndarray] | CollectiveMismatch:
         """This rank's ``parts`` (native C-contiguous arrays, ``parts[j]`` to rank j) out,
         the parts from every rank in: into ``out`` when given (checked against the
         senders' lengths), else into new arrays. Returns them (``[i]`` from rank i), the
-        rank's own part included.
+        rank's own part included; or, when the ranks' tables disagree, the mismatch (the
+        same on every rank, nothing read) for the caller to raise once the round is over:
+        the round itself went well on every rank, so the group stays usable.
 
         Raises:
-            CollectiveMismatch: the ranks' tables disagree (the same on every rank), or a
-                peer runs another collective here.
+            CollectiveMismatch: a peer runs another collective here.
             PeerLost, CollectiveTimeout: through the board's wait.
             ProtocolError: a peer's header or window does not add up.
         """
@@ -115,7 +117,8 @@ class BoardAlltoall:
             path._end(seq)
 
     async def _run(self, count: int, seq: int, parts: Sequence[np.ndarray],
-                   out: Sequence[np.ndarray] | None, sig: Signature) -> list[np.ndarray]:
+                   out: Sequence[np.ndarray] | None,
+                   sig: Signature) -> list[np.ndarray] | CollectiveMismatch:
         path, p, me = self.path, self.size, self.rank
         parity = count & 1
         data = path.board.data
@@ -150,9 +153,11 @@ class BoardAlltoall:
         if agreed is None or agreed.heads != heads:
             # The old round's views go first (a window replaced is unmapped at once), and
             # a failure below leaves no round kept.
-            agreed = self._agreed[parity] = None
-            agreed = self._agree(parity, heads, nbytes, shape.item)
-            self._agreed[parity] = agreed
+            self._agreed[parity] = agreed = None
+            found = self._agree(parity, heads, nbytes, shape.item)
+            if isinstance(found, CollectiveMismatch):
+                return found
+            self._agreed[parity] = agreed = found
         rest, dtype = shape.rest, shape.dtype
         got = [np.empty((n, *rest), dtype) for n in agreed.rows] if out is None else list(out)
         for q, (source, at, n) in agreed.spans.items():
@@ -181,20 +186,24 @@ class BoardAlltoall:
                                                dtype.itemsize * elements, moving)
         return shape
 
-    def _agree(self, parity: int, heads: bytes, nbytes: list[int], item: int) -> _Agreed:
+    def _agree(self, parity: int, heads: bytes, nbytes: list[int],
+               item: int) -> _Agreed | CollectiveMismatch:
         """Every rank's header checked, its window mapped, then the whole table, alike on
-        every rank; where my part of each peer's parts lies.
+        every rank: where my part of each peer's parts lies, or the table's mismatch (the
+        same on every rank).
 
         Raises:
-            CollectiveMismatch: the table does not add up (the same on every rank).
-            ProtocolError: a header or window does not.
+            ProtocolError: a header or window does not add up.
         """
         p, me, data = self.size, self.rank, self.path.board.data
         words = np.frombuffer(heads, np.int64).reshape(p, -1)
         width = table.width(p)
         sources = {q: self._source(q, parity, words[q, width:], data[q][parity], nbytes[q])
                    for q in range(p) if q != me}
-        agreed = table.check(words[:, :width], p)
+        try:
+            agreed = table.check(words[:, :width], p)
+        except CollectiveMismatch as exc:
+            return exc
         spans = {}
         for q, source in sources.items():
             row = agreed[q]

@@ -104,6 +104,9 @@ class Call:
         strategy_used: set by the run: the strategy (or "shm") it ran with.
         schedule: an engine's own strategy to run, never a registered one (the robust
             reductions' exchange, :mod:`p2pcoll.engine.robust`); None: ``strategy``'s.
+        refused: set by the run: an alltoall on the board whose agreed lengths do not add
+            up (the same on every rank, nothing moved); the caller raises it, the group
+            stays usable.
     """
 
     collective: str
@@ -120,6 +123,7 @@ class Call:
     flat: list[np.ndarray] = field(default_factory=list)
     schedule: Strategy | None = None
     counts: tuple[int, ...] = ()
+    refused: CollectiveMismatch | None = None
 
     def key(self) -> tuple[Any, ...]:
         """What a prepared program depends on."""
@@ -409,7 +413,10 @@ class Runner:
                     p = self.size
                     parts = await board.alltoall.run(op.number, call.leaves[:p],
                                                    call.leaves[p:] or None, program.sig)
-                    call.leaves[p:] = parts
+                    if isinstance(parts, CollectiveMismatch):
+                        call.refused = parts
+                    else:
+                        call.leaves[p:] = parts
                     return
                 else:
                     assert call.op is not None

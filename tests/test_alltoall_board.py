@@ -1,0 +1,185 @@
+"""All-to-all on the board (peers of one host, no strategy asked for): one round, the
+lengths agreed in it, the parts in the slot or, beyond it, in each rank's shm window.
+
+Real peers: tasks of this process over ipc, so they share the host and the board. Every
+result is checked bit for bit against the blocks sent; ``stats()`` shows that no
+agreement allreduce ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import p2pcoll
+from p2pcoll.testing import run_ranks
+
+from test_alltoall import block, lengths
+
+
+def _ran(g: p2pcoll.Group) -> dict[str, dict[str, int]]:
+    return {k: dict(v) for k, v in g.stats()["collectives_by_strategy"].items()}
+
+
+async def _check(g: p2pcoll.Group, rows: np.ndarray, dtype: Any, width: int = 0,
+                 into: bool = False) -> None:
+    """One alltoall of ``rows`` (rank i sends rank j ``rows[i, j]`` rows), checked."""
+    p, r = g.world_size, g.rank
+    parts = [block(r, j, rows[r, j], dtype, width) for j in range(p)]
+    out = None
+    if into:
+        out = [np.full(block(i, r, rows[i, r], dtype, width).shape, 99, dtype)
+               for i in range(p)]
+    got = await g.alltoall(parts, out=out)
+    if into:
+        assert got == out or all(a is b for a, b in zip(got, out, strict=True))
+    for i in range(p):
+        want = block(i, r, rows[i, r], dtype, width)
+        assert got[i].dtype == want.dtype and got[i].shape == want.shape, (p, r, i)
+        assert got[i].tobytes() == want.tobytes(), (p, r, i)
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+async def test_slot_and_window_sizes_are_bit_exact_in_one_round(p: int) -> None:
+    """Lengths with zeros, four dtypes, 2-D rows, out= or not; small calls in the slot,
+    large ones (a rank's parts over 64 KiB) in its window; no agreement allreduce."""
+    async def fn(g: p2pcoll.Group) -> dict[str, dict[str, int]]:
+        n = 0
+        for top in (6, 3000, 40000):  # the slot; a 1 MiB window; a larger one
+            for dtype in (np.float32, np.int64, np.uint8, np.float64):
+                rows = lengths(p, 100 + n, top)
+                await _check(g, rows, dtype, into=n % 2 == 1)
+                n += 1
+        await _check(g, lengths(p, 7, 500), np.float32, width=3)
+        await _check(g, np.zeros((p, p), np.int64), np.float32)  # nothing at all moves
+        return _ran(g)
+
+    for ran in await run_ranks(p, fn, transport="ipc"):
+        assert ran["alltoall"] == {"shm": 14}, ran
+        assert "allreduce" not in ran, ran
+
+
+async def test_a_changed_shape_on_one_rank_is_a_new_round_not_the_kept_one() -> None:
+    """The same call twice on each parity (the kept table is used), then one rank alone
+    changes a length, a dtype's width, its window's size: each result still exact."""
+    p = 4
+
+    async def fn(g: p2pcoll.Group) -> None:
+        rows = lengths(p, 1, 50)
+        for _ in range(4):
+            await _check(g, rows, np.float32)
+        changed = rows.copy()
+        changed[2, 1] += 7  # rank 2 sends rank 1 more: only rank 2's header changes
+        await _check(g, changed, np.float32)
+        await _check(g, changed, np.float32)
+        await _check(g, rows, np.float32)
+        big = rows.copy()
+        big[3, :] = 100_000  # rank 3 alone outgrows the slot, then its window
+        await _check(g, big, np.float32)
+        big[3, :] = 400_000
+        await _check(g, big, np.float32)
+        await _check(g, big, np.float32)
+        await _check(g, rows, np.float32)  # and back into the slot
+        await _check(g, rows, np.float64)
+
+    await run_ranks(p, fn, transport="ipc")
+
+
+async def _outcome(aw: Any) -> Any:
+    try:
+        return await aw
+    except p2pcoll.P2PCollError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("case", ["lengths", "dtype", "parts", "after_kept"])
+async def test_a_mismatch_is_found_in_the_round_itself_and_named_on_every_rank(
+        case: str) -> None:
+    """No agreement allreduce runs, yet every rank raises the same CollectiveMismatch
+    naming the pair before reading any data; the group goes on (a correct call after)."""
+    p = 3
+
+    async def fn(g: p2pcoll.Group) -> tuple[Any, dict[str, dict[str, int]]]:
+        r = g.rank
+        parts = [np.ones(2, np.float32) for _ in range(p)]
+        out = None
+        if case == "lengths":
+            out = [np.empty(2, np.float32) for _ in range(p)]
+            if r == 2:
+                out[0] = np.full(5, 7, np.float32)  # rank 0 sends 2
+        elif case == "dtype" and r == 1:
+            parts = [np.ones(2, np.int32) for _ in range(p)]
+        elif case == "parts" and r == 2:
+            parts = parts[:2]
+        elif case == "after_kept":
+            for _ in range(3):  # both parities keep this call's table
+                await g.alltoall(parts)
+            if r == 1:
+                parts[2] = np.ones(3, np.float32)  # rank 2 expects 2 from rank 1
+            out = [np.empty(2, np.float32) for _ in range(p)] if r == 2 else None
+        got = await _outcome(g.alltoall(parts, out=out))
+        if case == "lengths" and r == 2:
+            assert out is not None and np.all(out[0] == 7)  # nothing was read
+        await _check(g, lengths(p, 5), np.float32)  # the group is usable
+        return got, _ran(g)
+
+    words = {"lengths": "rank 0 sends rank 2 2 rows, rank 2 expects 5 from rank 0",
+             "dtype": "rank 0 sends float32, rank 1 sends int32",
+             "parts": "rank 2 passed 2 parts",
+             "after_kept": "rank 1 sends rank 2 3 rows, rank 2 expects 2 from rank 1"}[case]
+    for exc, ran in await run_ranks(p, fn, transport="ipc"):
+        assert isinstance(exc, p2pcoll.CollectiveMismatch), exc
+        assert words in str(exc)
+        assert "allreduce" not in ran and set(ran["alltoall"]) == {"shm"}, ran
+
+
+async def test_a_peer_that_leaves_mid_exchange_is_peer_lost_naming_it() -> None:
+    """Rank 1 writes nothing and leaves: the others, waiting in the round, are told."""
+    async def fn(g: p2pcoll.Group) -> Any:
+        await _check(g, lengths(3, 2, 30000), np.float32)  # windows in place
+        if g.rank == 1:
+            await g.close("going away")
+            return None
+        started = time.monotonic()
+        with pytest.raises(p2pcoll.PeerLost) as info:
+            await g.alltoall([np.ones(30000, np.float32)] * 3, timeout=30)
+        return time.monotonic() - started, info.value
+
+    results = await run_ranks(3, fn, transport="ipc", return_exceptions=True)
+    for rank in (0, 2):
+        elapsed, err = results[rank]
+        assert err.rank == 1 and elapsed < 5, (rank, elapsed, err)
+
+
+async def test_windows_are_unlinked_once_mapped_and_gone_after_close() -> None:
+    async def fn(g: p2pcoll.Group) -> tuple[list[str], list[bool]]:
+        board = g.session.board
+        assert board is not None
+        await _check(g, np.full((3, 3), 30000), np.float32)  # a window of each parity
+        await _check(g, np.full((3, 3), 30000), np.float32)
+        names = [w.name for w in board.alltoall._own if w is not None]
+        assert len(names) == 2
+        await _check(g, np.full((3, 3), 30000), np.float32)  # each mapped by every peer
+        await _check(g, np.full((3, 3), 30000), np.float32)
+        await g.barrier()  # every rank's fourth call is over
+        return names, [os.path.exists(os.path.join("/dev/shm", n)) for n in names]
+
+    named = await run_ranks(3, fn, transport="ipc")
+    names = [name for names, _ in named for name in names]
+    assert len(set(names)) == 6
+    assert not any(exists for _, linked in named for exists in linked), named
+    assert not [n for n in names if os.path.exists(os.path.join("/dev/shm", n))]
+
+
+async def test_calls_in_flight_together_keep_their_order_on_the_board() -> None:
+    async def fn(g: p2pcoll.Group) -> None:
+        p = g.world_size
+        await asyncio.gather(*(_check(g, lengths(p, s, 20000 if s % 2 else 5), np.int64)
+                               for s in range(6)))
+
+    await run_ranks(4, fn, transport="ipc")
