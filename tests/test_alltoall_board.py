@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import p2pcoll
+from p2pcoll.engine import board_alltoall
 from p2pcoll.testing import run_ranks
+from p2pcoll.transport import cross_memory
 
 from test_alltoall import block, lengths
 
@@ -174,6 +176,39 @@ async def test_windows_are_unlinked_once_mapped_and_gone_after_close() -> None:
     assert len(set(names)) == 6
     assert not any(exists for _, linked in named for exists in linked), named
     assert not [n for n in names if os.path.exists(os.path.join("/dev/shm", n))]
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+async def test_parts_read_where_they_are_are_bit_exact(p: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every size over the direct threshold, a rank's parts for others are read from
+    its own arrays (cross-memory attach) once every peer said it can: no window is made,
+    and each result is exact, also with out=, zeros and a change of shape."""
+    if not cross_memory.available():
+        pytest.skip("no process_vm_readv on this platform")  # the shm path is tested above
+    monkeypatch.setattr(board_alltoall, "DIRECT_BYTES", 1)
+    reads = []
+    real = cross_memory.read
+
+    def read(pid: int, address: int, into: np.ndarray) -> None:
+        reads.append(into.nbytes)
+        real(pid, address, into)
+
+    monkeypatch.setattr(cross_memory, "read", read)
+
+    async def fn(g: p2pcoll.Group) -> tuple[bool, list[Any]]:
+        for n in range(8):
+            rows = lengths(p, 60 + n, 20000 if n % 3 else 5)
+            await _check(g, rows, (np.float32, np.int64)[n % 2], into=n % 4 == 1)
+        board = g.session.board
+        assert board is not None
+        return board.alltoall._read_by_all, board.alltoall._own
+
+    for read_by_all, own in await run_ranks(p, fn, transport="ipc"):
+        assert read_by_all
+        # The first round (before any rank knew) may have made one window, no more.
+        assert sum(w is not None for w in own) <= 1, own
+    assert sum(reads) > 20000 * p, reads  # the parts came that way, not only the probes
 
 
 async def test_calls_in_flight_together_keep_their_order_on_the_board() -> None:

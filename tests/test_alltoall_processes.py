@@ -1,5 +1,5 @@
-"""All-to-all on the board between real processes: a peer killed mid-exchange is named by
-every survivor (its window and its slot stay mapped; the survivors' wait ends)."""
+"""All-to-all on the board between real processes, through the windows and read where the
+parts are (cross-memory attach); a peer killed mid-exchange is named by every survivor."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from conftest import finish
 from p2pcoll.testing import free_port
+from p2pcoll.transport import cross_memory
 
 pytestmark = pytest.mark.processes
 
@@ -25,11 +26,13 @@ _KILLED = textwrap.dedent("""
     async def main():
         async with p2pcoll.join() as g:
             p, r = g.world_size, g.rank
-            parts = [np.full(100_000, 10 * r + j, np.float32) for j in range(p)]
-            for _ in range(10):  # in the windows: 1.2 MB a rank
+            # In the windows (0.8 MB for others), then read where they are (16.8 MB).
+            for n in (100_000,) * 4 + (2_100_000,) * 6:
+                parts = [np.full(n, 10 * r + j, np.float32) for j in range(p)]
                 got = await g.alltoall(parts)
                 assert all(np.all(got[i] == 10 * i + r) for i in range(p))
             assert g.stats()["collectives_by_strategy"]["alltoall"] == {"shm": 10}
+            print("DIRECT", g.session.board.alltoall._read_by_all, flush=True)
             if r == 1:
                 os.kill(os.getpid(), 9)  # SIGKILL: no goodbye, mid-way through the loop
             started = time.monotonic()
@@ -60,4 +63,7 @@ def test_a_peer_killed_mid_exchange_is_peer_lost_naming_it_on_every_survivor(
     for rank in (0, 2):
         code, out = outcomes[rank]
         assert code == 0 and "LOST 1 " in out, (rank, code, out)
-        assert float(out.split("LOST 1 ")[1].split()[0]) < 5, out
+        assert "DIRECT True" in out or not cross_memory.available(), out
+        # Named within a few heartbeats (2 s), not at the 60 s deadline (a loaded host
+        # stretches the heartbeat's own timing).
+        assert float(out.split("LOST 1 ")[1].split()[0]) < 20, out

@@ -23,19 +23,34 @@ the name once every peer has marked it, and closes it with the board. Names, lik
 other header field, are checked before use; a window that does not add up is a
 :class:`~p2pcoll.errors.ProtocolError`.
 
+One copy. Where the kernel lets peers read each other's memory
+(:mod:`p2pcoll.transport.cross_memory`), a rank whose parts for others come to
+:data:`DIRECT_BYTES` or more writes nothing: its header gives the address of each part and
+every peer copies its part straight out of the rank's own arrays, once. The rank's arrays
+must then stay as they are until every peer has read them, so such a round ends with a
+second, empty one on the board (every rank sees the same headers, so every rank runs it or
+none). A rank uses it only once every peer has said, in its header, that it could read a
+word that this rank published (each rank tries once, on the first round it sees).
+
 Header (int64 words at the start of the slot): the table row (``alltoall_table.width(p)``
-words), the bytes of the rank's window (0: its parts follow the header in the slot), then
-the window's name (:data:`NAME_WORDS` words of ASCII, zero-padded).
+words); where the parts are (:data:`IN_SLOT`: after the header in the slot;
+:data:`DIRECT`: in the rank's own memory; else the bytes of its window); the window's name
+(:data:`NAME_WORDS` words of ASCII, zero-padded); whether the rank can read every peer
+directly (0 or 1); the address of a word the rank publishes for that test; the address of
+each of its parts.
 """
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..errors import CollectiveMismatch, ProtocolError
+from ..errors import KILLED, CollectiveMismatch, PeerLost, ProtocolError
+from ..transport import cross_memory
+from ..transport.board import ATTACHED
 from ..transport.shmfile import MAX_NAME, PAGE, ShmFile
 from ..wire import Signature
 from . import alltoall_table as table
@@ -45,6 +60,14 @@ if TYPE_CHECKING:
     from .board_path import BoardPath
 
 NAME_WORDS = (MAX_NAME + 7) // 8
+IN_SLOT, DIRECT = 0, -1  # where a rank's parts are, if not in its window
+# The header's words after the table row: where, the name, reads directly, probe address,
+# then one address per rank.
+WHERE, NAME, READS, PROBE = 0, 1, 1 + NAME_WORDS, 2 + NAME_WORDS
+ADDRESSES = 3 + NAME_WORDS
+# A rank's parts for others from this many bytes on are read from its memory where peers
+# can: below, the second round costs more than the copy it saves.
+DIRECT_BYTES = 16 << 20
 MIN_WINDOW = 1 << 20  # a window's data bytes: the parts' bytes rounded up to a power of two
 MAX_WINDOW = 1 << 40
 # A window's header page: int64 words MAGIC, its rank, the group's size, its data bytes,
@@ -70,11 +93,14 @@ class _Agreed(NamedTuple):
 
     heads: bytes  # every rank's header
     rows: tuple[int, ...]  # the rows this rank receives from each rank
-    spans: dict[int, tuple[np.ndarray, int, int]]  # a peer's parts; my part's byte, bytes
+    # Per peer, where my part of its parts is: (its slot or window, first byte, bytes),
+    # or (None, address in its process, bytes) to read directly.
+    spans: dict[int, tuple[np.ndarray | None, int, int]]
+    direct: bool  # some rank's parts are read directly: a second round ends this one
 
 
 def header_words(p: int) -> int:
-    return table.width(p) + 1 + NAME_WORDS
+    return table.width(p) + ADDRESSES + p
 
 
 class BoardAlltoall:
@@ -89,8 +115,15 @@ class BoardAlltoall:
         self._theirs: dict[tuple[int, int], ShmFile] = {}  # (rank, parity) -> mapped window
         # My header after the table row: zeros (parts in the slot), or per parity my
         # window's bytes and name.
-        self._in_slot = np.zeros((1 + NAME_WORDS) * 8, np.uint8)
+        self._in_slot = np.zeros(1 + NAME_WORDS, np.int64)
         self._tails = [self._in_slot, self._in_slot]
+        # Reading peers directly: a word they may read to find out (its value MAGIC),
+        # whether I can read every peer (None: not tried yet), whether every peer has
+        # said it can read me (in the last headers I read).
+        self._probe = np.array([MAGIC], np.int64)
+        self._reads: bool | None = None if cross_memory.available() else False
+        self._read_by_all = False
+        self._pids = [int(v) for v in path.board.words[:, ATTACHED]]
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
 
@@ -124,21 +157,32 @@ class BoardAlltoall:
         data = path.board.data
         slot = data[me][parity]
         shape = self._shape(parts, out)
-        # Where my parts go: after the header in the slot if they fit, else my window.
-        if self._head + shape.moving <= len(slot):
-            area, at, tail = slot, self._head, self._in_slot
-        else:
-            window = self._window(parity, shape.moving)
-            area, at, tail = np.frombuffer(window.map, np.uint8, offset=PAGE), 0, \
-                self._tails[parity]
-        for j, a in enumerate(parts[:p]):
-            if j != me:
-                n = a.nbytes
-                area[at:at + n] = a.reshape(-1).view(np.uint8)
-                at += n
         width = len(shape.row)
-        slot[:width] = shape.row
-        slot[width:self._head] = tail
+        head = slot[:self._head]
+        head[:width] = shape.row
+        words = head[width:].view(np.int64)
+        # Where my parts go: after the header in the slot if they fit, else my window, or
+        # nowhere (read where they are).
+        direct = shape.moving >= DIRECT_BYTES and self._read_by_all
+        area, at = slot, self._head
+        if direct:
+            words[:] = 0
+            words[WHERE] = DIRECT
+            for j, a in enumerate(parts[:p]):
+                words[ADDRESSES + j] = a.ctypes.data
+        else:
+            if self._head + shape.moving > len(slot):
+                window = self._window(parity, shape.moving)
+                area, at = np.frombuffer(window.map, np.uint8, offset=PAGE), 0
+            words[:READS] = self._tails[parity] if area is not slot else self._in_slot
+            words[ADDRESSES:] = 0
+            for j, a in enumerate(parts[:p]):
+                if j != me:
+                    n = a.nbytes
+                    area[at:at + n] = a.reshape(-1).view(np.uint8)
+                    at += n
+        words[READS] = bool(self._reads)
+        words[PROBE] = self._probe.ctypes.data
         digest, described = path._signed(sig, parity)
         path._fields(parity, seq, digest, at if area is slot else self._head, _CODE,
                      described)
@@ -161,9 +205,32 @@ class BoardAlltoall:
         rest, dtype = shape.rest, shape.dtype
         got = [np.empty((n, *rest), dtype) for n in agreed.rows] if out is None else list(out)
         for q, (source, at, n) in agreed.spans.items():
-            got[q].reshape(-1).view(np.uint8)[:] = source[at:at + n]
+            into = got[q].reshape(-1).view(np.uint8)
+            if source is not None:
+                into[:] = source[at:at + n]
+            elif n:
+                self._read(q, at, into)
         np.copyto(got[me], parts[me])
+        if agreed.direct:  # my parts stay as they are until every peer has read them
+            path.board.count = count + 1
+            await path._barrier(count + 1, seq, sig)
         return got
+
+    def _read(self, q: int, address: int, into: np.ndarray) -> None:
+        """My part of rank ``q``'s parts, read where it is.
+
+        Raises:
+            PeerLost: its process is gone.
+            ProtocolError: the read failed otherwise (a bad address).
+        """
+        try:
+            cross_memory.read(self._pids[q], address, into)
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                raise PeerLost(f"rank {q}'s process is gone (its alltoall parts could not "
+                               f"be read)", q, how=KILLED) from None
+            raise ProtocolError(f"rank {q}'s alltoall parts could not be read where its "
+                                f"header says they are: {exc.strerror}") from None
 
     def _shape(self, parts: Sequence[np.ndarray], out: Sequence[np.ndarray] | None) -> _Shape:
         """What this rank passed, worked out once per dtype and shapes."""
@@ -198,25 +265,42 @@ class BoardAlltoall:
         p, me, data = self.size, self.rank, self.path.board.data
         words = np.frombuffer(heads, np.int64).reshape(p, -1)
         width = table.width(p)
+        if self._reads is None:  # first round: can I read every peer where it is?
+            self._reads = all(self._can_read(q, int(words[q, width + PROBE]))
+                              for q in range(p) if q != me)
+        self._read_by_all = bool(all(words[q, width + READS] for q in range(p) if q != me))
         sources = {q: self._source(q, parity, words[q, width:], data[q][parity], nbytes[q])
                    for q in range(p) if q != me}
         try:
             agreed = table.check(words[:, :width], p)
         except CollectiveMismatch as exc:
             return exc
-        spans = {}
+        spans: dict[int, tuple[np.ndarray | None, int, int]] = {}
         for q, source in sources.items():
             row = agreed[q]
             if (row < 0).any():
                 raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
                                     f"negative length: {list(row)}")
-            at = item * (int(row[:me].sum()) - (int(row[q]) if q < me else 0))
             n = int(row[me]) * item
+            if source is None:  # read in its process, at the address of its part for me
+                spans[q] = (None, int(words[q, width + ADDRESSES + me]), n)
+                continue
+            at = item * (int(row[:me].sum()) - (int(row[q]) if q < me else 0))
             if at + n > len(source):
                 raise ProtocolError(f"rank {q}'s parts on the shared-memory board end at "
                                     f"byte {at + n}, beyond the {len(source)} it wrote")
             spans[q] = (source, at, n)
-        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans)
+        direct = bool((words[:, width + WHERE] == DIRECT).any())
+        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans, direct)
+
+    def _can_read(self, q: int, address: int) -> bool:
+        """Whether I can read rank ``q``'s memory: its probe word, where it says it is."""
+        word = np.zeros(1, np.int64)
+        try:
+            cross_memory.read(self._pids[q], address, word)
+        except OSError:
+            return False
+        return int(word[0]) == MAGIC
 
     def _window(self, parity: int, nbytes: int) -> ShmFile:
         """My window of ``parity`` with room for ``nbytes``, grown if it has not; its name
@@ -238,10 +322,10 @@ class BoardAlltoall:
             head[MAPPED + self.rank] = 1
             self._own[parity] = window
             tail = np.zeros(1 + NAME_WORDS, np.int64)
-            tail[0] = size
-            tail[1:] = np.frombuffer(window.name.encode().ljust(NAME_WORDS * 8, b"\0"),
-                                     np.int64)
-            self._tails[parity] = tail.view(np.uint8)
+            tail[WHERE] = size
+            tail[NAME:] = np.frombuffer(window.name.encode().ljust(NAME_WORDS * 8, b"\0"),
+                                        np.int64)
+            self._tails[parity] = tail
         elif window.linked:
             mapped = np.frombuffer(window.map, np.int64, count=self.size, offset=MAPPED * 8)
             if mapped.all():
@@ -249,13 +333,19 @@ class BoardAlltoall:
         return window
 
     def _source(self, q: int, parity: int, tail: np.ndarray, slot: np.ndarray,
-                nbytes: int) -> np.ndarray:
+                nbytes: int) -> np.ndarray | None:
         """Where rank ``q``'s parts lie (its slot after the header, or its window, mapped
-        on first sight), as bytes; ``tail`` its header's words after the table row."""
-        size = int(tail[0])
-        if size == 0:
+        on first sight), as bytes, or None: in its process; ``tail`` its header's words
+        after the table row."""
+        size = int(tail[WHERE])
+        if size == IN_SLOT:
             return slot[self._head:nbytes]
-        raw = tail[1:].tobytes().rstrip(b"\0")
+        if size == DIRECT:
+            if not self._reads:
+                raise ProtocolError(f"rank {q} has its parts read directly, but rank "
+                                    f"{self.rank} said it cannot")
+            return None
+        raw = tail[NAME:READS].tobytes().rstrip(b"\0")
         try:
             name = raw.decode("ascii")
         except UnicodeDecodeError:
