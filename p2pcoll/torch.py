@@ -6,7 +6,6 @@ A thin alias of :mod:`p2pcoll.integrations.torch`, where the backend lives.
 from __future__ import annotations
 
 from .integrations.torch import (
-    ALLTOALL_TAG,
     NAME,
     Options,
     ProcessGroupP2PColl,
@@ -16,8 +15,7 @@ from .integrations.torch import (
 
 register()
 
-__all__ = ["ALLTOALL_TAG", "NAME", "Options", "ProcessGroupP2PColl", "UnsupportedOperation",
-           "register"]
+__all__ = ["NAME", "Options", "ProcessGroupP2PColl", "UnsupportedOperation", "register"]
 
 # ``from p2pcoll.torch import hooks`` and ``import p2pcoll.torch.hooks``: the DDP hooks.
 import sys as _sys  # noqa: E402

@@ -17,7 +17,7 @@ from ...extras import needs
 with needs("p2pcoll's torch.distributed backend (p2pcoll.torch)"):
     import torch.distributed as dist
 
-    from .backend import ALLTOALL_TAG, ProcessGroupP2PColl, create
+    from .backend import ProcessGroupP2PColl, create
     from .options import Options
     from .ops import UnsupportedOperation
 
@@ -31,5 +31,5 @@ def register() -> None:
     dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu"])
 
 
-__all__ = ["ALLTOALL_TAG", "NAME", "Options", "ProcessGroupP2PColl", "UnsupportedOperation",
-           "create", "register"]
+__all__ = ["NAME", "Options", "ProcessGroupP2PColl", "UnsupportedOperation", "create",
+           "register"]

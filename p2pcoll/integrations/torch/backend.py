@@ -53,7 +53,6 @@ from ...errors import P2PCollError
 from ...registry import available_strategies
 from ...session.flight import arm_signal
 from ...settings import Settings
-from ...wire import MAX_TAG
 from . import ops, shrinking
 from .options import Options, options_from
 from .ops import Reduction, bits, shares, store, values
@@ -63,8 +62,6 @@ from .work import Work
 # What runs unless pg_options or $P2PCOLL_<COLLECTIVE> say otherwise: Gloo's summation order,
 # so a script moved from "gloo" to "p2pcoll" computes the same bits.
 GLOO_ORDER = {"allreduce": "gloo_ring", "reduce": "gloo_ring"}
-# Reserved: alltoall ran as transfers on this tag before it was a collective of its own.
-ALLTOALL_TAG = MAX_TAG
 Coro = Coroutine[Any, Any, Any]
 
 
@@ -588,4 +585,4 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupP2PColl:
                                options_from(pg_options))
 
 
-__all__ = ["ALLTOALL_TAG", "Options", "P2PCollError", "ProcessGroupP2PColl", "create"]
+__all__ = ["Options", "P2PCollError", "ProcessGroupP2PColl", "create"]
