@@ -160,11 +160,11 @@ async def test_a_peer_that_leaves_mid_exchange_is_peer_lost_naming_it() -> None:
 
 async def test_windows_are_unlinked_once_mapped_and_gone_after_close() -> None:
     async def fn(g: p2pcoll.Group) -> tuple[list[str], list[bool]]:
-        board = g.session.board
-        assert board is not None
         await _check(g, np.full((3, 3), 30000), np.float32)  # a window of each parity
         await _check(g, np.full((3, 3), 30000), np.float32)
-        names = [w.name for w in board.alltoall._own if w is not None]
+        exchange = g.session.runner._alltoall
+        assert exchange is not None
+        names = [w.name for w in exchange._own if w is not None]
         assert len(names) == 2
         await _check(g, np.full((3, 3), 30000), np.float32)  # each mapped by every peer
         await _check(g, np.full((3, 3), 30000), np.float32)
@@ -200,9 +200,9 @@ async def test_parts_read_where_they_are_are_bit_exact(p: int,
         for n in range(8):
             rows = lengths(p, 60 + n, 20000 if n % 3 else 5)
             await _check(g, rows, (np.float32, np.int64)[n % 2], into=n % 4 == 1)
-        board = g.session.board
-        assert board is not None
-        return board.alltoall._read_by_all, board.alltoall._own
+        exchange = g.session.runner._alltoall
+        assert exchange is not None
+        return exchange._read_by_all, exchange._own
 
     for read_by_all, own in await run_ranks(p, fn, transport="ipc"):
         assert read_by_all

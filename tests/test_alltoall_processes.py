@@ -32,7 +32,7 @@ _KILLED = textwrap.dedent("""
                 got = await g.alltoall(parts)
                 assert all(np.all(got[i] == 10 * i + r) for i in range(p))
             assert g.stats()["collectives_by_strategy"]["alltoall"] == {"shm": 10}
-            print("DIRECT", g.session.board.alltoall._read_by_all, flush=True)
+            print("DIRECT", g.session.runner._alltoall._read_by_all, flush=True)
             if r == 1:
                 os.kill(os.getpid(), 9)  # SIGKILL: no goodbye, mid-way through the loop
             started = time.monotonic()

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,10 +54,7 @@ from ..transport.board import ATTACHED
 from ..transport.shmfile import MAX_NAME, PAGE, ShmFile
 from ..wire import Signature
 from . import alltoall_table as table
-from .board_path import codes
-
-if TYPE_CHECKING:
-    from .board_path import BoardPath
+from .board_path import BoardPath, codes
 
 NAME_WORDS = (MAX_NAME + 7) // 8
 IN_SLOT, DIRECT = 0, -1  # where a rank's parts are, if not in its window
@@ -124,6 +121,7 @@ class BoardAlltoall:
         self._reads: bool | None = None if cross_memory.available() else False
         self._read_by_all = False
         self._pids = [int(v) for v in path.board.words[:, ATTACHED]]
+        path.closing.append(self.close)
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
 

@@ -132,8 +132,9 @@ class BoardPath:
         self._signatures: dict[bytes, tuple[int, bytes]] = {}
         self._written: list[int | None] = [None, None]
         board.on_wake = self._on_wake
-        from .board_alltoall import BoardAlltoall  # it uses this module's steps
-        self.alltoall = BoardAlltoall(self)
+        # Called at close: what keeps files of its own for the board's collectives (the
+        # alltoall's windows, :mod:`.board_alltoall`).
+        self.closing: list[Callable[[], None]] = []
 
     # --- the protocol's steps ---------------------------------------------------------
 
@@ -481,7 +482,8 @@ class BoardPath:
         return layout, board.data[root][parity][:nbytes]
 
     def close(self) -> None:
-        self.alltoall.close()
+        for close in self.closing:
+            close()
         self._w.release()
         self.board.on_wake = None
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import msgpack
 import numpy as np
 
+from ..engine.board_alltoall import BoardAlltoall
 from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
 from ..engine.layout import Extent, Layout
@@ -199,6 +200,7 @@ class Runner:
         self._recent: dict[int, Signature] = {}  # seq -> what this rank ran (HISTORY of them)
         # The order calls start in while a coded reduction waits for its scales (.turns).
         self.turns = Turns()
+        self._alltoall: BoardAlltoall | None = None  # made on the first on the board
 
     def recent(self, seq: int) -> Signature | None:
         """What this rank ran as collective ``seq``, if it was one of the last few."""
@@ -411,8 +413,10 @@ class Runner:
                 elif name == "alltoall":  # the parts to send, then out= (if given)
                     call.strategy_used = BOARD
                     p = self.size
-                    parts = await board.alltoall.run(op.number, call.leaves[:p],
-                                                   call.leaves[p:] or None, program.sig)
+                    if self._alltoall is None or self._alltoall.path is not board:
+                        self._alltoall = BoardAlltoall(board)
+                    parts = await self._alltoall.run(op.number, call.leaves[:p],
+                                                     call.leaves[p:] or None, program.sig)
                     if isinstance(parts, CollectiveMismatch):
                         call.refused = parts
                     else:
