@@ -158,6 +158,29 @@ async def test_a_peer_that_leaves_mid_exchange_is_peer_lost_naming_it() -> None:
         assert err.rank == 1 and elapsed < 5, (rank, elapsed, err)
 
 
+async def test_a_window_name_that_is_not_ours_is_a_protocol_error_naming_the_rank() -> None:
+    """A hostile rank 1 names a file outside /dev/shm's own as its window: its peers map
+    nothing and raise ProtocolError naming it."""
+    async def fn(g: p2pcoll.Group) -> Any:
+        rows = np.full((3, 3), 30000)
+        for _ in range(2):  # a window of each parity
+            await _check(g, rows, np.float32)
+        if g.rank == 1:
+            exchange = g.session.runner._alltoall
+            assert exchange is not None
+            for tail in exchange._tails:
+                tail[board_alltoall.NAME:] = np.frombuffer(
+                    b"../../etc/passwd".ljust(8 * board_alltoall.NAME_WORDS, b"\0"), np.int64)
+        return await _outcome(g.alltoall([np.ones(30000, np.float32)] * 3, timeout=20))
+
+    results = await run_ranks(3, fn, transport="ipc")
+    for rank in (0, 2):
+        assert isinstance(results[rank], p2pcoll.ProtocolError), results[rank]
+        assert "rank 1's alltoall window" in str(results[rank]), results[rank]
+    # Rank 1 read good headers: its round may end before the others' errors reach it.
+    assert isinstance(results[1], (list, p2pcoll.P2PCollError)), results[1]
+
+
 async def test_windows_are_unlinked_once_mapped_and_gone_after_close() -> None:
     async def fn(g: p2pcoll.Group) -> tuple[list[str], list[bool]]:
         await _check(g, np.full((3, 3), 30000), np.float32)  # a window of each parity

@@ -365,7 +365,7 @@ class BoardAlltoall:
         if not 0 < size <= MAX_WINDOW:
             raise ProtocolError(f"rank {q}'s window on the shared-memory board has {size} "
                                 f"bytes")
-        window = ShmFile.open(name, "alltoall window", min_size=PAGE + size,
+        window = ShmFile.open(name, f"rank {q}'s alltoall window", min_size=PAGE + size,
                               max_size=PAGE + size)
         head = np.frombuffer(window.map, np.int64, count=MAPPED + self.size)
         if list(head[:MAPPED]) != [MAGIC, q, self.size, size]:
