@@ -19,6 +19,11 @@ a plain one) never become requests: they are counted (:meth:`RendezvousServer.re
 the first of each kind is logged at once, and a host's join that times out says how many
 there were.
 
+The rendezvous host relays by default: the first join of a peer that cannot be reached
+and names no relay of its own starts a :class:`~p2pcoll.relay.Relay` on this host (a port
+the OS picks, on the rendezvous's address); it serves until the server closes, unless the
+peer that hosts the server takes it over for its group (:meth:`take_relay`).
+
 The server's work is kept off the path of the collectives of a peer that hosts it in its
 event loop: it reads a batch of requests, then lets the loop run others for three times as
 long as the batch took (:data:`SHARE`).
@@ -36,6 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ..relay import Relay
 from ..settings import RendezvousLimits
 from ..transport.sockets import SocketFactory
 from .jobs import RESEND, Jobs, Reply
@@ -84,7 +90,8 @@ class RendezvousServer:
     def __init__(self, url: str, sockets: SocketFactory | None = None,
                  limits: RendezvousLimits | None = None) -> None:
         self.url = url
-        self.jobs = Jobs(limits or RendezvousLimits())
+        self.jobs = Jobs(limits or RendezvousLimits(), relay=self._relay_port)
+        self.relay: Relay | None = None
         self._own_sockets = sockets is None
         self._sockets = sockets or SocketFactory()
         self._sock: zmq.asyncio.Socket | None = None
@@ -120,6 +127,26 @@ class RendezvousServer:
             parts.append(f"{len(refused_joins)} join(s): " + "; ".join(refused_joins[-3:]))
         return ("the rendezvous this process hosts refused " + ", and ".join(parts)
                 if parts else "")
+
+    def _relay_port(self) -> int | None:
+        """The port of this host's relay, started now if need be (None: it cannot be)."""
+        if self.relay is None:
+            host = parse_url(self.url)[0]
+            relay = Relay(host, 0, secured=self._sockets.secure)
+            try:
+                relay.bind()
+            except OSError as exc:
+                log.error("rendezvous at %s: cannot start its relay: %s", self.url, exc)
+                return None
+            self.relay = relay
+            log.info("rendezvous at %s: relaying on port %d for peers that cannot be "
+                     "reached", self.url, relay.port)
+        return self.relay.port
+
+    def take_relay(self) -> Relay | None:
+        """The relay this server started, if any, now the caller's to close."""
+        relay, self.relay = self.relay, None
+        return relay
 
     def bind(self) -> str:
         """Bind the rendezvous port and return the URL (port 0: the OS picks one).
@@ -241,6 +268,8 @@ class RendezvousServer:
             self._own_sockets = False
             self._sockets.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if (relay := self.take_relay()) is not None:
+            await relay.aclose()
 
 
 __all__ = ["RESEND", "RendezvousServer", "hosted_at"]
