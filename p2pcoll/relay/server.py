@@ -13,8 +13,9 @@ Who may cost what (:class:`RelayLimits`), every decision O(1) and none waiting o
 connection: connections held at once (beyond: closed at once, counted ``full``), the time
 a connection has to say its preamble (``handshake_s``: closed, counted ``timeout``) and
 what it says (anything but a relay preamble: ``garbage``), the targets registered,
-the member connections waiting for their target's ``accept`` (``max_pending``, each for
-``open_s`` at most: ``timeout``). A request for a target nobody registered (``unknown``),
+the member connections waiting for their target's ``accept`` or registration
+(``max_pending`` in all, each for ``open_s`` or ``register_s`` at most: ``timeout``,
+``unknown``). A request for a target nobody registered (``unknown``),
 or registered by another group (``other-job``), is answered ``REFUSED`` and counted. The
 relay never opens a connection itself: it forwards only to connections its targets opened
 to it.
@@ -58,6 +59,9 @@ class RelayLimits:
     max_pending: int = 1024
     handshake_s: float = 5.0
     open_s: float = 5.0
+    # A connect for a target not registered yet waits this long for it (its peer registers
+    # once it has the roster, as the others start connecting), then is refused.
+    register_s: float = 2.0
 
 
 class Relay:
@@ -81,6 +85,7 @@ class Relay:
         self.bytes_relayed = 0  # bytes forwarded, both ways
         self._connections: set[_Connection] = set()
         self._pending: dict[bytes, _Connection] = {}  # forward id -> member connection
+        self._early: dict[str, list[_Connection]] = {}  # target -> connects before it registered
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
         self._serving: asyncio.Task[None] | None = None
@@ -159,11 +164,22 @@ class Relay:
         conn.target = request.target
         conn.write(OK)
         conn.ping()
+        for early in self._early.pop(request.target, []):
+            if not early.closed and early.early is not None:
+                asked, early.early = early.early, None
+                self._connect(early, asked)
 
     def _connect(self, conn: _Connection, request: Connect) -> None:
+        waiting = len(self._pending) + sum(map(len, self._early.values()))
         try:
             control = self.targets.route(request.target, request.tag)
         except Refused as exc:
+            if (exc.reason == "unknown" and conn.early is None
+                    and waiting < self.limits.max_pending):
+                conn.early = request  # its target may register in a moment
+                self._early.setdefault(request.target, []).append(conn)
+                conn.arm(self.limits.register_s)
+                return
             self.refuse(conn, exc.reason, REFUSED)
             return
         if len(self._pending) >= self.limits.max_pending:
@@ -190,6 +206,12 @@ class Relay:
 
     def _gone(self, conn: _Connection) -> None:
         self._connections.discard(conn)
+        if conn.early is not None:
+            early = self._early.get(conn.early.target, [])
+            if conn in early:
+                early.remove(conn)
+            if not early:
+                self._early.pop(conn.early.target, None)
         if conn.pending is not None:
             self._pending.pop(conn.pending, None)
         if conn.target is not None:
@@ -211,6 +233,7 @@ class _Connection(Half):
         self.target: str | None = None  # a control connection: its target
         self.opens: set[bytes] = set()  # ... and the forwards it was asked to open
         self.pending: bytes | None = None  # a member waiting for its target's accept
+        self.early: Connect | None = None  # ... or for its target to register
         self._timer: asyncio.TimerHandle | None = None
 
     def _count(self, n: int) -> None:
@@ -237,8 +260,9 @@ class _Connection(Half):
     def _expired(self) -> None:
         self._timer = None
         if not self.closed:
-            self.relay.refuse(self, "timeout",
-                              REFUSED if self.pending is not None else b"")
+            reason = "unknown" if self.early is not None else "timeout"
+            waiting = self.pending is not None or self.early is not None
+            self.relay.refuse(self, reason, REFUSED if waiting else b"")
 
     def ping(self) -> None:
         if not self.closed:
@@ -248,7 +272,7 @@ class _Connection(Half):
     def data_received(self, data: bytes) -> None:
         preamble = self.preamble
         if preamble is None:
-            if self.target is None and self.pending is None:
+            if self.target is None and self.pending is None and self.early is None:
                 super().data_received(data)  # a forward: spliced
             # (a control connection or a waiting member has nothing to say: ignored)
             return
