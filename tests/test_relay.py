@@ -104,6 +104,24 @@ def test_the_rendezvous_fills_in_its_relay_or_refuses_a_join_that_needs_one() ->
     assert body["endpoints"][0] == [f"relay://:4242/{TARGET}", "ipc:///tmp/x"]
 
 
+def test_a_peer_the_server_cannot_reach_is_named_by_its_relay() -> None:
+    verdicts: dict[bytes, bool | None] = {b"peer": None}
+    jobs = Jobs(RendezvousLimits(), relay=lambda: 4242,
+                reach=lambda identity, endpoints: verdicts[identity])
+    frames = _join(["tcp://198.19.1.2:7000", "ipc:///tmp/y"])
+    request = msgpack.unpackb(frames[1])
+    checked = msgpack.packb({**request, "check": True, "target": TARGET, "relay": None})
+    assert jobs.request([b"peer", checked], 0.0) == []  # held: not known yet
+    verdicts[b"peer"] = False
+    jobs.request([b"peer", checked], 1.0)
+    [one, _] = jobs.request([b"other", _join(["tcp://198.18.0.1:5"])[1]], 1.0)
+    body = msgpack.unpackb(one.frames[1])
+    assert body["endpoints"][0] == [f"relay://:4242/{TARGET}", "ipc:///tmp/y"]
+    bad = msgpack.packb({**request, "check": True, "target": "x"})
+    [refusal] = jobs.request([b"third", bad], 2.0)
+    assert "malformed" in msgpack.unpackb(refusal.frames[0])["reason"]
+
+
 def test_settings_of_reachability_and_relay() -> None:
     env = {"P2PCOLL_REACHABLE": "0", "P2PCOLL_RELAY": "tcp://relay.example:7000"}
     settings = Settings.resolve(env)

@@ -38,12 +38,8 @@ first), then by arrival. A registered peer that has not re-sent its request for 
 heartbeat timeout is lost: the others of a fixed-size group fail at once naming it (an
 elastic group just goes on without it). A malformed request is counted and dropped.
 
-A peer that cannot accept connections advertises a relay endpoint first
-(``relay://HOST:PORT/TARGET``, see docs/relay.md); ``relay://:0/TARGET`` asks for the relay of
-the rendezvous host, which the server starts on the first such join (``relay``, a callable
-that returns its port, or None when it has none: the join is refused, naming
-``P2PCOLL_RELAY``); the roster names it ``relay://:PORT/TARGET``, and each peer reads the
-empty host as the rendezvous host it reached.
+A peer that cannot accept connections is named by a relay endpoint in the roster, as it
+asked or as the server found (:mod:`.reach`).
 
 A refused join that a member of the job made (it passed the job key's handshake, or there
 is no key) and that means the fixed-size group cannot form as asked (its world size or rank
@@ -78,6 +74,7 @@ import msgpack
 
 from ..wire import WIRE_VERSION
 from .admission import Admission
+from .reach import named
 
 if TYPE_CHECKING:  # settings imports the security package, which needs zmq
     from ..settings import RendezvousLimits
@@ -93,7 +90,6 @@ JOINED_SHOWN = 8  # peers that joined a status names, first come first
 # What to do about two processes asking for one rank (the end of that error).
 DUPLICATE_HINT = ("give each process its own rank (rank= or $RANK), or none to have the "
                   "rendezvous number them")
-_DEFAULT_RELAY = "relay://:0/"  # a join's first endpoint: behind the rendezvous host's relay
 MIN_HEARTBEAT = 2 * RESEND  # a shorter heartbeat would lose a peer between its re-sends
 
 
@@ -225,9 +221,11 @@ class Jobs:
     """
 
     def __init__(self, limits: RendezvousLimits,
-                 relay: Callable[[], int | None] = lambda: None) -> None:
+                 relay: Callable[[], int | None] = lambda: None,
+                 reach: Callable[[bytes, list[str]], bool | None] = lambda i, e: True) -> None:
         self.limits = limits
-        self.relay = relay  # the port of the rendezvous host's relay (started on demand)
+        self.relay = relay  # the port of the rendezvous host's relay (see .reach)
+        self.reach = reach  # whether the server could connect back to a peer (see .reach)
         self._forming: dict[str, _Forming] = {}
         self._peers = 0  # registrations, over every job
         self._expiry: list[tuple[float, int, str, bytes]] = []  # (deadline, arrival, job, id)
@@ -355,7 +353,12 @@ class Jobs:
                 or not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool)
                 or not heartbeat > 0):
             raise _Rejected("malformed join request")
-        endpoints = self._relayed(endpoints)
+        try:
+            endpoints = named(identity, endpoints, msg, self.reach, self.relay)
+        except ValueError as exc:
+            raise _Rejected(str(exc)) from None
+        if endpoints is None:
+            return  # held until the server knows whether it reaches the peer (see .reach)
         if heartbeat > limits.max_heartbeat:
             raise _Rejected(f"heartbeat {heartbeat:g}s is over this rendezvous's bound of "
                             f"{limits.max_heartbeat:g}s (P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT)")
@@ -412,20 +415,6 @@ class Jobs:
         forming.last_arrival = now
         if not self._progress(forming, now):
             self._status(forming, entry)
-
-    def _relayed(self, endpoints: list[str]) -> list[str]:
-        """A join's endpoints with the rendezvous host's relay filled in, if it asks for it.
-
-        Raises:
-            _Rejected: it does, and this rendezvous has none."""
-        if not endpoints[0].startswith(_DEFAULT_RELAY):
-            return endpoints
-        port = self.relay()
-        if port is None:
-            raise _Rejected("this rendezvous runs no relay for peers that cannot be reached: "
-                            "run `p2pcoll relay --port N` and set P2PCOLL_RELAY=tcp://HOST:N")
-        return [f"relay://:{port}/" + endpoints[0].removeprefix(_DEFAULT_RELAY),
-                *endpoints[1:]]
 
     def _check_fit(self, forming: _Forming, rank: int | None,
                    size: int | None, low: int | None, high: int | None, host: str, pid: int,

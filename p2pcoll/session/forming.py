@@ -82,7 +82,9 @@ async def form(settings: Settings, sockets: SocketFactory,
     # relay (see p2pcoll.transport.relayed): it advertises its relay endpoint.
     behind = (settings.reachable is False and url is not None and address is not None
               and not url.startswith("torch://"))
-    target = new_target() if behind else ""
+    # One that does not say is checked: the rendezvous connects back (see rendezvous.jobs).
+    check = settings.reachable is None and not settings.host
+    target = new_target() if behind or check else ""
     if address is None or behind:
         host = "127.0.0.1"
     else:
@@ -110,7 +112,8 @@ async def form(settings: Settings, sockets: SocketFactory,
                 membership, server = await _meet(
                     settings, address,
                     advertised(endpoints, settings.relay, target) if behind else endpoints,
-                    choose, sockets, me, max(0.0, deadline - loop.time()))
+                    choose, sockets, me, max(0.0, deadline - loop.time()),
+                    (target, settings.relay) if check else None)
         _check_reachable(policy.name, membership, me if url is not None else "")
         session = await _start(membership, transport, settings, constants, deadline)
         if server is not None and elastic(settings) is None:
@@ -216,7 +219,8 @@ def _check_reachable(transport: str, membership: Membership, me: str) -> None:
 
 async def _meet(settings: Settings, address: str, endpoints: list[str],
                 choose: Callable[[str, list[str]], str], sockets: SocketFactory, me: str,
-                left: float) -> tuple[Membership, RendezvousServer | None]:
+                left: float, check: tuple[str, str | None] | None
+                ) -> tuple[Membership, RendezvousServer | None]:
     """The p2pcoll rendezvous at ``address``, hosting it if this peer may (see the module
     docstring); returns the roster and the server this peer hosts, if any."""
     hosting = (_Hosting(address, sockets, settings) if settings.rank in (None, 0)
@@ -226,7 +230,7 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
             address, endpoints=endpoints, world_size=settings.world_size,
             rank=settings.rank, timeout=left, host_id=me, choose=choose, sockets=sockets,
             heartbeat=settings.heartbeat_timeout, job=settings.job_id,
-            elastic=elastic(settings), order=settings.order,
+            elastic=elastic(settings), order=settings.order, check=check,
         )
     except BaseException as exc:
         if hosting is not None and (server := await hosting.stop()) is not None:

@@ -24,6 +24,7 @@ from ..relay.server import Relay
 from ..types import Membership
 from .base import Counters
 from .endpoints import ipc_address
+from .router import Router
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -42,7 +43,8 @@ class RelayPaths:
 
     Args:
         membership: the group (each rank's chosen endpoint).
-        bound: this peer's bound endpoints (the local one a forward is spliced to).
+        router: this peer's ROUTER (a forward is spliced to its local endpoint; a peer
+            found unreachable stops listening on the network, when it has an ipc one).
         heartbeat_s: the relay is lost after this long without a word.
         lost: called once, with why, if this peer's relay is lost.
         counters: ``bytes_relayed`` (on the wire, both ways, between this peer and relays)
@@ -56,7 +58,7 @@ class RelayPaths:
             another host reaches it through one).
     """
 
-    def __init__(self, membership: Membership, bound: Sequence[str], heartbeat_s: float,
+    def __init__(self, membership: Membership, router: Router, heartbeat_s: float,
                  lost: Callable[[str], None], counters: Counters) -> None:
         tag = tag_of(membership.secret or membership.group_id)
         rank = membership.rank
@@ -79,7 +81,12 @@ class RelayPaths:
         self._task: asyncio.Task[None] | None = None
         if self.behind:
             host, port, target, _ = parse_endpoint(own)
+            bound = router.endpoints
             local = next((e for e in bound if e.startswith("ipc://")), bound[0])
+            if local.startswith("ipc://"):  # the rendezvous found it unreachable there
+                for address in [e for e in bound if e.startswith("tcp://")
+                                and not e.startswith("tcp://127.")]:
+                    router.unbind(address)
             self.attachment = Attachment(host, port, target, tag, local, heartbeat_s, lost,
                                          count)
             self._task = asyncio.create_task(self._start(lost, heartbeat_s))

@@ -198,7 +198,7 @@ class ZmqMesh:
         self._router.start(rank, size, secret)
         reach = endpoints  # peers behind a relay are reached through it (see .relayed)
         if any(is_relay(e) for e in endpoints):
-            self._relay = RelayPaths(membership, self._router.endpoints,
+            self._relay = RelayPaths(membership, self._router,
                                      self.settings.heartbeat_timeout, self._relay_lost,
                                      self.counters)
             reach = self._relay.endpoints
