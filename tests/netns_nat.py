@@ -63,6 +63,7 @@ class NatLab:
         self.names = [f"{tag}-h{r}" for r in range(hosts)]
         self.routers = {r: f"{tag}-rt{r}" for r in sorted(self.natted)}
         self._made: list[str] = []
+        self._relays: list[subprocess.Popen[str]] = []  # delay relays (delay_streams)
 
     def __enter__(self) -> Self:
         try:
@@ -123,6 +124,21 @@ class NatLab:
                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
             run(*ipt, "-A", "INPUT", "-i", "eth0", "-j", "DROP")
 
+    def shape(self, rate: str, burst: str = "512kbit", latency: str = "50ms") -> None:
+        """Every site's cable to ``rate`` each way (a token bucket at both ends: a public
+        host's eth0 or a router's public leg, and its switch port); a NATed host's own
+        cable to its router is not limited."""
+        tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+        for r, host in enumerate(self.names):
+            port, end = (100 + r, self.routers[r]) if r in self.natted else (r, host)
+            netns._run("tc", "-n", self.switch, "qdisc", "add", "dev", f"p{port}", "root", *tbf)
+            netns._run("tc", "-n", end, "qdisc", "add", "dev", "eth0", "root", *tbf)
+
+    def delay_streams(self, delay: float) -> None:
+        """Delay every TCP stream a host opens to another by ``delay`` each way, as
+        :meth:`netns.Lab.delay_streams` does (a relay on 127.0.0.1 of each host)."""
+        netns.Lab.delay_streams(self, delay)  # type: ignore[arg-type]
+
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.names[rank], *argv]
 
@@ -136,3 +152,7 @@ class NatLab:
         for name in reversed(self._made):
             netns._delete(name)
         self._made.clear()
+        for relay in self._relays:  # killed with their namespace: reap them
+            relay.kill()
+            relay.wait(timeout=5)
+        self._relays.clear()

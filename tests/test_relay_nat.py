@@ -147,6 +147,7 @@ def test_a_relay_that_dies_is_a_peer_lost_naming_the_peers_behind_it(key: Path) 
                 await _stop([*procs, relay])
 
     ends = asyncio.run(run())
+    print("\n" + "\n".join(json.dumps(end) for end in ends))
     for end in ends:
         assert end["error"] in ("PeerLost", "GroupBroken"), end
     for r in (0, 2):  # the public ranks name a peer behind the relay
