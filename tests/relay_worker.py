@@ -78,10 +78,16 @@ async def until_lost(g: p2pcoll.Group) -> None:
 
 async def main() -> None:
     g = await p2pcoll.join()
-    try:
-        await (collectives(g) if sys.argv[1] == "collectives" else until_lost(g))
-    finally:
-        await g.close(wait=False)
+    if sys.argv[1] == "collectives":
+        try:
+            await collectives(g)
+        finally:
+            await g.close()  # once the others have read all it sent
+    else:
+        try:
+            await until_lost(g)
+        finally:
+            await g.close(wait=False)
 
 
 if __name__ == "__main__":
