@@ -24,6 +24,7 @@ from p2pcoll.relay.server import _Connection
 from p2pcoll.rendezvous.jobs import Jobs
 from p2pcoll.security import JobKey
 from p2pcoll.settings import RendezvousLimits, Settings
+from p2pcoll.transport.relayed import advertised, choosing
 from p2pcoll.transport.sockets import SocketFactory
 from p2pcoll.wire import WIRE_VERSION
 
@@ -83,6 +84,22 @@ def test_relay_endpoints_and_tags() -> None:
             rp.parse_endpoint(bad)
     assert rp.tag_of("s" * 32) == rp.tag_of("s" * 32) != rp.tag_of("t" * 32)
     assert len(rp.tag_of("s")) == 32 and "s" * 8 not in rp.tag_of("s" * 32)
+
+
+def test_what_a_peer_behind_a_relay_advertises_and_chooses() -> None:
+    bound = ["tcp://127.0.0.1:5000", "ipc:///tmp/p.sock"]
+    assert advertised(bound, None, TARGET) == [f"relay://:0/{TARGET}", "ipc:///tmp/p.sock"]
+    assert advertised(bound, "tcp://relay.example:7000", TARGET)[0] == \
+        f"relay://relay.example:7000/{TARGET}"
+    first = choosing(lambda host, endpoints: endpoints[0], "198.18.0.1", TARGET)
+    other = "e" * 32
+    # another peer's relay endpoint on the rendezvous host gets that host
+    assert first("h", [f"relay://:4242/{other}"]) == f"relay://198.18.0.1:4242/{other}"
+    # this peer's own entry is its relay endpoint, whatever choose would pick
+    last = choosing(lambda host, endpoints: endpoints[-1], "198.18.0.1", TARGET)
+    assert last("me", [f"relay://:4242/{TARGET}", "ipc:///tmp/p.sock"]) == \
+        f"relay://198.18.0.1:4242/{TARGET}"
+    assert last("h", ["tcp://198.18.0.2:1", "ipc:///tmp/q.sock"]) == "ipc:///tmp/q.sock"
 
 
 def _join(endpoints: list[str]) -> list[bytes]:
