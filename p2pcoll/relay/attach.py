@@ -13,6 +13,9 @@ for the heartbeat: ``lost`` is called once with why (no other peer can reach thi
 more), and the attachment stops. Its forwards already open stay until their connections
 close.
 
+Both run on the process's relay loop (:mod:`.thread`): a peer's liveness through a relay
+does not wait on its own event loop.
+
 :class:`Entrance` is the other end: a Unix socket of this peer's (an ipc endpoint, nothing
 on the network) that its mesh connects a link or probe to, as to any peer. Each connection
 to it opens one to the relay, says ``connect`` with the target and the group's tag, and
@@ -23,12 +26,14 @@ once the relay answers ``OK`` the two are spliced; a refusal closes the local co
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import socket
 from collections.abc import Callable
 
+from . import thread
 from .pipe import Half
 from .protocol import (
     ID_BYTES, OK, OPEN, PING, accept_preamble, connect_preamble, register_preamble,
@@ -49,7 +54,8 @@ class Attachment:
         local: this peer's own mesh endpoint to splice forwards to (``ipc://PATH`` or
             ``tcp://127.0.0.1:PORT``).
         heartbeat_s: the relay is lost after this long without a word from it.
-        lost: called once with why, when the relay is lost (not after :meth:`aclose`).
+        lost: called once with why, when the relay is lost (not after :meth:`aclose`), on
+            the loop that called :meth:`start`.
         count: called with the size of each chunk forwarded (both ways).
     """
 
@@ -68,6 +74,7 @@ class Attachment:
         self._halves: set[Half] = set()
         self._opening: set[asyncio.Task[None]] = set()  # forwards being opened
         self._closing = False
+        self._caller: asyncio.AbstractEventLoop | None = None
 
     @property
     def where(self) -> str:
@@ -80,6 +87,10 @@ class Attachment:
             OSError: the relay could not be reached, or did not register this peer
                 within ``timeout`` seconds (naming the relay).
         """
+        self._caller = asyncio.get_running_loop()
+        await thread.run(self._start(timeout))
+
+    async def _start(self, timeout: float) -> None:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(self.host, self.port)
@@ -117,10 +128,10 @@ class Attachment:
         finally:
             if self._writer is not None:
                 self._writer.close()
-            if why and not self._closing:
+            if why and not self._closing and self._caller is not None:
                 log.error("relay target %s...: %s: the peers reaching this one through it "
                           "cannot any more", self.target[:8], why)
-                self.lost(why)
+                self._caller.call_soon_threadsafe(self.lost, why)
 
     async def _forward(self, conn: bytes) -> None:
         """Open the accept connection for forward ``conn`` and splice it to the local
@@ -155,6 +166,9 @@ class Attachment:
     async def aclose(self) -> None:
         """Unregister (close the control connection) and every forward. Idempotent."""
         self._closing = True
+        await thread.run(self._aclose())
+
+    async def _aclose(self) -> None:
         if self._writer is not None:
             self._writer.close()
         if self._task is not None:
@@ -216,7 +230,8 @@ class Entrance:
             raise
         self._sock: socket.socket | None = sock
         self._server: asyncio.Server | None = None
-        self._serving = asyncio.create_task(self._serve(sock))
+        self._serving: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(
+            self._serve(sock), thread.loop())
 
     @property
     def endpoint(self) -> str:
@@ -251,7 +266,10 @@ class Entrance:
 
     async def aclose(self) -> None:
         """Stop listening, remove the socket file, close every connection. Idempotent."""
-        await asyncio.gather(self._serving, return_exceptions=True)
+        await thread.run(self._aclose())
+
+    async def _aclose(self) -> None:
+        await asyncio.gather(asyncio.wrap_future(self._serving), return_exceptions=True)
         for task in list(self._opening):
             task.cancel()
         if self._server is not None:

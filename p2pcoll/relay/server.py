@@ -20,6 +20,9 @@ or registered by another group (``other-job``), is answered ``REFUSED`` and coun
 relay never opens a connection itself: it forwards only to connections its targets opened
 to it.
 
+It runs on its process's relay loop (:mod:`.thread`), not on the caller's: a peer that
+hosts it forwards while its own loop is busy.
+
 A relay that stops (its process dies) closes every connection through it: the members'
 heartbeat links to the peers behind it go down, and those peers are lost as any other; a
 target sees its control connection close (or hears no ``PING`` for its heartbeat).
@@ -28,13 +31,16 @@ target sees its control connection close (or hears no ``PING`` for its heartbeat
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import socket
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from . import thread
 from .pipe import Half
 from .protocol import (
     ID_BYTES, OK, OPEN, PING, PING_S, REFUSED, Accept, BadPreamble, Connect, Preamble,
@@ -88,11 +94,12 @@ class Relay:
         self._early: dict[str, list[_Connection]] = {}  # target -> connects before it registered
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
-        self._serving: asyncio.Task[None] | None = None
+        self._serving: concurrent.futures.Future[None] | None = None
+        self._counting = threading.Lock()  # refused is read from the caller's thread
 
     def bind(self) -> int:
-        """Listen now (the server starts serving at once, in a task of the running loop);
-        returns the port.
+        """Listen now (it serves from the relay loop, see :mod:`.thread`); returns the
+        port.
 
         Raises:
             OSError: the address cannot be bound.
@@ -108,7 +115,7 @@ class Relay:
             raise
         self._sock = sock
         self.port = sock.getsockname()[1]
-        self._serving = asyncio.create_task(self._serve(sock))
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(sock), thread.loop())
         if not self.secured:
             log.warning("relay on port %d: %s", self.port, PLAIN_WARNING)
         return self.port
@@ -121,13 +128,16 @@ class Relay:
         """``targets`` registered, ``connections`` open, ``forwards`` made, ``bytes_relayed``
         (both ways) and ``refused`` by reason (``garbage``, ``unknown``,
         ``other-job``, ``full``, ``timeout``)."""
+        with self._counting:
+            refused = dict(self.refused)
         return {"targets": len(self.targets), "connections": len(self._connections),
                 "forwards": self.forwards, "bytes_relayed": self.bytes_relayed,
-                "refused": dict(self.refused)}
+                "refused": refused}
 
     def refuse(self, conn: _Connection, reason: str, answer: bytes = b"") -> None:
-        self.refused[reason] += 1
-        total = sum(self.refused.values())
+        with self._counting:
+            self.refused[reason] += 1
+            total = sum(self.refused.values())
         if total in (1, 10, 100, 1000) or total % 10000 == 0:
             log.warning("relay on port %d: refused %d connection(s) in all (%s)", self.port,
                         total, ", ".join(f"{n} {r}" for r, n in self.refused.items()))
@@ -139,8 +149,11 @@ class Relay:
 
     async def aclose(self) -> None:
         """Stop listening and close every connection through it. Idempotent."""
+        await thread.run(self._aclose())
+
+    async def _aclose(self) -> None:
         if self._serving is not None:
-            await asyncio.gather(self._serving, return_exceptions=True)
+            await asyncio.gather(asyncio.wrap_future(self._serving), return_exceptions=True)
         if self._server is not None:
             self._server.close()
         elif self._sock is not None:
