@@ -91,12 +91,15 @@ class Attachment:
         await thread.run(self._start(timeout))
 
     async def _start(self, timeout: float) -> None:
+        writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(self.host, self.port)
                 writer.write(register_preamble(self.target, self.tag))
                 answer = await reader.readexactly(1)
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            if writer is not None:
+                writer.close()
             raise OSError(f"cannot register at the relay {self.where}: "
                           f"{exc or type(exc).__name__}") from None
         if answer != OK:
@@ -129,9 +132,10 @@ class Attachment:
             if self._writer is not None:
                 self._writer.close()
             if why and not self._closing and self._caller is not None:
-                log.error("relay target %s...: %s: the peers reaching this one through it "
-                          "cannot any more", self.target[:8], why)
-                self._caller.call_soon_threadsafe(self.lost, why)
+                log.warning("relay target %s...: %s: the peers reaching this one through it "
+                            "cannot any more", self.target[:8], why)
+                with contextlib.suppress(RuntimeError):  # its loop has closed meanwhile
+                    self._caller.call_soon_threadsafe(self.lost, why)
 
     async def _forward(self, conn: bytes) -> None:
         """Open the accept connection for forward ``conn`` and splice it to the local
