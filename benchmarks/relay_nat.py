@@ -35,7 +35,8 @@ LAYOUTS = {"direct": (), "NAT 2 of 4": (1, 3), "NAT 3 of 4": (1, 2, 3)}
 
 
 def env(lab: netns_nat.NatLab, rank: int, key: Path, port: int) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("P2PCOLL_", "MASTER_"))}
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("P2PCOLL_", "MASTER_")) or k == "P2PCOLL_HEARTBEAT_TIMEOUT"}
     e.update(P2PCOLL_RENDEZVOUS=f"tcp://{lab.address(0)}:{port}", WORLD_SIZE=str(WORLD),
              RANK=str(rank), P2PCOLL_KEY_FILE=str(key), P2PCOLL_HOST_ID=f"h{rank}",
              P2PCOLL_JOIN_TIMEOUT="120", OMP_NUM_THREADS="1",
@@ -50,13 +51,17 @@ def run(lab: netns_nat.NatLab, argv: list[str], key: Path, port: int,
     procs = [subprocess.Popen(lab.command(r, argv), env=env(lab, r, key, port), cwd=ROOT,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
-    reports = []
+    reports, errors = [], []
     try:
         for r, proc in enumerate(procs):
             out, err = proc.communicate(stdin, timeout=1800)
             if proc.returncode != 0 and not out.strip():
-                raise RuntimeError(f"rank {r}: {err[-2000:]}")
+                errors.append(f"rank {r}: " + next(
+                    (line for line in err.splitlines() if "p2pcoll.errors" in line), err[-300:]))
+                continue
             reports.append(json.loads(out.strip().splitlines()[-1]))
+        if errors:
+            raise RuntimeError("\n".join(errors))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -70,7 +75,11 @@ def main() -> int:
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds each way")
     parser.add_argument("--diloco-steps", type=int, default=0)
+    parser.add_argument("--heartbeat", type=float, default=None,
+                        help="P2PCOLL_HEARTBEAT_TIMEOUT for every layout (default: 5 s)")
     args = parser.parse_args()
+    if args.heartbeat:
+        os.environ["P2PCOLL_HEARTBEAT_TIMEOUT"] = str(args.heartbeat)
     reason = netns_nat.unavailable()
     if reason:
         print(reason, file=sys.stderr)
