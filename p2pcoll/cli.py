@@ -29,6 +29,8 @@ from .errors import P2PCollError, SettingsError
 from .extras import MissingExtra, needs, require
 from .launch import launch
 from .registry import Registry, registry
+from .relay import Relay
+from .relay.server import PLAIN_WARNING
 from .rendezvous import RendezvousServer
 from .security import JobKey, write_key_file
 from .settings import RendezvousLimits, Settings, job_key
@@ -56,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     handler = {"launch": _launch, "strategies": _strategies, "rendezvous": _rendezvous,
-               "keygen": _keygen, "peer": _peer, "timeline": _timeline, "flight": _flight}
+               "keygen": _keygen, "peer": _peer, "relay": _relay, "timeline": _timeline,
+               "flight": _flight}
     # Any command: an optional module missing says which extra to install, in one line.
     try:
         with needs(f"{PROG} {args.subcommand}"):
@@ -125,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
                             help="port to listen on (default: 29500)")
     rendezvous.epilog = ("With $P2PCOLL_KEY_FILE set it is secured with that job key, and only "
                          "peers holding the same key can join.")
+
+    relay = sub.add_parser(
+        "relay",
+        help="run a standalone relay for peers that cannot be reached",
+        description="Forward the connections of peers that cannot accept any (behind NAT or "
+                    "a firewall) for any number of jobs, until SIGINT or SIGTERM. Such peers "
+                    "join with P2PCOLL_REACHABLE=0 and P2PCOLL_RELAY=tcp://HOST:PORT. With a "
+                    "job key the relay sees only ciphertext (and needs no key).",
+    )
+    relay.add_argument("--host", default="0.0.0.0",
+                       help="address to listen on (default: 0.0.0.0, every interface)")
+    relay.add_argument("--port", type=_port, required=True, help="port to listen on")
 
     keygen = sub.add_parser(
         "keygen",
@@ -381,6 +396,32 @@ async def _serve_rendezvous(url: str, key: JobKey | None = None,
         await server.aclose()
         sockets.close()
     print("p2pcoll rendezvous: stopped", flush=True)
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve_relay(args.host, args.port))
+
+
+async def _serve_relay(host: str, port: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    relay = Relay(host, port)
+    try:
+        relay.bind()
+    except OSError as exc:
+        return _fail(f"relay: cannot listen on {host}:{port}: {exc}")
+    print(f"p2pcoll relay: relaying on {host}:{port} (SIGINT or SIGTERM stops it); "
+          f"{PLAIN_WARNING}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        stats = relay.stats()
+        await relay.aclose()
+    print(f"p2pcoll relay: stopped after {stats['forwards']} forwards, "
+          f"{stats['bytes_relayed']} bytes, refused {stats['refused']}", flush=True)
     return 0
 
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,7 @@ from .strategy import COLLECTIVES
 log = logging.getLogger("p2pcoll")
 
 TRANSPORT_NAMES = ("auto", "tcp", "ipc", "inproc")
+_RELAY_URL = re.compile(r"tcp://[A-Za-z0-9._-]+:([1-9][0-9]{0,4})")
 MAX_FLIGHT_RECORD = 1_000_000  # calls a flight record keeps at most (~200 bytes each)
 
 # Every variable this module knows, for the warning about unknown ones.
@@ -104,6 +106,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_FLIGHT_RECORD", "P2PCOLL_FLIGHT_DIR",
         "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC", "P2PCOLL_MAX_LINKS",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
+        "P2PCOLL_REACHABLE", "P2PCOLL_RELAY",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT",
         "P2PCOLL_RENDEZVOUS_MAX_PEERS", "P2PCOLL_RENDEZVOUS_MAX_JOBS", "P2PCOLL_RENDEZVOUS_RATE",
@@ -171,6 +174,11 @@ class Settings:
             job's keys in torchrun's store, see :mod:`p2pcoll.rendezvous.torch_store`).
         rendezvous_limits: what the rendezvous server this peer may host accepts; this
             peer's own world size and heartbeat must be within them.
+        reachable: False: this peer cannot accept connections (behind NAT, a firewall):
+            it listens on no network address and the others reach it through a relay
+            (see docs/relay.md); None or True: it can.
+        relay: ``tcp://HOST:PORT`` of the relay (``p2pcoll relay``) a peer that is not
+            reachable registers at, or None for the one the rendezvous host runs.
     """
 
     rendezvous: str | None = None
@@ -202,6 +210,8 @@ class Settings:
     order: int | None = None
     torchrun: str = ""
     rendezvous_limits: RendezvousLimits = field(default_factory=lambda: RendezvousLimits())
+    reachable: bool | None = None
+    relay: str | None = None
 
     @classmethod
     def resolve(
@@ -252,6 +262,8 @@ class Settings:
             "min_world_size": reader.integer("P2PCOLL_MIN_WORLD_SIZE", 1, 1 << 20),
             "max_world_size": reader.integer("P2PCOLL_MAX_WORLD_SIZE", 1, 1 << 20),
             "rendezvous_limits": RendezvousLimits.resolve(env),
+            "reachable": reader.switch("P2PCOLL_REACHABLE"),
+            "relay": reader.raw("P2PCOLL_RELAY"),
         }
         merged = {k: v for k, v in values.items() if v is not None}
         if "strategies" in given:
@@ -267,6 +279,11 @@ class Settings:
         _from_launcher(merged, env)
         settings = cls(**merged)
         settings._check_arguments(given)
+        if settings.relay is not None and not _RELAY_URL.fullmatch(settings.relay):
+            raise bad_value("relay=" if "relay" in given else "$P2PCOLL_RELAY",
+                            settings.relay, "tcp://HOST:PORT (where `p2pcoll relay` runs)")
+        if "reachable" in given and not isinstance(given["reachable"], bool):
+            raise bad_value("reachable=", given["reachable"], "True or False")
         return settings
 
     def _check_arguments(self, given: Mapping[str, Any]) -> None:

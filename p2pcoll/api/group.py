@@ -417,7 +417,10 @@ class Group(PointToPoint):
         ``links_opened``: links to peers this peer opened (the first time it sent to that
         peer, and again after closing it for the budget: see :mod:`p2pcoll.transport.route`);
         ``links_closed``: links it closed to stay within ``P2PCOLL_MAX_LINKS`` (so
-        ``links_opened - links_closed`` are open).
+        ``links_opened - links_closed`` are open); ``bytes_relayed``: bytes (on the wire,
+        both ways) between this peer and relays, and ``peer_links``: for each other rank,
+        ``"relayed"`` if what goes between the two passes a relay (either peer cannot be
+        reached), else ``"direct"`` (see docs/relay.md).
         Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
@@ -433,6 +436,10 @@ class Group(PointToPoint):
             "links_refused": c.links_refused,
             "links_opened": c.links_opened,
             "links_closed": c.links_closed,
+            "bytes_relayed": c.bytes_relayed,
+            "peer_links": {r: "relayed" if r in c.relayed else "direct"
+                           for r in range(session.membership.world_size)
+                           if r != session.membership.rank},
             "collectives": session.seq,
             **self._activity.report(),
         }

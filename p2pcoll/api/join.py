@@ -150,6 +150,8 @@ def join(
     timeline: str | os.PathLike[str] | None = None,
     host_id: str | None = None,
     max_links: int | None = None,
+    reachable: bool | None = None,
+    relay: str | None = None,
 ) -> Join:
     """Join a group of peers.
 
@@ -199,6 +201,13 @@ def join(
             idle link is closed, and opened again when needed (its messages keep their
             order); what bounds a peer's descriptors in a large group of rooted
             collectives.
+        reachable: False when this peer cannot accept connections (behind NAT or a
+            firewall; ``$P2PCOLL_REACHABLE=0``): it listens on no network address, keeps
+            one outbound connection to a relay, and the others reach it through that
+            (see docs/relay.md). None: it can.
+        relay: ``"tcp://HOST:PORT"`` of a standalone relay (``p2pcoll relay --port N``;
+            ``$P2PCOLL_RELAY``) for this peer to register at when not reachable; None: the
+            relay the rendezvous host runs.
 
     Raises:
         SettingsError: an argument or environment variable has a bad value (a timeline
@@ -222,7 +231,8 @@ def join(
         strategies=strategies, collective_timeout=collective_timeout, transport=transport,
         key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
         min_world_size=min_world_size, max_world_size=max_world_size, order=order,
-        timeline=timeline, host_id=host_id, max_links=max_links,
+        timeline=timeline, host_id=host_id, max_links=max_links, reachable=reachable,
+        relay=relay,
     )
     return Join(settings)
 

@@ -291,8 +291,14 @@ async def rendezvous(
     job: str = "",
     elastic: tuple[int, int | None] | None = None,
     order: int | None = None,
+    check: tuple[str, str | None] | None = None,
 ) -> Membership:
     """Register ``endpoints`` at the rendezvous and wait for the roster.
+
+    ``check`` is ``(target, relay)`` for a peer that may be unreachable: the rendezvous
+    connects back to its first tcp endpoint, and if it cannot, names this peer in the roster
+    by ``relay://.../target`` at ``relay`` (``tcp://HOST:PORT``; None: the rendezvous
+    host's relay), see docs/relay.md.
 
     ``choose(host, endpoints)`` picks which of a peer's endpoints this peer will use;
     ``elastic`` is ``(min, max)`` world size for an elastic group (``world_size`` None);
@@ -314,6 +320,7 @@ async def rendezvous(
         "heartbeat": heartbeat,
         "order": order, "min": elastic[0] if elastic else None,
         "max": elastic[1] if elastic else None,
+        **({"check": True, "target": check[0], "relay": check[1]} if check else {}),
     }
     status: dict[str, Any] | None = None
     start = time.monotonic()

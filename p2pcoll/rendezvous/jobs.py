@@ -38,6 +38,9 @@ first), then by arrival. A registered peer that has not re-sent its request for 
 heartbeat timeout is lost: the others of a fixed-size group fail at once naming it (an
 elastic group just goes on without it). A malformed request is counted and dropped.
 
+A peer that cannot accept connections is named by a relay endpoint in the roster, as it
+asked or as the server found (:mod:`.reach`).
+
 A refused join that a member of the job made (it passed the job key's handshake, or there
 is no key) and that means the fixed-size group cannot form as asked (its world size or rank
 disagrees with the group's, or two peers asked for one rank) fails the peers already
@@ -62,7 +65,7 @@ import secrets
 import uuid
 from bisect import bisect_left, insort
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -71,6 +74,7 @@ import msgpack
 
 from ..wire import WIRE_VERSION
 from .admission import Admission
+from .reach import named
 
 if TYPE_CHECKING:  # settings imports the security package, which needs zmq
     from ..settings import RendezvousLimits
@@ -216,8 +220,12 @@ class Jobs:
     described).
     """
 
-    def __init__(self, limits: RendezvousLimits) -> None:
+    def __init__(self, limits: RendezvousLimits,
+                 relay: Callable[[], int | None] = lambda: None,
+                 reach: Callable[[bytes, list[str]], bool | None] = lambda i, e: True) -> None:
         self.limits = limits
+        self.relay = relay  # the port of the rendezvous host's relay (see .reach)
+        self.reach = reach  # whether the server could connect back to a peer (see .reach)
         self._forming: dict[str, _Forming] = {}
         self._peers = 0  # registrations, over every job
         self._expiry: list[tuple[float, int, str, bytes]] = []  # (deadline, arrival, job, id)
@@ -345,6 +353,12 @@ class Jobs:
                 or not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool)
                 or not heartbeat > 0):
             raise _Rejected("malformed join request")
+        try:
+            endpoints = named(identity, endpoints, msg, self.reach, self.relay)
+        except ValueError as exc:
+            raise _Rejected(str(exc)) from None
+        if endpoints is None:
+            return  # held until the server knows whether it reaches the peer (see .reach)
         if heartbeat > limits.max_heartbeat:
             raise _Rejected(f"heartbeat {heartbeat:g}s is over this rendezvous's bound of "
                             f"{limits.max_heartbeat:g}s (P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT)")

@@ -19,6 +19,18 @@ a plain one) never become requests: they are counted (:meth:`RendezvousServer.re
 the first of each kind is logged at once, and a host's join that times out says how many
 there were.
 
+The rendezvous host relays by default: the first join of a peer that cannot be reached
+and names no relay of its own starts a :class:`~p2pcoll.relay.Relay` on this host (a port
+the OS picks, on the rendezvous's address); it serves until the server closes, unless the
+peer that hosts the server takes it over for its group (:meth:`take_relay`).
+
+A peer that does not say whether it can be reached is checked (see :mod:`.jobs`): the
+server connects to the first tcp endpoint it advertises and closes the connection at once,
+before any byte (:func:`~p2pcoll.transport.endpoints.listening`, at most :data:`CHECK_S`);
+one check per client connection, remembered, :data:`MAX_CHECKS` at once (a join beyond
+waits for its re-send), none for a loopback address (the peer is on this host, or nobody
+could tell).
+
 The server's work is kept off the path of the collectives of a peer that hosts it in its
 event loop: it reads a batch of requests, then lets the loop run others for three times as
 long as the batch took (:data:`SHARE`).
@@ -30,13 +42,16 @@ import asyncio
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ..relay import Relay
 from ..settings import RendezvousLimits
+from ..transport.endpoints import listening
 from ..transport.sockets import SocketFactory
 from .jobs import RESEND, Jobs, Reply
 from .url import parse_url
@@ -46,6 +61,9 @@ log = logging.getLogger("p2pcoll.rendezvous")
 TICK = 0.1  # how often the server looks for lost peers and settled elastic groups
 BATCH = 64  # requests read in one go, at most...
 BATCH_S = 0.002  # ...or for this long, before the event loop runs others
+CHECK_S = 1.0  # how long a connection back to a joining peer may take
+MAX_CHECKS = 64  # connections back under way at once
+CHECKED_KEPT = 16384  # verdicts remembered (the least recent forgotten)
 SHARE = 0.25  # the share of its event loop's time the server takes, at most, when busy
 
 
@@ -84,7 +102,11 @@ class RendezvousServer:
     def __init__(self, url: str, sockets: SocketFactory | None = None,
                  limits: RendezvousLimits | None = None) -> None:
         self.url = url
-        self.jobs = Jobs(limits or RendezvousLimits())
+        self.jobs = Jobs(limits or RendezvousLimits(), relay=self._relay_port,
+                         reach=self._reach)
+        self._checked: OrderedDict[bytes, tuple[str, bool]] = OrderedDict()  # id -> verdict
+        self._checking: dict[bytes, asyncio.Task[None]] = {}
+        self.relay: Relay | None = None
         self._own_sockets = sockets is None
         self._sockets = sockets or SocketFactory()
         self._sock: zmq.asyncio.Socket | None = None
@@ -120,6 +142,53 @@ class RendezvousServer:
             parts.append(f"{len(refused_joins)} join(s): " + "; ".join(refused_joins[-3:]))
         return ("the rendezvous this process hosts refused " + ", and ".join(parts)
                 if parts else "")
+
+    def _relay_port(self) -> int | None:
+        """The port of this host's relay, started now if need be (None: it cannot be)."""
+        if self.relay is None:
+            host = parse_url(self.url)[0]
+            relay = Relay(host, 0, secured=self._sockets.secure)
+            try:
+                relay.bind()
+            except OSError as exc:
+                log.error("rendezvous at %s: cannot start its relay: %s", self.url, exc)
+                return None
+            self.relay = relay
+            log.info("rendezvous at %s: relaying on port %d for peers that cannot be "
+                     "reached", self.url, relay.port)
+        return self.relay.port
+
+    def _reach(self, identity: bytes, endpoints: list[str]) -> bool | None:
+        """Whether this server could connect to the peer's first tcp endpoint (None: not
+        known yet, a check is under way or waits for room)."""
+        address = next((e for e in endpoints if e.startswith("tcp://")), None)
+        if address is None or address.startswith(("tcp://127.", "tcp://localhost:")):
+            return True
+        known = self._checked.get(identity)
+        if known is not None and known[0] == address:
+            return known[1]
+        if identity not in self._checking and len(self._checking) < MAX_CHECKS:
+            self._checking[identity] = asyncio.create_task(self._check(identity, address))
+        return None
+
+    async def _check(self, identity: bytes, address: str) -> None:
+        try:
+            reached = await listening(address, CHECK_S) is True
+        except ValueError:
+            reached = False
+        finally:
+            self._checking.pop(identity, None)
+        if not reached:
+            log.info("rendezvous at %s: a joining peer cannot be reached at %s: it is named "
+                     "by a relay", self.url, address)
+        self._checked[identity] = (address, reached)
+        while len(self._checked) > CHECKED_KEPT:
+            self._checked.popitem(last=False)
+
+    def take_relay(self) -> Relay | None:
+        """The relay this server started, if any, now the caller's to close."""
+        relay, self.relay = self.relay, None
+        return relay
 
     def bind(self) -> str:
         """Bind the rendezvous port and return the URL (port 0: the OS picks one).
@@ -228,7 +297,7 @@ class RendezvousServer:
     async def aclose(self) -> None:
         """Stop serving and close the socket (and its factory, if it made its own).
         Idempotent; cancelled, it leaves the socket closed and a later call finishes."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._checking.values()]:
             task.cancel()
         if self._sock is not None:
             self._sock.disable_monitor()
@@ -240,7 +309,9 @@ class RendezvousServer:
         if self._own_sockets:
             self._own_sockets = False
             self._sockets.close()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._checking.values(), return_exceptions=True)
+        if (relay := self.take_relay()) is not None:
+            await relay.aclose()
 
 
 __all__ = ["RESEND", "RendezvousServer", "hosted_at"]

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -31,11 +31,12 @@ from ..rendezvous import RendezvousServer, advertised_host, parse_url, rendezvou
 from ..rendezvous.torch_store import store_membership, store_rendezvous
 from ..settings import Settings
 from ..transport.endpoints import (
-    EndpointPolicy,
     endpoint_policy,
     host_identity,
     inproc_prefix,
 )
+from ..relay.protocol import new_target
+from ..transport.relayed import advertised, choosing
 from ..transport.sockets import SocketFactory
 from ..transport.zmq_mesh import ZmqMesh
 from ..types import Membership
@@ -77,7 +78,14 @@ async def form(settings: Settings, sockets: SocketFactory,
         )
     policy = endpoint_policy(settings.transport)
     address = None if url is None else await _resolve(url, deadline)
-    if address is None:
+    # A peer that cannot be reached listens on loopback only, and is reached through a
+    # relay (see p2pcoll.transport.relayed): it advertises its relay endpoint.
+    behind = (settings.reachable is False and url is not None and address is not None
+              and not url.startswith("torch://"))
+    # One that does not say is checked: the rendezvous connects back (see rendezvous.jobs).
+    check = settings.reachable is None and not settings.host
+    target = new_target() if behind or check else ""
+    if address is None or behind:
         host = "127.0.0.1"
     else:
         host = settings.host or await advertised_host(parse_url(address)[0])
@@ -99,12 +107,18 @@ async def form(settings: Settings, sockets: SocketFactory,
                     choose=lambda h, addresses: policy.choose(me, h, addresses),
                 )
             else:
+                choose = choosing(lambda h, addresses: policy.choose(me, h, addresses),
+                                  parse_url(address)[0], target)
                 membership, server = await _meet(
-                    settings, address, endpoints, policy, sockets, me,
-                    max(0.0, deadline - loop.time()))
+                    settings, address,
+                    advertised(endpoints, settings.relay, target) if behind else endpoints,
+                    choose, sockets, me, max(0.0, deadline - loop.time()),
+                    (target, settings.relay) if check else None)
         _check_reachable(policy.name, membership, me if url is not None else "")
         session = await _start(membership, transport, settings, constants, deadline)
         if server is not None and elastic(settings) is None:
+            if (relay := server.take_relay()) is not None:  # it serves the group's
+                transport.keep_relay(relay)                 # peers behind it
             await server.aclose()  # every peer has its roster: nothing left to serve
             server = None
         return session, server
@@ -204,7 +218,8 @@ def _check_reachable(transport: str, membership: Membership, me: str) -> None:
 
 
 async def _meet(settings: Settings, address: str, endpoints: list[str],
-                policy: EndpointPolicy, sockets: SocketFactory, me: str, left: float
+                choose: Callable[[str, list[str]], str], sockets: SocketFactory, me: str,
+                left: float, check: tuple[str, str | None] | None
                 ) -> tuple[Membership, RendezvousServer | None]:
     """The p2pcoll rendezvous at ``address``, hosting it if this peer may (see the module
     docstring); returns the roster and the server this peer hosts, if any."""
@@ -213,10 +228,9 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
     try:
         membership = await rendezvous(
             address, endpoints=endpoints, world_size=settings.world_size,
-            rank=settings.rank, timeout=left, host_id=me,
-            choose=lambda h, addresses: policy.choose(me, h, addresses),
-            sockets=sockets, heartbeat=settings.heartbeat_timeout, job=settings.job_id,
-            elastic=elastic(settings), order=settings.order,
+            rank=settings.rank, timeout=left, host_id=me, choose=choose, sockets=sockets,
+            heartbeat=settings.heartbeat_timeout, job=settings.job_id,
+            elastic=elastic(settings), order=settings.order, check=check,
         )
     except BaseException as exc:
         if hosting is not None and (server := await hosting.stop()) is not None:

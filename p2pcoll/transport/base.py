@@ -109,6 +109,10 @@ class Counters:
     links_opened: int = 0
     # links this peer closed to stay within its budget (P2PCOLL_MAX_LINKS; see .route)
     links_closed: int = 0
+    # bytes (on the wire, both ways) between this peer and relays (see .relayed)
+    bytes_relayed: int = 0
+    # the peers this one reaches, or is reached by, through a relay (see .relayed)
+    relayed: frozenset[int] = frozenset()
 
 
 class Transport(Protocol):

@@ -56,6 +56,11 @@ class EndpointPolicy(ABC):
 IPC_NAME = re.compile(r"p2pcoll-([1-9][0-9]{0,9})-[0-9a-f]{16}\.sock")
 
 
+def ipc_address() -> str:
+    """A fresh ipc endpoint of this process (swept by :func:`sweep_ipc` once it exits)."""
+    return _ipc_address()
+
+
 def _ipc_address() -> str:
     # Unix socket paths are limited to ~107 bytes, so keep this short.
     name = f"p2pcoll-{os.getpid()}-{uuid.uuid4().hex[:16]}.sock"

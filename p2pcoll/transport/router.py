@@ -306,6 +306,12 @@ class Router:
             log.debug("rank %d: %s to rank %d's probe not sent: %s", self.rank, header.kind,
                       watcher, exc)
 
+    def unbind(self, endpoint: str) -> None:
+        """Stop listening at ``endpoint`` (a peer found unreachable there: see .relayed)."""
+        assert self._socket is not None
+        self._socket.unbind(endpoint)
+        self.endpoints.remove(endpoint)
+
     def closing(self) -> None:
         """The mesh is closing: a receive that fails from now on ends the reading."""
         self._closed = True

@@ -66,6 +66,7 @@ from .inbound import Inbound
 from .links import link_identity
 from .liveness import Probes
 from .malloc import tune_malloc
+from .relayed import Relay, RelayPaths, is_relay
 from .route import Route, Routes
 from .router import Router
 from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take it and _put from here)
@@ -173,6 +174,8 @@ class ZmqMesh:
         self._monitored = False
         # Over inproc every large piece goes as a snapshot (see connect).
         self._snapshot_all = False
+        self._relay: RelayPaths | None = None  # the paths through relays, if any (.relayed)
+        self._kept: list[Relay] = []  # relays this peer serves (see keep_relay)
         tune_malloc(settings.tune_malloc)
 
     async def bind(self) -> list[str]:
@@ -193,7 +196,13 @@ class ZmqMesh:
         secret = self._secret = membership.secret or group_id  # in-process tests have none
         size = membership.world_size
         self._router.start(rank, size, secret)
-        self.routes.start(rank, secret, self._nonce, endpoints,
+        reach = endpoints  # peers behind a relay are reached through it (see .relayed)
+        if any(is_relay(e) for e in endpoints):
+            self._relay = RelayPaths(membership, self._router,
+                                     self.settings.heartbeat_timeout, self._relay_lost,
+                                     self.counters)
+            reach = self._relay.endpoints
+        self.routes.start(rank, secret, self._nonce, reach,
                           pinned=(), end=encode_header(Header("end", group_id, rank)))
         self.identity = self.routes.identity()
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
@@ -210,7 +219,7 @@ class ZmqMesh:
         if near and not inproc and self.settings.shm and shm.available():
             # Peers reached over ipc share this host (see .same_host).
             self._local.open(membership, near, self.settings.shm_bytes)
-        self._peer_endpoints = tuple(endpoints)
+        self._peer_endpoints = tuple(reach)
         # A group on a board wakes every peer through its wake-up pipe, which a peer opens
         # from the other's hello: there every peer greets every other (a board group is
         # small, see board.MAX_BOARD_RANKS). Elsewhere only the overlay's neighbours.
@@ -237,6 +246,13 @@ class ZmqMesh:
     def _lanes(self) -> lane.Lanes | None:
         """This peer's lanes (for tests: see .same_host)."""
         return self._local.lanes
+
+    def keep_relay(self, relay: Relay) -> None:  # its rendezvous's: serve until closed
+        self._kept.append(relay)
+
+    def _relay_lost(self, why: str) -> None:  # the peers reaching this one through it: lost
+        for peer in sorted(self.counters.relayed):
+            self._link_event(peer, LinkEvent.DOWN)
 
     def _lane_down(self, peer: int) -> None:
         self.on_link(peer, LinkEvent.DOWN)
@@ -579,3 +595,6 @@ class ZmqMesh:
         self._router.stop_census()
         self._local.close()
         self._router.close()
+        for relaying in (self._relay, *self._kept):
+            if relaying is not None:
+                await relaying.aclose()

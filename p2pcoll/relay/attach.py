@@ -1,0 +1,288 @@
+"""A peer's side of a relay: the registration of a peer behind one, and the local entrances
+of a peer that reaches others through one.
+
+:class:`Attachment` keeps one outbound control connection to the relay (see
+:mod:`.protocol`). For each ``OPEN`` the relay sends, it opens a new outbound connection
+to the relay, says ``accept`` on it, and splices it to this peer's own mesh socket at a
+local endpoint (an ipc socket file, or ``tcp://127.0.0.1:PORT``: nothing listens on the
+host's network). The ZMTP session then runs between the other peer's socket and this
+peer's, end to end; nothing here reads it.
+
+The relay is lost when the control connection closes or the relay's ``PING`` has not come
+for the heartbeat: ``lost`` is called once with why (no other peer can reach this one any
+more), and the attachment stops. Its forwards already open stay until their connections
+close.
+
+Both run on the process's relay loop (:mod:`.thread`): a peer's liveness through a relay
+does not wait on its own event loop.
+
+:class:`Entrance` is the other end: a Unix socket of this peer's (an ipc endpoint, nothing
+on the network) that its mesh connects a link or probe to, as to any peer. Each connection
+to it opens one to the relay, says ``connect`` with the target and the group's tag, and
+once the relay answers ``OK`` the two are spliced; a refusal closes the local connection
+(libzmq connects again a moment later, as to a peer not yet listening).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+from . import thread
+from .pipe import Half
+from .protocol import (
+    ID_BYTES, OK, OPEN, PING, accept_preamble, connect_preamble, register_preamble,
+)
+
+log = logging.getLogger("p2pcoll.relay")
+
+__all__ = ["Attachment", "Entrance"]
+
+
+class Attachment:
+    """This peer's registration as ``target`` at the relay ``host:port`` (see the module
+    docstring).
+
+    Args:
+        host, port: the relay.
+        target, tag: this peer's target name, and its group's tag (``protocol.tag_of``).
+        local: this peer's own mesh endpoint to splice forwards to (``ipc://PATH`` or
+            ``tcp://127.0.0.1:PORT``).
+        heartbeat_s: the relay is lost after this long without a word from it.
+        lost: called once with why, when the relay is lost (not after :meth:`aclose`), on
+            the loop that called :meth:`start`.
+        count: called with the size of each chunk forwarded (both ways).
+    """
+
+    def __init__(self, host: str, port: int, target: str, tag: str, local: str,
+                 heartbeat_s: float, lost: Callable[[str], None],
+                 count: Callable[[int], None] = lambda n: None) -> None:
+        self.host, self.port = host, port
+        self.target, self.tag = target, tag
+        self.local = local
+        self.heartbeat_s = heartbeat_s
+        self.lost = lost
+        self.count = count
+        self.forwards = 0
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._halves: set[Half] = set()
+        self._opening: set[asyncio.Task[None]] = set()  # forwards being opened
+        self._closing = False
+        self._caller: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self, timeout: float) -> None:
+        """Register at the relay and start answering it.
+
+        Raises:
+            OSError: the relay could not be reached, or did not register this peer
+                within ``timeout`` seconds (naming the relay).
+        """
+        self._caller = asyncio.get_running_loop()
+        await thread.run(self._start(timeout))
+
+    async def _start(self, timeout: float) -> None:
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                writer.write(register_preamble(self.target, self.tag))
+                answer = await reader.readexactly(1)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            if writer is not None:
+                writer.close()
+            raise OSError(f"cannot register at the relay {self.where}: "
+                          f"{exc or type(exc).__name__}") from None
+        if answer != OK:
+            writer.close()
+            raise OSError(f"the relay at {self.where} refused this peer's registration "
+                          f"(is it a p2pcoll relay?)")
+        self._writer = writer
+        self._task = asyncio.create_task(self._listen(reader))
+
+    async def _listen(self, reader: asyncio.StreamReader) -> None:
+        why = ""
+        try:
+            while True:
+                try:
+                    kind = await asyncio.wait_for(reader.readexactly(1), self.heartbeat_s)
+                except TimeoutError:
+                    why = f"the relay at {self.where} was silent for {self.heartbeat_s:g}s"
+                    return
+                if kind == OPEN:
+                    conn = await reader.readexactly(ID_BYTES)
+                    task = asyncio.create_task(self._forward(conn))
+                    self._opening.add(task)
+                    task.add_done_callback(self._opening.discard)
+                elif kind != PING:
+                    why = f"the relay at {self.where} sent {kind!r}, which it never sends"
+                    return
+        except (OSError, asyncio.IncompleteReadError):
+            why = f"the connection to the relay at {self.where} closed"
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            if why and not self._closing and self._caller is not None:
+                log.warning("relay target %s...: %s: the peers reaching this one through it "
+                            "cannot any more", self.target[:8], why)
+                with contextlib.suppress(RuntimeError):  # its loop has closed meanwhile
+                    self._caller.call_soon_threadsafe(self.lost, why)
+
+    async def _forward(self, conn: bytes) -> None:
+        """Open the accept connection for forward ``conn`` and splice it to the local
+        endpoint; a failure ends this forward only (the other peer's socket connects
+        again)."""
+        loop = asyncio.get_running_loop()
+
+        outer, inner = Half(self.count), Half(self.count)
+        try:
+            await loop.create_connection(lambda: outer, self.host, self.port)
+            outer.write(accept_preamble(conn))
+            if self.local.startswith("ipc://"):
+                await loop.create_unix_connection(lambda: inner,
+                                                  self.local.removeprefix("ipc://"))
+            else:
+                host, _, port = self.local.removeprefix("tcp://").rpartition(":")
+                await loop.create_connection(lambda: inner, host, int(port))
+        except OSError as exc:
+            log.debug("relay forward not opened: %s", exc)
+            outer.abort()
+            inner.abort()
+            return
+        if self._closing:
+            outer.abort()
+            inner.abort()
+            return
+        self.forwards += 1
+        outer.lost = inner.lost = lambda: self._halves.difference_update((outer, inner))
+        self._halves.update((outer, inner))
+        outer.join(inner)
+
+    async def aclose(self) -> None:
+        """Unregister (close the control connection) and every forward. Idempotent."""
+        self._closing = True
+        await thread.run(self._aclose())
+
+    async def _aclose(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for task in list(self._opening):
+            task.cancel()
+        for half in list(self._halves):
+            half.abort()
+        self._halves.clear()
+
+
+class _Answered(Half):
+    """The relay's side of an entrance's connection: its first byte is the relay's answer
+    (``OK``: splice with ``inner``; anything else: close both)."""
+
+    def __init__(self, count: Callable[[int], None], inner: Half) -> None:
+        super().__init__(count)
+        self.inner = inner
+        self.answered = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.answered:
+            super().data_received(data)
+            return
+        if data[:1] != OK:
+            self.abort()
+            self.inner.abort()
+            return
+        self.answered = True
+        self._held += data[1:]
+        self.join(self.inner)
+
+
+class Entrance:
+    """This peer's local way to ``target`` through the relay ``host:port`` (see the module
+    docstring): a Unix socket at ``path``, listening from construction on.
+
+    Args:
+        count: called with the size of each chunk that passes (both ways).
+    """
+
+    def __init__(self, host: str, port: int, target: str, tag: str, path: str,
+                 count: Callable[[int], None]) -> None:
+        self.host, self.port = host, port
+        self.preamble = connect_preamble(target, tag)
+        self.path = path
+        self.count = count
+        self._halves: set[Half] = set()
+        self._opening: set[asyncio.Task[None]] = set()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock: socket.socket | None = sock
+        self._server: asyncio.Server | None = None
+        self._serving: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(
+            self._serve(sock), thread.loop())
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + self.path
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._door, sock=sock)
+
+    def _door(self) -> Half:
+        inner = Half(self.count)
+        task = asyncio.create_task(self._open(inner))
+        self._opening.add(task)
+        task.add_done_callback(self._opening.discard)
+        return inner
+
+    async def _open(self, inner: Half) -> None:
+        loop = asyncio.get_running_loop()
+        outer = _Answered(self.count, inner)
+        try:
+            await loop.create_connection(lambda: outer, self.host, self.port)
+        except OSError as exc:
+            log.debug("relay at %s:%d not reached: %s", self.host, self.port, exc)
+            inner.abort()
+            return
+        outer.write(self.preamble)
+        pair = (outer, inner)
+        outer.lost = inner.lost = lambda: self._halves.difference_update(pair)
+        self._halves.update(pair)
+        if inner.closed:
+            outer.abort()
+
+    async def aclose(self) -> None:
+        """Stop listening, remove the socket file, close every connection. Idempotent."""
+        await thread.run(self._aclose())
+
+    async def _aclose(self) -> None:
+        await asyncio.gather(asyncio.wrap_future(self._serving), return_exceptions=True)
+        for task in list(self._opening):
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+        elif self._sock is not None:
+            self._sock.close()
+        self._server = self._sock = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        for half in list(self._halves):
+            half.abort()
+        self._halves.clear()

@@ -1,0 +1,313 @@
+"""The relay: forwards the ZeroMQ connections of peers that cannot accept connections.
+
+One asyncio server on one TCP port (see :mod:`.protocol` for what connections say). A
+target's control connection is held in :class:`~.protocol.Targets`; a member's connection
+to a target makes the relay send ``OPEN`` to the target, which opens a new connection to
+the relay (outbound: it needs no open port) and says ``accept``; the relay then answers
+the member ``OK`` and splices the two connections (:mod:`.pipe`).
+From there on it reads no byte of what it forwards: with a job key, the CurveZMQ session
+is end to end between the two peers and the relay sees ciphertext; without one, it could
+read the traffic, and says so when it starts.
+
+Who may cost what (:class:`RelayLimits`), every decision O(1) and none waiting on another
+connection: connections held at once (beyond: closed at once, counted ``full``), the time
+a connection has to say its preamble (``handshake_s``: closed, counted ``timeout``) and
+what it says (anything but a relay preamble: ``garbage``), the targets registered,
+the member connections waiting for their target's ``accept`` or registration
+(``max_pending`` in all, each for ``open_s`` or ``register_s`` at most: ``timeout``,
+``unknown``). A request for a target nobody registered (``unknown``),
+or registered by another group (``other-job``), is answered ``REFUSED`` and counted. The
+relay never opens a connection itself: it forwards only to connections its targets opened
+to it.
+
+It runs on its process's relay loop (:mod:`.thread`), not on the caller's: a peer that
+hosts it forwards while its own loop is busy.
+
+A relay that stops (its process dies) closes every connection through it: the members'
+heartbeat links to the peers behind it go down, and those peers are lost as any other; a
+target sees its control connection close (or hears no ``PING`` for its heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import socket
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from . import thread
+from .pipe import Half
+from .protocol import (
+    ID_BYTES, OK, OPEN, PING, PING_S, REFUSED, Accept, BadPreamble, Connect, Preamble,
+    Refused, Register, Targets,
+)
+
+log = logging.getLogger("p2pcoll.relay")
+
+__all__ = ["Relay", "RelayLimits"]
+
+PLAIN_WARNING = ("without a job key the relay forwards the peers' traffic in plain: it reads "
+                 "none of it, but could (set P2PCOLL_KEY_FILE on every peer: then the relay "
+                 "sees only CurveZMQ ciphertext and needs no key)")
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What a relay holds and waits for (see the module docstring)."""
+
+    max_connections: int = 4096
+    max_targets: int = 4096
+    max_pending: int = 1024
+    handshake_s: float = 5.0
+    open_s: float = 5.0
+    # A connect for a target not registered yet waits this long for it (its peer registers
+    # once it has the roster, as the others start connecting), then is refused.
+    register_s: float = 2.0
+
+
+class Relay:
+    """A relay server (see the module docstring).
+
+    Args:
+        host, port: where to listen (port 0: the OS picks one).
+        limits: its bounds.
+        secured: whether the jobs it serves have a key (None: it cannot know, a standalone
+            relay); False or None logs :data:`PLAIN_WARNING` at start.
+    """
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0,
+                 limits: RelayLimits | None = None, secured: bool | None = None) -> None:
+        self.host, self.port = host, port
+        self.limits = limits or RelayLimits()
+        self.secured = secured
+        self.targets = Targets(self.limits.max_targets)
+        self.refused: Counter[str] = Counter()  # reason -> connections refused
+        self.forwards = 0  # forwards made
+        self.bytes_relayed = 0  # bytes forwarded, both ways
+        self._connections: set[_Connection] = set()
+        self._pending: dict[bytes, _Connection] = {}  # forward id -> member connection
+        self._early: dict[str, list[_Connection]] = {}  # target -> connects before it registered
+        self._sock: socket.socket | None = None
+        self._server: asyncio.Server | None = None
+        self._serving: concurrent.futures.Future[None] | None = None
+        self._counting = threading.Lock()  # refused is read from the caller's thread
+
+    def bind(self) -> int:
+        """Listen now (it serves from the relay loop, see :mod:`.thread`); returns the
+        port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("" if self.host in ("*", "0.0.0.0") else self.host, self.port))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(sock), thread.loop())
+        if not self.secured:
+            log.warning("relay on port %d: %s", self.port, PLAIN_WARNING)
+        return self.port
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), sock=sock)
+
+    def stats(self) -> dict[str, Any]:
+        """``targets`` registered, ``connections`` open, ``forwards`` made, ``bytes_relayed``
+        (both ways) and ``refused`` by reason (``garbage``, ``unknown``,
+        ``other-job``, ``full``, ``timeout``)."""
+        with self._counting:
+            refused = dict(self.refused)
+        return {"targets": len(self.targets), "connections": len(self._connections),
+                "forwards": self.forwards, "bytes_relayed": self.bytes_relayed,
+                "refused": refused}
+
+    def refuse(self, conn: _Connection, reason: str, answer: bytes = b"") -> None:
+        with self._counting:
+            self.refused[reason] += 1
+            total = sum(self.refused.values())
+        if total in (1, 10, 100, 1000) or total % 10000 == 0:
+            log.warning("relay on port %d: refused %d connection(s) in all (%s)", self.port,
+                        total, ", ".join(f"{n} {r}" for r, n in self.refused.items()))
+        if answer:
+            conn.write(answer)
+            conn.close()
+        else:
+            conn.abort()
+
+    async def aclose(self) -> None:
+        """Stop listening and close every connection through it. Idempotent."""
+        await thread.run(self._aclose())
+
+    async def _aclose(self) -> None:
+        if self._serving is not None:
+            await asyncio.gather(asyncio.wrap_future(self._serving), return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+        elif self._sock is not None:
+            self._sock.close()
+        for conn in list(self._connections):
+            conn.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+        self._server = self._sock = self._serving = None
+
+    # --- what connections ask -------------------------------------------------------
+
+    def _register(self, conn: _Connection, request: Register) -> None:
+        try:
+            old = self.targets.register(request.target, request.tag, conn)
+        except Refused:
+            self.refuse(conn, "full")
+            return
+        if isinstance(old, _Connection):
+            old.abort()
+        conn.target = request.target
+        conn.write(OK)
+        conn.ping()
+        for early in self._early.pop(request.target, []):
+            if not early.closed and early.early is not None:
+                asked, early.early = early.early, None
+                self._connect(early, asked)
+
+    def _connect(self, conn: _Connection, request: Connect) -> None:
+        waiting = len(self._pending) + sum(map(len, self._early.values()))
+        try:
+            control = self.targets.route(request.target, request.tag)
+        except Refused as exc:
+            if (exc.reason == "unknown" and conn.early is None
+                    and waiting < self.limits.max_pending):
+                conn.early = request  # its target may register in a moment
+                self._early.setdefault(request.target, []).append(conn)
+                conn.arm(self.limits.register_s)
+                return
+            self.refuse(conn, exc.reason, REFUSED)
+            return
+        if len(self._pending) >= self.limits.max_pending:
+            self.refuse(conn, "full", REFUSED)
+            return
+        assert isinstance(control, _Connection)
+        conn_id = os.urandom(ID_BYTES)
+        self._pending[conn_id] = conn
+        conn.pending = conn_id
+        control.opens.add(conn_id)
+        control.write(OPEN + conn_id)
+        conn.arm(self.limits.open_s)
+
+    def _accept(self, conn: _Connection, request: Accept) -> None:
+        member = self._pending.pop(request.conn, None)
+        if member is None or member.closed:
+            self.refuse(conn, "unknown")
+            return
+        member.disarm()
+        member.pending = None
+        self.forwards += 1
+        member.write(OK)
+        member.join(conn)
+
+    def _gone(self, conn: _Connection) -> None:
+        self._connections.discard(conn)
+        if conn.early is not None:
+            early = self._early.get(conn.early.target, [])
+            if conn in early:
+                early.remove(conn)
+            if not early:
+                self._early.pop(conn.early.target, None)
+        if conn.pending is not None:
+            self._pending.pop(conn.pending, None)
+        if conn.target is not None:
+            self.targets.unregister(conn.target, conn)
+            for conn_id in conn.opens:  # those waiting for this target: no accept will come
+                member = self._pending.pop(conn_id, None)
+                if member is not None:
+                    self.refuse(member, "unknown", REFUSED)
+
+
+class _Connection(Half):
+    """One connection to the relay: its preamble, then its role (a target's control
+    connection, or one half of a forward)."""
+
+    def __init__(self, relay: Relay) -> None:
+        super().__init__(count=self._count, lost=lambda: relay._gone(self))
+        self.relay = relay
+        self.preamble: Preamble | None = Preamble()
+        self.target: str | None = None  # a control connection: its target
+        self.opens: set[bytes] = set()  # ... and the forwards it was asked to open
+        self.pending: bytes | None = None  # a member waiting for its target's accept
+        self.early: Connect | None = None  # ... or for its target to register
+        self._timer: asyncio.TimerHandle | None = None
+
+    def _count(self, n: int) -> None:
+        self.relay.bytes_relayed += n
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        relay = self.relay
+        if len(relay._connections) >= relay.limits.max_connections:
+            relay.refuse(self, "full")
+            return
+        relay._connections.add(self)
+        self.arm(relay.limits.handshake_s)
+
+    def arm(self, seconds: float) -> None:
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expired)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self.closed:
+            reason = "unknown" if self.early is not None else "timeout"
+            waiting = self.pending is not None or self.early is not None
+            self.relay.refuse(self, reason, REFUSED if waiting else b"")
+
+    def ping(self) -> None:
+        if not self.closed:
+            self.write(PING)
+            self._timer = asyncio.get_running_loop().call_later(PING_S, self.ping)
+
+    def data_received(self, data: bytes) -> None:
+        preamble = self.preamble
+        if preamble is None:
+            if self.target is None and self.pending is None and self.early is None:
+                super().data_received(data)  # a forward: spliced
+            # (a control connection or a waiting member has nothing to say: ignored)
+            return
+        try:
+            request = preamble.feed(data)
+        except BadPreamble:
+            self.preamble = None
+            self.relay.refuse(self, "garbage")
+            return
+        if request is None:
+            return
+        self.preamble = None
+        self.disarm()
+        if preamble.rest:
+            self._held += preamble.rest
+        if isinstance(request, Register):
+            self.relay._register(self, request)
+        elif isinstance(request, Connect):
+            self.relay._connect(self, request)
+        else:
+            self.relay._accept(self, request)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.disarm()
+        super().connection_lost(exc)

@@ -1,0 +1,144 @@
+"""The mesh's paths through a relay (see :mod:`p2pcoll.relay` and docs/relay.md).
+
+A peer that cannot accept connections advertises ``relay://HOST:PORT/TARGET`` (its
+ipc endpoints besides, for the peers of its host). Another peer reaches it through an
+:class:`~p2pcoll.relay.Entrance`, a Unix socket of its own that forwards each connection
+to the relay: its links and probes connect there as to any ipc endpoint. (libzmq's own
+SOCKS client, ``ZMQ_SOCKS_PROXY``, would need no entrance, but libzmq 4.3.5 aborts the
+process when such a socket closes within its reconnect interval after a failed attempt:
+``socks_connecter_t::error`` leaves a stale poller handle.) The peer behind the relay
+keeps an :class:`~p2pcoll.relay.Attachment` that splices each forward to its own socket's
+local endpoint. Its own links to the others are direct (outbound: a NAT lets them out),
+except to other peers behind relays. :class:`RelayPaths` starts and stops both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from ..relay.attach import Attachment, Entrance
+from ..relay.protocol import endpoint, parse_endpoint, tag_of
+from ..relay.server import Relay
+from ..types import Membership
+from .base import Counters
+from .endpoints import ipc_address
+from .router import Router
+
+log = logging.getLogger("p2pcoll.transport")
+
+__all__ = ["Relay", "RelayPaths", "advertised", "choosing", "is_relay"]
+
+PREFIX = "relay://"
+
+
+def is_relay(endpoint: str) -> bool:
+    return endpoint.startswith(PREFIX)
+
+
+class RelayPaths:
+    """Which peers of a group this one reaches through a relay, and this peer's own
+    registration at its relay, if it is behind one.
+
+    Args:
+        membership: the group (each rank's chosen endpoint).
+        router: this peer's ROUTER (a forward is spliced to its local endpoint; a peer
+            found unreachable stops listening on the network, when it has an ipc one).
+        heartbeat_s: the relay is lost after this long without a word.
+        lost: called once, with why, if this peer's relay is lost.
+        counters: ``bytes_relayed`` (on the wire, both ways, between this peer and relays)
+            is counted there, and ``relayed`` set (see :meth:`path`).
+
+    Attributes:
+        endpoints: every rank's endpoint as the mesh connects to it (a relayed peer's:
+            this peer's entrance to it).
+        relayed: the ranks this peer reaches through a relay.
+        behind: whether this peer is itself reached through a relay (then every peer of
+            another host reaches it through one).
+    """
+
+    def __init__(self, membership: Membership, router: Router, heartbeat_s: float,
+                 lost: Callable[[str], None], counters: Counters) -> None:
+        tag = tag_of(membership.secret or membership.group_id)
+        rank = membership.rank
+        self.relayed = frozenset(r for r, e in enumerate(membership.endpoints)
+                                 if r != rank and is_relay(e))
+        self.entrances: dict[int, Entrance] = {}
+
+        def count(n: int) -> None:
+            counters.bytes_relayed += n
+
+        for peer in sorted(self.relayed):
+            host, port, target, _ = parse_endpoint(membership.endpoints[peer])
+            self.entrances[peer] = Entrance(host, port, target, tag,
+                                            ipc_address().removeprefix("ipc://"), count)
+        self.endpoints = tuple(self.entrances[r].endpoint if r in self.entrances else e
+                               for r, e in enumerate(membership.endpoints))
+        own = membership.endpoints[rank]
+        self.behind = is_relay(own)
+        self.attachment: Attachment | None = None
+        self._task: asyncio.Task[None] | None = None
+        if self.behind:
+            host, port, target, _ = parse_endpoint(own)
+            bound = router.endpoints
+            local = next((e for e in bound if e.startswith("ipc://")), bound[0])
+            if local.startswith("ipc://"):  # the rendezvous found it unreachable there
+                for address in [e for e in bound if e.startswith("tcp://")
+                                and not e.startswith("tcp://127.")]:
+                    router.unbind(address)
+            self.attachment = Attachment(host, port, target, tag, local, heartbeat_s, lost,
+                                         count)
+            self._task = asyncio.create_task(self._start(lost, heartbeat_s))
+        counters.relayed = frozenset(
+            r for r, e in enumerate(membership.endpoints)
+            if r != rank and self.path(r, not e.startswith("ipc://")) == "relayed")
+
+    async def _start(self, lost: Callable[[str], None], timeout: float) -> None:
+        assert self.attachment is not None
+        try:
+            await self.attachment.start(timeout)
+        except OSError as exc:
+            log.error("%s: no peer of another host can reach this one", exc)
+            lost(str(exc))
+
+    def path(self, peer: int, remote: bool) -> str:
+        """``relayed`` if what goes between this peer and ``peer`` passes a relay either
+        way (``remote``: ``peer`` is on another host), else ``direct``."""
+        return "relayed" if peer in self.relayed or (self.behind and remote) else "direct"
+
+    async def aclose(self) -> None:
+        for entrance in self.entrances.values():
+            await entrance.aclose()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.attachment is not None:
+            await self.attachment.aclose()
+
+
+def advertised(bound: Sequence[str], relay: str | None, target: str) -> list[str]:
+    """The endpoints a peer behind a relay advertises: ``relay://HOST:PORT/TARGET`` at
+    ``relay`` (``tcp://HOST:PORT``), or at the rendezvous host's relay (``relay://:0/``,
+    which the rendezvous fills in), then its ipc endpoints, for the peers of its host."""
+    host, port = ("", 0)
+    if relay is not None:
+        host, _, number = relay.removeprefix("tcp://").rpartition(":")
+        port = int(number)
+    return [endpoint(host, port, target), *(e for e in bound if e.startswith("ipc://"))]
+
+
+def choosing(choose: Callable[[str, list[str]], str], rendezvous_host: str, target: str
+             ) -> Callable[[str, list[str]], str]:
+    """``choose`` (which endpoint of a peer to use) for a roster with relay endpoints: one
+    with no host is on the rendezvous host; this peer's own entry (it names ``target``)
+    is its relay endpoint, where it registers (see :class:`RelayPaths`)."""
+
+    def chosen(host: str, endpoints: list[str]) -> str:
+        endpoints = [f"relay://{rendezvous_host}{e.removeprefix('relay://')}"
+                     if e.startswith("relay://:") else e for e in endpoints]
+        if target and endpoints and endpoints[0].endswith("/" + target):
+            return endpoints[0]
+        return choose(host, endpoints)
+
+    return chosen

@@ -1,0 +1,94 @@
+"""A peer for tests/test_relay_nat.py: joins from the environment, then by ``argv[1]``:
+
+- ``collectives``: runs every collective on fixed inputs and prints one JSON line: the
+  sha256 of each result, ``stats()``, and allreduce times (4 KiB, 16 MiB); then waits for
+  a line on stdin before leaving (the test looks at the host's listening sockets meanwhile);
+- ``until-lost``: prints ``{"formed": ...}``, then allreduces until one fails and prints
+  the error's type, message and ``rank`` if it names one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+
+import p2pcoll
+
+
+def digest(*arrays: object) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        for x in (a if isinstance(a, list) else [a]):
+            if x is not None:
+                h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()[:16]
+
+
+async def collectives(g: p2pcoll.Group) -> None:
+    r, n = g.rank, g.world_size
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal(10_001).astype(np.float32)
+    out = {
+        "allreduce": digest(await g.allreduce(x)),
+        "allreduce_ring": digest(await g.allreduce(x, strategy="ring")),
+        "reduce": digest(await g.reduce(x, root=1)),
+        "reduce_scatter": digest(await g.reduce_scatter(x)),
+        "broadcast": digest(await g.broadcast(x, root=3 % n)),
+        "allgather": digest(await g.allgather(x)),
+        "alltoall": digest(await g.alltoall([x[: 100 + i] for i in range(n)])),
+        "gather": digest(await g.gather(x, root=2 % n)),
+        "scatter": digest(await g.scatter([x[: 50 + i] for i in range(n)] if r == 0 else None,
+                                          root=0)),
+    }
+    await g.barrier()
+    times = {}
+    for name, size in (("4KiB", 1024), ("16MiB", 4 << 20)):
+        data = np.ones(size, np.float32)
+        await g.allreduce(data)
+        samples = []
+        for _ in range(5 if size > 1024 else 20):
+            await g.barrier()
+            start = time.perf_counter()
+            await g.allreduce(data)
+            samples.append(time.perf_counter() - start)
+        times[name] = sorted(samples)[len(samples) // 2]
+    stats = g.stats()
+    print(json.dumps({"rank": r, "digests": out, "times": times,
+                      "bytes_relayed": stats["bytes_relayed"],
+                      "peer_links": stats["peer_links"]}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
+async def until_lost(g: p2pcoll.Group) -> None:
+    print(json.dumps({"formed": g.rank}), flush=True)
+    x = np.ones(1 << 16, np.float32)
+    try:
+        while True:
+            await g.allreduce(x, timeout=60)
+            await asyncio.sleep(0.05)
+    except p2pcoll.P2PCollError as exc:
+        print(json.dumps({"rank": g.rank, "error": type(exc).__name__, "message": str(exc),
+                          "lost": getattr(exc, "rank", None)}), flush=True)
+
+
+async def main() -> None:
+    g = await p2pcoll.join()
+    if sys.argv[1] == "collectives":
+        try:
+            await collectives(g)
+        finally:
+            await g.close()  # once the others have read all it sent
+    else:
+        try:
+            await until_lost(g)
+        finally:
+            await g.close(wait=False)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
