@@ -363,18 +363,22 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
         optimizer.zero_grad(set_to_none=False)
         loss_fn(model(x_train[idx]), y_train[idx]).backward()
 
-    def inner_step(idx: Any) -> float:
-        """The local modes' inner step, timed: backward and the optimizer's step."""
+    def inner_step(idx: Any) -> tuple[float, float]:
+        """The local modes' inner step, timed: backward and the optimizer's step; when it
+        started and ended."""
         t = time.perf_counter()
         backward(idx)
         optimizer.step()
-        return time.perf_counter() - t
+        return t, time.perf_counter()
 
     if update.prepare is not None:
         update.prepare(group, module)
     curve = [(0.0, 0, accuracy())]
     paused = 0.0  # seconds spent evaluating, left out of the wall time
     computing = 0.0  # seconds in inner steps (the local modes): utilisation = computing / wall
+    stepping = 0.0  # seconds in update.step (the exchanges' share of the loop thread)
+    hops = 0.0  # seconds between handing an inner step to its thread and it starting, and
+    # between its end and the loop going on
     last_eval = 0
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -382,17 +386,24 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
         if update.kind == "gloo":
             backward(idx)  # DDP's hooks run on this thread
         elif update.inner_in_thread:  # exchanges in flight move on meanwhile
-            computing += await asyncio.to_thread(inner_step, idx)
+            called = time.perf_counter()
+            began, ended = await asyncio.to_thread(inner_step, idx)
+            computing += ended - began
+            hops += (began - called) + (time.perf_counter() - ended)
         else:
             await asyncio.to_thread(backward, idx)
+        t_step = time.perf_counter()
         synced = await update.step(group, model, optimizer, step)
+        stepping += time.perf_counter() - t_step
         if synced and step - last_eval >= args.eval_every:
             t = time.perf_counter()
             curve.append((t - start - paused, step, accuracy()))
             paused += time.perf_counter() - t
             last_eval = step
+    t_finish = time.perf_counter()
     if update.finish is not None:
         await update.finish()
+    finishing = time.perf_counter() - t_finish
     wall = time.perf_counter() - start - paused
     final = accuracy()
     if last_eval != args.steps:
@@ -401,7 +412,8 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
     for _, p in sorted(update.shared(module).items()):
         h.update(p.detach().contiguous().numpy().tobytes())
     return {"rank": rank, "wall": wall, "final": final, "curve": curve,
-            "digest": h.hexdigest(), "computing": computing, **update.stats()}
+            "digest": h.hexdigest(), "computing": computing, "stepping": stepping,
+            "hops": hops, "finishing": finishing, **update.stats()}
 
 
 async def p2pcoll_worker(args: argparse.Namespace, update: Update) -> dict[str, Any]:
@@ -564,6 +576,11 @@ def utilisation(r: Result) -> float | None:
     return sum(x["computing"] / x["wall"] for x in r.reports) / len(r.reports)
 
 
+def _other(x: dict[str, Any]) -> float:
+    """A worker's wall time in neither inner steps, exchanges, the flush nor thread hops."""
+    return x["wall"] - x["computing"] - x["stepping"] - x["finishing"] - x.get("hops", 0)
+
+
 def targets(results: list[Result], args: argparse.Namespace) -> list[str]:
     """One line per target mode that ran: its figures against fp32's and the issue's."""
     by_mode = {r.mode: r for r in results if r.reports}
@@ -707,6 +724,13 @@ def main(argv: list[str] | None = None) -> int:
                              or x.get("links") != ["tcp"] for x in r.reports):
             print(f"\nWARNING: {r.mode} used shared memory or ipc between hosts: "
                   f"{[(x.get('links'), x.get('bytes_sent_shm')) for x in r.reports]}")
+    for r in results:
+        if r.reports and all("stepping" in x for x in r.reports):
+            print(f"\n{r.mode}: where the wall time went, per worker (s): " + "; ".join(
+                f"wall {x['wall']:.1f}, inner steps {x['computing']:.1f}, exchanges on the "
+                f"loop {x['stepping']:.2f}, final flush {x['finishing']:.2f}, thread hops "
+                f"{x.get('hops', 0):.2f}, other {_other(x):.2f}"
+                for x in r.reports))
     checks = targets(results, args)
     if checks:
         print("\nThe issue's targets (at 100 Mbit/s):\n" + "\n".join(checks))

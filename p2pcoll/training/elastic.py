@@ -114,7 +114,8 @@ from ..settings import Settings, check_seconds
 from ..transport.sockets import SocketFactory
 from .agreement import NOT_A_ROUND
 from .delayed import check_delay
-from .elastic_delayed import ADMIT, HOLDERS, train_delayed, zeros_from_holder
+from .elastic_delayed import (ADMIT, HOLDERS, OPS, check_robust, train_delayed,
+                              zeros_from_holder)
 from .errors import WorldTooSmall
 from .gradients import allreduce_gradients
 from .modes import agree_on
@@ -207,7 +208,8 @@ async def train_elastic(
     rendezvous: str | None = None,
     timeout: float | None = None,
     poll_every: float = 1.0,
-    op: Literal["avg", "sum"] = "avg",
+    op: Literal["avg", "sum", "median", "trimmed_mean"] = "avg",
+    trim: int | None = None,
     bucket_bytes: int | None = None,
     strategy: str | None = None,
     nonfinite: Nonfinite = "raise",
@@ -235,9 +237,12 @@ async def train_elastic(
         timeout: seconds each (re)formation may take (``$P2PCOLL_JOIN_TIMEOUT``, 60 s), the
             time a replacement has to arrive when the survivors are too few.
         poll_every: rank 0 asks the rendezvous whether peers wait at most this often.
-        op: "avg" or "sum" (see the module docstring); bucket_bytes, strategy, nonfinite,
-            codec: as :func:`allreduce_gradients`. Under a lossy codec each group keeps its
-            own error-feedback residuals: a re-formation starts them again from zero.
+        op: "avg" or "sum" (see the module docstring), or the robust "median" or
+            "trimmed_mean" (with ``trim=k``, ``2 * k < min_world_size``; no codec): one bad
+            peer cannot move a round's update (:meth:`p2pcoll.Group.allreduce`);
+            bucket_bytes, strategy, nonfinite, codec: as :func:`allreduce_gradients`. Under
+            a lossy codec each group keeps its own error-feedback residuals: a
+            re-formation starts them again from zero.
         delay: 0, or 1: round r's reduction runs while round r + 1's step computes, and
             is applied after it (:mod:`.elastic_delayed`: what a peer that joins or leaves
             mid-round contributes). ``step`` then must not run collectives, and must
@@ -277,12 +282,17 @@ async def train_elastic(
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
         raise ValueError(f"rounds must be an int >= 0, got {rounds!r}")
     check_seconds(poll_every, "poll_every=")
-    if op not in ("avg", "sum"):
-        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, OPS))}, got {op!r}")
     check_delay(delay)
-    agreed = {**(dict(settings) if settings is not None else {}), "delay": delay}
+    given = dict(settings) if settings is not None else {}
+    for name, value in (("op", op), ("trim", trim)):
+        if name in given and given[name] != value:
+            raise ValueError(f"settings say {name}={given[name]!r} but train_elastic was "
+                             f"given {name}={value!r}: pass the same (DiLoCoRounds' op/trim)")
+    agreed = {**given, "delay": delay, "op": op, "trim": trim}
     run = _Run(step, apply, state, rounds, poll_every, agreed,
-               {"op": op, "bucket_bytes": bucket_bytes, "strategy": strategy,
+               {"op": op, "trim": trim, "bucket_bytes": bucket_bytes, "strategy": strategy,
                 "nonfinite": nonfinite, "codec": codec},
                {"rendezvous": rendezvous, "min_world_size": min_world_size,
                 "max_world_size": max_world_size, "timeout": timeout, **join_kwargs})
@@ -303,6 +313,9 @@ class _Run:
             if not array.flags.writeable:
                 raise ValueError(f"state {path!r} is read-only; a formation writes into it")
         self.settings = _elastic_settings(join(**joining).settings)  # checked, nothing opened
+        # The smallest group a round may run in must leave something after the trim.
+        check_robust(reduce["op"], reduce["trim"], reduce["codec"],
+                     self.settings.min_world_size or 1)
         self.round = 0
         self.synced = False  # whether (round, state) came from a formation: a newcomer's not
         self.order: int | None = None  # the last group's rank, this rank's place in the next
@@ -452,13 +465,15 @@ class _Run:
                 grads = await self.compute(group, r)
                 flag = census is not None and bool(census.fresh())
                 payload = _with_flag(grads, flag, group.world_size, self.reduce["op"])
-                if self.reduce["codec"] is None:  # the flag rides in the round's buckets
+                if self.reduce["codec"] is None and self.reduce["op"] in ("avg", "sum"):
+                    # the flag rides in the round's buckets
                     reduced = await allreduce_gradients(group, payload, round=r,
                                                         **self.reduce)
                     admit = float(reduced.pop(ADMIT)[0]) > 0.5
                 else:
                     # Not in a compressed bucket: int8's block scale, taken from large
-                    # gradients, could round the flag to 0. One exact allreduce of its own.
+                    # gradients, could round the flag to 0; nor under a median, which
+                    # would drop rank 0's vote. One exact allreduce of its own.
                     del payload[ADMIT]
                     got = await group.allreduce(np.array([int(flag)], np.int64), "max")
                     reduced = await allreduce_gradients(group, payload, round=r,

@@ -34,6 +34,14 @@ Each round is applied exactly once on every rank and with the same bits: its red
 one allreduce whose result is the same everywhere, and the division by the holders' count
 is the same element-wise operation on every rank.
 
+Robust ops (``op="median"`` or ``"trimmed_mean"``): zeros would be values like any other
+in a median, so a round that not every member holds is reduced over the holders alone:
+every member allgathers the contributions and reduces the holders' rows (in rank order)
+with the robust allreduce's own element-wise rule (:func:`p2pcoll.engine.robust.reduce_part`),
+the same bits on every rank. With fewer holders than ``2 * trim + 1`` the trim is the most
+that leaves one value, ``(holders - 1) // 2``, on every rank alike. A round every member
+holds is one robust allreduce, as at ``delay=0``.
+
 ``step`` must not run collectives on the group: they would interleave with the reduction
 in flight, in an order that differs between ranks. :class:`DiLoCoRounds` with ``delay=1``
 runs none; the settings are checked at each formation instead (train_elastic's
@@ -48,18 +56,37 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..engine.robust import reduce_part
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from ..types import ROBUST, as_op, check_trim
 from .delayed import retrieve_later
 from .gradients import allreduce_gradients
+from .modes import report_nonfinite
 
 if TYPE_CHECKING:
     from .. import Group
 
-__all__ = ["ADMIT", "HOLDERS", "Pipeline", "reduce_round", "train_delayed",
-           "zeros_from_holder"]
+__all__ = ["ADMIT", "HOLDERS", "OPS", "Pipeline", "check_robust", "reduce_round",
+           "train_delayed", "zeros_from_holder"]
 
 ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
 HOLDERS = "p2pcoll.holders"  # the gradient entry that counts the holders of a round
+OPS = ("avg", "sum", "median", "trimmed_mean")
+"""The reductions of train_elastic's rounds."""
+
+
+def check_robust(op: str, trim: int | None, codec: str | None, min_world_size: int) -> None:
+    """``trim`` against ``op`` and the smallest group a round runs in; no codec with a
+    robust op.
+
+    Raises:
+        ValueError: naming ``trim`` (none for a trimmed mean, one for another op, one that
+            leaves nothing of ``min_world_size`` values) or the codec.
+    """
+    red = as_op(op)
+    check_trim(red, trim, min_world_size)
+    if red in ROBUST and codec is not None:
+        raise ValueError(f"op={op!r} moves the gradients as they are: no codec={codec!r}")
 
 
 class Pipeline(Protocol):
@@ -102,9 +129,12 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
                        admit: bool, r: int, reduce: dict[str, Any]
                        ) -> tuple[dict[str, Any], bool]:
     """Round r's reduction over the group: the holders' sum (divided by their count under
-    ``op="avg"``) and rank 0's admission flag."""
+    ``op="avg"``), or their median or trimmed mean; and rank 0's admission flag."""
     op = reduce["op"]
-    options = {**reduce, "op": "sum"}
+    if as_op(op) in ROBUST:
+        return await _reduce_robust(group, grads, holding=holding, admit=admit, r=r,
+                                    reduce=reduce)
+    options = {**reduce, "op": "sum", "trim": None}
     if reduce["codec"] is None:  # the counts ride in the round's buckets, exactly
         dtypes = [as_array(leaf, path).dtype for path, leaf in named_leaves(dict(grads))]
         dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
@@ -121,6 +151,33 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
             a / a.dtype.type(holders) if a.dtype.kind == "f" else a
             for a in (as_array(leaf, path) for path, leaf in named_leaves(reduced))]))
     return reduced, admitted
+
+
+async def _reduce_robust(group: Group, grads: Mapping[str, Any], *, holding: bool,
+                         admit: bool, r: int, reduce: dict[str, Any]
+                         ) -> tuple[dict[str, Any], bool]:
+    """Round r's median or trimmed mean over its holders (module docstring) and rank 0's
+    admission flag: one robust allreduce when every member holds the round, else an
+    allgather of the contributions reduced locally over the holders' rows."""
+    flags = await group.allgather(np.array([int(admit), int(holding)], np.int64))
+    admitted = bool(flags[0][0])
+    holders = [rank for rank, f in enumerate(flags) if f[1]]
+    if len(holders) == group.world_size:
+        return dict(await allreduce_gradients(group, dict(grads), round=r, **reduce)), admitted
+    op = reduce["op"]
+    trim = (len(holders) - 1) // 2 if op == "median" else min(
+        reduce["trim"], (len(holders) - 1) // 2)
+    named = named_leaves(dict(grads))
+    reduced = []
+    for path, leaf in named:
+        mine = as_array(leaf, path)
+        rows = await group.allgather(np.ascontiguousarray(mine).reshape(-1))
+        out = np.empty(mine.size, mine.dtype)
+        reduce_part(np.stack([rows[h] for h in holders]), trim, out)
+        reduced.append(out.reshape(mine.shape))
+    report_nonfinite(f"round {r}'s {op} over its holders", [path for path, _ in named],
+                     reduced, reduce["nonfinite"], r)
+    return dict(replace_leaves(dict(grads), reduced)), admitted
 
 
 async def train_delayed(run: Pipeline, group: Group, applied: list[int],
