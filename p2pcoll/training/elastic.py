@@ -109,10 +109,9 @@ import numpy as np
 from ..api import join
 from ..errors import CollectiveTimeout, GroupBroken, PeerLost, RendezvousError, SettingsError
 from ..pytree import Pytree, as_array, named_leaves
-from ..rendezvous.client import waiting
 from ..settings import Settings, check_seconds
-from ..transport.sockets import SocketFactory
 from .agreement import NOT_A_ROUND
+from .census import Census
 from .delayed import check_delay
 from .elastic_delayed import (ADMIT, HOLDERS, OPS, check_robust, train_delayed,
                               zeros_from_holder)
@@ -121,6 +120,7 @@ from .gradients import allreduce_gradients
 from .modes import agree_on
 from .nonfinite import Nonfinite
 from .heal import HealFailed, HealProgress, heal
+from .shrinking import shrunk
 
 if TYPE_CHECKING:
     from .. import Group
@@ -136,7 +136,7 @@ Apply = Callable[[Pytree, dict[str, Any], int], None]
 RECOVERABLE = (PeerLost, GroupBroken, CollectiveTimeout)
 RETRY_S = 0.2  # pause before joining again after a join that failed for a passing reason
 CENSUS_S = 1.0  # how often the peers at the rendezvous are counted while joining
-ASK_TIMEOUT_S = 1.0  # for one waiting() question
+
 
 
 @dataclass
@@ -150,6 +150,8 @@ class Formation:
         applied: the rounds this rank applied in this group, in order.
         ended: why the group ended: ``"finished"``, ``"admitting"`` (peers were waiting),
             or the failure (``"PeerLost: ..."``).
+        shrunk: whether the group was formed by the survivors of a loss among themselves
+            (:mod:`.shrinking`), not through the rendezvous.
     """
 
     rank: int
@@ -158,6 +160,7 @@ class Formation:
     source: int
     applied: list[int] = field(default_factory=list)
     ended: str = ""
+    shrunk: bool = False
 
     @property
     def received(self) -> bool:
@@ -327,26 +330,64 @@ class _Run:
         self.held: dict[int, dict[str, Any]] = {}
         self.holders = 0
         self.zeros: dict[str, Any] | None = None
+        # delay=1: holders of the round after the one in flight, computed before a
+        # formation (0: every member computes it); a step that runs across a re-formation.
+        self.next_holders = 0
+        self.computing: tuple[int, asyncio.Task[dict[str, Any]]] | None = None
+        self.stale: Group | None = None  # the group ``computing``'s step runs in
         self.healing = HealProgress()  # what this rank holds of a heal a loss cut short
 
     async def run(self) -> ElasticResult:
-        while True:
+        try:
             group = await self._join()
-            self.order = group.rank
-            formation: Formation | None = None
-            try:
-                formation = await self._sync(group)
-                formation.ended = await self._train(group, formation)
-            except RECOVERABLE as exc:
-                why = f"{type(exc).__name__}: {exc}"
-                if formation is not None:
-                    formation.ended = why
-                log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
-                            group.rank, group.world_size, self.round, why)
-            finally:
-                await group.close()
-            if self.round >= self.rounds:
-                return ElasticResult(self.state, self.formations, self.redone)
+            shrank = False
+            while True:
+                self.order = group.rank
+                formation: Formation | None = None
+                following: Group | None = None
+                try:
+                    formation = await self._sync(group)
+                    formation.shrunk = shrank
+                    formation.ended = await self._train(group, formation)
+                except RECOVERABLE as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+                    if formation is not None:
+                        formation.ended = why
+                    log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
+                                group.rank, group.world_size, self.round, why)
+                    following = await shrunk(group, self.settings.min_world_size or 1)
+                finally:
+                    if self.computing is None:
+                        await group.close()
+                    else:  # the step still reads it (rank, size): closed once it is done
+                        self.stale = group
+                if self.round >= self.rounds:
+                    if following is not None:
+                        await following.close()
+                    return ElasticResult(self.state, self.formations, self.redone)
+                # delay=1: the next round's step goes on meanwhile (self.computing).
+                shrank = following is not None
+                group = following if following is not None else await self._join()
+        finally:
+            if self.computing is not None:  # not taken into a formation: nobody needs it
+                self.computing[1].cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._computed()
+
+    async def _computed(self) -> dict[str, Any] | None:
+        """The result of the step that ran while the group re-formed, if one did (then the
+        group it ran in is closed)."""
+        if self.computing is None:
+            return None
+        _, task = self.computing
+        self.computing = None
+        try:
+            await asyncio.wait([task])
+            return task.result()
+        finally:
+            if self.stale is not None:
+                await self.stale.close()
+                self.stale = None
 
     async def _join(self) -> Group:
         """A new elastic group, trying again after passing failures until the join timeout.
@@ -358,7 +399,7 @@ class _Run:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.join_timeout
-        census = _Census(self.settings, CENSUS_S)
+        census = Census(self.settings, CENSUS_S)
         counts: list[int] = []
         counting = asyncio.create_task(census.count_into(counts))
         last: RendezvousError | None = None
@@ -397,6 +438,11 @@ class _Run:
         source's, never a mix.
         """
         await agree_on(group, "train_elastic", NOT_A_ROUND, self.agreed, [], None)
+        if self.computing is not None:  # a step that ran while the group re-formed
+            r = self.computing[0]
+            computed = await self._computed()
+            assert computed is not None
+            self.held[r] = computed
         mine = self.round if self.synced else -1  # a newcomer has no state to offer
         held = sorted(self.held)[-2:] if self.synced else []
         counters = await group.allgather(np.array([mine, *held, *[-1] * (2 - len(held))],
@@ -417,11 +463,15 @@ class _Run:
         if group.world_size > 1:  # a receiver's state changes all at once, or not at all
             await heal(group, self.state, sources, progress=self.healing)
         self.round, self.synced = m, True
-        # delay=1: round m is reduced again over its holders (elastic_delayed's rule).
-        self.held = {m: self.held[m]} if group.rank in holding else {}
-        self.holders = len(holding)
+        # delay=1: round m is reduced again over its holders, round m + 1 over those that
+        # computed it already, if any (elastic_delayed's rule).
+        following = ([r for r, c in enumerate(counters) if m + 1 in c[1:].tolist()]
+                     if holding else [])
+        self.held = {r: c for r, c in self.held.items()
+                     if (r == m and group.rank in holding) or (r == m + 1 and following)}
+        self.holders, self.next_holders = len(holding), len(following)
         self.zeros = None
-        if holding and len(holding) < group.world_size:
+        if holding and min(len(holding), len(following) or group.world_size) < group.world_size:
             self.zeros = await zeros_from_holder(group, self.held.get(m), holding[0])
         formation = Formation(group.rank, group.world_size, self.round, source)
         self.formations.append(formation)
@@ -453,7 +503,7 @@ class _Run:
     async def _train(self, group: Group, formation: Formation) -> str:
         """Rounds in ``group`` until the last, or until peers wait to get in."""
         high = self.settings.max_world_size
-        census = (_Census(group.settings, self.poll_every)
+        census = (Census(group.settings, self.poll_every)
                   if group.rank == 0 and (high is None or group.world_size < high) else None)
         try:
             if self.delay:
@@ -527,50 +577,3 @@ def _with_flag(grads: Mapping[str, Any], admit: bool, world_size: int, op: str
     dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
     scale = world_size if op == "avg" else 1  # avg divides by the world size
     return {**grads, ADMIT: np.array([scale if admit else 0], dtype)}
-
-
-class _Census:
-    """Counts the peers waiting at the rendezvous for the job's next group, with the job's
-    key. ``fresh()`` never waits: it asks in the background, at most every ``every`` s."""
-
-    def __init__(self, settings: Settings, every: float) -> None:
-        assert settings.rendezvous is not None
-        self.url, self.job, self.every = settings.rendezvous, settings.job_id, every
-        self.sockets = SocketFactory.for_settings(settings)
-        self.task: asyncio.Task[int | None] | None = None
-        self.due = 0.0  # loop time of the next question
-
-    async def ask(self) -> int | None:
-        """How many wait, or None if the rendezvous did not answer."""
-        try:
-            return await waiting(self.url, job=self.job, sockets=self.sockets,
-                                 timeout=ASK_TIMEOUT_S)
-        except RendezvousError as exc:
-            log.debug("elastic: no answer from the rendezvous: %s", exc)
-            return None
-
-    def fresh(self) -> int | None:
-        """The answer that came since the last call, if one did; asks again when due."""
-        answer = None
-        if self.task is not None and self.task.done():
-            answer, self.task = self.task.result(), None
-        now = asyncio.get_running_loop().time()
-        if self.task is None and now >= self.due:
-            self.due = now + self.every
-            self.task = asyncio.create_task(self.ask())
-        return answer
-
-    async def count_into(self, counts: list[int]) -> None:
-        """Append each answer to ``counts``, every ``every`` seconds, until cancelled."""
-        while True:
-            count = await self.ask()
-            if count is not None:
-                counts.append(count)
-            await asyncio.sleep(self.every)
-
-    async def aclose(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-        self.sockets.close()

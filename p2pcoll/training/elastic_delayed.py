@@ -98,7 +98,9 @@ class Pipeline(Protocol):
     reduce: dict[str, Any]
     held: dict[int, dict[str, Any]]
     holders: int
+    next_holders: int
     zeros: dict[str, Any] | None
+    computing: tuple[int, asyncio.Task[dict[str, Any]]] | None
 
     def apply(self, state: Pytree, grads: dict[str, Any], round: int) -> None: ...
 
@@ -183,12 +185,15 @@ async def _reduce_robust(group: Group, grads: Mapping[str, Any], *, holding: boo
 async def train_delayed(run: Pipeline, group: Group, applied: list[int],
                         ask: Callable[[], bool]) -> str:
     """Rounds in ``group``, pipelined by one, until the last or until peers wait; each
-    round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's)."""
+    round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's).
+
+    When the group fails or admits peers, the step of the next round is left running in
+    ``run.computing`` (the re-formation overlaps it; the formation takes its result)."""
     while run.round < run.rounds:
         r = run.round
         if run.holders == 0:  # nobody holds round r: every member computes it now
             run.held = {r: await run.compute(group, r)}
-            run.holders = group.world_size
+            run.holders, run.next_holders = group.world_size, 0
         mine = run.held.get(r)
         if mine is None:
             mine = run.zeros
@@ -197,21 +202,32 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
         reduction = asyncio.ensure_future(reduce_round(
             group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
         retrieve_later(reduction)
+        # Round r + 1's step, unless some computed it before the formation: then the
+        # others add zeros for it (elastic's rule) and nobody waits for a late step.
+        step = None
+        if r + 1 < run.rounds and r + 1 not in run.held and not run.next_holders:
+            step = asyncio.ensure_future(run.compute(group, r + 1))
+            retrieve_later(step)
         try:
-            following = await run.compute(group, r + 1) if r + 1 < run.rounds else None
+            reduced, admit = await reduction
         except BaseException:
-            reduction.cancel()
-            await asyncio.wait([reduction])
+            if step is not None:  # goes on while the group re-forms (the caller's)
+                run.computing = (r + 1, step)
             raise
-        if following is not None:
-            run.held[r + 1] = following  # kept if round r's reduction fails
-        reduced, admit = await reduction
+        if step is not None:
+            run.held[r + 1] = await step
         # No await from here on: round r is applied whole, with the counter.
         run.apply(run.state, reduced, r)
         run.round = r + 1
         run.held.pop(r, None)
-        run.holders = group.world_size if following is not None else 0
+        run.holders = (0 if run.round >= run.rounds else run.next_holders
+                       if run.next_holders else group.world_size)
+        run.next_holders = 0
         applied.append(r)
         if admit and run.round < run.rounds:
+            if run.round + 1 < run.rounds:  # computes while the group re-forms
+                step = asyncio.ensure_future(run.compute(group, run.round + 1))
+                retrieve_later(step)
+                run.computing = (run.round + 1, step)
             return "admitting"
     return "finished"
