@@ -37,9 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 WORKER = '''
-import asyncio, hashlib, json, os, sys, time
+import asyncio, hashlib, json, logging, os, sys, time
 import numpy as np
 from p2pcoll import training
+
+logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(message)s")
 
 ROUNDS, H, N = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", type=int, default=10, help="H, inner steps per round")
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--logs", default=None,
+                        help="a directory for each peer's log (formations, shrinks)")
     args = parser.parse_args(argv)
 
     from p2pcoll.testing import free_port
@@ -120,10 +124,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def start() -> None:
         env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}"}
+        err: Any = subprocess.DEVNULL
+        if args.logs is not None:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            err = open(Path(args.logs) / f"peer{len(procs)}.log", "w")
         procs.append(subprocess.Popen(
             [sys.executable, str(script), str(args.rounds), str(args.inner), str(args.params)],
-            env=env_i, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd=ROOT))
+            env=env_i, text=True, stdout=subprocess.PIPE, stderr=err, cwd=ROOT))
         logs.append([])
         threading.Thread(target=read, args=(len(procs) - 1,), daemon=True).start()
 

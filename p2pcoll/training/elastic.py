@@ -17,8 +17,9 @@ peer runs :func:`train_elastic`, which joins an elastic group (:func:`p2pcoll.jo
 calls ``step(group, r, state)`` for its gradients, the group reduces them
 (:func:`allreduce_gradients`) and every rank calls ``apply(state, reduced, r)``. When a
 peer dies (the round fails with :class:`~p2pcoll.PeerLost`, :class:`~p2pcoll.GroupBroken`
-or :class:`~p2pcoll.CollectiveTimeout`), the survivors close the group and join anew,
-passing their old rank as ``order`` so they keep their order; when peers wait at the
+or :class:`~p2pcoll.CollectiveTimeout`), the survivors form a new group among themselves
+(:mod:`.shrinking`: ``Group.shrink``, no rendezvous) or, when they cannot, close the group
+and join anew, passing their old rank as ``order`` so they keep their order; when peers wait at the
 rendezvous, everyone closes and joins anew at the next round boundary so they get in. Each
 new group starts with a *formation*: the ranks compare their round counters (one small
 allgather), and the rank with the highest counter (ties: the lowest rank, so the lowest
@@ -374,6 +375,14 @@ class _Run:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await self._computed()
 
+    async def _take_step(self) -> None:
+        """The step that ran while the group re-formed, if one did, into ``held``."""
+        if self.computing is not None:
+            r = self.computing[0]
+            computed = await self._computed()
+            assert computed is not None
+            self.held[r] = computed
+
     async def _computed(self) -> dict[str, Any] | None:
         """The result of the step that ran while the group re-formed, if one did (then the
         group it ran in is closed)."""
@@ -438,13 +447,10 @@ class _Run:
         source's, never a mix.
         """
         await agree_on(group, "train_elastic", NOT_A_ROUND, self.agreed, [], None)
-        if self.computing is not None:  # a step that ran while the group re-formed
-            r = self.computing[0]
-            computed = await self._computed()
-            assert computed is not None
-            self.held[r] = computed
         mine = self.round if self.synced else -1  # a newcomer has no state to offer
-        held = sorted(self.held)[-2:] if self.synced else []
+        # A step that runs on while the group re-forms counts as held: it is taken below.
+        computing = [self.computing[0]] if self.computing is not None else []
+        held = sorted({*self.held, *computing})[-2:] if self.synced else []
         counters = await group.allgather(np.array([mine, *held, *[-1] * (2 - len(held))],
                                                   np.int64))
         have = [int(c[0]) for c in counters]
@@ -460,8 +466,13 @@ class _Run:
         holding = [r for r, c in enumerate(counters) if m in c[1:].tolist()]
         # Every member at the top counter holds the same bits: each serves a stripe.
         sources = [r for r, h in enumerate(have) if h == top] if top >= 0 else [source]
+        # A source's step goes on during the heal, which only reads the state; a receiver's
+        # ends first, since the heal then writes the state the step reads.
+        if have[group.rank] < top:
+            await self._take_step()
         if group.world_size > 1:  # a receiver's state changes all at once, or not at all
             await heal(group, self.state, sources, progress=self.healing)
+        await self._take_step()
         self.round, self.synced = m, True
         # delay=1: round m is reduced again over its holders, round m + 1 over those that
         # computed it already, if any (elastic_delayed's rule).

@@ -24,8 +24,11 @@ a count that travels in the same reduction. So
 - a peer that joins mid-round receives round m's outcome with the others and computes
   from round m + 1 on (its zeros have the holders' names, shapes and dtypes, broadcast by
   the lowest holder at the formation);
-- contributions to rounds below m are dropped (m - 1 was applied by the source), those to
-  m + 1 recomputed by everyone from ``S_m``, which gives the same result;
+- contributions to rounds below m are dropped (m - 1 was applied by the source); round
+  m + 1, if members computed it before the formation (its step runs on while the group
+  re-forms: after a loss, or when peers wait to join), is reduced over those members as
+  round m is over its holders, the others adding zeros (a newcomer does not compute it
+  late, so nobody waits for it); if none did, everyone computes it from ``S_m``;
 - if no member holds round m (a new job, or every holder died), every member computes
   round m at once, from ``S_m``: that one round starts one outer step fresher than the
   rule would have it.
