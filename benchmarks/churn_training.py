@@ -7,7 +7,8 @@ Not a test: it prints one markdown table and a verdict. Peers run on this host o
 (``P2PCOLL_HOST_ID`` differs per peer, so nothing goes through shared memory), each
 ``training.train_elastic(..., delay=1)`` with :class:`training.DiLoCoRounds` on a numpy
 model of ``--params`` float32 parameters (inner step: a few matrix products over them, the
-same work on every peer) and H = ``--inner``. The driver SIGKILLs one peer (never the one
+same work on every peer) and H = ``--inner``; a round's H steps run in one thread call
+(``--hop-every-step``: one call per step, whose hand-overs a loaded machine makes slow). The driver SIGKILLs one peer (never the one
 it measures) each time ``--every`` more rounds were applied, and starts a new one at once.
 
 Per round, each peer that applies it logs the state's digest (compared across the peers:
@@ -37,11 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 WORKER = '''
-import asyncio, hashlib, json, os, sys, time
+import asyncio, hashlib, json, logging, os, sys, time
 import numpy as np
 from p2pcoll import training
 
+logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(message)s")
+
 ROUNDS, H, N = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+PER_STEP = sys.argv[4] == "1"  # one thread hand-over per inner step, else one per round
 
 
 async def main() -> None:
@@ -60,8 +64,15 @@ async def main() -> None:
         w -= np.float32(1e-3) * np.resize(x.reshape(-1), w.shape)
         inner_times.append(time.perf_counter() - t)
 
+    def inner_steps():
+        for _ in range(H):
+            inner_step()
+
     async def inner(group, r, i):
-        await asyncio.to_thread(inner_step)
+        if PER_STEP:
+            await asyncio.to_thread(inner_step)
+        elif i == 0:  # the round's H steps at once; the other calls only count
+            await asyncio.to_thread(inner_steps)
 
     rounds = training.DiLoCoRounds(params, inner, inner_steps=H, outer_lr=0.7,
                                    outer_momentum=0.9, delay=1)
@@ -101,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", type=int, default=10, help="H, inner steps per round")
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--hop-every-step", action="store_true",
+                        help="hand each inner step to a thread and back (as before), instead "
+                             "of a round's steps at once")
+    parser.add_argument("--logs", default=None,
+                        help="a directory for each peer's log (formations, shrinks)")
     args = parser.parse_args(argv)
 
     from p2pcoll.testing import free_port
@@ -120,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def start() -> None:
         env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}"}
+        err: Any = subprocess.DEVNULL
+        if args.logs is not None:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            err = open(Path(args.logs) / f"peer{len(procs)}.log", "w")
         procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(args.rounds), str(args.inner), str(args.params)],
-            env=env_i, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd=ROOT))
+            [sys.executable, str(script), str(args.rounds), str(args.inner), str(args.params),
+             "1" if args.hop_every_step else "0"],
+            env=env_i, text=True, stdout=subprocess.PIPE, stderr=err, cwd=ROOT))
         logs.append([])
         threading.Thread(target=read, args=(len(procs) - 1,), daemon=True).start()
 

@@ -155,6 +155,10 @@ class Update:
     # Made before the first step, from the group and the model (the local modes' object,
     # which takes the parameters as they start).
     prepare: Callable[[Any, Any], None] | None = None
+    # Inner steps between exchanges (H; the local modes but streaming DiLoCo): ``step`` only
+    # counts the others, so the worker's thread runs them back to back (one hand-over to
+    # the thread per exchange, not per step) unless --hop-every-step.
+    every: int | None = None
 
 
 def _set_grads(model: Any, grads: dict[str, Any]) -> None:
@@ -232,8 +236,8 @@ def mode_topk(args: argparse.Namespace) -> Update:
     return _reducer(reducer.allreduce, stats=lambda: {"ratio": reducer.traffic.ratio})
 
 
-def _outer_loop(make: Callable[[Any, dict[str, Any]], Any], *, every_step: bool = False
-                ) -> Update:
+def _outer_loop(make: Callable[[Any, dict[str, Any]], Any], *, every_step: bool = False,
+                every: int | None = None) -> Update:
     """A mode of inner steps and exchanges (LocalSGD, DiLoCo): ``make(group, params)``
     builds its object before the first step; the optimizer steps on each worker's own, in
     the inner step's thread. The
@@ -260,18 +264,19 @@ def _outer_loop(make: Callable[[Any, dict[str, Any]], Any], *, every_step: bool 
             await made[0].flush()
 
     return Update(step, shared=shared, finish=finish, inner_in_thread=True, prepare=prepare,
-                  stats=lambda: {"ratio": made[0].traffic.ratio} if made else {})
+                  stats=lambda: {"ratio": made[0].traffic.ratio} if made else {}, every=every)
 
 
 def mode_local_sgd(args: argparse.Namespace) -> Update:
     local_sgd = _training("LocalSGD")
-    return _outer_loop(lambda g, params: local_sgd(g, params, inner_steps=8))
+    return _outer_loop(lambda g, params: local_sgd(g, params, inner_steps=8), every=8)
 
 
 def mode_diloco(args: argparse.Namespace) -> Update:
     diloco = _training("DiLoCo")
     _codecs()
-    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50, codec="int8"))
+    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50, codec="int8"),
+                       every=50)
 
 
 def mode_diloco_async(args: argparse.Namespace) -> Update:
@@ -282,7 +287,7 @@ def mode_diloco_async(args: argparse.Namespace) -> Update:
     if "delay" not in inspect.signature(diloco).parameters:
         raise NotAvailable("training.DiLoCo has no delay= yet")
     return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50, codec="int8",
-                                                delay=1))
+                                                delay=1), every=50)
 
 
 def mode_diloco_h100(args: argparse.Namespace) -> Update:
@@ -290,7 +295,8 @@ def mode_diloco_h100(args: argparse.Namespace) -> Update:
     400x of OpenDiLoCo and INTELLECT-1 (4x from int8 times H = 100); H = 50 gives 200x."""
     diloco = _training("DiLoCo")
     _codecs()
-    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=100, codec="int8"))
+    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=100, codec="int8"),
+                       every=100)
 
 
 def mode_diloco_fp32(args: argparse.Namespace) -> Update:
@@ -298,7 +304,7 @@ def mode_diloco_fp32(args: argparse.Namespace) -> Update:
     which needs no codec (so it runs where the codecs have not landed, and shows what int8
     saves on top)."""
     diloco = _training("DiLoCo")
-    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50))
+    return _outer_loop(lambda g, params: diloco(g, params, inner_steps=50), every=50)
 
 
 def mode_streaming_diloco(args: argparse.Namespace) -> Update:
@@ -314,7 +320,7 @@ def mode_diloco_topk2bit(args: argparse.Namespace) -> Update:
     if "compressor" not in inspect.signature(diloco).parameters:
         raise NotAvailable("training.DiLoCo has no compressor= yet")
     return _outer_loop(lambda g, params: diloco(
-        g, params, inner_steps=50, compressor="topk2bit", density=0.015))
+        g, params, inner_steps=50, compressor="topk2bit", density=0.015), every=50)
 
 
 def mode_gloo_ddp(args: argparse.Namespace) -> Update:
@@ -363,36 +369,57 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
         optimizer.zero_grad(set_to_none=False)
         loss_fn(model(x_train[idx]), y_train[idx]).backward()
 
-    def inner_step(idx: Any) -> float:
-        """The local modes' inner step, timed: backward and the optimizer's step."""
-        t = time.perf_counter()
-        backward(idx)
-        optimizer.step()
-        return time.perf_counter() - t
+    def inner_steps(first: int, last: int) -> tuple[float, float, float]:
+        """The local modes' inner steps ``first .. last``, back to back: backward and the
+        optimizer's step, timed; when the first started, when the last ended, and the time
+        in them."""
+        began = time.perf_counter()
+        busy = 0.0
+        for s in range(first, last + 1):
+            t = time.perf_counter()
+            backward(batch_of(s, len(y_train), args.batch, args.seed)[rank::world])
+            optimizer.step()
+            busy += time.perf_counter() - t
+        return began, time.perf_counter(), busy
 
     if update.prepare is not None:
         update.prepare(group, module)
     curve = [(0.0, 0, accuracy())]
     paused = 0.0  # seconds spent evaluating, left out of the wall time
     computing = 0.0  # seconds in inner steps (the local modes): utilisation = computing / wall
+    stepping = 0.0  # seconds in update.step (the exchanges' share of the loop thread)
+    hops = 0.0  # seconds between handing an inner step to its thread and it starting, and
+    # between its end and the loop going on
     last_eval = 0
     start = time.perf_counter()
+    ran = 0  # the last inner step the thread ran (the local modes)
     for step in range(1, args.steps + 1):
         idx = batch_of(step, len(y_train), args.batch, args.seed)[rank::world]
         if update.kind == "gloo":
             backward(idx)  # DDP's hooks run on this thread
-        elif update.inner_in_thread:  # exchanges in flight move on meanwhile
-            computing += await asyncio.to_thread(inner_step, idx)
-        else:
+        elif update.inner_in_thread and step > ran:  # exchanges in flight move meanwhile
+            last = step
+            if update.every is not None and not args.hop_every_step:
+                last = min(args.steps, step + (-step) % update.every)  # the next exchange's
+            called = time.perf_counter()
+            began, ended, busy = await asyncio.to_thread(inner_steps, step, last)
+            computing += busy
+            hops += (began - called) + (time.perf_counter() - ended) + (ended - began - busy)
+            ran = last
+        elif not update.inner_in_thread:
             await asyncio.to_thread(backward, idx)
+        t_step = time.perf_counter()
         synced = await update.step(group, model, optimizer, step)
+        stepping += time.perf_counter() - t_step
         if synced and step - last_eval >= args.eval_every:
             t = time.perf_counter()
             curve.append((t - start - paused, step, accuracy()))
             paused += time.perf_counter() - t
             last_eval = step
+    t_finish = time.perf_counter()
     if update.finish is not None:
         await update.finish()
+    finishing = time.perf_counter() - t_finish
     wall = time.perf_counter() - start - paused
     final = accuracy()
     if last_eval != args.steps:
@@ -401,7 +428,8 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
     for _, p in sorted(update.shared(module).items()):
         h.update(p.detach().contiguous().numpy().tobytes())
     return {"rank": rank, "wall": wall, "final": final, "curve": curve,
-            "digest": h.hexdigest(), "computing": computing, **update.stats()}
+            "digest": h.hexdigest(), "computing": computing, "stepping": stepping,
+            "hops": hops, "finishing": finishing, **update.stats()}
 
 
 async def p2pcoll_worker(args: argparse.Namespace, update: Update) -> dict[str, Any]:
@@ -564,6 +592,11 @@ def utilisation(r: Result) -> float | None:
     return sum(x["computing"] / x["wall"] for x in r.reports) / len(r.reports)
 
 
+def _other(x: dict[str, Any]) -> float:
+    """A worker's wall time in neither inner steps, exchanges, the flush nor thread hops."""
+    return x["wall"] - x["computing"] - x["stepping"] - x["finishing"] - x.get("hops", 0)
+
+
 def targets(results: list[Result], args: argparse.Namespace) -> list[str]:
     """One line per target mode that ran: its figures against fp32's and the issue's."""
     by_mode = {r.mode: r for r in results if r.reports}
@@ -646,6 +679,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode")
     parser.add_argument("--scaling", default=None,
                         help="peer counts (4,8,16): bytes per round on memory groups instead")
+    parser.add_argument("--hop-every-step", action="store_true",
+                        help="the local modes hand each inner step to a thread and back, "
+                             "instead of the steps between two exchanges at once")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -656,7 +692,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # What the workers are given, so that they train exactly as asked.
     args.passed = ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
                    "--widths", ",".join(map(str, args.widths)), "--seed", str(args.seed),
-                   "--eval-every", str(args.eval_every)]
+                   "--eval-every", str(args.eval_every),
+                   *(["--hop-every-step"] if args.hop_every_step else [])]
     return args
 
 
@@ -707,6 +744,13 @@ def main(argv: list[str] | None = None) -> int:
                              or x.get("links") != ["tcp"] for x in r.reports):
             print(f"\nWARNING: {r.mode} used shared memory or ipc between hosts: "
                   f"{[(x.get('links'), x.get('bytes_sent_shm')) for x in r.reports]}")
+    for r in results:
+        if r.reports and all("stepping" in x for x in r.reports):
+            print(f"\n{r.mode}: where the wall time went, per worker (s): " + "; ".join(
+                f"wall {x['wall']:.1f}, inner steps {x['computing']:.1f}, exchanges on the "
+                f"loop {x['stepping']:.2f}, final flush {x['finishing']:.2f}, thread hops "
+                f"{x.get('hops', 0):.2f}, other {_other(x):.2f}"
+                for x in r.reports))
     checks = targets(results, args)
     if checks:
         print("\nThe issue's targets (at 100 Mbit/s):\n" + "\n".join(checks))

@@ -296,6 +296,9 @@ async def test_elastic_delay_1_applies_each_outer_step_once_through_a_loss_and_a
     assert late.applied == list(range(late.joined_at, job.rounds))
     assert late.joined_at > 4 and late.formations[0].received
     assert [f.world_size for f in first.formations] == [3, 2, 3]
+    # The survivors formed their group of 2 among themselves; the newcomer came through
+    # the rendezvous.
+    assert [f.shrunk for f in first.formations] == [False, True, False]
 
 
 async def test_elastic_ranks_that_disagree_on_delay_are_told_before_the_state_moves() -> None:

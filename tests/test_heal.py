@@ -330,7 +330,8 @@ async def test_under_train_elastic_a_receiver_whose_senders_all_died_does_not_st
 
     groups = await memory_groups(2, collective_timeout=TIMEOUT)
     trees = [state(5), state(6)]
-    runs = [_Run(step, lambda s, g, r: None, t, 3, 1.0, {"delay": 0}, {},
+    runs = [_Run(step, lambda s, g, r: None, t, 3, 1.0, {"delay": 0},
+                 {"op": "avg", "trim": None, "codec": None},
                  {"rendezvous": "tcp://127.0.0.1:9", "min_world_size": 1}) for t in trees]
     for run in runs:
         run.healing.held = {0: bytes(32)}

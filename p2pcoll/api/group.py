@@ -511,7 +511,10 @@ class Group(PointToPoint):
         settings = self.settings if strategies is None else replace(
             self.settings, strategies=dict(strategies))
         session, sockets = await shrink(self.session, exclude, settings, timeout, abort)
-        return Group(session, sockets=sockets)
+        # The rendezvous this peer hosts goes on with the survivors (newcomers register
+        # there); closing this group would stop it.
+        server, self._server = self._server, None
+        return Group(session, server=server, sockets=sockets)
 
     def __repr__(self) -> str:
         if self._session is None:

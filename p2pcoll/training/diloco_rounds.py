@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
 from .delayed import check_delay
-from .modes import agree_on, positive_int
+from .modes import agree_on, outer_op, positive_int
 from .outer import Model, OuterSGD
 
 if TYPE_CHECKING:
@@ -59,6 +60,14 @@ class DiLoCoRounds:
         inner_steps: H, >= 1.
         outer_lr, outer_momentum, nesterov: the outer optimizer (:class:`OuterSGD`).
         delay: 0, or 1 for asynchronous DiLoCo (train_elastic's ``delay`` must match).
+        op, trim: how train_elastic combines the pseudo-gradients: "avg", or the robust
+            "median" or "trimmed_mean" with ``trim=k`` (pass the same to train_elastic,
+            which checks ``trim`` against ``min_world_size``)::
+
+                rounds = training.DiLoCoRounds(params, inner, inner_steps=50,
+                                               op="trimmed_mean", trim=1)
+                await training.train_elastic(..., op=rounds.op, trim=rounds.trim,
+                                             settings=rounds.settings)
         timeout: seconds for the settings check.
 
     Attributes:
@@ -67,13 +76,17 @@ class DiLoCoRounds:
             pass it to train_elastic as its state.
 
     Raises:
-        ValueError, TypeError: as :class:`DiLoCo`; ``delay`` other than 0 or 1.
+        ValueError, TypeError: as :class:`DiLoCo`; ``delay`` other than 0 or 1; another
+            ``op``, a ``trim`` without a trimmed mean or a trimmed mean without one.
     """
 
     def __init__(self, params: Pytree, inner: InnerStep, *, inner_steps: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 delay: int = 0, timeout: float | None = None) -> None:
+                 delay: int = 0, timeout: float | None = None, op: str = "avg",
+                 trim: int | None = None) -> None:
         self.inner_steps = positive_int(inner_steps, "inner_steps (H)")
+        # The group's size is train_elastic's to check the trim against (min_world_size).
+        self.op, self.trim = outer_op(op, trim, sys.maxsize).value, trim
         self.outer = OuterSGD(outer_lr, outer_momentum, nesterov)
         self.delay = check_delay(delay)
         self.model = Model(params, "DiLoCoRounds")
@@ -90,7 +103,8 @@ class DiLoCoRounds:
     def settings(self) -> dict[str, Any]:
         """What every rank must agree on (train_elastic's ``settings=`` with ``delay=1``)."""
         return {"mode": "diloco-elastic", "inner_steps": self.inner_steps,
-                "delay": self.delay, **self.outer.settings()}
+                "delay": self.delay, "op": self.op, "trim": self.trim,
+                **self.outer.settings()}
 
     async def step(self, group: Group, round: int, state: Pytree) -> dict[str, np.ndarray]:
         """train_elastic's step: H inner steps from the global parameters; the

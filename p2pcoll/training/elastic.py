@@ -17,8 +17,9 @@ peer runs :func:`train_elastic`, which joins an elastic group (:func:`p2pcoll.jo
 calls ``step(group, r, state)`` for its gradients, the group reduces them
 (:func:`allreduce_gradients`) and every rank calls ``apply(state, reduced, r)``. When a
 peer dies (the round fails with :class:`~p2pcoll.PeerLost`, :class:`~p2pcoll.GroupBroken`
-or :class:`~p2pcoll.CollectiveTimeout`), the survivors close the group and join anew,
-passing their old rank as ``order`` so they keep their order; when peers wait at the
+or :class:`~p2pcoll.CollectiveTimeout`), the survivors form a new group among themselves
+(:mod:`.shrinking`: ``Group.shrink``, no rendezvous) or, when they cannot, close the group
+and join anew, passing their old rank as ``order`` so they keep their order; when peers wait at the
 rendezvous, everyone closes and joins anew at the next round boundary so they get in. Each
 new group starts with a *formation*: the ranks compare their round counters (one small
 allgather), and the rank with the highest counter (ties: the lowest rank, so the lowest
@@ -109,17 +110,18 @@ import numpy as np
 from ..api import join
 from ..errors import CollectiveTimeout, GroupBroken, PeerLost, RendezvousError, SettingsError
 from ..pytree import Pytree, as_array, named_leaves
-from ..rendezvous.client import waiting
 from ..settings import Settings, check_seconds
-from ..transport.sockets import SocketFactory
 from .agreement import NOT_A_ROUND
+from .census import Census
 from .delayed import check_delay
-from .elastic_delayed import ADMIT, HOLDERS, train_delayed, zeros_from_holder
+from .elastic_delayed import (ADMIT, HOLDERS, OPS, check_robust, train_delayed,
+                              zeros_from_holder)
 from .errors import WorldTooSmall
 from .gradients import allreduce_gradients
 from .modes import agree_on
 from .nonfinite import Nonfinite
 from .heal import HealFailed, HealProgress, heal
+from .shrinking import shrunk
 
 if TYPE_CHECKING:
     from .. import Group
@@ -135,7 +137,7 @@ Apply = Callable[[Pytree, dict[str, Any], int], None]
 RECOVERABLE = (PeerLost, GroupBroken, CollectiveTimeout)
 RETRY_S = 0.2  # pause before joining again after a join that failed for a passing reason
 CENSUS_S = 1.0  # how often the peers at the rendezvous are counted while joining
-ASK_TIMEOUT_S = 1.0  # for one waiting() question
+
 
 
 @dataclass
@@ -149,6 +151,8 @@ class Formation:
         applied: the rounds this rank applied in this group, in order.
         ended: why the group ended: ``"finished"``, ``"admitting"`` (peers were waiting),
             or the failure (``"PeerLost: ..."``).
+        shrunk: whether the group was formed by the survivors of a loss among themselves
+            (:mod:`.shrinking`), not through the rendezvous.
     """
 
     rank: int
@@ -157,6 +161,7 @@ class Formation:
     source: int
     applied: list[int] = field(default_factory=list)
     ended: str = ""
+    shrunk: bool = False
 
     @property
     def received(self) -> bool:
@@ -207,7 +212,8 @@ async def train_elastic(
     rendezvous: str | None = None,
     timeout: float | None = None,
     poll_every: float = 1.0,
-    op: Literal["avg", "sum"] = "avg",
+    op: Literal["avg", "sum", "median", "trimmed_mean"] = "avg",
+    trim: int | None = None,
     bucket_bytes: int | None = None,
     strategy: str | None = None,
     nonfinite: Nonfinite = "raise",
@@ -235,9 +241,12 @@ async def train_elastic(
         timeout: seconds each (re)formation may take (``$P2PCOLL_JOIN_TIMEOUT``, 60 s), the
             time a replacement has to arrive when the survivors are too few.
         poll_every: rank 0 asks the rendezvous whether peers wait at most this often.
-        op: "avg" or "sum" (see the module docstring); bucket_bytes, strategy, nonfinite,
-            codec: as :func:`allreduce_gradients`. Under a lossy codec each group keeps its
-            own error-feedback residuals: a re-formation starts them again from zero.
+        op: "avg" or "sum" (see the module docstring), or the robust "median" or
+            "trimmed_mean" (with ``trim=k``, ``2 * k < min_world_size``; no codec): one bad
+            peer cannot move a round's update (:meth:`p2pcoll.Group.allreduce`);
+            bucket_bytes, strategy, nonfinite, codec: as :func:`allreduce_gradients`. Under
+            a lossy codec each group keeps its own error-feedback residuals: a
+            re-formation starts them again from zero.
         delay: 0, or 1: round r's reduction runs while round r + 1's step computes, and
             is applied after it (:mod:`.elastic_delayed`: what a peer that joins or leaves
             mid-round contributes). ``step`` then must not run collectives, and must
@@ -277,12 +286,17 @@ async def train_elastic(
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
         raise ValueError(f"rounds must be an int >= 0, got {rounds!r}")
     check_seconds(poll_every, "poll_every=")
-    if op not in ("avg", "sum"):
-        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, OPS))}, got {op!r}")
     check_delay(delay)
-    agreed = {**(dict(settings) if settings is not None else {}), "delay": delay}
+    given = dict(settings) if settings is not None else {}
+    for name, value in (("op", op), ("trim", trim)):
+        if name in given and given[name] != value:
+            raise ValueError(f"settings say {name}={given[name]!r} but train_elastic was "
+                             f"given {name}={value!r}: pass the same (DiLoCoRounds' op/trim)")
+    agreed = {**given, "delay": delay, "op": op, "trim": trim}
     run = _Run(step, apply, state, rounds, poll_every, agreed,
-               {"op": op, "bucket_bytes": bucket_bytes, "strategy": strategy,
+               {"op": op, "trim": trim, "bucket_bytes": bucket_bytes, "strategy": strategy,
                 "nonfinite": nonfinite, "codec": codec},
                {"rendezvous": rendezvous, "min_world_size": min_world_size,
                 "max_world_size": max_world_size, "timeout": timeout, **join_kwargs})
@@ -303,6 +317,9 @@ class _Run:
             if not array.flags.writeable:
                 raise ValueError(f"state {path!r} is read-only; a formation writes into it")
         self.settings = _elastic_settings(join(**joining).settings)  # checked, nothing opened
+        # The smallest group a round may run in must leave something after the trim.
+        check_robust(reduce["op"], reduce["trim"], reduce["codec"],
+                     self.settings.min_world_size or 1)
         self.round = 0
         self.synced = False  # whether (round, state) came from a formation: a newcomer's not
         self.order: int | None = None  # the last group's rank, this rank's place in the next
@@ -314,26 +331,72 @@ class _Run:
         self.held: dict[int, dict[str, Any]] = {}
         self.holders = 0
         self.zeros: dict[str, Any] | None = None
+        # delay=1: holders of the round after the one in flight, computed before a
+        # formation (0: every member computes it); a step that runs across a re-formation.
+        self.next_holders = 0
+        self.computing: tuple[int, asyncio.Task[dict[str, Any]]] | None = None
+        self.stale: Group | None = None  # the group ``computing``'s step runs in
         self.healing = HealProgress()  # what this rank holds of a heal a loss cut short
 
     async def run(self) -> ElasticResult:
-        while True:
+        try:
             group = await self._join()
-            self.order = group.rank
-            formation: Formation | None = None
-            try:
-                formation = await self._sync(group)
-                formation.ended = await self._train(group, formation)
-            except RECOVERABLE as exc:
-                why = f"{type(exc).__name__}: {exc}"
-                if formation is not None:
-                    formation.ended = why
-                log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
-                            group.rank, group.world_size, self.round, why)
-            finally:
-                await group.close()
-            if self.round >= self.rounds:
-                return ElasticResult(self.state, self.formations, self.redone)
+            shrank = False
+            while True:
+                self.order = group.rank
+                formation: Formation | None = None
+                following: Group | None = None
+                try:
+                    formation = await self._sync(group)
+                    formation.shrunk = shrank
+                    formation.ended = await self._train(group, formation)
+                except RECOVERABLE as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+                    if formation is not None:
+                        formation.ended = why
+                    log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
+                                group.rank, group.world_size, self.round, why)
+                    following = await shrunk(group, self.settings.min_world_size or 1)
+                finally:
+                    if self.computing is None:
+                        await group.close()
+                    else:  # the step still reads it (rank, size): closed once it is done
+                        self.stale = group
+                if self.round >= self.rounds:
+                    if following is not None:
+                        await following.close()
+                    return ElasticResult(self.state, self.formations, self.redone)
+                # delay=1: the next round's step goes on meanwhile (self.computing).
+                shrank = following is not None
+                group = following if following is not None else await self._join()
+        finally:
+            if self.computing is not None:  # not taken into a formation: nobody needs it
+                self.computing[1].cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._computed()
+
+    async def _take_step(self) -> None:
+        """The step that ran while the group re-formed, if one did, into ``held``."""
+        if self.computing is not None:
+            r = self.computing[0]
+            computed = await self._computed()
+            assert computed is not None
+            self.held[r] = computed
+
+    async def _computed(self) -> dict[str, Any] | None:
+        """The result of the step that ran while the group re-formed, if one did (then the
+        group it ran in is closed)."""
+        if self.computing is None:
+            return None
+        _, task = self.computing
+        self.computing = None
+        try:
+            await asyncio.wait([task])
+            return task.result()
+        finally:
+            if self.stale is not None:
+                await self.stale.close()
+                self.stale = None
 
     async def _join(self) -> Group:
         """A new elastic group, trying again after passing failures until the join timeout.
@@ -345,7 +408,7 @@ class _Run:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.join_timeout
-        census = _Census(self.settings, CENSUS_S)
+        census = Census(self.settings, CENSUS_S)
         counts: list[int] = []
         counting = asyncio.create_task(census.count_into(counts))
         last: RendezvousError | None = None
@@ -385,7 +448,9 @@ class _Run:
         """
         await agree_on(group, "train_elastic", NOT_A_ROUND, self.agreed, [], None)
         mine = self.round if self.synced else -1  # a newcomer has no state to offer
-        held = sorted(self.held)[-2:] if self.synced else []
+        # A step that runs on while the group re-forms counts as held: it is taken below.
+        computing = [self.computing[0]] if self.computing is not None else []
+        held = sorted({*self.held, *computing})[-2:] if self.synced else []
         counters = await group.allgather(np.array([mine, *held, *[-1] * (2 - len(held))],
                                                   np.int64))
         have = [int(c[0]) for c in counters]
@@ -401,14 +466,23 @@ class _Run:
         holding = [r for r, c in enumerate(counters) if m in c[1:].tolist()]
         # Every member at the top counter holds the same bits: each serves a stripe.
         sources = [r for r, h in enumerate(have) if h == top] if top >= 0 else [source]
+        # A source's step goes on during the heal, which only reads the state; a receiver's
+        # ends first, since the heal then writes the state the step reads.
+        if have[group.rank] < top:
+            await self._take_step()
         if group.world_size > 1:  # a receiver's state changes all at once, or not at all
             await heal(group, self.state, sources, progress=self.healing)
+        await self._take_step()
         self.round, self.synced = m, True
-        # delay=1: round m is reduced again over its holders (elastic_delayed's rule).
-        self.held = {m: self.held[m]} if group.rank in holding else {}
-        self.holders = len(holding)
+        # delay=1: round m is reduced again over its holders, round m + 1 over those that
+        # computed it already, if any (elastic_delayed's rule).
+        following = ([r for r, c in enumerate(counters) if m + 1 in c[1:].tolist()]
+                     if holding else [])
+        self.held = {r: c for r, c in self.held.items()
+                     if (r == m and group.rank in holding) or (r == m + 1 and following)}
+        self.holders, self.next_holders = len(holding), len(following)
         self.zeros = None
-        if holding and len(holding) < group.world_size:
+        if holding and min(len(holding), len(following) or group.world_size) < group.world_size:
             self.zeros = await zeros_from_holder(group, self.held.get(m), holding[0])
         formation = Formation(group.rank, group.world_size, self.round, source)
         self.formations.append(formation)
@@ -440,7 +514,7 @@ class _Run:
     async def _train(self, group: Group, formation: Formation) -> str:
         """Rounds in ``group`` until the last, or until peers wait to get in."""
         high = self.settings.max_world_size
-        census = (_Census(group.settings, self.poll_every)
+        census = (Census(group.settings, self.poll_every)
                   if group.rank == 0 and (high is None or group.world_size < high) else None)
         try:
             if self.delay:
@@ -452,13 +526,15 @@ class _Run:
                 grads = await self.compute(group, r)
                 flag = census is not None and bool(census.fresh())
                 payload = _with_flag(grads, flag, group.world_size, self.reduce["op"])
-                if self.reduce["codec"] is None:  # the flag rides in the round's buckets
+                if self.reduce["codec"] is None and self.reduce["op"] in ("avg", "sum"):
+                    # the flag rides in the round's buckets
                     reduced = await allreduce_gradients(group, payload, round=r,
                                                         **self.reduce)
                     admit = float(reduced.pop(ADMIT)[0]) > 0.5
                 else:
                     # Not in a compressed bucket: int8's block scale, taken from large
-                    # gradients, could round the flag to 0. One exact allreduce of its own.
+                    # gradients, could round the flag to 0; nor under a median, which
+                    # would drop rank 0's vote. One exact allreduce of its own.
                     del payload[ADMIT]
                     got = await group.allreduce(np.array([int(flag)], np.int64), "max")
                     reduced = await allreduce_gradients(group, payload, round=r,
@@ -512,50 +588,3 @@ def _with_flag(grads: Mapping[str, Any], admit: bool, world_size: int, op: str
     dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
     scale = world_size if op == "avg" else 1  # avg divides by the world size
     return {**grads, ADMIT: np.array([scale if admit else 0], dtype)}
-
-
-class _Census:
-    """Counts the peers waiting at the rendezvous for the job's next group, with the job's
-    key. ``fresh()`` never waits: it asks in the background, at most every ``every`` s."""
-
-    def __init__(self, settings: Settings, every: float) -> None:
-        assert settings.rendezvous is not None
-        self.url, self.job, self.every = settings.rendezvous, settings.job_id, every
-        self.sockets = SocketFactory.for_settings(settings)
-        self.task: asyncio.Task[int | None] | None = None
-        self.due = 0.0  # loop time of the next question
-
-    async def ask(self) -> int | None:
-        """How many wait, or None if the rendezvous did not answer."""
-        try:
-            return await waiting(self.url, job=self.job, sockets=self.sockets,
-                                 timeout=ASK_TIMEOUT_S)
-        except RendezvousError as exc:
-            log.debug("elastic: no answer from the rendezvous: %s", exc)
-            return None
-
-    def fresh(self) -> int | None:
-        """The answer that came since the last call, if one did; asks again when due."""
-        answer = None
-        if self.task is not None and self.task.done():
-            answer, self.task = self.task.result(), None
-        now = asyncio.get_running_loop().time()
-        if self.task is None and now >= self.due:
-            self.due = now + self.every
-            self.task = asyncio.create_task(self.ask())
-        return answer
-
-    async def count_into(self, counts: list[int]) -> None:
-        """Append each answer to ``counts``, every ``every`` seconds, until cancelled."""
-        while True:
-            count = await self.ask()
-            if count is not None:
-                counts.append(count)
-            await asyncio.sleep(self.every)
-
-    async def aclose(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-        self.sockets.close()

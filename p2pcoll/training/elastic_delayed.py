@@ -24,8 +24,11 @@ a count that travels in the same reduction. So
 - a peer that joins mid-round receives round m's outcome with the others and computes
   from round m + 1 on (its zeros have the holders' names, shapes and dtypes, broadcast by
   the lowest holder at the formation);
-- contributions to rounds below m are dropped (m - 1 was applied by the source), those to
-  m + 1 recomputed by everyone from ``S_m``, which gives the same result;
+- contributions to rounds below m are dropped (m - 1 was applied by the source); round
+  m + 1, if members computed it before the formation (its step runs on while the group
+  re-forms: after a loss, or when peers wait to join), is reduced over those members as
+  round m is over its holders, the others adding zeros (a newcomer does not compute it
+  late, so nobody waits for it); if none did, everyone computes it from ``S_m``;
 - if no member holds round m (a new job, or every holder died), every member computes
   round m at once, from ``S_m``: that one round starts one outer step fresher than the
   rule would have it.
@@ -33,6 +36,14 @@ a count that travels in the same reduction. So
 Each round is applied exactly once on every rank and with the same bits: its reduction is
 one allreduce whose result is the same everywhere, and the division by the holders' count
 is the same element-wise operation on every rank.
+
+Robust ops (``op="median"`` or ``"trimmed_mean"``): zeros would be values like any other
+in a median, so a round that not every member holds is reduced over the holders alone:
+every member allgathers the contributions and reduces the holders' rows (in rank order)
+with the robust allreduce's own element-wise rule (:func:`p2pcoll.engine.robust.reduce_part`),
+the same bits on every rank. With fewer holders than ``2 * trim + 1`` the trim is the most
+that leaves one value, ``(holders - 1) // 2``, on every rank alike. A round every member
+holds is one robust allreduce, as at ``delay=0``.
 
 ``step`` must not run collectives on the group: they would interleave with the reduction
 in flight, in an order that differs between ranks. :class:`DiLoCoRounds` with ``delay=1``
@@ -48,18 +59,37 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..engine.robust import reduce_part
 from ..pytree import Pytree, as_array, named_leaves, replace_leaves
+from ..types import ROBUST, as_op, check_trim
 from .delayed import retrieve_later
 from .gradients import allreduce_gradients
+from .modes import report_nonfinite
 
 if TYPE_CHECKING:
     from .. import Group
 
-__all__ = ["ADMIT", "HOLDERS", "Pipeline", "reduce_round", "train_delayed",
-           "zeros_from_holder"]
+__all__ = ["ADMIT", "HOLDERS", "OPS", "Pipeline", "check_robust", "reduce_round",
+           "train_delayed", "zeros_from_holder"]
 
 ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
 HOLDERS = "p2pcoll.holders"  # the gradient entry that counts the holders of a round
+OPS = ("avg", "sum", "median", "trimmed_mean")
+"""The reductions of train_elastic's rounds."""
+
+
+def check_robust(op: str, trim: int | None, codec: str | None, min_world_size: int) -> None:
+    """``trim`` against ``op`` and the smallest group a round runs in; no codec with a
+    robust op.
+
+    Raises:
+        ValueError: naming ``trim`` (none for a trimmed mean, one for another op, one that
+            leaves nothing of ``min_world_size`` values) or the codec.
+    """
+    red = as_op(op)
+    check_trim(red, trim, min_world_size)
+    if red in ROBUST and codec is not None:
+        raise ValueError(f"op={op!r} moves the gradients as they are: no codec={codec!r}")
 
 
 class Pipeline(Protocol):
@@ -71,7 +101,9 @@ class Pipeline(Protocol):
     reduce: dict[str, Any]
     held: dict[int, dict[str, Any]]
     holders: int
+    next_holders: int
     zeros: dict[str, Any] | None
+    computing: tuple[int, asyncio.Task[dict[str, Any]]] | None
 
     def apply(self, state: Pytree, grads: dict[str, Any], round: int) -> None: ...
 
@@ -102,9 +134,12 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
                        admit: bool, r: int, reduce: dict[str, Any]
                        ) -> tuple[dict[str, Any], bool]:
     """Round r's reduction over the group: the holders' sum (divided by their count under
-    ``op="avg"``) and rank 0's admission flag."""
+    ``op="avg"``), or their median or trimmed mean; and rank 0's admission flag."""
     op = reduce["op"]
-    options = {**reduce, "op": "sum"}
+    if as_op(op) in ROBUST:
+        return await _reduce_robust(group, grads, holding=holding, admit=admit, r=r,
+                                    reduce=reduce)
+    options = {**reduce, "op": "sum", "trim": None}
     if reduce["codec"] is None:  # the counts ride in the round's buckets, exactly
         dtypes = [as_array(leaf, path).dtype for path, leaf in named_leaves(dict(grads))]
         dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
@@ -123,15 +158,45 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
     return reduced, admitted
 
 
+async def _reduce_robust(group: Group, grads: Mapping[str, Any], *, holding: bool,
+                         admit: bool, r: int, reduce: dict[str, Any]
+                         ) -> tuple[dict[str, Any], bool]:
+    """Round r's median or trimmed mean over its holders (module docstring) and rank 0's
+    admission flag: one robust allreduce when every member holds the round, else an
+    allgather of the contributions reduced locally over the holders' rows."""
+    flags = await group.allgather(np.array([int(admit), int(holding)], np.int64))
+    admitted = bool(flags[0][0])
+    holders = [rank for rank, f in enumerate(flags) if f[1]]
+    if len(holders) == group.world_size:
+        return dict(await allreduce_gradients(group, dict(grads), round=r, **reduce)), admitted
+    op = reduce["op"]
+    trim = (len(holders) - 1) // 2 if op == "median" else min(
+        reduce["trim"], (len(holders) - 1) // 2)
+    named = named_leaves(dict(grads))
+    reduced = []
+    for path, leaf in named:
+        mine = as_array(leaf, path)
+        rows = await group.allgather(np.ascontiguousarray(mine).reshape(-1))
+        out = np.empty(mine.size, mine.dtype)
+        reduce_part(np.stack([rows[h] for h in holders]), trim, out)
+        reduced.append(out.reshape(mine.shape))
+    report_nonfinite(f"round {r}'s {op} over its holders", [path for path, _ in named],
+                     reduced, reduce["nonfinite"], r)
+    return dict(replace_leaves(dict(grads), reduced)), admitted
+
+
 async def train_delayed(run: Pipeline, group: Group, applied: list[int],
                         ask: Callable[[], bool]) -> str:
     """Rounds in ``group``, pipelined by one, until the last or until peers wait; each
-    round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's)."""
+    round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's).
+
+    When the group fails or admits peers, the step of the next round is left running in
+    ``run.computing`` (the re-formation overlaps it; the formation takes its result)."""
     while run.round < run.rounds:
         r = run.round
         if run.holders == 0:  # nobody holds round r: every member computes it now
             run.held = {r: await run.compute(group, r)}
-            run.holders = group.world_size
+            run.holders, run.next_holders = group.world_size, 0
         mine = run.held.get(r)
         if mine is None:
             mine = run.zeros
@@ -140,21 +205,32 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
         reduction = asyncio.ensure_future(reduce_round(
             group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
         retrieve_later(reduction)
+        # Round r + 1's step, unless some computed it before the formation: then the
+        # others add zeros for it (elastic's rule) and nobody waits for a late step.
+        step = None
+        if r + 1 < run.rounds and r + 1 not in run.held and not run.next_holders:
+            step = asyncio.ensure_future(run.compute(group, r + 1))
+            retrieve_later(step)
         try:
-            following = await run.compute(group, r + 1) if r + 1 < run.rounds else None
+            reduced, admit = await reduction
         except BaseException:
-            reduction.cancel()
-            await asyncio.wait([reduction])
+            if step is not None:  # goes on while the group re-forms (the caller's)
+                run.computing = (r + 1, step)
             raise
-        if following is not None:
-            run.held[r + 1] = following  # kept if round r's reduction fails
-        reduced, admit = await reduction
+        if step is not None:
+            run.held[r + 1] = await step
         # No await from here on: round r is applied whole, with the counter.
         run.apply(run.state, reduced, r)
         run.round = r + 1
         run.held.pop(r, None)
-        run.holders = group.world_size if following is not None else 0
+        run.holders = (0 if run.round >= run.rounds else run.next_holders
+                       if run.next_holders else group.world_size)
+        run.next_holders = 0
         applied.append(r)
         if admit and run.round < run.rounds:
+            if run.round + 1 < run.rounds:  # computes while the group re-forms
+                step = asyncio.ensure_future(run.compute(group, run.round + 1))
+                retrieve_later(step)
+                run.computing = (run.round + 1, step)
             return "admitting"
     return "finished"

@@ -383,9 +383,12 @@ class DiLoCo:
 
     async def _delayed_step(self) -> bool:
         """Asynchronous DiLoCo's inner step (``delay=1``, :mod:`.delayed`): at the end of a
-        round, start its exchange, apply the previous round's, and go on from the new
-        anchor plus this worker's own progress of the round that is still travelling;
-        between, surface a failed exchange at once."""
+        round, start its exchange, take the previous round's outer step, and go on from the
+        new anchor plus this worker's own progress of the round that is still travelling;
+        between, surface a failed exchange at once.
+
+        The next round's inner steps wait for this: the pseudo-gradient is computed once,
+        for the exchange and the new start alike, and the start written in place."""
         pending = self._in_flight.get(0)
         if self.step % self.inner_steps:
             if pending is not None and pending[1].done() and not pending[1].cancelled() \
@@ -394,15 +397,15 @@ class DiLoCo:
                 await self._outcome(pending[1])  # raises its error, ends the others
             return False
         assert self._origin is not None
-        own = [o - a for o, a in zip(self._origin, self.model.arrays, strict=True)]
-        task = self._start(0)  # the same pseudo-gradient, from where the round started
+        own = [np.subtract(o, a) for o, a in zip(self._origin, self.model.arrays, strict=True)]
+        task = self._start(0, own)  # from where the round started
         retrieve_later(task)
         self._in_flight[0] = (self.step + self.inner_steps, task)
         if pending is not None:
-            self._apply(0, await self._outcome(pending[1]))
+            self._apply_global(await self._outcome(pending[1]))
         for local, origin, anchor, mine in zip(self.model.arrays, self._origin, self.anchor,
                                                own, strict=True):
-            np.copyto(local, anchor - mine)
+            np.subtract(anchor, mine, out=local)
             np.copyto(origin, local)
         return pending is not None
 
@@ -414,10 +417,16 @@ class DiLoCo:
         done = 0
         for f in sorted(self._in_flight):
             _, task = self._in_flight.pop(f)
-            self._apply(f, await self._outcome(task))
+            averaged = await self._outcome(task)
+            if self._origin is None:
+                self._apply(f, averaged)
+            else:
+                self._apply_global(averaged)
             done += 1
         if self._origin is not None:  # every round applied: the next starts from the anchor
-            for origin, anchor in zip(self._origin, self.anchor, strict=True):
+            for local, origin, anchor in zip(self.model.arrays, self._origin, self.anchor,
+                                             strict=True):
+                np.copyto(local, anchor)
                 np.copyto(origin, anchor)
         return done
 
@@ -459,12 +468,15 @@ class DiLoCo:
             if not task.cancelled():
                 task.exception()  # retrieved: the error is the group's, raised already
 
-    def _start(self, f: int) -> asyncio.Task[list[np.ndarray]]:
-        """Start fragment f's exchange: its pseudo-gradient, taken now, averaged in a task
-        that waits for the previous exchange (so the collectives keep one order)."""
+    def _start(self, f: int, delta: list[np.ndarray] | None = None
+               ) -> asyncio.Task[list[np.ndarray]]:
+        """Start fragment f's exchange: its pseudo-gradient (``delta``, or taken now),
+        averaged in a task that waits for the previous exchange (so the collectives keep
+        one order)."""
         pieces = self.fragments[f]
         base = self._origin if self._origin is not None else self.anchor
-        delta = [p.of(base) - p.of(self.model.arrays) for p in pieces]
+        if delta is None:
+            delta = [p.of(base) - p.of(self.model.arrays) for p in pieces]
         round_no = state_of(self.group).take_round()  # now, in the same order on every rank
         specs = [TensorSpec.of(p.name, d) for p, d in zip(pieces, delta, strict=True)]
         # "step" and "this_fragment" sort after the settings, so a rank with another H or F
@@ -512,6 +524,12 @@ class DiLoCo:
             wire_bytes(delta, self.codec) if self.compressor is None
             else self.compressor.message_bytes([d.size for d in delta], self.group.world_size))
         return self._last
+
+    def _apply_global(self, averaged: list[np.ndarray]) -> None:
+        """A delayed round's outer step, on the global state only (the working parameters
+        are set from it by the caller)."""
+        self.outer.apply(self.anchor, self.velocity, averaged)
+        self.outer_steps += 1
 
     def _apply(self, f: int, averaged: list[np.ndarray]) -> None:
         """Fragment f's outer step on the global state, and the merge into the parameters."""
