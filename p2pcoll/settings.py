@@ -84,8 +84,9 @@ from .errors import SettingsError
 from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
-from .settings_env import (LINKS_ALLOWED, MAX_STREAMS, EnvReader, check_directory,
-                           check_host_id, check_int, check_job_id, check_streams)
+from .settings_env import (LINKS_ALLOWED, EnvReader, check_directory, check_host_id,
+                           check_int, check_job_id, check_streams)
+from .settings_env import MAX_STREAMS as MAX_STREAMS
 from .settings_env import MIN_LINKS as MIN_LINKS  # these still importable from here
 from .settings_env import check_path as check_path
 from .settings_env import check_seconds as check_seconds

@@ -109,6 +109,11 @@ class Counters:
     links_opened: int = 0
     # links this peer closed to stay within its budget (P2PCOLL_MAX_LINKS; see .route)
     links_closed: int = 0
+    # stripes this peer opened beside its links (P2PCOLL_STREAMS; see .stripes)
+    stripes_opened: int = 0
+    # striped links whose send buffers net.core.wmem_max held below the path's need
+    # (see .paths)
+    socket_buffers_capped: int = 0
 
 
 class Transport(Protocol):
