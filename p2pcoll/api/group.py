@@ -417,7 +417,11 @@ class Group(PointToPoint):
         ``links_opened``: links to peers this peer opened (the first time it sent to that
         peer, and again after closing it for the budget: see :mod:`p2pcoll.transport.route`);
         ``links_closed``: links it closed to stay within ``P2PCOLL_MAX_LINKS`` (so
-        ``links_opened - links_closed`` are open).
+        ``links_opened - links_closed`` are open); ``stripes_opened``: TCP connections
+        opened beside links to spread large messages over (``P2PCOLL_STREAMS``, see
+        :mod:`p2pcoll.transport.stripes`); ``socket_buffers_capped``: striped links whose
+        send buffers ``net.core.wmem_max`` held below what their path needs (see
+        :mod:`p2pcoll.transport.paths`).
         Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
@@ -433,6 +437,8 @@ class Group(PointToPoint):
             "links_refused": c.links_refused,
             "links_opened": c.links_opened,
             "links_closed": c.links_closed,
+            "stripes_opened": c.stripes_opened,
+            "socket_buffers_capped": c.socket_buffers_capped,
             "collectives": session.seq,
             **self._activity.report(),
         }
