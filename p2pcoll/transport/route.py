@@ -61,8 +61,8 @@ ENDED = b"ended"  # a receiver's answer to a link's end, on that link
 class Route:
     """This peer's way to one other peer (see the module docstring)."""
 
-    __slots__ = ("conn", "generation", "lane", "link", "peer", "reader", "stripes", "turn",
-                 "used", "width")
+    __slots__ = ("conn", "generation", "lane", "link", "peer", "reader", "send_buffer",
+                 "stripes", "turn", "used", "width")
 
     def __init__(self, peer: int, link: zmq.asyncio.Socket, generation: int) -> None:
         self.peer = peer
@@ -76,8 +76,9 @@ class Route:
         # Its connections: 0 while not decided (see Routes.put), else the link and
         # width - 1 stripes beside it, taken in turn (``turn``) by large messages.
         self.width = 0
-        self.stripes: list[Stripe] = []
+        self.stripes: list[Stripe] = []  # opened at their first turn
         self.turn = 0
+        self.send_buffer = 0  # the stripes' SO_SNDBUF (0: autotuned; see .paths)
 
     @property
     def waiting(self) -> int:
@@ -212,15 +213,17 @@ class Routes:
     def held(self) -> int:
         """The connections that count against the budget: every open or draining link
         and each of its stripes."""
-        return (sum(1 + len(r.stripes) for r in self.routes.values())
-                + sum(1 + len(r.stripes) for r, _ in self.draining.values()))
+        return (sum(max(1, r.width) for r in self.routes.values())
+                + sum(max(1, r.width) for r, _ in self.draining.values()))
 
     async def put(self, route: Route, frames: list[object], nbytes: int) -> None:
         """Queue one message of ``nbytes`` payload bytes on ``route``: on its link, or, if
         it is large and the route striped, on the connection whose turn it is, announced
-        on the link (see :mod:`.stripes`). The route's stripes open with its first large
+        on the link (see :mod:`.stripes`). The route's width is decided at its first large
         message (under ``auto``, once its link's handshake has measured the round trip;
-        until then large messages go on the link).
+        until then large messages go on the link), and each stripe opens at its first
+        turn (a stripe that never carries anything would look like a stranger's
+        connection to the peer's census).
 
         Cancellation: as :meth:`Route.put`; a message may be queued on a stripe and its
         turn not, or the reverse (the caller breaks the group on cancellation anyway).
@@ -232,10 +235,12 @@ class Routes:
             self._widen(route)
         stripes = route.stripes
         i = route.turn
-        route.turn = (i + 1) % (len(stripes) + 1)
+        route.turn = (i + 1) % max(1, route.width)
         if i == 0:
             await route.put(frames)
             return
+        if i > len(stripes):
+            self._open_stripe(route)
         # The turn on the link and the message on the stripe each take their place in
         # their connection's order now, before anything is awaited (see Stripe.enqueue).
         announced = route.conn.enqueue([turn(i)])
@@ -246,8 +251,8 @@ class Routes:
             await sending
 
     def _widen(self, route: Route) -> None:
-        """Decide how many connections ``route`` has and open its stripes (see
-        :meth:`put`); under ``auto`` with the round trip still unknown, decide later."""
+        """Decide how many connections ``route`` has (see :meth:`put`); under ``auto``
+        with the round trip still unknown, decide later."""
         peer = route.peer
         if not self._striped[peer]:
             route.width = 1
@@ -258,18 +263,19 @@ class Routes:
         if self.budget:  # stripes count against the budget, and take only what is left
             width = max(1, min(width, 1 + self.budget - self.held()))
         route.width = width
-        if width == 1:
-            return
-        sndbuf, capped = self.paths.send_buffer(peer, width)
-        self.counters.socket_buffers_capped += capped
-        identity = self.identity(route.generation)
-        for i in range(1, width):
-            stripe = Stripe(self.sockets.mesh_link(stripe_identity(identity, i),
-                                                   send_buffer=sndbuf))
-            self._watch(route, stripe)
-            stripe.socket.connect(self._endpoints[peer])
-            route.stripes.append(stripe)
-            self.counters.stripes_opened += 1
+        if width > 1:
+            route.send_buffer, capped = self.paths.send_buffer(peer, width)
+            self.counters.socket_buffers_capped += capped
+
+    def _open_stripe(self, route: Route) -> None:
+        """Open ``route``'s next stripe."""
+        index = len(route.stripes) + 1
+        identity = stripe_identity(self.identity(route.generation), index)
+        stripe = Stripe(self.sockets.mesh_link(identity, send_buffer=route.send_buffer))
+        self._watch(route, stripe)
+        stripe.socket.connect(self._endpoints[route.peer])
+        route.stripes.append(stripe)
+        self.counters.stripes_opened += 1
 
     def _watch(self, route: Route, conn: Stripe) -> None:
         """Follow a connection of ``route``: its handshake measures the path's round trip;
