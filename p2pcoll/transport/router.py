@@ -6,7 +6,9 @@ the first connection of a rank that speaks fixes the rank's nonce for the group,
 messages of any other connection claiming the rank are dropped as ``impostor``; a rank's
 successive links (closed and opened again for its link budget, see :mod:`.route`) are read
 one after the other, in the order it opened them (see :class:`~.links.Successions`). A
-link's ``end`` is answered on it, so that its sender may close it.
+link's ``end`` is answered on it, so that its sender may close it. A link's stripes
+(identity ``<link>#i``, see :mod:`.stripes`) carry its large messages, handed on at their
+turns on the link (:class:`~.stripes.StripeJoin`), so in the order sent.
 
 The ROUTER is read in a callback on its ZMQ_FD, not through pyzmq's asyncio layer (a future,
 a callback and a task wake-up per message, about a third of a small collective's time): one

@@ -130,7 +130,9 @@ class Stripe:
               on_down: Callable[[], None], events_of: Callable[[zmq.asyncio.Socket, int],
                                                                zmq.asyncio.Socket]) -> None:
         """Follow the connection: ``on_handshake(seconds since started)`` when its
-        handshake completes, ``on_down()`` when it goes down."""
+        handshake completes, ``on_down()`` when it goes down after that. (One that drops
+        before its handshake has carried nothing: libzmq keeps its queue and connects
+        again, as for any link.)"""
         self.events = events_of(self.socket, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
                                 | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.task = asyncio.create_task(self._follow(self.events, started, on_handshake,
@@ -148,7 +150,7 @@ class Stripe:
                 elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.handshake_s is None:
                     self.handshake_s = time.monotonic() - started
                     on_handshake(self.handshake_s)
-                elif kind == zmq.EVENT_DISCONNECTED:
+                elif kind == zmq.EVENT_DISCONNECTED and self.handshake_s is not None:
                     on_down()
         except (asyncio.CancelledError, zmq.ZMQError, OSError):
             pass  # closed (an OSError: its descriptor was closed under the poller)
