@@ -137,23 +137,26 @@ def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     deadline = time.monotonic() + args.timeout
-    reports = []
+    outputs = []
     try:
         for rank, proc in enumerate(procs):
             try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                outputs.append(proc.communicate(
+                    timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"{kind} rank {rank} still running after "
                                    f"{args.timeout:g}s") from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"{kind} rank {rank} exited with {proc.returncode}:\n"
-                                   f"{err[-3000:]}")
-            reports.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{kind} ranks {failed} failed:\n" + "\n".join(
+            f"rank {r} (exit {procs[r].returncode}): {outputs[r][1][-2000:]}"
+            for r in range(world)))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     return reports
 
 
