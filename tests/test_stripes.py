@@ -173,6 +173,27 @@ async def test_the_link_budget_counts_stripes() -> None:
         assert 0 < stripes <= 3
 
 
+async def test_a_measurement_fed_in_changes_the_width() -> None:
+    """``auto`` takes a measured path (as a topology probe would feed it) at the route's
+    next large message, wider or narrower, and every result stays right."""
+    x = np.arange(60_000, dtype=np.float32)
+    expected = x * 2
+
+    async def fn(g: p2pcoll.Group) -> list[int]:
+        routes = _transport(g).routes
+        peer = 1 - g.rank
+        widths = []
+        for rtt, bandwidth in ((0.1, 1e9), (0.1, 1.0), (0.1, 1e9)):
+            routes.measure(peer, rtt_s=rtt, bandwidth_Bps=bandwidth)
+            out = await g.allreduce(x, strategy="ring")
+            assert np.array_equal(out, expected)
+            widths.append(routes.routes[peer].width)
+        return widths
+
+    for widths in await run_ranks(2, fn, streams="auto"):
+        assert widths == [8, 1, 8]
+
+
 @pytest.mark.parametrize("value", ["0", "17", "two", "-1", "1.5"])
 def test_bad_streams_variable_is_refused_by_name(value: str) -> None:
     with pytest.raises(SettingsError, match="P2PCOLL_STREAMS"):
@@ -240,10 +261,13 @@ def test_auto_fills_the_bandwidth_delay_product() -> None:
     paths = Paths(Buffers(wmem_max=4 << 20, rmem_max=4 << 20, tcp_wmem_max=4 << 20,
                           tcp_rmem_max=4 << 20))
     assert paths.streams(1) is None  # not measured yet
-    paths.measure(1, rtt_s=0.2)
-    paths.measure(1, rtt_s=0.1)  # the smallest round trip stays
-    paths.measure(1, rtt_s=0.3)
+    paths.handshake(1, 0.2)
+    paths.handshake(1, 0.1)  # the smallest handshake's round trip stays
+    paths.handshake(1, 0.3)
     assert paths.rtt(1) == 0.1
+    paths.measure(2, rtt_s=0.1)  # a measurement replaces, and handshakes no longer count
+    paths.handshake(2, 0.01)
+    assert paths.rtt(2) == 0.1
     assert paths.streams(1) == 8  # the default bandwidth, 10 Gbit/s
     paths.measure(1, bandwidth_Bps=125e6)  # a measured bandwidth is taken from now on
     assert paths.streams(1) == 6

@@ -141,6 +141,7 @@ class Measured:
 
     rtt_s: float | None = None
     bandwidth_Bps: float | None = None
+    probed: bool = False  # the round trip came from measure(), not from handshakes
 
 
 class Paths:
@@ -158,14 +159,20 @@ class Paths:
 
     def measure(self, peer: int, rtt_s: float | None = None,
                 bandwidth_Bps: float | None = None) -> None:
-        """Record a measurement of the path to ``peer`` (None: not measured). A round trip
-        keeps the smallest seen (a handshake can only take longer than its round trips);
-        a bandwidth replaces the one known."""
+        """Record a measurement of the path to ``peer`` (None: not measured): it replaces
+        what was known, and handshakes no longer change the round trip."""
         path = self._paths.setdefault(peer, Measured())
         if rtt_s is not None and rtt_s > 0:
-            path.rtt_s = rtt_s if path.rtt_s is None else min(path.rtt_s, rtt_s)
+            path.rtt_s, path.probed = rtt_s, True
         if bandwidth_Bps is not None and bandwidth_Bps > 0:
             path.bandwidth_Bps = bandwidth_Bps
+
+    def handshake(self, peer: int, rtt_s: float) -> None:
+        """A round trip estimated from a link's handshake: the smallest seen is kept (a
+        handshake can only take longer than its round trips), unless measured otherwise."""
+        path = self._paths.setdefault(peer, Measured())
+        if rtt_s > 0 and not path.probed:
+            path.rtt_s = rtt_s if path.rtt_s is None else min(path.rtt_s, rtt_s)
 
     def rtt(self, peer: int) -> float | None:
         path = self._paths.get(peer)

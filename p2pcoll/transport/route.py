@@ -117,6 +117,12 @@ class Route:
         return [t for t in tasks if t is not None]
 
 
+def _connections(route: Route) -> int:
+    """The connections of ``route`` that count against the budget: its link, its stripes,
+    and those it has decided to open."""
+    return max(1, route.width, 1 + len(route.stripes))
+
+
 class Routes:
     """The routes of one peer (see the module docstring).
 
@@ -213,8 +219,20 @@ class Routes:
     def held(self) -> int:
         """The connections that count against the budget: every open or draining link
         and each of its stripes."""
-        return (sum(max(1, r.width) for r in self.routes.values())
-                + sum(max(1, r.width) for r, _ in self.draining.values()))
+        return (sum(_connections(r) for r in self.routes.values())
+                + sum(_connections(r) for r, _ in self.draining.values()))
+
+    def measure(self, peer: int, rtt_s: float | None = None,
+                bandwidth_Bps: float | None = None) -> None:
+        """A measurement of the path to ``peer`` (a probe of the topology, say; None: not
+        measured): under ``auto``, the route to it decides its width again at its next
+        large message. Its stripes follow the turns, so their number may change between
+        any two messages: one no longer taken stays open, idle, until the link closes."""
+        self.paths.measure(peer, rtt_s, bandwidth_Bps)
+        route = self.routes.get(peer)
+        if route is not None and self.streams == "auto" and self._striped.get(peer):
+            route.width = 0
+            route.turn = 0
 
     async def put(self, route: Route, frames: list[object], nbytes: int) -> None:
         """Queue one message of ``nbytes`` payload bytes on ``route``: on its link, or, if
@@ -261,7 +279,8 @@ class Routes:
         if width is None:
             return
         if self.budget:  # stripes count against the budget, and take only what is left
-            width = max(1, min(width, 1 + self.budget - self.held()))
+            others = self.held() - _connections(route)
+            width = max(1, min(width, max(self.budget - others, 1 + len(route.stripes))))
         route.width = width
         if width > 1:
             route.send_buffer, capped = self.paths.send_buffer(peer, width)
@@ -284,7 +303,7 @@ class Routes:
         peer = route.peer
 
         def measured(seconds: float) -> None:
-            self.paths.measure(peer, rtt_s=seconds / trips)
+            self.paths.handshake(peer, seconds / trips)
 
         def down() -> None:
             if route.stripes and (self.routes.get(peer) is route or any(
