@@ -131,11 +131,11 @@ async def test_a_cut_stripe_breaks_the_link_and_names_the_peer() -> None:
         if g.rank == 0:
             route = _transport(g).routes.routes[1]
             stripe = route.stripes[0]
-            for _ in range(200):  # the connected event comes on the loop
-                if stripe.fd >= 0:
+            for _ in range(500):  # its monitor's events come on the loop
+                if stripe.fd >= 0 and stripe.handshake_s is not None:
                     break
                 await asyncio.sleep(0.01)
-            assert stripe.fd >= 0
+            assert stripe.fd >= 0 and stripe.handshake_s is not None
             _cut(stripe.fd)
         try:
             for _ in range(50):
