@@ -172,7 +172,7 @@ def environment(rank: int, world: int, host: int, port: int, model: str) -> dict
     env.update(P2PCOLL_RENDEZVOUS=f"tcp://{netns.address(0)}:{port}", WORLD_SIZE=str(world),
                RANK=str(rank), P2PCOLL_HOST_ID=f"host-{host}", OMP_NUM_THREADS="1",
                GLOO_SOCKET_IFNAME="eth0", P2PCOLL_JOIN_TIMEOUT="300",
-               P2PCOLL_COLLECTIVE_TIMEOUT="600", P2PCOLL_COST_MODEL=model)
+               P2PCOLL_TIMEOUT="600", P2PCOLL_COST_MODEL=model)
     return env
 
 

@@ -41,7 +41,11 @@ variable                       meaning (default)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
 ``P2PCOLL_HEARTBEAT_TIMEOUT``  seconds of silence after which a peer is lost, > 0 (5)
 ``P2PCOLL_MAX_LINKS``          links a peer keeps open to others, the least recently
-                               used idle one closed first; >= 4, or 0: no bound (0)
+                               used idle one closed first; >= 4, or 0: no bound (0);
+                               each stripe of a link counts
+``P2PCOLL_STREAMS``            TCP connections a large message's segments are spread
+                               over per peer pair, 1..16, or ``auto``: from the path's
+                               measured round trip (:mod:`p2pcoll.transport.paths`; auto)
 ``P2PCOLL_KEY_FILE``           the job key file (``p2pcoll keygen``): secure every socket
 ``P2PCOLL_JOB_ID``             which job of a shared rendezvous server this peer joins
 ``P2PCOLL_MIN_WORLD_SIZE``     elastic groups: form with at least this many peers
@@ -74,15 +78,16 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from . import launchers
 from .errors import SettingsError
 from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
-from .settings_env import (LINKS_ALLOWED, EnvReader, check_directory, check_host_id, check_int,
-                           check_job_id)
+from .settings_env import (LINKS_ALLOWED, EnvReader, check_directory, check_host_id,
+                           check_int, check_job_id, check_streams)
+from .settings_env import MAX_STREAMS as MAX_STREAMS
 from .settings_env import MIN_LINKS as MIN_LINKS  # these still importable from here
 from .settings_env import check_path as check_path
 from .settings_env import check_seconds as check_seconds
@@ -107,6 +112,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC", "P2PCOLL_MAX_LINKS",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_REACHABLE", "P2PCOLL_RELAY",
+        "P2PCOLL_STREAMS",
         "P2PCOLL_MIN_WORLD_SIZE", "P2PCOLL_MAX_WORLD_SIZE",
         "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE", "P2PCOLL_RENDEZVOUS_MAX_HEARTBEAT",
         "P2PCOLL_RENDEZVOUS_MAX_PEERS", "P2PCOLL_RENDEZVOUS_MAX_JOBS", "P2PCOLL_RENDEZVOUS_RATE",
@@ -162,7 +168,11 @@ class Settings:
             at least 4). Links open on demand; beyond this, the least recently used link
             that may go (idle, to a peer this one does not watch, without a shared-memory
             lane) is closed, and opened again when next needed (see
-            :mod:`p2pcoll.transport.route`).
+            :mod:`p2pcoll.transport.route`). Each stripe of a link counts as a link.
+        streams: the TCP connections (stripes) a large message's segments are spread over
+            per peer pair, 1 to :data:`MAX_STREAMS`, or ``"auto"``: as many as fill the
+            path's bandwidth-delay product, 1 on one host (see
+            :mod:`p2pcoll.transport.paths`).
         key: the job key every socket uses (CurveZMQ), or None for an insecure group.
         job_id: the job to join at a rendezvous server that serves several.
         min_world_size, max_world_size: for an elastic group (``world_size`` None): it
@@ -203,6 +213,7 @@ class Settings:
     tune_malloc: bool = True
     heartbeat_timeout: float = 5.0
     max_links: int = 0
+    streams: int | Literal["auto"] = "auto"
     key: JobKey | None = None
     job_id: str = ""
     min_world_size: int | None = None
@@ -257,6 +268,7 @@ class Settings:
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),
             "heartbeat_timeout": reader.seconds("P2PCOLL_HEARTBEAT_TIMEOUT"),
             "max_links": reader.links("P2PCOLL_MAX_LINKS"),
+            "streams": reader.streams("P2PCOLL_STREAMS"),
             "key": reader.key(),
             "job_id": reader.job_id(),
             "min_world_size": reader.integer("P2PCOLL_MIN_WORLD_SIZE", 1, 1 << 20),
@@ -311,6 +323,8 @@ class Settings:
             links = given["max_links"]
             if not (type(links) is int and (links == 0 or MIN_LINKS <= links <= 1 << 20)):
                 raise bad_value("max_links=", links, LINKS_ALLOWED)
+        if "streams" in given:
+            check_streams(given["streams"], "streams=")
         if given.get("timeline"):  # made a str by resolve()
             check_path(given["timeline"], "timeline=")
         if "flight_record" in given:

@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from .errors import SettingsError, bad_value
 from .security.keys import JobKey
@@ -37,6 +38,8 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 
 MIN_LINKS = 4  # a link budget leaves room for the two watched peers and a partner each way
 LINKS_ALLOWED = f"0 (no bound) or an integer of at least {MIN_LINKS}"
+MAX_STREAMS = 16  # stripes per peer pair, at most
+STREAMS_ALLOWED = f"auto, or an integer from 1 to {MAX_STREAMS}"
 
 
 def parse_bytes(text: str) -> int:
@@ -78,6 +81,15 @@ def check_int(value: object, where: str, low: int, high: int | None = None) -> i
         span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
         raise bad_value(where, value, span)
     return value  # type: ignore[return-value]
+
+
+def check_streams(value: object, where: str) -> int | Literal["auto"]:
+    """A stripe count (``streams``): ``"auto"`` or an integer from 1 to MAX_STREAMS."""
+    if value == "auto":
+        return "auto"
+    if type(value) is not int or not 1 <= value <= MAX_STREAMS:
+        raise bad_value(where, value, STREAMS_ALLOWED)
+    return value
 
 
 def check_job_id(value: object, where: str) -> None:
@@ -201,6 +213,13 @@ class EnvReader:
         if number is not None and 0 < number < MIN_LINKS:
             raise bad_value(f"${name}", self.raw(name), LINKS_ALLOWED)
         return number
+
+    def streams(self, name: str) -> int | Literal["auto"] | None:
+        """A stripe count: ``auto``, or an integer from 1 to MAX_STREAMS."""
+        value = self.raw(name)
+        if value is None or value.lower() == "auto":
+            return None if value is None else "auto"
+        return self.integer(name, 1, MAX_STREAMS, allowed=STREAMS_ALLOWED)
 
     def integer(self, name: str, low: int, high: int, *, allowed: str = "") -> int | None:
         """An integer from ``low`` to ``high``, or None when unset; ``allowed`` says what

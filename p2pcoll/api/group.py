@@ -420,7 +420,11 @@ class Group(PointToPoint):
         ``links_opened - links_closed`` are open); ``bytes_relayed``: bytes (on the wire,
         both ways) between this peer and relays, and ``peer_links``: for each other rank,
         ``"relayed"`` if what goes between the two passes a relay (either peer cannot be
-        reached), else ``"direct"`` (see docs/relay.md).
+        reached), else ``"direct"`` (see docs/relay.md); ``stripes_opened``: TCP connections
+        opened beside links to spread large messages over (``P2PCOLL_STREAMS``, see
+        :mod:`p2pcoll.transport.stripes`); ``socket_buffers_capped``: striped links whose
+        send buffers ``net.core.wmem_max`` held below what their path needs (see
+        :mod:`p2pcoll.transport.paths`).
         Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
@@ -440,6 +444,8 @@ class Group(PointToPoint):
             "peer_links": {r: "relayed" if r in c.relayed else "direct"
                            for r in range(session.membership.world_size)
                            if r != session.membership.rank},
+            "stripes_opened": c.stripes_opened,
+            "socket_buffers_capped": c.socket_buffers_capped,
             "collectives": session.seq,
             **self._activity.report(),
         }

@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Coroutine, Generator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from ..engine.costs import DEFAULT_CONSTANTS, load_constants
 from ..errors import SettingsError
@@ -152,6 +152,7 @@ def join(
     max_links: int | None = None,
     reachable: bool | None = None,
     relay: str | None = None,
+    streams: int | Literal["auto"] | None = None,
 ) -> Join:
     """Join a group of peers.
 
@@ -200,7 +201,7 @@ def join(
             0, the default: no bound; else at least 4). Beyond it the least recently used
             idle link is closed, and opened again when needed (its messages keep their
             order); what bounds a peer's descriptors in a large group of rooted
-            collectives.
+            collectives. Each stripe of a link counts.
         reachable: False when this peer cannot accept connections (behind NAT or a
             firewall; ``$P2PCOLL_REACHABLE=0``): it listens on no network address, keeps
             one outbound connection to a relay, and the others reach it through that
@@ -208,6 +209,10 @@ def join(
         relay: ``"tcp://HOST:PORT"`` of a standalone relay (``p2pcoll relay --port N``;
             ``$P2PCOLL_RELAY``) for this peer to register at when not reachable; None: the
             relay the rendezvous host runs.
+        streams: the TCP connections per peer pair a large message's segments are spread
+            over (``$P2PCOLL_STREAMS``): 1 to 16, or ``"auto"`` (the default): enough that
+            their windows fill the path's bandwidth-delay product, from its measured round
+            trip; 1 on one host (see :mod:`p2pcoll.transport.paths`).
 
     Raises:
         SettingsError: an argument or environment variable has a bad value (a timeline
@@ -232,7 +237,7 @@ def join(
         key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
         min_world_size=min_world_size, max_world_size=max_world_size, order=order,
         timeline=timeline, host_id=host_id, max_links=max_links, reachable=reachable,
-        relay=relay,
+        relay=relay, streams=streams,
     )
     return Join(settings)
 

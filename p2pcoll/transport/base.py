@@ -113,6 +113,11 @@ class Counters:
     bytes_relayed: int = 0
     # the peers this one reaches, or is reached by, through a relay (see .relayed)
     relayed: frozenset[int] = frozenset()
+    # stripes this peer opened beside its links (P2PCOLL_STREAMS; see .stripes)
+    stripes_opened: int = 0
+    # striped links whose send buffers net.core.wmem_max held below the path's need
+    # (see .paths)
+    socket_buffers_capped: int = 0
 
 
 class Transport(Protocol):

@@ -32,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import time
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import zmq
 import zmq.asyncio
@@ -42,69 +44,83 @@ from ..settings import MIN_LINKS
 from .base import Counters, LinkEvent, LinkHandler
 from .links import link_identity
 from .ordering import LaneSender
-from .sockets import SocketFactory
+from .paths import HANDSHAKE_TRIPS, Paths
+from .sockets import SocketFactory, monitor
+from .stripes import STRIPE_BYTES, Stripe, stripe_identity, turn
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = ["ENDED", "Route", "Routes"]
 
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+log = logging.getLogger("p2pcoll.transport")
+
+_NOBLOCK = int(zmq.NOBLOCK)
 ENDED = b"ended"  # a receiver's answer to a link's end, on that link
 
 class Route:
     """This peer's way to one other peer (see the module docstring)."""
 
-    __slots__ = ("generation", "lane", "link", "peer", "plain", "reader", "used", "waiting")
+    __slots__ = ("conn", "generation", "lane", "link", "peer", "reader", "send_buffer",
+                 "stripes", "turn", "used", "width")
 
     def __init__(self, peer: int, link: zmq.asyncio.Socket, generation: int) -> None:
         self.peer = peer
         self.link = link
-        # A plain view of the link: a send that need not wait for room skips pyzmq's
-        # asyncio future.
-        self.plain = zmq.Socket.shadow(link.underlying)
+        self.conn = Stripe(link)  # the link as one connection of the route's (see .stripes)
         self.generation = generation
-        self.waiting = 0  # sends that wait for room in the link's queue
         self.lane: LaneSender[Sequence[Buffer]] | None = None  # once the peer's lane is ready
         self.used = 0  # when it last sent (Routes.clock): the least recently used goes first
         # reads what comes back on the link, once something may (see Routes.listen)
         self.reader: asyncio.Task[None] | None = None
+        # Its connections: 0 while not decided (see Routes.put), else the link and
+        # width - 1 stripes beside it, taken in turn (``turn``) by large messages.
+        self.width = 0
+        self.stripes: list[Stripe] = []  # opened at their first turn
+        self.turn = 0
+        self.send_buffer = 0  # the stripes' SO_SNDBUF (0: autotuned; see .paths)
+
+    @property
+    def waiting(self) -> int:
+        """Sends that wait for room in the link's queue."""
+        return self.conn.waiting
+
+    @property
+    def busy(self) -> bool:
+        """Whether a send waits for room on the link or a stripe."""
+        return bool(self.conn.waiting or any(s.waiting for s in self.stripes))
 
     async def put(self, frames: list[object]) -> None:
         """Queue one message on the link: at once when its queue has room, which is the
         rule (a plain send, without pyzmq's asyncio future); else through the asyncio
         socket, which waits for room. While one such wait is pending, later messages wait
         behind it, so they stay in order."""
-        if not self.waiting:
-            plain = self.plain
-            try:
-                # Part by part as send_multipart does, with plain int flags (pyzmq's flag
-                # enums cost microseconds each); only the first part can meet the
-                # high-water mark, the others join it.
-                plain.send(frames[0], _NOBLOCK | _SNDMORE if len(frames) > 1 else _NOBLOCK)
-            except zmq.Again:
-                pass  # wait for room
-            else:
-                last = len(frames) - 1
-                for i in range(1, last + 1):
-                    plain.send(frames[i], _NOBLOCK if i == last else _NOBLOCK | _SNDMORE)
-                return
-        self.waiting += 1
-        try:
-            await self.link.send_multipart(frames, copy=False)
-        finally:
-            self.waiting -= 1
+        sending = self.conn.enqueue(frames)
+        if sending is not None:
+            await sending
 
     def send_now(self, frame: object) -> bool:
         """Send a one-frame message now if the link's queue has room (and nothing waits
         before it); False otherwise."""
-        if self.waiting or self.link.closed:
+        if self.conn.waiting or self.link.closed:
             return False
         try:
-            self.plain.send(frame, _NOBLOCK)
+            self.conn.plain.send(frame, _NOBLOCK)
         except zmq.Again:
             return False
         return True
+
+    def close(self, linger: int | None = None) -> list[asyncio.Task[None]]:
+        """Close the link and its stripes (``linger`` None: the factory's); the tasks that
+        followed their connections, cancelled."""
+        tasks = [self.conn.close(linger), *(s.close(linger) for s in self.stripes)]
+        return [t for t in tasks if t is not None]
+
+
+def _connections(route: Route) -> int:
+    """The connections of ``route`` that count against the budget: its link, its stripes,
+    and those it has decided to open."""
+    return max(1, route.width, 1 + len(route.stripes))
 
 
 class Routes:
@@ -119,13 +135,16 @@ class Routes:
         heard: called with a route and a message that came back on its link other than
             the answer to its end, once it is read (see :meth:`listen`).
         on_link: told when a link opens, when one is closed for the budget, and when every
-            link closed to a peer has drained (see :class:`~.base.LinkEvent`).
+            link closed to a peer has drained (see :class:`~.base.LinkEvent`); and, of a
+            striped route, when one of its connections goes down (see :mod:`.stripes`).
+        streams: the connections a route to a peer over tcp spreads its large messages
+            over: an int, or ``"auto"`` (from the path's round trip, see :mod:`.paths`).
     """
 
     def __init__(self, sockets: SocketFactory, counters: Counters, budget: int,
                  opened: Callable[[Route], None],
                  heard: Callable[[Route, list[zmq.Frame]], None],
-                 on_link: LinkHandler) -> None:
+                 on_link: LinkHandler, streams: int | Literal["auto"] = 1) -> None:
         if budget and budget < MIN_LINKS:
             raise ValueError(f"a link budget of {budget} is below {MIN_LINKS}")
         self.sockets = sockets
@@ -134,6 +153,8 @@ class Routes:
         self.opened = opened
         self.heard = heard
         self.on_link = on_link
+        self.streams = streams
+        self.paths = Paths()  # round trips measured as links open; bandwidths fed in
         self.routes: dict[int, Route] = {}
         # Links closed for the budget whose end the peer has not answered yet, each with
         # the task that waits for the answer: (peer, generation) -> (route, task).
@@ -144,16 +165,23 @@ class Routes:
         self._secret = self._nonce = ""
         self._rank = -1
         self._endpoints: tuple[str, ...] = ()
+        self._striped: dict[int, bool] = {}  # peer -> whether its route may have stripes
         self._pinned: frozenset[int] = frozenset()
         self._end = b""
 
     def start(self, rank: int, secret: str, nonce: str, endpoints: Sequence[str],
-              pinned: Collection[int], end: bytes) -> None:
+              pinned: Collection[int], end: bytes, hosts: Sequence[str] = ()) -> None:
         """The group is known: this peer's rank, the link secret, its nonce, every peer's
-        endpoint, the peers whose links always stay (those it watches), and the encoded
-        ``end`` message that closes a link."""
+        endpoint, the peers whose links always stay (those it watches), the encoded
+        ``end`` message that closes a link, and every peer's host (if known: ``auto``
+        stripes no link to a peer of this host)."""
         self._rank, self._secret, self._nonce = rank, secret, nonce
         self._endpoints = tuple(endpoints)
+        self._striped = {
+            peer: self.streams != 1 and endpoint.startswith("tcp://") and not (
+                self.streams == "auto" and len(hosts) == len(endpoints)
+                and hosts[peer] == hosts[rank])
+            for peer, endpoint in enumerate(endpoints)}
         self._pinned = frozenset(pinned)
         self._end = end
 
@@ -188,6 +216,104 @@ class Routes:
     def __len__(self) -> int:
         return len(self.routes)
 
+    def held(self) -> int:
+        """The connections that count against the budget: every open or draining link
+        and each of its stripes."""
+        return (sum(_connections(r) for r in self.routes.values())
+                + sum(_connections(r) for r, _ in self.draining.values()))
+
+    def measure(self, peer: int, rtt_s: float | None = None,
+                bandwidth_Bps: float | None = None) -> None:
+        """A measurement of the path to ``peer`` (a probe of the topology, say; None: not
+        measured): under ``auto``, the route to it decides its width again at its next
+        large message. Its stripes follow the turns, so their number may change between
+        any two messages: one no longer taken stays open, idle, until the link closes."""
+        self.paths.measure(peer, rtt_s, bandwidth_Bps)
+        route = self.routes.get(peer)
+        if route is not None and self.streams == "auto" and self._striped.get(peer):
+            route.width = 0
+            route.turn = 0
+
+    async def put(self, route: Route, frames: list[object], nbytes: int) -> None:
+        """Queue one message of ``nbytes`` payload bytes on ``route``: on its link, or, if
+        it is large and the route striped, on the connection whose turn it is, announced
+        on the link (see :mod:`.stripes`). The route's width is decided at its first large
+        message (under ``auto``, once its link's handshake has measured the round trip;
+        until then large messages go on the link), and each stripe opens at its first
+        turn (a stripe that never carries anything would look like a stranger's
+        connection to the peer's census).
+
+        Cancellation: as :meth:`Route.put`; a message may be queued on a stripe and its
+        turn not, or the reverse (the caller breaks the group on cancellation anyway).
+        """
+        if nbytes < STRIPE_BYTES or route.width == 1:
+            await route.put(frames)
+            return
+        if route.width == 0:
+            self._widen(route)
+        stripes = route.stripes
+        i = route.turn
+        route.turn = (i + 1) % max(1, route.width)
+        if i == 0:
+            await route.put(frames)
+            return
+        if i > len(stripes):
+            self._open_stripe(route)
+        # The turn on the link and the message on the stripe each take their place in
+        # their connection's order now, before anything is awaited (see Stripe.enqueue).
+        announced = route.conn.enqueue([turn(i)])
+        sending = stripes[i - 1].enqueue(frames)
+        if announced is not None:
+            await announced
+        if sending is not None:
+            await sending
+
+    def _widen(self, route: Route) -> None:
+        """Decide how many connections ``route`` has (see :meth:`put`); under ``auto``
+        with the round trip still unknown, decide later."""
+        peer = route.peer
+        if not self._striped[peer]:
+            route.width = 1
+            return
+        width = self.paths.streams(peer) if self.streams == "auto" else self.streams
+        if width is None:
+            return
+        if self.budget:  # stripes count against the budget, and take only what is left
+            others = self.held() - _connections(route)
+            width = max(1, min(width, max(self.budget - others, 1 + len(route.stripes))))
+        route.width = width
+        if width > 1:
+            route.send_buffer, capped = self.paths.send_buffer(peer, width)
+            self.counters.socket_buffers_capped += capped
+
+    def _open_stripe(self, route: Route) -> None:
+        """Open ``route``'s next stripe."""
+        index = len(route.stripes) + 1
+        identity = stripe_identity(self.identity(route.generation), index)
+        stripe = Stripe(self.sockets.mesh_link(identity, send_buffer=route.send_buffer))
+        self._watch(route, stripe)
+        stripe.socket.connect(self._endpoints[route.peer])
+        route.stripes.append(stripe)
+        self.counters.stripes_opened += 1
+
+    def _watch(self, route: Route, conn: Stripe) -> None:
+        """Follow a connection of ``route``: its handshake measures the path's round trip;
+        going down while the route is striped breaks the route (a lost peer)."""
+        trips = HANDSHAKE_TRIPS[self.sockets.secure]
+        peer = route.peer
+
+        def measured(seconds: float) -> None:
+            self.paths.handshake(peer, seconds / trips)
+
+        def down() -> None:
+            if route.stripes and (self.routes.get(peer) is route or any(
+                    r is route for r, _ in self.draining.values())):
+                log.warning("rank %d: a connection of the striped link to rank %d went "
+                            "down: the link is broken", self._rank, peer)
+                self.on_link(peer, LinkEvent.DOWN)
+
+        conn.watch(time.monotonic(), measured, down, monitor)
+
     def listen(self, route: Route) -> None:
         """Read what comes back on ``route``'s link from now on (a link is read only once
         something may come back: answers to a leaving peer's goodbye, or to its news, or
@@ -205,13 +331,12 @@ class Routes:
         for key in [key for key in self.draining if key[0] == peer]:
             drained, task = self.draining.pop(key)
             task.cancel()
-            drained.link.close(linger=0)
+            drained.close(linger=0)
 
     def full(self) -> bool:
         """Whether a new link must wait (:meth:`room`): the budget is full and some of it
         drains."""
-        return bool(self.budget and self.draining
-                    and len(self.routes) + len(self.draining) >= self.budget)
+        return bool(self.budget and self.draining and self.held() >= self.budget)
 
     async def room(self) -> None:
         """Wait while the budget is full and some of it drains: until a closed link's peer
@@ -236,12 +361,15 @@ class Routes:
 
     def _open(self, dst: int) -> Route:
         self.check(dst)
-        if self.budget and len(self.routes) + len(self.draining) >= self.budget:
+        if self.budget and self.held() >= self.budget:
             self._make_room()
         generation = self._generations.get(dst, 0)
         link = self.sockets.mesh_link(self.identity(generation))
+        route = Route(dst, link, generation)
+        if self._striped[dst]:
+            self._watch(route, route.conn)  # the round trip, for auto; a break, if striped
         link.connect(self._endpoints[dst])
-        route = self.routes[dst] = Route(dst, link, generation)
+        self.routes[dst] = route
         self._generations[dst] = generation + 1
         self.counters.links_opened += 1
         self.on_link(dst, LinkEvent.OPENED)
@@ -253,7 +381,7 @@ class Routes:
         """Close the least recently used link that may go; none may: keep them all."""
         pinned = self._pinned
         for route in sorted(self.routes.values(), key=lambda r: r.used):
-            if route.peer in pinned or route.lane is not None or route.waiting:
+            if route.peer in pinned or route.lane is not None or route.busy:
                 continue
             if route.peer in self._gone:
                 # Its peer will answer no end: the link closes now (what it queues gets
@@ -262,7 +390,7 @@ class Routes:
                 del self.routes[route.peer]
                 if route.reader is not None:
                     route.reader.cancel()
-                route.link.close()
+                route.close()
                 self.counters.links_closed += 1
                 return
             if not route.send_now(self._end):  # its queue is full: it is busy
@@ -286,7 +414,7 @@ class Routes:
                 if len(frames) == 1 and frames[0].bytes == ENDED:
                     break
                 self.heard(route, frames)
-            route.link.close(linger=0)
+            route.close(linger=0)  # its stripes were read before its end
         peer = route.peer
         if self.draining.pop((peer, route.generation), None) is not None:
             if not any(p == peer for p, _ in self.draining):
@@ -300,11 +428,11 @@ class Routes:
             if route.reader is not None:
                 route.reader.cancel()
                 tasks.append(route.reader)
-            route.link.close()
+            tasks.extend(route.close())
         self.routes.clear()
         for route, task in self.draining.values():
             task.cancel()
-            route.link.close()
+            tasks.extend(route.close())
             tasks.append(task)
         self.draining.clear()
         return tasks

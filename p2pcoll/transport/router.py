@@ -6,7 +6,9 @@ the first connection of a rank that speaks fixes the rank's nonce for the group,
 messages of any other connection claiming the rank are dropped as ``impostor``; a rank's
 successive links (closed and opened again for its link budget, see :mod:`.route`) are read
 one after the other, in the order it opened them (see :class:`~.links.Successions`). A
-link's ``end`` is answered on it, so that its sender may close it.
+link's ``end`` is answered on it, so that its sender may close it. A link's stripes
+(identity ``<link>#i``, see :mod:`.stripes`) carry its large messages, handed on at their
+turns on the link (:class:`~.stripes.StripeJoin`), so in the order sent.
 
 The ROUTER is read in a callback on its ZMQ_FD, not through pyzmq's asyncio layer (a future,
 a callback and a task wake-up per message, about a third of a small collective's time): one
@@ -37,6 +39,7 @@ from .endpoints import EndpointPolicy
 from .links import Successions
 from .route import ENDED
 from .sockets import LinkCensus, SocketFactory
+from .stripes import StripeJoin, parse_stripe, turn_of
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -81,6 +84,11 @@ class Router:
         # member's successive links (made at start).
         self._ranks: dict[bytes, int] = {}
         self._successions: Successions[list[zmq.Frame]] | None = None
+        # The links that have stripes (see .stripes): link identity -> the join that puts
+        # their messages back in order; stripe identity -> (link identity, stripe).
+        self._joins: dict[bytes, StripeJoin[list[zmq.Frame]]] = {}
+        self._stripes: dict[bytes, tuple[bytes, int]] = {}
+        self.stripes_heard = 0  # stripes that have spoken here (for the census)
         # Probe identity -> rank, of the watchers this peer said goodbye to on their probes
         # (their farewells come back on them).
         self._probers: dict[bytes, int] = {}
@@ -123,6 +131,8 @@ class Router:
         """``rank`` has gone: hold nothing more for its links."""
         if self._successions is not None:
             self._successions.forget(rank)
+            for link in [k for k in self._joins if self._successions.rank_of(k) == rank]:
+                del self._joins[link]
 
     async def census(self, members: int, departed: Callable[[], int]) -> None:
         """Count the connections beyond the ``members`` expected (``links_refused``), and
@@ -139,7 +149,7 @@ class Router:
             counters.links_refused += 1
 
         def expected() -> int:
-            return members + successions.later_links + departed()
+            return members + successions.later_links + departed() + self.stripes_heard
 
         await self._census.watch(expected, refused, self.rank, behind=lambda: self._behind)
 
@@ -233,6 +243,15 @@ class Router:
             if watcher is not None:  # a watcher answering a goodbye on its probe
                 self._answered(watcher, frames[1].buffer, frames[2:])
                 return
+            stripe = self._stripe(identity)
+            if stripe is not None:  # handed on at its turn on its link
+                link, index = stripe
+                rank, join = self._join(link)
+                if not join.on_stripe(index, frames):
+                    self._drops.drop(rank, ProtocolError(
+                        f"rank {rank} sent more on a stripe than its link announced",
+                        reason="oversize"))
+                return
             # A link heard for the first time, or a member's later link: the rank's link
             # now; or held for its turn, or dropped and counted as a ``stranger`` (no
             # ``rank@secret`` of this group) or an ``impostor`` (another nonce claiming a
@@ -244,7 +263,45 @@ class Router:
                 return
             self._ranks[identity] = source
             self._heard(source)
-        self._take_in(source, frames)
+        self._on_link(source, identity, frames)
+
+    def _on_link(self, source: int, identity: bytes, frames: list[zmq.Frame]) -> None:
+        """A message on member ``source``'s current link: handed on, after what its
+        stripes still owe before it; or a stripe's turn (see .stripes)."""
+        join = self._joins.get(identity)
+        index = turn_of(frames[1]) if len(frames) == 2 else None
+        if index is not None:
+            self._join(identity)[1].on_turn(index)
+        elif join is None:
+            self._take_in(source, frames)
+        else:
+            join.on_link(frames)
+
+    def _stripe(self, identity: bytes) -> tuple[bytes, int] | None:
+        """``(link identity, stripe)`` of a stripe of a member's link; None for anything
+        else."""
+        known = self._stripes.get(identity)
+        if known is not None:
+            return known
+        parsed = parse_stripe(identity)
+        successions = self._successions
+        if parsed is None or successions is None or successions.rank_of(parsed[0]) is None:
+            return None
+        self._stripes[identity] = parsed
+        self.stripes_heard += 1
+        return parsed
+
+    def _join(self, link: bytes) -> tuple[int, StripeJoin[list[zmq.Frame]]]:
+        """The rank of a member's link (by identity) and the join of its stripes."""
+        assert self._successions is not None
+        rank = self._successions.rank_of(link)
+        assert rank is not None, "a member's link"
+        join = self._joins.get(link)
+        if join is None:
+            join = self._joins[link] = StripeJoin(
+                lambda frames: self._take_in(rank, frames),
+                lambda frames: sum(len(f) for f in frames))
+        return rank, join
 
     def on_end(self, header: Header) -> None:
         """A member's link has ended (closed for its link budget): answer on it, so that
@@ -256,6 +313,9 @@ class Router:
         ended = successions.current.get(header.src)
         if ended is not None:
             del self._ranks[ended]
+            if self._joins.pop(ended, None) is not None:  # its stripes have all been read
+                for stripe in [i for i, (link, _) in self._stripes.items() if link == ended]:
+                    del self._stripes[stripe]
             reading = self._reading
             if reading is not None:
                 try:  # a ROUTER drops what it cannot route at once: this never waits
@@ -272,7 +332,7 @@ class Router:
         for frames in messages:
             if self._ranks.get(identity) != rank:  # ended among these (an end was read)
                 break
-            self._take_in(rank, frames)
+            self._on_link(rank, identity, frames)
 
     def _stranger(self, identity: bytes) -> object:
         """How the log names a link that is not (yet) a member's: never by the secret."""

@@ -146,11 +146,15 @@ class SocketFactory:
         sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_ms)
         return sock
 
-    def mesh_link(self, identity: bytes) -> zmq.asyncio.Socket:
-        """A sending link to one peer, with routing ``identity`` (the sender's rank)."""
+    def mesh_link(self, identity: bytes, send_buffer: int = 0) -> zmq.asyncio.Socket:
+        """A sending link to one peer (or a stripe of one, see .stripes), with routing
+        ``identity`` (the sender's rank); ``send_buffer``: its SO_SNDBUF (0: the kernel
+        autotunes it; see .paths)."""
         sock = self._client(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
+        if send_buffer > 0:
+            sock.setsockopt(zmq.SNDBUF, send_buffer)
         # A link sends; what comes back on it is small and few (read when it is: see
         # Routes.listen): the answer to its end, a farewell, the peer's goodbye said back,
         # news that this peer was declared lost.
@@ -219,17 +223,27 @@ class SocketFactory:
                    heartbeat_s=settings.heartbeat_timeout)
 
 
+IO_THREADS = 1
+"""libzmq's I/O threads in the shared context (its default: one). Each connection is served
+by one of them, so with more a link's stripes (see .stripes) would encrypt and decrypt their
+CurveZMQ sessions on several cores at once. Kept at one for now: with two, peers of one
+process over ipc sometimes miss hellos that have arrived while the group forms
+(tests/test_lazy_links.py, consecutive ranks lost), which points at a lost wake-up of the
+ROUTER's edge-triggered ZMQ_FD read (see .router) that one thread hides."""
+
+
 def _shared_context() -> zmq.asyncio.Context:
     """The process's ZeroMQ context, allowed as many sockets as the process may open files:
     libzmq's own default (1023 sockets) would stop a process that runs many peers (tasks of
-    one process, as in tests) long before its descriptor limit. Takes effect when the
-    context makes its first socket."""
+    one process, as in tests) long before its descriptor limit; with IO_THREADS I/O threads.
+    Takes effect when the context makes its first socket."""
     context = zmq.asyncio.Context.instance()
     if id(context) not in _SIZED:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY or soft > 1 << 20:
             soft = 1 << 20
         context.set(zmq.MAX_SOCKETS, max(context.get(zmq.MAX_SOCKETS), soft))
+        context.set(zmq.IO_THREADS, max(context.get(zmq.IO_THREADS), IO_THREADS))
         _SIZED.add(id(context))
     return context
 

@@ -155,7 +155,7 @@ class ZmqMesh:
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back,
-                             on_link=self._link_event)
+                             on_link=self._link_event, streams=settings.streams)
         # Heartbeat-only links to the watched peers (see .liveness).
         self._probes = Probes(self.sockets, self._probe_down, self._bye_on_probe)
         self._gone: set[int] = set()  # peers the session has told this one are gone
@@ -203,7 +203,8 @@ class ZmqMesh:
                                      self.counters)
             reach = self._relay.endpoints
         self.routes.start(rank, secret, self._nonce, reach,
-                          pinned=(), end=encode_header(Header("end", group_id, rank)))
+                          pinned=(), end=encode_header(Header("end", group_id, rank)),
+                          hosts=membership.hosts)
         self.identity = self.routes.identity()
         # Heartbeats and monitors need a real connection; inproc has neither. Over inproc a
         # zero-copy frame is shared with the receiver until it frees it, so two peers that
@@ -399,6 +400,7 @@ class ZmqMesh:
                 c.messages_sent_lane += header.kind == "data"
             else:
                 frames: list[object] = [head]
+                size = 0  # payload bytes on the wire (a large message may be striped)
                 for piece in inline:
                     if piece.nbytes < ZERO_COPY_BYTES:
                         frames.append(piece.tobytes() if piece.nbytes else b"")
@@ -408,7 +410,8 @@ class ZmqMesh:
                         frame = zmq.Frame(piece, copy=False, track=True)
                         tracked.append(frame)
                         frames.append(frame)
-                await route.put(frames)
+                    size += piece.nbytes
+                await self.routes.put(route, frames, size)
             if header.kind == "data":
                 c.messages_sent += 1
                 c.bytes_sent += sum(nbytes)

@@ -1,0 +1,286 @@
+"""Striped links on a long fat path: allreduce with ``streams=1``, ``streams=auto`` and Gloo.
+
+    python benchmarks/long_link.py                          # 4 hosts, 1gbit, 50 ms one way
+    python benchmarks/long_link.py --rate 1gbit --delay 50ms --sizes 16M,64M --iterations 5
+    python benchmarks/long_link.py --loopback               # job key against plain sockets
+
+Not a test: it prints tables. Needs root, ``ip``/``tc`` and (where the kernel has no
+netem) ``nft``. Four hosts of their own (network namespaces, ``tests/netns.py``), one peer
+each (``P2PCOLL_HOST_ID=host-R``: tcp between all), every cable a token bucket of
+``--rate`` each way and ``--delay`` one way (netem, or the lab's delay relay where the
+kernel has none: its per-connection buffer, 4 MiB, bounds one TCP connection at
+``limit / delay`` as a window would). In one run, each in a group of its own and pass after
+pass over the sizes (a change in the machine's load falls on all alike): p2pcoll with
+``P2PCOLL_STREAMS`` of each ``--streams`` value, then Gloo (torch.distributed over tcp).
+Times are the slowest rank's, medians over ``--iterations`` after a warm-up; bus bandwidth
+as nccl-tests counts it (``2(p-1)/p * size / time``) and as a share of the cable's payload
+rate (1448 bytes of 1514 per frame).
+
+``--loopback`` runs two peers on this machine's loopback over tcp (separate host ids, no
+shaping) with the job key and without, for each ``--streams`` value: the cost of CurveZMQ,
+and how much spreading it over stripes (libzmq's I/O threads) wins back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
+
+PORT = 29650
+PAYLOAD_PER_FRAME = 1448 / 1514
+FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+
+
+# --- the workers (one process per rank) ------------------------------------------------------
+
+async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    import p2pcoll
+
+    report: dict[str, Any] = {"times": {}}
+    async with p2pcoll.join() as g:
+        data = {n: np.full(n // 4, 1.0 + g.rank, np.float32) for n in args.sizes}
+        expected = sum(1.0 + r for r in range(g.world_size))
+        for i in range(args.iterations + 1):  # the first pass warms up
+            for nbytes in args.sizes:
+                x = data[nbytes]
+                await g.barrier()
+                t = time.perf_counter()
+                await g.allreduce(x, out=x, strategy=args.strategy)
+                elapsed = time.perf_counter() - t
+                if not (x[0] == expected and x[-1] == expected):
+                    raise SystemExit(f"rank {g.rank}: wrong sum {x[0]}, {x[-1]}")
+                x[:] = 1.0 + g.rank
+                if i:
+                    report["times"].setdefault(str(nbytes), []).append(elapsed)
+        stats = g.stats()
+        report["stats"] = {k: stats.get(k) for k in (
+            "stripes_opened", "socket_buffers_capped", "links_opened")}
+        report["picked"] = stats["collectives_by_strategy"]
+        await g.barrier()
+    return report
+
+
+def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['GLOO_ADDR']}:{args.port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    report: dict[str, Any] = {"times": {}}
+    try:
+        data = {n: torch.full((n // 4,), 1.0 + rank, dtype=torch.float32) for n in args.sizes}
+        for i in range(args.iterations + 1):
+            for nbytes in args.sizes:
+                x = data[nbytes]
+                dist.barrier()
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                elapsed = time.perf_counter() - t
+                x.fill_(1.0 + rank)
+                if i:
+                    report["times"].setdefault(str(nbytes), []).append(elapsed)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return report
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+def environment(rank: int, world: int, address: str, port: int,
+                extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
+    env.update(P2PCOLL_RENDEZVOUS=f"tcp://{address}:{port}", WORLD_SIZE=str(world),
+               RANK=str(rank), P2PCOLL_HOST_ID=f"host-{rank}", P2PCOLL_TRANSPORT="tcp",
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", GLOO_ADDR=address,
+               P2PCOLL_JOIN_TIMEOUT="300", P2PCOLL_TIMEOUT="600", **extra)
+    return env
+
+
+def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[str, str],
+        lab: netns.Lab | None) -> list[dict[str, Any]]:
+    """The ``kind`` workers (p2pcoll or gloo), one per host of ``lab`` (None: on this
+    machine's loopback); their reports in rank order."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
+            str(port), "--iterations", str(args.iterations), "--strategy", args.strategy,
+            "--sizes", ",".join(str(n) for n in args.sizes)]
+    address = netns.address(0) if lab is not None else "127.0.0.1"
+    procs = []
+    for rank in range(world):
+        env = environment(rank, world, address, port, extra)
+        if lab is None:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        procs.append(subprocess.Popen(lab.command(rank, argv) if lab is not None else argv,
+                                      env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    deadline = time.monotonic() + args.timeout
+    outputs = []
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                outputs.append(proc.communicate(
+                    timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{kind} rank {rank} still running after "
+                                   f"{args.timeout:g}s") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{kind} ranks {failed} failed:\n" + "\n".join(
+            f"rank {r} (exit {procs[r].returncode}): {outputs[r][1][-2000:]}"
+            for r in range(world)))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    return reports
+
+
+def medians(reports: list[dict[str, Any]]) -> dict[int, float]:
+    """Per size, the median over iterations of the slowest rank's time."""
+    out = {}
+    for key in reports[0]["times"]:
+        slowest = [max(r["times"][key][i] for r in reports)
+                   for i in range(len(reports[0]["times"][key]))]
+        out[int(key)] = statistics.median(slowest)
+    return out
+
+
+def busbw(nbytes: int, world: int, seconds: float) -> float:
+    """Bytes per second as nccl-tests counts an allreduce's."""
+    return 2 * (world - 1) / world * nbytes / seconds
+
+
+def table(results: dict[str, dict[int, float]], world: int, line_Bps: float | None
+          ) -> list[str]:
+    names = list(results)
+    lines = ["| size | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for n in sorted(next(iter(results.values()))):
+        cells = []
+        for name in names:
+            t = results[name][n]
+            bw = busbw(n, world, t)
+            share = f", {bw / line_Bps:.0%}" if line_Bps else ""
+            cells.append(f"{t * 1e3:.0f} ms ({bw / 1e6:.1f} MB/s{share})")
+        lines.append(f"| {n >> 20} MiB | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from p2pcoll.bench.options import parse_sizes
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="1gbit", help="each cable's rate, each way (tc)")
+    parser.add_argument("--delay", default="50ms", help="one-way delay per cable (tc time)")
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("64M"))
+    parser.add_argument("--streams", default="1,auto",
+                        help="P2PCOLL_STREAMS values, comma-separated (1,auto)")
+    parser.add_argument("--strategy", default="auto", help="the allreduce strategy (auto)")
+    parser.add_argument("--iterations", type=int, default=5, help="timed passes (5)")
+    parser.add_argument("--key", action="store_true", help="with a job key (CurveZMQ)")
+    parser.add_argument("--loopback", action="store_true",
+                        help="two peers on loopback, job key against plain sockets")
+    parser.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
+    parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE",
+                        help="a variable for every p2pcoll peer (repeatable)")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--worker", choices=("p2pcoll", "gloo"), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        report = (gloo_worker(args) if args.worker == "gloo"
+                  else asyncio.run(p2pcoll_worker(args)))
+        print(json.dumps(report), flush=True)
+        return 0
+    extra = dict(item.partition("=")[::2] for item in args.set)
+    streams = [s.strip() for s in args.streams.split(",") if s.strip()]
+    load = os.getloadavg()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="p2pcoll-long-link-") as scratch:
+        key = Path(scratch) / "job.key"
+        subprocess.run([sys.executable, "-m", "p2pcoll", "keygen", str(key)], check=True,
+                       capture_output=True)
+        results: dict[str, dict[int, float]] = {}
+        notes = []
+        port = args.port
+        if args.loopback:
+            for secure in (False, True):
+                for k in streams:
+                    env = {**extra, "P2PCOLL_STREAMS": k}
+                    if secure:
+                        env["P2PCOLL_KEY_FILE"] = str(key)
+                    name = f"{'key' if secure else 'plain'}, streams={k}"
+                    reports = run(args, "p2pcoll", 2, port, env, None)
+                    port += 1
+                    results[name] = medians(reports)
+                    notes.append(f"{name}: {reports[0]['stats']}")
+            print("allreduce, p = 2 on loopback over tcp (two host ids); slowest rank, "
+                  f"median of {args.iterations}; load {load[0]:.1f} before, "
+                  f"{os.getloadavg()[0]:.1f} after\n")
+            print("\n".join(table(results, 2, None)))
+            for k in streams:
+                plain, secure = results[f"plain, streams={k}"], results[f"key, streams={k}"]
+                print(f"streams={k}: key / plain busbw "
+                      + ", ".join(f"{n >> 20} MiB {plain[n] / secure[n]:.2f}x"
+                                  for n in sorted(plain)))
+        else:
+            reason = netns.unavailable()
+            if reason is not None:
+                print(f"long_link: {reason}", file=sys.stderr)
+                return 2
+            from slow_link import bits_per_second  # (beside this file)
+
+            line = bits_per_second(args.rate) * PAYLOAD_PER_FRAME / 8
+            world = 4
+            with netns.Lab(world) as lab:
+                how = lab.shape(args.rate, burst="512kbit", delay=args.delay, relay=True)
+                for k in streams:
+                    env = {**extra, "P2PCOLL_STREAMS": k}
+                    if args.key:
+                        env["P2PCOLL_KEY_FILE"] = str(key)
+                    reports = run(args, "p2pcoll", world, port, env, lab)
+                    port += 1
+                    results[f"streams={k}"] = medians(reports)
+                    notes.append(f"streams={k}: rank 0 {reports[0]['stats']}, "
+                                 f"strategies {reports[0]['picked']}")
+                if not args.no_gloo:
+                    results["gloo"] = medians(run(args, "gloo", world, port, {}, lab))
+            print(f"allreduce, p = 4 hosts (network namespaces), every cable {args.rate} and "
+                  f"{args.delay} one way ({how or 'no delay'}); tcp, "
+                  f"{'job key' if args.key else 'plain sockets'}; strategy {args.strategy}; "
+                  f"slowest rank, median of {args.iterations}; load {load[0]:.1f} before, "
+                  f"{os.getloadavg()[0]:.1f} after; % of the cable's payload rate "
+                  f"({line / 1e6:.1f} MB/s)\n")
+            print("\n".join(table(results, world, line)))
+        print()
+        print("\n".join(notes))
+    print(f"\n({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
