@@ -39,6 +39,7 @@ from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
 from .point_to_point import PointToPoint
 from .robust import robust_allreduce
+from .topology import Topology, measure, ordered, wanted
 
 T = TypeVar("T")
 
@@ -66,6 +67,7 @@ class Group(PointToPoint):
         self._sockets = sockets
         self._extensions: dict[str, Any] = {}
         self._activity = session.activity  # the record of its collectives
+        self._topology = Topology.unmeasured(session.world_size)  # until probed
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -197,6 +199,7 @@ class Group(PointToPoint):
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
         call, given, average = reduction_call("allreduce", value, op, None, strategy,
                                               timeout, out)
+        ordered(self, self._topology, call)  # along the measured ring, if it pays
         await self.session.run(call)
         results = finish(call, average, self.world_size)
         return out if out is not None else unflatten(call.treedef, as_given(given, results))
@@ -400,6 +403,19 @@ class Group(PointToPoint):
 
     # --- the rest -----------------------------------------------------------------------
 
+    def topology(self) -> dict[str, Any]:
+        """The links measured at join and the ring chosen from them
+        (:mod:`p2pcoll.api.topology`): ``{"ranks": [...], "rtt_s": matrix,
+        "bandwidth_Bps": matrix, "ring": order, "measured_at": time}``. Matrices are
+        ``[i][j]`` from rank i to rank j, None where not measured (everywhere, with
+        ``P2PCOLL_PROBE=0``; ``measured_at`` is then None and the ring rank order)."""
+        return self._topology.as_dict()
+
+    async def _probe(self) -> None:
+        """Measure the links if this group probes (every rank calls it after forming)."""
+        if wanted(self):
+            self._topology = await measure(self)
+
     def stats(self) -> dict[str, Any]:
         """Traffic since join: payload bytes and data messages sent and received, the part
         of ``bytes_sent`` that went through shared memory, and collectives started; messages
@@ -504,7 +520,9 @@ class Group(PointToPoint):
         settings = self.settings if strategies is None else replace(
             self.settings, strategies=dict(strategies))
         session, sockets = await shrink(self.session, exclude, settings, timeout, abort)
-        return Group(session, sockets=sockets)
+        group = Group(session, sockets=sockets)
+        await group._probe()
+        return group
 
     def __repr__(self) -> str:
         if self._session is None:

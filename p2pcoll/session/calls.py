@@ -384,7 +384,7 @@ class Runner:
                 flight.end(slot, op, call.strategy_used, ended, error,
                            describe(call.flat) if program is None else None)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
-            for a in call.flat:
+            for a in call.flat[:len(call.leaves)]:  # not a scratch area after them
                 np.divide(a, self.size, out=a)
 
     async def _execute(self, op: OpKey, call: Call, program: Prepared | None) -> None:
