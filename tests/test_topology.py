@@ -183,3 +183,29 @@ def test_probe_is_bounded_under_a_silent_peer() -> None:
     assert t0.bandwidth_Bps[0][2] is None and t0.bandwidth_Bps[0][1] is not None
     assert math.isfinite(t0.rtt_s[1][0] or math.nan)
     assert TAG > 0
+
+
+def test_auto_sees_the_slow_pair() -> None:
+    from dataclasses import replace
+
+    from p2pcoll.engine.costs import DEFAULT_CONSTANTS, CostModel
+    from p2pcoll.registry import registry
+
+    fast, slow = 1.25e8, 1.25e7
+    links = [[0.0 if i == j else fast for j in range(4)] for i in range(4)]
+    links[0][1] = links[1][0] = slow
+    tcp = CostModel(DEFAULT_CONSTANTS["tcp"])
+    even = replace(tcp, links=tuple(tuple(fast if i != j else 0.0 for j in range(4))
+                                    for i in range(4)), ring=(0, 1, 2, 3))
+    measured = replace(tcp, links=tuple(map(tuple, links)), ring=(0, 2, 1, 3))
+    ring, rab = registry.get("allreduce", "ring"), registry.get("allreduce", "rabenseifner")
+    n = 16 << 20
+    # Even links: the ring costs its textbook bytes at the links' rate.
+    assert even.predict(ring, n, 4) == pytest.approx(1.5 * n / fast, rel=0.05)
+    # The slow pair: Rabenseifner's first round crosses it, the carried ring does not.
+    assert measured.predict(rab, n, 4) > 0.5 * n / slow
+    assert measured.predict(ring, n, 4) == pytest.approx(2.25 * n / fast, rel=0.05)
+    assert registry.auto_name("allreduce", n, 4, measured) == "ring"
+    # Rank order across the slow pair would cost ten times the bytes' time.
+    rank_order = replace(measured, ring=(0, 1, 2, 3))
+    assert rank_order.predict(ring, n, 4) == pytest.approx(1.5 * n / slow, rel=0.05)

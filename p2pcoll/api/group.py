@@ -39,7 +39,7 @@ from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
 from .point_to_point import PointToPoint
 from .robust import robust_allreduce
-from .topology import Topology, measure, ordered, wanted
+from .topology import Topology, measure, ordered, price, wanted
 
 T = TypeVar("T")
 
@@ -415,6 +415,7 @@ class Group(PointToPoint):
         """Measure the links if this group probes (every rank calls it after forming)."""
         if wanted(self):
             self._topology = await measure(self)
+            price(self, self._topology)
 
     def stats(self) -> dict[str, Any]:
         """Traffic since join: payload bytes and data messages sent and received, the part

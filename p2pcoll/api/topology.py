@@ -9,7 +9,8 @@ measures its link to ``r + s`` while serving ``r - s``):
 1. a ping of 8 bytes, answered: the round-trip time;
 2. two payloads of :data:`PROBE_BYTES`, back to back, each answered once it has come
    whole: the bandwidth is one payload over the time between the two answers (the first
-   payload opens the TCP window, the second is timed at the window it opened).
+   payload opens the TCP window, the second is timed at the window it opened), that time
+   taken as at least half the whole exchange's (a busy receiver may answer both at once).
 
 Bounds: every rank sends at most ``2 * PROBE_BYTES + 11`` bytes per peer, and no answer is
 waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
@@ -34,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -122,6 +123,17 @@ def choose_ring(bandwidth: tuple[tuple[float | None, ...], ...]) -> tuple[int, .
     return ring if pays(bottleneck(ring, m), bottleneck(identity, m), p) else identity
 
 
+def price(group: Group, topology: Topology) -> None:
+    """Give ``group``'s cost model the measured links, so that ``auto`` sees a slow pair
+    (:mod:`p2pcoll.engine.costs`, "Measured links"); nothing when a link is unknown."""
+    bandwidth = topology.bandwidth_Bps
+    if any(b is None for i, row in enumerate(bandwidth) for j, b in enumerate(row) if i != j):
+        return
+    links = tuple(tuple(float(b or 0.0) for b in row) for row in bandwidth)
+    runner = group.session.runner
+    runner.use_costs(replace(runner.costs(), links=links, ring=topology.ring))
+
+
 def wanted(group: Group) -> bool:
     """Whether ``group`` probes: as asked (``settings.probe``), else when it spans hosts."""
     asked = group.settings.probe
@@ -185,6 +197,7 @@ async def _time_link(group: Group, to: int, payload: np.ndarray, deadline: float
     if not await _answer(group, to, ACK, deadline):
         return math.nan, math.nan
     rtt = time.perf_counter() - started
+    sent = time.perf_counter()
     await group.send(payload, to, tag=TAG)
     await group.send(payload, to, tag=TAG)
     if not await _answer(group, to, ACK, deadline):
@@ -192,7 +205,11 @@ async def _time_link(group: Group, to: int, payload: np.ndarray, deadline: float
     first = time.perf_counter()
     if not await _answer(group, to, ACK, deadline):
         return rtt, math.nan
-    spent = time.perf_counter() - first
+    last = time.perf_counter()
+    # The gap between the answers times the second payload at the window the first
+    # opened; but a busy receiver may answer both at once, so the gap counts as at least
+    # half of the whole transfer (which includes the slow start and a round trip).
+    spent = max(last - first, (last - sent - rtt) / 2)
     return rtt, payload.nbytes / spent if spent > 0 else math.nan
 
 

@@ -218,6 +218,12 @@ class Runner:
                                               hosts=session.membership.hosts)
         return self._costs
 
+    def use_costs(self, model: CostModel) -> None:
+        """Price with ``model`` from now on (the measured links: :mod:`p2pcoll.api.topology`);
+        the programs prepared under the old one go, so auto chooses again."""
+        self._costs = model
+        self.programs.clear()
+
     def prepare(self, call: Call, strategy: Strategy | None = None) -> Prepared:
         """The program of ``call`` (built on the first call with its key); ``strategy``:
         the one a receiver learned from its origin, or the board's."""
