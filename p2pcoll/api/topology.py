@@ -10,7 +10,8 @@ measures its link to ``r + s`` while serving ``r - s``):
 2. two payloads of :data:`PROBE_BYTES`, back to back, each answered once it has come
    whole: the bandwidth is one payload over the time between the two answers (the first
    payload opens the TCP window, the second is timed at the window it opened), that time
-   taken as at least half the whole exchange's (a busy receiver may answer both at once).
+   taken as at least half the whole exchange's, round trip included (a busy receiver
+   may answer both at once).
 
 Bounds: every rank sends at most ``2 * PROBE_BYTES + 11`` bytes per peer, and no answer is
 waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
@@ -23,8 +24,9 @@ which ring runs, never a result (every ring gives the rank-order ring's bits:
 :mod:`p2pcoll.engine.ordered_ring`).
 
 The probe runs when the group spans several hosts (the roster's), or when asked:
-``P2PCOLL_PROBE=1`` / ``join(probe=True)``; ``P2PCOLL_PROBE=0`` / ``join(probe=False)``
-skips it (then the topology has no measurements and the ring is rank order).
+``P2PCOLL_PROBE=1`` (``Settings.probe``); ``P2PCOLL_PROBE=0`` skips it (then the topology
+has no measurements and the ring is rank order). The measured links also go to ``auto``'s
+cost model (:func:`price`), so that it sees a slow pair.
 
 ``Group.allreduce`` with the ``ring`` strategy (asked for, the group's default, or auto's
 pick) runs along the measured ring when it pays (:func:`p2pcoll.engine.ordered_ring.pays`).
@@ -208,8 +210,9 @@ async def _time_link(group: Group, to: int, payload: np.ndarray, deadline: float
     last = time.perf_counter()
     # The gap between the answers times the second payload at the window the first
     # opened; but a busy receiver may answer both at once, so the gap counts as at least
-    # half of the whole transfer (which includes the slow start and a round trip).
-    spent = max(last - first, (last - sent - rtt) / 2)
+    # half of the whole exchange (slow start and a round trip included: an underestimate
+    # on long links, alike for every pair).
+    spent = max(last - first, (last - sent) / 2)
     return rtt, payload.nbytes / spent if spent > 0 else math.nan
 
 
