@@ -17,7 +17,7 @@ import pytest
 
 import p2pcoll
 from p2pcoll.api.topology import TAG, Topology, choose_ring, measure
-from p2pcoll.engine.ordered_ring import OrderedRing, pays
+from p2pcoll.engine.ordered_ring import OrderedRing, _path, pays, starts
 from p2pcoll.strategy import Context
 from p2pcoll.testing import memory_groups, run_virtual
 
@@ -67,6 +67,9 @@ def test_results_are_bit_identical_whatever_the_ring(p: int) -> None:
                     got[ring, n, d, op] = r.tobytes()
             r = await g.allreduce({k: v[g.rank] for k, v in tree.items()}, strategy="ring")
             got[ring, "tree"] = r["a"].tobytes() + r["b"].tobytes()
+            ran = {pr.strategy.ring for pr in g.session.runner.programs.values()
+                   if isinstance(pr.strategy, OrderedRing)}
+            assert (ring in ran) == (ring != tuple(range(p)))  # it ran along this ring
         return got
 
     results = on_groups(p, rank)
@@ -78,15 +81,29 @@ def test_results_are_bit_identical_whatever_the_ring(p: int) -> None:
         assert value == results[0][plain], f"ring {key[0]} differs from rank order: {key}"
 
 
-def test_the_carried_ring_moves_what_its_docstring_says() -> None:
-    # p = 4 along (0, 2, 1, 3): the reduce-scatter hops carry 1, 2, then 3 contributions
-    # (the last as 3 messages), then 3 allgather steps.
+def test_the_ordered_ring_folds_on_the_way_where_the_chain_allows() -> None:
+    # Rank order carries nothing: every hop one partial (3 hops x 4 chunks). Along
+    # (0, 2, 1, 3) the best paths carry 15 contributions in all; carrying everything
+    # would be 1 + 2 + 3 per chunk, 24.
+    assert sum(len(h) for c in range(4) for h in _path((0, 1, 2, 3), c, c) or []) == 12
+    ring = (0, 2, 1, 3)
+    chosen = starts(ring)
+    assert sorted(chosen) == [0, 1, 2, 3]
+    assert sum(len(h) for c in range(4) for h in _path(ring, c, chosen[c]) or []) == 15
     for rank in range(4):
-        steps = list(OrderedRing((0, 2, 1, 3), (8,), rank).schedule(Context(rank, 4)))
-        assert len(steps) == 2 + 3 + 3
-        right = (0, 2, 1, 3)[((0, 2, 1, 3).index(rank) + 1) % 4]
+        steps = list(OrderedRing(ring, (8,), rank).schedule(Context(rank, 4)))
+        right = ring[(ring.index(rank) + 1) % 4]
         assert all(op.to == right for step in steps for op in step
                    if isinstance(op, p2pcoll.strategy.Send))
+
+
+@pytest.mark.parametrize("p", range(2, 8))
+def test_every_ring_has_paths_that_fold_in_chain_order(p: int) -> None:
+    for ring in rings(p):
+        chosen = starts(ring)
+        assert sorted(chosen) == list(range(p))  # every rank owns one chunk
+        for c in range(p):
+            assert _path(ring, c, chosen[c]) is not None
 
 
 def test_choose_ring_pays_only_for_a_slow_pair() -> None:
@@ -202,9 +219,11 @@ def test_auto_sees_the_slow_pair() -> None:
     n = 16 << 20
     # Even links: the ring costs its textbook bytes at the links' rate.
     assert even.predict(ring, n, 4) == pytest.approx(1.5 * n / fast, rel=0.05)
-    # The slow pair: Rabenseifner's first round crosses it, the carried ring does not.
+    # The slow pair: Rabenseifner's first round crosses it, the ordered ring does not; it
+    # carries 15 of its chunks' contributions where rank order moves 12, then the
+    # allgather's 3 chunks: (15/4 + 3)/4 of the data per rank.
     assert measured.predict(rab, n, 4) > 0.5 * n / slow
-    assert measured.predict(ring, n, 4) == pytest.approx(2.25 * n / fast, rel=0.05)
+    assert measured.predict(ring, n, 4) == pytest.approx(1.6875 * n / fast, rel=0.05)
     assert registry.auto_name("allreduce", n, 4, measured) == "ring"
     # Rank order across the slow pair would cost ten times the bytes' time.
     rank_order = replace(measured, ring=(0, 1, 2, 3))

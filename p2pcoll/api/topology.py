@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..engine.ordered_ring import ordered_ring, pays, scratch_size
+from ..engine.ordered_ring import ordered_ring, pays
 from ..engine.ring_order import best_ring, bottleneck
 from ..types import OpKey, ReduceOp
 
@@ -227,8 +227,8 @@ async def _serve(group: Group, frm: int, deadline: float) -> None:
 
 def ordered(group: Group, topology: Topology, call: Call) -> None:
     """Make the allreduce ``call`` run along ``topology``'s ring when it is not rank order
-    and the ring strategy runs it: the carried ring
-    (:mod:`p2pcoll.engine.ordered_ring`), which gives the rank-order ring's bits. Built-in
+    and the ring strategy runs it: the ordered ring (:mod:`p2pcoll.engine.ordered_ring`),
+    which gives the rank-order ring's bits. Built-in
     ops only (a custom op need not commute), one dtype, three ranks or more."""
     p = group.world_size
     ring = topology.ring
@@ -240,6 +240,6 @@ def ordered(group: Group, topology: Topology, call: Call) -> None:
     nbytes = sum(a.nbytes for a in flat)
     if group.session.runner.choose("allreduce", call.strategy, nbytes).name != "ring":
         return
-    sizes = tuple(a.size for a in flat)
-    call.schedule = ordered_ring(ring, sizes, group.rank)
-    call.flat = [*flat, np.empty(scratch_size(sizes, p), flat[0].dtype)]
+    strategy = ordered_ring(ring, tuple(a.size for a in flat), group.rank)
+    call.schedule = strategy
+    call.flat = [*flat, np.empty(strategy.scratch_elements, flat[0].dtype)]

@@ -229,7 +229,7 @@ class Runner:
         the one a receiver learned from its origin, or the board's."""
         key = call.key()
         if strategy is not None:
-            key += (strategy.name,)
+            key += (strategy,)  # the instance: an engine's may differ by more than name
         program = self.programs.get(key)
         if program is not None:
             self.programs.move_to_end(key)
