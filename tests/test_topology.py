@@ -17,7 +17,7 @@ import pytest
 
 import p2pcoll
 from p2pcoll.api.topology import TAG, Topology, choose_ring, measure
-from p2pcoll.engine.ordered_ring import OrderedRing, _path, pays, starts
+from p2pcoll.engine.ordered_ring import OrderedRing, _path, factor, pays, starts
 from p2pcoll.strategy import Context
 from p2pcoll.testing import memory_groups, run_virtual
 
@@ -114,10 +114,14 @@ def test_choose_ring_pays_only_for_a_slow_pair() -> None:
     assert choose_ring(tuple(tuple(r) for r in m)) == (0, 2, 1, 3)
     m[0][1] = m[1][0] = fast / 1.2  # noise, not a slow pair: not worth carrying
     assert choose_ring(tuple(tuple(r) for r in m)) == (0, 1, 2, 3)
+    m[0][1] = m[1][0] = fast / 1.5  # 1.5x slower: worth its 1.125x the bytes
+    assert choose_ring(tuple(tuple(r) for r in m)) == (0, 2, 1, 3)
     unknown = [list(r) for r in m]
     unknown[2][3] = None  # type: ignore[call-overload]
     assert choose_ring(tuple(tuple(r) for r in unknown)) == (0, 1, 2, 3)
-    assert pays(10.0, 1.0, 4) and not pays(1.4, 1.0, 4) and not pays(10.0, 1.0, 2)
+    assert factor((0, 1, 2, 3)) == 1.0 and factor((0, 2, 1, 3)) == 1.125
+    assert pays(10.0, 1.0, (0, 2, 1, 3)) and not pays(1.2, 1.0, (0, 2, 1, 3))
+    assert not pays(10.0, 1.0, (0, 1))
 
 
 def test_a_lying_row_falls_back_to_rank_order() -> None:

@@ -115,14 +115,15 @@ def _known(value: float, high: float) -> float | None:
 
 def choose_ring(bandwidth: tuple[tuple[float | None, ...], ...]) -> tuple[int, ...]:
     """The ring for a matrix: rank order unless every link is known and the best ring's
-    slowest hop is fast enough that carrying the contributions pays."""
+    slowest hop is fast enough that the bytes it carries pay
+    (:func:`p2pcoll.engine.ordered_ring.pays`)."""
     p = len(bandwidth)
     identity = tuple(range(p))
     if p < 3 or any(b is None for row in bandwidth for b in row):
         return identity
     m = [[float(b) if b is not None else 0.0 for b in row] for row in bandwidth]
     ring = best_ring(m)
-    return ring if pays(bottleneck(ring, m), bottleneck(identity, m), p) else identity
+    return ring if pays(bottleneck(ring, m), bottleneck(identity, m), ring) else identity
 
 
 def price(group: Group, topology: Topology) -> None:

@@ -22,7 +22,8 @@ same order hands every rank every finished chunk (copies only).
 
 Cost, against the ring in rank order: rank order itself carries nothing; for p = 4 with one
 pair avoided, 15 contributions move in the reduce-scatter instead of 12; carrying
-everything costs ``(1 + 2 + ... + (p-1))`` (24 for p = 4), the bound :func:`pays` uses. Raw
+everything would cost ``(1 + 2 + ... + (p-1))`` per chunk (24 for p = 4). :func:`factor`
+gives the ratio of bytes, which :func:`pays` weighs against the measured hops. Raw
 contributions in transit sit in a scratch area after the data, one slot each.
 """
 
@@ -33,17 +34,31 @@ from functools import lru_cache
 
 from ..strategy import Context, Cost, Recv, Reduce, Schedule, Send, Strategy, Step, Workload
 
-__all__ = ["EXACT_LIMIT", "OrderedRing", "ordered_ring", "pays"]
+__all__ = ["EXACT_LIMIT", "OrderedRing", "factor", "ordered_ring", "pays", "starts"]
 
 EXACT_LIMIT = 12  # largest group whose path starts are assigned exactly
 Item = tuple[int, int]  # (-1, m): the partial of the chain's first m; (0, rank): a raw one
 
 
-def pays(ordered: float, rank_order: float, p: int) -> bool:
-    """Whether the ring along an order whose slowest hop moves ``ordered`` bytes/s beats the
-    ring in rank order, whose slowest moves ``rank_order``: at worst it sends ``(p+2)/4``
-    times the bytes (everything carried), so its bottleneck must be that much faster."""
-    return p >= 3 and ordered > rank_order * (p + 2) / 4
+def pays(ordered: float, rank_order: float, ring: tuple[int, ...]) -> bool:
+    """Whether the ring along ``ring``, whose slowest hop moves ``ordered`` bytes/s, beats
+    the ring in rank order, whose slowest moves ``rank_order``: it sends :func:`factor`
+    times the bytes, so its bottleneck must be that much faster (and a little more, so
+    that the noise of a measurement does not reorder a ring for nothing)."""
+    p = len(ring)
+    return p >= 3 and ordered > rank_order * factor(ring) * 1.1
+
+
+@lru_cache(maxsize=64)
+def factor(ring: tuple[int, ...]) -> float:
+    """The bytes one rank sends along ``ring`` over those of the ring in rank order: the
+    contributions its chunks' paths carry, then the allgather's p-1 chunks, over 2(p-1)."""
+    p = len(ring)
+    if p < 2:
+        return 1.0
+    chosen = starts(ring)
+    carried = sum(_carried(ring, c, chosen[c]) or 0 for c in range(p))
+    return (carried / p + p - 1) / (2 * (p - 1))
 
 
 def _split(n: int, p: int, c: int) -> int:
