@@ -38,7 +38,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -48,9 +48,32 @@ from ..types import OpKey, ReduceOp
 
 if TYPE_CHECKING:
     from ..session.calls import Call
-    from .group import Group
+    from ..session.session import Session
+    from ..settings import Settings
+    from ..types import Membership
 
 __all__ = ["PROBE_BYTES", "PROBE_SECONDS", "Topology", "measure", "ordered"]
+
+
+class Group(Protocol):
+    """What the probe uses of a :class:`p2pcoll.Group`."""
+
+    settings: Settings
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def session(self) -> Session: ...
+    async def send(self, value: Any, dst: int, *, tag: int = 0,
+                   timeout: float | None = None) -> None: ...
+    async def recv(self, src: int, *, tag: int = 0, out: Any = None,
+                   timeout: float | None = None) -> Any: ...
+    async def allgather(self, array: np.ndarray, *, strategy: str | None = None,
+                        timeout: float | None = None) -> list[np.ndarray]: ...
 
 PROBE_BYTES = 1 << 20  # each of the two timed payloads per ordered pair
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
