@@ -2,7 +2,7 @@
 ring in rank order and Gloo.
 
     python benchmarks/slow_pair.py                  # 4 hosts, 1gbit, 5 ms, pair 0-1 at 100mbit
-    python benchmarks/slow_pair.py --iterations 9 --size 64M
+    python benchmarks/slow_pair.py --iterations 9 --size 64M --reference
 
 Four emulated hosts (network namespaces of ``tests/netns.py``'s lab on one switch): every
 cable a token bucket of ``--rate`` each way with ``--delay`` one way (netem where the
@@ -14,7 +14,9 @@ the other's address on each one's eth0). Then, each in groups of its own, one pe
 - p2pcoll as it joins: it probes the links (``g.topology()``, printed) and ``ring`` runs
   along the measured ring; ``auto`` too (what it picked is printed);
 - p2pcoll with ``P2PCOLL_PROBE=0``: ``ring`` in rank order, across the slow pair;
-- Gloo (``torch.distributed``, backend gloo), ``all_reduce``.
+- Gloo (``torch.distributed``, backend gloo), ``all_reduce``;
+- with ``--reference``, in a second lab with no slow pair: ``ring`` (what a slow pair no
+  longer costs).
 
 Each case: a warm-up, then ``--iterations`` calls after a barrier; a call's time is the
 slowest rank's, the table gives the median and the bus bandwidth 2(p-1)/p·n/t (nccl-tests'
@@ -169,6 +171,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--port", type=int, default=PORT)
+    parser.add_argument("--reference", action="store_true",
+                        help="also time the ring with no slow pair, in a lab of its own")
+    parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE",
+                        help="a variable for every p2pcoll peer (P2PCOLL_PIPELINE_DEPTH=8)")
     parser.add_argument("--cases", default="ring,auto", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=("p2pcoll", "gloo"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -191,21 +197,29 @@ def main(argv: list[str] | None = None) -> int:
         delay = None if args.delay in ("", "0", "none") else args.delay
         how = lab.shape(args.rate, burst="512kbit", delay=delay, relay=True) or "none"
         lab.limit_pair(0, 1, args.slow, args.rate)
-        measured = run(lab, args, "p2pcoll", args.port, "ring,auto,rabenseifner", {})
+        extra = dict(v.split("=", 1) for v in args.set)
+        measured = run(lab, args, "p2pcoll", args.port, "ring,auto,rabenseifner", extra)
         for case in ("ring", "auto", "rabenseifner"):
             times[f"p2pcoll {case}, measured ring"] = slowest(measured, case)
         plain = run(lab, args, "p2pcoll", args.port + 1, "ring",
-                    {"P2PCOLL_PROBE": "0"})
+                    {**extra, "P2PCOLL_PROBE": "0"})
         times["p2pcoll ring, rank order (P2PCOLL_PROBE=0)"] = slowest(plain, "ring")
         gloo = run(lab, args, "gloo", args.port + 2, "", {})
         times["gloo"] = slowest(gloo, "gloo")
+    if args.reference:
+        with netns.Lab(WORLD) as lab:  # the same, with no slow pair
+            lab.shape(args.rate, burst="512kbit", delay=delay, relay=True)
+            fast = run(lab, args, "p2pcoll", args.port + 3, "ring",
+                       {**extra, "P2PCOLL_PROBE": "0"})
+            times["p2pcoll ring, no slow pair (reference)"] = slowest(fast, "ring")
     top = measured[0]["topology"]
     p, n = WORLD, args.size
     gloo_t = statistics.median(times["gloo"])
     lines = [
         f"# slow_pair: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs",
         f"allreduce of {n >> 20} MiB float32, p = {p} hosts, every link {args.rate} and "
-        f"{args.delay} one way (delay by {how}), the pair 0-1 at {args.slow}; median of "
+        f"{args.delay} one way (delay by {how}), the pair 0-1 at {args.slow}"
+        f"{'; peers with ' + ' '.join(args.set) if args.set else ''}; median of "
         f"{args.iterations} after a warm-up, slowest rank",
         "",
         "| case | median ms | busbw Gbit/s | x Gloo |",
