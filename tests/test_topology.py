@@ -232,3 +232,37 @@ def test_auto_sees_the_slow_pair() -> None:
     # Rank order across the slow pair would cost ten times the bytes' time.
     rank_order = replace(measured, ring=(0, 1, 2, 3))
     assert rank_order.predict(ring, n, 4) == pytest.approx(1.5 * n / slow, rel=0.05)
+
+
+def test_over_sockets_the_probe_agrees_and_the_ring_keeps_the_bits() -> None:
+    # Three peers on "hosts" of their own (tcp between them): the group probes at join by
+    # default, every rank reports the same matrix, and the ring allreduce, along whatever
+    # ring the matrix gave, has the rank-order ring's bits.
+    from p2pcoll.testing import run_ranks
+
+    p = 3
+    xs = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) * 10 ** r
+          for r in range(p)]
+    expected = np.empty_like(xs[0])
+    for c, idx in enumerate(np.array_split(np.arange(xs[0].size), p)):
+        acc = xs[c][idx].copy()
+        for k in range(1, p):
+            acc += xs[(c + k) % p][idx]
+        expected[idx] = acc
+
+    async def rank(g: p2pcoll.Group) -> tuple[dict[str, Any], bytes, bytes]:
+        top = g.topology()
+        measured = await g.allreduce(xs[g.rank], strategy="ring")  # the probe's ring
+        with_ring(g, (0, 2, 1))  # and the other ring of three, forced
+        forced = await g.allreduce(xs[g.rank], strategy="ring")
+        return top, measured.tobytes(), forced.tobytes()
+
+    async def main() -> list[tuple[dict[str, Any], bytes, bytes]]:
+        return await run_ranks(p, rank, transport="tcp", host_ids=["a", "b", "c"])
+
+    results = asyncio.run(main())
+    top = results[0][0]
+    assert top["measured_at"] is not None
+    assert all(r[0] == top for r in results)
+    for _, measured, forced in results:
+        assert measured == forced == expected.tobytes()
