@@ -17,7 +17,14 @@ import pytest
 
 import p2pcoll
 from p2pcoll.api.topology import TAG, Topology, choose_ring, measure
-from p2pcoll.engine.ordered_ring import OrderedRing, _path, factor, pays, starts
+from p2pcoll.engine.ordered_ring import (
+    OrderedAllgather,
+    OrderedRing,
+    _path,
+    factor,
+    pays,
+    starts,
+)
 from p2pcoll.strategy import Context
 from p2pcoll.testing import memory_groups, run_virtual
 
@@ -79,6 +86,21 @@ def test_results_are_bit_identical_whatever_the_ring(p: int) -> None:
     for key, value in results[0].items():
         plain = (first, *key[1:])
         assert value == results[0][plain], f"ring {key[0]} differs from rank order: {key}"
+
+
+def test_allgather_runs_along_the_ring() -> None:
+    p = 5
+    ring = (0, 3, 1, 4, 2)
+
+    async def rank(g: p2pcoll.Group) -> list[bytes]:
+        with_ring(g, ring)
+        got = await g.allgather(np.arange(7, dtype=np.int64) * (g.rank + 1), strategy="ring")
+        ran = [pr.strategy for pr in g.session.runner.programs.values()]
+        assert any(isinstance(s, OrderedAllgather) and s.ring == ring for s in ran)
+        return [a.tobytes() for a in got]
+
+    for parts in on_groups(p, rank):
+        assert parts == [(np.arange(7, dtype=np.int64) * (r + 1)).tobytes() for r in range(p)]
 
 
 def test_the_ordered_ring_folds_on_the_way_where_the_chain_allows() -> None:

@@ -323,8 +323,10 @@ class Group(PointToPoint):
         """
         mine = native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
-        await self.session.run(Call("allgather", parts, None, None, None, strategy, timeout,
-                                    flat=[p.reshape(-1) for p in parts]))
+        call = Call("allgather", parts, None, None, None, strategy, timeout,
+                    flat=[p.reshape(-1) for p in parts])
+        ordered(self, self._topology, call)  # along the measured ring, if it pays
+        await self.session.run(call)
         parts[self.rank] = mine.copy()
         return [tensors.like(array, p) for p in parts]
 

@@ -28,8 +28,9 @@ The probe runs when the group spans several hosts (the roster's), or when asked:
 has no measurements and the ring is rank order). The measured links also go to ``auto``'s
 cost model (:func:`price`), so that it sees a slow pair.
 
-``Group.allreduce`` with the ``ring`` strategy (asked for, the group's default, or auto's
-pick) runs along the measured ring when it pays (:func:`p2pcoll.engine.ordered_ring.pays`).
+``Group.allreduce`` and ``Group.allgather`` with the ``ring`` strategy (asked for, the
+group's default, or auto's pick) run along the measured ring when it pays
+(:func:`p2pcoll.engine.ordered_ring.pays`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..engine.ordered_ring import ordered_ring, pays
+from ..engine.ordered_ring import ordered_allgather, ordered_ring, pays
 from ..engine.ring_order import best_ring, bottleneck
 from ..types import OpKey, ReduceOp
 
@@ -250,19 +251,23 @@ async def _serve(group: Group, frm: int, deadline: float) -> None:
 
 
 def ordered(group: Group, topology: Topology, call: Call) -> None:
-    """Make the allreduce ``call`` run along ``topology``'s ring when it is not rank order
-    and the ring strategy runs it: the ordered ring (:mod:`p2pcoll.engine.ordered_ring`),
-    which gives the rank-order ring's bits. Built-in
-    ops only (a custom op need not commute), one dtype, three ranks or more."""
+    """Make ``call`` (an allreduce or an allgather) run along ``topology``'s ring when it
+    is not rank order and the ring strategy runs it: the ordered ring
+    (:mod:`p2pcoll.engine.ordered_ring`), which gives the rank-order ring's bits. An
+    allreduce: built-in ops only (a custom op need not commute), one dtype, three ranks or
+    more."""
     p = group.world_size
     ring = topology.ring
-    if p < 3 or ring == tuple(range(p)) or not isinstance(call.op, ReduceOp):
+    if p < 3 or ring == tuple(range(p)):
         return
     flat = call.flat
-    if not flat or len({a.dtype for a in flat}) != 1:
-        return
     nbytes = sum(a.nbytes for a in flat)
-    if group.session.runner.choose("allreduce", call.strategy, nbytes).name != "ring":
+    if group.session.runner.choose(call.collective, call.strategy, nbytes).name != "ring":
+        return
+    if call.collective == "allgather":
+        call.schedule = ordered_allgather(ring)
+        return
+    if not isinstance(call.op, ReduceOp) or not flat or len({a.dtype for a in flat}) != 1:
         return
     strategy = ordered_ring(ring, tuple(a.size for a in flat), group.rank)
     call.schedule = strategy

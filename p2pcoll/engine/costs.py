@@ -36,7 +36,7 @@ schedule in lockstep (:func:`link_seconds`): each step takes as long as its slow
 message, a message's bytes over its pair's bandwidth, so a strategy that crosses a slow
 pair pays for it; the ring along a ring other than rank order is priced as the carried
 ring (:class:`~p2pcoll.engine.ordered_ring.OrderedRing`, more bytes) over the slowest hop
-of that ring. This is how ``auto`` sees a slow pair.
+of that ring, and the ring allgather as the ring along it. This is how ``auto`` sees a slow pair.
 
 One term is not the textbook's: when more ranks share a host than it has cores, they queue
 for the CPU, and then what all of them do counts, not only the critical path. With
@@ -279,6 +279,10 @@ class CostModel:
             slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
             return (carried.rounds * constants.alpha + carried.sent / max(slowest, 1.0)
                     + carried.reduced * constants.gamma)
+        if (strategy.collective == "allgather" and strategy.name == "ring"
+                and ring != tuple(range(size))):
+            slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
+            return cost.rounds * constants.alpha + cost.sent / max(slowest, 1.0)
         seconds = link_seconds(strategy, size, self.links) * nbytes
         return (cost.rounds * constants.alpha + seconds + cost.reduced * constants.gamma
                 + self.contention(strategy, work))

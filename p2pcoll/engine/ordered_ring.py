@@ -34,7 +34,8 @@ from functools import lru_cache
 
 from ..strategy import Context, Cost, Recv, Reduce, Schedule, Send, Strategy, Step, Workload
 
-__all__ = ["EXACT_LIMIT", "OrderedRing", "factor", "ordered_ring", "pays", "starts"]
+__all__ = ["EXACT_LIMIT", "OrderedAllgather", "OrderedRing", "factor", "ordered_allgather",
+           "ordered_ring", "pays", "starts"]
 
 EXACT_LIMIT = 12  # largest group whose path starts are assigned exactly
 Item = tuple[int, int]  # (-1, m): the partial of the chain's first m; (0, rank): a raw one
@@ -275,6 +276,37 @@ class OrderedRing(Strategy):
         per_rank = carried / p  # every rank sends one chunk's hop per step
         return Cost((per_rank + p - 1) * work.waves, (per_rank + p - 1) / p * n,
                     (p - 1) / p * n)
+
+
+class OrderedAllgather(Strategy):
+    """The ring allgather along ``ring``: step s, each rank passes on to the next on the
+    ring the part that came to it last (its own first). Copies only, so any order gives the
+    same result. Not registered: the topology runs it in place of ``ring``."""
+
+    name = "ring"
+    collective = "allgather"
+    description = "allgather ring along the measured order"
+    automatic = False
+
+    def __init__(self, ring: Sequence[int]) -> None:
+        self.ring = tuple(ring)
+
+    def schedule(self, ctx: Context) -> Schedule:
+        p, ring = ctx.size, self.ring
+        q = ring.index(ctx.rank)
+        right, left = ring[(q + 1) % p], ring[(q - 1) % p]
+        for s in range(p - 1):
+            yield [Send(right, ring[(q - s) % p]), Recv(left, ring[(q - 1 - s) % p])]
+
+    def cost(self, work: Workload) -> Cost:
+        p, n = work.size, work.nbytes
+        return Cost((p - 1) * work.waves, (p - 1) / p * n)
+
+
+@lru_cache(maxsize=64)
+def ordered_allgather(ring: tuple[int, ...]) -> OrderedAllgather:
+    """The ring allgather along ``ring`` (one instance per ring, so plans are cached)."""
+    return OrderedAllgather(ring)
 
 
 @lru_cache(maxsize=64)
