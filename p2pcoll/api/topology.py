@@ -23,7 +23,8 @@ group wait longer than its deadline plus one small allgather, and a lie can only
 which ring runs, never a result (every ring gives the rank-order ring's bits:
 :mod:`p2pcoll.engine.ordered_ring`).
 
-The probe runs when the group spans several hosts (the roster's), or when asked:
+The probe runs when the group spans several hosts (the roster's) reached over tcp and has
+3 to :data:`MAX_PROBED` ranks, or when asked:
 ``P2PCOLL_PROBE=1`` (``Settings.probe``); ``P2PCOLL_PROBE=0`` skips it (then the topology
 has no measurements and the ring is rank order). The measured links also go to ``auto``'s
 cost model (:func:`price`), so that it sees a slow pair.
@@ -80,6 +81,7 @@ PROBE_BYTES = 1 << 20  # each of the two timed payloads per ordered pair
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
 TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
 ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
+MAX_PROBED = 64  # largest group probed unless asked (every pair: p(p-1) probes)
 MAX_BANDWIDTH = 1e13  # bytes/s: a reported figure above this is a lie (80 Tbit/s)
 
 
@@ -162,11 +164,15 @@ def price(group: Group, topology: Topology) -> None:
 
 
 def wanted(group: Group) -> bool:
-    """Whether ``group`` probes: as asked (``settings.probe``), else when it spans hosts."""
+    """Whether ``group`` probes: as asked (``settings.probe``), else when it has 3 to
+    :data:`MAX_PROBED` ranks over several hosts and reaches some of them over tcp (a ring
+    of two has one order; probing all pairs of a larger group would open every link)."""
     asked = group.settings.probe
     if asked is not None:
         return asked and group.world_size > 1
-    return len(set(group.membership.hosts)) > 1
+    membership = group.membership
+    return (3 <= group.world_size <= MAX_PROBED and len(set(membership.hosts)) > 1
+            and any(e.startswith("tcp://") for e in membership.endpoints))
 
 
 async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
