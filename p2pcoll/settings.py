@@ -119,6 +119,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_METRICS_PORT", "P2PCOLL_METRICS_HOST", "P2PCOLL_LOG_LEVEL",
         "P2PCOLL_METRICS_MAX_CONNECTIONS", "P2PCOLL_METRICS_CLIENT_CONNECTIONS",
         "P2PCOLL_METRICS_TIMEOUT", "P2PCOLL_METRICS_RATE", "P2PCOLL_METRICS_CACHE",
+        "P2PCOLL_PROBE",
         "P2PCOLL_LAUNCHED",  # set by `p2pcoll launch` for its children (see launch.py)
         *(f"P2PCOLL_{c.upper()}" for c in COLLECTIVES),
     }
@@ -164,6 +165,8 @@ class Settings:
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
         heartbeat_timeout: seconds without a sign of life after which a peer (or the
             rendezvous host) counts as lost, while joining and after.
+        probe: whether the group measures its links at join (``P2PCOLL_PROBE``); None:
+            when it spans several hosts (:mod:`p2pcoll.api.topology`).
         max_links: the most links this peer keeps open to other peers (0: no bound; else
             at least 4). Links open on demand; beyond this, the least recently used link
             that may go (idle, to a peer this one does not watch, without a shared-memory
@@ -223,6 +226,7 @@ class Settings:
     rendezvous_limits: RendezvousLimits = field(default_factory=lambda: RendezvousLimits())
     reachable: bool | None = None
     relay: str | None = None
+    probe: bool | None = None
 
     @classmethod
     def resolve(
@@ -263,6 +267,7 @@ class Settings:
             "flight_record": reader.integer("P2PCOLL_FLIGHT_RECORD", 0, MAX_FLIGHT_RECORD),
             "flight_dir": reader.directory("P2PCOLL_FLIGHT_DIR"),
             "shm": reader.switch("P2PCOLL_SHM"),
+            "probe": reader.switch("P2PCOLL_PROBE"),
             "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
             "spin_us": reader.integer("P2PCOLL_SPIN", 0, 10_000),
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),

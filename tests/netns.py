@@ -301,6 +301,29 @@ class Lab:
             if done.returncode != 0:
                 raise LabError(f"nft in {host} refused the relay's rule: {done.stderr.strip()}")
 
+    def limit_pair(self, a: int, b: int, rate: str, link_rate: str) -> None:
+        """Slow the pair of hosts ``a`` and ``b`` to ``rate`` each way, every other link of
+        theirs staying at ``link_rate``: each one's eth0 sends through an ``htb`` whose
+        default class runs at ``link_rate`` and whose class for the other's address at
+        ``rate``. Replaces what :meth:`shape` put at the root of their eth0 (the token
+        bucket; netem too, so use it with the relay's delay, :meth:`delay_streams`).
+
+        Raises:
+            LabError: a ``tc`` command failed.
+        """
+        for me, other in ((a, b), (b, a)):
+            host = self.names[me]
+            tc = ("tc", "-n", host)
+            _run(*tc, "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb",
+                 "default", "10")
+            _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10",
+                 "htb", "rate", link_rate)
+            _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20",
+                 "htb", "rate", rate)
+            _run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
+                 "prio", "1", "u32", "match", "ip", "dst", f"{address(other)}/32",
+                 "flowid", "1:20")
+
 
 def seconds(delay: str) -> float:
     """A ``tc`` time (``25ms``, ``500us``, ``0.5ms``, ``1s``) in seconds."""

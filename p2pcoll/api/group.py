@@ -39,6 +39,7 @@ from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
 from .point_to_point import PointToPoint
 from .robust import robust_allreduce
+from .topology import Topology, measure, ordered, price, wanted
 
 T = TypeVar("T")
 
@@ -66,6 +67,7 @@ class Group(PointToPoint):
         self._sockets = sockets
         self._extensions: dict[str, Any] = {}
         self._activity = session.activity  # the record of its collectives
+        self._topology = Topology.unmeasured(session.world_size)  # until probed
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -197,6 +199,7 @@ class Group(PointToPoint):
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
         call, given, average = reduction_call("allreduce", value, op, None, strategy,
                                               timeout, out)
+        ordered(self, self._topology, call)  # along the measured ring, if it pays
         await self.session.run(call)
         results = finish(call, average, self.world_size)
         return out if out is not None else unflatten(call.treedef, as_given(given, results))
@@ -320,8 +323,10 @@ class Group(PointToPoint):
         """
         mine = native(array)
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
-        await self.session.run(Call("allgather", parts, None, None, None, strategy, timeout,
-                                    flat=[p.reshape(-1) for p in parts]))
+        call = Call("allgather", parts, None, None, None, strategy, timeout,
+                    flat=[p.reshape(-1) for p in parts])
+        ordered(self, self._topology, call)  # along the measured ring, if it pays
+        await self.session.run(call)
         parts[self.rank] = mine.copy()
         return [tensors.like(array, p) for p in parts]
 
@@ -399,6 +404,20 @@ class Group(PointToPoint):
         await self.session.run(Call("barrier", [], None, None, None, strategy, timeout))
 
     # --- the rest -----------------------------------------------------------------------
+
+    def topology(self) -> dict[str, Any]:
+        """The links measured at join and the ring chosen from them
+        (:mod:`p2pcoll.api.topology`): ``{"ranks": [...], "rtt_s": matrix,
+        "bandwidth_Bps": matrix, "ring": order, "measured_at": time}``. Matrices are
+        ``[i][j]`` from rank i to rank j, None where not measured (everywhere, with
+        ``P2PCOLL_PROBE=0``; ``measured_at`` is then None and the ring rank order)."""
+        return self._topology.as_dict()
+
+    async def _probe(self) -> None:
+        """Measure the links if this group probes (every rank calls it after forming)."""
+        if wanted(self):
+            self._topology = await measure(self)
+            price(self, self._topology)
 
     def stats(self) -> dict[str, Any]:
         """Traffic since join: payload bytes and data messages sent and received, the part
@@ -520,7 +539,9 @@ class Group(PointToPoint):
         # The rendezvous this peer hosts goes on with the survivors (newcomers register
         # there); closing this group would stop it.
         server, self._server = self._server, None
-        return Group(session, server=server, sockets=sockets)
+        group = Group(session, server=server, sockets=sockets)
+        await group._probe()
+        return group
 
     def __repr__(self) -> str:
         if self._session is None:

@@ -64,7 +64,13 @@ async def form_group(settings: Settings, *, store: Any = None,
         if sockets is not None:
             sockets.close()
         raise
-    return Group(session, server=server, sockets=sockets)
+    group = Group(session, server=server, sockets=sockets)
+    try:
+        await group._probe()  # the measured topology (P2PCOLL_PROBE)
+    except BaseException:
+        await group.close("the link probe failed", wait=False)
+        raise
+    return group
 
 
 async def _join(settings: Settings) -> Group:

@@ -29,6 +29,15 @@ hosts is a round between hosts (the step waits for its slowest link; a ring on H
 crosses in every step), and the bytes that leave a host in such a step are those of all its
 ranks sending at once, since they share the host's link.
 
+Measured links. After the group's probe (:mod:`p2pcoll.api.topology`) the model holds the
+bandwidth of every directed pair (:attr:`CostModel.links`) and the ring the ring strategy
+runs along (:attr:`CostModel.ring`). Then the beta term of a strategy is read off its
+schedule in lockstep (:func:`link_seconds`): each step takes as long as its slowest
+message, a message's bytes over its pair's bandwidth, so a strategy that crosses a slow
+pair pays for it; the ring along a ring other than rank order is priced as the carried
+ring (:class:`~p2pcoll.engine.ordered_ring.OrderedRing`, more bytes) over the slowest hop
+of that ring, and the ring allgather as the ring along it. This is how ``auto`` sees a slow pair.
+
 One term is not the textbook's: when more ranks share a host than it has cores, they queue
 for the CPU, and then what all of them do counts, not only the critical path. With
 ``overhead`` the CPU seconds of one message, a host of ``cores`` cores running ``local`` of
@@ -173,6 +182,10 @@ class CostModel:
     cores: int = 0
     between: Constants | None = None  # the constants between hosts (None: one level)
     hosts: tuple[int, ...] = ()  # the host number of every rank (empty: one host)
+    # The measured bytes/s of every directed pair, and the ring the ring strategy runs
+    # along (empty: not measured; see "Measured links" above).
+    links: tuple[tuple[float, ...], ...] = ()
+    ring: tuple[int, ...] = ()
 
     @property
     def levels(self) -> int:
@@ -244,12 +257,35 @@ class CostModel:
         cost = strategy.cost(work)
         if cost is None:
             return None
+        if len(self.links) == size and size > 1:
+            return self._measured(strategy, cost, work)
         if self.levels == 2 and len(self.hosts) == size:
             inside, between = self.split(strategy, cost, size)
             assert self.between is not None
             return (self.constants.time(inside) + self.between.time(between)
                     + self.contention(strategy, work))
         return self.constants.time(cost) + self.contention(strategy, work)
+
+    def _measured(self, strategy: Strategy, cost: Cost, work: Workload) -> float:
+        """The time of ``cost`` over the measured links: alpha and gamma as between hosts,
+        the bytes as :func:`link_seconds` reads them (see "Measured links" above)."""
+        constants = self.between or self.constants
+        size, nbytes = work.size, work.nbytes
+        ring = self.ring if len(self.ring) == size else tuple(range(size))
+        if (strategy.collective == "allreduce" and strategy.name == "ring"
+                and ring != tuple(range(size))):
+            from .ordered_ring import OrderedRing  # the ring the group runs instead
+            carried = OrderedRing(ring, (max(nbytes // work.itemsize, 1),), 0).cost(work)
+            slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
+            return (carried.rounds * constants.alpha + carried.sent / max(slowest, 1.0)
+                    + carried.reduced * constants.gamma)
+        if (strategy.collective == "allgather" and strategy.name == "ring"
+                and ring != tuple(range(size))):
+            slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
+            return cost.rounds * constants.alpha + cost.sent / max(slowest, 1.0)
+        seconds = link_seconds(strategy, size, self.links) * nbytes
+        return (cost.rounds * constants.alpha + seconds + cost.reduced * constants.gamma
+                + self.contention(strategy, work))
 
     def split(self, strategy: Strategy, cost: Cost, size: int) -> tuple[Cost, Cost]:
         """``cost`` as (the part inside hosts, the part between hosts): as the strategy
@@ -349,6 +385,34 @@ def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[flo
             host_bytes / remote_bytes if remote_bytes else 1.0)
 
 
+@lru_cache(maxsize=256)
+def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], ...]) -> float:
+    """Seconds per byte of data that ``strategy`` spends on the measured ``links`` (bytes/s
+    of every directed pair), its schedules (root 0) read in lockstep: each step takes its
+    slowest message's time, a message of u of the c chunks taking ``u / c / links[i][j]``
+    per byte of data. The first :data:`SCANNED` steps of every rank are read, the rest
+    taken as alike; cached."""
+    nchunks = size if strategy.collective in PARTS else strategy.chunks(size)
+    schedules = []
+    for rank in range(size):
+        steps = strategy.schedule(Context(rank, size, 0))
+        schedules.append([(step,) if isinstance(step, (Send, Recv, Reduce)) else tuple(step)
+                          for step in itertools.islice(steps, SCANNED)])
+    total = 0.0
+    for i in range(max((len(s) for s in schedules), default=0)):
+        slowest = 0.0
+        for rank, steps in enumerate(schedules):
+            if i >= len(steps):
+                continue
+            for op in steps[i]:
+                if isinstance(op, Send):
+                    u = (nchunks if op.chunk is ALL else len(op.chunk)
+                         if isinstance(op.chunk, (range, tuple)) else 1)
+                    slowest = max(slowest, u / nchunks / max(links[rank][op.to], 1.0))
+        total += slowest
+    return total
+
+
 @lru_cache(maxsize=4096)
 def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size: int,
               itemsize: int, whole: bool = False) -> Workload:
@@ -368,4 +432,4 @@ def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size
 
 
 __all__ = ["DEFAULT_CONSTANTS", "TRANSPORTS", "Constants", "CostModel", "crossing",
-           "load_constants"]
+           "link_seconds", "load_constants"]

@@ -224,12 +224,18 @@ class Runner:
                                               hosts=session.membership.hosts)
         return self._costs
 
+    def use_costs(self, model: CostModel) -> None:
+        """Price with ``model`` from now on (the measured links: :mod:`p2pcoll.api.topology`);
+        the programs prepared under the old one go, so auto chooses again."""
+        self._costs = model
+        self.programs.clear()
+
     def prepare(self, call: Call, strategy: Strategy | None = None) -> Prepared:
         """The program of ``call`` (built on the first call with its key); ``strategy``:
         the one a receiver learned from its origin, or the board's."""
         key = call.key()
         if strategy is not None:
-            key += (strategy.name,)
+            key += (strategy,)  # the instance: an engine's may differ by more than name
         program = self.programs.get(key)
         if program is not None:
             self.programs.move_to_end(key)
@@ -390,7 +396,7 @@ class Runner:
                 flight.end(slot, op, call.strategy_used, ended, error,
                            describe(call.flat) if program is None else None)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
-            for a in call.flat:
+            for a in call.flat[:len(call.leaves)]:  # not a scratch area after them
                 np.divide(a, self.size, out=a)
 
     async def _execute(self, op: OpKey, call: Call, program: Prepared | None) -> None:

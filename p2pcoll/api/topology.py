@@ -1,0 +1,280 @@
+"""The group's measured topology, and the ring ordered by it.
+
+At join (and in the group a shrink makes) every rank measures its links to every other
+(:func:`measure`), the ranks agree on the matrix with one allgather, and every rank solves
+the same ring from it (:func:`p2pcoll.engine.ring_order.best_ring`, deterministic). The
+probe, per ordered pair ``i -> j``, in ``p - 1`` rounds of shifted pairs (round s: rank r
+measures its link to ``r + s`` while serving ``r - s``):
+
+1. a ping of 8 bytes, answered: the round-trip time;
+2. two payloads of :data:`PROBE_BYTES`, back to back, each answered once it has come
+   whole: the bandwidth is one payload over the time between the two answers (the first
+   payload opens the TCP window, the second is timed at the window it opened), that time
+   taken as at least half the whole exchange's, round trip included (a busy receiver
+   may answer both at once).
+
+Bounds: every rank sends at most ``2 * PROBE_BYTES + 11`` bytes per peer, and no answer is
+waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
+ends ``s / (p-1)`` of the way through, so a silent peer costs one share): a link not
+measured in time
+counts as unknown, and so does a row a peer reports that is not finite and positive (a
+peer that lies). With any link unknown the ring is rank order: the probe never makes a
+group wait longer than its deadline plus one small allgather, and a lie can only change
+which ring runs, never a result (every ring gives the rank-order ring's bits:
+:mod:`p2pcoll.engine.ordered_ring`).
+
+The probe runs when the group spans several hosts (the roster's) reached over tcp and has
+3 to :data:`MAX_PROBED` ranks, or when asked:
+``P2PCOLL_PROBE=1`` (``Settings.probe``); ``P2PCOLL_PROBE=0`` skips it (then the topology
+has no measurements and the ring is rank order). The measured links also go to ``auto``'s
+cost model (:func:`price`), so that it sees a slow pair.
+
+``Group.allreduce`` and ``Group.allgather`` with the ``ring`` strategy (asked for, the
+group's default, or auto's pick) run along the measured ring when it pays
+(:func:`p2pcoll.engine.ordered_ring.pays`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ..engine.ordered_ring import ordered_allgather, ordered_ring, pays
+from ..engine.ring_order import best_ring, bottleneck
+from ..types import OpKey, ReduceOp
+
+if TYPE_CHECKING:
+    from ..session.calls import Call
+    from ..session.session import Session
+    from ..settings import Settings
+    from ..types import Membership
+
+__all__ = ["PROBE_BYTES", "PROBE_SECONDS", "Topology", "measure", "ordered"]
+
+
+class Group(Protocol):
+    """What the probe uses of a :class:`p2pcoll.Group`."""
+
+    settings: Settings
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def session(self) -> Session: ...
+    async def send(self, value: Any, dst: int, *, tag: int = 0,
+                   timeout: float | None = None) -> None: ...
+    async def recv(self, src: int, *, tag: int = 0, out: Any = None,
+                   timeout: float | None = None) -> Any: ...
+    async def allgather(self, array: np.ndarray, *, strategy: str | None = None,
+                        timeout: float | None = None) -> list[np.ndarray]: ...
+
+PROBE_BYTES = 1 << 20  # each of the two timed payloads per ordered pair
+PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
+TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
+ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
+MAX_PROBED = 64  # largest group probed unless asked (every pair: p(p-1) probes)
+MAX_BANDWIDTH = 1e13  # bytes/s: a reported figure above this is a lie (80 Tbit/s)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What the probe measured and the ring chosen from it.
+
+    Attributes:
+        ranks: the ranks measured, in rank order.
+        rtt_s: ``rtt_s[i][j]``: round-trip seconds from rank i to rank j (0 on the
+            diagonal; None: not measured).
+        bandwidth_Bps: ``bandwidth_Bps[i][j]``: bytes/s from rank i to rank j (None: not
+            measured).
+        ring: the ring order the ring strategies run along (rank order when nothing was
+            measured, when a link is unknown, or when reordering does not pay).
+        measured_at: the Unix time of the measurement, or None.
+    """
+
+    ranks: tuple[int, ...]
+    rtt_s: tuple[tuple[float | None, ...], ...]
+    bandwidth_Bps: tuple[tuple[float | None, ...], ...]
+    ring: tuple[int, ...]
+    measured_at: float | None
+
+    @classmethod
+    def unmeasured(cls, size: int) -> Topology:
+        """No probe: rank order, nothing known."""
+        empty = tuple(tuple(0.0 if i == j else None for j in range(size))
+                      for i in range(size))
+        return cls(tuple(range(size)), empty, empty, tuple(range(size)), None)
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray) -> Topology:
+        """The topology from every rank's row of ``[rtt to 0..p-1, bandwidth to
+        0..p-1, its clock]`` (NaN: not measured): the same value on every rank that has
+        the rows (the time is rank 0's)."""
+        p = rows.shape[0]
+        measured_at = _known(rows[0, 2 * p], math.inf)
+        rtt = tuple(tuple(0.0 if i == j else _known(rows[i, j], math.inf)
+                          for j in range(p)) for i in range(p))
+        bandwidth = tuple(tuple(0.0 if i == j else _known(rows[i, p + j], MAX_BANDWIDTH)
+                                for j in range(p)) for i in range(p))
+        return cls(tuple(range(p)), rtt, bandwidth, choose_ring(bandwidth), measured_at)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The value of :meth:`p2pcoll.Group.topology`."""
+        return {"ranks": list(self.ranks), "rtt_s": [list(r) for r in self.rtt_s],
+                "bandwidth_Bps": [list(r) for r in self.bandwidth_Bps],
+                "ring": list(self.ring), "measured_at": self.measured_at}
+
+
+def _known(value: float, high: float) -> float | None:
+    """A reported figure if it is plausible (finite, > 0, <= ``high``), else None."""
+    v = float(value)
+    return v if math.isfinite(v) and 0 < v <= high else None
+
+
+def choose_ring(bandwidth: tuple[tuple[float | None, ...], ...]) -> tuple[int, ...]:
+    """The ring for a matrix: rank order unless every link is known and the best ring's
+    slowest hop is fast enough that the bytes it carries pay
+    (:func:`p2pcoll.engine.ordered_ring.pays`)."""
+    p = len(bandwidth)
+    identity = tuple(range(p))
+    if p < 3 or any(b is None for row in bandwidth for b in row):
+        return identity
+    m = [[float(b) if b is not None else 0.0 for b in row] for row in bandwidth]
+    ring = best_ring(m)
+    return ring if pays(bottleneck(ring, m), bottleneck(identity, m), ring) else identity
+
+
+def price(group: Group, topology: Topology) -> None:
+    """Give ``group``'s cost model the measured links, so that ``auto`` sees a slow pair
+    (:mod:`p2pcoll.engine.costs`, "Measured links"); nothing when a link is unknown."""
+    bandwidth = topology.bandwidth_Bps
+    if any(b is None for i, row in enumerate(bandwidth) for j, b in enumerate(row) if i != j):
+        return
+    links = tuple(tuple(float(b or 0.0) for b in row) for row in bandwidth)
+    runner = group.session.runner
+    runner.use_costs(replace(runner.costs(), links=links, ring=topology.ring))
+
+
+def wanted(group: Group) -> bool:
+    """Whether ``group`` probes: as asked (``settings.probe``), else when it has 3 to
+    :data:`MAX_PROBED` ranks over several hosts and reaches some of them over tcp (a ring
+    of two has one order; probing all pairs of a larger group would open every link)."""
+    asked = group.settings.probe
+    if asked is not None:
+        return asked and group.world_size > 1
+    membership = group.membership
+    return (3 <= group.world_size <= MAX_PROBED and len(set(membership.hosts)) > 1
+            and any(e.startswith("tcp://") for e in membership.endpoints))
+
+
+async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
+                  seconds: float = PROBE_SECONDS) -> Topology:
+    """Probe every link of ``group`` and agree on the topology (see the module docstring).
+
+    Every rank must call it at the same point (it ends with an allgather).
+
+    Raises:
+        PeerLost, CollectiveTimeout, GroupBroken: from the closing allgather.
+    Cancellation: breaks the group if it happens during the allgather.
+    """
+    p, r = group.world_size, group.rank
+    row = np.full(2 * p + 1, np.nan)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    payload = np.zeros(nbytes, np.uint8)
+    for s in range(1, p):
+        to, frm = (r + s) % p, (r - s) % p
+        # Round s ends by its share of the deadline: a silent peer costs one share.
+        deadline = start + seconds * s / (p - 1)
+        out, _ = await asyncio.gather(_time_link(group, to, payload, deadline),
+                                      _serve(group, frm, deadline))
+        row[to], row[p + to] = out
+    row[2 * p] = time.time()
+    rows = await group.allgather(row)
+    return Topology.from_rows(np.stack(rows))
+
+
+async def _answer(group: Group, src: int, tag: int, deadline: float) -> bool:
+    """Wait until rank ``src``'s next message with ``tag`` has come, at most until
+    ``deadline``; whether it has (then it is received). Consumes nothing when it has not."""
+    session = group.session
+    key = OpKey.transfer(src, group.rank, tag, session.transfers[(src, group.rank, tag)])
+    left = deadline - asyncio.get_running_loop().time()
+    if left <= 0:
+        return False
+    try:
+        async with asyncio.timeout(left):
+            await session.matcher.first_of_any({src: key})
+    except TimeoutError:
+        return False
+    await group.recv(src, tag=tag)
+    return True
+
+
+async def _time_link(group: Group, to: int, payload: np.ndarray, deadline: float
+                     ) -> tuple[float, float]:
+    """(round-trip seconds, bytes/s) from this rank to ``to``; NaN for what did not come
+    back before ``deadline`` (the loop's clock; the times are the wall clock's, which a
+    virtual clock's jumps do not move)."""
+    ping = np.zeros(8, np.uint8)
+    started = time.perf_counter()
+    await group.send(ping, to, tag=TAG)
+    if not await _answer(group, to, ACK, deadline):
+        return math.nan, math.nan
+    rtt = time.perf_counter() - started
+    sent = time.perf_counter()
+    await group.send(payload, to, tag=TAG)
+    await group.send(payload, to, tag=TAG)
+    if not await _answer(group, to, ACK, deadline):
+        return rtt, math.nan
+    first = time.perf_counter()
+    if not await _answer(group, to, ACK, deadline):
+        return rtt, math.nan
+    last = time.perf_counter()
+    # The gap between the answers times the second payload at the window the first
+    # opened; but a busy receiver may answer both at once, so the gap counts as at least
+    # half of the whole exchange (slow start and a round trip included: an underestimate
+    # on long links, alike for every pair).
+    spent = max(last - first, (last - sent) / 2)
+    return rtt, payload.nbytes / spent if spent > 0 else math.nan
+
+
+async def _serve(group: Group, frm: int, deadline: float) -> None:
+    """Answer rank ``frm``'s ping and each of its payloads, until ``deadline``."""
+    ack = np.zeros(1, np.uint8)
+    for _ in range(3):
+        if not await _answer(group, frm, TAG, deadline):
+            return
+        await group.send(ack, frm, tag=ACK)
+
+
+def ordered(group: Group, topology: Topology, call: Call) -> None:
+    """Make ``call`` (an allreduce or an allgather) run along ``topology``'s ring when it
+    is not rank order and the ring strategy runs it: the ordered ring
+    (:mod:`p2pcoll.engine.ordered_ring`), which gives the rank-order ring's bits. An
+    allreduce: built-in ops only (a custom op need not commute), one dtype, three ranks or
+    more."""
+    p = group.world_size
+    ring = topology.ring
+    if p < 3 or ring == tuple(range(p)):
+        return
+    flat = call.flat
+    nbytes = sum(a.nbytes for a in flat)
+    if group.session.runner.choose(call.collective, call.strategy, nbytes).name != "ring":
+        return
+    if call.collective == "allgather":
+        call.schedule = ordered_allgather(ring)
+        return
+    if not isinstance(call.op, ReduceOp) or not flat or len({a.dtype for a in flat}) != 1:
+        return
+    strategy = ordered_ring(ring, tuple(a.size for a in flat), group.rank)
+    call.schedule = strategy
+    call.flat = [*flat, np.empty(strategy.scratch_elements, flat[0].dtype)]
