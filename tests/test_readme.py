@@ -326,15 +326,19 @@ def test_blocking_snippet_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_two_hosts_commands_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("behind_nat", [False, True], ids=["direct", "behind-nat"])
+def test_two_hosts_commands_run(tmp_path: Path, behind_nat: bool) -> None:
     """The "Two hosts" section's commands for host A and host B, run as written on this
     host (host A's address replaced by loopback, its port by a free one), with the
-    section's job key made by its own keygen command; each prints the Quickstart's line."""
+    section's job key made by its own keygen command; each prints the Quickstart's line.
+    ``behind_nat``: host B's command is the "Behind NAT" one (reached through the relay)."""
     from p2pcoll.transport.endpoints import free_port
 
     commands = [b.strip() for b in fenced(section(README.read_text(), "Two hosts"), "bash")]
     keygen = next(b for b in commands if "p2pcoll keygen job.key" in b)
-    ranks = [next(line for b in commands for line in b.splitlines() if f"RANK={r} " in line)
+    lines = [line for b in commands for line in b.splitlines()]
+    ranks = [next(line for line in lines if f"RANK={r} " in line
+                  and ("P2PCOLL_REACHABLE=0" in line) == (behind_nat and r == 1))
              for r in (0, 1)]
     assert "scp job.key" in keygen, "host A's block copies the key to host B"
     (tmp_path / "hello.py").write_text(quickstart_script())
