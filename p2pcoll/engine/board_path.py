@@ -11,7 +11,8 @@ rank gets the same bits (and integer results equal every other strategy's).
 
 Waiting. A rank first polls its peers' counts for a budget learned from how late they
 recently arrived, at most ``P2PCOLL_SPIN`` microseconds, yielding the core between polls
-(hybrid waiting: :mod:`p2pcoll.engine.waiting`), then sleeps: it says so in its line, and
+when the group has more peers than the host has cores (hybrid waiting:
+:mod:`p2pcoll.engine.waiting`), then sleeps: it says so in its line, and
 whoever publishes next writes a byte into its wake-up pipe (the lanes' own,
 :class:`~p2pcoll.transport.lane.Wakeup`). Both sides fence between their store
 and their load, so a publish never misses a sleeper; a timer that backs off to
@@ -113,6 +114,10 @@ class BoardPath:
         alone = pids.count(os.getpid()) == 1
         self.spin = spin if alone else 0.0  # the ceiling of every wait's polling
         self.patience = Patience(self.spin, self.size)
+        # More peers than cores: a partner may be waiting for this rank's core, so a poll
+        # yields it (with a core per peer it would go to the host's other work instead).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.crowded = self.size > cores
         self.slot_bytes = board.slot_bytes
         self._w = board.control()
         self._me = self.rank * WORDS
@@ -163,18 +168,20 @@ class BoardPath:
             patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
 
     def _poll(self, count: int, ranks: Sequence[int], began: int) -> bool:
-        """Poll for ``ranks`` for their budget, yielding the core between polls; whether
-        they all published ``count`` meanwhile."""
+        """Poll for ``ranks`` for their budget (yielding the core between polls when
+        crowded); whether they all published ``count`` meanwhile."""
         w = self._w
         budget = self.patience.budget(q for q in ranks if w[q * WORDS + COUNT] < count)
         if not budget:
             return False
         until = began + int(budget * 1e9)
         missing, clock = self._missing, time.monotonic_ns
+        between = yield_core if self.crowded else None
         while clock() < until:
             if missing(count, ranks) < 0:
                 return True
-            yield_core()
+            if between is not None:
+                between()
         return missing(count, ranks) < 0
 
     async def _sleep(self, count: int, ranks: Sequence[int], seq: int) -> None:

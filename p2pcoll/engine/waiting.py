@@ -18,10 +18,12 @@ sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
   peer's usual lateness plus :data:`MARGIN` if it usually arrives within the ceiling;
   only the margin if it does not (a stopped, slow or computing partner: polling would
   only burn the core). Never more than the ceiling, ``P2PCOLL_SPIN``; 0 never polls.
-- Between two polls it yields the core (``sched_yield``): with nothing else runnable on
-  it, that returns at once (about a microsecond here); with more runnable tasks than
-  cores (more peers than cores, or other work on the host), a partner or the host's
-  other work runs meanwhile, instead of waiting for this rank's time slice to end.
+- Where the group has more peers than the host has cores, it yields the core between two
+  polls (``sched_yield``), so that a partner waiting for a core gets this one instead of
+  waiting for this rank's time slice to end. With a core per peer it does not: the
+  partner is on a core of its own, and a yield would only hand this one to the host's
+  other work (a CPU-bound process), for a whole time slice (Linux's EEVDF scheduler puts
+  the yielder behind every other eligible task).
 """
 
 from __future__ import annotations
