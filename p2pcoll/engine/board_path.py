@@ -162,10 +162,12 @@ class BoardPath:
         began = time.monotonic_ns()
         if not self._poll(count, ranks, began):
             await self._sleep(count, ranks, seq)
-        # Learnt only from waits that ended well: how late each partner published.
+        # Learnt only from waits that ended well: how late each partner published. (A
+        # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
         w, patience = self._w, self.patience
-        for q in ranks:
-            patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
+        if patience.ceiling:
+            for q in ranks:
+                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
 
     def _poll(self, count: int, ranks: Sequence[int], began: int) -> bool:
         """Poll for ``ranks`` for their budget (yielding the core between polls when
