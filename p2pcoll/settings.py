@@ -37,8 +37,8 @@ variable                       meaning (default)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
 ``P2PCOLL_SPIN``               the most microseconds a small collective on the shared-
                                memory board polls for its peers before it sleeps (the
-                               budget within it learned from how late they came; it
-                               yields the core between polls), 0..10000; 0 never polls (50)
+                               budget within it learned from how late they came), 0..10000;
+                               0 never polls (50)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
 ``P2PCOLL_HEARTBEAT_TIMEOUT``  seconds of silence after which a peer is lost, > 0 (5)
 ``P2PCOLL_MAX_LINKS``          links a peer keeps open to others, the least recently
