@@ -28,8 +28,9 @@ def test_the_budget_never_exceeds_the_ceiling() -> None:
         patience = Patience(ceiling, 4)
         for _ in range(2000):
             # Lateness from "there first" to far beyond any ceiling, in bursts of each.
-            patience.learn(int(rng.integers(4)), float(rng.choice([-1.0, 1.0]) *
-                                                       10 ** rng.uniform(-8, 1)))
+            q = int(rng.integers(4))
+            patience.learn(q, float(rng.choice([-1.0, 1.0]) * 10 ** rng.uniform(-8, 1)),
+                           patience.budget([q]))
             budget = patience.budget(range(4))
             assert 0 <= budget <= ceiling
             assert patience.budget([]) == 0
@@ -42,8 +43,9 @@ def test_a_late_partner_gets_the_margin_and_a_punctual_one_its_lateness_twice() 
     patience = Patience(ceiling, 3)
     assert MARGIN < patience.budget([1]) <= ceiling  # unknown peers: poll first, then learn
     for _ in range(40):
-        patience.learn(1, 0.05)  # 50 ms late every time: a stopped or computing partner
-        patience.learn(2, 10e-6)
+        # 50 ms late every time: a stopped or computing partner.
+        patience.learn(1, 0.05, patience.budget([1]))
+        patience.learn(2, 10e-6, patience.budget([2]))
     hits, _ = patience.usual(1)
     assert hits < 0.5
     assert patience.budget([1]) == MARGIN
@@ -52,8 +54,20 @@ def test_a_late_partner_gets_the_margin_and_a_punctual_one_its_lateness_twice() 
     assert patience.budget([2]) == pytest.approx(2 * late + MARGIN)
     assert patience.budget([1, 2]) == patience.budget([2])  # the most any missing peer gets
     for _ in range(20):
-        patience.learn(1, 0.0)  # back on time (or there first)
+        patience.learn(1, 0.0, patience.budget([1]))  # back on time (or there first)
     assert patience.usual(1)[0] >= 0.5 and patience.budget([1]) > MARGIN  # polled again
+
+
+def test_a_partner_that_comes_only_as_the_budget_ends_does_not_make_it_grow() -> None:
+    # A partner on this rank's own core runs only once this rank stops polling: it
+    # comes at the budget's end every time. Rewarding that would grow the budget to the
+    # ceiling (each poll delaying the partner by all of it); instead polling stops.
+    ceiling = 5e-3
+    patience = Patience(ceiling, 2)
+    for _ in range(40):
+        budget = patience.budget([1])
+        patience.learn(1, budget + 1e-6, budget)
+    assert patience.budget([1]) == MARGIN
 
 
 _PEER = textwrap.dedent("""

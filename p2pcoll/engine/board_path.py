@@ -160,20 +160,19 @@ class BoardPath:
         if self._missing(count, ranks) < 0:
             return
         began = time.monotonic_ns()
-        if not self._poll(count, ranks, began):
+        w, patience = self._w, self.patience
+        budget = patience.budget(q for q in ranks if w[q * WORDS + COUNT] < count)
+        if not self._poll(count, ranks, began, budget):
             await self._sleep(count, ranks, seq)
         # Learnt only from waits that ended well: how late each partner published. (A
         # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
-        w, patience = self._w, self.patience
         if patience.ceiling:
             for q in ranks:
-                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
+                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9, budget)
 
-    def _poll(self, count: int, ranks: Sequence[int], began: int) -> bool:
-        """Poll for ``ranks`` for their budget (yielding the core between polls when
-        crowded); whether they all published ``count`` meanwhile."""
-        w = self._w
-        budget = self.patience.budget(q for q in ranks if w[q * WORDS + COUNT] < count)
+    def _poll(self, count: int, ranks: Sequence[int], began: int, budget: float) -> bool:
+        """Poll for ``ranks`` for ``budget`` seconds from ``began`` (yielding the core
+        between polls when crowded); whether they all published ``count`` meanwhile."""
         if not budget:
             return False
         until = began + int(budget * 1e9)
