@@ -28,45 +28,38 @@ def test_the_budget_never_exceeds_the_ceiling() -> None:
         patience = Patience(ceiling, 4)
         for _ in range(2000):
             # Lateness from "there first" to far beyond any ceiling, in bursts of each.
-            q = int(rng.integers(4))
-            patience.learn(q, float(rng.choice([-1.0, 1.0]) * 10 ** rng.uniform(-8, 1)),
-                           patience.budget([q]))
+            patience.learn(int(rng.integers(4)),
+                           float(rng.choice([-1.0, 1.0]) * 10 ** rng.uniform(-8, 1)))
             budget = patience.budget(range(4))
             assert 0 <= budget <= ceiling
-            assert patience.budget([]) == 0
+            assert patience.budget([]) == 0  # nobody to wait for
         if ceiling == 0:
             assert patience.budget(range(4)) == 0  # P2PCOLL_SPIN=0: never polls
 
 
-def test_a_late_partner_gets_the_margin_and_a_punctual_one_its_lateness_twice() -> None:
+def test_a_late_partner_gets_the_margin_and_punctual_ones_the_ceiling() -> None:
     ceiling = 200e-6
     patience = Patience(ceiling, 3)
-    assert MARGIN < patience.budget([1]) <= ceiling  # unknown peers: poll first, then learn
+    assert patience.budget([1, 2]) == ceiling  # unknown peers: poll first, then learn
     for _ in range(40):
-        # 50 ms late every time: a stopped or computing partner.
-        patience.learn(1, 0.05, patience.budget([1]))
-        patience.learn(2, 10e-6, patience.budget([2]))
-    hits, _ = patience.usual(1)
-    assert hits < 0.5
+        patience.learn(1, 0.05)  # 50 ms late every time: a stopped or computing partner
+        patience.learn(2, 10e-6)
+    assert patience.usual(1) < 0.5 and patience.usual(2) > 0.99
     assert patience.budget([1]) == MARGIN
-    hits, late = patience.usual(2)
-    assert hits > 0.99 and late == pytest.approx(10e-6, rel=0.2)
-    assert patience.budget([2]) == pytest.approx(2 * late + MARGIN)
-    assert patience.budget([1, 2]) == patience.budget([2])  # the most any missing peer gets
+    assert patience.budget([2]) == ceiling
+    assert patience.budget([1, 2]) == MARGIN  # it waits for the late one anyway
     for _ in range(20):
-        patience.learn(1, 0.0, patience.budget([1]))  # back on time (or there first)
-    assert patience.usual(1)[0] >= 0.5 and patience.budget([1]) > MARGIN  # polled again
+        patience.learn(1, 0.0)  # back on time (or there first)
+    assert patience.usual(1) >= 0.5 and patience.budget([1]) == ceiling  # polled again
 
 
-def test_a_partner_that_comes_only_as_the_budget_ends_does_not_make_it_grow() -> None:
+def test_a_partner_that_comes_only_as_the_budget_ends_stops_the_polling() -> None:
     # A partner on this rank's own core runs only once this rank stops polling: it
-    # comes at the budget's end every time. Rewarding that would grow the budget to the
-    # ceiling (each poll delaying the partner by all of it); instead polling stops.
+    # comes at the budget's end every time, which is no reason to poll.
     ceiling = 5e-3
     patience = Patience(ceiling, 2)
     for _ in range(40):
-        budget = patience.budget([1])
-        patience.learn(1, budget + 1e-6, budget)
+        patience.learn(1, patience.budget([1]) + 1e-6)
     assert patience.budget([1]) == MARGIN
 
 
@@ -91,7 +84,7 @@ _PEER = textwrap.dedent("""
                     print("HALFWAY", flush=True)  # the test stops rank 1 about now
                 digest.update((await g.allreduce(x.astype(np.float32))).tobytes())
                 most = max(most, patience.budget(others))
-                fewest = min(fewest, *(patience.usual(q)[0] for q in others))
+                fewest = min(fewest, *(patience.usual(q) for q in others))
             ran = g.stats()["collectives_by_strategy"]["allreduce"]
             print("DONE", digest.hexdigest(), patience.ceiling, most, fewest, ran.get("shm"),
                   flush=True)

@@ -168,7 +168,7 @@ class BoardPath:
         # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
         if patience.ceiling:
             for q in ranks:
-                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9, budget)
+                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
 
     def _poll(self, count: int, ranks: Sequence[int], began: int, budget: float) -> bool:
         """Poll for ``ranks`` for ``budget`` seconds from ``began`` (yielding the core

@@ -11,15 +11,12 @@ sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
 - Every rank stamps each publication with the host's monotonic clock (the board's STAMP
   word), so a waiting rank learns how late each partner arrived, whether it polled until
   then or slept.
-- Per peer, :class:`Patience` keeps two moving averages over recent waits (weight
-  :data:`WEIGHT`): how often the peer came early in the wait's budget (within half of
-  it, or within the margin), and how late it was when it did.
-- A wait polls for the largest budget among the peers it still waits for: twice that
-  peer's usual lateness plus :data:`MARGIN` if it usually comes early; only the margin
-  if it does not (a stopped, slow or computing partner, or one that shares this rank's
-  core and cannot run while it polls: polling would only burn the core, or delay the
-  partner and so teach a longer budget). Never more than the ceiling, ``P2PCOLL_SPIN``;
-  0 never polls.
+- Per peer, :class:`Patience` keeps a moving average over recent waits (weight
+  :data:`WEIGHT`) of how often the peer came early: within half the ceiling.
+- A wait polls for the ceiling, ``P2PCOLL_SPIN`` (0 never polls), if every peer it
+  still waits for usually comes early, else for :data:`MARGIN` only: a stopped, slow
+  or computing partner, or one that shares this rank's core and cannot run while it
+  polls (it comes at the budget's end, not early), would only cost the core.
 - Where the group has more peers than the host has cores, it yields the core between two
   polls (``sched_yield``), so that a partner waiting for a core gets this one instead of
   waiting for this rank's time slice to end. With a core per peer it does not: the
@@ -35,7 +32,7 @@ from collections.abc import Iterable
 
 MARGIN = 5e-6  # seconds polled for any peer: one that is arriving right now
 WEIGHT = 1 / 8  # of the newest wait in each moving average
-HIT = 0.5  # poll for a peer that came early at least this often
+HIT = 0.5  # poll for a peer that came early (within half the ceiling) this often
 
 # Gives the core to another runnable task, if any (Linux; the board only runs there).
 yield_core = getattr(os, "sched_yield", lambda: None)
@@ -52,38 +49,30 @@ class Patience:
 
     def __init__(self, ceiling: float, world_size: int) -> None:
         self.ceiling = max(0.0, ceiling)
-        # Until a peer has been waited for, assume it comes soon (half the ceiling's worth
-        # of lateness): a group starts polling and learns otherwise.
+        # Until a peer has been waited for, assume it comes early: a group starts
+        # polling and learns otherwise.
         self._hits = [1.0] * world_size
-        self._late = [self.ceiling / 4] * world_size
 
     def budget(self, ranks: Iterable[int]) -> float:
         """Seconds to poll for ``ranks`` (those not there yet) before sleeping."""
         if not self.ceiling:
             return 0.0
-        most = 0.0
+        hits, budget = self._hits, 0.0
         for q in ranks:
-            if self._hits[q] >= HIT:
-                most = max(most, 2 * self._late[q] + MARGIN)
-            else:
-                most = max(most, MARGIN)
-        return min(most, self.ceiling)
+            if hits[q] < HIT:  # it has to wait for this one anyway
+                return min(MARGIN, self.ceiling)
+            budget = self.ceiling
+        return budget
 
-    def learn(self, rank: int, late: float, budget: float) -> None:
+    def learn(self, rank: int, late: float) -> None:
         """Peer ``rank`` published ``late`` seconds after this rank began to wait for it
-        (0 or less: it was there first) in a wait that polled for ``budget`` seconds.
-
-        It came early if within half the budget (or the margin): a partner that comes
-        only towards the budget's end may have been waiting for this rank's core."""
-        hit = late <= max(budget / 2, MARGIN)
+        (0 or less: it was there first)."""
+        hit = late <= self.ceiling / 2
         self._hits[rank] += WEIGHT * (hit - self._hits[rank])
-        if hit:
-            self._late[rank] += WEIGHT * (max(late, 0.0) - self._late[rank])
 
-    def usual(self, rank: int) -> tuple[float, float]:
-        """How often peer ``rank`` came early, and how late it was when it did (seconds):
-        the moving averages the budget comes from."""
-        return self._hits[rank], self._late[rank]
+    def usual(self, rank: int) -> float:
+        """How often peer ``rank`` came early recently (the moving average)."""
+        return self._hits[rank]
 
 
 __all__ = ["MARGIN", "Patience", "yield_core"]
