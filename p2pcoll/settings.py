@@ -35,9 +35,10 @@ variable                       meaning (default)
                                directory; off)
 ``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
-``P2PCOLL_SPIN``               microseconds a small collective on the shared-memory
-                               board polls for its peers before it sleeps, 0..10000; 0
-                               never polls (50; only while the host has a core per peer)
+``P2PCOLL_SPIN``               the most microseconds a small collective on the shared-
+                               memory board polls for its peers before it sleeps (the
+                               budget within it learned from how late they came), 0..10000;
+                               0 never polls (50)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
 ``P2PCOLL_HEARTBEAT_TIMEOUT``  seconds of silence after which a peer is lost, > 0 (5)
 ``P2PCOLL_MAX_LINKS``          links a peer keeps open to others, the least recently
@@ -160,8 +161,9 @@ class Settings:
             fails and on SIGUSR1, or "".
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
-        spin_us: how long (microseconds) a collective on the shared-memory board polls
-            its peers' slots before it sleeps (see :mod:`p2pcoll.engine.board_path`).
+        spin_us: the most (microseconds) a collective on the shared-memory board polls
+            its peers' slots before it sleeps; the budget within it is learned from how
+            late they recently came (hybrid waiting: :mod:`p2pcoll.engine.waiting`).
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
         heartbeat_timeout: seconds without a sign of life after which a peer (or the
             rendezvous host) counts as lost, while joining and after.

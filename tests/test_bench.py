@@ -8,6 +8,8 @@ import argparse
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +17,11 @@ import pytest
 
 from p2pcoll import available_strategies
 from p2pcoll.bench import bus_factor, configure_parser, data_bytes, main, parse_sizes
+from p2pcoll.bench.load import cpu_load
 
 ROW_FIELDS = {
     "size", "count", "dtype", "strategy", "chosen", "time_us", "min_us", "p10_us", "p90_us", "p99_us",
-    "algbw_gbps", "busbw_gbps", "pipelined_us", "library", "rss_peak_bytes",
+    "algbw_gbps", "busbw_gbps", "pipelined_us", "library", "rss_peak_bytes", "cpu_us",
 }
 
 
@@ -75,8 +78,8 @@ def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
                      "--warmup", "1", "--pipelined", "2", "--json", str(out))
 
     header = " ".join(line for line in text.splitlines() if line.startswith("#"))
-    for column in ("size", "count", "type", "strategy", "time", "p10-p90", "p99", "algbw",
-                   "busbw", "pipelined"):
+    for column in ("size", "count", "type", "strategy", "time", "cpu", "p10-p90", "p99",
+                   "algbw", "busbw", "pipelined"):
         assert column in header
     strategies = available_strategies()["allreduce"]
     rows = table_rows(text)
@@ -84,18 +87,19 @@ def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
                                              for s in ("1K", "8K")]
     for r in rows:
         assert r[1] == str(int(r[0][:-1]) * 1024 // 4) and r[2] == "float32"
-        time_us, min_us = float(r[4]), float(r[5])
-        p10, p90 = (float(v) for v in r[6].split("-"))
-        p99 = float(r[7])
-        algbw, busbw, pipelined = float(r[8]), float(r[9]), float(r[10])
+        time_us, cpu_us, min_us = float(r[4]), float(r[5]), float(r[6])
+        p10, p90 = (float(v) for v in r[7].split("-"))
+        p99 = float(r[8])
+        algbw, busbw, pipelined = float(r[9]), float(r[10]), float(r[11])
         assert 0 < min_us <= p10 <= time_us <= p90 <= p99
+        assert cpu_us > 0  # a call runs some Python, at least
         # algbw = S / time (GB = 1e9 bytes), within the rounding of the printed time (to
         # 0.1 us) and algbw (to 4 decimals); busbw = algbw as 2(p-1)/p = 1 at p = 2.
         expected = int(r[0][:-1]) * 1024 / time_us / 1e3
         assert abs(algbw - expected) <= 5e-5 + expected * 1e-3, (algbw, expected)
         assert busbw == algbw
         assert pipelined > 0
-        assert 10 < int(r[11]) < 1000  # peak RSS of a peer, MiB
+        assert 10 < int(r[12]) < 1000  # peak RSS of a peer, MiB
 
     doc = json.loads(out.read_text())
     assert doc["config"]["world_size"] == 2 and doc["config"]["strategies"] == strategies
@@ -104,6 +108,7 @@ def test_allreduce_every_strategy_table_and_json(tmp_path: Path) -> None:
         assert ROW_FIELDS <= row.keys()
         assert row["strategy"] == cells[3] and row["iters"] == 3
         assert row["time_us"] == pytest.approx(float(cells[4]), rel=1e-3, abs=0.051)
+        assert row["cpu_us"] == pytest.approx(float(cells[5]), rel=1e-3, abs=0.051)
         assert row["algbw_gbps"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])
 
@@ -198,7 +203,8 @@ def test_compare_gloo_side_by_side(tmp_path: Path) -> None:
     for cells, pair in zip(rows, ratios, strict=True):
         assert cells[1] == pair["strategy"]
         assert float(cells[4].rstrip("x")) == pytest.approx(pair["time_ratio"], abs=0.006)
-        assert float(cells[7].rstrip("x")) == pytest.approx(pair["busbw_ratio"], abs=0.006)
+        assert float(cells[5]) == pytest.approx(pair["cpu_us"], abs=0.051)
+        assert float(cells[9].rstrip("x")) == pytest.approx(pair["busbw_ratio"], abs=0.006)
 
 
 @pytest.mark.slow  # matplotlib, and a real bench of every allreduce strategy
@@ -231,3 +237,62 @@ def test_missing_optional_dependency_is_a_clear_error(
     assert main(parse(*option, "--sizes", "1K", "--transport", "inproc")) == 2
     err = capsys.readouterr().err
     assert says in err and install in err
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (R running, S sleeping, Z zombie), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _until(condition: Callable[[], bool], what: str, limit: float = 60.0) -> None:
+    # A deadline against a hang, not a timed assertion: the machine may be slow.
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"still not {what} after {limit:g} s"
+        time.sleep(0.01)
+
+
+@pytest.mark.processes
+def test_load_runs_cpu_bound_processes_and_stops_them() -> None:
+    with cpu_load(2) as pids:
+        assert len(set(pids)) == 2
+        for pid in pids:
+            _until(lambda pid=pid: _cpu_ticks(pid) > 5, f"busy: pid {pid}")  # type: ignore[misc]
+    assert [_state(pid) for pid in pids] == [None, None]  # stopped and reaped
+    with cpu_load(0) as none:
+        assert none == []
+
+
+@pytest.mark.processes
+def test_load_goes_when_the_benchmark_is_killed() -> None:
+    code = ("import os, sys\n"
+            "from p2pcoll.bench.load import cpu_load\n"
+            "with cpu_load(1) as pids:\n"
+            "    print(pids[0], flush=True)\n"
+            "    os._exit(0)  # no clean-up: as if killed\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    pid = int(done.stdout)
+    _until(lambda: _state(pid) in (None, "Z"), f"gone: load pid {pid}")
+
+
+def test_load_in_the_table_and_refused_by_calibrate(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("-n", "2", "--sizes", "1K", "--iters", "2", "--warmup", "0",
+                 "--pipelined", "0", "--transport", "inproc", "--load", "1")
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "beside 1 CPU-bound process (--load)" in text.splitlines()[0]
+    assert main(parse("--calibrate", "--load", "1")) == 2
+    assert "--calibrate cannot be combined with --load" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--load", "-1")

@@ -298,12 +298,11 @@ def test_processes_on_the_board_with_and_without_polling(tmp_path: Any, spin: st
         text=True, env={**os.environ, "P2PCOLL_SPIN": spin, "RANK": str(rank),
                         "WORLD_SIZE": "2", "P2PCOLL_RENDEZVOUS": f"tcp://127.0.0.1:{port}"})
         for rank in range(2)]
-    cores = len(os.sched_getaffinity(0))
     for code, out in finish(procs, timeout=120):
         assert code == 0, out
         _, _, total, polled, ran = out.split("\n")[0].split(" ", 4)
         assert float(total) == 2 * sum(range(200)) and ran == "{'shm': 200}"
-        assert polled == str(spin != "0" and cores >= 2)
+        assert polled == str(spin != "0")  # whatever the cores: it yields between polls
 
 
 async def test_the_board_file_is_gone_once_every_peer_has_mapped_it() -> None:

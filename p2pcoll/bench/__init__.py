@@ -4,13 +4,15 @@ Imported only by that command (and ``python -m p2pcoll.bench``), never by ``impo
 The driver starts ``world_size`` p2pcoll peers, then, for ``--compare gloo`` or
 ``--compare mpi``, as many Gloo or MPI peers; each worker times every size the same way and
 its rank 0 writes the raw times to a file; the driver turns them into rows (median, min,
-p10-p90 spread and p99, algbw, busbw, peak RSS) and prints a table, writes JSON or draws a plot.
+p10-p90 spread and p99, CPU time per call, algbw, busbw, peak RSS) and prints a table, writes
+JSON or draws a plot.
 
 One job per module; imports only go down this list:
 
     driver     main(): options in; peers run; table, JSON or plot out
     options    the command line (configure_parser, parse_sizes) and the workers' configuration
     runner     starts each library's peers (launcher, mpirun, or tasks) and collects their rows
+    load       --load N: CPU-bound processes beside every library's peers (a busy host)
     worker     the p2pcoll peer: python -m p2pcoll.bench.worker --out PATH --config JSON
     gloo, mpi  the compared libraries' peers: python -m p2pcoll.bench.gloo / .mpi, the same way
     plot       the PNG of --plot (matplotlib, imported when drawn)

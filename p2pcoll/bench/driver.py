@@ -7,12 +7,14 @@ import argparse
 import json
 import os
 import sys
+from contextlib import ExitStack
 from typing import Any
 
 from ..engine.costs import load_constants
 from ..errors import SettingsError
 from ..settings import Settings
 from . import runner
+from .load import cpu_load
 from .options import (
     CALIBRATE_SIZES,
     bench_config,
@@ -44,17 +46,22 @@ def main(args: argparse.Namespace) -> int:
     config = bench_config(args, strategies)
     rows: list[dict[str, Any]] = []
     compared: dict[str, list[dict[str, Any]]] = {}
-    for library in ["p2pcoll", *config["compare"]]:
-        code, raw = runner.run(library, config)
-        if code != 0:
-            which = "a peer" if library == "p2pcoll" else f"a {library} peer"
-            print(f"p2pcoll bench: {which} failed (exit code {code})", file=sys.stderr)
-            return code
-        summary = [summarize(r, config, library) for r in raw]
-        if library == "p2pcoll":
-            rows = summary
-        else:
-            compared[library] = summary
+    with ExitStack() as stack:
+        try:  # every library runs beside the same load
+            stack.enter_context(cpu_load(config["load"]))
+        except OSError as exc:
+            return _fail(f"cannot start the --load processes: {exc}")
+        for library in ["p2pcoll", *config["compare"]]:
+            code, raw = runner.run(library, config)
+            if code != 0:
+                which = "a peer" if library == "p2pcoll" else f"a {library} peer"
+                print(f"p2pcoll bench: {which} failed (exit code {code})", file=sys.stderr)
+                return code
+            summary = [summarize(r, config, library) for r in raw]
+            if library == "p2pcoll":
+                rows = summary
+            else:
+                compared[library] = summary
     if args.plot is not None:
         from .plot import plot
 

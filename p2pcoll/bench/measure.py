@@ -161,15 +161,18 @@ def pipelined_rounds(iters: int, k: int) -> int:
 
 
 def raw_row(strategy: str, chosen: str, count: int, dtype: str, times: list[float],
-            pipelined: list[float], rss: list[float], rss_reset: bool) -> dict[str, Any]:
+            pipelined: list[float], rss: list[float], rss_reset: bool,
+            cpu: list[float]) -> dict[str, Any]:
     """What a worker reports for one strategy and size; every list is already the maximum
-    over the ranks (``rss``: the RSS before the input was allocated, then the peak)."""
+    over the ranks (``rss``: the RSS before the input was allocated, then the peak; ``cpu``:
+    the CPU seconds each timed iteration used in the process, all its threads)."""
     return {
         "strategy": strategy,
         "chosen": chosen,
         "size": count * np.dtype(dtype).itemsize,
         "count": count,
         "times": times,
+        "cpu": cpu,
         "pipelined": pipelined,
         "rss_before": int(rss[0]),
         "rss_peak": int(rss[1]),
@@ -221,13 +224,15 @@ def measure_blocking(
         barrier()
         op.start()
 
-    times = []
+    times, cpu = [], []
     for _ in range(config["iters"]):
         op.refill()
         barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         op.start()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     check_result(collective, op.result(), rank, p, count, dtype)
     rss_peak = peak_rss()
 
@@ -246,4 +251,4 @@ def measure_blocking(
             pipelined.append((time.perf_counter() - t0) / k)
 
     return raw_row(name, name, count, dtype, slowest(times), slowest(pipelined),
-                   slowest([rss_before, rss_peak]), rss_reset)
+                   slowest([rss_before, rss_peak]), rss_reset, slowest(cpu))

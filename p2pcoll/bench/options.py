@@ -81,6 +81,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "way) or mpi4py over Open MPI's TCP transport (started by mpirun) and "
                              f"print the ratios per row; gloo needs {BENCH_EXTRA}, mpi needs "
                              f"{MPI_INSTALL}; may be given twice")
+    parser.add_argument("--load", type=_non_negative, default=0, metavar="N",
+                        help="start N CPU-bound processes before the first peer and stop "
+                             "them after the last (a busy host: every library runs beside "
+                             "them; default: 0)")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="draw busbw and time against size as a PNG at PATH, one line per "
                              f"strategy and compared library; needs matplotlib ({BENCH_EXTRA})")
@@ -227,6 +231,7 @@ CALIBRATE_DECIDES = (
     ("world_size", "-n/--world-size", "it runs 2 peers, and 4 for the host term"),
     ("pipelined", "--pipelined", "it times one collective at a time"),
     ("compare", "--compare", "it measures p2pcoll's peers only"),
+    ("load", "--load", "it measures the host as it is"),
     ("plot", "--plot", "it draws nothing"),
     ("json", "--json", "it writes the cost model, to --cost-model"),
 )
@@ -293,4 +298,5 @@ def bench_config(args: argparse.Namespace, strategies: Sequence[str]) -> dict[st
         "transport": args.transport,
         "secure": getattr(args, "secure", True),
         "compare": list(dict.fromkeys(getattr(args, "compare", None) or [])),
+        "load": getattr(args, "load", 0),
     }

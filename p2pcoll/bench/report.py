@@ -2,8 +2,8 @@
 
 A worker's raw row holds the per-iteration times of one strategy and size, each already the
 slowest rank's (:func:`p2pcoll.bench.measure.raw_row`). :func:`summarize` turns it into an
-output row: the median, min and p10-p90 spread and the p99 of the times, algbw, busbw, the pipelined
-time per operation and the peak RSS.
+output row: the median, min and p10-p90 spread and the p99 of the times, the median CPU time
+per call, algbw, busbw, the pipelined time per operation and the peak RSS.
 
 Bandwidths follow nccl-tests: ``algbw = S / time`` with S the bytes of the collective's data
 (:func:`data_bytes`: the tensor each rank passes; for allgather, the gathered result:
@@ -69,6 +69,9 @@ def summarize(raw: dict[str, Any], config: dict[str, Any],
         "strategy": raw["strategy"],
         "chosen": raw["chosen"],
         "time_us": median,
+        # CPU time per call: median over iterations of the rank that used most (every
+        # thread of its process: waiting that polls shows here, sleeping does not).
+        "cpu_us": float(np.median(raw["cpu"])) * 1e6 if raw.get("cpu") else None,
         "min_us": float(times.min()),
         "p10_us": float(np.percentile(times, 10)),
         "p90_us": float(np.percentile(times, 90)),
@@ -110,6 +113,8 @@ def ratios(rows: Sequence[dict[str, Any]],
             "time_us": row["time_us"],
             "peer_time_us": other["time_us"],
             "time_ratio": _ratio(row["time_us"], other["time_us"]),
+            "cpu_us": row["cpu_us"],
+            "peer_cpu_us": other["cpu_us"],
             "busbw_gbps": row["busbw_gbps"],
             "peer_busbw_gbps": other["busbw_gbps"],
             "busbw_ratio": _ratio(row["busbw_gbps"], other["busbw_gbps"]),
@@ -123,7 +128,8 @@ def _ratio(a: float, b: float) -> float | None:
 
 COLUMNS = (  # (title, unit, width)
     ("size", "(B)", 9), ("count", "(elems)", 11), ("type", "", 8), ("strategy", "", 24),
-    ("time", "(us)", 10), ("min", "(us)", 10), ("p10-p90", "(us)", 19), ("p99", "(us)", 9),
+    ("time", "(us)", 10), ("cpu", "(us)", 9), ("min", "(us)", 10), ("p10-p90", "(us)", 19),
+    ("p99", "(us)", 9),
     ("algbw", "(GB/s)", 9), ("busbw", "(GB/s)", 9), ("pipelined", "(us/op)", 10),
     ("peak rss", "(MiB)", 9),
 )
@@ -148,12 +154,17 @@ def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any],
     in_place = {"allreduce": "; allreduce runs in place (out=x)",
                 "broadcast": "; broadcast writes into the non-roots' input"}.get(c, "")
     peers = "".join(f"; {peer} after it" for peer in compared)
+    load = config.get("load", 0)
+    if load:
+        peers += f"; beside {load} CPU-bound process{'es' if load > 1 else ''} (--load)"
     lines = [
         (f"# p2pcoll bench: {c}{root_note}, {p} peers ({where}){peers}, {config['dtype']}, "
          f"{config['iters']} iters after {config['warmup']} warmup"),
         f"# {size_note}",
         ("# time: median over iterations of the slowest rank (each iteration starts after a "
          "barrier); min, p10-p90 and p99 the same"),
+        ("# cpu: median over iterations of the CPU time one call used in the peer process "
+         "that used most (all its threads)"),
         f"# the input is refilled before each iteration, outside the timed region{in_place}",
         (f"# busbw = algbw x {factor_text(c)} (nccl-tests); pipelined: {config['pipelined']} "
          "collectives started together, time per collective"),
@@ -172,7 +183,7 @@ def format_table(rows: Sequence[dict[str, Any]], config: dict[str, Any],
         pipe, rss = row["pipelined_us"], row["rss_peak_bytes"]
         cells = (
             format_bytes(row["size"]), str(row["count"]), row["dtype"], _row_name(row),
-            _us(row["time_us"]), _us(row["min_us"]),
+            _us(row["time_us"]), _cpu(row["cpu_us"]), _us(row["min_us"]),
             f"{_us(row['p10_us'])}-{_us(row['p90_us'])}", _us(row["p99_us"]),
             f"{row['algbw_gbps']:.4f}", f"{row['busbw_gbps']:.4f}",
             "-" if pipe is None else _us(pipe),
@@ -220,7 +231,8 @@ def _memory_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 RATIO_COLUMNS = (  # (title, unit, width)
     ("size", "(B)", 9), ("strategy", "", 24), ("time", "(us)", 10), ("{peer} time", "(us)", 11),
-    ("ratio", "time", 8), ("busbw", "(GB/s)", 9), ("{peer} busbw", "(GB/s)", 12),
+    ("ratio", "time", 8), ("cpu", "(us)", 9), ("{peer} cpu", "(us)", 10),
+    ("busbw", "(GB/s)", 9), ("{peer} busbw", "(GB/s)", 12),
     ("ratio", "busbw", 8),
 )
 
@@ -243,7 +255,8 @@ def _ratio_table(peer: str, pairs: Sequence[dict[str, Any]]) -> list[str]:
             name = f"auto:{pair['chosen']}"
         cells = (
             format_bytes(pair["size"]), name, _us(pair["time_us"]), _us(pair["peer_time_us"]),
-            _times(pair["time_ratio"]), f"{pair['busbw_gbps']:.4f}",
+            _times(pair["time_ratio"]), _cpu(pair["cpu_us"]), _cpu(pair["peer_cpu_us"]),
+            f"{pair['busbw_gbps']:.4f}",
             f"{pair['peer_busbw_gbps']:.4f}", _times(pair["busbw_ratio"]),
         )
         lines.append("".join(f"{v:>{w}}" for v, (_, _, w) in zip(cells, columns, strict=True)))
@@ -252,6 +265,10 @@ def _ratio_table(peer: str, pairs: Sequence[dict[str, Any]]) -> list[str]:
 
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _cpu(value: float | None) -> str:
+    return "-" if value is None else _us(value)
 
 
 def _us(value: float) -> str:

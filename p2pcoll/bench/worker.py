@@ -13,8 +13,10 @@ size (:func:`bench_size`):
 3. run ``iters`` timed ones: refill the input with r + 1 (outside the timed region: an
    allreduce runs in place, ``out=x``, as Gloo's does, and a broadcast writes into the
    non-roots' input), ``await g.barrier()``, then time the collective alone with
-   ``time.perf_counter()``; the per-iteration times are reduced with ``max`` over the ranks
-   once after the loop, so an iteration's time is its slowest rank's;
+   ``time.perf_counter()``, and the CPU time the process used meanwhile (every thread's:
+   ``time.process_time()``); the per-iteration times are reduced with ``max`` over the ranks
+   once after the loop, so an iteration's time is its slowest rank's, its CPU time that of
+   the rank that used most;
 4. check the last result against the value it must have, and note the peak resident set size
    since just before the input was allocated (the peak is reset there on Linux);
 5. time ``pipelined`` collectives started together with ``asyncio.gather`` (after a
@@ -121,14 +123,16 @@ async def bench_size(
     now = g.stats()["collectives_by_strategy"][collective]
     chosen = max(now, key=lambda name: now[name] - ran.get(name, 0))
 
-    times = []
+    times, cpu = [], []
     result = None
     for _ in range(config["iters"]):
         x.fill(value)
         await g.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         result = await call(x)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     check_result(collective, result, g.rank, g.world_size, count, dtype)
     rss_peak = peak_rss()
     del result
@@ -150,7 +154,7 @@ async def bench_size(
 
     rss = await _slowest(g, [rss_before, rss_peak])
     return raw_row(strategy, chosen, count, dtype, await _slowest(g, times),
-                   await _slowest(g, pipelined), rss, rss_reset)
+                   await _slowest(g, pipelined), rss, rss_reset, await _slowest(g, cpu))
 
 
 async def run_worker(g: Any, config: dict[str, Any]) -> list[dict[str, Any]]:

@@ -9,11 +9,12 @@ copies its data into its slot and publishes a count; the ranks that need it read
 place. The reductions fold the slots in rank order 0, 1, ..., p-1 on every rank, so every
 rank gets the same bits (and integer results equal every other strategy's).
 
-Waiting. A rank first polls its peers' counts for a bounded time (the spin,
-``P2PCOLL_SPIN`` microseconds, only while the host's cores are at least the group's
-peers: polling on an oversubscribed host takes the core a peer needs), then sleeps: it
-says so in its line, and whoever publishes next writes a byte into its wake-up pipe (the
-lanes' own, :class:`~p2pcoll.transport.lane.Wakeup`). Both sides fence between their store
+Waiting. A rank first polls its peers' counts for a budget learned from how late they
+recently arrived, at most ``P2PCOLL_SPIN`` microseconds, yielding the core between polls
+when the group has more peers than the host has cores (hybrid waiting:
+:mod:`p2pcoll.engine.waiting`), then sleeps: it says so in its line, and
+whoever publishes next writes a byte into its wake-up pipe (the lanes' own,
+:class:`~p2pcoll.transport.lane.Wakeup`). Both sides fence between their store
 and their load, so a publish never misses a sleeper; a timer that backs off to
 :data:`MAX_NAP` covers the failures that arrive as messages (a peer's abort). A collective
 whose peers have published returns without awaiting anything: the awaitable completes in
@@ -52,6 +53,7 @@ from ..transport.board import (
     PARITY,
     SEQ,
     SLEEPING,
+    STAMP,
     VIA_MESSAGES,
     WORDS,
     Board,
@@ -61,6 +63,7 @@ from ..transport.shmfile import barrier as fence
 from ..wire import Signature
 from ..wire.header import SIGNATURE_FIELDS
 from .matching import Matcher
+from .waiting import Patience, yield_core
 
 STRATEGY = "shm"  # how stats() and the metrics name the board path
 MIN_NAP, MAX_NAP = 1e-3, 0.02
@@ -105,12 +108,16 @@ class BoardPath:
         self.matcher = matcher
         self.rank, self.size = board.rank, board.world_size
         self.others = [q for q in range(self.size) if q != self.rank]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        # Poll only while every peer can have a core of its own, and never for a peer of
-        # this process (tasks of one event loop: polling would only hold it up).
+        # Never poll for a peer of this process (tasks of one event loop: polling would
+        # only hold it up).
         pids = [int(v) for v in board.words[:, ATTACHED]]
         alone = pids.count(os.getpid()) == 1
-        self.spin = spin if cores >= self.size and alone else 0.0
+        self.spin = spin if alone else 0.0  # the ceiling of every wait's polling
+        self.patience = Patience(self.spin, self.size)
+        # More peers than cores: a partner may be waiting for this rank's core, so a poll
+        # yields it (with a core per peer it would go to the host's other work instead).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.crowded = self.size > cores
         self.slot_bytes = board.slot_bytes
         self._w = board.control()
         self._me = self.rank * WORDS
@@ -155,12 +162,40 @@ class BoardPath:
         """Until every one of ``ranks`` has published ``count``: poll, then sleep."""
         if self._missing(count, ranks) < 0:
             return
-        if self.spin:
-            until = time.perf_counter() + self.spin
-            missing = self._missing
-            while time.perf_counter() < until:
-                if missing(count, ranks) < 0:
-                    return
+        began = time.monotonic_ns()
+        w, patience = self._w, self.patience
+        budget = patience.budget(q for q in ranks if w[q * WORDS + COUNT] < count)
+        if not self._poll(count, ranks, began, budget):
+            await self._sleep(count, ranks, seq)
+        # Learnt only from waits that ended well: how late each partner published. (A
+        # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
+        if patience.ceiling:
+            for q in ranks:
+                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
+
+    def _poll(self, count: int, ranks: Sequence[int], began: int, budget: float) -> bool:
+        """Poll for ``ranks`` for ``budget`` seconds from ``began`` (yielding the core
+        between polls when crowded); whether they all published ``count`` meanwhile."""
+        if not budget:
+            return False
+        until = began + int(budget * 1e9)
+        missing, clock = self._missing, time.monotonic_ns
+        between = yield_core if self.crowded else None
+        while clock() < until:
+            if missing(count, ranks) < 0:
+                return True
+            if between is not None:
+                between()
+        return missing(count, ranks) < 0
+
+    async def _sleep(self, count: int, ranks: Sequence[int], seq: int) -> None:
+        """Sleep until ``ranks`` have published ``count``, woken by the next publisher or
+        by a timer that backs off to MAX_NAP.
+
+        Raises:
+            PeerLost, CollectiveTimeout, CollectiveMismatch: what ended collective
+                ``seq`` meanwhile.
+        """
         w, me, matcher = self._w, self._me, self.matcher
         loop = asyncio.get_running_loop()
         nap = MIN_NAP
@@ -191,6 +226,7 @@ class BoardPath:
 
     def _publish(self, count: int) -> None:
         w = self._w
+        w[self._me + STAMP] = time.monotonic_ns()  # before the count: see waiting.py
         w[self._me + COUNT] = count
         fence()  # the count before the loads of who sleeps (see the docstring)
         wake = self.board.wake

@@ -15,6 +15,8 @@ peer maps it and marks its line attached; rank 0 unlinks the name once all have)
                     COUNT      board collectives this rank has published (c = 1, 2, ...)
                     SLEEPING   the count this rank sleeps waiting for (0: awake)
                     ATTACHED   the pid of this rank once it mapped the board
+                    STAMP      when it last published (the host's monotonic clock, ns):
+                               how late it was, for its partners' hybrid waiting
                     then per parity b (0, 1), at PARITY + b * FIELDS:
                     SEQ        the session's sequence number of collective c
                     DIGEST     its signature digest (what the rank thinks it is)
@@ -56,7 +58,7 @@ VERSION = 1
 SLOT_BYTES = 64 << 10  # payload of one rank's slot: collectives up to this go on the board
 META_BYTES = 4 << 10  # a broadcast root's layout (dtypes, shapes, tree) beside its payload
 LINE = 128  # bytes per rank's control line: two cache lines, no false sharing
-COUNT, SLEEPING, ATTACHED, PARITY = 0, 1, 2, 4
+COUNT, SLEEPING, ATTACHED, STAMP, PARITY = 0, 1, 2, 3, 4
 SEQ, DIGEST, NBYTES, CODES, META, FLAGS = range(6)
 FIELDS = 6
 VIA_MESSAGES = 1

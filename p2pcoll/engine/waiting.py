@@ -1,0 +1,78 @@
+"""Hybrid waiting: how long a board collective polls for its peers before it sleeps.
+
+A rank that waits on the board for a peer's count can poll (it sees the count within a
+microsecond of its publication, and burns its core meanwhile) or sleep (it burns nothing;
+the publisher writes into its wake-up pipe and the scheduler has to run it again: some
+tens of microseconds on a quiet host, up to a scheduler slice on a busy one). The
+progress engines of Open MPI and UCX poll without end; UCC polls a bounded count
+(``n_polls``) and then blocks. A board wait polls for a budget learned per peer, then
+sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
+
+- Every rank stamps each publication with the host's monotonic clock (the board's STAMP
+  word), so a waiting rank learns how late each partner arrived, whether it polled until
+  then or slept.
+- Per peer, :class:`Patience` keeps a moving average over recent waits (weight
+  :data:`WEIGHT`) of how often the peer came early: within half the ceiling.
+- A wait polls for the ceiling, ``P2PCOLL_SPIN`` (0 never polls), if every peer it
+  still waits for usually comes early, else for :data:`MARGIN` only: a stopped, slow
+  or computing partner, or one that shares this rank's core and cannot run while it
+  polls (it comes at the budget's end, not early), would only cost the core.
+- Where the group has more peers than the host has cores, it yields the core between two
+  polls (``sched_yield``), so that a partner waiting for a core gets this one instead of
+  waiting for this rank's time slice to end. With a core per peer it does not: the
+  partner is on a core of its own, and a yield would only hand this one to the host's
+  other work (a CPU-bound process), for a whole time slice (Linux's EEVDF scheduler puts
+  the yielder behind every other eligible task).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+MARGIN = 5e-6  # seconds polled for any peer: one that is arriving right now
+WEIGHT = 1 / 8  # of the newest wait in each moving average
+HIT = 0.5  # poll for a peer that came early (within half the ceiling) this often
+
+# Gives the core to another runnable task, if any (Linux; the board only runs there).
+yield_core = getattr(os, "sched_yield", lambda: None)
+
+
+class Patience:
+    """The polling budget of one rank's board waits, learned per peer (see the module
+    docstring).
+
+    Args:
+        ceiling: the most any wait polls, in seconds (``P2PCOLL_SPIN``); 0: never.
+        world_size: the group's size (peers are ranks ``0 .. world_size - 1``).
+    """
+
+    def __init__(self, ceiling: float, world_size: int) -> None:
+        self.ceiling = max(0.0, ceiling)
+        # Until a peer has been waited for, assume it comes early: a group starts
+        # polling and learns otherwise.
+        self._hits = [1.0] * world_size
+
+    def budget(self, ranks: Iterable[int]) -> float:
+        """Seconds to poll for ``ranks`` (those not there yet) before sleeping."""
+        if not self.ceiling:
+            return 0.0
+        hits, budget = self._hits, 0.0
+        for q in ranks:
+            if hits[q] < HIT:  # it has to wait for this one anyway
+                return min(MARGIN, self.ceiling)
+            budget = self.ceiling
+        return budget
+
+    def learn(self, rank: int, late: float) -> None:
+        """Peer ``rank`` published ``late`` seconds after this rank began to wait for it
+        (0 or less: it was there first)."""
+        hit = late <= self.ceiling / 2
+        self._hits[rank] += WEIGHT * (hit - self._hits[rank])
+
+    def usual(self, rank: int) -> float:
+        """How often peer ``rank`` came early recently (the moving average)."""
+        return self._hits[rank]
+
+
+__all__ = ["MARGIN", "Patience", "yield_core"]

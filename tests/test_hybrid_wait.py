@@ -1,0 +1,143 @@
+"""Hybrid waiting on the board (p2pcoll.engine.waiting): the polling budget learned per peer
+stays within its ceiling, shrinks for late partners and grows back for punctual ones; and
+real peer processes, one of them stopped (SIGSTOP) and one slow, finish every collective
+with the same bits as numpy's fold in rank order."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import finish
+from p2pcoll.engine.waiting import MARGIN, Patience
+from p2pcoll.testing import free_port
+
+
+def test_the_budget_never_exceeds_the_ceiling() -> None:
+    rng = np.random.default_rng(7)
+    for ceiling in (0.0, 1e-6, 50e-6, 0.01):
+        patience = Patience(ceiling, 4)
+        for _ in range(2000):
+            # Lateness from "there first" to far beyond any ceiling, in bursts of each.
+            patience.learn(int(rng.integers(4)),
+                           float(rng.choice([-1.0, 1.0]) * 10 ** rng.uniform(-8, 1)))
+            budget = patience.budget(range(4))
+            assert 0 <= budget <= ceiling
+            assert patience.budget([]) == 0  # nobody to wait for
+        if ceiling == 0:
+            assert patience.budget(range(4)) == 0  # P2PCOLL_SPIN=0: never polls
+
+
+def test_a_late_partner_gets_the_margin_and_punctual_ones_the_ceiling() -> None:
+    ceiling = 200e-6
+    patience = Patience(ceiling, 3)
+    assert patience.budget([1, 2]) == ceiling  # unknown peers: poll first, then learn
+    for _ in range(40):
+        patience.learn(1, 0.05)  # 50 ms late every time: a stopped or computing partner
+        patience.learn(2, 10e-6)
+    assert patience.usual(1) < 0.5 and patience.usual(2) > 0.99
+    assert patience.budget([1]) == MARGIN
+    assert patience.budget([2]) == ceiling
+    assert patience.budget([1, 2]) == MARGIN  # it waits for the late one anyway
+    for _ in range(20):
+        patience.learn(1, 0.0)  # back on time (or there first)
+    assert patience.usual(1) >= 0.5 and patience.budget([1]) == ceiling  # polled again
+
+
+def test_a_partner_that_comes_only_as_the_budget_ends_stops_the_polling() -> None:
+    # A partner on this rank's own core runs only once this rank stops polling: it
+    # comes at the budget's end every time, which is no reason to poll.
+    ceiling = 5e-3
+    patience = Patience(ceiling, 2)
+    for _ in range(40):
+        patience.learn(1, patience.budget([1]) + 1e-6)
+    assert patience.budget([1]) == MARGIN
+
+
+_PEER = textwrap.dedent("""
+    import asyncio, hashlib, sys, time
+    import numpy as np
+    import p2pcoll
+
+    ITERS, SLOW = int(sys.argv[1]), int(sys.argv[2])
+
+    async def main():
+        async with p2pcoll.join() as g:
+            board = g.session.board
+            patience = board.patience
+            others = [q for q in range(g.world_size) if q != g.rank]
+            most, fewest, digest = 0.0, 1.0, hashlib.sha256()
+            for i in range(ITERS):
+                x = np.random.default_rng([g.rank, i]).standard_normal(1000)
+                if g.rank == SLOW:
+                    time.sleep(float(np.random.default_rng(i).uniform(0, 2e-3)))
+                if i == ITERS // 4:
+                    print("HALFWAY", flush=True)  # the test stops rank 1 about now
+                digest.update((await g.allreduce(x.astype(np.float32))).tobytes())
+                most = max(most, patience.budget(others))
+                fewest = min(fewest, *(patience.usual(q) for q in others))
+            ran = g.stats()["collectives_by_strategy"]["allreduce"]
+            print("DONE", digest.hexdigest(), patience.ceiling, most, fewest, ran.get("shm"),
+                  flush=True)
+
+    asyncio.run(main())
+""")
+
+
+def _expected(world: int, iters: int) -> str:
+    """The digest of every result: the inputs folded in rank order, in float32."""
+    digest = hashlib.sha256()
+    for i in range(iters):
+        parts = [np.random.default_rng([r, i]).standard_normal(1000).astype(np.float32)
+                 for r in range(world)]
+        total = parts[0] + parts[1]
+        for part in parts[2:]:
+            total += part
+        digest.update(total.tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("world", "spin"), [(3, "1000"), (5, "50"), (2, "0")])
+def test_a_stopped_and_a_slow_partner_end_in_the_same_bits(tmp_path: Path, world: int,
+                                                           spin: str) -> None:
+    """Rank 1 is stopped for a while a quarter of the way in; the last rank sleeps up to
+    2 ms before each call; with 5 peers on this host there are more peers than cores."""
+    iters = 300
+    script = tmp_path / "peer.py"
+    script.write_text(_PEER)
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(script), str(iters), str(world - 1)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "P2PCOLL_SPIN": spin, "RANK": str(rank),
+             "WORLD_SIZE": str(world), "P2PCOLL_RENDEZVOUS": f"tcp://127.0.0.1:{port}"})
+        for rank in range(world)]
+    try:
+        stopped = procs[1]
+        assert stopped.stdout is not None
+        assert stopped.stdout.readline() == "HALFWAY\n", stopped.stderr
+        stopped.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)  # the others wait for it meanwhile (no timing is asserted)
+        stopped.send_signal(signal.SIGCONT)
+    finally:
+        outcomes = finish(procs, timeout=120)
+    expected = _expected(world, iters)
+    ceiling = int(spin) * 1e-6
+    for rank, (code, out) in enumerate(outcomes):
+        assert code == 0, (rank, out)
+        digest, said_ceiling, most, fewest, on_board = out.split("DONE ")[1].split()
+        assert digest == expected, f"rank {rank}: other bits than numpy's fold"
+        assert float(said_ceiling) == ceiling and 0 <= float(most) <= ceiling
+        assert on_board == str(iters)  # every call ran on the board
+        if rank != 1 and spin != "0":
+            assert float(fewest) < 1  # it learned that a partner came late
