@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -63,7 +63,7 @@ class Session:
         # this session carries out what it says (see _do) and feeds it what happens.
         self.departures = Departures(membership.rank, membership.world_size,
                                      membership.group_id, endpoints=membership.endpoints,
-                                     stall=settings.heartbeat_timeout)
+                                     stall=settings.heartbeat_timeout, running=self._running)
         self._timer: asyncio.TimerHandle | None = None
         self._checks: dict[int, asyncio.Task[None]] = {}  # suspects' addresses (link_down)
         self.contacts = Contacts()  # what the transport's link events say (see on_link)
@@ -107,15 +107,16 @@ class Session:
         (the peers that may not have read all this rank sent them, and its fingers)."""
         self._do(self.departures.failed(abort, self.contacts.unread()))
 
-    def op_started(self, op: Hashable, needs: frozenset[int] | None, seq: int | None) -> None:
-        """An operation started (see :class:`.failure.Operations`): one that needs a peer
-        gone already fails at once (a Fail action, see :meth:`_do`)."""
-        actions = self.departures.op_started(op, needs, seq)
+    def starting(self, op: OpKey, needs: frozenset[int] | None, seq: int | None) -> None:
+        """An operation starts after a member has gone (see :class:`.failure.Operations`):
+        one that needs a peer gone already fails at once (a Fail action, see :meth:`_do`)."""
+        actions = self.departures.starting(op, needs, seq)
         if actions:
             self._do(actions)
 
-    def op_ended(self, op: Hashable) -> None:
-        self.departures.op_ended(op)
+    def _running(self) -> list[tuple[OpKey, frozenset[int] | None, int | None]]:
+        """What runs, for the departures machine (made before the failure model)."""
+        return self.failures.running()
 
     @property
     def rank(self) -> int:
