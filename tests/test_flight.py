@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2pcoll import CollectiveMismatch, P2PCollError, PeerLost, SettingsError
+from p2pcoll import CollectiveMismatch, GroupBroken, P2PCollError, PeerLost, SettingsError
 from p2pcoll.cli import main
 from p2pcoll.flight import MAX_FILE_BYTES, Loaded, RankFile, analyse, load, report
 from p2pcoll.session.flight import FORMAT, VERSION, Recorder
@@ -330,12 +330,26 @@ def test_the_flight_dir_must_be_an_existing_directory(tmp_path: Path) -> None:
 def test_a_call_that_outlives_its_slot_leaves_the_newer_call_alone() -> None:
     recorder = Recorder(2, 0, 2, "g", lambda key: [1], lambda key: [])
     keys = [OpKey(n) for n in range(3)]
-    slots = [recorder.start(k, "allreduce", "ring", 8, "float32", 1.0 + k.number)
-             for k in keys]
-    assert slots[2] is slots[0]  # the third took the first's row
-    recorder.end(slots[0], keys[0], "ring", 9.0, None)  # the first ends late: not recorded
-    recorder.end(slots[1], keys[1], "board", 5.0, None)
+    rows = [recorder.start(k, ("allreduce", "ring", 8, "float32"), 1.0 + k.number)
+            for k in keys]
+    assert rows[2] == rows[0]  # the third took the first's row
+    recorder.end(rows[0], keys[0], 9.0, "ring")  # the first ends late: not recorded
+    recorder.end(rows[1], keys[1], 5.0, "board")
     record = recorder.snapshot()
     assert [(e["seq"], e["state"], e["strategy"], e["waiting_for"]) for e in record] == [
         (1, "done", "board", []), (2, "running", "ring", [1])]
     assert record[1]["ended"] is None and record[0]["ended"] > record[0]["started"]
+
+
+def test_a_row_taken_again_forgets_the_failure_it_held() -> None:
+    recorder = Recorder(1, 0, 2, "g", lambda key: [], lambda key: [1])
+    first, second = OpKey(0), OpKey(1)
+    row = recorder.start(first, ("allreduce", "board", 8, "float32"), 1.0)
+    recorder.end(row, first, 2.0, error=GroupBroken("broken"))
+    [entry] = recorder.snapshot()
+    assert (entry["seq"], entry["state"], entry["waiting_for"]) == (0, "failed", [1])
+    row = recorder.start(second, ("broadcast", "auto", 0, ""), 3.0)
+    recorder.end(row, second, 4.0, "ring", data=(16, "int64"))
+    [entry] = recorder.snapshot()
+    assert (entry["seq"], entry["state"], entry["waiting_for"], entry["strategy"],
+            entry["bytes"], entry["dtype"]) == (1, "done", [], "ring", 16, "int64")

@@ -44,7 +44,7 @@ from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
-from .flight import describe
+from .flight import Entry, describe
 from .turns import Turns
 
 if TYPE_CHECKING:
@@ -143,8 +143,8 @@ class Prepared:
     # This rank's part as messages, compiled when first run: after the sequence number
     # is taken, so that the peers hear of a plugin's bad schedule (it aborts the collective).
     program: Program | None = None
-    nbytes: int = 0  # the data's, and its dtypes' names, for the flight record
-    dtype: str = ""
+    # What the flight record says of a call of it: collective, strategy, bytes, dtypes.
+    flight: Entry = ("", "", 0, "")
     # On the board: a reduction's plan (where its data lies), True for a barrier, or a
     # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
     # the board only says so). None: not on the board.
@@ -289,10 +289,9 @@ class Runner:
         settings = self.session.settings
         nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes,
                               whole=strat.whole_messages)
-        nbytes, dtype = describe(flat)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True),
-                           nbytes=nbytes, dtype=dtype)
+                           flight=(name, strat.name, *describe(flat)))
         if name == "alltoall" and p > 1 and not on_board:
             mine = {b for b in range(p * p) if b // p == self.rank or b % p == self.rank}
             program.forwarded = tuple(sorted(
@@ -352,12 +351,8 @@ class Runner:
         started, error = time.perf_counter(), None
         if flight is not None:
             # What the call is, known from its program (a receiver's learns it: at its end).
-            if program is not None:
-                slot = flight.start(op, call.collective, program.strategy.name,
-                                    program.nbytes, program.dtype, started)
-            else:
-                slot = flight.start(op, call.collective, call.strategy or "auto", 0, "",
-                                    started)
+            row = flight.start(op, program.flight if program is not None else
+                               (call.collective, call.strategy or "auto", 0, ""), started)
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
@@ -381,8 +376,10 @@ class Runner:
                     args["error"] = f"{type(error).__name__}: {error}"
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
-                flight.end(slot, op, call.strategy_used, ended, error,
-                           describe(call.flat) if program is None else None)
+                if program is not None:
+                    flight.end(row, op, ended, call.strategy_used, error)
+                else:
+                    flight.end(row, op, ended, call.strategy_used, error, describe(call.flat))
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)

@@ -3,9 +3,10 @@ what every rank was doing.
 
 The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
 takes) opens an entry when a call has its sequence number and closes it when the call
-ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), its rows made
-once and overwritten (nothing the garbage collector follows is kept per call), its times
-the runner's own clock reads: about half a microsecond a call. What a running call still
+ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), parallel lists
+made once and written in place (nothing the garbage collector follows is made or kept per
+call), what a call is (collective, strategy, bytes, dtypes) made once per prepared program,
+its times the runner's own clock reads: a few list stores a call. What a running call still
 waits for is not kept as it changes: :meth:`Recorder.snapshot` asks the matcher then (the
 answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`). A failed call keeps
 whom its error blames.
@@ -47,8 +48,10 @@ VERSION = 1
 RUNNING, DONE, FAILED = "running", "done", "failed"
 
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
-Slot = list[Any]  # a call's row in the ring (see Recorder.__init__)
-KEY, SEQ, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(9)
+# What a call is, as its entry says: (collective, strategy, bytes, dtypes); made once per
+# prepared program (see p2pcoll.session.calls.Prepared.flight).
+Entry = tuple[str, str, int, str]
+_UNUSED: Entry = ("", "", 0, "")
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
@@ -83,16 +86,21 @@ class Recorder:
 
     def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
                  waited: Waiting, folder: str = "") -> None:
-        # The ring: ``size`` rows made once, each [key, seq, collective, strategy, bytes,
-        # dtypes, started, ended, waited]. A call overwrites a row and keeps nothing alive
-        # that the garbage collector follows (a list or an object per call would, and so
-        # would its OpKey, a tuple: 2,000 of them alive cost each call a microsecond in
-        # collections): the key is held only while the call runs (ended None), for
-        # whom it waits. The times are time.perf_counter's (made wall-clock seconds when
-        # read); seq None: never used; waited None unless it failed (then whom its error
-        # names).
+        # The ring: row i of a call across parallel lists of ``size``, written in place. A
+        # call makes nothing the garbage collector follows and keeps nothing alive that it
+        # does (an object per call would, and so would its OpKey, a tuple: 2,000 of them
+        # alive cost each call a microsecond in collections): ``_keys[i]`` is the call's
+        # key while it runs (for whom it waits), its number (an int) once it has ended,
+        # None for a row never used; ``_what[i]`` what it is (an Entry, its program's);
+        # ``_started[i]`` and ``_ended[i]`` time.perf_counter's times (made wall-clock
+        # seconds when read). ``_waited`` holds, for a failed call's row only, whom its
+        # error names.
         self.size = size
-        self._rows: list[list[Any]] = [[None] * 9 for _ in range(size)]
+        self._keys: list[OpKey | int | None] = [None] * size
+        self._what: list[Entry] = [_UNUSED] * size
+        self._started: list[float] = [0.0] * size
+        self._ended: list[float] = [0.0] * size
+        self._waited: dict[int, list[int]] = {}
         self._next = 0  # the row the next call takes
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
@@ -113,35 +121,41 @@ class Recorder:
 
     # --- on the runner's path ------------------------------------------------------------
 
-    def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str,
-              started: float) -> Slot:
-        """A call has taken its key ``key`` at ``started`` (``time.perf_counter()``):
-        record it as running, in place of the oldest. Returns its row, for :meth:`end`."""
+    def start(self, key: OpKey, what: Entry, started: float) -> int:
+        """A call, ``what`` (its collective, the strategy it runs with or was asked for, its
+        bytes and dtypes), has taken its key ``key`` at ``started``
+        (``time.perf_counter()``): record it as running, in place of the oldest. Returns
+        its row, for :meth:`end`."""
         i = self._next
         self._next = i + 1 if i + 1 < self.size else 0
-        row = self._rows[i]
-        row[:] = (key, key.number, collective, strategy, nbytes, dtype, started, None, None)
-        return row
+        self._keys[i] = key
+        self._what[i] = what
+        self._started[i] = started
+        if self._waited:
+            self._waited.pop(i, None)
+        return i
 
-    def end(self, row: Slot, key: OpKey, strategy: str, ended: float,
-            error: BaseException | None, data: tuple[int, str] | None = None) -> None:
+    def end(self, row: int, key: OpKey, ended: float, strategy: str = "",
+            error: BaseException | None = None, data: tuple[int, str] | None = None) -> None:
         """The call :meth:`start` put in ``row`` as ``key`` has ended at ``ended``, run
-        with ``strategy`` ("": not known, as started), with ``error`` if it failed;
-        ``data``: its bytes and dtypes, if learned since. A failure is written to the
-        folder. A call whose row a newer one has taken (it ran while ``size`` others
-        started) is not recorded."""
-        if row[KEY] is not key:
+        with ``strategy`` ("": as started), with ``error`` if it failed; ``data``: its
+        bytes and dtypes, if learned since. A failure is written to the folder. A call
+        whose row a newer one has taken (it ran while ``size`` others started) is not
+        recorded."""
+        if self._keys[row] is not key:
             return
-        row[KEY] = None
-        if strategy:
-            row[STRATEGY] = strategy
-        row[ENDED] = ended
-        if data is not None:
-            row[NBYTES], row[DTYPE] = data
+        self._keys[row] = key.number
+        self._ended[row] = ended
+        what = self._what[row]
+        if (strategy and strategy != what[1]) or data is not None:
+            collective, asked, nbytes, dtype = what
+            if data is not None:
+                nbytes, dtype = data
+            self._what[row] = (collective, strategy or asked, nbytes, dtype)
         if error is not None:
             self._failed(row, key, error)
 
-    def _failed(self, row: Slot, key: OpKey, error: BaseException) -> None:
+    def _failed(self, row: int, key: OpKey, error: BaseException) -> None:
         if isinstance(error, CollectiveTimeout):
             waited = list(error.waiting_on)
         elif isinstance(error, PeerLost) and error.rank is not None:
@@ -150,10 +164,10 @@ class Recorder:
             waited = self._waited_for(key)
         else:  # a transfer: its one peer
             waited = [key.src if key.dst == self.rank else key.dst]
-        row[WAITED] = waited
+        self._waited[row] = waited
         if self.folder:
             self._dumped_broken = True
-            self.dump(f"{row[COLLECTIVE]} #{key.number} failed: {type(error).__name__}")
+            self.dump(f"{self._what[row][0]} #{key.number} failed: {type(error).__name__}")
 
     def refused(self, error: BaseException) -> None:
         """A call was refused before it started (the group is broken: a peer's abort
@@ -172,20 +186,23 @@ class Recorder:
         ``started`` and ``ended`` (wall-clock seconds, ``ended`` None while running) and
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
-        waiting, wall = self._waiting, self._wall
+        waiting, wall, failed = self._waiting, self._wall, self._waited
         out = []
-        rows = self._rows[self._next:] + self._rows[:self._next]  # oldest first
-        for key, seq, collective, strategy, nbytes, dtype, started, ended, waited in rows:
-            if seq is None:
+        n = self._next
+        for i in [*range(n, self.size), *range(n)]:  # oldest first
+            key = self._keys[i]
+            if key is None:
                 continue  # not used yet
-            if ended is None:
-                state, waits = RUNNING, waiting(key)
+            collective, strategy, nbytes, dtype = self._what[i]
+            ended: float | None
+            if isinstance(key, OpKey):
+                seq, ended, state, waits = key.number, None, RUNNING, waiting(key)
             else:
-                state, waits = (DONE, []) if waited is None else (FAILED, list(waited))
+                seq, ended = key, self._ended[i] + wall
+                state, waits = (FAILED, list(failed[i])) if i in failed else (DONE, [])
             out.append({"seq": seq, "collective": collective, "strategy": strategy,
                         "bytes": nbytes, "dtype": dtype, "state": state,
-                        "started": started + wall,
-                        "ended": None if ended is None else ended + wall,
+                        "started": self._started[i] + wall, "ended": ended,
                         "waiting_for": waits})
         return out
 
@@ -302,5 +319,5 @@ def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
         previous(signum, frame)
 
 
-__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Recorder", "Slot",
+__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder",
            "arm_signal", "describe", "flight_record", "write"]
