@@ -50,6 +50,10 @@ from .flight import Recorder
 
 log = logging.getLogger("p2pcoll")
 
+# OpKey(seq) made without a Python call (the named tuple's generated __new__): every
+# collective takes one. tests/test_session_keys.py checks that it equals OpKey(seq).
+_collective_key = partial(tuple.__new__, OpKey)
+
 
 class Session:
     """The state of one epoch of a group; see the module docstring."""
@@ -151,8 +155,9 @@ class Session:
         agrees."""
         self.failures.check_usable()
         seq = self.seq
-        self.seq += 1
-        return OpKey(seq)
+        self.seq = seq + 1
+        key: OpKey = _collective_key((seq, None, -1, -1))
+        return key
 
     def next_transfer(self, src: int, dst: int, tag: int) -> OpKey:
         """The key of the next point-to-point transfer from ``src`` to ``dst`` with ``tag``
