@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgpack
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
 Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
+_spec = attrgetter("dtype.str", "shape")  # an array's Spec (in C: on every call's path)
 
 
 def describe_data(arrays: Sequence[np.ndarray], treedef: TreeDef = None) -> str:
@@ -125,8 +127,7 @@ class Call:
         """What a prepared program depends on."""
         op = self.op.value if self.op is not None else ""
         return (self.collective, self.strategy, op, self.root, self.tag is None, self.rows,
-                str(self.treedef), tuple((a.dtype.str, a.shape) for a in self.leaves),
-                self.counts)
+                str(self.treedef), tuple(map(_spec, self.leaves)), self.counts)
 
 
 @dataclass(slots=True)
