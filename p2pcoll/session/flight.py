@@ -96,6 +96,7 @@ class Recorder:
         # seconds when read). ``_waited`` holds, for a failed call's row only, whom its
         # error names.
         self.size = size
+        self._last = size - 1
         self._keys: list[OpKey | int | None] = [None] * size
         self._what: list[Entry] = [_UNUSED] * size
         self._started: list[float] = [0.0] * size
@@ -127,7 +128,7 @@ class Recorder:
         (``time.perf_counter()``): record it as running, in place of the oldest. Returns
         its row, for :meth:`end`."""
         i = self._next
-        self._next = i + 1 if i + 1 < self.size else 0
+        self._next = i + 1 if i < self._last else 0
         self._keys[i] = key
         self._what[i] = what
         self._started[i] = started
@@ -146,9 +147,9 @@ class Recorder:
             return
         self._keys[row] = key.number
         self._ended[row] = ended
-        what = self._what[row]
-        if (strategy and strategy != what[1]) or data is not None:
-            collective, asked, nbytes, dtype = what
+        # Nearly always the strategy it started with, the very string (its program's).
+        if strategy is not self._what[row][1] or data is not None:
+            collective, asked, nbytes, dtype = self._what[row]
             if data is not None:
                 nbytes, dtype = data
             self._what[row] = (collective, strategy or asked, nbytes, dtype)
