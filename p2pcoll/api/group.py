@@ -198,7 +198,7 @@ class Group(PointToPoint):
         call, given, average = reduction_call("allreduce", value, op, None, strategy,
                                               timeout, out)
         await self.session.run(call)
-        results = finish(call, average, self.world_size)
+        results = finish(call, average, self.world_size) if average else call.leaves
         return out if out is not None else unflatten(call.treedef, as_given(given, results))
 
     async def reduce(
