@@ -32,9 +32,7 @@ class ReduceOp(StrEnum):
 
 
 # The ops no pairwise fold computes: each rank needs every rank's value of an element.
-# A tuple, not a set: ``op in ROBUST`` is asked on every reduction's path, and an Enum's
-# hash is a Python call while its comparison with a str is not.
-ROBUST = (ReduceOp.MEDIAN, ReduceOp.TRIMMED_MEAN)
+ROBUST = frozenset({ReduceOp.MEDIAN, ReduceOp.TRIMMED_MEAN})
 
 
 # The binary ufunc each op folds with; "avg" folds with add and divides once at the end.
