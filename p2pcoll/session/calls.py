@@ -350,16 +350,16 @@ class Runner:
                 flight.refused(exc)
             raise
         started, error = time.perf_counter(), None
-        if flight is not None:
-            # What the call is, known from its program (a receiver's learns it: at its end).
-            row = flight.start(op, program.flight if program is not None else
-                               (call.collective, call.strategy or "auto", 0, ""), started)
+        # What the flight record says the call is, known from its program (a receiver's
+        # learns it: at its end); the failure model lists it with its start while it runs.
+        what = (program.flight if program is not None else
+                (call.collective, call.strategy or "auto", 0, ""))
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
             if program is not None and call.tag is None:
                 self._remember(op.number, program.sig)
-            async with session.failures.collective(op, call.collective, limit):
+            async with session.failures.collective(op, call.collective, limit, what, started):
                 await self._execute(op, call, program)
         except BaseException as exc:
             error = exc
@@ -377,10 +377,8 @@ class Runner:
                     args["error"] = f"{type(error).__name__}: {error}"
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
-                if program is not None:
-                    flight.end(row, op, ended, call.strategy_used, error)
-                else:
-                    flight.end(row, op, ended, call.strategy_used, error, describe(call.flat))
+                flight.record(op, what, started, ended, call.strategy_used, error,
+                              None if program is not None else describe(call.flat))
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)

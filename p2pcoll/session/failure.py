@@ -172,10 +172,13 @@ class FailureModel:
             self._break(PeerLost(f"rank {me} {crashed} and closed the group", me,
                                  how=CRASHED), (next_seq, None))
 
-    def collective(self, key: OpKey, collective: str, limit: float) -> Collective:
+    def collective(self, key: OpKey, collective: str, limit: float, entry: object = None,
+                   started: float = 0.0) -> Collective:
         """``async with`` this around one operation's body: it runs under its deadline,
-        and every failure turns into a broken group (see :class:`~.deadline.Collective`)."""
-        return Collective(self, self._watchdog, key, collective, limit)
+        and every failure turns into a broken group (see :class:`~.deadline.Collective`).
+        ``entry`` and ``started``: what the flight record says of it, and when it started,
+        listed by :meth:`calls` while it runs."""
+        return Collective(self, self._watchdog, key, collective, limit, entry, started)
 
     def degrade(self) -> None:
         """A member has gone (the first one; see :class:`~p2pcoll.departures.Degrade`): a
@@ -218,6 +221,11 @@ class FailureModel:
         :data:`p2pcoll.departures.Running`): what the departures machine reads when a peer
         goes."""
         return [(key, *self._needs(key)) for key in self._active]
+
+    def calls(self) -> list[tuple[OpKey, Any, float]]:
+        """Every running operation's key, entry and start (see :meth:`collective`): what
+        the flight record lists as running."""
+        return [(c.key, c.entry, c.started) for c in self._active.values()]
 
     def _needs(self, key: OpKey) -> tuple[frozenset[int] | None, int | None]:
         """The peers an operation needs, and a collective's number: a collective, every

@@ -2,14 +2,16 @@
 what every rank was doing.
 
 The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
-takes) opens an entry when a call has its sequence number and closes it when the call
-ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), parallel lists
-made once and written in place (nothing the garbage collector follows is made or kept per
-call), what a call is (collective, strategy, bytes, dtypes) made once per prepared program,
-its times the runner's own clock reads: a few list stores a call. What a running call still
-waits for is not kept as it changes: :meth:`Recorder.snapshot` asks the matcher then (the
-answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`). A failed call keeps
-whom its error blames.
+takes) records a call when it ends, with one call of :meth:`Recorder.record`: a ring of the
+last ``P2PCOLL_FLIGHT_RECORD`` calls (2,000; 0: off), parallel lists made once and written
+in place (nothing the garbage collector follows is made or kept per call), what a call is
+(collective, strategy, bytes, dtypes) made once per prepared program, its times the
+runner's own clock reads. The calls still running are not written anywhere: the failure
+model lists them (:meth:`~p2pcoll.session.failure.FailureModel.calls`, its table of running
+operations, each with its entry and start) and :meth:`Recorder.snapshot` reads them there,
+however long they run. Nor is what a running call still waits for kept as it changes: the
+snapshot asks the matcher (the answer a timeout's inquiry gets, see
+:mod:`p2pcoll.session.blame`). A failed call keeps whom its error blames.
 
 ``P2PCOLL_FLIGHT_DIR=DIR``: each rank writes its record to ``DIR/rank-R.json`` when a call
 fails (a timeout, a mismatch, a lost peer), or its group is found broken, and on SIGUSR1
@@ -32,7 +34,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import Any, Protocol
 
@@ -48,6 +50,8 @@ VERSION = 1
 RUNNING, DONE, FAILED = "running", "done", "failed"
 
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
+# The calls running now: each one's key, Entry (or None: not described) and start.
+Running = Callable[[], Iterable[tuple[OpKey, Any, float]]]
 # What a call is, as its entry says: (collective, strategy, bytes, dtypes); made once per
 # prepared program (see p2pcoll.session.calls.Prepared.flight).
 Entry = tuple[str, str, int, str]
@@ -76,28 +80,28 @@ class Recorder:
     """The flight record of one group on this rank.
 
     Args:
-        size: how many calls it keeps (> 0).
+        size: how many ended calls it keeps (> 0).
         rank, world_size, group: what the files say about the rank that wrote them.
         waiting: the ranks a running operation waits for (the session's matcher's).
         waited: the ranks a failed collective waited for when it failed (the failure
             model's), for an error that names nobody.
         folder: where :meth:`dump` writes ``rank-R.json`` ("" : it does not).
+        running: the calls running now (the failure model's, see the module docstring).
     """
 
     def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
-                 waited: Waiting, folder: str = "") -> None:
-        # The ring: row i of a call across parallel lists of ``size``, written in place. A
-        # call makes nothing the garbage collector follows and keeps nothing alive that it
-        # does (an object per call would, and so would its OpKey, a tuple: 2,000 of them
-        # alive cost each call a microsecond in collections): ``_keys[i]`` is the call's
-        # key while it runs (for whom it waits), its number (an int) once it has ended,
-        # None for a row never used; ``_what[i]`` what it is (an Entry, its program's);
-        # ``_started[i]`` and ``_ended[i]`` time.perf_counter's times (made wall-clock
-        # seconds when read). ``_waited`` holds, for a failed call's row only, whom its
-        # error names.
+                 waited: Waiting, folder: str = "", running: Running = tuple) -> None:
+        # The ring of ended calls: row i across parallel lists of ``size``, written in
+        # place. A call makes nothing the garbage collector follows and keeps nothing alive
+        # that it does (an object per call would, and so would its OpKey, a tuple: 2,000
+        # of them alive cost each call a microsecond in collections): ``_seqs[i]`` is its
+        # number (None: a row never used), ``_what[i]`` what it is (an Entry, its
+        # program's), ``_started[i]`` and ``_ended[i]`` time.perf_counter's times (made
+        # wall-clock seconds when read). ``_waited`` holds, for a failed call's row only,
+        # whom its error names.
         self.size = size
         self._last = size - 1
-        self._keys: list[OpKey | int | None] = [None] * size
+        self._seqs: list[int | None] = [None] * size
         self._what: list[Entry] = [_UNUSED] * size
         self._started: list[float] = [0.0] * size
         self._ended: list[float] = [0.0] * size
@@ -105,7 +109,7 @@ class Recorder:
         self._next = 0  # the row the next call takes
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
-        self._waiting, self._waited_for = waiting, waited
+        self._waiting, self._waited_for, self._running = waiting, waited, running
         # perf_counter's times + this = wall-clock seconds (comparable across ranks)
         self._wall = time.time() - time.perf_counter()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,39 +126,28 @@ class Recorder:
 
     # --- on the runner's path ------------------------------------------------------------
 
-    def start(self, key: OpKey, what: Entry, started: float) -> int:
-        """A call, ``what`` (its collective, the strategy it runs with or was asked for, its
-        bytes and dtypes), has taken its key ``key`` at ``started``
-        (``time.perf_counter()``): record it as running, in place of the oldest. Returns
-        its row, for :meth:`end`."""
+    def record(self, key: OpKey, what: Entry, started: float, ended: float,
+               strategy: str = "", error: BaseException | None = None,
+               data: tuple[int, str] | None = None) -> None:
+        """Call ``key``, ``what`` (its collective, the strategy it was to run with or was
+        asked for, its bytes and dtypes), ran from ``started`` to ``ended``
+        (``time.perf_counter()``) with ``strategy`` ("": as ``what`` says), and failed
+        with ``error`` (None: it did not); ``data``: its bytes and dtypes, if learned as
+        it ran. It takes the oldest call's row. A failure is written to the folder."""
         i = self._next
         self._next = i + 1 if i < self._last else 0
-        self._keys[i] = key
-        self._what[i] = what
+        self._seqs[i] = key.number
         self._started[i] = started
+        self._ended[i] = ended
+        # Nearly always the strategy it was to run with, the very string (its program's).
+        if strategy is not what[1] or data is not None:
+            nbytes, dtype = what[2:] if data is None else data
+            what = (what[0], strategy or what[1], nbytes, dtype)
+        self._what[i] = what
         if self._waited:
             self._waited.pop(i, None)
-        return i
-
-    def end(self, row: int, key: OpKey, ended: float, strategy: str = "",
-            error: BaseException | None = None, data: tuple[int, str] | None = None) -> None:
-        """The call :meth:`start` put in ``row`` as ``key`` has ended at ``ended``, run
-        with ``strategy`` ("": as started), with ``error`` if it failed; ``data``: its
-        bytes and dtypes, if learned since. A failure is written to the folder. A call
-        whose row a newer one has taken (it ran while ``size`` others started) is not
-        recorded."""
-        if self._keys[row] is not key:
-            return
-        self._keys[row] = key.number
-        self._ended[row] = ended
-        # Nearly always the strategy it started with, the very string (its program's).
-        if strategy is not self._what[row][1] or data is not None:
-            collective, asked, nbytes, dtype = self._what[row]
-            if data is not None:
-                nbytes, dtype = data
-            self._what[row] = (collective, strategy or asked, nbytes, dtype)
         if error is not None:
-            self._failed(row, key, error)
+            self._failed(i, key, error)
 
     def _failed(self, row: int, key: OpKey, error: BaseException) -> None:
         if isinstance(error, CollectiveTimeout):
@@ -180,32 +173,37 @@ class Recorder:
     # --- reading -------------------------------------------------------------------------
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The record, oldest first: ``seq`` (a collective's sequence number; a transfer's
+        """The record, the last ``size`` calls that ended and every call running, oldest
+        (by start) first: ``seq`` (a collective's sequence number; a transfer's
         count on its channel), ``collective``, ``strategy`` (the one it ran with, "board"
         for the shared-memory board; while running, the one asked for), ``bytes`` (this
         rank's data), ``dtype``, ``state`` (``running``, ``done``, ``failed``),
         ``started`` and ``ended`` (wall-clock seconds, ``ended`` None while running) and
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
-        waiting, wall, failed = self._waiting, self._wall, self._waited
-        out = []
-        n = self._next
-        for i in [*range(n, self.size), *range(n)]:  # oldest first
-            key = self._keys[i]
-            if key is None:
+        wall, failed = self._wall, self._waited
+        entries: list[tuple[float, int, dict[str, Any]]] = []
+        for i, seq in enumerate(self._seqs):
+            if seq is None:
                 continue  # not used yet
             collective, strategy, nbytes, dtype = self._what[i]
-            ended: float | None
-            if isinstance(key, OpKey):
-                seq, ended, state, waits = key.number, None, RUNNING, waiting(key)
-            else:
-                seq, ended = key, self._ended[i] + wall
-                state, waits = (FAILED, list(failed[i])) if i in failed else (DONE, [])
-            out.append({"seq": seq, "collective": collective, "strategy": strategy,
-                        "bytes": nbytes, "dtype": dtype, "state": state,
-                        "started": self._started[i] + wall, "ended": ended,
-                        "waiting_for": waits})
-        return out
+            state, waits = (FAILED, list(failed[i])) if i in failed else (DONE, [])
+            entries.append((self._started[i], seq, {
+                "seq": seq, "collective": collective, "strategy": strategy,
+                "bytes": nbytes, "dtype": dtype, "state": state,
+                "started": self._started[i] + wall, "ended": self._ended[i] + wall,
+                "waiting_for": waits}))
+        for key, what, started in self._running():
+            if what is None:
+                continue  # not described: not a call of the group's API
+            collective, strategy, nbytes, dtype = what
+            entries.append((started, key.number, {
+                "seq": key.number, "collective": collective, "strategy": strategy,
+                "bytes": nbytes, "dtype": dtype, "state": RUNNING,
+                "started": started + wall, "ended": None,
+                "waiting_for": self._waiting(key)}))
+        entries.sort(key=lambda e: e[:2])
+        return [entry for _, _, entry in entries]
 
     # --- writing -------------------------------------------------------------------------
 

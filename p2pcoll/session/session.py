@@ -98,6 +98,7 @@ class Session:
             settings.flight_record, membership.rank, membership.world_size,
             membership.group_id, self.matcher.waiting_on,
             lambda key: self.failures.status(key.number)[1], settings.flight_dir,
+            self.failures.calls,
         ) if settings.flight_record else None
         self.runner = Runner(self)
         self.run = self.runner.run
