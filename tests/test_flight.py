@@ -341,7 +341,7 @@ def test_the_ring_keeps_the_last_calls_that_ended_and_every_running_one() -> Non
         (0, "running", "auto", [1]), (2, "done", "ring", []), (3, "done", "board", [])]
     assert record[0]["ended"] is None and record[2]["ended"] > record[2]["started"]
     running.clear()  # it ends, its bytes learned: recorded in place of the oldest
-    recorder.record(OpKey(0), ("recv", "auto", 0, ""), 1.0, 9.0, "ring", data=(16, "int64"))
+    recorder.record(OpKey(0), ("recv", "auto", 16, "int64"), 1.0, 9.0, "ring")
     assert [(e["seq"], e["strategy"], e["bytes"], e["dtype"])
             for e in recorder.snapshot()] == [(0, "ring", 16, "int64"),
                                                (3, "board", 8, "float32")]

@@ -377,8 +377,9 @@ class Runner:
                     args["error"] = f"{type(error).__name__}: {error}"
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
-                flight.record(op, what, started, ended, call.strategy_used, error,
-                              None if program is not None else describe(call.flat))
+                if program is None:  # what it received, learned as it ran
+                    what = (what[0], what[1], *describe(call.flat))
+                flight.record(op, what, started, ended, call.strategy_used, error)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat:
                 np.divide(a, self.size, out=a)

@@ -27,6 +27,7 @@ rank: the group that wrote last wins.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -100,13 +101,12 @@ class Recorder:
         # wall-clock seconds when read). ``_waited`` holds, for a failed call's row only,
         # whom its error names.
         self.size = size
-        self._last = size - 1
         self._seqs: list[int | None] = [None] * size
         self._what: list[Entry] = [_UNUSED] * size
         self._started: list[float] = [0.0] * size
         self._ended: list[float] = [0.0] * size
         self._waited: dict[int, list[int]] = {}
-        self._next = 0  # the row the next call takes
+        self._rows = itertools.cycle(range(size))  # the row each next call takes
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
         self._waiting, self._waited_for, self._running = waiting, waited, running
@@ -127,27 +127,24 @@ class Recorder:
     # --- on the runner's path ------------------------------------------------------------
 
     def record(self, key: OpKey, what: Entry, started: float, ended: float,
-               strategy: str = "", error: BaseException | None = None,
-               data: tuple[int, str] | None = None) -> None:
+               strategy: str = "", error: BaseException | None = None) -> None:
         """Call ``key``, ``what`` (its collective, the strategy it was to run with or was
         asked for, its bytes and dtypes), ran from ``started`` to ``ended``
         (``time.perf_counter()``) with ``strategy`` ("": as ``what`` says), and failed
-        with ``error`` (None: it did not); ``data``: its bytes and dtypes, if learned as
-        it ran. It takes the oldest call's row. A failure is written to the folder."""
-        i = self._next
-        self._next = i + 1 if i < self._last else 0
+        with ``error`` (None: it did not). It takes the oldest call's row. A failure is
+        written to the folder."""
+        i = next(self._rows)
         self._seqs[i] = key.number
         self._started[i] = started
         self._ended[i] = ended
         # Nearly always the strategy it was to run with, the very string (its program's).
-        if strategy is not what[1] or data is not None:
-            nbytes, dtype = what[2:] if data is None else data
-            what = (what[0], strategy or what[1], nbytes, dtype)
+        if strategy is not what[1] and strategy:
+            what = (what[0], strategy, what[2], what[3])
         self._what[i] = what
-        if self._waited:
+        if error is not None or self._waited:  # a failure, now or in the row before
             self._waited.pop(i, None)
-        if error is not None:
-            self._failed(i, key, error)
+            if error is not None:
+                self._failed(i, key, error)
 
     def _failed(self, row: int, key: OpKey, error: BaseException) -> None:
         if isinstance(error, CollectiveTimeout):
