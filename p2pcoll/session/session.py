@@ -51,7 +51,7 @@ from .flight import Recorder
 log = logging.getLogger("p2pcoll")
 
 # OpKey(seq) made without a Python call (the named tuple's generated __new__): every
-# collective takes one. tests/test_session_keys.py checks that it equals OpKey(seq).
+# collective takes one (tests/test_running_operations.py checks that it equals OpKey(seq)).
 _collective_key = partial(tuple.__new__, OpKey)
 
 
