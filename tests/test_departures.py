@@ -8,7 +8,7 @@ import logging
 import math
 import random
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 
 import pytest
@@ -33,6 +33,15 @@ from p2pcoll.departures import (
 from p2pcoll.wire import Header
 
 GROUP = "g"
+
+Ops = dict[Hashable, tuple[Collection[int] | None, int | None]]  # op -> (needs, seq)
+
+
+def machine(rank: int, size: int, ops: Ops, stall: float | None = None) -> Departures:
+    """A peer's machine that reads ``ops`` as what runs (as the session's failure model
+    is read)."""
+    return Departures(rank, size, GROUP, stall=stall,
+                      running=lambda: [(op, n, s) for op, (n, s) in ops.items()])
 
 
 @dataclass
@@ -61,6 +70,7 @@ class Net:
     fails: Counter[tuple[int, Hashable]] = field(default_factory=Counter)
     aborted: Counter[tuple[int, int, int]] = field(default_factory=Counter)  # (at, origin, op)
     declared: dict[int, DeclaredLost] = field(default_factory=dict)
+    ops: dict[int, Ops] = field(default_factory=dict)  # what runs at each peer
     degraded: set[int] = field(default_factory=set)
     forgotten: dict[int, set[int]] = field(default_factory=dict)
     learned: dict[tuple[int, int], int] = field(default_factory=dict)  # (at, gone) -> hops
@@ -69,7 +79,8 @@ class Net:
 
     def __post_init__(self) -> None:
         for r in range(self.size):
-            self.peers[r] = Departures(r, self.size, GROUP, stall=self.stall)
+            self.ops[r] = {}
+            self.peers[r] = machine(r, self.size, self.ops[r], stall=self.stall)
             self.links[r], self.watching[r], self.forgotten[r] = set(), set(), set()
         for r in range(self.size):
             self.apply(r, self.peers[r].start(self.now), 0)
@@ -108,6 +119,17 @@ class Net:
             self.learned.setdefault((at, gone), hops)
 
     # -- events --------------------------------------------------------------------------
+
+    def start(self, r: int, op: Hashable, needs: Collection[int] | None,
+              seq: int | None = None) -> list[Action]:
+        """``r`` starts ``op`` (it runs from now on); returns what the machine said."""
+        self.ops[r][op] = (needs, seq)
+        actions = self.peers[r].starting(op, needs, seq)
+        self.apply(r, actions, 0)
+        return actions
+
+    def end(self, r: int, op: Hashable) -> None:
+        del self.ops[r][op]
 
     def live(self, r: int) -> bool:
         return r not in self.killed and r not in self.closed
@@ -232,32 +254,48 @@ def test_an_abort_travels_over_the_fingers() -> None:
 
 def test_a_peer_that_closes_while_others_still_read() -> None:
     net = Net(4)
-    p = net.peers[0]
-    assert p.op_started("allreduce#4", needs=range(4), seq=4) == []
-    assert p.op_started("send", needs={1}) == []
+    assert net.start(0, "allreduce#4", needs=range(4), seq=4) == []
+    assert net.start(0, "send", needs={1}) == []
     net.close(1, seq=5)  # rank 1 started 5 collectives (0..4): #4 goes on
     net.settle()
     assert net.fails[(0, "allreduce#4")] == 0 and net.fails[(0, "send")] == 0
-    [fail] = p.op_started("allreduce#5", needs=range(4), seq=5)
+    [fail] = net.start(0, "allreduce#5", needs=range(4), seq=5)
     assert isinstance(fail, Fail) and fail.error.rank == 1
-    [fail] = p.op_started("send again", needs={1})
+    [fail] = net.start(0, "send again", needs={1})
     assert isinstance(fail, Fail)
-    p.op_ended("allreduce#4")
-    p.op_ended("send")
+    assert net.fails[(0, "allreduce#5")] == 1 and net.fails[(0, "send again")] == 1
+    net.end(0, "allreduce#4")
+    net.end(0, "send")
 
 
 def test_a_collective_that_needs_every_member_fails_on_any_loss() -> None:
     # needs=None: every member (what the failure model gives for a collective: no set of
     # p ranks built per call), including one lost before it started.
     net = Net(4)
-    p = net.peers[0]
-    assert p.op_started("allreduce#0", needs=None, seq=0) == []
+    assert net.start(0, "allreduce#0", needs=None, seq=0) == []
     net.kill(2)
     net.settle()
     assert net.fails[(0, "allreduce#0")] == 1
-    [fail] = p.op_started("allreduce#1", needs=None, seq=1)
+    [fail] = net.start(0, "allreduce#1", needs=None, seq=1)
     assert isinstance(fail, Fail) and fail.error.rank == 2
-    assert p.op_started("recv", needs=()) == []  # a receive needs nobody
+    assert net.start(0, "recv", needs=()) == []  # a receive needs nobody
+
+
+def test_nothing_is_asked_of_a_caller_while_every_member_is_there() -> None:
+    # The failure model skips starting() until the first Degrade: nothing fails an
+    # operation as it starts before a peer has gone, and what runs is read only then.
+    reads: list[int] = []
+
+    def running() -> list[tuple[Hashable, None, int]]:
+        reads.append(1)
+        return [("op", None, 0)]
+
+    p = Departures(0, 4, GROUP, running=running)
+    assert p.starting("op", needs=None, seq=0) == []
+    assert p.tick(1.0) == [] and reads == []
+    actions = p.probe_lost(1, 1.0) + p.tick(2.0)
+    assert reads == [1]
+    assert [type(a) for a in actions if isinstance(a, (Fail, Degrade))] == [Fail, Degrade]
 
 
 def test_the_news_of_a_goodbye_goes_out_before_its_farewell() -> None:
@@ -297,7 +335,7 @@ def test_a_goodbye_after_the_grace_finds_the_peer_lost_and_is_still_answered() -
 def test_a_frozen_peer_that_resumes_is_told_it_was_declared_lost() -> None:
     net = Net(6, stall=5.3)
     p3 = net.peers[3]
-    p3.op_started("allreduce#0", needs=range(6), seq=0)
+    net.start(3, "allreduce#0", needs=range(6), seq=0)
     net.killed.add(3)  # frozen: reads nothing, and its watchers' probes time out
     for w in (1, 2):
         net.apply(w, net.peers[w].probe_lost(3, net.now), 0)
@@ -366,8 +404,7 @@ def test_a_loss_says_how_its_peer_went_and_its_news_carries_that(how: str, says:
 
 
 def test_a_loss_waits_for_how_its_peer_went_but_not_forever() -> None:
-    p = Departures(0, 4, GROUP)
-    p.op_started("op", needs=range(4), seq=0)
+    p = machine(0, 4, {"op": (range(4), 0)})
     assert p.link_closed(1, 0.0, checking=True) == []
     assert p.tick(LINK_LOSS_GRACE + 0.01) == [] and p.suspects(1)  # still finding out
     assert p.deadline() == pytest.approx(LINK_LOSS_GRACE + CHECK_WAIT)
@@ -431,14 +468,17 @@ def test_a_loss_before_any_goodbye_is_warned_of(caplog: pytest.LogCaptureFixture
 
 
 def test_an_operation_fails_once_whatever_else_goes() -> None:
-    p = Departures(0, 8, GROUP)
-    p.op_started("op", needs=range(8), seq=0)
+    ops: Ops = {"op": (range(8), 0)}
+    p = machine(0, 8, ops)
     first = p.probe_lost(1, 0.0) + p.tick(1.0)
     second = p.probe_lost(2, 1.0) + p.tick(2.0)
     assert next(a for a in first if isinstance(a, Fail)).error.rank == 1
     assert not [a for a in second if isinstance(a, Fail)]
-    with pytest.raises(ValueError, match="started already"):
-        p.op_started("op", needs=range(8), seq=0)
+    # once it has ended, it is forgotten: an operation started since fails on its own
+    del ops["op"]
+    ops["next"] = (range(8), 1)
+    third = p.probe_lost(3, 2.0) + p.tick(3.0)
+    assert [a.op for a in third if isinstance(a, Fail)] == ["next"]
 
 
 def test_a_rank_outside_the_group_is_refused() -> None:
@@ -477,8 +517,8 @@ def check_invariants(size: int, events: list[tuple[str, int]], order: random.Ran
     net = Net(size)
     # every peer runs a collective (#5) and a send to its successor
     for r in range(size):
-        net.apply(r, net.peers[r].op_started(("c", 5), needs=range(size), seq=5), 0)
-        net.apply(r, net.peers[r].op_started(("s", (r + 1) % size), needs={(r + 1) % size}), 0)
+        net.start(r, ("c", 5), needs=range(size), seq=5)
+        net.start(r, ("s", (r + 1) % size), needs={(r + 1) % size})
     closed_seq: dict[int, int] = {}
     for n, (kind, r) in enumerate(events):
         if kind == "kill" and net.live(r) and len(net.survivors()) > 1:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2pcoll import CollectiveMismatch, P2PCollError, PeerLost, SettingsError
+from p2pcoll import CollectiveMismatch, GroupBroken, P2PCollError, PeerLost, SettingsError
 from p2pcoll.cli import main
 from p2pcoll.flight import MAX_FILE_BYTES, Loaded, RankFile, analyse, load, report
 from p2pcoll.session.flight import FORMAT, VERSION, Recorder
@@ -327,15 +327,32 @@ def test_the_flight_dir_must_be_an_existing_directory(tmp_path: Path) -> None:
         Settings.resolve({}, flight_dir=tmp_path / "nowhere")
 
 
-def test_a_call_that_outlives_its_slot_leaves_the_newer_call_alone() -> None:
-    recorder = Recorder(2, 0, 2, "g", lambda key: [1], lambda key: [])
-    keys = [OpKey(n) for n in range(3)]
-    slots = [recorder.start(k, "allreduce", "ring", 8, "float32", 1.0 + k.number)
-             for k in keys]
-    assert slots[2] is slots[0]  # the third took the first's row
-    recorder.end(slots[0], keys[0], "ring", 9.0, None)  # the first ends late: not recorded
-    recorder.end(slots[1], keys[1], "board", 5.0, None)
+def test_the_ring_keeps_the_last_calls_that_ended_and_every_running_one() -> None:
+    running: list[tuple[OpKey, object, float]] = []
+    recorder = Recorder(2, 0, 2, "g", lambda key: [1], lambda key: [],
+                        running=lambda: running)
+    what = ("allreduce", "ring", 8, "float32")
+    # call 0 runs on while calls 1, 2 and 3 end: it is listed, whatever the ring keeps
+    running.append((OpKey(0), ("recv", "auto", 0, ""), 1.0))
+    for n in (1, 2, 3):
+        recorder.record(OpKey(n), what, 1.0 + n, 1.5 + n, "board" if n == 3 else "ring")
     record = recorder.snapshot()
     assert [(e["seq"], e["state"], e["strategy"], e["waiting_for"]) for e in record] == [
-        (1, "done", "board", []), (2, "running", "ring", [1])]
-    assert record[1]["ended"] is None and record[0]["ended"] > record[0]["started"]
+        (0, "running", "auto", [1]), (2, "done", "ring", []), (3, "done", "board", [])]
+    assert record[0]["ended"] is None and record[2]["ended"] > record[2]["started"]
+    running.clear()  # it ends, its bytes learned: recorded in place of the oldest
+    recorder.record(OpKey(0), ("recv", "auto", 16, "int64"), 1.0, 9.0, "ring")
+    assert [(e["seq"], e["strategy"], e["bytes"], e["dtype"])
+            for e in recorder.snapshot()] == [(0, "ring", 16, "int64"),
+                                               (3, "board", 8, "float32")]
+
+
+def test_a_row_taken_again_forgets_the_failure_it_held() -> None:
+    recorder = Recorder(1, 0, 2, "g", lambda key: [], lambda key: [1])
+    recorder.record(OpKey(0), ("allreduce", "board", 8, "float32"), 1.0, 2.0,
+                    error=GroupBroken("broken"))
+    [entry] = recorder.snapshot()
+    assert (entry["seq"], entry["state"], entry["waiting_for"]) == (0, "failed", [1])
+    recorder.record(OpKey(1), ("allreduce", "board", 8, "float32"), 3.0, 4.0)
+    [entry] = recorder.snapshot()
+    assert (entry["seq"], entry["state"], entry["waiting_for"]) == (1, "done", [])

@@ -201,7 +201,7 @@ class Group(PointToPoint):
                                               timeout, out)
         ordered(self, self._topology, call)  # along the measured ring, if it pays
         await self.session.run(call)
-        results = finish(call, average, self.world_size)
+        results = finish(call, average, self.world_size) if average else call.leaves
         return out if out is not None else unflatten(call.treedef, as_given(given, results))
 
     async def reduce(

@@ -38,7 +38,10 @@ The protocol, in the order things happen:
 - **Operations.** A running operation that needs a peer that has gone fails at once with
   that peer's :class:`~p2pcoll.errors.PeerLost`, exactly once: a collective, any member
   lost or gone before it started it; a send, its receiver lost (a goodbye ends only the
-  sends that start after it).
+  sends that start after it). The machine keeps no table of what runs: it reads the
+  caller's (:data:`Running`) when a peer goes or this peer is declared lost, and is asked
+  about an operation as it starts (:meth:`Departures.starting`) only once a peer has gone,
+  so a call while everyone is there costs it nothing.
 - **A stalled peer.** The clock passed in also tells a peer that it was itself stopped: a
   gap between events longer than ``stall`` (the heartbeat timeout: its watchers have
   declared it lost by then), followed within the grace by the loss of a peer it watches
@@ -53,7 +56,7 @@ The protocol, in the order things happen:
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +84,7 @@ def _left(rank: int) -> PeerLost:
     """The departure of a peer that said goodbye after a healthy run."""
     return PeerLost(f"rank {rank} left the group: it closed it normally", rank, how=CLOSED)
 
-__all__ = ["LINK_LOSS_GRACE", "Departure", "Departures"]
+__all__ = ["LINK_LOSS_GRACE", "Departure", "Departures", "Running"]
 
 log = logging.getLogger("p2pcoll")
 
@@ -103,10 +106,14 @@ class Departure:
     told: frozenset[int] = frozenset()
 
 
-@dataclass(slots=True)
-class _Op:
-    needs: frozenset[int] | None  # None: every member
-    seq: int | None  # a collective's number; None for a send
+# The operations running at a peer, read when one may have to fail: each operation, the
+# peers it needs (None: every member; empty: nobody, as a receive) and a collective's
+# sequence number (None: a transfer).
+Running = Callable[[], Iterable[tuple[Hashable, Collection[int] | None, int | None]]]
+
+
+def _nothing_runs() -> tuple[()]:
+    return ()
 
 
 class Departures:
@@ -124,13 +131,15 @@ class Departures:
         stall: a gap between two events longer than this, with a loss right after it,
             means this peer was stopped for longer than its watchers wait (None: never
             so); the caller then ticks at least every ``stall / 2``.
+        running: the operations running at this peer (see :data:`Running`; none by
+            default), read when a peer goes or this peer is declared lost.
     Raises:
         ValueError: ``rank`` is not a rank of a group of ``size``.
     """
 
     def __init__(self, rank: int, size: int, group: str, *,
                  endpoints: Sequence[str] = (), grace: float = LINK_LOSS_GRACE,
-                 stall: float | None = None) -> None:
+                 stall: float | None = None, running: Running = _nothing_runs) -> None:
         overlay.watched(rank, size)  # checks the rank
         self.rank, self.size, self.group = rank, size, group
         self.endpoints = tuple(endpoints)
@@ -151,8 +160,8 @@ class Departures:
         self._newsed: dict[int, set[int]] = {}  # finger -> the departures it was told of
         self._seen: dict[tuple[int, int, int | None], int] = {}  # aborts taken
         self._passed_on: dict[tuple[int, int | None], int] = {}  # aborts passed on, level
-        self._ops: dict[Hashable, _Op] = {}
-        self._failed: set[Hashable] = set()
+        self._running = running
+        self._failed: set[Hashable] = set()  # operations failed here that still run
         self._degraded = False
 
     # -- what it knows ---------------------------------------------------------------
@@ -324,28 +333,24 @@ class Departures:
         self._suspects.clear()
         self._how.clear()
 
-    def op_started(self, op: Hashable, needs: Collection[int] | None,
-                   seq: int | None = None) -> list[Action]:
-        """An operation started that needs ``needs`` (None: every member): a collective
-        numbered ``seq``, or a send (``seq`` None). It fails at once if one of them has
-        already abandoned it."""
-        if op in self._ops or op in self._failed:
-            raise ValueError(f"operation {op!r} has started already")
-        state = self._ops[op] = _Op(None if needs is None else frozenset(needs) - {self.rank},
-                                    seq)
+    def starting(self, op: Hashable, needs: Collection[int] | None,
+                 seq: int | None = None) -> list[Action]:
+        """Operation ``op`` starts, needing ``needs`` (None: every member): a collective
+        numbered ``seq``, or a transfer (``seq`` None). It fails at once if one of them has
+        already abandoned it, or if this peer was declared lost. Nothing is recorded: once
+        it runs, the caller's :data:`Running` lists it. A caller may skip this until a
+        peer has gone or this one was declared lost (the first
+        :class:`~.actions.Degrade` or a :class:`~.actions.DeclaredLost` says so): it
+        returns nothing until then."""
         if self._declared is not None:
             return self._fail(op, self._declared)
-        if not self._gone:  # (the rule: every collective starts here)
+        if not self._gone:
             return []
-        for rank in sorted(self._gone if state.needs is None else state.needs & self._gone.keys()):
-            gone = self._gone.get(rank)
-            if gone is not None and (seq is None or self.abandoned(rank, seq)):
-                return self._fail(op, gone.error)
+        gone = self._gone
+        for rank in sorted(gone if needs is None else gone.keys() & set(needs)):
+            if seq is None or self.abandoned(rank, seq):
+                return self._fail(op, gone[rank].error)
         return []
-
-    def op_ended(self, op: Hashable) -> None:
-        """An operation ended (whether it failed); forgetting an unknown one is a no-op."""
-        self._ops.pop(op, None)
 
     # -- the rules ---------------------------------------------------------------------
 
@@ -394,9 +399,9 @@ class Departures:
         self._suspects.pop(rank, None)
         self._how.pop(rank, None)
         actions: list[Action] = [Forget(rank)]
-        for op, state in list(self._ops.items()):
-            if (state.needs is None or rank in state.needs) and (not departure.graceful or (
-                    state.seq is not None and departure.started <= state.seq)):
+        for op, needs, seq in self._still_running():
+            if (needs is None or rank in needs) and (not departure.graceful or (
+                    seq is not None and departure.started <= seq)):
                 actions += self._fail(op, departure.error)
         if not self._degraded:
             self._degraded = True
@@ -423,8 +428,16 @@ class Departures:
             self._newsed.setdefault(p, set()).add(rank)
         return self._posts(fingers, self._news(rank, self._gone[rank]))
 
+    def _still_running(self) -> list[tuple[Hashable, Collection[int] | None, int | None]]:
+        """The running operations not failed here yet (each fails at most once); those
+        failed that have ended since are forgotten."""
+        running = list(self._running())
+        if not self._failed:
+            return running
+        self._failed &= {op for op, _, _ in running}
+        return [entry for entry in running if entry[0] not in self._failed]
+
     def _fail(self, op: Hashable, error: PeerLost) -> list[Action]:
-        self._ops.pop(op, None)
         self._failed.add(op)
         return [Fail(op, error)]
 
@@ -482,7 +495,7 @@ class Departures:
         self._suspects.clear()
         self._how.clear()
         actions: list[Action] = []
-        for op in list(self._ops):
+        for op, _, _ in self._still_running():
             actions += self._fail(op, self._declared)
         return [*actions, DeclaredLost(self.rank if by is None else by, self._declared)]
 

@@ -24,14 +24,10 @@ DURATION_BUCKETS: tuple[float, ...] = (
 
 @dataclass
 class Durations:
-    """A histogram of one collective's durations."""
+    """A histogram of one collective's durations (:meth:`Activity.record` counts each)."""
 
     counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
     total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(DURATION_BUCKETS, seconds)] += 1
-        self.total += seconds
 
     def report(self) -> dict[str, Any]:
         """``{"count", "sum", "buckets": [[upper bound, cumulative count], ...]}``, the
@@ -59,7 +55,8 @@ class Activity:
         durations = self.durations.get(collective)
         if durations is None:
             durations = self.durations[collective] = Durations()
-        durations.observe(seconds)
+        durations.counts[bisect_left(DURATION_BUCKETS, seconds)] += 1
+        durations.total += seconds
         if error is not None:
             self.errors[type(error).__name__] += 1
 

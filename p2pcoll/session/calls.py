@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgpack
@@ -45,7 +46,7 @@ from ..types import CustomOp, OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
-from .flight import describe
+from .flight import Entry, describe
 from .turns import Turns
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
 Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
+_spec = attrgetter("dtype.str", "shape")  # an array's Spec (in C: on every call's path)
 
 
 def describe_data(arrays: Sequence[np.ndarray], treedef: TreeDef = None) -> str:
@@ -130,8 +132,7 @@ class Call:
         """What a prepared program depends on."""
         op = self.op.value if self.op is not None else ""
         return (self.collective, self.strategy, op, self.root, self.tag is None, self.rows,
-                str(self.treedef), tuple((a.dtype.str, a.shape) for a in self.leaves),
-                self.counts)
+                str(self.treedef), tuple(map(_spec, self.leaves)), self.counts)
 
 
 @dataclass(slots=True)
@@ -148,8 +149,8 @@ class Prepared:
     # This rank's part as messages, compiled when first run: after the sequence number
     # is taken, so that the peers hear of a plugin's bad schedule (it aborts the collective).
     program: Program | None = None
-    nbytes: int = 0  # the data's, and its dtypes' names, for the flight record
-    dtype: str = ""
+    # What the flight record says of a call of it: collective, strategy, bytes, dtypes.
+    flight: Entry = ("", "", 0, "")
     # On the board: a reduction's plan (where its data lies), True for a barrier, or a
     # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
     # the board only says so). None: not on the board.
@@ -305,10 +306,9 @@ class Runner:
         settings = self.session.settings
         nseg = layout.segment(settings.segment_bytes, settings.max_message_bytes,
                               whole=strat.whole_messages)
-        nbytes, dtype = describe(flat)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True),
-                           nbytes=nbytes, dtype=dtype)
+                           flight=(name, strat.name, *describe(flat)))
         if name == "alltoall" and p > 1 and not on_board:
             mine = {b for b in range(p * p) if b // p == self.rank or b % p == self.rank}
             program.forwarded = tuple(sorted(
@@ -362,20 +362,16 @@ class Runner:
                 flight.refused(exc)
             raise
         started, error = time.perf_counter(), None
-        if flight is not None:
-            # What the call is, known from its program (a receiver's learns it: at its end).
-            if program is not None:
-                slot = flight.start(op, call.collective, program.strategy.name,
-                                    program.nbytes, program.dtype, started)
-            else:
-                slot = flight.start(op, call.collective, call.strategy or "auto", 0, "",
-                                    started)
+        # What the flight record says the call is, known from its program (a receiver's
+        # learns it: at its end); the failure model lists it with its start while it runs.
+        what = (program.flight if program is not None else
+                (call.collective, call.strategy or "auto", 0, ""))
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
             if program is not None and call.tag is None:
                 self._remember(op.number, program.sig)
-            async with session.failures.collective(op, call.collective, limit):
+            async with session.failures.collective(op, call.collective, limit, what, started):
                 await self._execute(op, call, program)
         except BaseException as exc:
             error = exc
@@ -393,8 +389,9 @@ class Runner:
                     args["error"] = f"{type(error).__name__}: {error}"
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
-                flight.end(slot, op, call.strategy_used, ended, error,
-                           describe(call.flat) if program is None else None)
+                if program is None:  # what it received, learned as it ran
+                    what = (what[0], what[1], *describe(call.flat))
+                flight.record(op, what, started, ended, call.strategy_used, error)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat[:len(call.leaves)]:  # not a scratch area after them
                 np.divide(a, self.size, out=a)

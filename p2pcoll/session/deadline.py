@@ -161,13 +161,16 @@ class Collective:
     propagates.
     """
 
-    __slots__ = ("_cancelling", "_expired", "_task", "finished", "key", "limit", "lost",
-                 "name", "queued", "rules", "watchdog")
+    __slots__ = ("_cancelling", "_expired", "_task", "entry", "finished", "key", "limit",
+                 "lost", "name", "queued", "rules", "started", "watchdog")
 
     def __init__(self, rules: Rules, watchdog: Watchdog, key: OpKey, name: str,
-                 limit: float) -> None:
+                 limit: float, entry: object = None, started: float = 0.0) -> None:
         self.rules, self.watchdog, self.key, self.name, self.limit = (
             rules, watchdog, key, name, limit)
+        # What the caller says the operation is and when it started, kept while it runs
+        # for whoever lists what runs (the flight record: see FailureModel.calls).
+        self.entry, self.started = entry, started
         self.lost: P2PCollError | None = None  # a peer it needs has gone (see interrupt)
         self.finished = False
         self.queued = False  # its deadline is in the watchdog's queue

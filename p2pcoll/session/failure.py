@@ -20,8 +20,8 @@ blames its sender. Its abort carries the tag, and the peers that get it break th
 too, failing whatever they are running.
 
 A peer that goes (lost, or gone with a goodbye) fails at once every running operation that
-needs it (the departures machine decides which, see :meth:`FailureModel.interrupt`: each
-operation is reported to it as it starts and ends), wherever that operation waits: a
+needs it (the departures machine decides which, see :meth:`FailureModel.interrupt`: it
+reads what runs from :meth:`FailureModel.running`), wherever that operation waits: a
 receive for its message, or a send for room in a full queue, for a zero-copy buffer libzmq
 still holds, for a shared-memory ring. An operation needs a peer that has *abandoned* it: a
 collective, every member that is lost or said goodbye before starting it (all of a group
@@ -95,17 +95,17 @@ USABLE = (GroupState.READY, GroupState.DEGRADED)  # states that calls may run in
 
 
 class Operations(Protocol):
-    """Where the failure model reports what it runs and what it fails (the session, which
-    hands it to its departures machine, see :class:`p2pcoll.departures.Departures`)."""
+    """Where the failure model asks about what it starts and reports what it fails (the
+    session, which hands it to its departures machine, see
+    :class:`p2pcoll.departures.Departures`)."""
 
-    def op_started(self, op: Hashable, needs: frozenset[int] | None, seq: int | None) -> None:
-        """Operation ``op`` started, needing ``needs`` (None: every member): a collective
+    def starting(self, op: OpKey, needs: frozenset[int] | None, seq: int | None) -> None:
+        """Operation ``op`` starts, needing ``needs`` (None: every member): a collective
         numbered ``seq``, or a transfer (``seq`` None). If a peer it needs has gone, the
-        session calls :meth:`FailureModel.interrupt` (at once, or when it goes)."""
-        ...
-
-    def op_ended(self, op: Hashable) -> None:
-        """Operation ``op`` ended, however."""
+        session calls :meth:`FailureModel.interrupt` at once. Asked only once a member has
+        gone (the group is no longer :attr:`GroupState.READY`); until then nothing can
+        fail an operation as it starts, and what runs is read from
+        :meth:`FailureModel.running` when a peer goes."""
         ...
 
     def spread_abort(self, abort: Header) -> None:
@@ -172,10 +172,13 @@ class FailureModel:
             self._break(PeerLost(f"rank {me} {crashed} and closed the group", me,
                                  how=CRASHED), (next_seq, None))
 
-    def collective(self, key: OpKey, collective: str, limit: float) -> Collective:
+    def collective(self, key: OpKey, collective: str, limit: float, entry: object = None,
+                   started: float = 0.0) -> Collective:
         """``async with`` this around one operation's body: it runs under its deadline,
-        and every failure turns into a broken group (see :class:`~.deadline.Collective`)."""
-        return Collective(self, self._watchdog, key, collective, limit)
+        and every failure turns into a broken group (see :class:`~.deadline.Collective`).
+        ``entry`` and ``started``: what the flight record says of it, and when it started,
+        listed by :meth:`calls` while it runs."""
+        return Collective(self, self._watchdog, key, collective, limit, entry, started)
 
     def degrade(self) -> None:
         """A member has gone (the first one; see :class:`~p2pcoll.departures.Degrade`): a
@@ -203,19 +206,35 @@ class FailureModel:
     def started(self, c: Collective) -> None:
         key = c.key
         self._active[key] = c
-        # What it needs: a collective, every member; a send, its receiver; a receive,
-        # nobody (the matcher knows whether its message can still come). One gone before
-        # it started fails it at its first await (see Collective.interrupt).
-        if not key.is_transfer:
-            self._ops.op_started(key, None, key.number)
-        else:
-            self._ops.op_started(key, frozenset((key.dst,)) if key.src == self._rank
-                              else frozenset(), None)
+        # While every member is there (READY: the first departure degrades the group) no
+        # operation fails as it starts: the departures machine is not asked, and reads
+        # what runs (running) when a peer goes.
+        if self.state is not GroupState.READY:
+            self._ops.starting(key, *self._needs(key))
 
     def ended(self, c: Collective) -> None:
         self._active.pop(c.key, None)
-        self._ops.op_ended(c.key)
         self._matcher.finish(c.key)
+
+    def running(self) -> list[tuple[OpKey, frozenset[int] | None, int | None]]:
+        """Every running operation, with what it needs and its number (see
+        :data:`p2pcoll.departures.Running`): what the departures machine reads when a peer
+        goes."""
+        return [(key, *self._needs(key)) for key in self._active]
+
+    def calls(self) -> list[tuple[OpKey, Any, float]]:
+        """Every running operation's key, entry and start (see :meth:`collective`): what
+        the flight record lists as running."""
+        return [(c.key, c.entry, c.started) for c in self._active.values()]
+
+    def _needs(self, key: OpKey) -> tuple[frozenset[int] | None, int | None]:
+        """The peers an operation needs, and a collective's number: a collective, every
+        member; a send, its receiver; a receive, nobody (the matcher knows whether its
+        message can still come). One gone before it started fails it at its first await
+        (see Collective.interrupt)."""
+        if key.tag is None:
+            return None, key.number
+        return (frozenset((key.dst,)) if key.src == self._rank else frozenset()), None
 
     def outcome(self, c: Collective, err: BaseException | None) -> BaseException | None:
         """What an operation that ended with ``err`` (None: its body returned) raises."""

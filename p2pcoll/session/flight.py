@@ -2,13 +2,16 @@
 what every rank was doing.
 
 The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
-takes) opens an entry when a call has its sequence number and closes it when the call
-ends: a ring of the last ``P2PCOLL_FLIGHT_RECORD`` entries (2,000; 0: off), its rows made
-once and overwritten (nothing the garbage collector follows is kept per call), its times
-the runner's own clock reads: about half a microsecond a call. What a running call still
-waits for is not kept as it changes: :meth:`Recorder.snapshot` asks the matcher then (the
-answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`). A failed call keeps
-whom its error blames.
+takes) records a call when it ends, with one call of :meth:`Recorder.record`: a ring of the
+last ``P2PCOLL_FLIGHT_RECORD`` calls (2,000; 0: off), parallel lists made once and written
+in place (nothing the garbage collector follows is made or kept per call), what a call is
+(collective, strategy, bytes, dtypes) made once per prepared program, its times the
+runner's own clock reads. The calls still running are not written anywhere: the failure
+model lists them (:meth:`~p2pcoll.session.failure.FailureModel.calls`, its table of running
+operations, each with its entry and start) and :meth:`Recorder.snapshot` reads them there,
+however long they run. Nor is what a running call still waits for kept as it changes: the
+snapshot asks the matcher (the answer a timeout's inquiry gets, see
+:mod:`p2pcoll.session.blame`). A failed call keeps whom its error blames.
 
 ``P2PCOLL_FLIGHT_DIR=DIR``: each rank writes its record to ``DIR/rank-R.json`` when a call
 fails (a timeout, a mismatch, a lost peer), or its group is found broken, and on SIGUSR1
@@ -24,6 +27,7 @@ rank: the group that wrote last wins.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -31,7 +35,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import Any, Protocol
 
@@ -47,8 +51,12 @@ VERSION = 1
 RUNNING, DONE, FAILED = "running", "done", "failed"
 
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
-Slot = list[Any]  # a call's row in the ring (see Recorder.__init__)
-KEY, SEQ, COLLECTIVE, STRATEGY, NBYTES, DTYPE, STARTED, ENDED, WAITED = range(9)
+# The calls running now: each one's key, Entry (or None: not described) and start.
+Running = Callable[[], Iterable[tuple[OpKey, Any, float]]]
+# What a call is, as its entry says: (collective, strategy, bytes, dtypes); made once per
+# prepared program (see p2pcoll.session.calls.Prepared.flight).
+Entry = tuple[str, str, int, str]
+_UNUSED: Entry = ("", "", 0, "")
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
@@ -73,30 +81,35 @@ class Recorder:
     """The flight record of one group on this rank.
 
     Args:
-        size: how many calls it keeps (> 0).
+        size: how many ended calls it keeps (> 0).
         rank, world_size, group: what the files say about the rank that wrote them.
         waiting: the ranks a running operation waits for (the session's matcher's).
         waited: the ranks a failed collective waited for when it failed (the failure
             model's), for an error that names nobody.
         folder: where :meth:`dump` writes ``rank-R.json`` ("" : it does not).
+        running: the calls running now (the failure model's, see the module docstring).
     """
 
     def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
-                 waited: Waiting, folder: str = "") -> None:
-        # The ring: ``size`` rows made once, each [key, seq, collective, strategy, bytes,
-        # dtypes, started, ended, waited]. A call overwrites a row and keeps nothing alive
-        # that the garbage collector follows (a list or an object per call would, and so
-        # would its OpKey, a tuple: 2,000 of them alive cost each call a microsecond in
-        # collections): the key is held only while the call runs (ended None), for
-        # whom it waits. The times are time.perf_counter's (made wall-clock seconds when
-        # read); seq None: never used; waited None unless it failed (then whom its error
-        # names).
+                 waited: Waiting, folder: str = "", running: Running = tuple) -> None:
+        # The ring of ended calls: row i across parallel lists of ``size``, written in
+        # place. A call makes nothing the garbage collector follows and keeps nothing alive
+        # that it does (an object per call would, and so would its OpKey, a tuple: 2,000
+        # of them alive cost each call a microsecond in collections): ``_seqs[i]`` is its
+        # number (None: a row never used), ``_what[i]`` what it is (an Entry, its
+        # program's), ``_started[i]`` and ``_ended[i]`` time.perf_counter's times (made
+        # wall-clock seconds when read). ``_waited`` holds, for a failed call's row only,
+        # whom its error names.
         self.size = size
-        self._rows: list[list[Any]] = [[None] * 9 for _ in range(size)]
-        self._next = 0  # the row the next call takes
+        self._seqs: list[int | None] = [None] * size
+        self._what: list[Entry] = [_UNUSED] * size
+        self._started: list[float] = [0.0] * size
+        self._ended: list[float] = [0.0] * size
+        self._waited: dict[int, list[int]] = {}
+        self._rows = itertools.cycle(range(size))  # the row each next call takes
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
-        self._waiting, self._waited_for = waiting, waited
+        self._waiting, self._waited_for, self._running = waiting, waited, running
         # perf_counter's times + this = wall-clock seconds (comparable across ranks)
         self._wall = time.time() - time.perf_counter()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -113,35 +126,27 @@ class Recorder:
 
     # --- on the runner's path ------------------------------------------------------------
 
-    def start(self, key: OpKey, collective: str, strategy: str, nbytes: int, dtype: str,
-              started: float) -> Slot:
-        """A call has taken its key ``key`` at ``started`` (``time.perf_counter()``):
-        record it as running, in place of the oldest. Returns its row, for :meth:`end`."""
-        i = self._next
-        self._next = i + 1 if i + 1 < self.size else 0
-        row = self._rows[i]
-        row[:] = (key, key.number, collective, strategy, nbytes, dtype, started, None, None)
-        return row
+    def record(self, key: OpKey, what: Entry, started: float, ended: float,
+               strategy: str = "", error: BaseException | None = None) -> None:
+        """Call ``key``, ``what`` (its collective, the strategy it was to run with or was
+        asked for, its bytes and dtypes), ran from ``started`` to ``ended``
+        (``time.perf_counter()``) with ``strategy`` ("": as ``what`` says), and failed
+        with ``error`` (None: it did not). It takes the oldest call's row. A failure is
+        written to the folder."""
+        i = next(self._rows)
+        self._seqs[i] = key.number
+        self._started[i] = started
+        self._ended[i] = ended
+        # Nearly always the strategy it was to run with, the very string (its program's).
+        if strategy is not what[1] and strategy:
+            what = (what[0], strategy, what[2], what[3])
+        self._what[i] = what
+        if error is not None or self._waited:  # a failure, now or in the row before
+            self._waited.pop(i, None)
+            if error is not None:
+                self._failed(i, key, error)
 
-    def end(self, row: Slot, key: OpKey, strategy: str, ended: float,
-            error: BaseException | None, data: tuple[int, str] | None = None) -> None:
-        """The call :meth:`start` put in ``row`` as ``key`` has ended at ``ended``, run
-        with ``strategy`` ("": not known, as started), with ``error`` if it failed;
-        ``data``: its bytes and dtypes, if learned since. A failure is written to the
-        folder. A call whose row a newer one has taken (it ran while ``size`` others
-        started) is not recorded."""
-        if row[KEY] is not key:
-            return
-        row[KEY] = None
-        if strategy:
-            row[STRATEGY] = strategy
-        row[ENDED] = ended
-        if data is not None:
-            row[NBYTES], row[DTYPE] = data
-        if error is not None:
-            self._failed(row, key, error)
-
-    def _failed(self, row: Slot, key: OpKey, error: BaseException) -> None:
+    def _failed(self, row: int, key: OpKey, error: BaseException) -> None:
         if isinstance(error, CollectiveTimeout):
             waited = list(error.waiting_on)
         elif isinstance(error, PeerLost) and error.rank is not None:
@@ -150,10 +155,10 @@ class Recorder:
             waited = self._waited_for(key)
         else:  # a transfer: its one peer
             waited = [key.src if key.dst == self.rank else key.dst]
-        row[WAITED] = waited
+        self._waited[row] = waited
         if self.folder:
             self._dumped_broken = True
-            self.dump(f"{row[COLLECTIVE]} #{key.number} failed: {type(error).__name__}")
+            self.dump(f"{self._what[row][0]} #{key.number} failed: {type(error).__name__}")
 
     def refused(self, error: BaseException) -> None:
         """A call was refused before it started (the group is broken: a peer's abort
@@ -165,29 +170,37 @@ class Recorder:
     # --- reading -------------------------------------------------------------------------
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The record, oldest first: ``seq`` (a collective's sequence number; a transfer's
+        """The record, the last ``size`` calls that ended and every call running, oldest
+        (by start) first: ``seq`` (a collective's sequence number; a transfer's
         count on its channel), ``collective``, ``strategy`` (the one it ran with, "board"
         for the shared-memory board; while running, the one asked for), ``bytes`` (this
         rank's data), ``dtype``, ``state`` (``running``, ``done``, ``failed``),
         ``started`` and ``ended`` (wall-clock seconds, ``ended`` None while running) and
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
-        waiting, wall = self._waiting, self._wall
-        out = []
-        rows = self._rows[self._next:] + self._rows[:self._next]  # oldest first
-        for key, seq, collective, strategy, nbytes, dtype, started, ended, waited in rows:
+        wall, failed = self._wall, self._waited
+        entries: list[tuple[float, int, dict[str, Any]]] = []
+        for i, seq in enumerate(self._seqs):
             if seq is None:
                 continue  # not used yet
-            if ended is None:
-                state, waits = RUNNING, waiting(key)
-            else:
-                state, waits = (DONE, []) if waited is None else (FAILED, list(waited))
-            out.append({"seq": seq, "collective": collective, "strategy": strategy,
-                        "bytes": nbytes, "dtype": dtype, "state": state,
-                        "started": started + wall,
-                        "ended": None if ended is None else ended + wall,
-                        "waiting_for": waits})
-        return out
+            collective, strategy, nbytes, dtype = self._what[i]
+            state, waits = (FAILED, list(failed[i])) if i in failed else (DONE, [])
+            entries.append((self._started[i], seq, {
+                "seq": seq, "collective": collective, "strategy": strategy,
+                "bytes": nbytes, "dtype": dtype, "state": state,
+                "started": self._started[i] + wall, "ended": self._ended[i] + wall,
+                "waiting_for": waits}))
+        for key, what, started in self._running():
+            if what is None:
+                continue  # not described: not a call of the group's API
+            collective, strategy, nbytes, dtype = what
+            entries.append((started, key.number, {
+                "seq": key.number, "collective": collective, "strategy": strategy,
+                "bytes": nbytes, "dtype": dtype, "state": RUNNING,
+                "started": started + wall, "ended": None,
+                "waiting_for": self._waiting(key)}))
+        entries.sort(key=lambda e: e[:2])
+        return [entry for _, _, entry in entries]
 
     # --- writing -------------------------------------------------------------------------
 
@@ -302,5 +315,5 @@ def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
         previous(signum, frame)
 
 
-__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Recorder", "Slot",
+__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder",
            "arm_signal", "describe", "flight_record", "write"]

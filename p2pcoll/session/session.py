@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -50,6 +50,10 @@ from .flight import Recorder
 
 log = logging.getLogger("p2pcoll")
 
+# OpKey(seq) made without a Python call (the named tuple's generated __new__): every
+# collective takes one (tests/test_running_operations.py checks that it equals OpKey(seq)).
+_collective_key = partial(tuple.__new__, OpKey)
+
 
 class Session:
     """The state of one epoch of a group; see the module docstring."""
@@ -63,7 +67,7 @@ class Session:
         # this session carries out what it says (see _do) and feeds it what happens.
         self.departures = Departures(membership.rank, membership.world_size,
                                      membership.group_id, endpoints=membership.endpoints,
-                                     stall=settings.heartbeat_timeout)
+                                     stall=settings.heartbeat_timeout, running=self._running)
         self._timer: asyncio.TimerHandle | None = None
         self._checks: dict[int, asyncio.Task[None]] = {}  # suspects' addresses (link_down)
         self.contacts = Contacts()  # what the transport's link events say (see on_link)
@@ -94,6 +98,7 @@ class Session:
             settings.flight_record, membership.rank, membership.world_size,
             membership.group_id, self.matcher.waiting_on,
             lambda key: self.failures.status(key.number)[1], settings.flight_dir,
+            self.failures.calls,
         ) if settings.flight_record else None
         self.runner = Runner(self)
         self.run = self.runner.run
@@ -107,15 +112,16 @@ class Session:
         (the peers that may not have read all this rank sent them, and its fingers)."""
         self._do(self.departures.failed(abort, self.contacts.unread()))
 
-    def op_started(self, op: Hashable, needs: frozenset[int] | None, seq: int | None) -> None:
-        """An operation started (see :class:`.failure.Operations`): one that needs a peer
-        gone already fails at once (a Fail action, see :meth:`_do`)."""
-        actions = self.departures.op_started(op, needs, seq)
+    def starting(self, op: OpKey, needs: frozenset[int] | None, seq: int | None) -> None:
+        """An operation starts after a member has gone (see :class:`.failure.Operations`):
+        one that needs a peer gone already fails at once (a Fail action, see :meth:`_do`)."""
+        actions = self.departures.starting(op, needs, seq)
         if actions:
             self._do(actions)
 
-    def op_ended(self, op: Hashable) -> None:
-        self.departures.op_ended(op)
+    def _running(self) -> list[tuple[OpKey, frozenset[int] | None, int | None]]:
+        """What runs, for the departures machine (made before the failure model)."""
+        return self.failures.running()
 
     @property
     def rank(self) -> int:
@@ -150,8 +156,9 @@ class Session:
         agrees."""
         self.failures.check_usable()
         seq = self.seq
-        self.seq += 1
-        return OpKey(seq)
+        self.seq = seq + 1
+        key: OpKey = _collective_key((seq, None, -1, -1))
+        return key
 
     def next_transfer(self, src: int, dst: int, tag: int) -> OpKey:
         """The key of the next point-to-point transfer from ``src`` to ``dst`` with ``tag``

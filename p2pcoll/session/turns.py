@@ -45,15 +45,14 @@ class Turns:
         self._current = 0  # the turn that may go now
         self._finished: set[int] = set()  # turns finished before their predecessors
         self._waiting: dict[int, asyncio.Future[None]] = {}
-
-    @property
-    def busy(self) -> bool:
-        return self._next != self._current
+        # _next != _current, kept as a plain attribute: every call of the group reads it
+        self.busy = False
 
     def take(self) -> int:
         """The next turn (at once, before any await)."""
         turn = self._next
         self._next += 1
+        self.busy = True
         return turn
 
     async def wait(self, turn: int) -> None:
@@ -74,6 +73,7 @@ class Turns:
         while self._current in self._finished:
             self._finished.discard(self._current)
             self._current += 1
+        self.busy = self._next != self._current
         future = self._waiting.get(self._current)
         if future is not None and not future.done():
             future.set_result(None)
