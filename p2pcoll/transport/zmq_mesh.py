@@ -126,7 +126,8 @@ class ZmqMesh:
         self.rank = -1
         self._limits: Limits | None = None
         # The paths to the peers of this host: rings, lanes, the board (see .same_host).
-        local = self._local = SameHost(self.drops, self._accept, self._lane_down)
+        local = self._local = SameHost(self.drops, self._accept,
+                                       lambda peer: self.on_link(peer, LinkEvent.DOWN))
         self._lane_put = local.lane_put  # bound once: every send tries the lane first
         # A goodbye is answered on the connection it came on (see _answer): the farewells
         # that come back from a watcher's probe it said goodbye on are read here, and
@@ -254,9 +255,6 @@ class ZmqMesh:
     def _relay_lost(self, why: str) -> None:  # the peers reaching this one through it: lost
         for peer in sorted(self.counters.relayed):
             self._link_event(peer, LinkEvent.DOWN)
-
-    def _lane_down(self, peer: int) -> None:
-        self.on_link(peer, LinkEvent.DOWN)
 
     def _link_event(self, peer: int, event: LinkEvent) -> None:
         if not self._closed:
@@ -598,6 +596,5 @@ class ZmqMesh:
         self._router.stop_census()
         self._local.close()
         self._router.close()
-        for relaying in (self._relay, *self._kept):
-            if relaying is not None:
-                await relaying.aclose()
+        for relaying in filter(None, (self._relay, *self._kept)):
+            await relaying.aclose()
