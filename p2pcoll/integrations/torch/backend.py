@@ -66,6 +66,10 @@ GLOO_ORDER = {"allreduce": "gloo_ring", "reduce": "gloo_ring"}
 # Reserved: alltoall ran as transfers on this tag before it was a collective of its own.
 ALLTOALL_TAG = MAX_TAG
 Coro = Coroutine[Any, Any, Any]
+# Calls whose outputs are at most this many bytes start on the caller's thread when the
+# loop is idle (Runtime.drive); larger ones, DDP's buckets, go to the loop thread, so that
+# the caller's thread (autograd's, in DDP) goes back to computing at once.
+DRIVE_BYTES = 64 << 10
 
 
 def _seconds(timeout: timedelta | None) -> float | None:
@@ -206,9 +210,14 @@ class ProcessGroupP2PColl(dist.ProcessGroup):
 
     def _launch(self, collective: str, outputs: list[torch.Tensor],
                 make: Callable[[Group], list[Coro]]) -> Work:
+        """Start the call ``make`` makes and return its Work: a small one (outputs of at
+        most :data:`DRIVE_BYTES`) on this thread if it can (:meth:`Runtime.drive`)."""
         group = self.group
         work = Work(collective, outputs, self._timeout, self._runtime.completer)
-        self._runtime.start(lambda: make(group), work._settle)
+        if sum(t.numel() * t.element_size() for t in outputs) <= DRIVE_BYTES:
+            self._runtime.drive(lambda: make(group), work._settle, work.is_completed)
+        else:
+            self._runtime.start(lambda: make(group), work._settle)
         return work
 
     # --- reductions -----------------------------------------------------------------------
