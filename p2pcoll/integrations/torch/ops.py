@@ -94,7 +94,7 @@ def _factor(rop: dist.ReduceOp | RedOp, collective: str) -> float:
 
 def check_tensor(t: torch.Tensor, collective: str) -> None:
     """Raises UnsupportedOperation unless ``t`` is a dense CPU tensor of a known dtype."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:  # (quicker than reading t.device)
         raise UnsupportedOperation(f"the p2pcoll backend's {collective} runs on CPU tensors "
                                    f"only, got one on {t.device}")
     if t.layout is not torch.strided:
@@ -109,7 +109,11 @@ def bits(t: torch.Tensor) -> np.ndarray:
     """``t`` as a numpy array to move unchanged: its memory when contiguous (bfloat16 as
     int16 bits), else a contiguous copy (write it back with :func:`store`; a lazy conjugate's
     values are a copy too)."""
-    a = tensors.as_array(t, bits=True)
+    try:  # torch's own view, ~10x quicker than the general path (every call takes it)
+        a = t.detach().numpy() if t.dtype is not torch.bfloat16 else \
+            t.detach().view(torch.int16).numpy()
+    except (RuntimeError, TypeError):  # a lazy conjugate or negation, not on the CPU, ...
+        a = tensors.as_array(t, bits=True)  # its copy, or the error naming what is wrong
     return a if a.flags.c_contiguous and a.flags.writeable else np.array(a, order="C")
 
 
