@@ -150,5 +150,5 @@ def test_drive_on_a_thread_running_an_event_loop_queues_the_job(
                                  lambda: bool(ran_on))
 
     assert asyncio.run(inside()) is False
-    loop_thread.run(asyncio.sleep(0))
+    loop_thread.submit(asyncio.sleep(0)).result(WAIT_S)  # (run() would drive the loop here)
     assert [t.name for t in ran_on] == ["p2pcoll-loop"]

@@ -129,6 +129,7 @@ class LoopThread(Shared):
         self._queued: list[Callable[[], None]] = []
         self._woken = False
         self._tasks: set[asyncio.Task[Any]] = set()  # submitted, not yet done
+        self._driver: int | None = None  # the thread that drives the loop now (see drive)
         self._thread = threading.Thread(target=self._serve, name="p2pcoll-loop", daemon=True)
         self._thread.start()
 
@@ -165,8 +166,9 @@ class LoopThread(Shared):
 
     @property
     def on_loop(self) -> bool:
-        """True on the loop thread itself."""
-        return threading.current_thread() is self._thread
+        """True on the loop thread itself, and on a thread while it drives the loop."""
+        me = threading.get_ident()
+        return me == self._thread.ident or me == self._driver
 
     @classmethod
     def check_may_block(cls, what: str) -> None:
@@ -241,6 +243,7 @@ class LoopThread(Shared):
             if first:
                 loop.call_soon(self._run_queued)
             asyncio._set_running_loop(loop)
+            self._driver = threading.get_ident()
             try:
                 while steps > 0 and ready and not done():
                     handle = ready.popleft()
@@ -248,6 +251,7 @@ class LoopThread(Shared):
                         handle._run()
                         steps -= 1
             finally:
+                self._driver = None
                 asyncio._set_running_loop(None)
             # The loop thread sleeps until the timer that was first when it went to
             # sleep, or I/O: wake it if it has callbacks to run, or an earlier timer.
@@ -269,8 +273,11 @@ class LoopThread(Shared):
             except Exception:
                 _log.exception("a job on p2pcoll's loop thread failed")
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Start ``coro`` on the loop (after every earlier submission) and return at once.
+    def submit(self, coro: Coroutine[Any, Any, T], *,
+               here: bool = False) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop (after every earlier submission) and return at once;
+        ``here``: its first steps on this thread if the loop is idle (:meth:`drive`), for
+        a caller that waits for the result next.
 
         The future gets ``coro``'s result or exception; cancelling the future cancels
         ``coro`` (unstarted: closed; running: its task cancelled)."""
@@ -291,7 +298,10 @@ class LoopThread(Shared):
             task.add_done_callback(self._tasks.discard)
             future.add_done_callback(lambda f: self._cancel(f, task))
 
-        self.start(begin)
+        if here:
+            self.drive(begin, future.done)
+        else:
+            self.start(begin)
         return future
 
     def _cancel(self, future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
@@ -315,7 +325,7 @@ class LoopThread(Shared):
         except LoopBlocked:
             coro.close()
             raise
-        future = self.submit(coro)
+        future = self.submit(coro, here=True)
         return wait(future, timeout)
 
     def call(self, fn: Callable[[], T]) -> T:
