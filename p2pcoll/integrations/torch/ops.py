@@ -57,31 +57,44 @@ def reduction(rop: dist.ReduceOp | RedOp, collective: str,
         UnsupportedOperation: naming the op (and dtype) that cannot be done.
     """
     kind = rop.op if isinstance(rop, dist.ReduceOp) else rop
+    # Compared by value: torch's enum compares and hashes slowly, and every call asks.
+    code = kind.value
     for t in tensors:
         check_tensor(t, collective)
-        if kind in BITWISE and t.dtype not in INTEGER:
+        if code in _BITWISE_CODES and t.dtype not in INTEGER:
             raise UnsupportedOperation(f"the p2pcoll backend's {collective}: {kind.name} "
                                        f"needs an integer dtype, got {t.dtype}")
-        if kind == RedOp.AVG and t.dtype in INTEGER:
+        if code == _AVG_CODE and t.dtype in INTEGER:
             raise UnsupportedOperation(f"the p2pcoll backend's {collective}: AVG needs a "
                                        f"floating dtype, got {t.dtype}")
     half = {t.dtype is torch.bfloat16 for t in tensors}
     if len(half) > 1:
         raise UnsupportedOperation(f"the p2pcoll backend's {collective}: bfloat16 tensors "
                                    f"cannot be reduced together with tensors of other dtypes")
+    known = _REDUCTIONS.get((code, half == {True}))
+    if known is not None:
+        return known
     if half == {True} and kind in NATIVE:
         name = NATIVE[kind]
-        return Reduction(BFLOAT16["sum" if name == "avg" else name], average=name == "avg")
-    if half == {True} and kind == RedOp.PREMUL_SUM:
+        red = Reduction(BFLOAT16["sum" if name == "avg" else name], average=name == "avg")
+    elif half == {True} and kind == RedOp.PREMUL_SUM:
         return Reduction(BFLOAT16["sum"], factor=_factor(rop, collective))
-    if kind in NATIVE:
-        return Reduction(NATIVE[kind])
-    if kind in BITWISE:
-        return Reduction(None, fold=BITWISE[kind])
-    if kind == RedOp.PREMUL_SUM:
+    elif kind in NATIVE:
+        red = Reduction(NATIVE[kind])
+    elif kind in BITWISE:
+        red = Reduction(None, fold=BITWISE[kind])
+    elif kind == RedOp.PREMUL_SUM:
         return Reduction("sum", factor=_factor(rop, collective))
-    raise UnsupportedOperation(f"the p2pcoll backend's {collective} does not support "
-                               f"reduce op {kind}")
+    else:
+        raise UnsupportedOperation(f"the p2pcoll backend's {collective} does not support "
+                                   f"reduce op {kind}")
+    _REDUCTIONS[code, half == {True}] = red  # (not PREMUL_SUM's: its factor is the call's)
+    return red
+
+
+_BITWISE_CODES = frozenset(k.value for k in BITWISE)
+_AVG_CODE = RedOp.AVG.value
+_REDUCTIONS: dict[tuple[int, bool], Reduction] = {}  # (op's value, bfloat16) -> Reduction
 
 
 def _factor(rop: dist.ReduceOp | RedOp, collective: str) -> float:
