@@ -4,12 +4,14 @@
     python benchmarks/torch_small.py --nproc 4 --runs 5 --sizes 4K,64K,1M --iters 300
     python benchmarks/torch_small.py --json                   # the figures as JSON
     python benchmarks/torch_small.py --ddp                    # then benchmarks/ddp_step.py
+    python benchmarks/torch_small.py --sizes 4K,64K,1M,16M,64M  # the issue's sizes
 
 Not a test: it prints a markdown table. Every run is one ``torchrun`` world on this host
 (``--nproc`` ranks, env:// rendezvous on 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``,
 ``torch.set_num_threads(1)``) of one backend, which times ``dist.all_reduce`` (sum) and
 ``dist.broadcast`` (root 0) of float32 tensors of each size: ``--warmup`` untimed calls,
-then ``--iters`` timed ones. Before each call the tensor is refilled with fresh values,
+then ``--iters`` timed ones (fewer above 1 MiB: at most 256 MiB per op and size, at least
+10 calls). Before each call the tensor is refilled with fresh values,
 outside the timed region; no barrier separates the calls, so each rank times its own
 calls back to back, as a training loop makes them. Backends alternate run by run
 (p2pcoll, gloo, p2pcoll, gloo, ...), so drifts of the host's load hit both alike.
@@ -57,6 +59,11 @@ def label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def calls(iters: int, nbytes: int) -> int:
+    """Timed calls of a size: ``iters``, fewer for large sizes (see the module docstring)."""
+    return max(10, min(iters, (256 << 20) // nbytes))
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -81,7 +88,8 @@ def worker(args: argparse.Namespace) -> None:
             fresh = [torch.full((n,), float(rank + 1 + k), dtype=torch.float32)
                      for k in range(4)]
             times: list[float] = []
-            for i in range(args.warmup + args.iters):
+            iters = calls(args.iters, nbytes)
+            for i in range(min(args.warmup, iters) + iters):
                 x.copy_(fresh[i % len(fresh)])
                 t0 = time.perf_counter()
                 if op == "all_reduce":
@@ -89,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
                 else:
                     dist.broadcast(x, src=0)
                 t1 = time.perf_counter()
-                if i >= args.warmup:
+                if i >= min(args.warmup, iters):
                     times.append(t1 - t0)
                 elif i == 0:
                     _check(op, x, size, rank)
@@ -162,7 +170,8 @@ def summarize(runs: dict[str, list[dict[str, dict[str, float]]]],
 def table(rows: list[dict[str, object]], args: argparse.Namespace) -> str:
     lines = [f"torch.distributed, {args.nproc} ranks, float32, {args.iters} timed calls "
              f"after {args.warmup}, median over {args.runs} alternating runs of the slowest "
-             f"rank's median (p99) call time", "",
+             f"rank's median (p99) call time; load average {args.load[0]:.1f} before, "
+             f"{args.load[1]:.1f} after", "",
              "| op | size | p2pcoll µs (p99) | Gloo µs (p99) | p2pcoll / Gloo (p99) | "
              "runs p2pcoll | runs Gloo |",
              "|---|---|---:|---:|---:|---|---|"]
@@ -202,14 +211,16 @@ def main() -> int:
         return 0
 
     runs: dict[str, list[dict[str, dict[str, float]]]] = {b: [] for b in BACKENDS}
+    before = os.getloadavg()[0]
     for i in range(args.runs):
         for backend in BACKENDS:
             runs[backend].append(one_run(backend, args))
             print(f"run {i} {backend} done", file=sys.stderr, flush=True)
+    args.load = (before, os.getloadavg()[0])
     rows = summarize(runs, args)
     if args.json:
         print(json.dumps({"nproc": args.nproc, "runs": args.runs, "iters": args.iters,
-                          "rows": rows}, indent=1))
+                          "load": args.load, "rows": rows}, indent=1))
     else:
         print(table(rows, args))
     if args.ddp:

@@ -214,7 +214,7 @@ class Group:
         except LoopBlocked:
             coro.close()
             raise
-        return wait(self._loop_thread.submit(coro))
+        return wait(self._loop_thread.submit(coro, here=True))
 
     @overload
     def allreduce(self, value: Pytree, op: Op = ..., *, strategy: str | None = ...,

@@ -44,6 +44,18 @@ def test_every_collective_matches_gloo(size: int) -> None:
         assert ok, f"rank {rank}:\n{text[-3000:]}"
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_small_calls_on_the_callers_thread_keep_order_and_errors(size: int) -> None:
+    # Small calls start on the caller's thread when the backend has nothing in flight,
+    # large ones on the loop thread: mixed, sync and async, their results show they
+    # started in the same order on every rank; an error in a call made on the caller's
+    # thread comes from wait() (ValueError; a mismatch as CollectiveMismatch and
+    # DistBackendError), and some calls did run on the caller's thread.
+    for rank, (code, text) in enumerate(world("drive", size)):
+        ok = code == 0 and text.splitlines()[-1].startswith("OK ")
+        assert ok, f"rank {rank}:\n{text[-3000:]}"
+
+
 def test_default_backend_through_the_entry_point() -> None:
     # init_process_group("p2pcoll") without importing p2pcoll; unsupported ops and dtypes
     # raise errors naming them; a new_group subgroup of ranks [2, 0].

@@ -7,6 +7,9 @@
     python tests/torch_worker.py kill      the last rank dies; the others' wait() raises
     python tests/torch_worker.py bf16      one bfloat16 all_reduce through p2pcoll and Gloo:
                                            prints ``BITS <backend> <hex>`` of each result
+    python tests/torch_worker.py drive     small calls on the caller's thread mixed with
+                                           large ones on the loop thread: order, results,
+                                           errors
 
 The rank, world size and rendezvous come from the environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). Each prints ``FAIL ...`` lines and finally ``OK <checks>``.
@@ -331,6 +334,81 @@ def main_kill() -> None:
     os._exit(0 if not failures else 1)  # the group is broken: nothing left to close
 
 
+def main_drive() -> None:
+    """Small calls, which start on the caller's thread when nothing else is in flight
+    (Runtime.drive), mixed with large ones, which go to the loop thread, sync and async:
+    every rank must start them in the same order (else results or a mismatch betray it),
+    and errors come from ``wait()`` as from the loop thread."""
+    from p2pcoll.errors import CollectiveMismatch
+    from p2pcoll.integrations.torch.backend import DRIVE_BYTES
+
+    dist.init_process_group("p2pcoll")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    pg = dist.group.WORLD
+    assert pg is not None
+    loop_thread = pg._runtime._loop_thread  # type: ignore[attr-defined]
+    here: list[bool] = []
+    drive = loop_thread.drive
+
+    def counted(job: Callable[[], None], done: Callable[[], bool]) -> bool:
+        ran: bool = drive(job, done)
+        here.append(ran)
+        return ran
+
+    loop_thread.drive = counted
+    total = sum(range(1, p + 1))
+    large_n = DRIVE_BYTES // 4 + 1000  # over DRIVE_BYTES: the loop thread's
+    for k in range(20):
+        large = torch.full((large_n,), float(rank + 1 + k))
+        small = [torch.full((j + 1,), float((rank + 1) * (j + 1) + k)) for j in range(3)]
+        w_large = dist.all_reduce(large, async_op=True)
+        w_small = [dist.all_reduce(t, async_op=True) for t in small]  # behind the large one
+        b = torch.full((5,), float(rank))
+        dist.broadcast(b, src=k % p)  # synchronous, with others in flight
+        for w in reversed(w_small):
+            w.wait()
+        w_large.wait()
+        check(f"drive {k} large", large, torch.full((large_n,), float(total + p * k)))
+        for j, t in enumerate(small):
+            check(f"drive {k} small {j}", t, torch.full((j + 1,), float(total * (j + 1)
+                                                                         + p * k)))
+        check(f"drive {k} broadcast", b, torch.full((5,), float(k % p)))
+        alone = torch.full((7,), float(rank + 1))
+        dist.all_reduce(alone)  # nothing in flight: on this thread if the loop is idle
+        check(f"drive {k} alone", alone, torch.full((7,), float(total)))
+    check("some calls ran on the caller's thread", [torch.tensor(any(here))],
+          [torch.tensor(True)])
+
+    # An error raised inside the call on this thread: from wait(), as torch expects.
+    opts = dist.BroadcastOptions()
+    opts.rootRank = p + 3
+    work = pg.broadcast([torch.zeros(2)], opts)
+    try:
+        work.wait()
+        said = ""
+    except ValueError as exc:
+        said = str(exc)
+    check("drive bad root from wait()", [torch.tensor(f"root {p + 3}" in said)],
+          [torch.tensor(True)])
+    check("drive bad root is the Work's exception",
+          [torch.tensor(work.is_completed() and not work.is_success()
+                        and isinstance(work.exception(), ValueError))], [torch.tensor(True)])
+    dist.barrier()  # the group is fine
+
+    # Ranks that disagree on a small call: CollectiveMismatch from wait() on every rank,
+    # as torch's error for backends.
+    try:
+        dist.all_reduce(torch.zeros(4 if rank == 0 else 6))
+        raised: BaseException | None = None
+    except Exception as exc:
+        raised = exc
+    check("drive mismatch raised", [torch.tensor(isinstance(raised, CollectiveMismatch)
+                                                 and isinstance(raised,
+                                                                dist.DistBackendError))],
+          [torch.tensor(True)])
+    dist.destroy_process_group()
+
+
 BF16_N = 1000  # elements of main_bf16's tensors
 
 
@@ -351,7 +429,7 @@ def main_bf16() -> None:
 
 if __name__ == "__main__":
     {"compare": main_compare, "default": main_default, "kill": main_kill,
-     "bf16": main_bf16}[sys.argv[1]]()
+     "bf16": main_bf16, "drive": main_drive}[sys.argv[1]]()
     for f in failures:
         print("FAIL", f, flush=True)
     print(f"OK {checks}" if not failures else f"FAILED {len(failures)} of {checks}",

@@ -19,6 +19,17 @@ child starts afresh (a thread does not survive a fork).
 
 Calling :meth:`LoopThread.run` from the loop thread itself, or from any thread whose own
 event loop is running, would block that loop: it raises :class:`LoopBlocked` instead.
+
+Driving from the caller's thread (:meth:`LoopThread.drive`). Handing a call to the loop
+thread and being woken when it is done costs two thread wake-ups (~50 us on a quiet host,
+a scheduler slice on a busy one), more than a small collective on the shared-memory board
+takes. So the loop thread holds a lock, :attr:`LoopThread.idle`, at all times except while
+it sleeps in its selector waiting for I/O or a timer; a caller that takes it there owns the
+loop for as long as it holds it and runs the loop's ready callbacks itself, its own call's
+first steps among them, in the order the loop would (so calls keep their order with those
+queued before). A call that finishes in those steps (a board collective whose peers are
+there) never touches the loop thread; one that has to wait goes on on the loop thread, which
+the caller wakes if it left it anything to do sooner than it planned to wake up.
 """
 
 from __future__ import annotations
@@ -28,13 +39,18 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
+import selectors
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Self, TypeVar
 
 T = TypeVar("T")
 _log = logging.getLogger("p2pcoll")
+# The most callbacks a caller runs when it drives the loop (LoopThread.drive): a board
+# collective takes one or two; a bound keeps a caller from running a busy loop's work.
+DRIVE_STEPS = 64
 
 
 class LoopBlocked(RuntimeError):
@@ -105,21 +121,28 @@ class LoopThread(Shared):
     _closers: ClassVar[dict[int, Callable[[], None]]] = {}
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        # Held by the loop thread except while it sleeps in select (see the module docstring).
+        self.idle = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(_Selector(self.idle))
         # Jobs queued for the loop, and whether its callback that runs them is pending.
         self._queue_lock = threading.Lock()
         self._queued: list[Callable[[], None]] = []
         self._woken = False
         self._tasks: set[asyncio.Task[Any]] = set()  # submitted, not yet done
+        self._driver: int | None = None  # the thread that drives the loop now (see drive)
         self._thread = threading.Thread(target=self._serve, name="p2pcoll-loop", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.idle.acquire()
         try:
             self.loop.run_forever()
         finally:
-            self.loop.close()
+            try:
+                self.loop.close()
+            finally:
+                self.idle.release()
 
     # --- sharing ------------------------------------------------------------------------
 
@@ -143,8 +166,9 @@ class LoopThread(Shared):
 
     @property
     def on_loop(self) -> bool:
-        """True on the loop thread itself."""
-        return threading.current_thread() is self._thread
+        """True on the loop thread itself, and on a thread while it drives the loop."""
+        me = threading.get_ident()
+        return me == self._thread.ident or me == self._driver
 
     @classmethod
     def check_may_block(cls, what: str) -> None:
@@ -186,6 +210,59 @@ class LoopThread(Shared):
                 self._woken = False
             raise
 
+    def drive(self, job: Callable[[], None], done: Callable[[], bool],
+              steps: int = DRIVE_STEPS) -> bool:
+        """:meth:`start` ``job``, then, if the loop is idle, run it and what follows it
+        here on the calling thread, until ``done()`` or nothing is ready to run (at most
+        ``steps`` callbacks); see the module docstring. Returns whether it ran here (False:
+        the loop was busy, or this thread runs an event loop of its own, and ``job`` was
+        queued for the loop thread as by :meth:`start`).
+
+        Raises:
+            RuntimeError: the loop is closed (``job`` is not queued).
+        """
+        loop = self.loop
+        if (asyncio._get_running_loop() is not None or loop.get_debug()
+                or not isinstance(loop, asyncio.BaseEventLoop)
+                or not self.idle.acquire(blocking=False)):
+            self.start(job)
+            return False
+        wake = False
+        try:
+            with self._queue_lock:
+                if loop.is_closed():
+                    raise RuntimeError("p2pcoll's loop thread has stopped")
+                self._queued.append(job)
+                first = not self._woken
+                self._woken = True
+            # asyncio's own state, which it keeps thread-safe only by running on one
+            # thread: the lock makes this that thread for now.
+            ready: Any = loop._ready  # type: ignore[attr-defined]
+            timers: list[Any] = loop._scheduled  # type: ignore[attr-defined]
+            due = timers[0].when() if timers else math.inf
+            if first:
+                loop.call_soon(self._run_queued)
+            asyncio._set_running_loop(loop)
+            self._driver = threading.get_ident()
+            try:
+                while steps > 0 and ready and not done():
+                    handle = ready.popleft()
+                    if not handle.cancelled():
+                        handle._run()
+                        steps -= 1
+            finally:
+                self._driver = None
+                asyncio._set_running_loop(None)
+            # The loop thread sleeps until the timer that was first when it went to
+            # sleep, or I/O: wake it if it has callbacks to run, or an earlier timer.
+            wake = bool(ready) or bool(timers and timers[0].when() < due)
+        finally:
+            self.idle.release()
+        if wake:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(_nothing)
+        return True
+
     def _run_queued(self) -> None:
         with self._queue_lock:
             jobs, self._queued = self._queued, []
@@ -196,8 +273,11 @@ class LoopThread(Shared):
             except Exception:
                 _log.exception("a job on p2pcoll's loop thread failed")
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Start ``coro`` on the loop (after every earlier submission) and return at once.
+    def submit(self, coro: Coroutine[Any, Any, T], *,
+               here: bool = False) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop (after every earlier submission) and return at once;
+        ``here``: its first steps on this thread if the loop is idle (:meth:`drive`), for
+        a caller that waits for the result next.
 
         The future gets ``coro``'s result or exception; cancelling the future cancels
         ``coro`` (unstarted: closed; running: its task cancelled)."""
@@ -218,7 +298,10 @@ class LoopThread(Shared):
             task.add_done_callback(self._tasks.discard)
             future.add_done_callback(lambda f: self._cancel(f, task))
 
-        self.start(begin)
+        if here:
+            self.drive(begin, future.done)
+        else:
+            self.start(begin)
         return future
 
     def _cancel(self, future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
@@ -242,7 +325,7 @@ class LoopThread(Shared):
         except LoopBlocked:
             coro.close()
             raise
-        future = self.submit(coro)
+        future = self.submit(coro, here=True)
         return wait(future, timeout)
 
     def call(self, fn: Callable[[], T]) -> T:
@@ -266,6 +349,28 @@ class LoopThread(Shared):
                 self.loop.call_soon_threadsafe(self.loop.stop)
         if not self.on_loop:
             self._thread.join(10)
+
+
+class _Selector(selectors.DefaultSelector):
+    """The loop thread's selector: it lets go of the loop's ``idle`` lock while it sleeps
+    (a select that may block), and takes it back before the loop goes on."""
+
+    def __init__(self, idle: threading.Lock) -> None:
+        super().__init__()
+        self._idle = idle
+
+    def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+        if timeout is not None and timeout <= 0:
+            return super().select(timeout)
+        self._idle.release()
+        try:
+            return super().select(timeout)
+        finally:
+            self._idle.acquire()
+
+
+def _nothing() -> None:
+    """A callback that only wakes the loop (see :meth:`LoopThread.drive`)."""
 
 
 async def _into(coro: Coroutine[Any, Any, T], future: concurrent.futures.Future[T]) -> None:

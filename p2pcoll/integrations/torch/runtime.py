@@ -11,6 +11,10 @@ one wake-up each way:
   the loop gets to them); the loop creates each call's tasks, and the task that finishes a
   call settles its Work in its own last step (no gather, no done-callback round, no
   queue or thread per call).
+- Or neither: a small call made while nothing else of the backend is in flight runs its
+  first steps on the caller's thread when the loop thread is idle (:meth:`Runtime.drive`,
+  :meth:`LoopThread.drive`), and a board collective whose peers are there is done before
+  the call returns its Work.
 - Back: a Work whose future nobody has asked for (``dist.all_reduce(x)``, a Work only
   waited on) is settled on the loop thread itself: its outcome recorded and its lock
   released, which wakes the thread blocked in ``Work.wait()``. Nothing else runs there: no callback
@@ -159,6 +163,26 @@ class Runtime(Shared):
             RuntimeError: the loop is closed (the call is not queued).
         """
         self._loop_thread.start(lambda: self._start_call(make, settle))
+
+    def drive(self, make: Callable[[], list[Coroutine[Any, Any, Any]]],
+              settle: Callable[[BaseException | None], None],
+              done: Callable[[], bool]) -> bool:
+        """:meth:`start`, but when nothing of this runtime is in flight and the loop is
+        idle, the call's first steps run here on the caller's thread, in call order, until
+        ``done()`` or it has to wait (then it goes on on the loop thread): a small
+        collective whose peers are there costs no hop between threads
+        (:meth:`LoopThread.drive`). Returns whether it ran here.
+
+        Raises:
+            RuntimeError: the loop is closed (the call is not queued).
+        """
+        def job() -> None:
+            self._start_call(make, settle)
+
+        if self._tasks:  # calls in flight: the loop thread is theirs
+            self._loop_thread.start(job)
+            return False
+        return self._loop_thread.drive(job, done)
 
     def _start_call(self, make: Callable[[], list[Coroutine[Any, Any, Any]]],
                     settle: Callable[[BaseException | None], None]) -> None:
