@@ -356,7 +356,8 @@ class _Run:
                         formation.ended = why
                     log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
                                 group.rank, group.world_size, self.round, why)
-                    following = await shrunk(group, self.settings.min_world_size or 1)
+                    following = await shrunk(group, self.settings.min_world_size or 1,
+                                             Census(self.settings, CENSUS_S).ask)
                 finally:
                     if self.computing is None:
                         await group.close()

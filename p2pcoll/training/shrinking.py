@@ -13,14 +13,17 @@ to be gone, and the one the failure names (a peer that aborted a collective on i
 breaks the group before its departure is known: a survivor waits up to
 :data:`NEWS_S` for the news). Survivors that do not agree on them (one has
 not heard of a second loss yet) get a CollectiveMismatch from the shrink; a survivor lost
-meanwhile, a PeerLost; too few survivors for ``min_world_size``: no shrink. In each case
-every survivor goes to the rendezvous instead, as before.
+meanwhile, a PeerLost; too few survivors for ``min_world_size``: no shrink; and no shrink
+when nobody answers at the rendezvous (the peer that hosted it is among the lost): a
+shrunk group would host no rendezvous, and newcomers would wait there alone. In each case
+every survivor goes to the rendezvous instead, as before (one of them hosts it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..errors import P2PCollError, PeerLost
@@ -48,9 +51,11 @@ def gone(group: Group) -> list[int]:
     return sorted(ranks)
 
 
-async def shrunk(group: Group, min_world_size: int) -> Group | None:
+async def shrunk(group: Group, min_world_size: int,
+                 served: Callable[[], Awaitable[int | None]]) -> Group | None:
     """The next group of the survivors of ``group``, or None where they go to the
-    rendezvous instead (module docstring). Never raises but for cancellation."""
+    rendezvous instead (module docstring); ``served()``: the rendezvous' answer to a census,
+    None if nobody answers. Never raises but for cancellation."""
     lost = gone(group)
     waited = 0.0
     while not lost and waited < NEWS_S:
@@ -58,6 +63,10 @@ async def shrunk(group: Group, min_world_size: int) -> Group | None:
         waited += _POLL_S
         lost = gone(group)
     if not lost or group.rank in lost or group.world_size - len(lost) < min_world_size:
+        return None
+    if await served() is None:
+        log.info("elastic: rank %d: nobody answers at the rendezvous; joining there (a "
+                 "shrunk group would host no rendezvous for newcomers)", group.rank)
         return None
     try:
         smaller = await group.shrink(lost, timeout=SHRINK_TIMEOUT_S)
