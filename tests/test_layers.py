@@ -30,7 +30,7 @@ LAYERS = {
     "errors": 0, "types": 0, "tensors": 0, "pytree": 0, "strategy": 0, "settings": 0,
     "settings_env": 0,
     "security": 0, "launchers": 0, "plugin_table": 0, "extras": 0,
-    "wire": 1,
+    "wire": 1, "relay": 1,
     "transport": 2, "departures": 2,
     "engine": 3, "rendezvous": 3,
     "session": 4, "registry": 4, "codecs": 4,
