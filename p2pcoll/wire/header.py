@@ -125,7 +125,8 @@ from ..strategy import COLLECTIVES
 
 WIRE_VERSION = 11  # 11 (0.14): a striped link's turn frames and stripe identities ("#i");
 # board publishes carry a time stamp; a join may ask to be checked for reachability; 10
-# (0.13): the alltoall collective's code; news, aborts and a goodbye's cause say how a lost peer went (meta "how": killed, unresponsive); 9 (0.11): links closed
+# (0.13): the alltoall collective's code; news, aborts and a goodbye's cause say how a lost
+# peer went (meta "how": killed, unresponsive); 9 (0.11): links closed
 # for the budget and opened again (generations in link identities, "end"); a goodbye (and the
 # news of it) carries what broke its peer's group (meta "lost", "cause"); an abort spreads
 # over the overlay's fingers, naming the rank whose failure it is (meta "origin") and the
