@@ -40,7 +40,8 @@ class Job(PeerProcesses):
         super().__init__(
             N, lambda r: [sys.executable, str(WORKER), str(tmp), str(VICTIM), str(OPENER),
                           *flags],
-            env=lambda r: {"P2PCOLL_HOST_ID": f"host-{r}", "P2PCOLL_HEARTBEAT_TIMEOUT": "2"})
+            env=lambda r: {"P2PCOLL_HOST_ID": f"host-{r}", "P2PCOLL_HEARTBEAT_TIMEOUT": "2",
+                          "P2PCOLL_PROBE": "0"})  # links on demand only: no topology probe
 
     def close(self) -> None:
         (self.tmp / "go").touch()

@@ -165,14 +165,17 @@ def price(group: Group, topology: Topology) -> None:
 
 def wanted(group: Group) -> bool:
     """Whether ``group`` probes: as asked (``settings.probe``), else when it has 3 to
-    :data:`MAX_PROBED` ranks over several hosts and reaches some of them over tcp (a ring
-    of two has one order; probing all pairs of a larger group would open every link)."""
+    :data:`MAX_PROBED` ranks over several hosts, reaches some of them over tcp and has no
+    link budget below its peers (a ring of two has one order; the probe opens a link to
+    every peer, which a larger group or a budget keeps from happening)."""
     asked = group.settings.probe
     if asked is not None:
         return asked and group.world_size > 1
     membership = group.membership
+    budget = group.settings.max_links  # the probe opens a link to every peer
     return (3 <= group.world_size <= MAX_PROBED and len(set(membership.hosts)) > 1
-            and any(e.startswith("tcp://") for e in membership.endpoints))
+            and any(e.startswith("tcp://") for e in membership.endpoints)
+            and not 0 < budget < group.world_size - 1)
 
 
 async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
