@@ -81,7 +81,7 @@ PROBE_BYTES = 1 << 20  # each of the two timed payloads per ordered pair
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
 TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
 ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
-MAX_PROBED = 64  # largest group probed unless asked (every pair: p(p-1) probes)
+MAX_PROBED = 16  # largest group probed unless asked (every pair: p(p-1) probes)
 MAX_BANDWIDTH = 1e13  # bytes/s: a reported figure above this is a lie (80 Tbit/s)
 
 
@@ -165,7 +165,8 @@ def price(group: Group, topology: Topology) -> None:
 
 def wanted(group: Group) -> bool:
     """Whether ``group`` probes: as asked (``settings.probe``), else when it has 3 to
-    :data:`MAX_PROBED` ranks over several hosts, reaches some of them over tcp and has no
+    :data:`MAX_PROBED` ranks over several hosts, reaches every peer directly over tcp (no
+    relay: every rank's roster then says the same) and has no
     link budget below its peers (a ring of two has one order; the probe opens a link to
     every peer, which a larger group or a budget keeps from happening)."""
     asked = group.settings.probe
@@ -174,7 +175,7 @@ def wanted(group: Group) -> bool:
     membership = group.membership
     budget = group.settings.max_links  # the probe opens a link to every peer
     return (3 <= group.world_size <= MAX_PROBED and len(set(membership.hosts)) > 1
-            and any(e.startswith("tcp://") for e in membership.endpoints)
+            and all(e.startswith("tcp://") for e in membership.endpoints)
             and not 0 < budget < group.world_size - 1)
 
 
