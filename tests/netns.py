@@ -141,17 +141,18 @@ def sweep() -> list[str]:
     return removed
 
 
-class Lab:
-    """``hosts`` namespaces on one switch; see the module docstring.
+class Namespaces:
+    """What every lab of namespaces shares: the names of its hosts' namespaces (and its
+    switch's), the context manager, :meth:`command`, :meth:`delay_streams` and
+    :meth:`close`; subclasses make them in :meth:`create`."""
 
-    Use as a context manager, or call :meth:`close` in a ``finally``.
-    """
+    prefix = PREFIX  # of its namespaces' names (what its module's sweep() removes)
 
     def __init__(self, hosts: int) -> None:
         self.hosts = hosts
-        tag = f"{PREFIX}{os.getpid()}-{next(_serial)}"
-        self.switch = f"{tag}-sw"
-        self.names = [f"{tag}-h{r}" for r in range(hosts)]
+        self.tag = f"{self.prefix}{os.getpid()}-{next(_serial)}"
+        self.switch = f"{self.tag}-sw"
+        self.names = [f"{self.tag}-h{r}" for r in range(hosts)]
         self._made: list[str] = []
         self._relays: list[subprocess.Popen[str]] = []
 
@@ -165,6 +166,68 @@ class Lab:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def create(self) -> None:
+        """Make the namespaces and links; raises :class:`LabError` if one cannot be made."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Kill what runs in the lab and delete its namespaces (never raises)."""
+        for name in reversed(self._made):
+            _delete(name)
+        self._made.clear()
+        for relay in self._relays:  # killed with their namespace: reap them
+            with contextlib.suppress(Exception):
+                relay.kill()
+                relay.wait(timeout=5)
+        self._relays.clear()
+
+
+    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
+        """The command line that runs ``argv`` on host ``rank`` (as ``ip netns exec``, which
+        execs it: the pid of the started process is that of ``argv``)."""
+        return ["ip", "netns", "exec", self.names[rank], *argv]
+
+    def delay_streams(self, delay: float, limit: int = 4 << 20) -> None:
+        """Delay every TCP stream between hosts of the lab by ``delay`` seconds each way,
+        with a relay in each host (see the module docstring). ``limit``: the bytes a relay
+        holds per direction of a connection before it stops reading from the sender.
+
+        Raises:
+            LabError: ``nft`` is missing or refused the rule, or a relay did not start.
+        """
+        if shutil.which("nft") is None:
+            raise LabError("`nft` (nftables) is not installed: apt-get install -y nftables")
+        rule = "\n".join([
+            "table ip p2pcoll_lab {",
+            "  chain output {",
+            "    type nat hook output priority -100; policy accept;",
+            f"    meta l4proto tcp ip daddr 198.18.0.0/15 fib daddr type != local "
+            f"meta mark != {RELAY_MARK} redirect to :{RELAY_PORT}",
+            "  }",
+            "}",
+            ""])
+        for host in self.names:
+            relay = subprocess.Popen(
+                ["ip", "netns", "exec", host, sys.executable, os.path.abspath(__file__),
+                 "relay", "--delay", repr(delay), "--limit", str(limit)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+            self._relays.append(relay)
+            assert relay.stdout is not None
+            if relay.stdout.readline().strip() != "ready":
+                raise LabError(f"the delay relay of {host} did not start "
+                               f"(exit status {relay.poll()})")
+            done = subprocess.run(["ip", "netns", "exec", host, "nft", "-f", "-"], input=rule,
+                                  capture_output=True, text=True, check=False, timeout=30)
+            if done.returncode != 0:
+                raise LabError(f"nft in {host} refused the relay's rule: {done.stderr.strip()}")
+
+
+class Lab(Namespaces):
+    """``hosts`` namespaces on one switch; see the module docstring.
+
+    Use as a context manager, or call :meth:`close` in a ``finally``.
+    """
 
     def create(self) -> None:
         """Make the namespaces and links; raises :class:`LabError` if one cannot be made."""
@@ -184,22 +247,6 @@ class Lab:
             _run("ip", "-n", host, "link", "set", "lo", "up")
             _run("ip", "-n", host, "address", "add", f"{address(r)}/24", "dev", "eth0")
             _run("ip", "-n", host, "link", "set", "eth0", "up")
-
-    def close(self) -> None:
-        """Kill what runs in the lab and delete its namespaces (never raises)."""
-        for name in reversed(self._made):
-            _delete(name)
-        self._made.clear()
-        for relay in self._relays:  # killed with their namespace: reap them
-            with contextlib.suppress(Exception):
-                relay.kill()
-                relay.wait(timeout=5)
-        self._relays.clear()
-
-    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """The command line that runs ``argv`` on host ``rank`` (as ``ip netns exec``, which
-        execs it: the pid of the started process is that of ``argv``)."""
-        return ["ip", "netns", "exec", self.names[rank], *argv]
 
     def add_address(self, rank: int, subnet: int) -> str:
         """Give host ``rank``'s eth0 a second address, ``address(rank, subnet)``/24."""
@@ -266,40 +313,6 @@ class Lab:
             assert delay is not None
             self.delay_streams(seconds(delay))
         return how
-
-    def delay_streams(self, delay: float, limit: int = 4 << 20) -> None:
-        """Delay every TCP stream between hosts of the lab by ``delay`` seconds each way,
-        with a relay in each host (see the module docstring). ``limit``: the bytes a relay
-        holds per direction of a connection before it stops reading from the sender.
-
-        Raises:
-            LabError: ``nft`` is missing or refused the rule, or a relay did not start.
-        """
-        if shutil.which("nft") is None:
-            raise LabError("`nft` (nftables) is not installed: apt-get install -y nftables")
-        rule = "\n".join([
-            "table ip p2pcoll_lab {",
-            "  chain output {",
-            "    type nat hook output priority -100; policy accept;",
-            f"    meta l4proto tcp ip daddr 198.18.0.0/15 fib daddr type != local "
-            f"meta mark != {RELAY_MARK} redirect to :{RELAY_PORT}",
-            "  }",
-            "}",
-            ""])
-        for host in self.names:
-            relay = subprocess.Popen(
-                ["ip", "netns", "exec", host, sys.executable, os.path.abspath(__file__),
-                 "relay", "--delay", repr(delay), "--limit", str(limit)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-            self._relays.append(relay)
-            assert relay.stdout is not None
-            if relay.stdout.readline().strip() != "ready":
-                raise LabError(f"the delay relay of {host} did not start "
-                               f"(exit status {relay.poll()})")
-            done = subprocess.run(["ip", "netns", "exec", host, "nft", "-f", "-"], input=rule,
-                                  capture_output=True, text=True, check=False, timeout=30)
-            if done.returncode != 0:
-                raise LabError(f"nft in {host} refused the relay's rule: {done.stderr.strip()}")
 
     def limit_pair(self, a: int, b: int, rate: str, link_rate: str) -> None:
         """Slow the pair of hosts ``a`` and ``b`` to ``rate`` each way, every other link of

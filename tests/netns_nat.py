@@ -19,18 +19,15 @@ labs of makers that are gone.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from collections.abc import Sequence
-from typing import Self
 
 import netns
 
 PREFIX = "p2pcoll-nat-"
 _NAME = re.compile(re.escape(PREFIX) + r"([1-9][0-9]*)-([0-9]+)-(sw|h[0-9]+|rt[0-9]+)")
-_serial = iter(range(1 << 30))
 
 
 def unavailable() -> str | None:
@@ -51,30 +48,16 @@ def sweep() -> list[str]:
     return removed
 
 
-class NatLab:
+class NatLab(netns.Namespaces):
     """``hosts`` hosts, those in ``natted`` behind a NAT router each; see the module
     docstring. A context manager."""
 
+    prefix = PREFIX
+
     def __init__(self, hosts: int, natted: Sequence[int]) -> None:
-        self.hosts = hosts
+        super().__init__(hosts)
         self.natted = frozenset(natted)
-        tag = f"{PREFIX}{os.getpid()}-{next(_serial)}"
-        self.switch = f"{tag}-sw"
-        self.names = [f"{tag}-h{r}" for r in range(hosts)]
-        self.routers = {r: f"{tag}-rt{r}" for r in sorted(self.natted)}
-        self._made: list[str] = []
-        self._relays: list[subprocess.Popen[str]] = []  # delay relays (delay_streams)
-
-    def __enter__(self) -> Self:
-        try:
-            self.create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.routers = {r: f"{self.tag}-rt{r}" for r in sorted(self.natted)}
 
     def address(self, rank: int) -> str:
         """Host ``rank``'s own address (a private one behind NAT)."""
@@ -134,25 +117,9 @@ class NatLab:
             netns._run("tc", "-n", self.switch, "qdisc", "add", "dev", f"p{port}", "root", *tbf)
             netns._run("tc", "-n", end, "qdisc", "add", "dev", "eth0", "root", *tbf)
 
-    def delay_streams(self, delay: float) -> None:
-        """Delay every TCP stream a host opens to another by ``delay`` each way, as
-        :meth:`netns.Lab.delay_streams` does (a relay on 127.0.0.1 of each host)."""
-        netns.Lab.delay_streams(self, delay)  # type: ignore[arg-type]
-
-    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[rank], *argv]
-
     def listening(self, rank: int) -> list[str]:
         """The TCP addresses something listens on in host ``rank`` (``ss -ltn``)."""
         out = subprocess.run(["ip", "netns", "exec", self.names[rank], "ss", "-ltnH"],
                              capture_output=True, text=True, check=True, timeout=10).stdout
         return [line.split()[3] for line in out.splitlines() if line.strip()]
 
-    def close(self) -> None:
-        for name in reversed(self._made):
-            netns._delete(name)
-        self._made.clear()
-        for relay in self._relays:  # killed with their namespace: reap them
-            relay.kill()
-            relay.wait(timeout=5)
-        self._relays.clear()
