@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
 import subprocess
@@ -35,6 +36,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("slow") and item.get_closest_marker("processes"):
             raise pytest.UsageError(f"{item.nodeid} is marked both slow and processes: "
                                     "each test belongs to one tier (slow, when both fit)")
+
+
+# --- a stuck run ends, with every thread's stack ----------------------------------------------
+# pytest-timeout fails a test that overruns by raising in the main thread, which cannot happen
+# while that thread is blocked in C holding the interpreter lock, or is stuck between two tests.
+# faulthandler's watchdog is a C thread that needs neither: re-armed for each test at its
+# timeout plus a margin, it writes every thread's stack to the real stderr and ends the run, so
+# CI fails in minutes with the place of the hang instead of hanging until it is killed.
+HANG_MARGIN_S = 120
+_stderr_copy: Any = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _stderr_copy
+    # fd 2 is the terminal here; during a test, output capture points it at a file.
+    _stderr_copy = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    marker = item.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else float(
+        item.config.getini("timeout") or 120)
+    faulthandler.dump_traceback_later(timeout + HANG_MARGIN_S, exit=True, file=_stderr_copy)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 # The link identity (and source rank) of the rogue sender: no member of a test group uses it.
