@@ -234,6 +234,39 @@ async def test_parts_read_where_they_are_are_bit_exact(p: int,
     assert sum(reads) > 20000 * p, reads  # the parts came that way, not only the probes
 
 
+async def test_peers_that_attach_to_the_board_late_are_still_read_where_they_are(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer maps the board when rank 0's hello reaches it, which may be after a rank
+    made its exchange: made while every other rank's pid still read 0, the exchange
+    still reads them directly (it takes their pids at its first round, not when made)."""
+    if not cross_memory.available():
+        pytest.skip("no process_vm_readv on this platform")  # the shm path is tested above
+    monkeypatch.setattr(board_alltoall, "DIRECT_BYTES", 1)
+    made = board_alltoall.BoardAlltoall.__init__
+    attached = board_alltoall.ATTACHED
+
+    def made_before_the_others_attached(self: Any, path: Any) -> None:
+        pids = path.board.words[:, attached].copy()
+        path.board.words[:, attached] = 0
+        path.board.words[path.rank, attached] = pids[path.rank]
+        try:
+            made(self, path)  # synchronous: no other rank runs meanwhile
+        finally:
+            path.board.words[:, attached] = pids
+
+    monkeypatch.setattr(board_alltoall.BoardAlltoall, "__init__",
+                        made_before_the_others_attached)
+
+    async def fn(g: p2pcoll.Group) -> bool:
+        for n in range(3):
+            await _check(g, lengths(3, 70 + n, 20000), np.float32)
+        exchange = g.session.runner._alltoall
+        assert exchange is not None
+        return exchange._read_by_all
+
+    assert await run_ranks(3, fn, transport="ipc") == [True, True, True]
+
+
 async def test_calls_in_flight_together_keep_their_order_on_the_board() -> None:
     async def fn(g: p2pcoll.Group) -> None:
         p = g.world_size

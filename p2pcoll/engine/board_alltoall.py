@@ -120,7 +120,7 @@ class BoardAlltoall:
         self._probe = np.array([MAGIC], np.int64)
         self._reads: bool | None = None if cross_memory.available() else False
         self._read_by_all = False
-        self._pids = [int(v) for v in path.board.words[:, ATTACHED]]
+        self._pids: list[int] = []  # the peers' processes, known at the first round
         path.closing.append(self.close)
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
@@ -264,6 +264,10 @@ class BoardAlltoall:
         words = np.frombuffer(heads, np.int64).reshape(p, -1)
         width = table.width(p)
         if self._reads is None:  # first round: can I read every peer where it is?
+            # Their pids only now: a peer attaches to the board when rank 0's hello
+            # reaches it, which may be after this object was made; by now every peer
+            # has published a header, so it has attached.
+            self._pids = [int(v) for v in self.path.board.words[:, ATTACHED]]
             self._reads = all(self._can_read(q, int(words[q, width + PROBE]))
                               for q in range(p) if q != me)
         self._read_by_all = bool(all(words[q, width + READS] for q in range(p) if q != me))
