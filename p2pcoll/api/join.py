@@ -261,15 +261,13 @@ def takes_arguments_of(source: Callable[P, object]) -> Callable[[Callable[..., R
     defaults, through the ParamSpec) and its own result; ``inspect.signature()`` and
     ``help()`` show the same (``__signature__``), and its docstring gains ``source``'s
     ``Args:`` section, before its own ``Raises:``.
-
-    Raises:
-        ValueError: ``source``'s docstring has no ``Args:`` section (at import).
     """
     def adopt(front: Callable[..., R]) -> Callable[P, R]:
         own = inspect.signature(front)
         front.__signature__ = inspect.signature(source).replace(  # type: ignore[attr-defined]
             return_annotation=own.return_annotation)
-        front.__doc__ = _with_args(front.__doc__ or "", source.__doc__ or "")
+        if front.__doc__ and source.__doc__:  # (python -OO drops docstrings)
+            front.__doc__ = _with_args(front.__doc__, source.__doc__)
         return cast(Callable[P, R], front)
 
     return adopt
@@ -277,8 +275,10 @@ def takes_arguments_of(source: Callable[P, object]) -> Callable[[Callable[..., R
 
 def _with_args(doc: str, source_doc: str) -> str:
     """``doc`` with ``source_doc``'s ``Args:`` section (up to its first blank line) put
-    before its ``Raises:`` line, or at its end."""
+    before its ``Raises:`` line, or at its end; ``doc`` itself if there is none."""
     source_lines = inspect.cleandoc(source_doc).splitlines()
+    if "Args:" not in source_lines:
+        return doc
     start = source_lines.index("Args:")
     end = next((i for i in range(start, len(source_lines)) if not source_lines[i].strip()),
                len(source_lines))
