@@ -36,7 +36,6 @@ is allowed anywhere, and ``await asyncio.to_thread(handle.wait)`` waits without 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from types import TracebackType
@@ -45,8 +44,8 @@ from typing import Any, Generic, Literal, Self, TypeVar, overload
 import numpy as np
 
 from .api.group import Group as AsyncGroup
-from .api.join import _join
-from .api.join import join as _resolve
+from .api.join import _join, takes_arguments_of
+from .api.join import join as _async_join
 from .api.loop_thread import LoopBlocked, LoopThread, wait
 from .errors import GroupBroken
 from .session.failure import GroupState
@@ -494,26 +493,11 @@ class Group:
         return f"<blocking {self._group!r}>"
 
 
-def join(
-    rendezvous: str | None = None,
-    *,
-    world_size: int | None = None,
-    rank: int | None = None,
-    timeout: float | None = None,
-    strategies: Mapping[str, str] | None = None,
-    collective_timeout: float | None = None,
-    transport: str | None = None,
-    key_file: str | os.PathLike[str] | None = None,
-    heartbeat_timeout: float | None = None,
-    job_id: str | None = None,
-    min_world_size: int | None = None,
-    max_world_size: int | None = None,
-    order: int | None = None,
-    timeline: str | os.PathLike[str] | None = None,
-) -> Group:
+@takes_arguments_of(_async_join)
+def join(*args: Any, **kwargs: Any) -> Group:
     """Join a group of peers, blocking until it has formed; ``g = join(...)`` or
-    ``with join(...) as g:``. The arguments are :func:`p2pcoll.join`'s, read from the
-    environment when None in the same way.
+    ``with join(...) as g:``. The arguments are :func:`p2pcoll.join`'s, the one list
+    (below), each read from the environment when None in the same way.
 
     Raises:
         SettingsError: a bad argument or environment variable (before anything else).
@@ -523,12 +507,7 @@ def join(
             ``await p2pcoll.join(...)`` there).
         KeyboardInterrupt: Ctrl-C while joining; every socket opened so far is closed.
     """
-    settings = _resolve(
-        rendezvous, world_size=world_size, rank=rank, timeout=timeout, strategies=strategies,
-        collective_timeout=collective_timeout, transport=transport, key_file=key_file,
-        heartbeat_timeout=heartbeat_timeout, job_id=job_id, min_world_size=min_world_size,
-        max_world_size=max_world_size, order=order, timeline=timeline,
-    ).settings
+    settings = _async_join(*args, **kwargs).settings
     LoopThread.check_may_block("p2pcoll.blocking.join()")
     if settings.flight_dir:  # the loop's thread cannot set a signal handler: this one may
         arm_signal()

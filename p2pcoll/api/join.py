@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import sys
 import traceback
-from collections.abc import Coroutine, Generator, Mapping
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar, cast
 
 from ..engine.costs import DEFAULT_CONSTANTS, load_constants
 from ..errors import SettingsError
@@ -21,6 +22,9 @@ from ..transport.base import Transport
 from ..transport.sockets import SocketFactory
 from ..types import Membership
 from .group import Group
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 async def form_group(settings: Settings, *, store: Any = None,
@@ -246,6 +250,43 @@ def join(
         relay=relay, streams=streams,
     )
     return Join(settings)
+
+
+def takes_arguments_of(source: Callable[P, object]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Give the decorated function ``source``'s arguments, so that two front ends share one
+    list (:func:`p2pcoll.blocking.join` takes :func:`join`'s).
+
+    The decorated function takes ``*args, **kwargs`` and hands them to ``source`` as they
+    came. A type checker sees it with ``source``'s parameters (names, kinds, types and
+    defaults, through the ParamSpec) and its own result; ``inspect.signature()`` and
+    ``help()`` show the same (``__signature__``), and its docstring gains ``source``'s
+    ``Args:`` section, before its own ``Raises:``.
+    """
+    def adopt(front: Callable[..., R]) -> Callable[P, R]:
+        own = inspect.signature(front)
+        front.__signature__ = inspect.signature(source).replace(  # type: ignore[attr-defined]
+            return_annotation=own.return_annotation)
+        if front.__doc__ and source.__doc__:  # (python -OO drops docstrings)
+            front.__doc__ = _with_args(front.__doc__, source.__doc__)
+        return cast(Callable[P, R], front)
+
+    return adopt
+
+
+def _with_args(doc: str, source_doc: str) -> str:
+    """``doc`` with ``source_doc``'s ``Args:`` section (up to its first blank line) put
+    before its ``Raises:`` line, or at its end; ``doc`` itself if there is none."""
+    source_lines = inspect.cleandoc(source_doc).splitlines()
+    if "Args:" not in source_lines:
+        return doc
+    start = source_lines.index("Args:")
+    end = next((i for i in range(start, len(source_lines)) if not source_lines[i].strip()),
+               len(source_lines))
+    lines = inspect.cleandoc(doc).splitlines()
+    at = lines.index("Raises:") if "Raises:" in lines else len(lines)
+    head = "\n".join(lines[:at]).rstrip()
+    return "\n\n".join(part for part in (head, "\n".join(source_lines[start:end]),
+                                           "\n".join(lines[at:])) if part)
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent
