@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,10 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
+from peer_processes import clean_environment, run_to_end  # noqa: E402  # tests/, likewise
 
 PORT = 29650
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
 # --- the worker: one peer ----------------------------------------------------------------------
@@ -131,39 +129,25 @@ async def worker(args: argparse.Namespace) -> None:
 
 
 def environment(rank: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-    env.update(P2PCOLL_TRANSPORT="tcp", P2PCOLL_HOST_ID=f"heal-host-{rank}",
-               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT))
-    return env
+    return dict(clean_environment(), P2PCOLL_TRANSPORT="tcp",
+                P2PCOLL_HOST_ID=f"heal-host-{rank}", OMP_NUM_THREADS="1",
+                OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
 def run(lab: netns.Lab, hosts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     """One group: rank r on host ``hosts[r]``, the last the joiner. Rows by rank."""
     world = len(hosts)
-    procs = []
+    commands = []
     for rank, host in enumerate(hosts):
         argv = ["nice", "-n", str(args.nice)] if args.nice else []
         argv += [sys.executable, str(Path(__file__).resolve()), "worker", "--rank", str(rank),
                 "--world", str(world), "--mib", str(args.mib), "--step-ms", str(args.step_ms), "--step", args.step]
-        procs.append(subprocess.Popen(lab.command(host, argv), env=environment(rank), cwd=ROOT,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    rows = []
+        commands.append(lab.command(host, argv))
     try:
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=args.timeout)
-            if proc.returncode != 0:
-                raise SystemExit(f"heal: rank {rank} exited with {proc.returncode}:\n"
-                                 f"{err[-3000:]}")
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return rows
+        return run_to_end(commands, [environment(rank) for rank in range(world)],
+                          args.timeout, cwd=ROOT)
+    except RuntimeError as exc:  # a rank failed or hung: say which, without a traceback
+        raise SystemExit(f"heal: {exc}") from None
 
 
 def shape(lab: netns.Lab, survivors: int, uplink: str, downlink: str) -> None:

@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,11 +49,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import gloo_peer  # noqa: E402  # beside this file
 import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
+from peer_processes import peer_environment, run_to_end  # noqa: E402  # tests/, likewise
 
 PORT = 29600
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 ALLREDUCE = ("hierarchical", "ring", "rabenseifner", "auto")
 BROADCAST = ("hierarchical", "binomial", "pipeline", "scatter_allgather", "auto")
 FLAT = {"ring", "rabenseifner", "recursive_doubling", "binomial", "pipeline",
@@ -124,37 +123,12 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://{netns.address(0)}:{args.port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=900))
-    report: dict[str, Any] = {"times": {}}
-    try:
-        data = {n: torch.full((n // 4,), 1.0 + rank, dtype=torch.float32) for n in args.sizes}
-        for i in range(args.iterations + 1):  # passes, as the p2pcoll workers run them
-            for nbytes in args.sizes:
-                x = data[nbytes]
-                for collective in ("allreduce", "broadcast"):
-                    dist.barrier()
-                    t = time.perf_counter()
-                    if collective == "allreduce":
-                        dist.all_reduce(x)
-                        x.fill_(1.0 + rank)
-                    else:
-                        dist.broadcast(x, src=0)
-                    elapsed = time.perf_counter() - t
-                    if i:
-                        report["times"].setdefault(f"{collective} gloo {nbytes}",
-                                                   []).append(elapsed)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return report
+    # Passes as the p2pcoll workers run them, the refill timed with the allreduce as theirs.
+    times = gloo_peer.time_collectives(netns.address(0), args.port, args.sizes,
+                                       args.iterations, ("allreduce", "broadcast"),
+                                       time_refill=True)
+    return {"times": {f"{collective} gloo {nbytes}": ts
+                      for (collective, nbytes), ts in times.items()}}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -167,13 +141,10 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def environment(rank: int, world: int, host: int, port: int, model: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://{netns.address(0)}:{port}", WORLD_SIZE=str(world),
-               RANK=str(rank), P2PCOLL_HOST_ID=f"host-{host}", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="eth0", P2PCOLL_JOIN_TIMEOUT="300",
-               P2PCOLL_TIMEOUT="600", P2PCOLL_COST_MODEL=model)
-    return env
+    return peer_environment(
+        f"tcp://{netns.address(0)}:{port}", world, rank, P2PCOLL_HOST_ID=f"host-{host}",
+        OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", P2PCOLL_JOIN_TIMEOUT="300",
+        P2PCOLL_TIMEOUT="600", P2PCOLL_COST_MODEL=model)
 
 
 def run(lab: netns.Lab, args: argparse.Namespace, kind: str, hosts: int, per_host: int,
@@ -186,30 +157,10 @@ def run(lab: netns.Lab, args: argparse.Namespace, kind: str, hosts: int, per_hos
             "--sizes", ",".join(str(n) for n in args.sizes),
             "--allreduce", ",".join(args.allreduce), "--broadcast", ",".join(args.broadcast),
             *(f"--plugin={spec}" for spec in args.plugin)]
-    procs = [subprocess.Popen(lab.command(rank // per_host, argv),
-                              env=environment(rank, world, rank // per_host, port, model),
-                              cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for rank in range(world)]
-    deadline = time.monotonic() + args.timeout
-    reports = []
-    try:
-        for rank, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{kind} rank {rank} still running after "
-                                   f"{args.timeout:g}s") from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"{kind} rank {rank} exited with {proc.returncode}:\n"
-                                   f"{err[-3000:]}")
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return reports
+    return run_to_end([lab.command(rank // per_host, argv) for rank in range(world)],
+                      [environment(rank, world, rank // per_host, port, model)
+                       for rank in range(world)],
+                      args.timeout, cwd=ROOT, name=kind)
 
 
 def medians(reports: list[dict[str, Any]]) -> dict[str, float]:

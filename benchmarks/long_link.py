@@ -38,12 +38,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import gloo_peer  # noqa: E402  # beside this file
 import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
+from peer_processes import peer_environment, run_to_end  # noqa: E402  # tests/, likewise
 
 PORT = 29650
 PAYLOAD_PER_FRAME = 1448 / 1514
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 
 
 # --- the workers (one process per rank) ------------------------------------------------------
@@ -78,45 +78,19 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['GLOO_ADDR']}:{args.port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=900))
-    report: dict[str, Any] = {"times": {}}
-    try:
-        data = {n: torch.full((n // 4,), 1.0 + rank, dtype=torch.float32) for n in args.sizes}
-        for i in range(args.iterations + 1):
-            for nbytes in args.sizes:
-                x = data[nbytes]
-                dist.barrier()
-                t = time.perf_counter()
-                dist.all_reduce(x)
-                elapsed = time.perf_counter() - t
-                x.fill_(1.0 + rank)
-                if i:
-                    report["times"].setdefault(str(nbytes), []).append(elapsed)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return report
+    times = gloo_peer.time_collectives(os.environ["GLOO_ADDR"], args.port, args.sizes,
+                                       args.iterations)
+    return {"times": {str(nbytes): ts for (_, nbytes), ts in times.items()}}
 
 
 # --- the driver ------------------------------------------------------------------------------
 
 def environment(rank: int, world: int, address: str, port: int,
                 extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://{address}:{port}", WORLD_SIZE=str(world),
-               RANK=str(rank), P2PCOLL_HOST_ID=f"host-{rank}", P2PCOLL_TRANSPORT="tcp",
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", GLOO_ADDR=address,
-               P2PCOLL_JOIN_TIMEOUT="300", P2PCOLL_TIMEOUT="600", **extra)
-    return env
+    return peer_environment(
+        f"tcp://{address}:{port}", world, rank, P2PCOLL_HOST_ID=f"host-{rank}",
+        P2PCOLL_TRANSPORT="tcp", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
+        GLOO_ADDR=address, P2PCOLL_JOIN_TIMEOUT="300", P2PCOLL_TIMEOUT="600", **extra)
 
 
 def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[str, str],
@@ -127,37 +101,12 @@ def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[
             str(port), "--iterations", str(args.iterations), "--strategy", args.strategy,
             "--sizes", ",".join(str(n) for n in args.sizes)]
     address = netns.address(0) if lab is not None else "127.0.0.1"
-    procs = []
-    for rank in range(world):
-        env = environment(rank, world, address, port, extra)
-        if lab is None:
+    envs = [environment(rank, world, address, port, extra) for rank in range(world)]
+    if lab is None:
+        for env in envs:
             env["GLOO_SOCKET_IFNAME"] = "lo"
-        procs.append(subprocess.Popen(lab.command(rank, argv) if lab is not None else argv,
-                                      env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    deadline = time.monotonic() + args.timeout
-    outputs = []
-    try:
-        for rank, proc in enumerate(procs):
-            try:
-                outputs.append(proc.communicate(
-                    timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{kind} rank {rank} still running after "
-                                   f"{args.timeout:g}s") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        raise RuntimeError(f"{kind} ranks {failed} failed:\n" + "\n".join(
-            f"rank {r} (exit {procs[r].returncode}): {outputs[r][1][-2000:]}"
-            for r in range(world)))
-    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
-    return reports
+    commands = [lab.command(rank, argv) if lab is not None else argv for rank in range(world)]
+    return run_to_end(commands, envs, args.timeout, cwd=ROOT, name=kind)
 
 
 def medians(reports: list[dict[str, Any]]) -> dict[int, float]:

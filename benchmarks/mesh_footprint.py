@@ -40,20 +40,19 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 HERE = Path(__file__).resolve()
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+sys.path.insert(0, str(HERE.parents[1] / "tests"))
+
+from peer_processes import PeerProcesses  # noqa: E402  # tests/, on the path above
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,71 +124,31 @@ async def _worker(where: Path, strategy: str | None, victim: int | None) -> None
 # ---------------------------------------------------------------------------------------
 # The driver: one group of processes per size.
 
-class Job:
-    """``n`` peer processes of this file, under a soft limit of ``nofile`` descriptors."""
+class Job(PeerProcesses):
+    """``n`` peer processes of this file, under a soft limit of ``nofile`` descriptors;
+    unlike a test's, :meth:`wait_for` raises RuntimeError (a size whose group fails is a row
+    of the table)."""
 
     def __init__(self, n: int, args: argparse.Namespace, separate_hosts: bool) -> None:
-        from p2pcoll.testing import free_port
-
-        self.n = n
         self.signal = signal.Signals[f"SIG{args.signal}"]
         self.dir = Path(tempfile.mkdtemp(prefix="mesh_footprint_"))
-        self.lines: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-        self.errors = ["" for _ in range(n)]
-        base = {k: v for k, v in os.environ.items()
-                if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-        if args.tree:
-            base["PYTHONPATH"] = os.pathsep.join([args.tree, base.get("PYTHONPATH", "")])
-        port = free_port()
-        nofile = args.nofile
-
-        def limit() -> None:
-            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile, hard), hard))
-
+        tree = {"PYTHONPATH": os.pathsep.join([args.tree, os.environ.get("PYTHONPATH", "")])
+                } if args.tree else {}
         argv = [sys.executable, str(HERE), "--worker", str(self.dir),
                 "--strategy", args.strategy]
         if args.kill:
             argv += ["--victim", str(n // 2)]
-        self.procs = []
-        for r in range(n):
-            env = dict(base, P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", WORLD_SIZE=str(n),
-                       RANK=str(r))
-            if separate_hosts:
-                env["P2PCOLL_HOST_ID"] = f"host-{r}"
-            self.procs.append(subprocess.Popen(
-                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                preexec_fn=limit, cwd=args.tree or None))
-        self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
-                        for r in range(n)]
-        for t in self.readers:
-            t.start()
+        super().__init__(
+            n, lambda r: argv,
+            lambda r: {**tree, **({"P2PCOLL_HOST_ID": f"host-{r}"} if separate_hosts else {})},
+            nofile=args.nofile, tail=1500, cwd=args.tree or None)
 
-    def _read(self, r: int) -> None:
-        proc = self.procs[r]
-        assert proc.stdout is not None and proc.stderr is not None
-        for line in proc.stdout:
-            if line.startswith("{"):
-                self.lines[r].append(json.loads(line))
-        self.errors[r] = proc.stderr.read()[-1500:]
-
-    def wait_for(self, key: str, ranks: list[int], timeout: float) -> list[dict[str, Any]]:
-        """Every rank's ``key`` report; raises RuntimeError naming the first rank that
-        exited without it, or those still missing at ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            got = [next((x[key] for x in self.lines[r] if key in x), None) for r in ranks]
-            if all(g is not None for g in got):
-                return got  # type: ignore[return-value]
-            for r, g in zip(ranks, got, strict=True):
-                if g is None and self.procs[r].poll() is not None:
-                    self.readers[r].join(timeout=10)
-                    last = self.errors[r].strip().splitlines()[-1:] or ["(no output)"]
-                    raise RuntimeError(f"rank {r} exited before {key!r}: {last[0]}")
-            if time.monotonic() > deadline:
-                missing = [r for r, g in zip(ranks, got, strict=True) if g is None]
-                raise RuntimeError(f"ranks {missing[:8]} did not report {key!r} in {timeout} s")
-            time.sleep(0.05)
+    def give_up(self, why: str, stderr: str | None = None) -> NoReturn:
+        """Raise RuntimeError with ``why`` and the last line of the rank's stderr."""
+        if stderr is None:
+            raise RuntimeError(why)
+        last = stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{why}: {last[0]}")
 
     def touch(self, name: str) -> None:
         (self.dir / name).touch()
@@ -197,15 +156,7 @@ class Job:
     def close(self) -> None:
         self.touch("go")
         self.touch("done")
-        deadline = time.monotonic() + 60
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        for t in self.readers:
-            t.join(timeout=30)
+        super().close()
 
 
 def _lo_packets() -> int:

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import netns_nat  # noqa: E402
+from peer_processes import run_all  # noqa: E402
 
 WORLD = 4
 PORT = 29541
@@ -48,25 +49,18 @@ def env(lab: netns_nat.NatLab, rank: int, key: Path, port: int) -> dict[str, str
 
 def run(lab: netns_nat.NatLab, argv: list[str], key: Path, port: int,
         stdin: str = "") -> list[dict[str, object]]:
-    procs = [subprocess.Popen(lab.command(r, argv), env=env(lab, r, key, port), cwd=ROOT,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
+    done = run_all([lab.command(r, argv) for r in range(WORLD)],
+                   [env(lab, r, key, port) for r in range(WORLD)], 1800, cwd=ROOT, stdin=stdin)
     reports, errors = [], []
-    try:
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(stdin, timeout=1800)
-            if proc.returncode != 0 and not out.strip():
-                errors.append(f"rank {r}: " + next(
-                    (line for line in err.splitlines() if "p2pcoll.errors" in line), err[-300:]))
-                continue
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-        if errors:
-            raise RuntimeError("\n".join(errors))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for r, proc in enumerate(done):
+        if proc.returncode != 0 and not proc.stdout.strip():  # a report counts, even so
+            errors.append(f"rank {r}: " + next(
+                (line for line in proc.stderr.splitlines() if "p2pcoll.errors" in line),
+                proc.stderr[-300:]))
+            continue
+        reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if errors:
+        raise RuntimeError("\n".join(errors))
     return reports
 
 

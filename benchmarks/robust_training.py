@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import numpy as np
+from slow_training import load_data  # the same digits and split (beside this file)
 
 RUNS = (  # (name, op, trim, attacked)
     ("clean avg", "avg", None, False),
@@ -37,19 +38,6 @@ RUNS = (  # (name, op, trim, attacked)
 )
 PEERS = 8
 BAD = 7
-
-
-def load_data() -> tuple[Any, Any, Any, Any]:
-    """Digits as float32 tensors in [0, 1]: (x_train, y_train, x_test, y_test)."""
-    import torch
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x / 16.0, y, test_size=0.2, random_state=0, stratify=y)
-    return (torch.tensor(x_train, dtype=torch.float32), torch.tensor(y_train),
-            torch.tensor(x_test, dtype=torch.float32), torch.tensor(y_test))
 
 
 def make_model(seed: int) -> Any:

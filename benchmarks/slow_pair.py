@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -41,12 +40,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import gloo_peer  # noqa: E402  # beside this file
 import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
+from peer_processes import peer_environment, run_to_end  # noqa: E402  # tests/, likewise
 
 WORLD = 4
 PORT = 29700
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 
 
 # --- the workers (one process per rank, in its host's namespace) ----------------------------
@@ -87,42 +86,18 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://{netns.address(0)}:{args.port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=900))
-    times = []
-    try:
-        x = torch.full((args.size // 4,), 1.0 + rank, dtype=torch.float32)
-        for i in range(args.iterations + 1):
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            elapsed = time.perf_counter() - t
-            x.fill_(1.0 + rank)
-            if i:
-                times.append(elapsed)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return {"times": {"gloo": times}}
+    times = gloo_peer.time_collectives(netns.address(0), args.port, [args.size],
+                                       args.iterations)
+    return {"times": {"gloo": times["allreduce", args.size]}}
 
 
 # --- the driver -----------------------------------------------------------------------------
 
 def environment(rank: int, port: int, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://{netns.address(0)}:{port}", WORLD_SIZE=str(WORLD),
-               RANK=str(rank), P2PCOLL_HOST_ID=f"host-{rank}", P2PCOLL_TRANSPORT="tcp",
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", P2PCOLL_JOIN_TIMEOUT="300",
-               P2PCOLL_TIMEOUT="600", **extra)
-    return env
+    return peer_environment(
+        f"tcp://{netns.address(0)}:{port}", WORLD, rank, P2PCOLL_HOST_ID=f"host-{rank}",
+        P2PCOLL_TRANSPORT="tcp", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
+        P2PCOLL_JOIN_TIMEOUT="300", P2PCOLL_TIMEOUT="600", **extra)
 
 
 def run(lab: netns.Lab, args: argparse.Namespace, kind: str, port: int, cases: str,
@@ -131,29 +106,9 @@ def run(lab: netns.Lab, args: argparse.Namespace, kind: str, port: int, cases: s
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
             str(port), "--iterations", str(args.iterations), "--size", str(args.size),
             "--cases", cases]
-    procs = [subprocess.Popen(lab.command(rank, argv), env=environment(rank, port, extra),
-                              cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for rank in range(WORLD)]
-    deadline = time.monotonic() + args.timeout
-    reports = []
-    try:
-        for rank, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{kind} rank {rank} still running after "
-                                   f"{args.timeout:g}s") from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"{kind} rank {rank} exited with {proc.returncode}:\n"
-                                   f"{err[-3000:]}")
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return reports
+    return run_to_end([lab.command(rank, argv) for rank in range(WORLD)],
+                      [environment(rank, port, extra) for rank in range(WORLD)],
+                      args.timeout, cwd=ROOT, name=kind)
 
 
 def slowest(reports: list[dict[str, Any]], case: str) -> list[float]:

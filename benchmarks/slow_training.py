@@ -64,7 +64,6 @@ import hashlib
 import inspect
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -77,13 +76,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import gloo_peer  # noqa: E402  # beside this file
 import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
+from peer_processes import peer_environment, run_to_end  # noqa: E402  # tests/, likewise
 
 WORLD = 4
 PORT = 29500
 LINKS = {"100mbit": ("100mbit", "25ms"), "1gbit": ("1gbit", "0.5ms")}
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 
 
 class NotAvailable(Exception):
@@ -451,23 +450,15 @@ async def p2pcoll_worker(args: argparse.Namespace, update: Update) -> dict[str, 
 
 
 def gloo_worker(args: argparse.Namespace, update: Update) -> dict[str, Any]:
-    from datetime import timedelta
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://{netns.address(0)}:{args.port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    try:
+    with gloo_peer.group(netns.address(0), args.port, timeout=600) as (rank, world):
         model = make_model(args.widths, args.seed)
         ddp = DistributedDataParallel(model)
         dist.barrier()
         report = asyncio.run(train(args, update, None, ddp, model, rank, world))
         report["links"] = ["tcp"]
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return report
 
 
@@ -487,12 +478,9 @@ def worker(args: argparse.Namespace) -> int:
 # --- the driver ------------------------------------------------------------------------------
 
 def _environment(rank: int, port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://{netns.address(0)}:{port}", WORLD_SIZE=str(WORLD),
-               RANK=str(rank), P2PCOLL_HOST_ID=f"host-{rank}", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="eth0", P2PCOLL_JOIN_TIMEOUT="120")
-    return env
+    return peer_environment(f"tcp://{netns.address(0)}:{port}", WORLD, rank,
+                            P2PCOLL_HOST_ID=f"host-{rank}", OMP_NUM_THREADS="1",
+                            GLOO_SOCKET_IFNAME="eth0", P2PCOLL_JOIN_TIMEOUT="120")
 
 
 def run_mode(lab: netns.Lab, args: argparse.Namespace, mode: str, port: int,
@@ -502,26 +490,8 @@ def run_mode(lab: netns.Lab, args: argparse.Namespace, mode: str, port: int,
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode,
             "--port", str(port), *args.passed]
     before = [lab.counters(r) for r in range(WORLD)]
-    procs = [subprocess.Popen(lab.command(r, argv), env=_environment(r, port), cwd=ROOT,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for r in range(WORLD)]
-    deadline = time.monotonic() + timeout
-    reports = []
-    try:
-        for r, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"rank {r} still running after {timeout:g}s") from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"rank {r} exited with {proc.returncode}:\n{err[-3000:]}")
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    reports = run_to_end([lab.command(r, argv) for r in range(WORLD)],
+                         [_environment(r, port) for r in range(WORLD)], timeout, cwd=ROOT)
     after = [lab.counters(r) for r in range(WORLD)]
     return reports, [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
 

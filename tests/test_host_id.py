@@ -32,6 +32,7 @@ from typing import Any
 
 import netns
 import pytest
+from peer_processes import peer_environment, run_to_end
 
 from p2pcoll import SettingsError
 from p2pcoll.settings import Settings
@@ -41,8 +42,6 @@ from p2pcoll.transport import host_identity
 COUNT = 1 << 18  # float32 elements: 1 MiB, whose pieces go through the rings on one host
 SMALL = 16  # elements: a collective the board takes on one host
 WAIT = 120.0  # seconds for the peers of one test (the machine may be busy)
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 # A p2pcoll file of /dev/shm in /proc/self/maps: rings, lanes and boards are unlinked as
 # soon as every peer has mapped them, and then show as "(deleted)".
 MAPPED = re.compile(r"\s/dev/shm/(p2pcoll-[0-9]+-[0-9a-f]{16})(?: \(deleted\))?$")
@@ -82,14 +81,11 @@ async def peer() -> None:
 
 # --- the driver ------------------------------------------------------------------------------
 
-def _environment(rank: int, world: int, port: int, host_id: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", WORLD_SIZE=str(world),
-               RANK=str(rank), P2PCOLL_JOIN_TIMEOUT="60")
-    if host_id is not None:
-        env["P2PCOLL_HOST_ID"] = host_id
-    return env
+def _environment(rank: int, world: int, port: int, host_id: str | None,
+                 address: str = "127.0.0.1") -> dict[str, str]:
+    own = {} if host_id is None else {"P2PCOLL_HOST_ID": host_id}
+    return peer_environment(f"tcp://{address}:{port}", world, rank,
+                            P2PCOLL_JOIN_TIMEOUT="60", **own)
 
 
 def run_peers(host_ids: Sequence[str | None], lab: netns.Lab | None = None
@@ -98,26 +94,12 @@ def run_peers(host_ids: Sequence[str | None], lab: netns.Lab | None = None
     this machine or each on its host of ``lab``; returns their reports in rank order. Fails
     the test if a peer fails."""
     port = free_port() if lab is None else 29500
+    address = "127.0.0.1" if lab is None else netns.address(0)
     argv = [sys.executable, __file__]
-    procs = []
-    for r, h in enumerate(host_ids):
-        env = _environment(r, len(host_ids), port, h)
-        if lab is not None:
-            env["P2PCOLL_RENDEZVOUS"] = f"tcp://{netns.address(0)}:{port}"
-        procs.append(subprocess.Popen(argv if lab is None else lab.command(r, argv), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    reports = []
-    try:
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=WAIT)
-            assert proc.returncode == 0, f"rank {r} exited with {proc.returncode}:\n{err}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    ranks = range(len(host_ids))
+    reports = run_to_end([argv if lab is None else lab.command(r, argv) for r in ranks],
+                         [_environment(r, len(host_ids), port, host_ids[r], address)
+                          for r in ranks], WAIT)
     assert [rep["rank"] for rep in reports] == list(range(len(host_ids)))
     assert all(rep["sums"] for rep in reports)
     return reports

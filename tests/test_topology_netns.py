@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,14 +27,13 @@ from typing import Any
 import netns
 import numpy as np
 import pytest
+from peer_processes import peer_environment, run_to_end
 
 pytestmark = pytest.mark.slow
 
 WORLD = 4
 PORT = 29510
 COUNT = 100_003  # float32 elements: not a multiple of 4, chunks of unequal sizes
-FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 
 
 def inputs(rank: int) -> np.ndarray:
@@ -76,32 +74,15 @@ async def peer() -> None:
 # --- the test -----------------------------------------------------------------------------
 
 def _environment(rank: int, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN and not k.startswith(FOREIGN_PREFIXES)}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://{netns.address(0)}:{PORT}", WORLD_SIZE=str(WORLD),
-               RANK=str(rank), P2PCOLL_HOST_ID=f"host-{rank}", P2PCOLL_TRANSPORT="tcp",
-               P2PCOLL_JOIN_TIMEOUT="120", P2PCOLL_TIMEOUT="120")
-    env.update(extra)
-    return env
+    return peer_environment(f"tcp://{netns.address(0)}:{PORT}", WORLD, rank,
+                            P2PCOLL_HOST_ID=f"host-{rank}", P2PCOLL_TRANSPORT="tcp",
+                            P2PCOLL_JOIN_TIMEOUT="120", P2PCOLL_TIMEOUT="120", **extra)
 
 
 def _run(lab: netns.Lab, extra: dict[str, str]) -> list[dict[str, Any]]:
     argv = [sys.executable, str(Path(__file__).resolve())]
-    procs = [subprocess.Popen(lab.command(r, argv), env=_environment(r, extra),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
-    reports = []
-    try:
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, f"rank {r}: {err[-2000:]}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return reports
+    return run_to_end([lab.command(r, argv) for r in range(WORLD)],
+                      [_environment(r, extra) for r in range(WORLD)], 240)
 
 
 @pytest.fixture
