@@ -54,6 +54,11 @@ def pytest_configure(config: pytest.Config) -> None:
     _stderr_copy = os.fdopen(os.dup(sys.stderr.fileno()), "w")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _stderr_copy is not None:
+        _stderr_copy.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     marker = item.get_closest_marker("timeout")
