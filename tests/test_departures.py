@@ -73,6 +73,7 @@ class Net:
     ops: dict[int, Ops] = field(default_factory=dict)  # what runs at each peer
     degraded: set[int] = field(default_factory=set)
     forgotten: dict[int, set[int]] = field(default_factory=dict)
+    graceful: dict[tuple[int, int], bool] = field(default_factory=dict)  # (at, gone) -> said bye
     learned: dict[tuple[int, int], int] = field(default_factory=dict)  # (at, gone) -> hops
     sent: Counter[int] = field(default_factory=Counter)  # messages posted by each peer
     violations: list[str] = field(default_factory=list)
@@ -107,6 +108,7 @@ class Net:
                 self.watching[at].discard(action.peer)
             elif isinstance(action, Forget):
                 self.forgotten[at].add(action.peer)
+                self.graceful[(at, action.peer)] = action.graceful
             elif isinstance(action, Fail):
                 self.fails[(at, action.op)] += 1
             elif isinstance(action, Aborted):
@@ -233,6 +235,7 @@ def test_a_goodbye_under_a_link_budget() -> None:
     for r in net.survivors():
         gone = net.peers[r].gone()
         assert set(gone) == {5} and gone[5].graceful and gone[5].started == 3
+        assert net.graceful[(r, 5)]  # it removed its own files: nobody sweeps them
         assert str(gone[5].error) == "rank 5 left the group: it closed it normally"
         assert gone[5].error.how == "closed"
     assert not net.violations
@@ -276,6 +279,8 @@ def test_a_collective_that_needs_every_member_fails_on_any_loss() -> None:
     net.kill(2)
     net.settle()
     assert net.fails[(0, "allreduce#0")] == 1
+    # Killed: every survivor forgets it as not graceful (its files are swept on its host).
+    assert {r: net.graceful[(r, 2)] for r in (0, 1, 3)} == {0: False, 1: False, 3: False}
     [fail] = net.start(0, "allreduce#1", needs=None, seq=1)
     assert isinstance(fail, Fail) and fail.error.rank == 2
     assert net.start(0, "recv", needs=()) == []  # a receive needs nobody

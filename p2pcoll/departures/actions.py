@@ -57,6 +57,9 @@ class Unwatch:
 @dataclass(frozen=True, slots=True)
 class Forget:
     peer: int
+    # It said goodbye (it closed its group, removing its own files); else it was lost,
+    # maybe killed, leaving files that whoever forgets it on its host may remove.
+    graceful: bool = False
 
 
 @dataclass(frozen=True, slots=True)

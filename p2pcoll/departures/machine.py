@@ -398,7 +398,7 @@ class Departures:
         self._gone[rank] = departure
         self._suspects.pop(rank, None)
         self._how.pop(rank, None)
-        actions: list[Action] = [Forget(rank)]
+        actions: list[Action] = [Forget(rank, departure.graceful)]
         for op, needs, seq in self._still_running():
             if (needs is None or rank in needs) and (not departure.graceful or (
                     seq is not None and departure.started <= seq)):
