@@ -127,6 +127,8 @@ def unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Pytree:
     Raises:
         ValueError: ``treedef`` is malformed, or has room for more or fewer leaves.
     """
+    if treedef == LEAF and len(leaves) == 1:  # one array: every collective's common case
+        return leaves[0]
     it = iter(leaves)
 
     def build(td: TreeDef) -> Any:

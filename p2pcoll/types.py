@@ -85,8 +85,17 @@ class CustomOp:
 
 
 
+# Each built-in op by its value (a ReduceOp is a str equal to its value: it finds itself).
+# One dict lookup per call, where ReduceOp(op) is a chain of Python calls in enum.
+_BY_VALUE: dict[str, ReduceOp] = {o.value: o for o in ReduceOp}
+
+
 def as_op(op: str | ReduceOp | CustomOp) -> ReduceOp | CustomOp:
     """Validate a reduction op given as a string, a ReduceOp or a CustomOp."""
+    if isinstance(op, str):
+        found = _BY_VALUE.get(op)
+        if found is not None:
+            return found
     if isinstance(op, CustomOp):
         if not isinstance(op.name, str) or not op.name or not callable(op.fold):
             raise ValueError(f"a CustomOp needs a non-empty name and a callable fold, got "

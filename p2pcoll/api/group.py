@@ -202,7 +202,9 @@ class Group(PointToPoint):
         ordered(self, self._topology, call)  # along the measured ring, if it pays
         await self.session.run(call)
         results = finish(call, average, self.world_size) if average else call.leaves
-        return out if out is not None else unflatten(call.treedef, as_given(given, results))
+        if out is not None:
+            return out
+        return unflatten(call.treedef, results if given is None else as_given(given, results))
 
     async def reduce(
         self, value: Pytree, root: int = 0, op: str | ReduceOp | CustomOp = "sum", *,

@@ -266,8 +266,8 @@ def ordered(group: Group, topology: Topology, call: Call) -> None:
     (:mod:`p2pcoll.engine.ordered_ring`), which gives the rank-order ring's bits. An
     allreduce: built-in ops only (a custom op need not commute), one dtype, three ranks or
     more."""
-    p = group.world_size
     ring = topology.ring
+    p = len(ring)  # every rank is on it (not group.world_size: two properties per call)
     if p < 3 or ring == tuple(range(p)):
         return
     flat = call.flat

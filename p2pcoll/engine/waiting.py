@@ -49,6 +49,7 @@ class Patience:
 
     def __init__(self, ceiling: float, world_size: int) -> None:
         self.ceiling = max(0.0, ceiling)
+        self._early = self.ceiling / 2  # a peer that comes within this came early
         # Until a peer has been waited for, assume it comes early: a group starts
         # polling and learns otherwise.
         self._hits = [1.0] * world_size
@@ -67,8 +68,8 @@ class Patience:
     def learn(self, rank: int, late: float) -> None:
         """Peer ``rank`` published ``late`` seconds after this rank began to wait for it
         (0 or less: it was there first)."""
-        hit = late <= self.ceiling / 2
-        self._hits[rank] += WEIGHT * (hit - self._hits[rank])
+        hits = self._hits
+        hits[rank] += WEIGHT * ((late <= self._early) - hits[rank])
 
     def usual(self, rank: int) -> float:
         """How often peer ``rank`` came early recently (the moving average)."""
