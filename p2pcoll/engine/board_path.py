@@ -191,9 +191,9 @@ class BoardPath:
             await self._sleep(count, ranks, seq)
         # Learnt only from waits that ended well: how late each partner published. (A
         # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
-        if patience.ceiling:  # (Python ints: numpy scalars would cost ~2 us a wait here)
+        if patience.ceiling:
             for q in ranks:
-                patience.learn(q, (int(w[q * WORDS + STAMP]) - began) * 1e-9)
+                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
 
     def _poll(self, count: int, ranks: Sequence[int], began: int, budget: float) -> bool:
         """Poll for ``ranks`` for ``budget`` seconds from ``began`` (yielding the core
