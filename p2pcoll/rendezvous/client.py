@@ -54,7 +54,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import RendezvousError
-from ..transport.sockets import SocketFactory
+from ..transport.sockets import SocketFactory, monitor
 from ..types import Membership
 from ..wire import WIRE_VERSION
 from .probe import Answer, probe
@@ -144,7 +144,7 @@ class _Link:
         # Plain (not asyncio) views of the socket and its monitor: sends that must not
         # wait, and events read as they are, between polls.
         self._out = zmq.Socket.shadow(self.sock.underlying)
-        self._monitor = self.sock.get_monitor_socket(_EVENTS)
+        self._monitor = monitor(self.sock, _EVENTS)
         self.monitor = zmq.Socket.shadow(self._monitor.underlying)
         self.secure = sockets.secure
         self.connected = False  # a TCP connection was ever made

@@ -52,7 +52,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ..relay import Relay
 from ..settings import RendezvousLimits
 from ..transport.endpoints import listening
-from ..transport.sockets import SocketFactory
+from ..transport.sockets import SocketFactory, monitor
 from .jobs import RESEND, Jobs, Reply
 from .url import parse_url
 
@@ -206,7 +206,7 @@ class RendezvousServer:
         self.url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         self._plain = zmq.Socket.shadow(sock.underlying)
-        self._monitor_async = sock.get_monitor_socket(_MONITORED)
+        self._monitor_async = monitor(sock, _MONITORED)
         self._monitor = zmq.Socket.shadow(self._monitor_async.underlying)  # read between polls
         _hosted[parse_url(self.url)[1]] = self
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch())]

@@ -58,8 +58,19 @@ def monitor(socket: zmq.asyncio.Socket, events: int) -> zmq.asyncio.Socket:
     """A PAIR socket that reads ``socket``'s ``events``. Each monitor gets an inproc address
     of its own: pyzmq's default names it by the socket's descriptor, which a socket made
     after this one closes may reuse while this monitor's endpoint is still being torn
-    down, and then one socket's events could reach another's reader."""
-    return socket.get_monitor_socket(events, addr=f"inproc://p2pcoll-monitor-{next(_monitors)}")
+    down, and then one socket's events could reach another's reader.
+
+    The reader's queue has no bound (RCVHWM 0 makes the inproc pipe unbounded). libzmq's
+    I/O thread sends each event with a blocking send while holding the socket's monitor
+    lock; with pyzmq's bounded reader, 500 unread events (a late probe's connect retries,
+    a busy loop) made that send wait, and then ``disable_monitor()`` waited for the lock
+    in C holding the interpreter lock: the process froze (CI stop 42's hang)."""
+    address = f"inproc://p2pcoll-monitor-{next(_monitors)}"
+    socket.monitor(address, events)
+    reader: zmq.asyncio.Socket = socket.context.socket(zmq.PAIR)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.connect(address)
+    return reader
 
 class SocketFactory:
     """Makes the sockets of one peer (or of one rendezvous server).
