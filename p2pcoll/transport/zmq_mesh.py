@@ -295,7 +295,7 @@ class ZmqMesh:
             self.routes.pin(self._watched)
             self._probes.close(action.peer)
         elif isinstance(action, Forget):
-            self._forget(action.peer, swept=not action.graceful)
+            self._forget(action.peer, action.graceful)
         else:
             self._leave()
 
@@ -306,16 +306,16 @@ class ZmqMesh:
             self._probes.open(peer, self._peer_endpoints[peer], self.identity + b"~probe",
                               late=late)
 
-    def _forget(self, rank: int, swept: bool = True) -> None:
+    def _forget(self, rank: int, graceful: bool) -> None:
         """``rank`` has gone: let go of what this peer kept for it and, unless it said
-        goodbye (``swept`` False: it removed its own; a sweep lists two folders, which for
+        goodbye (``graceful``: it removed its own; a sweep lists two folders, which for
         every goodbye made a 64-peer group's close 1-2 s slower), the files it left here."""
         if rank in self._gone or rank == self.rank:
             return
         self._gone.add(rank)
         self.routes.forget(rank)
         self._router.forget(rank)
-        removed = sweep_peer(self._peer_endpoints[rank], shmfile.SHM_DIR) if swept else []
+        removed = [] if graceful else sweep_peer(self._peer_endpoints[rank], shmfile.SHM_DIR)
         if removed:
             log.debug("rank %d: removed %d files rank %d left", self.rank, len(removed), rank)
 
