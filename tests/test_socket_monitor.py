@@ -4,7 +4,7 @@ libzmq's I/O thread sends each monitor event with a blocking send while it holds
 socket's monitor lock. With pyzmq's reader (``get_monitor_socket``: a bounded queue), 500
 unread events made that send wait, and ``disable_monitor()`` then waited for the lock in C
 while holding the interpreter lock: the whole process froze, out of reach of
-pytest-timeout (CI stop 42). A real socket retrying a connection to a closed port every
+pytest-timeout. A real socket retrying a connection to a closed port every
 millisecond makes the events here.
 """
 

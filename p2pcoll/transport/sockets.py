@@ -64,7 +64,7 @@ def monitor(socket: zmq.asyncio.Socket, events: int) -> zmq.asyncio.Socket:
     I/O thread sends each event with a blocking send while holding the socket's monitor
     lock; with pyzmq's bounded reader, 500 unread events (a late probe's connect retries,
     a busy loop) made that send wait, and then ``disable_monitor()`` waited for the lock
-    in C holding the interpreter lock: the process froze (CI stop 42's hang)."""
+    in C holding the interpreter lock: the process froze."""
     address = f"inproc://p2pcoll-monitor-{next(_monitors)}"
     socket.monitor(address, events)
     reader: zmq.asyncio.Socket = socket.context.socket(zmq.PAIR)
