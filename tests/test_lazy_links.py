@@ -161,7 +161,7 @@ def test_out_of_descriptors_is_an_error_that_says_so(monkeypatch: pytest.MonkeyP
 
     factory = SocketFactory()
 
-    def no_more(kind: int) -> None:
+    def no_more(kind: int, **_: object) -> None:
         raise zmq.ZMQError(errno.EMFILE)
 
     monkeypatch.setattr(factory.context, "socket", no_more)

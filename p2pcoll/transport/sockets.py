@@ -24,6 +24,7 @@ import logging
 import resource
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -50,6 +51,45 @@ def queue_messages(message_bytes: int) -> int:
     return max(MIN_HWM, min(MAX_HWM, QUEUE_BYTES // max(1, message_bytes)))
 
 
+class Socket(zmq.asyncio.Socket):
+    """pyzmq's asyncio socket, refusing to receive or send once it is closed.
+
+    pyzmq's asyncio socket works through a second handle on the libzmq socket that is not
+    told when the socket closes, so a receive or send started after :meth:`close` (a reader
+    loop whose handler of one message closed the socket, then asked for the next) reached
+    the libzmq socket after libzmq's reaper thread had freed it. Reading freed memory
+    crashed processes now and then, and could take the wake-up meant for the socket made
+    in its place: when that was a socket monitor, libzmq's I/O thread waited forever
+    inside an event's send, holding the monitor's lock, and the next ``disable_monitor()``
+    froze the process. Every asyncio socket of p2pcoll is one of these (see
+    :meth:`SocketFactory._socket`, :func:`monitor`); the same rule holds for the
+    synchronous handles p2pcoll takes on them (``zmq.Socket.shadow``): used only while
+    their socket is open.
+    """
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True,
+                       track: bool = False) -> Any:
+        self._refuse_closed()
+        return super().recv_multipart(flags, copy, track)
+
+    def send_multipart(self, msg_parts: Any, flags: int = 0,  # type: ignore[override]
+                       copy: bool = True, track: bool = False, **kwargs: Any) -> Any:
+        self._refuse_closed()
+        return super().send_multipart(msg_parts, flags, copy, track, **kwargs)
+
+    def recv(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+        self._refuse_closed()
+        return super().recv(flags, copy, track)
+
+    def send(self, data: Any, flags: int = 0, copy: bool = True,  # type: ignore[override]
+             track: bool = False, **kwargs: Any) -> Any:
+        self._refuse_closed()
+        return super().send(data, flags, copy, track, **kwargs)
+
 
 _monitors = itertools.count()
 
@@ -67,10 +107,11 @@ def monitor(socket: zmq.asyncio.Socket, events: int) -> zmq.asyncio.Socket:
     in C holding the interpreter lock: the process froze."""
     address = f"inproc://p2pcoll-monitor-{next(_monitors)}"
     socket.monitor(address, events)
-    reader: zmq.asyncio.Socket = socket.context.socket(zmq.PAIR)
+    reader: zmq.asyncio.Socket = socket.context.socket(zmq.PAIR, socket_class=Socket)
     reader.setsockopt(zmq.RCVHWM, 0)
     reader.connect(address)
     return reader
+
 
 class SocketFactory:
     """Makes the sockets of one peer (or of one rendezvous server).
@@ -116,7 +157,7 @@ class SocketFactory:
         """A new socket of the context; out of descriptors, an OSError that says so and
         what to do (libzmq's own says only "Too many open files")."""
         try:
-            return self.context.socket(kind)
+            return self.context.socket(kind, socket_class=Socket)
         except zmq.ZMQError as exc:
             if exc.errno != errno.EMFILE:
                 raise
@@ -359,3 +400,4 @@ class LinkCensus:
         if not self.router.closed:
             self.router.disable_monitor()
         self.monitor.close(linger=0)
+
