@@ -103,8 +103,14 @@ class Stripe:
         """Queue one message: sent now when the queue has room (None), else through the
         asyncio socket (the future, done once it is queued). Later messages queue behind
         a waiting one, so they stay in order; the place in the order is taken here, before
-        anything is awaited."""
+        anything is awaited.
+
+        Raises:
+            zmq.ZMQError: the connection is closed (ENOTSOCK), or the send failed.
+        """
         if not self.waiting:
+            if self.socket._closed:  # the plain handle must not outlive it (see sockets.Socket)
+                raise zmq.ZMQError(zmq.ENOTSOCK)
             plain = self.plain
             try:
                 # Part by part as send_multipart does, with plain int flags; only the
