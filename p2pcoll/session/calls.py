@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import msgpack
 import numpy as np
 
-from ..engine.board_alltoall import BoardAlltoall
 from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
 from ..engine.layout import Extent, Layout
@@ -50,6 +49,7 @@ from .flight import Entry, describe
 from .turns import Turns
 
 if TYPE_CHECKING:
+    from ..engine.board_alltoall import BoardAlltoall  # imported at the first alltoall
     from ..engine.board_path import BoardPath
     from ..engine.costs import Constants
     from ..engine.executor import Executor
@@ -417,6 +417,7 @@ class Runner:
                     call.strategy_used = BOARD
                     p = self.size
                     if self._alltoall is None or self._alltoall.path is not board:
+                        from ..engine.board_alltoall import BoardAlltoall
                         self._alltoall = BoardAlltoall(board)
                     parts = await self._alltoall.run(op.number, call.leaves[:p],
                                                      call.leaves[p:] or None, program.sig)
