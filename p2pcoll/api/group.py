@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from .. import tensors
-from ..codecs import reduce_coded
 from ..engine.costs import CostModel
 from ..errors import GroupBroken
 from ..pytree import unflatten
@@ -245,6 +244,7 @@ class Group(PointToPoint):
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         if codec is not None:
             no_codec_for_bfloat16([array], codec)
+            from ..codecs import reduce_coded
             parts = await reduce_coded(self, codec, [arr], plain_op(op),
                                        collective="reduce_scatter", strategy=strategy,
                                        timeout=timeout)
@@ -268,6 +268,7 @@ class Group(PointToPoint):
         given, arrays, treedef = flatten_leaves(value)
         no_codec_for_bfloat16(given, codec)
         targets = out_leaves(out, treedef, arrays) if out is not None else None
+        from ..codecs import reduce_coded
         results = await reduce_coded(self, codec, arrays, plain_op(op),
                                      collective="reduce" if collective == "reduce"
                                      else "allreduce", root=root, strategy=strategy,
