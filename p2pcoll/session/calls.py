@@ -35,7 +35,6 @@ from ..engine.layout import Extent, Layout
 from ..engine.p2p import RECV, SEND
 from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
-from ..engine.timeline import COLLECTIVE
 from ..errors import CollectiveMismatch, GroupBroken, P2PCollError, ProtocolError
 from ..pytree import TreeDef
 from ..registry import registry
@@ -387,6 +386,7 @@ class Runner:
                                         "bytes": sum(a.nbytes for a in call.flat)}
                 if error is not None:
                     args["error"] = f"{type(error).__name__}: {error}"
+                from ..engine.timeline import COLLECTIVE
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
                 if program is None:  # what it received, learned as it ran

@@ -20,7 +20,6 @@ from ..engine.board_path import BoardPath
 from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
-from ..engine.timeline import Timeline
 from ..errors import KILLED, UNRESPONSIVE, GroupBroken, PeerLost
 from ..settings import Settings
 from ..departures import (
@@ -75,12 +74,15 @@ class Session:
         self.matcher = Matcher(self.peers)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
                                      transport, self)
+        timeline = None
+        if settings.timeline:  # (P2PCOLL_TIMELINE; imported only then: most groups keep none)
+            from ..engine.timeline import Timeline
+            timeline = Timeline(settings.timeline, membership.group_id, membership.rank,
+                                membership.world_size)
         self.executor = Executor(
             transport, self.matcher, self.peers, membership.group_id,
             segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
-            max_message_bytes=settings.max_message_bytes,
-            timeline=Timeline(settings.timeline, membership.group_id, membership.rank,
-                              membership.world_size) if settings.timeline else None,
+            max_message_bytes=settings.max_message_bytes, timeline=timeline,
         )
         self.seq = 0
         self.transfers: Counter[tuple[int, int, int]] = Counter()  # (src, dst, tag) -> sent
