@@ -2,8 +2,9 @@
 
 A plain import, down to ``p2pcoll.join``, loads no optional feature: not the relay, the
 rendezvous server and its rules (only the peer that hosts needs them), the timeline, the
-ring ordering of a measured topology, the board's all-to-all, shrink, robust reductions,
-codecs, the torch store or the in-memory network; and no heavy third-party package. Every
+ring ordering of a measured topology, the board's collectives (a group on one host maps the
+board once formed), shrink, robust reductions, codecs, the torch store, the in-memory
+network or pyzmq's authenticator (a job key's); and no heavy third-party package. Every
 public name still resolves, where it always has. A regression guard, not a timing: one
 fresh interpreter.
 """
@@ -30,7 +31,8 @@ DEFERRED = (
     "p2pcoll.api.alltoall", "p2pcoll.engine.alltoall_table", "p2pcoll.engine.board_alltoall",
     "p2pcoll.transport.cross_memory", "p2pcoll.session.shrink", "p2pcoll.api.robust",
     "p2pcoll.engine.robust", "p2pcoll.codecs", "p2pcoll.transport.memory",
-    "p2pcoll.engine.timeline", "p2pcoll.training", "p2pcoll.blocking", "p2pcoll.testing",
+    "p2pcoll.engine.timeline", "p2pcoll.engine.board_path", "p2pcoll.training",
+    "p2pcoll.blocking", "p2pcoll.testing", "zmq.auth",
 )
 HEAVY = ("torch", "ray", "hypothesis", "aiohttp", "matplotlib", "prometheus_client", "tqdm",
          "mpi4py", "pandas", "scipy")

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import msgpack
 import numpy as np
 
-from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
 from ..engine.layout import Extent, Layout
 from ..engine.p2p import RECV, SEND
@@ -60,6 +59,7 @@ if TYPE_CHECKING:
     from .flight import Recorder
 
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
+BOARD = "shm"  # how stats() and the metrics name a collective run on the board
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
 Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
 _spec = attrgetter("dtype.str", "shape")  # an array's Spec (in C: on every call's path)

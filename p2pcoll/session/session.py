@@ -13,10 +13,9 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .activity import Activity
-from ..engine.board_path import BoardPath
 from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
@@ -46,6 +45,9 @@ from .calls import Runner
 from .contacts import Contacts
 from .failure import FailureModel, GroupState
 from .flight import Recorder
+
+if TYPE_CHECKING:  # imported when the board is mapped: by a group on one host only
+    from ..engine.board_path import BoardPath
 
 log = logging.getLogger("p2pcoll")
 
@@ -149,6 +151,7 @@ class Session:
             self._board_known = True
             board = getattr(self.transport, "board", None)
             if board is not None:
+                from ..engine.board_path import BoardPath
                 self._board = BoardPath(board, self.matcher, self.settings.spin_us * 1e-6)
                 self._board.history = self.runner.recent
         return self._board
