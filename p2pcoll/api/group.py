@@ -16,30 +16,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from .. import tensors
-from ..codecs import reduce_coded
 from ..engine.costs import CostModel
 from ..errors import GroupBroken
 from ..pytree import unflatten
-from ..rendezvous import RendezvousServer
 from ..session.calls import Call
 from ..session.failure import USABLE, GroupState
 from ..session.flight import flight_record as _flight_record
 from ..session.session import Session
-from ..session.shrink import shrink
 from ..session.turns import Turns
 from ..transport.sockets import SocketFactory
 from ..types import ROBUST, CustomOp, Membership, Pytree, ReduceOp, as_op
-from .alltoall import alltoall
 from .arguments import (as_given, finish, flatten_leaves, learner, native,
                         no_codec_for_bfloat16, out_leaves, plain_op, reduction_call)
 from .point_to_point import PointToPoint
-from .robust import robust_allreduce
-from .topology import Topology, measure, ordered, price, wanted
+
+if TYPE_CHECKING:  # what a plain group does not use is imported where it is used
+    from ..rendezvous.server import RendezvousServer
+    from .topology import Topology
 
 T = TypeVar("T")
 
@@ -67,7 +65,8 @@ class Group(PointToPoint):
         self._sockets = sockets
         self._extensions: dict[str, Any] = {}
         self._activity = session.activity  # the record of its collectives
-        self._topology = Topology.unmeasured(session.world_size)  # until probed
+        self._topology: Topology | None = None  # measured at join, if it probed (_probe)
+        self._size = session.world_size  # (the topology's, after close too)
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -193,13 +192,16 @@ class Group(PointToPoint):
             mean = await g.allreduce(grad, "avg", codec="int8")   # about 1/4 of the bytes
         """
         if trim is not None or op in ROBUST:
+            from .robust import robust_allreduce
             return await robust_allreduce(self, value, as_op(op), trim, strategy, timeout, out,
                                           codec)
         if codec is not None:
             return await self._coded("allreduce", value, op, 0, strategy, timeout, out, codec)
         call, given, average = reduction_call("allreduce", value, op, None, strategy,
                                               timeout, out)
-        ordered(self, self._topology, call)  # along the measured ring, if it pays
+        if self._topology is not None:  # along the measured ring, if it pays
+            from .topology import ordered
+            ordered(self, self._topology, call)
         await self.session.run(call)
         results = finish(call, average, self.world_size) if average else call.leaves
         if out is not None:
@@ -242,6 +244,7 @@ class Group(PointToPoint):
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         if codec is not None:
             no_codec_for_bfloat16([array], codec)
+            from ..codecs import reduce_coded
             parts = await reduce_coded(self, codec, [arr], plain_op(op),
                                        collective="reduce_scatter", strategy=strategy,
                                        timeout=timeout)
@@ -265,6 +268,7 @@ class Group(PointToPoint):
         given, arrays, treedef = flatten_leaves(value)
         no_codec_for_bfloat16(given, codec)
         targets = out_leaves(out, treedef, arrays) if out is not None else None
+        from ..codecs import reduce_coded
         results = await reduce_coded(self, codec, arrays, plain_op(op),
                                      collective="reduce" if collective == "reduce"
                                      else "allreduce", root=root, strategy=strategy,
@@ -327,7 +331,9 @@ class Group(PointToPoint):
         parts = [mine if r == self.rank else np.empty_like(mine) for r in range(self.world_size)]
         call = Call("allgather", parts, None, None, None, strategy, timeout,
                     flat=[p.reshape(-1) for p in parts])
-        ordered(self, self._topology, call)  # along the measured ring, if it pays
+        if self._topology is not None:  # along the measured ring, if it pays
+            from .topology import ordered
+            ordered(self, self._topology, call)
         await self.session.run(call)
         parts[self.rank] = mine.copy()
         return [tensors.like(array, p) for p in parts]
@@ -348,6 +354,7 @@ class Group(PointToPoint):
             CollectiveTimeout, PeerLost, GroupBroken.
         Cancellation: breaks the group.
         """
+        from .alltoall import alltoall
         return await alltoall(self, parts, out, strategy, timeout)
 
     async def gather(
@@ -413,10 +420,14 @@ class Group(PointToPoint):
         "bandwidth_Bps": matrix, "ring": order, "measured_at": time}``. Matrices are
         ``[i][j]`` from rank i to rank j, None where not measured (everywhere, with
         ``P2PCOLL_PROBE=0``; ``measured_at`` is then None and the ring rank order)."""
+        if self._topology is None:
+            from .topology import Topology
+            return Topology.unmeasured(self._size).as_dict()
         return self._topology.as_dict()
 
     async def _probe(self) -> None:
         """Measure the links if this group probes (every rank calls it after forming)."""
+        from .topology import measure, price, wanted
         if wanted(self):
             self._topology = await measure(self)
             price(self, self._topology)
@@ -537,6 +548,7 @@ class Group(PointToPoint):
         """
         settings = self.settings if strategies is None else replace(
             self.settings, strategies=dict(strategies))
+        from ..session.shrink import shrink
         session, sockets = await shrink(self.session, exclude, settings, timeout, abort)
         # The rendezvous this peer hosts goes on with the survivors (newcomers register
         # there); closing this group would stop it.

@@ -44,8 +44,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..engine.ordered_ring import ordered_allgather, ordered_ring, pays
-from ..engine.ring_order import best_ring, bottleneck
 from ..types import OpKey, ReduceOp
 
 if TYPE_CHECKING:
@@ -147,6 +145,9 @@ def choose_ring(bandwidth: tuple[tuple[float | None, ...], ...]) -> tuple[int, .
     identity = tuple(range(p))
     if p < 3 or any(b is None for row in bandwidth for b in row):
         return identity
+    # The ring's solver and the ordered ring: loaded only by a group that measured its links.
+    from ..engine.ordered_ring import pays
+    from ..engine.ring_order import best_ring, bottleneck
     m = [[float(b) if b is not None else 0.0 for b in row] for row in bandwidth]
     ring = best_ring(m)
     return ring if pays(bottleneck(ring, m), bottleneck(identity, m), ring) else identity
@@ -274,6 +275,7 @@ def ordered(group: Group, topology: Topology, call: Call) -> None:
     nbytes = sum(a.nbytes for a in flat)
     if group.session.runner.choose(call.collective, call.strategy, nbytes).name != "ring":
         return
+    from ..engine.ordered_ring import ordered_allgather, ordered_ring
     if call.collective == "allgather":
         call.schedule = ordered_allgather(ring)
         return

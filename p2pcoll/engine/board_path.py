@@ -66,7 +66,6 @@ from ..wire.header import SIGNATURE_FIELDS
 from .matching import Matcher
 from .waiting import Patience, yield_core
 
-STRATEGY = "shm"  # how stats() and the metrics name the board path
 MIN_NAP, MAX_NAP = 1e-3, 0.02
 # A board collective whose peers are there never yields to the event loop; one that starts
 # this long after the loop last turned under the board yields once first, so a loop of
@@ -534,4 +533,4 @@ class BoardPath:
         self.board.on_wake = None
 
 
-__all__ = ["STRATEGY", "BoardPath", "codes"]
+__all__ = ["BoardPath", "codes"]

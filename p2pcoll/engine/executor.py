@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,7 +34,9 @@ from ..types import OpKey
 from ..wire import Header, Signature
 from .matching import Departures, Key, Matcher
 from .program import EARLY, LAST, LATE, REDUCE, SEND, Program
-from .timeline import COLLECTIVE, Timeline, Tracer
+
+if TYPE_CHECKING:  # imported with a timeline (P2PCOLL_TIMELINE): most groups have none
+    from .timeline import Timeline
 
 Ufunc = Callable[..., Any]
 MAX_TOLD = 4096  # (peer, digest) pairs remembered as described
@@ -107,7 +109,8 @@ class Executor:
         if self.timeline is None:
             await self._run(op, program, arrays, ufunc, sig, meta)
             return
-        timeline, started, error = self.timeline, Timeline.now(), None
+        from .timeline import COLLECTIVE
+        timeline, started, error = self.timeline, self.timeline.now(), None
         try:
             await self._run(op, program, arrays, ufunc, sig, meta)
         except BaseException as exc:
@@ -133,6 +136,7 @@ class Executor:
             self.matcher.expect(op, sig, rank)
         wire = self.wire
         if self.timeline is not None:  # a send, receive and fold of each step on its track
+            from .timeline import Tracer
             tracer = Tracer(self.timeline, wire, program.steps, rank)
             wire = Wire(tracer.send_many, tracer.get, tracer.combine)
         nseg = program.nseg

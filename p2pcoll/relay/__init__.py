@@ -1,7 +1,9 @@
 """Relays: how peers that cannot accept connections (behind NAT, a firewall) are reached.
 
-- :mod:`.protocol`: what a connection to a relay says first, target names, the table of
-  registered targets (no I/O);
+- :mod:`.names`: target names, group tags and ``relay://`` endpoints (no I/O: what every
+  peer needs to form a group, relayed or not);
+- :mod:`.protocol`: what a connection to a relay says first, the table of registered
+  targets (no I/O);
 - :mod:`.pipe`: splicing two connections, with flow control;
 - :mod:`.server`: :class:`Relay`, the server (the rendezvous host runs one; ``p2pcoll relay``
   runs one standalone);
@@ -9,10 +11,32 @@
 - :mod:`.attach`: :class:`Attachment`, the registration of a peer behind a relay, and
   :class:`Entrance`, a peer's local way to one behind a relay.
 
-See docs/relay.md.
+The names below are imported on first use, so that a peer that reaches nobody through a
+relay loads neither the server nor the splicing. See docs/relay.md.
 """
 
-from .attach import Attachment, Entrance
-from .server import Relay, RelayLimits
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .attach import Attachment, Entrance
+    from .server import Relay, RelayLimits
 
 __all__ = ["Attachment", "Entrance", "Relay", "RelayLimits"]
+
+_HOMES = {"Attachment": ".attach", "Entrance": ".attach",
+          "Relay": ".server", "RelayLimits": ".server"}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # once: later reads find it without this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

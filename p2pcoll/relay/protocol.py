@@ -1,5 +1,5 @@
-"""The relay's protocol, without I/O: what a connection to a relay says first, the names of
-relay targets, and the table of registered targets.
+"""The relay's protocol, without I/O: what a connection to a relay says first, and the table
+of registered targets (the names of targets, tags and relay endpoints are :mod:`.names`'s).
 
 A relay (:mod:`.server`) listens on one TCP port and forwards the bytes of ZeroMQ (ZMTP)
 connections between the peers of a group. A peer that cannot accept connections (behind
@@ -32,11 +32,12 @@ so both are tested by feeding them bytes.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Literal
+
+from .names import HEX, endpoint, new_target, parse_endpoint, tag_of
 
 __all__ = ["ACCEPT", "CONNECT", "MAGIC", "OK", "OPEN", "PING", "REFUSED", "REGISTER",
            "Accept", "BadPreamble", "Connect", "Preamble", "Refused", "Register", "Targets",
@@ -51,37 +52,7 @@ OPEN = b"O"  # relay -> target: open an accept connection for this id (16 bytes 
 PING = b"P"  # relay -> target: still here
 PING_S = 1.0
 ID_BYTES = 16
-HEX = 32  # a target and a tag: 32 hex digits each (128 bits)
 _HEX = re.compile(rb"[0-9a-f]{32}")
-_ENDPOINT = re.compile(r"relay://([^/\s]*):([0-9]{1,5})/([0-9a-f]{32})(?:\.([0-9a-f]{32}))?")
-
-def new_target() -> str:
-    """A fresh target name: 128 random bits, in hex."""
-    return secrets.token_hex(HEX // 2)
-
-
-def tag_of(secret: str) -> str:
-    """The tag of a group at a relay: a digest of its link secret (the relay learns the
-    tag, never the secret)."""
-    return hashlib.sha256(b"p2pcoll-relay\x00" + secret.encode()).hexdigest()[:HEX]
-
-
-def endpoint(host: str, port: int, target: str, tag: str = "") -> str:
-    """``relay://HOST:PORT/TARGET`` (``.TAG`` appended when given: the form a member's
-    mesh uses). An empty host means the rendezvous host, as each peer reaches it."""
-    return f"relay://{host}:{port}/{target}" + (f".{tag}" if tag else "")
-
-
-def parse_endpoint(text: str) -> tuple[str, int, str, str]:
-    """``(host, port, target, tag)`` of a relay endpoint (tag and host may be '').
-
-    Raises:
-        ValueError: ``text`` is no relay endpoint.
-    """
-    m = _ENDPOINT.fullmatch(text)
-    if m is None or int(m.group(2)) > 65535:
-        raise ValueError(f"{text!r} is not a relay endpoint (relay://HOST:PORT/TARGET)")
-    return m.group(1), int(m.group(2)), m.group(3), m.group(4) or ""
 
 
 def register_preamble(target: str, tag: str) -> bytes:

@@ -1,6 +1,6 @@
 """The rendezvous client: register this peer's endpoints and wait for the roster.
 
-The request is re-sent every :data:`~.server.RESEND` seconds (the server's sign that this
+The request is re-sent every :data:`~.protocol.RESEND` seconds (the server's sign that this
 peer is alive, and how a restarted server learns of it), byte for byte the same: until the
 socket connects, ZeroMQ queues the copies and then delivers them at once, as a server whose
 loop stalled reads them at once, and the server takes copies of a connection's last request
@@ -46,7 +46,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
@@ -57,9 +57,11 @@ from ..errors import RendezvousError
 from ..transport.sockets import SocketFactory, monitor
 from ..types import Membership
 from ..wire import WIRE_VERSION
-from .probe import Answer, probe
-from .server import RESEND, hosted_at
+from .protocol import RESEND
 from .url import parse_url
+
+if TYPE_CHECKING:  # imported at the first probe: most joins never need one
+    from .probe import Answer
 
 log = logging.getLogger("p2pcoll.rendezvous")
 
@@ -213,6 +215,7 @@ class _Link:
             self._doubt = False
             self._next_probe = now + self._probe_every
             self._probe_every *= 2
+            from .probe import probe
             self._probe = asyncio.ensure_future(
                 probe(self.host, self.port, self.mechanism, PROBE_WAIT))
 
@@ -415,6 +418,7 @@ def _silence(url: str, seconds: float, link: _Link) -> str:
 def _timed_out(url: str, timeout: float, status: dict[str, Any] | None, link: _Link
                ) -> RendezvousError:
     if status is not None:
+        from .server import hosted_at  # (what its own server refused, if it hosts one)
         server = hosted_at(parse_url(url)[1])
         refused = server.refusals() if server is not None else ""
         return RendezvousError(f"rendezvous at {url} timed out after {timeout:.3g}s: "

@@ -74,6 +74,7 @@ import msgpack
 
 from ..wire import WIRE_VERSION
 from .admission import Admission
+from .protocol import RESEND
 from .reach import named
 
 if TYPE_CHECKING:  # settings imports the security package, which needs zmq
@@ -81,7 +82,6 @@ if TYPE_CHECKING:  # settings imports the security package, which needs zmq
 
 log = logging.getLogger("p2pcoll.rendezvous")
 
-RESEND = 0.5  # seconds between a client's re-sent join requests (its heartbeat)
 SETTLE = 1.0  # an elastic group with enough peers forms after this long without arrivals
 FORMED_KEPT = 4096  # rosters kept to answer peers that ask again...
 FORMED_TTL = 30.0  # ...for this many seconds after their group formed

@@ -43,18 +43,20 @@ import logging
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ..relay import Relay
 from ..settings import RendezvousLimits
 from ..transport.endpoints import listening
 from ..transport.sockets import SocketFactory, monitor
 from .jobs import RESEND, Jobs, Reply
 from .url import parse_url
+
+if TYPE_CHECKING:  # imported when a peer first needs the relay: most rendezvous never do
+    from ..relay.server import Relay
 
 log = logging.getLogger("p2pcoll.rendezvous")
 
@@ -147,6 +149,7 @@ class RendezvousServer:
         """The port of this host's relay, started now if need be (None: it cannot be)."""
         if self.relay is None:
             host = parse_url(self.url)[0]
+            from ..relay.server import Relay
             relay = Relay(host, 0, secured=self._sockets.secure)
             try:
                 relay.bind()

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.auth
 
 from ..errors import SettingsError
 
@@ -73,9 +72,11 @@ class JobKey:
             return SettingsError(f"{where}{shown!r}: {problem}", name=where, value=shown,
                                  allowed="a job key file made by `p2pcoll keygen PATH`")
 
+        from zmq.auth import load_certificate  # (pyzmq's certificates: a job key's only)
+
         try:
             mode = os.stat(path).st_mode
-            public, secret = zmq.auth.load_certificate(path)
+            public, secret = load_certificate(path)
         except (OSError, ValueError) as exc:
             raise bad(f"cannot read the job key ({exc})") from None
         if mode & stat.S_IRWXO:  # group access is allowed: a Kubernetes Secret with fsGroup

@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from .keys import JobKey
+
+if TYPE_CHECKING:  # imported when the first job key is admitted: a plain job has none
+    from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("p2pcoll.security")
 
@@ -52,6 +54,7 @@ class Gate:
             if gate is None:
                 gate = cls._gates[context.underlying] = cls(context)
             if gate._auth is None:
+                from zmq.auth.thread import ThreadAuthenticator
                 auth = ThreadAuthenticator(context, log=log)
                 auth.start()
                 gate._auth = auth

@@ -29,14 +29,11 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import msgpack
 import numpy as np
 
-from ..engine.board_alltoall import BoardAlltoall
-from ..engine.board_path import STRATEGY as BOARD
 from ..engine.costs import CostModel
 from ..engine.layout import Extent, Layout
 from ..engine.p2p import RECV, SEND
 from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
-from ..engine.timeline import COLLECTIVE
 from ..errors import CollectiveMismatch, GroupBroken, P2PCollError, ProtocolError
 from ..pytree import TreeDef
 from ..registry import registry
@@ -50,6 +47,7 @@ from .flight import Entry, describe
 from .turns import Turns
 
 if TYPE_CHECKING:
+    from ..engine.board_alltoall import BoardAlltoall  # imported at the first alltoall
     from ..engine.board_path import BoardPath
     from ..engine.costs import Constants
     from ..engine.executor import Executor
@@ -61,6 +59,7 @@ if TYPE_CHECKING:
     from .flight import Recorder
 
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
+BOARD = "shm"  # how stats() and the metrics name a collective run on the board
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
 Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
 _spec = attrgetter("dtype.str", "shape")  # an array's Spec (in C: on every call's path)
@@ -387,6 +386,7 @@ class Runner:
                                         "bytes": sum(a.nbytes for a in call.flat)}
                 if error is not None:
                     args["error"] = f"{type(error).__name__}: {error}"
+                from ..engine.timeline import COLLECTIVE
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
                 if program is None:  # what it received, learned as it ran
@@ -417,6 +417,7 @@ class Runner:
                     call.strategy_used = BOARD
                     p = self.size
                     if self._alltoall is None or self._alltoall.path is not board:
+                        from ..engine.board_alltoall import BoardAlltoall
                         self._alltoall = BoardAlltoall(board)
                     parts = await self._alltoall.run(op.number, call.leaves[:p],
                                                      call.leaves[p:] or None, program.sig)

@@ -20,27 +20,28 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from ..engine.costs import Constants
 from ..errors import RendezvousError
 from ..launchers import warn_alone
-from ..rendezvous import RendezvousServer, advertised_host, parse_url, rendezvous
-from ..rendezvous.torch_store import store_membership, store_rendezvous
+from ..relay.names import advertised, choosing, new_target
+from ..rendezvous import advertised_host, parse_url, rendezvous
 from ..settings import Settings
 from ..transport.endpoints import (
     endpoint_policy,
     host_identity,
     inproc_prefix,
 )
-from ..relay.protocol import new_target
-from ..transport.relayed import advertised, choosing
 from ..transport.sockets import SocketFactory
 from ..transport.zmq_mesh import ZmqMesh
 from ..types import Membership
 from .session import Session
+
+if TYPE_CHECKING:  # imported where it is used: only a peer that may host needs it
+    from ..rendezvous.server import RendezvousServer
 
 log = logging.getLogger("p2pcoll")
 
@@ -100,6 +101,7 @@ async def form(settings: Settings, sockets: SocketFactory,
             assert address is not None
             me = host_identity(settings.host_id)
             if url.startswith("torch://"):
+                from ..rendezvous.torch_store import store_rendezvous  # torchrun's only
                 membership = await store_rendezvous(
                     "torch" + address.removeprefix("tcp"), namespace=settings.torchrun,
                     endpoints=endpoints, world_size=settings.world_size, rank=settings.rank,
@@ -148,6 +150,7 @@ async def _form_through_store(
         if size == 1:
             membership = _alone(endpoints)
         else:
+            from ..rendezvous.torch_store import store_membership
             membership = await store_membership(
                 store, endpoints=endpoints, world_size=size, rank=rank,
                 timeout=max(0.0, deadline - loop.time()), host_id=me,
@@ -309,6 +312,7 @@ class _Hosting:
         return self.server
 
     async def _run(self) -> None:
+        from ..rendezvous.server import RendezvousServer
         reason = ""
         while self.server is None:
             candidate = RendezvousServer(self.address, self.sockets, self.limits)

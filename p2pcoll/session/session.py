@@ -13,14 +13,12 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .activity import Activity
-from ..engine.board_path import BoardPath
 from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
-from ..engine.timeline import Timeline
 from ..errors import KILLED, UNRESPONSIVE, GroupBroken, PeerLost
 from ..settings import Settings
 from ..departures import (
@@ -47,6 +45,9 @@ from .calls import Runner
 from .contacts import Contacts
 from .failure import FailureModel, GroupState
 from .flight import Recorder
+
+if TYPE_CHECKING:  # imported when the board is mapped: by a group on one host only
+    from ..engine.board_path import BoardPath
 
 log = logging.getLogger("p2pcoll")
 
@@ -75,12 +76,15 @@ class Session:
         self.matcher = Matcher(self.peers)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
                                      transport, self)
+        timeline = None
+        if settings.timeline:  # (P2PCOLL_TIMELINE; imported only then: most groups keep none)
+            from ..engine.timeline import Timeline
+            timeline = Timeline(settings.timeline, membership.group_id, membership.rank,
+                                membership.world_size)
         self.executor = Executor(
             transport, self.matcher, self.peers, membership.group_id,
             segment_bytes=settings.segment_bytes, depth=settings.pipeline_depth,
-            max_message_bytes=settings.max_message_bytes,
-            timeline=Timeline(settings.timeline, membership.group_id, membership.rank,
-                              membership.world_size) if settings.timeline else None,
+            max_message_bytes=settings.max_message_bytes, timeline=timeline,
         )
         self.seq = 0
         self.transfers: Counter[tuple[int, int, int]] = Counter()  # (src, dst, tag) -> sent
@@ -147,6 +151,7 @@ class Session:
             self._board_known = True
             board = getattr(self.transport, "board", None)
             if board is not None:
+                from ..engine.board_path import BoardPath
                 self._board = BoardPath(board, self.matcher, self.settings.spin_us * 1e-6)
                 self._board.history = self.runner.recent
         return self._board

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ..relay.attach import Attachment, Entrance
-from ..relay.protocol import endpoint, parse_endpoint, tag_of
-from ..relay.server import Relay
+from ..relay.names import advertised, choosing, is_relay, parse_endpoint, tag_of
 from ..types import Membership
 from .base import Counters
 from .endpoints import ipc_address
@@ -28,13 +27,7 @@ from .router import Router
 
 log = logging.getLogger("p2pcoll.transport")
 
-__all__ = ["Relay", "RelayPaths", "advertised", "choosing", "is_relay"]
-
-PREFIX = "relay://"
-
-
-def is_relay(endpoint: str) -> bool:
-    return endpoint.startswith(PREFIX)
+__all__ = ["RelayPaths", "advertised", "choosing", "is_relay"]  # the last three: .names's
 
 
 class RelayPaths:
@@ -115,30 +108,3 @@ class RelayPaths:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.attachment is not None:
             await self.attachment.aclose()
-
-
-def advertised(bound: Sequence[str], relay: str | None, target: str) -> list[str]:
-    """The endpoints a peer behind a relay advertises: ``relay://HOST:PORT/TARGET`` at
-    ``relay`` (``tcp://HOST:PORT``), or at the rendezvous host's relay (``relay://:0/``,
-    which the rendezvous fills in), then its ipc endpoints, for the peers of its host."""
-    host, port = ("", 0)
-    if relay is not None:
-        host, _, number = relay.removeprefix("tcp://").rpartition(":")
-        port = int(number)
-    return [endpoint(host, port, target), *(e for e in bound if e.startswith("ipc://"))]
-
-
-def choosing(choose: Callable[[str, list[str]], str], rendezvous_host: str, target: str
-             ) -> Callable[[str, list[str]], str]:
-    """``choose`` (which endpoint of a peer to use) for a roster with relay endpoints: one
-    with no host is on the rendezvous host; this peer's own entry (it names ``target``)
-    is its relay endpoint, where it registers (see :class:`RelayPaths`)."""
-
-    def chosen(host: str, endpoints: list[str]) -> str:
-        endpoints = [f"relay://{rendezvous_host}{e.removeprefix('relay://')}"
-                     if e.startswith("relay://:") else e for e in endpoints]
-        if target and endpoints and endpoints[0].endswith("/" + target):
-            return endpoints[0]
-        return choose(host, endpoints)
-
-    return chosen

@@ -47,12 +47,14 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
 
 from ..departures import Forget, Unwatch, Via, Watch, overlay
 from ..errors import PeerLost, ProtocolError
+from ..relay.names import is_relay
 from ..settings import Settings
 from ..types import Membership
 from ..wire import Header, Limits, encode_header
@@ -66,13 +68,16 @@ from .inbound import Inbound
 from .links import link_identity
 from .liveness import Probes
 from .malloc import tune_malloc
-from .relayed import Relay, RelayPaths, is_relay
 from .route import Route, Routes
 from .router import Router
 from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take it and _put from here)
 from .same_host import SameHost
 from .same_host import ring_put as _put
 from .sockets import SocketFactory
+
+if TYPE_CHECKING:  # both imported where a roster names a relay: most groups have none
+    from ..relay.server import Relay
+    from .relayed import RelayPaths
 
 log = logging.getLogger("p2pcoll.transport")
 
@@ -106,13 +111,8 @@ class ZmqMesh:
     sent: MessageHook | None = None  # instrumentation hooks: see p2pcoll.transport.base
     delivered: MessageHook | None = None
 
-    def __init__(
-        self,
-        policy: EndpointPolicy,
-        host: str,
-        settings: Settings,
-        sockets: SocketFactory | None = None,
-    ) -> None:
+    def __init__(self, policy: EndpointPolicy, host: str, settings: Settings,
+                 sockets: SocketFactory | None = None) -> None:
         self.policy = policy
         self.name = policy.name
         self.host = host
@@ -173,8 +173,7 @@ class ZmqMesh:
         self._deferring: asyncio.Task[None] | None = None
         self._closed = False
         self._monitored = False
-        # Over inproc every large piece goes as a snapshot (see connect).
-        self._snapshot_all = False
+        self._snapshot_all = False  # over inproc every large piece goes as a snapshot
         self._relay: RelayPaths | None = None  # the paths through relays, if any (.relayed)
         self._kept: list[Relay] = []  # relays this peer serves (see keep_relay)
         tune_malloc(settings.tune_malloc)
@@ -199,6 +198,7 @@ class ZmqMesh:
         self._router.start(rank, size, secret)
         reach = endpoints  # peers behind a relay are reached through it (see .relayed)
         if any(is_relay(e) for e in endpoints):
+            from .relayed import RelayPaths
             self._relay = RelayPaths(membership, self._router,
                                      self.settings.heartbeat_timeout, self._relay_lost,
                                      self.counters)
