@@ -6,6 +6,7 @@
 
 from typing import TYPE_CHECKING
 
+from .lazy import lazy_names
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -74,21 +75,4 @@ _LAZY = {
     "Settings": ".settings",
     "CustomOp": ".types", "Membership": ".types", "ReduceOp": ".types",
 }
-_MODULES = ("training", "blocking")
-
-
-def __getattr__(name: str) -> object:
-    import importlib
-
-    if name in _MODULES:
-        return importlib.import_module(f".{name}", __name__)
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where, __name__), name)
-    globals()[name] = value  # once: later reads find it without this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, modules=("training", "blocking"))

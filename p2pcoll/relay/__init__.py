@@ -17,6 +17,8 @@ relay loads neither the server nor the splicing. See docs/relay.md.
 
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_names
+
 if TYPE_CHECKING:
     from .attach import Attachment, Entrance
     from .server import Relay, RelayLimits
@@ -27,16 +29,4 @@ _HOMES = {"Attachment": ".attach", "Entrance": ".attach",
           "Relay": ".server", "RelayLimits": ".server"}
 
 
-def __getattr__(name: str) -> object:
-    import importlib
-
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value  # once: later reads find it without this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _HOMES)

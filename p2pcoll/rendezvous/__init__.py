@@ -6,6 +6,8 @@ rendezvous runs one (with its rules, :mod:`.jobs`), so the others never load it.
 
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_names
+
 from .client import rendezvous
 from .url import advertised_host, parse_url
 
@@ -15,14 +17,4 @@ if TYPE_CHECKING:
 __all__ = ["RendezvousServer", "advertised_host", "parse_url", "rendezvous"]
 
 
-def __getattr__(name: str) -> object:
-    if name != "RendezvousServer":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .server import RendezvousServer
-
-    globals()[name] = RendezvousServer  # once: later reads find it without this hook
-    return RendezvousServer
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, globals(), {"RendezvousServer": ".server"})

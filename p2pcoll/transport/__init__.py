@@ -11,6 +11,8 @@ the interface (the engine, the session) loads neither the mesh nor the in-memory
 
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_names
+
 from .base import Counters, Transport
 
 if TYPE_CHECKING:
@@ -29,16 +31,4 @@ _HOMES = {"endpoint_policy": ".endpoints", "host_identity": ".endpoints",
           "SocketFactory": ".sockets", "ZmqMesh": ".zmq_mesh"}
 
 
-def __getattr__(name: str) -> object:
-    import importlib
-
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value  # once: later reads find it without this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _HOMES)
