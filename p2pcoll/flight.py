@@ -7,7 +7,8 @@ flight record is reported and left out); :func:`analyse`, a pure function of wha
 read, finds:
 
 - the first collective (by sequence number) where the ranks differ: in the collective,
-  its bytes or its dtypes, or because some rank had not started it;
+  its bytes, its dtypes or its shapes (two ranks' (4, 8) and (8, 4) move the same bytes),
+  or because some rank had not started it;
 - whom the ranks wait for: what each rank's running calls, and its first failed one,
   still wait for (or its error named), and the ranks those waits lead to (named, and
   waiting for nobody themselves: a ring's rank waits for its neighbour, which may wait
@@ -36,6 +37,7 @@ FILE_NAME = re.compile(r"rank-(\d+)\.json")
 KEYS: dict[str, type | tuple[type, ...]] = {
     "seq": int, "collective": str, "strategy": str, "bytes": int, "dtype": str, "state": str,
     "started": (int, float), "ended": (int, float, type(None)), "waiting_for": list}
+SHAPES_SHOWN = 4  # a call's shapes shown in the report (a pytree may have thousands)
 TRANSFERS = ("send", "recv")
 
 
@@ -147,10 +149,18 @@ def parse(document: object, rank: int) -> RankFile:
     record = document["record"]
     for i, entry in enumerate(record):
         if not isinstance(entry, dict) or any(
-                not isinstance(entry.get(k, ...), t) for k, t in KEYS.items()):
+                not isinstance(entry.get(k, ...), t) for k, t in KEYS.items()) or (
+                "shapes" in entry and not _shape_lists(entry["shapes"])):
             raise ValueError(f"foreign: entry {i} of its record is not a flight record entry")
     return RankFile(rank, document["world_size"], document["group"],
                     str(document.get("reason", "")), record)
+
+
+def _shape_lists(value: object) -> bool:
+    """Whether ``value`` is what an entry's optional ``shapes`` is: a list of lists of
+    non-negative ints (files written before it was recorded have none)."""
+    return isinstance(value, list) and all(
+        isinstance(s, list) and all(type(n) is int and n >= 0 for n in s) for s in value)
 
 
 # --- analysing ----------------------------------------------------------------------------
@@ -184,10 +194,25 @@ def _collectives(record: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[str, 
     return {e["seq"]: e for e in record if e["collective"] not in TRANSFERS}
 
 
+def shapes(entry: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """The entry's shapes as a comparable value; None when its file does not say (written
+    before shapes were recorded: it compares equal to any)."""
+    given = entry.get("shapes")
+    if given is None:
+        return None
+    return tuple(tuple(s) for s in given)
+
+
 def describe(entry: Mapping[str, Any]) -> str:
-    """``allreduce 4096 bytes float32 (failed)``; ``broadcast (failed)`` for no data (a
-    barrier) or none known (a receiver that had not learned its layout)."""
+    """``allreduce 4096 bytes float32 shapes [4, 8] (failed)``; ``broadcast (failed)`` for
+    no data (a barrier) or none known (a receiver that had not learned its layout). At most
+    :data:`SHAPES_SHOWN` shapes are listed, then how many leaves there are."""
     data = f" {entry['bytes']} bytes {entry['dtype']}" if entry["dtype"] else ""
+    given = entry.get("shapes") or []
+    if entry["dtype"] and given:
+        listed = " ".join(str(s) for s in given[:SHAPES_SHOWN])
+        more = f" ... ({len(given)} leaves)" if len(given) > SHAPES_SHOWN else ""
+        data += f" shape{'s' if len(given) > 1 else ''} {listed}{more}"
     return f"{entry['collective']}{data} ({entry['state']})"
 
 
@@ -202,7 +227,8 @@ def _first_difference(result: Analysis, by_rank: Mapping[int, Mapping[int, Mappi
     for seq in sorted({s for seqs in kept for s in seqs if s >= first}):
         seen = {r: seqs.get(seq) for r, seqs in by_rank.items()}
         kinds = {(e["collective"], e["bytes"], e["dtype"]) for e in seen.values() if e}
-        if len(kinds) > 1 or None in seen.values():
+        known = {shapes(e) for e in seen.values() if e} - {None}
+        if len(kinds) > 1 or len(known) > 1 or None in seen.values():
             result.first_difference = seq
             for r, e in sorted(seen.items()):
                 if e is not None:
@@ -264,4 +290,4 @@ def report(folder: str, analysis: Analysis) -> str:
 
 
 __all__ = ["MAX_FILE_BYTES", "Analysis", "Loaded", "RankFile", "analyse", "describe", "load",
-           "parse", "read", "report"]
+           "parse", "read", "report", "shapes"]

@@ -1,6 +1,6 @@
 """A rank of a torch.distributed "p2pcoll" world for tests/test_flight_processes.py: a few
 ops of the backend (collectives, a send and a receive, all_to_all_single), then it prints
-its flight record as JSON, ``{"record": [[collective, state], ...]}``."""
+its flight record as JSON, ``{"record": [[collective, state, shapes], ...]}``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from p2pcoll.integrations.torch.hooks import p2pcoll_group
 def main() -> None:
     dist.init_process_group("p2pcoll")
     rank, size = dist.get_rank(), dist.get_world_size()
-    t = torch.ones(8)
+    t = torch.ones(2, 4)
     dist.all_reduce(t)
     dist.broadcast(t, src=0)
     if rank == 0:
@@ -27,7 +27,8 @@ def main() -> None:
     dist.all_to_all_single(out, torch.arange(2 * size, dtype=torch.float32))
     dist.barrier()
     record = p2pcoll_group(None).flight_record()
-    print(json.dumps({"record": [[e["collective"], e["state"]] for e in record]}), flush=True)
+    print(json.dumps({"record": [[e["collective"], e["state"], e["shapes"]]
+                                  for e in record]}), flush=True)
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@
     python tests/shrink_worker.py identical     # 4 ranks: rank 3 is SIGKILLed
     python tests/shrink_worker.py inflight FLAG # 3 ranks: rank 2 (alive) is left out
     python tests/shrink_worker.py abort         # 2 ranks: rank 1 stops itself
+    python tests/shrink_worker.py second WHEN   # 4 ranks: 3 is SIGKILLed, 2 during the shrink
 
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment. Each rank prints
 ``KEY value`` lines the test reads:
@@ -16,6 +17,10 @@ inflight: rank 0 has a receive in flight on the default group when ranks 0 and 1
 without rank 2 (with FLAG ``default`` or ``abort``): ``INFLIGHT <error class>`` says how it
 ended; rank 2 calls shrink_group itself (``EXCLUDED RuntimeError``), then waits in a
 barrier until the survivors leave (``LEFT <error class>``).
+
+second: rank 3 kills itself; ranks 0, 1 and 2 shrink the default group without it, and
+rank 2 SIGKILLs itself inside its shrink at WHEN (``offer`` or ``forming``, as in
+tests/shrink_death_worker.py): ``SECOND <error class> <its rank attribute> <seconds>``.
 
 abort: rank 1 SIGSTOPs itself while rank 0 has a receive from it in flight; rank 0's
 ``abort()`` of the group returns without waiting for the frozen peer: ``ABORT <seconds>
@@ -139,12 +144,40 @@ def abort() -> None:
     os._exit(0)
 
 
+def second(when: str) -> None:
+    me = dist.get_rank()
+    dist.barrier()
+    if me == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass  # rank 3 is lost
+    if me == 2:  # its own shrink's step replaced, in this process only: an exact moment
+        from p2pcoll.session import shrink as shrinking
+
+        def die(*args: object, **kwargs: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(shrinking, "_exchange" if when == "offer" else "handshake", die)
+    started = time.monotonic()
+    try:
+        dist.shrink_group([3])
+        say("SECOND none")
+    except Exception as exc:  # whatever it is: the test says what it should be
+        say(f"SECOND {type(exc).__name__} {getattr(exc, 'rank', None)} "
+            f"{time.monotonic() - started:.2f} {str(exc).splitlines()[0][:200]}")
+    os._exit(0)  # the old group is broken: nothing to close gracefully
+
+
 def main() -> None:
     dist.init_process_group("p2pcoll")
     if sys.argv[1] == "identical":
         identical()
     elif sys.argv[1] == "abort":
         abort()
+    elif sys.argv[1] == "second":
+        second(sys.argv[2])
     else:
         inflight(sys.argv[2])
 

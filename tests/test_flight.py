@@ -19,15 +19,20 @@ from p2pcoll.settings import Settings
 from p2pcoll.testing import MemoryNetwork, memory_groups, run_virtual
 from p2pcoll.types import OpKey
 
-KEYS = ["seq", "collective", "strategy", "bytes", "dtype", "state", "started", "ended",
-        "waiting_for"]
+KEYS = ["seq", "collective", "strategy", "bytes", "dtype", "shapes", "state", "started",
+        "ended", "waiting_for"]
 
 
 def entry(seq: int, collective: str = "allreduce", state: str = "done", nbytes: int = 16,
-          dtype: str = "float32", waiting: list[int] | None = None) -> dict[str, Any]:
-    return {"seq": seq, "collective": collective, "strategy": "ring", "bytes": nbytes,
-            "dtype": dtype, "state": state, "started": 1.0 + seq,
-            "ended": None if state == "running" else 1.5 + seq, "waiting_for": waiting or []}
+          dtype: str = "float32", waiting: list[int] | None = None,
+          shapes: list[list[int]] | None = None) -> dict[str, Any]:
+    """An entry; without ``shapes`` as files written before shapes were recorded."""
+    e = {"seq": seq, "collective": collective, "strategy": "ring", "bytes": nbytes,
+         "dtype": dtype, "state": state, "started": 1.0 + seq,
+         "ended": None if state == "running" else 1.5 + seq, "waiting_for": waiting or []}
+    if shapes is not None:
+        e["shapes"] = shapes
+    return e
 
 
 def write_rank(folder: Path, rank: int, record: list[dict[str, Any]], world: int = 3,
@@ -65,6 +70,35 @@ def test_a_difference_in_bytes_or_dtype_counts(tmp_path: Path) -> None:
         write_rank(tmp_path, r, [entry(0, dtype="float32" if r else "float64")], world=2)
     a = analyse(load(str(tmp_path)))
     assert a is not None and a.first_difference == 0
+
+
+def test_equal_bytes_in_other_shapes_differ_and_the_shapes_are_shown(tmp_path: Path) -> None:
+    write_rank(tmp_path, 0, [entry(0, shapes=[[4]]), entry(1, nbytes=128, shapes=[[4, 8]])],
+               world=2)
+    write_rank(tmp_path, 1, [entry(0, shapes=[[4]]), entry(1, nbytes=128, shapes=[[8, 4]])],
+               world=2)
+    a = analyse(load(str(tmp_path)))
+    assert a is not None and a.first_difference == 1
+    assert a.at_difference == {0: "allreduce 128 bytes float32 shape [4, 8] (done)",
+                               1: "allreduce 128 bytes float32 shape [8, 4] (done)"}
+    # A pytree whose leaves are cut otherwise: the same bytes, other shapes; many leaves
+    # are listed up to a bound.
+    leaves = [[1]] * 9
+    write_rank(tmp_path, 0, [entry(0, nbytes=40, shapes=[[1]] * 10)], world=2)
+    write_rank(tmp_path, 1, [entry(0, nbytes=40, shapes=[*leaves, []])], world=2)
+    a = analyse(load(str(tmp_path)))
+    assert a is not None and a.first_difference == 0
+    assert a.at_difference[0].endswith("shapes [1] [1] [1] [1] ... (10 leaves) (done)")
+
+
+def test_a_file_without_shapes_compares_by_bytes_and_dtypes(tmp_path: Path) -> None:
+    write_rank(tmp_path, 0, [entry(0, shapes=[[4]]), entry(1, shapes=[[2, 2]])], world=2)
+    write_rank(tmp_path, 1, [entry(0), entry(1)], world=2)  # written before shapes were
+    a = analyse(load(str(tmp_path)))
+    assert a is not None and a.first_difference is None and a.bad == {}
+    write_rank(tmp_path, 1, [entry(0, shapes=[[4]]), entry(1, shapes=[[-2]])], world=2)
+    loaded = load(str(tmp_path))
+    assert "entry 1" in loaded.bad["rank-1.json"]
 
 
 def test_a_rank_one_collective_behind_has_not_started_it(tmp_path: Path) -> None:
@@ -178,6 +212,7 @@ def test_the_record_lists_each_call_oldest_first_with_the_keys_named() -> None:
             assert all(e["ended"] >= e["started"] and e["waiting_for"] == [] for e in record)
             assert record[0]["bytes"] == 24 and record[0]["dtype"] == "float32"
             assert record[2]["bytes"] == 48 and record[2]["dtype"] == "int64"
+            assert record[0]["shapes"] == [[6]] and record[2]["shapes"] == [[6]]
             assert record[0]["strategy"] not in ("", "auto")
         assert records[0][3]["collective"] == "send" and records[1][3]["collective"] == "recv"
         assert records[1][2]["bytes"] == 48  # a receiver learns its layout: recorded at the end
@@ -255,9 +290,57 @@ def test_a_failure_is_written_and_the_command_finds_the_mismatch(
     assert main(["flight", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "first difference: collective #1" in out
-    assert "rank 1: broadcast" in out and "rank 0: allreduce 16 bytes float32 (failed)" in out
+    assert "rank 1: broadcast" in out
+    assert "rank 0: allreduce 16 bytes float32 shape [4] (failed)" in out
     assert "everyone waits for rank 1" in out
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_call_in_other_shapes_is_found_by_the_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async def go() -> list[BaseException | None]:
+        groups = await memory_groups(2, collective_timeout=5, flight_dir=str(tmp_path))
+        tree = {"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)}
+        await asyncio.gather(*(g.allreduce(tree) for g in groups))
+        record = groups[0].flight_record()
+        assert record[0]["shapes"] == [[2], [2, 3]]  # leaves in the pytree's order
+        # The same bytes and dtype on both ranks, in shapes (4, 8) and (8, 4).
+        shapes = {0: (4, 8), 1: (8, 4)}
+        results = await asyncio.gather(
+            *(g.allreduce(np.ones(shapes[g.rank], np.float32)) for g in groups),
+            return_exceptions=True)
+        while len(list(tmp_path.glob("rank-*.json"))) < 2:  # written on a worker thread
+            await asyncio.sleep(0.01)
+        for g in groups:
+            await g.close()
+        return results
+
+    results = run_virtual(go())
+    assert all(isinstance(r, CollectiveMismatch) for r in results)
+    document = json.loads((tmp_path / "rank-1.json").read_text())
+    assert document["record"][-1]["shapes"] == [[8, 4]]
+    assert main(["flight", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "first difference: collective #1" in out
+    assert "rank 0: allreduce 128 bytes float32 shape [4, 8] (failed)" in out
+    assert "rank 1: allreduce 128 bytes float32 shape [8, 4] (failed)" in out
+
+
+def test_shapes_of_a_receiver_and_of_an_alltoall_are_those_it_holds() -> None:
+    async def go() -> None:
+        groups = await memory_groups(2)
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        await asyncio.gather(groups[0].broadcast(x, root=0), groups[1].broadcast(None, root=0))
+        await asyncio.gather(groups[0].send(x, 1, tag=1), groups[1].recv(0, tag=1))
+        parts = {0: [np.ones((1, 2)), np.ones((3, 2))], 1: [np.ones((0, 2)), np.ones((2, 2))]}
+        await asyncio.gather(*(g.alltoall(parts[g.rank]) for g in groups))
+        records = [[e["shapes"] for e in g.flight_record()] for g in groups]
+        for g in groups:
+            await g.close()
+        assert records[0][:2] == records[1][:2] == [[[3, 4]], [[3, 4]]]
+        assert records[0][-1] == [[1, 2], [3, 2]] and records[1][-1] == [[0, 2], [2, 2]]
+
+    run_virtual(go())
 
 
 def test_a_frozen_rank_is_named_by_the_survivors_records(tmp_path: Path) -> None:
@@ -331,9 +414,9 @@ def test_the_ring_keeps_the_last_calls_that_ended_and_every_running_one() -> Non
     running: list[tuple[OpKey, object, float]] = []
     recorder = Recorder(2, 0, 2, "g", lambda key: [1], lambda key: [],
                         running=lambda: running)
-    what = ("allreduce", "ring", 8, "float32")
+    what = ("allreduce", "ring", 8, "float32", ((2,),))
     # call 0 runs on while calls 1, 2 and 3 end: it is listed, whatever the ring keeps
-    running.append((OpKey(0), ("recv", "auto", 0, ""), 1.0))
+    running.append((OpKey(0), ("recv", "auto", 0, "", ()), 1.0))
     for n in (1, 2, 3):
         recorder.record(OpKey(n), what, 1.0 + n, 1.5 + n, "board" if n == 3 else "ring")
     record = recorder.snapshot()
@@ -341,18 +424,18 @@ def test_the_ring_keeps_the_last_calls_that_ended_and_every_running_one() -> Non
         (0, "running", "auto", [1]), (2, "done", "ring", []), (3, "done", "board", [])]
     assert record[0]["ended"] is None and record[2]["ended"] > record[2]["started"]
     running.clear()  # it ends, its bytes learned: recorded in place of the oldest
-    recorder.record(OpKey(0), ("recv", "auto", 16, "int64"), 1.0, 9.0, "ring")
-    assert [(e["seq"], e["strategy"], e["bytes"], e["dtype"])
-            for e in recorder.snapshot()] == [(0, "ring", 16, "int64"),
-                                               (3, "board", 8, "float32")]
+    recorder.record(OpKey(0), ("recv", "auto", 16, "int64", ((1, 2),)), 1.0, 9.0, "ring")
+    assert [(e["seq"], e["strategy"], e["bytes"], e["dtype"], e["shapes"])
+            for e in recorder.snapshot()] == [(0, "ring", 16, "int64", [[1, 2]]),
+                                               (3, "board", 8, "float32", [[2]])]
 
 
 def test_a_row_taken_again_forgets_the_failure_it_held() -> None:
     recorder = Recorder(1, 0, 2, "g", lambda key: [], lambda key: [1])
-    recorder.record(OpKey(0), ("allreduce", "board", 8, "float32"), 1.0, 2.0,
+    recorder.record(OpKey(0), ("allreduce", "board", 8, "float32", ((2,),)), 1.0, 2.0,
                     error=GroupBroken("broken"))
     [entry] = recorder.snapshot()
     assert (entry["seq"], entry["state"], entry["waiting_for"]) == (0, "failed", [1])
-    recorder.record(OpKey(1), ("allreduce", "board", 8, "float32"), 3.0, 4.0)
+    recorder.record(OpKey(1), ("allreduce", "board", 8, "float32", ((2,),)), 3.0, 4.0)
     [entry] = recorder.snapshot()
     assert (entry["seq"], entry["state"], entry["waiting_for"]) == (1, "done", [])

@@ -53,8 +53,8 @@ def test_a_mismatched_run_shows_where_the_ranks_differ(tmp_path: Path) -> None:
     out = flight(tmp_path)
     assert "first difference: collective #3" in out
     assert "rank 1: broadcast" in out
-    assert "rank 0: allreduce 4096 bytes float32 (failed)" in out
-    assert "rank 2: allreduce 4096 bytes float32 (failed)" in out
+    assert "rank 0: allreduce 4096 bytes float32 shape [1024] (failed)" in out
+    assert "rank 2: allreduce 4096 bytes float32 shape [1024] (failed)" in out
     assert "missing" not in out
 
 
@@ -107,10 +107,12 @@ def test_under_torch_the_record_holds_every_op_of_the_backend() -> None:
         job.close()
     # all_to_all_single is one p2pcoll alltoall: on one host, one board round that agrees
     # on the lengths as it exchanges.
-    head = [["allreduce", "done"], ["broadcast", "done"]]
-    assert records[0][:3] == [*head, ["send", "done"]]
-    assert records[1][:3] == [*head, ["recv", "done"]]
+    # Each entry holds the tensors' shapes, as the analysis compares them.
+    head = [["allreduce", "done", [[2, 4]]], ["broadcast", "done", [[2, 4]]]]
+    assert records[0][:3] == [*head, ["send", "done", [[2, 4]]]]
+    assert records[1][:3] == [*head, ["recv", "done", [[2, 4]]]]
     for record in records:
-        assert record[-1] == ["barrier", "done"]
-        middle = {c for c, _ in record[3:-1]}
-        assert middle == {"alltoall"} and all(s == "done" for _, s in record)
+        assert record[-1] == ["barrier", "done", []]
+        middle = {c for c, _, _ in record[3:-1]}
+        assert middle == {"alltoall"} and all(s == "done" for _, s, _ in record)
+        assert [[2], [2]] in [shapes for c, _, shapes in record if c == "alltoall"]

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 import p2pcoll
-from p2pcoll import CollectiveMismatch, Group, PeerLost
+from p2pcoll import CollectiveMismatch, Group, PeerLost, RendezvousError
+from p2pcoll.errors import CLOSED, KILLED
+from p2pcoll.session.shrink import _lost_while_forming
 from p2pcoll.testing import MemoryNetwork, memory_groups, run_ranks, run_virtual
 
 HEARTBEAT = 1.0
@@ -172,3 +176,18 @@ def test_shrink_over_sockets_gives_a_working_group() -> None:
         assert got == [[0.0, 2.0, 2.0], [], [1.0, 2.0, 2.0]]
 
     asyncio.run(main())
+
+
+def test_a_survivor_lost_while_the_new_group_forms_is_named_by_its_old_rank() -> None:
+    # A second survivor gone after every offer came: the new group's hellos miss it. The
+    # error names it by its old rank, never a survivor that closed the old group normally
+    # meanwhile (one that gave up on the same shrink first), whatever the old group knows.
+    gone: dict[int, PeerLost] = {
+        1: PeerLost("rank 1 left the group: it closed it normally", 1, how=CLOSED)}
+    old = cast(Any, SimpleNamespace(departures=SimpleNamespace(lost=gone.get)))
+    timeout = RendezvousError("rank 0 could not reach ranks [1] of the group")  # new numbers
+    e = _lost_while_forming(old, [0, 1, 2], [2], timeout)
+    assert e.rank == 2 and "rank 2" in str(e) and "ranks [2]" in str(e)
+    gone[2] = PeerLost("rank 2 ended without a word", 2, how=KILLED)  # the old group saw it
+    assert _lost_while_forming(old, [0, 1, 2], [2], timeout) is gone[2]
+    assert _lost_while_forming(old, [0, 1, 2], [], timeout) is gone[2]

@@ -4,7 +4,8 @@ DDP loses a rank (SIGKILL, or SIGSTOP: found after the heartbeat) and the surviv
 training with examples/torch_shrink.py, with SHRINK_DEFAULT and SHRINK_ABORT; the shrunk
 group gives the bits of a group formed fresh by the survivors; torch's errors for bad
 ranks; an operation in flight on the old group ends with either flag
-(tests/shrink_worker.py); ``abort()`` returns without waiting for a frozen peer.
+(tests/shrink_worker.py); a second rank dying during the shrink is named on every survivor;
+``abort()`` returns without waiting for a frozen peer.
 """
 
 from __future__ import annotations
@@ -108,3 +109,16 @@ def test_abort_returns_at_once_with_an_operation_in_flight_and_a_frozen_peer() -
     ended = [line.split() for line in lines if line.startswith("ABORT")]
     assert len(ended) == 1 and ended[0][2] == "GroupBroken", lines
     assert float(ended[0][1]) < 60.0, lines
+
+
+@pytest.mark.parametrize("when", ["offer", "forming"])
+def test_a_second_rank_dying_during_shrink_group_is_named_on_every_survivor(when: str
+                                                                             ) -> None:
+    heartbeat = 1.5
+    lines = run_world(4, "second", when, heartbeat=heartbeat)
+    ended = [line.split(maxsplit=4) for line in lines if line.startswith("SECOND")]
+    assert len(ended) == 2, lines  # ranks 0 and 1
+    for _, error, rank, seconds, message in ended:
+        assert (error, rank) == ("PeerLost", "2") and "rank 2" in message, lines
+        # A hang guard: the heartbeat finds it, long before torch's 30-minute deadline.
+        assert float(seconds) < 20 * heartbeat, lines

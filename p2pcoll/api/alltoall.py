@@ -92,9 +92,10 @@ async def _agree_and_exchange(group: Group, send: list[np.ndarray],
         counts = tuple(int(n) * row for n in rows.reshape(-1))
         if recv is None:
             recv = [np.empty((int(rows[i, rank]), *rest), dtype) for i in range(p)]
-        call = Call("alltoall", [a.reshape(-1) for a in send]
-                    + [a.reshape(-1) for a in recv], strategy=strategy,
-                    timeout=timeout, counts=counts)
+        # The parts as given (their shapes are in the program's key and the flight
+        # record); flat: those sent, as they move (the runner cuts them into blocks).
+        call = Call("alltoall", send + recv, strategy=strategy, timeout=timeout,
+                    counts=counts, flat=[a.reshape(-1) for a in send])
         turn.release()  # the exchange below takes its number before any await
         await group.session.run(call)
     np.copyto(recv[rank], send[rank])

@@ -148,8 +148,9 @@ class Prepared:
     # This rank's part as messages, compiled when first run: after the sequence number
     # is taken, so that the peers hear of a plugin's bad schedule (it aborts the collective).
     program: Program | None = None
-    # What the flight record says of a call of it: collective, strategy, bytes, dtypes.
-    flight: Entry = ("", "", 0, "")
+    # What the flight record says of a call of it: collective, strategy, bytes, dtypes,
+    # shapes.
+    flight: Entry = ("", "", 0, "", ())
     # On the board: a reduction's plan (where its data lies), True for a barrier, or a
     # broadcast root's packed layout (its data fits) or b"" (it goes as messages, and
     # the board only says so). None: not on the board.
@@ -307,7 +308,7 @@ class Runner:
                               whole=strat.whole_messages)
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True),
-                           flight=(name, strat.name, *describe(flat)))
+                           flight=(name, strat.name, *describe(flat, call.leaves[:len(flat)])))
         if name == "alltoall" and p > 1 and not on_board:
             mine = {b for b in range(p * p) if b // p == self.rank or b % p == self.rank}
             program.forwarded = tuple(sorted(
@@ -364,7 +365,7 @@ class Runner:
         # What the flight record says the call is, known from its program (a receiver's
         # learns it: at its end); the failure model lists it with its start while it runs.
         what = (program.flight if program is not None else
-                (call.collective, call.strategy or "auto", 0, ""))
+                (call.collective, call.strategy or "auto", 0, "", ()))
         timeline = session.executor.timeline
         traced = timeline.now() if timeline is not None else 0.0
         try:
@@ -390,7 +391,7 @@ class Runner:
                 timeline.span(COLLECTIVE, f"{call.collective} #{op.number}", traced, args)
             if flight is not None:
                 if program is None:  # what it received, learned as it ran
-                    what = (what[0], what[1], *describe(call.flat))
+                    what = (what[0], what[1], *describe(call.flat, call.leaves))
                 flight.record(op, what, started, ended, call.strategy_used, error)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat[:len(call.leaves)]:  # not a scratch area after them
@@ -551,13 +552,13 @@ def _blocks(call: Call, forwarded: Sequence[int], rank: int, p: int) -> list[np.
     send (its row), the buffers it receives into (its column), a fresh buffer for each
     block it forwards, and an empty array for every block it never holds."""
     leaves, counts = call.leaves, call.counts
-    none = leaves[0][:0]
+    none = leaves[0].reshape(-1)[:0]
     out = [none] * (p * p)
     for b in forwarded:
         out[b] = np.empty(counts[b], leaves[0].dtype)
-    for j in range(p):
-        out[j * p + rank] = leaves[p + j]
-        out[rank * p + j] = leaves[j]
+    for j in range(p):  # views of the parts as given (C-contiguous: no copy)
+        out[j * p + rank] = leaves[p + j].reshape(-1)
+        out[rank * p + j] = leaves[j].reshape(-1)
     return out
 
 

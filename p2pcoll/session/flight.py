@@ -5,7 +5,7 @@ The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path eve
 takes) records a call when it ends, with one call of :meth:`Recorder.record`: a ring of the
 last ``P2PCOLL_FLIGHT_RECORD`` calls (2,000; 0: off), parallel lists made once and written
 in place (nothing the garbage collector follows is made or kept per call), what a call is
-(collective, strategy, bytes, dtypes) made once per prepared program, its times the
+(collective, strategy, bytes, dtypes, shapes) made once per prepared program, its times the
 runner's own clock reads. The calls still running are not written anywhere: the failure
 model lists them (:meth:`~p2pcoll.session.failure.FailureModel.calls`, its table of running
 operations, each with its entry and start) and :meth:`Recorder.snapshot` reads them there,
@@ -53,18 +53,21 @@ RUNNING, DONE, FAILED = "running", "done", "failed"
 Waiting = Callable[[OpKey], list[int]]  # the ranks a running operation waits for
 # The calls running now: each one's key, Entry (or None: not described) and start.
 Running = Callable[[], Iterable[tuple[OpKey, Any, float]]]
-# What a call is, as its entry says: (collective, strategy, bytes, dtypes); made once per
-# prepared program (see p2pcoll.session.calls.Prepared.flight).
-Entry = tuple[str, str, int, str]
-_UNUSED: Entry = ("", "", 0, "")
+Shapes = tuple[tuple[int, ...], ...]  # one shape per array leaf
+# What a call is, as its entry says: (collective, strategy, bytes, dtypes, shapes); made
+# once per prepared program (see p2pcoll.session.calls.Prepared.flight).
+Entry = tuple[str, str, int, str, Shapes]
+_UNUSED: Entry = ("", "", 0, "", ())
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
 
 
-def describe(arrays: Sequence[np.ndarray]) -> tuple[int, str]:
-    """The bytes of ``arrays`` and their dtypes' names (``"float32"``, ``"float32,int64"``
-    for several kinds; ``""`` for none)."""
+def describe(arrays: Sequence[np.ndarray], leaves: Sequence[np.ndarray]
+             ) -> tuple[int, str, Shapes]:
+    """The bytes of ``arrays`` (the data as it moves, flattened), their dtypes' names
+    (``"float32"``, ``"float32,int64"`` for several kinds; ``""`` for none) and the shapes
+    of ``leaves`` (the same data as the caller passed it)."""
     names: list[str] = []
     nbytes = 0
     for a in arrays:
@@ -74,7 +77,7 @@ def describe(arrays: Sequence[np.ndarray]) -> tuple[int, str]:
             name = _NAMES[a.dtype] = a.dtype.name
         if name not in names:
             names.append(name)
-    return nbytes, ",".join(names)
+    return nbytes, ",".join(names), tuple(a.shape for a in leaves)
 
 
 class Recorder:
@@ -129,7 +132,7 @@ class Recorder:
     def record(self, key: OpKey, what: Entry, started: float, ended: float,
                strategy: str = "", error: BaseException | None = None) -> None:
         """Call ``key``, ``what`` (its collective, the strategy it was to run with or was
-        asked for, its bytes and dtypes), ran from ``started`` to ``ended``
+        asked for, its bytes, dtypes and shapes), ran from ``started`` to ``ended``
         (``time.perf_counter()``) with ``strategy`` ("": as ``what`` says), and failed
         with ``error`` (None: it did not). It takes the oldest call's row. A failure is
         written to the folder."""
@@ -139,7 +142,7 @@ class Recorder:
         self._ended[i] = ended
         # Nearly always the strategy it was to run with, the very string (its program's).
         if strategy is not what[1] and strategy:
-            what = (what[0], strategy, what[2], what[3])
+            what = (what[0], strategy, what[2], what[3], what[4])
         self._what[i] = what
         if error is not None or self._waited:  # a failure, now or in the row before
             self._waited.pop(i, None)
@@ -174,8 +177,10 @@ class Recorder:
         (by start) first: ``seq`` (a collective's sequence number; a transfer's
         count on its channel), ``collective``, ``strategy`` (the one it ran with, "board"
         for the shared-memory board; while running, the one asked for), ``bytes`` (this
-        rank's data), ``dtype``, ``state`` (``running``, ``done``, ``failed``),
-        ``started`` and ``ended`` (wall-clock seconds, ``ended`` None while running) and
+        rank's data), ``dtype``, ``shapes`` (a list of shape lists, one per array leaf, as
+        the caller passed them; ``[]`` for none or none known yet), ``state``
+        (``running``, ``done``, ``failed``), ``started`` and ``ended`` (wall-clock
+        seconds, ``ended`` None while running) and
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
         wall, failed = self._wall, self._waited
@@ -183,20 +188,22 @@ class Recorder:
         for i, seq in enumerate(self._seqs):
             if seq is None:
                 continue  # not used yet
-            collective, strategy, nbytes, dtype = self._what[i]
+            collective, strategy, nbytes, dtype, shapes = self._what[i]
             state, waits = (FAILED, list(failed[i])) if i in failed else (DONE, [])
             entries.append((self._started[i], seq, {
                 "seq": seq, "collective": collective, "strategy": strategy,
-                "bytes": nbytes, "dtype": dtype, "state": state,
+                "bytes": nbytes, "dtype": dtype, "shapes": [list(s) for s in shapes],
+                "state": state,
                 "started": self._started[i] + wall, "ended": self._ended[i] + wall,
                 "waiting_for": waits}))
         for key, what, started in self._running():
             if what is None:
                 continue  # not described: not a call of the group's API
-            collective, strategy, nbytes, dtype = what
+            collective, strategy, nbytes, dtype, shapes = what
             entries.append((started, key.number, {
                 "seq": key.number, "collective": collective, "strategy": strategy,
-                "bytes": nbytes, "dtype": dtype, "state": RUNNING,
+                "bytes": nbytes, "dtype": dtype, "shapes": [list(s) for s in shapes],
+                "state": RUNNING,
                 "started": started + wall, "ended": None,
                 "waiting_for": self._waiting(key)}))
         entries.sort(key=lambda e: e[:2])
@@ -315,5 +322,5 @@ def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
         previous(signum, frame)
 
 
-__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder",
+__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder", "Shapes",
            "arm_signal", "describe", "flight_record", "write"]

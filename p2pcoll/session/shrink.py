@@ -31,8 +31,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..errors import (CollectiveMismatch, CollectiveTimeout, GroupBroken, PeerLost,
-                      ProtocolError, RendezvousError)
+from ..errors import (CLOSED, CollectiveMismatch, CollectiveTimeout, GroupBroken,
+                      PeerLost, ProtocolError, RendezvousError)
 from ..settings import Settings
 from ..transport.base import Transport
 from ..transport.endpoints import host_identity
@@ -109,9 +109,13 @@ async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
             try:
                 await handshake(session, new_settings.heartbeat_timeout)
             except BaseException as exc:
+                # The survivors not heard from, by their old ranks (the new group's
+                # numbers mean nothing to the caller).
+                silent = [kept[r] for r in sorted(session.transport.hello_peers
+                                                  - session.hellos)]
                 await session.close(0.0)
                 if isinstance(exc, RendezvousError):
-                    raise _lost_while_forming(old, kept, exc) from exc
+                    raise _lost_while_forming(old, kept, silent, exc) from exc
                 raise
     except TimeoutError:
         await _discard(transport, sockets)
@@ -228,10 +232,22 @@ def _roster(old: Membership, kept: Sequence[int], offers: dict[int, dict[str, An
                       secret)
 
 
-def _lost_while_forming(old: Session, kept: list[int], exc: RendezvousError) -> PeerLost:
-    """The error of a survivor lost after its offer came: the old group's record names it
-    if it has seen it go; else the new group's hellos that did not come."""
-    for r in kept:
+def _lost_while_forming(old: Session, kept: list[int], silent: list[int],
+                        exc: RendezvousError) -> PeerLost:
+    """The error of a survivor lost after its offer came, ``silent``: those whose hellos
+    did not come to the new group (old ranks). The old group's record of one of them if
+    it has seen it go, else of another survivor it has seen lost; a survivor that closed
+    the old group normally is not blamed (it may have given up on this very shrink). Else
+    the first silent survivor, by the new group's hellos."""
+    ranks = silent + [r for r in kept if r not in silent]
+    for r in ranks:
+        lost = old.departures.lost(r)
+        if lost is not None and lost.how != CLOSED:
+            return lost
+    if silent:
+        return PeerLost(f"rank {silent[0]} was lost while the shrunk group formed: no hello "
+                        f"from ranks {silent} ({exc})", silent[0])
+    for r in ranks:
         lost = old.departures.lost(r)
         if lost is not None:
             return lost
