@@ -31,6 +31,13 @@ cover as many bytes as the dense chunk (the union is dense), the *dense* way, an
 of the codes laid out densely (int8; int16 beyond 63 ranks), which the strategies run as a
 reduce-scatter and an allgather. Both give the same ``Q``, exactly.
 
+Where it runs: the selection, the coding and the decoding (the time an exchange takes
+besides its collectives: seconds per round on a model of millions of parameters) run on a
+worker thread of the loop's executor, the collectives on the loop, which meanwhile serves
+the group: heartbeats, other calls' messages, and, under asynchronous DiLoCo, the loop side
+of the inner steps the exchange overlaps. The two collectives of one exchange hold a turn
+of the group (:mod:`p2pcoll.session.turns`), as a coded reduction's do.
+
 What the accumulator keeps: where an entry was not sent, ``e`` is ``a`` bit for bit; where
 it was, ``e`` is ``a - q * s`` rounded once to the tensor's dtype (exact when ``a`` and
 ``q * s`` are within a factor of two of each other; ``q * s`` itself is exact: ``s`` is
