@@ -37,6 +37,8 @@ The modes differ only in what the workers exchange:
   each exchange overlapping 5 inner steps, merged with alpha = 0.5;
 - ``diloco_topk2bit``: DiLoCo (H = 50) with sparse 2-bit pseudo-gradients,
   ``compressor="topk2bit", density=0.015`` (1.5 % of each chunk of 4096, error feedback);
+- ``diloco_async_topk2bit``: the two together, asynchronous DiLoCo (``delay=1``) with
+  topk2bit's pseudo-gradients (not one of the issue's);
 - ``gloo_ddp``: torch's DistributedDataParallel over Gloo (tcp), the reference.
 
 ``--scaling 4,8,16`` measures instead, without namespaces, how the bytes of one DiLoCo
@@ -322,6 +324,17 @@ def mode_diloco_topk2bit(args: argparse.Namespace) -> Update:
         g, params, inner_steps=50, compressor="topk2bit", density=0.015), every=50)
 
 
+def mode_diloco_async_topk2bit(args: argparse.Namespace) -> Update:
+    """Not one of the issue's modes: asynchronous DiLoCo (``delay=1``, H = 50) with the
+    pseudo-gradients as topk2bit's (density 1.5 %): the compression overlaps the next
+    round's inner steps too."""
+    diloco = _training("DiLoCo")
+    if not {"compressor", "delay"} <= set(inspect.signature(diloco).parameters):
+        raise NotAvailable("training.DiLoCo has no compressor= or delay= yet")
+    return _outer_loop(lambda g, params: diloco(
+        g, params, inner_steps=50, compressor="topk2bit", density=0.015, delay=1), every=50)
+
+
 def mode_gloo_ddp(args: argparse.Namespace) -> Update:
     async def step(group: Any, model: Any, optimizer: Any, step_no: int) -> bool:
         optimizer.step()  # DDP averaged the gradients during the backward pass
@@ -342,6 +355,7 @@ MODES: dict[str, Callable[[argparse.Namespace], Update]] = {
     "diloco_fp32": mode_diloco_fp32,
     "streaming_diloco": mode_streaming_diloco,
     "diloco_topk2bit": mode_diloco_topk2bit,
+    "diloco_async_topk2bit": mode_diloco_async_topk2bit,
     "gloo_ddp": mode_gloo_ddp,
 }
 

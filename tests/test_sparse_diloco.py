@@ -6,7 +6,9 @@ arguments or ranks that disagree are told what is wrong before anything moves.""
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -277,3 +279,197 @@ async def test_nan_in_a_pseudo_gradient_is_reported_by_name_and_not_applied() ->
         assert not any(r.any() for r in diloco.residuals)  # nothing kept either
 
     await on_groups(2, rank)
+
+
+# --- off the event loop ---------------------------------------------------------------------
+
+# Digests of the average and of every rank's residuals after one exchange of the fixed inputs
+# below, as topk2bit computed them when it did so on the event loop's thread: moving the work
+# to a worker thread changed no bit. (n, density, residuals kept, seed, average, residuals)
+SHAPES = [(2 * CHUNK + 904,), (5, 7), (1,), (3, CHUNK)]
+AS_ON_THE_LOOP = [
+    (3, 0.015, True, 11, "9d5c3ac925e40a592f02e13bd6b8c33b", "a53f6a1fb15ec6ceac50a2d8ac346f29"),
+    (3, 0.9, True, 12, "63e7390098cfb3035dad0eaadc893267", "4fd15d62b81e03ebfbc71d6b9e867695"),
+    (1, 0.015, True, 13, "831544c0831972df266e7e4853d84e6d", "f65f0a764aa5eae2642ace45e3f710ca"),
+    (2, 0.05, False, 14, "d7e8e57c6ab8d29185d4f9a3c99e1d39", None),
+    (4, 0.3, True, 15, "4ce2908c5f419d820be026e78dd65008", "91f996c0008e0e6664985d112b6c1c9b"),
+]
+
+
+@pytest.mark.parametrize("n, density, keep, seed, average, kept", AS_ON_THE_LOOP)
+async def test_the_results_are_the_bits_topk2bit_gave_when_it_computed_on_the_loop(
+        n: int, density: float, keep: bool, seed: int, average: str, kept: str | None) -> None:
+    """The sparse way (0.015, 0.05), the dense way (0.9; 0.3 at p = 4), one rank, and no
+    residuals."""
+    deltas, residuals = inputs(n, SHAPES, seed)
+    compressor = TopK2Bit(density)
+    assert compressor.dense([int(np.prod(s)) for s in SHAPES], n) == (density >= 0.3)
+
+    async def rank(group: p2pcoll.Group) -> list[np.ndarray]:
+        r = group.rank
+        return await compressor.average(group, deltas[r], residuals[r] if keep else None,
+                                        names=[str(i) for i in range(len(SHAPES))],
+                                        round_no=1, nonfinite="raise", strategy=None,
+                                        timeout=TIMEOUT)
+
+    outs = await on_groups(n, rank)
+    assert {digest(o) for o in outs} == {average}
+    assert (digest([e for es in residuals for e in es]) if keep else None) == kept
+
+
+class Held(TopK2Bit):
+    """topk2bit that records the thread each of its stages runs on; ``stage``'s waits for
+    ``go`` (a threading.Event: set from the loop), after saying so in ``arrived``."""
+
+    def __init__(self, stage: str, go: threading.Event) -> None:
+        super().__init__(0.015)
+        self.stage, self.go = stage, go
+        self.threads: dict[str, int] = {}
+        self.arrived = threading.Event()
+        self.released: bool | None = None
+
+    def _held(self, stage: str) -> None:
+        self.threads[stage] = threading.get_ident()
+        if stage == self.stage:
+            self.arrived.set()
+            self.released = self.go.wait(TIMEOUT)  # False: nothing set it in time
+
+    def _select(self, *args: Any) -> Any:
+        self._held("select")
+        return super()._select(*args)
+
+    def _encode(self, *args: Any) -> Any:
+        self._held("encode")
+        return super()._encode(*args)
+
+    def _decode(self, *args: Any) -> Any:
+        self._held("decode")
+        return super()._decode(*args)
+
+
+async def arrival(event: threading.Event) -> None:
+    while not event.is_set():  # the loop turns meanwhile, which is what is shown
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("stage", ["select", "encode", "decode"])
+async def test_topk2bit_computes_on_a_worker_thread_while_the_loop_serves(stage: str) -> None:
+    """While each rank's stage waits on its thread, the loop goes on (it is what releases
+    the stage), and a collective on another group of the same loop completes meanwhile."""
+    go = threading.Event()
+    compressors = [Held(stage, go) for _ in range(2)]
+    deltas, residuals = inputs(2, SHAPES, seed=21)
+    others = await memory_groups(2)
+
+    async def rank(group: p2pcoll.Group) -> list[np.ndarray]:
+        r = group.rank
+        return await compressors[r].average(group, deltas[r], residuals[r],
+                                            names=[str(i) for i in range(len(SHAPES))],
+                                            round_no=1, nonfinite="raise", strategy=None,
+                                            timeout=TIMEOUT)
+
+    async def meanwhile() -> list[np.ndarray]:
+        for c in compressors:
+            await arrival(c.arrived)
+        sums = await asyncio.gather(*(g.allreduce(np.ones(3), timeout=TIMEOUT) for g in others))
+        go.set()
+        return sums
+
+    try:
+        outs, sums = await asyncio.gather(on_groups(2, rank), meanwhile())
+    finally:
+        for g in others:
+            await g.close()
+    assert all(c.released for c in compressors), "the loop set go while the stages waited"
+    for s in sums:
+        np.testing.assert_array_equal(s, np.full(3, 2.0))
+    loop_thread = threading.get_ident()
+    for c in compressors:
+        assert set(c.threads) == {"select", "encode", "decode"}
+        assert loop_thread not in c.threads.values()
+    assert digest(outs[0]) == digest(outs[1])
+
+
+async def test_a_cancellation_while_computing_lands_in_the_next_collective() -> None:
+    """Rank 0 is cancelled while it codes (after the steps' allreduce): the cancellation
+    waits for the thread, then lands in the codes' collective, which rank 0 starts, so rank
+    1 does not wait out its timeout for it (its allgather completes, or fails with the
+    group's error); rank 0's group is broken and its residuals are untouched."""
+    go = threading.Event()
+    compressors = [Held("encode", go), TopK2Bit(0.015)]
+    deltas, residuals = inputs(2, SHAPES, seed=22)
+    kept = [e.copy() for e in residuals[0]]
+    groups = await memory_groups(2)
+
+    def average(r: int) -> asyncio.Task[list[np.ndarray]]:
+        return asyncio.ensure_future(compressors[r].average(
+            groups[r], deltas[r], residuals[r], names=[str(i) for i in range(len(SHAPES))],
+            round_no=1, nonfinite="raise", strategy=None, timeout=30.0))
+
+    try:
+        tasks = [average(0), average(1)]
+        await arrival(compressors[0].arrived)  # type: ignore[attr-defined]
+        tasks[0].cancel()
+        await asyncio.sleep(0)
+        assert not tasks[0].done(), "held while the thread runs"
+        go.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for g in groups:
+            await g.close()
+    assert isinstance(results[0], asyncio.CancelledError), results[0]
+    assert isinstance(results[1], (list, p2pcoll.P2PCollError)), results[1]
+    assert not isinstance(results[1], p2pcoll.CollectiveTimeout), results[1]
+    assert groups[0].cause is not None  # broken by the cancellation, in a collective
+    assert digest(residuals[0]) == digest(kept)
+
+
+async def test_a_loss_while_topk2bit_computes_ends_the_delayed_exchange_retrieved() -> None:
+    """Asynchronous DiLoCo: rank 3 leaves while every rank's round-0 exchange selects on
+    its thread; each survivor's next after_inner_step raises the group's error, and no task
+    exception is left unretrieved, the victim's included."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    go = threading.Event()
+    compressors = [Held("select", go) for _ in range(4)]
+    groups = await memory_groups(4, heartbeat_timeout=1.0)
+    victim: list[training.DiLoCo] = []
+
+    async def rank(group: p2pcoll.Group) -> BaseException | None:
+        params = model()
+        diloco = training.DiLoCo(group, params, inner_steps=4, compressor=compressors[group.rank],
+                                 delay=1, timeout=TIMEOUT)
+        try:
+            for step in range(1, 41):
+                local_steps(params, group.rank, step)
+                await diloco.after_inner_step()
+                if group.rank == 3 and step == 4:  # every rank's round 0 is selecting
+                    for c in compressors:
+                        await arrival(c.arrived)
+                    group.session.transport.network.cut(group.membership.endpoints[3])
+                    await group.close()
+                    go.set()
+                    victim.append(diloco)
+                    return None  # leaves, never awaiting its exchange again
+        except p2pcoll.P2PCollError as exc:
+            return exc
+        return None
+
+    try:
+        errors = await asyncio.gather(*(rank(g) for g in groups))
+        for group, exc in zip(groups[:3], errors[:3], strict=True):
+            assert isinstance(exc, p2pcoll.P2PCollError), exc
+            assert group.cause is not None
+            assert exc is group.cause or isinstance(exc, p2pcoll.GroupBroken), exc
+        await asyncio.wait([task for _, task in victim[0]._in_flight.values()])
+    finally:
+        for group in groups:
+            await group.close()
+    assert all(c.released for c in compressors)
+    victim.clear()
+    del errors, groups, group, exc
+    for _ in range(3):
+        gc.collect()
+        await asyncio.sleep(0)
+    assert not unretrieved, [str(c.get("exception")) for c in unretrieved]

@@ -31,6 +31,13 @@ cover as many bytes as the dense chunk (the union is dense), the *dense* way, an
 of the codes laid out densely (int8; int16 beyond 63 ranks), which the strategies run as a
 reduce-scatter and an allgather. Both give the same ``Q``, exactly.
 
+Where it runs: the selection, the coding and the decoding (the time an exchange takes
+besides its collectives: seconds per round on a model of millions of parameters) run on a
+worker thread of the loop's executor, the collectives on the loop, which meanwhile serves
+the group: heartbeats, other calls' messages, and, under asynchronous DiLoCo, the loop side
+of the inner steps the exchange overlaps. The two collectives of one exchange hold a turn
+of the group (:mod:`p2pcoll.session.turns`), as a coded reduction's do.
+
 What the accumulator keeps: where an entry was not sent, ``e`` is ``a`` bit for bit; where
 it was, ``e`` is ``a - q * s`` rounded once to the tensor's dtype (exact when ``a`` and
 ``q * s`` are within a factor of two of each other; ``q * s`` itself is exact: ``s`` is
@@ -49,13 +56,14 @@ allreduce shrinks as p grows, about ``300 H / p`` at 1.5 %, and past
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -72,6 +80,11 @@ __all__ = ["CHUNK", "COMPRESSORS", "ENTRY_POINT_GROUP", "Compressor", "TopK2Bit"
 CHUNK = 4096
 """Elements per chunk of ``topk2bit``: one agreed step each; an index within it fits in
 12 bits."""
+
+Pick = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""One tensor's selection (:meth:`TopK2Bit._pick`): indices, chunk starts, chunk maxima."""
+
+T = TypeVar("T")
 
 
 class Compressor(ABC):
@@ -174,48 +187,103 @@ class TopK2Bit(Compressor):
                       residuals: Sequence[np.ndarray] | None, *, names: Sequence[str],
                       round_no: int, nonfinite: str, strategy: str | None,
                       timeout: float | None) -> list[np.ndarray]:
+        # The selection, the coding and the decoding run on a worker thread (_in_thread),
+        # the collectives on the loop. What the threads write (the accumulators, the codes,
+        # the message) is this call's own until the residuals are written at the end.
         p = group.world_size
+        # Two collectives, the second started once the first and the coding are done, at
+        # different moments on different ranks: a turn keeps calls started meanwhile after
+        # them, on every rank (p2pcoll.session.turns).
+        async with group.turns.hold() as turn:  # taken before the first await
+            accs, picks, local_max = await _in_thread(self._select, deltas, residuals)
+
+            # The step of each chunk: the largest selected magnitude over the ranks, halved.
+            agreed = (local_max if p == 1 else await group.allreduce(
+                local_max, "max", strategy=strategy, timeout=timeout))
+            bounds = np.cumsum([0, *(starts.size for _, starts, _ in picks)])
+            steps = [agreed[a:b].astype(np.float64) / 2 for a, b in itertools.pairwise(bounds)]
+            bad = [names[i] for i, s in enumerate(steps) if not np.isfinite(s).all()]
+            if bad and nonfinite == "raise":
+                raise NonFiniteGradients(
+                    f"NaN or Inf in the pseudo-gradient of some rank (round {round_no}), "
+                    f"which topk2bit cannot scale: {', '.join(repr(b) for b in bad)}",
+                    round=round_no, tensors=bad)
+
+            sizes = [a.size for a in accs]
+            codes, message = await _in_thread(self._encode, sizes, accs, picks, steps, p)
+            # Passing the turn on only schedules the next one's wake-up: the collective
+            # below, started before any await, takes its number first.
+            turn.release()
+            if p == 1:
+                gathered: np.ndarray | list[np.ndarray] | None = None
+            elif self.dense(sizes, p):
+                gathered = await group.allreduce(message, "sum", strategy=strategy,
+                                                 timeout=timeout)
+            else:
+                gathered = await group.allgather(message, strategy=strategy, timeout=timeout)
+        results = await _in_thread(self._decode, deltas, accs, picks, codes, steps, gathered,
+                                   p, residuals is not None)
+        if residuals is not None:  # the exchange is complete: keep what was not sent
+            for r, a in zip(residuals, accs, strict=True):
+                np.copyto(r, a.reshape(r.shape))  # r may be a view that cannot be flattened
+        return results
+
+    def _select(self, deltas: Sequence[np.ndarray], residuals: Sequence[np.ndarray] | None
+                ) -> tuple[list[np.ndarray], list[Pick], np.ndarray]:
+        """Each tensor's accumulator (a new flat array: delta plus residual), its selected
+        entries (:meth:`_pick`), and the chunks' largest selected magnitudes, all tensors'
+        in one float32 array."""
         accs = [d.reshape(-1).copy() if residuals is None
                 else d.reshape(-1) + r.reshape(-1) for d, r in zip(
                     deltas, residuals if residuals is not None else deltas, strict=True)]
         picks = [self._pick(a) for a in accs]
-
-        # The step of each chunk: the largest selected magnitude over the ranks, halved.
         local_max = np.concatenate([m for _, _, m in picks] or [np.empty(0, np.float32)])
-        agreed = (local_max if p == 1 else
-                  await group.allreduce(local_max, "max", strategy=strategy, timeout=timeout))
-        steps, offset = [], 0
-        for _, starts, _ in picks:
-            steps.append(agreed[offset:offset + starts.size].astype(np.float64) / 2)
-            offset += starts.size
-        bad = [names[i] for i, s in enumerate(steps) if not np.isfinite(s).all()]
-        if bad and nonfinite == "raise":
-            raise NonFiniteGradients(
-                f"NaN or Inf in the pseudo-gradient of some rank (round {round_no}), which "
-                f"topk2bit cannot scale: {', '.join(repr(b) for b in bad)}",
-                round=round_no, tensors=bad)
+        return accs, picks, local_max
 
-        ks = [self._layout(a.size)[1] for a in accs]
-        codes = [_quantise(a, idx, _per_entry(s, k)) for a, (idx, _, _), s, k
-                 in zip(accs, picks, steps, ks, strict=True)]
-        totals = await self._sum_codes(group, [a.size for a in accs],
-                                       [idx for idx, _, _ in picks], codes, strategy, timeout)
+    def _encode(self, sizes: list[int], accs: list[np.ndarray], picks: list[Pick],
+                steps: list[np.ndarray], p: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each tensor's codes (int8, one per selected entry), and what this rank hands to
+        the codes' collective: the dense codes of every tensor end to end, or (the sparse
+        way) its chunk-local indices and packed codes."""
+        codes = [_quantise(a, idx, _per_entry(s, self._layout(a.size)[1]))
+                 for a, (idx, _, _), s in zip(accs, picks, steps, strict=True)]
+        indices = [idx for idx, _, _ in picks]
+        if p == 1:
+            return codes, np.empty(0, np.uint8)
+        if self.dense(sizes, p):
+            dense = np.zeros(sum(sizes), _code_dtype(p))
+            offset = 0
+            for n, idx, q in zip(sizes, indices, codes, strict=True):
+                dense[offset + idx] = q
+                offset += n
+            return codes, dense
+        local = [idx - np.repeat(*self._layout(n)) for n, idx in zip(sizes, indices, strict=True)]
+        message = np.concatenate([
+            _pack_indices(np.concatenate(local or [np.empty(0, np.int64)])),
+            _pack(np.concatenate(codes or [np.empty(0, np.int8)]))])
+        return codes, message
 
+    def _decode(self, deltas: Sequence[np.ndarray], accs: list[np.ndarray], picks: list[Pick],
+                codes: list[np.ndarray], steps: list[np.ndarray],
+                gathered: np.ndarray | list[np.ndarray] | None, p: int, keep: bool
+                ) -> list[np.ndarray]:
+        """The averages (new arrays of the deltas' shapes and dtypes) from what the codes'
+        collective returned; with ``keep``, each accumulator (this call's own) made what
+        was not sent."""
+        totals = self._sum_codes([a.size for a in accs], [idx for idx, _, _ in picks], codes,
+                                 gathered, p)
         results = []
         for d, total, s, a in zip(deltas, totals, steps, accs, strict=True):
             step = np.repeat(s / p, np.minimum(self.chunk, a.size - np.arange(
                 0, a.size, self.chunk)))
             with np.errstate(invalid="ignore"):  # 0 * NaN in a chunk that was refused
                 results.append((total * step).astype(d.dtype).reshape(d.shape))
-        if residuals is not None:  # the exchange is complete: keep what was not sent
-            for r, a, (idx, _, _), q, s, k in zip(residuals, accs, picks, codes, steps, ks,
-                                                  strict=True):
-                sent = (q * _per_entry(s, k)).astype(a.dtype)
-                a[idx] -= sent
-                np.copyto(r, a.reshape(r.shape))  # r may be a view that cannot be flattened
+        if keep:
+            for a, (idx, _, _), q, s in zip(accs, picks, codes, steps, strict=True):
+                a[idx] -= (q * _per_entry(s, self._layout(a.size)[1])).astype(a.dtype)
         return results
 
-    def _pick(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _pick(self, a: np.ndarray) -> Pick:
         """The selected entries of flat ``a`` (global indices, chunk by chunk, ascending
         within a chunk), the chunks' starts and each chunk's largest selected magnitude
         (float32, rounded up so it is never below a selected value)."""
@@ -241,34 +309,23 @@ class TopK2Bit(Compressor):
         narrow = np.where(narrow < maxima, np.nextafter(narrow, np.float32(np.inf)), narrow)
         return idx, starts, narrow
 
-    async def _sum_codes(self, group: Group, sizes: list[int], picks: list[np.ndarray],
-                         codes: list[np.ndarray], strategy: str | None,
-                         timeout: float | None) -> list[np.ndarray]:
-        """Q per tensor (int64, flat): the sum over ranks of each rank's codes."""
-        p = group.world_size
-        if p == 1:
+    def _sum_codes(self, sizes: list[int], picks: list[np.ndarray], codes: list[np.ndarray],
+                   gathered: np.ndarray | list[np.ndarray] | None, p: int
+                   ) -> list[np.ndarray]:
+        """Q per tensor (int64, flat): the sum over ranks of each rank's codes, from what
+        the codes' collective returned (None for one rank: this rank's codes)."""
+        if gathered is None:
             out = [np.zeros(n, np.int64) for n in sizes]
             for o, idx, q in zip(out, picks, codes, strict=True):
                 o[idx] = q
             return out
-        if self.dense(sizes, p):
-            dense = np.zeros(sum(sizes), _code_dtype(p))
-            offset = 0
-            for n, idx, q in zip(sizes, picks, codes, strict=True):
-                dense[offset + idx] = q
-                offset += n
-            summed = await group.allreduce(dense, "sum", strategy=strategy, timeout=timeout)
+        if isinstance(gathered, np.ndarray):  # the dense way: already summed
             bounds = np.cumsum([0, *sizes])
-            return [summed[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
-        # The sparse way: each rank's chunk-local indices and packed codes, gathered.
-        local = [idx - np.repeat(*self._layout(n)) for n, idx in zip(sizes, picks, strict=True)]
+            return [gathered[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
+        # The sparse way: each rank's chunk-local indices and packed codes.
         selected = sum(idx.size for idx in picks)
-        message = np.concatenate([
-            _pack_indices(np.concatenate(local or [np.empty(0, np.int64)])),
-            _pack(np.concatenate(codes or [np.empty(0, np.int8)]))])
-        messages = await group.allgather(message, strategy=strategy, timeout=timeout)
         out = [np.zeros(n, np.int64) for n in sizes]
-        for got in messages:  # rank order; integer sums are exact in any order anyway
+        for got in gathered:  # rank order; integer sums are exact in any order anyway
             got = np.asarray(got, np.uint8)
             if got.size != _sparse_bytes(selected):
                 raise ProtocolError(f"topk2bit: a rank sent {got.size} bytes, expected "
@@ -358,6 +415,35 @@ def make_compressor(compressor: Any, density: Any) -> Compressor | None:
                                         ) from plugin.error
         raise ValueError(f"unknown compressor {compressor!r}; known: {_known()}")
     return found.value() if density is None else found.value(density)  # type: ignore[call-arg]
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread of the loop's executor (``asyncio.to_thread``), so
+    the loop serves the group meanwhile: heartbeats, other calls' messages, the training
+    step's own awaits. numpy releases the GIL in the kernels that take the time.
+
+    Cancellation: held until ``fn`` has returned, then passed on to the caller's next
+    await, where it would have landed had ``fn`` run on the loop (in an exchange, its next
+    collective, which breaks the group, as a cancellation during a collective does): a
+    rank does not leave its peers waiting in a collective it will never start, and what
+    ``fn`` writes is never left half-written. A timeout's cancellation stays one
+    cancellation (it still becomes the timeout's TimeoutError).
+    """
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    task = asyncio.current_task()
+    held = False
+    try:
+        while True:
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if work.cancelled() or task is None:  # the loop is shutting down
+                    raise
+                held = True
+                task.uncancel()  # given back below, once fn has returned
+    finally:
+        if held and task is not None:
+            task.cancel()
 
 
 def _known() -> str:
