@@ -180,3 +180,16 @@ def run_to_end(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, str]]
         raise RuntimeError("\n".join(f"{who}rank {rank} exited with {proc.returncode}:\n"
                                      f"{proc.stderr[-3000:]}" for rank, proc in failed))
     return [json.loads(proc.stdout.strip().splitlines()[-1]) for proc in done]
+
+
+def port_held(port: int) -> bool:
+    """Whether something listens on ``port`` of 127.0.0.1 (a rendezvous' host, say): binding
+    it fails then. Nothing connects to it, so the listener sees no stranger."""
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False

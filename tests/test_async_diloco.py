@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
-import socket
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import memory_groups, run_ranks
+from peer_processes import port_held
 
 TIMEOUT = 10.0
 
@@ -231,15 +231,8 @@ class ElasticJob:
 
     async def hosted(self) -> None:
         """Until a peer holds the rendezvous' port: every peer of an elastic job tries to
-        host, and the one that binds first does (binding it here fails then; nothing
-        connects to the server)."""
-        port = int(self.url.rsplit(":", 1)[1])
-        while True:
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", port))
-                except OSError:
-                    return
+        host, and the one that binds first does."""
+        while not port_held(int(self.url.rsplit(":", 1)[1])):
             await asyncio.sleep(0.01)
 
     async def peer(self, die_at: int | None, newcomer: bool) -> Any:

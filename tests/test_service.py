@@ -21,6 +21,7 @@ import pytest
 
 import p2pcoll
 from conftest import finish
+from peer_processes import port_held
 from p2pcoll.errors import GroupBroken, PeerLost, ServiceStopped, SettingsError
 from p2pcoll.service import Peer, exit_code, load_job
 from p2pcoll.testing import free_port
@@ -303,9 +304,16 @@ def test_sigterm_aborts_the_collective_and_the_peers_name_the_leaver() -> None:
 
 @pytest.mark.processes
 def test_sigterm_while_joining_exits_promptly() -> None:
-    procs, _ = start_peers(1, "service_jobs:forever", extra_env={"WORLD_SIZE": "2"})
+    port = free_port()
+    procs, _ = start_peers(1, "service_jobs:forever", extra_env={
+        "WORLD_SIZE": "2", "P2PCOLL_RENDEZVOUS": f"tcp://127.0.0.1:{port}"})
     proc = procs[0]
-    time.sleep(1.5)  # joining: the second peer never comes
+    deadline = time.monotonic() + 60
+    # Joining once it hosts the rendezvous (rank 0); the second peer never comes. (A fixed
+    # sleep sent the signal while a loaded host still imported p2pcoll.)
+    while not port_held(port) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert port_held(port), "the peer never hosted the rendezvous"
     proc.send_signal(signal.SIGINT)
     (code, text), = finish(procs, timeout=10)
     assert code == 128 + signal.SIGINT, text

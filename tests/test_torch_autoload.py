@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 loaded = {m for m in sys.modules if m.startswith("p2pcoll")}
-light = {"p2pcoll", "p2pcoll.errors", "p2pcoll.integrations", "p2pcoll.integrations.torch_autoload"}
+light = {"p2pcoll", "p2pcoll.errors", "p2pcoll.lazy", "p2pcoll.integrations",
+         "p2pcoll.integrations.torch_autoload"}
 assert loaded <= light, sorted(loaded - light)
 assert "zmq" not in sys.modules and "msgpack" not in sys.modules
 assert dist.Backend.P2PCOLL == "p2pcoll"
