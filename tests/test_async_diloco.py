@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import memory_groups, run_ranks
+from p2pcoll.training.compressors import CHUNK, TopK2Bit
 from peer_processes import port_held
 
 TIMEOUT = 10.0
@@ -102,6 +104,81 @@ async def test_delay_1_applies_each_round_one_round_late_and_keeps_replicas_equa
     if codec is None:  # dyadic values over 4 ranks: the reference is exact
         want = reference(n, h, h * rounds, lr, outer)
         assert [x[0] for x in results[0]] == [digest(s) for s in want]
+
+
+class Recording(TopK2Bit):
+    """topk2bit that keeps, per exchange, its inputs, the accumulator before and after,
+    and the average it returned."""
+
+    def __init__(self) -> None:
+        super().__init__(0.05)
+        self.log: list[dict[str, list[np.ndarray]]] = []
+
+    async def average(self, group: p2pcoll.Group, deltas: Sequence[np.ndarray],
+                      residuals: Sequence[np.ndarray] | None, **kw: Any) -> list[np.ndarray]:
+        assert residuals is not None
+        before = [r.copy() for r in residuals]
+        given = [d.copy() for d in deltas]
+        out = await super().average(group, deltas, residuals, **kw)
+        self.log.append({"delta": given, "before": before,
+                         "after": [r.copy() for r in residuals], "out": out})
+        return out
+
+
+async def test_delay_1_with_topk2bit_measures_from_the_rounds_start_and_chains_the_residual(
+) -> None:
+    """Asynchronous DiLoCo with error feedback, against the rule of training.delayed bit for
+    bit: each round's pseudo-gradient is the worker's own progress from where the round
+    started (the anchor minus its previous own progress), its exchange starts from the
+    accumulator the previous exchange left (never skipped, never taken twice), each
+    average is applied once, one round late, and the next round starts from the new anchor
+    minus the worker's own progress."""
+    n, h, rounds, size = 3, 4, 5, 3 * CHUNK
+    groups = await memory_groups(n, collective_timeout=TIMEOUT)
+    try:
+        x0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+        params = [{"w": x0.copy()} for _ in range(n)]
+        compressors = [Recording() for _ in range(n)]
+        dilocos = [training.DiLoCo(g, p, inner_steps=h, compressor=c, delay=1,
+                                   timeout=TIMEOUT)
+                   for g, p, c in zip(groups, params, compressors, strict=True)]
+        starts: list[list[np.ndarray]] = [[x0.copy()] for _ in range(n)]
+        ends: list[list[np.ndarray]] = [[] for _ in range(n)]
+        rng = np.random.default_rng(1)
+        for t in range(1, h * rounds + 1):
+            for r in range(n):  # each worker pulled towards its own target
+                params[r]["w"] -= (np.float32(0.1) * (params[r]["w"] - np.float32(r))
+                                   + rng.standard_normal(size).astype(np.float32) / 100)
+                if t % h == 0:
+                    ends[r].append(params[r]["w"].copy())
+            await asyncio.gather(*(d.after_inner_step() for d in dilocos))
+            if t % h == 0:
+                for r in range(n):
+                    starts[r].append(params[r]["w"].copy())
+        assert [await d.flush() for d in dilocos] == [1] * n
+
+        outer = training.OuterSGD()
+        for r in range(n):
+            log = compressors[r].log
+            assert len(log) == rounds
+            anchor, velocity = [x0.copy()], [np.zeros_like(x0)]
+            for k, got in enumerate(log):
+                own = starts[r][k] - ends[r][k]
+                np.testing.assert_array_equal(got["delta"][0], own)
+                held = log[k - 1]["after"][0] if k else np.zeros_like(x0)
+                np.testing.assert_array_equal(got["before"][0], held)
+                if k:
+                    outer.apply(anchor, velocity, log[k - 1]["out"])
+                if k < rounds - 1:
+                    np.testing.assert_array_equal(starts[r][k + 1], anchor[0] - own)
+            outer.apply(anchor, velocity, log[-1]["out"])
+            np.testing.assert_array_equal(dilocos[r].anchor[0], anchor[0])
+            np.testing.assert_array_equal(params[r]["w"], anchor[0])
+            assert np.abs(log[-1]["after"][0]).max() > 0  # something was held back
+        assert len({d.anchor[0].tobytes() for d in dilocos}) == 1
+    finally:
+        for g in groups:
+            await g.close()
 
 
 async def test_delay_1_reduces_in_the_background_and_applies_at_the_next_rounds_end(
