@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -262,23 +263,64 @@ async def test_garbage_a_stranger_and_another_groups_member_are_refused_and_coun
     await _exchange(behind)  # and the target is still served
 
 
+async def _until(relay: Relay, holds: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The relay's stats once ``holds`` is true of them (AssertionError with them after
+    10 s: the relay never got there)."""
+    for _ in range(200):
+        stats = relay.stats()
+        if holds(stats):
+            return stats
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the relay never got there: {relay.stats()}")
+
+
+async def _flood(relay: Relay) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    return [await asyncio.open_connection("127.0.0.1", relay.port)
+            for _ in range(60)]  # beyond max_connections (40), silent
+
+
 async def test_a_flood_of_connections_is_bounded_and_the_forwards_go_on(
         behind: Behind) -> None:
     factory = SocketFactory()
     link = factory.mesh_link(b"member")
     link.connect(behind.entrance.endpoint)
-    flood = [await asyncio.open_connection("127.0.0.1", behind.relay.port)
-             for _ in range(60)]  # beyond max_connections (40), silent
+    flood = await _flood(behind.relay)
     try:
         for i in range(20):  # the forward opened amid the flood carries on
             await link.send_multipart([b"%d" % i])
             _, got = await asyncio.wait_for(behind.router.recv_multipart(), 10)
             assert got == b"%d" % i
         assert behind.relay.stats()["connections"] <= 40
-        await asyncio.sleep(0.7)  # the silent ones run out of time
-        refused = behind.relay.stats()["refused"]
+        # The silent ones run out of time (handshake_s) and are closed.
+        stats = await _until(behind.relay, lambda s: s["connections"] < 10)
+        refused = stats["refused"]
         assert refused.get("full", 0) >= 20 and refused.get("timeout", 0) >= 1, refused
-        assert behind.relay.stats()["connections"] < 10
+    finally:
+        for _, writer in flood:
+            writer.close()
+        link.close(linger=0)
+        factory.close()
+
+
+async def test_a_member_the_full_relay_turned_away_gets_through_once_there_is_room(
+        behind: Behind) -> None:
+    # The silent ones hold their places until they close: room comes when the test says.
+    behind.relay.limits = replace(behind.relay.limits, handshake_s=60)
+    flood = await _flood(behind.relay)
+    factory = SocketFactory()
+    link = factory.mesh_link(b"member")
+    try:
+        await _until(behind.relay, lambda s: s["refused"].get("full", 0) >= 21)
+        link.connect(behind.entrance.endpoint)
+        await link.send_multipart([b"through"])
+        stats = await _until(behind.relay, lambda s: s["refused"].get("full", 0) >= 22)
+        assert stats["connections"] == 40 and stats["forwards"] == 0  # turned away
+        for _, writer in flood[:10]:
+            writer.close()
+        # The entrance closed its side when the relay closed its connection: libzmq
+        # connects again at once (not after its handshake timeout, 30 s by default).
+        _, got = await asyncio.wait_for(behind.router.recv_multipart(), 10)
+        assert got == b"through" and behind.relay.stats()["forwards"] == 1
     finally:
         for _, writer in flood:
             writer.close()

@@ -207,6 +207,14 @@ class _Answered(Half):
         self._held += data[1:]
         self.join(self.inner)
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        # Closed unanswered: the relay refused without a word (``full``, a handshake
+        # timeout) or went away. The local connection goes too, or libzmq would wait out
+        # its handshake (30 s by default on a link) before it connects again.
+        if not self.answered:
+            self.inner.abort()
+        super().connection_lost(exc)
+
 
 class Entrance:
     """This peer's local way to ``target`` through the relay ``host:port`` (see the module
