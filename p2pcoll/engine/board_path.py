@@ -182,12 +182,16 @@ class BoardPath:
 
     async def _wait(self, count: int, ranks: Sequence[int], seq: int) -> None:
         """Until every one of ``ranks`` has published ``count``: poll, then sleep."""
-        if self._missing(count, ranks) < 0:
+        first = self._missing(count, ranks)
+        if first < 0:
             return
         began = time.monotonic_ns()
         w, patience = self._w, self.patience
-        budget = patience.budget(q for q in ranks if w[q * WORDS + COUNT] < count)
-        if not self._poll(count, ranks, began, budget):
+        # The budget for those not there yet (``first`` and those after it that are late).
+        # One that is arriving right now may have published meanwhile: _poll sees it.
+        late = [first] if len(ranks) == 1 else \
+            [q for q in ranks if w[q * WORDS + COUNT] < count] or [first]
+        if not self._poll(count, ranks, began, patience.budget(late)):
             await self._sleep(count, ranks, seq)
         # Learnt only from waits that ended well: how late each partner published. (A
         # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
@@ -197,9 +201,11 @@ class BoardPath:
 
     def _poll(self, count: int, ranks: Sequence[int], began: int, budget: float) -> bool:
         """Poll for ``ranks`` for ``budget`` seconds from ``began`` (yielding the core
-        between polls when crowded); whether they all published ``count`` meanwhile."""
+        between polls when crowded); whether they all published ``count`` meanwhile.
+        With no budget it still looks once: a peer that published just now (a barrier's
+        partner, a few microseconds behind) needs no sleep, nor its word in the line."""
         if not budget:
-            return False
+            return self._missing(count, ranks) < 0
         until = began + int(budget * 1e9)
         missing, clock = self._missing, time.monotonic_ns
         between = yield_core if self.crowded else None
