@@ -187,12 +187,16 @@ class BoardPath:
             return
         began = time.monotonic_ns()
         w, patience = self._w, self.patience
-        # The budget for those not there yet (``first`` and those after it that are late).
-        # One that is arriving right now may have published meanwhile: _poll sees it.
-        late = [first] if len(ranks) == 1 else \
-            [q for q in ranks if w[q * WORDS + COUNT] < count] or [first]
-        if not self._poll(count, ranks, began, patience.budget(late)):
-            await self._sleep(count, ranks, seq)
+        # A quick poll first: partners found meanwhile came early, which teaches a sure
+        # policy nothing (waiting.py). Else poll on for the budget of those not there yet.
+        found = self._poll(count, ranks, began, patience.quick)
+        if found and patience.sure:
+            return
+        if not found:
+            late = [first] if len(ranks) == 1 else \
+                [q for q in ranks if w[q * WORDS + COUNT] < count] or [first]
+            if not self._poll(count, ranks, began, patience.budget(late)):
+                await self._sleep(count, ranks, seq)
         # Learnt only from waits that ended well: how late each partner published. (A
         # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
         if patience.ceiling:
