@@ -6,14 +6,17 @@
 Not a test: it prints a markdown table. Each round runs every case once with each tree, in
 alternating order (this, other; other, this; ...), so that drifts of the host's load hit
 both alike; the table gives each tree's median over rounds, the ratio this/other and the
-runs. The other checkout runs with ``PYTHONPATH`` set to it (and its ``plugins`` folder
-seen as ``p2pcoll_plugins``), this tree as installed. Run it on a quiet host: the cases
+runs. Each checkout runs with ``PYTHONPATH`` set to it (and its ``plugins`` folder
+seen as ``p2pcoll_plugins``), this one too (not whatever is installed). Run it on a quiet host: the cases
 poll, and two ranks on a loaded 2-core host measure the scheduler.
 
 Cases (all on this host):
 
 - ``board``: 2 processes allreduce 4 KiB of float32 back to back (``--iters``), on the
   shared-memory board; rank 0's time per call.
+- ``board-barrier``: the same calls, each after a barrier and timed alone, as ``p2pcoll
+  bench`` times them: the median over calls of the slower rank's time. A call then starts
+  with the partner late by the barrier's skew, and nothing of one call overlaps the next.
 - ``messages``: the same over messages (``P2PCOLL_SHM=0``).
 - ``large``: 64 MiB, ``--iters`` // 500 calls (at least 3).
 - ``join``: ``p2pcoll launch -n 64`` of peers that import the package, then join and run
@@ -34,6 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parents[1]  # this tree
+
 LOOP = """
 import asyncio, os, time
 import numpy as np
@@ -41,11 +46,25 @@ import p2pcoll
 
 async def main():
     n, iters = int(os.environ["VERSUS_COUNT"]), int(os.environ["VERSUS_ITERS"])
+    separated = os.environ.get("VERSUS_BARRIER") == "1"
     async with p2pcoll.join() as g:
         x = np.ones(n, np.float32)
         for _ in range(max(iters // 10, 3)):
+            if separated:
+                await g.barrier()
             await g.allreduce(x)
         await g.barrier()
+        if separated:
+            times = []
+            for _ in range(iters):
+                await g.barrier()
+                t = time.perf_counter()
+                await g.allreduce(x)
+                times.append(time.perf_counter() - t)
+            slower = await g.allreduce(np.array(times), op="max")
+            if g.rank == 0:
+                print("PER_CALL", float(np.median(slower)), flush=True)
+            return
         t = time.perf_counter()
         for _ in range(iters):
             await g.allreduce(x)
@@ -117,8 +136,8 @@ def join_case(folder: Path) -> Callable[[dict[str, str]], dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", required=True, help="the other checkout of p2pcoll")
-    parser.add_argument("--cases", default="board,messages,large,join",
-                        help="comma-separated, of board, messages, large, join")
+    parser.add_argument("--cases", default="board,board-barrier,messages,large,join",
+                        help="comma-separated, of board, board-barrier, messages, large, join")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--iters", type=int, default=4000, help="calls per 4 KiB run")
     args = parser.parse_args()
@@ -127,12 +146,15 @@ def main() -> None:
         parser.error(f"--tree {tree}: no p2pcoll package there")
     with tempfile.TemporaryDirectory(prefix="versus-") as tmp:
         folder = Path(tmp)
-        (folder / "plugins").mkdir()
-        (folder / "plugins" / "p2pcoll_plugins").symlink_to(tree / "plugins")
+        trees = {}
         base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        trees = {"this": base,
-                 "other": {**base, "PYTHONPATH": f"{tree}{os.pathsep}{folder / 'plugins'}"}}
+        for name, root in (("this", HERE), ("other", tree)):
+            (folder / name / "p2pcoll_plugins").parent.mkdir()
+            (folder / name / "p2pcoll_plugins").symlink_to(root / "plugins")
+            trees[name] = {**base, "PYTHONPATH": f"{root}{os.pathsep}{folder / name}"}
         cases = {"board": loop_case(1024, args.iters, {}, folder),
+                 "board-barrier": loop_case(1024, args.iters // 2, {"VERSUS_BARRIER": "1"},
+                                            folder),
                  "messages": loop_case(1024, args.iters // 4, {"P2PCOLL_SHM": "0"}, folder),
                  "large": loop_case(16 << 20, max(args.iters // 500, 3), {}, folder),
                  "join": join_case(folder)}

@@ -63,6 +63,26 @@ def test_a_partner_that_comes_only_as_the_budget_ends_stops_the_polling() -> Non
     assert patience.budget([1]) == MARGIN
 
 
+def test_early_arrivals_settle_the_policy_and_one_late_arrival_unsettles_it() -> None:
+    # While every peer comes early the policy is sure: a wait that finds its partners
+    # within the quick poll need not learn (it would change nothing).
+    patience = Patience(50e-6, 3)
+    assert patience.sure and patience.quick == MARGIN
+    patience.learn(1, 1e-3)  # late
+    assert not patience.sure and patience.usual(1) == 1 - 1 / 8
+    patience.learn(2, 1e-3)
+    for _ in range(200):  # early again: both averages settle at exactly 1
+        patience.learn(1, 1e-6)
+        assert not patience.sure
+        patience.learn(2, -1.0)
+        if patience.usual(1) == patience.usual(2) == 1.0:
+            break
+    assert patience.sure and patience.usual(1) == patience.usual(2) == 1.0
+    assert patience.budget([1, 2]) == 50e-6
+    assert Patience(4e-6, 2).quick == 2e-6  # half a small ceiling: still "early"
+    assert Patience(0.0, 2).quick == 0.0
+
+
 _PEER = textwrap.dedent("""
     import asyncio, hashlib, sys, time
     import numpy as np

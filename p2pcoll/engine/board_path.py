@@ -135,6 +135,7 @@ class BoardPath:
         alone = pids.count(os.getpid()) == 1
         self.spin = spin if alone else 0.0  # the ceiling of every wait's polling
         self.patience = Patience(self.spin, self.size)
+        self._quick = int(self.patience.quick * 1e9)  # ns every wait polls first
         # More peers than cores: a partner may be waiting for this rank's core, so a poll
         # yields it (with a core per peer it would go to the host's other work instead).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -181,25 +182,32 @@ class BoardPath:
 
     async def _wait(self, count: int, ranks: Sequence[int], seq: int) -> None:
         """Until every one of ``ranks`` has published ``count``: poll, then sleep."""
-        if self._missing(count, ranks) < 0:
+        first = self._missing(count, ranks)
+        if first < 0:
             return
         began = time.monotonic_ns()
         w, patience = self._w, self.patience
-        budget = patience.budget(q for q in ranks if w[q * WORDS + COUNT] < count)
-        if not self._poll(count, ranks, began, budget):
-            await self._sleep(count, ranks, seq)
+        # A quick poll first: partners found meanwhile came early, which teaches a sure
+        # policy nothing (waiting.py). Else poll on for the budget of those not there yet.
+        found = self._poll(count, ranks, began + self._quick)
+        if found and patience.sure:
+            return
+        if not found:
+            late = [first] if len(ranks) == 1 else \
+                [q for q in ranks if w[q * WORDS + COUNT] < count] or [first]
+            if not self._poll(count, ranks, began + int(patience.budget(late) * 1e9)):
+                await self._sleep(count, ranks, seq)
         # Learnt only from waits that ended well: how late each partner published. (A
         # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
         if patience.ceiling:
             for q in ranks:
                 patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
 
-    def _poll(self, count: int, ranks: Sequence[int], began: int, budget: float) -> bool:
-        """Poll for ``ranks`` for ``budget`` seconds from ``began`` (yielding the core
-        between polls when crowded); whether they all published ``count`` meanwhile."""
-        if not budget:
-            return False
-        until = began + int(budget * 1e9)
+    def _poll(self, count: int, ranks: Sequence[int], until: int) -> bool:
+        """Poll for ``ranks`` until ``until`` (``time.monotonic_ns()``), yielding the core
+        between polls when crowded; whether they all published ``count`` meanwhile. It
+        looks at least once: a peer that published just now (a barrier's partner, a few
+        microseconds behind) needs no sleep, nor its word in the line."""
         missing, clock = self._missing, time.monotonic_ns
         between = yield_core if self.crowded else None
         while clock() < until:

@@ -13,6 +13,11 @@ sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
   then or slept.
 - Per peer, :class:`Patience` keeps a moving average over recent waits (weight
   :data:`WEIGHT`) of how often the peer came early: within half the ceiling.
+- Every wait first polls for :attr:`Patience.quick` (the margin, or half the ceiling if
+  less), without asking for a budget: a partner found meanwhile came early. While every
+  peer has lately come early (:attr:`Patience.sure`), such a wait teaches nothing and
+  ends there; it is most waits (a partner a few microseconds behind, as after a
+  barrier), so the policy costs them no more than a plain poll.
 - A wait polls for the ceiling, ``P2PCOLL_SPIN`` (0 never polls), if every peer it
   still waits for usually comes early, else for :data:`MARGIN` only: a stopped, slow
   or computing partner, or one that shares this rank's core and cannot run while it
@@ -33,6 +38,9 @@ from collections.abc import Iterable
 MARGIN = 5e-6  # seconds polled for any peer: one that is arriving right now
 WEIGHT = 1 / 8  # of the newest wait in each moving average
 HIT = 0.5  # poll for a peer that came early (within half the ceiling) this often
+# A moving average above this is 1 (it would only approach 1: 1 - 2**-52 plus an eighth
+# of the gap rounds back to itself), so that a run of early arrivals settles exactly.
+SURE = 1 - 1e-6
 
 # Gives the core to another runnable task, if any (Linux; the board only runs there).
 yield_core = getattr(os, "sched_yield", lambda: None)
@@ -50,9 +58,16 @@ class Patience:
     def __init__(self, ceiling: float, world_size: int) -> None:
         self.ceiling = max(0.0, ceiling)
         self._early = self.ceiling / 2  # a peer that comes within this came early
+        #: Seconds every wait polls before it asks for a budget: a peer found meanwhile
+        #: came early.
+        self.quick = min(MARGIN, self._early)
         # Until a peer has been waited for, assume it comes early: a group starts
         # polling and learns otherwise.
         self._hits = [1.0] * world_size
+        self._unsure = 0  # peers whose average is below 1
+        #: Whether every peer came early lately (every average is 1): then an early
+        #: arrival teaches nothing, and a wait need not :meth:`learn` it.
+        self.sure = True
 
     def budget(self, ranks: Iterable[int]) -> float:
         """Seconds to poll for ``ranks`` (those not there yet) before sleeping."""
@@ -69,7 +84,14 @@ class Patience:
         """Peer ``rank`` published ``late`` seconds after this rank began to wait for it
         (0 or less: it was there first)."""
         hits = self._hits
-        hits[rank] += WEIGHT * ((late <= self._early) - hits[rank])
+        before = hits[rank]
+        now = before + WEIGHT * ((late <= self._early) - before)
+        if now > SURE:
+            now = 1.0
+        hits[rank] = now
+        if (before == 1.0) is not (now == 1.0):
+            self._unsure += 1 if before == 1.0 else -1
+            self.sure = not self._unsure
 
     def usual(self, rank: int) -> float:
         """How often peer ``rank`` came early recently (the moving average)."""
