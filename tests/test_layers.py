@@ -1,7 +1,8 @@
 """The package's layers: imports only go down the stack, and plugins see only the strategy API.
 
     base       errors, types, tensors, pytree, strategy, settings, launchers, security (the
-               job key), plugin_table (entry points), extras (optional dependencies), settings_env
+               job key), plugin_table (entry points), extras (optional dependencies), settings_env,
+               lazy (names a package imports on first use)
     wire       the message format and its one validation point
     transport  moving frames (ZeroMQ mesh, in-memory network, sockets, shared memory);
                departures (who has gone: a sans-IO machine the session and transport feed)
@@ -29,7 +30,7 @@ PACKAGE = ROOT / "p2pcoll"
 LAYERS = {
     "errors": 0, "types": 0, "tensors": 0, "pytree": 0, "strategy": 0, "settings": 0,
     "settings_env": 0,
-    "security": 0, "launchers": 0, "plugin_table": 0, "extras": 0,
+    "security": 0, "launchers": 0, "plugin_table": 0, "extras": 0, "lazy": 0,
     "wire": 1, "relay": 1,
     "transport": 2, "departures": 2,
     "engine": 3, "rendezvous": 3,
