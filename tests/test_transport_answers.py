@@ -17,10 +17,16 @@ async def test_a_peer_declared_lost_is_told_so_on_its_own_link() -> None:
     opening no link; rank 1 reads it there and fails with a PeerLost naming itself."""
     declared = asyncio.Event()
     told = asyncio.Event()
+    through = asyncio.Event()  # every rank is out of the barrier (one still in it would
+    passed: list[int] = []     # fail it with the loss declared next: not this test's case)
 
     async def fn(g: p2pcoll.Group) -> None:
         s = g.session
         await g.barrier()
+        passed.append(g.rank)
+        if len(passed) == g.world_size:
+            through.set()
+        await through.wait()
         if g.rank == 0:
             opened = s.transport.counters.links_opened
             s.peers.reported_lost(1, by=0)
