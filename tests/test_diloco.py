@@ -22,6 +22,7 @@ import pytest
 import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import free_port, memory_groups, run_ranks
+from losses import cut_off_and_close
 
 TIMEOUT = 10.0
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
@@ -483,8 +484,7 @@ async def test_a_lost_peer_ends_every_streaming_exchange_in_flight_with_the_grou
                 for name, g in noisy_grads(params, group.rank, step).items():
                     params[name] -= 0.01 * g
                 if group.rank == 3 and step == 12:  # in the middle of the second round
-                    group.session.transport.network.cut(group.membership.endpoints[3])
-                    await group.close()
+                    await cut_off_and_close(group)
                     await diloco.flush()
                 await diloco.after_inner_step()
         except p2pcoll.P2PCollError as exc:
