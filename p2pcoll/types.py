@@ -92,17 +92,17 @@ _BY_VALUE: dict[str, ReduceOp] = {o.value: o for o in ReduceOp}
 
 def as_op(op: str | ReduceOp | CustomOp) -> ReduceOp | CustomOp:
     """Validate a reduction op given as a string, a ReduceOp or a CustomOp."""
-    if isinstance(op, CustomOp):
+    if isinstance(op, str):  # first: every call's op (a ReduceOp is a str too)
+        found = _BY_VALUE.get(op)
+        if found is not None:
+            return found
+    elif isinstance(op, CustomOp):
         if not isinstance(op.name, str) or not op.name or not callable(op.fold):
             raise ValueError(f"a CustomOp needs a non-empty name and a callable fold, got "
                              f"{op!r}")
         return op
-    found = _BY_VALUE.get(op) if isinstance(op, str) else None  # (a list is unhashable)
-    if found is None:
-        names = ", ".join(o.value for o in ReduceOp)
-        raise ValueError(f"unknown reduce op {op!r}; expected one of {names} or a "
-                         f"CustomOp")
-    return found
+    names = ", ".join(o.value for o in ReduceOp)
+    raise ValueError(f"unknown reduce op {op!r}; expected one of {names} or a CustomOp")
 
 
 def fold_of(op: ReduceOp | CustomOp) -> Callable[..., Any]:

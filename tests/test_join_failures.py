@@ -21,7 +21,7 @@ import zmq
 
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
-from p2pcoll.rendezvous.server import RESEND
+from p2pcoll.rendezvous.protocol import RESEND
 from p2pcoll.testing import free_port
 
 HEARTBEAT = 2.0  # seconds: the bound every detection here must keep (plus slack)

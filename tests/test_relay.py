@@ -25,7 +25,8 @@ from p2pcoll.relay.server import _Connection
 from p2pcoll.rendezvous.jobs import Jobs
 from p2pcoll.security import JobKey
 from p2pcoll.settings import RendezvousLimits, Settings
-from p2pcoll.transport.relayed import advertised, choosing
+from p2pcoll.relay import names
+from p2pcoll.relay.names import advertised, choosing
 from p2pcoll.transport.sockets import SocketFactory
 from p2pcoll.wire import WIRE_VERSION
 
@@ -78,13 +79,13 @@ def test_targets_route_only_a_member_of_the_targets_group() -> None:
 
 
 def test_relay_endpoints_and_tags() -> None:
-    assert rp.parse_endpoint(rp.endpoint("h", 5, TARGET)) == ("h", 5, TARGET, "")
-    assert rp.parse_endpoint(rp.endpoint("", 0, TARGET, TAG)) == ("", 0, TARGET, TAG)
+    assert names.parse_endpoint(names.endpoint("h", 5, TARGET)) == ("h", 5, TARGET, "")
+    assert names.parse_endpoint(names.endpoint("", 0, TARGET, TAG)) == ("", 0, TARGET, TAG)
     for bad in ("relay://h/x", "tcp://h:1", f"relay://h:99999/{TARGET}"):
         with pytest.raises(ValueError):
-            rp.parse_endpoint(bad)
-    assert rp.tag_of("s" * 32) == rp.tag_of("s" * 32) != rp.tag_of("t" * 32)
-    assert len(rp.tag_of("s")) == 32 and "s" * 8 not in rp.tag_of("s" * 32)
+            names.parse_endpoint(bad)
+    assert names.tag_of("s" * 32) == names.tag_of("s" * 32) != names.tag_of("t" * 32)
+    assert len(names.tag_of("s")) == 32 and "s" * 8 not in names.tag_of("s" * 32)
 
 
 def test_what_a_peer_behind_a_relay_advertises_and_chooses() -> None:

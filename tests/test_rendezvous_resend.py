@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import rendezvous
-from p2pcoll.rendezvous.server import RESEND
+from p2pcoll.rendezvous.protocol import RESEND
 from p2pcoll.settings import RendezvousLimits
 from p2pcoll.testing import free_port
 from p2pcoll.types import Membership

@@ -66,7 +66,6 @@ class Group(PointToPoint):
         self._extensions: dict[str, Any] = {}
         self._activity = session.activity  # the record of its collectives
         self._topology: Topology | None = None  # measured at join, if it probed (_probe)
-        self._size = session.world_size  # (the topology's, after close too)
 
     # --- what a group is ----------------------------------------------------------------
 
@@ -422,7 +421,7 @@ class Group(PointToPoint):
         ``P2PCOLL_PROBE=0``; ``measured_at`` is then None and the ring rank order)."""
         if self._topology is None:
             from .topology import Topology
-            return Topology.unmeasured(self._size).as_dict()
+            return Topology.unmeasured(self.world_size).as_dict()
         return self._topology.as_dict()
 
     async def _probe(self) -> None:

@@ -50,7 +50,7 @@ class Attachment:
 
     Args:
         host, port: the relay.
-        target, tag: this peer's target name, and its group's tag (``protocol.tag_of``).
+        target, tag: this peer's target name, and its group's tag (``names.tag_of``).
         local: this peer's own mesh endpoint to splice forwards to (``ipc://PATH`` or
             ``tcp://127.0.0.1:PORT``).
         heartbeat_s: the relay is lost after this long without a word from it.

@@ -14,7 +14,7 @@ kind, and the kind's fields:
   target that hears nothing for its heartbeat has lost its relay).
 - **connect** (``C``, then TARGET and TAG): a member's connection to a target, opened by
   its mesh's local entrance for that target (:mod:`.attach`). TAG is the member's group's
-  (:func:`tag_of`, a digest of the group's link secret, which only members have).
+  (:func:`.names.tag_of`, a digest of the group's link secret, which only members have).
 - **accept** (``A``, the 16-byte id): the target's answer to an ``OPEN``, a new outbound
   connection that the relay splices to the waiting member's. The relay then answers the
   member :data:`OK`, and from there on forwards bytes both ways and reads none of them: the
@@ -37,12 +37,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Literal
 
-from .names import HEX, endpoint, new_target, parse_endpoint, tag_of
+from .names import HEX
 
 __all__ = ["ACCEPT", "CONNECT", "MAGIC", "OK", "OPEN", "PING", "REFUSED", "REGISTER",
            "Accept", "BadPreamble", "Connect", "Preamble", "Refused", "Register", "Targets",
-           "accept_preamble", "connect_preamble", "endpoint", "new_target",
-           "parse_endpoint", "register_preamble", "tag_of"]
+           "accept_preamble", "connect_preamble", "register_preamble"]
 
 MAGIC = b"P2PR\x01"  # the start of a peer's preamble: "P2PR" and the protocol version
 REGISTER, CONNECT, ACCEPT = b"R", b"C", b"A"

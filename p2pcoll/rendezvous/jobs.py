@@ -586,4 +586,4 @@ class Jobs:
 
 
 __all__ = ["FORMED_KEPT", "FORMED_TTL", "JOINED_SHOWN", "MIN_HEARTBEAT", "MISSING_SHOWN",
-           "RESEND", "SETTLE", "Jobs", "Reply"]
+           "SETTLE", "Jobs", "Reply"]

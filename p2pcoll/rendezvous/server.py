@@ -52,7 +52,8 @@ from zmq.utils.monitor import parse_monitor_message
 from ..settings import RendezvousLimits
 from ..transport.endpoints import listening
 from ..transport.sockets import SocketFactory, monitor
-from .jobs import RESEND, Jobs, Reply
+from .jobs import Jobs, Reply
+from .protocol import RESEND
 from .url import parse_url
 
 if TYPE_CHECKING:  # imported when a peer first needs the relay: most rendezvous never do

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 
 from ..relay.attach import Attachment, Entrance
-from ..relay.names import advertised, choosing, is_relay, parse_endpoint, tag_of
+from ..relay.names import is_relay, parse_endpoint, tag_of
 from ..types import Membership
 from .base import Counters
 from .endpoints import ipc_address
@@ -27,7 +27,7 @@ from .router import Router
 
 log = logging.getLogger("p2pcoll.transport")
 
-__all__ = ["RelayPaths", "advertised", "choosing", "is_relay"]  # the last three: .names's
+__all__ = ["RelayPaths"]
 
 
 class RelayPaths:
