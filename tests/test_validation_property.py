@@ -42,7 +42,7 @@ from p2pcoll.wire import (
     group_digest,
     validate,
 )
-from p2pcoll.wire.header import MAX_CAUSE_NAME, MAX_CAUSE_TEXT
+from p2pcoll.wire.header import MAX_CAUSE_NAME, MAX_CAUSE_TEXT, MAX_RANK
 from p2pcoll.wire.validation import MAX_HEADER_BYTES, MAX_LEAF_BYTES, MAX_LEAVES, MAX_NDIM
 
 GROUP = "g-fuzz"
@@ -62,8 +62,10 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def assert_typed(h: Header) -> None:
-    """The documented types of a decoded header's fields."""
+def assert_typed(h: Header, ranks: int = LIMITS.world_size) -> None:
+    """The documented types of a decoded header's fields; the ranks its meta names are
+    below ``ranks`` (the group's size after ``validate``; ``decode_header``, which knows no
+    group, bounds them by MAX_RANK only)."""
     assert isinstance(h, Header)
     assert h.kind in KINDS
     assert isinstance(h.group, str)
@@ -90,10 +92,10 @@ def assert_typed(h: Header) -> None:
     if h.described is not None:
         assert all(_is_int(v) or isinstance(v, str) for v in h.described)
     if h.kind in ("bye", "gone") and h.meta is not None:
-        assert_failure_report(h.meta)
+        assert_failure_report(h.meta, ranks)
     if h.kind == "abort" and h.meta is not None:  # what FailureModel.on_abort reads as is
-        ranks = [h.meta.get("origin", 0), *h.meta.get("told", ())]
-        assert all(_is_int(r) and 0 <= r < LIMITS.world_size for r in ranks), h.meta
+        named = [h.meta.get("origin", 0), *h.meta.get("told", ())]
+        assert all(_is_int(r) and 0 <= r < ranks for r in named), h.meta
     if h.kind == "data" and h.meta is not None:
         leaves = h.meta["leaves"]
         assert isinstance(h.meta["strategy"], str) and isinstance(leaves, list)
@@ -102,19 +104,19 @@ def assert_typed(h: Header) -> None:
             assert all(_is_int(n) and n >= 0 for n in shape)
 
 
-def assert_failure_report(meta: dict[str, Any]) -> None:
+def assert_failure_report(meta: dict[str, Any], ranks: int) -> None:
     """What a goodbye (or the news of one) says broke its peer's group: what the session
-    reads from it without checking again (see p2pcoll.departures.Departures._report)."""
+    reads from it without checking again (see p2pcoll.departures.Departures._report);
+    ranks below ``ranks`` (see assert_typed)."""
     if "lost" in meta:
-        assert _is_int(meta["lost"]) and 0 <= meta["lost"] < LIMITS.world_size
+        assert _is_int(meta["lost"]) and 0 <= meta["lost"] < ranks
     if "cause" in meta:
         cause = meta["cause"]
         assert isinstance(cause, dict) and set(cause) <= {"q", "t", "err", "rank", "how"}
         assert cause.get("how", "closed") in ("closed", "crashed", "killed", "unresponsive")
         assert _is_int(cause["q"]) and cause["q"] >= 0
         assert "t" not in cause or (_is_int(cause["t"]) and 0 <= cause["t"] <= MAX_TAG)
-        assert "rank" not in cause or (_is_int(cause["rank"])
-                                       and 0 <= cause["rank"] < LIMITS.world_size)
+        assert "rank" not in cause or (_is_int(cause["rank"]) and 0 <= cause["rank"] < ranks)
         kind, text = cause["err"]
         assert isinstance(kind, str) and 0 < len(kind) <= MAX_CAUSE_NAME
         assert isinstance(text, str) and len(text) <= MAX_CAUSE_TEXT
@@ -129,21 +131,22 @@ def inline_sizes(h: Header) -> list[int]:
     return [n for n, at in zip(h.nbytes, offsets, strict=True) if at == -1]
 
 
-def only_protocol_error(fn: Callable[[], Header]) -> Header | None:
-    """Run ``fn``: a Header with the documented types, or None for a ProtocolError with a
-    documented reason."""
+def only_protocol_error(fn: Callable[[], Header], ranks: int = LIMITS.world_size
+                        ) -> Header | None:
+    """Run ``fn``: a Header with the documented types (ranks below ``ranks``: see
+    assert_typed), or None for a ProtocolError with a documented reason."""
     try:
         h = fn()
     except ProtocolError as exc:
         assert exc.reason in REASONS, exc.reason
         return None
-    assert_typed(h)
+    assert_typed(h, ranks)
     return h
 
 
 def check_frame(raw: bytes, link: int = LINK, sizes: list[int] | None = None) -> None:
     """Both entry points on one header frame."""
-    decoded = only_protocol_error(lambda: decode_header(raw))
+    decoded = only_protocol_error(lambda: decode_header(raw), MAX_RANK)
     if sizes is None:
         sizes = inline_sizes(decoded) if decoded is not None else []
     h = only_protocol_error(lambda: validate(link, raw, sizes, LIMITS))
