@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import finish
-from p2pcoll.engine.waiting import MARGIN, Patience
+from p2pcoll.engine.waiting import MARGIN, PROBE, Patience
 from p2pcoll.testing import free_port
 
 
@@ -81,6 +81,56 @@ def test_early_arrivals_settle_the_policy_and_one_late_arrival_unsettles_it() ->
     assert patience.budget([1, 2]) == 50e-6
     assert Patience(4e-6, 2).quick == 2e-6  # half a small ceiling: still "early"
     assert Patience(0.0, 2).quick == 0.0
+
+
+def test_a_late_partner_is_probed_with_the_ceiling_once_in_probe_waits() -> None:
+    patience = Patience(50e-6, 2)
+    for _ in range(40):
+        patience.learn(1, 0.05)
+    budgets = [patience.budget([1]) for _ in range(3 * PROBE)]
+    assert budgets.count(50e-6) == 3 and budgets.count(MARGIN) == 3 * PROBE - 3
+
+
+def _two_ranks(rounds: int, wake: float, work: tuple[float, float]) -> tuple[list[float], list[Patience]]:
+    """Two ranks of a board allreduce, simulated on the clock the board's stamps give: each
+    round a rank publishes, then waits for its partner's publication as BoardPath._wait
+    does (a quick poll, a poll for its budget, else a sleep that ends ``wake`` seconds after
+    the partner publishes), then works ``work[rank]`` seconds before its next publication.
+    Both ranks start out distrusting each other, rank 1 100 us behind. The time of each
+    round (from the end of the one before)."""
+    ranks = [Patience(50e-6, 2), Patience(50e-6, 2)]
+    for rank, patience in enumerate(ranks):
+        for _ in range(40):
+            patience.learn(1 - rank, 1e-3)
+    published, rounds_took, ended = [0.0, 100e-6], [], 100e-6
+    for _ in range(rounds):
+        done = [0.0, 0.0]
+        for rank, patience in enumerate(ranks):
+            mine, theirs = published[rank], published[1 - rank]
+            late = theirs - mine
+            if late <= 0:  # there first: no wait, nothing learned
+                done[rank] = mine
+                continue
+            if late <= patience.quick and patience.sure:
+                done[rank] = theirs
+                continue
+            polled = late <= patience.quick or late <= patience.budget([1 - rank])
+            done[rank] = theirs if polled else theirs + wake
+            patience.learn(1 - rank, late)
+        rounds_took.append(max(done) - ended)
+        ended = max(done)
+        published = [done[r] + work[r] for r in (0, 1)]
+    return rounds_took, ranks
+
+
+def test_two_ranks_that_both_sleep_get_back_in_step() -> None:
+    # A wake-up of 35 us is beyond "early" (half the 50 us ceiling): two ranks that both
+    # sleep would each see the other late by a wake-up for ever. A probe that catches the
+    # partner puts them back in step, and both poll from then on.
+    took, ranks = _two_ranks(400, wake=35e-6, work=(10e-6, 12e-6))
+    assert max(took[:20]) > 35e-6  # in the cycle: each round pays a wake-up
+    assert max(took[-100:]) <= 12e-6 + 1e-9  # back in step: a round is the slower's work
+    assert ranks[0].usual(1) == 1.0  # rank 0, first each round, polls for rank 1 again
 
 
 _PEER = textwrap.dedent("""

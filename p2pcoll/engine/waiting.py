@@ -22,6 +22,12 @@ sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
   still waits for usually comes early, else for :data:`MARGIN` only: a stopped, slow
   or computing partner, or one that shares this rank's core and cannot run while it
   polls (it comes at the budget's end, not early), would only cost the core.
+- One wait in :data:`PROBE` for a partner that usually comes late polls the ceiling
+  anyway. Two ranks that both sleep keep each other late: each publishes a wake-up after
+  the other, so each sees the other late by a wake-up however short it is, and neither
+  would poll again. A probe that catches its partner (a wake-up within the ceiling) puts
+  the two back in step: next time both publish together and find each other early. A
+  partner late for its own reasons costs a probe of the ceiling in :data:`PROBE` waits.
 - Where the group has more peers than the host has cores, it yields the core between two
   polls (``sched_yield``), so that a partner waiting for a core gets this one instead of
   waiting for this rank's time slice to end. With a core per peer it does not: the
@@ -38,6 +44,7 @@ from collections.abc import Iterable
 MARGIN = 5e-6  # seconds polled for any peer: one that is arriving right now
 WEIGHT = 1 / 8  # of the newest wait in each moving average
 HIT = 0.5  # poll for a peer that came early (within half the ceiling) this often
+PROBE = 16  # one wait in this many polls the ceiling for a peer that usually comes late
 # A moving average above this is 1 (it would only approach 1: 1 - 2**-52 plus an eighth
 # of the gap rounds back to itself), so that a run of early arrivals settles exactly.
 SURE = 1 - 1e-6
@@ -65,18 +72,21 @@ class Patience:
         # polling and learns otherwise.
         self._hits = [1.0] * world_size
         self._unsure = 0  # peers whose average is below 1
+        self._doubts = 0  # budgets given for a late peer: every PROBE-th polls anyway
         #: Whether every peer came early lately (every average is 1): then an early
         #: arrival teaches nothing, and a wait need not :meth:`learn` it.
         self.sure = True
 
     def budget(self, ranks: Iterable[int]) -> float:
-        """Seconds to poll for ``ranks`` (those not there yet) before sleeping."""
+        """Seconds to poll for ``ranks`` (those not there yet) before sleeping; each call
+        is a wait (it counts towards the next probe)."""
         if not self.ceiling:
             return 0.0
         hits, budget = self._hits, 0.0
         for q in ranks:
-            if hits[q] < HIT:  # it has to wait for this one anyway
-                return min(MARGIN, self.ceiling)
+            if hits[q] < HIT:  # it has to wait for this one anyway, unless it probes
+                self._doubts += 1
+                return self.ceiling if not self._doubts % PROBE else min(MARGIN, self.ceiling)
             budget = self.ceiling
         return budget
 
@@ -98,4 +108,4 @@ class Patience:
         return self._hits[rank]
 
 
-__all__ = ["MARGIN", "Patience", "yield_core"]
+__all__ = ["MARGIN", "PROBE", "Patience", "yield_core"]
