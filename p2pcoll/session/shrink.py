@@ -107,7 +107,7 @@ async def shrink(old: Session, exclude: Iterable[int], settings: Settings,
             session = Session(membership, transport, new_settings, old.constants)
             session.start()
             try:
-                await handshake(session, new_settings.heartbeat_timeout)
+                await _form(old, session, kept, new_settings.heartbeat_timeout)
             except BaseException as exc:
                 # The survivors not heard from, by their old ranks (the new group's
                 # numbers mean nothing to the caller).
@@ -230,6 +230,39 @@ def _roster(old: Membership, kept: Sequence[int], offers: dict[int, dict[str, An
     hosts = tuple(old.hosts[r] for r in kept) if old.hosts else ()
     return Membership(ident, old.epoch + 1, kept.index(me), len(kept), endpoints, hosts,
                       secret)
+
+
+async def _form(old: Session, new: Session, kept: list[int], left: float) -> None:
+    """The new group's handshake (see :func:`.forming.handshake`), ended as soon as the old
+    group or the new one knows that a survivor was lost: the old group's links and probes
+    find a death in a fraction of the heartbeat, while the hellos would wait all of it.
+
+    Raises:
+        PeerLost: a survivor was lost (named by its old rank; the old group's record of it
+            if it has one).
+        RendezvousError: as :func:`.forming.handshake`.
+    """
+    others = [r for r in kept if r != old.rank]
+    formed = asyncio.ensure_future(handshake(new, left))
+    in_old = asyncio.ensure_future(old.peers.first_lost(others))
+    in_new = asyncio.ensure_future(new.peers.first_lost(
+        [kept.index(r) for r in others]))
+    waits = (formed, in_old, in_new)
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+    if formed.done() and not formed.cancelled():
+        formed.result()  # formed, or its own error
+        return
+    if in_old.done() and not in_old.cancelled():
+        raise in_old.result()
+    lost = in_new.result()  # the new group's departures name their ranks
+    rank = kept[lost.rank if lost.rank is not None else 0]
+    raise PeerLost(f"rank {rank} was lost while the shrunk group formed: the new group's "
+                   f"link to it went down ({lost})", rank, how=lost.how)
 
 
 def _lost_while_forming(old: Session, kept: list[int], silent: list[int],
