@@ -94,6 +94,9 @@ class _Agreed(NamedTuple):
     # or (None, address in its process, bytes) to read directly.
     spans: dict[int, tuple[np.ndarray | None, int, int]]
     direct: bool  # some rank's parts are read directly: a second round ends this one
+    # (dtype, row shape) -> my part of each peer's parts that lie on the board, as an
+    # array of their rows: made on the first call with them, copied out by every call.
+    parts: dict[tuple[np.dtype[Any], tuple[int, ...]], list[tuple[int, np.ndarray]]]
 
 
 def header_words(p: int) -> int:
@@ -118,6 +121,7 @@ class BoardAlltoall:
         # whether I can read every peer (None: not tried yet), whether every peer has
         # said it can read me (in the last headers I read).
         self._probe = np.array([MAGIC], np.int64)
+        self._probe_at = self._probe.ctypes.data  # (ctypes.data costs microseconds a read)
         self._reads: bool | None = None if cross_memory.available() else False
         self._read_by_all = False
         self._pids: list[int] = []  # the peers' processes, known at the first round
@@ -180,7 +184,7 @@ class BoardAlltoall:
                     area[at:at + n] = a.reshape(-1).view(np.uint8)
                     at += n
         words[READS] = bool(self._reads)
-        words[PROBE] = self._probe.ctypes.data
+        words[PROBE] = self._probe_at
         digest, described = path._signed(sig, parity)
         path._fields(parity, seq, digest, at if area is slot else self._head, _CODE,
                      described)
@@ -201,14 +205,28 @@ class BoardAlltoall:
                 return found
             self._agreed[parity] = agreed = found
         rest, dtype = shape.rest, shape.dtype
-        got = [np.empty((n, *rest), dtype) for n in agreed.rows] if out is None else list(out)
-        for q, (source, at, n) in agreed.spans.items():
-            into = got[q].reshape(-1).view(np.uint8)
-            if source is not None:
-                into[:] = source[at:at + n]
-            elif n:
-                self._read(q, at, into)
-        np.copyto(got[me], parts[me])
+        on_board = agreed.parts.get((dtype, rest))
+        if on_board is None:
+            on_board = agreed.parts[dtype, rest] = [
+                (q, source[at:at + n].view(dtype).reshape(agreed.rows[q], *rest))
+                for q, (source, at, n) in agreed.spans.items() if source is not None]
+        # Each part copied once, straight into a new array (or out= buffer).
+        if out is None:
+            got = [parts[me].copy()] * p
+            for q, part in on_board:
+                got[q] = part.copy()
+        else:
+            got = list(out)
+            for q, part in on_board:
+                np.copyto(got[q], part)
+            np.copyto(got[me], parts[me])
+        if agreed.direct:
+            for q, (source, at, n) in agreed.spans.items():
+                if source is None:
+                    if out is None:
+                        got[q] = np.empty((agreed.rows[q], *rest), dtype)
+                    if n:
+                        self._read(q, at, got[q].reshape(-1).view(np.uint8))
         if agreed.direct:  # my parts stay as they are until every peer has read them
             path.board.count = count + 1
             await path._barrier(count + 1, seq, sig)
@@ -293,7 +311,7 @@ class BoardAlltoall:
                                     f"byte {at + n}, beyond the {len(source)} it wrote")
             spans[q] = (source, at, n)
         direct = bool((words[:, width + WHERE] == DIRECT).any())
-        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans, direct)
+        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans, direct, {})
 
     def _can_read(self, q: int, address: int) -> bool:
         """Whether I can read rank ``q``'s memory: its probe word, where it says it is."""
