@@ -128,6 +128,9 @@ class BoardAlltoall:
         path.closing.append(self.close)
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
+        # Every rank's header area, per parity (read by every round).
+        self._heads = [[path.board.data[q][b][:self._head] for q in range(self.size)]
+                       for b in (0, 1)]
 
     async def run(self, seq: int, parts: Sequence[np.ndarray],
                   out: Sequence[np.ndarray] | None,
@@ -194,7 +197,7 @@ class BoardAlltoall:
                   for q in range(p)]
         # Every rank's header as read: the same as last time on this parity (a loop of
         # one call), the same table and places; else checked and worked out anew.
-        heads = b"".join([data[q][parity][:self._head].tobytes() for q in range(p)])
+        heads = b"".join([h.tobytes() for h in self._heads[parity]])
         agreed = self._agreed[parity]
         if agreed is None or agreed.heads != heads:
             # The old round's views go first (a window replaced is unmapped at once), and
@@ -405,6 +408,7 @@ class BoardAlltoall:
         self._own = [None, None]
         self._theirs.clear()
         self._agreed = [None, None]
+        self._heads = [[], []]  # views of the board, which closes next
 
 
 __all__ = ["BoardAlltoall"]
