@@ -126,11 +126,13 @@ def test_a_survivor_lost_during_the_shrink_is_named_on_every_survivor() -> None:
     run_virtual(main())
 
 
+@pytest.mark.parametrize("seen_by", ["both groups", "the new group"])
 def test_a_survivor_lost_while_the_new_group_forms_ends_the_forming_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        seen_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Rank 1 dies after every offer came, as the new group forms: the old group's links
-    # find it long before the new group's hello wait (the heartbeat) would end, and that
-    # ends the forming on every survivor.
+    # (or, when only its new endpoint goes, the new group's) find it long before the new
+    # group's hello wait (the heartbeat) would end, and that ends the forming on every
+    # survivor, naming it by its old rank.
     heartbeat = 5.0  # the hello wait: far longer than finding a cut link
 
     async def main() -> None:
@@ -142,7 +144,8 @@ def test_a_survivor_lost_while_the_new_group_forms_ends_the_forming_at_once(
 
         async def forming(session: Any, left: float) -> None:
             if session.membership.rank == 1:  # old rank 1 (new rank 1): dies right here
-                net.cut(old[1].endpoint)
+                if seen_by == "both groups":
+                    net.cut(old[1].endpoint)
                 net.cut(session.membership.endpoints[1])
                 died.set()
                 await asyncio.Event().wait()  # a dead process does nothing more
@@ -158,6 +161,7 @@ def test_a_survivor_lost_while_the_new_group_forms_ends_the_forming_at_once(
         for e in outcomes:
             assert isinstance(e, PeerLost), e
             assert e.rank == 1 and "rank 1" in str(e)
+            assert ("new group's link" in str(e)) == (seen_by == "the new group"), e
         # Virtual time: before the hello wait would have ended.
         assert loop.time() - started < heartbeat
         victim.cancel()

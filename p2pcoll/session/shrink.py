@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..departures.machine import GONE_HOW
 from ..errors import (CLOSED, CollectiveMismatch, CollectiveTimeout, GroupBroken,
                       PeerLost, ProtocolError, RendezvousError)
 from ..settings import Settings
@@ -262,10 +263,10 @@ async def _form(old: Session, new: Session, kept: list[int], left: float) -> Non
         return
     if in_old.done() and not in_old.cancelled():
         raise in_old.result()
-    lost = in_new.result()  # the new group's departures name their ranks
+    lost = in_new.result()  # named by its new rank, which means nothing to the caller
     rank = kept[lost.rank if lost.rank is not None else 0]
     raise PeerLost(f"rank {rank} was lost while the shrunk group formed: the new group's "
-                   f"link to it went down ({lost})", rank, how=lost.how)
+                   f"link to it went down ({lost.how or GONE_HOW})", rank, how=lost.how)
 
 
 def _lost_while_forming(old: Session, kept: list[int], silent: list[int],
