@@ -54,7 +54,8 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
                    strategy: str | None, timeout: float | None) -> list[Any]:
     """:meth:`p2pcoll.Group.alltoall` (see there)."""
     p = group.world_size
-    if isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence):
+    if type(parts) not in (list, tuple) and (  # (a list or tuple: no ABC check)
+            isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence)):
         raise TypeError(f"alltoall takes a sequence of {p} arrays (one per rank), got "
                         f"{type(parts).__name__}")
     send, dtype, rest = _arrays(parts)
