@@ -82,6 +82,9 @@ class _Shape(NamedTuple):
     rest: tuple[int, ...]  # the parts' shape after the first axis
     item: int  # bytes per row
     moving: int  # bytes of its parts for other ranks
+    # Per parity, where in my slot each of its parts for another rank goes (that rank, the
+    # place in the part's shape), made on the first call that puts them there.
+    places: list[list[tuple[int, np.ndarray]] | None]
 
 
 class _Agreed(NamedTuple):
@@ -181,11 +184,19 @@ class BoardAlltoall:
                 area, at = np.frombuffer(window.map, np.uint8, offset=PAGE), 0
             words[:READS] = self._tails[parity] if area is not slot else self._in_slot
             words[ADDRESSES:] = 0
-            for j, a in enumerate(parts[:p]):
-                if j != me:
-                    n = a.nbytes
-                    area[at:at + n] = a.reshape(-1).view(np.uint8)
-                    at += n
+            if area is slot:
+                places = shape.places[parity]
+                if places is None:
+                    places = shape.places[parity] = self._places(slot, parts)
+                for j, place in places:
+                    np.copyto(place, parts[j])
+                at += shape.moving
+            else:
+                for j, a in enumerate(parts[:p]):
+                    if j != me:
+                        n = a.nbytes
+                        area[at:at + n] = a.reshape(-1).view(np.uint8)
+                        at += n
         words[READS] = bool(self._reads)
         words[PROBE] = self._probe_at
         digest, described = path._signed(sig, parity)
@@ -269,8 +280,19 @@ class BoardAlltoall:
             if len(self._shapes) >= MAX_SHAPES:
                 self._shapes.clear()
             shape = self._shapes[key] = _Shape(row.view(np.uint8), dtype, rest,
-                                               dtype.itemsize * elements, moving)
+                                               dtype.itemsize * elements, moving, [None, None])
         return shape
+
+    def _places(self, slot: np.ndarray, parts: Sequence[np.ndarray]
+                ) -> list[tuple[int, np.ndarray]]:
+        """Where in ``slot``, after the header, each of ``parts`` for another rank goes,
+        one after the other: (that rank, the place as an array in the part's shape)."""
+        places, at = [], self._head
+        for j, a in enumerate(parts[:self.size]):
+            if j != self.rank:
+                places.append((j, slot[at:at + a.nbytes].view(a.dtype).reshape(a.shape)))
+                at += a.nbytes
+        return places
 
     def _agree(self, parity: int, heads: bytes, nbytes: list[int],
                item: int) -> _Agreed | CollectiveMismatch:
@@ -409,6 +431,7 @@ class BoardAlltoall:
         self._theirs.clear()
         self._agreed = [None, None]
         self._heads = [[], []]  # views of the board, which closes next
+        self._shapes.clear()  # (their places too)
 
 
 __all__ = ["BoardAlltoall"]
