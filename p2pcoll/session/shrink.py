@@ -247,9 +247,9 @@ async def _form(old: Session, new: Session, kept: list[int], left: float) -> Non
         RendezvousError: as :func:`.forming.handshake`.
     """
     others = [r for r in kept if r != old.rank]
-    formed = asyncio.ensure_future(handshake(new, left))
-    in_old = asyncio.ensure_future(old.peers.first_lost(others))
-    in_new = asyncio.ensure_future(new.peers.first_lost(
+    formed = asyncio.create_task(handshake(new, left))
+    in_old = asyncio.create_task(old.peers.first_lost(others))
+    in_new = asyncio.create_task(new.peers.first_lost(
         [kept.index(r) for r in others]))
     waits = (formed, in_old, in_new)
     try:
