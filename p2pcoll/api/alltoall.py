@@ -157,7 +157,12 @@ def _buffers(out: Sequence[Any], p: int, dtype: np.dtype[Any],
     """``out=`` checked: p writable C-contiguous arrays of the parts' dtype and row shape."""
     if len(out) != p:
         raise ValueError(f"alltoall out= needs {p} arrays (one per rank), got {len(out)}")
-    arrays = [_native(a) for a in out]
+    arrays = list(out)
+    # The usual buffers, checked in one pass (the parts' dtype is an allowed native one).
+    if all(type(a) is np.ndarray and a.dtype == dtype and a.ndim and a.shape[1:] == rest
+           and a.flags.c_contiguous and a.flags.writeable for a in arrays):
+        return arrays
+    arrays = [_native(a) for a in arrays]
     for i, (given, a) in enumerate(zip(out, arrays, strict=True)):
         if (a.dtype != dtype or a.ndim == 0 or a.shape[1:] != rest
                 or not a.flags.writeable or (a.size and a is not given and not np.shares_memory(
