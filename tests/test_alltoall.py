@@ -261,6 +261,34 @@ def test_local_mistakes_raise_before_anything_is_sent(given: Any, error: type, w
     run_virtual(main())
 
 
+def _read_only(n: int) -> np.ndarray:
+    a = np.empty(n, np.float32)
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize("bad, words", [
+    (lambda n: np.empty(n, np.float64), "float64"),
+    (_read_only, "writable"),
+    (lambda n: np.empty(2 * n, np.float32)[::2], "C-contiguous"),
+    (lambda n: np.empty((n, 1), np.float32), r"\[.*, 1\]"),
+])
+def test_bad_out_buffers_raise_before_anything_is_sent(bad: Any, words: str) -> None:
+    async def main() -> None:
+        groups = await memory_groups(2)
+        try:
+            rows = lengths(2, 1)
+            out = [np.empty(rows[i, 0], np.float32) for i in range(2)]
+            out[1] = bad(rows[1, 0])
+            with pytest.raises(ValueError, match=f"out\\[1\\] must be.*{words}"):
+                await groups[0].alltoall(parts(groups[0]), out=out)
+            await exchange(groups, rows, np.float32, None)  # nothing was started
+        finally:
+            await asyncio.gather(*(g.close() for g in groups))
+
+    run_virtual(main())
+
+
 def test_a_peer_lost_mid_exchange_is_peer_lost_naming_it_on_every_survivor() -> None:
     async def main() -> list[Any]:
         # Every data message takes 0.5 s, so the exchange is under way at t = 1.2 s.

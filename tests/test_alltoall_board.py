@@ -92,6 +92,34 @@ async def test_a_changed_shape_on_one_rank_is_a_new_round_not_the_kept_one() -> 
     await run_ranks(p, fn, transport="ipc")
 
 
+async def test_a_round_kept_gives_new_arrays_in_the_shape_of_each_call() -> None:
+    """The same lengths again (the kept round) with another row shape of as many elements,
+    or another dtype of the same width: each result in its call's shape, bit for bit, and
+    never a view of the board: a later call leaves earlier results as they were."""
+    p = 3
+
+    async def fn(g: p2pcoll.Group) -> None:
+        r = g.rank
+        rows = lengths(p, 5, 6)
+        kept = []
+        for n, (dtype, shape) in enumerate([(np.float32, (6,)), (np.float32, (2, 3)),
+                                            (np.int32, (6,)), (np.float32, (6,)),
+                                            (np.float32, (3, 2))] * 2):
+            parts = [(block(r, j, rows[r, j] * 6, dtype) + n).reshape(-1, *shape)
+                     for j in range(p)]
+            got = await g.alltoall(parts)
+            want = [(block(i, r, rows[i, r] * 6, dtype) + n).reshape(-1, *shape)
+                    for i in range(p)]
+            assert [(a.dtype, a.shape) for a in got] == [(a.dtype, a.shape) for a in want]
+            assert [a.tobytes() for a in got] == [a.tobytes() for a in want], n
+            kept.append((got, [a.copy() for a in want]))
+        for got, want in kept:
+            assert [a.tobytes() for a in got] == [a.tobytes() for a in want]
+            assert all(a.flags.writeable and a.flags.c_contiguous for a in got)
+
+    await run_ranks(p, fn, transport="ipc")
+
+
 async def _outcome(aw: Any) -> Any:
     try:
         return await aw

@@ -14,6 +14,7 @@ import pytest
 import p2pcoll
 from p2pcoll import CollectiveMismatch, Group, PeerLost, RendezvousError
 from p2pcoll.errors import CLOSED, KILLED
+from p2pcoll.session import shrink as shrinking
 from p2pcoll.session.shrink import _lost_while_forming
 from p2pcoll.testing import MemoryNetwork, memory_groups, run_ranks, run_virtual
 
@@ -121,6 +122,81 @@ def test_a_survivor_lost_during_the_shrink_is_named_on_every_survivor() -> None:
         assert loop.time() - started <= 3 * HEARTBEAT
         net.thaw(old[1].endpoint)
         await close(old)
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("seen_by", ["both groups", "the new group"])
+def test_a_survivor_lost_while_the_new_group_forms_ends_the_forming_at_once(
+        seen_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 dies after every offer came, as the new group forms: the old group's links
+    # (or, when only its new endpoint goes, the new group's) find it long before the new
+    # group's hello wait (the heartbeat) would end, and that ends the forming on every
+    # survivor, naming it by its old rank.
+    heartbeat = 5.0  # the hello wait: far longer than finding a cut link
+
+    async def main() -> None:
+        net = MemoryNetwork()
+        old = await memory_groups(4, network=net, heartbeat_timeout=heartbeat)
+        net.cut(old[3].endpoint)  # rank 3 is gone, and the survivors know it
+        handshake = shrinking.handshake
+        died = asyncio.Event()
+
+        async def forming(session: Any, left: float) -> None:
+            if session.membership.rank == 1:  # old rank 1 (new rank 1): dies right here
+                if seen_by == "both groups":
+                    net.cut(old[1].endpoint)
+                net.cut(session.membership.endpoints[1])
+                died.set()
+                await asyncio.Event().wait()  # a dead process does nothing more
+            await handshake(session, left)
+
+        monkeypatch.setattr(shrinking, "handshake", forming)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        victim = asyncio.create_task(old[1].shrink([3]))
+        outcomes = await asyncio.gather(*(old[r].shrink([3]) for r in (0, 2)),
+                                        return_exceptions=True)
+        assert died.is_set()
+        for e in outcomes:
+            assert isinstance(e, PeerLost), e
+            assert e.rank == 1 and "rank 1" in str(e)
+            assert ("new group's link" in str(e)) == (seen_by == "the new group"), e
+        # Virtual time: before the hello wait would have ended.
+        assert loop.time() - started < heartbeat
+        victim.cancel()
+        await asyncio.gather(victim, return_exceptions=True)
+        await close(old)
+
+    run_virtual(main())
+
+
+def test_a_survivor_that_closes_the_old_group_once_shrunk_ends_no_other_forming(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The survivors whose new group formed close the old one at once (a goodbye), while
+    # rank 3 still forms: a survivor that closed normally is not lost.
+    async def main() -> None:
+        net = MemoryNetwork()
+        old = await memory_groups(5, network=net, heartbeat_timeout=HEARTBEAT)
+        net.cut(old[4].endpoint)
+        handshake = shrinking.handshake
+
+        async def forming(session: Any, left: float) -> None:
+            if session.membership.rank == 3:  # late: the others close the old group first
+                await asyncio.sleep(HEARTBEAT / 4)
+            await handshake(session, left)
+
+        monkeypatch.setattr(shrinking, "handshake", forming)
+
+        async def survivor(g: Group) -> Group:
+            new = await g.shrink([4])
+            await g.close()
+            return new
+
+        new = await asyncio.gather(*(survivor(g) for g in old[:4]))
+        got = await asyncio.gather(*(g.allreduce(np.ones(1)) for g in new))
+        assert [float(x[0]) for x in got] == [4.0] * 4
+        await close(new)
 
     run_virtual(main())
 

@@ -1,6 +1,6 @@
 """Group.shrink with real processes: a second rank dies during the shrink
-(tests/shrink_death_worker.py). Every survivor gets PeerLost naming it, found by the
-heartbeat, never a hang."""
+(tests/shrink_death_worker.py). Every survivor gets PeerLost naming it within the
+heartbeat (its links find a killed process in a fraction of it), never a hang."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from tests.peer_processes import PeerProcesses
 pytestmark = pytest.mark.processes
 
 WORKER = str(Path(__file__).with_name("shrink_death_worker.py"))
-HEARTBEAT = 1.5  # seconds: P2PCOLL_HEARTBEAT_TIMEOUT
+# seconds: P2PCOLL_HEARTBEAT_TIMEOUT, also how long the new group waits for hellos: long,
+# so that an error within it can only come from the links that found the death.
+HEARTBEAT = 6.0
 DEADLINE = 60.0  # seconds: the collective timeout, the shrink's own deadline
 
 
@@ -32,4 +34,4 @@ def test_a_second_rank_dying_during_the_shrink_is_named_on_every_survivor(when: 
     for outcome in outcomes:
         assert outcome["error"] == "PeerLost", outcomes
         assert outcome["rank"] == 2 and "rank 2" in outcome["message"], outcomes
-        assert outcome["seconds"] < DEADLINE / 2, outcomes
+        assert outcome["seconds"] < HEARTBEAT, outcomes

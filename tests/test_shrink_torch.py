@@ -114,11 +114,12 @@ def test_abort_returns_at_once_with_an_operation_in_flight_and_a_frozen_peer() -
 @pytest.mark.parametrize("when", ["offer", "forming"])
 def test_a_second_rank_dying_during_shrink_group_is_named_on_every_survivor(when: str
                                                                              ) -> None:
-    heartbeat = 1.5
+    # Long, and the new group's hello wait too: an error within it comes from the links
+    # that found the death (in a fraction of a second), not from a wait running out.
+    heartbeat = 6.0
     lines = run_world(4, "second", when, heartbeat=heartbeat)
     ended = [line.split(maxsplit=4) for line in lines if line.startswith("SECOND")]
     assert len(ended) == 2, lines  # ranks 0 and 1
     for _, error, rank, seconds, message in ended:
         assert (error, rank) == ("PeerLost", "2") and "rank 2" in message, lines
-        # A hang guard: the heartbeat finds it, long before torch's 30-minute deadline.
-        assert float(seconds) < 20 * heartbeat, lines
+        assert float(seconds) < heartbeat, lines

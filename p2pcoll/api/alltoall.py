@@ -28,7 +28,7 @@ from ..engine import alltoall_table as table
 from ..session.calls import Call
 from ..session.session import Session
 from ..session.turns import Turns
-from ..types import check_dtype
+from ..types import ALLOWED_DTYPES, check_dtype
 from .arguments import native
 
 class Group(Protocol):
@@ -54,16 +54,16 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
                    strategy: str | None, timeout: float | None) -> list[Any]:
     """:meth:`p2pcoll.Group.alltoall` (see there)."""
     p = group.world_size
-    if isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence):
+    if type(parts) not in (list, tuple) and (  # (a list or tuple: no ABC check)
+            isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence)):
         raise TypeError(f"alltoall takes a sequence of {p} arrays (one per rank), got "
                         f"{type(parts).__name__}")
-    send = [_native(a) for a in parts]
-    dtype, rest = _common(send, "parts")
+    send, dtype, rest = _arrays(parts)
     recv = _buffers(out, p, dtype, rest) if out is not None else None
     session = group.session
     if session.runner.alltoall_on_board(strategy):  # one round, the lengths in it
         call = Call("alltoall", send + (recv or []), strategy=strategy, timeout=timeout,
-                    flat=[a.reshape(-1) for a in send])
+                    flat=send if not rest else [a.reshape(-1) for a in send])
         await session.run(call)
         if call.refused is not None:
             raise call.refused
@@ -73,7 +73,9 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
     if out is not None:
         return list(out)
     like = parts[0] if parts else None
-    return [tensors.like(like, a) if like is not None else a for a in recv]
+    if like is None or type(like) is np.ndarray:
+        return recv
+    return [tensors.like(like, a) for a in recv]
 
 
 async def _agree_and_exchange(group: Group, send: list[np.ndarray],
@@ -100,6 +102,29 @@ async def _agree_and_exchange(group: Group, send: list[np.ndarray],
         await group.session.run(call)
     np.copyto(recv[rank], send[rank])
     return recv
+
+
+def _arrays(parts: Sequence[Any]) -> tuple[list[np.ndarray], np.dtype[Any], tuple[int, ...]]:
+    """``parts`` as native C-contiguous arrays (see :func:`_native`), their dtype and
+    their shape after the first axis (see :func:`_common`).
+
+    Raises:
+        TypeError, ValueError: as :func:`_native` and :func:`_common`.
+    """
+    # The usual call, checked in one pass: numpy arrays, native and C-contiguous, of one
+    # allowed dtype and one shape after the first axis, none 0-d. Anything else goes the
+    # way that says what is wrong.
+    send = list(parts)
+    if send:
+        first = send[0]
+        if type(first) is np.ndarray and first.ndim:
+            dtype, rest = first.dtype, first.shape[1:]
+            if dtype.isnative and dtype.str in ALLOWED_DTYPES and all(
+                    type(a) is np.ndarray and a.flags.c_contiguous and a.dtype == dtype
+                    and a.ndim and a.shape[1:] == rest for a in send):
+                return send, dtype, rest
+    send = [_native(a) for a in send]
+    return (send, *_common(send, "parts"))
 
 
 def _common(arrays: Sequence[np.ndarray], what: str) -> tuple[np.dtype[Any], tuple[int, ...]]:
@@ -132,7 +157,12 @@ def _buffers(out: Sequence[Any], p: int, dtype: np.dtype[Any],
     """``out=`` checked: p writable C-contiguous arrays of the parts' dtype and row shape."""
     if len(out) != p:
         raise ValueError(f"alltoall out= needs {p} arrays (one per rank), got {len(out)}")
-    arrays = [_native(a) for a in out]
+    arrays = list(out)
+    # The usual buffers, checked in one pass (the parts' dtype is an allowed native one).
+    if all(type(a) is np.ndarray and a.dtype == dtype and a.ndim and a.shape[1:] == rest
+           and a.flags.c_contiguous and a.flags.writeable for a in arrays):
+        return arrays
+    arrays = [_native(a) for a in arrays]
     for i, (given, a) in enumerate(zip(out, arrays, strict=True)):
         if (a.dtype != dtype or a.ndim == 0 or a.shape[1:] != rest
                 or not a.flags.writeable or (a.size and a is not given and not np.shares_memory(

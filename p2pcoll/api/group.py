@@ -14,7 +14,8 @@ collectives started after it wait their turn and start in the order they were st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -353,8 +354,7 @@ class Group(PointToPoint):
             CollectiveTimeout, PeerLost, GroupBroken.
         Cancellation: breaks the group.
         """
-        from .alltoall import alltoall
-        return await alltoall(self, parts, out, strategy, timeout)
+        return await _alltoall()(self, parts, out, strategy, timeout)
 
     async def gather(
         self, array: np.ndarray, root: int = 0, *,
@@ -560,3 +560,11 @@ class Group(PointToPoint):
         if self._session is None:
             return f"<Group {self.state}>"
         return f"<Group rank {self.rank}/{self.world_size} {self.endpoint} {self.state}>"
+
+
+@functools.cache
+def _alltoall() -> Callable[..., Awaitable[list[Any]]]:
+    """:func:`.alltoall.alltoall`, imported on first use (most programs never call it)
+    and kept: an import statement in the method would cost every call 2 us."""
+    from .alltoall import alltoall
+    return alltoall

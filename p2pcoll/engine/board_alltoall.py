@@ -82,6 +82,9 @@ class _Shape(NamedTuple):
     rest: tuple[int, ...]  # the parts' shape after the first axis
     item: int  # bytes per row
     moving: int  # bytes of its parts for other ranks
+    # Per parity, where in my slot each of its parts for another rank goes (that rank, the
+    # place in the part's shape), made on the first call that puts them there.
+    places: list[list[tuple[int, np.ndarray]] | None]
 
 
 class _Agreed(NamedTuple):
@@ -94,6 +97,9 @@ class _Agreed(NamedTuple):
     # or (None, address in its process, bytes) to read directly.
     spans: dict[int, tuple[np.ndarray | None, int, int]]
     direct: bool  # some rank's parts are read directly: a second round ends this one
+    # (dtype, row shape) -> my part of each peer's parts that lie on the board, as an
+    # array of their rows: made on the first call with them, copied out by every call.
+    parts: dict[tuple[np.dtype[Any], tuple[int, ...]], list[tuple[int, np.ndarray]]]
 
 
 def header_words(p: int) -> int:
@@ -118,12 +124,16 @@ class BoardAlltoall:
         # whether I can read every peer (None: not tried yet), whether every peer has
         # said it can read me (in the last headers I read).
         self._probe = np.array([MAGIC], np.int64)
+        self._probe_at = self._probe.ctypes.data  # (ctypes.data costs microseconds a read)
         self._reads: bool | None = None if cross_memory.available() else False
         self._read_by_all = False
         self._pids: list[int] = []  # the peers' processes, known at the first round
         path.closing.append(self.close)
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
+        # Every rank's header area, per parity (read by every round).
+        self._heads = [[path.board.data[q][b][:self._head] for q in range(self.size)]
+                       for b in (0, 1)]
 
     async def run(self, seq: int, parts: Sequence[np.ndarray],
                   out: Sequence[np.ndarray] | None,
@@ -174,13 +184,21 @@ class BoardAlltoall:
                 area, at = np.frombuffer(window.map, np.uint8, offset=PAGE), 0
             words[:READS] = self._tails[parity] if area is not slot else self._in_slot
             words[ADDRESSES:] = 0
-            for j, a in enumerate(parts[:p]):
-                if j != me:
-                    n = a.nbytes
-                    area[at:at + n] = a.reshape(-1).view(np.uint8)
-                    at += n
+            if area is slot:
+                places = shape.places[parity]
+                if places is None:
+                    places = shape.places[parity] = self._places(slot, parts)
+                for j, place in places:
+                    np.copyto(place, parts[j])
+                at += shape.moving
+            else:
+                for j, a in enumerate(parts[:p]):
+                    if j != me:
+                        n = a.nbytes
+                        area[at:at + n] = a.reshape(-1).view(np.uint8)
+                        at += n
         words[READS] = bool(self._reads)
-        words[PROBE] = self._probe.ctypes.data
+        words[PROBE] = self._probe_at
         digest, described = path._signed(sig, parity)
         path._fields(parity, seq, digest, at if area is slot else self._head, _CODE,
                      described)
@@ -190,7 +208,7 @@ class BoardAlltoall:
                   for q in range(p)]
         # Every rank's header as read: the same as last time on this parity (a loop of
         # one call), the same table and places; else checked and worked out anew.
-        heads = b"".join([data[q][parity][:self._head].tobytes() for q in range(p)])
+        heads = b"".join([h.tobytes() for h in self._heads[parity]])
         agreed = self._agreed[parity]
         if agreed is None or agreed.heads != heads:
             # The old round's views go first (a window replaced is unmapped at once), and
@@ -201,14 +219,28 @@ class BoardAlltoall:
                 return found
             self._agreed[parity] = agreed = found
         rest, dtype = shape.rest, shape.dtype
-        got = [np.empty((n, *rest), dtype) for n in agreed.rows] if out is None else list(out)
-        for q, (source, at, n) in agreed.spans.items():
-            into = got[q].reshape(-1).view(np.uint8)
-            if source is not None:
-                into[:] = source[at:at + n]
-            elif n:
-                self._read(q, at, into)
-        np.copyto(got[me], parts[me])
+        on_board = agreed.parts.get((dtype, rest))
+        if on_board is None:
+            on_board = agreed.parts[dtype, rest] = [
+                (q, source[at:at + n].view(dtype).reshape(agreed.rows[q], *rest))
+                for q, (source, at, n) in agreed.spans.items() if source is not None]
+        # Each part copied once, straight into a new array (or out= buffer).
+        if out is None:
+            got = [parts[me].copy()] * p
+            for q, part in on_board:
+                got[q] = part.copy()
+        else:
+            got = list(out)
+            for q, part in on_board:
+                np.copyto(got[q], part)
+            np.copyto(got[me], parts[me])
+        if agreed.direct:
+            for q, (source, at, n) in agreed.spans.items():
+                if source is None:
+                    if out is None:
+                        got[q] = np.empty((agreed.rows[q], *rest), dtype)
+                    if n:
+                        self._read(q, at, got[q].reshape(-1).view(np.uint8))
         if agreed.direct:  # my parts stay as they are until every peer has read them
             path.board.count = count + 1
             await path._barrier(count + 1, seq, sig)
@@ -248,8 +280,19 @@ class BoardAlltoall:
             if len(self._shapes) >= MAX_SHAPES:
                 self._shapes.clear()
             shape = self._shapes[key] = _Shape(row.view(np.uint8), dtype, rest,
-                                               dtype.itemsize * elements, moving)
+                                               dtype.itemsize * elements, moving, [None, None])
         return shape
+
+    def _places(self, slot: np.ndarray, parts: Sequence[np.ndarray]
+                ) -> list[tuple[int, np.ndarray]]:
+        """Where in ``slot``, after the header, each of ``parts`` for another rank goes,
+        one after the other: (that rank, the place as an array in the part's shape)."""
+        places, at = [], self._head
+        for j, a in enumerate(parts[:self.size]):
+            if j != self.rank:
+                places.append((j, slot[at:at + a.nbytes].view(a.dtype).reshape(a.shape)))
+                at += a.nbytes
+        return places
 
     def _agree(self, parity: int, heads: bytes, nbytes: list[int],
                item: int) -> _Agreed | CollectiveMismatch:
@@ -293,7 +336,7 @@ class BoardAlltoall:
                                     f"byte {at + n}, beyond the {len(source)} it wrote")
             spans[q] = (source, at, n)
         direct = bool((words[:, width + WHERE] == DIRECT).any())
-        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans, direct)
+        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans, direct, {})
 
     def _can_read(self, q: int, address: int) -> bool:
         """Whether I can read rank ``q``'s memory: its probe word, where it says it is."""
@@ -387,6 +430,8 @@ class BoardAlltoall:
         self._own = [None, None]
         self._theirs.clear()
         self._agreed = [None, None]
+        self._heads = [[], []]  # views of the board, which closes next
+        self._shapes.clear()  # (their places too)
 
 
 __all__ = ["BoardAlltoall"]

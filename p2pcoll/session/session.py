@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -258,6 +258,7 @@ class Session:
     def _departed(self, rank: int) -> None:
         self.matcher.peer_departed(rank)  # the receives waiting for it
         self.contacts.forget(rank)
+        self.peers.departed()
         self._progress.set()
 
     def header(self, kind: str) -> Header:
@@ -362,6 +363,7 @@ class Record:
     def __init__(self, session: Session) -> None:
         self._session = session
         self.membership = session.membership
+        self._watching: set[asyncio.Future[None]] = set()  # first_lost()s, woken by departed
 
     def lost(self, rank: int) -> PeerLost | None:
         return self._session.departures.lost(rank)
@@ -374,6 +376,29 @@ class Record:
 
     def said_goodbye(self, rank: int) -> bool:
         return self._session.departures.said_goodbye(rank)
+
+    async def first_lost(self, ranks: Collection[int]) -> PeerLost:
+        """The loss of the first of ``ranks`` (the lowest, if several) that this session
+        knows to be lost, as soon as it knows: a peer that closed its group normally is not
+        lost. Waits until one is; cancel it to stop waiting."""
+        while True:
+            gone = self.gone()
+            for rank in sorted(ranks):
+                departure = gone.get(rank)
+                if departure is not None and not departure.graceful:
+                    return departure.error
+            woken = asyncio.get_running_loop().create_future()
+            self._watching.add(woken)
+            try:
+                await woken
+            finally:
+                self._watching.discard(woken)
+
+    def departed(self) -> None:
+        """A peer has gone: :meth:`first_lost` looks again."""
+        for woken in self._watching:
+            if not woken.done():
+                woken.set_result(None)
 
     def reported_lost(self, rank: int, by: int) -> None:
         """``rank`` could not be reached by this peer (``by``) while the group formed."""
