@@ -73,8 +73,19 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
         report["stats"] = {k: stats.get(k) for k in (
             "stripes_opened", "socket_buffers_capped", "links_opened")}
         report["picked"] = stats["collectives_by_strategy"]
+        report["window"] = window(g)
         await g.barrier()
     return report
+
+
+def window(g: Any) -> str:
+    """The round trips this rank measured to its peers and the pipeline depth they give."""
+    from p2pcoll.engine.window import pipeline_depth
+
+    paths = [g.session.transport.path(peer) for peer in range(g.world_size) if peer != g.rank]
+    rtts = ", ".join("-" if rtt is None else f"{rtt * 1e3:.0f}" for rtt, _ in paths)
+    depth = g.settings.pipeline_depth or pipeline_depth(paths, g.settings.segment_bytes)
+    return f"rtt {rtts} ms, depth {depth}"
 
 
 def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -215,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     port += 1
                     results[f"streams={k}"] = medians(reports)
                     notes.append(f"streams={k}: rank 0 {reports[0]['stats']}, "
+                                 f"{reports[0].get('window', '')}, "
                                  f"strategies {reports[0]['picked']}")
                 if not args.no_gloo:
                     results["gloo"] = medians(run(args, "gloo", world, port, {}, lab))
