@@ -378,8 +378,9 @@ class Routes:
         generation = self._generations.get(dst, 0)
         link = self.sockets.mesh_link(self.identity(generation))
         route = Route(dst, link, generation)
-        if self._striped[dst]:
-            self._watch(route, route.conn)  # the round trip, for auto; a break, if striped
+        if self._striped[dst] or dst in self._remote:
+            # The round trip (for auto, and the pipeline's window); a break, if striped.
+            self._watch(route, route.conn)
         link.connect(self._endpoints[dst])
         self.routes[dst] = route
         self._generations[dst] = generation + 1
