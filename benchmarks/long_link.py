@@ -11,7 +11,9 @@ each (``P2PCOLL_HOST_ID=host-R``: tcp between all), every cable a token bucket o
 kernel has none: its per-connection buffer, 4 MiB, bounds one TCP connection at
 ``limit / delay`` as a window would). In one run, each in a group of its own and pass after
 pass over the sizes (a change in the machine's load falls on all alike): p2pcoll with
-``P2PCOLL_STREAMS`` of each ``--streams`` value, then Gloo (torch.distributed over tcp).
+``P2PCOLL_STREAMS`` of each ``--streams`` value (and ``P2PCOLL_PIPELINE_DEPTH`` of each
+``--depths`` value; ``link``: unset, the pipeline's window follows the path), then Gloo
+(torch.distributed over tcp).
 Times are the slowest rank's, medians over ``--iterations`` after a warm-up; bus bandwidth
 as nccl-tests counts it (``2(p-1)/p * size / time``) and as a share of the cable's payload
 rate (1448 bytes of 1514 per frame).
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("64M"))
     parser.add_argument("--streams", default="1,auto",
                         help="P2PCOLL_STREAMS values, comma-separated (1,auto)")
+    parser.add_argument("--depths", default="link",
+                        help="P2PCOLL_PIPELINE_DEPTH values, comma-separated; link: unset, "
+                             "the window follows the path (link)")
     parser.add_argument("--strategy", default="auto", help="the allreduce strategy (auto)")
     parser.add_argument("--iterations", type=int, default=5, help="timed passes (5)")
     parser.add_argument("--key", action="store_true", help="with a job key (CurveZMQ)")
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     extra = dict(item.partition("=")[::2] for item in args.set)
     streams = [s.strip() for s in args.streams.split(",") if s.strip()]
+    depths = [d.strip() for d in args.depths.split(",") if d.strip()]
     load = os.getloadavg()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="p2pcoll-long-link-") as scratch:
@@ -218,14 +224,19 @@ def main(argv: list[str] | None = None) -> int:
             world = 4
             with netns.Lab(world) as lab:
                 how = lab.shape(args.rate, burst="512kbit", delay=args.delay, relay=True)
-                for k in streams:
+                for k, depth in [(k, d) for k in streams for d in depths]:
                     env = {**extra, "P2PCOLL_STREAMS": k}
+                    name = f"streams={k}"
+                    if depth != "link":
+                        env["P2PCOLL_PIPELINE_DEPTH"] = depth
+                    if len(depths) > 1:
+                        name += f", depth {depth}"
                     if args.key:
                         env["P2PCOLL_KEY_FILE"] = str(key)
                     reports = run(args, "p2pcoll", world, port, env, lab)
                     port += 1
-                    results[f"streams={k}"] = medians(reports)
-                    notes.append(f"streams={k}: rank 0 {reports[0]['stats']}, "
+                    results[name] = medians(reports)
+                    notes.append(f"{name}: rank 0 {reports[0]['stats']}, "
                                  f"{reports[0].get('window', '')}, "
                                  f"strategies {reports[0]['picked']}")
                 if not args.no_gloo:
