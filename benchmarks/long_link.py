@@ -2,6 +2,7 @@
 
     python benchmarks/long_link.py                          # 4 hosts, 1gbit, 50 ms one way
     python benchmarks/long_link.py --rate 1gbit --delay 50ms --sizes 16M,64M --iterations 5
+    python benchmarks/long_link.py --rate 200mbit --delay 250ms --depths 4,link  # the window
     python benchmarks/long_link.py --loopback               # job key against plain sockets
 
 Not a test: it prints tables. Needs root, ``ip``/``tc`` and (where the kernel has no
