@@ -35,13 +35,13 @@ from collections.abc import Iterable
 from ..settings_env import DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH
 from ..transport.paths import DEFAULT_BANDWIDTH_BPS
 
-__all__ = ["MAX_WINDOW_BYTES", "Path", "bdp_bytes", "pipeline_depth"]
+__all__ = ["MAX_WINDOW_BYTES", "PathInfo", "bdp_bytes", "pipeline_depth"]
 
 MAX_WINDOW_BYTES = 32 << 20
 """The most one collective keeps in flight on a link whatever the path (32 MiB: the product of
 2.7 Gbit/s at 100 ms, of 10 Gbit/s at 27 ms)."""
 
-Path = tuple[float | None, float | None]
+PathInfo = tuple[float | None, float | None]
 """What is known of the path to a peer: (round-trip seconds, bytes/s); None: not measured."""
 
 
@@ -62,7 +62,7 @@ def bdp_bytes(rtt_s: float | None, bandwidth_Bps: float | None = None) -> float:
     return rtt_s * bandwidth
 
 
-def pipeline_depth(paths: Iterable[Path], segment_bytes: int, *,
+def pipeline_depth(paths: Iterable[PathInfo], segment_bytes: int, *,
                    floor: int = DEFAULT_PIPELINE_DEPTH,
                    cap_bytes: int = MAX_WINDOW_BYTES) -> int:
     """The segments of one collective to keep in flight over ``paths`` (those to its peers),
