@@ -2,6 +2,7 @@
 
     python benchmarks/long_link.py                          # 4 hosts, 1gbit, 50 ms one way
     python benchmarks/long_link.py --rate 1gbit --delay 50ms --sizes 16M,64M --iterations 5
+    python benchmarks/long_link.py --rate 200mbit --delay 250ms --depths 4,link  # the window
     python benchmarks/long_link.py --loopback               # job key against plain sockets
 
 Not a test: it prints tables. Needs root, ``ip``/``tc`` and (where the kernel has no
@@ -11,7 +12,9 @@ each (``P2PCOLL_HOST_ID=host-R``: tcp between all), every cable a token bucket o
 kernel has none: its per-connection buffer, 4 MiB, bounds one TCP connection at
 ``limit / delay`` as a window would). In one run, each in a group of its own and pass after
 pass over the sizes (a change in the machine's load falls on all alike): p2pcoll with
-``P2PCOLL_STREAMS`` of each ``--streams`` value, then Gloo (torch.distributed over tcp).
+``P2PCOLL_STREAMS`` of each ``--streams`` value (and ``P2PCOLL_PIPELINE_DEPTH`` of each
+``--depths`` value; ``link``: unset, the pipeline's window follows the path), then Gloo
+(torch.distributed over tcp).
 Times are the slowest rank's, medians over ``--iterations`` after a warm-up; bus bandwidth
 as nccl-tests counts it (``2(p-1)/p * size / time``) and as a share of the cable's payload
 rate (1448 bytes of 1514 per frame).
@@ -73,8 +76,19 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
         report["stats"] = {k: stats.get(k) for k in (
             "stripes_opened", "socket_buffers_capped", "links_opened")}
         report["picked"] = stats["collectives_by_strategy"]
+        report["window"] = window(g)
         await g.barrier()
     return report
+
+
+def window(g: Any) -> str:
+    """The round trips this rank measured to its peers and the pipeline depth they give."""
+    from p2pcoll.engine.window import pipeline_depth
+
+    paths = [g.session.transport.path(peer) for peer in range(g.world_size) if peer != g.rank]
+    rtts = ", ".join("-" if rtt is None else f"{rtt * 1e3:.0f}" for rtt, _ in paths)
+    depth = g.settings.pipeline_depth or pipeline_depth(paths, g.settings.segment_bytes)
+    return f"rtt {rtts} ms, depth {depth}"
 
 
 def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("64M"))
     parser.add_argument("--streams", default="1,auto",
                         help="P2PCOLL_STREAMS values, comma-separated (1,auto)")
+    parser.add_argument("--depths", default="link",
+                        help="P2PCOLL_PIPELINE_DEPTH values, comma-separated; link: unset, "
+                             "the window follows the path (link)")
     parser.add_argument("--strategy", default="auto", help="the allreduce strategy (auto)")
     parser.add_argument("--iterations", type=int, default=5, help="timed passes (5)")
     parser.add_argument("--key", action="store_true", help="with a job key (CurveZMQ)")
@@ -167,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     extra = dict(item.partition("=")[::2] for item in args.set)
     streams = [s.strip() for s in args.streams.split(",") if s.strip()]
+    depths = [d.strip() for d in args.depths.split(",") if d.strip()]
     load = os.getloadavg()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="p2pcoll-long-link-") as scratch:
@@ -207,14 +225,20 @@ def main(argv: list[str] | None = None) -> int:
             world = 4
             with netns.Lab(world) as lab:
                 how = lab.shape(args.rate, burst="512kbit", delay=args.delay, relay=True)
-                for k in streams:
+                for k, depth in [(k, d) for k in streams for d in depths]:
                     env = {**extra, "P2PCOLL_STREAMS": k}
+                    name = f"streams={k}"
+                    if depth != "link":
+                        env["P2PCOLL_PIPELINE_DEPTH"] = depth
+                    if len(depths) > 1:
+                        name += f", depth {depth}"
                     if args.key:
                         env["P2PCOLL_KEY_FILE"] = str(key)
                     reports = run(args, "p2pcoll", world, port, env, lab)
                     port += 1
-                    results[f"streams={k}"] = medians(reports)
-                    notes.append(f"streams={k}: rank 0 {reports[0]['stats']}, "
+                    results[name] = medians(reports)
+                    notes.append(f"{name}: rank 0 {reports[0]['stats']}, "
+                                 f"{reports[0].get('window', '')}, "
                                  f"strategies {reports[0]['picked']}")
                 if not args.no_gloo:
                     results["gloo"] = medians(run(args, "gloo", world, port, {}, lab))

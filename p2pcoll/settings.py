@@ -22,7 +22,8 @@ variable                       meaning (default)
 ``P2PCOLL_JOIN_TIMEOUT``       join deadline in seconds, > 0 (60)
 ``P2PCOLL_<COLLECTIVE>``       default strategy of that collective (auto)
 ``P2PCOLL_SEGMENT_BYTES``      pipeline segment size, >= 1K (1M)
-``P2PCOLL_PIPELINE_DEPTH``     segments in flight per collective, 1..64 (4)
+``P2PCOLL_PIPELINE_DEPTH``     segments in flight per collective, 1..64 (unset: enough
+                               to fill the path, at least 4: :mod:`p2pcoll.engine.window`)
 ``P2PCOLL_MAX_MESSAGE_BYTES``  larger incoming messages are dropped, >= 4K (256M)
 ``P2PCOLL_COST_MODEL``         JSON file of alpha, beta, gamma per transport for "auto"
                                (:mod:`p2pcoll.engine.costs`; built-in constants)
@@ -86,8 +87,8 @@ from .errors import SettingsError
 from .errors import bad_value as bad_value  # still importable from here
 from .launchers import RANK_VARS, WORLD_SIZE_VARS  # noqa: F401 (still importable from here)
 from .security.keys import JobKey
-from .settings_env import (LINKS_ALLOWED, EnvReader, check_directory, check_host_id,
-                           check_int, check_job_id, check_streams)
+from .settings_env import (LINKS_ALLOWED, MAX_PIPELINE_DEPTH, EnvReader, check_directory,
+                           check_host_id, check_int, check_job_id, check_streams)
 from .settings_env import MAX_STREAMS as MAX_STREAMS
 from .settings_env import MIN_LINKS as MIN_LINKS  # these still importable from here
 from .settings_env import check_path as check_path
@@ -148,7 +149,8 @@ class Settings:
         collective_timeout: default deadline of every collective, seconds.
         strategies: default strategy per collective (arguments over environment).
         segment_bytes: pipeline segment size.
-        pipeline_depth: segments of one collective in flight at once.
+        pipeline_depth: segments of one collective in flight at once; None: as many as
+            fill the paths to its peers, at least 4 (see :mod:`p2pcoll.engine.window`).
         max_message_bytes: no message is larger: outgoing data is cut to fit, incoming
             messages larger than this are dropped (and libzmq refuses far larger frames).
         cost_model: path of the JSON file of cost-model constants "auto" uses, or "" for
@@ -206,7 +208,7 @@ class Settings:
     collective_timeout: float = 300.0
     strategies: Mapping[str, str] = field(default_factory=dict)
     segment_bytes: int = 1 << 20
-    pipeline_depth: int = 4
+    pipeline_depth: int | None = None
     max_message_bytes: int = 256 << 20
     cost_model: str = ""
     timeline: str = ""
@@ -262,7 +264,7 @@ class Settings:
             "collective_timeout": reader.seconds("P2PCOLL_TIMEOUT"),
             "strategies": reader.strategies(),
             "segment_bytes": reader.size("P2PCOLL_SEGMENT_BYTES", minimum=1 << 10),
-            "pipeline_depth": reader.integer("P2PCOLL_PIPELINE_DEPTH", 1, 64),
+            "pipeline_depth": reader.integer("P2PCOLL_PIPELINE_DEPTH", 1, MAX_PIPELINE_DEPTH),
             "max_message_bytes": reader.size("P2PCOLL_MAX_MESSAGE_BYTES", minimum=4 << 10),
             "cost_model": reader.raw("P2PCOLL_COST_MODEL"),
             "timeline": reader.path("P2PCOLL_TIMELINE"),
@@ -323,7 +325,7 @@ class Settings:
             if name in given:
                 check_int(given[name], f"{name}=", low)
         if "pipeline_depth" in given:
-            check_int(given["pipeline_depth"], "pipeline_depth=", 1, 64)
+            check_int(given["pipeline_depth"], "pipeline_depth=", 1, MAX_PIPELINE_DEPTH)
         if "spin_us" in given:
             check_int(given["spin_us"], "spin_us=", 0, 10_000)
         if "max_links" in given:

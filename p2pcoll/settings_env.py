@@ -40,6 +40,8 @@ MIN_LINKS = 4  # a link budget leaves room for the two watched peers and a partn
 LINKS_ALLOWED = f"0 (no bound) or an integer of at least {MIN_LINKS}"
 MAX_STREAMS = 16  # stripes per peer pair, at most
 STREAMS_ALLOWED = f"auto, or an integer from 1 to {MAX_STREAMS}"
+DEFAULT_PIPELINE_DEPTH = 4  # segments in flight on a short link (see p2pcoll.engine.window)
+MAX_PIPELINE_DEPTH = 64  # what P2PCOLL_PIPELINE_DEPTH (and the window) may reach
 
 
 def parse_bytes(text: str) -> int:

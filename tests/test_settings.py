@@ -54,7 +54,7 @@ def test_defaults() -> None:
     assert s.transport == "auto"
     assert (s.collective_timeout, s.join_timeout) == (300, 60)
     assert dict(s.strategies) == {}
-    assert (s.segment_bytes, s.pipeline_depth, s.max_message_bytes) == (1 * M, 4, 256 * M)
+    assert (s.segment_bytes, s.pipeline_depth, s.max_message_bytes) == (1 * M, None, 256 * M)
     assert (s.shm, s.shm_bytes, s.tune_malloc) == (True, 16 * M, True)
 
 

@@ -81,6 +81,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import SettingsError
+from ..settings_env import DEFAULT_PIPELINE_DEPTH
 from ..strategy import ALL, Context, Cost, Recv, Reduce, Send, Strategy, Workload, host_numbers
 from .layout import Extent, Layout
 
@@ -212,7 +213,8 @@ class CostModel:
         chosen = constants[transport]
         if not getattr(settings, "shm", True):  # no rings: every send is a copy of its own
             chosen = replace(chosen, repeat=1.0)
-        return cls(chosen, settings.segment_bytes, settings.pipeline_depth,
+        return cls(chosen, settings.segment_bytes,
+                   settings.pipeline_depth or DEFAULT_PIPELINE_DEPTH,
                    settings.max_message_bytes, local, cores)
 
     @classmethod

@@ -7,8 +7,9 @@ ranges depend on the pipeline segment). The executor walks it: it sends views of
 arrays zero-copy (or as snapshots where the program says so), receives pieces and copies
 or reduces them straight into the data (``ufunc(dst, src, out=dst)``), has each message's
 signature checked against its own, and never writes into memory that a zero-copy send still
-reads. Up to ``depth`` segments run at once, so transfer and reduction overlap. Deadlines
-are the caller's. The readable signature goes to each peer once per digest (the receiving
+reads. Several segments run at once, so transfer and reduction overlap: the depth set, or
+as many as fill the paths to the program's peers (:mod:`.window`). Deadlines are the
+caller's. The readable signature goes to each peer once per digest (the receiving
 matcher keeps it for mismatch messages).
 
 It moves data only through the primitives it is handed (:class:`Wire`: send, receive,
@@ -28,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import CollectiveMismatch, P2PCollError
+from ..settings_env import DEFAULT_PIPELINE_DEPTH
 from ..strategy import Strategy
 from ..transport.base import Piece, Tracker, Transport
 from ..types import OpKey
 from ..wire import Header, Signature
 from .matching import Departures, Key, Matcher
 from .program import EARLY, LAST, LATE, REDUCE, SEND, Program
+from .window import pipeline_depth
 
 if TYPE_CHECKING:  # imported with a timeline (P2PCOLL_TIMELINE): most groups have none
     from .timeline import Timeline
@@ -71,7 +74,7 @@ class Executor:
 
     def __init__(
         self, transport: Transport, matcher: Matcher, departures: Departures, group_id: str,
-        *, segment_bytes: int, depth: int, max_message_bytes: int,
+        *, segment_bytes: int, depth: int | None, max_message_bytes: int,
         timeline: Timeline | None = None, wire: Wire | None = None,
     ) -> None:
         self.transport = transport
@@ -80,7 +83,10 @@ class Executor:
         self.group_id = group_id
         self.segment_bytes = segment_bytes
         self.max_message_bytes = max_message_bytes
-        self.depth = depth
+        # The segments in flight: ``depth`` if set (P2PCOLL_PIPELINE_DEPTH), else at least
+        # the default, more over long paths (see depth_for). Programs compile with this.
+        self.depth = DEFAULT_PIPELINE_DEPTH if depth is None else depth
+        self._follow = depth is None
         self.timeline = timeline  # None: nothing recorded (one check per collective)
         self.wire = wire or Wire.direct(transport, matcher)
         self._told: set[tuple[int, bytes]] = set()  # (peer, digest) described to it
@@ -147,7 +153,7 @@ class Executor:
         if nseg == 1:
             await run(wire, op, 0, program, arrays, ufunc, sig, meta, rank, pending)
         else:
-            window = asyncio.Semaphore(self.depth)
+            window = asyncio.Semaphore(self.depth_for(program))
 
             async def one(seg: int) -> None:
                 async with window:
@@ -163,6 +169,16 @@ class Executor:
                 raise _root_error(group) from None
         if pending:
             await _released(pending)
+
+    def depth_for(self, program: Program) -> int:
+        """The segments of ``program`` to keep in flight: the depth set, else as many as
+        fill the paths to its peers as the transport knows them now
+        (:func:`~.window.pipeline_depth`; a path measured later counts from then on)."""
+        if not self._follow:
+            return self.depth
+        path = self.transport.path
+        return pipeline_depth([path(peer) for peer in set(program.peer)],
+                              self.segment_bytes, floor=self.depth)
 
     async def _segment(
         self,

@@ -160,6 +160,12 @@ class Transport(Protocol):
         """
         ...
 
+    def path(self, peer: int) -> tuple[float | None, float | None]:
+        """``(round-trip seconds, bytes/s)`` measured of the path to ``peer`` (None: not
+        measured; both None for a peer of this host): what the pipeline's window follows
+        (:mod:`p2pcoll.engine.window`). Never raises."""
+        ...
+
     def post(self, dst: int, header: Header, via: Via = "link") -> None:
         """Send a control message (no payload) without waiting; never raises. ``via``:
 

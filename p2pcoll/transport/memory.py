@@ -342,6 +342,9 @@ class MemoryTransport:
                     self.sent(dst, header, sum(header.nbytes))
         await asyncio.sleep(0)  # a send is a turn of the loop, as over a socket
 
+    def path(self, peer: int) -> tuple[float | None, float | None]:
+        return None, None  # no path is long in memory: the pipeline keeps its floor
+
     def post(self, dst: int, header: Header, via: Via = "link") -> None:
         """As the mesh's, but every ``via`` is the same here: the network has no links to
         open, no probes to post on (see Transport.post)."""

@@ -166,6 +166,7 @@ class Routes:
         self._rank = -1
         self._endpoints: tuple[str, ...] = ()
         self._striped: dict[int, bool] = {}  # peer -> whether its route may have stripes
+        self._remote: frozenset[int] = frozenset()  # the peers over tcp on other hosts
         self._pinned: frozenset[int] = frozenset()
         self._end = b""
 
@@ -177,10 +178,14 @@ class Routes:
         stripes no link to a peer of this host)."""
         self._rank, self._secret, self._nonce = rank, secret, nonce
         self._endpoints = tuple(endpoints)
+        known = len(hosts) == len(endpoints)
+        # Peers over tcp on another host (or on one not known): their paths may be long.
+        self._remote = frozenset(
+            peer for peer, endpoint in enumerate(endpoints)
+            if endpoint.startswith("tcp://") and not (known and hosts[peer] == hosts[rank]))
         self._striped = {
-            peer: self.streams != 1 and endpoint.startswith("tcp://") and not (
-                self.streams == "auto" and len(hosts) == len(endpoints)
-                and hosts[peer] == hosts[rank])
+            peer: self.streams != 1 and endpoint.startswith("tcp://") and (
+                self.streams != "auto" or peer in self._remote)
             for peer, endpoint in enumerate(endpoints)}
         self._pinned = frozenset(pinned)
         self._end = end
@@ -233,6 +238,13 @@ class Routes:
         if route is not None and self.streams == "auto" and self._striped.get(peer):
             route.width = 0
             route.turn = 0
+
+    def path(self, peer: int) -> tuple[float | None, float | None]:
+        """``(round-trip seconds, bytes/s)`` measured of the path to ``peer``, None for
+        what is not; both None for a peer of this host (see :meth:`start`)."""
+        if peer not in self._remote:
+            return None, None
+        return self.paths.rtt(peer), self.paths.bandwidth(peer)
 
     async def put(self, route: Route, frames: list[object], nbytes: int) -> None:
         """Queue one message of ``nbytes`` payload bytes on ``route``: on its link, or, if
@@ -366,8 +378,9 @@ class Routes:
         generation = self._generations.get(dst, 0)
         link = self.sockets.mesh_link(self.identity(generation))
         route = Route(dst, link, generation)
-        if self._striped[dst]:
-            self._watch(route, route.conn)  # the round trip, for auto; a break, if striped
+        if self._striped[dst] or dst in self._remote:
+            # The round trip (for auto, and the pipeline's window); a break, if striped.
+            self._watch(route, route.conn)
         link.connect(self._endpoints[dst])
         self.routes[dst] = route
         self._generations[dst] = generation + 1

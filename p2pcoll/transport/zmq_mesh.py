@@ -71,8 +71,7 @@ from .malloc import tune_malloc
 from .route import Route, Routes
 from .router import Router
 from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take it and _put from here)
-from .same_host import SameHost
-from .same_host import ring_put as _put
+from .same_host import SameHost, ring_put as _put
 from .sockets import SocketFactory
 
 if TYPE_CHECKING:  # both imported where a roster names a relay: most groups have none
@@ -157,8 +156,9 @@ class ZmqMesh:
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back,
                              on_link=self._link_event, streams=settings.streams)
-        # Heartbeat-only links to the watched peers (see .liveness).
-        self._probes = Probes(self.sockets, self._probe_down, self._bye_on_probe)
+        # Heartbeat-only links to the watched peers (see .liveness); a probe down: a link's.
+        self._probes = Probes(self.sockets, lambda peer: self._link_event(
+            peer, LinkEvent.DOWN), self._bye_on_probe)
         self._gone: set[int] = set()  # peers the session has told this one are gone
         self._watched: set[int] = set()  # the peers this one watches (see follow)
         self._peer_endpoints: tuple[str, ...] = ()
@@ -275,8 +275,8 @@ class ZmqMesh:
         """How many heartbeat probes this peer keeps (the peers it watches)."""
         return len(self._probes)
 
-    def _probe_down(self, peer: int) -> None:
-        self._link_event(peer, LinkEvent.DOWN)
+    def path(self, peer: int) -> tuple[float | None, float | None]:  # see Transport.path
+        return self.routes.path(peer)
 
     def _bye_on_probe(self, peer: int, frames: list[zmq.Frame]) -> None:
         """A watched peer with no link to this one said goodbye on this peer's probe."""
