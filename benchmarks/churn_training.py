@@ -42,7 +42,7 @@ import asyncio, hashlib, json, logging, os, sys, time
 import numpy as np
 from p2pcoll import training
 
-logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(message)s")
+logging.basicConfig(level=logging.INFO, format="%(created).3f %(message)s")  # the driver's clock
 
 ROUNDS, H, N = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 PER_STEP = sys.argv[4] == "1"  # one thread hand-over per inner step, else one per round
@@ -85,7 +85,7 @@ async def main() -> None:
         for name, leaf in training.named_leaves(state):
             h.update(np.ascontiguousarray(leaf).tobytes())
         print("APPLIED " + json.dumps({"round": r, "digest": h.hexdigest(),
-                                       "t": time.perf_counter(), "computed": sum(inner_times),
+                                       "t": time.time(), "computed": sum(inner_times),
                                        "inner": statistics_median(inner_times)}), flush=True)
 
     result = await training.train_elastic(step, apply, rounds.state, rounds=ROUNDS,
@@ -116,7 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="hand each inner step to a thread and back (as before), instead "
                              "of a round's steps at once")
     parser.add_argument("--logs", default=None,
-                        help="a directory for each peer's log (formations, shrinks)")
+                        help="a directory for each peer's log (formations, shrinks), the "
+                             "kills and every peer's applied rounds (events.json), on one clock")
+    parser.add_argument("--min-world-size", type=int, default=None,
+                        help="the elastic minimum (default: peers - 1)")
+    parser.add_argument("--rendezvous", choices=("standalone", "peer"), default="standalone",
+                        help="standalone: a `p2pcoll rendezvous` process that is never killed "
+                             "(as a swarm runs one); peer: the first peer hosts it, and a "
+                             "kill of that peer moves it")
     args = parser.parse_args(argv)
 
     from p2pcoll.testing import free_port
@@ -125,14 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("P2PCOLL_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{free_port()}", PYTHONUNBUFFERED="1",
-               P2PCOLL_MIN_WORLD_SIZE=str(args.peers - 1),
+    port = free_port()
+    low = args.peers - 1 if args.min_world_size is None else args.min_world_size
+    env.update(P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", PYTHONUNBUFFERED="1",
+               P2PCOLL_MIN_WORLD_SIZE=str(low),
                P2PCOLL_MAX_WORLD_SIZE=str(args.peers), P2PCOLL_JOIN_TIMEOUT="60",
                OMP_NUM_THREADS="1")
     procs: list[subprocess.Popen[str]] = []
     logs: list[list[dict[str, Any]]] = []
     killed: list[int] = []
+    kills: list[dict[str, Any]] = []  # when each kill happened, for the logs
     done: set[int] = set()
+    server = None
+    if args.rendezvous == "standalone":
+        server = subprocess.Popen(
+            [sys.executable, "-m", "p2pcoll", "rendezvous", "--host", "127.0.0.1",
+             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert server.stdout is not None
+        server.stdout.readline()  # "serving at ...": it listens
 
     def start() -> None:
         env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}"}
@@ -174,16 +191,19 @@ def main(argv: list[str] | None = None) -> int:
                 if live:
                     victim = live[0]
                     procs[victim].send_signal(signal.SIGKILL)
+                    kills.append({"peer": victim, "t": time.time(), "applied": applied})
                     killed.append(victim)
                     start()
                 next_kill += args.every
             time.sleep(0.02)
     finally:
-        for proc in procs:
+        for proc in procs + ([server] if server is not None else []):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
         script.unlink(missing_ok=True)
+    if args.logs is not None:
+        (Path(args.logs) / "events.json").write_text(json.dumps({"kills": kills, "applied": logs}))
 
     by_round: dict[int, set[str]] = {}
     for log in logs:
@@ -198,22 +218,30 @@ def main(argv: list[str] | None = None) -> int:
     last = measured[-1] if len(measured) == args.rounds else None
     measured = measured[1:-1] if last is not None else measured[1:]
     inner = statistics.median(e["inner"] for e in measured) if measured else 0.0
+    # A kill's rounds: the first two peer 0 applies after it (the loss may stall either).
+    hit = {e["round"] for k in kills
+           for e in [e for e in measured if e["t"] > k["t"]][:2]}
+    on_kills = [e["wait"] for e in measured if e["round"] in hit]
     over = [e["round"] for e in measured if e["wait"] > inner]
     print(f"{args.peers} peers on loopback, {args.rounds} rounds of H = {args.inner}, "
           f"{args.params / 1e6:.2g} M float32 parameters, one peer killed and one started every "
-          f"{args.every} rounds ({len(killed)} kills); load {os.getloadavg()[0]:.1f} on "
+          f"{args.every} rounds ({len(killed)} kills), min_world_size {low}, rendezvous "
+          f"{args.rendezvous}; load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs\n")
     waits = [e["wait"] for e in measured]
-    print("| rounds measured (peer 0) | median wait ms | max wait ms | inner step ms "
-          "| rounds waiting > 1 inner step | digests equal every round |")
-    print("|---|---|---|---|---|---|")
+    print("| rounds measured (peer 0) | median wait ms | median on kill rounds ms "
+          "| max wait ms | inner step ms | rounds waiting > 1 inner step "
+          "| digests equal every round |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {len(measured)} | {statistics.median(waits) * 1e3 if waits else 0:.1f} | "
+          f"{statistics.median(on_kills) * 1e3 if on_kills else 0:.1f} | "
           f"{max(waits, default=0) * 1e3:.1f} | {inner * 1e3:.1f} | {len(over)} {over[:10]} | "
           f"{'yes' if equal else 'NO'} ({len(by_round)} rounds compared) |")
-    print("\nper-round wait of peer 0 (ms; round 0 has no previous apply to count from, and "
+    print("\nper-round wait of peer 0 (ms; * a kill's round; round 0 has no previous apply to count from, and "
           "the last no next round to overlap"
           + (f": it waited {last['wait'] * 1e3:.0f} ms" if last is not None else "") + "): "
-          + ", ".join(f"{e['round']}:{e['wait'] * 1e3:.0f}" for e in measured))
+          + ", ".join(f"{e['round']}{'*' if e['round'] in hit else ''}:{e['wait'] * 1e3:.0f}"
+                   for e in measured))
     return 0 if equal and last is not None else 1
 
 

@@ -107,6 +107,8 @@ class Pipeline(Protocol):
 
     def apply(self, state: Pytree, grads: dict[str, Any], round: int) -> None: ...
 
+    async def take_step(self) -> None: ...
+
     async def compute(self, group: Group, r: int) -> dict[str, Any]: ...
 
 
@@ -206,9 +208,12 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
             group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
         retrieve_later(reduction)
         # Round r + 1's step, unless some computed it before the formation: then the
-        # others add zeros for it (elastic's rule) and nobody waits for a late step.
+        # others add zeros for it (elastic's rule) and nobody waits for a late step. A
+        # step started before the formation that is still running (run.computing) is
+        # this reduction's overlap, as a step started here would be.
         step = None
-        if r + 1 < run.rounds and r + 1 not in run.held and not run.next_holders:
+        if (r + 1 < run.rounds and r + 1 not in run.held and not run.next_holders
+                and run.computing is None):
             step = asyncio.ensure_future(run.compute(group, r + 1))
             retrieve_later(step)
         try:
@@ -219,6 +224,7 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
             raise
         if step is not None:
             run.held[r + 1] = await step
+        await run.take_step()  # the step from before the formation, if one runs
         # No await from here on: round r is applied whole, with the counter.
         run.apply(run.state, reduced, r)
         run.round = r + 1
