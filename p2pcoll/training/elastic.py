@@ -356,8 +356,12 @@ class _Run:
                         formation.ended = why
                     log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
                                 group.rank, group.world_size, self.round, why)
-                    following = await shrunk(group, self.settings.min_world_size or 1,
-                                             Census(self.settings, CENSUS_S).ask)
+                    census = Census(self.settings, CENSUS_S)
+                    try:
+                        following = await shrunk(group, self.settings.min_world_size or 1,
+                                                 census.ask)
+                    finally:
+                        await census.aclose()
                 finally:
                     if self.computing is None or self.stale is not None:
                         await group.close()  # (a step from an earlier group reads that one)

@@ -54,6 +54,7 @@ runs none; the settings are checked at each formation instead (train_elastic's
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -74,6 +75,8 @@ __all__ = ["ADMIT", "HOLDERS", "OPS", "Pipeline", "check_robust", "reduce_round"
 
 ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
 HOLDERS = "p2pcoll.holders"  # the gradient entry that counts the holders of a round
+log = logging.getLogger("p2pcoll.training")
+
 OPS = ("avg", "sum", "median", "trimmed_mean")
 """The reductions of train_elastic's rounds."""
 
@@ -234,6 +237,7 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
         run.next_holders = 0
         applied.append(r)
         if admit and run.round < run.rounds:
+            log.info("elastic: peers wait to join; forming a new group after round %d", r)
             if run.round + 1 < run.rounds:  # computes while the group re-forms
                 step = asyncio.ensure_future(run.compute(group, run.round + 1))
                 retrieve_later(step)
