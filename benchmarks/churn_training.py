@@ -2,6 +2,8 @@
 
     python benchmarks/churn_training.py                      # 4 peers, 50 rounds, every 5
     python benchmarks/churn_training.py --rounds 20 --every 4 --params 500000
+    python benchmarks/churn_training.py --min-world-size 2 --logs /tmp/churn
+    python benchmarks/churn_training.py --rendezvous peer    # a peer hosts the rendezvous
 
 Not a test: it prints one markdown table and a verdict. Peers run on this host over loopback
 (``P2PCOLL_HOST_ID`` differs per peer, so nothing goes through shared memory), each
@@ -16,7 +18,14 @@ every replica must hold the same bits after every round). The *wait* of a round,
 the wall time from the previous round's apply to its own, less the inner steps computed
 meanwhile (the next round's, which overlap its reduction): how long it stalled beyond its
 compute, re-formations included. Reported against the inner-step time, the issue's bound
-being one inner step; the last round, with no next round to overlap, is shown apart.
+being one inner step; the last round, with no next round to overlap, is shown apart. The
+same wait against the slowest peer's compute over the round leaves out what peers sharing
+a loaded machine lose to each other (a round ends when its slowest peer's step does).
+
+The rendezvous runs as a standalone ``p2pcoll rendezvous`` process by default, as a swarm
+whose peers come and go runs it (``--rendezvous peer``: the first peer hosts it, and the
+kill of that peer sends the survivors through a new host). ``--min-world-size`` (default
+peers - 1): survivors fewer than it wait at the rendezvous for a replacement.
 """
 
 from __future__ import annotations
