@@ -26,9 +26,10 @@ a count that travels in the same reduction. So
   the lowest holder at the formation);
 - contributions to rounds below m are dropped (m - 1 was applied by the source); round
   m + 1, if members computed it before the formation (its step runs on while the group
-  re-forms: after a loss, or when peers wait to join), is reduced over those members as
-  round m is over its holders, the others adding zeros (a newcomer does not compute it
-  late, so nobody waits for it); if none did, everyone computes it from ``S_m``;
+  re-forms, after a loss or when peers wait to join, and while round m's reduction runs
+  in the new group), is reduced over those members as round m is over its holders, the
+  others adding zeros (a newcomer does not compute it late, so nobody waits for it); if
+  none did, everyone computes it from ``S_m``;
 - if no member holds round m (a new job, or every holder died), every member computes
   round m at once, from ``S_m``: that one round starts one outer step fresher than the
   rule would have it.
@@ -196,7 +197,8 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
     round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's).
 
     When the group fails or admits peers, the step of the next round is left running in
-    ``run.computing`` (the re-formation overlaps it; the formation takes its result)."""
+    ``run.computing``: the re-formation overlaps it, and so does the new group's first
+    reduction, which takes its result before the round is applied."""
     while run.round < run.rounds:
         r = run.round
         if run.holders == 0:  # nobody holds round r: every member computes it now
