@@ -9,9 +9,11 @@ Not a test: it prints one markdown table and a verdict. Peers run on this host o
 (``P2PCOLL_HOST_ID`` differs per peer, so nothing goes through shared memory), each
 ``training.train_elastic(..., delay=1)`` with :class:`training.DiLoCoRounds` on a numpy
 model of ``--params`` float32 parameters (inner step: a few matrix products over them, the
-same work on every peer) and H = ``--inner``; a round's H steps run in one thread call
-(``--hop-every-step``: one call per step, whose hand-overs a loaded machine makes slow). The driver SIGKILLs one peer (never the one
-it measures) each time ``--every`` more rounds were applied, and starts a new one at once.
+same work on every peer, and each round one weight moved by each peer's own amount) and
+H = ``--inner``; a round's H steps run in one thread call (``--hop-every-step``: one call
+per step, whose hand-overs a loaded machine makes slow). The driver SIGKILLs one peer
+(never the one it measures) each time ``--every`` more rounds were applied, and starts a
+new one at once.
 
 Per round, each peer that applies it logs the state's digest (compared across the peers:
 every replica must hold the same bits after every round). The *wait* of a round, on peer 0:
@@ -55,6 +57,7 @@ logging.basicConfig(level=logging.INFO, format="%(created).3f %(message)s")  # t
 
 ROUNDS, H, N = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 PER_STEP = sys.argv[4] == "1"  # one thread hand-over per inner step, else one per round
+PEER = int(os.environ["P2PCOLL_HOST_ID"].rsplit("-", 1)[1])
 
 
 async def main() -> None:
@@ -76,10 +79,15 @@ async def main() -> None:
     def inner_steps():
         for _ in range(H):
             inner_step()
+        # A move of this peer's own: a round's average then depends on who took part, so
+        # two groups that ran the same round apart would log different digests.
+        params["w"][PEER % N] -= np.float32(1e-3)
 
     async def inner(group, r, i):
         if PER_STEP:
             await asyncio.to_thread(inner_step)
+            if i == H - 1:
+                params["w"][PEER % N] -= np.float32(1e-3)
         elif i == 0:  # the round's H steps at once; the other calls only count
             await asyncio.to_thread(inner_steps)
 
