@@ -2,21 +2,32 @@
 
     python benchmarks/churn_training.py                      # 4 peers, 50 rounds, every 5
     python benchmarks/churn_training.py --rounds 20 --every 4 --params 500000
+    python benchmarks/churn_training.py --min-world-size 2 --logs /tmp/churn
+    python benchmarks/churn_training.py --rendezvous peer    # a peer hosts the rendezvous
 
 Not a test: it prints one markdown table and a verdict. Peers run on this host over loopback
 (``P2PCOLL_HOST_ID`` differs per peer, so nothing goes through shared memory), each
 ``training.train_elastic(..., delay=1)`` with :class:`training.DiLoCoRounds` on a numpy
 model of ``--params`` float32 parameters (inner step: a few matrix products over them, the
-same work on every peer) and H = ``--inner``; a round's H steps run in one thread call
-(``--hop-every-step``: one call per step, whose hand-overs a loaded machine makes slow). The driver SIGKILLs one peer (never the one
-it measures) each time ``--every`` more rounds were applied, and starts a new one at once.
+same work on every peer, and each round one weight moved by each peer's own amount) and
+H = ``--inner``; a round's H steps run in one thread call (``--hop-every-step``: one call
+per step, whose hand-overs a loaded machine makes slow). The driver SIGKILLs one peer
+(never the one it measures) each time ``--every`` more rounds were applied, and starts a
+new one at once.
 
 Per round, each peer that applies it logs the state's digest (compared across the peers:
 every replica must hold the same bits after every round). The *wait* of a round, on peer 0:
 the wall time from the previous round's apply to its own, less the inner steps computed
 meanwhile (the next round's, which overlap its reduction): how long it stalled beyond its
 compute, re-formations included. Reported against the inner-step time, the issue's bound
-being one inner step; the last round, with no next round to overlap, is shown apart.
+being one inner step; the last round, with no next round to overlap, is shown apart. The
+same wait against the slowest peer's compute over the round leaves out what peers sharing
+a loaded machine lose to each other (a round ends when its slowest peer's step does).
+
+The rendezvous runs as a standalone ``p2pcoll rendezvous`` process by default, as a swarm
+whose peers come and go runs it (``--rendezvous peer``: the first peer hosts it, and the
+kill of that peer sends the survivors through a new host). ``--min-world-size`` (default
+peers - 1): survivors fewer than it wait at the rendezvous for a replacement.
 """
 
 from __future__ import annotations
@@ -42,10 +53,11 @@ import asyncio, hashlib, json, logging, os, sys, time
 import numpy as np
 from p2pcoll import training
 
-logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(message)s")
+logging.basicConfig(level=logging.INFO, format="%(created).3f %(message)s")  # the driver's clock
 
 ROUNDS, H, N = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 PER_STEP = sys.argv[4] == "1"  # one thread hand-over per inner step, else one per round
+PEER = int(os.environ["P2PCOLL_HOST_ID"].rsplit("-", 1)[1])
 
 
 async def main() -> None:
@@ -67,10 +79,15 @@ async def main() -> None:
     def inner_steps():
         for _ in range(H):
             inner_step()
+        # A move of this peer's own: a round's average then depends on who took part, so
+        # two groups that ran the same round apart would log different digests.
+        params["w"][PEER % N] -= np.float32(1e-3)
 
     async def inner(group, r, i):
         if PER_STEP:
             await asyncio.to_thread(inner_step)
+            if i == H - 1:
+                params["w"][PEER % N] -= np.float32(1e-3)
         elif i == 0:  # the round's H steps at once; the other calls only count
             await asyncio.to_thread(inner_steps)
 
@@ -85,7 +102,7 @@ async def main() -> None:
         for name, leaf in training.named_leaves(state):
             h.update(np.ascontiguousarray(leaf).tobytes())
         print("APPLIED " + json.dumps({"round": r, "digest": h.hexdigest(),
-                                       "t": time.perf_counter(), "computed": sum(inner_times),
+                                       "t": time.time(), "computed": sum(inner_times),
                                        "inner": statistics_median(inner_times)}), flush=True)
 
     result = await training.train_elastic(step, apply, rounds.state, rounds=ROUNDS,
@@ -116,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="hand each inner step to a thread and back (as before), instead "
                              "of a round's steps at once")
     parser.add_argument("--logs", default=None,
-                        help="a directory for each peer's log (formations, shrinks)")
+                        help="a directory for each peer's log (formations, shrinks), the "
+                             "kills and every peer's applied rounds (events.json), on one clock")
+    parser.add_argument("--min-world-size", type=int, default=None,
+                        help="the elastic minimum (default: peers - 1)")
+    parser.add_argument("--rendezvous", choices=("standalone", "peer"), default="standalone",
+                        help="standalone: a `p2pcoll rendezvous` process that is never killed "
+                             "(as a swarm runs one); peer: the first peer hosts it, and a "
+                             "kill of that peer moves it")
     args = parser.parse_args(argv)
 
     from p2pcoll.testing import free_port
@@ -125,14 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("P2PCOLL_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env.update(P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{free_port()}", PYTHONUNBUFFERED="1",
-               P2PCOLL_MIN_WORLD_SIZE=str(args.peers - 1),
+    port = free_port()
+    low = args.peers - 1 if args.min_world_size is None else args.min_world_size
+    env.update(P2PCOLL_RENDEZVOUS=f"tcp://127.0.0.1:{port}", PYTHONUNBUFFERED="1",
+               P2PCOLL_MIN_WORLD_SIZE=str(low),
                P2PCOLL_MAX_WORLD_SIZE=str(args.peers), P2PCOLL_JOIN_TIMEOUT="60",
                OMP_NUM_THREADS="1")
     procs: list[subprocess.Popen[str]] = []
     logs: list[list[dict[str, Any]]] = []
     killed: list[int] = []
+    kills: list[dict[str, Any]] = []  # when each kill happened, for the logs
     done: set[int] = set()
+    server = None
+    if args.rendezvous == "standalone":
+        server = subprocess.Popen(
+            [sys.executable, "-m", "p2pcoll", "rendezvous", "--host", "127.0.0.1",
+             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert server.stdout is not None
+        server.stdout.readline()  # "serving at ...": it listens
 
     def start() -> None:
         env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}"}
@@ -174,20 +208,25 @@ def main(argv: list[str] | None = None) -> int:
                 if live:
                     victim = live[0]
                     procs[victim].send_signal(signal.SIGKILL)
+                    kills.append({"peer": victim, "t": time.time(), "applied": applied})
                     killed.append(victim)
                     start()
                 next_kill += args.every
             time.sleep(0.02)
     finally:
-        for proc in procs:
+        for proc in procs + ([server] if server is not None else []):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
         script.unlink(missing_ok=True)
+    if args.logs is not None:
+        (Path(args.logs) / "events.json").write_text(json.dumps({"kills": kills, "applied": logs}))
 
     by_round: dict[int, set[str]] = {}
-    for log in logs:
-        for e in log:
+    for i, log in enumerate(logs):
+        # A killed peer's last round may have completed on it alone: the survivors then
+        # reduce it again without it (train_elastic's ambiguous case), so it is left out.
+        for e in log[:-1] if i in killed else log:
             by_round.setdefault(e["round"], set()).add(e["digest"])
     equal = all(len(d) == 1 for d in by_round.values())
     measured = logs[0]
@@ -195,25 +234,45 @@ def main(argv: list[str] | None = None) -> int:
     # steps computed meanwhile (the next round's, which overlap its reduction).
     for before, e in itertools.pairwise(measured):
         e["wait"] = max(0.0, (e["t"] - before["t"]) - (e["computed"] - before["computed"]))
+    # The same against the slowest peer's compute over the round (peers that applied both
+    # rounds): what the rounds stall beyond the group's compute, without the imbalance of
+    # peers sharing a loaded machine.
+    by_peer = [{e["round"]: e["computed"] for e in log} for log in logs]
+    for e in measured:
+        spans = [c[e["round"]] - c[e["round"] - 1] for c in by_peer
+                 if e["round"] in c and e["round"] - 1 in c]
+        own = by_peer[0][e["round"]] - by_peer[0].get(e["round"] - 1, 0.0)
+        e["group_wait"] = max(0.0, e.get("wait", 0.0) + own - max(spans, default=own))
     last = measured[-1] if len(measured) == args.rounds else None
     measured = measured[1:-1] if last is not None else measured[1:]
     inner = statistics.median(e["inner"] for e in measured) if measured else 0.0
+    # A kill's rounds: the first two peer 0 applies after it (the loss may stall either).
+    hit = {e["round"] for k in kills
+           for e in [e for e in measured if e["t"] > k["t"]][:2]}
+    on_kills = [e["wait"] for e in measured if e["round"] in hit]
     over = [e["round"] for e in measured if e["wait"] > inner]
     print(f"{args.peers} peers on loopback, {args.rounds} rounds of H = {args.inner}, "
           f"{args.params / 1e6:.2g} M float32 parameters, one peer killed and one started every "
-          f"{args.every} rounds ({len(killed)} kills); load {os.getloadavg()[0]:.1f} on "
+          f"{args.every} rounds ({len(killed)} kills), min_world_size {low}, rendezvous "
+          f"{args.rendezvous}; load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs\n")
     waits = [e["wait"] for e in measured]
-    print("| rounds measured (peer 0) | median wait ms | max wait ms | inner step ms "
+    group_waits = [e["group_wait"] for e in measured]
+    print("| rounds measured (peer 0) | median wait ms | median on kill rounds ms "
+          "| max wait ms | median beyond the slowest peer's compute ms | inner step ms "
           "| rounds waiting > 1 inner step | digests equal every round |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {len(measured)} | {statistics.median(waits) * 1e3 if waits else 0:.1f} | "
-          f"{max(waits, default=0) * 1e3:.1f} | {inner * 1e3:.1f} | {len(over)} {over[:10]} | "
+          f"{statistics.median(on_kills) * 1e3 if on_kills else 0:.1f} | "
+          f"{max(waits, default=0) * 1e3:.1f} | "
+          f"{statistics.median(group_waits) * 1e3 if group_waits else 0:.1f} | "
+          f"{inner * 1e3:.1f} | {len(over)} {over[:10]} | "
           f"{'yes' if equal else 'NO'} ({len(by_round)} rounds compared) |")
-    print("\nper-round wait of peer 0 (ms; round 0 has no previous apply to count from, and "
+    print("\nper-round wait of peer 0 (ms; * a kill's round; round 0 has no previous apply to count from, and "
           "the last no next round to overlap"
           + (f": it waited {last['wait'] * 1e3:.0f} ms" if last is not None else "") + "): "
-          + ", ".join(f"{e['round']}:{e['wait'] * 1e3:.0f}" for e in measured))
+          + ", ".join(f"{e['round']}{'*' if e['round'] in hit else ''}:{e['wait'] * 1e3:.0f}"
+                   for e in measured))
     return 0 if equal and last is not None else 1
 
 

@@ -6,8 +6,10 @@ reduction is in flight ends it with the group's error, retrieved."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import hashlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -290,11 +292,16 @@ class ElasticJob:
 
     H = 3
 
-    def __init__(self, rounds: int, codec: str | None = None) -> None:
+    def __init__(self, rounds: int, codec: str | None = None,
+                 reformed: asyncio.Event | None = None) -> None:
         from p2pcoll.testing import free_port
 
         self.url = f"tcp://127.0.0.1:{free_port()}"
         self.rounds, self.codec = rounds, codec
+        # Set: the survivors' step that runs across the loss waits for it to be set.
+        self.reformed = reformed
+        self.ahead = asyncio.Event()  # both survivors started that step
+        self.starting = 0
         self.stuck = asyncio.Event()     # the victim is in an inner step, never to return
         self.smaller = asyncio.Event()   # the survivors took outer steps without it
         self.joined = asyncio.Event()    # the newcomer trains
@@ -316,6 +323,14 @@ class ElasticJob:
             if r == die_at and i == 1:
                 self.stuck.set()
                 await asyncio.sleep(3600)  # until cancelled, while the others wait for it
+            if self.reformed is not None and r == 5 and group.world_size == 3 and i == 0:
+                self.starting += 1  # (round 5: victim dies in round 4 below)
+                if self.starting == 2:
+                    self.ahead.set()
+                await self.reformed.wait()
+            held = _ADMITTING.get()
+            if held is not None and i == 0:  # a step started once the group chose to admit
+                await held.wait()
             if group.world_size < 3 and r >= (die_at or 0) + 3:
                 self.smaller.set()
             if newcomer:
@@ -389,6 +404,110 @@ async def test_elastic_delay_1_applies_each_outer_step_once_through_a_loss_and_a
     # The survivors formed their group of 2 among themselves (the rendezvous' host is one
     # of them); the newcomer came through the rendezvous.
     assert [f.shrunk for f in first.formations] == [False, True, False]
+
+
+_ADMITTING: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar(
+    "_ADMITTING", default=None)
+
+
+class _Admissions(logging.Handler):
+    """In the task of a peer that logs an admission, a fresh event that its next formation
+    sets: the steps that task starts from then on wait for it (their context's copy)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "peers wait to join" in message:
+            _ADMITTING.set(asyncio.Event())
+        elif "from round" in message and (event := _ADMITTING.get()) is not None:
+            event.set()
+
+
+class _Formed(logging.Handler):
+    """Sets ``event`` once ``count`` ranks logged a formation of a group of ``size``."""
+
+    def __init__(self, size: int, count: int, event: asyncio.Event) -> None:
+        super().__init__()
+        self.size, self.left, self.event = size, count, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if f"of {self.size} from round" in record.getMessage():
+            self.left -= 1
+            if self.left == 0:
+                self.event.set()
+
+
+async def test_elastic_delay_1_a_step_running_across_a_loss_overlaps_the_new_groups_reduction(
+        ) -> None:
+    # The survivors' step of round 5 started in the group of 3, alongside round 4's
+    # reduction, which the loss breaks (the victim dies once both survivors started it:
+    # round 3 was reduced); it finishes only once both survivors formed their group of 2:
+    # the formation does not wait for it (round 4's reduction again, in the new group,
+    # overlaps it, as reductions overlap the next step), and it still counts.
+    reformed = asyncio.Event()
+    handler = _Formed(2, 2, reformed)
+    logger = logging.getLogger("p2pcoll.training")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        job = ElasticJob(rounds=10, reformed=reformed)
+        survivors = [job.start()]
+        await job.hosted()
+        victim = job.start(die_at=4)
+        survivors.append(job.start())
+        await job.stuck.wait()
+        await job.ahead.wait()
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        async with asyncio.timeout(60):  # a formation that waits for the step never ends
+            results = await asyncio.gather(*survivors)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    want = digest(replayed(job.rounds, job.H))
+    for result, rounds in results:
+        assert digest(rounds.state) == want  # every outer step once, round 5's step kept
+        assert result.redone == 0
+        assert [f.world_size for f in result.formations] == [3, 2]
+    for r, digests in job.digests.items():
+        assert len(set(digests)) == 1, f"round {r}: replicas differ"
+
+
+async def test_elastic_delay_1_a_step_running_across_an_admission_overlaps_the_new_groups_reduction(
+        ) -> None:
+    # A survivor's step started when its group chose to admit the newcomer finishes only
+    # once that survivor is in the new group: the formation does not wait for the step.
+    handler = _Admissions()
+    logger = logging.getLogger("p2pcoll.training")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        job = ElasticJob(rounds=16)
+        survivors = [job.start()]
+        await job.hosted()
+        victim = job.start(die_at=4)
+        survivors.append(job.start())
+        await job.stuck.wait()
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        await job.smaller.wait()
+        newcomer = job.start(newcomer=True)
+        async with asyncio.timeout(60):  # a formation that waits for the step never ends
+            results = await asyncio.gather(*survivors, newcomer)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    want = digest(replayed(job.rounds, job.H))
+    for _, rounds in results:
+        assert digest(rounds.state) == want
+    for r, digests in job.digests.items():
+        assert len(set(digests)) == 1, f"round {r}: replicas differ"
+    (first, _), _, (late, _) = results
+    assert [f.world_size for f in first.formations][-1] == 3  # the newcomer got in
+    assert late.applied == list(range(late.joined_at, job.rounds))
 
 
 async def test_elastic_ranks_that_disagree_on_delay_are_told_before_the_state_moves() -> None:

@@ -356,11 +356,15 @@ class _Run:
                         formation.ended = why
                     log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
                                 group.rank, group.world_size, self.round, why)
-                    following = await shrunk(group, self.settings.min_world_size or 1,
-                                             Census(self.settings, CENSUS_S).ask)
+                    census = Census(self.settings, CENSUS_S)
+                    try:
+                        following = await shrunk(group, self.settings.min_world_size or 1,
+                                                 census.ask)
+                    finally:
+                        await census.aclose()
                 finally:
-                    if self.computing is None:
-                        await group.close()
+                    if self.computing is None or self.stale is not None:
+                        await group.close()  # (a step from an earlier group reads that one)
                     else:  # the step still reads it (rank, size): closed once it is done
                         self.stale = group
                 if self.round >= self.rounds:
@@ -376,7 +380,7 @@ class _Run:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await self._computed()
 
-    async def _take_step(self) -> None:
+    async def take_step(self) -> None:
         """The step that ran while the group re-formed, if one did, into ``held``."""
         if self.computing is not None:
             r = self.computing[0]
@@ -470,15 +474,17 @@ class _Run:
         # A source's step goes on during the heal, which only reads the state; a receiver's
         # ends first, since the heal then writes the state the step reads.
         if have[group.rank] < top:
-            await self._take_step()
+            await self.take_step()
         if group.world_size > 1:  # a receiver's state changes all at once, or not at all
             await heal(group, self.state, sources, progress=self.healing)
-        await self._take_step()
-        self.round, self.synced = m, True
         # delay=1: round m is reduced again over its holders, round m + 1 over those that
         # computed it already, if any (elastic_delayed's rule).
         following = ([r for r, c in enumerate(counters) if m + 1 in c[1:].tolist()]
                      if holding else [])
+        if self.computing is not None and not (self.computing[0] == m + 1 and following):
+            await self.take_step()  # one the group has no use for (dropped below)
+        # else round m + 1's step goes on: round m's reduction overlaps it (train_delayed)
+        self.round, self.synced = m, True
         self.held = {r: c for r, c in self.held.items()
                      if (r == m and group.rank in holding) or (r == m + 1 and following)}
         self.holders, self.next_holders = len(holding), len(following)

@@ -26,9 +26,10 @@ a count that travels in the same reduction. So
   the lowest holder at the formation);
 - contributions to rounds below m are dropped (m - 1 was applied by the source); round
   m + 1, if members computed it before the formation (its step runs on while the group
-  re-forms: after a loss, or when peers wait to join), is reduced over those members as
-  round m is over its holders, the others adding zeros (a newcomer does not compute it
-  late, so nobody waits for it); if none did, everyone computes it from ``S_m``;
+  re-forms, after a loss or when peers wait to join, and while round m's reduction runs
+  in the new group), is reduced over those members as round m is over its holders, the
+  others adding zeros (a newcomer does not compute it late, so nobody waits for it); if
+  none did, everyone computes it from ``S_m``;
 - if no member holds round m (a new job, or every holder died), every member computes
   round m at once, from ``S_m``: that one round starts one outer step fresher than the
   rule would have it.
@@ -54,6 +55,7 @@ runs none; the settings are checked at each formation instead (train_elastic's
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -74,6 +76,8 @@ __all__ = ["ADMIT", "HOLDERS", "OPS", "Pipeline", "check_robust", "reduce_round"
 
 ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
 HOLDERS = "p2pcoll.holders"  # the gradient entry that counts the holders of a round
+log = logging.getLogger("p2pcoll.training")
+
 OPS = ("avg", "sum", "median", "trimmed_mean")
 """The reductions of train_elastic's rounds."""
 
@@ -106,6 +110,8 @@ class Pipeline(Protocol):
     computing: tuple[int, asyncio.Task[dict[str, Any]]] | None
 
     def apply(self, state: Pytree, grads: dict[str, Any], round: int) -> None: ...
+
+    async def take_step(self) -> None: ...
 
     async def compute(self, group: Group, r: int) -> dict[str, Any]: ...
 
@@ -191,7 +197,8 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
     round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's).
 
     When the group fails or admits peers, the step of the next round is left running in
-    ``run.computing`` (the re-formation overlaps it; the formation takes its result)."""
+    ``run.computing``: the re-formation overlaps it, and so does the new group's first
+    reduction, which takes its result before the round is applied."""
     while run.round < run.rounds:
         r = run.round
         if run.holders == 0:  # nobody holds round r: every member computes it now
@@ -206,9 +213,12 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
             group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
         retrieve_later(reduction)
         # Round r + 1's step, unless some computed it before the formation: then the
-        # others add zeros for it (elastic's rule) and nobody waits for a late step.
+        # others add zeros for it (elastic's rule) and nobody waits for a late step. A
+        # step started before the formation that is still running (run.computing) is
+        # this reduction's overlap, as a step started here would be.
         step = None
-        if r + 1 < run.rounds and r + 1 not in run.held and not run.next_holders:
+        if (r + 1 < run.rounds and r + 1 not in run.held and not run.next_holders
+                and run.computing is None):
             step = asyncio.ensure_future(run.compute(group, r + 1))
             retrieve_later(step)
         try:
@@ -219,6 +229,7 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
             raise
         if step is not None:
             run.held[r + 1] = await step
+        await run.take_step()  # the step from before the formation, if one runs
         # No await from here on: round r is applied whole, with the counter.
         run.apply(run.state, reduced, r)
         run.round = r + 1
@@ -228,6 +239,7 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
         run.next_holders = 0
         applied.append(r)
         if admit and run.round < run.rounds:
+            log.info("elastic: peers wait to join; forming a new group after round %d", r)
             if run.round + 1 < run.rounds:  # computes while the group re-forms
                 step = asyncio.ensure_future(run.compute(group, run.round + 1))
                 retrieve_later(step)
