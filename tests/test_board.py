@@ -22,7 +22,7 @@ import pytest
 import p2pcoll
 from conftest import finish
 from p2pcoll.testing import free_port, run_ranks
-from p2pcoll.transport.board import COUNT, NBYTES, PARITY, WORDS
+from p2pcoll.transport.board import COUNT, DEPTH, FIELDS, NBYTES, PARITY, WORDS
 
 
 def _ran(g: p2pcoll.Group, collective: str) -> dict[str, int]:
@@ -204,7 +204,7 @@ async def test_a_corrupt_line_on_the_board_is_an_error_naming_the_rank() -> None
             assert board is not None
             # Rank 1 publishes count 3 with a size no slot holds: a hostile peer.
             words = board.board.words
-            words[1, PARITY + 6 * 1 + NBYTES] = 1 << 40
+            words[1, PARITY + FIELDS * (3 % DEPTH) + NBYTES] = 1 << 40
             words[1, COUNT] = 3
             await asyncio.sleep(1)
             return None
@@ -215,7 +215,7 @@ async def test_a_corrupt_line_on_the_board_is_an_error_naming_the_rank() -> None
     results = await run_ranks(2, fn, transport="ipc", return_exceptions=True)
     err = results[0]
     assert isinstance(err, p2pcoll.ProtocolError) and "rank 1" in str(err), repr(err)
-    assert WORDS == 16
+    assert PARITY + FIELDS * DEPTH <= WORDS
 
 
 _KILLED = textwrap.dedent("""
