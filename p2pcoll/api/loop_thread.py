@@ -28,9 +28,8 @@ it sleeps in its selector waiting for I/O or a timer; a caller that takes it the
 loop for as long as it holds it and runs the loop's ready callbacks itself, its own call's
 first steps among them, in the order the loop would (so calls keep their order with those
 queued before). A call that finishes in those steps (a board collective whose peers are
-there, or come within :data:`~p2pcoll.engine.waiting.IN_PLACE`: its wait sleeps here) never
-touches the loop thread; one that has to wait longer goes on on the loop thread, which the
-caller wakes if it left it anything to do sooner than it planned to wake up.
+there) never touches the loop thread; one that has to wait goes on on the loop thread, which
+the caller wakes if it left it anything to do sooner than it planned to wake up.
 """
 
 from __future__ import annotations
@@ -46,8 +45,6 @@ import selectors
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Self, TypeVar
-
-from ..engine.waiting import driving
 
 T = TypeVar("T")
 _log = logging.getLogger("p2pcoll")
@@ -247,7 +244,6 @@ class LoopThread(Shared):
                 loop.call_soon(self._run_queued)
             asyncio._set_running_loop(loop)
             self._driver = threading.get_ident()
-            driving.now = True  # a board wait may sleep here a while (engine.waiting)
             try:
                 while steps > 0 and ready and not done():
                     handle = ready.popleft()
@@ -255,7 +251,6 @@ class LoopThread(Shared):
                         handle._run()
                         steps -= 1
             finally:
-                driving.now = False
                 self._driver = None
                 asyncio._set_running_loop(None)
             # The loop thread sleeps until the timer that was first when it went to

@@ -65,7 +65,7 @@ from ..transport.shmfile import barrier as fence
 from ..wire import Signature
 from ..wire.header import SIGNATURE_FIELDS
 from .matching import Matcher
-from .waiting import IN_PLACE, Patience, driving, yield_core
+from .waiting import Patience, yield_core
 
 MIN_NAP, MAX_NAP = 1e-3, 0.02
 # A board collective whose peers are there never yields to the event loop; one that starts
@@ -233,9 +233,6 @@ class BoardPath:
         # Whom it still waits for, as it goes to sleep (a timeout's inquiry and the
         # flight record ask): those that have not published yet.
         matcher.note_waiting(op, [q for q in ranks if w[q * WORDS + COUNT] < count])
-        # On a caller's thread that drives the loop: sleep here first (waiting.py).
-        in_place = self.board.wait_wake if driving.now else None
-        until = time.monotonic() + IN_PLACE
         try:
             while True:
                 w[me + SLEEPING] = count
@@ -245,11 +242,6 @@ class BoardPath:
                 failure = matcher.failure(op) or self._stray(seq)
                 if failure is not None:
                     raise failure
-                if in_place is not None:
-                    left = until - time.monotonic()
-                    if left > 0:
-                        in_place(min(left, MIN_NAP))
-                        continue
                 waiter = self._waiter = loop.create_future()
                 timer = loop.call_later(nap, self._on_wake)
                 try:

@@ -22,13 +22,6 @@ sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
   still waits for usually comes early, else for :data:`MARGIN` only: a stopped, slow
   or computing partner, or one that shares this rank's core and cannot run while it
   polls (it comes at the budget's end, not early), would only cost the core.
-- A wait made on a caller's thread that drives the event loop (the torch backend's and
-  :mod:`p2pcoll.blocking`'s small calls, :meth:`p2pcoll.api.loop_thread.LoopThread.drive`)
-  sleeps there, in the wake-up pipe, for at most :data:`IN_PLACE` (:data:`driving` says
-  so), and only then hands the wait to the loop thread: handing it over costs two thread
-  wake-ups more (the loop thread's, and the caller's once the call is done), the most of
-  a small broadcast's time through torch on a busy host. The loop thread is held up
-  meanwhile, so the bound is short beside a heartbeat.
 - Where the group has more peers than the host has cores, it yields the core between two
   polls (``sched_yield``), so that a partner waiting for a core gets this one instead of
   waiting for this rank's time slice to end. With a core per peer it does not: the
@@ -40,7 +33,6 @@ sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable
 
 MARGIN = 5e-6  # seconds polled for any peer: one that is arriving right now
@@ -49,20 +41,6 @@ HIT = 0.5  # poll for a peer that came early (within half the ceiling) this ofte
 # A moving average above this is 1 (it would only approach 1: 1 - 2**-52 plus an eighth
 # of the gap rounds back to itself), so that a run of early arrivals settles exactly.
 SURE = 1 - 1e-6
-# The most seconds a wait sleeps on a caller's thread that drives the loop (see above).
-IN_PLACE = 2e-3
-
-
-class _Driving(threading.local):
-    """Per thread: whether it runs the event loop's callbacks now in place of the loop's
-    own thread, which waits meanwhile (set by ``LoopThread.drive``); a wait there may
-    sleep in place for a while (see the module docstring). Never on a loop's own thread,
-    where sleeping would hold up every other task."""
-
-    now = False
-
-
-driving = _Driving()
 
 # Gives the core to another runnable task, if any (Linux; the board only runs there).
 yield_core = getattr(os, "sched_yield", lambda: None)
@@ -120,4 +98,4 @@ class Patience:
         return self._hits[rank]
 
 
-__all__ = ["IN_PLACE", "MARGIN", "Patience", "driving", "yield_core"]
+__all__ = ["MARGIN", "Patience", "yield_core"]

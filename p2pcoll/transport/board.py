@@ -121,9 +121,6 @@ class Board:
         # called when this peer's pipe is written (set by the engine's board path).
         self.wake: Callable[[int], None] = lambda rank: None
         self.on_wake: Callable[[], None] | None = None
-        # Set by the mesh: wait_wake(seconds) sleeps on this thread until this peer's pipe
-        # is written (then handles it as the loop would) or the time has passed.
-        self.wait_wake: Callable[[float], None] | None = None
 
     def control(self) -> memoryview:
         """Every rank's control words as one flat view of int64 (rank r's line starts at

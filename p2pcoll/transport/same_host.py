@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import select
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -100,7 +99,6 @@ class SameHost:
         # The group's board (see .board), when every peer shares this host: rank 0's, or
         # mapped from rank 0's hello (then _board_from_hello until it comes).
         self.board: boards.Board | None = None
-        self._poll: select.poll | None = None  # of the wake-up pipe (see _wait_wake)
         self._board_from_hello = False
 
     def open(self, membership: Membership, near: set[int], ring_bytes: int) -> None:
@@ -167,21 +165,7 @@ class SameHost:
             log.warning("rank 0: no shared-memory board (%s); small collectives go as "
                         "messages", exc)
             return
-        self.board.wake, self.board.wait_wake = self._wake, self._wait_wake
-
-    def _wait_wake(self, seconds: float) -> None:
-        """Sleep on this thread until this peer's wake-up pipe is written or ``seconds``
-        have passed, and handle a write as the loop's reader does (:meth:`on_wake`): for a
-        board wait on a caller's thread that drives the loop (:mod:`p2pcoll.engine.waiting`).
-        The loop's own reader of the pipe may wake too; it then finds it read."""
-        lanes = self.lanes
-        if lanes is None or self._closed:
-            return
-        if self._poll is None:
-            self._poll = select.poll()
-            self._poll.register(lanes.wakeup.fd, select.POLLIN)
-        if self._poll.poll(seconds * 1e3):
-            self.on_wake()
+        self.board.wake = self._wake
 
     def _wake(self, peer: int) -> None:
         """Write into ``peer``'s wake-up pipe, if this peer can (the peer's hello opened it)."""
@@ -307,7 +291,7 @@ class SameHost:
             log.error("rank %d: cannot use the group's shared-memory board: %s", self.rank,
                       exc)
             return
-        self.board.wake, self.board.wait_wake = self._wake, self._wait_wake
+        self.board.wake = self._wake
 
     def _accept_ring(self, peer: int, name: object) -> None:
         """Map the shared-memory ring a peer of this host announced; if that fails, the
