@@ -22,7 +22,7 @@ import pytest
 import p2pcoll
 from conftest import finish
 from p2pcoll.testing import free_port, run_ranks
-from p2pcoll.transport.board import COUNT, NBYTES, PARITY, WORDS
+from p2pcoll.transport.board import COUNT, DEPTH, FIELDS, NBYTES, PARITY, WORDS
 
 
 def _ran(g: p2pcoll.Group, collective: str) -> dict[str, int]:
@@ -195,6 +195,67 @@ async def test_concurrent_board_collectives_keep_their_order() -> None:
         assert np.array_equal(results[6], np.arange(3))
 
 
+async def test_a_broadcast_root_runs_ahead_of_a_late_reader_and_every_call_arrives() -> None:
+    """The root of a loop of broadcasts fills every buffer of its line before the reader
+    has read one (DEPTH buffers), then waits for it; the reader gets each call's data."""
+    calls = 3 * DEPTH
+
+    async def fn(g: p2pcoll.Group) -> Any:
+        board = g.session.board
+        assert board is not None
+        if g.rank == 0:
+            for i in range(calls):
+                await g.broadcast(np.full(16, i, np.int64))
+            return board.board.count
+        # The root runs DEPTH - 1 ahead: it publishes counts 1..DEPTH, then waits for 2.
+        deadline = time.monotonic() + 30
+        while board.board.words[0, COUNT] < DEPTH and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        ahead = int(board.board.words[0, COUNT])
+        got = [await g.broadcast(np.empty(16, np.int64)) for _ in range(calls)]
+        return ahead, got, _ran(g, "broadcast")
+
+    count, (ahead, got, ran) = await run_ranks(2, fn, transport="ipc")
+    assert count == calls and ahead == DEPTH
+    assert all(np.array_equal(a, np.full(16, i)) for i, a in enumerate(got))
+    assert ran == {"shm": calls}
+
+
+async def test_a_receiver_learns_each_new_layout_from_the_board_and_checks_its_buffer() -> None:
+    """A loop of broadcasts whose layout changes (and comes back) is learned anew each
+    time; a buffer that does not fit the root's layout is a mismatch after a layout the
+    receiver learned before, as before it."""
+    shapes = [(4,), (4,), (2, 3), {"a": (5,), "b": (1,)}, (4,), (2, 3)]
+
+    def value(shape: Any, k: int) -> Any:
+        if isinstance(shape, dict):
+            return {key: np.full(s, k, np.float32) for key, s in shape.items()}
+        return np.full(shape, k, np.float32)
+
+    async def fn(g: p2pcoll.Group) -> Any:
+        got = [await g.broadcast(value(shape, k) if g.rank == 0 else None)
+               for k, shape in enumerate(shapes)]
+        err = None
+        if g.rank == 0:
+            await g.broadcast(value((4,), 9))
+        else:
+            with pytest.raises(p2pcoll.CollectiveMismatch) as info:
+                await g.broadcast(np.empty(5, np.float32))
+            err = info.value
+        return got, err
+
+    for rank, (got, err) in enumerate(await run_ranks(2, fn, transport="ipc")):
+        for k, (shape, a) in enumerate(zip(shapes, got, strict=True)):
+            want = value(shape, k)
+            if isinstance(shape, dict):
+                assert a.keys() == want.keys()
+                assert all(np.array_equal(a[key], want[key]) for key in want), (rank, k)
+            else:
+                assert np.array_equal(a, want) and a.shape == want.shape, (rank, k)
+        assert (err is None) == (rank == 0), (rank, err)
+        assert err is None or "float32[4]" in str(err), err
+
+
 async def test_a_corrupt_line_on_the_board_is_an_error_naming_the_rank() -> None:
     async def fn(g: p2pcoll.Group) -> Any:
         await g.allreduce(np.ones(4))  # count 1 done everywhere
@@ -204,7 +265,7 @@ async def test_a_corrupt_line_on_the_board_is_an_error_naming_the_rank() -> None
             assert board is not None
             # Rank 1 publishes count 3 with a size no slot holds: a hostile peer.
             words = board.board.words
-            words[1, PARITY + 6 * 1 + NBYTES] = 1 << 40
+            words[1, PARITY + FIELDS * (3 % DEPTH) + NBYTES] = 1 << 40
             words[1, COUNT] = 3
             await asyncio.sleep(1)
             return None
@@ -215,7 +276,7 @@ async def test_a_corrupt_line_on_the_board_is_an_error_naming_the_rank() -> None
     results = await run_ranks(2, fn, transport="ipc", return_exceptions=True)
     err = results[0]
     assert isinstance(err, p2pcoll.ProtocolError) and "rank 1" in str(err), repr(err)
-    assert WORDS == 16
+    assert PARITY + FIELDS * DEPTH <= WORDS
 
 
 _KILLED = textwrap.dedent("""

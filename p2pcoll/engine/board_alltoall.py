@@ -13,14 +13,16 @@ copies it into the kernel and out again, and wakes I/O threads to do so), and a 
 call costs one wake-up per rank instead of two rounds' worth.
 
 Parts that fit the slot after the header go in the slot. Larger ones go in the rank's
-window of the board count's parity: a file in ``/dev/shm`` that only its rank writes,
-grown (replaced by a larger one) when a call needs more, named in the header. The board's
-double buffering keeps a window safe to rewrite: a rank writes parity b for count c only
-once every peer has published c - 1, so has finished reading c - 2, the last reader of that
-window. A peer maps a window when it first sees its name (whether or not it has a part in
-it this time) and marks its line in the window's header page; the window's rank unlinks
-the name once every peer has marked it, and closes it with the board. Names, like every
-other header field, are checked before use; a window that does not add up is a
+window of the board count's side (its parity, count % 2): a file in ``/dev/shm`` that only
+its rank writes, grown (replaced by a larger one) when a call needs more, named in the
+header. Two windows are enough: a round first waits until every peer has published
+c - 1, so has finished reading c - 2, the last reader of the window of its side (the
+board's own buffers, :data:`~p2pcoll.transport.board.DEPTH` of them, let a writer run
+further ahead, which a window of every buffer would pay for in memory). A peer maps a
+window when it first sees its name (whether or not it has a part in it this time) and
+marks its line in the window's header page; the window's rank unlinks the name once
+every peer has marked it, and closes it with the board. Names, like every other header
+field, are checked before use; a window that does not add up is a
 :class:`~p2pcoll.errors.ProtocolError`.
 
 One copy. Where the kernel lets peers read each other's memory
@@ -50,7 +52,7 @@ import numpy as np
 
 from ..errors import KILLED, CollectiveMismatch, PeerLost, ProtocolError
 from ..transport import cross_memory
-from ..transport.board import ATTACHED
+from ..transport.board import ATTACHED, DEPTH
 from ..transport.shmfile import MAX_NAME, PAGE, ShmFile
 from ..wire import Signature
 from . import alltoall_table as table
@@ -82,13 +84,13 @@ class _Shape(NamedTuple):
     rest: tuple[int, ...]  # the parts' shape after the first axis
     item: int  # bytes per row
     moving: int  # bytes of its parts for other ranks
-    # Per parity, where in my slot each of its parts for another rank goes (that rank, the
+    # Per board buffer, where in my slot each of its parts for another rank goes (that rank, the
     # place in the part's shape), made on the first call that puts them there.
     places: list[list[tuple[int, np.ndarray]] | None]
 
 
 class _Agreed(NamedTuple):
-    """A round's agreed table, kept per parity: a round whose headers are the same bytes
+    """A round's agreed table, kept per board buffer: a round whose headers are the same bytes
     (same lengths, same windows) is the same round again."""
 
     heads: bytes  # every rank's header
@@ -114,9 +116,9 @@ class BoardAlltoall:
         self.path = path
         self.rank, self.size = path.rank, path.size
         self._head = header_words(self.size) * 8
-        self._own: list[ShmFile | None] = [None, None]  # my window of each parity
-        self._theirs: dict[tuple[int, int], ShmFile] = {}  # (rank, parity) -> mapped window
-        # My header after the table row: zeros (parts in the slot), or per parity my
+        self._own: list[ShmFile | None] = [None, None]  # my window of each side
+        self._theirs: dict[tuple[int, int], ShmFile] = {}  # (rank, side) -> mapped window
+        # My header after the table row: zeros (parts in the slot), or per side my
         # window's bytes and name.
         self._in_slot = np.zeros(1 + NAME_WORDS, np.int64)
         self._tails = [self._in_slot, self._in_slot]
@@ -130,10 +132,11 @@ class BoardAlltoall:
         self._pids: list[int] = []  # the peers' processes, known at the first round
         path.closing.append(self.close)
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
-        self._agreed: list[_Agreed | None] = [None, None]  # each parity's last round
-        # Every rank's header area, per parity (read by every round).
+        # Each board buffer's last round (its spans are views of that buffer's slots).
+        self._agreed: list[_Agreed | None] = [None] * DEPTH
+        # Every rank's header area, per board buffer (read by every round).
         self._heads = [[path.board.data[q][b][:self._head] for q in range(self.size)]
-                       for b in (0, 1)]
+                       for b in range(DEPTH)]
 
     async def run(self, seq: int, parts: Sequence[np.ndarray],
                   out: Sequence[np.ndarray] | None,
@@ -153,6 +156,8 @@ class BoardAlltoall:
         path = self.path
         try:
             count = await path._start(seq)
+            if count > 2:  # the window of this side is free (see the module docstring)
+                await path._wait(count - 1, path.others, seq)
             return await self._run(count, seq, parts, out, sig)
         finally:
             path._end(seq)
@@ -161,7 +166,7 @@ class BoardAlltoall:
                    out: Sequence[np.ndarray] | None,
                    sig: Signature) -> list[np.ndarray] | CollectiveMismatch:
         path, p, me = self.path, self.size, self.rank
-        parity = count & 1
+        parity, side = count % DEPTH, count & 1  # the board's buffer, the window's side
         data = path.board.data
         slot = data[me][parity]
         shape = self._shape(parts, out)
@@ -180,9 +185,9 @@ class BoardAlltoall:
                 words[ADDRESSES + j] = a.ctypes.data
         else:
             if self._head + shape.moving > len(slot):
-                window = self._window(parity, shape.moving)
+                window = self._window(side, shape.moving)
                 area, at = np.frombuffer(window.map, np.uint8, offset=PAGE), 0
-            words[:READS] = self._tails[parity] if area is not slot else self._in_slot
+            words[:READS] = self._tails[side] if area is not slot else self._in_slot
             words[ADDRESSES:] = 0
             if area is slot:
                 places = shape.places[parity]
@@ -206,15 +211,17 @@ class BoardAlltoall:
         await path._wait(count, path.others, seq)
         nbytes = [path._check(q, parity, seq, digest, _CODE, None)[0] if q != me else 0
                   for q in range(p)]
-        # Every rank's header as read: the same as last time on this parity (a loop of
+        # Every rank's header as read: the same as last time on this buffer (a loop of
         # one call), the same table and places; else checked and worked out anew.
         heads = b"".join([h.tobytes() for h in self._heads[parity]])
         agreed = self._agreed[parity]
         if agreed is None or agreed.heads != heads:
-            # The old round's views go first (a window replaced is unmapped at once), and
-            # a failure below leaves no round kept.
-            self._agreed[parity] = agreed = None
-            found = self._agree(parity, heads, nbytes, shape.item)
+            # The old rounds' views of this side's windows go first (a window replaced is
+            # unmapped at once), and a failure below leaves no round of this side kept.
+            agreed = None
+            for b in range(side, DEPTH, 2):
+                self._agreed[b] = None
+            found = self._agree(parity, side, heads, nbytes, shape.item)
             if isinstance(found, CollectiveMismatch):
                 return found
             self._agreed[parity] = agreed = found
@@ -280,7 +287,7 @@ class BoardAlltoall:
             if len(self._shapes) >= MAX_SHAPES:
                 self._shapes.clear()
             shape = self._shapes[key] = _Shape(row.view(np.uint8), dtype, rest,
-                                               dtype.itemsize * elements, moving, [None, None])
+                                               dtype.itemsize * elements, moving, [None] * DEPTH)
         return shape
 
     def _places(self, slot: np.ndarray, parts: Sequence[np.ndarray]
@@ -294,7 +301,7 @@ class BoardAlltoall:
                 at += a.nbytes
         return places
 
-    def _agree(self, parity: int, heads: bytes, nbytes: list[int],
+    def _agree(self, parity: int, side: int, heads: bytes, nbytes: list[int],
                item: int) -> _Agreed | CollectiveMismatch:
         """Every rank's header checked, its window mapped, then the whole table, alike on
         every rank: where my part of each peer's parts lies, or the table's mismatch (the
@@ -314,7 +321,7 @@ class BoardAlltoall:
             self._reads = all(self._can_read(q, int(words[q, width + PROBE]))
                               for q in range(p) if q != me)
         self._read_by_all = bool(all(words[q, width + READS] for q in range(p) if q != me))
-        sources = {q: self._source(q, parity, words[q, width:], data[q][parity], nbytes[q])
+        sources = {q: self._source(q, side, words[q, width:], data[q][parity], nbytes[q])
                    for q in range(p) if q != me}
         try:
             agreed = table.check(words[:, :width], p)
@@ -347,37 +354,37 @@ class BoardAlltoall:
             return False
         return int(word[0]) == MAGIC
 
-    def _window(self, parity: int, nbytes: int) -> ShmFile:
-        """My window of ``parity`` with room for ``nbytes``, grown if it has not; its name
+    def _window(self, side: int, nbytes: int) -> ShmFile:
+        """My window of ``side`` with room for ``nbytes``, grown if it has not; its name
         unlinked once every peer has mapped it.
 
         Raises:
             OSError: ``/dev/shm`` is full (the call fails on this rank: its peers time out
                 or see it leave, as for any local failure mid-collective).
         """
-        window = self._own[parity]
+        window = self._own[side]
         if window is None or window.size - PAGE < nbytes:
-            if window is not None:  # every peer has read the last call of this parity
+            if window is not None:  # every peer has read the last call of this side
                 window.close()
-                self._own[parity] = None
+                self._own[side] = None
             size = max(MIN_WINDOW, 1 << max(nbytes - 1, 0).bit_length())
             window = ShmFile.create(PAGE + size)
             head = np.frombuffer(window.map, np.int64, count=MAPPED + self.size)
             head[:MAPPED] = MAGIC, self.rank, self.size, size
             head[MAPPED + self.rank] = 1
-            self._own[parity] = window
+            self._own[side] = window
             tail = np.zeros(1 + NAME_WORDS, np.int64)
             tail[WHERE] = size
             tail[NAME:] = np.frombuffer(window.name.encode().ljust(NAME_WORDS * 8, b"\0"),
                                         np.int64)
-            self._tails[parity] = tail
+            self._tails[side] = tail
         elif window.linked:
             mapped = np.frombuffer(window.map, np.int64, count=self.size, offset=MAPPED * 8)
             if mapped.all():
                 window.unlink()
         return window
 
-    def _source(self, q: int, parity: int, tail: np.ndarray, slot: np.ndarray,
+    def _source(self, q: int, side: int, tail: np.ndarray, slot: np.ndarray,
                 nbytes: int) -> np.ndarray | None:
         """Where rank ``q``'s parts lie (its slot after the header, or its window, mapped
         on first sight), as bytes, or None: in its process; ``tail`` its header's words
@@ -396,13 +403,13 @@ class BoardAlltoall:
         except UnicodeDecodeError:
             raise ProtocolError(f"rank {q}'s window name on the shared-memory board is not "
                                 f"ASCII: {raw[:48]!r}") from None
-        window = self._theirs.get((q, parity))
+        window = self._theirs.get((q, side))
         if window is None or window.name != name:
             if window is not None:
                 window.close()
-                del self._theirs[q, parity]
+                del self._theirs[q, side]
             window = self._map(q, name, size)
-            self._theirs[q, parity] = window
+            self._theirs[q, side] = window
         if window.size - PAGE != size:
             raise ProtocolError(f"rank {q}'s window {name!r} has {window.size - PAGE} bytes, "
                                 f"its header says {size}")
@@ -429,8 +436,8 @@ class BoardAlltoall:
                 window.close()
         self._own = [None, None]
         self._theirs.clear()
-        self._agreed = [None, None]
-        self._heads = [[], []]  # views of the board, which closes next
+        self._agreed = [None] * DEPTH
+        self._heads = []  # views of the board, which closes next
         self._shapes.clear()  # (their places too)
 
 

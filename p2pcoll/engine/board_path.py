@@ -46,6 +46,7 @@ from ..transport.board import (
     ATTACHED,
     CODES,
     COUNT,
+    DEPTH,
     DIGEST,
     FIELDS,
     FLAGS,
@@ -159,7 +160,7 @@ class BoardPath:
         # What this rank ran at a recent sequence number (set by the session's runner).
         self.history: Callable[[int], Signature | None] = lambda seq: None
         self._signatures: dict[bytes, tuple[int, bytes]] = {}
-        self._written: list[int | None] = [None, None]
+        self._written: list[int | None] = [None] * DEPTH
         board.on_wake = self._on_wake
         # Called at close: what keeps files of its own for the board's collectives (the
         # alltoall's windows, :mod:`.board_alltoall`).
@@ -351,7 +352,7 @@ class BoardPath:
 
     def _signed(self, sig: Signature, parity: int) -> tuple[int, int]:
         """The digest of ``sig`` as a board word, with its readable form in my meta area of
-        ``parity`` (written when it changes: a loop of one call writes it twice); returns
+        ``parity`` (written when it changes: a loop of one call writes it once per buffer); returns
         (digest, bytes of the readable form)."""
         self._sig = sig
         known = self._signatures.get(sig.digest)
@@ -370,9 +371,9 @@ class BoardPath:
         return digest, len(packed)
 
     async def _start(self, seq: int) -> int:
-        """Wait for this call's turn, take the next board count and wait until its parity
-        is free (every peer has published the one before, so has finished reading the one
-        before that). Pair with :meth:`_end`."""
+        """Wait for this call's turn, take the next board count and wait until its buffer
+        is free (every peer has published count - DEPTH + 1, so has finished reading
+        count - DEPTH, the buffer's last use). Pair with :meth:`_end`."""
         self._inflight += 1
         if self._inflight > 1:  # waiting for its turn turns the loop anyway
             turn = asyncio.get_running_loop().create_future()
@@ -381,8 +382,8 @@ class BoardPath:
         elif time.perf_counter() - self._turned > TURN_EVERY:
             await self.turn()
         count = self.board.count = self.board.count + 1
-        if count > 2:
-            await self._wait(count - 1, self.others, seq)
+        if count > DEPTH:
+            await self._wait(count - DEPTH + 1, self.others, seq)
         return count
 
     async def turn(self) -> None:
@@ -471,13 +472,13 @@ class BoardPath:
         views = tuple(
             tuple(tuple(board.data[q][b][lo:lo + n].view(dtype) for lo, n, dtype in spans)
                   for q in range(self.size))
-            for b in (0, 1))
+            for b in range(DEPTH))
         return _Plan(sum(a.nbytes for a in arrays), views)
 
     async def _reduction(self, count: int, seq: int, collective: str,
                          arrays: Sequence[np.ndarray], fold: Callable[..., Any], op: str,
                          sig: Signature, root: int | None, plan: _Plan) -> None:
-        parity = count & 1
+        parity = count % DEPTH
         code = codes(collective, op, -1 if root is None else root)
         views = plan.views[parity]
         for a, slot in zip(arrays, views[self.rank], strict=True):
@@ -493,7 +494,7 @@ class BoardPath:
         _fold(fold, arrays, views)
 
     async def _barrier(self, count: int, seq: int, sig: Signature) -> None:
-        parity = count & 1
+        parity = count % DEPTH
         code = codes("barrier", "", -1)
         digest, described = self._signed(sig, parity)
         self._fields(parity, seq, digest, 0, code, described)
@@ -504,7 +505,7 @@ class BoardPath:
 
     async def _broadcast_root(self, count: int, seq: int, arrays: Sequence[np.ndarray],
                               layout: bytes) -> bool:
-        parity = count & 1
+        parity = count % DEPTH
         code = codes("broadcast", "", self.rank)
         board = self.board
         if layout:
@@ -522,7 +523,7 @@ class BoardPath:
 
     async def _broadcast_receive(self, count: int, seq: int,
                                  root: int) -> tuple[bytes, np.ndarray] | None:
-        parity = count & 1
+        parity = count % DEPTH
         code = codes("broadcast", "", root)
         self._fields(parity, seq, 0, 0, code)
         self._publish(count)

@@ -79,6 +79,8 @@ def describe_specs(specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]) -> st
 
 
 Learn = Callable[[TreeDef, list[tuple[np.dtype[Any], tuple[int, ...]]], str], None]
+Learned = tuple[TreeDef, list[tuple[np.dtype[Any], tuple[int, ...]]], str]
+MAX_LAYOUTS = 64  # a broadcast root's layouts kept per session, parsed and checked
 
 
 @dataclass(slots=True, eq=False)
@@ -202,6 +204,8 @@ class Runner:
         # The order calls start in while a coded reduction waits for its scales (.turns).
         self.turns = Turns()
         self._alltoall: BoardAlltoall | None = None  # made on the first on the board
+        # Broadcast roots' layouts read on the board, checked (a loop reads the same bytes).
+        self._layouts: dict[bytes, Learned] = {}
 
     def recent(self, seq: int) -> Signature | None:
         """What this rank ran as collective ``seq``, if it was one of the last few."""
@@ -505,23 +509,29 @@ class Runner:
                 f"{what}: rank {header.src} sent {theirs}, rank {self.rank} called "
                 f"{call.collective}" + (f" from root {origin}" if call.tag is None else ""))
         name = meta["strategy"]
-        _learn(call, meta)
+        _learn(call, _learned(meta))
         if call.tag is not None:
             return RECV
         requested = call.strategy if call.strategy not in (None, "auto") else name
         return registry.get(call.collective, requested)
 
     def _learn_board(self, call: Call, raw: bytes, payload: np.ndarray) -> None:
-        try:
-            meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_ext_len=0)
-            if not isinstance(meta, dict):
-                raise ProtocolError("the root's layout on the board is not a map")
-            check_layout(meta)
-        except ProtocolError:
-            raise
-        except Exception as exc:
-            raise ProtocolError(f"the root's layout on the board is not valid: {exc}") from None
-        _learn(call, meta)
+        learned = self._layouts.get(raw)
+        if learned is None:
+            try:
+                meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_ext_len=0)
+                if not isinstance(meta, dict):
+                    raise ProtocolError("the root's layout on the board is not a map")
+                check_layout(meta)
+            except ProtocolError:
+                raise
+            except Exception as exc:
+                raise ProtocolError(f"the root's board layout is not valid: {exc}") from None
+            learned = _learned(meta)
+            if len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.clear()
+            self._layouts[raw] = learned
+        _learn(call, learned)
         at = 0
         for a in call.flat:
             n = a.nbytes
@@ -575,10 +585,15 @@ def _pack(meta: dict[str, Any]) -> bytes:
     return packed
 
 
-def _learn(call: Call, meta: dict[str, Any]) -> None:
+def _learned(meta: dict[str, Any]) -> Learned:
+    """What a receiver learns of a checked layout: tree, leaves' specs, strategy."""
+    return (meta.get("tree"), [(np.dtype(d), tuple(s)) for d, s in meta["leaves"]],
+            meta["strategy"])
+
+
+def _learn(call: Call, learned: Learned) -> None:
     assert call.learn is not None
-    specs = [(np.dtype(d), tuple(s)) for d, s in meta["leaves"]]
-    call.learn(meta.get("tree"), specs, meta["strategy"])
+    call.learn(*learned)
     call.flat = [a.reshape(-1) for a in call.leaves]
 
 

@@ -11,25 +11,30 @@ peer maps it and marks its line attached; rank 0 unlinks the name once all have)
 
     page 0        int64 words: page size, world size, slot bytes, meta bytes, group tag,
                   version
-    page 1...     one line per rank, LINE bytes (two cache lines) apart, int64 words:
+    page 1...     one line per rank, LINE bytes (four cache lines) apart, int64 words:
                     COUNT      board collectives this rank has published (c = 1, 2, ...)
                     SLEEPING   the count this rank sleeps waiting for (0: awake)
                     ATTACHED   the pid of this rank once it mapped the board
                     STAMP      when it last published (the host's monotonic clock, ns):
                                how late it was, for its partners' hybrid waiting
-                    then per parity b (0, 1), at PARITY + b * FIELDS:
+                    then per buffer b (0 .. DEPTH - 1), at PARITY + b * FIELDS:
                     SEQ        the session's sequence number of collective c
                     DIGEST     its signature digest (what the rank thinks it is)
                     NBYTES     payload bytes in the data area
                     CODES      collective code | op code << 8 | (root + 1) << 16
                     META       bytes of the layout in the meta area (broadcast's root)
                     FLAGS      VIA_MESSAGES: the data goes as messages this time
-    data          per rank, per parity: slot bytes of payload then meta bytes of layout
+    data          per rank, per buffer: slot bytes of payload then meta bytes of layout
 
-Collective c uses parity ``c % 2`` of every line (double buffers: no trailing barrier).
-Before a rank writes parity b for c it waits until every peer has published c - 1, so
-every peer has finished c - 2, the last reader of parity b; then it writes data and
-fields and publishes ``COUNT = c``. Readers check ``COUNT >= c`` first, then read. On
+Collective c uses buffer ``c % DEPTH`` of every line (its "parity"; DEPTH buffers: no
+trailing barrier). Before a rank writes buffer b for c it waits until every peer has
+published c - DEPTH + 1, so every peer has finished c - DEPTH, the last reader of buffer
+b; then it writes data and fields and publishes ``COUNT = c``. With DEPTH 4 a rank that
+only writes (a broadcast's root, a reduce's non-roots) runs up to three collectives ahead
+of its readers, as a sender over a socket runs ahead into the socket's buffer: with two
+buffers the root of a loop of broadcasts waited for its reader at every other call, and
+the two slept in turn (a wake-up each, and a hop between threads for a caller that drives
+the loop). Readers check ``COUNT >= c`` first, then read. On
 x86-64 stores are seen in program order (TSO), so a published count means its data is
 there; the board is only used there (:func:`supported`).
 
@@ -54,15 +59,17 @@ from .shmfile import barrier as _barrier
 
 log = logging.getLogger("p2pcoll.transport")
 
-VERSION = 1
+VERSION = 2  # 2: DEPTH buffers (1 had two)
 SLOT_BYTES = 64 << 10  # payload of one rank's slot: collectives up to this go on the board
 META_BYTES = 4 << 10  # a broadcast root's layout (dtypes, shapes, tree) beside its payload
-LINE = 128  # bytes per rank's control line: two cache lines, no false sharing
+DEPTH = 4  # buffers per rank: a writer runs up to DEPTH - 1 collectives ahead
+LINE = 256  # bytes per rank's control line: whole cache lines, no false sharing
 COUNT, SLEEPING, ATTACHED, STAMP, PARITY = 0, 1, 2, 3, 4
 SEQ, DIGEST, NBYTES, CODES, META, FLAGS = range(6)
 FIELDS = 6
 VIA_MESSAGES = 1
 WORDS = LINE // 8
+assert PARITY + DEPTH * FIELDS <= WORDS
 MAX_SLOT_BYTES, MAX_META_BYTES = 1 << 24, 1 << 20  # a board announced as larger is refused
 # A board group greets every peer (each must be able to wake each other: a wake-up pipe
 # per peer), so it stays small; beyond, small collectives go as messages over lanes.
@@ -81,7 +88,7 @@ def _area(slot_bytes: int, meta_bytes: int) -> int:
 
 def _size(world_size: int, slot_bytes: int, meta_bytes: int) -> int:
     lines = (world_size * LINE + PAGE - 1) // PAGE * PAGE
-    return PAGE + lines + 2 * world_size * _area(slot_bytes, meta_bytes)
+    return PAGE + lines + DEPTH * world_size * _area(slot_bytes, meta_bytes)
 
 
 class Board:
@@ -103,12 +110,12 @@ class Board:
                                    offset=PAGE).reshape(world_size, WORDS)
         area = _area(slot_bytes, meta_bytes)
         base = PAGE + lines
-        # data[r][b]: rank r's payload area of parity b (uint8), meta[r][b] its layout area.
-        whole = np.frombuffer(buf, np.uint8, count=2 * world_size * area, offset=base)
-        self.data = [[whole[(2 * r + b) * area:(2 * r + b) * area + slot_bytes]
-                      for b in (0, 1)] for r in range(world_size)]
-        self.meta = [[whole[(2 * r + b) * area + slot_bytes:(2 * r + b) * area + slot_bytes
-                            + meta_bytes] for b in (0, 1)] for r in range(world_size)]
+        # data[r][b]: rank r's payload area of buffer b (uint8), meta[r][b] its layout area.
+        whole = np.frombuffer(buf, np.uint8, count=DEPTH * world_size * area, offset=base)
+        at = [[(DEPTH * r + b) * area for b in range(DEPTH)] for r in range(world_size)]
+        self.data = [[whole[a:a + slot_bytes] for a in row] for row in at]
+        self.meta = [[whole[a + slot_bytes:a + slot_bytes + meta_bytes] for a in row]
+                     for row in at]
         self.count = 0  # board collectives this rank has started
         # Set by the mesh: wake(rank) writes into that peer's wake-up pipe; on_wake is
         # called when this peer's pipe is written (set by the engine's board path).
@@ -182,4 +189,4 @@ class Board:
         self._file.close()  # the owner unlinks the name if it is still there
 
 
-__all__ = ["SLOT_BYTES", "Board", "supported"]
+__all__ = ["DEPTH", "SLOT_BYTES", "Board", "supported"]
