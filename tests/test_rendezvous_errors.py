@@ -20,7 +20,7 @@ import zmq
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer, client
 from p2pcoll.rendezvous.client import rendezvous
-from p2pcoll.rendezvous.probe import greeting
+from p2pcoll.rendezvous.probe import greeting, probe, read_greeting
 from p2pcoll.security import JobKey, write_key_file
 from p2pcoll.testing import free_port
 from p2pcoll.transport.sockets import SocketFactory
@@ -138,6 +138,38 @@ async def test_something_else_on_the_port_is_named_within_seconds(
                            f"{quoted}"), line
     assert info.value.permanent
     assert took < OLD_WAIT / 2, took  # within seconds (5 on a quiet machine), not 30
+
+
+@pytest.mark.parametrize("then_close", [False, True], ids=["slow", "closed"])
+async def test_a_greeting_cut_short_by_a_long_round_trip_is_not_another_protocol(
+        then_close: bool) -> None:
+    """ZeroMQ sends its greeting's signature at once and the rest once the client's part
+    came: over a round trip longer than the probe's wait only the start arrives. That
+    start used to be judged "not a ZeroMQ greeting" (a permanent error: a rendezvous
+    across a satellite link was refused); it proves nothing either way."""
+    start, answered = greeting("NULL")[:11], asyncio.Event()
+    served: list[asyncio.Task[None]] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            writer.write(start)
+            await writer.drain()
+            if not then_close:
+                await answered.wait()  # the rest "still on its way"
+        finally:
+            writer.close()
+            await writer.wait_closed()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        answer = await probe("127.0.0.1", port, "NULL", 0.5)
+        answered.set()
+        await asyncio.gather(*served)
+    assert answer.kind == ("closed" if then_close else "silent"), answer
+    assert read_greeting(start) is None  # the start of a greeting: wait for the rest
+    assert read_greeting(b"HTTP/1.1 400").kind == "other"  # never the start of one
 
 
 # --- a peer without the job key --------------------------------------------------------------
