@@ -18,8 +18,8 @@ import pytest
 
 import p2pcoll
 from p2pcoll import training
-from p2pcoll.rendezvous.client import waiting
 from p2pcoll.testing import free_port
+from conftest import newcomer_arrives
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,12 +136,6 @@ class Job:
             max_world_size=self.high, rendezvous=self.url, timeout=self.timeout,
             poll_every=self.POLL)
 
-    async def newcomer_arrives(self) -> None:
-        """Until a peer waits at the rendezvous for the next group, then sets ``arrived``."""
-        while await waiting(self.url, timeout=self.timeout) < 1:
-            await asyncio.sleep(0.01)
-        self.arrived.set()
-
 
 async def test_survivors_reform_and_a_newcomer_catches_up() -> None:
     job = Job(rounds=40, low=2, high=3)
@@ -153,7 +147,7 @@ async def test_survivors_reform_and_a_newcomer_catches_up() -> None:
         await victim
     await job.smaller.wait()
     newcomer = job.start(newcomer=True)
-    await job.newcomer_arrives()
+    await newcomer_arrives(job.url, job.arrived)
     results = await asyncio.gather(*survivors, newcomer)
 
     for result in results:
