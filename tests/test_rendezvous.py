@@ -18,6 +18,7 @@ import zmq
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import waiting
+from p2pcoll.rendezvous.server import hosted_at
 from p2pcoll.settings import RANK_VARS, WORLD_SIZE_VARS, Settings
 from p2pcoll.testing import free_port
 from p2pcoll.wire import WIRE_VERSION
@@ -25,6 +26,13 @@ from p2pcoll.wire import WIRE_VERSION
 
 def url() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+async def registered(address: str, peers: int) -> None:
+    """Until the rendezvous this process hosts at ``address`` holds ``peers`` registrations."""
+    port = int(address.rpartition(":")[2])
+    while (server := hosted_at(port)) is None or server.stats()["peers"] < peers:
+        await asyncio.sleep(0.01)
 
 
 async def test_ranks_assigned_in_arrival_order_fill_the_gaps() -> None:
@@ -61,15 +69,16 @@ async def test_peers_may_start_before_the_rendezvous_host() -> None:
 
 async def test_timeout_names_arrivals_and_missing_ranks() -> None:
     address = url()
+    timeout = 2.0  # both must register before it passes, under load too
 
     async def peer(rank: int) -> BaseException:
         with pytest.raises(p2pcoll.RendezvousError) as info:
-            await p2pcoll.join(address, world_size=4, rank=rank, timeout=1.0)
+            await p2pcoll.join(address, world_size=4, rank=rank, timeout=timeout)
         return info.value
 
     start = time.monotonic()
     errors = await asyncio.gather(peer(0), peer(2))
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 10 * timeout  # it does not hang
     for err in errors:
         assert "2 of 4 peers arrived" in str(err)
         assert "missing ranks [1, 3]" in str(err)
@@ -163,15 +172,15 @@ async def test_world_size_disagreement() -> None:
     address = url()
 
     async def first() -> None:
-        g = await p2pcoll.join(address, world_size=2, rank=0, timeout=3)
+        g = await p2pcoll.join(address, world_size=2, rank=0, timeout=5)
         await g.close()
 
     async def second() -> None:
-        await asyncio.sleep(0.2)
+        await registered(address, 1)  # the first one, with its world size
         start = time.monotonic()
         with pytest.raises(p2pcoll.RendezvousError, match="world_size 3 disagrees"):
             await p2pcoll.join(address, world_size=3, rank=1, timeout=20)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 20 / 2  # at once, not at its timeout
 
     results = await asyncio.gather(first(), second(), return_exceptions=True)
     assert results[1] is None
@@ -185,14 +194,14 @@ async def test_rank_out_of_range() -> None:
 
     async def host() -> None:  # world_size known only from the other peer
         with pytest.raises(p2pcoll.RendezvousError):
-            await p2pcoll.join(address, world_size=2, rank=0, timeout=1.5)
+            await p2pcoll.join(address, world_size=2, rank=0, timeout=3)
 
     async def stray() -> None:
-        await asyncio.sleep(0.2)
+        await registered(address, 1)  # the host, with its world size
         start = time.monotonic()
         with pytest.raises(p2pcoll.RendezvousError, match="rank 5"):
             await p2pcoll.join(address, rank=5, timeout=20)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 20 / 2  # at once, not at its timeout
 
     await asyncio.gather(host(), stray())
 
