@@ -20,6 +20,7 @@ import pytest
 
 from p2pcoll import training
 from p2pcoll.testing import free_port
+from peer_processes import READY, start_together
 
 pytestmark = pytest.mark.processes
 
@@ -83,10 +84,9 @@ async def main() -> None:
           flush=True)
 
 
-print("ready", flush=True)  # imported: the test starts the peers' joins together
-sys.stdin.readline()
+%s  # imported: the test lets the peers join together
 asyncio.run(main())
-'''
+''' % READY
 
 
 def digest(tree: Any) -> str:
@@ -126,20 +126,9 @@ def test_a_killed_peer_and_a_newcomer_under_delay_1_apply_each_outer_step_once(
                                 env=env, text=True, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    def go(started: list[subprocess.Popen[str]]) -> None:
-        """Once each has imported, let them join: interpreters that start seconds apart
-        under load would form a group of two first (a second without arrivals)."""
-        for p in started:
-            assert p.stdout is not None and p.stdin is not None
-            assert p.stdout.readline() == "ready\n"
-        for p in started:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-
     procs = [start(die_at if i == 2 else -1) for i in range(3)]
     try:
-        go(procs)
+        start_together(procs)
         # The newcomer comes once a survivor trains in a group of two.
         assert procs[0].stdout is not None
         lines = []
@@ -151,7 +140,7 @@ def test_a_killed_peer_and_a_newcomer_under_delay_1_apply_each_outer_step_once(
                 break
         assert any(": 2 peers" in line for line in lines), lines
         procs.append(start(-1))
-        go(procs[3:])
+        start_together(procs[3:])
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:

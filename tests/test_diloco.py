@@ -24,6 +24,7 @@ from p2pcoll import training
 from p2pcoll.testing import free_port, memory_groups, run_ranks
 from conftest import newcomer_arrives
 from losses import cut_off_and_close
+from peer_processes import READY, start_together
 
 TIMEOUT = 10.0
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
@@ -655,8 +656,9 @@ async def main() -> None:
           flush=True)
 
 
+%s  # imported: the test lets the peers join together
 asyncio.run(main())
-'''
+''' % READY
 
 
 @pytest.mark.processes
@@ -674,9 +676,11 @@ def test_a_killed_peer_mid_outer_step_loses_no_outer_step_and_repeats_none(
                P2PCOLL_JOIN_TIMEOUT="30")
     procs = [subprocess.Popen([sys.executable, str(script), str(rounds),
                                str(die_at if i == 2 else -1)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
              for i in range(3)]
     try:
+        start_together(procs)
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:
