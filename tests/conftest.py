@@ -107,6 +107,14 @@ async def groups_of(n: int, **kwargs: Any) -> AsyncIterator[list[p2pcoll.Group]]
         assert all(g.state == "closed" for g in groups)
 
 
+async def until_waiting(group: p2pcoll.Group, seq: int) -> None:
+    """Until ``group``'s collective ``seq`` waits for a peer's message."""
+    from p2pcoll.types import OpKey
+
+    while not group.session.matcher.waiting_on(OpKey(seq)):
+        await asyncio.sleep(0.005)
+
+
 async def newcomer_arrives(url: str, arrived: asyncio.Event, timeout: float = 20.0) -> None:
     """Set ``arrived`` once a peer waits at the elastic job's rendezvous ``url`` for the next
     group (asked through the protocol itself). An elastic job's survivors wait on it before
