@@ -337,7 +337,7 @@ async def test_something_else_listening_is_a_clear_error() -> None:
         stop.set()
         thread.join()
         server.close()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30 / 2  # well before its join timeout
     assert info.value.permanent  # trying again cannot help
 
 
