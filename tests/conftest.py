@@ -122,7 +122,12 @@ async def newcomer_arrives(url: str, arrived: asyncio.Event, timeout: float = 20
     (which then waits alone for its join timeout)."""
     from p2pcoll.rendezvous.client import waiting
 
-    while await waiting(url, timeout=timeout) < 1:
+    while True:
+        try:
+            if await waiting(url, timeout=timeout) > 0:
+                break
+        except p2pcoll.RendezvousError:  # nobody hosts it now (the newcomer will, if need be)
+            pass
         await asyncio.sleep(0.01)
     arrived.set()
 
