@@ -22,6 +22,8 @@ from p2pcoll.rendezvous.server import hosted_at
 from p2pcoll.settings import RANK_VARS, WORLD_SIZE_VARS, Settings
 from p2pcoll.testing import free_port
 from p2pcoll.wire import WIRE_VERSION
+from conftest import stop
+from peer_processes import READY, go_on, start_together
 
 
 def url() -> str:
@@ -97,8 +99,9 @@ OTHER_RANK_1 = """
             await p2pcoll.join(sys.argv[1], world_size=3, rank=1, timeout=20)
         except p2pcoll.RendezvousError as exc:
             print(f"{time.monotonic() - start:.2f}", exc)
+    %s
     asyncio.run(main())
-"""
+""" % READY
 
 
 @pytest.mark.processes
@@ -120,15 +123,21 @@ async def test_duplicate_rank_fails_both_peers_at_once() -> None:
         with pytest.raises(p2pcoll.RendezvousError, match="requested by two peers.*cannot form"):
             await p2pcoll.join(address, world_size=3, rank=0, timeout=20)
 
-    async def other() -> str:
-        await asyncio.sleep(0.5)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
-        done = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-c", textwrap.dedent(OTHER_RANK_1), address],
-            env=env, capture_output=True, text=True, timeout=60, check=False)
-        return done.stdout
-
-    (t0, e0), out, _ = await asyncio.gather(peer(), other(), host())
+    # The other process first, up to its join (its interpreter's start can take longer
+    # than the others' join timeout on a loaded host); it asks once both are registered.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(OTHER_RANK_1), address],
+                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        await asyncio.to_thread(start_together, [other], False)
+        joins = asyncio.gather(peer(), host())
+        await registered(address, 2)
+        go_on([other])
+        out, _ = await asyncio.to_thread(other.communicate, timeout=60)
+        (t0, e0), _ = await joins
+    finally:
+        stop(other)
     assert e0 is not None
     assert "rank 1 was requested by two peers" in str(e0)
     assert "rank 1 was requested by two peers" in out, out
