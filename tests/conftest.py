@@ -107,6 +107,31 @@ async def groups_of(n: int, **kwargs: Any) -> AsyncIterator[list[p2pcoll.Group]]
         assert all(g.state == "closed" for g in groups)
 
 
+async def until_waiting(group: p2pcoll.Group, seq: int) -> None:
+    """Until ``group``'s collective ``seq`` waits for a peer's message."""
+    from p2pcoll.types import OpKey
+
+    while not group.session.matcher.waiting_on(OpKey(seq)):
+        await asyncio.sleep(0.005)
+
+
+async def newcomer_arrives(url: str, arrived: asyncio.Event, timeout: float = 20.0) -> None:
+    """Set ``arrived`` once a peer waits at the elastic job's rendezvous ``url`` for the next
+    group (asked through the protocol itself). An elastic job's survivors wait on it before
+    they go on: their rounds could otherwise finish the job before the newcomer is there
+    (which then waits alone for its join timeout)."""
+    from p2pcoll.rendezvous.client import waiting
+
+    while True:
+        try:
+            if await waiting(url, timeout=timeout) > 0:
+                break
+        except p2pcoll.RendezvousError:  # nobody hosts it now (the newcomer will, if need be)
+            pass
+        await asyncio.sleep(0.01)
+    arrived.set()
+
+
 def finish(procs: Sequence[subprocess.Popen[str]], timeout: float = 60) -> list[tuple[int, str]]:
     """Wait for every process (at most ``timeout`` seconds each) and return (exit code,
     output) per process; whatever is still running then is killed, also on failure."""

@@ -193,3 +193,27 @@ def port_held(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+READY = 'print("ready", flush=True); sys.stdin.readline()'  # a worker's line before it joins
+
+
+def start_together(procs: Sequence[subprocess.Popen[str]], go: bool = True) -> None:
+    """Once each of ``procs`` (text pipes on stdin and stdout) has printed ``ready``, its
+    imports done (:data:`READY`), tell them all to go on (with ``go=False``, the caller does:
+    :func:`go_on`). The peers of an elastic job whose interpreters start seconds apart under
+    load would form a smaller group first (one second without arrivals settles it)."""
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line == "ready\n", (line, p.args)
+    if go:
+        go_on(procs)
+
+
+def go_on(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Let workers that printed ``ready`` (:data:`READY`) go on."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()

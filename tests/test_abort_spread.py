@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import until_waiting
 from peer_processes import PeerProcesses
 
 import p2pcoll
@@ -142,7 +143,8 @@ async def test_an_abort_passed_on_names_its_origin_and_reaches_the_fingers() -> 
         group_id = groups[0].session.membership.group_id
         endpoints = groups[0].session.membership.endpoints
         running = {r: asyncio.create_task(groups[r].allreduce(np.ones(2))) for r in (0, 2, 3)}
-        await asyncio.sleep(0.05)  # all wait in collective #0 for rank 1
+        for r in running:  # all wait in collective #0 for rank 1
+            await until_waiting(groups[r], 0)
         copy = abort(1, 0, ["CollectiveMismatch", "shapes differ"], origin=0, told=[])
         copy.group = group_id
         groups[0].session.transport.receive(endpoints[1], [encode_header(copy)])

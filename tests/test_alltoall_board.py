@@ -183,7 +183,7 @@ async def test_a_peer_that_leaves_mid_exchange_is_peer_lost_naming_it() -> None:
     results = await run_ranks(3, fn, transport="ipc", return_exceptions=True)
     for rank in (0, 2):
         elapsed, err = results[rank]
-        assert err.rank == 1 and elapsed < 5, (rank, elapsed, err)
+        assert err.rank == 1 and elapsed < 30 / 2, (rank, elapsed, err)  # not the deadline
 
 
 async def test_a_window_name_that_is_not_ours_is_a_protocol_error_naming_the_rank() -> None:

@@ -20,6 +20,7 @@ import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import memory_groups, run_ranks
 from p2pcoll.training.compressors import CHUNK, TopK2Bit
+from conftest import newcomer_arrives
 from losses import assert_survivors_failed, cut_off_and_close
 from peer_processes import port_held
 
@@ -291,6 +292,7 @@ class ElasticJob:
     zeros counted in an average would show (they would pull it below H)."""
 
     H = 3
+    POLL = 0.2  # poll_every: rank 0 asks the rendezvous at most this often who waits
 
     def __init__(self, rounds: int, codec: str | None = None,
                  reformed: asyncio.Event | None = None) -> None:
@@ -304,7 +306,7 @@ class ElasticJob:
         self.starting = 0
         self.stuck = asyncio.Event()     # the victim is in an inner step, never to return
         self.smaller = asyncio.Event()   # the survivors took outer steps without it
-        self.joined = asyncio.Event()    # the newcomer trains
+        self.arrived = asyncio.Event()   # the newcomer waits at the rendezvous
         self.digests: dict[int, list[str]] = {}  # round -> state digests as applied
 
     def start(self, die_at: int | None = None, newcomer: bool = False) -> asyncio.Task[Any]:
@@ -333,11 +335,14 @@ class ElasticJob:
                 await held.wait()
             if group.world_size < 3 and r >= (die_at or 0) + 3:
                 self.smaller.set()
-            if newcomer:
-                self.joined.set()
-            # Two peers wait for the newcomer at a slower pace, so it gets in before the end.
-            await asyncio.sleep(0.05 if group.world_size < 3 and not self.joined.is_set()
-                                else 0.002)
+                # Fast rounds could finish the job before the newcomer reaches the
+                # rendezvous (it would then wait there alone): two peers wait for it, then
+                # take a round per poll, so that each round boundary brings rank 0 a census
+                # asked after it arrived.
+                await self.arrived.wait()
+                await asyncio.sleep(self.POLL / self.H)
+            else:
+                await asyncio.sleep(0.002)
             for p in params.values():
                 p -= 1.0
 
@@ -350,7 +355,7 @@ class ElasticJob:
 
         result = await training.train_elastic(
             rounds.step, apply, rounds.state, rounds=self.rounds, min_world_size=2,
-            max_world_size=3, rendezvous=self.url, timeout=20.0, poll_every=0.2,
+            max_world_size=3, rendezvous=self.url, timeout=20.0, poll_every=self.POLL,
             codec=self.codec, delay=rounds.delay, settings=rounds.settings)
         rounds.finish()
         return result, rounds
@@ -380,6 +385,7 @@ async def test_elastic_delay_1_applies_each_outer_step_once_through_a_loss_and_a
         await victim
     await job.smaller.wait()
     newcomer = job.start(newcomer=True)  # joins mid-round: a reduction is in flight
+    await newcomer_arrives(job.url, job.arrived)
     results = await asyncio.gather(*survivors, newcomer)
 
     want = digest(replayed(job.rounds, job.H))

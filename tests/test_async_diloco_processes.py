@@ -20,6 +20,7 @@ import pytest
 
 from p2pcoll import training
 from p2pcoll.testing import free_port
+from peer_processes import READY, start_together
 
 pytestmark = pytest.mark.processes
 
@@ -30,17 +31,30 @@ WORKER = '''
 import asyncio, hashlib, json, os, signal, sys
 import numpy as np
 from p2pcoll import training
+from p2pcoll.rendezvous.client import waiting
 
 H, ROUNDS, DIE_AT = 3, int(sys.argv[1]), int(sys.argv[2])
+POLL = 0.2  # poll_every: rank 0 asks the rendezvous at most this often who waits
 
 
 async def main() -> None:
     params = {"w": np.zeros((2, 3)), "b": np.zeros(3)}
     log = []
+    arrived = False  # the newcomer waits at the rendezvous
 
     async def inner(group, r, i):
-        # Two peers go slower, so the newcomer gets in well before the end.
-        await asyncio.sleep(0.05 if group.world_size == 2 else 0.01)
+        nonlocal arrived
+        if group.world_size == 2:
+            # Fast rounds could finish the job before the newcomer's interpreter reaches
+            # the rendezvous (it would then wait there alone): two peers wait for it, then
+            # take a round per poll, so each round boundary brings rank 0 a census asked
+            # after it arrived.
+            while not arrived:
+                arrived = await waiting(os.environ["P2PCOLL_RENDEZVOUS"], timeout=30) > 0
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(POLL / H)
+        else:
+            await asyncio.sleep(0.01)
         for p in params.values():
             p -= 1.0
 
@@ -62,7 +76,7 @@ async def main() -> None:
         log.append([r, h.hexdigest()])
 
     result = await training.train_elastic(step, apply, rounds.state, rounds=ROUNDS,
-                                          timeout=30.0, poll_every=0.2, delay=1,
+                                          timeout=30.0, poll_every=POLL, delay=1,
                                           settings=rounds.settings)
     print("RESULT " + json.dumps({"log": log, "applied": result.applied,
                                   "joined_at": result.joined_at,
@@ -70,8 +84,9 @@ async def main() -> None:
           flush=True)
 
 
+%s  # imported: the test lets the peers join together
 asyncio.run(main())
-'''
+''' % READY
 
 
 def digest(tree: Any) -> str:
@@ -108,11 +123,12 @@ def test_a_killed_peer_and_a_newcomer_under_delay_1_apply_each_outer_step_once(
 
     def start(die: int) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, str(script), str(rounds), str(die)],
-                                env=env, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+                                env=env, text=True, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     procs = [start(die_at if i == 2 else -1) for i in range(3)]
     try:
+        start_together(procs)
         # The newcomer comes once a survivor trains in a group of two.
         assert procs[0].stdout is not None
         lines = []
@@ -124,6 +140,7 @@ def test_a_killed_peer_and_a_newcomer_under_delay_1_apply_each_outer_step_once(
                 break
         assert any(": 2 peers" in line for line in lines), lines
         procs.append(start(-1))
+        start_together(procs[3:])
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:

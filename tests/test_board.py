@@ -148,7 +148,7 @@ async def test_a_size_that_goes_as_messages_on_one_rank_is_a_mismatch_not_a_hang
 
     for elapsed, err in await run_ranks(2, fn, transport="ipc"):
         assert isinstance(err, p2pcoll.CollectiveMismatch), repr(err)
-        assert elapsed < 5, "a mismatch must be found long before the deadline"
+        assert elapsed < 20 / 2, "a mismatch must be found long before the deadline"
 
 
 async def test_a_board_timeout_names_the_rank_that_never_came() -> None:
@@ -179,7 +179,7 @@ async def test_a_peer_that_leaves_while_others_wait_on_the_board_is_named() -> N
     results = await run_ranks(3, fn, transport="ipc", return_exceptions=True)
     for rank in (0, 2):
         elapsed, err = results[rank]
-        assert err.rank == 1 and elapsed < 5, (rank, elapsed, err)
+        assert err.rank == 1 and elapsed < 30 / 2, (rank, elapsed, err)  # not the deadline
 
 
 async def test_concurrent_board_collectives_keep_their_order() -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import until_waiting
 from peer_processes import PeerProcesses
 
 import p2pcoll
@@ -172,7 +173,8 @@ async def test_the_cause_a_goodbye_carries_is_the_error_and_is_passed_on(
     try:
         endpoints = groups[0].session.membership.endpoints
         running = [asyncio.create_task(groups[r].allreduce(np.ones(2))) for r in (2, 3)]
-        await asyncio.sleep(0.05)  # both wait in collective #0 for ranks 0 and 1
+        for r in (2, 3):  # both wait in collective #0 for ranks 0 and 1
+            await until_waiting(groups[r], 0)
         bye = goodbye(1, [2], cause=cause)
         bye.group = groups[2].session.membership.group_id
         groups[2].session.transport.receive(endpoints[1], [encode_header(bye)])

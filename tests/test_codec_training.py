@@ -323,21 +323,27 @@ async def test_plain_collectives_started_meanwhile_keep_their_place() -> None:
 
 
 class LateScales(Delayed):
-    """Rank 1's scales come back 60 ms late, rank 0's at once."""
+    """Rank 1's scales come back late (once ``go`` is set), rank 0's at once."""
+
+    def __init__(self, group: p2pcoll.Group) -> None:
+        super().__init__(group)
+        self.back = asyncio.Event()  # rank 1's scales are here, held back
+        self.go = asyncio.Event()
 
     async def allreduce(self, value: Any, op: Any = "sum", **kw: Any) -> Any:
         got = await self.group.allreduce(value, op, **kw)
         if isinstance(op, CustomOp) and op.name.endswith("statistics-max") and self.rank:
-            await asyncio.sleep(0.06)
+            self.back.set()
+            await self.go.wait()
         return got
 
 
 @pytest.mark.parametrize("strategy", [None, "ring"])
 async def test_a_collective_started_while_the_scales_are_out_waits_its_turn(
         strategy: str | None) -> None:
-    """An allreduce started 20 ms after an int8 reduction: rank 0 has started the int8 data
-    collective by then, rank 1 (its scales late) has not. Without the session's turns the
-    allreduce would take rank 1's next sequence number before the data does, and the two
+    """An allreduce started during an int8 reduction: rank 0 (20 ms after it) has started
+    the int8 data collective by then, rank 1 (its scales held back until the allreduce has
+    had 60 ms to run ahead) has not. Without the session's turns the allreduce would take rank 1's next sequence number before the data does, and the two
     ranks would pair different collectives; with them it waits, and both results are
     right (the default path puts both on the board, "ring" sends messages)."""
 
@@ -346,9 +352,16 @@ async def test_a_collective_started_while_the_scales_are_out_waits_its_turn(
         x = np.full(4096, g.rank + 1.0, np.float32)
 
         async def later() -> Any:
-            await asyncio.sleep(0.02)
-            assert g.turns.busy or g.rank == 0  # rank 1's int8 call still holds its turn
-            return await g.allreduce(np.array([g.rank + 1.0] * 3), strategy=strategy)
+            ones = np.array([g.rank + 1.0] * 3)
+            if g.rank == 0:
+                await asyncio.sleep(0.02)
+                return await g.allreduce(ones, strategy=strategy)
+            await slow.back.wait()
+            assert g.turns.busy  # rank 1's int8 call still holds its turn
+            task = asyncio.ensure_future(g.allreduce(ones, strategy=strategy))
+            await asyncio.sleep(0.06)  # the time it has to run ahead of the data
+            slow.go.set()
+            return await task
 
         return list(await asyncio.gather(
             reduce_coded(slow, "int8", [x], "sum", strategy=strategy), later()))

@@ -22,7 +22,9 @@ import pytest
 import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import free_port, memory_groups, run_ranks
+from conftest import newcomer_arrives
 from losses import cut_off_and_close
+from peer_processes import READY, start_together
 
 TIMEOUT = 10.0
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
@@ -516,12 +518,14 @@ class ElasticJob:
     whatever the world size: the final state tells how many outer steps were applied."""
 
     H = 3
+    POLL = 0.2  # poll_every: rank 0 asks the rendezvous at most this often who waits
 
     def __init__(self, rounds: int, codec: str | None = None) -> None:
         self.url = f"tcp://127.0.0.1:{free_port()}"
         self.rounds, self.codec = rounds, codec
         self.stuck = asyncio.Event()     # the victim is in an inner step, never to return
         self.smaller = asyncio.Event()   # the survivors took outer steps without it
+        self.arrived = asyncio.Event()   # the newcomer waits at the rendezvous
 
     def start(self, die_at: int | None = None, newcomer: bool = False
               ) -> asyncio.Task[tuple[training.ElasticResult, training.DiLoCoRounds]]:
@@ -537,10 +541,14 @@ class ElasticJob:
                 await asyncio.sleep(3600)  # until cancelled, while the others wait for it
             if group.world_size < 3 and r >= (die_at or 0) + 3:
                 self.smaller.set()
-            # Two survivors wait a little in each inner step: under load, fast rounds could
-            # finish the job before the newcomer reaches the rendezvous, leaving it alone.
-            short = group.world_size < 3 and self.smaller.is_set()
-            await asyncio.sleep(0.1 if short else 0.002)
+                # Fast rounds could finish the job before the newcomer reaches the
+                # rendezvous (it would then wait there alone): two survivors wait for it,
+                # then take a round per poll, so that each round boundary brings rank 0 a
+                # census asked after it arrived.
+                await self.arrived.wait()
+                await asyncio.sleep(self.POLL / self.H)
+            else:
+                await asyncio.sleep(0.002)
             for p in params.values():
                 p -= 1.0
 
@@ -548,7 +556,7 @@ class ElasticJob:
                                        outer_momentum=0.5)
         result = await training.train_elastic(
             rounds.step, rounds.apply, rounds.state, rounds=self.rounds, min_world_size=2,
-            max_world_size=3, rendezvous=self.url, timeout=20.0, poll_every=0.2,
+            max_world_size=3, rendezvous=self.url, timeout=20.0, poll_every=self.POLL,
             codec=self.codec)
         rounds.finish()
         assert digest(params) == digest(rounds.state["params"])
@@ -569,6 +577,7 @@ async def test_elastic_diloco_survives_a_lost_peer_and_applies_each_outer_step_o
         await victim
     await job.smaller.wait()
     newcomer = job.start(newcomer=True)
+    await newcomer_arrives(job.url, job.arrived)
     results = await asyncio.gather(*survivors, newcomer)
 
     # Every outer step exactly once: the state is H-sized steps replayed rounds times.
@@ -647,8 +656,9 @@ async def main() -> None:
           flush=True)
 
 
+%s  # imported: the test lets the peers join together
 asyncio.run(main())
-'''
+''' % READY
 
 
 @pytest.mark.processes
@@ -666,9 +676,11 @@ def test_a_killed_peer_mid_outer_step_loses_no_outer_step_and_repeats_none(
                P2PCOLL_JOIN_TIMEOUT="30")
     procs = [subprocess.Popen([sys.executable, str(script), str(rounds),
                                str(die_at if i == 2 else -1)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
              for i in range(3)]
     try:
+        start_together(procs)
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:

@@ -19,6 +19,7 @@ import pytest
 import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import free_port
+from conftest import newcomer_arrives
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,11 +94,14 @@ class Job:
     """Peers of one elastic job as tasks. The state counts, per round, how often it was
     applied (every rank adds 1 to its own slot of a gradient, avg over the world size)."""
 
+    POLL = 0.2  # poll_every: rank 0 asks the rendezvous at most this often who waits
+
     def __init__(self, rounds: int, low: int, high: int, timeout: float = 20.0) -> None:
         self.url = f"tcp://127.0.0.1:{free_port()}"
         self.rounds, self.low, self.high, self.timeout = rounds, low, high, timeout
         self.stuck = asyncio.Event()  # the victim is in its step, never to return
         self.smaller: asyncio.Event = asyncio.Event()  # the survivors applied rounds without it
+        self.arrived = asyncio.Event()  # the newcomer waits at the rendezvous
 
     def start(self, die_at: int | None = None, newcomer: bool = False
               ) -> asyncio.Task[training.ElasticResult]:
@@ -112,6 +116,12 @@ class Job:
                 await asyncio.sleep(3600)  # until cancelled, while the others wait
             if group.world_size < self.high and r >= (die_at or 0) + 5:
                 self.smaller.set()
+                # Fast rounds could finish the job before the newcomer reaches the
+                # rendezvous (it would then wait there alone): the survivors wait for it,
+                # then take a round per poll, so that each round boundary brings rank 0 a
+                # census asked after it arrived.
+                await self.arrived.wait()
+                await asyncio.sleep(self.POLL)
             await asyncio.sleep(0.005)
             one = np.zeros(self.rounds)
             one[r] = 1.0
@@ -124,7 +134,7 @@ class Job:
         return await training.train_elastic(
             step, apply, state, rounds=self.rounds, min_world_size=self.low,
             max_world_size=self.high, rendezvous=self.url, timeout=self.timeout,
-            poll_every=0.2)
+            poll_every=self.POLL)
 
 
 async def test_survivors_reform_and_a_newcomer_catches_up() -> None:
@@ -137,6 +147,7 @@ async def test_survivors_reform_and_a_newcomer_catches_up() -> None:
         await victim
     await job.smaller.wait()
     newcomer = job.start(newcomer=True)
+    await newcomer_arrives(job.url, job.arrived)
     results = await asyncio.gather(*survivors, newcomer)
 
     for result in results:

@@ -15,6 +15,7 @@ from p2pcoll.testing import memory_groups
 from p2pcoll.transport.memory import MemoryNetwork
 from p2pcoll.types import OpKey
 from p2pcoll.wire.header import readable_data
+from conftest import until_waiting
 
 
 def first_line(err: BaseException) -> str:
@@ -24,12 +25,6 @@ def first_line(err: BaseException) -> str:
 def shown(err: BaseException) -> str:
     """The traceback as the user sees it."""
     return "".join(traceback.format_exception(err))
-
-
-async def until_waiting(group: p2pcoll.Group, seq: int) -> None:
-    """Until ``group``'s collective ``seq`` waits for a peer's message."""
-    while not group.session.matcher.waiting_on(OpKey(seq)):
-        await asyncio.sleep(0.005)
 
 
 async def test_a_dtype_mismatch_names_numpy_types_not_type_codes() -> None:

@@ -18,6 +18,8 @@ import pytest
 import p2pcoll
 from p2pcoll.registry import registry
 from p2pcoll.transport.endpoints import free_port
+from p2pcoll.rendezvous.server import hosted_at
+from peer_processes import READY, go_on, start_together
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 120  # seconds for one launch; far more than any needs on a loaded host
@@ -293,17 +295,23 @@ async def main():
     size, rank = int(sys.argv[2]), int(sys.argv[3])
     await p2pcoll.join(sys.argv[1], world_size=size, rank=rank, timeout=60,
                        key_file=sys.argv[4] or None)
+%s
 try:
     asyncio.run(main())
 except p2pcoll.RendezvousError as exc:
     print(exc)
-"""
+""" % READY
 
 
-def start_peer(url: str, size: int, rank: int, key: str = "") -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", PEER, url, str(size), str(rank), key],
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def start_peer(url: str, size: int, rank: int, key: str = "", go: bool = True
+               ) -> subprocess.Popen[str]:
+    """The peer, once its interpreter has started (it can take seconds under load) and,
+    unless ``go`` is False (then :func:`go_on` lets it), has gone on to join."""
+    peer = subprocess.Popen([sys.executable, "-c", PEER, url, str(size), str(rank), key],
+                            env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    start_together([peer], go=go)
+    return peer
 
 
 def finish(peer: subprocess.Popen[str]) -> str:
@@ -364,10 +372,18 @@ async def test_a_stranger_does_not_fail_the_host_but_is_named_and_logged(
     write_key_file(str(job_key))
     write_key_file(str(other_key))
     rendezvous = url()
-    host = asyncio.create_task(p2pcoll.join(rendezvous, world_size=2, rank=0, timeout=6,
+    # The stranger's interpreter starts before the host's join timeout does (under load it
+    # can take that long); it joins once the host is registered. Its join still imports most
+    # of p2pcoll first: the host waits 15 s for it (6 s were too few at a load of 17).
+    peer = start_peer(rendezvous, 2, 1, str(other_key) if stranger_key == "other" else "",
+                      go=False)
+    host = asyncio.create_task(p2pcoll.join(rendezvous, world_size=2, rank=0, timeout=15,
                                             key_file=job_key))
-    await asyncio.sleep(0.5)
-    peer = start_peer(rendezvous, 2, 1, str(other_key) if stranger_key == "other" else "")
+    port = int(rendezvous.rpartition(":")[2])
+    while (server := hosted_at(port)) is None or server.stats()["peers"] < 1:
+        assert not host.done(), host
+        await asyncio.sleep(0.01)
+    go_on([peer])
     with (caplog.at_level("WARNING", logger="p2pcoll.rendezvous"),
           pytest.raises(p2pcoll.RendezvousError) as info):
         await host

@@ -18,13 +18,23 @@ import zmq
 import p2pcoll
 from p2pcoll.rendezvous import RendezvousServer
 from p2pcoll.rendezvous.client import waiting
+from p2pcoll.rendezvous.server import hosted_at
 from p2pcoll.settings import RANK_VARS, WORLD_SIZE_VARS, Settings
 from p2pcoll.testing import free_port
 from p2pcoll.wire import WIRE_VERSION
+from conftest import stop
+from peer_processes import READY, go_on, start_together
 
 
 def url() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+async def registered(address: str, peers: int) -> None:
+    """Until the rendezvous this process hosts at ``address`` holds ``peers`` registrations."""
+    port = int(address.rpartition(":")[2])
+    while (server := hosted_at(port)) is None or server.stats()["peers"] < peers:
+        await asyncio.sleep(0.01)
 
 
 async def test_ranks_assigned_in_arrival_order_fill_the_gaps() -> None:
@@ -61,15 +71,16 @@ async def test_peers_may_start_before_the_rendezvous_host() -> None:
 
 async def test_timeout_names_arrivals_and_missing_ranks() -> None:
     address = url()
+    timeout = 2.0  # both must register before it passes, under load too
 
     async def peer(rank: int) -> BaseException:
         with pytest.raises(p2pcoll.RendezvousError) as info:
-            await p2pcoll.join(address, world_size=4, rank=rank, timeout=1.0)
+            await p2pcoll.join(address, world_size=4, rank=rank, timeout=timeout)
         return info.value
 
     start = time.monotonic()
     errors = await asyncio.gather(peer(0), peer(2))
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 10 * timeout  # it does not hang
     for err in errors:
         assert "2 of 4 peers arrived" in str(err)
         assert "missing ranks [1, 3]" in str(err)
@@ -88,8 +99,9 @@ OTHER_RANK_1 = """
             await p2pcoll.join(sys.argv[1], world_size=3, rank=1, timeout=20)
         except p2pcoll.RendezvousError as exc:
             print(f"{time.monotonic() - start:.2f}", exc)
+    %s
     asyncio.run(main())
-"""
+""" % READY
 
 
 @pytest.mark.processes
@@ -111,15 +123,21 @@ async def test_duplicate_rank_fails_both_peers_at_once() -> None:
         with pytest.raises(p2pcoll.RendezvousError, match="requested by two peers.*cannot form"):
             await p2pcoll.join(address, world_size=3, rank=0, timeout=20)
 
-    async def other() -> str:
-        await asyncio.sleep(0.5)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
-        done = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-c", textwrap.dedent(OTHER_RANK_1), address],
-            env=env, capture_output=True, text=True, timeout=60, check=False)
-        return done.stdout
-
-    (t0, e0), out, _ = await asyncio.gather(peer(), other(), host())
+    # The other process first, up to its join (its interpreter's start can take longer
+    # than the others' join timeout on a loaded host); it asks once both are registered.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PCOLL_")}
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(OTHER_RANK_1), address],
+                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        await asyncio.to_thread(start_together, [other], False)
+        joins = asyncio.gather(peer(), host())
+        await registered(address, 2)
+        go_on([other])
+        out, _ = await asyncio.to_thread(other.communicate, timeout=60)
+        (t0, e0), _ = await joins
+    finally:
+        stop(other)
     assert e0 is not None
     assert "rank 1 was requested by two peers" in str(e0)
     assert "rank 1 was requested by two peers" in out, out
@@ -163,15 +181,15 @@ async def test_world_size_disagreement() -> None:
     address = url()
 
     async def first() -> None:
-        g = await p2pcoll.join(address, world_size=2, rank=0, timeout=3)
+        g = await p2pcoll.join(address, world_size=2, rank=0, timeout=5)
         await g.close()
 
     async def second() -> None:
-        await asyncio.sleep(0.2)
+        await registered(address, 1)  # the first one, with its world size
         start = time.monotonic()
         with pytest.raises(p2pcoll.RendezvousError, match="world_size 3 disagrees"):
             await p2pcoll.join(address, world_size=3, rank=1, timeout=20)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 20 / 2  # at once, not at its timeout
 
     results = await asyncio.gather(first(), second(), return_exceptions=True)
     assert results[1] is None
@@ -185,14 +203,14 @@ async def test_rank_out_of_range() -> None:
 
     async def host() -> None:  # world_size known only from the other peer
         with pytest.raises(p2pcoll.RendezvousError):
-            await p2pcoll.join(address, world_size=2, rank=0, timeout=1.5)
+            await p2pcoll.join(address, world_size=2, rank=0, timeout=3)
 
     async def stray() -> None:
-        await asyncio.sleep(0.2)
+        await registered(address, 1)  # the host, with its world size
         start = time.monotonic()
         with pytest.raises(p2pcoll.RendezvousError, match="rank 5"):
             await p2pcoll.join(address, rank=5, timeout=20)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 20 / 2  # at once, not at its timeout
 
     await asyncio.gather(host(), stray())
 

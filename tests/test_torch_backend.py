@@ -17,14 +17,18 @@ from conftest import finish, stop
 
 from p2pcoll.testing import free_port
 
-pytestmark = pytest.mark.processes
+# The longest one world may take before it counts as a hang: four ranks of the "compare"
+# world took 92 s at a load average of 17 on two cores (and got killed at the old 90 s).
+WORLD_TIMEOUT = 240
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(WORLD_TIMEOUT + 60)]
 
 pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("torch_worker.py")
 
 
-def world(mode: str, size: int, timeout: float = 90) -> list[tuple[int, str]]:
+def world(mode: str, size: int, timeout: float = WORLD_TIMEOUT) -> list[tuple[int, str]]:
     """Run ``size`` ranks of the worker in ``mode``; (exit code, output) per rank."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(size), "PYTHONWARNINGS": "ignore"}

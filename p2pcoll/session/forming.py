@@ -350,6 +350,8 @@ async def handshake(session: Session, left: float) -> None:
         await asyncio.wait_for(session.all_hello.wait(), left)
     except TimeoutError:
         missing = sorted(session.transport.hello_peers - session.hellos)
+        if not missing:  # the last hello came while the wait was being cancelled
+            return
         for rank in missing:  # the others hear of it from this peer (p2pcoll.departures)
             session.peers.reported_lost(rank, by=m.rank)
         raise RendezvousError(
