@@ -68,6 +68,13 @@ def read_greeting(data: bytes) -> Answer | None:
     return Answer("zmtp", mechanism=data[12:32].rstrip(b"\x00").decode("ascii", "replace"))
 
 
+def _so_far(data: bytes, otherwise: Answer) -> Answer:
+    """What the bytes heard before the connection ended or the wait passed say: nothing, or
+    the start of a greeting whose rest has not come (a round trip longer than the wait:
+    ZeroMQ sends the rest after the client's part), proves nothing (``otherwise``)."""
+    return (read_greeting(data) or otherwise) if data else otherwise
+
+
 async def probe(host: str, port: int, mechanism: str, wait: float) -> Answer:
     """Ask what answers at ``host:port`` (see the module docstring); at most ``wait``
     seconds. Never raises for what the network does.
@@ -87,7 +94,7 @@ async def probe(host: str, port: int, mechanism: str, wait: float) -> Answer:
             while answer is None:
                 chunk = await reader.read(GREETING_BYTES)
                 if not chunk:
-                    answer = read_greeting(data) or Answer("closed")
+                    answer = _so_far(data, Answer("closed"))
                     break
                 data += chunk
                 answer = read_greeting(data)
@@ -99,11 +106,9 @@ async def probe(host: str, port: int, mechanism: str, wait: float) -> Answer:
             await writer.drain()
         return answer
     except TimeoutError:
-        # The start of a greeting whose rest has not come (a round trip longer than the
-        # wait: ZeroMQ sends the rest after the client's part) proves nothing either way.
-        return read_greeting(data) or Answer("silent")
+        return _so_far(data, Answer("silent"))
     except OSError:
-        return read_greeting(data) or Answer("closed")
+        return _so_far(data, Answer("closed"))
     finally:
         writer.close()
         with contextlib.suppress(Exception):
