@@ -124,7 +124,8 @@ import numpy as np
 from ..strategy import COLLECTIVES
 
 WIRE_VERSION = 12  # 12 (0.17): the shared-memory board keeps four buffers per rank (board
-# version 2), so peers of one host must agree on its layout; 11 (0.14): a striped link's turn frames and stripe identities ("#i");
+# version 2), so peers of one host must agree on its layout; 11 (0.14): a striped link's
+# turn frames and stripe identities ("#i");
 # board publishes carry a time stamp; a join may ask to be checked for reachability; 10
 # (0.13): the alltoall collective's code; news, aborts and a goodbye's cause say how a lost
 # peer went (meta "how": killed, unresponsive); 9 (0.11): links closed
