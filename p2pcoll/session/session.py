@@ -377,16 +377,16 @@ class Record:
     def said_goodbye(self, rank: int) -> bool:
         return self._session.departures.said_goodbye(rank)
 
-    async def first_lost(self, ranks: Collection[int]) -> PeerLost:
-        """The loss of the first of ``ranks`` (the lowest, if several) that this session
-        knows to be lost, as soon as it knows: a peer that closed its group normally is not
-        lost. Waits until one is; cancel it to stop waiting."""
+    async def first_lost(self, ranks: Collection[int]) -> tuple[int, PeerLost]:
+        """The first of ``ranks`` (the lowest, if several) that this session knows to be
+        lost, and its loss, as soon as it knows: a peer that closed its group normally is
+        not lost. Waits until one is; cancel it to stop waiting."""
         while True:
             gone = self.gone()
             for rank in sorted(ranks):
                 departure = gone.get(rank)
                 if departure is not None and not departure.graceful:
-                    return departure.error
+                    return rank, departure.error
             woken = asyncio.get_running_loop().create_future()
             self._watching.add(woken)
             try:

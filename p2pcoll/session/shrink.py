@@ -262,9 +262,9 @@ async def _form(old: Session, new: Session, kept: list[int], left: float) -> Non
         formed.result()  # formed, or its own error
         return
     if in_old.done() and not in_old.cancelled():
-        raise in_old.result()
-    lost = in_new.result()  # named by its new rank, which means nothing to the caller
-    rank = kept[lost.rank if lost.rank is not None else 0]
+        raise in_old.result()[1]
+    new_rank, lost = in_new.result()  # a new rank means nothing to the caller
+    rank = kept[new_rank]
     raise PeerLost(f"rank {rank} was lost while the shrunk group formed: the new group's "
                    f"link to it went down ({lost.how or GONE_HOW})", rank, how=lost.how)
 
