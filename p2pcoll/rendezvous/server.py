@@ -79,8 +79,10 @@ _REFUSED: dict[tuple[int, int | None], str] = {
         "while the rendezvous has none)",
     (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC):
         "a key that is not the job's (their hello could not be opened)",
-    (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, None): "a handshake it could not open (a "
-        "different job key)",
+    # The peer closed before the handshake ended: a client with another key that gave up,
+    # or a joining peer's probe of what listens here (it closes after the greetings).
+    (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, None): "a handshake the other side cut off (a "
+        "different job key, or a client checking what listens here)",
 }
 _MONITORED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
