@@ -86,8 +86,12 @@ class Departures(Protocol):
 class Matcher:
     """Per-session store of early messages and of receives still waiting."""
 
-    def __init__(self, departures: Departures) -> None:
+    def __init__(self, departures: Departures, poll: Callable[[], None] = lambda: None
+                 ) -> None:
         self.departures = departures
+        # Takes in what has come and waits to be read (the transport's ``poll``): a receive
+        # calls it before it parks, so a message already there costs no event-loop turn.
+        self._poll = poll
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
         self._first_header: dict[OpKey, Header] = {}  # op -> its first segment-0 header
@@ -202,6 +206,12 @@ class Matcher:
         Cancellation: consumes nothing; a message that arrives later is buffered.
         """
         op, _, src, _ = key
+        if op in self._failed:
+            raise self._failed[op]
+        msg = self._buffered.pop(key, None)
+        if msg is not None:
+            return msg
+        self._poll()  # what has come meanwhile, now (it may be an abort or a departure)
         if op in self._failed:
             raise self._failed[op]
         msg = self._buffered.pop(key, None)

@@ -73,7 +73,7 @@ class Session:
         self._checks: dict[int, asyncio.Task[None]] = {}  # suspects' addresses (link_down)
         self.contacts = Contacts()  # what the transport's link events say (see on_link)
         self.peers = Record(self)
-        self.matcher = Matcher(self.peers)
+        self.matcher = Matcher(self.peers, transport.poll)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
                                      transport, self)
         timeline = None

@@ -160,6 +160,11 @@ class Transport(Protocol):
         """
         ...
 
+    def poll(self) -> None:
+        """Hand on, now, the messages that have come and wait to be read, without waiting
+        for more (a receive does so before it parks). Never raises."""
+        ...
+
     def path(self, peer: int) -> tuple[float | None, float | None]:
         """``(round-trip seconds, bytes/s)`` measured of the path to ``peer`` (None: not
         measured; both None for a peer of this host): what the pipeline's window follows

@@ -342,6 +342,9 @@ class MemoryTransport:
                     self.sent(dst, header, sum(header.nbytes))
         await asyncio.sleep(0)  # a send is a turn of the loop, as over a socket
 
+    def poll(self) -> None:
+        """Nothing waits to be read here: each message is handed on as it arrives."""
+
     def path(self, peer: int) -> tuple[float | None, float | None]:
         return None, None  # no path is long in memory: the pipeline keeps its floor
 

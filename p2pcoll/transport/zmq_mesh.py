@@ -141,6 +141,7 @@ class ZmqMesh:
         self._router = Router(self.sockets, policy, self.counters, self.drops,
                               take_in=local.take_in, answered=self._answers.accept,
                               heard=self._heard_from)
+        self.poll = self._router.poll  # see Transport.poll
         self.endpoints: list[str] = self._router.endpoints
         # Every message, once its link's member is known, goes through this (see .inbound):
         # lane markers come back to the ordering, hellos are looked at on the way.
@@ -391,8 +392,7 @@ class ZmqMesh:
             c = self.counters
             if dst not in self.routes.routes:
                 await self.routes.room()  # the budget full of draining links: one drains
-            # No await between taking the route and queueing on it: the budget may close
-            # a route that is not in use (see .route).
+            # No await between taking the route and queueing on it (see .route's budget).
             route = self._link(dst)
             if self._lane_put(route, [head, *inline]):
                 c.messages_sent_lane += header.kind == "data"
