@@ -85,7 +85,7 @@ def window(g: Any) -> str:
     """The round trips this rank measured to its peers and the pipeline depth they give."""
     from p2pcoll.engine.window import pipeline_depth
 
-    paths = [g.session.transport.path(peer) for peer in range(g.world_size) if peer != g.rank]
+    paths = [g.session.transport.paths[peer] for peer in range(g.world_size) if peer != g.rank]
     rtts = ", ".join("-" if rtt is None else f"{rtt * 1e3:.0f}" for rtt, _ in paths)
     depth = g.settings.pipeline_depth or pipeline_depth(paths, g.settings.segment_bytes)
     return f"rtt {rtts} ms, depth {depth}"

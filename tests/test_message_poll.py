@@ -1,6 +1,6 @@
-"""A receive takes in what has come before it parks (``Transport.poll``, issue 37).
+"""A receive takes in what has come before it parks (what ``Transport.connect`` returns, issue 37).
 
-The matcher calls the transport's ``poll`` when the message it needs is not buffered yet:
+The matcher calls the transport's poll (``Matcher.poll``) when the message it needs is not buffered yet:
 what poll brings is returned without parking (no future, no turn of the event loop), an
 abort or a departure it brings fails the receive at once, and a receive whose message has
 not come parks as before. Over real sockets (tcp, ranks on different hosts, so no shared
@@ -61,7 +61,8 @@ def test_a_message_that_poll_brings_is_returned_without_parking() -> None:
         polls.append(1)
         matcher.put(header, frames)
 
-    matcher = Matcher(_Record(), poll)
+    matcher = Matcher(_Record())
+    matcher.poll = poll
     got = _run_without_parking(matcher, (OpKey(0), 0, 1, 0))
     assert got == (header, frames)
     assert polls == [1]
@@ -70,7 +71,8 @@ def test_a_message_that_poll_brings_is_returned_without_parking() -> None:
 
 def test_a_buffered_message_needs_no_poll() -> None:
     polls: list[int] = []
-    matcher = Matcher(_Record(), lambda: polls.append(1))
+    matcher = Matcher(_Record())
+    matcher.poll = lambda: polls.append(1)
     header, frames = _message(seq=0)
     matcher.put(header, frames)
     assert _run_without_parking(matcher, (OpKey(0), 0, 1, 0)) == (header, frames)
@@ -79,7 +81,8 @@ def test_a_buffered_message_needs_no_poll() -> None:
 
 def test_an_abort_that_poll_brings_fails_the_receive_at_once() -> None:
     error = P2PCollError("rank 1 failed collective #0")
-    matcher = Matcher(_Record(), lambda: matcher.fail(OpKey(0), error))
+    matcher = Matcher(_Record())
+    matcher.poll = lambda: matcher.fail(OpKey(0), error)
     coro = matcher.get((OpKey(0), 0, 1, 0))
     with pytest.raises(P2PCollError) as raised:
         coro.send(None)
@@ -92,7 +95,8 @@ def test_a_departure_that_poll_brings_fails_the_receive_at_once() -> None:
     def poll() -> None:
         record.gone_rank = 1
 
-    matcher = Matcher(record, poll)
+    matcher = Matcher(record)
+    matcher.poll = poll
     coro = matcher.get((OpKey(0), 0, 1, 0))
     with pytest.raises(PeerLost):
         coro.send(None)
@@ -101,7 +105,8 @@ def test_a_departure_that_poll_brings_fails_the_receive_at_once() -> None:
 async def test_a_receive_whose_message_has_not_come_parks_and_gets_it_later() -> None:
     import asyncio
 
-    matcher = Matcher(_Record(), lambda: None)
+    matcher = Matcher(_Record())
+    matcher.poll = lambda: None
     key = (OpKey(0), 0, 1, 0)
     task = asyncio.create_task(matcher.get(key))
     await asyncio.sleep(0)
@@ -126,7 +131,7 @@ async def test_over_tcp_messages_keep_their_order_and_results_stay_exact() -> No
         for i in range(count):
             x = np.arange(1024, dtype=np.float32) * (group.rank + 1) + i
             total.append(await group.allreduce(x))
-        return got, total, group.session.transport.poll
+        return got, total, group.session.matcher.poll
 
     results = await run_ranks(2, job, host_ids=["a", "b"], transport="tcp")
     assert results[0][0] == list(range(count))

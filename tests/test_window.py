@@ -23,6 +23,7 @@ from p2pcoll.engine.executor import Executor
 from p2pcoll.engine.window import MAX_WINDOW_BYTES, bdp_bytes, pipeline_depth
 from p2pcoll.settings import Settings
 from p2pcoll.settings_env import DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH
+from p2pcoll.transport.base import PathsOf
 from p2pcoll.transport.paths import DEFAULT_BANDWIDTH_BPS
 
 M = 1 << 20
@@ -97,7 +98,9 @@ class _Paths:
         self.rtt_s = rtt_s
         self.asked: list[int] = []
 
-    def path(self, peer: int) -> tuple[float | None, float | None]:
+        self.paths = PathsOf(self._path)
+
+    def _path(self, peer: int) -> tuple[float | None, float | None]:
         self.asked.append(peer)
         return self.rtt_s, None
 

@@ -98,7 +98,7 @@ async def test_a_set_depth_holds_whatever_the_paths(
 async def test_peers_of_one_host_keep_the_default_window(depths: list[int]) -> None:
     async def run(g: p2pcoll.Group) -> list[Any]:
         await collectives(g, True)  # told of long paths: peers of this host have none
-        return [g.session.transport.path(peer) for peer in range(PEERS) if peer != g.rank]
+        return [g.session.transport.paths[peer] for peer in range(PEERS) if peer != g.rank]
 
     paths = await run_ranks(PEERS, run, transport="tcp")
     assert all(path == (None, None) for rank in paths for path in rank)

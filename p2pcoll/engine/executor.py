@@ -176,8 +176,8 @@ class Executor:
         (:func:`~.window.pipeline_depth`; a path measured later counts from then on)."""
         if not self._follow:
             return self.depth
-        path = self.transport.path
-        return pipeline_depth([path(peer) for peer in set(program.peer)],
+        paths = self.transport.paths
+        return pipeline_depth([paths[peer] for peer in set(program.peer)],
                               self.segment_bytes, floor=self.depth)
 
     async def _segment(

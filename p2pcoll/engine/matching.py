@@ -83,15 +83,19 @@ class Departures(Protocol):
         ...
 
 
+def _nothing() -> None:
+    pass
+
+
 class Matcher:
     """Per-session store of early messages and of receives still waiting."""
 
-    def __init__(self, departures: Departures, poll: Callable[[], None] = lambda: None
-                 ) -> None:
+    def __init__(self, departures: Departures) -> None:
         self.departures = departures
-        # Takes in what has come and waits to be read (the transport's ``poll``): a receive
-        # calls it before it parks, so a message already there costs no event-loop turn.
-        self._poll = poll
+        # Takes in what has come and waits to be read (what the transport's ``connect``
+        # returns): a receive calls it before it parks, so a message already there costs
+        # no event-loop turn.
+        self.poll: Callable[[], None] = _nothing
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
         self._first_header: dict[OpKey, Header] = {}  # op -> its first segment-0 header
@@ -211,7 +215,7 @@ class Matcher:
         msg = self._buffered.pop(key, None)
         if msg is not None:
             return msg
-        self._poll()  # what has come meanwhile, now (it may be an abort or a departure)
+        self.poll()  # what has come meanwhile, now (it may be an abort or a departure)
         if op in self._failed:
             raise self._failed[op]
         msg = self._buffered.pop(key, None)

@@ -73,7 +73,7 @@ class Session:
         self._checks: dict[int, asyncio.Task[None]] = {}  # suspects' addresses (link_down)
         self.contacts = Contacts()  # what the transport's link events say (see on_link)
         self.peers = Record(self)
-        self.matcher = Matcher(self.peers, transport.poll)
+        self.matcher = Matcher(self.peers)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
                                      transport, self)
         timeline = None
@@ -139,8 +139,8 @@ class Session:
         """Connect the transport and watch the first successors; incoming messages are
         dispatched from now on (by :func:`.control.dispatch`, called by the transport
         itself), and its link events come to :meth:`on_link`."""
-        self.transport.connect(self.membership, partial(control.dispatch, self),
-                               self.on_link)
+        self.matcher.poll = self.transport.connect(
+            self.membership, partial(control.dispatch, self), self.on_link)
         self._do(self.departures.start(self._now()))
 
     @property

@@ -85,6 +85,27 @@ class LinkEvent(StrEnum):
 
 LinkHandler = Callable[[int, LinkEvent], None]  # (peer, what happened)
 Follow = Watch | Unwatch | Forget | Leave  # the departures actions a transport carries out
+Poll = Callable[[], None]  # hands on what has come (see Transport.connect)
+PathFacts = tuple[float | None, float | None]  # (round-trip seconds, bytes/s); None: unknown
+
+
+class Paths(Protocol):
+    """What a transport has measured of the path to each peer: ``paths[peer]`` is
+    ``(round-trip seconds, bytes/s)``, None for what is not measured, both None for a peer
+    of this host. What the pipeline's window follows (:mod:`p2pcoll.engine.window`); never
+    raises."""
+
+    def __getitem__(self, peer: int) -> PathFacts: ...
+
+
+@dataclass(frozen=True)
+class PathsOf:
+    """The :class:`Paths` that ``of(peer)`` answers."""
+
+    of: Callable[[int], PathFacts]
+
+    def __getitem__(self, peer: int) -> PathFacts:
+        return self.of(peer)
 
 
 @dataclass
@@ -136,15 +157,22 @@ class Transport(Protocol):
     # The peers whose hellos the group's forming waits for (those that watch this one, see
     # p2pcoll.departures.overlay; every peer in a group on a board), known once connected.
     hello_peers: frozenset[int]
+    paths: Paths  # what it has measured of the path to each peer
 
     async def bind(self) -> list[str]:
         """Start receiving; returns the endpoints other peers may reach this one at."""
         ...
 
     def connect(self, membership: Membership, on_message: MessageHandler,
-                on_link: LinkHandler) -> None:
+                on_link: LinkHandler) -> Poll:
         """Start delivering; links to the other peers of ``membership`` open as they are
-        first sent to. Watches nobody until told (:meth:`follow`)."""
+        first sent to. Watches nobody until told (:meth:`follow`).
+
+        Returns:
+            A function that hands on to ``on_message``, now, what has come and waits to be
+            read, without waiting for more: a receive calls it before it parks, so a
+            message that is already there costs no turn of the event loop. Never raises.
+        """
         ...
 
     async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
@@ -158,17 +186,6 @@ class Transport(Protocol):
         Raises:
             PeerLost: this peer has closed (or, leaving, has no link to a destination).
         """
-        ...
-
-    def poll(self) -> None:
-        """Hand on, now, the messages that have come and wait to be read, without waiting
-        for more (a receive does so before it parks). Never raises."""
-        ...
-
-    def path(self, peer: int) -> tuple[float | None, float | None]:
-        """``(round-trip seconds, bytes/s)`` measured of the path to ``peer`` (None: not
-        measured; both None for a peer of this host): what the pipeline's window follows
-        (:mod:`p2pcoll.engine.window`). Never raises."""
         ...
 
     def post(self, dst: int, header: Header, via: Via = "link") -> None:

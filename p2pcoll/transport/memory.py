@@ -37,6 +37,7 @@ from ..types import Membership
 from ..wire import Header, Limits, encode_header
 from .base import (
     BytesPiece, Counters, Drops, Follow, LinkEvent, LinkHandler, MessageHandler, MessageHook,
+    Paths, PathsOf, Poll,
 )
 from .inbound import Inbound
 
@@ -270,6 +271,14 @@ def _ranks_of(endpoints: tuple[str, ...]) -> dict[str, int]:
     return {endpoint: r for r, endpoint in enumerate(endpoints)}
 
 
+def _unmeasured(peer: int) -> tuple[None, None]:
+    return None, None
+
+
+def _nothing() -> None:
+    pass
+
+
 class MemoryTransport:
     """One peer's end of a :class:`MemoryNetwork`."""
 
@@ -283,6 +292,7 @@ class MemoryTransport:
         self.heartbeat_s = heartbeat_s
         self.counters = Counters()
         self.endpoints: list[str] = []
+        self.paths: Paths = PathsOf(_unmeasured)  # no path is long here: the floor window
         self.membership: Membership | None = None
         self.on_message: MessageHandler = lambda header, pieces: None
         self.on_link: LinkHandler = lambda peer, event: None
@@ -310,7 +320,7 @@ class MemoryTransport:
         return self.endpoints
 
     def connect(self, membership: Membership, on_message: MessageHandler,
-                on_link: LinkHandler) -> None:
+                on_link: LinkHandler) -> Poll:
         self.membership = membership
         self.on_message, self.on_link = on_message, on_link
         self._limits = self._inbound.limits = Limits(
@@ -322,6 +332,7 @@ class MemoryTransport:
         early, self._early = self._early, []
         for sender, frames in early:
             self.receive(sender, frames)
+        return _nothing  # each message is handed on as it arrives: nothing waits
 
     async def send_many(self, dsts: Sequence[int], headers: Sequence[Header],
                         payload: Sequence[np.ndarray] = (), *, copy: bool = False) -> None:
@@ -341,12 +352,6 @@ class MemoryTransport:
                 if self.sent is not None:
                     self.sent(dst, header, sum(header.nbytes))
         await asyncio.sleep(0)  # a send is a turn of the loop, as over a socket
-
-    def poll(self) -> None:
-        """Nothing waits to be read here: each message is handed on as it arrives."""
-
-    def path(self, peer: int) -> tuple[float | None, float | None]:
-        return None, None  # no path is long in memory: the pipeline keeps its floor
 
     def post(self, dst: int, header: Header, via: Via = "link") -> None:
         """As the mesh's, but every ``via`` is the same here: the network has no links to

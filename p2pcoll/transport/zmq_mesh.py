@@ -61,7 +61,8 @@ from ..wire import Header, Limits, encode_header
 from . import board as boards
 from . import lane, shm, shmfile
 from .base import (
-    Counters, Drops, Follow, LinkEvent, LinkHandler, MessageHandler, MessageHook, Piece,
+    Counters, Drops, Follow, LinkEvent, LinkHandler, MessageHandler, MessageHook, Paths, PathsOf,
+    Piece, Poll,
 )
 from .endpoints import EndpointPolicy, sweep_peer
 from .inbound import Inbound
@@ -141,7 +142,6 @@ class ZmqMesh:
         self._router = Router(self.sockets, policy, self.counters, self.drops,
                               take_in=local.take_in, answered=self._answers.accept,
                               heard=self._heard_from)
-        self.poll = self._router.poll  # see Transport.poll
         self.endpoints: list[str] = self._router.endpoints
         # Every message, once its link's member is known, goes through this (see .inbound):
         # lane markers come back to the ordering, hellos are looked at on the way.
@@ -157,6 +157,7 @@ class ZmqMesh:
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back,
                              on_link=self._link_event, streams=settings.streams)
+        self.paths: Paths = PathsOf(self.routes.path)  # see Transport.paths
         # Heartbeat-only links to the watched peers (see .liveness); a probe down: a link's.
         self._probes = Probes(self.sockets, lambda peer: self._link_event(
             peer, LinkEvent.DOWN), self._bye_on_probe)
@@ -184,7 +185,7 @@ class ZmqMesh:
         return self._router.bind(self.host)
 
     def connect(self, membership: Membership, on_message: MessageHandler,
-                on_link: LinkHandler) -> None:
+                on_link: LinkHandler) -> Poll:
         """Start reading; links open as they are first sent to (see Transport.connect)."""
         assert self._router.bound, "bind() first"
         self.on_message, self.on_link = on_message, on_link
@@ -239,6 +240,7 @@ class ZmqMesh:
             members = size - 1 + len(overlay.watchers(rank, size))
             self._tasks.append(asyncio.create_task(
                 self._router.census(members, lambda: len(self._gone))))
+        return self._router.poll
 
     @property
     def board(self) -> boards.Board | None:
@@ -275,9 +277,6 @@ class ZmqMesh:
     def probes(self) -> int:
         """How many heartbeat probes this peer keeps (the peers it watches)."""
         return len(self._probes)
-
-    def path(self, peer: int) -> tuple[float | None, float | None]:  # see Transport.path
-        return self.routes.path(peer)
 
     def _bye_on_probe(self, peer: int, frames: list[zmq.Frame]) -> None:
         """A watched peer with no link to this one said goodbye on this peer's probe."""
