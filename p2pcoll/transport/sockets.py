@@ -31,6 +31,7 @@ import logging
 import os
 import resource
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -145,9 +146,7 @@ class SocketFactory:
         self.hwm = queue_messages(message_bytes)
         self.heartbeat_ms = max(100, int(heartbeat_s * 1000))
         self._gate: Gate | None = None
-        # The I/O threads the context has (libzmq reads its setting when the context makes
-        # its first socket; see _shared_context).
-        self._threads = max(1, self.context.get(zmq.IO_THREADS))
+        self._threads = io_threads(self.context)
 
     @property
     def cipher_threads(self) -> int:
@@ -320,21 +319,48 @@ key. An idle thread waits in the kernel and costs no CPU."""
 def _shared_context() -> zmq.asyncio.Context:
     """The process's ZeroMQ context, allowed as many sockets as the process may open files:
     libzmq's own default (1023 sockets) would stop a process that runs many peers (tasks of
-    one process, as in tests) long before its descriptor limit; with IO_THREADS I/O threads
-    if p2pcoll makes it (one made before by other code keeps its own: libzmq starts the
-    threads with the context's first socket, and the factories place sockets on the
-    threads the context says it has)."""
-    context = zmq.asyncio.Context.instance(io_threads=IO_THREADS)
+    one process, as in tests) long before its descriptor limit; with IO_THREADS I/O threads.
+    Takes effect when the context makes its first socket (see :func:`io_threads`)."""
+    context = zmq.asyncio.Context.instance()
     if id(context) not in _SIZED:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY or soft > 1 << 20:
             soft = 1 << 20
         context.set(zmq.MAX_SOCKETS, max(context.get(zmq.MAX_SOCKETS), soft))
+        context.set(zmq.IO_THREADS, max(context.get(zmq.IO_THREADS), IO_THREADS))
         _SIZED.add(id(context))
     return context
 
 
 _SIZED: set[int] = set()  # the contexts _shared_context has sized
+
+
+def io_threads(context: zmq.Context[Any]) -> int:
+    """The I/O threads ``context`` runs. libzmq starts them with the context's first
+    socket: a setting changed after that is read back but not run, and a socket placed
+    on a thread that does not run fails to connect (EMTHREAD). So each thread is asked
+    for in turn, by a connect to an address that cannot be resolved: libzmq looks for the
+    thread first (EMTHREAD if it is not there), then refuses the address (EINVAL).
+    Nothing goes on the network; the answer is kept for the context."""
+    known = _THREADS.get(context)
+    if known is None:
+        known = 1
+        while known < min(64, context.get(zmq.IO_THREADS)):
+            probe: zmq.Socket[Any] = zmq.Socket(context, zmq.DEALER)
+            try:
+                probe.setsockopt(zmq.AFFINITY, 1 << known)
+                probe.connect("tcp://127.0.0.1:-")
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EMTHREAD:
+                    break
+            finally:
+                probe.close(linger=0)
+            known += 1
+        _THREADS[context] = known
+    return known
+
+
+_THREADS: weakref.WeakKeyDictionary[zmq.Context[Any], int] = weakref.WeakKeyDictionary()
 
 
 class LinkCensus:
