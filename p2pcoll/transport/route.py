@@ -185,7 +185,7 @@ class Routes:
             peer for peer, endpoint in enumerate(endpoints)
             if endpoint.startswith("tcp://") and not (known and hosts[peer] == hosts[rank]))
         # With a job key, auto stripes every tcp route wide enough to encrypt on the cores
-        # this host's peers leave each other (one on a host as busy as this machine).
+        # this host's peers leave each other (1, no stripes, where they fill its cores).
         here = sum(host == hosts[rank] for host in hosts) if known else 1
         self._cipher = cipher_streams(self.sockets.cipher_threads, cores(), here)
         self._striped = {
