@@ -34,7 +34,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..departures.machine import GONE_HOW
+from ..departures.words import GONE_HOW
 from ..errors import (CLOSED, CollectiveMismatch, CollectiveTimeout, GroupBroken,
                       PeerLost, ProtocolError, RendezvousError)
 from ..settings import Settings
