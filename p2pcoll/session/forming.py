@@ -235,7 +235,8 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
             address, endpoints=endpoints, world_size=settings.world_size,
             rank=settings.rank, timeout=left, host_id=me, choose=choose, sockets=sockets,
             heartbeat=settings.heartbeat_timeout, job=settings.job_id,
-            elastic=elastic(settings), order=settings.order, check=check,
+            elastic=elastic(settings), order=settings.order, expect=settings.expect,
+            check=check,
         )
     except BaseException as exc:
         if hosting is not None and (server := await hosting.stop()) is not None:
