@@ -357,8 +357,9 @@ def test_an_elastic_group_forms_once_what_a_join_expects_is_there() -> None:
     others to settle as before."""
     rv = Rendezvous()
     rv.join("new", min=3, max=4)  # a newcomer, waiting
+    # the second survivor counted the first among the waiting: one too many
     assert only(rv.join("a", min=3, max=4, order=0, expect=3), "a")["op"] == "status"
-    formed = rv.join("b", min=3, max=4, order=1, expect=3)
+    formed = rv.join("b", min=3, max=4, order=1, expect=4)
     assert {who: m[0]["world_size"] for who, m in formed.items()} == dict.fromkeys(
         ["a", "b", "new"], 3)
     # the next group: the expectation was met and is forgotten

@@ -33,8 +33,9 @@ Each job (a job id, ``P2PCOLL_JOB_ID``, empty by default) has at most one group 
 time; once it has formed, the next requests of that job start the next group. A group of
 fixed size forms when every rank is there. An elastic group (world size None, ``min``
 given) forms when ``max`` peers are there, or at least ``min`` are and nobody new arrived
-for :data:`SETTLE` seconds, or as many as a join expects (``expect``, the most any asked
-for: the survivors of a loss know who is coming). Ranks go to the requested ones first,
+for :data:`SETTLE` seconds, or as many as a join expects (``expect``, the fewest any asked
+for: the survivors of a loss know who is coming, and one that counted another survivor
+among the waiting expects one too many). Ranks go to the requested ones first,
 then by ``order`` (lower first), then by arrival. A registered peer that has not re-sent
 its request for its heartbeat timeout is lost: the others of a fixed-size group fail at
 once naming it (an elastic group just goes on without it). A malformed request is
@@ -142,7 +143,7 @@ class _Forming:
     by_rank: dict[int, _Entry] = field(default_factory=dict)
     taken: list[int] = field(default_factory=list)  # the requested ranks, sorted
     last_arrival: float = 0.0
-    expect: int = 0  # the most peers a join expects (0: none said)
+    expect: int = 0  # the fewest peers a join expects (0: none said)
     shown: list[list[Any]] | None = None  # the joined a status names; None: to make again
 
     @property
@@ -417,7 +418,8 @@ class Jobs:
             insort(forming.taken, rank)
         self._expire_at(now + entry.heartbeat, entry, job)
         forming.last_arrival = now
-        forming.expect = max(forming.expect, expect or 0)
+        if expect is not None:
+            forming.expect = min(forming.expect or expect, expect)
         if not self._progress(forming, now):
             self._status(forming, entry)
 
