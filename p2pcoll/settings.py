@@ -187,6 +187,9 @@ class Settings:
             more arrived for a moment (see :mod:`p2pcoll.rendezvous.server`).
         order: where this peer goes when ranks are assigned (lower first, then arrival);
             the elastic training layer passes the previous rank.
+        expect: an elastic group forms as soon as this many peers are there (at least
+            ``min_world_size``), without the moment of quiet; the elastic training layer
+            passes the survivors and the peers it counted waiting.
         torchrun: under torchrun, its run id and restart count (the namespace of this
             job's keys in torchrun's store, see :mod:`p2pcoll.rendezvous.torch_store`).
         rendezvous_limits: what the rendezvous server this peer may host accepts; this
@@ -226,6 +229,7 @@ class Settings:
     min_world_size: int | None = None
     max_world_size: int | None = None
     order: int | None = None
+    expect: int | None = None
     torchrun: str = ""
     rendezvous_limits: RendezvousLimits = field(default_factory=lambda: RendezvousLimits())
     reachable: bool | None = None
@@ -346,7 +350,7 @@ class Settings:
             where = "heartbeat_timeout=" if "heartbeat_timeout" in given else \
                 "$P2PCOLL_HEARTBEAT_TIMEOUT"
             raise bad_value(where, self.heartbeat_timeout, "a finite number of seconds > 0")
-        for name in ("min_world_size", "max_world_size", "order"):
+        for name in ("min_world_size", "max_world_size", "order", "expect"):
             if name in given:
                 check_int(given[name], f"{name}=", 0 if name == "order" else 1)
         if "host_id" in given:

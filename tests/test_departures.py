@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from p2pcoll.departures import (
     CHECK_WAIT,
+    KILLED_WAIT,
     LINK_LOSS_GRACE,
     Aborted,
     Action,
@@ -30,6 +31,7 @@ from p2pcoll.departures import (
     Watch,
     overlay,
 )
+from p2pcoll.errors import KILLED, UNRESPONSIVE
 from p2pcoll.wire import Header
 
 GROUP = "g"
@@ -156,6 +158,14 @@ class Net:
         for w in range(self.size):
             if self.live(w) and r in self.watching[w]:
                 self.apply(w, self.peers[w].probe_lost(r, self.now), 0)
+
+    def classify(self, r: int) -> None:
+        """``r`` finds out what became of each peer it suspects, as the session asks its
+        address: nothing listens there once it was killed or closed."""
+        for q in range(self.size):
+            if self.peers[r].suspects(q):
+                how = KILLED if not self.live(q) else UNRESPONSIVE
+                self.apply(r, self.peers[r].classified(q, how, self.now), 0)
 
     def deliver(self, index: int = 0) -> None:
         m = self.queue.pop(index)
@@ -424,6 +434,32 @@ def test_a_loss_waits_for_how_its_peer_went_but_not_forever() -> None:
     assert err is not None and err.how == "killed"
 
 
+def test_a_suspect_found_killed_is_lost_without_waiting_out_the_grace() -> None:
+    p = machine(0, 4, {"op": (range(4), 0)})
+    p.link_closed(1, 0.0, checking=True)
+    p.link_closed(2, 0.0, checking=True)
+    assert p.classified(1, KILLED, 0.01) == []  # its goodbye may still be being read
+    p.classified(2, UNRESPONSIVE, 0.01)
+    assert p.deadline() == pytest.approx(0.01 + KILLED_WAIT)
+    assert KILLED_WAIT < LINK_LOSS_GRACE
+    fails = [a for a in p.tick(0.01 + KILLED_WAIT) if isinstance(a, Fail)]
+    assert [f.error.rank for f in fails] == [1] and p.suspects(2)  # 2 has its grace
+    assert p.lost(2) is None and p.tick(LINK_LOSS_GRACE) and p.lost(2) is not None
+    # found killed late: the grace is over already, and it is lost at once
+    q = Departures(0, 4, GROUP)
+    q.link_closed(1, 0.0, checking=True)
+    assert q.classified(1, KILLED, LINK_LOSS_GRACE + 0.01) and q.lost(1) is not None
+
+
+def test_a_goodbye_read_after_the_port_was_found_closed_wins() -> None:
+    p = Departures(0, 4, GROUP)
+    p.link_closed(1, 0.0, checking=True)
+    p.classified(1, KILLED, 0.01)
+    p.received(Header("bye", GROUP, 1, 0, meta={"told": [0]}), 0.01 + KILLED_WAIT / 2)
+    p.tick(1.0)
+    assert p.said_goodbye(1)
+
+
 def test_a_goodbye_after_a_link_closed_wins_over_how_it_was_found() -> None:
     p = Departures(0, 4, GROUP)
     p.link_closed(1, 0.0, checking=True)
@@ -499,7 +535,8 @@ def runs(draw: st.DrawFn) -> tuple[int, list[tuple[str, int]], random.Random]:
     size = draw(st.integers(2, 12))
     ranks = st.integers(0, size - 1)
     events = draw(st.lists(st.tuples(st.sampled_from(["kill", "close", "abort", "deliver",
-                                                      "tick", "link"]), ranks),
+                                                      "tick", "link", "classify",
+                                                      "finish"]), ranks),
                            max_size=40))
     order = draw(st.randoms(use_true_random=False))  # which message goes next, and such
     return size, events, order
@@ -542,6 +579,10 @@ def check_invariants(size: int, events: list[tuple[str, int]], order: random.Ran
             net.deliver(order.randrange(len(net.queue)))
         elif kind == "tick":
             net.tick(LINK_LOSS_GRACE / 2)
+        elif kind == "classify" and net.live(r):
+            net.classify(r)
+        elif kind == "finish" and r in net.closing() and not net.peers[r].unanswered():
+            net.finish_close(r)  # every farewell came: its port closes
     net.settle()
 
     assert not net.violations  # no message to a peer known gone
@@ -557,6 +598,10 @@ def check_invariants(size: int, events: list[tuple[str, int]], order: random.Ran
             assert net.learned[(r, q)] <= bound
             # lost, unless it said goodbye (which a watcher may miss: its probe went first)
             assert q in closed_seq or not me.gone()[q].graceful
+            # a goodbye this peer was sent is never taken for a loss, even once the port
+            # is found closed (the leaver closed after it, as its farewells came or not)
+            if q in closed_seq and r in net.peers[q].told:
+                assert me.gone()[q].graceful, (r, q)
         # every live peer watched (and the probes follow what it watches)
         assert me.watched == overlay.watched(r, size, gone=departed)
         assert net.watching[r] == set(me.watched)

@@ -441,3 +441,33 @@ async def test_a_hello_that_comes_as_the_handshake_times_out_completes_it() -> N
     with pytest.raises(p2pcoll.RendezvousError, match=r"could not reach ranks \[1\]"):
         await handshake(session, 0.01)  # type: ignore[arg-type]
     assert lost == [1]
+
+
+async def test_a_peer_killed_after_the_roster_ends_the_hellos_wait_at_once() -> None:
+    """Probe (churn_training.py): a peer killed just after its group's roster went out
+    made the others wait out the hellos' whole bound (5 s) before joining again. Now the
+    addresses of the peers not heard from are asked: nothing listens at a killed one's."""
+    from types import SimpleNamespace
+
+    from p2pcoll.session.forming import handshake
+
+    with socket.socket() as alive:  # rank 1 listens but never says hello; rank 2 is gone
+        alive.bind(("127.0.0.1", 0))
+        alive.listen()
+        endpoints = ["a", f"tcp://127.0.0.1:{alive.getsockname()[1]}",
+                     f"tcp://127.0.0.1:{free_port()}"]
+        lost: list[int] = []
+        session = SimpleNamespace(
+            membership=SimpleNamespace(world_size=3, rank=0, endpoints=endpoints),
+            transport=SimpleNamespace(hello_peers={1, 2}, greet=lambda header: None),
+            header=lambda kind: kind, all_hello=asyncio.Event(), hellos=set(),
+            peers=SimpleNamespace(reported_lost=lambda rank, by: lost.append(rank)))
+        # the bound is far beyond the test's own timeout: only the check can end the wait
+        with pytest.raises(p2pcoll.RendezvousError,
+                           match=r"ranks \[2\] .*nothing listens at their addresses"):
+            await handshake(session, 3600)  # type: ignore[arg-type]
+        assert lost == [2]
+        # one that is there and silent is still waited for, up to the bound
+        session.transport.hello_peers = {1}
+        with pytest.raises(p2pcoll.RendezvousError, match=r"ranks \[1\] .*not heard from"):
+            await handshake(session, 0.5)  # type: ignore[arg-type]

@@ -351,6 +351,35 @@ def test_an_elastic_group_below_its_minimum_does_not_form() -> None:
     assert sorted(rv.tick(SETTLE)) == ["a", "b", "c"]
 
 
+def test_an_elastic_group_forms_once_what_a_join_expects_is_there() -> None:
+    """The survivors of a loss expect themselves and the peers counted waiting: the group
+    forms as they arrive, not a second later; one expected that does not come leaves the
+    others to settle as before."""
+    rv = Rendezvous()
+    rv.join("new", min=3, max=4)  # a newcomer, waiting
+    # the second survivor counted the first among the waiting: one too many
+    assert only(rv.join("a", min=3, max=4, order=0, expect=3), "a")["op"] == "status"
+    formed = rv.join("b", min=3, max=4, order=1, expect=4)
+    assert {who: m[0]["world_size"] for who, m in formed.items()} == dict.fromkeys(
+        ["a", "b", "new"], 3)
+    # the next group: the expectation was met and is forgotten
+    for who in "cde":
+        assert only(rv.join(who, min=3, max=5), who)["op"] == "status"
+    assert rv.tick(SETTLE * 0.5) == {}
+    assert sorted(rv.tick(SETTLE * 0.6)) == ["c", "d", "e"]
+    # more expected than come: settled as without it
+    rv.join("f", min=2, max=4, expect=3)
+    assert only(rv.join("g", min=2, max=4, expect=3), "g")["op"] == "status"
+    assert rv.tick(SETTLE * 0.5) == {}
+    assert sorted(rv.tick(SETTLE * 0.6)) == ["f", "g"]
+
+
+def test_a_join_that_expects_no_integer_is_refused() -> None:
+    rv = Rendezvous()
+    assert only(rv.join("a", min=2, max=4, expect="3"), "a")["op"] == "error"
+    assert only(rv.join("b", min=2, max=4, expect=0), "b")["op"] == "error"
+
+
 # --- admission ---------------------------------------------------------------------------------
 
 

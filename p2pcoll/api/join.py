@@ -157,6 +157,7 @@ def join(
     min_world_size: int | None = None,
     max_world_size: int | None = None,
     order: int | None = None,
+    expect: int | None = None,
     timeline: str | os.PathLike[str] | None = None,
     host_id: str | None = None,
     max_links: int | None = None,
@@ -199,6 +200,9 @@ def join(
             Ranks are assigned by ``order`` (lower first), then arrival.
         order: this peer's place when ranks are assigned (the elastic training layer
             passes the previous rank, so survivors keep their order).
+        expect: an elastic group forms as soon as this many peers are there (at least
+            ``min_world_size``), not a second after the last arrival (the elastic
+            training layer passes the survivors of a loss and the peers waiting).
         timeline: write every collective, and each send, receive and reduction in it, as
             Chrome trace events (``$P2PCOLL_TIMELINE``): this rank's file is
             ``STEM-GROUP-rankR.json`` beside the path, ``p2pcoll launch`` (or
@@ -246,7 +250,7 @@ def join(
         strategies=strategies, collective_timeout=collective_timeout, transport=transport,
         key_file=key_file, heartbeat_timeout=heartbeat_timeout, job_id=job_id,
         min_world_size=min_world_size, max_world_size=max_world_size, order=order,
-        timeline=timeline, host_id=host_id, max_links=max_links, reachable=reachable,
+        expect=expect, timeline=timeline, host_id=host_id, max_links=max_links, reachable=reachable,
         relay=relay, streams=streams,
     )
     return Join(settings)

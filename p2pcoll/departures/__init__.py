@@ -22,8 +22,8 @@ from .actions import (
     Via,
     Watch,
 )
-from .machine import CHECK_WAIT, LINK_LOSS_GRACE, Departure, Departures
+from .machine import CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE, Departure, Departures
 
-__all__ = ["CHECK_WAIT", "LINK_LOSS_GRACE", "Aborted", "Action", "DeclaredLost", "Degrade",
-           "Departure", "Departures", "Fail", "Forget", "Leave", "Post", "Unwatch", "Via",
-           "Watch", "overlay"]
+__all__ = ["CHECK_WAIT", "KILLED_WAIT", "LINK_LOSS_GRACE", "Aborted", "Action", "DeclaredLost",
+           "Degrade", "Departure", "Departures", "Fail", "Forget", "Leave", "Post", "Unwatch",
+           "Via", "Watch", "overlay"]

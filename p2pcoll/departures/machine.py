@@ -15,7 +15,12 @@ The protocol, in the order things happen:
   right after its goodbye, which may come second), the next tick declares it lost. The
   caller may find out meanwhile what became of it (:meth:`Departures.classified`: its
   process is gone, ``killed``, or is there but silent, ``unresponsive``), which its loss
-  then names (a loss is held up to :data:`CHECK_WAIT` for that answer). When a
+  then names (a loss is held up to :data:`CHECK_WAIT` for that answer). A suspect found
+  ``killed`` is declared lost :data:`KILLED_WAIT` after that, if its grace is not over
+  first: nothing listens at its address, so it can send nothing more, and a goodbye it
+  sent came before its port closed (a told peer's farewell is what lets a leaver close;
+  the others' goodbye is on the connection whose close made the suspect); only the
+  reading of one may still be under way. When a
   watched peer goes, the next live successor is watched instead (a ``late`` probe, which
   also calls the peer lost if it cannot connect at all), so a run of consecutive losses is
   found one after the other.
@@ -60,36 +65,21 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CLOSED, KILLED, UNRESPONSIVE, PeerLost
+from ..errors import KILLED, UNRESPONSIVE, PeerLost
 from ..wire.header import OWN, Header
 from . import overlay
 from .actions import Aborted, Action, DeclaredLost, Degrade, Fail, Forget, Post, Unwatch, Watch
+from .words import LOST, left
 
-# What a lost link says of its peer when nothing tells a kill from a freeze.
-GONE_HOW = ("its process was killed or crashed, or it stopped answering (frozen, overloaded "
-            "or cut off)")
-# The first words of a loss, by how the peer went (see Departures.classified).
-_LOST = {
-    KILLED: "ended without a word: its process was killed or crashed hard (it did not close "
-            "the group, and nothing listens at its address any more; its own output or "
-            "log says why)",
-    UNRESPONSIVE: "stopped answering: its process is there but silent past the heartbeat "
-                  "timeout (stopped, frozen, overloaded or cut off; raise "
-                  "$P2PCOLL_HEARTBEAT_TIMEOUT if it is only busy)",
-    "": f"is gone without closing the group: {GONE_HOW}",
-}
-
-
-def _left(rank: int) -> PeerLost:
-    """The departure of a peer that said goodbye after a healthy run."""
-    return PeerLost(f"rank {rank} left the group: it closed it normally", rank, how=CLOSED)
-
-__all__ = ["LINK_LOSS_GRACE", "Departure", "Departures", "Running"]
+__all__ = ["KILLED_WAIT", "LINK_LOSS_GRACE", "Departure", "Departures", "Running"]
 
 log = logging.getLogger("p2pcoll")
 
 LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
 CHECK_WAIT = 2.0  # seconds more a loss waits for what became of its peer (classified)
+# Seconds from finding a suspect's process gone (classified KILLED) to declaring it lost: time
+# for this peer's reader to take a goodbye that came before the port closed.
+KILLED_WAIT = 0.05
 MAX_ABORTS_KEPT = 1024  # aborts remembered: far more than a failing group sends
 _TIMEOUT = "CollectiveTimeout"  # the error class name of a deadline, as aborts carry it
 
@@ -128,6 +118,8 @@ class Departures:
         group: the group's id (for the headers of the messages it posts).
         endpoints: the peers' endpoints, named in errors (optional).
         grace: how long a suspect may still say goodbye before it is declared lost.
+        killed_wait: how long, once a suspect is found killed, it may still (be read to)
+            say goodbye, if that ends before ``grace``.
         stall: a gap between two events longer than this, with a loss right after it,
             means this peer was stopped for longer than its watchers wait (None: never
             so); the caller then ticks at least every ``stall / 2``.
@@ -139,11 +131,13 @@ class Departures:
 
     def __init__(self, rank: int, size: int, group: str, *,
                  endpoints: Sequence[str] = (), grace: float = LINK_LOSS_GRACE,
-                 stall: float | None = None, running: Running = _nothing_runs) -> None:
+                 killed_wait: float = KILLED_WAIT, stall: float | None = None,
+                 running: Running = _nothing_runs) -> None:
         overlay.watched(rank, size)  # checks the rank
         self.rank, self.size, self.group = rank, size, group
         self.endpoints = tuple(endpoints)
         self.grace, self.stall = grace, stall
+        self.killed_wait = min(killed_wait, grace)
         self._gone: dict[int, Departure] = {}
         self._suspects: dict[int, float] = {}  # rank -> when it is declared lost
         self._how: dict[int, str | None] = {}  # suspect -> how it went (None: being found)
@@ -245,10 +239,13 @@ class Departures:
         """What became of suspect ``peer``, as the caller found out after its
         :meth:`link_closed`: :data:`~p2pcoll.errors.KILLED` (its process is gone) or
         :data:`~p2pcoll.errors.UNRESPONSIVE` (it is there, silent), or "" (unknown); its
-        loss says so. A goodbye that comes still wins."""
+        loss says so. A goodbye that comes still wins; a suspect found killed has
+        :data:`KILLED_WAIT` for it, if that ends before its grace (module docstring)."""
         actions = self._clock(now)
         if peer in self._suspects:
             self._how[peer] = how
+            if how == KILLED:
+                self._suspects[peer] = min(self._suspects[peer], now + self.killed_wait)
         return actions + self.tick(now)
 
     def unreachable(self, peer: int, now: float) -> list[Action]:
@@ -285,7 +282,7 @@ class Departures:
             told = frozenset(meta.get("told", ()))
             actions += self._report(header)
             actions += self._record(header.src, Departure(
-                _left(header.src), True,
+                left(header.src), True,
                 header.seq, told))
             actions.append(Post(header.src, self._header("farewell"), "answer"))
         elif kind == "gone":
@@ -372,7 +369,7 @@ class Departures:
                 by == self.rank and self._declared is not None):
             return []
         where = f" ({self.endpoints[peer]})" if peer < len(self.endpoints) else ""
-        text = (f"rank {peer}{where} {_LOST.get(how, _LOST[''])}; rank {by} lost the "
+        text = (f"rank {peer}{where} {LOST.get(how, LOST[''])}; rank {by} lost the "
                 f"connection to rank {peer}")
         if by != self.rank:
             text += f" (reported to rank {self.rank})"
@@ -476,7 +473,7 @@ class Departures:
             if self.rank in meta.get("told", ()):
                 return actions
             return actions + self._record(rank, Departure(
-                _left(rank), True, header.seq,
+                left(rank), True, header.seq,
                 frozenset(meta.get("told", ()))))
         return actions + self._lose(rank, by=src, how=meta.get("how", ""))
 

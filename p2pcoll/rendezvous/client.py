@@ -294,6 +294,7 @@ async def rendezvous(
     job: str = "",
     elastic: tuple[int, int | None] | None = None,
     order: int | None = None,
+    expect: int | None = None,
     check: tuple[str, str | None] | None = None,
 ) -> Membership:
     """Register ``endpoints`` at the rendezvous and wait for the roster.
@@ -305,7 +306,8 @@ async def rendezvous(
 
     ``choose(host, endpoints)`` picks which of a peer's endpoints this peer will use;
     ``elastic`` is ``(min, max)`` world size for an elastic group (``world_size`` None);
-    ``order`` ranks this peer among those without a requested rank (lower first).
+    ``order`` ranks this peer among those without a requested rank (lower first);
+    ``expect``: an elastic group may form as soon as that many peers are there.
 
     Raises:
         RendezvousError: on timeout (saying how many peers arrived and which ranks are
@@ -322,6 +324,7 @@ async def rendezvous(
         "endpoints": endpoints, "host": host_id, "pid": os.getpid(), "token": _token,
         "heartbeat": heartbeat,
         "order": order, "min": elastic[0] if elastic else None,
+        **({"expect": expect} if expect is not None and elastic else {}),
         "max": elastic[1] if elastic else None,
         **({"check": True, "target": check[0], "relay": check[1]} if check else {}),
     }

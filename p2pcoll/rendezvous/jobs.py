@@ -33,10 +33,13 @@ Each job (a job id, ``P2PCOLL_JOB_ID``, empty by default) has at most one group 
 time; once it has formed, the next requests of that job start the next group. A group of
 fixed size forms when every rank is there. An elastic group (world size None, ``min``
 given) forms when ``max`` peers are there, or at least ``min`` are and nobody new arrived
-for :data:`SETTLE` seconds. Ranks go to the requested ones first, then by ``order`` (lower
-first), then by arrival. A registered peer that has not re-sent its request for its
-heartbeat timeout is lost: the others of a fixed-size group fail at once naming it (an
-elastic group just goes on without it). A malformed request is counted and dropped.
+for :data:`SETTLE` seconds, or as many as a join expects (``expect``, the fewest any asked
+for: the survivors of a loss know who is coming, and one that counted another survivor
+among the waiting expects one too many). Ranks go to the requested ones first,
+then by ``order`` (lower first), then by arrival. A registered peer that has not re-sent
+its request for its heartbeat timeout is lost: the others of a fixed-size group fail at
+once naming it (an elastic group just goes on without it). A malformed request is
+counted and dropped.
 
 A peer that cannot accept connections is named by a relay endpoint in the roster, as it
 asked or as the server found (:mod:`.reach`).
@@ -140,6 +143,7 @@ class _Forming:
     by_rank: dict[int, _Entry] = field(default_factory=dict)
     taken: list[int] = field(default_factory=list)  # the requested ranks, sorted
     last_arrival: float = 0.0
+    expect: int = 0  # the fewest peers a join expects (0: none said)
     shown: list[list[Any]] | None = None  # the joined a status names; None: to make again
 
     @property
@@ -344,6 +348,7 @@ class Jobs:
         low = _int(msg, "min", 1, limits.max_world_size, bound)
         high = _int(msg, "max", 1, limits.max_world_size, bound)
         order, pid = _int(msg, "order", 0), _int(msg, "pid", 0) or 0
+        expect = _int(msg, "expect", 1, limits.max_world_size, bound)
         endpoints, host, heartbeat = msg.get("endpoints"), msg.get("host"), msg.get("heartbeat")
         token = msg.get("token")
         if (not isinstance(endpoints, list) or not 0 < len(endpoints) <= 8
@@ -413,6 +418,8 @@ class Jobs:
             insort(forming.taken, rank)
         self._expire_at(now + entry.heartbeat, entry, job)
         forming.last_arrival = now
+        if expect is not None:
+            forming.expect = min(forming.expect or expect, expect)
         if not self._progress(forming, now):
             self._status(forming, entry)
 
@@ -549,7 +556,8 @@ class Jobs:
             full = forming.high is not None and count >= forming.high
             if count >= forming.low:
                 self._settling.add(forming.job)
-            settled = count >= forming.low and now - forming.last_arrival >= SETTLE
+            settled = count >= forming.low and (now - forming.last_arrival >= SETTLE
+                                                or count >= forming.expect > 0)
             if not (full or settled):
                 return False
             entries = sorted(forming.entries.values(),
@@ -579,6 +587,7 @@ class Jobs:
             self._formed.popitem(last=False)
         self.groups_formed += 1
         log.info("rendezvous: job %r: formed group %s of %d", forming.job, group_id, size)
+        forming.expect = 0  # what was expected has come
         if not forming.entries:  # peers left over from an elastic group start the next
             del self._forming[forming.job]
             self._settling.discard(forming.job)

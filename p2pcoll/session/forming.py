@@ -31,9 +31,11 @@ from ..relay.names import advertised, choosing, new_target
 from ..rendezvous import advertised_host, parse_url, rendezvous
 from ..settings import Settings
 from ..transport.endpoints import (
+    CHECKABLE,
     endpoint_policy,
     host_identity,
     inproc_prefix,
+    listening,
 )
 from ..transport.sockets import SocketFactory
 from ..transport.zmq_mesh import ZmqMesh
@@ -233,7 +235,8 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
             address, endpoints=endpoints, world_size=settings.world_size,
             rank=settings.rank, timeout=left, host_id=me, choose=choose, sockets=sockets,
             heartbeat=settings.heartbeat_timeout, job=settings.job_id,
-            elastic=elastic(settings), order=settings.order, check=check,
+            elastic=elastic(settings), order=settings.order, expect=settings.expect,
+            check=check,
         )
     except BaseException as exc:
         if hosting is not None and (server := await hosting.stop()) is not None:
@@ -252,6 +255,8 @@ async def _meet(settings: Settings, address: str, endpoints: list[str],
 
 
 HELLO_MIN_WAIT = 2.0  # seconds the hellos may take after the roster, at the least
+# Seconds between asks of the addresses of the peers not heard from while the hellos come.
+HELLO_CHECK_S = 0.2
 RESOLVE_RETRY = 0.5  # seconds between attempts to resolve the rendezvous host's name
 
 
@@ -337,7 +342,9 @@ async def handshake(session: Session, left: float) -> None:
 
     Every peer has bound its endpoints before it registers, so once the roster is out the
     hellos take milliseconds; a peer not heard from within ``left`` (the heartbeat timeout,
-    unless the join deadline is nearer) was lost after it registered.
+    unless the join deadline is nearer) was lost after it registered. So was one at whose
+    address nothing listens any more: the peers not heard from are asked every
+    :data:`HELLO_CHECK_S`, so a peer killed after it registered ends the wait at once.
 
     Raises:
         RendezvousError: naming the ranks (and their endpoints) that were not heard from.
@@ -347,15 +354,36 @@ async def handshake(session: Session, left: float) -> None:
         return
     session.transport.greet(session.header("hello"))
     try:
-        await asyncio.wait_for(session.all_hello.wait(), left)
+        killed = await asyncio.wait_for(_hellos(session), left)
     except TimeoutError:
-        missing = sorted(session.transport.hello_peers - session.hellos)
-        if not missing:  # the last hello came while the wait was being cancelled
-            return
-        for rank in missing:  # the others hear of it from this peer (p2pcoll.departures)
-            session.peers.reported_lost(rank, by=m.rank)
-        raise RendezvousError(
-            f"rank {m.rank} could not reach ranks {missing} of the group within {left:.3g}s "
-            f"of the roster (endpoints {[m.endpoints[r] for r in missing]}): lost while the "
-            f"group formed"
-        ) from None
+        killed = []
+    missing = killed or sorted(session.transport.hello_peers - session.hellos)
+    if not missing:  # every hello came (the last while the wait was being cancelled)
+        return
+    for rank in missing:  # the others hear of it from this peer (p2pcoll.departures)
+        session.peers.reported_lost(rank, by=m.rank)
+    why = ("nothing listens at their addresses any more" if killed
+           else f"not heard from within {left:.3g}s of the roster")
+    raise RendezvousError(
+        f"rank {m.rank} could not reach ranks {missing} of the group ({why}; endpoints "
+        f"{[m.endpoints[r] for r in missing]}): lost while the group formed"
+    ) from None
+
+
+async def _hellos(session: Session) -> list[int]:
+    """Wait for the hellos; returns early with the peers not heard from at whose address
+    nothing listens any more (killed after they registered), if any."""
+    m = session.membership
+    while True:
+        try:
+            await asyncio.wait_for(session.all_hello.wait(), HELLO_CHECK_S)
+            return []
+        except TimeoutError:
+            pass
+        silent = [r for r in sorted(session.transport.hello_peers - session.hellos)
+                  if m.endpoints[r].startswith(CHECKABLE)]
+        found = await asyncio.gather(*(listening(m.endpoints[r], HELLO_CHECK_S)
+                                       for r in silent), return_exceptions=True)
+        killed = [r for r, there in zip(silent, found, strict=True) if there is False]
+        if killed:
+            return killed

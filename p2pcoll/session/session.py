@@ -51,6 +51,8 @@ if TYPE_CHECKING:  # imported when the board is mapped: by a group on one host o
 
 log = logging.getLogger("p2pcoll")
 
+RECHECK_S = 0.02  # how often a suspect's address is asked again while something listens
+
 # OpKey(seq) made without a Python call (the named tuple's generated __new__): every
 # collective takes one (tests/test_running_operations.py checks that it equals OpKey(seq)).
 _collective_key = partial(tuple.__new__, OpKey)
@@ -206,12 +208,19 @@ class Session:
     async def _check(self, rank: int, endpoint: str) -> None:
         """What became of suspect ``rank``: nothing listens at its address any more (its
         process is gone: killed), or something does (it is there, silent: unresponsive).
-        Asked half a grace after the link went down: a process being killed closes its
-        connections a moment before its listening sockets."""
+        Asked at once, and again every :data:`RECHECK_S` until half a grace after the link
+        went down: a process being killed closes its connections a moment before its
+        listening sockets. A suspect found killed is declared lost soon after (see
+        :data:`~p2pcoll.departures.KILLED_WAIT`), not at the end of its grace."""
         how = ""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.departures.grace / 2
         try:
-            await asyncio.sleep(self.departures.grace / 2)
-            found = await listening(endpoint, CHECK_WAIT / 2)
+            while True:
+                found = await listening(endpoint, CHECK_WAIT / 2)
+                if found is False or loop.time() >= until:
+                    break
+                await asyncio.sleep(min(RECHECK_S, max(0.0, until - loop.time())))
             how = KILLED if found is False else UNRESPONSIVE
         except ValueError:  # an address it cannot check: the loss says it cannot tell
             pass

@@ -14,9 +14,9 @@ Every survivor (the members not excluded) does the same three steps:
 3. Start the new session over the agreed roster: the survivors in the order of their old
    ranks, renumbered from 0, the hosts as they were, and wait for its hellos. A survivor
    lost meanwhile ends that wait as soon as the old group (or the new one's links) knows
-   it, not when the wait runs out: a third of a second for a killed process. Nothing
-   else differs from a group formed fresh by the same peers, so collectives give the
-   same bits.
+   it, not when the wait runs out: for a killed process, just after nothing listens at
+   its address any more (:data:`~p2pcoll.departures.KILLED_WAIT`). Nothing else differs
+   from a group formed fresh by the same peers, so collectives give the same bits.
 
 The new group's id and link secret are derived from the old ones and the survivors, so
 every survivor computes the same without sending the secret anywhere.
@@ -34,7 +34,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..departures.machine import GONE_HOW
+from ..departures.words import GONE_HOW
 from ..errors import (CLOSED, CollectiveMismatch, CollectiveTimeout, GroupBroken,
                       PeerLost, ProtocolError, RendezvousError)
 from ..settings import Settings

@@ -72,7 +72,9 @@ agreeing on ``delay`` and ``settings`` (a :class:`~p2pcoll.CollectiveMismatch` n
 first that differs, before the state moves).
 
 Formation. The rendezvous forms a group once ``max_world_size`` peers are there, or at
-least ``min_world_size`` are and nobody new arrived for a second. A join that fails for a
+least ``min_world_size`` are and nobody new arrived for a second; after a loss, survivors
+that cannot shrink expect themselves and the peers counted waiting, and the group forms
+as soon as those are there. A join that fails for a
 passing reason (a peer lost while the group formed, the rendezvous host gone while another
 takes over) is tried again until the join timeout; when that passes with fewer than
 ``min_world_size`` peers at the rendezvous, :class:`WorldTooSmall` says how many there were.
@@ -102,7 +104,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -116,12 +117,13 @@ from .census import Census
 from .delayed import check_delay
 from .elastic_delayed import (ADMIT, HOLDERS, OPS, check_robust, train_delayed,
                               zeros_from_holder)
+from .elastic_result import ElasticResult, Formation
 from .errors import WorldTooSmall
 from .gradients import allreduce_gradients
 from .modes import agree_on
 from .nonfinite import Nonfinite
 from .heal import HealFailed, HealProgress, heal
-from .shrinking import shrunk
+from .shrinking import shrunk, survivors
 
 if TYPE_CHECKING:
     from .. import Group
@@ -138,67 +140,6 @@ RECOVERABLE = (PeerLost, GroupBroken, CollectiveTimeout)
 RETRY_S = 0.2  # pause before joining again after a join that failed for a passing reason
 CENSUS_S = 1.0  # how often the peers at the rendezvous are counted while joining
 
-
-
-@dataclass
-class Formation:
-    """One group this rank trained in, from its formation to its close.
-
-    Attributes:
-        rank, world_size: this rank's place in the group, and its size.
-        round: the round the group started from (the source's counter).
-        source: the rank whose state every member took.
-        applied: the rounds this rank applied in this group, in order.
-        ended: why the group ended: ``"finished"``, ``"admitting"`` (peers were waiting),
-            or the failure (``"PeerLost: ..."``).
-        shrunk: whether the group was formed by the survivors of a loss among themselves
-            (:mod:`.shrinking`), not through the rendezvous.
-    """
-
-    rank: int
-    world_size: int
-    round: int
-    source: int
-    applied: list[int] = field(default_factory=list)
-    ended: str = ""
-    shrunk: bool = False
-
-    @property
-    def received(self) -> bool:
-        """Whether this rank took another rank's state at the formation."""
-        return self.rank != self.source
-
-
-@dataclass
-class ElasticResult:
-    """What :func:`train_elastic` did on this rank.
-
-    Attributes:
-        state: the trained state (the caller's own pytree, updated in place).
-        formations: the groups this rank trained in, in order. Groups that broke before
-            their state was in sync are not listed.
-        redone: how many rounds this rank computed a second time, after a failure lost them.
-    """
-
-    state: Pytree
-    formations: list[Formation]
-    redone: int
-
-    @property
-    def applied(self) -> list[int]:
-        """Every round this rank applied itself, in order; the rounds missing from it came
-        with another rank's state at a formation."""
-        return [r for f in self.formations for r in f.applied]
-
-    @property
-    def rounds_done(self) -> int:
-        """How many rounds this rank applied itself."""
-        return sum(len(f.applied) for f in self.formations)
-
-    @property
-    def joined_at(self) -> int:
-        """The round this rank started from: 0 for the first peers, later for a newcomer."""
-        return self.formations[0].round
 
 
 async def train_elastic(
@@ -256,7 +197,7 @@ async def train_elastic(
             state moves.
         **join_kwargs: other arguments of :func:`p2pcoll.join` (``key_file``,
             ``heartbeat_timeout``, ``job_id``, ``collective_timeout``, ``transport``,
-            ``strategies``); not ``world_size``, ``rank`` or ``order``.
+            ``strategies``); not ``world_size``, ``rank``, ``order`` or ``expect``.
 
     Returns:
         An :class:`ElasticResult`; ``state`` holds round ``rounds - 1``'s update.
@@ -280,7 +221,7 @@ async def train_elastic(
     Cancellation: closes the group; ``state`` holds a whole number of rounds (the round in
         progress is not applied).
     """
-    for name in ("world_size", "rank", "order"):
+    for name in ("world_size", "rank", "order", "expect"):
         if name in join_kwargs:
             raise TypeError(f"train_elastic assigns {name}; do not pass {name}=")
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
@@ -323,6 +264,7 @@ class _Run:
         self.round = 0
         self.synced = False  # whether (round, state) came from a formation: a newcomer's not
         self.order: int | None = None  # the last group's rank, this rank's place in the next
+        self.expect: int | None = None  # how many peers the next join expects, if known
         self.started = -1  # the highest round whose step this rank ran
         self.redone = 0
         self.formations: list[Formation] = []
@@ -360,6 +302,10 @@ class _Run:
                     try:
                         following = await shrunk(group, self.settings.min_world_size or 1,
                                                  census.ask)
+                        if following is None:  # to the rendezvous: who is coming there
+                            waiting = await census.ask()
+                            self.expect = (None if waiting is None
+                                           else len(survivors(group)) + waiting)
                     finally:
                         await census.aclose()
                 finally:
@@ -420,7 +366,8 @@ class _Run:
         try:
             while (left := deadline - loop.time()) > 0:
                 try:
-                    return await join(**{**self.joining, "order": self.order, "timeout": left})
+                    return await join(**{**self.joining, "order": self.order,
+                                         "expect": self.expect, "timeout": left})
                 except RendezvousError as exc:
                     if exc.permanent:  # rejected, or not this job's rendezvous
                         raise
@@ -428,6 +375,7 @@ class _Run:
                     log.info("elastic: joining again: %s", exc)
                 await asyncio.sleep(min(RETRY_S, max(0.0, deadline - loop.time())))
         finally:
+            self.expect = None  # said once: the join after the next loss counts again
             counting.cancel()
             await asyncio.gather(counting, return_exceptions=True)
             await census.aclose()

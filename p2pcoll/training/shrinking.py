@@ -16,7 +16,9 @@ not heard of a second loss yet) get a CollectiveMismatch from the shrink; a surv
 meanwhile, a PeerLost; too few survivors for ``min_world_size``: no shrink; and no shrink
 when nobody answers at the rendezvous (the peer that hosted it is among the lost): a
 shrunk group would host no rendezvous, and newcomers would wait there alone. In each case
-every survivor goes to the rendezvous instead, as before (one of them hosts it).
+every survivor goes to the rendezvous instead, as before (one of them hosts it), expecting
+the survivors and the peers counted waiting there: the group forms as soon as they are all
+there, not a second after the last arrival (``expect`` of :func:`p2pcoll.join`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..errors import P2PCollError, PeerLost
 if TYPE_CHECKING:
     from .. import Group
 
-__all__ = ["NEWS_S", "SHRINK_TIMEOUT_S", "gone", "shrunk"]
+__all__ = ["NEWS_S", "SHRINK_TIMEOUT_S", "gone", "shrunk", "survivors"]
 
 log = logging.getLogger("p2pcoll.training")
 
@@ -49,6 +51,12 @@ def gone(group: Group) -> list[int]:
     if isinstance(group.cause, PeerLost) and group.cause.rank is not None:
         ranks.add(group.cause.rank)
     return sorted(ranks)
+
+
+def survivors(group: Group) -> list[int]:
+    """The ranks of ``group`` not known to have gone (see :func:`gone`)."""
+    lost = set(gone(group))
+    return [r for r in range(group.world_size) if r not in lost]
 
 
 async def shrunk(group: Group, min_world_size: int,
