@@ -141,6 +141,10 @@ class BoardPath:
         # yields it (with a core per peer it would go to the host's other work instead).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.crowded = self.size > cores
+        # A crowded wait's polling, so far: this rank's own time on the core and the
+        # clock's (ns); and the clock time it polls at most (see _poll_crowded).
+        self._held = self._polled = 0
+        self._reach = int(max(self.spin, MIN_NAP) * 1e9)
         self.slot_bytes = board.slot_bytes
         self._w = board.control()
         self._me = self.rank * WORDS
@@ -187,36 +191,61 @@ class BoardPath:
         if first < 0:
             return
         began = time.monotonic_ns()
-        w, patience = self._w, self.patience
+        w, patience, crowded = self._w, self.patience, self.crowded
+        poll = self._poll_crowded if crowded else self._poll
+        self._held = 0
         # A quick poll first: partners found meanwhile came early, which teaches a sure
         # policy nothing (waiting.py). Else poll on for the budget of those not there yet.
-        found = self._poll(count, ranks, began + self._quick)
+        found = poll(count, ranks, began, self._quick)
         if found and patience.sure:
             return
         if not found:
             late = [first] if len(ranks) == 1 else \
                 [q for q in ranks if w[q * WORDS + COUNT] < count] or [first]
-            if not self._poll(count, ranks, began + int(patience.budget(late) * 1e9)):
+            if not poll(count, ranks, began, int(patience.budget(late) * 1e9)):
                 await self._sleep(count, ranks, seq)
         # Learnt only from waits that ended well: how late each partner published. (A
         # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
+        # Crowded, in the budget's currency: a partner that published while this rank
+        # polled came after the same share of the poll's own time as of its clock time.
         if patience.ceiling:
+            polled = self._polled if crowded else 0
+            share = self._held / polled if polled > 0 else 1.0
             for q in ranks:
-                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
+                late = w[q * WORDS + STAMP] - began
+                patience.learn(q, (late * share if 0 < late <= polled else late) * 1e-9)
 
-    def _poll(self, count: int, ranks: Sequence[int], until: int) -> bool:
-        """Poll for ``ranks`` until ``until`` (``time.monotonic_ns()``), yielding the core
-        between polls when crowded; whether they all published ``count`` meanwhile. It
-        looks at least once: a peer that published just now (a barrier's partner, a few
-        microseconds behind) needs no sleep, nor its word in the line."""
+    def _poll(self, count: int, ranks: Sequence[int], began: int, budget: int) -> bool:
+        """Poll for ``ranks`` until ``budget`` ns after ``began`` (``time.monotonic_ns()``)
+        on the clock; whether they all published ``count`` meanwhile. It looks at least
+        once: a peer that published just now (a barrier's partner, a few microseconds
+        behind) needs no sleep, nor its word in the line."""
         missing, clock = self._missing, time.monotonic_ns
-        between = yield_core if self.crowded else None
+        until = began + budget
         while clock() < until:
             if missing(count, ranks) < 0:
                 return True
-            if between is not None:
-                between()
         return missing(count, ranks) < 0
+
+    def _poll_crowded(self, count: int, ranks: Sequence[int], began: int,
+                      budget: int) -> bool:
+        """:meth:`_poll` where the group has more peers than the host has cores: it yields
+        the core between two looks, and only the time this rank held the core (its
+        thread's CPU time, summed over the wait's polls in :attr:`_held`) counts against
+        ``budget``: the time it gave a partner is the partner's progress, not this rank's
+        polling. At most :attr:`_reach` ns after ``began`` on the clock, a sleep's first
+        nap (or the ceiling, if longer): a wait that gets the core seldom (the host's
+        other work has it) notices a failure as soon as a sleeping one would."""
+        missing, cpu, clock = self._missing, time.thread_time_ns, time.monotonic_ns
+        start, until = cpu() - self._held, began + self._reach
+        try:
+            while missing(count, ranks) >= 0:
+                if cpu() - start >= budget or clock() >= until:
+                    return False
+                yield_core()
+            return True
+        finally:
+            self._held, self._polled = cpu() - start, clock() - began
 
     async def _sleep(self, count: int, ranks: Sequence[int], seq: int) -> None:
         """Sleep until ``ranks`` have published ``count``, woken by the next publisher or
