@@ -57,6 +57,7 @@ from ..transport.board import (
     PARITY,
     SEQ,
     SLEEPING,
+    SOME,
     STAMP,
     VIA_MESSAGES,
     WANTS,
@@ -260,7 +261,8 @@ class BoardPath:
         # flight record ask): those that have not published yet.
         matcher.note_waiting(op, [q for q in ranks if w[q * WORDS + COUNT] < count])
         # Whom it sleeps for: the peer whose publication completes it wakes it (_publish).
-        w[me + WANTS] = ranks[0] if len(ranks) == 1 else EVERY_OTHER
+        w[me + WANTS] = ranks[0] if len(ranks) == 1 else \
+            EVERY_OTHER if len(ranks) == len(self.others) else SOME  # SOME: anyone wakes it
         try:
             while True:
                 self._naps += 1
@@ -296,8 +298,8 @@ class BoardPath:
 
     def _due(self, q: int, until: int) -> bool:
         """Whether rank ``q``, asleep until its peers publish ``until``, is this rank's to
-        wake now: what it waits for (its WANTS; a word that does not add up: anything) is
-        there, and no peer has woken it from this nap (then this rank notes it WOKEN).
+        wake now: what it waits for (its WANTS; SOME, or a word that does not add up:
+        anything) is there, and no peer has woken it from this nap (then this rank notes it WOKEN).
         Of peers that publish together the last finds it complete (each fences between
         its count and these loads); a WOKEN nap's wake-up is on its way (it was written
         after q noted the NAP, before it slept)."""

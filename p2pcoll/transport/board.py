@@ -25,7 +25,7 @@ peer maps it and marks its line attached; rank 0 unlinks the name once all have)
                     META       bytes of the layout in the meta area (broadcast's root)
                     FLAGS      VIA_MESSAGES: the data goes as messages this time
                     then, for waking this rank when it sleeps:
-                    WANTS      whom it sleeps waiting for: a rank, or -1 every other
+                    WANTS      whom it sleeps waiting for: a rank, -1 every other, -2 some
                     NAP        its sleeps so far (a new number each time it goes to sleep)
                     WOKEN      written by its peers: the NAP some peer has woken it from
     data          per rank, per buffer: slot bytes of payload then meta bytes of layout
@@ -76,7 +76,7 @@ FIELDS = 6
 VIA_MESSAGES = 1
 WORDS = LINE // 8
 WANTS, NAP, WOKEN = range(PARITY + DEPTH * FIELDS, PARITY + DEPTH * FIELDS + 3)
-EVERY_OTHER = -1  # WANTS of a rank that waits for all of its peers
+EVERY_OTHER, SOME = -1, -2  # WANTS of a rank that waits for all its peers, for several
 assert WOKEN < WORDS
 MAX_SLOT_BYTES, MAX_META_BYTES = 1 << 24, 1 << 20  # a board announced as larger is refused
 # A board group greets every peer (each must be able to wake each other: a wake-up pipe
