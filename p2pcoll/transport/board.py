@@ -38,11 +38,11 @@ only writes (a broadcast's root, a reduce's non-roots) runs up to three collecti
 of its readers, as a sender over a socket runs ahead into the socket's buffer: with two
 buffers the root of a loop of broadcasts waited for its reader at every other call, and
 the two slept in turn (a wake-up each, and a hop between threads for a caller that drives
-the loop). Readers check ``COUNT >= c`` first, then read. A rank
-that sleeps is woken once per nap, by the peer whose publication completes what it waits for
-(its WANTS, up to SLEEPING): not by every peer that publishes meanwhile. On
-x86-64 stores are seen in program order (TSO), so a published count means its data is
-there; the board is only used there (:func:`supported`).
+the loop). Readers check ``COUNT >= c`` first, then read. A rank that sleeps is woken
+once per nap, by the peer whose publication completes what it waits for (its WANTS, up to
+SLEEPING), not by every peer that publishes meanwhile. On x86-64 stores are seen in
+program order (TSO), so a published count means its data is there; the board is only
+used there (:func:`supported`).
 
 Everything a peer reads from the board is checked before use (counts only grow, by at
 most two; sizes within the slot; sequence, digest and codes equal to this rank's own),
