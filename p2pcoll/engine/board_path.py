@@ -10,8 +10,8 @@ place. The reductions fold the slots in rank order 0, 1, ..., p-1 on every rank,
 rank gets the same bits (and integer results equal every other strategy's).
 
 Waiting. A rank first polls its peers' counts for a budget learned from how late they
-recently arrived, at most ``P2PCOLL_SPIN`` microseconds (with more peers than cores: until
-it has held the core that long, yielding it between polls; hybrid waiting:
+recently arrived, at most ``P2PCOLL_SPIN`` microseconds (of its own time on the core, which
+it yields between polls, when there are more peers than cores: hybrid waiting,
 :mod:`p2pcoll.engine.waiting`), then sleeps: it says so in its line, with whom it waits
 for, and the peer whose publication completes that writes a byte into its wake-up pipe
 (the lanes' own, :class:`~p2pcoll.transport.lane.Wakeup`), once per sleep. Both sides
@@ -146,10 +146,10 @@ class BoardPath:
         # yields it (with a core per peer it would go to the host's other work instead).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.crowded = self.size > cores
-        # A crowded wait's polling (ns): the most of its own time on the core, the most
-        # on the clock (a sleep's first nap, or the ceiling), and the last one's own time.
-        self._ceiling, self._reach = int(self.spin * 1e9), int(max(self.spin, MIN_NAP) * 1e9)
-        self._held = 0
+        # A crowded wait's polling (ns): its own time on the core and the clock's so far,
+        # and the most on the clock (a sleep's first nap, or the ceiling if longer).
+        self._held = self._polled = 0
+        self._reach = int(max(self.spin, MIN_NAP) * 1e9)
         self.slot_bytes = board.slot_bytes
         self._w = board.control()
         self._me = self.rank * WORDS
@@ -197,53 +197,55 @@ class BoardPath:
         first = self._missing(count, ranks)
         if first < 0:
             return
-        if self.crowded:  # more peers than cores: no budget to learn (waiting.py)
-            if not self._poll_crowded(count, ranks):
-                await self._sleep(count, ranks, seq)
-            return
         began = time.monotonic_ns()
-        w, patience = self._w, self.patience
+        w, patience, crowded = self._w, self.patience, self.crowded
+        poll = self._poll_crowded if crowded else self._poll
+        self._held = self._polled = 0
         # A quick poll first: partners found meanwhile came early, which teaches a sure
         # policy nothing (waiting.py). Else poll on for the budget of those not there yet.
-        found = self._poll(count, ranks, began + self._quick)
+        found = poll(count, ranks, began, self._quick)
         if found and patience.sure:
             return
         if not found:
             late = [first] if len(ranks) == 1 else \
                 [q for q in ranks if w[q * WORDS + COUNT] < count] or [first]
-            if not self._poll(count, ranks, began + int(patience.budget(late) * 1e9)):
+            if not poll(count, ranks, began, int(patience.budget(late) * 1e9)):
                 await self._sleep(count, ranks, seq)
-        # Learnt only from waits that ended well: how late each partner published. (A
-        # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
+        # Learnt only from waits that ended well: how late each partner published (its
+        # stamp unchecked: the budget stays in the ceiling whatever it says); crowded, one
+        # found while this rank polled came within the time it held the core.
         if patience.ceiling:
+            polled, held = self._polled, self._held
             for q in ranks:
-                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
+                after = w[q * WORDS + STAMP] - began
+                patience.learn(q, (min(after, held) if after <= polled else after) * 1e-9)
 
-    def _poll(self, count: int, ranks: Sequence[int], until: int) -> bool:
-        """Poll for ``ranks`` until ``until`` (``time.monotonic_ns()``); whether they all
-        published ``count`` meanwhile. It looks at least once: a peer that published just
-        now (a barrier's partner, a few microseconds behind) needs no sleep, nor its word
-        in the line."""
+    def _poll(self, count: int, ranks: Sequence[int], began: int, budget: int) -> bool:
+        """Poll for ``ranks`` until ``budget`` ns after ``began`` (``time.monotonic_ns()``);
+        whether they all published ``count``. It looks at least once."""
         missing, clock = self._missing, time.monotonic_ns
+        until = began + budget
         while clock() < until:
             if missing(count, ranks) < 0:
                 return True
         return missing(count, ranks) < 0
 
-    def _poll_crowded(self, count: int, ranks: Sequence[int]) -> bool:
+    def _poll_crowded(self, count: int, ranks: Sequence[int], began: int,
+                      budget: int) -> bool:
         """:meth:`_poll` with more peers than cores (waiting.py): it yields the core
-        between looks, until it has held the core (its thread's CPU time, then in
-        :attr:`_held`) for the ceiling, or for at most :attr:`_reach` on the clock."""
+        between looks, and only the time it held the core (its thread's CPU time, summed
+        over the wait's polls in :attr:`_held`) counts against ``budget``; at most
+        :attr:`_reach` ns after ``began`` on the clock (then in :attr:`_polled`)."""
         missing, cpu, clock = self._missing, time.thread_time_ns, time.monotonic_ns
-        start, until = cpu(), clock() + self._reach
+        start, until = cpu() - self._held, began + self._reach
         try:
             while missing(count, ranks) >= 0:
-                if cpu() - start >= self._ceiling or clock() >= until:
+                if cpu() - start >= budget or clock() >= until:
                     return False
                 yield_core()
             return True
         finally:
-            self._held = cpu() - start
+            self._held, self._polled = cpu() - start, clock() - began
 
     async def _sleep(self, count: int, ranks: Sequence[int], seq: int) -> None:
         """Sleep until ``ranks`` have published ``count``, woken by the publisher that
