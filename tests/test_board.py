@@ -21,8 +21,19 @@ import pytest
 
 import p2pcoll
 from conftest import finish
+from p2pcoll.engine.board_path import BoardPath
 from p2pcoll.testing import free_port, run_ranks
-from p2pcoll.transport.board import COUNT, DEPTH, FIELDS, NBYTES, PARITY, WORDS
+from p2pcoll.transport.board import (
+    COUNT,
+    DEPTH,
+    FIELDS,
+    NBYTES,
+    PARITY,
+    SLEEPING,
+    WANTS,
+    WORDS,
+    Board,
+)
 
 
 def _ran(g: p2pcoll.Group, collective: str) -> dict[str, int]:
@@ -277,6 +288,74 @@ async def test_a_corrupt_line_on_the_board_is_an_error_naming_the_rank() -> None
     err = results[0]
     assert isinstance(err, p2pcoll.ProtocolError) and "rank 1" in str(err), repr(err)
     assert PARITY + FIELDS * DEPTH <= WORDS
+
+
+class _NothingToReport:
+    """A board path's matcher where nothing fails and no message comes."""
+
+    def note_waiting(self, op: object, ranks: object) -> None:
+        pass
+
+    def failure(self, op: object) -> None:
+        return None
+
+    def stray(self, op: object) -> None:
+        return None
+
+
+async def test_a_sleeper_is_woken_once_by_the_peer_that_completes_its_wait() -> None:
+    # Three ranks' paths on one board in this process (so none polls: each wait looks
+    # once, then sleeps); the wake-ups each rank writes are recorded, not sent.
+    owner = Board.create(0, 3, tag=11)
+    boards = [owner, *(Board.attach(owner.name, r, 3, 11) for r in (1, 2))]
+    woken: list[tuple[int, int]] = []
+    for board in boards:
+        board.wake = lambda q, by=board.rank: woken.append((by, q))
+    paths = [BoardPath(board, _NothingToReport(), 50e-6) for board in boards]  # type: ignore[arg-type]
+    try:
+        # Rank 0 waits for every other rank's count 1 (an allreduce).
+        sleeper = asyncio.create_task(paths[0]._wait(1, [1, 2], seq=1))
+        await asyncio.sleep(0)
+        assert boards[0].words[0, SLEEPING] == 1
+        paths[1]._publish(1)
+        assert woken == []  # rank 2 is not there yet: nothing to wake rank 0 for
+        paths[2]._publish(1)
+        assert woken == [(2, 0)]
+        paths[1]._publish(2)  # the next collective, before rank 0 has run: once a nap
+        paths[2]._publish(2)
+        assert woken == [(2, 0)]
+        boards[0].on_wake()  # the byte arrives
+        await asyncio.wait_for(sleeper, 10)
+
+        # A broadcast's receiver waits for its root (rank 2) only; a wake-up for
+        # something else (a lane's message) finds it incomplete: it sleeps again, and
+        # the root's publication wakes that nap.
+        sleeper = asyncio.create_task(paths[0]._wait(3, [2], seq=3))
+        await asyncio.sleep(0)
+        paths[1]._publish(3)
+        boards[0].on_wake()
+        await asyncio.sleep(0)
+        assert woken == [(2, 0)] and not sleeper.done()
+        paths[2]._publish(3)
+        assert woken == [(2, 0), (2, 0)]
+        boards[0].on_wake()
+        await asyncio.wait_for(sleeper, 10)
+        assert boards[0].words[0, SLEEPING] == 0
+
+        # A line whose WANTS does not add up is woken by any publication.
+        sleeper = asyncio.create_task(paths[0]._wait(4, [1, 2], seq=4))
+        await asyncio.sleep(0)
+        boards[0].words[0, WANTS] = 7
+        paths[1]._publish(4)
+        assert woken[-1] == (1, 0)
+        paths[2]._publish(4)
+        boards[0].on_wake()
+        await asyncio.wait_for(sleeper, 10)
+    finally:
+        for path in paths:
+            path.close()
+        for board in boards:
+            board.close()
 
 
 _KILLED = textwrap.dedent("""

@@ -5,6 +5,7 @@ with the same bits as numpy's fold in rank order."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -18,8 +19,11 @@ import numpy as np
 import pytest
 
 from conftest import finish
+from p2pcoll.engine import board_path
+from p2pcoll.engine.board_path import MIN_NAP, BoardPath
 from p2pcoll.engine.waiting import MARGIN, PROBE, Patience
 from p2pcoll.testing import free_port
+from p2pcoll.transport.board import COUNT, STAMP, WORDS, Board
 
 
 def test_the_budget_never_exceeds_the_ceiling() -> None:
@@ -133,14 +137,138 @@ def test_two_ranks_that_both_sleep_get_back_in_step() -> None:
     assert ranks[0].usual(1) == 1.0  # rank 0, first each round, polls for rank 1 again
 
 
+class _Core:
+    """This rank's core, simulated for a crowded board wait (more peers than cores): the
+    host's clock and this rank's own time on the core (ns), each look at them costing
+    100 ns of both, and what each yield of the core lets the others do
+    (:meth:`others_run`): ``ran`` ns of their work, after which a partner may publish."""
+
+    def __init__(self, board: Board, ran: int, partner: int, publishes_after: int | None) -> None:
+        self.wall, self.cpu = 10**12, 10**9
+        self.words = board.control()
+        self.ran, self.partner, self.publishes_after = ran, partner, publishes_after
+        self.yields = 0
+
+    def monotonic_ns(self) -> int:
+        self.wall += 100
+        self.cpu += 100
+        return self.wall
+
+    def thread_time_ns(self) -> int:
+        return self.cpu
+
+    def perf_counter(self) -> float:
+        return self.wall * 1e-9
+
+    def others_run(self) -> None:  # board_path.yield_core
+        self.yields += 1
+        self.wall += self.ran + 1000
+        self.cpu += 1000  # the system call: this rank's own time
+        if self.yields == self.publishes_after:
+            self.publish(self.partner)
+
+    def publish(self, q: int) -> None:
+        count = self.words[q * WORDS + COUNT] + 1
+        self.words[q * WORDS + STAMP] = self.wall
+        self.words[q * WORDS + COUNT] = count
+
+
+@pytest.fixture
+def crowded(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A crowded board wait of rank 0 of 3 over a simulated core: call it with how long the
+    others run at each yield and after how many yields rank 1 publishes (None: never; a
+    sleep publishes it, so the wait ends); it returns (the path, the core, sleeps)."""
+    boards: list[Board] = []
+
+    def make(ran: int, publishes_after: int | None, spin: float = 50e-6):  # type: ignore[no-untyped-def]
+        board = Board.create(0, 3, tag=7)
+        boards.append(board)
+        core = _Core(board, ran, 1, publishes_after)
+        core.publish(2)  # rank 2 is always there first
+        path = BoardPath(board, None, spin)  # type: ignore[arg-type]  # no sleep needs it
+        path.crowded = True
+        slept: list[int] = []
+
+        async def sleep(count: int, ranks: object, seq: int) -> None:
+            slept.append(count)
+            core.wall += 10**6  # a wake-up later, the partner has published
+            core.publish(1)
+            core.words[2 * WORDS + COUNT] = count  # and rank 2 (its count only)
+
+        monkeypatch.setattr(board_path, "time", core)
+        monkeypatch.setattr(board_path, "yield_core", core.others_run)
+        monkeypatch.setattr(path, "_sleep", sleep)
+        return path, core, slept
+
+    yield make
+    for board in boards:
+        board.close()
+
+
+def _wait_for_rank_1(path: BoardPath, core: _Core) -> None:
+    count = core.words[2 * WORDS + COUNT]
+    asyncio.run(path._wait(count, [1, 2], seq=count))
+
+
+def test_a_crowded_wait_counts_only_its_own_time_on_the_core(crowded) -> None:  # type: ignore[no-untyped-def]
+    # Rank 1 shares rank 0's core and publishes after three of rank 0's yields, each of
+    # which runs it 40 us: 120 us on the clock, more than the 50 us ceiling, but rank 0
+    # held the core for a few microseconds of it. It finds rank 1 without sleeping, and
+    # learns that rank 1 comes early: the budget stays the ceiling, wait after wait.
+    path, core, slept = crowded(ran=40_000, publishes_after=3)
+    for _ in range(50):
+        core.yields = 0
+        began = core.wall
+        _wait_for_rank_1(path, core)
+        assert core.yields == 3 and core.wall - began > 120_000
+        assert path._held < 10_000  # its own time: the yields' system calls and the looks
+        core.publish(2)
+    assert slept == []
+    assert path.patience.usual(1) == 1.0 and path.patience.budget([1]) == 50e-6
+
+
+def test_a_crowded_wait_for_a_stopped_partner_polls_at_most_the_ceiling_then_sleeps(
+        crowded) -> None:  # type: ignore[no-untyped-def]
+    # Rank 1 is stopped and nothing else wants the core: each yield comes straight back,
+    # and the wait polls until it has held the core for its budget, never more than the
+    # ceiling (and a look and a yield), then sleeps. It learns rank 1 comes late: the
+    # budget falls to the margin, with the ceiling once in PROBE waits.
+    path, core, slept = crowded(ran=0, publishes_after=None)
+    held = []
+    for _ in range(3 * PROBE):
+        core.yields = 0
+        _wait_for_rank_1(path, core)
+        held.append(path._held)
+        core.publish(2)
+    assert len(slept) == 3 * PROBE
+    assert all(h <= 50_000 + 1_500 for h in held)
+    assert max(held) >= 50_000  # the first waits polled the ceiling
+    assert path.patience.usual(1) < 0.5
+    assert sum(h >= 50_000 for h in held[-2 * PROBE:]) == 2  # probes
+    assert all(h <= MARGIN * 1e9 + 1_500 for h in held[-2 * PROBE:] if h < 50_000)
+
+
+def test_a_crowded_wait_that_seldom_gets_the_core_sleeps_after_a_nap_of_polling(
+        crowded) -> None:  # type: ignore[no-untyped-def]
+    # The host's other work takes the core for 3 ms at every yield: the wait has held the
+    # core for microseconds when a sleep's first nap has passed on the clock, and sleeps
+    # then (a failure is noticed as soon as by a sleeping wait).
+    path, core, slept = crowded(ran=3_000_000, publishes_after=None)
+    _wait_for_rank_1(path, core)
+    assert slept and core.yields == 1
+    assert path._held < 10_000 and path._polled >= MIN_NAP * 1e9
+
+
 _PEER = textwrap.dedent("""
-    import asyncio, hashlib, sys, time
+    import asyncio, hashlib, os, sys, time
     import numpy as np
     import p2pcoll
 
-    ITERS, SLOW = int(sys.argv[1]), int(sys.argv[2])
+    ITERS, SLOW, PIN = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "pin"
 
     async def main():
+        if PIN:  # every peer on one core: more peers than cores on any host
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         async with p2pcoll.join() as g:
             board = g.session.board
             patience = board.patience
@@ -153,11 +281,11 @@ _PEER = textwrap.dedent("""
                 if i == ITERS // 4:
                     print("HALFWAY", flush=True)  # the test stops rank 1 about now
                 digest.update((await g.allreduce(x.astype(np.float32))).tobytes())
-                most = max(most, patience.budget(others))
+                most = max(most, patience.budget(others), board._held * 1e-9)
                 fewest = min(fewest, *(patience.usual(q) for q in others))
             ran = g.stats()["collectives_by_strategy"]["allreduce"]
             print("DONE", digest.hexdigest(), patience.ceiling, most, fewest, ran.get("shm"),
-                  flush=True)
+                  board.crowded, flush=True)
 
     asyncio.run(main())
 """)
@@ -177,17 +305,20 @@ def _expected(world: int, iters: int) -> str:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize(("world", "spin"), [(3, "1000"), (5, "50"), (2, "0")])
+@pytest.mark.parametrize(("world", "spin", "pin"),
+                         [(3, "1000", ""), (5, "50", ""), (2, "0", ""), (3, "50", "pin")])
 def test_a_stopped_and_a_slow_partner_end_in_the_same_bits(tmp_path: Path, world: int,
-                                                           spin: str) -> None:
+                                                           spin: str, pin: str) -> None:
     """Rank 1 is stopped for a while a quarter of the way in; the last rank sleeps up to
-    2 ms before each call; with 5 peers on this host there are more peers than cores."""
+    2 ms before each call. Pinned to one core (and with 5 peers on a host of fewer
+    cores), the group has more peers than cores: its waits yield."""
     iters = 300
     script = tmp_path / "peer.py"
     script.write_text(_PEER)
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, str(script), str(iters), str(world - 1)], stdout=subprocess.PIPE,
+        [sys.executable, str(script), str(iters), str(world - 1), pin or "-"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         env={**os.environ, "P2PCOLL_SPIN": spin, "RANK": str(rank),
              "WORLD_SIZE": str(world), "P2PCOLL_RENDEZVOUS": f"tcp://127.0.0.1:{port}"})
@@ -205,9 +336,15 @@ def test_a_stopped_and_a_slow_partner_end_in_the_same_bits(tmp_path: Path, world
     ceiling = int(spin) * 1e-6
     for rank, (code, out) in enumerate(outcomes):
         assert code == 0, (rank, out)
-        digest, said_ceiling, most, fewest, on_board = out.split("DONE ")[1].split()
+        digest, said_ceiling, most, fewest, on_board, crowded = out.split("DONE ")[1].split()
         assert digest == expected, f"rank {rank}: other bits than numpy's fold"
-        assert float(said_ceiling) == ceiling and 0 <= float(most) <= ceiling
         assert on_board == str(iters)  # every call ran on the board
+        assert float(said_ceiling) == ceiling
+        if pin:
+            assert crowded == "True"
+        # Crowded, a wait polls until it held the core for its budget (and a look and a
+        # yield beyond, whose system time a busy host may swell).
+        slack = 1e-3 if crowded == "True" else 0.0
+        assert 0 <= float(most) <= ceiling + slack
         if rank != 1 and spin != "0":
             assert float(fewest) < 1  # it learned that a partner came late

@@ -10,15 +10,15 @@ place. The reductions fold the slots in rank order 0, 1, ..., p-1 on every rank,
 rank gets the same bits (and integer results equal every other strategy's).
 
 Waiting. A rank first polls its peers' counts for a budget learned from how late they
-recently arrived, at most ``P2PCOLL_SPIN`` microseconds, yielding the core between polls
-when the group has more peers than the host has cores (hybrid waiting:
-:mod:`p2pcoll.engine.waiting`), then sleeps: it says so in its line, and
-whoever publishes next writes a byte into its wake-up pipe (the lanes' own,
-:class:`~p2pcoll.transport.lane.Wakeup`). Both sides fence between their store
-and their load, so a publish never misses a sleeper; a timer that backs off to
-:data:`MAX_NAP` covers the failures that arrive as messages (a peer's abort). A collective
-whose peers have published returns without awaiting anything: the awaitable completes in
-the caller's step.
+recently arrived, at most ``P2PCOLL_SPIN`` microseconds (of its own time on the core, which
+it yields between polls, when there are more peers than cores: hybrid waiting,
+:mod:`p2pcoll.engine.waiting`), then sleeps: it says so in its line, with whom it waits
+for, and the peer whose publication completes that writes a byte into its wake-up pipe
+(the lanes' own, :class:`~p2pcoll.transport.lane.Wakeup`), once per sleep. Both sides
+fence between their store and their load, so a publish never misses a sleeper; a timer
+that backs off to :data:`MAX_NAP` covers the failures that arrive as messages (a peer's
+abort). A collective whose peers have published returns without awaiting anything: the
+awaitable completes in the caller's step.
 
 Failures. A board collective runs under the failure model like any other (deadline, lost
 peers: the sleep is where they end it) and is matched by the session's sequence number,
@@ -48,15 +48,20 @@ from ..transport.board import (
     COUNT,
     DEPTH,
     DIGEST,
+    EVERY_OTHER,
     FIELDS,
     FLAGS,
     META,
+    NAP,
     NBYTES,
     PARITY,
     SEQ,
     SLEEPING,
+    SOME,
     STAMP,
     VIA_MESSAGES,
+    WANTS,
+    WOKEN,
     WORDS,
     Board,
 )
@@ -141,10 +146,16 @@ class BoardPath:
         # yields it (with a core per peer it would go to the host's other work instead).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.crowded = self.size > cores
+        # A crowded wait's polling (ns): its own time on the core and the clock's so far,
+        # and the most on the clock (a sleep's first nap, or the ceiling if longer).
+        self._held = self._polled = 0
+        self._reach = int(max(self.spin, MIN_NAP) * 1e9)
         self.slot_bytes = board.slot_bytes
         self._w = board.control()
         self._me = self.rank * WORDS
         self._waiter: asyncio.Future[None] | None = None
+        self._naps = 0  # this rank's sleeps so far (its NAP word)
+        self._peers_of = [[r for r in range(self.size) if r != q] for q in range(self.size)]
         # Board collectives run one at a time per rank, in the order they were called: the
         # number in flight, and the turns of those that wait (no future when none waits).
         self._inflight = 0
@@ -187,40 +198,58 @@ class BoardPath:
         if first < 0:
             return
         began = time.monotonic_ns()
-        w, patience = self._w, self.patience
+        w, patience, crowded = self._w, self.patience, self.crowded
+        poll = self._poll_crowded if crowded else self._poll
+        self._held = self._polled = 0
         # A quick poll first: partners found meanwhile came early, which teaches a sure
         # policy nothing (waiting.py). Else poll on for the budget of those not there yet.
-        found = self._poll(count, ranks, began + self._quick)
+        found = poll(count, ranks, began, self._quick)
         if found and patience.sure:
             return
         if not found:
             late = [first] if len(ranks) == 1 else \
                 [q for q in ranks if w[q * WORDS + COUNT] < count] or [first]
-            if not self._poll(count, ranks, began + int(patience.budget(late) * 1e9)):
+            if not poll(count, ranks, began, int(patience.budget(late) * 1e9)):
                 await self._sleep(count, ranks, seq)
-        # Learnt only from waits that ended well: how late each partner published. (A
-        # peer's stamp is not checked: whatever it says, the budget stays in the ceiling.)
+        # Learnt only from waits that ended well: how late each partner published (its
+        # stamp unchecked: the budget stays in the ceiling whatever it says); crowded, one
+        # found while this rank polled came within the time it held the core.
         if patience.ceiling:
+            polled, held = self._polled, self._held
             for q in ranks:
-                patience.learn(q, (w[q * WORDS + STAMP] - began) * 1e-9)
+                after = w[q * WORDS + STAMP] - began
+                patience.learn(q, (min(after, held) if after <= polled else after) * 1e-9)
 
-    def _poll(self, count: int, ranks: Sequence[int], until: int) -> bool:
-        """Poll for ``ranks`` until ``until`` (``time.monotonic_ns()``), yielding the core
-        between polls when crowded; whether they all published ``count`` meanwhile. It
-        looks at least once: a peer that published just now (a barrier's partner, a few
-        microseconds behind) needs no sleep, nor its word in the line."""
+    def _poll(self, count: int, ranks: Sequence[int], began: int, budget: int) -> bool:
+        """Poll for ``ranks`` until ``budget`` ns after ``began`` (``time.monotonic_ns()``);
+        whether they all published ``count``. It looks at least once."""
         missing, clock = self._missing, time.monotonic_ns
-        between = yield_core if self.crowded else None
+        until = began + budget
         while clock() < until:
             if missing(count, ranks) < 0:
                 return True
-            if between is not None:
-                between()
         return missing(count, ranks) < 0
 
+    def _poll_crowded(self, count: int, ranks: Sequence[int], began: int,
+                      budget: int) -> bool:
+        """:meth:`_poll` with more peers than cores (waiting.py): it yields the core
+        between looks, and only the time it held the core (its thread's CPU time, summed
+        over the wait's polls in :attr:`_held`) counts against ``budget``; at most
+        :attr:`_reach` ns after ``began`` on the clock (then in :attr:`_polled`)."""
+        missing, cpu, clock = self._missing, time.thread_time_ns, time.monotonic_ns
+        start, until = cpu() - self._held, began + self._reach
+        try:
+            while missing(count, ranks) >= 0:
+                if cpu() - start >= budget or clock() >= until:
+                    return False
+                yield_core()
+            return True
+        finally:
+            self._held, self._polled = cpu() - start, clock() - began
+
     async def _sleep(self, count: int, ranks: Sequence[int], seq: int) -> None:
-        """Sleep until ``ranks`` have published ``count``, woken by the next publisher or
-        by a timer that backs off to MAX_NAP.
+        """Sleep until ``ranks`` have published ``count``, woken by the publisher that
+        completes them (:meth:`_due`) or by a timer that backs off to MAX_NAP.
 
         Raises:
             PeerLost, CollectiveTimeout, CollectiveMismatch: what ended collective
@@ -233,10 +262,15 @@ class BoardPath:
         # Whom it still waits for, as it goes to sleep (a timeout's inquiry and the
         # flight record ask): those that have not published yet.
         matcher.note_waiting(op, [q for q in ranks if w[q * WORDS + COUNT] < count])
+        # Whom it sleeps for: the peer whose publication completes it wakes it (_publish).
+        w[me + WANTS] = ranks[0] if len(ranks) == 1 else \
+            EVERY_OTHER if len(ranks) == len(self.others) else SOME  # SOME: anyone wakes it
         try:
             while True:
+                self._naps += 1
+                w[me + NAP] = self._naps  # before SLEEPING: a waker reads them after it
                 w[me + SLEEPING] = count
-                fence()  # the store above before the loads below (see the docstring)
+                fence()  # the stores above before the loads below (see the docstring)
                 if self._missing(count, ranks) < 0:
                     return
                 failure = matcher.failure(op) or self._stray(seq)
@@ -259,10 +293,31 @@ class BoardPath:
         w[self._me + STAMP] = time.monotonic_ns()  # before the count: see waiting.py
         w[self._me + COUNT] = count
         fence()  # the count before the loads of who sleeps (see the docstring)
-        wake = self.board.wake
         for q in self.others:
-            if w[q * WORDS + SLEEPING]:
-                wake(q)
+            until = w[q * WORDS + SLEEPING]
+            if until and self._due(q, until):
+                self.board.wake(q)
+
+    def _due(self, q: int, until: int) -> bool:
+        """Whether rank ``q``, asleep until its peers publish ``until``, is this rank's to
+        wake now: what it waits for (its WANTS; SOME, or a word that does not add up:
+        anything) is there, and no peer has woken it from this nap (then this rank notes it WOKEN).
+        Of peers that publish together the last finds it complete (each fences between
+        its count and these loads); a WOKEN nap's wake-up is on its way (it was written
+        after q noted the NAP, before it slept)."""
+        w, line = self._w, q * WORDS
+        wants = w[line + WANTS]
+        if wants == EVERY_OTHER:
+            if self._missing(until, self._peers_of[q]) >= 0:
+                return False
+        elif 0 <= wants < self.size and wants != q:
+            if w[wants * WORDS + COUNT] < until:
+                return False
+        nap = w[line + NAP]
+        if w[line + WOKEN] == nap:
+            return False
+        w[line + WOKEN] = nap
+        return True
 
     def _fields(self, parity: int, seq: int, digest: int, nbytes: int, code: int,
                 meta: int = 0, flags: int = 0) -> None:

@@ -28,12 +28,23 @@ sleeps (:meth:`BoardPath._wait <p2pcoll.engine.board_path.BoardPath>`):
   would poll again. A probe that catches its partner (a wake-up within the ceiling) puts
   the two back in step: next time both publish together and find each other early. A
   partner late for its own reasons costs a probe of the ceiling in :data:`PROBE` waits.
-- Where the group has more peers than the host has cores, it yields the core between two
-  polls (``sched_yield``), so that a partner waiting for a core gets this one instead of
-  waiting for this rank's time slice to end. With a core per peer it does not: the
-  partner is on a core of its own, and a yield would only hand this one to the host's
-  other work (a CPU-bound process), for a whole time slice (Linux's EEVDF scheduler puts
-  the yielder behind every other eligible task).
+- Where the group has more peers than the host has cores ("crowded"), a wait yields the
+  core between two polls (``sched_yield``), so that a partner waiting for a core gets this
+  one instead of waiting for this rank's time slice to end, and only the time it held the
+  core (its thread's CPU time) counts against its budget: the time a yield gives away
+  runs a partner (or the host's other work), which is no cost of the wait. A partner
+  found while it polled came within that time. Counted on the clock, as before, the time
+  a yield gave a partner used the budget up and made the partner "late": on 2 cores with
+  4 or 8 ranks every budget fell to the margin, and every rank slept at nearly every
+  collective, a wake-up each, one after another on the shared cores. A crowded wait
+  polls at most a sleep's first nap on the clock (``MIN_NAP`` of the board path), so
+  that it notices a failure as soon as a sleeping one. On a busy host partners still
+  come late (the host's other work has the cores), and the budget falls to the margin
+  as with a core per peer: polling there would burn what the partners need.
+- With a core per peer a wait does not yield: the partner is on a core of its own, and a
+  yield would only hand this one to the host's other work (a CPU-bound process), for a
+  whole time slice (Linux's EEVDF scheduler puts the yielder behind every other eligible
+  task).
 """
 
 from __future__ import annotations

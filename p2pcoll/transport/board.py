@@ -24,6 +24,10 @@ peer maps it and marks its line attached; rank 0 unlinks the name once all have)
                     CODES      collective code | op code << 8 | (root + 1) << 16
                     META       bytes of the layout in the meta area (broadcast's root)
                     FLAGS      VIA_MESSAGES: the data goes as messages this time
+                    then, for waking this rank when it sleeps:
+                    WANTS      whom it sleeps waiting for: a rank, -1 every other, -2 some
+                    NAP        its sleeps so far (a new number each time it goes to sleep)
+                    WOKEN      written by its peers: the NAP some peer has woken it from
     data          per rank, per buffer: slot bytes of payload then meta bytes of layout
 
 Collective c uses buffer ``c % DEPTH`` of every line (its "parity"; DEPTH buffers: no
@@ -34,9 +38,11 @@ only writes (a broadcast's root, a reduce's non-roots) runs up to three collecti
 of its readers, as a sender over a socket runs ahead into the socket's buffer: with two
 buffers the root of a loop of broadcasts waited for its reader at every other call, and
 the two slept in turn (a wake-up each, and a hop between threads for a caller that drives
-the loop). Readers check ``COUNT >= c`` first, then read. On
-x86-64 stores are seen in program order (TSO), so a published count means its data is
-there; the board is only used there (:func:`supported`).
+the loop). Readers check ``COUNT >= c`` first, then read. A rank that sleeps is woken
+once per nap, by the peer whose publication completes what it waits for (its WANTS, up to
+SLEEPING), not by every peer that publishes meanwhile. On x86-64 stores are seen in
+program order (TSO), so a published count means its data is there; the board is only
+used there (:func:`supported`).
 
 Everything a peer reads from the board is checked before use (counts only grow, by at
 most two; sizes within the slot; sequence, digest and codes equal to this rank's own),
@@ -59,7 +65,7 @@ from .shmfile import barrier as _barrier
 
 log = logging.getLogger("p2pcoll.transport")
 
-VERSION = 2  # 2: DEPTH buffers (1 had two)
+VERSION = 3  # 3: WANTS, NAP and WOKEN; 2: DEPTH buffers (1 had two)
 SLOT_BYTES = 64 << 10  # payload of one rank's slot: collectives up to this go on the board
 META_BYTES = 4 << 10  # a broadcast root's layout (dtypes, shapes, tree) beside its payload
 DEPTH = 4  # buffers per rank: a writer runs up to DEPTH - 1 collectives ahead
@@ -69,7 +75,9 @@ SEQ, DIGEST, NBYTES, CODES, META, FLAGS = range(6)
 FIELDS = 6
 VIA_MESSAGES = 1
 WORDS = LINE // 8
-assert PARITY + DEPTH * FIELDS <= WORDS
+WANTS, NAP, WOKEN = range(PARITY + DEPTH * FIELDS, PARITY + DEPTH * FIELDS + 3)
+EVERY_OTHER, SOME = -1, -2  # WANTS of a rank that waits for all its peers, for several
+assert WOKEN < WORDS
 MAX_SLOT_BYTES, MAX_META_BYTES = 1 << 24, 1 << 20  # a board announced as larger is refused
 # A board group greets every peer (each must be able to wake each other: a wake-up pipe
 # per peer), so it stays small; beyond, small collectives go as messages over lanes.
