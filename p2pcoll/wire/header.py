@@ -123,7 +123,8 @@ import numpy as np
 
 from ..strategy import COLLECTIVES
 
-WIRE_VERSION = 12  # 12 (0.17): the shared-memory board keeps four buffers per rank (board
+WIRE_VERSION = 13  # 13 (0.18): a board line says what its sleeper waits for (board version
+# 3: WANTS, NAP, WOKEN); 12 (0.17): the shared-memory board keeps four buffers per rank (board
 # version 2), so peers of one host must agree on its layout; 11 (0.14): a striped link's
 # turn frames and stripe identities ("#i");
 # board publishes carry a time stamp; a join may ask to be checked for reachability; 10
