@@ -10,7 +10,8 @@ Not a test: it prints a markdown table. Each run is two processes on this host (
 warm-up; rank 0 reports the median call time and the CPU time per call (its process's,
 which a loaded host disturbs less than the wall clock). Modes alternate run by run (on,
 off, off, on, ...), so drifts of the host's load hit both alike; the table shows the
-median over runs of each mode, the ratio on/off, and the load average before and after.
+median over runs of each mode, the ratio on/off, the load average before and after, and
+the median of the ratios of the runs side by side (run i of each mode).
 
 ``--count`` is the measure a loaded host does not disturb: the Python bytecodes a call
 executes (``sys.settrace`` opcode events, every frame of the process), on and off, in a
@@ -144,6 +145,19 @@ def main() -> None:
     print(f"\non/off: call time {medians['on']['median_us'] / medians['off']['median_us']:.3f}, "
           f"CPU {medians['on']['cpu_us'] / medians['off']['cpu_us']:.3f}; load average "
           f"{load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} cores)")
+    # Run i of each mode ran side by side: their ratio is what a change of the host's
+    # state between runs (a loaded host makes a run 10x slower, or not) disturbs least.
+    for k, what in (("median_us", "call time"), ("cpu_us", "CPU")):
+        pairs = sorted(on[k] / off[k] for on, off in zip(got["on"], got["off"], strict=True))
+        print(f"on/off run by run, {what}: median {statistics.median(pairs):.3f} "
+              f"(quartiles {_quartiles(pairs)})")
+
+
+def _quartiles(values: list[float]) -> str:
+    if len(values) < 2:
+        return "-"
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return f"{q1:.3f}-{q3:.3f}"
 
 
 if __name__ == "__main__":
