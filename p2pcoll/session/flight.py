@@ -102,10 +102,10 @@ class Recorder:
         self.size = size
         # The ended calls, oldest first, one Row each (see the module docstring): the
         # runner appends a call that did not fail itself, the whole of its cost while on.
-        # A row holds ints, floats, strings and its program's entry, all of which the
-        # garbage collector stops following after its first pass (an object or an OpKey
-        # per row would be followed for as long as it is kept: 2,000 of them cost each
-        # call about a microsecond in collections).
+        # A row holds ints, floats, strings and its program's entry: tuples of those,
+        # which the garbage collector stops following once it has passed them (an object
+        # or an OpKey per row would be followed for as long as it is kept: 2,000 of them
+        # cost each call about a microsecond in collections).
         self.calls: deque[Row] = deque(maxlen=size)
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
