@@ -3,13 +3,19 @@ with the record on (``P2PCOLL_FLIGHT_RECORD`` 2000, the default) and off (0).
 
     python benchmarks/flight_overhead.py                    # 10 alternating runs per mode
     python benchmarks/flight_overhead.py --runs 20 --iters 5000
+    python benchmarks/flight_overhead.py --count            # bytecodes a call, on and off
 
 Not a test: it prints a markdown table. Each run is two processes on this host (auto puts
 4 KiB on the board) that allreduce ``--bytes`` of float32 ``--iters`` times after a
 warm-up; rank 0 reports the median call time and the CPU time per call (its process's,
 which a loaded host disturbs less than the wall clock). Modes alternate run by run (on,
 off, off, on, ...), so drifts of the host's load hit both alike; the table shows the
-median over runs of each mode, the ratio on/off, and the load average before and after.
+median over runs of each mode, the ratio on/off, the load average before and after, and
+the median of the ratios of the runs side by side (run i of each mode).
+
+``--count`` is the measure a loaded host does not disturb: the Python bytecodes a call
+executes (``sys.settrace`` opcode events, every frame of the process), on and off, in a
+group of one in this process (the recorder's path is the same as on the board).
 """
 
 from __future__ import annotations
@@ -54,6 +60,42 @@ def worker(rank: int, url: str, nbytes: int, iters: int) -> None:
                           "cpu_us": cpu / iters * 1e6}))
 
 
+def bytecodes(record: str, iters: int) -> float:
+    """Python bytecodes executed per 4 KiB allreduce in a group of one (``--count``)."""
+    from types import FrameType
+    from typing import Any
+
+    import numpy as np
+
+    from p2pcoll.testing import memory_groups
+
+    count = 0
+
+    def opcode(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "opcode":
+            count += 1
+        return opcode
+
+    def call(frame: FrameType, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        return opcode
+
+    async def go() -> None:
+        [g] = await memory_groups(1, flight_record=int(record))
+        x = np.ones(1024, np.float32)
+        for _ in range(300):  # programs prepared, caches warm
+            await g.allreduce(x)
+        sys.settrace(call)
+        for _ in range(iters):
+            await g.allreduce(x)
+        sys.settrace(None)
+        await g.close()
+
+    asyncio.run(go())
+    return count / iters
+
+
 def run(mode: str, nbytes: int, iters: int) -> dict[str, float]:
     from p2pcoll.testing import free_port
 
@@ -78,7 +120,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="runs per mode")
     parser.add_argument("--iters", type=int, default=5000, help="timed calls per run")
     parser.add_argument("--bytes", type=int, default=4096, help="bytes per rank")
+    parser.add_argument("--count", action="store_true",
+                        help="count the bytecodes a call executes, on and off, and stop")
     args = parser.parse_args()
+    if args.count:
+        counts = {m: bytecodes(MODES[m], 2000) for m in MODES}
+        print(f"bytecodes per call: on {counts['on']:.1f}, off {counts['off']:.1f}, "
+              f"the recorder {counts['on'] - counts['off']:.1f}")
+        return
     load_before = os.getloadavg()[0]
     got: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     for i in range(args.runs):
@@ -96,6 +145,19 @@ def main() -> None:
     print(f"\non/off: call time {medians['on']['median_us'] / medians['off']['median_us']:.3f}, "
           f"CPU {medians['on']['cpu_us'] / medians['off']['cpu_us']:.3f}; load average "
           f"{load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} cores)")
+    # Run i of each mode ran side by side: their ratio is what a change of the host's
+    # state between runs (a loaded host makes a run 10x slower, or not) disturbs least.
+    for k, what in (("median_us", "call time"), ("cpu_us", "CPU")):
+        pairs = sorted(on[k] / off[k] for on, off in zip(got["on"], got["off"], strict=True))
+        print(f"on/off run by run, {what}: median {statistics.median(pairs):.3f} "
+              f"(quartiles {_quartiles(pairs)})")
+
+
+def _quartiles(values: list[float]) -> str:
+    if len(values) < 2:
+        return "-"
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return f"{q1:.3f}-{q3:.3f}"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import p2pcoll
 from p2pcoll.engine import board_alltoall
 from p2pcoll.testing import run_ranks
 from p2pcoll.transport import cross_memory
+from p2pcoll.transport.board import DEPTH
 
 from test_alltoall import block, lengths
 
@@ -90,6 +91,34 @@ async def test_a_changed_shape_on_one_rank_is_a_new_round_not_the_kept_one() -> 
         await _check(g, rows, np.float64)
 
     await run_ranks(p, fn, transport="ipc")
+
+
+async def test_a_loop_of_one_call_agrees_each_board_buffer_s_round_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same call again and again, in the slot and in windows: each board buffer's round
+    is agreed (its table checked, its windows mapped) on its first calls only, then kept
+    (a buffer's new round once dropped the other rounds of its side, which then missed in
+    turn, and every call was agreed anew)."""
+    p, calls = 3, 8 * DEPTH
+    agreed = [0] * p
+    agree = board_alltoall.BoardAlltoall._agree
+
+    def counting(self: board_alltoall.BoardAlltoall, *args: Any) -> Any:
+        agreed[self.rank] += 1
+        return agree(self, *args)
+
+    monkeypatch.setattr(board_alltoall.BoardAlltoall, "_agree", counting)
+
+    async def fn(g: p2pcoll.Group) -> None:
+        for top in (6, 40000):  # the slot; windows
+            rows = lengths(p, 3, top)
+            for _ in range(calls):
+                await _check(g, rows, np.float32)
+
+    await run_ranks(p, fn, transport="ipc")
+    # (the first rounds differ: a rank's header says whether it reads its peers directly
+    # once it has tried)
+    assert all(0 < n <= 2 * 2 * DEPTH for n in agreed), (agreed, 2 * calls)
 
 
 async def test_a_round_kept_gives_new_arrays_in_the_shape_of_each_call() -> None:

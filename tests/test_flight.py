@@ -439,3 +439,26 @@ def test_a_row_taken_again_forgets_the_failure_it_held() -> None:
     recorder.record(OpKey(1), ("allreduce", "board", 8, "float32", ((2,),)), 3.0, 4.0)
     [entry] = recorder.snapshot()
     assert (entry["seq"], entry["state"], entry["waiting_for"]) == (1, "done", [])
+
+
+def test_the_rows_hold_nothing_the_garbage_collector_keeps_following() -> None:
+    """What keeps the record cheap: once collected, no row kept is tracked by the garbage
+    collector (an OpKey or an object per row would be, and every later collection would
+    walk 2,000 of them)."""
+    import gc
+
+    async def go() -> None:
+        groups = await memory_groups(2, flight_record=50)
+        for n in range(60):
+            x = np.ones((2, 3), np.float32)
+            await asyncio.gather(*(g.allreduce(x if n % 2 else x[0]) for g in groups))
+        recorder = groups[0].session.flight
+        assert recorder is not None and len(recorder.calls) == 50
+        for _ in range(4):  # a collection may untrack a row's nested tuples one level a time
+            gc.collect()
+        assert [row for row in recorder.calls if gc.is_tracked(row)] == []
+        assert [e["shapes"] for e in groups[0].flight_record()[-2:]] == [[[3]], [[2, 3]]]
+        for g in groups:
+            await g.close()
+
+    run_virtual(go())

@@ -217,10 +217,15 @@ class BoardAlltoall:
         agreed = self._agreed[parity]
         if agreed is None or agreed.heads != heads:
             # The old rounds' views of this side's windows go first (a window replaced is
-            # unmapped at once), and a failure below leaves no round of this side kept.
-            agreed = None
+            # unmapped at once): those of every round kept on this side whose headers
+            # differ. One whose headers are these names the same windows, which stay (and
+            # dropping it would make its buffer's next round miss in turn, and so on
+            # forever: a loop of one call would never find its round kept).
+            agreed = self._agreed[parity] = None
             for b in range(side, DEPTH, 2):
-                self._agreed[b] = None
+                kept = self._agreed[b]
+                if kept is not None and kept.heads != heads:
+                    self._agreed[b] = None
             found = self._agree(parity, side, heads, nbytes, shape.item)
             if isinstance(found, CollectiveMismatch):
                 return found

@@ -322,12 +322,10 @@ class Runner:
             assert board is not None
             if name in ("allreduce", "reduce"):
                 program.board = board.plan(flat)
-            elif name == "barrier":
-                program.board = True
-            elif name == "alltoall":
+            elif name in ("barrier", "alltoall"):
                 program.board = True
             else:  # a broadcast root: its data on the board if it fits, else word of messages
-                packed = _pack(_layout_meta(BOARD, call))
+                packed = cast(bytes, msgpack.packb(_layout_meta(BOARD, call), use_bin_type=True))
                 fits = (sum((a.nbytes + 7) & ~7 for a in flat) <= board.slot_bytes
                         and len(packed) <= board.board.meta_bytes)
                 program.board = packed if fits else b""
@@ -396,7 +394,10 @@ class Runner:
             if flight is not None:
                 if program is None:  # what it received, learned as it ran
                     what = (what[0], what[1], *describe(call.flat, call.leaves))
-                flight.record(op, what, started, ended, call.strategy_used, error)
+                if error is None:  # Recorder.record inlined: its whole cost on this path
+                    flight.calls.append((op.number, what, started, ended, call.strategy_used))
+                else:
+                    flight.record(op, what, started, ended, call.strategy_used, error)
         if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
             for a in call.flat[:len(call.leaves)]:  # not a scratch area after them
                 np.divide(a, self.size, out=a)
@@ -478,18 +479,19 @@ class Runner:
     def alltoall_on_board(self, strategy: str | None) -> bool:
         """Whether an alltoall asking for ``strategy`` runs on the board, where its lengths
         are agreed as it runs (:mod:`p2pcoll.engine.board_alltoall`): no agreement first."""
-        return self.session.board is not None and \
-            self._on_board(Call("alltoall", [], strategy=strategy), 0)
+        return self.session.board is not None and self._auto("alltoall", strategy)
+
+    def _auto(self, name: str, strategy: str | None) -> bool:
+        """No strategy asked for collective ``name``, by the call (``strategy``) or the group."""
+        return strategy in (None, "auto") and \
+            self.session.settings.strategies.get(name, "auto") == "auto"
 
     def _on_board(self, call: Call, slot: int) -> bool:
         """Whether ``call`` goes on the board: no strategy asked for (by the call or the
         group), and (reductions) its data fits a slot."""
         name = call.collective
         if name not in ("allreduce", "reduce", "broadcast", "barrier", "alltoall") \
-                or call.schedule:
-            return False
-        if call.strategy not in (None, "auto") or \
-                self.session.settings.strategies.get(name, "auto") != "auto":
+                or call.schedule or not self._auto(name, call.strategy):
             return False
         if name in ("allreduce", "reduce"):
             return sum((a.nbytes + 7) & ~7 for a in call.flat) <= slot
@@ -578,11 +580,6 @@ def _layout_meta(strategy: str, call: Call) -> dict[str, Any]:
     if call.collective != "scatter":
         meta["tree"] = call.treedef
     return meta
-
-
-def _pack(meta: dict[str, Any]) -> bytes:
-    packed: bytes = msgpack.packb(meta, use_bin_type=True)
-    return packed
 
 
 def _learned(meta: dict[str, Any]) -> Learned:

@@ -2,16 +2,18 @@
 what every rank was doing.
 
 The session's runner (:meth:`p2pcoll.session.calls.Runner.run`, the one path every call
-takes) records a call when it ends, with one call of :meth:`Recorder.record`: a ring of the
-last ``P2PCOLL_FLIGHT_RECORD`` calls (2,000; 0: off), parallel lists made once and written
-in place (nothing the garbage collector follows is made or kept per call), what a call is
-(collective, strategy, bytes, dtypes, shapes) made once per prepared program, its times the
-runner's own clock reads. The calls still running are not written anywhere: the failure
-model lists them (:meth:`~p2pcoll.session.failure.FailureModel.calls`, its table of running
-operations, each with its entry and start) and :meth:`Recorder.snapshot` reads them there,
-however long they run. Nor is what a running call still waits for kept as it changes: the
-snapshot asks the matcher (the answer a timeout's inquiry gets, see
-:mod:`p2pcoll.session.blame`). A failed call keeps whom its error blames.
+takes) enters a call when it ends, as one tuple appended to :attr:`Recorder.calls`, a deque
+of the last ``P2PCOLL_FLIGHT_RECORD`` calls (2,000; 0: off) that drops the oldest: its
+number, what it is (collective, strategy, bytes, dtypes, shapes: an :data:`Entry` made once
+per prepared program, the very object), its start and end (the runner's own clock reads)
+and the strategy it ran with. Everything else (wall-clock times, names, lists) is made
+when the record is read; a failed call goes through :meth:`Recorder.record`, which keeps
+whom its error blames and writes the folder. The calls still running are not written
+anywhere: the failure model lists them
+(:meth:`~p2pcoll.session.failure.FailureModel.calls`, its table of running operations, each
+with its entry and start) and :meth:`Recorder.snapshot` reads them there, however long they
+run. Nor is what a running call still waits for kept as it changes: the snapshot asks the
+matcher (the answer a timeout's inquiry gets, see :mod:`p2pcoll.session.blame`).
 
 ``P2PCOLL_FLIGHT_DIR=DIR``: each rank writes its record to ``DIR/rank-R.json`` when a call
 fails (a timeout, a mismatch, a lost peer), or its group is found broken, and on SIGUSR1
@@ -27,7 +29,6 @@ rank: the group that wrote last wins.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import Any, Protocol
@@ -57,7 +59,9 @@ Shapes = tuple[tuple[int, ...], ...]  # one shape per array leaf
 # What a call is, as its entry says: (collective, strategy, bytes, dtypes, shapes); made
 # once per prepared program (see p2pcoll.session.calls.Prepared.flight).
 Entry = tuple[str, str, int, str, Shapes]
-_UNUSED: Entry = ("", "", 0, "", ())
+# One ended call: its number, entry, start and end (time.perf_counter()) and the strategy it
+# ran with ("": its entry's); a failed call's has the ranks its error names after them.
+Row = tuple[int, Entry, float, float, str] | tuple[int, Entry, float, float, str, tuple[int, ...]]
 
 
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> "float32": dtype.name is slow to compute
@@ -95,21 +99,14 @@ class Recorder:
 
     def __init__(self, size: int, rank: int, world_size: int, group: str, waiting: Waiting,
                  waited: Waiting, folder: str = "", running: Running = tuple) -> None:
-        # The ring of ended calls: row i across parallel lists of ``size``, written in
-        # place. A call makes nothing the garbage collector follows and keeps nothing alive
-        # that it does (an object per call would, and so would its OpKey, a tuple: 2,000
-        # of them alive cost each call a microsecond in collections): ``_seqs[i]`` is its
-        # number (None: a row never used), ``_what[i]`` what it is (an Entry, its
-        # program's), ``_started[i]`` and ``_ended[i]`` time.perf_counter's times (made
-        # wall-clock seconds when read). ``_waited`` holds, for a failed call's row only,
-        # whom its error names.
         self.size = size
-        self._seqs: list[int | None] = [None] * size
-        self._what: list[Entry] = [_UNUSED] * size
-        self._started: list[float] = [0.0] * size
-        self._ended: list[float] = [0.0] * size
-        self._waited: dict[int, list[int]] = {}
-        self._rows = itertools.cycle(range(size))  # the row each next call takes
+        # The ended calls, oldest first, one Row each (see the module docstring): the
+        # runner appends a call that did not fail itself, the whole of its cost while on.
+        # A row holds ints, floats, strings and its program's entry: tuples of those,
+        # which the garbage collector stops following once it has passed them (an object
+        # or an OpKey per row would be followed for as long as it is kept: 2,000 of them
+        # cost each call about a microsecond in collections).
+        self.calls: deque[Row] = deque(maxlen=size)
         self.rank, self.world_size, self.group = rank, world_size, group
         self.folder = folder
         self._waiting, self._waited_for, self._running = waiting, waited, running
@@ -134,34 +131,24 @@ class Recorder:
         """Call ``key``, ``what`` (its collective, the strategy it was to run with or was
         asked for, its bytes, dtypes and shapes), ran from ``started`` to ``ended``
         (``time.perf_counter()``) with ``strategy`` ("": as ``what`` says), and failed
-        with ``error`` (None: it did not). It takes the oldest call's row. A failure is
-        written to the folder."""
-        i = next(self._rows)
-        self._seqs[i] = key.number
-        self._started[i] = started
-        self._ended[i] = ended
-        # Nearly always the strategy it was to run with, the very string (its program's).
-        if strategy is not what[1] and strategy:
-            what = (what[0], strategy, what[2], what[3], what[4])
-        self._what[i] = what
-        if error is not None or self._waited:  # a failure, now or in the row before
-            self._waited.pop(i, None)
-            if error is not None:
-                self._failed(i, key, error)
-
-    def _failed(self, row: int, key: OpKey, error: BaseException) -> None:
+        with ``error`` (None: it did not). It takes the oldest call's place. A failure is
+        written to the folder. (A call that did not fail is the runner's one append to
+        :attr:`calls`, the same row.)"""
+        if error is None:
+            self.calls.append((key.number, what, started, ended, strategy))
+            return
         if isinstance(error, CollectiveTimeout):
-            waited = list(error.waiting_on)
+            waited = tuple(error.waiting_on)
         elif isinstance(error, PeerLost) and error.rank is not None:
-            waited = [error.rank]
+            waited = (error.rank,)
         elif key.tag is None:
-            waited = self._waited_for(key)
+            waited = tuple(self._waited_for(key))
         else:  # a transfer: its one peer
-            waited = [key.src if key.dst == self.rank else key.dst]
-        self._waited[row] = waited
+            waited = (key.src if key.dst == self.rank else key.dst,)
+        self.calls.append((key.number, what, started, ended, strategy, waited))
         if self.folder:
             self._dumped_broken = True
-            self.dump(f"{self._what[row][0]} #{key.number} failed: {type(error).__name__}")
+            self.dump(f"{what[0]} #{key.number} failed: {type(error).__name__}")
 
     def refused(self, error: BaseException) -> None:
         """A call was refused before it started (the group is broken: a peer's abort
@@ -183,19 +170,16 @@ class Recorder:
         seconds, ``ended`` None while running) and
         ``waiting_for``: for a running call the ranks it still waits for, for a failed
         one those its error names; else ``[]``. Called on the group's loop."""
-        wall, failed = self._wall, self._waited
+        wall = self._wall
         entries: list[tuple[float, int, dict[str, Any]]] = []
-        for i, seq in enumerate(self._seqs):
-            if seq is None:
-                continue  # not used yet
-            collective, strategy, nbytes, dtype, shapes = self._what[i]
-            state, waits = (FAILED, list(failed[i])) if i in failed else (DONE, [])
-            entries.append((self._started[i], seq, {
-                "seq": seq, "collective": collective, "strategy": strategy,
+        for row in self.calls:
+            seq, (collective, strategy, nbytes, dtype, shapes), started, ended, ran, *failed = row
+            entries.append((started, seq, {
+                "seq": seq, "collective": collective, "strategy": ran or strategy,
                 "bytes": nbytes, "dtype": dtype, "shapes": [list(s) for s in shapes],
-                "state": state,
-                "started": self._started[i] + wall, "ended": self._ended[i] + wall,
-                "waiting_for": waits}))
+                "state": FAILED if failed else DONE,
+                "started": started + wall, "ended": ended + wall,
+                "waiting_for": list(failed[0]) if failed else []}))
         for key, what, started in self._running():
             if what is None:
                 continue  # not described: not a call of the group's API
@@ -322,5 +306,5 @@ def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
         previous(signum, frame)
 
 
-__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder", "Shapes",
+__all__ = ["DONE", "FAILED", "FORMAT", "RUNNING", "VERSION", "Entry", "Recorder", "Row", "Shapes",
            "arm_signal", "describe", "flight_record", "write"]
