@@ -8,8 +8,8 @@ the striping threshold lowered so that small arrays stripe:
   stripes opened to the one peer a ring sends to;
 - many transfers of mixed sizes (some on the link, some on stripes) from one rank to
   another: every value received once, in the order sent;
-- a stripe's connection cut while data flows, plain and with a job key: the sender names
-  the peer lost (PeerLost), nothing hangs;
+- a stripe's connection cut while data flows: the sender names the peer lost (PeerLost),
+  nothing hangs;
 - the link budget counts stripes: never more connections than ``max_links``;
 - bad ``P2PCOLL_STREAMS`` / ``streams=`` values are refused by name;
 - the receiver's join (:class:`StripeJoin`), identities and turns, and the sizing of
@@ -125,16 +125,8 @@ def _cut(fd: int) -> None:
         sock.close()
 
 
-@pytest.mark.parametrize("secure", [False, True], ids=["plain", "key"])
-async def test_a_cut_stripe_breaks_the_link_and_names_the_peer(tmp_path: Path,
-                                                               secure: bool) -> None:
-    """With a job key too, where the stripe's CurveZMQ session runs on an I/O thread of
-    its own (see sockets.SocketFactory.mesh_link)."""
+async def test_a_cut_stripe_breaks_the_link_and_names_the_peer() -> None:
     x = np.ones(200_000, np.float32)
-    key_file = None
-    if secure:
-        key_file = tmp_path / "job.key"
-        write_key_file(key_file)
 
     async def fn(g: p2pcoll.Group) -> BaseException | None:
         await g.allreduce(x, strategy="ring")  # opens the stripes
@@ -154,7 +146,7 @@ async def test_a_cut_stripe_breaks_the_link_and_names_the_peer(tmp_path: Path,
             return exc
         return None
 
-    results = await run_ranks(2, fn, streams=2, heartbeat_timeout=2.0, key_file=key_file)
+    results = await run_ranks(2, fn, streams=2, heartbeat_timeout=2.0)
     assert isinstance(results[0], PeerLost) and results[0].rank == 1, results[0]
     assert results[1] is not None  # rank 1 is told, not left waiting
 

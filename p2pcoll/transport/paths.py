@@ -12,8 +12,6 @@ About half of a buffer holds data in flight (the rest is the kernel's bookkeepin
 
 - :func:`choose_streams` (``streams=auto``): enough connections that their windows fill
   the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`;
-- :func:`cipher_streams`: with a job key, enough connections that CurveZMQ's cipher (one
-  I/O thread per connection) runs on the cores this host's peers leave each other;
 - :func:`send_buffer`: each connection's send buffer, its share of the product (twice
   that, for the kernel's half), set only where autotuning would stop short of it, and
   capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
@@ -42,7 +40,7 @@ log = logging.getLogger("p2pcoll.transport")
 
 __all__ = [
     "DEFAULT_BANDWIDTH_BPS", "HANDSHAKE_TRIPS", "MAX_AUTO_STREAMS", "Buffers", "Paths",
-    "choose_streams", "cipher_streams", "send_buffer",
+    "choose_streams", "send_buffer",
 ]
 
 DEFAULT_BANDWIDTH_BPS = 1.25e9
@@ -108,18 +106,6 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
     window = Buffers.read().window if window_bytes is None else window_bytes
     wanted = math.ceil(rtt_s * max(bandwidth, 1.0) / max(window, 1))
     return max(1, min(MAX_AUTO_STREAMS, MAX_STREAMS, wanted))
-
-
-def cipher_streams(threads: int, cores: int, peers_here: int) -> int:
-    """The connections a link with a job key spreads over so that its cipher runs on
-    several cores: each connection encrypts on one I/O thread, and each peer of a host
-    encrypts and decrypts its own links, so one per thread, within the host's cores shared
-    by its ``peers_here`` peers.
-
-    >>> cipher_streams(4, 16, 2), cipher_streams(4, 2, 2), cipher_streams(1, 16, 1)
-    (4, 1, 1)
-    """
-    return max(1, min(threads, MAX_AUTO_STREAMS, cores // max(1, peers_here)))
 
 
 def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,

@@ -44,8 +44,8 @@ from ..settings import MIN_LINKS
 from .base import Counters, LinkEvent, LinkHandler
 from .links import link_identity
 from .ordering import LaneSender
-from .paths import HANDSHAKE_TRIPS, Paths, cipher_streams
-from .sockets import SocketFactory, cores, monitor
+from .paths import HANDSHAKE_TRIPS, Paths
+from .sockets import SocketFactory, monitor
 from .stripes import STRIPE_BYTES, Stripe, stripe_identity, turn
 
 if TYPE_CHECKING:
@@ -166,7 +166,6 @@ class Routes:
         self._rank = -1
         self._endpoints: tuple[str, ...] = ()
         self._striped: dict[int, bool] = {}  # peer -> whether its route may have stripes
-        self._cipher = 1  # the width auto gives any route for its cipher (see start)
         self._remote: frozenset[int] = frozenset()  # the peers over tcp on other hosts
         self._pinned: frozenset[int] = frozenset()
         self._end = b""
@@ -184,13 +183,9 @@ class Routes:
         self._remote = frozenset(
             peer for peer, endpoint in enumerate(endpoints)
             if endpoint.startswith("tcp://") and not (known and hosts[peer] == hosts[rank]))
-        # With a job key, auto stripes every tcp route wide enough to encrypt on the cores
-        # this host's peers leave each other (1, no stripes, where they fill its cores).
-        here = sum(host == hosts[rank] for host in hosts) if known else 1
-        self._cipher = cipher_streams(self.sockets.cipher_threads, cores(), here)
         self._striped = {
             peer: self.streams != 1 and endpoint.startswith("tcp://") and (
-                self.streams != "auto" or peer in self._remote or self._cipher > 1)
+                self.streams != "auto" or peer in self._remote)
             for peer, endpoint in enumerate(endpoints)}
         self._pinned = frozenset(pinned)
         self._end = end
@@ -292,15 +287,9 @@ class Routes:
         if not self._striped[peer]:
             route.width = 1
             return
-        if self.streams != "auto":
-            width = self.streams
-        elif peer not in self._remote:
-            width = self._cipher  # a peer of this host: only the cipher wants stripes
-        else:
-            measured = self.paths.streams(peer)
-            if measured is None:
-                return
-            width = max(measured, self._cipher)
+        width = self.paths.streams(peer) if self.streams == "auto" else self.streams
+        if width is None:
+            return
         if self.budget:  # stripes count against the budget, and take only what is left
             others = self.held() - _connections(route)
             width = max(1, min(width, max(self.budget - others, 1 + len(route.stripes))))
@@ -313,10 +302,7 @@ class Routes:
         """Open ``route``'s next stripe."""
         index = len(route.stripes) + 1
         identity = stripe_identity(self.identity(route.generation), index)
-        # Each connection of a route on an I/O thread of its own (with a job key: see
-        # SocketFactory.mesh_link), and the links to different peers too.
-        stripe = Stripe(self.sockets.mesh_link(identity, send_buffer=route.send_buffer,
-                                               place=route.peer + index))
+        stripe = Stripe(self.sockets.mesh_link(identity, send_buffer=route.send_buffer))
         self._watch(route, stripe)
         stripe.socket.connect(self._endpoints[route.peer])
         route.stripes.append(stripe)
@@ -390,7 +376,7 @@ class Routes:
         if self.budget and self.held() >= self.budget:
             self._make_room()
         generation = self._generations.get(dst, 0)
-        link = self.sockets.mesh_link(self.identity(generation), place=dst)
+        link = self.sockets.mesh_link(self.identity(generation))
         route = Route(dst, link, generation)
         if self._striped[dst] or dst in self._remote:
             # The round trip (for auto, and the pipeline's window); a break, if striped.

@@ -13,13 +13,6 @@ before it is buffered), linger, heartbeats, and the job's CurveZMQ key:
   one that has it, in either direction, and what goes over the wire is encrypted.
 - Without one, sockets are plain (ZeroMQ's NULL mechanism): anyone who can reach a port can
   connect. Keep such groups on networks only the job can reach.
-
-Each connection is served by one of libzmq's I/O threads, chosen by its socket's
-ZMQ_AFFINITY, and that thread runs its CurveZMQ cipher. Plain sockets are all served by the
-first thread, as with one. With a job key the cipher is spread over the threads
-(:attr:`SocketFactory.cipher_threads`): each link and stripe sends from the thread its
-``place`` names (see :meth:`SocketFactory.mesh_link`), and the ROUTER puts each connection
-it accepts on the least loaded thread.
 """
 
 from __future__ import annotations
@@ -28,10 +21,8 @@ import asyncio
 import errno
 import itertools
 import logging
-import os
 import resource
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -146,13 +137,6 @@ class SocketFactory:
         self.hwm = queue_messages(message_bytes)
         self.heartbeat_ms = max(100, int(heartbeat_s * 1000))
         self._gate: Gate | None = None
-        self._threads = io_threads(self.context)
-
-    @property
-    def cipher_threads(self) -> int:
-        """The I/O threads this factory's sockets encrypt and decrypt on: the context's
-        with a job key, else one (nothing to spread)."""
-        return self._threads if self.key is not None else 1
 
     @property
     def secure(self) -> bool:
@@ -170,11 +154,10 @@ class SocketFactory:
         return sock
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
-        """A new socket of the context, served by its first I/O thread (see the module
-        docstring); out of descriptors, an OSError that says so and what to do (libzmq's
-        own says only "Too many open files")."""
+        """A new socket of the context; out of descriptors, an OSError that says so and
+        what to do (libzmq's own says only "Too many open files")."""
         try:
-            sock: zmq.asyncio.Socket = self.context.socket(kind, socket_class=Socket)
+            return self.context.socket(kind, socket_class=Socket)
         except zmq.ZMQError as exc:
             if exc.errno != errno.EMFILE:
                 raise
@@ -184,8 +167,6 @@ class SocketFactory:
                 f"descriptors (soft limit {soft}, `ulimit -n`); each link a peer opens costs "
                 f"its process two (one over inproc): raise the limit, or run fewer peers per "
                 f"process")) from exc
-        sock.setsockopt(zmq.AFFINITY, 1)
-        return sock
 
     def _client(self, kind: int) -> zmq.asyncio.Socket:
         sock = self._socket(kind)
@@ -215,23 +196,13 @@ class SocketFactory:
         # A handshake that does not complete in time (a client that connects and says
         # nothing, or speaks something else) is closed rather than held.
         sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_ms)
-        if self.cipher_threads > 1:
-            # Each connection it accepts on the least loaded thread: the links and stripes
-            # of its peers decrypt side by side (libzmq weighs a thread's load by the
-            # descriptors it polls).
-            sock.setsockopt(zmq.AFFINITY, 0)
         return sock
 
-    def mesh_link(self, identity: bytes, send_buffer: int = 0, place: int = 0
-                  ) -> zmq.asyncio.Socket:
+    def mesh_link(self, identity: bytes, send_buffer: int = 0) -> zmq.asyncio.Socket:
         """A sending link to one peer (or a stripe of one, see .stripes), with routing
         ``identity`` (the sender's rank); ``send_buffer``: its SO_SNDBUF (0: the kernel
-        autotunes it; see .paths); ``place``: with a job key, it encrypts on I/O thread
-        ``place`` modulo :attr:`cipher_threads` (a route gives its link and each stripe a
-        place of their own)."""
+        autotunes it; see .paths)."""
         sock = self._client(zmq.DEALER)
-        if self.cipher_threads > 1:
-            sock.setsockopt(zmq.AFFINITY, 1 << (place % self.cipher_threads))
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         if send_buffer > 0:
@@ -304,23 +275,20 @@ class SocketFactory:
                    heartbeat_s=settings.heartbeat_timeout)
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    getaffinity = getattr(os, "sched_getaffinity", None)
-    return len(getaffinity(0)) if getaffinity is not None else os.cpu_count() or 1
-
-
-IO_THREADS = max(1, min(4, cores()))
-"""libzmq's I/O threads in the shared context: one per core, up to four. Plain sockets use
-only the first (see the module docstring); the others run the cipher of a group with a job
-key. An idle thread waits in the kernel and costs no CPU."""
+IO_THREADS = 1
+"""libzmq's I/O threads in the shared context (its default: one). Each connection is served
+by one of them, so with more a link's stripes (see .stripes) would encrypt and decrypt their
+CurveZMQ sessions on several cores at once. Kept at one for now: with two, peers of one
+process over ipc sometimes miss hellos that have arrived while the group forms
+(tests/test_lazy_links.py, consecutive ranks lost), which points at a lost wake-up of the
+ROUTER's edge-triggered ZMQ_FD read (see .router) that one thread hides."""
 
 
 def _shared_context() -> zmq.asyncio.Context:
     """The process's ZeroMQ context, allowed as many sockets as the process may open files:
     libzmq's own default (1023 sockets) would stop a process that runs many peers (tasks of
     one process, as in tests) long before its descriptor limit; with IO_THREADS I/O threads.
-    Takes effect when the context makes its first socket (see :func:`io_threads`)."""
+    Takes effect when the context makes its first socket."""
     context = zmq.asyncio.Context.instance()
     if id(context) not in _SIZED:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -333,34 +301,6 @@ def _shared_context() -> zmq.asyncio.Context:
 
 
 _SIZED: set[int] = set()  # the contexts _shared_context has sized
-
-
-def io_threads(context: zmq.Context[Any]) -> int:
-    """The I/O threads ``context`` runs. libzmq starts them with the context's first
-    socket: a setting changed after that is read back but not run, and a socket placed
-    on a thread that does not run fails to connect (EMTHREAD). So each thread is asked
-    for in turn, by a connect to an address that cannot be resolved: libzmq looks for the
-    thread first (EMTHREAD if it is not there), then refuses the address (EINVAL).
-    Nothing goes on the network; the answer is kept for the context."""
-    known = _THREADS.get(context)
-    if known is None:
-        known = 1
-        while known < min(64, context.get(zmq.IO_THREADS)):
-            probe: zmq.Socket[Any] = zmq.Socket(context, zmq.DEALER)
-            try:
-                probe.setsockopt(zmq.AFFINITY, 1 << known)
-                probe.connect("tcp://127.0.0.1:-")
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EMTHREAD:
-                    break
-            finally:
-                probe.close(linger=0)
-            known += 1
-        _THREADS[context] = known
-    return known
-
-
-_THREADS: weakref.WeakKeyDictionary[zmq.Context[Any], int] = weakref.WeakKeyDictionary()
 
 
 class LinkCensus:
