@@ -44,8 +44,9 @@ SLEEPING), not by every peer that publishes meanwhile. On x86-64 stores are seen
 program order (TSO), so a published count means its data is there; the board is only
 used there (:func:`supported`).
 
-Everything a peer reads from the board is checked before use (counts only grow, by at
-most two; sizes within the slot; sequence, digest and codes equal to this rank's own),
+Everything a peer reads from the board is checked before use (sizes within the slot;
+sequence, digest and codes equal to this rank's own; a WANTS or NAP that does not add up
+only wakes its rank),
 as a lane's records are: a board whose contents do not add up is a
 :class:`~p2pcoll.errors.ProtocolError`.
 """
