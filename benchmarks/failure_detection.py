@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -235,7 +236,9 @@ async def mesh_trial(sig: signal.Signals, heartbeat: float | None, mib: int) -> 
         survivors = [p for r, p in enumerate(procs) if r != VICTIM]
 
         def expect(e: dict[str, Any]) -> bool:
-            return e["type"] == "PeerLost" and f"to rank {VICTIM} " in e["message"]
+            # "... lost the connection to rank 2", at the end of the message or not
+            return e["type"] == "PeerLost" and \
+                re.search(rf"to rank {VICTIM}\b", e["message"]) is not None
 
         return await _outcome(survivors, sent_at, expect)
     finally:
