@@ -27,7 +27,9 @@ across reconnections):
   registration of it holds replaces that one: it is the same peer trying again.
 - ``leave``: a client gives up (its join was cancelled or timed out).
 - ``waiting``: how many peers of a job are waiting for its next group (the elastic training
-  layer asks this at round boundaries).
+  layer asks this at round boundaries). With ``expect``, the elastic group forming lowers
+  what it expects to that (as a join's ``expect``): members joining after an admission
+  that learn one of them was lost on the way say so, and the group forms without it.
 
 Each job (a job id, ``P2PCOLL_JOB_ID``, empty by default) has at most one group forming at a
 time; once it has formed, the next requests of that job start the next group. A group of
@@ -242,7 +244,13 @@ class Jobs:
             raise _Rejected("malformed job id")
         if op == "waiting":
             forming = self._forming.get(job)
-            self._reply(identity, op="waiting", count=len(forming.entries) if forming else 0)
+            expect = _int(msg, "expect", 1, self.limits.max_world_size,
+                          "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE")
+            count = len(forming.entries) if forming else 0
+            if forming is not None and forming.elastic and expect is not None:
+                forming.expect = min(forming.expect or expect, expect)
+                self._progress(forming, now)  # (its members get their rosters)
+            self._reply(identity, op="waiting", count=count)
         elif op == "leave":
             forming = self._forming.get(job)
             entry = forming.entries.get(identity) if forming is not None else None
