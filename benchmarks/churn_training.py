@@ -60,6 +60,29 @@ PER_STEP = sys.argv[4] == "1"  # one thread hand-over per inner step, else one p
 PEER = int(os.environ["P2PCOLL_HOST_ID"].rsplit("-", 1)[1])
 
 
+def traced(owner, name):
+    """Log when the coroutine ``owner.name`` starts and ends (a benchmark's trace of a
+    re-formation's steps, on the driver's clock; the library logs none of it)."""
+    call = getattr(owner, name)
+
+    async def wrapper(*args, **kwargs):
+        logging.info("trace %s start", name)
+        try:
+            return await call(*args, **kwargs)
+        finally:
+            logging.info("trace %s end", name)
+    setattr(owner, name, wrapper)
+
+
+if os.environ.get("CHURN_TRACE") == "1":
+    import p2pcoll.session.forming as forming
+    import p2pcoll.training.elastic as elastic
+    for owner, name in ((forming, "rendezvous"), (elastic._Run, "_join"),
+                        (elastic._Run, "_sync"), (elastic, "heal"), (elastic, "agree_on"),
+                        (elastic, "zeros_from_holder"), (elastic, "shrunk")):
+        traced(owner, name)
+
+
 async def main() -> None:
     rng = np.random.default_rng(0)
     params = {"w": rng.standard_normal(N).astype(np.float32)}
@@ -205,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         server.stdout.readline()  # "serving at ...": it listens
 
     def start() -> None:
-        env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}"}
+        env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}",
+                 "CHURN_TRACE": "1" if args.logs is not None else "0"}
         err: Any = subprocess.DEVNULL
         if args.logs is not None:
             Path(args.logs).mkdir(parents=True, exist_ok=True)
