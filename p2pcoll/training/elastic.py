@@ -450,7 +450,8 @@ class _Run:
         if have[group.rank] < top:
             await self.take_step()
         if group.world_size > 1:  # a receiver's state changes all at once, or not at all
-            await heal(group, self.state, sources, progress=self.healing)
+            # yielding=False: every member waits for the heal, its hashing comes first
+            await heal(group, self.state, sources, progress=self.healing, yielding=False)
         # delay=1: round m is reduced again over its holders, round m + 1 over those that
         # computed it already, if any (elastic_delayed's rule).
         following = ([r for r, c in enumerate(counters) if m + 1 in c[1:].tolist()]
