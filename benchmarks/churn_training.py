@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # What peer 0's log says of a kill, in the order it happens (the driver's clock).
 MARKS = (("admit", "peers wait to join"), ("lost", " lost "), ("lost", "PeerLost"),
-         ("failed", "; forming a new group"), ("told", "lost on the way"),
+         ("failed", " at round "), ("told", "lost on the way"),
          ("shrank", "shrank the group"), ("formed", "from round"))
 
 
