@@ -24,6 +24,14 @@ being one inner step; the last round, with no next round to overlap, is shown ap
 same wait against the slowest peer's compute over the round leaves out what peers sharing
 a loaded machine lose to each other (a round ends when its slowest peer's step does).
 
+``--logs DIR``: each peer's log, the kills and every applied round (``events.json``), the
+standalone rendezvous's requests (``server.log``) and each peer's re-formation steps
+(rendezvous, join, formation, agreement, heal, shrink: traced by this script, not logged by
+the library), all on one clock; the run then prints each kill's path (shrink, rendezvous,
+or an admission it interrupted), the times from the kill to what peer 0 logged, and the
+worst of its two rounds in inner steps (``paths.json``). ``--tree DIR``: the peers and the
+rendezvous run another checkout's p2pcoll (the old code, side by side).
+
 The rendezvous runs as a standalone ``p2pcoll rendezvous`` process by default, as a swarm
 whose peers come and go runs it (``--rendezvous peer``: the first peer hosts it, and the
 kill of that peer sends the survivors through a new host). ``--min-world-size`` (default
