@@ -166,8 +166,9 @@ handle = jobs.Jobs._handle
 def traced(self, identity, msg, now):
     forming = self._forming.get(msg.get("job", ""))
     before = len(forming.entries) if forming is not None else 0
+    again = forming is not None and identity in forming.entries
     handle(self, identity, msg, now)
-    if msg.get("op") == "join" and forming is not None and identity in forming.entries:
+    if msg.get("op") == "join" and again:
         return  # a re-sent join
     logging.info("request %s from %s (pid %s) expect %s order %s: %d there before",
                  msg.get("op"), identity.hex()[-6:], msg.get("pid"), msg.get("expect"),
