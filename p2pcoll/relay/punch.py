@@ -1,0 +1,147 @@
+"""A direct connection between two peers behind NAT: TCP simultaneous open, each side
+dialling the other from the port it reached the relay from (see :mod:`.protocol`).
+
+A NAT that keeps a connection's source port (Linux MASQUERADE does when it can) maps the
+port a peer bound to the address the relay saw. Each side dials the other's mapped address
+from that same port: its own SYN opens its NAT for the other's (conntrack takes the other's
+SYN as the answer to its own), and when the two SYNs cross, one TCP connection forms (a
+simultaneous open: no side listens, no port is forwarded). A NAT that drops an unexpected
+SYN lets the first attempt wait in the kernel's SYN retransmits until the other side's SYN
+opens the way; one that answers it with a reset refuses the attempt at once, so each side
+tries again every ``interval_s``, a different interval on each side (at one interval, two
+sides that missed each other once keep missing). Every attempt binds the same port
+(``SO_REUSEADDR``, beside the relay's connection from it), and all end at the deadline.
+
+On the connection got, each side sends its nonce and checks the other's (from the relay):
+a connection to anything else than the other side is not taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from .protocol import DIRECT, FAILED, HOLE, HOLE_BYTES, OK, BadPreamble, Hole
+
+__all__ = ["MAX_PUNCH_S", "answered", "dial", "open_bound"]
+
+MAX_PUNCH_S = 10.0  # a relay's deadline is held to this
+MIN_INTERVAL_S = 0.01  # and its interval to at least this
+NONCE_S = 2.0  # the nonces' exchange, at most
+
+
+def _bound(port: int = 0) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setblocking(False)
+        sock.bind(("", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def open_bound(host: str, port: int, timeout: float) -> socket.socket:
+    """A TCP connection to ``host:port`` (IPv4) from a port of its own, bound so that it
+    can dial from it again.
+
+    Raises:
+        OSError: not connected within ``timeout`` seconds, or refused."""
+    loop = asyncio.get_running_loop()
+    sock: socket.socket | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, family=socket.AF_INET,
+                                           type=socket.SOCK_STREAM)
+            sock = _bound()
+            await loop.sock_connect(sock, infos[0][4])
+    except (OSError, TimeoutError, IndexError) as exc:
+        if sock is not None:
+            sock.close()
+        raise OSError(f"{host}:{port} not reached: {exc or type(exc).__name__}") from None
+    return sock
+
+
+async def read_exactly(sock: socket.socket, n: int, timeout: float) -> bytes:
+    """``n`` bytes from ``sock``, and not one more.
+
+    Raises:
+        OSError: it closed first, or ``timeout`` seconds passed."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            while len(got) < n:
+                chunk = await loop.sock_recv(sock, n - len(got))
+                if not chunk:
+                    raise OSError(f"closed after {len(got)} of {n} bytes")
+                got += chunk
+    except TimeoutError:
+        raise OSError(f"{len(got)} of {n} bytes in {timeout:g}s") from None
+    return bytes(got)
+
+
+async def dial(hole: Hole, port: int) -> socket.socket | None:
+    """Dial ``hole``'s address from ``port`` until its deadline (see the module
+    docstring); the connection, once the nonces are exchanged, or None."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + min(hole.deadline_s, MAX_PUNCH_S)
+    interval = max(hole.interval_s, MIN_INTERVAL_S)
+    attempts = 0
+    while loop.time() < deadline:
+        attempts += 1
+        sock: socket.socket | None = None
+        try:
+            sock = _bound(port)
+            async with asyncio.timeout_at(deadline):
+                await loop.sock_connect(sock, (hole.host, hole.port))
+        except (OSError, TimeoutError):
+            if sock is not None:
+                sock.close()
+            # the next tick of this side's interval
+            ticks = int((loop.time() - start) / interval) + 1
+            await asyncio.sleep(max(0.0, min(start + ticks * interval, deadline) - loop.time()))
+            continue
+        try:
+            await asyncio.wait_for(loop.sock_sendall(sock, hole.mine), NONCE_S)
+            if await read_exactly(sock, len(hole.theirs), NONCE_S) == hole.theirs:
+                return sock
+        except (OSError, TimeoutError):
+            pass
+        sock.close()
+        return None
+    return None
+
+
+async def answered(sock: socket.socket, port: int, timeout: float) -> socket.socket | None:
+    """What the relay answers a dial or an answer on ``sock`` (bound at ``port``): ``OK``,
+    None (it forwards over ``sock``); a hole, the direct connection got by :func:`dial`
+    (the caller closes ``sock``), or None once the relay says ``OK`` after the attempt
+    failed (it forwards over ``sock``).
+
+    Raises:
+        OSError: the relay refused, closed, said something else, or said nothing within
+            ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    first = await read_exactly(sock, 1, timeout)
+    if first == OK:
+        return None
+    if first != HOLE:
+        raise OSError(f"the relay answered {first!r}")
+    try:
+        hole = Hole.unpack(await read_exactly(sock, HOLE_BYTES, timeout))
+    except BadPreamble as exc:
+        raise OSError(str(exc)) from None
+    direct = await dial(hole, port)
+    try:
+        await loop.sock_sendall(sock, DIRECT if direct is not None else FAILED)
+    except OSError:
+        if direct is None:
+            raise
+    if direct is not None:
+        return direct
+    if await read_exactly(sock, 1, timeout) != OK:
+        raise OSError("the relay closed after a failed direct attempt")
+    return None
