@@ -1,8 +1,10 @@
 """A peer for tests/test_relay_nat.py: joins from the environment, then by ``argv[1]``:
 
 - ``collectives``: runs every collective on fixed inputs and prints one JSON line: the
-  sha256 of each result, ``stats()``, and allreduce times (4 KiB, 16 MiB); then waits for
-  a line on stdin before leaving (the test looks at the host's listening sockets meanwhile);
+  sha256 of each result, ``stats()``, and allreduce times (4 KiB, 16 MiB); with
+  ``RELAY_WORKER_PAIR=A,B``, ranks A and B then send each other 16 MiB and say how many
+  bytes passed relays meanwhile (``pair_relayed``); then it waits for a line on stdin
+  before leaving (the test looks at the host's listening sockets meanwhile);
 - ``until-lost``: prints ``{"formed": ...}``, then allreduces until one fails and prints
   the error's type, message and ``rank`` if it names one.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -57,10 +60,27 @@ async def collectives(g: p2pcoll.Group) -> None:
             await g.allreduce(data)
             samples.append(time.perf_counter() - start)
         times[name] = sorted(samples)[len(samples) // 2]
+    pair = [int(p) for p in os.environ.get("RELAY_WORKER_PAIR", "").split(",") if p]
+    pair_relayed = None
+    if r in pair:
+        other = pair[1 - pair.index(r)]
+        before = g.stats()["bytes_relayed"]
+        data = np.full(4 << 20, r, np.float32)
+        for _ in range(2):
+            if r < other:
+                await g.send(data, other)
+                got = await g.recv(other)
+            else:
+                got = await g.recv(other)
+                await g.send(data, other)
+            assert np.all(np.asarray(got) == other)
+        pair_relayed = g.stats()["bytes_relayed"] - before
+    await g.barrier()
     stats = g.stats()
     print(json.dumps({"rank": r, "digests": out, "times": times,
                       "bytes_relayed": stats["bytes_relayed"],
-                      "peer_links": stats["peer_links"]}), flush=True)
+                      "peer_links": stats["peer_links"], "pair_relayed": pair_relayed,
+                      "direct_punched": stats["direct_punched"]}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
 

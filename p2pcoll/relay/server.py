@@ -69,11 +69,11 @@ class RelayLimits:
     # once it has the roster, as the others start connecting), then is refused.
     register_s: float = 2.0
     # A dial's direct attempt: each side dials for this long at most (then falls back to
-    # the relay), every 100 ms (the member) and 137 ms (the target): two sides that dial
-    # at one interval, each refused at once by the other's NAT, could keep missing each
-    # other forever.
-    punch_s: float = 3.0
-    intervals_s: tuple[float, float] = (0.100, 0.137)
+    # the relay), again every 5 ms (the member) and 7 ms (the target) while the other's
+    # NAT refuses it (see .punch: an attempt can only meet the other's within a round
+    # trip, and two sides at one interval could keep missing each other).
+    punch_s: float = 5.0
+    intervals_s: tuple[float, float] = (0.005, 0.007)
 
 
 class Relay:
