@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -80,7 +81,8 @@ async def collectives(g: p2pcoll.Group) -> None:
     print(json.dumps({"rank": r, "digests": out, "times": times,
                       "bytes_relayed": stats["bytes_relayed"],
                       "peer_links": stats["peer_links"], "pair_relayed": pair_relayed,
-                      "direct_punched": stats["direct_punched"]}), flush=True)
+                      "direct_punched": stats["direct_punched"],
+                      "punch_failed": stats["punch_failed"]}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
 
@@ -97,6 +99,11 @@ async def until_lost(g: p2pcoll.Group) -> None:
 
 
 async def main() -> None:
+    if os.environ.get("RELAY_WORKER_LOG"):  # the relay's debug lines, to this file
+        handler = logging.FileHandler(os.environ["RELAY_WORKER_LOG"])
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(message)s"))
+        logging.getLogger("p2pcoll.relay").addHandler(handler)
+        logging.getLogger("p2pcoll.relay").setLevel(logging.DEBUG)
     g = await p2pcoll.join()
     if sys.argv[1] == "collectives":
         try:

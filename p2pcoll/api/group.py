@@ -453,7 +453,8 @@ class Group(PointToPoint):
         ``"relayed"`` if what goes between the two passes a relay (either peer cannot be
         reached), else ``"direct"`` (two peers behind relays that connected directly,
         every connection between them: see docs/relay.md); ``direct_punched``: connections
-        between this peer and another behind a relay that went direct; ``stripes_opened``:
+        between this peer and another behind a relay that went direct, ``punch_failed``:
+        those that tried and fell back to the relay; ``stripes_opened``:
         TCP connections opened beside links to spread large messages over (``P2PCOLL_STREAMS``, see
         :mod:`p2pcoll.transport.stripes`); ``socket_buffers_capped``: striped links whose
         send buffers ``net.core.wmem_max`` held below what their path needs (see
@@ -478,6 +479,7 @@ class Group(PointToPoint):
                            else "direct" for r in range(session.membership.world_size)
                            if r != session.membership.rank},
             "direct_punched": c.direct_punched,
+            "punch_failed": c.punch_failed,
             "stripes_opened": c.stripes_opened,
             "socket_buffers_capped": c.socket_buffers_capped,
             "collectives": session.seq,

@@ -27,8 +27,9 @@ own target name): it asks the relay from a port it bound, the attachment at the 
 answers from one of its own, and both try a direct connection (:mod:`.punch`); what they
 get is spliced as the relay's connection would have been. A failed attempt falls back to
 the relay's forward on the same connections, and the entrance connects through the relay
-from then on (logged once). Both report each connection's path (``seen``): ``direct`` or
-``relayed``, and +1 when it opens, -1 when it closes.
+from then on (logged once). Both report each connection's path (``seen``): ``direct``,
+``relayed`` (after a failed attempt) or ``plain`` (not tried: see
+:func:`.protocol.punchable`), and +1 when it opens, -1 when it closes.
 """
 
 from __future__ import annotations
@@ -71,14 +72,19 @@ class Attachment:
             the loop that called :meth:`start`.
         count: called with the size of each chunk forwarded (both ways).
         seen: called on the relay loop with the dialling member's target name (from the
-            relay: :data:`~.protocol.NOBODY` if it gave none), ``direct`` or ``relayed``
-            and +1 when a dial's connection opens, -1 when it closes.
+            relay: :data:`~.protocol.NOBODY` if it gave none), the path (``direct``,
+            ``relayed`` after a failed attempt, ``plain`` without one) and +1 when a dial's
+            connection opens, -1 when it closes.
+        dial_s: a dial is answered with attempts for this long at most (the relay says
+            how long; a member's mesh gives up on a connection that stays silent for its
+            heartbeat timeout).
     """
 
     def __init__(self, host: str, port: int, target: str, tag: str, local: str,
                  heartbeat_s: float, lost: Callable[[str], None],
                  count: Callable[[int], None] = lambda n: None,
-                 seen: Seen = lambda sender, path, n: None) -> None:
+                 seen: Seen = lambda sender, path, n: None,
+                 dial_s: float = punch.MAX_PUNCH_S) -> None:
         self.host, self.port = host, port
         self.target, self.tag = target, tag
         self.local = local
@@ -86,6 +92,7 @@ class Attachment:
         self.lost = lost
         self.count = count
         self.seen = seen
+        self.dial_s = dial_s
         self.forwards = 0
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
@@ -177,7 +184,7 @@ class Attachment:
             sock = await punch.open_bound(self.host, self.port, ANSWER_S)
             port = sock.getsockname()[1]
             await loop.sock_sendall(sock, answer_preamble(conn, port))
-            direct = await punch.answered(sock, port, ANSWER_S)
+            direct, path = await punch.answered(sock, port, ANSWER_S, self.dial_s)
         except BaseException as exc:  # OSError, or cancelled (closing)
             if sock is not None:
                 sock.close()
@@ -187,14 +194,14 @@ class Attachment:
             return
         if direct is not None:
             sock.close()
-        await self._splice(b"", direct or sock, direct is not None, sender)
+        await self._splice(b"", direct or sock, path, sender)
 
     async def _splice(self, preamble: bytes, sock: socket.socket | None = None,
-                      direct: bool = False, sender: str = NOBODY) -> None:
+                      path: str = "plain", sender: str = NOBODY) -> None:
         """Splice to the local endpoint a new connection to the relay that says
-        ``preamble``, or ``sock`` (``direct``: not through the relay)."""
+        ``preamble``, or ``sock`` (a dial's, on ``path``: see :func:`.punch.answered`)."""
         loop = asyncio.get_running_loop()
-        count = None if direct else self.count
+        count = None if path == "direct" else self.count
         outer, inner = Half(count), Half(count)
         try:
             if sock is None:
@@ -220,7 +227,6 @@ class Attachment:
             inner.abort()
             return
         self.forwards += 1
-        path = "direct" if direct else "relayed"
         dialled = sock is not None  # a dial's: its path is reported
 
         def lost() -> None:
@@ -292,13 +298,15 @@ class Entrance:
             ways).
         dial_from: this peer's own target name, to dial (try a direct connection first:
             this peer is behind a relay too); None: connect through the relay.
-        seen: called on the relay loop with ``direct`` or ``relayed`` and +1 when a
-            dial's connection opens, -1 when it closes.
+        seen: called on the relay loop with the path (as :class:`Attachment`'s) and +1
+            when a dial's connection opens, -1 when it closes.
+        dial_s: a dial's attempts last this long at most (see :class:`Attachment`).
     """
 
     def __init__(self, host: str, port: int, target: str, tag: str, path: str,
                  count: Callable[[int], None], dial_from: str | None = None,
-                 seen: Callable[[str, int], None] = lambda path, n: None) -> None:
+                 seen: Callable[[str, int], None] = lambda path, n: None,
+                 dial_s: float = punch.MAX_PUNCH_S) -> None:
         self.host, self.port = host, port
         self.target, self.tag = target, tag
         self.preamble = connect_preamble(target, tag)
@@ -306,6 +314,7 @@ class Entrance:
         self.count = count
         self.dial_from = dial_from
         self.seen = seen
+        self.dial_s = dial_s
         self._halves: set[Half] = set()
         self._opening: set[asyncio.Task[None]] = set()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -364,7 +373,7 @@ class Entrance:
             port = sock.getsockname()[1]
             await loop.sock_sendall(sock, dial_preamble(self.target, self.tag, port,
                                                         self.dial_from))
-            direct = await punch.answered(sock, port, ANSWER_S)
+            direct, path = await punch.answered(sock, port, ANSWER_S, self.dial_s)
         except BaseException as exc:  # OSError, or cancelled (closing)
             if sock is not None:
                 sock.close()
@@ -375,12 +384,11 @@ class Entrance:
             return
         if direct is None:
             self.dial_from = None  # through the relay from now on
-            log.info("relay target %s...: no direct connection (the relay forwards)",
-                     self.target[:8])
+            log.info("relay target %s...: no direct connection (%s: the relay forwards)",
+                     self.target[:8], "it failed" if path == "relayed" else "not tried")
         else:
             sock.close()
             sock = direct
-        path = "relayed" if direct is None else "direct"
         outer = Half(self.count if direct is None else None)
         inner.count = outer.count
         try:

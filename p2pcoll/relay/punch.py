@@ -36,6 +36,7 @@ log = logging.getLogger("p2pcoll.relay")
 __all__ = ["MAX_PUNCH_S", "answered", "dial", "open_bound"]
 
 MAX_PUNCH_S = 10.0  # a relay's deadline is held to this
+ATTEMPT_S = 0.25  # an attempt that neither connects nor is refused: given up after this
 MIN_INTERVAL_S = 0.001  # and its interval to at least this
 NONCE_S = 2.0  # the nonces' exchange, at most
 
@@ -92,9 +93,9 @@ async def read_exactly(sock: socket.socket, n: int, timeout: float) -> bytes:
     return bytes(got)
 
 
-async def dial(hole: Hole, port: int) -> socket.socket | None:
-    """Dial ``hole``'s address from ``port`` until its deadline (see the module
-    docstring); the connection, once the nonces are exchanged, or None.
+async def dial(hole: Hole, port: int, most_s: float = MAX_PUNCH_S) -> socket.socket | None:
+    """Dial ``hole``'s address from ``port`` until its deadline, or ``most_s`` if sooner
+    (see the module docstring); the connection, once the nonces are exchanged, or None.
 
     The attempts run on a thread of their own, in blocking calls, so they keep to their
     ticks whatever the relay loop is busy with (its splices). Cancellation: the thread
@@ -113,7 +114,7 @@ async def dial(hole: Hole, port: int) -> socket.socket | None:
     def run() -> None:
         sock = None
         try:
-            sock = _dial(hole, port, stop)
+            sock = _dial(hole, port, min(most_s, MAX_PUNCH_S), stop)
         finally:
             try:
                 loop.call_soon_threadsafe(deliver, sock)
@@ -128,9 +129,10 @@ async def dial(hole: Hole, port: int) -> socket.socket | None:
         stop.set()
 
 
-def _dial(hole: Hole, port: int, stop: threading.Event) -> socket.socket | None:
+def _dial(hole: Hole, port: int, most_s: float, stop: threading.Event
+          ) -> socket.socket | None:
     start = time.monotonic()
-    deadline = start + min(hole.deadline_s, MAX_PUNCH_S)
+    deadline = start + min(hole.deadline_s, most_s)
     interval = max(hole.interval_s, MIN_INTERVAL_S)
     attempts = 0
     why: BaseException | None = None
@@ -140,7 +142,10 @@ def _dial(hole: Hole, port: int, stop: threading.Event) -> socket.socket | None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("", port))
-            sock.settimeout(left)
+            # A NAT that drops the SYN leaves the attempt waiting in the kernel's
+            # retransmits (the other side's SYN then completes it), but not for long: a
+            # SYN lost for another reason would hold up the next attempts.
+            sock.settimeout(min(left, ATTEMPT_S))
             sock.connect((hole.host, hole.port))
         except OSError as exc:
             why = exc
@@ -173,11 +178,13 @@ def _dial(hole: Hole, port: int, stop: threading.Event) -> socket.socket | None:
     return None
 
 
-async def answered(sock: socket.socket, port: int, timeout: float) -> socket.socket | None:
-    """What the relay answers a dial or an answer on ``sock`` (bound at ``port``): ``OK``,
-    None (it forwards over ``sock``); a hole, the direct connection got by :func:`dial`
-    (the caller closes ``sock``), or None once the relay says ``OK`` after the attempt
-    failed (it forwards over ``sock``).
+async def answered(sock: socket.socket, port: int, timeout: float,
+                   most_s: float = MAX_PUNCH_S) -> tuple[socket.socket | None, str]:
+    """What the relay answers a dial or an answer on ``sock`` (bound at ``port``), and the
+    path: ``OK``, ``(None, "plain")`` (it forwards over ``sock`` without an attempt); a
+    hole, the direct connection got by :func:`dial` and ``direct`` (the caller closes
+    ``sock``), or ``(None, "relayed")`` once the relay says ``OK`` after the attempt
+    failed (it forwards over ``sock``). ``most_s``: this side dials for that long at most.
 
     Raises:
         OSError: the relay refused, closed, said something else, or said nothing within
@@ -185,21 +192,21 @@ async def answered(sock: socket.socket, port: int, timeout: float) -> socket.soc
     loop = asyncio.get_running_loop()
     first = await read_exactly(sock, 1, timeout)
     if first == OK:
-        return None
+        return None, "plain"
     if first != HOLE:
         raise OSError(f"the relay answered {first!r}")
     try:
         hole = Hole.unpack(await read_exactly(sock, HOLE_BYTES, timeout))
     except BadPreamble as exc:
         raise OSError(str(exc)) from None
-    direct = await dial(hole, port)
+    direct = await dial(hole, port, most_s)
     try:
         await loop.sock_sendall(sock, DIRECT if direct is not None else FAILED)
     except OSError:
         if direct is None:
             raise
     if direct is not None:
-        return direct
+        return direct, "direct"
     if await read_exactly(sock, 1, timeout) != OK:
         raise OSError("the relay closed after a failed direct attempt")
-    return None
+    return None, "relayed"

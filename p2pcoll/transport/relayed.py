@@ -33,6 +33,10 @@ log = logging.getLogger("p2pcoll.transport")
 
 __all__ = ["RelayPaths"]
 
+# A dial tries a direct connection for this share of the heartbeat timeout at most: the
+# mesh's connection waits for it, and gives up on a handshake after the heartbeat timeout.
+DIAL_SHARE = 0.4
+
 
 class RelayPaths:
     """Which peers of a group this one reaches through a relay, and this peer's own
@@ -45,7 +49,8 @@ class RelayPaths:
         heartbeat_s: the relay is lost after this long without a word.
         lost: called once, with why, if this peer's relay is lost.
         counters: ``bytes_relayed`` (on the wire, both ways, between this peer and relays)
-            and ``direct_punched`` (connections dialled direct) are counted there,
+            ``direct_punched`` (connections dialled direct) and ``punch_failed`` (dialled
+            through the relay after a failed attempt) are counted there,
             ``relayed`` set (see :meth:`path`), and ``punched``: the peers behind relays
             that every open connection between the two reaches directly.
 
@@ -78,7 +83,7 @@ class RelayPaths:
             host, port, target, _ = parse_endpoint(membership.endpoints[peer])
             self.entrances[peer] = Entrance(
                 host, port, target, tag, ipc_address().removeprefix("ipc://"), count,
-                dial_from=mine, seen=self._seer(peer))
+                dial_from=mine, seen=self._seer(peer), dial_s=heartbeat_s * DIAL_SHARE)
         self.endpoints = tuple(self.entrances[r].endpoint if r in self.entrances else e
                                for r, e in enumerate(membership.endpoints))
         self.attachment: Attachment | None = None
@@ -93,7 +98,8 @@ class RelayPaths:
                     router.unbind(address)
             self.attachment = Attachment(
                 host, port, target, tag, local, heartbeat_s, lost, count,
-                seen=lambda sender, path, n: self._seen(self._ranks.get(sender), path, n))
+                seen=lambda sender, path, n: self._seen(self._ranks.get(sender), path, n),
+                dial_s=heartbeat_s * DIAL_SHARE)
             self._task = asyncio.create_task(self._start(lost, heartbeat_s))
         counters.relayed = frozenset(
             r for r, e in enumerate(membership.endpoints)
@@ -119,8 +125,11 @@ class RelayPaths:
         tally[path] += n
         if path == "direct" and n > 0:
             self.counters.direct_punched += 1
+        elif path == "relayed" and n > 0:
+            self.counters.punch_failed += 1
         self.counters.punched = frozenset(
-            r for r, t in self._open.items() if t["direct"] > 0 and t["relayed"] <= 0)
+            r for r, t in self._open.items()
+            if t["direct"] > 0 and t["relayed"] <= 0 and t["plain"] <= 0)
 
     def path(self, peer: int, remote: bool) -> str:
         """``relayed`` if what goes between this peer and ``peer`` passes a relay either
