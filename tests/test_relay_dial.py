@@ -18,7 +18,7 @@ import pytest
 
 from p2pcoll.relay import Attachment, Entrance, Relay, RelayLimits
 from p2pcoll.relay import protocol as rp
-from p2pcoll.relay import punch
+from p2pcoll.relay import punch, server
 from p2pcoll.transport.sockets import SocketFactory
 
 TARGET, TAG, SENDER = "0" * 31 + "1", "a" * 32, "5" * 32
@@ -290,6 +290,43 @@ async def test_an_entrance_dials_an_attachment_and_the_link_works(relay: Relay) 
         assert opened == 1 and way in ("direct", "relayed") and seen_target == [(SENDER, way, 1)]
         assert relay.stats()["dials"] == {way: 1}
         assert entrance.dial_from == (SENDER if way == "direct" else None)
+    finally:
+        link.close(linger=0)
+        await entrance.aclose()
+        await attachment.aclose()
+        router.close(linger=0)
+        factory.close()
+        os.unlink(path)
+
+
+async def test_with_a_relay_of_version_1_a_peer_registers_and_connects_as_before(
+        relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standalone relay of p2pcoll 0.18 closes version 2's preambles as garbage: the
+    attachment registers with version 1, the entrance connects instead of dialling."""
+
+    class Version1(rp.Preamble):
+        def feed(self, data: bytes) -> rp.Request | None:
+            if (self._buf + data).startswith(rp.MAGIC2[:5]):
+                raise rp.BadPreamble("version 2")
+            return super().feed(data)
+
+    monkeypatch.setattr(server, "Preamble", Version1)
+    factory = SocketFactory()
+    router = factory.mesh_router()
+    path = _ipc()
+    router.bind(f"ipc://{path}")
+    attachment = Attachment("127.0.0.1", relay.port, TARGET, TAG, f"ipc://{path}", 5.0,
+                            lambda why: None)
+    await attachment.start(5.0)
+    entrance = Entrance("127.0.0.1", relay.port, TARGET, TAG, _ipc(), lambda n: None,
+                        dial_from=SENDER)
+    link = factory.mesh_link(b"member")
+    try:
+        link.connect(entrance.endpoint)
+        await link.send_multipart([b"hello"])
+        assert (await asyncio.wait_for(router.recv_multipart(), 10))[1] == b"hello"
+        assert entrance.dial_from is None and relay.stats()["forwards"] == 1
+        assert relay.stats()["refused"] == {"garbage": 2}  # the registration, the dial
     finally:
         link.close(linger=0)
         await entrance.aclose()

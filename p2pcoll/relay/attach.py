@@ -47,7 +47,7 @@ from . import punch, thread
 from .pipe import Half
 from .protocol import (
     ID_BYTES, NOBODY, OK, OPEN, PING, PUNCH, PUNCH_BYTES, accept_preamble, answer_preamble,
-    connect_preamble, dial_preamble, register2_preamble,
+    connect_preamble, dial_preamble, register2_preamble, register_preamble,
 )
 
 log = logging.getLogger("p2pcoll.relay")
@@ -119,9 +119,18 @@ class Attachment:
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
-                writer.write(register2_preamble(self.target, self.tag))
-                answer = await reader.readexactly(1)
+                try:
+                    reader, writer = await asyncio.open_connection(self.host, self.port)
+                    writer.write(register2_preamble(self.target, self.tag))
+                    answer = await reader.readexactly(1)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    # closed without a word: a relay of protocol version 1 (p2pcoll 0.18
+                    # and older), which cannot ask for dials: registered as version 1
+                    if writer is not None:
+                        writer.close()
+                    reader, writer = await asyncio.open_connection(self.host, self.port)
+                    writer.write(register_preamble(self.target, self.tag))
+                    answer = await reader.readexactly(1)
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             if writer is not None:
                 writer.close()
@@ -380,7 +389,11 @@ class Entrance:
             inner.abort()
             if not isinstance(exc, OSError):
                 raise
-            log.debug("relay at %s:%d: dial not answered: %s", self.host, self.port, exc)
+            # (a relay of protocol version 1 closes a dial as garbage): the mesh connects
+            # again, through the relay from now on
+            self.dial_from = None
+            log.info("relay at %s:%d: dial not answered (%s): connecting through it",
+                     self.host, self.port, exc)
             return
         if direct is None:
             self.dial_from = None  # through the relay from now on
