@@ -5,6 +5,10 @@ target's control connection is held in :class:`~.protocol.Targets`; a member's c
 to a target makes the relay send ``OPEN`` to the target, which opens a new connection to
 the relay (outbound: it needs no open port) and says ``accept``; the relay then answers
 the member ``OK`` and splices the two connections (:mod:`.pipe`).
+A member behind a relay too *dials* instead (version 2): the target answers from a bound
+port, and the relay tells each side the other's address to try a direct connection
+(:mod:`.punch`), closing both connections if they got one and forwarding between them if
+not (``dials`` in :meth:`Relay.stats`).
 From there on it reads no byte of what it forwards: with a job key, the CurveZMQ session
 is end to end between the two peers and the relay sees ciphertext; without one, it could
 read the traffic, and says so when it starts.
