@@ -12,6 +12,7 @@ import itertools
 import os
 import socket
 import tempfile
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
@@ -19,6 +20,8 @@ import pytest
 from p2pcoll.relay import Attachment, Entrance, Relay, RelayLimits
 from p2pcoll.relay import protocol as rp
 from p2pcoll.relay import punch, server
+from p2pcoll.transport.base import Counters
+from p2pcoll.transport.relayed import tally
 from p2pcoll.transport.sockets import SocketFactory
 
 TARGET, TAG, SENDER = "0" * 31 + "1", "a" * 32, "5" * 32
@@ -334,3 +337,21 @@ async def test_with_a_relay_of_version_1_a_peer_registers_and_connects_as_before
         router.close(linger=0)
         factory.close()
         os.unlink(path)
+
+
+def test_a_peer_is_direct_while_every_dialled_connection_to_it_is() -> None:
+    counters = Counters()
+    open_: dict[int, Counter[str]] = {1: Counter(), 2: Counter()}
+    tally(open_, counters, 1, "direct", 1)  # the link to rank 1
+    tally(open_, counters, 2, "relayed", 1)  # the link to rank 2 fell back
+    tally(open_, counters, None, "direct", 1)  # from someone unnamed: not counted
+    tally(open_, counters, 7, "direct", 1)  # nor from a rank behind no relay
+    assert counters.punched == {1} and (counters.direct_punched, counters.punch_failed) == (1, 1)
+    tally(open_, counters, 1, "plain", 1)  # rank 1's probe, forwarded without a try
+    assert counters.punched == frozenset()
+    tally(open_, counters, 1, "plain", -1)
+    tally(open_, counters, 2, "relayed", -1)
+    tally(open_, counters, 2, "direct", 1)  # rank 2's link again, direct this time
+    assert counters.punched == {1, 2} and counters.direct_punched == 2
+    tally(open_, counters, 1, "direct", -1)  # closed: nothing open, nothing direct
+    assert counters.punched == {2}

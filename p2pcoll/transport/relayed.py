@@ -31,7 +31,7 @@ from .router import Router
 
 log = logging.getLogger("p2pcoll.transport")
 
-__all__ = ["RelayPaths"]
+__all__ = ["RelayPaths", "tally"]
 
 # A dial tries a direct connection for this share of the heartbeat timeout at most: the
 # mesh's connection waits for it, and gives up on a handshake after the heartbeat timeout.
@@ -119,17 +119,7 @@ class RelayPaths:
     def _seen(self, peer: int | None, path: str, n: int) -> None:
         """A dialled connection to or from ``peer`` opened (``n`` 1) or closed (-1) on
         ``path`` (on the relay loop)."""
-        if peer is None or peer not in self._open:
-            return
-        tally = self._open[peer]
-        tally[path] += n
-        if path == "direct" and n > 0:
-            self.counters.direct_punched += 1
-        elif path == "relayed" and n > 0:
-            self.counters.punch_failed += 1
-        self.counters.punched = frozenset(
-            r for r, t in self._open.items()
-            if t["direct"] > 0 and t["relayed"] <= 0 and t["plain"] <= 0)
+        tally(self._open, self.counters, peer, path, n)
 
     def path(self, peer: int, remote: bool) -> str:
         """``relayed`` if what goes between this peer and ``peer`` passes a relay either
@@ -144,3 +134,21 @@ class RelayPaths:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.attachment is not None:
             await self.attachment.aclose()
+
+
+def tally(open_: dict[int, Counter[str]], counters: Counters, peer: int | None, path: str,
+          n: int) -> None:
+    """Count a dialled connection to or from ``peer`` that opened (``n`` 1) or closed (-1)
+    on ``path`` (``direct``, ``relayed`` after a failed attempt, ``plain`` without one) in
+    ``open_`` (the dialled connections open, per peer behind a relay) and ``counters``
+    (``direct_punched``, ``punch_failed``, and ``punched``: the peers that every dialled
+    connection open reaches directly). A peer not in ``open_`` is ignored."""
+    if peer is None or peer not in open_:
+        return
+    open_[peer][path] += n
+    if path == "direct" and n > 0:
+        counters.direct_punched += 1
+    elif path == "relayed" and n > 0:
+        counters.punch_failed += 1
+    counters.punched = frozenset(
+        r for r, t in open_.items() if t["direct"] > 0 and t["relayed"] <= 0 and t["plain"] <= 0)
