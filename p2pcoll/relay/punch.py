@@ -67,9 +67,11 @@ async def open_bound(host: str, port: int, timeout: float) -> socket.socket:
                                            type=socket.SOCK_STREAM)
             sock = _bound()
             await loop.sock_connect(sock, infos[0][4])
-    except (OSError, TimeoutError, IndexError) as exc:
+    except BaseException as exc:  # (cancelled too: the socket is closed either way)
         if sock is not None:
             sock.close()
+        if not isinstance(exc, OSError | TimeoutError | IndexError):
+            raise
         raise OSError(f"{host}:{port} not reached: {exc or type(exc).__name__}") from None
     return sock
 
