@@ -195,6 +195,9 @@ class Namespaces:
             with contextlib.suppress(Exception):
                 helper.kill()
                 helper.wait(timeout=5)
+            for pipe in (helper.stdout, helper.stderr):
+                if pipe is not None:
+                    pipe.close()
         self._relays.clear()
         self.delayer = None
 

@@ -114,7 +114,7 @@ def start(namespace: str, delay: float) -> subprocess.Popen[str]:
                               text=True, check=False, timeout=30)
         if done.returncode != 0:
             proc.kill()
-            proc.wait(timeout=10)
+            proc.communicate(timeout=10)
             raise DelayError(f"`{' '.join(step)}` failed in {namespace}: "
                              f"{done.stderr.strip() or done.returncode}")
     return proc
