@@ -122,7 +122,8 @@ def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[
         lab: netns.Lab | None) -> list[dict[str, Any]]:
     """The ``kind`` workers (p2pcoll or gloo), one per host of ``lab`` (None: on this
     machine's loopback); their reports in rank order."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
+    argv = ["nice", "-n", str(args.nice)] if args.nice else []
+    argv += [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
             str(port), "--iterations", str(args.iterations), "--strategy", args.strategy,
             "--sizes", ",".join(str(n) for n in args.sizes)]
     address = netns.address(0) if lab is not None else "127.0.0.1"
@@ -133,14 +134,38 @@ def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[
     commands = [lab.command(rank, argv) if lab is not None else argv for rank in range(world)]
     delayer = lab.delayer.pid if lab is not None and lab.delayer is not None else None
     delayer_cpu, started = process_cpu(delayer), time.monotonic()
+    before = wire(lab)
     reports = run_to_end(commands, envs, args.timeout, cwd=ROOT, name=kind)
     wall = time.monotonic() - started
+    after = wire(lab)
     peers = sum(r.get("cpu_s", 0.0) for r in reports) / wall
     note = f"peers' CPU {peers:.2f} cores over {wall:.0f} s"
     if delayer is not None:
-        note += f", the delayer's {(process_cpu(delayer) - delayer_cpu) / wall:.2f}"
-    reports[0]["cpu"] = f"{note}, load {os.getloadavg()[0]:.1f}"
+        note += (f", the delayer's {(process_cpu(delayer) - delayer_cpu) / wall:.2f} "
+                 f"({after[2] - before[2]} packets)")
+    reports[0]["cpu"] = (f"{note}, load {os.getloadavg()[0]:.1f}; {after[0] - before[0]} "
+                         f"drops, {after[1] - before[1]} segments sent again")
     return reports
+
+
+def wire(lab: netns.Lab | None) -> tuple[int, int, int]:
+    """What the lab's wires have done so far: packets dropped (queues of the cables and the
+    delayer), TCP segments sent again (all hosts), packets through the delayer."""
+    if lab is None:
+        return 0, 0, 0
+    again = 0
+    for host in lab.names:
+        snmp = subprocess.run(["ip", "netns", "exec", host, "cat", "/proc/net/snmp"],
+                              capture_output=True, text=True, check=True).stdout
+        names, values = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")]
+        again += int(values[names.index("RetransSegs")])
+    queued = 0
+    if lab.delayer is not None:
+        table = subprocess.run(["ip", "netns", "exec", lab.switch, "cat",
+                                "/proc/net/netfilter/nfnetlink_queue"],
+                               capture_output=True, text=True, check=True).stdout.split()
+        queued = int(table[7]) if len(table) > 7 else 0  # the queue's last packet id
+    return lab.drops(), again, queued
 
 
 def process_cpu(pid: int | None) -> float:
@@ -207,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE",
                         help="a variable for every p2pcoll peer (repeatable)")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run every peer (p2pcoll's and Gloo's) at this niceness "
+                        "(negative: ahead of the rest of a shared machine's load, as on "
+                        "hosts of their own)")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--worker", choices=("p2pcoll", "gloo"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
@@ -281,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"allreduce, p = 4 hosts (network namespaces), every cable {args.rate} and "
                   f"{args.delay} one way ({how or 'no delay'}); tcp, "
                   f"{'job key' if args.key else 'plain sockets'}; strategy {args.strategy}; "
-                  f"slowest rank, median of {args.iterations}; load {load[0]:.1f} before, "
+                  f"slowest rank, median of {args.iterations}; niceness {args.nice}; "
+                  f"load {load[0]:.1f} before, "
                   f"{os.getloadavg()[0]:.1f} after; % of the cable's payload rate "
                   f"({line / 1e6:.1f} MB/s)\n")
             print("\n".join(table(results, world, line)))
