@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every peer (p2pcoll's and Gloo's) at this niceness "
                         "(negative: ahead of the rest of a shared machine's load, as on "
                         "hosts of their own)")
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of every host's network stack (repeatable), e.g. "
+                        "net.ipv4.tcp_slow_start_after_idle=0")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--worker", choices=("p2pcoll", "gloo"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
@@ -288,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             world = 4
             with netns.Lab(world) as lab:
                 how = lab.shape(args.rate, burst=args.burst, delay=args.delay, relay=True)
+                for setting in args.sysctl:
+                    for host in lab.names:
+                        subprocess.run(["ip", "netns", "exec", host, "sysctl", "-q", "-w",
+                                        setting], check=True)
                 for k, depth in [(k, d) for k in streams for d in depths]:
                     env = {**extra, "P2PCOLL_STREAMS": k}
                     name = f"streams={k}"
@@ -311,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.delay} one way ({how or 'no delay'}); tcp, "
                   f"{'job key' if args.key else 'plain sockets'}; strategy {args.strategy}; "
                   f"slowest rank, median of {args.iterations}; niceness {args.nice}; "
+                  f"{' '.join(args.sysctl) + '; ' if args.sysctl else ''}"
                   f"load {load[0]:.1f} before, "
                   f"{os.getloadavg()[0]:.1f} after; % of the cable's payload rate "
                   f"({line / 1e6:.1f} MB/s)\n")
