@@ -32,6 +32,10 @@ round trip: windows, slow start and striped links feel the delay as over a long 
 token buckets stay on the cables' ends (``tc tbf``). What differs from netem: packets that
 are not IPv4 (ARP) are not delayed, and a release is late by the delayer's wake-up (tens of
 microseconds; it asks for real-time scheduling so a busy machine does not add to that).
+Measured (``benchmarks/lab_delay.py``, 1 Gbit/s, 50 ms): round trips of 100.3-100.4 ms, one
+TCP stream at its window / RTT within 2 % from 32 Mbit/s to the line rate, the delayer at
+about 13 % of a core for a stream at line rate. Its cost is per packet: a token bucket whose
+``burst`` holds a 64 KiB GSO packet passes it whole (one packet for the delayer, not 45).
 
 Where the delayer cannot run either (no C compiler, iptables or the kernel's nfnetlink
 queue), :meth:`Namespaces.delay_streams` delays one level up: an nftables rule in each host
