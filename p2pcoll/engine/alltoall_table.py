@@ -59,6 +59,12 @@ def check(table: np.ndarray, p: int) -> np.ndarray:
         CollectiveMismatch: naming the ranks that disagree (the same on every rank).
     """
     head, sent, expected = table[:, :HEAD], table[:, HEAD:HEAD + p], table[:, HEAD + p:]
+    # One vectorised test for the usual table (it agrees); the loops below only find the
+    # first disagreement to name, in an order every rank follows alike.
+    expects = head[:, 3] != 0
+    if ((head[:, 0] == p).all() and (head[:, 1:3] == head[0, 1:3]).all()
+            and (sent[:, expects] == expected[expects].T).all()):
+        return sent
     for i in range(p):
         if head[i, 0] != p:
             raise CollectiveMismatch(f"alltoall: rank {i} passed {head[i, 0]} parts; a group "

@@ -45,6 +45,7 @@ each of its parts.
 from __future__ import annotations
 
 import errno
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -284,7 +285,7 @@ class BoardAlltoall:
         if shape is None:
             p = self.size
             rest = first.shape[1:] if first is not None else ()
-            elements = int(np.prod(rest, dtype=np.int64))
+            elements = math.prod(rest)
             row = np.zeros(table.width(p), np.int64)
             table.fill(row, p, [int(a.shape[0]) for a in parts], dtype, elements,
                        None if out is None else [int(a.shape[0]) for a in out])
@@ -332,23 +333,28 @@ class BoardAlltoall:
             agreed = table.check(words[:, :width], p)
         except CollectiveMismatch as exc:
             return exc
+        if (agreed < 0).any():
+            q = int(np.flatnonzero((agreed < 0).any(axis=1))[0])
+            raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
+                                f"negative length: {list(agreed[q])}")
+        # Where my part of each peer's parts starts: after its parts for the ranks before
+        # me, less its own part (which it does not write) if it is one of them.
+        before = agreed[:, :me].sum(axis=1).tolist()
+        rows = agreed.tolist()
         spans: dict[int, tuple[np.ndarray | None, int, int]] = {}
         for q, source in sources.items():
-            row = agreed[q]
-            if (row < 0).any():
-                raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
-                                    f"negative length: {list(row)}")
-            n = int(row[me]) * item
+            row = rows[q]
+            n = row[me] * item
             if source is None:  # read in its process, at the address of its part for me
                 spans[q] = (None, int(words[q, width + ADDRESSES + me]), n)
                 continue
-            at = item * (int(row[:me].sum()) - (int(row[q]) if q < me else 0))
+            at = item * (before[q] - (row[q] if q < me else 0))
             if at + n > len(source):
                 raise ProtocolError(f"rank {q}'s parts on the shared-memory board end at "
                                     f"byte {at + n}, beyond the {len(source)} it wrote")
             spans[q] = (source, at, n)
         direct = bool((words[:, width + WHERE] == DIRECT).any())
-        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans, direct, {})
+        return _Agreed(heads, tuple(row[me] for row in rows), spans, direct, {})
 
     def _can_read(self, q: int, address: int) -> bool:
         """Whether I can read rank ``q``'s memory: its probe word, where it says it is."""
