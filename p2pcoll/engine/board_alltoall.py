@@ -326,34 +326,33 @@ class BoardAlltoall:
             self._pids = [int(v) for v in self.path.board.words[:, ATTACHED]]
             self._reads = all(self._can_read(q, int(words[q, width + PROBE]))
                               for q in range(p) if q != me)
-        self._read_by_all = bool(all(words[q, width + READS] for q in range(p) if q != me))
+        lines = words.tolist()  # (Python ints: a few of them each, cheaper than numpy's)
+        self._read_by_all = all(lines[q][width + READS] for q in range(p) if q != me)
         sources = {q: self._source(q, side, words[q, width:], data[q][parity], nbytes[q])
                    for q in range(p) if q != me}
         try:
-            agreed = table.check(words[:, :width], p)
+            rows = table.check_lines(lines, p)  # (it reads the table row of each line)
         except CollectiveMismatch as exc:
             return exc
-        if (agreed < 0).any():
-            q = int(np.flatnonzero((agreed < 0).any(axis=1))[0])
-            raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
-                                f"negative length: {list(agreed[q])}")
-        # Where my part of each peer's parts starts: after its parts for the ranks before
-        # me, less its own part (which it does not write) if it is one of them.
-        before = agreed[:, :me].sum(axis=1).tolist()
-        rows = agreed.tolist()
+        for q, row in enumerate(rows):
+            if min(row) < 0:
+                raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
+                                    f"negative length: {row}")
         spans: dict[int, tuple[np.ndarray | None, int, int]] = {}
         for q, source in sources.items():
             row = rows[q]
             n = row[me] * item
             if source is None:  # read in its process, at the address of its part for me
-                spans[q] = (None, int(words[q, width + ADDRESSES + me]), n)
+                spans[q] = (None, lines[q][width + ADDRESSES + me], n)
                 continue
-            at = item * (before[q] - (row[q] if q < me else 0))
+            # My part starts after its parts for the ranks before me, less its own part
+            # (which it does not write) if it is one of them.
+            at = item * (sum(row[:me]) - (row[q] if q < me else 0))
             if at + n > len(source):
                 raise ProtocolError(f"rank {q}'s parts on the shared-memory board end at "
                                     f"byte {at + n}, beyond the {len(source)} it wrote")
             spans[q] = (source, at, n)
-        direct = bool((words[:, width + WHERE] == DIRECT).any())
+        direct = any(line[width + WHERE] == DIRECT for line in lines)
         return _Agreed(heads, tuple(row[me] for row in rows), spans, direct, {})
 
     def _can_read(self, q: int, address: int) -> bool:
