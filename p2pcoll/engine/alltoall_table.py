@@ -12,6 +12,7 @@ every rank, before any data is read.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -30,13 +31,12 @@ def fill(row: np.ndarray, p: int, sends: list[int], dtype: np.dtype[Any], elemen
          expects: list[int] | None) -> None:
     """Write one rank's row: ``sends`` its parts' rows (as many as it passed),
     ``expects`` the rows of its ``out=`` buffers (None: it gave none)."""
-    row[:] = 0
-    row[:HEAD] = len(sends), word(dtype), elements, expects is not None
-    row[HEAD:HEAD + min(len(sends), p)] = sends[:p]
-    if expects is not None:
-        row[HEAD + p:HEAD + p + min(len(expects), p)] = expects[:p]
+    zeros = [0] * p
+    row[:] = [len(sends), word(dtype), elements, expects is not None,
+              *(sends[:p] + zeros)[:p], *((expects or [])[:p] + zeros)[:p]]
 
 
+@functools.lru_cache(maxsize=64)
 def word(dtype: np.dtype[Any]) -> int:
     """A dtype as one int64 (its ``str``, at most 8 bytes: ``<f4``)."""
     return int.from_bytes(dtype.str.encode()[:8].ljust(8, b"\0"), "little", signed=True)
