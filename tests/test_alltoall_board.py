@@ -372,3 +372,23 @@ async def test_lengths_that_change_every_call_reuse_one_program_and_stay_bit_exa
 
     for sizes in await run_ranks(p, fn, transport="ipc"):
         assert max(sizes) == 1, sizes[:20]
+
+
+async def test_calls_in_flight_together_each_record_their_own_lengths() -> None:
+    """The one program's flight entry is set per call just before the runner reads it:
+    calls started together (each takes its number before the next starts) still record
+    their own bytes and shapes."""
+    p = 3
+
+    async def fn(g: p2pcoll.Group) -> None:
+        r = g.rank
+        tables = [lengths(p, 50 + s, 400) for s in range(4)]
+        calls = [[block(r, j, rows[r, j], np.float32) for j in range(p)] for rows in tables]
+        await asyncio.gather(*(g.alltoall(parts) for parts in calls))
+        record = [e for e in g.flight_record() if e["collective"] == "alltoall"][-4:]
+        assert [e["bytes"] for e in record] == [sum(a.nbytes for a in parts)
+                                                for parts in calls]
+        assert [e["shapes"] for e in record] == [[list(a.shape) for a in parts]
+                                                 for parts in calls]
+
+    await run_ranks(p, fn, transport="ipc")
