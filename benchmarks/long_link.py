@@ -6,18 +6,19 @@
     python benchmarks/long_link.py --loopback               # job key against plain sockets
 
 Not a test: it prints tables. Needs root, ``ip``/``tc`` and (where the kernel has no
-netem) ``nft``. Four hosts of their own (network namespaces, ``tests/netns.py``), one peer
-each (``P2PCOLL_HOST_ID=host-R``: tcp between all), every cable a token bucket of
-``--rate`` each way and ``--delay`` one way (netem, or the lab's delay relay where the
-kernel has none: its per-connection buffer, 4 MiB, bounds one TCP connection at
-``limit / delay`` as a window would). In one run, each in a group of its own and pass after
+netem) a C compiler and ``iptables``. Four hosts of their own (network namespaces,
+``tests/netns.py``), one peer each (``P2PCOLL_HOST_ID=host-R``: tcp between all), every
+cable a token bucket of ``--rate`` each way and ``--delay`` one way (netem, or where the
+kernel has none the lab's packet delayer in its switch: TCP sees the real round trip; the
+stream relay, which it does not, only where neither can run). In one run, each in a group of its own and pass after
 pass over the sizes (a change in the machine's load falls on all alike): p2pcoll with
 ``P2PCOLL_STREAMS`` of each ``--streams`` value (and ``P2PCOLL_PIPELINE_DEPTH`` of each
 ``--depths`` value; ``link``: unset, the pipeline's window follows the path), then Gloo
 (torch.distributed over tcp).
 Times are the slowest rank's, medians over ``--iterations`` after a warm-up; bus bandwidth
 as nccl-tests counts it (``2(p-1)/p * size / time``) and as a share of the cable's payload
-rate (1448 bytes of 1514 per frame).
+rate (1448 bytes of 1514 per frame). The notes give, per run, the CPU the peers used (in
+cores: their CPU seconds over the run's wall time) and the packet delayer's, and the load.
 
 ``--loopback`` runs two peers on this machine's loopback over tcp (separate host ids, no
 shaping) with the job key and without, for each ``--streams`` value: the cost of CurveZMQ,
@@ -78,7 +79,16 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
         report["picked"] = stats["collectives_by_strategy"]
         report["window"] = window(g)
         await g.barrier()
+    report["cpu_s"] = cpu_seconds()
     return report
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time so far (all its threads: libzmq's and Gloo's too)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def window(g: Any) -> str:
@@ -94,7 +104,8 @@ def window(g: Any) -> str:
 def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
     times = gloo_peer.time_collectives(os.environ["GLOO_ADDR"], args.port, args.sizes,
                                        args.iterations)
-    return {"times": {str(nbytes): ts for (_, nbytes), ts in times.items()}}
+    return {"times": {str(nbytes): ts for (_, nbytes), ts in times.items()},
+            "cpu_s": cpu_seconds()}
 
 
 # --- the driver ------------------------------------------------------------------------------
@@ -111,7 +122,8 @@ def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[
         lab: netns.Lab | None) -> list[dict[str, Any]]:
     """The ``kind`` workers (p2pcoll or gloo), one per host of ``lab`` (None: on this
     machine's loopback); their reports in rank order."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
+    argv = ["nice", "-n", str(args.nice)] if args.nice else []
+    argv += [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
             str(port), "--iterations", str(args.iterations), "--strategy", args.strategy,
             "--sizes", ",".join(str(n) for n in args.sizes)]
     address = netns.address(0) if lab is not None else "127.0.0.1"
@@ -120,7 +132,51 @@ def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[
         for env in envs:
             env["GLOO_SOCKET_IFNAME"] = "lo"
     commands = [lab.command(rank, argv) if lab is not None else argv for rank in range(world)]
-    return run_to_end(commands, envs, args.timeout, cwd=ROOT, name=kind)
+    delayer = lab.delayer.pid if lab is not None and lab.delayer is not None else None
+    delayer_cpu, started = process_cpu(delayer), time.monotonic()
+    before = wire(lab)
+    reports = run_to_end(commands, envs, args.timeout, cwd=ROOT, name=kind)
+    wall = time.monotonic() - started
+    after = wire(lab)
+    peers = sum(r.get("cpu_s", 0.0) for r in reports) / wall
+    note = f"peers' CPU {peers:.2f} cores over {wall:.0f} s"
+    if delayer is not None:
+        note += (f", the delayer's {(process_cpu(delayer) - delayer_cpu) / wall:.2f} "
+                 f"({after[2] - before[2]} packets)")
+    reports[0]["cpu"] = (f"{note}, load {os.getloadavg()[0]:.1f}; {after[0] - before[0]} "
+                         f"drops, {after[1] - before[1]} segments sent again")
+    return reports
+
+
+def wire(lab: netns.Lab | None) -> tuple[int, int, int]:
+    """What the lab's wires have done so far: packets dropped (queues of the cables and the
+    delayer), TCP segments sent again (all hosts), packets through the delayer."""
+    if lab is None:
+        return 0, 0, 0
+    again = 0
+    for host in lab.names:
+        snmp = subprocess.run(["ip", "netns", "exec", host, "cat", "/proc/net/snmp"],
+                              capture_output=True, text=True, check=True).stdout
+        names, values = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")]
+        again += int(values[names.index("RetransSegs")])
+    queued = 0
+    if lab.delayer is not None:
+        table = subprocess.run(["ip", "netns", "exec", lab.switch, "cat",
+                                "/proc/net/netfilter/nfnetlink_queue"],
+                               capture_output=True, text=True, check=True).stdout.split()
+        queued = int(table[7]) if len(table) > 7 else 0  # the queue's last packet id
+    return lab.drops(), again, queued
+
+
+def process_cpu(pid: int | None) -> float:
+    """The CPU seconds process ``pid`` has used (0 for None or a process that is gone)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def medians(reports: list[dict[str, Any]]) -> dict[int, float]:
@@ -159,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="1gbit", help="each cable's rate, each way (tc)")
     parser.add_argument("--delay", default="50ms", help="one-way delay per cable (tc time)")
+    parser.add_argument("--burst", default="1mbit",
+                        help="the token buckets' burst (1mbit: a 64 KiB GSO packet passes "
+                        "whole, one packet for the lab's delayer rather than 45)")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("64M"))
     parser.add_argument("--streams", default="1,auto",
                         help="P2PCOLL_STREAMS values, comma-separated (1,auto)")
@@ -173,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE",
                         help="a variable for every p2pcoll peer (repeatable)")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run every peer (p2pcoll's and Gloo's) at this niceness "
+                        "(negative: ahead of the rest of a shared machine's load, as on "
+                        "hosts of their own)")
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of every host's network stack (repeatable), e.g. "
+                        "net.ipv4.tcp_slow_start_after_idle=0")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--worker", choices=("p2pcoll", "gloo"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
@@ -224,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
             line = bits_per_second(args.rate) * PAYLOAD_PER_FRAME / 8
             world = 4
             with netns.Lab(world) as lab:
-                how = lab.shape(args.rate, burst="512kbit", delay=args.delay, relay=True)
+                how = lab.shape(args.rate, burst=args.burst, delay=args.delay, relay=True)
+                for setting in args.sysctl:
+                    for host in lab.names:
+                        subprocess.run(["ip", "netns", "exec", host, "sysctl", "-q", "-w",
+                                        setting], check=True)
                 for k, depth in [(k, d) for k in streams for d in depths]:
                     env = {**extra, "P2PCOLL_STREAMS": k}
                     name = f"streams={k}"
@@ -239,13 +309,17 @@ def main(argv: list[str] | None = None) -> int:
                     results[name] = medians(reports)
                     notes.append(f"{name}: rank 0 {reports[0]['stats']}, "
                                  f"{reports[0].get('window', '')}, "
-                                 f"strategies {reports[0]['picked']}")
+                                 f"strategies {reports[0]['picked']}; {reports[0]['cpu']}")
                 if not args.no_gloo:
-                    results["gloo"] = medians(run(args, "gloo", world, port, {}, lab))
+                    reports = run(args, "gloo", world, port, {}, lab)
+                    results["gloo"] = medians(reports)
+                    notes.append(f"gloo: {reports[0]['cpu']}")
             print(f"allreduce, p = 4 hosts (network namespaces), every cable {args.rate} and "
                   f"{args.delay} one way ({how or 'no delay'}); tcp, "
                   f"{'job key' if args.key else 'plain sockets'}; strategy {args.strategy}; "
-                  f"slowest rank, median of {args.iterations}; load {load[0]:.1f} before, "
+                  f"slowest rank, median of {args.iterations}; niceness {args.nice}; "
+                  f"{' '.join(args.sysctl) + '; ' if args.sysctl else ''}"
+                  f"load {load[0]:.1f} before, "
                   f"{os.getloadavg()[0]:.1f} after; % of the cable's payload rate "
                   f"({line / 1e6:.1f} MB/s)\n")
             print("\n".join(table(results, world, line)))

@@ -421,7 +421,8 @@ async def _serve_relay(host: str, port: int) -> int:
         stats = relay.stats()
         await relay.aclose()
     print(f"p2pcoll relay: stopped after {stats['forwards']} forwards, "
-          f"{stats['bytes_relayed']} bytes, refused {stats['refused']}", flush=True)
+          f"{stats['bytes_relayed']} bytes, refused {stats['refused']}, dials "
+          f"{stats['dials']}", flush=True)
     return 0
 
 

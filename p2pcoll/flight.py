@@ -7,8 +7,9 @@ flight record is reported and left out); :func:`analyse`, a pure function of wha
 read, finds:
 
 - the first collective (by sequence number) where the ranks differ: in the collective,
-  its bytes, its dtypes or its shapes (two ranks' (4, 8) and (8, 4) move the same bytes),
-  or because some rank had not started it;
+  its bytes, its dtypes or its shapes (two ranks' (4, 8) and (8, 4) move the same bytes;
+  an all-to-all's sizes are each rank's own, so there only the dtypes count), or because
+  some rank had not started it;
 - whom the ranks wait for: what each rank's running calls, and its first failed one,
   still wait for (or its error named), and the ranks those waits lead to (named, and
   waiting for nobody themselves: a ring's rank waits for its neighbour, which may wait
@@ -37,6 +38,9 @@ FILE_NAME = re.compile(r"rank-(\d+)\.json")
 KEYS: dict[str, type | tuple[type, ...]] = {
     "seq": int, "collective": str, "strategy": str, "bytes": int, "dtype": str, "state": str,
     "started": (int, float), "ended": (int, float, type(None)), "waiting_for": list}
+# Collectives whose bytes and shapes are each rank's own (an all-to-all's parts have the
+# lengths its rank sends: alltoallv): ranks agree on their dtypes, not their sizes.
+SIZES_DIFFER = frozenset({"alltoall"})
 SHAPES_SHOWN = 4  # a call's shapes shown in the report (a pytree may have thousands)
 TRANSFERS = ("send", "recv")
 
@@ -226,8 +230,9 @@ def _first_difference(result: Analysis, by_rank: Mapping[int, Mapping[int, Mappi
     first = max(min(seqs) for seqs in kept)  # older calls have left some rank's ring
     for seq in sorted({s for seqs in kept for s in seqs if s >= first}):
         seen = {r: seqs.get(seq) for r, seqs in by_rank.items()}
-        kinds = {(e["collective"], e["bytes"], e["dtype"]) for e in seen.values() if e}
-        known = {shapes(e) for e in seen.values() if e} - {None}
+        kinds = {(e["collective"], *_agreed(e)) for e in seen.values() if e}
+        known = {shapes(e) for e in seen.values() if e
+                 if e["collective"] not in SIZES_DIFFER} - {None}
         if len(kinds) > 1 or len(known) > 1 or None in seen.values():
             result.first_difference = seq
             for r, e in sorted(seen.items()):
@@ -238,6 +243,14 @@ def _first_difference(result: Analysis, by_rank: Mapping[int, Mapping[int, Mappi
                     result.at_difference[r] = "not started" + (
                         f" (its last: #{max(before)})" if before else "")
             return
+
+
+def _agreed(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What every rank's entry of one call must share beside the collective: bytes and
+    dtypes, or only dtypes where the sizes are each rank's own (:data:`SIZES_DIFFER`)."""
+    if entry["collective"] in SIZES_DIFFER:
+        return (entry["dtype"],)
+    return (entry["bytes"], entry["dtype"])
 
 
 def _waits(result: Analysis, records: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:

@@ -22,16 +22,31 @@ memory, which cross network namespaces), only their network stacks differ; give 
 own ``P2PCOLL_HOST_ID`` to make them separate hosts.
 
 Delay. :meth:`Lab.shape` delays what each host sends with the kernel's netem. Where the
-kernel has no netem (``CONFIG_NET_SCH_NETEM`` unset), :meth:`Lab.delay_streams` does it one
-level up: an nftables rule in each host redirects the TCP connections it opens to other
-hosts of the lab to a relay in that host (this file run as ``python netns.py relay``), which
-connects on to the real destination and holds every byte ``delay`` each way before passing
-it on. Each connection crosses exactly one relay (its opener's), so a message and its
-answer take ``2 * delay`` more, as over a delayed cable, and the cable's token bucket still
-sets the rate. What differs from a delayed cable: the two TCP connections on either side of
-the relay see a short round trip, so their windows and slow start do not feel the delay
-(a real long link ramps up more slowly after idle), and the relay's timer has the event
-loop's resolution (about a millisecond). Only TCP is delayed; the lab carries nothing else.
+kernel has no netem (``CONFIG_NET_SCH_NETEM`` unset), :meth:`Namespaces.delay_packets`
+does it in the switch: an iptables rule (FORWARD, NFQUEUE, no bypass) hands every IPv4
+packet crossing the switch to a small C program (``nfq_delay.c``, built with this machine's
+C compiler by ``netns_delay.py``), which sees only each packet's id and arrival stamp and
+lets the kernel forward it ``delay`` after it arrived. Each packet crosses the switch once,
+so a round trip between two hosts takes ``2 * delay`` more, and TCP on the hosts sees that
+round trip: windows, slow start and striped links feel the delay as over a long cable. The
+token buckets stay on the cables' ends (``tc tbf``). What differs from netem: packets that
+are not IPv4 (ARP) are not delayed, and a release is late by the delayer's wake-up (tens of
+microseconds; it asks for real-time scheduling so a busy machine does not add to that).
+Measured (``benchmarks/lab_delay.py``, 1 Gbit/s, 50 ms): round trips of 100.3-100.4 ms, one
+TCP stream at its window / RTT within 2 % from 32 Mbit/s to the line rate, the delayer at
+about 13 % of a core for a stream at line rate. Its cost is per packet: a token bucket whose
+``burst`` holds a 64 KiB GSO packet passes it whole (one packet for the delayer, not 45).
+
+Where the delayer cannot run either (no C compiler, iptables or the kernel's nfnetlink
+queue), :meth:`Namespaces.delay_streams` delays one level up: an nftables rule in each host
+redirects the TCP connections it opens to other hosts of the lab to a relay in that host
+(this file run as ``python netns.py relay``), which connects on to the real destination and
+holds every byte ``delay`` each way before passing it on. Each connection crosses exactly
+one relay (its opener's), so a message and its answer take ``2 * delay`` more, and the
+cable's token bucket still sets the rate. But the two TCP connections on either side of the
+relay see a short round trip, so their windows and slow start do not feel the delay, the
+relay (Python) binds long before 1 Gbit/s, and only TCP is delayed: a stand-in for latency,
+not for a long fat pipe.
 """
 
 from __future__ import annotations
@@ -52,6 +67,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Self
+
+import netns_delay  # beside this file (tests/ is on the path of whoever imports this one)
 
 PREFIX = "p2pcoll-lab-"
 RELAY_PORT = 15001  # in each host's own namespace, on 127.0.0.1
@@ -155,6 +172,7 @@ class Namespaces:
         self.names = [f"{self.tag}-h{r}" for r in range(hosts)]
         self._made: list[str] = []
         self._relays: list[subprocess.Popen[str]] = []
+        self.delayer: subprocess.Popen[str] | None = None  # delay_packets' process
 
     def __enter__(self) -> Self:
         try:
@@ -176,17 +194,41 @@ class Namespaces:
         for name in reversed(self._made):
             _delete(name)
         self._made.clear()
-        for relay in self._relays:  # killed with their namespace: reap them
+        helpers = [*self._relays, *([self.delayer] if self.delayer is not None else [])]
+        for helper in helpers:  # killed with their namespace: reap them
             with contextlib.suppress(Exception):
-                relay.kill()
-                relay.wait(timeout=5)
+                helper.kill()
+                helper.wait(timeout=5)
+            for pipe in (helper.stdout, helper.stderr):
+                if pipe is not None:
+                    pipe.close()
         self._relays.clear()
+        self.delayer = None
 
 
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
         """The command line that runs ``argv`` on host ``rank`` (as ``ip netns exec``, which
         execs it: the pid of the started process is that of ``argv``)."""
         return ["ip", "netns", "exec", self.names[rank], *argv]
+
+    def delay_packets(self, delay: float) -> None:
+        """Delay every IPv4 packet crossing the switch by ``delay`` seconds, in the kernel's
+        path (a netfilter queue and the lab's packet delayer: see the module docstring);
+        :attr:`delayer` is its process (to read its CPU time).
+
+        Raises:
+            LabError: the delayer cannot run here (no compiler or ``iptables``, the kernel
+                refused the queue or the rule: the reason), or it runs already.
+        """
+        if self.delayer is not None:
+            raise LabError(f"{self.switch} has its packet delayer already")
+        reason = netns_delay.unavailable()
+        if reason is not None:
+            raise LabError(reason)
+        try:
+            self.delayer = netns_delay.start(self.switch, delay)
+        except netns_delay.DelayError as exc:
+            raise LabError(str(exc)) from None
 
     def delay_streams(self, delay: float, limit: int = 4 << 20) -> None:
         """Delay every TCP stream between hosts of the lab by ``delay`` seconds each way,
@@ -266,9 +308,9 @@ class Lab(Namespaces):
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def drops(self) -> int:
-        """Packets the queueing disciplines of the lab's cables have dropped so far (a full
-        token bucket's queue drops, and TCP sends again)."""
-        total = 0
+        """Packets the queueing disciplines of the lab's cables (and the packet delayer's
+        queue, if it runs) have dropped so far (a full queue drops, and TCP sends again)."""
+        total = netns_delay.dropped(self.switch) if self.delayer is not None else 0
         for namespace, device in [*((h, "eth0") for h in self.names),
                                   *((self.switch, f"p{r}") for r in range(self.hosts))]:
             shown = _run("tc", "-n", namespace, "-statistics", "-json", "qdisc", "show",
@@ -282,44 +324,57 @@ class Lab(Namespaces):
         it (host R's eth0 sends, switch port pR delivers to R), so a host sends at ``rate``
         and receives at ``rate`` in all, from however many senders.
 
-        ``delay`` (a ``tc`` time, e.g. ``5ms``) adds that one-way delay to what each host
-        sends (``netem``, with the token bucket under it), so a round trip between two
-        hosts takes twice ``delay``. Where the kernel has no netem, ``relay`` delays the
-        TCP streams instead (:meth:`delay_streams`); without it that raises
-        :class:`LabError`. Returns how the delay is made: ``"netem"``, ``"relay"`` or
+        ``delay`` (a ``tc`` time, e.g. ``5ms``) adds that one-way delay to every packet
+        between two hosts, so a round trip takes twice ``delay``: the kernel's ``netem`` on
+        what each host sends (the token bucket under it), or where the kernel has none the
+        packet delayer in the switch (:meth:`delay_packets`); where that cannot run either,
+        ``relay`` delays the TCP streams instead (:meth:`delay_streams`: latency only, see
+        the module docstring), and without it :class:`LabError` is raised naming both
+        reasons. Returns how the delay is made: ``"netem"``, ``"nfqueue"``, ``"relay"`` or
         ``""`` (none asked for).
+
+        A token bucket passes a GSO packet (up to 64 KiB) whole only if ``burst`` holds it;
+        with a smaller one it cuts it into frames, each a packet for the delayer to handle.
         """
         tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
-        how = ""
+        netem, no_netem = delay is not None, ""
         for r, host in enumerate(self.names):
             _run("tc", "-n", self.switch, "qdisc", "add", "dev", f"p{r}", "root", *tbf)
-            if delay is None or how == "relay":
+            if not netem:
                 _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *tbf)
                 continue
             try:
                 _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", "handle", "1:",
-                     "netem", "delay", delay)
+                     "netem", "delay", str(delay))
             except LabError as exc:
-                if not relay or r > 0:
-                    raise LabError(f"{exc} (a delay needs the kernel's netem qdisc, "
-                                   f"CONFIG_NET_SCH_NETEM)") from None
-                how = "relay"
+                if r > 0:
+                    raise
+                no_netem = f"{exc} (no netem qdisc, CONFIG_NET_SCH_NETEM)"
+                netem = False
                 _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *tbf)
                 continue
-            how = "netem"
             _run("tc", "-n", host, "qdisc", "add", "dev", "eth0", "parent", "1:1",
                  "handle", "10:", *tbf)
-        if how == "relay":
-            assert delay is not None
-            self.delay_streams(seconds(delay))
-        return how
+        if delay is None:
+            return ""
+        if netem:
+            return "netem"
+        try:
+            self.delay_packets(seconds(delay))
+            return "nfqueue"
+        except LabError as exc:
+            if not relay:
+                raise LabError(f"{no_netem}; the packet delayer: {exc}") from None
+        self.delay_streams(seconds(delay))
+        return "relay"
 
     def limit_pair(self, a: int, b: int, rate: str, link_rate: str) -> None:
         """Slow the pair of hosts ``a`` and ``b`` to ``rate`` each way, every other link of
         theirs staying at ``link_rate``: each one's eth0 sends through an ``htb`` whose
         default class runs at ``link_rate`` and whose class for the other's address at
         ``rate``. Replaces what :meth:`shape` put at the root of their eth0 (the token
-        bucket; netem too, so use it with the relay's delay, :meth:`delay_streams`).
+        bucket; netem too, so delay with the switch's :meth:`delay_packets` or the relay's
+        :meth:`delay_streams`).
 
         Raises:
             LabError: a ``tc`` command failed.

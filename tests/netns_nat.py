@@ -12,6 +12,11 @@ A :class:`NatLab` of N hosts, ``natted`` of them behind NAT, is named
             answers a connection from inside (conntrack ESTABLISHED,RELATED), and forwards
             no port: a public host has no route to 198.19.0.0/16 at all
 
+How a router treats an unexpected TCP SYN on its public leg (``unexpected``): ``rst`` (the
+default) answers it with a reset, as a Linux router with no listener does, ``drop`` drops
+it silently, as many firewalls do. ``random_fully``: MASQUERADE ``--random-fully``, which
+maps every connection to a random port (a NAT that keeps no port).
+
 Only 198.18.0.0/15 appears, and only inside the lab's namespaces. :meth:`NatLab.close`
 kills what runs inside and deletes the namespaces; never raises. :func:`sweep` removes the
 labs of makers that are gone.
@@ -54,8 +59,13 @@ class NatLab(netns.Namespaces):
 
     prefix = PREFIX
 
-    def __init__(self, hosts: int, natted: Sequence[int]) -> None:
+    def __init__(self, hosts: int, natted: Sequence[int], unexpected: str = "rst",
+                 random_fully: bool = False) -> None:
         super().__init__(hosts)
+        if unexpected not in ("rst", "drop", "stack"):
+            raise ValueError(f"unexpected={unexpected!r}: 'rst' or 'drop'")
+        self.unexpected = unexpected
+        self.random_fully = random_fully
         self.natted = frozenset(natted)
         self.routers = {r: f"{self.tag}-rt{r}" for r in sorted(self.natted)}
 
@@ -99,13 +109,19 @@ class NatLab(netns.Namespaces):
             run("ip", "-n", host, "route", "add", "default", "via", f"198.19.{r}.1")
             run("ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
             ipt = ("ip", "netns", "exec", router, "iptables")
-            run(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE")
+            run(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE",
+                *(["--random-fully"] if self.random_fully else []))
             run(*ipt, "-A", "FORWARD", "-i", "eth0", "-m", "conntrack", "--ctstate",
                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
             run(*ipt, "-A", "FORWARD", "-i", "eth0", "-j", "DROP")
             run(*ipt, "-A", "INPUT", "-i", "eth0", "-m", "conntrack", "--ctstate",
                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
-            run(*ipt, "-A", "INPUT", "-i", "eth0", "-j", "DROP")
+            if self.unexpected == "drop":
+                run(*ipt, "-A", "INPUT", "-i", "eth0", "-j", "DROP")
+            elif self.unexpected == "rst":
+                run(*ipt, "-A", "INPUT", "-i", "eth0", "-p", "tcp", "-j", "REJECT",
+                    "--reject-with", "tcp-reset")
+                run(*ipt, "-A", "INPUT", "-i", "eth0", "-j", "DROP")
 
     def shape(self, rate: str, burst: str = "512kbit", latency: str = "50ms") -> None:
         """Every site's cable to ``rate`` each way (a token bucket at both ends: a public

@@ -331,3 +331,64 @@ async def test_calls_in_flight_together_keep_their_order_on_the_board() -> None:
                                for s in range(6)))
 
     await run_ranks(4, fn, transport="ipc")
+
+
+async def test_lengths_that_change_every_call_reuse_one_program_and_stay_bit_exact() -> None:
+    """1,000 calls, new random lengths each (zeros among them; every 50th call in windows;
+    int64 with out= every 7th): every result bit for bit against numpy, the flight record
+    naming each call's own bytes and shapes, and nothing kept grows with the calls: one
+    prepared program for all of them (each new set of lengths once built its own, 256 of
+    them pushing the session's other programs out), at most MAX_SHAPES shapes, DEPTH
+    rounds and two windows per peer. (The flight record checked every 100th call: it
+    lists the whole record.)"""
+    p, calls = 4, 1000
+
+    async def fn(g: p2pcoll.Group) -> list[int]:
+        r = g.rank
+        await g.allreduce(np.ones(3))  # a program of another collective, kept throughout
+        programs = len(g.session.runner.programs)
+        sizes = []
+        for n in range(calls):
+            rows = lengths(p, 10_000 + n, 20000 if n % 50 == 49 else 300)
+            dtype = np.int64 if n % 7 == 0 else np.float32
+            parts = [block(r, j, rows[r, j], dtype) + n % 97 for j in range(p)]
+            out = ([np.empty(rows[i, r], dtype) for i in range(p)] if n % 7 == 0 else None)
+            got = await g.alltoall(parts, out=out)
+            for i in range(p):
+                want = block(i, r, rows[i, r], dtype) + n % 97
+                assert got[i].dtype == want.dtype and got[i].tobytes() == want.tobytes(), n
+            if n % 100 == 0:
+                entry = g.flight_record()[-1]
+                assert entry["bytes"] == sum(a.nbytes for a in parts), (n, entry)
+                assert entry["shapes"] == [[int(rows[r, j])] for j in range(p)], (n, entry)
+            sizes.append(len(g.session.runner.programs) - programs)
+        on_board = g.session.runner._alltoall
+        assert on_board is not None
+        assert len(on_board._shapes) <= board_alltoall.MAX_SHAPES
+        assert len(on_board._agreed) == DEPTH and len(on_board._theirs) <= 2 * (p - 1)
+        await g.allreduce(np.ones(3))
+        assert len(g.session.runner.programs) == programs + 1
+        return sizes
+
+    for sizes in await run_ranks(p, fn, transport="ipc"):
+        assert max(sizes) == 1, sizes[:20]
+
+
+async def test_calls_in_flight_together_each_record_their_own_lengths() -> None:
+    """The one program's flight entry is set per call just before the runner reads it:
+    calls started together (each takes its number before the next starts) still record
+    their own bytes and shapes."""
+    p = 3
+
+    async def fn(g: p2pcoll.Group) -> None:
+        r = g.rank
+        tables = [lengths(p, 50 + s, 400) for s in range(4)]
+        calls = [[block(r, j, rows[r, j], np.float32) for j in range(p)] for rows in tables]
+        await asyncio.gather(*(g.alltoall(parts) for parts in calls))
+        record = [e for e in g.flight_record() if e["collective"] == "alltoall"][-4:]
+        assert [e["bytes"] for e in record] == [sum(a.nbytes for a in parts)
+                                                for parts in calls]
+        assert [e["shapes"] for e in record] == [[list(a.shape) for a in parts]
+                                                 for parts in calls]
+
+    await run_ranks(p, fn, transport="ipc")

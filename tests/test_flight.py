@@ -91,6 +91,22 @@ def test_equal_bytes_in_other_shapes_differ_and_the_shapes_are_shown(tmp_path: P
     assert a.at_difference[0].endswith("shapes [1] [1] [1] [1] ... (10 leaves) (done)")
 
 
+def test_an_alltoall_s_own_sizes_are_no_difference_but_its_dtypes_are(tmp_path: Path
+                                                                     ) -> None:
+    # alltoallv: each rank sends parts of its own lengths, so bytes and shapes differ by
+    # rank in a call that matches; the dtypes must agree.
+    write_rank(tmp_path, 0, [entry(0, "alltoall", nbytes=24, shapes=[[1, 2], [2, 2]])],
+               world=2)
+    write_rank(tmp_path, 1, [entry(0, "alltoall", nbytes=8, shapes=[[0, 2], [1, 2]])],
+               world=2)
+    a = analyse(load(str(tmp_path)))
+    assert a is not None and a.first_difference is None
+    write_rank(tmp_path, 1, [entry(0, "alltoall", nbytes=8, dtype="float64",
+                                   shapes=[[0, 2], [1, 2]])], world=2)
+    a = analyse(load(str(tmp_path)))
+    assert a is not None and a.first_difference == 0
+
+
 def test_a_file_without_shapes_compares_by_bytes_and_dtypes(tmp_path: Path) -> None:
     write_rank(tmp_path, 0, [entry(0, shapes=[[4]]), entry(1, shapes=[[2, 2]])], world=2)
     write_rank(tmp_path, 1, [entry(0), entry(1)], world=2)  # written before shapes were

@@ -49,7 +49,8 @@ def test_a_preamble_is_read_whatever_its_pieces(preamble: bytes, expected: objec
 
 
 @pytest.mark.parametrize("garbage", [
-    b"GET / HTTP/1.1\r\n", b"\xff" + bytes(8) + b"\x7f", b"P2PR\x02R", b"P2PR\x01X",
+    b"GET / HTTP/1.1\r\n", b"\xff" + bytes(8) + b"\x7f", b"P2PR\x03R", b"P2PR\x01X",
+    b"P2PR\x01D",
     rp.MAGIC + rp.CONNECT + b"Z" * 64, rp.MAGIC + rp.REGISTER + b"0" * 31 + b"." + b"a" * 32,
 ])
 def test_anything_else_is_garbage(garbage: bytes) -> None:

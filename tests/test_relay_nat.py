@@ -117,7 +117,10 @@ def test_every_collective_behind_nat_equals_the_direct_run(
     for r, report in enumerate(reports):
         links = {int(k): v for k, v in report["peer_links"].items()}  # type: ignore[union-attr]
         for peer, how in links.items():
-            assert how == ("relayed" if r in natted or peer in natted else "direct"), links
+            if r in natted and peer in natted:  # they dial: direct if it went so
+                assert how in ("direct", "relayed"), links  # (test_relay_punch.py)
+            else:
+                assert how == ("relayed" if r in natted or peer in natted else "direct"), links
         assert report["bytes_relayed"] > 0
     for r, addresses in listening.items():  # nothing listens on a NATed host's network
         assert all(a.startswith("127.0.0.1:") for a in addresses), (r, addresses)

@@ -9,7 +9,10 @@ ranks, on every rank, raised before any data is read: the group stays usable.
 
 Among the peers of one host (the board, no strategy asked for) it is one collective: the
 table travels in the board round that carries the parts
-(:mod:`p2pcoll.engine.board_alltoall`). Otherwise it is two: a small allreduce of the
+(:mod:`p2pcoll.engine.board_alltoall`). Its prepared program does not depend on the
+lengths (:class:`_OnBoard`): an alltoall whose lengths change every call (a
+Mixture-of-Experts layer's routing) finds the one it prepared first, and leaves the
+session's other programs in their cache. Otherwise it is two: a small allreduce of the
 table, then the exchange, with the strategy chosen from the agreed lengths (which every
 rank knows, so a strategy may forward others' blocks: Bruck, a host's leader). The two
 hold one turn of the group (:mod:`p2pcoll.session.turns`), so calls started after an
@@ -26,6 +29,7 @@ import numpy as np
 from .. import tensors
 from ..engine import alltoall_table as table
 from ..session.calls import Call
+from ..session.flight import describe
 from ..session.session import Session
 from ..session.turns import Turns
 from ..types import ALLOWED_DTYPES, check_dtype
@@ -61,9 +65,14 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
     send, dtype, rest = _arrays(parts)
     recv = _buffers(out, p, dtype, rest) if out is not None else None
     session = group.session
-    if session.runner.alltoall_on_board(strategy):  # one round, the lengths in it
-        call = Call("alltoall", send + (recv or []), strategy=strategy, timeout=timeout,
-                    flat=send if not rest else [a.reshape(-1) for a in send])
+    runner = session.runner
+    if runner.alltoall_on_board(strategy):  # one round, the lengths in it
+        flat = send if not rest else [a.reshape(-1) for a in send]
+        call = _OnBoard("alltoall", send + (recv or []), strategy=strategy,
+                        timeout=timeout, flat=flat)
+        program = runner.programs.get(call.key())
+        if program is not None:  # what the flight record says of this call
+            program.flight = (*program.flight[:2], *describe(flat, send))
         await session.run(call)
         if call.refused is not None:
             raise call.refused
@@ -76,6 +85,22 @@ async def alltoall(group: Group, parts: Sequence[Any], out: Sequence[Any] | None
     if like is None or type(like) is np.ndarray:
         return recv
     return [tensors.like(like, a) for a in recv]
+
+
+class _OnBoard(Call):
+    """An alltoall on the board: its program is the same whatever the lengths, dtype or
+    row shape (the board's round reads them from every rank's header), so its key names
+    none of them. The flight record's entry, which does name them, is the program's:
+    :func:`alltoall` sets it for each call just before the runner reads it, which it does
+    as it starts the call, with no await before (unless a coded reduction holds the
+    group's turn: a second alltoall started meanwhile may then set the entry that the
+    first one records)."""
+
+    __slots__ = ()
+
+    def key(self) -> tuple[Any, ...]:
+        return ("alltoall", self.strategy, "", None, True, 1, "board: lengths agreed in "
+                "the round", (), ())
 
 
 async def _agree_and_exchange(group: Group, send: list[np.ndarray],

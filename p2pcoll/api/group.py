@@ -451,8 +451,11 @@ class Group(PointToPoint):
         ``links_opened - links_closed`` are open); ``bytes_relayed``: bytes (on the wire,
         both ways) between this peer and relays, and ``peer_links``: for each other rank,
         ``"relayed"`` if what goes between the two passes a relay (either peer cannot be
-        reached), else ``"direct"`` (see docs/relay.md); ``stripes_opened``: TCP connections
-        opened beside links to spread large messages over (``P2PCOLL_STREAMS``, see
+        reached), else ``"direct"`` (two peers behind relays that connected directly,
+        every connection between them: see docs/relay.md); ``direct_punched``: connections
+        between this peer and another behind a relay that went direct, ``punch_failed``:
+        those that tried and fell back to the relay; ``stripes_opened``:
+        TCP connections opened beside links to spread large messages over (``P2PCOLL_STREAMS``, see
         :mod:`p2pcoll.transport.stripes`); ``socket_buffers_capped``: striped links whose
         send buffers ``net.core.wmem_max`` held below what their path needs (see
         :mod:`p2pcoll.transport.paths`).
@@ -472,9 +475,11 @@ class Group(PointToPoint):
             "links_opened": c.links_opened,
             "links_closed": c.links_closed,
             "bytes_relayed": c.bytes_relayed,
-            "peer_links": {r: "relayed" if r in c.relayed else "direct"
-                           for r in range(session.membership.world_size)
+            "peer_links": {r: "relayed" if r in c.relayed and r not in c.punched
+                           else "direct" for r in range(session.membership.world_size)
                            if r != session.membership.rank},
+            "direct_punched": c.direct_punched,
+            "punch_failed": c.punch_failed,
             "stripes_opened": c.stripes_opened,
             "socket_buffers_capped": c.socket_buffers_capped,
             "collectives": session.seq,

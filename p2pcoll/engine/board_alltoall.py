@@ -45,6 +45,7 @@ each of its parts.
 from __future__ import annotations
 
 import errno
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -117,7 +118,9 @@ class BoardAlltoall:
         self.rank, self.size = path.rank, path.size
         self._head = header_words(self.size) * 8
         self._own: list[ShmFile | None] = [None, None]  # my window of each side
-        self._theirs: dict[tuple[int, int], ShmFile] = {}  # (rank, side) -> mapped window
+        # (rank, side) -> the mapped window: its name as header words, the file, its data.
+        self._theirs: dict[tuple[int, int], tuple[tuple[int, ...], ShmFile, np.ndarray]] = {}
+        self._areas: list[np.ndarray | None] = [None, None]  # my windows' data
         # My header after the table row: zeros (parts in the slot), or per side my
         # window's bytes and name.
         self._in_slot = np.zeros(1 + NAME_WORDS, np.int64)
@@ -185,8 +188,7 @@ class BoardAlltoall:
                 words[ADDRESSES + j] = a.ctypes.data
         else:
             if self._head + shape.moving > len(slot):
-                window = self._window(side, shape.moving)
-                area, at = np.frombuffer(window.map, np.uint8, offset=PAGE), 0
+                area, at = self._window(side, shape.moving), 0
             words[:READS] = self._tails[side] if area is not slot else self._in_slot
             words[ADDRESSES:] = 0
             if area is slot:
@@ -284,7 +286,7 @@ class BoardAlltoall:
         if shape is None:
             p = self.size
             rest = first.shape[1:] if first is not None else ()
-            elements = int(np.prod(rest, dtype=np.int64))
+            elements = math.prod(rest)
             row = np.zeros(table.width(p), np.int64)
             table.fill(row, p, [int(a.shape[0]) for a in parts], dtype, elements,
                        None if out is None else [int(a.shape[0]) for a in out])
@@ -325,30 +327,34 @@ class BoardAlltoall:
             self._pids = [int(v) for v in self.path.board.words[:, ATTACHED]]
             self._reads = all(self._can_read(q, int(words[q, width + PROBE]))
                               for q in range(p) if q != me)
-        self._read_by_all = bool(all(words[q, width + READS] for q in range(p) if q != me))
-        sources = {q: self._source(q, side, words[q, width:], data[q][parity], nbytes[q])
+        lines = words.tolist()  # (Python ints: a few of them each, cheaper than numpy's)
+        self._read_by_all = all(lines[q][width + READS] for q in range(p) if q != me)
+        sources = {q: self._source(q, side, lines[q][width:], data[q][parity], nbytes[q])
                    for q in range(p) if q != me}
         try:
-            agreed = table.check(words[:, :width], p)
+            rows = table.check_lines(lines, p)  # (it reads the table row of each line)
         except CollectiveMismatch as exc:
             return exc
+        for q, row in enumerate(rows):
+            if min(row) < 0:
+                raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
+                                    f"negative length: {row}")
         spans: dict[int, tuple[np.ndarray | None, int, int]] = {}
         for q, source in sources.items():
-            row = agreed[q]
-            if (row < 0).any():
-                raise ProtocolError(f"rank {q}'s header on the shared-memory board has a "
-                                    f"negative length: {list(row)}")
-            n = int(row[me]) * item
+            row = rows[q]
+            n = row[me] * item
             if source is None:  # read in its process, at the address of its part for me
-                spans[q] = (None, int(words[q, width + ADDRESSES + me]), n)
+                spans[q] = (None, lines[q][width + ADDRESSES + me], n)
                 continue
-            at = item * (int(row[:me].sum()) - (int(row[q]) if q < me else 0))
+            # My part starts after its parts for the ranks before me, less its own part
+            # (which it does not write) if it is one of them.
+            at = item * (sum(row[:me]) - (row[q] if q < me else 0))
             if at + n > len(source):
                 raise ProtocolError(f"rank {q}'s parts on the shared-memory board end at "
                                     f"byte {at + n}, beyond the {len(source)} it wrote")
             spans[q] = (source, at, n)
-        direct = bool((words[:, width + WHERE] == DIRECT).any())
-        return _Agreed(heads, tuple(int(n) for n in agreed[:, me]), spans, direct, {})
+        direct = any(line[width + WHERE] == DIRECT for line in lines)
+        return _Agreed(heads, tuple(row[me] for row in rows), spans, direct, {})
 
     def _can_read(self, q: int, address: int) -> bool:
         """Whether I can read rank ``q``'s memory: its probe word, where it says it is."""
@@ -359,9 +365,9 @@ class BoardAlltoall:
             return False
         return int(word[0]) == MAGIC
 
-    def _window(self, side: int, nbytes: int) -> ShmFile:
-        """My window of ``side`` with room for ``nbytes``, grown if it has not; its name
-        unlinked once every peer has mapped it.
+    def _window(self, side: int, nbytes: int) -> np.ndarray:
+        """The data of my window of ``side`` with room for ``nbytes``, grown if it has
+        not; its name unlinked once every peer has mapped it.
 
         Raises:
             OSError: ``/dev/shm`` is full (the call fails on this rank: its peers time out
@@ -370,6 +376,7 @@ class BoardAlltoall:
         window = self._own[side]
         if window is None or window.size - PAGE < nbytes:
             if window is not None:  # every peer has read the last call of this side
+                self._areas[side] = None
                 window.close()
                 self._own[side] = None
             size = max(MIN_WINDOW, 1 << max(nbytes - 1, 0).bit_length())
@@ -383,18 +390,21 @@ class BoardAlltoall:
             tail[NAME:] = np.frombuffer(window.name.encode().ljust(NAME_WORDS * 8, b"\0"),
                                         np.int64)
             self._tails[side] = tail
+            self._areas[side] = np.frombuffer(window.map, np.uint8, offset=PAGE)
         elif window.linked:
             mapped = np.frombuffer(window.map, np.int64, count=self.size, offset=MAPPED * 8)
             if mapped.all():
                 window.unlink()
-        return window
+        area = self._areas[side]
+        assert area is not None
+        return area
 
-    def _source(self, q: int, side: int, tail: np.ndarray, slot: np.ndarray,
+    def _source(self, q: int, side: int, tail: list[int], slot: np.ndarray,
                 nbytes: int) -> np.ndarray | None:
         """Where rank ``q``'s parts lie (its slot after the header, or its window, mapped
         on first sight), as bytes, or None: in its process; ``tail`` its header's words
         after the table row."""
-        size = int(tail[WHERE])
+        size = tail[WHERE]
         if size == IN_SLOT:
             return slot[self._head:nbytes]
         if size == DIRECT:
@@ -402,23 +412,26 @@ class BoardAlltoall:
                 raise ProtocolError(f"rank {q} has its parts read directly, but rank "
                                     f"{self.rank} said it cannot")
             return None
-        raw = tail[NAME:READS].tobytes().rstrip(b"\0")
-        try:
-            name = raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise ProtocolError(f"rank {q}'s window name on the shared-memory board is not "
-                                f"ASCII: {raw[:48]!r}") from None
-        window = self._theirs.get((q, side))
-        if window is None or window.name != name:
-            if window is not None:
-                window.close()
+        named = tuple(tail[NAME:READS])
+        known = self._theirs.get((q, side))
+        if known is None or known[0] != named:
+            raw = np.array(named, np.int64).tobytes().rstrip(b"\0")
+            try:
+                name = raw.decode("ascii")
+            except UnicodeDecodeError:
+                raise ProtocolError(f"rank {q}'s window name on the shared-memory board is "
+                                    f"not ASCII: {raw[:48]!r}") from None
+            if known is not None:
                 del self._theirs[q, side]
+                known[1].close()  # (unmapped once the last view of it goes)
             window = self._map(q, name, size)
-            self._theirs[q, side] = window
+            known = self._theirs[q, side] = (named, window, np.frombuffer(
+                window.map, np.uint8, offset=PAGE))
+        window = known[1]
         if window.size - PAGE != size:
-            raise ProtocolError(f"rank {q}'s window {name!r} has {window.size - PAGE} bytes, "
-                                f"its header says {size}")
-        return np.frombuffer(window.map, np.uint8, offset=PAGE)
+            raise ProtocolError(f"rank {q}'s window {window.name!r} has {window.size - PAGE} "
+                                f"bytes, its header says {size}")
+        return known[2]
 
     def _map(self, q: int, name: str, size: int) -> ShmFile:
         if not 0 < size <= MAX_WINDOW:
@@ -436,14 +449,17 @@ class BoardAlltoall:
 
     def close(self) -> None:
         """Unlink and unmap my windows, unmap the peers'."""
-        for window in [*self._own, *self._theirs.values()]:
-            if window is not None:
-                window.close()
+        windows = [*self._own, *(known[1] for known in self._theirs.values())]
+        # Their views first, so that each unmaps at once.
+        self._areas = [None, None]
         self._own = [None, None]
         self._theirs.clear()
         self._agreed = [None] * DEPTH
         self._heads = []  # views of the board, which closes next
         self._shapes.clear()  # (their places too)
+        for window in windows:
+            if window is not None:
+                window.close()
 
 
 __all__ = ["BoardAlltoall"]

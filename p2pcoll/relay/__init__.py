@@ -3,7 +3,9 @@
 - :mod:`.names`: target names, group tags and ``relay://`` endpoints (no I/O: what every
   peer needs to form a group, relayed or not);
 - :mod:`.protocol`: what a connection to a relay says first, the table of registered
-  targets (no I/O);
+  targets, and a dial's messages and verdicts (no I/O);
+- :mod:`.punch`: a dial's direct attempt between two peers behind NAT (TCP simultaneous
+  open from the ports the relay saw);
 - :mod:`.pipe`: splicing two connections, with flow control;
 - :mod:`.server`: :class:`Relay`, the server (the rendezvous host runs one; ``p2pcoll relay``
   runs one standalone);

@@ -21,6 +21,15 @@ on the network) that its mesh connects a link or probe to, as to any peer. Each 
 to it opens one to the relay, says ``connect`` with the target and the group's tag, and
 once the relay answers ``OK`` the two are spliced; a refusal closes the local connection
 (libzmq connects again a moment later, as to a peer not yet listening).
+
+Between two peers behind relays, the entrance *dials* instead (``dial_from``: this peer's
+own target name): it asks the relay from a port it bound, the attachment at the other end
+answers from one of its own, and both try a direct connection (:mod:`.punch`); what they
+get is spliced as the relay's connection would have been. A failed attempt falls back to
+the relay's forward on the same connections, and the entrance connects through the relay
+from then on (logged once). Both report each connection's path (``seen``): ``direct``,
+``relayed`` (after a failed attempt) or ``plain`` (not tried: see
+:func:`.protocol.punchable`), and +1 when it opens, -1 when it closes.
 """
 
 from __future__ import annotations
@@ -31,17 +40,22 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-from . import thread
+from . import punch, thread
 from .pipe import Half
 from .protocol import (
-    ID_BYTES, OK, OPEN, PING, accept_preamble, connect_preamble, register_preamble,
+    ID_BYTES, NOBODY, OK, OPEN, PING, PUNCH, PUNCH_BYTES, accept_preamble, answer_preamble,
+    connect_preamble, dial_preamble, register2_preamble, register_preamble,
 )
 
 log = logging.getLogger("p2pcoll.relay")
 
 __all__ = ["Attachment", "Entrance"]
+
+ANSWER_S = 10.0  # a dial's or answer's wait for each word of the relay (it bounds its own)
+Seen = Callable[[str, str, int], None]  # (sender's target, path, +1 or -1)
 
 
 class Attachment:
@@ -57,17 +71,28 @@ class Attachment:
         lost: called once with why, when the relay is lost (not after :meth:`aclose`), on
             the loop that called :meth:`start`.
         count: called with the size of each chunk forwarded (both ways).
+        seen: called on the relay loop with the dialling member's target name (from the
+            relay: :data:`~.protocol.NOBODY` if it gave none), the path (``direct``,
+            ``relayed`` after a failed attempt, ``plain`` without one) and +1 when a dial's
+            connection opens, -1 when it closes.
+        dial_s: a dial is answered with attempts for this long at most (the relay says
+            how long; a member's mesh gives up on a connection that stays silent for its
+            heartbeat timeout).
     """
 
     def __init__(self, host: str, port: int, target: str, tag: str, local: str,
                  heartbeat_s: float, lost: Callable[[str], None],
-                 count: Callable[[int], None] = lambda n: None) -> None:
+                 count: Callable[[int], None] = lambda n: None,
+                 seen: Seen = lambda sender, path, n: None,
+                 dial_s: float = punch.MAX_PUNCH_S) -> None:
         self.host, self.port = host, port
         self.target, self.tag = target, tag
         self.local = local
         self.heartbeat_s = heartbeat_s
         self.lost = lost
         self.count = count
+        self.seen = seen
+        self.dial_s = dial_s
         self.forwards = 0
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
@@ -94,9 +119,18 @@ class Attachment:
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
-                writer.write(register_preamble(self.target, self.tag))
-                answer = await reader.readexactly(1)
+                try:
+                    reader, writer = await asyncio.open_connection(self.host, self.port)
+                    writer.write(register2_preamble(self.target, self.tag))
+                    answer = await reader.readexactly(1)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    # closed without a word: a relay of protocol version 1 (p2pcoll 0.18
+                    # and older), which cannot ask for dials: registered as version 1
+                    if writer is not None:
+                        writer.close()
+                    reader, writer = await asyncio.open_connection(self.host, self.port)
+                    writer.write(register_preamble(self.target, self.tag))
+                    answer = await reader.readexactly(1)
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             if writer is not None:
                 writer.close()
@@ -120,9 +154,11 @@ class Attachment:
                     return
                 if kind == OPEN:
                     conn = await reader.readexactly(ID_BYTES)
-                    task = asyncio.create_task(self._forward(conn))
-                    self._opening.add(task)
-                    task.add_done_callback(self._opening.discard)
+                    self._start_task(self._forward(conn))
+                elif kind == PUNCH:
+                    body = await reader.readexactly(PUNCH_BYTES)
+                    sender = body[ID_BYTES:].decode("ascii", "replace")
+                    self._start_task(self._answer(body[:ID_BYTES], sender))
                 elif kind != PING:
                     why = f"the relay at {self.where} sent {kind!r}, which it never sends"
                     return
@@ -137,16 +173,51 @@ class Attachment:
                 with contextlib.suppress(RuntimeError):  # its loop has closed meanwhile
                     self._caller.call_soon_threadsafe(self.lost, why)
 
+    def _start_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._opening.add(task)
+        task.add_done_callback(self._opening.discard)
+
     async def _forward(self, conn: bytes) -> None:
         """Open the accept connection for forward ``conn`` and splice it to the local
         endpoint; a failure ends this forward only (the other peer's socket connects
         again)."""
-        loop = asyncio.get_running_loop()
+        await self._splice(accept_preamble(conn))
 
-        outer, inner = Half(self.count), Half(self.count)
+    async def _answer(self, conn: bytes, sender: str) -> None:
+        """Answer the dial ``conn`` from a bound port: splice the direct connection, or
+        the relay's, to the local endpoint."""
+        loop = asyncio.get_running_loop()
+        sock = None
         try:
-            await loop.create_connection(lambda: outer, self.host, self.port)
-            outer.write(accept_preamble(conn))
+            sock = await punch.open_bound(self.host, self.port, ANSWER_S)
+            port = sock.getsockname()[1]
+            await loop.sock_sendall(sock, answer_preamble(conn, port))
+            direct, path = await punch.answered(sock, port, ANSWER_S, self.dial_s)
+        except BaseException as exc:  # OSError, or cancelled (closing)
+            if sock is not None:
+                sock.close()
+            if not isinstance(exc, OSError):
+                raise
+            log.debug("relay dial not answered: %s", exc)
+            return
+        if direct is not None:
+            sock.close()
+        await self._splice(b"", direct or sock, path, sender)
+
+    async def _splice(self, preamble: bytes, sock: socket.socket | None = None,
+                      path: str = "plain", sender: str = NOBODY) -> None:
+        """Splice to the local endpoint a new connection to the relay that says
+        ``preamble``, or ``sock`` (a dial's, on ``path``: see :func:`.punch.answered`)."""
+        loop = asyncio.get_running_loop()
+        count = None if path == "direct" else self.count
+        outer, inner = Half(count), Half(count)
+        try:
+            if sock is None:
+                await loop.create_connection(lambda: outer, self.host, self.port)
+                outer.write(preamble)
+            else:
+                await loop.create_connection(lambda: outer, sock=sock)
             if self.local.startswith("ipc://"):
                 await loop.create_unix_connection(lambda: inner,
                                                   self.local.removeprefix("ipc://"))
@@ -155,6 +226,8 @@ class Attachment:
                 await loop.create_connection(lambda: inner, host, int(port))
         except OSError as exc:
             log.debug("relay forward not opened: %s", exc)
+            if sock is not None and outer.transport is None:
+                sock.close()
             outer.abort()
             inner.abort()
             return
@@ -163,8 +236,17 @@ class Attachment:
             inner.abort()
             return
         self.forwards += 1
-        outer.lost = inner.lost = lambda: self._halves.difference_update((outer, inner))
+        dialled = sock is not None  # a dial's: its path is reported
+
+        def lost() -> None:
+            if dialled and outer in self._halves:
+                self.seen(sender, path, -1)
+            self._halves.difference_update((outer, inner))
+
+        outer.lost = inner.lost = lost
         self._halves.update((outer, inner))
+        if dialled:
+            self.seen(sender, path, 1)
         outer.join(inner)
 
     async def aclose(self) -> None:
@@ -221,15 +303,27 @@ class Entrance:
     docstring): a Unix socket at ``path``, listening from construction on.
 
     Args:
-        count: called with the size of each chunk that passes (both ways).
+        count: called with the size of each chunk that passes through the relay (both
+            ways).
+        dial_from: this peer's own target name, to dial (try a direct connection first:
+            this peer is behind a relay too); None: connect through the relay.
+        seen: called on the relay loop with the path (as :class:`Attachment`'s) and +1
+            when a dial's connection opens, -1 when it closes.
+        dial_s: a dial's attempts last this long at most (see :class:`Attachment`).
     """
 
     def __init__(self, host: str, port: int, target: str, tag: str, path: str,
-                 count: Callable[[int], None]) -> None:
+                 count: Callable[[int], None], dial_from: str | None = None,
+                 seen: Callable[[str, int], None] = lambda path, n: None,
+                 dial_s: float = punch.MAX_PUNCH_S) -> None:
         self.host, self.port = host, port
+        self.target, self.tag = target, tag
         self.preamble = connect_preamble(target, tag)
         self.path = path
         self.count = count
+        self.dial_from = dial_from
+        self.seen = seen
+        self.dial_s = dial_s
         self._halves: set[Half] = set()
         self._opening: set[asyncio.Task[None]] = set()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -255,7 +349,8 @@ class Entrance:
 
     def _door(self) -> Half:
         inner = Half(self.count)
-        task = asyncio.create_task(self._open(inner))
+        opening = self._open(inner) if self.dial_from is None else self._dial(inner)
+        task = asyncio.create_task(opening)
         self._opening.add(task)
         task.add_done_callback(self._opening.discard)
         return inner
@@ -273,6 +368,59 @@ class Entrance:
         pair = (outer, inner)
         outer.lost = inner.lost = lambda: self._halves.difference_update(pair)
         self._halves.update(pair)
+        if inner.closed:
+            outer.abort()
+
+    async def _dial(self, inner: Half) -> None:
+        """Dial the target (see the module docstring) and splice ``inner`` to what that
+        gives: the direct connection or the relay's."""
+        loop = asyncio.get_running_loop()
+        assert self.dial_from is not None
+        sock = None
+        try:
+            sock = await punch.open_bound(self.host, self.port, ANSWER_S)
+            port = sock.getsockname()[1]
+            await loop.sock_sendall(sock, dial_preamble(self.target, self.tag, port,
+                                                        self.dial_from))
+            direct, path = await punch.answered(sock, port, ANSWER_S, self.dial_s)
+        except BaseException as exc:  # OSError, or cancelled (closing)
+            if sock is not None:
+                sock.close()
+            inner.abort()
+            if not isinstance(exc, OSError):
+                raise
+            # (a relay of protocol version 1 closes a dial as garbage): the mesh connects
+            # again, through the relay from now on
+            self.dial_from = None
+            log.info("relay at %s:%d: dial not answered (%s): connecting through it",
+                     self.host, self.port, exc)
+            return
+        if direct is None:
+            self.dial_from = None  # through the relay from now on
+            log.info("relay target %s...: no direct connection (%s: the relay forwards)",
+                     self.target[:8], "it failed" if path == "relayed" else "not tried")
+        else:
+            sock.close()
+            sock = direct
+        outer = Half(self.count if direct is None else None)
+        inner.count = outer.count
+        try:
+            await loop.create_connection(lambda: outer, sock=sock)
+        except OSError:
+            sock.close()
+            inner.abort()
+            return
+        pair = (outer, inner)
+
+        def lost() -> None:
+            if outer in self._halves:
+                self.seen(path, -1)
+            self._halves.difference_update(pair)
+
+        outer.lost = inner.lost = lost
+        self._halves.update(pair)
+        self.seen(path, 1)
+        outer.join(inner)
         if inner.closed:
             outer.abort()
 

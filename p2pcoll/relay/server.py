@@ -5,6 +5,10 @@ target's control connection is held in :class:`~.protocol.Targets`; a member's c
 to a target makes the relay send ``OPEN`` to the target, which opens a new connection to
 the relay (outbound: it needs no open port) and says ``accept``; the relay then answers
 the member ``OK`` and splices the two connections (:mod:`.pipe`).
+A member behind a relay too *dials* instead (version 2): the target answers from a bound
+port, and the relay tells each side the other's address to try a direct connection
+(:mod:`.punch`), closing both connections if they got one and forwarding between them if
+not (``dials`` in :meth:`Relay.stats`).
 From there on it reads no byte of what it forwards: with a job key, the CurveZMQ session
 is end to end between the two peers and the relay sees ciphertext; without one, it could
 read the traffic, and says so when it starts.
@@ -43,8 +47,8 @@ from typing import Any
 from . import thread
 from .pipe import Half
 from .protocol import (
-    ID_BYTES, OK, OPEN, PING, PING_S, REFUSED, Accept, BadPreamble, Connect, Preamble,
-    Refused, Register, Targets,
+    ID_BYTES, OK, OPEN, PING, PING_S, PUNCH, REFUSED, Accept, Answer, BadPreamble, Connect,
+    Dial, Hole, Preamble, Refused, Register, Targets, Verdicts, punchable,
 )
 
 log = logging.getLogger("p2pcoll.relay")
@@ -68,6 +72,12 @@ class RelayLimits:
     # A connect for a target not registered yet waits this long for it (its peer registers
     # once it has the roster, as the others start connecting), then is refused.
     register_s: float = 2.0
+    # A dial's direct attempt: each side dials for this long at most (then falls back to
+    # the relay), again every 5 ms (the member) and 7 ms (the target) while the other's
+    # NAT refuses it (see .punch: an attempt can only meet the other's within a round
+    # trip, and two sides at one interval could keep missing each other).
+    punch_s: float = 5.0
+    intervals_s: tuple[float, float] = (0.005, 0.007)
 
 
 class Relay:
@@ -89,6 +99,7 @@ class Relay:
         self.refused: Counter[str] = Counter()  # reason -> connections refused
         self.forwards = 0  # forwards made
         self.bytes_relayed = 0  # bytes forwarded, both ways
+        self.dials: Counter[str] = Counter()  # dials by outcome (see stats)
         self._connections: set[_Connection] = set()
         self._pending: dict[bytes, _Connection] = {}  # forward id -> member connection
         self._early: dict[str, list[_Connection]] = {}  # target -> connects before it registered
@@ -126,13 +137,17 @@ class Relay:
 
     def stats(self) -> dict[str, Any]:
         """``targets`` registered, ``connections`` open, ``forwards`` made, ``bytes_relayed``
-        (both ways) and ``refused`` by reason (``garbage``, ``unknown``,
-        ``other-job``, ``full``, ``timeout``)."""
+        (both ways), ``refused`` by reason (``garbage``, ``unknown``,
+        ``other-job``, ``full``, ``timeout``) and ``dials`` by outcome: ``direct``
+        (the two sides connected directly), ``relayed`` (they tried, failed and were
+        forwarded), ``mixed`` (one side connected, the other not: both closed),
+        ``not punchable`` (forwarded without a try: see :func:`.protocol.punchable`),
+        ``plain`` (a target of version 1: forwarded)."""
         with self._counting:
             refused = dict(self.refused)
         return {"targets": len(self.targets), "connections": len(self._connections),
                 "forwards": self.forwards, "bytes_relayed": self.bytes_relayed,
-                "refused": refused}
+                "refused": refused, "dials": dict(self.dials)}
 
     def refuse(self, conn: _Connection, reason: str, answer: bytes = b"") -> None:
         with self._counting:
@@ -175,6 +190,7 @@ class Relay:
         if isinstance(old, _Connection):
             old.abort()
         conn.target = request.target
+        conn.dials = request.version >= 2
         conn.write(OK)
         conn.ping()
         for early in self._early.pop(request.target, []):
@@ -182,7 +198,7 @@ class Relay:
                 asked, early.early = early.early, None
                 self._connect(early, asked)
 
-    def _connect(self, conn: _Connection, request: Connect) -> None:
+    def _connect(self, conn: _Connection, request: Connect | Dial) -> None:
         waiting = len(self._pending) + sum(map(len, self._early.values()))
         try:
             control = self.targets.route(request.target, request.tag)
@@ -203,19 +219,83 @@ class Relay:
         self._pending[conn_id] = conn
         conn.pending = conn_id
         control.opens.add(conn_id)
-        control.write(OPEN + conn_id)
+        if isinstance(request, Dial) and control.dials:
+            conn.dial = request
+            control.write(PUNCH + conn_id + request.sender.encode())
+        else:
+            if isinstance(request, Dial):
+                self.dials["plain"] += 1
+            control.write(OPEN + conn_id)
         conn.arm(self.limits.open_s)
 
-    def _accept(self, conn: _Connection, request: Accept) -> None:
+    def _accept(self, conn: _Connection, request: Accept | Answer) -> None:
         member = self._pending.pop(request.conn, None)
-        if member is None or member.closed:
+        if member is None or member.closed or isinstance(request, Answer) != bool(member.dial):
             self.refuse(conn, "unknown")
             return
         member.disarm()
         member.pending = None
+        if isinstance(request, Answer) and member.dial is not None:
+            why = punchable(member.dial.port, member.peer, request.port, conn.peer)
+            if why is None:
+                self._hole(member, conn)
+                return
+            log.debug("relay on port %d: no direct attempt: %s", self.port, why)
+            self.dials["not punchable"] += 1
+            conn.write(OK)
+        self._forward(member, conn)
+
+    def _forward(self, member: _Connection, target: _Connection) -> None:
         self.forwards += 1
         member.write(OK)
-        member.join(conn)
+        member.join(target)
+
+    def _hole(self, member: _Connection, target: _Connection) -> None:
+        """Tell both sides of a dial to try a direct connection (see .protocol)."""
+        nonces = os.urandom(ID_BYTES), os.urandom(ID_BYTES)
+        limits = self.limits
+        attempt = _Attempt(member, target)
+        for side, (conn, other) in enumerate(((member, target), (target, member))):
+            conn.attempt = attempt
+            conn.write(Hole(other.peer[0], other.peer[1], nonces[side], nonces[1 - side],
+                            limits.intervals_s[side], limits.punch_s).pack())
+            conn.arm(limits.punch_s + limits.handshake_s)
+
+    def _verdict(self, conn: _Connection, data: bytes) -> None:
+        attempt = conn.attempt
+        assert attempt is not None
+        try:
+            if len(data) != 1:
+                raise BadPreamble(f"{len(data)} bytes of verdict")
+            outcome = attempt.verdicts.say(attempt.sides.index(conn), data)
+        except BadPreamble:
+            self._end(attempt, "garbage")
+            return
+        if outcome is None:
+            return
+        self.dials[outcome] += 1
+        member, target = attempt.sides
+        for side in attempt.sides:
+            side.disarm()
+            side.attempt = None
+        if outcome == "relayed":
+            target.write(OK)
+            self._forward(member, target)
+        elif outcome == "direct":
+            member.close()
+            target.close()
+        else:
+            member.abort()
+            target.abort()
+
+    def _end(self, attempt: _Attempt, reason: str) -> None:
+        """A direct attempt that went wrong: both sides closed, counted as ``reason``."""
+        member, target = attempt.sides
+        for side in attempt.sides:
+            side.attempt = None
+            side.disarm()
+        target.abort()
+        self.refuse(member, reason)
 
     def _gone(self, conn: _Connection) -> None:
         self._connections.discard(conn)
@@ -227,12 +307,25 @@ class Relay:
                 self._early.pop(conn.early.target, None)
         if conn.pending is not None:
             self._pending.pop(conn.pending, None)
+        attempt = conn.attempt
+        if attempt is not None:  # a side gone before its verdict: the attempt ends
+            side = attempt.sides.index(conn)
+            if attempt.verdicts.said[side] is None:
+                self._end(attempt, "timeout")
         if conn.target is not None:
             self.targets.unregister(conn.target, conn)
             for conn_id in conn.opens:  # those waiting for this target: no accept will come
                 member = self._pending.pop(conn_id, None)
                 if member is not None:
                     self.refuse(member, "unknown", REFUSED)
+
+
+class _Attempt:
+    """A direct attempt between a dial's two connections (member, target)."""
+
+    def __init__(self, member: _Connection, target: _Connection) -> None:
+        self.sides = (member, target)
+        self.verdicts = Verdicts()
 
 
 class _Connection(Half):
@@ -246,7 +339,11 @@ class _Connection(Half):
         self.target: str | None = None  # a control connection: its target
         self.opens: set[bytes] = set()  # ... and the forwards it was asked to open
         self.pending: bytes | None = None  # a member waiting for its target's accept
-        self.early: Connect | None = None  # ... or for its target to register
+        self.early: Connect | Dial | None = None  # ... or for its target to register
+        self.dial: Dial | None = None  # a member's dial (waiting, or in its attempt)
+        self.dials = False  # a control connection: its target can be asked to dial
+        self.attempt: _Attempt | None = None  # in a direct attempt: its verdict is awaited
+        self.peer: tuple[str, int] = ("", 0)  # the address this connection came from
         self._timer: asyncio.TimerHandle | None = None
 
     def _count(self, n: int) -> None:
@@ -254,6 +351,9 @@ class _Connection(Half):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.peer = (str(peer[0]), int(peer[1]))
         relay = self.relay
         if len(relay._connections) >= relay.limits.max_connections:
             relay.refuse(self, "full")
@@ -272,6 +372,9 @@ class _Connection(Half):
 
     def _expired(self) -> None:
         self._timer = None
+        if self.attempt is not None:
+            self.relay._end(self.attempt, "timeout")
+            return
         if not self.closed:
             reason = "unknown" if self.early is not None else "timeout"
             waiting = self.pending is not None or self.early is not None
@@ -284,6 +387,9 @@ class _Connection(Half):
 
     def data_received(self, data: bytes) -> None:
         preamble = self.preamble
+        if self.attempt is not None:
+            self.relay._verdict(self, data)
+            return
         if preamble is None:
             if self.target is None and self.pending is None and self.early is None:
                 super().data_received(data)  # a forward: spliced
@@ -303,7 +409,7 @@ class _Connection(Half):
             self._held += preamble.rest
         if isinstance(request, Register):
             self.relay._register(self, request)
-        elif isinstance(request, Connect):
+        elif isinstance(request, Connect | Dial):
             self.relay._connect(self, request)
         else:
             self.relay._accept(self, request)

@@ -134,6 +134,12 @@ class Counters:
     bytes_relayed: int = 0
     # the peers this one reaches, or is reached by, through a relay (see .relayed)
     relayed: frozenset[int] = frozenset()
+    # of those, the peers behind a relay too that every connection open between the two
+    # reaches directly (a dial's TCP simultaneous open: see p2pcoll.relay.punch), and how
+    # many connections went direct so, and how many fell back to the relay after trying
+    punched: frozenset[int] = frozenset()
+    direct_punched: int = 0
+    punch_failed: int = 0
     # stripes this peer opened beside its links (P2PCOLL_STREAMS; see .stripes)
     stripes_opened: int = 0
     # striped links whose send buffers net.core.wmem_max held below the path's need
