@@ -24,6 +24,14 @@ being one inner step; the last round, with no next round to overlap, is shown ap
 same wait against the slowest peer's compute over the round leaves out what peers sharing
 a loaded machine lose to each other (a round ends when its slowest peer's step does).
 
+``--logs DIR``: each peer's log, the kills and every applied round (``events.json``), the
+standalone rendezvous's requests (``server.log``) and each peer's re-formation steps
+(rendezvous, join, formation, agreement, heal, shrink: traced by this script, not logged by
+the library), all on one clock; the run then prints each kill's path (shrink, rendezvous,
+or an admission it interrupted), the times from the kill to what peer 0 logged, and the
+worst of its two rounds in inner steps (``paths.json``). ``--tree DIR``: the peers and the
+rendezvous run another checkout's p2pcoll (the old code, side by side).
+
 The rendezvous runs as a standalone ``p2pcoll rendezvous`` process by default, as a swarm
 whose peers come and go runs it (``--rendezvous peer``: the first peer hosts it, and the
 kill of that peer sends the survivors through a new host). ``--min-world-size`` (default
@@ -58,6 +66,29 @@ logging.basicConfig(level=logging.INFO, format="%(created).3f %(message)s")  # t
 ROUNDS, H, N = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 PER_STEP = sys.argv[4] == "1"  # one thread hand-over per inner step, else one per round
 PEER = int(os.environ["P2PCOLL_HOST_ID"].rsplit("-", 1)[1])
+
+
+def traced(owner, name):
+    """Log when the coroutine ``owner.name`` starts and ends (a benchmark's trace of a
+    re-formation's steps, on the driver's clock; the library logs none of it)."""
+    call = getattr(owner, name)
+
+    async def wrapper(*args, **kwargs):
+        logging.info("trace %s start", name)
+        try:
+            return await call(*args, **kwargs)
+        finally:
+            logging.info("trace %s end", name)
+    setattr(owner, name, wrapper)
+
+
+if os.environ.get("CHURN_TRACE") == "1":
+    import p2pcoll.session.forming as forming
+    import p2pcoll.training.elastic as elastic
+    for owner, name in ((forming, "rendezvous"), (elastic._Run, "_join"),
+                        (elastic._Run, "_sync"), (elastic, "heal"), (elastic, "agree_on"),
+                        (elastic, "zeros_from_holder"), (elastic, "shrunk")):
+        traced(owner, name)
 
 
 async def main() -> None:
@@ -121,6 +152,33 @@ asyncio.run(main())
 '''
 
 
+# The standalone rendezvous with each request it handles logged (a benchmark's trace, not
+# the library's): who joined or asked, what it expected, and how many were there.
+TRACED_SERVER = '''
+import logging, sys
+import msgpack
+from p2pcoll.cli import main
+from p2pcoll.rendezvous import jobs
+
+logging.basicConfig(level=logging.INFO, format="%(created).3f %(message)s")
+handle = jobs.Jobs._handle
+
+def traced(self, identity, msg, now):
+    forming = self._forming.get(msg.get("job", ""))
+    before = len(forming.entries) if forming is not None else 0
+    again = forming is not None and identity in forming.entries
+    handle(self, identity, msg, now)
+    if msg.get("op") == "join" and again:
+        return  # a re-sent join
+    logging.info("request %s from %s (pid %s) expect %s order %s: %d there before",
+                 msg.get("op"), identity.hex()[-6:], msg.get("pid"), msg.get("expect"),
+                 msg.get("order"), before)
+
+jobs.Jobs._handle = traced
+sys.exit(main(["rendezvous", "--host", "127.0.0.1", "--port", sys.argv[1]]))
+'''
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=4)
@@ -137,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                              "kills and every peer's applied rounds (events.json), on one clock")
     parser.add_argument("--min-world-size", type=int, default=None,
                         help="the elastic minimum (default: peers - 1)")
+    parser.add_argument("--tree", default=None,
+                        help="run the peers and the rendezvous with the p2pcoll of this "
+                             "checkout (the old code of a side-by-side run)")
     parser.add_argument("--rendezvous", choices=("standalone", "peer"), default="standalone",
                         help="standalone: a `p2pcoll rendezvous` process that is never killed "
                              "(as a swarm runs one); peer: the first peer hosts it, and a "
@@ -155,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                P2PCOLL_MIN_WORLD_SIZE=str(low),
                P2PCOLL_MAX_WORLD_SIZE=str(args.peers), P2PCOLL_JOIN_TIMEOUT="60",
                OMP_NUM_THREADS="1")
+    tree = Path(args.tree).resolve() if args.tree is not None else ROOT
+    env["PYTHONPATH"] = str(tree)
     procs: list[subprocess.Popen[str]] = []
     logs: list[list[dict[str, Any]]] = []
     killed: list[int] = []
@@ -162,14 +225,20 @@ def main(argv: list[str] | None = None) -> int:
     done: set[int] = set()
     server = None
     if args.rendezvous == "standalone":
-        server = subprocess.Popen(
-            [sys.executable, "-m", "p2pcoll", "rendezvous", "--host", "127.0.0.1",
-             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        command = ["-m", "p2pcoll", "rendezvous", "--host", "127.0.0.1", "--port", str(port)]
+        server_err: Any = subprocess.DEVNULL
+        if args.logs is not None:  # traced: each request and group formed, on one clock
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            server_err = open(Path(args.logs) / "server.log", "w")
+            command = ["-c", TRACED_SERVER, str(port)]
+        server = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE,
+                                  stderr=server_err, text=True, cwd=tree)
         assert server.stdout is not None
         server.stdout.readline()  # "serving at ...": it listens
 
     def start() -> None:
-        env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}"}
+        env_i = {**env, "P2PCOLL_HOST_ID": f"host-{len(procs)}",
+                 "CHURN_TRACE": "1" if args.logs is not None else "0"}
         err: Any = subprocess.DEVNULL
         if args.logs is not None:
             Path(args.logs).mkdir(parents=True, exist_ok=True)
@@ -177,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(subprocess.Popen(
             [sys.executable, str(script), str(args.rounds), str(args.inner), str(args.params),
              "1" if args.hop_every_step else "0"],
-            env=env_i, text=True, stdout=subprocess.PIPE, stderr=err, cwd=ROOT))
+            env=env_i, text=True, stdout=subprocess.PIPE, stderr=err, cwd=tree))
         logs.append([])
         threading.Thread(target=read, args=(len(procs) - 1,), daemon=True).start()
 
@@ -273,7 +342,65 @@ def main(argv: list[str] | None = None) -> int:
           + (f": it waited {last['wait'] * 1e3:.0f} ms" if last is not None else "") + "): "
           + ", ".join(f"{e['round']}{'*' if e['round'] in hit else ''}:{e['wait'] * 1e3:.0f}"
                    for e in measured))
+    if args.logs is not None:
+        print_paths(Path(args.logs), kills, logs[0], inner)
     return 0 if equal and last is not None else 1
+
+
+# What peer 0's log says of a kill, in the order it happens (the driver's clock).
+MARKS = (("admit", "peers wait to join"), ("lost", " lost "), ("lost", "PeerLost"),
+         ("failed", " at round "), ("told", "lost on the way"),
+         ("shrank", "shrank the group"), ("formed", "from round"))
+
+
+def kill_paths(log: list[tuple[float, str]], kills: list[dict[str, Any]],
+               applied: list[dict[str, Any]], inner: float) -> list[dict[str, Any]]:
+    """Each kill's path as peer 0 saw it (``shrink``: its group shrank; ``rendezvous``: a
+    round failed and it joined again; ``admission``: its group was admitting a newcomer, and
+    no round failed), the times from the kill to what it logged (s), and the worst wait of the two
+    rounds it applied after the kill, in inner steps."""
+    out = []
+    for k in kills:
+        t = k["t"]
+        # the events from just before the kill (an admission decided then) to the formation
+        events: dict[str, float] = {}
+        admit_before = [ts for ts, line in log if t - 1.5 <= ts < t and MARKS[0][1] in line]
+        for ts, line in log:
+            if ts < t:
+                continue
+            for name, text in MARKS:
+                if text in line and name not in events:
+                    events[name] = ts - t
+            if "formed" in events:
+                break
+        if admit_before:
+            events.setdefault("admit", admit_before[-1] - t)
+        path = ("shrink" if "shrank" in events else
+                "admission" if "admit" in events and "failed" not in events
+                else "rendezvous" if "formed" in events else "none")
+        waits = [e["wait"] for e in [e for e in applied if e["t"] > t and "wait" in e][:2]]
+        out.append({"kill": t, "path": path, "events": events,
+                    "worst": max(waits, default=0.0) / inner if inner else 0.0})
+    return out
+
+
+def print_paths(logs: Path, kills: list[dict[str, Any]], applied: list[dict[str, Any]],
+                inner: float) -> None:
+    log = []
+    for line in (logs / "peer0.log").read_text().splitlines():
+        stamp, _, text = line.partition(" ")
+        try:
+            log.append((float(stamp), text))
+        except ValueError:
+            continue
+    paths = kill_paths(log, kills, applied, inner)
+    (logs / "paths.json").write_text(json.dumps(paths))
+    print("\nkills (peer 0's log, s after the kill; worst of the two rounds after it, in "
+          "inner steps):")
+    for p in paths:
+        marks = ", ".join(f"{n} {v:+.2f}" for n, v in sorted(p["events"].items(),
+                                                              key=lambda kv: kv[1]))
+        print(f"- {p['path']}: {p['worst']:.2f}x ({marks})")
 
 
 if __name__ == "__main__":

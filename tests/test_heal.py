@@ -9,6 +9,8 @@ import asyncio
 import gc
 import hashlib
 import logging
+import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,8 @@ import p2pcoll
 from p2pcoll import training
 from p2pcoll.testing import memory_groups
 from p2pcoll.transport.memory import MemoryTransport
-from p2pcoll.training.heal import HealFailed, HealProgress, StripedHeal, heal, plan_ranges
+from p2pcoll.training.heal import (HealFailed, HealProgress, StripedHeal, _in_background, heal,
+                                  plan_ranges)
 
 TIMEOUT = 10.0
 CHUNK = 1000  # bytes a range: a few KiB of state makes a dozen ranges
@@ -345,3 +348,29 @@ async def test_under_train_elastic_a_receiver_whose_senders_all_died_does_not_st
         assert isinstance(exc, HealFailed), exc
         assert "every member that held the state was lost" in str(exc)
     assert [digest(t) for t in trees] == [digest(state(5)), digest(state(6))]
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="thread niceness is Linux's")
+async def test_a_heal_everyone_waits_for_hashes_at_the_process_priority() -> None:
+    """A source's hashing yields to training by default (the lowest priority); a heal the
+    whole group waits for (train_elastic's formation, ``yielding=False``) does not: on a
+    loaded host the lowest priority held every member up for seconds."""
+    seen: dict[bool, int] = {}
+
+    def niceness(data: Any, ranges: Any) -> np.ndarray:
+        return np.array([os.getpriority(os.PRIO_PROCESS, threading.get_native_id())])
+
+    for yielding in (True, False):
+        seen[yielding] = int((await _in_background(niceness, [], [], yielding))[0])
+    assert seen == {True: 19, False: os.getpriority(os.PRIO_PROCESS, 0)}
+
+
+async def test_a_heal_that_does_not_yield_gives_the_same_bits() -> None:
+    groups = await memory_groups(3, collective_timeout=TIMEOUT)
+    trees = [state(0), state(0), state(12)]
+    try:
+        await asyncio.gather(*(heal(g, t, [0, 1], chunk_bytes=CHUNK, yielding=False)
+                               for g, t in zip(groups, trees, strict=True)))
+    finally:
+        await close(groups)
+    assert [digest(t) for t in trees] == [digest(state(0))] * 3

@@ -26,6 +26,7 @@ DEFERRED = (
     "p2pcoll.relay.attach", "p2pcoll.relay.pipe", "p2pcoll.relay.protocol",
     "p2pcoll.relay.server", "p2pcoll.relay.thread", "p2pcoll.transport.relayed",
     "p2pcoll.rendezvous.server", "p2pcoll.rendezvous.jobs", "p2pcoll.rendezvous.admission",
+    "p2pcoll.rendezvous.registrations",
     "p2pcoll.rendezvous.reach", "p2pcoll.rendezvous.probe", "p2pcoll.rendezvous.torch_store",
     "p2pcoll.api.topology", "p2pcoll.engine.ordered_ring", "p2pcoll.engine.ring_order",
     "p2pcoll.api.alltoall", "p2pcoll.engine.alltoall_table", "p2pcoll.engine.board_alltoall",

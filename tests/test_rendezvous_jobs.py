@@ -374,6 +374,27 @@ def test_an_elastic_group_forms_once_what_a_join_expects_is_there() -> None:
     assert sorted(rv.tick(SETTLE * 0.6)) == ["f", "g"]
 
 
+def test_a_member_that_learns_of_a_loss_lowers_what_the_forming_group_expects() -> None:
+    """Members joining after an admission expect themselves and the newcomer; one of them
+    killed on the way never comes. A member that learns of it says so (a ``waiting``
+    question with ``expect``), and the group forms at once with those there, where it
+    would have waited for the rest of SETTLE."""
+    rv = Rendezvous()
+    rv.join("new", min=3, max=4)
+    assert only(rv.join("a", min=3, max=4, order=0, expect=4), "a")["op"] == "status"
+    assert only(rv.join("b", min=3, max=4, order=1, expect=4), "b")["op"] == "status"
+    assert rv.tick(SETTLE * 0.5) == {}  # enough for the minimum, but not settled
+    told = rv.send("census", "waiting", expect=3)  # rank 2 of the old group was lost
+    assert {who: m[0]["op"] for who, m in told.items()} == {
+        "census": "waiting", "a": "roster", "b": "roster", "new": "roster"}
+    assert told["census"][0]["count"] == 3
+    assert [m["rank"] for m in (told["a"][0], told["b"][0], told["new"][0])] == [0, 1, 2]
+    # below the minimum, a lowered expectation forms nothing
+    rv.join("c", min=3, max=4)
+    assert only(rv.send("census", "waiting", expect=1), "census")["count"] == 1
+    assert only(rv.send("census2", "waiting", expect="x"), "census2")["op"] == "error"
+
+
 def test_a_join_that_expects_no_integer_is_refused() -> None:
     rv = Rendezvous()
     assert only(rv.join("a", min=2, max=4, expect="3"), "a")["op"] == "error"

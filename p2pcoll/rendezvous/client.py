@@ -439,15 +439,20 @@ def _timed_out(url: str, timeout: float, status: dict[str, Any] | None, link: _L
 
 
 async def waiting(url: str, *, job: str = "", sockets: SocketFactory | None = None,
-                  timeout: float = 5.0) -> int:
+                  timeout: float = 5.0, expect: int | None = None) -> int:
     """How many peers are waiting at the rendezvous for ``job``'s next group.
+
+    ``expect``: the elastic group forming may form as soon as that many peers are there
+    (as a join's ``expect``; the lowest said wins): a member that learns, while it joins,
+    that another it expected was lost says so.
 
     Raises:
         RendezvousError: no answer within ``timeout``, or the handshake failed.
     """
     link = _Link(url, sockets or SocketFactory())
     try:
-        link.send({"v": WIRE_VERSION, "op": "waiting", "job": job})
+        link.send({"v": WIRE_VERSION, "op": "waiting", "job": job,
+                   **({"expect": expect} if expect is not None else {})})
         deadline = time.monotonic() + timeout
         while True:
             link.events()

@@ -27,7 +27,9 @@ across reconnections):
   registration of it holds replaces that one: it is the same peer trying again.
 - ``leave``: a client gives up (its join was cancelled or timed out).
 - ``waiting``: how many peers of a job are waiting for its next group (the elastic training
-  layer asks this at round boundaries).
+  layer asks this at round boundaries). With ``expect``, the elastic group forming lowers
+  what it expects to that (as a join's ``expect``): members joining after an admission
+  that learn one of them was lost on the way say so, and the group forms without it.
 
 Each job (a job id, ``P2PCOLL_JOB_ID``, empty by default) has at most one group forming at a
 time; once it has formed, the next requests of that job start the next group. A group of
@@ -69,8 +71,7 @@ import uuid
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from itertools import islice
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -79,6 +80,10 @@ from ..wire import WIRE_VERSION
 from .admission import Admission
 from .protocol import RESEND
 from .reach import named
+from .registrations import JOINED_SHOWN, MISSING_SHOWN, readable
+from .registrations import Entry as _Entry
+from .registrations import Forming as _Forming
+from .registrations import Roster as _Roster
 
 if TYPE_CHECKING:  # settings imports the security package, which needs zmq
     from ..settings import RendezvousLimits
@@ -88,8 +93,6 @@ log = logging.getLogger("p2pcoll.rendezvous")
 SETTLE = 1.0  # an elastic group with enough peers forms after this long without arrivals
 FORMED_KEPT = 4096  # rosters kept to answer peers that ask again...
 FORMED_TTL = 30.0  # ...for this many seconds after their group formed
-MISSING_SHOWN = 16  # missing ranks a status lists (it counts them all)
-JOINED_SHOWN = 8  # peers that joined a status names, first come first
 # What to do about two processes asking for one rank (the end of that error).
 DUPLICATE_HINT = ("give each process its own rank (rank= or $RANK), or none to have the "
                   "rendezvous number them")
@@ -105,90 +108,6 @@ class Reply:
     to: bytes
     frames: tuple[bytes, ...]
 
-
-@dataclass(eq=False)
-class _Entry:
-    identity: bytes
-    rank: int | None
-    endpoints: list[str]
-    host: str
-    pid: int
-    token: str | None  # the process's (None never matches)
-    order: float  # None (no preference) sorts last
-    arrival: int
-    heartbeat: float
-    seen: float
-
-    def describe(self) -> str:
-        asked = f", asking for rank {self.rank}" if self.rank is not None else ""
-        return f"the peer on {readable(self.host)} (pid {self.pid}{asked})"
-
-
-def readable(host: str) -> str:
-    """The part of a host identity a reader knows the host by: its hostname (with the
-    ``P2PCOLL_HOST_ID`` given, if any), without the boot id and file systems that follow
-    (see :func:`p2pcoll.transport.endpoints.host_identity`)."""
-    return host.partition("/")[0] or host
-
-
-@dataclass
-class _Forming:
-    """The group of one job that is forming."""
-
-    job: str
-    world_size: int | None = None
-    low: int | None = None  # elastic bounds
-    high: int | None = None
-    entries: dict[bytes, _Entry] = field(default_factory=dict)
-    by_rank: dict[int, _Entry] = field(default_factory=dict)
-    taken: list[int] = field(default_factory=list)  # the requested ranks, sorted
-    last_arrival: float = 0.0
-    expect: int = 0  # the fewest peers a join expects (0: none said)
-    shown: list[list[Any]] | None = None  # the joined a status names; None: to make again
-
-    @property
-    def elastic(self) -> bool:
-        return self.world_size is None and self.low is not None
-
-    def joined(self) -> list[list[Any]]:
-        """``[rank or None, host, pid]`` of the first JOINED_SHOWN peers that joined: made
-        again only after an arrival or a departure (O(JOINED_SHOWN) then)."""
-        if self.shown is None:
-            self.shown = [[e.rank, readable(e.host), e.pid]
-                          for e in islice(self.entries.values(), JOINED_SHOWN)]
-        return self.shown
-
-    def missing(self) -> tuple[int, list[int]]:
-        """How many ranks no peer will get yet, and the first MISSING_SHOWN of them.
-
-        The free ranks (those not requested) go to the unranked peers in order, so the
-        missing ones are the free ranks after the first ``unranked``. The j-th free rank is
-        ``j + #{i : taken[i] - i <= j}`` (``taken[i] - i`` never decreases): a bisection,
-        so this costs O(MISSING_SHOWN log n), never O(world size).
-        """
-        if self.world_size is None:
-            return 0, []
-        unranked = len(self.entries) - len(self.taken)
-        count = max(0, self.world_size - len(self.entries))
-        shown = []
-        for j in range(unranked, unranked + min(count, MISSING_SHOWN)):
-            lo, hi = 0, len(self.taken)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self.taken[mid] - mid <= j:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            shown.append(j + lo)
-        return count, shown
-
-
-@dataclass
-class _Roster:
-    job: str
-    formed: float
-    head: bytes  # this peer's part
-    body: bytes  # the group's part, one object for every member
 
 
 class _Rejected(Exception):
@@ -325,7 +244,13 @@ class Jobs:
             raise _Rejected("malformed job id")
         if op == "waiting":
             forming = self._forming.get(job)
-            self._reply(identity, op="waiting", count=len(forming.entries) if forming else 0)
+            expect = _int(msg, "expect", 1, self.limits.max_world_size,
+                          "P2PCOLL_RENDEZVOUS_MAX_WORLD_SIZE")
+            count = len(forming.entries) if forming else 0
+            if forming is not None and forming.elastic and expect is not None:
+                forming.expect = min(forming.expect or expect, expect)
+                self._progress(forming, now)  # (its members get their rosters)
+            self._reply(identity, op="waiting", count=count)
         elif op == "leave":
             forming = self._forming.get(job)
             entry = forming.entries.get(identity) if forming is not None else None

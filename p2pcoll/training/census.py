@@ -29,11 +29,12 @@ class Census:
         self.task: asyncio.Task[int | None] | None = None
         self.due = 0.0  # loop time of the next question
 
-    async def ask(self) -> int | None:
-        """How many wait, or None if the rendezvous did not answer."""
+    async def ask(self, expect: int | None = None) -> int | None:
+        """How many wait, or None if the rendezvous did not answer; ``expect``: the group
+        forming there may form once that many are there (:func:`waiting`)."""
         try:
             return await waiting(self.url, job=self.job, sockets=self.sockets,
-                                 timeout=ASK_TIMEOUT_S)
+                                 timeout=ASK_TIMEOUT_S, expect=expect)
         except RendezvousError as exc:
             log.debug("elastic: no answer from the rendezvous: %s", exc)
             return None

@@ -62,6 +62,9 @@ Admission. At each round boundary rank 0 asks the rendezvous how many peers wait
 (``"p2pcoll.admit"``, in a bucket of the gradients' own dtype), instead of a broadcast of
 its own: no extra message per round, and every rank that completes the round learns the
 decision with the round itself. A full group (``max_world_size`` members) does not ask.
+The members then join expecting themselves and the peers counted, and keep the old group
+open meanwhile: a member lost on the way lowers that count (:mod:`.admitting`), so the
+group forms without it at once.
 
 Pipelined rounds (``delay=1``, :mod:`.elastic_delayed`): round r's reduction runs while
 round r + 1's step computes; each rank also holds the contributions it computed and has
@@ -123,6 +126,7 @@ from .gradients import allreduce_gradients
 from .modes import agree_on
 from .nonfinite import Nonfinite
 from .heal import HealFailed, HealProgress, heal
+from .admitting import live, watch
 from .shrinking import shrunk, survivors
 
 if TYPE_CHECKING:
@@ -265,6 +269,7 @@ class _Run:
         self.synced = False  # whether (round, state) came from a formation: a newcomer's not
         self.order: int | None = None  # the last group's rank, this rank's place in the next
         self.expect: int | None = None  # how many peers the next join expects, if known
+        self.admitted = 0  # how many peers waited when the last admission was decided
         self.started = -1  # the highest round whose step this rank ran
         self.redone = 0
         self.formations: list[Formation] = []
@@ -309,17 +314,31 @@ class _Run:
                     finally:
                         await census.aclose()
                 finally:
-                    if self.computing is None or self.stale is not None:
-                        await group.close()  # (a step from an earlier group reads that one)
-                    else:  # the step still reads it (rank, size): closed once it is done
-                        self.stale = group
+                    admitting = formation is not None and formation.ended == "admitting"
+                    if self.computing is not None and self.stale is None:
+                        self.stale = group  # the step still reads it: closed once it is done
+                    elif not admitting:  # (a step from an earlier group reads that one)
+                        await group.close()
                 if self.round >= self.rounds:
                     if following is not None:
                         await following.close()
+                    if admitting and group is not self.stale:
+                        await group.close()
                     return ElasticResult(self.state, self.formations, self.redone)
                 # delay=1: the next round's step goes on meanwhile (self.computing).
                 shrank = following is not None
-                group = following if following is not None else await self._join()
+                if following is not None:
+                    group = following
+                elif not admitting:
+                    group = await self._join()
+                else:  # the old group stays open while its members join: it tells a loss
+                    old = group
+                    self.expect = len(live(old)) + self.admitted
+                    try:
+                        group = await self._join(old)
+                    finally:
+                        if old is not self.stale:
+                            await old.close()
         finally:
             if self.computing is not None:  # not taken into a formation: nobody needs it
                 self.computing[1].cancel()
@@ -349,8 +368,10 @@ class _Run:
                 await self.stale.close()
                 self.stale = None
 
-    async def _join(self) -> Group:
-        """A new elastic group, trying again after passing failures until the join timeout.
+    async def _join(self, old: Group | None = None) -> Group:
+        """A new elastic group, trying again after passing failures until the join timeout;
+        ``old``: the group its members leave to admit newcomers, watched meanwhile (a
+        member lost on the way lowers what the group forming expects: :func:`watch`).
 
         Raises:
             WorldTooSmall: the timeout passed with fewer than the minimum at the rendezvous.
@@ -362,6 +383,8 @@ class _Run:
         census = Census(self.settings, CENSUS_S)
         counts: list[int] = []
         counting = asyncio.create_task(census.count_into(counts))
+        watching = (asyncio.create_task(watch(old, census, self.admitted))
+                    if old is not None else None)
         last: RendezvousError | None = None
         try:
             while (left := deadline - loop.time()) > 0:
@@ -376,8 +399,11 @@ class _Run:
                 await asyncio.sleep(min(RETRY_S, max(0.0, deadline - loop.time())))
         finally:
             self.expect = None  # said once: the join after the next loss counts again
-            counting.cancel()
-            await asyncio.gather(counting, return_exceptions=True)
+            for task in (counting, watching):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(counting, *[watching] if watching else [],
+                                 return_exceptions=True)
             await census.aclose()
         low = self.settings.min_world_size
         assert low is not None  # checked by _elastic_settings
@@ -424,7 +450,8 @@ class _Run:
         if have[group.rank] < top:
             await self.take_step()
         if group.world_size > 1:  # a receiver's state changes all at once, or not at all
-            await heal(group, self.state, sources, progress=self.healing)
+            # yielding=False: every member waits for the heal, its hashing comes first
+            await heal(group, self.state, sources, progress=self.healing, yielding=False)
         # delay=1: round m is reduced again over its holders, round m + 1 over those that
         # computed it already, if any (elastic_delayed's rule).
         following = ([r for r, c in enumerate(counters) if m + 1 in c[1:].tolist()]
@@ -475,26 +502,26 @@ class _Run:
             if self.delay:
                 return await train_delayed(
                     self, group, formation.applied,
-                    lambda: census is not None and bool(census.fresh()))
+                    lambda: (census.fresh() or 0) if census is not None else 0)
             while self.round < self.rounds:
                 r = self.round
                 grads = await self.compute(group, r)
-                flag = census is not None and bool(census.fresh())
+                flag = (census.fresh() or 0) if census is not None else 0
                 payload = _with_flag(grads, flag, group.world_size, self.reduce["op"])
                 if self.reduce["codec"] is None and self.reduce["op"] in ("avg", "sum"):
                     # the flag rides in the round's buckets
                     reduced = await allreduce_gradients(group, payload, round=r,
                                                         **self.reduce)
-                    admit = float(reduced.pop(ADMIT)[0]) > 0.5
+                    admit = round(float(reduced.pop(ADMIT)[0]))
                 else:
                     # Not in a compressed bucket: int8's block scale, taken from large
                     # gradients, could round the flag to 0; nor under a median, which
                     # would drop rank 0's vote. One exact allreduce of its own.
                     del payload[ADMIT]
-                    got = await group.allreduce(np.array([int(flag)], np.int64), "max")
+                    got = await group.allreduce(np.array([flag], np.int64), "max")
                     reduced = await allreduce_gradients(group, payload, round=r,
                                                         **self.reduce)
-                    admit = bool(got[0])
+                    admit = int(got[0])
                 # No await from here on: round r is applied whole, with the counter.
                 self.apply(self.state, reduced, r)
                 self.round = r + 1
@@ -502,6 +529,7 @@ class _Run:
                 if admit and self.round < self.rounds:
                     log.info("elastic: peers wait to join; forming a new group after round %d",
                              r)
+                    self.admitted = admit
                     return "admitting"
             return "finished"
         finally:
@@ -531,10 +559,10 @@ def _elastic_settings(settings: Settings) -> Settings:
     return settings
 
 
-def _with_flag(grads: Mapping[str, Any], admit: bool, world_size: int, op: str
+def _with_flag(grads: Mapping[str, Any], admit: int, world_size: int, op: str
                ) -> dict[str, Any]:
-    """``grads`` and rank 0's admission flag, in the dtype of the first float gradient (so
-    it shares a bucket); reduced, the flag is 1 if rank 0 set it, else 0."""
+    """``grads`` and rank 0's admission count (how many wait; 0 elsewhere), in the dtype of
+    the first float gradient (so it shares a bucket); reduced, it is rank 0's count."""
     if not isinstance(grads, Mapping):
         raise TypeError(f"step must return a dict of gradients, got {type(grads).__name__}")
     if ADMIT in grads:
@@ -542,4 +570,4 @@ def _with_flag(grads: Mapping[str, Any], admit: bool, world_size: int, op: str
     dtypes = [as_array(leaf, path).dtype for path, leaf in named_leaves(dict(grads))]
     dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
     scale = world_size if op == "avg" else 1  # avg divides by the world size
-    return {**grads, ADMIT: np.array([scale if admit else 0], dtype)}
+    return {**grads, ADMIT: np.array([scale * admit], dtype)}

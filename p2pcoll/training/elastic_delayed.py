@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 __all__ = ["ADMIT", "HOLDERS", "OPS", "Pipeline", "check_robust", "reduce_round",
            "train_delayed", "zeros_from_holder"]
 
-ADMIT = "p2pcoll.admit"  # the gradient entry that carries rank 0's admission flag
+ADMIT = "p2pcoll.admit"  # the gradient entry that carries how many wait (rank 0's count)
 HOLDERS = "p2pcoll.holders"  # the gradient entry that counts the holders of a round
 log = logging.getLogger("p2pcoll.training")
 
@@ -108,6 +108,7 @@ class Pipeline(Protocol):
     next_holders: int
     zeros: dict[str, Any] | None
     computing: tuple[int, asyncio.Task[dict[str, Any]]] | None
+    admitted: int  # how many peers waited when the last admission was decided
 
     def apply(self, state: Pytree, grads: dict[str, Any], round: int) -> None: ...
 
@@ -137,10 +138,11 @@ async def zeros_from_holder(group: Group, held: Mapping[str, Any] | None,
 
 
 async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
-                       admit: bool, r: int, reduce: dict[str, Any]
-                       ) -> tuple[dict[str, Any], bool]:
+                       admit: int, r: int, reduce: dict[str, Any]
+                       ) -> tuple[dict[str, Any], int]:
     """Round r's reduction over the group: the holders' sum (divided by their count under
-    ``op="avg"``), or their median or trimmed mean; and rank 0's admission flag."""
+    ``op="avg"``), or their median or trimmed mean; and rank 0's ``admit``: how many peers
+    wait to join (0: none, or not asked; the others pass 0)."""
     op = reduce["op"]
     if as_op(op) in ROBUST:
         return await _reduce_robust(group, grads, holding=holding, admit=admit, r=r,
@@ -149,14 +151,14 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
     if reduce["codec"] is None:  # the counts ride in the round's buckets, exactly
         dtypes = [as_array(leaf, path).dtype for path, leaf in named_leaves(dict(grads))]
         dtype = next((d for d in dtypes if d.kind == "f"), np.dtype(np.float64))
-        payload = {**grads, ADMIT: np.array([int(admit)], dtype),
+        payload = {**grads, ADMIT: np.array([admit], dtype),
                    HOLDERS: np.array([int(holding)], dtype)}
         reduced = await allreduce_gradients(group, payload, round=r, **options)
-        admitted, holders = float(reduced.pop(ADMIT)[0]) > 0.5, reduced.pop(HOLDERS)[0]
+        admitted, holders = round(float(reduced.pop(ADMIT)[0])), reduced.pop(HOLDERS)[0]
     else:  # not in a compressed bucket, whose block scale could round them
-        counts = await group.allreduce(np.array([int(admit), int(holding)], np.int64), "sum")
+        counts = await group.allreduce(np.array([admit, int(holding)], np.int64), "sum")
         reduced = await allreduce_gradients(group, dict(grads), round=r, **options)
-        admitted, holders = bool(counts[0]), counts[1]
+        admitted, holders = int(counts[0]), counts[1]
     if op == "avg":
         reduced = dict(replace_leaves(reduced, [
             a / a.dtype.type(holders) if a.dtype.kind == "f" else a
@@ -165,13 +167,13 @@ async def reduce_round(group: Group, grads: Mapping[str, Any], *, holding: bool,
 
 
 async def _reduce_robust(group: Group, grads: Mapping[str, Any], *, holding: bool,
-                         admit: bool, r: int, reduce: dict[str, Any]
-                         ) -> tuple[dict[str, Any], bool]:
+                         admit: int, r: int, reduce: dict[str, Any]
+                         ) -> tuple[dict[str, Any], int]:
     """Round r's median or trimmed mean over its holders (module docstring) and rank 0's
-    admission flag: one robust allreduce when every member holds the round, else an
+    admission count: one robust allreduce when every member holds the round, else an
     allgather of the contributions reduced locally over the holders' rows."""
-    flags = await group.allgather(np.array([int(admit), int(holding)], np.int64))
-    admitted = bool(flags[0][0])
+    flags = await group.allgather(np.array([admit, int(holding)], np.int64))
+    admitted = int(flags[0][0])
     holders = [rank for rank, f in enumerate(flags) if f[1]]
     if len(holders) == group.world_size:
         return dict(await allreduce_gradients(group, dict(grads), round=r, **reduce)), admitted
@@ -192,9 +194,10 @@ async def _reduce_robust(group: Group, grads: Mapping[str, Any], *, holding: boo
 
 
 async def train_delayed(run: Pipeline, group: Group, applied: list[int],
-                        ask: Callable[[], bool]) -> str:
+                        ask: Callable[[], int]) -> str:
     """Rounds in ``group``, pipelined by one, until the last or until peers wait; each
-    round applied goes into ``applied``; ``ask()`` says whether peers wait (rank 0's).
+    round applied goes into ``applied``; ``ask()`` says how many peers wait (rank 0's;
+    0 elsewhere); when they are admitted, the count agreed is ``run.admitted``.
 
     When the group fails or admits peers, the step of the next round is left running in
     ``run.computing``: the re-formation overlaps it, and so does the new group's first
@@ -239,6 +242,7 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
         run.next_holders = 0
         applied.append(r)
         if admit and run.round < run.rounds:
+            run.admitted = admit
             log.info("elastic: peers wait to join; forming a new group after round %d", r)
             if run.round + 1 < run.rounds:  # computes while the group re-forms
                 step = asyncio.ensure_future(run.compute(group, run.round + 1))

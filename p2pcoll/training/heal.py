@@ -157,10 +157,10 @@ class HealReport:
 
 async def heal(group: Group, state: Pytree, sources: Sequence[int], *,
                progress: HealProgress | None = None, chunk_bytes: int = CHUNK_BYTES,
-               timeout: float | None = None) -> HealReport:
+               timeout: float | None = None, yielding: bool = True) -> HealReport:
     """Give every rank not in ``sources`` the sources' state, striped over all of them.
 
-    See the module docstring; ``StripedHeal(chunk_bytes, timeout).run(...)``.
+    See the module docstring; ``StripedHeal(chunk_bytes, timeout, yielding).run(...)``.
 
     Args:
         group: the group; every rank calls this with the same ``sources``.
@@ -170,6 +170,11 @@ async def heal(group: Group, state: Pytree, sources: Sequence[int], *,
         progress: a receiver's :class:`HealProgress` (ignored on a source).
         chunk_bytes: the size of a range.
         timeout: seconds for each message and collective (default: the group's).
+        yielding: a source hashes the state at the lowest CPU priority, after training
+            (the default: survivors that keep training while they serve go first); False:
+            at the process's own, for a heal every rank waits for (a formation of
+            :func:`train_elastic`: at the lowest priority on a loaded host, the hashing
+            waits for every busy process and holds up the group).
 
     Returns:
         A :class:`HealReport`.
@@ -183,18 +188,18 @@ async def heal(group: Group, state: Pytree, sources: Sequence[int], *,
 
     Cancellation: breaks the group; a receiver's state is unchanged.
     """
-    return await StripedHeal(chunk_bytes=chunk_bytes, timeout=timeout).run(
-        group, state, sources, progress)
+    return await StripedHeal(chunk_bytes=chunk_bytes, timeout=timeout,
+                             yielding=yielding).run(group, state, sources, progress)
 
 
 class StripedHeal:
     """The heal's algorithm (see the module docstring); :func:`heal` runs it."""
 
-    def __init__(self, *, chunk_bytes: int = CHUNK_BYTES, timeout: float | None = None
-                 ) -> None:
+    def __init__(self, *, chunk_bytes: int = CHUNK_BYTES, timeout: float | None = None,
+                 yielding: bool = True) -> None:
         if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
-        self.chunk_bytes, self.timeout = chunk_bytes, timeout
+        self.chunk_bytes, self.timeout, self.yielding = chunk_bytes, timeout, yielding
 
     async def send_range(self, group: Group, dst: int, index: int,
                          pieces: list[np.ndarray]) -> None:
@@ -238,8 +243,8 @@ class StripedHeal:
         vote = _Vote()
 
         async def digests() -> None:  # while the first pass moves
-            mine = (await _in_background(_digests, data, ranges) if me in sources
-                    else np.zeros((n, DIGEST), np.uint8))
+            mine = (await _in_background(_digests, data, ranges, self.yielding)
+                    if me in sources else np.zeros((n, DIGEST), np.uint8))
             tables = await group.allgather(mine, timeout=self.timeout)
             try:
                 vote.agreed, vote.bad = _vote(tables, sources)
@@ -406,12 +411,13 @@ def _check_sources(sources: Sequence[int], world_size: int) -> list[int]:
 
 
 async def _in_background(fn: Callable[[list[np.ndarray], list[list[Piece]]], np.ndarray],
-                         data: list[np.ndarray], ranges: list[list[Piece]]) -> np.ndarray:
-    """``fn(data, ranges)`` in a thread of its own at the lowest CPU priority (Linux: a
-    thread's own niceness), so that hashing the state takes only what training and the
-    transport leave: the loop, zmq's I/O threads and a training step come first."""
+                         data: list[np.ndarray], ranges: list[list[Piece]],
+                         yielding: bool = True) -> np.ndarray:
+    """``fn(data, ranges)`` in a thread of its own, ``yielding``: at the lowest CPU priority
+    (Linux: a thread's own niceness), so that hashing the state takes only what training and
+    the transport leave: the loop, zmq's I/O threads and a training step come first."""
     with ThreadPoolExecutor(1, thread_name_prefix="p2pcoll-heal",
-                            initializer=_lowest_priority) as pool:
+                            initializer=_lowest_priority if yielding else None) as pool:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, data, ranges)
 
 

@@ -72,15 +72,30 @@ async def shrunk(group: Group, min_world_size: int,
         lost = gone(group)
     if not lost or group.rank in lost or group.world_size - len(lost) < min_world_size:
         return None
-    if await served() is None:
+    # The rendezvous is asked while the survivors shrink, not before: its answer costs a
+    # round trip to it, which the shrink need not wait for.
+    answer = asyncio.ensure_future(served())
+    try:
+        try:
+            smaller = await group.shrink(lost, timeout=SHRINK_TIMEOUT_S)
+        except (P2PCollError, RuntimeError, ValueError) as exc:
+            log.info("elastic: rank %d could not shrink the group without %s (%s: %s); "
+                     "joining through the rendezvous", group.rank, lost, type(exc).__name__,
+                     exc)
+            return None
+        try:
+            answered = await answer
+        except BaseException:
+            await smaller.close()
+            raise
+    finally:
+        if not answer.done():
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+    if answered is None:
         log.info("elastic: rank %d: nobody answers at the rendezvous; joining there (a "
                  "shrunk group would host no rendezvous for newcomers)", group.rank)
-        return None
-    try:
-        smaller = await group.shrink(lost, timeout=SHRINK_TIMEOUT_S)
-    except (P2PCollError, RuntimeError, ValueError) as exc:
-        log.info("elastic: rank %d could not shrink the group without %s (%s: %s); "
-                 "joining through the rendezvous", group.rank, lost, type(exc).__name__, exc)
+        await smaller.close()
         return None
     log.info("elastic: rank %d of %d shrank the group without %s", smaller.rank,
              smaller.world_size, lost)
