@@ -68,7 +68,7 @@ from ..transport.board import (
 from ..types import OpKey
 from ..transport.shmfile import barrier as fence
 from ..wire import Signature
-from ..wire.header import SIGNATURE_FIELDS
+from .board_mismatch import OPS, mismatch, stray_mismatch
 from .matching import Matcher
 from .waiting import Patience, yield_core
 
@@ -77,7 +77,6 @@ MIN_NAP, MAX_NAP = 1e-3, 0.02
 # this long after the loop last turned under the board yields once first, so a loop of
 # board collectives still lets heartbeats and the transport's callbacks run.
 TURN_EVERY = 1e-3
-_OPS = ("", "sum", "prod", "min", "max", "avg")
 
 
 class _Plan(NamedTuple):
@@ -88,9 +87,6 @@ class _Plan(NamedTuple):
     views: tuple[tuple[tuple[np.ndarray, ...], ...], ...]
 
 
-BROADCAST = COLLECTIVES.index("broadcast") + 1  # its meta area holds a layout, not a signature
-
-
 @lru_cache(maxsize=1024)  # every board call asks: a cached answer is a tenth of the work
 def codes(collective: str, op: str, root: int) -> int:
     """The CODES word: what a rank thinks a board collective is, field by field."""
@@ -98,13 +94,7 @@ def codes(collective: str, op: str, root: int) -> int:
 
 
 def _op_code(op: str) -> int:
-    return _OPS.index(op) if op in _OPS else 255  # custom ops: compared by the digest
-
-
-def _describe(word: int) -> tuple[str, str, int]:
-    coll, op, root = word & 0xFF, (word >> 8) & 0xFF, (word >> 16) - 1
-    name = COLLECTIVES[coll - 1] if 0 < coll <= len(COLLECTIVES) else f"code {coll}"
-    return name, (_OPS[op] if op < len(_OPS) else "custom"), root
+    return OPS.index(op) if op in OPS else 255  # custom ops: compared by the digest
 
 
 # As a decorator, errstate costs half of the context manager made at every call (0.4 us,
@@ -167,7 +157,7 @@ class BoardPath:
         # The signature of the board collective running now (for mismatch messages), each
         # signature's digest word and readable form, and the digest whose readable form
         # is in my meta area of each parity.
-        self._sig: Signature | None = None
+        self.sig: Signature | None = None
         # What this rank ran at a recent sequence number (set by the session's runner).
         self.history: Callable[[int], Signature | None] = lambda seq: None
         self._signatures: dict[bytes, tuple[int, bytes]] = {}
@@ -293,22 +283,41 @@ class BoardPath:
         w[self._me + STAMP] = time.monotonic_ns()  # before the count: see waiting.py
         w[self._me + COUNT] = count
         fence()  # the count before the loads of who sleeps (see the docstring)
+        behind = None
         for q in self.others:
             until = w[q * WORDS + SLEEPING]
-            if until and self._due(q, until):
-                self.board.wake(q)
+            if until:
+                if behind is None:  # read once per publication, after the fence
+                    behind = self._behind(count)
+                if self._due(q, until, count, behind):
+                    self.board.wake(q)
 
-    def _due(self, q: int, until: int) -> bool:
+    def _behind(self, count: int) -> int:
+        """The one peer that has not published ``count`` yet; -1: none, -2: several."""
+        w, found = self._w, -1
+        for q in self.others:
+            if w[q * WORDS + COUNT] < count:
+                if found >= 0:
+                    return -2
+                found = q
+        return found
+
+    def _due(self, q: int, until: int, count: int, behind: int) -> bool:
         """Whether rank ``q``, asleep until its peers publish ``until``, is this rank's to
         wake now: what it waits for (its WANTS; SOME, or a word that does not add up:
         anything) is there, and no peer has woken it from this nap (then this rank notes it WOKEN).
         Of peers that publish together the last finds it complete (each fences between
         its count and these loads); a WOKEN nap's wake-up is on its way (it was written
-        after q noted the NAP, before it slept)."""
+        after q noted the NAP, before it slept). ``behind``: :meth:`_behind` of ``count``,
+        this rank's publication (what every peer of q has published, when ``until`` is
+        ``count`` and no peer but q is behind)."""
         w, line = self._w, q * WORDS
         wants = w[line + WANTS]
         if wants == EVERY_OTHER:
-            if self._missing(until, self._peers_of[q]) >= 0:
+            if until == count:
+                if behind != -1 and behind != q:
+                    return False
+            elif self._missing(until, self._peers_of[q]) >= 0:
                 return False
         elif 0 <= wants < self.size and wants != q:
             if w[wants * WORDS + COUNT] < until:
@@ -351,65 +360,14 @@ class BoardPath:
                                 f"up: {theirs}")
         if t_seq != seq or t_code != code or (nbytes is not None and t_nbytes != nbytes) \
                 or (digest is not None and t_digest != digest):
-            raise self._mismatch(q, parity, seq, code, nbytes, theirs)
+            raise mismatch(self, q, parity, seq, code, nbytes, theirs)
         return t_nbytes, t_meta, t_flags
-
-    def _mismatch(self, q: int, parity: int, seq: int, code: int, nbytes: int | None,
-                  theirs: tuple[int, ...]) -> CollectiveMismatch:
-        """What differs between rank ``q``'s collective on the board and mine, by field:
-        from its readable signature where it wrote one, else from its codes."""
-        t_seq, _, t_nbytes, t_code, t_meta, _ = theirs
-        mine_c, theirs_c = _describe(code), _describe(t_code)
-        diffs = []
-        if t_seq != seq:
-            stray = self._stray(seq)  # what the peer ran at my sequence number, if it said
-            if stray is not None:
-                return stray
-            mine = self.history(t_seq)  # what I ran at the peer's sequence number
-            described = self._described(q, parity, t_meta)
-            if mine is not None and described is not None and list(mine.fields) != described:
-                return CollectiveMismatch(
-                    f"collective #{t_seq} {mine.collective}: "
-                    f"{mine.describe_difference(described, self.rank, q)} (rank {q} runs it "
-                    f"on the shared-memory board, rank {self.rank} ran it otherwise)")
-            diffs.append(f"rank {q} ran its collective #{t_seq} here, rank {self.rank} "
-                         f"#{seq}: the ranks called different sequences of collectives")
-        described = self._described(q, parity, t_meta) if t_code & 0xFF != BROADCAST else None
-        sig = self._sig
-        if described is not None and sig is not None and list(sig.fields) != described:
-            diffs.append(sig.describe_difference(described, self.rank, q))
-        else:
-            for field, a, b in zip(("collective", "op", "root"), mine_c, theirs_c,
-                                   strict=True):
-                if a != b:
-                    diffs.append(f"{field}: rank {self.rank} has {a!r}, rank {q} has {b!r}")
-            if nbytes is not None and t_nbytes != nbytes and len(diffs) <= (t_seq != seq):
-                diffs.append(f"data: rank {self.rank} has {nbytes} bytes, rank {q} has "
-                             f"{t_nbytes}")
-        if len(diffs) <= (t_seq != seq):
-            diffs.append(f"data: rank {q}'s dtypes, shapes or op differ from rank "
-                         f"{self.rank}'s")
-        return CollectiveMismatch(f"collective #{seq} {mine_c[0]}: " + "; ".join(diffs))
-
-    def _described(self, q: int, parity: int, length: int) -> list[Any] | None:
-        """Rank ``q``'s readable signature in its meta area (checked like a header's)."""
-        if not 0 < length <= self.board.meta_bytes:
-            return None
-        try:
-            fields = msgpack.unpackb(bytes(self.board.meta[q][parity][:length]), raw=False,
-                                     max_str_len=1024, max_bin_len=0, max_array_len=8,
-                                     max_map_len=0, max_ext_len=0)
-        except Exception:  # msgpack raises several types for bad bytes: not described
-            return None
-        ok = (type(fields) is list and len(fields) == len(SIGNATURE_FIELDS)
-              and all(type(v) in (int, str) for v in fields))
-        return fields if ok else None
 
     def _signed(self, sig: Signature, parity: int) -> tuple[int, int]:
         """The digest of ``sig`` as a board word, with its readable form in my meta area of
         ``parity`` (written when it changes: a loop of one call writes it once per buffer); returns
         (digest, bytes of the readable form)."""
-        self._sig = sig
+        self.sig = sig
         known = self._signatures.get(sig.digest)
         if known is None:
             packed = msgpack.packb(list(sig.fields), use_bin_type=True)
@@ -430,16 +388,21 @@ class BoardPath:
         is free (every peer has published count - DEPTH + 1, so has finished reading
         count - DEPTH, the buffer's last use). Pair with :meth:`_end`."""
         self._inflight += 1
+        if self._inflight > 1 or time.perf_counter() - self._turned > TURN_EVERY:
+            await self._queue()
+        count = self.board.count = self.board.count + 1
+        if count > DEPTH and self._missing(count - DEPTH + 1, self.others) >= 0:
+            await self._wait(count - DEPTH + 1, self.others, seq)
+        return count
+
+    async def _queue(self) -> None:
+        """:meth:`_start`'s wait for the call's turn, or its turn of the event loop."""
         if self._inflight > 1:  # waiting for its turn turns the loop anyway
             turn = asyncio.get_running_loop().create_future()
             self._turns.append(turn)
             await turn
-        elif time.perf_counter() - self._turned > TURN_EVERY:
+        else:
             await self.turn()
-        count = self.board.count = self.board.count + 1
-        if count > DEPTH:
-            await self._wait(count - DEPTH + 1, self.others, seq)
-        return count
 
     async def turn(self) -> None:
         """One turn of the event loop: the transport's callbacks that are due (what earlier
@@ -464,32 +427,46 @@ class BoardPath:
                 return
 
     def _stray(self, seq: int) -> CollectiveMismatch | None:
-        """A peer that sent collective ``seq`` as messages runs it otherwise: a mismatch."""
-        header = self.matcher.stray(OpKey(seq))
-        if header is None:
-            return None
-        sig = self._sig
-        what = f"collective #{seq}" + (f" {sig.collective}" if sig is not None else "")
-        described = self.matcher.described(header)
-        if described is not None and sig is not None:
-            diff = sig.describe_difference(described, self.rank, header.src)
-        else:
-            diff = "the ranks disagree about the collective or its size"
-        return CollectiveMismatch(
-            f"{what}: {diff} (rank {header.src} sent it as messages, rank {self.rank} ran "
-            f"it on the shared-memory board)")
+        return stray_mismatch(self, seq)
 
     # --- the collectives --------------------------------------------------------------
-    # Each runs under _start/_end; the bodies (_reduction, ...) follow.
+    # Each runs under _start/_end (reduction inlines them); the bodies (_barrier, ...) follow.
 
     async def reduction(self, seq: int, collective: str, arrays: Sequence[np.ndarray],
                         fold: Callable[..., Any], op: str, sig: Signature,
                         root: int | None, plan: _Plan) -> None:
         """allreduce (``root`` None) or reduce, in place in ``arrays`` (flat, contiguous,
-        together at most the slot; ``plan`` from :meth:`plan`)."""
+        together at most the slot; ``plan`` from :meth:`plan`). :meth:`_start` inlined, and
+        nothing awaited where nothing need be: one coroutine per call (a loop of small
+        allreduces spends more on frames than on the board)."""
         try:
-            await self._reduction(await self._start(seq), seq, collective, arrays, fold, op,
-                                  sig, root, plan)
+            self._inflight += 1
+            if self._inflight > 1 or time.perf_counter() - self._turned > TURN_EVERY:
+                await self._queue()
+            count = self.board.count = self.board.count + 1
+            others = self.others
+            if count > DEPTH and self._missing(count - DEPTH + 1, others) >= 0:
+                await self._wait(count - DEPTH + 1, others, seq)
+            parity = count % DEPTH
+            code = codes(collective, op, -1 if root is None else root)
+            views = plan.views[parity]
+            for a, slot in zip(arrays, views[self.rank], strict=True):
+                np.copyto(slot, a)
+            digest, described = self._signed(sig, parity)
+            nbytes = plan.nbytes
+            self._fields(parity, seq, digest, nbytes, code, described)
+            self._publish(count)
+            if root is not None and root != self.rank:
+                return
+            if self._missing(count, others) >= 0:
+                await self._wait(count, others, seq)
+            w, at = self._w, PARITY + parity * FIELDS
+            for q in others:  # _check's usual case inlined: every field agrees
+                base = q * WORDS + at
+                if (w[base + SEQ] != seq or w[base + DIGEST] != digest or w[base + FLAGS]
+                        or w[base + NBYTES] != nbytes or w[base + CODES] != code):
+                    self._check(q, parity, seq, digest, code, nbytes)
+            _fold(fold, arrays, views)
         finally:
             self._end(seq)
 
@@ -529,24 +506,6 @@ class BoardPath:
                   for q in range(self.size))
             for b in range(DEPTH))
         return _Plan(sum(a.nbytes for a in arrays), views)
-
-    async def _reduction(self, count: int, seq: int, collective: str,
-                         arrays: Sequence[np.ndarray], fold: Callable[..., Any], op: str,
-                         sig: Signature, root: int | None, plan: _Plan) -> None:
-        parity = count % DEPTH
-        code = codes(collective, op, -1 if root is None else root)
-        views = plan.views[parity]
-        for a, slot in zip(arrays, views[self.rank], strict=True):
-            np.copyto(slot, a)
-        digest, described = self._signed(sig, parity)
-        self._fields(parity, seq, digest, plan.nbytes, code, described)
-        self._publish(count)
-        if root is not None and root != self.rank:
-            return
-        await self._wait(count, self.others, seq)
-        for q in self.others:
-            self._check(q, parity, seq, digest, code, plan.nbytes)
-        _fold(fold, arrays, views)
 
     async def _barrier(self, count: int, seq: int, sig: Signature) -> None:
         parity = count % DEPTH
