@@ -37,8 +37,8 @@ GIL around the system call; taking it back waits until the loop thread lets go o
 the switch interval (5 ms) while the loop thread runs Python. Under DDP every gradient
 bucket's allreduce is such a wake-up from autograd's thread, which stalled the backward pass
 5 ms a bucket while the loop thread worked on the bucket before. The loop's self-pipe write
-is one ``send(2)`` of a byte that never blocks (the socket is non-blocking; a full pipe
-already holds a wake-up), made here through ctypes with the GIL held.
+is one write of a byte that never blocks (the socket is non-blocking; a full pipe already
+holds a wake-up), made here with the GIL held (:mod:`p2pcoll.transport.gil_held`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import ctypes
 import logging
 import math
 import os
@@ -55,6 +54,8 @@ import selectors
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Self, TypeVar
+
+from ..transport import gil_held
 
 T = TypeVar("T")
 _log = logging.getLogger("p2pcoll")
@@ -379,36 +380,22 @@ class _Selector(selectors.DefaultSelector):
             self._idle.acquire()
 
 
-def _libc_send() -> Callable[..., int] | None:
-    """libc's ``send`` called with the GIL held (ctypes.PyDLL), or None where there is none."""
-    try:
-        fn = ctypes.PyDLL(None).send
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
-_send = _libc_send()
-_MSG_DONTWAIT = 0x40  # Linux's; the self-pipe socket is non-blocking anyway
-
-
 class _Loop(asyncio.SelectorEventLoop):
     """The loop thread's event loop: woken from other threads without releasing the GIL
     (see the module docstring)."""
 
     def _write_to_self(self) -> None:
         csock = self._csock  # type: ignore[attr-defined]
-        if _send is None or csock is None:
+        if not gil_held.available() or csock is None:
             super()._write_to_self()  # type: ignore[misc]
             return
-        # With the GIL held from here to the send, a close on another thread (which marks
+        # With the GIL held from here to the write, a close on another thread (which marks
         # the socket closed, -1, before it lets go of the GIL to close the descriptor)
         # cannot slip in between: a descriptor seen open is this socket's.
         fd = csock.fileno()
         if fd >= 0:
-            _send(fd, b"\0", 1, _MSG_DONTWAIT)  # a failure (a full pipe) needs nothing
+            with contextlib.suppress(OSError):  # full: a wake-up is waiting already
+                gil_held.write_byte(fd)
 
 
 def _nothing() -> None:
