@@ -24,7 +24,7 @@ def _libc_write() -> Callable[[int, bytes, int], int] | None:
     """libc's ``write``, called with the GIL held; None where there is none."""
     try:
         fn = ctypes.PyDLL(None, use_errno=True).write
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (TypeError: no libc by that name)
         return None
     fn.restype = ctypes.c_ssize_t
     fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
