@@ -30,6 +30,15 @@ first steps among them, in the order the loop would (so calls keep their order w
 queued before). A call that finishes in those steps (a board collective whose peers are
 there) never touches the loop thread; one that has to wait goes on on the loop thread, which
 the caller wakes if it left it anything to do sooner than it planned to wake up.
+
+Waking the loop without letting go of the GIL (:class:`_Loop`). asyncio wakes a loop from
+another thread by writing a byte to its self-pipe with ``socket.send``, which releases the
+GIL around the system call; taking it back waits until the loop thread lets go of it, up to
+the switch interval (5 ms) while the loop thread runs Python. Under DDP every gradient
+bucket's allreduce is such a wake-up from autograd's thread, which stalled the backward pass
+5 ms a bucket while the loop thread worked on the bucket before. The loop's self-pipe write
+is one write of a byte that never blocks (the socket is non-blocking; a full pipe already
+holds a wake-up), made here with the GIL held (:mod:`p2pcoll.transport.gil_held`).
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ import selectors
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Self, TypeVar
+
+from ..transport import gil_held
 
 T = TypeVar("T")
 _log = logging.getLogger("p2pcoll")
@@ -123,7 +134,7 @@ class LoopThread(Shared):
     def __init__(self) -> None:
         # Held by the loop thread except while it sleeps in select (see the module docstring).
         self.idle = threading.Lock()
-        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(_Selector(self.idle))
+        self.loop: asyncio.AbstractEventLoop = _Loop(_Selector(self.idle))
         # Jobs queued for the loop, and whether its callback that runs them is pending.
         self._queue_lock = threading.Lock()
         self._queued: list[Callable[[], None]] = []
@@ -367,6 +378,24 @@ class _Selector(selectors.DefaultSelector):
             return super().select(timeout)
         finally:
             self._idle.acquire()
+
+
+class _Loop(asyncio.SelectorEventLoop):
+    """The loop thread's event loop: woken from other threads without releasing the GIL
+    (see the module docstring)."""
+
+    def _write_to_self(self) -> None:
+        csock = self._csock  # type: ignore[attr-defined]
+        if not gil_held.available() or csock is None:
+            super()._write_to_self()  # type: ignore[misc]
+            return
+        # With the GIL held from here to the write, a close on another thread (which marks
+        # the socket closed, -1, before it lets go of the GIL to close the descriptor)
+        # cannot slip in between: a descriptor seen open is this socket's.
+        fd = csock.fileno()
+        if fd >= 0:
+            with contextlib.suppress(OSError):  # full: a wake-up is waiting already
+                gil_held.write_byte(fd)
 
 
 def _nothing() -> None:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 
 from ..errors import ProtocolError
+from . import gil_held
 from .shmfile import PAGE, ShmFile
 from .shmfile import barrier as _barrier
 
@@ -312,7 +313,7 @@ class Waker:
 
     def wake(self) -> None:
         try:
-            os.write(self.fd, b"\0")
+            gil_held.write_byte(self.fd)  # the GIL kept: see .gil_held
         except BlockingIOError:  # full: the reader has wake-ups enough waiting
             pass
         except OSError as exc:  # its reader is gone; the peer's loss is seen elsewhere
