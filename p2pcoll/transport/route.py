@@ -287,7 +287,11 @@ class Routes:
         if not self._striped[peer]:
             route.width = 1
             return
-        width = self.paths.streams(peer) if self.streams == "auto" else self.streams
+        # Under auto, the links to every remote peer share this host's line (see
+        # paths.choose_streams): each pair fills its share of the product.
+        sharing = max(1, len(self._remote))
+        width = (self.paths.streams(peer, sharing) if self.streams == "auto"
+                 else self.streams)
         if width is None:
             return
         if self.budget:  # stripes count against the budget, and take only what is left
