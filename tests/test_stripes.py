@@ -282,11 +282,14 @@ def test_auto_fills_the_bandwidth_delay_product() -> None:
     assert choose_streams(1.0, 125e6, window_bytes=window) == 8  # at most MAX_AUTO_STREAMS
     assert choose_streams(0.0, None, window_bytes=window) == 1
     # Three remote peers at once share the host's line: each pair its share of the
-    # product (12.5 MB over 3 x 2 MiB: 2) and of the cap (8 // 3), at least one.
+    # product (12.5 MB over 3 x 2 MiB: 2) and of the cap (8 // 3), but two wherever one
+    # window cannot fill the pair's own product, and one where it can.
     assert choose_streams(0.1, 125e6, window_bytes=window, sharing=3) == 2
     assert choose_streams(1.0, 125e6, window_bytes=window, sharing=3) == 2
-    assert choose_streams(0.05, 125e6, window_bytes=window, sharing=3) == 1
-    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=12) == 1
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=2) == 4
+    assert choose_streams(0.05, 125e6, window_bytes=window, sharing=3) == 2
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=12) == 2
+    assert choose_streams(0.01, 125e6, window_bytes=window, sharing=3) == 1
     paths = Paths(Buffers(wmem_max=4 << 20, rmem_max=4 << 20, tcp_wmem_max=4 << 20,
                           tcp_rmem_max=4 << 20))
     assert paths.streams(1) is None  # not measured yet

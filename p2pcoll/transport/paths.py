@@ -14,7 +14,7 @@ About half of a buffer holds data in flight (the rest is the kernel's bookkeepin
   the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`
   per host: a host's line carries its links to all its remote peers, and a collective drives
   several of them at once (``direct``, Rabenseifner's halving, the rings between hosts), so
-  each pair takes its share of the product and of the cap;
+  each pair takes its share of the product and of the cap (two where one window falls short);
 - :func:`send_buffer`: each connection's send buffer, its share of the product (twice
   that, for the kernel's half), set only where autotuning would stop short of it, and
   capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
@@ -101,10 +101,12 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
             :attr:`Buffers.window`).
         sharing: the remote peers whose links share this host's line (at least 1): each
             pair fills its share of the product, and the host's connections stay within
-            :data:`MAX_AUTO_STREAMS` (each pair at least one).
+            :data:`MAX_AUTO_STREAMS`, except that a pair whose product one window cannot
+            fill keeps two (a ring drives one peer at a time: measured, 2 per pair reach
+            what 8 did, 1 half of it).
 
     Returns:
-        From 1 to ``MAX_AUTO_STREAMS // sharing`` (at least 1).
+        From 1 to ``max(2, MAX_AUTO_STREAMS // sharing)``.
 
     >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20)  # 1 Gbit/s, 100 ms: 12.5 MB
     6
@@ -118,8 +120,11 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
     bandwidth = DEFAULT_BANDWIDTH_BPS if bandwidth_Bps is None else bandwidth_Bps
     window = Buffers.read().window if window_bytes is None else window_bytes
     sharing = max(1, sharing)
-    wanted = math.ceil(rtt_s * max(bandwidth, 1.0) / (max(window, 1) * sharing))
-    return max(1, min(MAX_AUTO_STREAMS // sharing, MAX_STREAMS, wanted))
+    product = rtt_s * max(bandwidth, 1.0)
+    alone = math.ceil(product / max(window, 1))  # the pair's own need
+    shared = math.ceil(product / (max(window, 1) * sharing))
+    top = max(2, MAX_AUTO_STREAMS // sharing)
+    return max(1, min(top, MAX_AUTO_STREAMS, MAX_STREAMS, max(shared, min(2, alone))))
 
 
 def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
