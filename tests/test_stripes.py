@@ -197,7 +197,7 @@ async def test_a_measurement_fed_in_changes_the_width() -> None:
 
 
 async def test_auto_shares_the_hosts_line_between_its_peers() -> None:
-    """Under ``auto`` a host's links to all its remote peers share its line: with two
+    """Under ``auto`` a pair's links share the host's line with its other peers': with two
     remote peers each pair takes half of the cap (4 of 8 stripes), not 8 each, and the
     result is the one a single connection gives."""
     x = np.arange(60_000, dtype=np.float32)

@@ -13,8 +13,8 @@ About half of a buffer holds data in flight (the rest is the kernel's bookkeepin
 - :func:`choose_streams` (``streams=auto``): enough connections that their windows fill
   the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`
   per host: a host's line carries its links to all its remote peers, and a collective drives
-  several of them at once (``direct``, Rabenseifner's halving, the rings between hosts), so
-  each pair takes its share of the product and of the cap (two where one window falls short);
+  one to all of them at once (a ring; ``direct``), so each pair takes its share of the
+  product and of the cap (the router passes ``sharing=2``; two where one window falls short);
 - :func:`send_buffer`: each connection's send buffer, its share of the product (twice
   that, for the kernel's half), set only where autotuning would stop short of it, and
   capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
