@@ -102,8 +102,8 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
         sharing: the remote peers whose links share this host's line (at least 1): each
             pair fills its share of the product, and the host's connections stay within
             :data:`MAX_AUTO_STREAMS`, except that a pair whose product one window cannot
-            fill keeps two (a ring drives one peer at a time: measured, 2 per pair reach
-            what 8 did, 1 half of it).
+            fill keeps two (a ring drives one peer at a time: one connection per pair
+            reached a third of what 8 did).
 
     Returns:
         From 1 to ``max(2, MAX_AUTO_STREAMS // sharing)``.
