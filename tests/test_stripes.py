@@ -196,6 +196,27 @@ async def test_a_measurement_fed_in_changes_the_width() -> None:
         assert widths == [8, 1, 8]
 
 
+async def test_auto_shares_the_hosts_line_between_its_peers() -> None:
+    """Under ``auto`` a pair's links share the host's line with its other peers': with two
+    remote peers each pair takes half of the cap (4 of 8 stripes), not 8 each, and the
+    result is the one a single connection gives."""
+    x = np.arange(60_000, dtype=np.float32)
+
+    async def fn(g: p2pcoll.Group) -> tuple[Any, list[int]]:
+        routes = _transport(g).routes
+        peers = [p for p in range(g.world_size) if p != g.rank]
+        for peer in peers:
+            routes.measure(peer, rtt_s=0.1, bandwidth_Bps=1e9)  # 100 MB in flight
+        out = await g.allreduce(x + g.rank, strategy="direct")
+        return out, sorted(routes.routes[p].width for p in peers)
+
+    results = await run_ranks(PEERS, fn, streams="auto")
+    expected = sum(x + r for r in range(PEERS))
+    for out, widths in results:
+        assert np.array_equal(out, expected)
+        assert widths == [4, 4]
+
+
 @pytest.mark.parametrize("value", ["0", "17", "two", "-1", "1.5"])
 def test_bad_streams_variable_is_refused_by_name(value: str) -> None:
     with pytest.raises(SettingsError, match="P2PCOLL_STREAMS"):
@@ -260,6 +281,15 @@ def test_auto_fills_the_bandwidth_delay_product() -> None:
     assert choose_streams(0.0002, 125e6, window_bytes=window) == 1
     assert choose_streams(1.0, 125e6, window_bytes=window) == 8  # at most MAX_AUTO_STREAMS
     assert choose_streams(0.0, None, window_bytes=window) == 1
+    # Three remote peers at once share the host's line: each pair its share of the
+    # product (12.5 MB over 3 x 2 MiB: 2) and of the cap (8 // 3), but two wherever one
+    # window cannot fill the pair's own product, and one where it can.
+    assert choose_streams(0.1, 125e6, window_bytes=window, sharing=3) == 2
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=3) == 2
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=2) == 4
+    assert choose_streams(0.05, 125e6, window_bytes=window, sharing=3) == 2
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=12) == 2
+    assert choose_streams(0.01, 125e6, window_bytes=window, sharing=3) == 1
     paths = Paths(Buffers(wmem_max=4 << 20, rmem_max=4 << 20, tcp_wmem_max=4 << 20,
                           tcp_rmem_max=4 << 20))
     assert paths.streams(1) is None  # not measured yet
@@ -273,6 +303,7 @@ def test_auto_fills_the_bandwidth_delay_product() -> None:
     assert paths.streams(1) == 8  # the default bandwidth, 10 Gbit/s
     paths.measure(1, bandwidth_Bps=125e6)  # a measured bandwidth is taken from now on
     assert paths.streams(1) == 6
+    assert paths.streams(1, sharing=3) == 2
 
 
 def test_send_buffers_within_the_system_maxima(caplog: pytest.LogCaptureFixture) -> None:

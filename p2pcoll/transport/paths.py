@@ -11,7 +11,10 @@ About half of a buffer holds data in flight (the rest is the kernel's bookkeepin
 ``net.ipv4.tcp_adv_win_scale``). So:
 
 - :func:`choose_streams` (``streams=auto``): enough connections that their windows fill
-  the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`;
+  the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`
+  per host: a host's line carries its links to all its remote peers, and a collective drives
+  one to all of them at once (a ring; ``direct``), so each pair takes its share of the
+  product and of the cap (the router passes ``sharing=2``; two where one window falls short);
 - :func:`send_buffer`: each connection's send buffer, its share of the product (twice
   that, for the kernel's half), set only where autotuning would stop short of it, and
   capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
@@ -87,29 +90,41 @@ class Buffers:
 
 
 def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
-                   window_bytes: int | None = None) -> int:
-    """The connections whose windows fill a path's bandwidth-delay product.
+                   window_bytes: int | None = None, sharing: int = 1) -> int:
+    """The connections to one peer whose windows, with those to the ``sharing - 1`` other
+    peers a host's links run beside, fill a path's bandwidth-delay product.
 
     Args:
         rtt_s: the path's round trip, seconds.
         bandwidth_Bps: its bandwidth, bytes per second (None: :data:`DEFAULT_BANDWIDTH_BPS`).
         window_bytes: what one connection keeps in flight (None: this machine's,
             :attr:`Buffers.window`).
+        sharing: the remote peers whose links share this host's line (at least 1): each
+            pair fills its share of the product, and the host's connections stay within
+            :data:`MAX_AUTO_STREAMS`, except that a pair whose product one window cannot
+            fill keeps two (a ring drives one peer at a time: one connection per pair
+            reached a third of what 8 did).
 
     Returns:
-        From 1 to :data:`MAX_AUTO_STREAMS`.
+        From 1 to ``max(2, MAX_AUTO_STREAMS // sharing)``.
 
     >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20)  # 1 Gbit/s, 100 ms: 12.5 MB
     6
     >>> choose_streams(0.2e-3, 125e6, window_bytes=2 << 20)  # the same, 0.2 ms: one
     1
+    >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20, sharing=3)  # 3 peers at once
+    2
     """
     if not rtt_s > 0:
         return 1
     bandwidth = DEFAULT_BANDWIDTH_BPS if bandwidth_Bps is None else bandwidth_Bps
     window = Buffers.read().window if window_bytes is None else window_bytes
-    wanted = math.ceil(rtt_s * max(bandwidth, 1.0) / max(window, 1))
-    return max(1, min(MAX_AUTO_STREAMS, MAX_STREAMS, wanted))
+    sharing = max(1, sharing)
+    product = rtt_s * max(bandwidth, 1.0)
+    alone = math.ceil(product / max(window, 1))  # the pair's own need
+    shared = math.ceil(product / (max(window, 1) * sharing))
+    top = max(2, MAX_AUTO_STREAMS // sharing)
+    return max(1, min(top, MAX_AUTO_STREAMS, MAX_STREAMS, max(shared, min(2, alone))))
 
 
 def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
@@ -186,13 +201,15 @@ class Paths:
         path = self._paths.get(peer)
         return None if path is None else path.bandwidth_Bps
 
-    def streams(self, peer: int) -> int | None:
-        """What ``auto`` chooses for ``peer``; None while its round trip is unknown."""
+    def streams(self, peer: int, sharing: int = 1) -> int | None:
+        """What ``auto`` chooses for ``peer`` when this host's line carries links to
+        ``sharing`` remote peers (see :func:`choose_streams`); None while its round trip
+        is unknown."""
         path = self._paths.get(peer)
         if path is None or path.rtt_s is None:
             return None
         return choose_streams(path.rtt_s, path.bandwidth_Bps,
-                              window_bytes=self.buffers.window)
+                              window_bytes=self.buffers.window, sharing=sharing)
 
     def send_buffer(self, peer: int, streams: int) -> tuple[int, bool]:
         """The send buffer of each of ``streams`` connections to ``peer`` (see
