@@ -137,11 +137,16 @@ def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
         an explicit size would turn autotuning off); else what to set, at most
         ``wmem_max``; ``capped``: the need is beyond both.
 
-    >>> b = Buffers(wmem_max=4 << 20, tcp_wmem_max=4 << 20)
+    >>> b = Buffers(wmem_max=16 << 20, tcp_wmem_max=4 << 20)
     >>> send_buffer(0.1, 125e6, 4, b)  # 12.5 MB over 4: 3.1 MB each, twice that wanted
-    (4194304, True)
+    (6250000, False)
     >>> send_buffer(0.001, 125e6, 1, b)  # 125 kB: autotuning does it
     (0, False)
+    >>> send_buffer(0.1, 125e6, 4, Buffers(wmem_max=4 << 20, tcp_wmem_max=4 << 20))
+    (0, True)
+
+    (With ``wmem_max`` no higher than autotuning's bound, setting a size would only lose
+    autotuning: nothing is set, and the cap is said.)
     """
     if not rtt_s > 0:
         return 0, False
