@@ -313,6 +313,11 @@ def test_send_buffers_within_the_system_maxima(caplog: pytest.LogCaptureFixture)
     tight = Buffers(wmem_max=1 << 20, tcp_wmem_max=4 << 20)
     assert send_buffer(0.1, 125e6, 2, tight) == (0, True)  # a set size would be smaller
     paths = Paths(Buffers(wmem_max=8 << 20, tcp_wmem_max=4 << 20))
+    # Of the assumed bandwidth (10 Gbit/s) the need is not known: sized, nothing said.
+    paths.measure(4, rtt_s=0.1)
+    with caplog.at_level("WARNING", logger="p2pcoll.transport"):
+        assert paths.send_buffer(4, 1) == (8 << 20, False)
+    assert caplog.text == ""
     paths.measure(3, rtt_s=0.1, bandwidth_Bps=125e6)
     with caplog.at_level("WARNING", logger="p2pcoll.transport"):
         assert paths.send_buffer(3, 1) == (8 << 20, True)

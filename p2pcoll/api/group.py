@@ -457,7 +457,7 @@ class Group(PointToPoint):
         those that tried and fell back to the relay; ``stripes_opened``:
         TCP connections opened beside links to spread large messages over (``P2PCOLL_STREAMS``, see
         :mod:`p2pcoll.transport.stripes`); ``socket_buffers_capped``: striped links whose
-        send buffers ``net.core.wmem_max`` held below what their path needs (see
+        send buffers ``net.core.wmem_max`` held below what their path needs, as measured (see
         :mod:`p2pcoll.transport.paths`).
         Counted from join, for this group only."""
         session = self.session

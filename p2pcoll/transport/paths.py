@@ -219,12 +219,18 @@ class Paths:
     def send_buffer(self, peer: int, streams: int) -> tuple[int, bool]:
         """The send buffer of each of ``streams`` connections to ``peer`` (see
         :func:`send_buffer`; ``(0, False)`` while its round trip is unknown), and a
-        warning, once per kind, where the system's maxima bind."""
+        warning, once per kind, where the system's maxima bind: said (and ``capped``)
+        only once the path's bandwidth is measured, not of the assumed one."""
         path = self._paths.get(peer)
         if path is None or path.rtt_s is None:
             return 0, False
         size, capped = send_buffer(path.rtt_s, path.bandwidth_Bps, streams, self.buffers)
-        share = path.rtt_s * (path.bandwidth_Bps or DEFAULT_BANDWIDTH_BPS) / streams
+        if path.bandwidth_Bps is None:
+            # The need comes from the assumed bandwidth (10 Gbit/s): whether the maxima
+            # bind is not known, so nothing is said or counted (a 100 Mbit/s path with a
+            # 50 ms round trip needs 0.6 MB, not the 62.5 MB assumed).
+            return size, False
+        share = path.rtt_s * path.bandwidth_Bps / streams
         if capped:
             self._warn("wmem", f"the send buffers a path to rank {peer} needs "
                        f"({2 * share / 2**20:.1f} MiB for each of {streams} connections) are "
