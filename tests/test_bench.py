@@ -296,3 +296,21 @@ def test_load_in_the_table_and_refused_by_calibrate(capsys: pytest.CaptureFixtur
     assert "--calibrate cannot be combined with --load" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse("--load", "-1")
+
+
+def test_the_mpirun_beside_this_python_comes_before_path(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    # A system Open MPI first on PATH (another version than the wheel mpi4py was built
+    # against) ran --compare mpi's peers 30-100x slower: the venv's own is taken first.
+    from p2pcoll.bench.runner import mpirun
+    venv, system = tmp_path / "venv-bin", tmp_path / "usr-bin"
+    for folder in (venv, system):
+        folder.mkdir()
+        (folder / "mpirun").write_text("#!/bin/sh\n")
+        (folder / "mpirun").chmod(0o755)
+    monkeypatch.setenv("PATH", str(system))
+    monkeypatch.setattr("sys.executable", str(venv / "python"))
+    assert mpirun() == str(venv / "mpirun")
+    (venv / "mpirun").unlink()
+    assert mpirun() == str(system / "mpirun")

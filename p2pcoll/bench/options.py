@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from ..extras import install_command, installed
 from ..registry import available_strategies
 from ..settings import TRANSPORT_NAMES, bad_value, check_path, parse_bytes
 from ..types import check_dtype
+from .runner import mpirun
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall")
 DEFAULT_SIZES = "4K,64K,1M,16M"
@@ -200,7 +200,7 @@ def missing_extras(args: argparse.Namespace) -> str | None:
     if args.plot is not None:
         needs.append(("--plot", "matplotlib", BENCH_EXTRA))
     for option, what, install in needs:
-        found = shutil.which(what) is not None if what == "mpirun" else installed(what)
+        found = mpirun() is not None if what == "mpirun" else installed(what)
         if not found:
             return f"{option} needs {what}, which is not installed: {install}"
     return None
