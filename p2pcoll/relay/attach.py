@@ -187,23 +187,14 @@ class Attachment:
     async def _answer(self, conn: bytes, sender: str) -> None:
         """Answer the dial ``conn`` from a bound port: splice the direct connection, or
         the relay's, to the local endpoint."""
-        loop = asyncio.get_running_loop()
-        sock = None
         try:
-            sock = await punch.open_bound(self.host, self.port, ANSWER_S)
-            port = sock.getsockname()[1]
-            await loop.sock_sendall(sock, answer_preamble(conn, port))
-            direct, path = await punch.answered(sock, port, ANSWER_S, self.dial_s)
-        except BaseException as exc:  # OSError, or cancelled (closing)
-            if sock is not None:
-                sock.close()
-            if not isinstance(exc, OSError):
-                raise
+            sock, path = await punch.ask(self.host, self.port,
+                                         lambda port: answer_preamble(conn, port), ANSWER_S,
+                                         self.dial_s)
+        except OSError as exc:
             log.debug("relay dial not answered: %s", exc)
             return
-        if direct is not None:
-            sock.close()
-        await self._splice(b"", direct or sock, path, sender)
+        await self._splice(b"", sock, path, sender)
 
     async def _splice(self, preamble: bytes, sock: socket.socket | None = None,
                       path: str = "plain", sender: str = NOBODY) -> None:
@@ -375,17 +366,13 @@ class Entrance:
         """Dial the target (see the module docstring) and splice ``inner`` to what that
         gives: the direct connection or the relay's."""
         loop = asyncio.get_running_loop()
-        assert self.dial_from is not None
-        sock = None
+        me = self.dial_from
+        assert me is not None
         try:
-            sock = await punch.open_bound(self.host, self.port, ANSWER_S)
-            port = sock.getsockname()[1]
-            await loop.sock_sendall(sock, dial_preamble(self.target, self.tag, port,
-                                                        self.dial_from))
-            direct, path = await punch.answered(sock, port, ANSWER_S, self.dial_s)
+            sock, path = await punch.ask(
+                self.host, self.port, lambda port: dial_preamble(self.target, self.tag, port,
+                                                                 me), ANSWER_S, self.dial_s)
         except BaseException as exc:  # OSError, or cancelled (closing)
-            if sock is not None:
-                sock.close()
             inner.abort()
             if not isinstance(exc, OSError):
                 raise
@@ -395,14 +382,11 @@ class Entrance:
             log.info("relay at %s:%d: dial not answered (%s): connecting through it",
                      self.host, self.port, exc)
             return
-        if direct is None:
+        if path != "direct":
             self.dial_from = None  # through the relay from now on
             log.info("relay target %s...: no direct connection (%s: the relay forwards)",
                      self.target[:8], "it failed" if path == "relayed" else "not tried")
-        else:
-            sock.close()
-            sock = direct
-        outer = Half(self.count if direct is None else None)
+        outer = Half(None if path == "direct" else self.count)
         inner.count = outer.count
         try:
             await loop.create_connection(lambda: outer, sock=sock)

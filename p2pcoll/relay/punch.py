@@ -28,12 +28,13 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from .protocol import DIRECT, FAILED, HOLE, HOLE_BYTES, OK, BadPreamble, Hole
 
 log = logging.getLogger("p2pcoll.relay")
 
-__all__ = ["MAX_PUNCH_S", "answered", "dial", "open_bound"]
+__all__ = ["MAX_PUNCH_S", "answered", "ask", "dial", "open_bound"]
 
 MAX_PUNCH_S = 10.0  # a relay's deadline is held to this
 ATTEMPT_S = 0.25  # an attempt that neither connects nor is refused: given up after this
@@ -212,3 +213,27 @@ async def answered(sock: socket.socket, port: int, timeout: float,
     if await read_exactly(sock, 1, timeout) != OK:
         raise OSError("the relay closed after a failed direct attempt")
     return None, "relayed"
+
+
+async def ask(host: str, port: int, say: Callable[[int], bytes], timeout: float,
+              most_s: float = MAX_PUNCH_S) -> tuple[socket.socket, str]:
+    """A dial or an answer, whole: a connection to the relay ``host:port`` from a port of
+    its own (:func:`open_bound`), ``say(that port)`` on it, and what comes of it
+    (:func:`answered`): the connection to splice and its path, the direct connection
+    (``direct``: the relay's is closed) or the relay's (``plain``, ``relayed``).
+
+    Raises:
+        OSError: as :func:`open_bound` and :func:`answered` (nothing is left open)."""
+    loop = asyncio.get_running_loop()
+    sock = await open_bound(host, port, timeout)
+    try:
+        bound = sock.getsockname()[1]
+        await loop.sock_sendall(sock, say(bound))
+        direct, path = await answered(sock, bound, timeout, most_s)
+    except BaseException:  # OSError, or cancelled (closing)
+        sock.close()
+        raise
+    if direct is None:
+        return sock, path
+    sock.close()
+    return direct, path
