@@ -119,12 +119,12 @@ def environment(rank: int, world: int, address: str, port: int,
 
 
 def run(args: argparse.Namespace, kind: str, world: int, port: int, extra: dict[str, str],
-        lab: netns.Lab | None) -> list[dict[str, Any]]:
+        lab: netns.Lab | None, strategy: str = "auto") -> list[dict[str, Any]]:
     """The ``kind`` workers (p2pcoll or gloo), one per host of ``lab`` (None: on this
-    machine's loopback); their reports in rank order."""
+    machine's loopback) running ``strategy``; their reports in rank order."""
     argv = ["nice", "-n", str(args.nice)] if args.nice else []
     argv += [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port",
-            str(port), "--iterations", str(args.iterations), "--strategy", args.strategy,
+            str(port), "--iterations", str(args.iterations), "--strategy", strategy,
             "--sizes", ",".join(str(n) for n in args.sizes)]
     address = netns.address(0) if lab is not None else "127.0.0.1"
     envs = [environment(rank, world, address, port, extra) for rank in range(world)]
@@ -189,6 +189,18 @@ def medians(reports: list[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
+def configurations(strategies: str, streams: list[str], depths: list[str]
+                   ) -> list[tuple[str, str, str]]:
+    """The runs of p2pcoll, in order: ``(strategy, streams, depth)`` for each strategy
+    (comma-separated) with each ``--streams`` value and depth; a strategy written
+    ``NAME:K`` runs with ``K`` streams only (``auto,ring:auto,auto:1``)."""
+    out = []
+    for item in (s.strip() for s in strategies.split(",") if s.strip()):
+        name, _, k = item.partition(":")
+        out += [(name, each, d) for each in ([k] if k else streams) for d in depths]
+    return out
+
+
 def busbw(nbytes: int, world: int, seconds: float) -> float:
     """Bytes per second as nccl-tests counts an allreduce's."""
     return 2 * (world - 1) / world * nbytes / seconds
@@ -224,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="link",
                         help="P2PCOLL_PIPELINE_DEPTH values, comma-separated; link: unset, "
                              "the window follows the path (link)")
-    parser.add_argument("--strategy", default="auto", help="the allreduce strategy (auto)")
+    parser.add_argument("--strategy", default="auto",
+                        help="the allreduce strategies, comma-separated: each runs with "
+                        "every --streams value (auto)")
     parser.add_argument("--iterations", type=int, default=5, help="timed passes (5)")
     parser.add_argument("--key", action="store_true", help="with a job key (CurveZMQ)")
     parser.add_argument("--loopback", action="store_true",
@@ -267,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                     if secure:
                         env["P2PCOLL_KEY_FILE"] = str(key)
                     name = f"{'key' if secure else 'plain'}, streams={k}"
-                    reports = run(args, "p2pcoll", 2, port, env, None)
+                    reports = run(args, "p2pcoll", 2, port, env, None, args.strategy)
                     port += 1
                     results[name] = medians(reports)
                     notes.append(f"{name}: {reports[0]['stats']}")
@@ -295,16 +309,18 @@ def main(argv: list[str] | None = None) -> int:
                     for host in lab.names:
                         subprocess.run(["ip", "netns", "exec", host, "sysctl", "-q", "-w",
                                         setting], check=True)
-                for k, depth in [(k, d) for k in streams for d in depths]:
+                for strategy, k, depth in configurations(args.strategy, streams, depths):
                     env = {**extra, "P2PCOLL_STREAMS": k}
                     name = f"streams={k}"
+                    if "," in args.strategy:
+                        name = f"{strategy}, {name}"
                     if depth != "link":
                         env["P2PCOLL_PIPELINE_DEPTH"] = depth
                     if len(depths) > 1:
                         name += f", depth {depth}"
                     if args.key:
                         env["P2PCOLL_KEY_FILE"] = str(key)
-                    reports = run(args, "p2pcoll", world, port, env, lab)
+                    reports = run(args, "p2pcoll", world, port, env, lab, strategy)
                     port += 1
                     results[name] = medians(reports)
                     notes.append(f"{name}: rank 0 {reports[0]['stats']}, "

@@ -138,6 +138,7 @@ class Executor:
         ufunc: Ufunc | None, sig: Signature, meta: dict[str, Any] | None,
     ) -> None:
         rank = self.departures.membership.rank
+        self.transport.paths.drive(program.destinations)  # its links share the line
         if op.tag is None or program.sources:  # a send expects nothing, a receive op.src
             self.matcher.expect(op, sig, rank)
         wire = self.wire

@@ -132,6 +132,7 @@ class Program:
     cuts: Cuts
     first_late: int  # the first segment whose sends copy LATE ones (the last ``depth``)
     sources: frozenset[int]  # the ranks it receives from
+    destinations: frozenset[int]  # the ranks it sends to (what it drives: Paths.drive)
 
     @property
     def nseg(self) -> int:
@@ -198,7 +199,7 @@ def compile_program(steps: Steps, chunks: Sequence[Sequence[Piece]], itemsizes: 
         step_ends.append(len(kinds))
     sources = frozenset(op.frm for ops in steps for op in ops if not isinstance(op, Send))
     return Program(array("B", kinds), _ints(peers), _ints(indices), _ints(wheres),
-                   _ints(step_ends), layout, max(nseg - depth, 0), sources)
+                   _ints(step_ends), layout, max(nseg - depth, 0), sources, frozenset(sent))
 
 
 def _ints(values: list[int]) -> array[int]:

@@ -93,19 +93,35 @@ class Paths(Protocol):
     """What a transport has measured of the path to each peer: ``paths[peer]`` is
     ``(round-trip seconds, bytes/s)``, None for what is not measured, both None for a peer
     of this host. What the pipeline's window follows (:mod:`p2pcoll.engine.window`); never
-    raises."""
+    raises.
+
+    And what the engine tells the paths of the collective about to run: ``drive(peers)``,
+    the ranks its program sends to, at once as far as the transport can tell (a ring's one
+    neighbour, a direct exchange's p - 1). A transport whose links share a host's line
+    splits the line among them (the stripes per pair: :mod:`p2pcoll.transport.paths`); a
+    hint, never an error, ignored where nothing is shared."""
 
     def __getitem__(self, peer: int) -> PathFacts: ...
+
+    def drive(self, peers: frozenset[int]) -> None: ...
+
+
+def _unshared(peers: frozenset[int]) -> None:
+    """Nothing to split (a transport whose paths share no line)."""
 
 
 @dataclass(frozen=True)
 class PathsOf:
-    """The :class:`Paths` that ``of(peer)`` answers."""
+    """The :class:`Paths` that ``of(peer)`` answers, told what runs by ``driving(peers)``."""
 
     of: Callable[[int], PathFacts]
+    driving: Callable[[frozenset[int]], None] = _unshared
 
     def __getitem__(self, peer: int) -> PathFacts:
         return self.of(peer)
+
+    def drive(self, peers: frozenset[int]) -> None:
+        self.driving(peers)
 
 
 @dataclass

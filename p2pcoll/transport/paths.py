@@ -12,9 +12,10 @@ About half of a buffer holds data in flight (the rest is the kernel's bookkeepin
 
 - :func:`choose_streams` (``streams=auto``): enough connections that their windows fill
   the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`
-  per host: a host's line carries its links to all its remote peers, and a collective drives
-  one to all of them at once (a ring; ``direct``), so each pair takes its share of the
-  product and of the cap (the router passes ``sharing=2``; two where one window falls short);
+  per host: a host's line carries its links to all the remote peers a collective sends to
+  at once, one (a ring's neighbour) to all of them (a direct exchange), so each of those
+  pairs takes its share of the product and of the cap: the collective's program says how
+  many (:meth:`.route.Routes.drive`; two where one window falls short);
 - :func:`send_buffer`: each connection's send buffer, its share of the product (twice
   that, for the kernel's half), set only where autotuning would stop short of it, and
   capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
@@ -50,7 +51,12 @@ DEFAULT_BANDWIDTH_BPS = 1.25e9
 """Bytes per second assumed of a path whose bandwidth nobody measured (10 Gbit/s): an upper
 bound for most paths between hosts, so ``auto`` errs towards a few connections too many
 (cheap), not too few (a long link at a fraction of its rate)."""
-MAX_AUTO_STREAMS = 8  # what auto chooses at most (MAX_STREAMS may be asked for)
+MAX_AUTO_STREAMS = 6
+"""The connections ``auto`` keeps sending at once from one host, at most (``MAX_STREAMS`` may
+be asked for): a 1 Gbit/s line at 100 ms over autotuned 4 MiB buffers (2.9 MB in flight
+each). Measured on the lab's packet delayer (4 hosts, 50 ms one way, 64 MiB, a ring: one
+peer at a time): 4 or 6 per pair reached 70-88 %, 8 per pair 18-78 %, below both in each of
+four labs (more connections, more packets, on a busy CPU), so 8 no longer."""
 # Round trips of a handshake, by CURVE or not: TCP's (1), the greetings and READY (2), CURVE's
 # HELLO/WELCOME and INITIATE/READY (2 more). Measured over the lab's packet delay at 100 ms:
 # 3.02 and 5.5 (2 and 4 before counted no TCP handshake: the old lab's delay relay answered
@@ -92,18 +98,17 @@ class Buffers:
 def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
                    window_bytes: int | None = None, sharing: int = 1) -> int:
     """The connections to one peer whose windows, with those to the ``sharing - 1`` other
-    peers a host's links run beside, fill a path's bandwidth-delay product.
+    peers a collective sends to at the same time, fill a path's bandwidth-delay product.
 
     Args:
         rtt_s: the path's round trip, seconds.
         bandwidth_Bps: its bandwidth, bytes per second (None: :data:`DEFAULT_BANDWIDTH_BPS`).
         window_bytes: what one connection keeps in flight (None: this machine's,
             :attr:`Buffers.window`).
-        sharing: the remote peers whose links share this host's line (at least 1): each
-            pair fills its share of the product, and the host's connections stay within
-            :data:`MAX_AUTO_STREAMS`, except that a pair whose product one window cannot
-            fill keeps two (a ring drives one peer at a time: one connection per pair
-            reached a third of what 8 did).
+        sharing: the remote peers the running collective sends to at once, whose links
+            share this host's line (at least 1): each pair fills its share of the
+            product, and the host's connections stay within :data:`MAX_AUTO_STREAMS`,
+            except that a pair whose product one window cannot fill keeps two.
 
     Returns:
         From 1 to ``max(2, MAX_AUTO_STREAMS // sharing)``.
@@ -114,6 +119,8 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
     1
     >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20, sharing=3)  # 3 peers at once
     2
+    >>> choose_streams(100e-3, None, window_bytes=2 << 20, sharing=2)  # 10 Gbit/s assumed
+    3
     """
     if not rtt_s > 0:
         return 1
@@ -208,8 +215,8 @@ class Paths:
 
     def streams(self, peer: int, sharing: int = 1) -> int | None:
         """What ``auto`` chooses for ``peer`` when this host's line carries links to
-        ``sharing`` remote peers (see :func:`choose_streams`); None while its round trip
-        is unknown."""
+        ``sharing`` remote peers at once (see :func:`choose_streams`); None while its round
+        trip is unknown."""
         path = self._paths.get(peer)
         if path is None or path.rtt_s is None:
             return None

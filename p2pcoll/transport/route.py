@@ -62,7 +62,7 @@ class Route:
     """This peer's way to one other peer (see the module docstring)."""
 
     __slots__ = ("conn", "generation", "lane", "link", "peer", "reader", "send_buffer",
-                 "stripes", "turn", "used", "width")
+                 "sharing", "stripes", "turn", "used", "width")
 
     def __init__(self, peer: int, link: zmq.asyncio.Socket, generation: int) -> None:
         self.peer = peer
@@ -76,6 +76,7 @@ class Route:
         # Its connections: 0 while not decided (see Routes.put), else the link and
         # width - 1 stripes beside it, taken in turn (``turn``) by large messages.
         self.width = 0
+        self.sharing = 0  # the peers driven at once when its width was decided (Routes.drive)
         self.stripes: list[Stripe] = []  # opened at their first turn
         self.turn = 0
         self.send_buffer = 0  # the stripes' SO_SNDBUF (0: autotuned; see .paths)
@@ -169,6 +170,10 @@ class Routes:
         self._remote: frozenset[int] = frozenset()  # the peers over tcp on other hosts
         self._pinned: frozenset[int] = frozenset()
         self._end = b""
+        # The remote peers the running collective sends to at once (see drive): 0 until a
+        # collective says, then each route's width follows it.
+        self.sharing = 0
+        self._driven: frozenset[int] = frozenset()
 
     def start(self, rank: int, secret: str, nonce: str, endpoints: Sequence[str],
               pinned: Collection[int], end: bytes, hosts: Sequence[str] = ()) -> None:
@@ -239,6 +244,20 @@ class Routes:
             route.width = 0
             route.turn = 0
 
+    def drive(self, peers: frozenset[int]) -> None:
+        """The collective about to run sends to ``peers`` (:meth:`.base.Paths.drive`): the
+        remote ones among them share this host's line, so under ``auto`` each route to one
+        decides its width again at its next large message, for that many peers at once
+        (:func:`.paths.choose_streams`: a ring's one neighbour takes the host's share of
+        stripes alone, a direct exchange's p - 1 peers split it). A collective with no
+        remote peer to send to changes nothing. Never raises."""
+        if peers is self._driven:  # the same program again (the usual case): nothing new
+            return
+        self._driven = peers
+        remote = len(peers & self._remote)
+        if remote:
+            self.sharing = remote
+
     def path(self, peer: int) -> tuple[float | None, float | None]:
         """``(round-trip seconds, bytes/s)`` measured of the path to ``peer``, None for
         what is not; both None for a peer of this host (see :meth:`start`)."""
@@ -261,7 +280,7 @@ class Routes:
         if nbytes < STRIPE_BYTES or route.width == 1:
             await route.put(frames)
             return
-        if route.width == 0:
+        if route.width == 0 or route.sharing != self.sharing:
             self._widen(route)
         stripes = route.stripes
         i = route.turn
@@ -281,18 +300,22 @@ class Routes:
             await sending
 
     def _widen(self, route: Route) -> None:
-        """Decide how many connections ``route`` has (see :meth:`put`); under ``auto``
-        with the round trip still unknown, decide later."""
+        """Decide how many connections ``route`` has (see :meth:`put`), again whenever the
+        collective that runs drives another number of remote peers (:meth:`drive`); under
+        ``auto`` with the round trip still unknown, decide later. (Width 1 stays: a path
+        that one connection fills alone needs no more however many share it.)"""
         peer = route.peer
+        route.sharing = self.sharing
         if not self._striped[peer]:
             route.width = 1
             return
-        # Under auto, a pair's links share this host's line with others: a collective
-        # drives one peer at a time (a ring, the halving's pairs) to all of them (direct),
-        # so each pair takes half the product and of the cap (see paths.choose_streams).
-        # Measured at p = 4, 1 Gbit/s, 100 ms: 4 per pair reach 83 % (direct) and 88 %
-        # (ring); 8 per pair 62 % and 78 %; 2 per pair 78 % and 46 %.
-        sharing = max(1, min(2, len(self._remote)))
+        # Under auto, a pair's links share this host's line with those to the other peers
+        # the collective drives at once (drive): a ring one, a direct exchange all of them,
+        # so each pair takes its share of the product and of the cap (see
+        # paths.choose_streams). Before any collective says, two of them. Measured at p = 4,
+        # 1 Gbit/s, 100 ms, per pair: the ring 4-6 (70-88 %) over 8 (18-78 %); the direct
+        # exchange 2 and 4 alike (55-80 % and 39-83 %).
+        sharing = self.sharing or max(1, min(2, len(self._remote)))
         width = (self.paths.streams(peer, sharing) if self.streams == "auto"
                  else self.streams)
         if width is None:
@@ -300,10 +323,12 @@ class Routes:
         if self.budget:  # stripes count against the budget, and take only what is left
             others = self.held() - _connections(route)
             width = max(1, min(width, max(self.budget - others, 1 + len(route.stripes))))
-        route.width = width
+        first = route.width == 0
+        if width != route.width:
+            route.width, route.turn = width, 0
         if width > 1:
             route.send_buffer, capped = self.paths.send_buffer(peer, width)
-            self.counters.socket_buffers_capped += capped
+            self.counters.socket_buffers_capped += capped and first
 
     def _open_stripe(self, route: Route) -> None:
         """Open ``route``'s next stripe."""
