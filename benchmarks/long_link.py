@@ -78,6 +78,7 @@ async def p2pcoll_worker(args: argparse.Namespace) -> dict[str, Any]:
             "stripes_opened", "socket_buffers_capped", "links_opened")}
         report["picked"] = stats["collectives_by_strategy"]
         report["window"] = window(g)
+        report["probe"] = probed(g.topology())
         await g.barrier()
     report["cpu_s"] = cpu_seconds()
     return report
@@ -99,6 +100,15 @@ def window(g: Any) -> str:
     rtts = ", ".join("-" if rtt is None else f"{rtt * 1e3:.0f}" for rtt, _ in paths)
     depth = g.settings.pipeline_depth or pipeline_depth(paths, g.settings.segment_bytes)
     return f"rtt {rtts} ms, depth {depth}"
+
+
+def probed(topology: dict[str, Any]) -> str:
+    """What the join's probe measured (the pairs' bandwidths, the ring), in a few words."""
+    rates = [b for row in topology["bandwidth_Bps"] for b in row if b]
+    if not rates:
+        return "no probe"
+    return (f"probe {min(rates) / 1e6:.0f}-{max(rates) / 1e6:.0f} MB/s per pair, "
+            f"ring {topology['ring']}")
 
 
 def gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -325,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[name] = medians(reports)
                     notes.append(f"{name}: rank 0 {reports[0]['stats']}, "
                                  f"{reports[0].get('window', '')}, "
+                                 f"{reports[0].get('probe', '')}, "
                                  f"strategies {reports[0]['picked']}; {reports[0]['cpu']}")
                 if not args.no_gloo:
                     reports = run(args, "gloo", world, port, {}, lab)

@@ -34,9 +34,8 @@ bandwidth of every directed pair (:attr:`CostModel.links`) and the ring the ring
 runs along (:attr:`CostModel.ring`). Then the beta term of a strategy is read off its
 schedule in lockstep (:func:`link_seconds`): each step takes as long as its slowest
 message, a message's bytes over its pair's bandwidth, so a strategy that crosses a slow
-pair pays for it, and at least as long as a rank's messages of the step take through its
-host's line, which they share (a direct exchange's p - 1 at once go no faster than a
-ring's one); the ring along a ring other than rank order is priced as the carried
+pair pays for it; a rank's messages of one step share its host's line, so they take the
+sum of their times (a direct exchange's p - 1 at once go no faster than a ring's one); the ring along a ring other than rank order is priced as the carried
 ring (:class:`~p2pcoll.engine.ordered_ring.OrderedRing`, more bytes) over the slowest hop
 of that ring, and the ring allgather as the ring along it. This is how ``auto`` sees a slow pair.
 
@@ -394,18 +393,14 @@ def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], 
     """Seconds per byte of data that ``strategy`` spends on the measured ``links`` (bytes/s
     of every directed pair), its schedules (root 0) read in lockstep: each step takes its
     slowest rank's time. A message of u of the c chunks takes ``u / c / links[i][j]`` per
-    byte of data, and the messages a rank sends in one step share its line, as those it
-    receives share its peer's: a rank's step takes at least the bytes it sends over its
-    line, and at least the bytes its busiest receiver takes in over that one's line. A
-    host's line is the fastest of its pairs (the probe measures one pair at a time, so a
-    pair's figure is what the line gives it alone, or less where the pair is slower): a
-    direct exchange that sends to p - 1 peers at once moves no faster than a ring. The
-    first :data:`SCANNED` steps of every rank are read, the rest taken as alike; cached."""
+    byte of data, and the messages a rank sends in one step share its line, as those one
+    rank receives share its own: the probe measures one pair at a time, so a pair's figure
+    is what the line gives it alone, and messages sent (or taken in) at once take the sum
+    of their times (exact where the host's line binds, an upper bound where the pair's
+    path does). So a direct exchange, p - 1 messages at once, moves no faster than a ring.
+    The first :data:`SCANNED` steps of every rank are read, the rest taken as alike;
+    cached."""
     nchunks = size if strategy.collective in PARTS else strategy.chunks(size)
-    line_out = [max(max(row[j] for j in range(size) if j != i), 1.0)
-                for i, row in enumerate(links)]
-    line_in = [max(max(links[i][j] for i in range(size) if i != j), 1.0)
-               for j in range(size)]
     schedules = []
     for rank in range(size):
         steps = strategy.schedule(Context(rank, size, 0))
@@ -413,21 +408,19 @@ def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], 
                           for step in itertools.islice(steps, SCANNED)])
     total = 0.0
     for i in range(max((len(s) for s in schedules), default=0)):
-        slowest = 0.0
-        taken_in = [0.0] * size  # each rank's share of the data received in this step
+        sending = [0.0] * size  # each rank's seconds per byte of data in this step, out
+        taking = [0.0] * size  # and in
         for rank, steps in enumerate(schedules):
             if i >= len(steps):
                 continue
-            sent = 0.0
             for op in steps[i]:
                 if isinstance(op, Send):
                     u = (nchunks if op.chunk is ALL else len(op.chunk)
-                         if isinstance(op.chunk, (range, tuple)) else 1) / nchunks
-                    slowest = max(slowest, u / max(links[rank][op.to], 1.0))
-                    sent += u
-                    taken_in[op.to] += u
-            slowest = max(slowest, sent / line_out[rank])
-        total += max(slowest, max(taken_in[j] / line_in[j] for j in range(size)))
+                         if isinstance(op.chunk, (range, tuple)) else 1)
+                    seconds = u / nchunks / max(links[rank][op.to], 1.0)
+                    sending[rank] += seconds
+                    taking[op.to] += seconds
+        total += max(max(sending), max(taking))
     return total
 
 
