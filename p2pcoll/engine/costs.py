@@ -35,7 +35,9 @@ runs along (:attr:`CostModel.ring`). Then the beta term of a strategy is read of
 schedule in lockstep (:func:`link_seconds`): each step takes as long as its slowest
 message, a message's bytes over its pair's bandwidth, so a strategy that crosses a slow
 pair pays for it; a rank's messages of one step share its host's line, so they take the
-sum of their times (a direct exchange's p - 1 at once go no faster than a ring's one); the ring along a ring other than rank order is priced as the carried
+sum of their times (a direct exchange's p - 1 at once go no faster than a ring's one).
+Links even within the probe's noise (:data:`EVEN`) are priced as one rate, the textbook
+bytes over it; the ring along a ring other than rank order is priced as the carried
 ring (:class:`~p2pcoll.engine.ordered_ring.OrderedRing`, more bytes) over the slowest hop
 of that ring, and the ring allgather as the ring along it. This is how ``auto`` sees a slow pair.
 
@@ -73,6 +75,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -286,7 +289,9 @@ class CostModel:
                 and ring != tuple(range(size))):
             slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
             return cost.rounds * constants.alpha + cost.sent / max(slowest, 1.0)
-        seconds = link_seconds(strategy, size, self.links) * nbytes
+        even = even_rate(self.links)
+        seconds = (cost.sent / even if even is not None
+                   else link_seconds(strategy, size, self.links) * nbytes)
         return (cost.rounds * constants.alpha + seconds + cost.reduced * constants.gamma
                 + self.contention(strategy, work))
 
@@ -388,6 +393,29 @@ def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[flo
             host_bytes / remote_bytes if remote_bytes else 1.0)
 
 
+EVEN = 2.0
+"""Measured links whose rates lie within this factor of each other are taken as one rate, the
+median: the probe's figures of even links scatter by tens of percent (its 1 MiB payloads
+time TCP's slow start on a long path, not the line), and read pair by pair that noise would
+decide between strategies that move the same bytes (the direct exchange sums three pairs'
+figures where the ring meets the slowest of four). A slow pair (10x) stands out of it."""
+
+
+@lru_cache(maxsize=256)
+def even_rate(links: tuple[tuple[float, ...], ...]) -> float | None:
+    """The one rate (bytes/s) of ``links`` if they are even (see :data:`EVEN`), else None.
+
+    >>> even_rate(((0.0, 2e6, 2.4e6), (1.6e6, 0.0, 2e6), (2e6, 2.2e6, 0.0)))
+    2000000.0
+    >>> even_rate(((0.0, 1.25e8), (1.25e7, 0.0))) is None
+    True
+    """
+    rates = sorted(b for i, row in enumerate(links) for j, b in enumerate(row) if i != j)
+    if not rates or rates[0] <= 0 or rates[-1] > EVEN * rates[0]:
+        return None
+    return float(statistics.median(rates))
+
+
 @lru_cache(maxsize=256)
 def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], ...]) -> float:
     """Seconds per byte of data that ``strategy`` spends on the measured ``links`` (bytes/s
@@ -442,5 +470,5 @@ def _workload(model: CostModel, collective: str, nchunks: int, nbytes: int, size
     return Workload(size, elements * itemsize, itemsize, segments, model.depth, hosts)
 
 
-__all__ = ["DEFAULT_CONSTANTS", "TRANSPORTS", "Constants", "CostModel", "crossing",
-           "link_seconds", "load_constants"]
+__all__ = ["DEFAULT_CONSTANTS", "EVEN", "TRANSPORTS", "Constants", "CostModel", "crossing",
+           "even_rate", "link_seconds", "load_constants"]
