@@ -4,6 +4,8 @@
     python benchmarks/long_link.py --rate 1gbit --delay 50ms --sizes 16M,64M --iterations 5
     python benchmarks/long_link.py --rate 200mbit --delay 250ms --depths 4,link  # the window
     python benchmarks/long_link.py --loopback               # job key against plain sockets
+    python benchmarks/long_link.py --strategy auto,ring,direct,auto:1 --streams auto
+                                  # several strategies in one lab; NAME:K with K streams only
 
 Not a test: it prints tables. Needs root, ``ip``/``tc`` and (where the kernel has no
 netem) a C compiler and ``iptables``. Four hosts of their own (network namespaces,
