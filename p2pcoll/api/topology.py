@@ -7,21 +7,24 @@ probe, per ordered pair ``i -> j``, in ``p - 1`` rounds of shifted pairs (round 
 measures its link to ``r + s`` while serving ``r - s``):
 
 1. a ping of 8 bytes, answered: the round-trip time;
-2. two payloads of :data:`PROBE_BYTES`, back to back, each answered once it has come
-   whole: the bandwidth is one payload over the time between the two answers (the first
-   payload opens the TCP window, the second is timed at the window it opened), that time
-   taken as at least half the whole exchange's, round trip included (a busy receiver
-   may answer both at once).
+2. a *train* of up to :data:`PROBE_BYTES` in chunks of :data:`CHUNK_BYTES`, at most
+   :data:`WINDOW` of them unanswered (the receiver acks each): the receiver stamps each
+   chunk's arrival on its own clock and, once every chunk has come or
+   :data:`PAIR_SECONDS` have passed, answers with its figure instead of an ack: the rate
+   of the train's later half (:func:`train_rate`), after TCP's start-up has opened the
+   window (a short probe of one or two payloads times the start-up, not the line: on 1
+   Gbit/s and 10 ms it read 150 Mbit/s). The sender then stops and sends a marker that
+   ends the train; the receiver takes the chunks still on their way.
 
-Bounds: every rank sends at most ``2 * PROBE_BYTES + 11`` bytes per peer, and no answer is
-waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
-ends ``s / (p-1)`` of the way through, so a silent peer costs one share): a link not
-measured in time
-counts as unknown, and so does a row a peer reports that is not finite and positive (a
-peer that lies). With any link unknown the ring is rank order: the probe never makes a
-group wait longer than its deadline plus one small allgather, and a lie can only change
-which ring runs, never a result (every ring gives the rank-order ring's bits:
-:mod:`p2pcoll.engine.ordered_ring`).
+Bounds: every rank sends one peer at most a ping, ``PROBE_BYTES`` of train, a marker and
+one answer per chunk it receives; a train longer than the receiver's is cut, and no message
+is waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
+ends ``s / (p-1)`` of the way through, so a silent or very slow peer costs one share): a
+link not measured in time counts as unknown, and so does a row a peer reports that is not
+finite and positive (a peer that lies). With any link unknown the ring is rank order: the
+probe never makes a group wait longer than its deadline plus one small allgather, and a lie
+can only change which ring runs, never a result (every ring gives the rank-order ring's
+bits: :mod:`p2pcoll.engine.ordered_ring`).
 
 The probe runs when the group spans several hosts (the roster's) reached over tcp and has
 3 to :data:`MAX_PROBED` ranks, or when asked:
@@ -39,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,7 +56,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
     from ..types import Membership
 
-__all__ = ["PROBE_BYTES", "PROBE_SECONDS", "Topology", "measure", "ordered"]
+__all__ = ["PROBE_BYTES", "PROBE_SECONDS", "Topology", "Train", "measure", "ordered",
+           "train_rate"]
 
 
 class Group(Protocol):
@@ -75,7 +80,11 @@ class Group(Protocol):
     async def allgather(self, array: np.ndarray, *, strategy: str | None = None,
                         timeout: float | None = None) -> list[np.ndarray]: ...
 
-PROBE_BYTES = 1 << 20  # each of the two timed payloads per ordered pair
+PROBE_BYTES = 8 << 20  # the most one train carries (per ordered pair)
+CHUNK_BYTES = 512 << 10  # one message of a train
+WINDOW = 6  # chunks of a train unanswered at most (3 MiB: 2.5 Gbit/s at 10 ms)
+PAIR_SECONDS = 0.5  # the longest a receiver times a train
+BUNCHING = 4.0  # a train's later half moves at most this many times its mean rate
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
 TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
 ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
@@ -184,7 +193,9 @@ async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
                   seconds: float = PROBE_SECONDS) -> Topology:
     """Probe every link of ``group`` and agree on the topology (see the module docstring).
 
-    Every rank must call it at the same point (it ends with an allgather).
+    Every rank must call it at the same point (it ends with an allgather). ``nbytes``
+    bounds each train (the bytes this rank sends one peer, pings and markers aside),
+    ``seconds`` the whole probe.
 
     Raises:
         PeerLost, CollectiveTimeout, GroupBroken: from the closing allgather.
@@ -194,71 +205,145 @@ async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
     row = np.full(2 * p + 1, np.nan)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    payload = np.zeros(nbytes, np.uint8)
+    chunk = max(1, min(CHUNK_BYTES, nbytes))
+    train = Train(chunk, max(1, nbytes // chunk))
     for s in range(1, p):
         to, frm = (r + s) % p, (r - s) % p
         # Round s ends by its share of the deadline: a silent peer costs one share.
         deadline = start + seconds * s / (p - 1)
-        out, _ = await asyncio.gather(_time_link(group, to, payload, deadline),
-                                      _serve(group, frm, deadline))
+        out, _ = await asyncio.gather(_time_link(group, to, train, deadline),
+                                      _serve(group, frm, train, deadline))
         row[to], row[p + to] = out
     row[2 * p] = time.time()
     rows = await group.allgather(row)
     return Topology.from_rows(np.stack(rows))
 
 
-async def _answer(group: Group, src: int, tag: int, deadline: float) -> bool:
-    """Wait until rank ``src``'s next message with ``tag`` has come, at most until
-    ``deadline``; whether it has (then it is received). Consumes nothing when it has not."""
+@dataclass(frozen=True)
+class Train:
+    """One probe's train: ``chunks`` messages of ``chunk`` bytes, at most :data:`WINDOW`
+    of them unanswered, timed by the receiver for at most ``seconds``."""
+
+    chunk: int
+    chunks: int
+    seconds: float = PAIR_SECONDS
+
+    def done(self, start: float, arrivals: Sequence[tuple[float, int]]) -> bool:
+        """Whether the receiver has timed enough: every chunk has come, or ``seconds``
+        have passed since ``start`` (its clock when it answered the ping)."""
+        return len(arrivals) >= self.chunks or bool(
+            arrivals and arrivals[-1][0] - start >= self.seconds)
+
+
+def train_rate(start: float, arrivals: Sequence[tuple[float, int]]) -> float:
+    """Bytes/s of a train, from its receiver's clock alone: ``start`` when it answered the
+    ping (the sender starts the train when that answer comes), ``arrivals`` each chunk's
+    (arrival time, bytes), in order; NaN when nothing came or no time passed.
+
+    The rate of the later half of the chunks, over the time since the earlier half's last
+    came: TCP's start-up (its window doubling each round trip) falls in the earlier half,
+    so the later half moves at the window it opened, the path's rate when the train is
+    long enough. A busy receiver that stamps several chunks at once would read them as
+    instantaneous: the later half's time counts as at least 1/:data:`BUNCHING` of its
+    share of the whole train's, so the rate is at most that many times the train's mean.
+
+    >>> train_rate(0.0, [(0.5, 100), (0.75, 100), (0.875, 100), (1.0, 100)])  # 2 in 1/4 s
+    800.0
+    >>> train_rate(0.0, [(0.5, 100)])  # one chunk: timed from the start
+    200.0
+    """
+    m = len(arrivals)
+    if m == 0:
+        return math.nan
+    half = m // 2
+    since = arrivals[half - 1][0] if half else start
+    later = sum(n for _, n in arrivals[half:])
+    whole = sum(n for _, n in arrivals)
+    total = arrivals[-1][0] - start
+    if not total > 0 or not later > 0:
+        return math.nan
+    span = max(arrivals[-1][0] - since, total * later / whole / BUNCHING)
+    return later / span
+
+
+async def _next(group: Group, src: int, tag: int, deadline: float) -> np.ndarray | None:
+    """Rank ``src``'s next message with ``tag`` if it comes by ``deadline`` and is one
+    array (else None: a pytree is received and dropped, a late one not consumed)."""
     session = group.session
     key = OpKey.transfer(src, group.rank, tag, session.transfers[(src, group.rank, tag)])
     left = deadline - asyncio.get_running_loop().time()
     if left <= 0:
-        return False
+        return None
     try:
         async with asyncio.timeout(left):
             await session.matcher.first_of_any({src: key})
     except TimeoutError:
-        return False
-    await group.recv(src, tag=tag)
-    return True
+        return None
+    value = await group.recv(src, tag=tag)
+    return value if isinstance(value, np.ndarray) else None
 
 
-async def _time_link(group: Group, to: int, payload: np.ndarray, deadline: float
+def _verdict(message: np.ndarray) -> float | None:
+    """The receiver's figure if ``message`` is one (a float64), else None (an ack)."""
+    if message.dtype == np.float64 and message.size == 1:
+        return float(message[0])
+    return None
+
+
+async def _time_link(group: Group, to: int, train: Train, deadline: float
                      ) -> tuple[float, float]:
     """(round-trip seconds, bytes/s) from this rank to ``to``; NaN for what did not come
     back before ``deadline`` (the loop's clock; the times are the wall clock's, which a
-    virtual clock's jumps do not move)."""
+    virtual clock's jumps do not move). The bytes/s are the receiver's figure
+    (:func:`train_rate`): the sender sends the train, at most :data:`WINDOW` chunks
+    unanswered, until that figure comes, then a marker that ends it."""
     ping = np.zeros(8, np.uint8)
     started = time.perf_counter()
     await group.send(ping, to, tag=TAG)
-    if not await _answer(group, to, ACK, deadline):
+    if await _next(group, to, ACK, deadline) is None:
         return math.nan, math.nan
     rtt = time.perf_counter() - started
-    sent = time.perf_counter()
-    await group.send(payload, to, tag=TAG)
-    await group.send(payload, to, tag=TAG)
-    if not await _answer(group, to, ACK, deadline):
-        return rtt, math.nan
-    first = time.perf_counter()
-    if not await _answer(group, to, ACK, deadline):
-        return rtt, math.nan
-    last = time.perf_counter()
-    # The gap between the answers times the second payload at the window the first
-    # opened; but a busy receiver may answer both at once, so the gap counts as at least
-    # half of the whole exchange (slow start and a round trip included: an underestimate
-    # on long links, alike for every pair).
-    spent = max(last - first, (last - sent) / 2)
-    return rtt, payload.nbytes / spent if spent > 0 else math.nan
+    payload = np.zeros(train.chunk, np.uint8)
+    figure: float | None = None
+    sent = answered = 0
+    while figure is None:
+        if sent < train.chunks and sent - answered < WINDOW:
+            await group.send(payload, to, tag=TAG)
+            sent += 1
+            continue
+        message = await _next(group, to, ACK, deadline)
+        if message is None:  # silent or late: the link is unknown, the train ends here
+            break
+        answered += 1
+        figure = _verdict(message)
+    await group.send(np.array([sent], np.int64), to, tag=TAG)  # the end of the train
+    return rtt, math.nan if figure is None else figure
 
 
-async def _serve(group: Group, frm: int, deadline: float) -> None:
-    """Answer rank ``frm``'s ping and each of its payloads, until ``deadline``."""
-    ack = np.zeros(1, np.uint8)
-    for _ in range(3):
-        if not await _answer(group, frm, TAG, deadline):
+async def _serve(group: Group, frm: int, train: Train, deadline: float) -> None:
+    """Answer rank ``frm``'s ping, then each chunk of its train with an ack until it has
+    timed enough (:meth:`Train.done`), then with its figure; then take the chunks still
+    on their way, up to the train's end, at most ``train.chunks`` of them in all, until
+    ``deadline``."""
+    if await _next(group, frm, TAG, deadline) is None:
+        return
+    await group.send(np.zeros(1, np.uint8), frm, tag=ACK)
+    start = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    timed = False
+    for _ in range(train.chunks + 1):  # the chunks and the end: a longer train is cut
+        message = await _next(group, frm, TAG, deadline)
+        if message is None or message.dtype != np.uint8:  # late, or the end of the train
             return
-        await group.send(ack, frm, tag=ACK)
+        if timed:
+            continue
+        arrivals.append((time.perf_counter(), message.nbytes))
+        if train.done(start, arrivals):
+            timed = True
+            figure = np.array([train_rate(start, arrivals)], np.float64)
+            await group.send(figure, frm, tag=ACK)
+        else:
+            await group.send(np.zeros(1, np.uint8), frm, tag=ACK)
 
 
 def ordered(group: Group, topology: Topology, call: Call) -> None:
