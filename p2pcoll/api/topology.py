@@ -81,8 +81,8 @@ class Group(Protocol):
                         timeout: float | None = None) -> list[np.ndarray]: ...
 
 PROBE_BYTES = 8 << 20  # the most one train carries (per ordered pair)
-CHUNK_BYTES = 512 << 10  # one message of a train
-WINDOW = 6  # chunks of a train unanswered at most (3 MiB: 2.5 Gbit/s at 10 ms)
+CHUNK_BYTES = 1 << 20  # one message of a train
+WINDOW = 4  # chunks of a train unanswered at most (4 MiB: 3.3 Gbit/s at 10 ms)
 PAIR_SECONDS = 0.5  # the longest a receiver times a train
 BUNCHING = 4.0  # a train's later half moves at most this many times its mean rate
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
@@ -190,22 +190,26 @@ def wanted(group: Group) -> bool:
 
 
 async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
-                  seconds: float = PROBE_SECONDS) -> Topology:
+                  seconds: float = PROBE_SECONDS,
+                  chunk_bytes: int = CHUNK_BYTES) -> Topology:
     """Probe every link of ``group`` and agree on the topology (see the module docstring).
 
     Every rank must call it at the same point (it ends with an allgather). ``nbytes``
-    bounds each train (the bytes this rank sends one peer, pings and markers aside),
-    ``seconds`` the whole probe.
+    bounds each train (the bytes this rank sends one peer, pings and markers aside), in
+    chunks of ``chunk_bytes``; ``seconds`` the whole probe.
 
     Raises:
+        ValueError: ``chunk_bytes`` is not positive.
         PeerLost, CollectiveTimeout, GroupBroken: from the closing allgather.
     Cancellation: breaks the group if it happens during the allgather.
     """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
     p, r = group.world_size, group.rank
     row = np.full(2 * p + 1, np.nan)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    chunk = max(1, min(CHUNK_BYTES, nbytes))
+    chunk = max(1, min(chunk_bytes, nbytes))
     train = Train(chunk, max(1, nbytes // chunk))
     for s in range(1, p):
         to, frm = (r + s) % p, (r - s) % p
