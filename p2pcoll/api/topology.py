@@ -31,7 +31,8 @@ The probe runs when the group spans several hosts (the roster's) reached over tc
 3 to :data:`MAX_PROBED` ranks, or when asked:
 ``P2PCOLL_PROBE=1`` (``Settings.probe``); ``P2PCOLL_PROBE=0`` skips it (then the topology
 has no measurements and the ring is rank order). The measured links also go to ``auto``'s
-cost model (:func:`price`), so that it sees a slow pair.
+cost model, so that it sees a slow pair, and to the transport's paths, which size a link's
+stripes and the pipeline's depth from them (:func:`price`).
 
 ``Group.allreduce`` and ``Group.allgather`` with the ``ring`` strategy (asked for, the
 group's default, or auto's pick) run along the measured ring when it pays
@@ -86,6 +87,10 @@ CHUNK_BYTES = 512 << 10  # one message of a train
 WINDOW = 8  # chunks of a train unanswered at most (4 MiB: 3.3 Gbit/s at 10 ms)
 PAIR_SECONDS = 0.25  # the longest a receiver times a train
 BUNCHING = 4.0  # a train's later half moves at most this many times its mean rate
+# The transport takes a figure (price) only where its product with the path's round trip is
+# at most half what a train keeps in flight: there the train ran past TCP's start-up. On a
+# longer path it may not have, and the transport's assumption (10 Gbit/s) errs long.
+SHORT_PATH_BYTES = WINDOW * CHUNK_BYTES // 2
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
 TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
 ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
@@ -164,9 +169,19 @@ def choose_ring(bandwidth: tuple[tuple[float | None, ...], ...]) -> tuple[int, .
 
 
 def price(group: Group, topology: Topology) -> None:
-    """Give ``group``'s cost model the measured links, so that ``auto`` sees a slow pair
-    (:mod:`p2pcoll.engine.costs`, "Measured links"); nothing when a link is unknown."""
+    """Give ``group``'s transport the bandwidth measured from this rank to each peer of a
+    short path (:data:`SHORT_PATH_BYTES`; its paths: how many stripes a link takes under
+    ``streams=auto``, how deep the pipeline runs; :mod:`p2pcoll.transport.paths`), and
+    its cost model the measured links, so that
+    ``auto`` sees a slow pair (:mod:`p2pcoll.engine.costs`, "Measured links"; nothing
+    when a link is unknown)."""
     bandwidth = topology.bandwidth_Bps
+    routes = getattr(group.session.transport, "routes", None)
+    if routes is not None and hasattr(routes, "measure"):  # a transport with paths
+        for peer, b in enumerate(bandwidth[group.rank]):
+            rtt = routes.path(peer)[0] if peer != group.rank else None
+            if b is not None and rtt is not None and b * rtt <= SHORT_PATH_BYTES:
+                routes.measure(peer, None, b)  # the handshakes' round trip stays
     if any(b is None for i, row in enumerate(bandwidth) for j, b in enumerate(row) if i != j):
         return
     links = tuple(tuple(float(b or 0.0) for b in row) for row in bandwidth)
