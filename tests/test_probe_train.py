@@ -187,3 +187,38 @@ def test_chunk_bytes_must_be_positive() -> None:
         finally:
             await asyncio.gather(*(g.close() for g in groups))
     run_virtual(main())
+
+
+def test_the_transport_takes_the_figures_of_short_paths_only() -> None:
+    # A 1 Gbit/s path of 10 ms (a product of 1.25 MB, within what a train keeps in flight)
+    # goes to the transport's paths; one of 100 ms (12.5 MB: the train may not have left
+    # TCP's start-up) and an unknown one do not. The cost model gets the matrix either way.
+    class Routes:
+        def __init__(self) -> None:
+            self.told: list[tuple[int, float | None, float | None]] = []
+
+        def path(self, peer: int) -> tuple[float | None, float | None]:
+            return {1: 0.01, 2: 0.1, 3: 0.01}[peer], None
+
+        def measure(self, peer: int, rtt_s: float | None = None,
+                    bandwidth_Bps: float | None = None) -> None:
+            self.told.append((peer, rtt_s, bandwidth_Bps))
+
+    fast = 125e6
+    rows = np.full((4, 9), fast)
+    rows[0, 4 + 3] = np.nan  # 0 -> 3 not measured
+
+    async def main() -> tuple[list[Any], tuple[Any, ...]]:
+        groups = await memory_groups(4, probe=False)
+        try:
+            g = groups[0]
+            routes = Routes()
+            g.session.transport.routes = routes  # type: ignore[attr-defined]
+            topology.price(g, Topology.from_rows(rows))
+            return routes.told, g.session.runner.costs().links
+        finally:
+            await asyncio.gather(*(g.close() for g in groups))
+    told, links = run_virtual(main())
+    assert told == [(1, None, fast)]
+    assert links == ()  # a link unknown: the cost model keeps its constants
+    assert topology.SHORT_PATH_BYTES == topology.WINDOW * topology.CHUNK_BYTES // 2
