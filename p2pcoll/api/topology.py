@@ -263,11 +263,13 @@ def train_rate(start: float, arrivals: Sequence[tuple[float, int]]) -> float:
     (arrival time, bytes), in order; NaN when nothing came or no time passed.
 
     The rate of the later half of the chunks, over the time since the earlier half's last
-    came: TCP's start-up (its window doubling each round trip) falls in the earlier half,
-    so the later half moves at the window it opened, the path's rate when the train is
-    long enough. A busy receiver that stamps several chunks at once would read them as
-    instantaneous: the later half's time counts as at least 1/:data:`BUNCHING` of its
-    share of the whole train's, so the rate is at most that many times the train's mean.
+    came: TCP's start-up (its window doubling each round trip) and the handshakes of the
+    stripes a link's first large messages open fall in the earlier half, so the later half
+    moves at the window it opened, the path's rate when the train is long enough. A busy
+    receiver that stamps several chunks at once would read them as instantaneous: the
+    later half's time counts as at least 1/:data:`BUNCHING` of its share of the train's
+    time since its first chunk came, so the rate is at most that many times the mean of
+    the chunks after the first. One chunk alone is timed from ``start``.
 
     >>> train_rate(0.0, [(0.5, 100), (0.75, 100), (0.875, 100), (1.0, 100)])  # 2 in 1/4 s
     800.0
@@ -277,14 +279,16 @@ def train_rate(start: float, arrivals: Sequence[tuple[float, int]]) -> float:
     m = len(arrivals)
     if m == 0:
         return math.nan
+    if m == 1:
+        took = arrivals[0][0] - start
+        return arrivals[0][1] / took if took > 0 else math.nan
     half = m // 2
-    since = arrivals[half - 1][0] if half else start
     later = sum(n for _, n in arrivals[half:])
-    whole = sum(n for _, n in arrivals)
-    total = arrivals[-1][0] - start
+    after_first = sum(n for _, n in arrivals[1:])
+    total = arrivals[-1][0] - arrivals[0][0]
     if not total > 0 or not later > 0:
         return math.nan
-    span = max(arrivals[-1][0] - since, total * later / whole / BUNCHING)
+    span = max(arrivals[-1][0] - arrivals[half - 1][0], total * later / after_first / BUNCHING)
     return later / span
 
 
