@@ -8,7 +8,8 @@ measures its link to ``r + s`` while serving ``r - s``):
 
 1. a ping of 8 bytes, answered: the round-trip time;
 2. a *train* of up to :data:`PROBE_BYTES` in chunks of :data:`CHUNK_BYTES`, at most
-   :data:`WINDOW` of them unanswered (the receiver acks each): the receiver stamps each
+   :data:`WINDOW` of them unanswered and two more than the answers so far (the receiver
+   acks each; the window opens as the answers come): the receiver stamps each
    chunk's arrival on its own clock and, once every chunk has come or
    :data:`PAIR_SECONDS` have passed since the first came, answers with its figure instead
    of an ack: the rate of the train's later half (:func:`train_rate`), after TCP's
@@ -333,7 +334,10 @@ async def _time_link(group: Group, to: int, train: Train, deadline: float
     figure: float | None = None
     sent = answered = 0
     while figure is None:
-        if sent < train.chunks and sent - answered < WINDOW:
+        # At most WINDOW unanswered, and two more than the answers so far: the window
+        # opens as answers come (doubling each round trip), so a slow link's leaves few
+        # chunks on their way when its figure comes.
+        if sent < train.chunks and sent - answered < min(WINDOW, 2 + answered):
             await group.send(payload, to, tag=TAG)
             sent += 1
             continue
