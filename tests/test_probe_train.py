@@ -16,7 +16,7 @@ import pytest
 
 import p2pcoll
 from p2pcoll.api import topology
-from p2pcoll.api.topology import ACK, TAG, WINDOW, Topology, Train, measure, train_rate
+from p2pcoll.api.topology import ACK, HEAD, TAG, Topology, Train, measure, train_rate
 from p2pcoll.testing import memory_groups, run_virtual
 
 MiB = 1 << 20
@@ -141,9 +141,9 @@ def test_a_receiver_that_lies_about_the_rate_gives_rank_order(
 
 def test_a_receiver_that_stops_answering_holds_at_most_a_window(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Rank 1 answers the ping and then nothing: rank 0 sends it two chunks (a window opens
-    # only as answers come; never its whole train), gives up at the round's deadline, and
-    # the ring is rank order.
+    # Rank 1 answers the ping and then nothing: rank 0 sends it the train's head only (the
+    # rest follows the first chunk's answer), gives up at the round's deadline, and the
+    # ring is rank order.
     async def stalled(g: Any, frm: int, train: Train, deadline: float) -> None:
         if await topology._next(g, frm, TAG, deadline) is not None:
             await g.send(np.zeros(1, np.uint8), frm, tag=ACK)
@@ -156,7 +156,7 @@ def test_a_receiver_that_stops_answering_holds_at_most_a_window(
     assert top.bandwidth_Bps[0][1] is None and top.rtt_s[0][1] is not None
     assert top.ring == (0, 1, 2)
     # To rank 1: a ping, a window of chunks, the end; to rank 2: at most its whole train.
-    assert sent < nbytes + 2 * chunk + 4096 < nbytes + WINDOW * chunk
+    assert sent < nbytes + HEAD * chunk + 4096 < 2 * nbytes
     assert all(t <= seconds + 0.5 for _, _, t in results)
 
 
@@ -224,4 +224,28 @@ def test_the_transport_takes_the_figures_of_short_paths_only() -> None:
     told, links = run_virtual(main())
     assert told == [(1, None, fast)]
     assert links == ()  # a link unknown: the cost model keeps its constants
-    assert topology.SHORT_PATH_BYTES == topology.WINDOW * topology.CHUNK_BYTES // 2
+
+
+def test_a_train_that_ends_early_is_timed_by_what_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 0 sends ranks 1 and 2 only the head of its train, then the end: each answers the
+    # first chunk, then with a figure from the two chunks when the end comes (not at its
+    # deadline).
+    got: list[float] = []
+
+    async def short(g: Any, to: int, train: Train, deadline: float) -> tuple[float, float]:
+        await g.send(np.zeros(8, np.uint8), to, tag=TAG)
+        await topology._next(g, to, ACK, deadline)
+        for _ in range(HEAD):
+            await g.send(np.zeros(train.chunk, np.uint8), to, tag=TAG)
+        first = await topology._next(g, to, ACK, deadline)
+        await g.send(np.array([HEAD], np.int64), to, tag=TAG)
+        figure = await topology._next(g, to, ACK, deadline)
+        assert first is not None and topology._verdict(first) is None  # an ack
+        assert figure is not None
+        got.append(topology._verdict(figure) or math.nan)
+        return 1e-3, got[-1]
+
+    results = probe_with(3, 0, monkeypatch, time_link=short, seconds=30.0)
+    assert len(got) == 2 and min(got) > 0
+    for top, _, took in results:
+        assert top.bandwidth_Bps[0][1:] == tuple(got) and took < 10.0

@@ -7,19 +7,21 @@ probe, per ordered pair ``i -> j``, in ``p - 1`` rounds of shifted pairs (round 
 measures its link to ``r + s`` while serving ``r - s``):
 
 1. a ping of 8 bytes, answered: the round-trip time;
-2. a *train* of up to :data:`PROBE_BYTES` in chunks of :data:`CHUNK_BYTES`, at most
-   :data:`WINDOW` of them unanswered and two more than the answers so far (the receiver
-   acks each; the window opens as the answers come): the receiver stamps each
-   chunk's arrival on its own clock and, once every chunk has come or
-   :data:`PAIR_SECONDS` have passed since the first came, answers with its figure instead
-   of an ack: the rate of the train's later half (:func:`train_rate`), after TCP's
+2. a *train* of up to :data:`PROBE_BYTES` in chunks of :data:`CHUNK_BYTES`: its head
+   (:data:`HEAD` chunks), then, once the receiver has acked the first, as many more as
+   the head's pace moves in :data:`REST_SECONDS`, then a marker that ends it. The
+   receiver stamps each chunk's arrival on its own clock and, once every chunk has come,
+   :data:`PAIR_SECONDS` have passed since the first came, or the train has ended, answers
+   with its figure: the rate of the train's later half (:func:`train_rate`), after TCP's
    start-up has opened the window and the link's first large messages its stripes (a
    short probe of one or two payloads times those, not the line: on 1 Gbit/s and 10 ms it
-   read 150 Mbit/s). The sender then stops and sends a marker that ends the train; the
-   receiver takes the chunks still on their way.
+   read 150 Mbit/s). No acks pace the train (a starved process's answers come late, and
+   would time the CPU, not the link); its length is what bounds the time a slow link
+   takes to carry it.
 
-Bounds: every rank sends one peer at most a ping, ``PROBE_BYTES`` of train, a marker and
-one answer per chunk it receives; a train longer than the receiver's is cut, and no message
+Bounds: every rank sends one peer at most a ping, ``PROBE_BYTES`` of train and a marker (a
+peer that does not answer the first chunk: the head only), and answers each train with at
+most three messages; a train longer than the receiver's is cut, and no message
 is waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
 ends ``s / (p-1)`` of the way through, so a silent or very slow peer costs one share): a
 link not measured in time counts as unknown, and so does a row a peer reports that is not
@@ -85,13 +87,14 @@ class Group(Protocol):
 
 PROBE_BYTES = 8 << 20  # the most one train carries (per ordered pair)
 CHUNK_BYTES = 512 << 10  # one message of a train
-WINDOW = 8  # chunks of a train unanswered at most (4 MiB: 3.3 Gbit/s at 10 ms)
+HEAD = 2  # chunks of a train sent before its receiver answers the first
+REST_SECONDS = 1.0  # the rest of a train: what the head's pace moves in this long
 PAIR_SECONDS = 0.25  # the longest a receiver times a train
 BUNCHING = 4.0  # a train's later half moves at most this many times its mean rate
 # The transport takes a figure (price) only where its product with the path's round trip is
-# at most half what a train keeps in flight: there the train ran past TCP's start-up. On a
-# longer path it may not have, and the transport's assumption (10 Gbit/s) errs long.
-SHORT_PATH_BYTES = WINDOW * CHUNK_BYTES // 2
+# at most a quarter of a train: there the train ran past TCP's start-up. On a longer path
+# it may not have, and the transport's assumption (10 Gbit/s) errs long.
+SHORT_PATH_BYTES = 2 << 20
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
 TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
 ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
@@ -242,8 +245,8 @@ async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
 
 @dataclass(frozen=True)
 class Train:
-    """One probe's train: ``chunks`` messages of ``chunk`` bytes, at most :data:`WINDOW`
-    of them unanswered, timed by the receiver for at most ``seconds``."""
+    """One probe's train: up to ``chunks`` messages of ``chunk`` bytes, timed by the
+    receiver for at most ``seconds`` from the first."""
 
     chunk: int
     chunks: int
@@ -322,8 +325,10 @@ async def _time_link(group: Group, to: int, train: Train, deadline: float
     """(round-trip seconds, bytes/s) from this rank to ``to``; NaN for what did not come
     back before ``deadline`` (the loop's clock; the times are the wall clock's, which a
     virtual clock's jumps do not move). The bytes/s are the receiver's figure
-    (:func:`train_rate`): the sender sends the train, at most :data:`WINDOW` chunks
-    unanswered, until that figure comes, then a marker that ends it."""
+    (:func:`train_rate`) of the train: its head (:data:`HEAD` chunks), then, once the
+    receiver has answered the first, the rest it would move in :data:`REST_SECONDS` at
+    the head's pace (the whole train on a fast link, a few chunks on a slow one), then a
+    marker that ends it."""
     ping = np.zeros(8, np.uint8)
     started = time.perf_counter()
     await group.send(ping, to, tag=TAG)
@@ -331,30 +336,30 @@ async def _time_link(group: Group, to: int, train: Train, deadline: float
         return math.nan, math.nan
     rtt = time.perf_counter() - started
     payload = np.zeros(train.chunk, np.uint8)
-    figure: float | None = None
-    sent = answered = 0
-    while figure is None:
-        # At most WINDOW unanswered, and two more than the answers so far: the window
-        # opens as answers come (doubling each round trip), so a slow link's leaves few
-        # chunks on their way when its figure comes.
-        if sent < train.chunks and sent - answered < min(WINDOW, 2 + answered):
+    head = time.perf_counter()
+    sent = min(HEAD, train.chunks)
+    for _ in range(sent):
+        await group.send(payload, to, tag=TAG)
+    answer = await _next(group, to, ACK, deadline)
+    figure = None if answer is None else _verdict(answer)
+    if answer is not None and figure is None:  # the first chunk's ack: the rest
+        pace = train.chunk / max(time.perf_counter() - head, 1e-6)
+        rest = min(train.chunks - sent, int(pace * REST_SECONDS) // train.chunk)
+        for _ in range(rest):
             await group.send(payload, to, tag=TAG)
-            sent += 1
-            continue
-        message = await _next(group, to, ACK, deadline)
-        if message is None:  # silent or late: the link is unknown, the train ends here
-            break
-        answered += 1
-        figure = _verdict(message)
+        sent += rest
     await group.send(np.array([sent], np.int64), to, tag=TAG)  # the end of the train
+    if answer is not None and figure is None:
+        answer = await _next(group, to, ACK, deadline)
+        figure = None if answer is None else _verdict(answer)
     return rtt, math.nan if figure is None else figure
 
 
 async def _serve(group: Group, frm: int, train: Train, deadline: float) -> None:
-    """Answer rank ``frm``'s ping, then each chunk of its train with an ack until it has
-    timed enough (:meth:`Train.done`), then with its figure; then take the chunks still
-    on their way, up to the train's end, at most ``train.chunks`` of them in all, until
-    ``deadline``."""
+    """Answer rank ``frm``'s ping, then the first chunk of its train with an ack, then
+    with its figure once it has timed enough (:meth:`Train.done`) or the train ends; then
+    take the chunks still on their way, up to the train's end, at most ``train.chunks``
+    of them in all, until ``deadline``."""
     if await _next(group, frm, TAG, deadline) is None:
         return
     await group.send(np.zeros(1, np.uint8), frm, tag=ACK)
@@ -363,17 +368,19 @@ async def _serve(group: Group, frm: int, train: Train, deadline: float) -> None:
     timed = False
     for _ in range(train.chunks + 1):  # the chunks and the end: a longer train is cut
         message = await _next(group, frm, TAG, deadline)
-        if message is None or message.dtype != np.uint8:  # late, or the end of the train
+        if message is None:  # late: no figure
             return
-        if timed:
-            continue
-        arrivals.append((time.perf_counter(), message.nbytes))
-        if train.done(arrivals):
+        ended = message.dtype != np.uint8  # the end of the train
+        if not ended and not timed:
+            arrivals.append((time.perf_counter(), message.nbytes))
+        if not timed and (ended or train.done(arrivals)):
             timed = True
             figure = np.array([train_rate(start, arrivals)], np.float64)
             await group.send(figure, frm, tag=ACK)
-        else:
+        elif not timed and len(arrivals) == 1:
             await group.send(np.zeros(1, np.uint8), frm, tag=ACK)
+        if ended:
+            return
 
 
 def ordered(group: Group, topology: Topology, call: Call) -> None:
