@@ -7,27 +7,35 @@ probe, per ordered pair ``i -> j``, in ``p - 1`` rounds of shifted pairs (round 
 measures its link to ``r + s`` while serving ``r - s``):
 
 1. a ping of 8 bytes, answered: the round-trip time;
-2. two payloads of :data:`PROBE_BYTES`, back to back, each answered once it has come
-   whole: the bandwidth is one payload over the time between the two answers (the first
-   payload opens the TCP window, the second is timed at the window it opened), that time
-   taken as at least half the whole exchange's, round trip included (a busy receiver
-   may answer both at once).
+2. a *train* of up to :data:`PROBE_BYTES` in chunks of :data:`CHUNK_BYTES`: its head
+   (:data:`HEAD` chunks), then, once the receiver has acked the first, as many more as
+   the head's pace moves in :data:`REST_SECONDS`, then a marker that ends it. The
+   receiver stamps each chunk's arrival on its own clock and, once every chunk has come,
+   :data:`PAIR_SECONDS` have passed since the first came, or the train has ended, answers
+   with its figure: the rate of the train's later half (:func:`train_rate`), after TCP's
+   start-up has opened the window and the link's first large messages its stripes (a
+   short probe of one or two payloads times those, not the line: on 1 Gbit/s and 10 ms it
+   read 150 Mbit/s). No acks pace the train (a starved process's answers come late, and
+   would time the CPU, not the link); its length is what bounds the time a slow link
+   takes to carry it.
 
-Bounds: every rank sends at most ``2 * PROBE_BYTES + 11`` bytes per peer, and no answer is
-waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
-ends ``s / (p-1)`` of the way through, so a silent peer costs one share): a link not
-measured in time
-counts as unknown, and so does a row a peer reports that is not finite and positive (a
-peer that lies). With any link unknown the ring is rank order: the probe never makes a
-group wait longer than its deadline plus one small allgather, and a lie can only change
-which ring runs, never a result (every ring gives the rank-order ring's bits:
-:mod:`p2pcoll.engine.ordered_ring`).
+Bounds: every rank sends one peer at most a ping, ``PROBE_BYTES`` of train and a marker (a
+peer that does not answer the first chunk: the head only), and answers each train with at
+most three messages; a train longer than the receiver's is cut, and no message
+is waited for past its round's share of the probe's deadline (:data:`PROBE_SECONDS`; round s
+ends ``s / (p-1)`` of the way through, so a silent or very slow peer costs one share): a
+link not measured in time counts as unknown, and so does a row a peer reports that is not
+finite and positive (a peer that lies). With any link unknown the ring is rank order: the
+probe never makes a group wait longer than its deadline plus one small allgather, and a lie
+can only change which ring runs, never a result (every ring gives the rank-order ring's
+bits: :mod:`p2pcoll.engine.ordered_ring`).
 
 The probe runs when the group spans several hosts (the roster's) reached over tcp and has
 3 to :data:`MAX_PROBED` ranks, or when asked:
 ``P2PCOLL_PROBE=1`` (``Settings.probe``); ``P2PCOLL_PROBE=0`` skips it (then the topology
 has no measurements and the ring is rank order). The measured links also go to ``auto``'s
-cost model (:func:`price`), so that it sees a slow pair.
+cost model, so that it sees a slow pair, and to the transport's paths, which size a link's
+stripes and the pipeline's depth from them (:func:`price`).
 
 ``Group.allreduce`` and ``Group.allgather`` with the ``ring`` strategy (asked for, the
 group's default, or auto's pick) run along the measured ring when it pays
@@ -39,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,7 +61,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
     from ..types import Membership
 
-__all__ = ["PROBE_BYTES", "PROBE_SECONDS", "Topology", "measure", "ordered"]
+__all__ = ["PROBE_BYTES", "PROBE_SECONDS", "Topology", "Train", "measure", "ordered",
+           "train_rate"]
 
 
 class Group(Protocol):
@@ -75,7 +85,16 @@ class Group(Protocol):
     async def allgather(self, array: np.ndarray, *, strategy: str | None = None,
                         timeout: float | None = None) -> list[np.ndarray]: ...
 
-PROBE_BYTES = 1 << 20  # each of the two timed payloads per ordered pair
+PROBE_BYTES = 8 << 20  # the most one train carries (per ordered pair)
+CHUNK_BYTES = 512 << 10  # one message of a train
+HEAD = 2  # chunks of a train sent before its receiver answers the first
+REST_SECONDS = 1.0  # the rest of a train: what the head's pace moves in this long
+PAIR_SECONDS = 0.25  # the longest a receiver times a train
+BUNCHING = 4.0  # a train's later half moves at most this many times its mean rate
+# The transport takes a figure (price) only where its product with the path's round trip is
+# at most a quarter of a train: there the train ran past TCP's start-up. On a longer path
+# it may not have, and the transport's assumption (10 Gbit/s) errs long.
+SHORT_PATH_BYTES = 2 << 20
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
 TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
 ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
@@ -154,9 +173,19 @@ def choose_ring(bandwidth: tuple[tuple[float | None, ...], ...]) -> tuple[int, .
 
 
 def price(group: Group, topology: Topology) -> None:
-    """Give ``group``'s cost model the measured links, so that ``auto`` sees a slow pair
-    (:mod:`p2pcoll.engine.costs`, "Measured links"); nothing when a link is unknown."""
+    """Give ``group``'s transport the bandwidth measured from this rank to each peer of a
+    short path (:data:`SHORT_PATH_BYTES`; its paths: how many stripes a link takes under
+    ``streams=auto``, how deep the pipeline runs; :mod:`p2pcoll.transport.paths`), and
+    its cost model the measured links, so that
+    ``auto`` sees a slow pair (:mod:`p2pcoll.engine.costs`, "Measured links"; nothing
+    when a link is unknown)."""
     bandwidth = topology.bandwidth_Bps
+    routes = getattr(group.session.transport, "routes", None)
+    if routes is not None and hasattr(routes, "measure"):  # a transport with paths
+        for peer, b in enumerate(bandwidth[group.rank]):
+            rtt = routes.path(peer)[0] if peer != group.rank else None
+            if b is not None and rtt is not None and b * rtt <= SHORT_PATH_BYTES:
+                routes.measure(peer, None, b)  # the handshakes' round trip stays
     if any(b is None for i, row in enumerate(bandwidth) for j, b in enumerate(row) if i != j):
         return
     links = tuple(tuple(float(b or 0.0) for b in row) for row in bandwidth)
@@ -181,84 +210,177 @@ def wanted(group: Group) -> bool:
 
 
 async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
-                  seconds: float = PROBE_SECONDS) -> Topology:
+                  seconds: float = PROBE_SECONDS,
+                  chunk_bytes: int = CHUNK_BYTES) -> Topology:
     """Probe every link of ``group`` and agree on the topology (see the module docstring).
 
-    Every rank must call it at the same point (it ends with an allgather).
+    Every rank must call it at the same point (it ends with an allgather). ``nbytes``
+    bounds each train (the bytes this rank sends one peer, pings and markers aside), in
+    chunks of ``chunk_bytes``; ``seconds`` the whole probe.
 
     Raises:
+        ValueError: ``chunk_bytes`` is not positive.
         PeerLost, CollectiveTimeout, GroupBroken: from the closing allgather.
     Cancellation: breaks the group if it happens during the allgather.
     """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
     p, r = group.world_size, group.rank
     row = np.full(2 * p + 1, np.nan)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    payload = np.zeros(nbytes, np.uint8)
+    chunk = max(1, min(chunk_bytes, nbytes))
+    train = Train(chunk, max(1, nbytes // chunk))
     for s in range(1, p):
         to, frm = (r + s) % p, (r - s) % p
         # Round s ends by its share of the deadline: a silent peer costs one share.
         deadline = start + seconds * s / (p - 1)
-        out, _ = await asyncio.gather(_time_link(group, to, payload, deadline),
-                                      _serve(group, frm, deadline))
+        out, _ = await asyncio.gather(_time_link(group, to, train, deadline),
+                                      _serve(group, frm, train, deadline))
         row[to], row[p + to] = out
     row[2 * p] = time.time()
     rows = await group.allgather(row)
     return Topology.from_rows(np.stack(rows))
 
 
-async def _answer(group: Group, src: int, tag: int, deadline: float) -> bool:
-    """Wait until rank ``src``'s next message with ``tag`` has come, at most until
-    ``deadline``; whether it has (then it is received). Consumes nothing when it has not."""
+@dataclass(frozen=True)
+class Train:
+    """One probe's train: up to ``chunks`` messages of ``chunk`` bytes, timed by the
+    receiver for at most ``seconds`` from the first."""
+
+    chunk: int
+    chunks: int
+    seconds: float = PAIR_SECONDS
+
+    def done(self, arrivals: Sequence[tuple[float, int]]) -> bool:
+        """Whether the receiver has timed enough: every chunk has come, or two have and
+        ``seconds`` have passed since the first came (from the first, not the ping: a
+        link's first large messages open its stripes, whose handshakes are not its rate;
+        what is still slower meets the round's deadline and is unknown)."""
+        return len(arrivals) >= self.chunks or (
+            len(arrivals) >= 2 and arrivals[-1][0] - arrivals[0][0] >= self.seconds)
+
+
+def train_rate(start: float, arrivals: Sequence[tuple[float, int]]) -> float:
+    """Bytes/s of a train, from its receiver's clock alone: ``start`` when it answered the
+    ping (the sender starts the train when that answer comes), ``arrivals`` each chunk's
+    (arrival time, bytes), in order; NaN when nothing came or no time passed.
+
+    The rate of the later half of the chunks, over the time since the earlier half's last
+    came: TCP's start-up (its window doubling each round trip) and the handshakes of the
+    stripes a link's first large messages open fall in the earlier half, so the later half
+    moves at the window it opened, the path's rate when the train is long enough. A busy
+    receiver that stamps several chunks at once would read them as instantaneous: the
+    later half's time counts as at least 1/:data:`BUNCHING` of its share of the train's
+    time since its first chunk came, so the rate is at most that many times the mean of
+    the chunks after the first. One chunk alone is timed from ``start``.
+
+    >>> train_rate(0.0, [(0.5, 100), (0.75, 100), (0.875, 100), (1.0, 100)])  # 2 in 1/4 s
+    800.0
+    >>> train_rate(0.0, [(0.5, 100)])  # one chunk: timed from the start
+    200.0
+    """
+    m = len(arrivals)
+    if m == 0:
+        return math.nan
+    if m == 1:
+        took = arrivals[0][0] - start
+        return arrivals[0][1] / took if took > 0 else math.nan
+    half = m // 2
+    later = sum(n for _, n in arrivals[half:])
+    after_first = sum(n for _, n in arrivals[1:])
+    total = arrivals[-1][0] - arrivals[0][0]
+    if not total > 0 or not later > 0:
+        return math.nan
+    span = max(arrivals[-1][0] - arrivals[half - 1][0], total * later / after_first / BUNCHING)
+    return later / span
+
+
+async def _next(group: Group, src: int, tag: int, deadline: float) -> np.ndarray | None:
+    """Rank ``src``'s next message with ``tag`` if it comes by ``deadline`` and is one
+    array (else None: a pytree is received and dropped, a late one not consumed)."""
     session = group.session
     key = OpKey.transfer(src, group.rank, tag, session.transfers[(src, group.rank, tag)])
     left = deadline - asyncio.get_running_loop().time()
     if left <= 0:
-        return False
+        return None
     try:
         async with asyncio.timeout(left):
             await session.matcher.first_of_any({src: key})
     except TimeoutError:
-        return False
-    await group.recv(src, tag=tag)
-    return True
+        return None
+    value = await group.recv(src, tag=tag)
+    return value if isinstance(value, np.ndarray) else None
 
 
-async def _time_link(group: Group, to: int, payload: np.ndarray, deadline: float
+def _verdict(message: np.ndarray) -> float | None:
+    """The receiver's figure if ``message`` is one (a float64), else None (an ack)."""
+    if message.dtype == np.float64 and message.size == 1:
+        return float(message[0])
+    return None
+
+
+async def _time_link(group: Group, to: int, train: Train, deadline: float
                      ) -> tuple[float, float]:
     """(round-trip seconds, bytes/s) from this rank to ``to``; NaN for what did not come
     back before ``deadline`` (the loop's clock; the times are the wall clock's, which a
-    virtual clock's jumps do not move)."""
+    virtual clock's jumps do not move). The bytes/s are the receiver's figure
+    (:func:`train_rate`) of the train: its head (:data:`HEAD` chunks), then, once the
+    receiver has answered the first, the rest it would move in :data:`REST_SECONDS` at
+    the head's pace (the whole train on a fast link, a few chunks on a slow one), then a
+    marker that ends it."""
     ping = np.zeros(8, np.uint8)
     started = time.perf_counter()
     await group.send(ping, to, tag=TAG)
-    if not await _answer(group, to, ACK, deadline):
+    if await _next(group, to, ACK, deadline) is None:
         return math.nan, math.nan
     rtt = time.perf_counter() - started
-    sent = time.perf_counter()
-    await group.send(payload, to, tag=TAG)
-    await group.send(payload, to, tag=TAG)
-    if not await _answer(group, to, ACK, deadline):
-        return rtt, math.nan
-    first = time.perf_counter()
-    if not await _answer(group, to, ACK, deadline):
-        return rtt, math.nan
-    last = time.perf_counter()
-    # The gap between the answers times the second payload at the window the first
-    # opened; but a busy receiver may answer both at once, so the gap counts as at least
-    # half of the whole exchange (slow start and a round trip included: an underestimate
-    # on long links, alike for every pair).
-    spent = max(last - first, (last - sent) / 2)
-    return rtt, payload.nbytes / spent if spent > 0 else math.nan
+    payload = np.zeros(train.chunk, np.uint8)
+    head = time.perf_counter()
+    sent = min(HEAD, train.chunks)
+    for _ in range(sent):
+        await group.send(payload, to, tag=TAG)
+    answer = await _next(group, to, ACK, deadline)
+    figure = None if answer is None else _verdict(answer)
+    if answer is not None and figure is None:  # the first chunk's ack: the rest
+        pace = train.chunk / max(time.perf_counter() - head, 1e-6)
+        rest = min(train.chunks - sent, int(pace * REST_SECONDS) // train.chunk)
+        for _ in range(rest):
+            await group.send(payload, to, tag=TAG)
+        sent += rest
+    await group.send(np.array([sent], np.int64), to, tag=TAG)  # the end of the train
+    if answer is not None and figure is None:
+        answer = await _next(group, to, ACK, deadline)
+        figure = None if answer is None else _verdict(answer)
+    return rtt, math.nan if figure is None else figure
 
 
-async def _serve(group: Group, frm: int, deadline: float) -> None:
-    """Answer rank ``frm``'s ping and each of its payloads, until ``deadline``."""
-    ack = np.zeros(1, np.uint8)
-    for _ in range(3):
-        if not await _answer(group, frm, TAG, deadline):
+async def _serve(group: Group, frm: int, train: Train, deadline: float) -> None:
+    """Answer rank ``frm``'s ping, then the first chunk of its train with an ack, then
+    with its figure once it has timed enough (:meth:`Train.done`) or the train ends; then
+    take the chunks still on their way, up to the train's end, at most ``train.chunks``
+    of them in all, until ``deadline``."""
+    if await _next(group, frm, TAG, deadline) is None:
+        return
+    await group.send(np.zeros(1, np.uint8), frm, tag=ACK)
+    start = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    timed = False
+    for _ in range(train.chunks + 1):  # the chunks and the end: a longer train is cut
+        message = await _next(group, frm, TAG, deadline)
+        if message is None:  # late: no figure
             return
-        await group.send(ack, frm, tag=ACK)
+        ended = message.dtype != np.uint8  # the end of the train
+        if not ended and not timed:
+            arrivals.append((time.perf_counter(), message.nbytes))
+        if not timed and (ended or train.done(arrivals)):
+            timed = True
+            figure = np.array([train_rate(start, arrivals)], np.float64)
+            await group.send(figure, frm, tag=ACK)
+        elif not timed and len(arrivals) == 1:
+            await group.send(np.zeros(1, np.uint8), frm, tag=ACK)
+        if ended:
+            return
 
 
 def ordered(group: Group, topology: Topology, call: Call) -> None:

@@ -17,8 +17,9 @@ the depth is set (``P2PCOLL_PIPELINE_DEPTH``), :func:`pipeline_depth` takes per 
   short path.
 - **B**: the path's measured bandwidth, else :data:`~p2pcoll.transport.paths.DEFAULT_BANDWIDTH_BPS`
   (10 Gbit/s), an upper bound for most paths: the window errs long (bounded by the cap), never
-  short. The topology probe's figure is not used: its two 1 MiB payloads time slow start on a
-  long path, not the line, and would size the window below the product.
+  short. The topology probe hands over its figure only for a short path (product within half
+  its train's flight, :data:`p2pcoll.api.topology.SHORT_PATH_BYTES`): on a long path its
+  train may still be in TCP's start-up, and would size the window below the product.
 - **The cap** bounds memory: segments in flight hold their received pieces until folded in,
   and their snapshot sends as copies (:func:`p2pcoll.engine.plan.copies`).
 
