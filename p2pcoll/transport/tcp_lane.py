@@ -151,8 +151,11 @@ class RecordReader:
                 self.records.append((memoryview(first), rest))
                 self.held += size
                 at += size
-        finally:
+        except ProtocolError:
             view.release()
+            buf.clear()
+            raise
+        view.release()
         del buf[:at]
 
     def take(self) -> Record | None:
@@ -164,7 +167,6 @@ class RecordReader:
         return record
 
     def _corrupt(self, what: str) -> ProtocolError:
-        self._buf.clear()
         return ProtocolError(f"TCP lane record does not add up ({what})")
 
 
