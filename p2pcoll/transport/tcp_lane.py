@@ -61,7 +61,9 @@ log = logging.getLogger("p2pcoll.transport")
 __all__ = ["LARGEST", "MAGIC", "Record", "RecordReader", "TcpLaneIn", "TcpLaneOut",
            "TcpLanes", "Tokens", "encode_record", "record_size"]
 
-LARGEST = 1 << 17  # bytes of the largest record a lane carries (larger: the ZeroMQ link)
+# Bytes of the largest record a lane carries: a 64 KiB piece and its header. Larger messages
+# go over the ZeroMQ link, zero-copy, and striped where the path wants it (.stripes).
+LARGEST = (64 << 10) + (4 << 10)
 MAX_FRAMES = 1024  # frames of one record (a header and its payload pieces)
 PENDING_BYTES = 4 << 20  # what a sender keeps for the kernel at most, per lane
 INBOUND_BYTES = 4 << 20  # what a receiver holds unread at most before it stops reading
