@@ -6,8 +6,12 @@ the lane port is closed and counted."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -286,3 +290,29 @@ async def test_a_stranger_on_the_lane_port_is_closed_and_counted(
 
     results = await run_ranks(2, fn, host_ids=HOSTS[:2])
     assert results[0] == (1, b""), results
+
+
+@pytest.mark.processes
+def test_a_killed_peer_is_named_lost_on_the_tcp_lane_path() -> None:
+    """Two processes over tcp with shared memory off, their small messages on TCP lanes:
+    rank 0 is SIGKILLed while rank 1 runs allreduces; rank 1 names rank 0 lost, well
+    before its 60 s deadline."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, "P2PCOLL_SHM": "0"}
+    worker = Path(__file__).with_name("tcp_lane_worker.py")
+    procs = [subprocess.Popen([sys.executable, str(worker), url, str(r)], env=env,
+                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        ready = [json.loads(p.stdout.readline())["ready"] for p in procs if p.stdout]
+        assert all(r["on_lane"] > 0 for r in ready), ready
+        procs[0].kill()
+        out, _ = procs[1].communicate(timeout=90)
+        after = json.loads(out.strip().splitlines()[-1])["after"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout:
+                p.stdout.close()
+    assert after["error"].startswith("PeerLost") and after["rank_named"] == 0, after
+    assert after["seconds"] < 30, after
