@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import netns  # noqa: E402  # tests/netns.py, importable once tests/ is on the path
 
+from p2pcoll.bench.report import summarize  # noqa: E402
+
 PORT = 29500
 FOREIGN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 FOREIGN_PREFIXES = ("P2PCOLL_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
@@ -90,13 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     found: dict[tuple[bool, int], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="p2pcoll-tcp-lane-lab-") as scratch, \
             netns.Lab(args.hosts) as lab:
-        lab.create()
         for round_ in range(args.rounds):
             for lanes in (True, False):
                 load = open("/proc/loadavg", encoding="ascii").read().split()[0]
                 started = time.monotonic()
                 rows = run_peers(lab, args.hosts, config, lanes, Path(scratch) / "rows.json")
-                for row in rows:
+                for row in (summarize(raw, config) for raw in rows):
                     found.setdefault((lanes, row["size"]), []).append(
                         (row["time_us"], row["cpu_us"]))
                 print(f"# round {round_ + 1}, lanes {'on' if lanes else 'off'}: load {load}, "

@@ -335,6 +335,7 @@ class TcpLaneIn:
         self._arrived, self._broken = arrived, broken
         self._loop = asyncio.get_running_loop()
         self._paused = False
+        self._scratch = bytearray(RECV_BYTES)  # received into, then fed to the reader
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
     def read(self) -> Record | None:
@@ -347,14 +348,14 @@ class TcpLaneIn:
 
     def _on_readable(self) -> None:
         try:
-            data = self.sock.recv(RECV_BYTES)
+            got = self.sock.recv_into(self._scratch)
         except BlockingIOError:
             return
         except OSError as exc:
             self._fail(ProtocolError(f"TCP lane from rank {self.peer} failed: {exc}",
                                      reason="unexpected"))
             return
-        if not data:
+        if not got:
             if self.reader.ended:  # the sender closed in good order
                 self.close(graceful=False)
                 return
@@ -366,7 +367,8 @@ class TcpLaneIn:
                                          reason="unexpected"))
             return
         try:
-            self.reader.feed(data)
+            with memoryview(self._scratch) as data:
+                self.reader.feed(data[:got])
         except ProtocolError as exc:
             self._fail(exc)
             return
