@@ -30,6 +30,12 @@ from p2pcoll.transport.tcp_lane import END, RecordReader, Tokens, encode_record
 HOSTS = ["host-a", "host-b", "host-c"]  # peers that reach each other over tcp only
 
 
+@pytest.fixture(autouse=True)
+def tcp_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TCP lanes on (they are off by default)."""
+    monkeypatch.setenv("P2PCOLL_TCP_LANES", "1")
+
+
 def _wire(frames: list[bytes]) -> bytes:
     return b"".join(bytes(p) for p in encode_record(frames))
 
@@ -155,11 +161,13 @@ async def test_small_messages_take_the_tcp_lanes_and_large_ones_the_link() -> No
         assert dropped == 0 and sent - 8 <= on_lane < sent, results
 
 
-@pytest.mark.parametrize("why", ["setting", "key"])
+@pytest.mark.parametrize("why", ["default", "setting", "key"])
 async def test_no_tcp_lanes_when_turned_off_or_with_a_job_key(
         why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kwargs: dict[str, Any] = {}
-    if why == "setting":
+    if why == "default":
+        monkeypatch.delenv("P2PCOLL_TCP_LANES")
+    elif why == "setting":
         monkeypatch.setenv("P2PCOLL_TCP_LANES", "0")
     else:
         kwargs["key_file"] = tmp_path / "job.key"
@@ -171,7 +179,7 @@ async def test_no_tcp_lanes_when_turned_off_or_with_a_job_key(
         assert g.session.transport._local.far is None
         return int(_counters(g).messages_sent_lane)
 
-    if why == "setting":
+    if why != "key":
         assert await run_ranks(2, fn, host_ids=HOSTS[:2]) == [0, 0]
         return
     url = f"tcp://127.0.0.1:{free_port()}"  # rank 0 hosts the rendezvous, with the key
@@ -298,7 +306,7 @@ def test_a_killed_peer_is_named_lost_on_the_tcp_lane_path() -> None:
     rank 0 is SIGKILLed while rank 1 runs allreduces; rank 1 names rank 0 lost, well
     before its 60 s deadline."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    env = {**os.environ, "P2PCOLL_SHM": "0"}
+    env = {**os.environ, "P2PCOLL_SHM": "0", "P2PCOLL_TCP_LANES": "1"}
     worker = Path(__file__).with_name("tcp_lane_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), url, str(r)], env=env,
                               stdout=subprocess.PIPE, text=True) for r in (0, 1)]

@@ -33,6 +33,10 @@ not, is the same: a partial record is never handed on.
 Security: a lane is plaintext. Lanes are opened only in groups without a job key
 (``--insecure``); a keyed group's messages all go over its CurveZMQ links.
 
+Lanes are off by default (``P2PCOLL_TCP_LANES=1`` turns them on): on the loaded 2-core
+machine they were measured on, they were not yet faster than the ZeroMQ links (see
+``benchmarks/README.md``, "TCP lanes").
+
 :class:`RecordReader` (the record codec) and :class:`Tokens` have no sockets and are tested
 alone; :class:`TcpLanes` holds one peer's listener, its lanes and the callbacks that tell
 the mesh about them.
