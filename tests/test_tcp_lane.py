@@ -25,7 +25,7 @@ from p2pcoll.errors import ProtocolError
 from p2pcoll.security import write_key_file
 from p2pcoll.testing import free_port, run_ranks
 from p2pcoll.transport import tcp_lane
-from p2pcoll.transport.tcp_lane import END, RecordReader, Tokens, encode_record
+from p2pcoll.transport.tcp_records import END, RecordReader, Tokens, encode_record
 
 HOSTS = ["host-a", "host-b", "host-c"]  # peers that reach each other over tcp only
 
