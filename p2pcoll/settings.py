@@ -110,7 +110,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM",
-        "P2PCOLL_FLIGHT_RECORD", "P2PCOLL_FLIGHT_DIR",
+        "P2PCOLL_FLIGHT_RECORD", "P2PCOLL_FLIGHT_DIR", "P2PCOLL_TCP_LANES",
         "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC", "P2PCOLL_MAX_LINKS",
         "P2PCOLL_HEARTBEAT_TIMEOUT", "P2PCOLL_KEY_FILE", "P2PCOLL_JOB_ID",
         "P2PCOLL_REACHABLE", "P2PCOLL_RELAY",
@@ -163,6 +163,9 @@ class Settings:
             fails and on SIGUSR1, or "".
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
+        tcp_lanes: whether small messages to peers reached over tcp go on plain TCP lanes
+            (:mod:`p2pcoll.transport.tcp_lane`) in groups without a job key (off by
+            default until they measure faster: see benchmarks/README.md).
         spin_us: the most (microseconds) a collective on the shared-memory board polls
             its peers' slots before it sleeps; the budget within it is learned from how
             late they recently came (hybrid waiting: :mod:`p2pcoll.engine.waiting`).
@@ -219,6 +222,7 @@ class Settings:
     flight_dir: str = ""
     shm: bool = True
     shm_bytes: int = 16 << 20
+    tcp_lanes: bool = False
     spin_us: int = 50
     tune_malloc: bool = True
     heartbeat_timeout: float = 5.0
@@ -277,6 +281,7 @@ class Settings:
             "shm": reader.switch("P2PCOLL_SHM"),
             "probe": reader.switch("P2PCOLL_PROBE"),
             "shm_bytes": reader.size("P2PCOLL_SHM_BYTES", minimum=64 << 10),
+            "tcp_lanes": reader.switch("P2PCOLL_TCP_LANES"),
             "spin_us": reader.integer("P2PCOLL_SPIN", 0, 10_000),
             "tune_malloc": reader.switch("P2PCOLL_TUNE_MALLOC"),
             "heartbeat_timeout": reader.seconds("P2PCOLL_HEARTBEAT_TIMEOUT"),

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from ..errors import ProtocolError
+from ..wire import Header
 
 M = TypeVar("M")  # a message as a channel carries it (opaque here)
 F = TypeVar("F", contravariant=True)  # the frames of one message, as the lane takes them
@@ -208,4 +209,10 @@ class LaneReceiver(Generic[M, R]):
         self.lane_current = marker
 
 
-__all__ = ["BUDGET", "LaneReader", "LaneReceiver", "LaneSender", "LaneWriter"]
+def marker_value(header: Header) -> bool:
+    """A lane marker's value (True: "lane on"); validation checked its meta."""
+    assert header.meta is not None
+    return bool(header.meta["on"])
+
+
+__all__ = ["BUDGET", "LaneReader", "LaneReceiver", "LaneSender", "LaneWriter", "marker_value"]

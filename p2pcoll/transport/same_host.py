@@ -9,6 +9,10 @@ the mesh's sockets and its lanes as small adapters. When every peer shares this 
 collectives go on the group's board (:mod:`.board`): rank 0 creates it, the others map it
 from rank 0's hello. What a peer maps of another's (its ring, its lane and wake-up pipe, the
 board) is named in the other's hello (:meth:`SameHost.hello_meta`, :meth:`SameHost.on_hello`).
+
+Peers of other hosts, in groups without a job key, get the same lanes over plain TCP
+(:mod:`.tcp_lane`, :meth:`SameHost.open_far`): one more kind of lane behind the same
+:class:`~.ordering.LaneSender` and :class:`~.ordering.LaneReceiver`, named in the hello too.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from ..errors import ProtocolError
 from ..types import Membership
 from ..wire import Header, encode_header
 from . import board as boards
-from . import lane, shm
+from . import lane, shm, tcp_lane
 from .base import BytesPiece, Drops, Piece
 from .ordering import LaneReceiver, LaneSender
 from .route import Route
@@ -49,6 +53,10 @@ RING_WAIT_S = 0.005
 # The inbound path of the mesh (see .inbound): validates one message of a member and hands
 # it on, or drops it; a lane marker's value (True: "lane on") if it was one.
 Accept = Callable[[int, "bytes | memoryview", Sequence[Piece]], "bool | None"]
+
+
+def _no_wake() -> None:  # a TCP lane's receiver is woken by the kernel
+    pass
 
 
 async def ring_put(
@@ -96,6 +104,8 @@ class SameHost:
         self.lanes: lane.Lanes | None = None
         self._receivers: dict[int, LaneReceiver[list[zmq.Frame], lane.Record]] = {}
         self._marker_on = self._marker_off = b""
+        # TCP lanes to and from the peers of other hosts (see .tcp_lane), if open.
+        self.far: tcp_lane.TcpLanes | None = None
         # The group's board (see .board), when every peer shares this host: rank 0's, or
         # mapped from rank 0's hello (then _board_from_hello until it comes).
         self.board: boards.Board | None = None
@@ -120,11 +130,66 @@ class SameHost:
             self._receivers = {
                 peer: LaneReceiver(partial(self._take, peer), partial(self._drops.drop, peer))
                 for peer in near}
-            self._marker_on, self._marker_off = (
-                encode_header(Header("lane", group_id, rank, meta={"on": on}))
-                for on in (True, False))
+            self._markers(group_id, rank)
             self.lanes.marker_room = lane.record_size([self._marker_off])
             self._open_board(membership, near)
+
+    def _markers(self, group_id: str, rank: int) -> None:
+        self._marker_on, self._marker_off = (
+            encode_header(Header("lane", group_id, rank, meta={"on": on}))
+            for on in (True, False))
+
+    def open_far(self, membership: Membership, bound: Sequence[str]) -> None:
+        """Open this peer's lane port for TCP lanes with the peers it reaches over tcp (of
+        other hosts, or of this one with shared memory off), on the host of its own
+        ``tcp://`` endpoint among ``bound``. If the port cannot listen, messages go over
+        the ZeroMQ links (a warning says why)."""
+        far = {peer: e for peer, e in enumerate(membership.endpoints)
+               if peer != membership.rank and e.startswith("tcp://")}
+        bind = next((e for e in bound if e.startswith("tcp://")), None)
+        if not far or bind is None:
+            return
+        self.rank, self._world_size = membership.rank, membership.world_size
+        self._group_id = membership.group_id
+        try:
+            self.far = tcp_lane.TcpLanes(
+                self.rank, far, bind, arrived=self._far_arrived, broken=self._far_broken,
+                inbound=self._far_inbound, refused=self._far_refused)
+        except OSError as exc:
+            log.warning("rank %d: no TCP lanes (%s); messages go over the ZeroMQ links",
+                        self.rank, exc)
+            return
+        self._markers(membership.group_id, self.rank)
+        for peer in far:
+            self._receivers[peer] = LaneReceiver(partial(self._take, peer),
+                                                 partial(self._drops.drop, peer))
+
+    def _far_inbound(self, peer: int, inbound: tcp_lane.TcpLaneIn) -> None:
+        self._receivers[peer].lane = inbound
+
+    def _far_arrived(self, peer: int) -> None:
+        receiver = self._receivers.get(peer)
+        if receiver is not None and receiver.lane_current and not self._closed:
+            self._pump(peer)
+
+    def _far_broken(self, peer: int, exc: ProtocolError) -> None:
+        """A TCP lane with ``peer`` failed, ended or carried garbage: what came whole is
+        handed on, the rest is lost, and so the peer's link is down."""
+        if self._closed:
+            return
+        self._far_arrived(peer)
+        if exc.reason == "malformed":  # garbage, or a record cut short: dropped
+            self._drops.drop(peer, exc)
+        log.warning("rank %d: %s: the link to rank %d is down", self.rank, exc, peer)
+        self._link_down(peer)
+
+    def _far_refused(self) -> None:
+        self._drops.counters.links_refused += 1
+
+    def forget(self, peer: int) -> None:
+        """``peer`` has gone: its TCP lanes close, and nothing is told of it."""
+        if self.far is not None:
+            self.far.forget(peer)
 
     def on_board(self) -> bool:
         """Whether this peer is on the group's board, or will be once rank 0's hello comes."""
@@ -148,6 +213,8 @@ class SameHost:
                 log.info("rank %d: no lane to rank %d (%s)", self.rank, peer, exc)
         if self.board is not None and self.board.owner:
             meta["board"] = self.board.name
+        if self.far is not None:
+            meta.update(self.far.announce(peer))
         return meta
 
     def _open_board(self, membership: Membership, near: set[int]) -> None:
@@ -183,17 +250,27 @@ class SameHost:
         keeps the route's link open from then on, see .route)."""
         sender = route.lane
         if sender is None:
-            lanes = self.lanes
-            out = lanes.ready(route.peer) if lanes is not None else None
-            if out is None:
+            sender = self._lane_sender(route)
+            if sender is None:
                 return False
-            assert lanes is not None
-            sender = route.lane = LaneSender(
-                out, marker_on=self._marker_on, marker_off=[self._marker_off],
-                marker_room=lanes.marker_room, send_marker=route.send_now,
-                socket_waiting=lambda: route.waiting > 0,
-                wake=partial(lanes.wake, route.peer))
         return sender.put(cast("Sequence[Buffer]", frames))  # arrays are, to Python 3.12
+
+    def _lane_sender(self, route: Route) -> LaneSender[Sequence[Buffer]] | None:
+        """A sender for the route's lane, shared-memory or TCP, if one is ready."""
+        lanes, far, peer = self.lanes, self.far, route.peer
+        out: tcp_lane.TcpLaneOut | lane.LaneOut | None = None
+        wake: Callable[[], None]
+        if lanes is not None and (out := lanes.ready(peer)) is not None:
+            room, wake = lanes.marker_room, partial(lanes.wake, peer)
+        elif far is not None and (out := far.ready(peer)) is not None:
+            room, wake = tcp_lane.record_size([self._marker_off]), _no_wake
+        else:
+            return None
+        route.lane = LaneSender(
+            out, marker_on=self._marker_on, marker_off=[self._marker_off],
+            marker_room=room, send_marker=route.send_now,
+            socket_waiting=lambda: route.waiting > 0, wake=wake)
+        return route.lane
 
     def take_in(self, source: int, frames: list[zmq.Frame]) -> None:
         """A message on member ``source``'s current link, handed on in its order."""
@@ -211,7 +288,7 @@ class SameHost:
         YIELD_EVERY of them, the rest after the other callbacks (a flood must not hold the
         loop)."""
         receiver = self._receivers.get(src)
-        if receiver is None or self.lanes is None:  # closed meanwhile
+        if receiver is None:  # closed meanwhile
             return
         try:
             if frames is None:
@@ -233,13 +310,14 @@ class SameHost:
         if not on_lane:
             assert isinstance(message, list)
             return self._accept(src, message[1].buffer, message[2:])
-        assert isinstance(message, tuple) and self.lanes is not None
+        assert isinstance(message, tuple)
         first, rest = message
         try:
             return self._accept(src, first, [BytesPiece(b) for b in rest])
         finally:
             first.release()
-            self.lanes.into[src].release()
+            if self.lanes is not None and src in self.lanes.into:
+                self.lanes.into[src].release()
 
     def on_wake(self) -> None:
         """A lane sender wrote into this peer's wake-up pipe: read the lanes now current."""
@@ -250,7 +328,7 @@ class SameHost:
         board = self.board
         if board is not None and board.on_wake is not None:
             board.on_wake()
-        for src in [src for src, r in self._receivers.items() if r.lane_current]:
+        for src in [src for src in lanes.into if self._receivers[src].lane_current]:
             self._pump(src)
 
     def on_hello(self, header: Header) -> None:
@@ -264,6 +342,11 @@ class SameHost:
             self._accept_lane(header.src, meta["lane"], meta.get("wake"))
         if "board" in meta:
             self._accept_board(header.src, meta["board"])
+        if "tcp_lane" in meta and self.far is not None:
+            try:
+                self.far.accept(header.src, meta["tcp_lane"])
+            except ProtocolError as exc:
+                log.info("rank %d: no TCP lane from rank %d: %s", self.rank, header.src, exc)
 
     def _accept_lane(self, peer: int, name: object, wake: object) -> None:
         """Open the lane a peer of this host announced (and its wake-up pipe); if that
@@ -328,7 +411,10 @@ class SameHost:
         if self.board is not None:
             self.board.close()
             self.board = None
+        self._receivers.clear()
         if self.lanes is not None:
-            self._receivers.clear()
             self.lanes.close()
             self.lanes = None
+        if self.far is not None:
+            self.far.close()
+            self.far = None

@@ -69,6 +69,7 @@ from .inbound import Inbound
 from .links import link_identity
 from .liveness import Probes
 from .malloc import tune_malloc
+from .ordering import marker_value as _marker
 from .route import Route, Routes
 from .router import Router
 from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take it and _put from here)
@@ -83,12 +84,6 @@ log = logging.getLogger("p2pcoll.transport")
 
 # Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
-
-
-def _marker(header: Header) -> bool:
-    """A lane marker's value (True: "lane on"); validate() checked its meta."""
-    assert header.meta is not None
-    return bool(header.meta["on"])
 
 
 def _misplaced(header: Header) -> None:
@@ -223,6 +218,8 @@ class ZmqMesh:
         if near and not inproc and self.settings.shm and shm.available():
             # Peers reached over ipc share this host (see .same_host).
             self._local.open(membership, near, self.settings.shm_bytes)
+        if self.settings.tcp_lanes and not self.sockets.secure and self._relay is None:
+            self._local.open_far(membership, self.endpoints)  # other hosts' (see .tcp_lane)
         self._peer_endpoints = tuple(reach)
         # A group on a board wakes every peer through its wake-up pipe, which a peer opens
         # from the other's hello: there every peer greets every other (a board group is
@@ -315,6 +312,7 @@ class ZmqMesh:
         self._gone.add(rank)
         self.routes.forget(rank)
         self._router.forget(rank)
+        self._local.forget(rank)
         removed = [] if graceful else sweep_peer(self._peer_endpoints[rank], shmfile.SHM_DIR)
         if removed:
             log.debug("rank %d: removed %d files rank %d left", self.rank, len(removed), rank)

@@ -92,7 +92,9 @@ the departed rank, whether it said goodbye, for a lost one how it went if known
 (``killed``, ``unresponsive``), and for a goodbye the rest of its ``bye``'s meta.
 A ``hello`` may name the sender's shared-memory ring (meta
 ``ring``) and, to a peer of its host, its lane to that peer and its wake-up pipe (``lane``,
-``wake``: see :mod:`p2pcoll.transport.lane`) and the shared-memory board (``board``).
+``wake``: see :mod:`p2pcoll.transport.lane`) and the shared-memory board (``board``), and
+to a peer of another host its TCP lane's port and token (``tcp_lane``: see
+:mod:`p2pcoll.transport.tcp_lane`).
 ``lane`` (meta ``{on: bool}``) says that the sender's next messages come on its lane
 (``on``, sent on the socket) or on the socket again (sent on the lane): the receiver
 follows it to keep the sender's order.
@@ -123,7 +125,8 @@ import numpy as np
 
 from ..strategy import COLLECTIVES
 
-WIRE_VERSION = 13  # 13 (0.18): a board line says what its sleeper waits for (board version
+WIRE_VERSION = 14  # 14: a hello may name a TCP lane (meta "tcp_lane"), which a peer of
+# 13 would refuse; 13 (0.18): a board line says what its sleeper waits for (board version
 # 3: WANTS, NAP, WOKEN); 12 (0.17): the shared-memory board keeps four buffers per rank (board
 # version 2), so peers of one host must agree on its layout; 11 (0.14): a striped link's
 # turn frames and stripe identities ("#i");

@@ -349,7 +349,7 @@ def _meta(kind: str, meta: Any) -> dict[str, Any]:
 def _check_meta(kind: str, meta: dict[str, Any]) -> None:
     """The extras each kind may carry; anything else is refused."""
     if kind == "hello":
-        names = ("ring", "lane", "wake", "board")
+        names = ("ring", "lane", "wake", "board", "tcp_lane")
         if set(meta) - set(names) or not all(
                 v is None or (isinstance(v, str) and len(v) < 256) for v in meta.values()):
             raise ProtocolError(f"hello meta is {_short(meta)}, expected {{'ring': name, "

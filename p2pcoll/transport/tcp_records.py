@@ -1,0 +1,153 @@
+"""The TCP lanes' records and tokens, with no sockets (see :mod:`.tcp_lane`).
+
+A record is ``size: u32, count: u32, count x length: u32``, then the frames back to back;
+``size`` is the whole record's, and a record of no frames (:data:`END`) is a lane's last.
+:class:`RecordReader` takes bytes as they come and gives whole, checked records; a record
+that does not add up is a :class:`~p2pcoll.errors.ProtocolError`. :class:`Tokens` are the
+one-time tokens a sender names in its hellos and a connector presents.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import struct
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import ProtocolError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+__all__ = ["END", "LARGEST", "MAX_FRAMES", "TOKEN_BYTES", "Record", "RecordReader", "Tokens",
+           "encode_record", "record_size"]
+
+# Bytes of the largest record a lane carries: a 64 KiB piece and its header. Larger messages
+# go over the ZeroMQ link, zero-copy, and striped where the path wants it (.stripes).
+LARGEST = (64 << 10) + (4 << 10)
+MAX_FRAMES = 1024  # frames of one record (a header and its payload pieces)
+TOKEN_BYTES = 16
+_HEAD = struct.Struct("<II")
+END = _HEAD.pack(8, 0)  # the record a lane closed in good order ends with
+
+# A record as read: its first frame and the others (bytes of their own).
+Record = tuple[memoryview, list[bytes]]
+
+
+def record_size(frames: Sequence[Buffer]) -> int:
+    """Bytes a record of ``frames`` takes on the lane."""
+    return 8 + 4 * len(frames) + sum(memoryview(f).nbytes for f in frames)
+
+
+def encode_record(frames: Sequence[Buffer]) -> list[memoryview]:
+    """The pieces of one record of ``frames`` (bytes-like, C-contiguous), head first."""
+    views = [memoryview(f).cast("B") for f in frames]
+    lengths = [v.nbytes for v in views]
+    head = _HEAD.pack(8 + 4 * len(views) + sum(lengths), len(views))
+    head += struct.pack(f"<{len(views)}I", *lengths)
+    return [memoryview(head), *views]
+
+
+class RecordReader:
+    """The receiving side's record codec: bytes in, checked records out (no socket).
+
+    Args:
+        largest: the largest record accepted, in bytes.
+    """
+
+    def __init__(self, largest: int = LARGEST) -> None:
+        self.largest = largest
+        self.records: deque[Record] = deque()
+        self.held = 0  # bytes of the records not yet taken
+        self.ended = False  # the sender's END came
+        self._buf = bytearray()
+
+    @property
+    def partial(self) -> bool:
+        """Whether part of a record came and its rest did not (yet)."""
+        return bool(self._buf)
+
+    def feed(self, data: Buffer) -> None:
+        """Take bytes as they came; every whole record among them joins :attr:`records`.
+
+        Raises:
+            ProtocolError: a record's sizes do not add up; nothing after the last good
+                record is kept, and the reader must not be fed again.
+        """
+        buf = self._buf
+        buf += data
+        at, end = 0, len(buf)
+        view = memoryview(buf)
+        try:
+            while end - at >= 8:
+                size, count = _HEAD.unpack_from(view, at)
+                if self.ended:
+                    raise self._corrupt("bytes after the end")
+                if size == 8 and count == 0:
+                    self.ended = True
+                    at += 8
+                    continue
+                if (count < 1 or count > MAX_FRAMES or size < 8 + 4 * count
+                        or size > self.largest + 8 + 4 * MAX_FRAMES):
+                    raise self._corrupt(f"a record of {size} bytes with {count} frames")
+                if end - at < size:
+                    break
+                lengths = struct.unpack_from(f"<{count}I", view, at + 8)
+                if 8 + 4 * count + sum(lengths) != size:
+                    raise self._corrupt(f"frames of {sum(lengths)} bytes in a record of "
+                                        f"{size}")
+                frame_at = at + 8 + 4 * count
+                first = bytes(view[frame_at:frame_at + lengths[0]])
+                frame_at += lengths[0]
+                rest = []
+                for n in lengths[1:]:
+                    rest.append(bytes(view[frame_at:frame_at + n]))
+                    frame_at += n
+                self.records.append((memoryview(first), rest))
+                self.held += size
+                at += size
+        except ProtocolError:
+            view.release()
+            buf.clear()
+            raise
+        view.release()
+        del buf[:at]
+
+    def take(self) -> Record | None:
+        """The oldest whole record not yet taken, or None."""
+        if not self.records:
+            return None
+        record = self.records.popleft()
+        self.held -= 8 + 4 * (1 + len(record[1])) + len(record[0]) + sum(map(len, record[1]))
+        return record
+
+    def _corrupt(self, what: str) -> ProtocolError:
+        return ProtocolError(f"TCP lane record does not add up ({what})")
+
+
+class Tokens:
+    """One-time tokens a sender names in its hellos: whoever presents one is that peer."""
+
+    def __init__(self) -> None:
+        self._issued: dict[bytes, int] = {}
+
+    def issue(self, peer: int) -> bytes:
+        """A new token that only ``peer`` is told of (in the hello to it)."""
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._issued[token] = peer
+        return token
+
+    def redeem(self, presented: bytes) -> int | None:
+        """The peer a presented token was issued to, once; None for any other bytes."""
+        for token, peer in self._issued.items():  # compared in constant time, each
+            if hmac.compare_digest(token, presented):
+                del self._issued[token]
+                return peer
+        return None
+
+    def revoke(self, peer: int) -> None:
+        """Forget the tokens issued to ``peer``."""
+        for token in [t for t, p in self._issued.items() if p == peer]:
+            del self._issued[token]
