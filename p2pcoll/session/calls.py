@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 MAX_LAYOUTS = 64  # a broadcast root's layouts kept per session, parsed and checked
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
 BOARD = "shm"  # how stats() and the metrics name a collective run on the board
+_AVG = ReduceOp.AVG  # a module's name: an enum member read off its class is a Python call
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
 
 
@@ -308,7 +309,9 @@ class Runner:
         traced = timeline.now() if timeline is not None else 0.0
         try:
             if program is not None and call.tag is None:
-                self._remember(op.number, program.sig)
+                recent = self._recent  # what _remember does, on every call's path
+                recent[op.number] = program.sig
+                recent.pop(op.number - HISTORY, None)
             collective = session.failures.collective(op, call.collective, limit, what, started)
             collective.enter()  # `async with` without its two coroutines (on every call)
             try:
@@ -341,7 +344,7 @@ class Runner:
                     flight.calls.append((op.number, what, started, ended, call.strategy_used))
                 else:
                     flight.record(op, what, started, ended, call.strategy_used, error)
-        if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
+        if call.op is _AVG and (call.root is None or call.root == self.rank):
             for a in call.flat[:len(call.leaves)]:  # not a scratch area after them
                 np.divide(a, self.size, out=a)
 
