@@ -236,7 +236,7 @@ class Collective:
             self.rules.ended(self)
             self._task = None  # a finished task's result is not kept alive by this
         if outcome is not None and outcome is not exc:
-            self._replace(exc, outcome, False)
+            self._replace(outcome, False)
         return True
 
     async def exit(self, exc: BaseException | None) -> None:
@@ -262,10 +262,10 @@ class Collective:
             self.rules.ended(self)
             self._task = None
         if outcome is not None and outcome is not exc:
-            self._replace(exc, outcome, expired)
+            self._replace(outcome, expired)
 
     @staticmethod
-    def _replace(exc: BaseException | None, outcome: BaseException, expired: bool) -> None:
+    def _replace(outcome: BaseException, expired: bool) -> None:
         if outcome.__cause__ is None and (expired or isinstance(outcome, CollectiveTimeout)):
             # In place of the cancellation this class made, or of the symptom a timeout
             # sums up: the caller sees the one error, with no chain of internals.
