@@ -108,6 +108,10 @@ class Matcher:
         self._any_waiters: set[asyncio.Future[None]] = set()  # first_of_any()s: departures
         self._noted: dict[OpKey, Sequence[int]] = {}  # op -> whom a wait outside here is on
         self._watched: dict[OpKey, Callable[[Header], None]] = {}  # op -> told of each message
+        # What finish() forgets of an operation (the tables keyed by it alone).
+        self._per_op: tuple[dict[OpKey, Any], ...] = (
+            self._failed, self._expected, self._stalled, self._noted, self._watched,
+            self._first_header)
         # (src, digest) -> the readable signature: a sender describes a digest to each peer
         # once (see the executor), on whichever message of it came first.
         self._signatures: dict[tuple[int, bytes], list[Any]] = {}
@@ -382,20 +386,20 @@ class Matcher:
 
     def finish(self, op: OpKey) -> None:
         """Forget everything about collective ``op``; later messages for it are stale."""
-        chan = op.channel
+        chan = None if op.tag is None else op.channel  # every collective's: no call
         done = self._finished.get(chan)
         if done is None:
             done = self._finished[chan] = _Finished()
         done.add(op.number)
-        self._failed.pop(op, None)
-        self._expected.pop(op, None)
-        self._stalled.pop(op, None)
-        self._noted.pop(op, None)
-        self._watched.pop(op, None)
-        self._first_header.pop(op, None)
-        first = self._first.pop(op, None)
-        if first is not None and not first.done():
-            first.cancel()
+        # Each table looked at only if it holds anything (a board collective's are empty,
+        # but for the board's note of whom it waited for): a pop hashes the key every time.
+        for table in self._per_op:
+            if table:
+                table.pop(op, None)
+        if self._first:
+            first = self._first.pop(op, None)
+            if first is not None and not first.done():
+                first.cancel()
         if self._buffered:
             for key in [k for k in self._buffered if k[0] == op]:
                 del self._buffered[key]

@@ -21,9 +21,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from operator import attrgetter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgpack
@@ -35,14 +34,14 @@ from ..engine.p2p import RECV, SEND
 from ..engine.plan import chunking, plan
 from ..engine.program import Program, compile_program
 from ..errors import CollectiveMismatch, GroupBroken, P2PCollError, ProtocolError
-from ..pytree import TreeDef
 from ..registry import registry
 from ..settings import check_seconds
 from ..strategy import Context, Strategy, chunk_indices, host_numbers
-from ..types import CustomOp, OpKey, ReduceOp, fold_of
+from ..types import OpKey, ReduceOp, fold_of
 from ..wire import Header, Signature
 from ..wire.validation import check_layout
 
+from .call import Call, Learned, describe_data, describe_specs
 from .flight import Entry, describe
 from .turns import Turns
 
@@ -58,82 +57,11 @@ if TYPE_CHECKING:
     from .failure import FailureModel
     from .flight import Recorder
 
+MAX_LAYOUTS = 64  # a broadcast root's layouts kept per session, parsed and checked
 MAX_PROGRAMS = 256  # prepared programs kept per session (least recently used go)
 BOARD = "shm"  # how stats() and the metrics name a collective run on the board
+_AVG = ReduceOp.AVG  # a module's name: an enum member read off its class is a Python call
 HISTORY = 64  # the signatures of this many recent collectives are kept, for mismatch messages
-Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
-_spec = attrgetter("dtype.str", "shape")  # an array's Spec (in C: on every call's path)
-
-
-def describe_data(arrays: Sequence[np.ndarray], treedef: TreeDef = None) -> str:
-    """A short string that equals on two ranks iff their data has the same layout."""
-    text = f"{treedef}|" + ",".join(f"{a.dtype.str}{tuple(a.shape)}" for a in arrays)
-    if len(text) > 200:
-        digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-        return f"{len(arrays)} arrays, layout digest {digest}"
-    return text
-
-
-def describe_specs(specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]) -> str:
-    return ", ".join(f"{d}{list(s)}" for d, s in specs) or "nothing"
-
-
-Learn = Callable[[TreeDef, list[tuple[np.dtype[Any], tuple[int, ...]]], str], None]
-Learned = tuple[TreeDef, list[tuple[np.dtype[Any], tuple[int, ...]]], str]
-MAX_LAYOUTS = 64  # a broadcast root's layouts kept per session, parsed and checked
-
-
-@dataclass(slots=True, eq=False)
-class Call:
-    """One call of the group API, its arguments checked.
-
-    Attributes:
-        collective: one of p2pcoll.strategy.COLLECTIVES, or "send"/"recv".
-        leaves: this rank's data, C-contiguous native arrays written in place (a
-            receiver's are set by ``learn`` from the sender's layout).
-        treedef: their pytree.
-        op: a reduction's op.
-        root: a rooted collective's root, a transfer's peer; None otherwise.
-        strategy: the strategy asked for (None: the group's default or auto).
-        timeout: seconds (None: the group's).
-        tag: a transfer's tag (None: a collective).
-        rows: reduce_scatter: elements per row, where chunks may be cut.
-        counts: alltoall: the elements of every block, row by row (``counts[i * p + j]``
-            rank i sends rank j), agreed by every rank; ``leaves`` are this rank's p parts
-            to send, then the p buffers it receives into.
-        learn: for a rank that learns the layout from the data's origin (a broadcast or
-            scatter that is not the root, a receive): called with the origin's tree, leaf
-            specs and strategy name; it checks them against what the caller passed and
-            sets ``leaves`` and ``treedef``, or raises CollectiveMismatch.
-        strategy_used: set by the run: the strategy (or "shm") it ran with.
-        schedule: an engine's own strategy to run, never a registered one (the robust
-            reductions' exchange, :mod:`p2pcoll.engine.robust`); None: ``strategy``'s.
-        refused: set by the run: an alltoall on the board whose agreed lengths do not add
-            up (the same on every rank, nothing moved); the caller raises it, the group
-            stays usable.
-    """
-
-    collective: str
-    leaves: list[np.ndarray]
-    treedef: TreeDef = None
-    op: ReduceOp | CustomOp | None = None
-    root: int | None = None
-    strategy: str | None = None
-    timeout: float | None = None
-    tag: int | None = None
-    rows: int = 1
-    learn: Learn | None = None
-    strategy_used: str = ""
-    flat: list[np.ndarray] = field(default_factory=list)
-    schedule: Strategy | None = None
-    counts: tuple[int, ...] = ()
-    refused: CollectiveMismatch | None = None
-
-    def key(self) -> tuple[Any, ...]:
-        """What a prepared program depends on."""
-        op = self.op.value if self.op is not None else ""
-        return (self.collective, self.strategy, op, self.root, self.tag is None, self.rows,
-                str(self.treedef), tuple(map(_spec, self.leaves)), self.counts)
 
 
 @dataclass(slots=True)
@@ -159,6 +87,11 @@ class Prepared:
     board: Any = None
     # An alltoall's blocks of other ranks that this rank's schedule holds on their way.
     forwarded: tuple[int, ...] = ()
+    # A reduction's op as the board compares it, and a built-in op's ufunc (None: a
+    # CustomOp's fold is the call's own, never one cached here: two CustomOps of one name
+    # share a program but not their functions).
+    op: str = ""
+    ufunc: np.ufunc | None = None
 
 
 class RunnerSession(Protocol):
@@ -313,6 +246,10 @@ class Runner:
         program = Prepared(strat, ctx, layout.chunks, nseg, sig, meta,
                            int.from_bytes(sig.digest, "little", signed=True),
                            flight=(name, strat.name, *describe(flat, call.leaves[:len(flat)])))
+        if call.op is not None:
+            program.op = call.op.value
+            if type(call.op) is ReduceOp:
+                program.ufunc = cast(np.ufunc, fold_of(call.op))
         if name == "alltoall" and p > 1 and not on_board:
             mine = {b for b in range(p * p) if b // p == self.rank or b % p == self.rank}
             program.forwarded = tuple(sorted(
@@ -372,9 +309,18 @@ class Runner:
         traced = timeline.now() if timeline is not None else 0.0
         try:
             if program is not None and call.tag is None:
-                self._remember(op.number, program.sig)
-            async with session.failures.collective(op, call.collective, limit, what, started):
+                recent = self._recent  # what _remember does, on every call's path
+                recent[op.number] = program.sig
+                recent.pop(op.number - HISTORY, None)
+            collective = session.failures.collective(op, call.collective, limit, what, started)
+            collective.enter()  # `async with` without its two coroutines (on every call)
+            try:
                 await self._execute(op, call, program)
+            except BaseException as exc:
+                await collective.exit(exc)  # raises what the failure rules say in its place
+                raise
+            if not collective.leave(None):  # its deadline passed as it returned
+                await collective.exit(None)
         except BaseException as exc:
             error = exc
             raise
@@ -398,7 +344,7 @@ class Runner:
                     flight.calls.append((op.number, what, started, ended, call.strategy_used))
                 else:
                     flight.record(op, what, started, ended, call.strategy_used, error)
-        if call.op is ReduceOp.AVG and (call.root is None or call.root == self.rank):
+        if call.op is _AVG and (call.root is None or call.root == self.rank):
             for a in call.flat[:len(call.leaves)]:  # not a scratch area after them
                 np.divide(a, self.size, out=a)
 
@@ -411,6 +357,13 @@ class Runner:
             if on_board is not None:
                 board = session.board
                 assert board is not None
+                if name == "allreduce" or name == "reduce":  # the usual call first
+                    assert call.op is not None
+                    call.strategy_used = BOARD
+                    await board.reduction(op.number, name, call.flat,
+                                          program.ufunc or fold_of(call.op), program.op,
+                                          program.sig, call.root, on_board)
+                    return
                 if name == "broadcast":  # the root
                     if await board.broadcast_root(op.number, call.flat, on_board):
                         call.strategy_used = BOARD
@@ -431,12 +384,6 @@ class Runner:
                         call.refused = parts
                     else:
                         call.leaves[p:] = parts
-                    return
-                else:
-                    assert call.op is not None
-                    call.strategy_used = BOARD
-                    await board.reduction(op.number, name, call.flat, fold_of(call.op),
-                                          call.op.value, program.sig, call.root, on_board)
                     return
         else:
             board = session.board if call.tag is None else None
@@ -467,8 +414,8 @@ class Runner:
         meta = program.meta
         if header is not None and call.tag is None:
             meta = header.meta  # forward the layout too: this rank may be someone's first sender
-        await session.executor.run(op=op, program=compiled, arrays=call.flat,
-                                   ufunc=fold_of(call.op) if call.op is not None else None,
+        ufunc = program.ufunc or (fold_of(call.op) if call.op is not None else None)
+        await session.executor.run(op=op, program=compiled, arrays=call.flat, ufunc=ufunc,
                                    sig=program.sig, meta=meta, strategy=program.strategy)
 
     def _remember(self, seq: int, sig: Signature) -> None:
@@ -594,4 +541,4 @@ def _learn(call: Call, learned: Learned) -> None:
     call.flat = [a.reshape(-1) for a in call.leaves]
 
 
-__all__ = ["Call", "Prepared", "Runner", "describe_data", "describe_specs"]
+__all__ = ["Call", "Prepared", "Runner", "describe_data", "describe_specs"]  # Call: .call

@@ -179,6 +179,12 @@ class Collective:
         self._cancelling = 0
 
     async def __aenter__(self) -> None:
+        self.enter()
+
+    def enter(self) -> None:
+        """What ``async with`` does as it enters, without an await: the session's runner
+        enters every call with this and leaves with :meth:`leave` (or :meth:`exit`), two
+        coroutines fewer per call."""
         loop = asyncio.get_running_loop()
         task = self._task = asyncio.current_task(loop)
         if task is None:
@@ -210,26 +216,56 @@ class Collective:
         self.expire()
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
-                        tb: object) -> None:  # never suppresses: the body's error goes on
+                        tb: object) -> None:
+        await self.exit(exc)
+
+    def leave(self, exc: BaseException | None) -> bool:
+        """Leave, the body having ended with ``exc`` (None: it returned), unless the deadline
+        fired or a peer was lost meanwhile: then nothing is done and it returns False (leave
+        with ``await exit(exc)``, which asks the rules what the expiry means). Raises what
+        the rules say in place of ``exc``, as :meth:`exit`; returns True otherwise."""
+        if self._expired:
+            return False
+        self.finished = True
+        if self.queued:
+            self.watchdog.done(self)
         outcome: BaseException | None
+        try:
+            outcome = self.rules.outcome(self, exc)
+        finally:
+            self.rules.ended(self)
+            self._task = None  # a finished task's result is not kept alive by this
+        if outcome is not None and outcome is not exc:
+            self._replace(outcome, False)
+        return True
+
+    async def exit(self, exc: BaseException | None) -> None:
+        """What ``async with`` does as it leaves (never suppresses: the body's error goes
+        on, or what the rules say in its place is raised)."""
+        if self.leave(exc):
+            return
         self.finished = True
         if self.queued:
             self.watchdog.done(self)
         expired = False
+        outcome: BaseException | None
         try:
-            if self._expired and self._task is not None:
+            if self._task is not None:
                 # Ours if no cancellation from outside is left once ours is taken back.
                 expired = (self._task.uncancel() <= self._cancelling
-                           and et is asyncio.CancelledError)
+                           and type(exc) is asyncio.CancelledError)
             if expired:
                 outcome = await self.rules.expired(self)
             else:
                 outcome = self.rules.outcome(self, exc)
         finally:
             self.rules.ended(self)
-            self._task = None  # a finished task's result is not kept alive by this
-        if outcome is None or outcome is exc:
-            return  # the body's own error (or none) goes on as it is
+            self._task = None
+        if outcome is not None and outcome is not exc:
+            self._replace(outcome, expired)
+
+    @staticmethod
+    def _replace(outcome: BaseException, expired: bool) -> None:
         if outcome.__cause__ is None and (expired or isinstance(outcome, CollectiveTimeout)):
             # In place of the cancellation this class made, or of the symptom a timeout
             # sums up: the caller sees the one error, with no chain of internals.

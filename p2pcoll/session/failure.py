@@ -92,6 +92,7 @@ class GroupState(StrEnum):
 
 
 USABLE = (GroupState.READY, GroupState.DEGRADED)  # states that calls may run in
+_READY = GroupState.READY  # an enum member read off its class is a Python call: every call's
 
 
 class Operations(Protocol):
@@ -137,6 +138,8 @@ class FailureModel:
 
     def check_usable(self) -> None:
         """Raises GroupBroken unless collectives may run."""
+        if self.state in USABLE and self.cause is None:
+            return  # every call asks: no enum member read off its class (a Python call)
         if self.state is GroupState.CLOSED:
             raise GroupBroken("the group is closed")
         if self.state is GroupState.FORMING:
@@ -209,7 +212,7 @@ class FailureModel:
         # While every member is there (READY: the first departure degrades the group) no
         # operation fails as it starts: the departures machine is not asked, and reads
         # what runs (running) when a peer goes.
-        if self.state is not GroupState.READY:
+        if self.state is not _READY:
             self._ops.starting(key, *self._needs(key))
 
     def ended(self, c: Collective) -> None:
