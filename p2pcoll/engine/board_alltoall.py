@@ -12,12 +12,6 @@ twice, once into shared memory by its sender and once out by its receiver (a soc
 copies it into the kernel and out again, and wakes I/O threads to do so), and a small
 call costs one wake-up per rank instead of two rounds' worth.
 
-The copies out follow the shifted rounds of a pairwise exchange (:func:`shifted`): rank r
-copies first from rank r + 1, then r + 2, and so on, so that at any moment the ranks read
-from different peers' memory rather than all from rank 0's, then all from rank 1's (at 4
-MiB a rank, p = 4, its copies out took 8 % less CPU so; the reads from a peer's process
-below go in the same order).
-
 Parts that fit the slot after the header go in the slot. Larger ones go in the rank's
 window of the board count's side (its parity, count % 2): a file in ``/dev/shm`` that only
 its rank writes, grown (replaced by a larger one) when a call needs more, named in the
@@ -109,12 +103,6 @@ class _Agreed(NamedTuple):
     # (dtype, row shape) -> my part of each peer's parts that lie on the board, as an
     # array of their rows: made on the first call with them, copied out by every call.
     parts: dict[tuple[np.dtype[Any], tuple[int, ...]], list[tuple[int, np.ndarray]]]
-
-
-def shifted(rank: int, p: int) -> list[int]:
-    """The peers of ``rank`` in a group of ``p`` in the order of a pairwise exchange's
-    rounds: round s (1 to p - 1) reads from rank + s."""
-    return [(rank + s) % p for s in range(1, p)]
 
 
 def header_words(p: int) -> int:
@@ -341,10 +329,8 @@ class BoardAlltoall:
                               for q in range(p) if q != me)
         lines = words.tolist()  # (Python ints: a few of them each, cheaper than numpy's)
         self._read_by_all = all(lines[q][width + READS] for q in range(p) if q != me)
-        # In shifted order, rank me + 1 first (the order the parts are copied out in: see
-        # the module docstring).
         sources = {q: self._source(q, side, lines[q][width:], data[q][parity], nbytes[q])
-                   for q in shifted(me, p)}
+                   for q in range(p) if q != me}
         try:
             rows = table.check_lines(lines, p)  # (it reads the table row of each line)
         except CollectiveMismatch as exc:
