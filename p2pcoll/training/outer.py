@@ -55,6 +55,14 @@ class OuterSGD:
                 step = d + mu * v if self.nesterov else v
             p -= lr * step
 
+    def stepped(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
+                delta: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One step on copies of ``params`` and ``velocity`` (the same bits as :meth:`apply`
+        in place); the originals are only read, so it may run in a thread meanwhile."""
+        params, velocity = [p.copy() for p in params], [v.copy() for v in velocity]
+        self.apply(params, velocity, delta)
+        return params, velocity
+
     def settings(self) -> dict[str, Any]:
         return {"outer_lr": float(self.lr), "outer_momentum": float(self.momentum),
                 "nesterov": bool(self.nesterov)}
