@@ -48,12 +48,17 @@ class OuterSGD:
         for p, v, d in zip(params, velocity, delta, strict=True):
             lr, mu = p.dtype.type(self.lr), p.dtype.type(self.momentum)
             if self.momentum == 0:
-                step = d
+                step = lr * d
             else:
                 v *= mu
                 v += d
-                step = d + mu * v if self.nesterov else v
-            p -= lr * step
+                if self.nesterov:  # lr * (d + mu * v), in one temporary
+                    step = np.multiply(v, mu)
+                    step += d
+                    step *= lr
+                else:
+                    step = lr * v
+            p -= step
 
     def stepped(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
                 delta: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
