@@ -83,7 +83,7 @@ from ..session.failure import GroupState
 from ..pytree import Pytree, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from .compressors import Compressor, make_compressor
-from .delayed import check_delay, retrieve_later
+from .delayed import check_delay, retrieve_later, step_aside
 from .fragments import split_fragments
 from .modes import (
     Traffic,
@@ -299,7 +299,7 @@ class DiLoCo:
         # delay=1: where this worker's round started (the anchor plus its own progress of
         # the round in flight); the pseudo-gradient is measured from it.
         self._origin = [a.copy() for a in self.anchor] if self.delay else None
-        # delay=1: the outer step of the round in flight, taken aside (:meth:`_prepare`).
+        # delay=1: the outer step of the round in flight, taken aside (step_aside).
         self._prepared: asyncio.Task[tuple[list[np.ndarray], list[np.ndarray]]] | None = None
 
     @property
@@ -392,7 +392,7 @@ class DiLoCo:
         The next round's inner steps wait for this, so it does the least it can: the
         pseudo-gradient is computed once, for the exchange and the new start alike, and
         the outer step was taken on copies of the global state in a thread as soon as the
-        reduction landed (:meth:`_prepare`), so here it is only swapped in."""
+        reduction landed (:func:`.delayed.step_aside`), so here it is only swapped in."""
         pending = self._in_flight.get(0)
         if self.step % self.inner_steps:
             if pending is not None and pending[1].done() and not pending[1].cancelled() \
@@ -411,24 +411,8 @@ class DiLoCo:
                                                own, strict=True):
             np.subtract(anchor, mine, out=local)
             np.copyto(origin, local)
-        self._prepared = self._prepare(task)
+        self._prepared = step_aside(self.outer, self.anchor, self.velocity, task)
         return pending is not None
-
-    def _prepare(self, exchange: asyncio.Task[list[np.ndarray]]
-                 ) -> asyncio.Task[tuple[list[np.ndarray], list[np.ndarray]]]:
-        """The outer step of ``exchange``'s round on copies of the global state, in a thread
-        (numpy lets the training thread run meanwhile) as soon as its reduction lands; it
-        reads the anchor and momentum as they will be when it is swapped in (the previous
-        round's are already), and fails as the exchange does."""
-
-        async def step() -> tuple[list[np.ndarray], list[np.ndarray]]:
-            averaged = await exchange
-            return await asyncio.to_thread(self.outer.stepped, list(self.anchor),
-                                           list(self.velocity), averaged)
-
-        prepared = asyncio.ensure_future(step())
-        retrieve_later(prepared)
-        return prepared
 
     async def _take_prepared(self, exchange: asyncio.Task[list[np.ndarray]]) -> None:
         """Swap in the outer step of ``exchange``'s round (waiting for it if need be); its
