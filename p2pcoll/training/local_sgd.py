@@ -421,11 +421,11 @@ class DiLoCo:
         assert prepared is not None
         try:
             anchor, velocity = await prepared
-        except asyncio.CancelledError:
-            prepared.cancel()
-            if not exchange.done():
-                exchange.cancel()
-            await self._outcome(exchange)  # ends the others in flight; raises
+        except asyncio.CancelledError:  # as one during an exchange: every one in flight
+            prepared.cancel()  # ends, the group broken, and this round is not applied
+            exchange.cancel()
+            await self._end_in_flight(cancel=True)
+            await asyncio.wait([exchange])
             raise
         except BaseException:
             await self._outcome(exchange)  # the exchange's error, the others ended
