@@ -11,6 +11,7 @@ import gc
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -259,6 +260,45 @@ async def test_delay_1_takes_the_outer_step_in_a_thread_before_the_rounds_end() 
     results = await run_ranks(4, fn, collective_timeout=TIMEOUT)
     assert all(r == results[0] for r in results) and len(set(results[0])) == rounds
     assert len(seen) == 4 * rounds and not any(seen)  # every step off the loop's thread
+
+
+class Slow(training.OuterSGD):
+    """An outer step that takes a while (in its thread)."""
+
+    def stepped(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
+                delta: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        time.sleep(0.5)
+        return super().stepped(params, velocity, delta)
+
+
+async def test_delay_1_cancelled_while_the_outer_step_is_taken_leaves_nothing_running(
+) -> None:
+    """A round's end cancelled while it waits for the outer step taken aside: the round is
+    not applied, and every exchange in flight is ended (none left running)."""
+    h = 2
+
+    async def fn(g: p2pcoll.Group) -> None:
+        params = {"w": np.zeros(8)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, delay=1, timeout=TIMEOUT)
+        diloco.outer = Slow()
+        for _ in range(h):
+            params["w"] -= 1.0
+            await diloco.after_inner_step()
+        _, reduction = diloco._in_flight[0]
+        await asyncio.wait([reduction])
+        for _ in range(h - 1):
+            params["w"] -= 1.0
+            await diloco.after_inner_step()
+        params["w"] -= 1.0
+        end = asyncio.ensure_future(diloco.after_inner_step())
+        await asyncio.sleep(0.1)  # waiting for the slow outer step
+        end.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await end
+        assert diloco.outer_steps == 0 and not diloco._in_flight
+        assert reduction.done() and (diloco._last is None or diloco._last.done())
+
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("kwargs, match", [
