@@ -398,9 +398,12 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
             t = time.perf_counter()
             backward(batch_of(s, len(y_train), args.batch, args.seed)[rank::world])
             optimizer.step()
-            busy += time.perf_counter() - t
+            took = time.perf_counter() - t
+            busy += took
+            step_times[s] = took
         return began, time.perf_counter(), busy
 
+    step_times: dict[int, float] = {}  # each inner step's seconds (the local modes)
     if update.prepare is not None:
         update.prepare(group, module)
     curve = [(0.0, 0, accuracy())]
@@ -448,7 +451,22 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
         h.update(p.detach().contiguous().numpy().tobytes())
     return {"rank": rank, "wall": wall, "final": final, "curve": curve,
             "digest": h.hexdigest(), "computing": computing, "stepping": stepping,
-            "hops": hops, "finishing": finishing, **update.stats()}
+            "hops": hops, "finishing": finishing, **_contention(step_times, update.every),
+            **update.stats()}
+
+
+def _contention(step_times: dict[int, float], every: int | None) -> dict[str, float]:
+    """The median inner step while the previous exchange is likely in flight (the first
+    tenth of each round after the first) and in the rest of the rounds: what the exchange's
+    work on the loop thread (and its CPU) costs the training thread."""
+    if not every or len(step_times) < 2 * every:
+        return {}
+    early = [t for s, t in step_times.items() if s > every and (s - 1) % every < every // 10]
+    late = [t for s, t in step_times.items() if s > every and (s - 1) % every >= every // 10]
+    if not early or not late:
+        return {}
+    return {"step_early": float(sorted(early)[len(early) // 2]),
+            "step_late": float(sorted(late)[len(late) // 2])}
 
 
 async def p2pcoll_worker(args: argparse.Namespace, update: Update) -> dict[str, Any]:
@@ -582,6 +600,12 @@ def utilisation(r: Result) -> float | None:
     return sum(x["computing"] / x["wall"] for x in r.reports) / len(r.reports)
 
 
+def _before_flush(r: Result) -> float:
+    """The utilisation up to the final flush: the time in inner steps over the wall time
+    before the last round's exchange is waited for (a longer run's share)."""
+    return sum(x["computing"] / (x["wall"] - x["finishing"]) for x in r.reports) / WORLD
+
+
 def _other(x: dict[str, Any]) -> float:
     """A worker's wall time in neither inner steps, exchanges, the flush nor thread hops."""
     return x["wall"] - x["computing"] - x["stepping"] - x["finishing"] - x.get("hops", 0)
@@ -596,6 +620,10 @@ def targets(results: list[Result], args: argparse.Namespace) -> list[str]:
         util = utilisation(async_)
         parts = [f"{util:.1%} of the wall time in inner steps (issue: >= 98 %)"
                  if util is not None else "no utilisation"]
+        if util is not None:  # the last round's exchange, which nothing can overlap
+            flush = sum(x["finishing"] / x["wall"] for x in async_.reports) / WORLD
+            parts.append(f"the final flush {flush:.1%} of it; without it "
+                         f"{_before_flush(async_):.1%}")
         if sync is not None:
             gap = (async_.reports[0]["final"] - sync.reports[0]["final"]) * 100
             sync_util = utilisation(sync)
@@ -740,6 +768,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"wall {x['wall']:.1f}, inner steps {x['computing']:.1f}, exchanges on the "
                 f"loop {x['stepping']:.2f}, final flush {x['finishing']:.2f}, thread hops "
                 f"{x.get('hops', 0):.2f}, other {_other(x):.2f}"
+                + (f", median inner step {1e3 * x['step_early']:.1f} ms in a round's first "
+                   f"tenth (exchange in flight) against {1e3 * x['step_late']:.1f} ms"
+                   if "step_early" in x else "")
                 for x in r.reports))
     checks = targets(results, args)
     if checks:

@@ -10,6 +10,8 @@ import contextvars
 import gc
 import hashlib
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -205,6 +207,96 @@ async def test_delay_1_reduces_in_the_background_and_applies_at_the_next_rounds_
                 assert diloco.outer_steps == 0
         assert diloco.outer_steps == 1
         await diloco.flush()
+
+    await run_ranks(2, fn, collective_timeout=TIMEOUT)
+
+
+class Threads(training.OuterSGD):
+    """The paper's outer optimizer, noting which thread took each step and when."""
+
+    def apply(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
+              delta: Sequence[np.ndarray]) -> None:
+        seen.append(threading.current_thread() is threading.main_thread())
+        super().apply(params, velocity, delta)
+
+
+seen: list[bool] = []  # Threads.apply's: on the loop's thread
+
+
+async def test_delay_1_takes_the_outer_step_in_a_thread_before_the_rounds_end() -> None:
+    """The outer step of the round in flight is taken off the loop as soon as its reduction
+    lands (the next round's inner steps need not wait for it at the round's end), on copies:
+    the global state changes only at the round's end, the same bits on every rank."""
+    h, rounds = 3, 4
+    seen.clear()
+
+    async def fn(g: p2pcoll.Group) -> list[str]:
+        params = {"w": np.zeros((4, 3)), "b": np.ones(3)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, delay=1, codec="int8",
+                                 timeout=TIMEOUT)
+        diloco.outer = Threads()
+        digests = []
+        for t in range(h * rounds):
+            for k, grad in dyadic_grads(g.rank, t).items():
+                params[k] -= 0.5 * grad
+            before = digest(diloco.global_state())
+            steps = len(seen)
+            if (t + 1) % h == 0 and t + 1 > h:  # the previous round's step is ready by now
+                _, reduction = diloco._in_flight[0]
+                await asyncio.wait([reduction])
+                for _ in range(100):  # its thread's step, a loop turn or a few away
+                    if len(seen) > steps:
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(seen) > steps  # taken before the round ends...
+                assert digest(diloco.global_state()) == before  # ...on copies
+            if await diloco.after_inner_step():
+                digests.append(digest(diloco.global_state()))
+        await diloco.flush()
+        digests.append(digest(diloco.global_state()))
+        assert digest(params) == digest(diloco.global_state()["params"])
+        return digests
+
+    results = await run_ranks(4, fn, collective_timeout=TIMEOUT)
+    assert all(r == results[0] for r in results) and len(set(results[0])) == rounds
+    assert len(seen) == 4 * rounds and not any(seen)  # every step off the loop's thread
+
+
+class Slow(training.OuterSGD):
+    """An outer step that takes a while (in its thread)."""
+
+    def stepped(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
+                delta: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        time.sleep(0.5)
+        return super().stepped(params, velocity, delta)
+
+
+async def test_delay_1_cancelled_while_the_outer_step_is_taken_leaves_nothing_running(
+) -> None:
+    """A round's end cancelled while it waits for the outer step taken aside: the round is
+    not applied, and every exchange in flight is ended (none left running)."""
+    h = 2
+
+    async def fn(g: p2pcoll.Group) -> None:
+        params = {"w": np.zeros(8)}
+        diloco = training.DiLoCo(g, params, inner_steps=h, delay=1, timeout=TIMEOUT)
+        diloco.outer = Slow()
+        for _ in range(h):
+            params["w"] -= 1.0
+            await diloco.after_inner_step()
+        _, reduction = diloco._in_flight[0]
+        await asyncio.wait([reduction])
+        for _ in range(h - 1):
+            params["w"] -= 1.0
+            await diloco.after_inner_step()
+        params["w"] -= 1.0
+        end = asyncio.ensure_future(diloco.after_inner_step())
+        await asyncio.sleep(0.1)  # waiting for the slow outer step
+        end.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await end
+        assert diloco.outer_steps == 0 and not diloco._in_flight
+        assert reduction.done() and (diloco._last is None or diloco._last.done())
 
     await run_ranks(2, fn, collective_timeout=TIMEOUT)
 

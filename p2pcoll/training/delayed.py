@@ -29,7 +29,11 @@ Kale et al.'s *eager* variant, which mixes the worker's own fresh delta into the
 itself, would make the global state differ between replicas, so it is not used.
 
 What a round waits for is the previous round's reduction only if it took longer than the
-H inner steps that ran meanwhile; else the inner steps never stop. For the network to move
+H inner steps that ran meanwhile; else the inner steps never stop. Nor does the outer step
+hold them up at the round's end: it is taken on copies of the global state, in a thread
+(numpy lets the training thread run), as soon as the reduction lands (:func:`step_aside`),
+and the round's end only swaps it in and sets the next start (two passes over the
+parameters), besides computing the round's pseudo-gradient. For the network to move
 during an inner step the step runs in a thread (``await asyncio.to_thread(...)``) or lets
 the event loop turn, as streaming DiLoCo's overlap needs (:mod:`.local_sgd`).
 
@@ -43,7 +47,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["DELAYS", "check_delay", "retrieve_later"]
+import numpy as np
+
+from .outer import OuterSGD
+
+__all__ = ["DELAYS", "check_delay", "retrieve_later", "step_aside"]
 
 DELAYS = (0, 1)
 """The delays there are: 0, each outer step waits for its own reduction; 1, asynchronous."""
@@ -76,3 +84,23 @@ def retrieve_later(task: asyncio.Future[Any]) -> None:
 def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+Stepped = tuple[list[np.ndarray], list[np.ndarray]]
+
+
+def step_aside(outer: OuterSGD, anchor: list[np.ndarray], velocity: list[np.ndarray],
+               exchange: asyncio.Future[list[np.ndarray]]) -> asyncio.Task[Stepped]:
+    """The outer step of ``exchange``'s round, on copies of ``anchor`` and ``velocity``, in a
+    thread as soon as the reduction lands: the new (anchor, velocity) to swap in at the
+    round's end, the same bits as :meth:`OuterSGD.apply` in place. The lists are read when
+    the reduction lands, so the caller swaps the previous round's in (in place, into the
+    same lists) before that; the task fails as ``exchange`` does (its error retrieved)."""
+
+    async def step() -> Stepped:
+        averaged = await exchange
+        return await asyncio.to_thread(outer.stepped, list(anchor), list(velocity), averaged)
+
+    task = asyncio.ensure_future(step())
+    retrieve_later(task)
+    return task

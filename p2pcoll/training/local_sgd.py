@@ -83,7 +83,7 @@ from ..session.failure import GroupState
 from ..pytree import Pytree, replace_leaves
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from .compressors import Compressor, make_compressor
-from .delayed import check_delay, retrieve_later
+from .delayed import check_delay, retrieve_later, step_aside
 from .fragments import split_fragments
 from .modes import (
     Traffic,
@@ -299,6 +299,8 @@ class DiLoCo:
         # delay=1: where this worker's round started (the anchor plus its own progress of
         # the round in flight); the pseudo-gradient is measured from it.
         self._origin = [a.copy() for a in self.anchor] if self.delay else None
+        # delay=1: the outer step of the round in flight, taken aside (step_aside).
+        self._prepared: asyncio.Task[tuple[list[np.ndarray], list[np.ndarray]]] | None = None
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -387,8 +389,10 @@ class DiLoCo:
         new anchor plus this worker's own progress of the round that is still travelling;
         between, surface a failed exchange at once.
 
-        The next round's inner steps wait for this: the pseudo-gradient is computed once,
-        for the exchange and the new start alike, and the start written in place."""
+        The next round's inner steps wait for this, so it does the least it can: the
+        pseudo-gradient is computed once, for the exchange and the new start alike, and
+        the outer step was taken on copies of the global state in a thread as soon as the
+        reduction landed (:func:`.delayed.step_aside`), so here it is only swapped in."""
         pending = self._in_flight.get(0)
         if self.step % self.inner_steps:
             if pending is not None and pending[1].done() and not pending[1].cancelled() \
@@ -402,12 +406,32 @@ class DiLoCo:
         retrieve_later(task)
         self._in_flight[0] = (self.step + self.inner_steps, task)
         if pending is not None:
-            self._apply_global(await self._outcome(pending[1]))
+            await self._take_prepared(pending[1])
         for local, origin, anchor, mine in zip(self.model.arrays, self._origin, self.anchor,
                                                own, strict=True):
             np.subtract(anchor, mine, out=local)
             np.copyto(origin, local)
+        self._prepared = step_aside(self.outer, self.anchor, self.velocity, task)
         return pending is not None
+
+    async def _take_prepared(self, exchange: asyncio.Task[list[np.ndarray]]) -> None:
+        """Swap in the outer step of ``exchange``'s round (waiting for it if need be); its
+        failure is raised as :meth:`_outcome` raises the exchange's."""
+        prepared, self._prepared = self._prepared, None
+        assert prepared is not None
+        try:
+            anchor, velocity = await prepared
+        except asyncio.CancelledError:  # as one during an exchange: every one in flight
+            prepared.cancel()  # ends, the group broken, and this round is not applied
+            exchange.cancel()
+            await self._end_in_flight(cancel=True)
+            await asyncio.wait([exchange])
+            raise
+        except BaseException:
+            await self._outcome(exchange)  # the exchange's error, the others ended
+            raise
+        self.anchor[:], self.velocity[:] = anchor, velocity
+        self.outer_steps += 1
 
     async def flush(self) -> int:
         """Wait for the exchanges in flight and apply them now; returns how many.
@@ -417,11 +441,10 @@ class DiLoCo:
         done = 0
         for f in sorted(self._in_flight):
             _, task = self._in_flight.pop(f)
-            averaged = await self._outcome(task)
             if self._origin is None:
-                self._apply(f, averaged)
+                self._apply(f, await self._outcome(task))
             else:
-                self._apply_global(averaged)
+                await self._take_prepared(task)
             done += 1
         if self._origin is not None:  # every round applied: the next starts from the anchor
             for local, origin, anchor in zip(self.model.arrays, self._origin, self.anchor,
@@ -524,12 +547,6 @@ class DiLoCo:
             wire_bytes(delta, self.codec) if self.compressor is None
             else self.compressor.message_bytes([d.size for d in delta], self.group.world_size))
         return self._last
-
-    def _apply_global(self, averaged: list[np.ndarray]) -> None:
-        """A delayed round's outer step, on the global state only (the working parameters
-        are set from it by the caller)."""
-        self.outer.apply(self.anchor, self.velocity, averaged)
-        self.outer_steps += 1
 
     def _apply(self, f: int, averaged: list[np.ndarray]) -> None:
         """Fragment f's outer step on the global state, and the merge into the parameters."""

@@ -48,12 +48,25 @@ class OuterSGD:
         for p, v, d in zip(params, velocity, delta, strict=True):
             lr, mu = p.dtype.type(self.lr), p.dtype.type(self.momentum)
             if self.momentum == 0:
-                step = d
+                step = lr * d
             else:
                 v *= mu
                 v += d
-                step = d + mu * v if self.nesterov else v
-            p -= lr * step
+                if self.nesterov:  # lr * (d + mu * v), in one temporary
+                    step = np.multiply(v, mu)
+                    step += d
+                    step *= lr
+                else:
+                    step = lr * v
+            p -= step
+
+    def stepped(self, params: Sequence[np.ndarray], velocity: Sequence[np.ndarray],
+                delta: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One step on copies of ``params`` and ``velocity`` (the same bits as :meth:`apply`
+        in place); the originals are only read, so it may run in a thread meanwhile."""
+        params, velocity = [p.copy() for p in params], [v.copy() for v in velocity]
+        self.apply(params, velocity, delta)
+        return params, velocity
 
     def settings(self) -> dict[str, Any]:
         return {"outer_lr": float(self.lr), "outer_momentum": float(self.momentum),
