@@ -40,10 +40,16 @@ class EntryPoint:
     value: str = "acme_fast:Fast"
 
 
+def named(dist: Any) -> tuple[str, str]:
+    """``distribution`` of an entry point of ``dist`` (a stand-in for importlib's)."""
+    point: Any = EntryPoint(dist)
+    return distribution(point)
+
+
 def test_the_name_and_version_come_from_the_headers_alone() -> None:
     dist = ParsingDist("Metadata-Version: 2.1\nName: Acme_Fast\nVersion: 1.2\n"
                        "Summary: fast\n\n" + DESCRIPTION)
-    assert [distribution(EntryPoint(dist)) for _ in range(3)] == [
+    assert [named(dist) for _ in range(3)] == [
         ("acme-fast", "Acme_Fast 1.2")] * 3
     assert dist.parses == 0
 
@@ -51,6 +57,6 @@ def test_the_name_and_version_come_from_the_headers_alone() -> None:
 def test_without_readable_headers_the_properties_answer() -> None:
     for metadata in (None, "", "Summary: no name\n\n" + DESCRIPTION):
         dist = ParsingDist(metadata)
-        assert distribution(EntryPoint(dist)) == ("acme-fast", "Acme_Fast 1.2")
+        assert named(dist) == ("acme-fast", "Acme_Fast 1.2")
         assert dist.parses == 2
-    assert distribution(EntryPoint(None)) == ("", "unknown distribution")
+    assert named(None) == ("", "unknown distribution")
