@@ -48,9 +48,43 @@ async def form_group(settings: Settings, *, store: Any = None,
         RendezvousError: the group did not form in time, or a peer was lost meanwhile.
     Cancellation: everything opened so far is closed.
     """
-    if not registry.loaded:  # now rather than in the first collective, the peers waiting
-        await asyncio.to_thread(registry.load)
-    check_chosen(settings.strategies, os.environ)  # before any socket
+    # The installed strategies load now rather than in the first collective (the peers
+    # would wait for it there), and while this peer waits for the others at the
+    # rendezvous rather than before it goes there: a newcomer's scan of the packages'
+    # metadata (0.2 s here, seconds on a loaded host) then no longer delays its arrival,
+    # for which the members it replaces wait. A strategy chosen by name is checked before
+    # any socket, so those settings load first.
+    loading = None
+    if not registry.loaded:
+        if any(name != "auto" for name in settings.strategies.values()):
+            await asyncio.to_thread(registry.load)
+        else:
+            loading = asyncio.ensure_future(asyncio.to_thread(registry.load))
+    try:
+        check_chosen(settings.strategies, os.environ)  # before any socket
+        group = await _form_group(settings, store, transport, membership)
+    except BaseException:
+        if loading is not None:
+            loading.cancel()  # (the thread finishes the load on its own)
+            await asyncio.gather(loading, return_exceptions=True)
+        raise
+    try:
+        if loading is not None:
+            await loading
+    except BaseException:
+        await group.close("interrupted while the strategies loaded", wait=False)
+        raise
+    try:
+        await group._probe()  # the measured topology (P2PCOLL_PROBE)
+    except BaseException:
+        await group.close("the link probe failed", wait=False)
+        raise
+    return group
+
+
+async def _form_group(settings: Settings, store: Any, transport: Transport | None,
+                      membership: Membership | None) -> Group:
+    """The group of :func:`form_group`, before its link probe."""
     # auto's constants, read and checked once, before any socket.
     constants = load_constants(settings.cost_model) if settings.cost_model else DEFAULT_CONSTANTS
     sockets = None
@@ -68,13 +102,7 @@ async def form_group(settings: Settings, *, store: Any = None,
         if sockets is not None:
             sockets.close()
         raise
-    group = Group(session, server=server, sockets=sockets)
-    try:
-        await group._probe()  # the measured topology (P2PCOLL_PROBE)
-    except BaseException:
-        await group.close("the link probe failed", wait=False)
-        raise
-    return group
+    return Group(session, server=server, sockets=sockets)
 
 
 async def _join(settings: Settings) -> Group:
