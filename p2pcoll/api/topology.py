@@ -92,9 +92,14 @@ REST_SECONDS = 1.0  # the rest of a train: what the head's pace moves in this lo
 PAIR_SECONDS = 0.25  # the longest a receiver times a train
 BUNCHING = 4.0  # a train's later half moves at most this many times its mean rate
 # The transport takes a figure (price) only where its product with the path's round trip is
-# at most a quarter of a train: there the train ran past TCP's start-up. On a longer path
-# it may not have, and the transport's assumption (10 Gbit/s) errs long.
+# at most a quarter of a train, and the round trip is short: there the train ran past TCP's
+# start-up. On a longer path it may not have, and the transport's assumption (10 Gbit/s)
+# errs long. The round trip's bound matters because a train paced from its first chunks
+# never leaves the start-up on a long path: there it reads its own pace (a 1 Gbit/s, 100 ms
+# path read 2 MB/s, whose product is small), and sizing the links for it held a ring to
+# a quarter of the line.
 SHORT_PATH_BYTES = 2 << 20
+SHORT_RTT_S = 0.02
 PROBE_SECONDS = 10.0  # the whole probe's deadline on one rank
 TAG = 0xFFFF_FFF0  # the probe's pings and payloads (it runs in join, before the caller's)
 ACK = TAG + 1  # and its answers: a message late for its deadline confuses no other
@@ -174,9 +179,9 @@ def choose_ring(bandwidth: tuple[tuple[float | None, ...], ...]) -> tuple[int, .
 
 def price(group: Group, topology: Topology) -> None:
     """Give ``group``'s transport the bandwidth measured from this rank to each peer of a
-    short path (:data:`SHORT_PATH_BYTES`; its paths: how many stripes a link takes under
-    ``streams=auto``, how deep the pipeline runs; :mod:`p2pcoll.transport.paths`), and
-    its cost model the measured links, so that
+    short path (:data:`SHORT_PATH_BYTES`, :data:`SHORT_RTT_S`; its paths: how many stripes
+    a link takes under ``streams=auto``, how deep the pipeline runs;
+    :mod:`p2pcoll.transport.paths`), and its cost model the measured links, so that
     ``auto`` sees a slow pair (:mod:`p2pcoll.engine.costs`, "Measured links"; nothing
     when a link is unknown)."""
     bandwidth = topology.bandwidth_Bps
@@ -184,7 +189,8 @@ def price(group: Group, topology: Topology) -> None:
     if routes is not None and hasattr(routes, "measure"):  # a transport with paths
         for peer, b in enumerate(bandwidth[group.rank]):
             rtt = routes.path(peer)[0] if peer != group.rank else None
-            if b is not None and rtt is not None and b * rtt <= SHORT_PATH_BYTES:
+            if (b is not None and rtt is not None and rtt <= SHORT_RTT_S
+                    and b * rtt <= SHORT_PATH_BYTES):
                 routes.measure(peer, None, b)  # the handshakes' round trip stays
     if any(b is None for i, row in enumerate(bandwidth) for j, b in enumerate(row) if i != j):
         return
