@@ -57,6 +57,7 @@ def test_blocking_peers_stripe_with_streams_and_a_link_budget(
     monkeypatch.setattr(route_module, "STRIPE_BYTES", 1024)
     monkeypatch.setenv("P2PCOLL_SEGMENT_BYTES", "16K")
     monkeypatch.setenv("P2PCOLL_PROBE", "0")  # the topology's probe would stripe the link
+    monkeypatch.setenv("P2PCOLL_TCP_LANES", "0")  # small messages stripe: not on TCP lanes
     url = f"tcp://127.0.0.1:{free_port()}"
     inputs = [np.arange(50_001, dtype=np.float32) * (r + 1) for r in range(2)]
 

@@ -46,6 +46,7 @@ def small_stripes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stripe messages of 1 KiB and more, in segments of 16 KiB: small arrays stripe."""
     monkeypatch.setattr(route_module, "STRIPE_BYTES", 1024)
     monkeypatch.setenv("P2PCOLL_SEGMENT_BYTES", "16K")
+    monkeypatch.setenv("P2PCOLL_TCP_LANES", "0")  # small messages stripe: not on TCP lanes
 
 
 def _transport(g: p2pcoll.Group) -> Any:

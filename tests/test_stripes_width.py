@@ -95,6 +95,7 @@ def small_stripes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(route_module, "STRIPE_BYTES", 1024)
     monkeypatch.setenv("P2PCOLL_SEGMENT_BYTES", "16K")
     monkeypatch.setenv("P2PCOLL_PROBE", "0")
+    monkeypatch.setenv("P2PCOLL_TCP_LANES", "0")  # small messages stripe: not on TCP lanes
 
 
 @pytest.mark.usefixtures("small_stripes")

@@ -33,8 +33,10 @@ not, is the same: a partial record is never handed on.
 Security: a lane is plaintext. Lanes are opened only in groups without a job key
 (``--insecure``); a keyed group's messages all go over its CurveZMQ links.
 
-Lanes are off by default (``P2PCOLL_TCP_LANES=1`` turns them on): on the loaded 2-core
-machine they were measured on, they were not yet faster than the ZeroMQ links (see
+Lanes are off by default (``P2PCOLL_TCP_LANES=1`` turns them on). On a quiet host they
+take a 4 KiB cross-host allreduce at p = 2 from 300-460 us to 90-160 us, but a heavily
+loaded lab read 24 ms against 0.8 ms (not yet explained), and a lane keeps its route's
+link open, so a link budget (``max_links``) is not kept while lanes run (see
 ``benchmarks/README.md``, "TCP lanes").
 
 The record codec and the tokens (:mod:`.tcp_records`) have no sockets and are tested
