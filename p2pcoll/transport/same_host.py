@@ -187,9 +187,12 @@ class SameHost:
         self._drops.counters.links_refused += 1
 
     def forget(self, peer: int) -> None:
-        """``peer`` has gone: its TCP lanes close, and nothing is told of it."""
-        if self.far is not None:
+        """``peer`` has gone: its TCP lanes close, and nothing is told of it. What comes
+        on its link identity from now on is read as a stranger's would be (decoded and
+        dropped with its reason), not held for a lane's turn that never comes."""
+        if self.far is not None and peer in self.far.far:
             self.far.forget(peer)
+            self._receivers.pop(peer, None)
 
     def on_board(self) -> bool:
         """Whether this peer is on the group's board, or will be once rank 0's hello comes."""
