@@ -395,8 +395,8 @@ def crossing(strategy: Strategy, size: int, hosts: tuple[int, ...]) -> tuple[flo
 
 EVEN = 2.0
 """Measured links whose rates lie within this factor of each other are taken as one rate, the
-median: the probe's figures of even links scatter by tens of percent (its 1 MiB payloads
-time TCP's slow start on a long path, not the line), and read pair by pair that noise would
+median: the probe's figures of even links scatter by tens of percent (on a long path its
+train times TCP's start-up, not the line), and read pair by pair that noise would
 decide between strategies that move the same bytes (the direct exchange sums three pairs'
 figures where the ring meets the slowest of four). A slow pair (10x) stands out of it."""
 

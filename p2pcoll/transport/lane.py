@@ -82,6 +82,19 @@ def _record_size(lengths: Sequence[int]) -> int:
     return (8 + 4 * len(lengths) + sum(lengths) + 7) & ~7
 
 
+def frames_of(data: memoryview, at: int, lengths: Sequence[int]) -> Record:
+    """The frames of a record (``size, count, lengths``, then the frames back to back: the
+    layout of both kinds of lane, this one's and :mod:`.tcp_lane`'s) whose frames start
+    at ``at`` in ``data``: the first a view into ``data``, copies of the others."""
+    first = data[at:at + lengths[0]]
+    at += lengths[0]
+    rest = []
+    for n in lengths[1:]:
+        rest.append(bytes(data[at:at + n]))
+        at += n
+    return first, rest
+
+
 class LaneOut:
     """The sending end of a lane: records into a ring only this peer writes."""
 
@@ -228,14 +241,8 @@ class LaneIn:
             at = pos + 8 + 4 * count
             if at + sum(lengths) > pos + record:
                 self._corrupt(f"frames of {sum(lengths)} bytes in a record of {record}")
-            first = data[at:at + lengths[0]]
-            at += lengths[0]
-            rest = []
-            for n in lengths[1:]:
-                rest.append(bytes(data[at:at + n]))
-                at += n
             self.tail += record
-            return first, rest
+            return frames_of(data, at, lengths)
         return None
 
     def release(self) -> None:

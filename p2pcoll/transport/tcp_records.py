@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import ProtocolError
+from .lane import MAX_FRAMES, Record, frames_of
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -27,13 +28,9 @@ __all__ = ["END", "LARGEST", "MAX_FRAMES", "TOKEN_BYTES", "Record", "RecordReade
 # Bytes of the largest record a lane carries: a 64 KiB piece and its header. Larger messages
 # go over the ZeroMQ link, zero-copy, and striped where the path wants it (.stripes).
 LARGEST = (64 << 10) + (4 << 10)
-MAX_FRAMES = 1024  # frames of one record (a header and its payload pieces)
 TOKEN_BYTES = 16
 _HEAD = struct.Struct("<II")
 END = _HEAD.pack(8, 0)  # the record a lane closed in good order ends with
-
-# A record as read: its first frame and the others (bytes of their own).
-Record = tuple[memoryview, list[bytes]]
 
 
 def record_size(frames: Sequence[Buffer]) -> int:
@@ -98,14 +95,10 @@ class RecordReader:
                 if 8 + 4 * count + sum(lengths) != size:
                     raise self._corrupt(f"frames of {sum(lengths)} bytes in a record of "
                                         f"{size}")
-                frame_at = at + 8 + 4 * count
-                first = bytes(view[frame_at:frame_at + lengths[0]])
-                frame_at += lengths[0]
-                rest = []
-                for n in lengths[1:]:
-                    rest.append(bytes(view[frame_at:frame_at + n]))
-                    frame_at += n
-                self.records.append((memoryview(first), rest))
+                first, rest = frames_of(view, at + 8 + 4 * count, lengths)
+                # The first frame copied too: the buffer moves on as bytes come.
+                self.records.append((memoryview(bytes(first)), rest))
+                first.release()
                 self.held += size
                 at += size
         except ProtocolError:
