@@ -36,6 +36,9 @@ variable                       meaning (default)
                                directory; off)
 ``P2PCOLL_SHM``                shared-memory rings between peers of one host (1)
 ``P2PCOLL_SHM_BYTES``          size of each peer's ring, >= 64K (16M)
+``P2PCOLL_TCP_LANES``          small messages to peers reached over tcp go on plain TCP
+                               lanes in groups without a job key or relay
+                               (:mod:`p2pcoll.transport.tcp_lane`; 1)
 ``P2PCOLL_SPIN``               the most microseconds a small collective on the shared-
                                memory board polls for its peers before it sleeps (the
                                budget within it learned from how late they came), 0..10000;
@@ -46,8 +49,18 @@ variable                       meaning (default)
                                used idle one closed first; >= 4, or 0: no bound (0);
                                each stripe of a link counts
 ``P2PCOLL_STREAMS``            TCP connections a large message's segments are spread
-                               over per peer pair, 1..16, or ``auto``: from the path's
-                               measured round trip (:mod:`p2pcoll.transport.paths`; auto)
+                               over per peer pair, 1..16, or ``auto``: as many as fill
+                               the path, shared among the peers a collective sends to at
+                               once, at most 6 a host (:mod:`p2pcoll.transport.paths`;
+                               auto)
+``P2PCOLL_PROBE``              measure the links at join, for the ring's order and
+                               ``auto`` (:mod:`p2pcoll.api.topology`; unset: when the
+                               group spans several hosts)
+``P2PCOLL_REACHABLE``          0: this peer cannot accept connections (NAT, a firewall):
+                               the others reach it through a relay (docs/relay.md;
+                               unset: the rendezvous checks it can connect back)
+``P2PCOLL_RELAY``              ``tcp://HOST:PORT`` of the relay an unreachable peer uses
+                               (unset: the rendezvous host's)
 ``P2PCOLL_KEY_FILE``           the job key file (``p2pcoll keygen``): secure every socket
 ``P2PCOLL_JOB_ID``             which job of a shared rendezvous server this peer joins
 ``P2PCOLL_MIN_WORLD_SIZE``     elastic groups: form with at least this many peers
