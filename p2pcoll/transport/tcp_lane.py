@@ -50,6 +50,7 @@ import asyncio
 import logging
 import re
 import socket
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -75,6 +76,9 @@ HANDSHAKE_S = 10.0  # a connection to the lane port presents its token within th
 MAX_HANDSHAKES = 64  # connections to the lane port still presenting at once
 RECV_BYTES = 1 << 18
 BYE = b"E"  # what a receiver that closes in good order writes
+# Every peer's lanes in this process (peers of one process poll none of each other's: a
+# poll there would only hold up the event loop they share).
+_IN_PROCESS: weakref.WeakSet[TcpLanes] = weakref.WeakSet()
 _ANNOUNCED = re.compile(r"([1-9][0-9]{0,4}):([0-9a-f]{32})")  # port:token (TOKEN_BYTES hex)
 
 
@@ -218,6 +222,13 @@ class TcpLaneIn:
         self._scratch = bytearray(RECV_BYTES)  # received into, then fed to the reader
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
+    def poll(self) -> None:
+        """Read what the kernel holds now, without waiting (a receive's poll before it
+        parks, see :class:`~.lane_poll.LanePoll`): the same read as the loop's callback,
+        so records are handed on in the same order. Never raises."""
+        if not self._paused and not self.closed:
+            self._on_readable()
+
     def read(self) -> Record | None:
         """The next whole record, or None (see :class:`~.ordering.LaneReader`)."""
         record = self.reader.take()
@@ -313,6 +324,8 @@ class TcpLanes:
         self.into: dict[int, TcpLaneIn] = {}
         self._announced: dict[int, dict[str, str]] = {}
         self._connecting: dict[int, asyncio.Task[None]] = {}
+        #: Peers whose lane port is in this process (see :meth:`polled`).
+        self.in_process: set[int] = set()
         self._handshakes: dict[socket.socket, tuple[bytearray, asyncio.TimerHandle]] = {}
         self._closed = False
         host = _host_of(bind)
@@ -326,6 +339,8 @@ class TcpLanes:
             self._listener.close()
             raise
         self.port = self._listener.getsockname()[1]
+        self.host = host
+        _IN_PROCESS.add(self)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._listener.fileno(), self._on_connection)
 
@@ -417,6 +432,9 @@ class TcpLanes:
         if peer in self.into or peer in self._connecting or self._closed:
             return
         port, token = int(match[1]), bytes.fromhex(match[2])
+        if any(lanes.port == port and lanes.host == self.far[peer] and not lanes._closed
+               for lanes in _IN_PROCESS):
+            self.in_process.add(peer)
         task = self._loop.create_task(self._connect(peer, port, token))
         self._connecting[peer] = task
         task.add_done_callback(lambda _: self._connecting.pop(peer, None))
@@ -448,9 +466,29 @@ class TcpLanes:
             lane.close()
             log.info("rank %d: no TCP lane from rank %d (%s)", self.rank, peer, why)
 
+    # Polling: a receive reads its lanes before it parks (see .lane_poll).
+
+    def polled(self, peer: int) -> bool:
+        """Whether a receive may poll for ``peer``'s records: its lane to this peer is
+        open and it runs in another process."""
+        lane = self.into.get(peer)
+        return lane is not None and not lane.closed and peer not in self.in_process
+
+    def poll(self, peer: int | None = None) -> None:
+        """Read what the kernel holds now on ``peer``'s lane to this one, or on every
+        lane (None); never waits, never raises."""
+        if peer is not None:
+            lane = self.into.get(peer)
+            if lane is not None:
+                lane.poll()
+            return
+        for lane in list(self.into.values()):
+            lane.poll()
+
     def forget(self, peer: int) -> None:
         """``peer`` has gone: close its lanes (without telling the mesh)."""
         self.tokens.revoke(peer)
+        self.in_process.discard(peer)
         for lanes in (self.out, self.into):
             lane = lanes.pop(peer, None)
             if lane is not None:
