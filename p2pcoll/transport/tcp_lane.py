@@ -39,6 +39,13 @@ loaded lab read 24 ms against 0.8 ms (not yet explained), and a lane keeps its r
 link open, so a link budget (``max_links``) is not kept while lanes run (see
 ``benchmarks/README.md``, "TCP lanes").
 
+Polling. A receive whose message has not come reads the lanes before it parks (the same
+read as the loop's callback, :meth:`TcpLaneIn.poll`), and then polls its peer's lane for a
+budget learned per peer, capped by ``P2PCOLL_SPIN`` (:mod:`.lane_poll`,
+:mod:`p2pcoll.engine.polling`): an answer that comes within tens of microseconds is read
+without a turn of the event loop or a wake-up of a sleeping process. Peers of one process
+(:attr:`TcpLanes.in_process`) are never polled for: they share the loop that would poll.
+
 The record codec and the tokens (:mod:`.tcp_records`) have no sockets and are tested
 alone; :class:`TcpLanes` holds one peer's listener, its lanes and the callbacks that tell
 the mesh about them.
