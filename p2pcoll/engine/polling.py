@@ -28,10 +28,6 @@ from .waiting import Patience, yield_core
 
 __all__ = ["MessageWait", "PeerPoll"]
 
-# The most a crowded wait polls on the clock (it yields the core between polls, so its
-# partners run meanwhile): as the board's first nap.
-REACH = 1e-3
-
 
 class PeerPoll(Protocol):
     """What the transport offers a receive that waits for one peer."""
@@ -64,7 +60,10 @@ class MessageWait:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.crowded = world_size > cores
         self._quick = int(self.patience.quick * 1e9)
-        self._reach = int(max(ceiling, REACH) * 1e9)
+        # A crowded wait polls at most the ceiling on the clock too: a yield may give the
+        # core to the host's other work for a time slice, and a parked receive is woken
+        # by the kernel as its message comes.
+        self._reach = int(ceiling * 1e9)
         #: Messages found while polling, and waits that parked after polling (for tests
         #: and benchmarks).
         self.found = self.parked = 0
