@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+import p2pcoll
 from p2pcoll.engine.polling import MessageWait
-from p2pcoll.testing import free_port
+from p2pcoll.testing import free_port, run_ranks
+from p2pcoll.transport.lane_poll import LanePoll
 
 
 class _Peer:
@@ -60,6 +63,26 @@ def test_crowded_waits_yield_and_count_only_their_own_time() -> None:
     never = _Peer(after=None)
     waits = MessageWait(never, ceiling=1e-4, world_size=4, cores=2)
     assert waits.crowded and waits.poll(1, never.came) > 0 and never.looks >= 1
+
+
+async def test_peers_of_one_process_read_their_lanes_but_never_poll_for_each_other(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks of one process over TCP lanes: the poll before parking reads the lanes, but
+    no receive polls for a peer that shares its event loop (it could not send meanwhile)."""
+    monkeypatch.setenv("P2PCOLL_TCP_LANES", "1")
+
+    async def fn(g: p2pcoll.Group) -> tuple[int, int, int, bool]:
+        x = np.full(1024, g.rank + 1, np.float32)
+        for _ in range(20):
+            assert np.array_equal(await g.allreduce(x), np.full(1024, 3, np.float32))
+        poll, waits = g.session.matcher.poll, g.session.matcher.waits
+        assert isinstance(poll, LanePoll) and waits is not None
+        return poll.lane_polls, waits.found, waits.parked, poll.polled(1 - g.rank)
+
+    results = await run_ranks(2, fn, host_ids=["host-a", "host-b"])
+    assert all(lane_polls > 0 for lane_polls, *_ in results), results
+    assert all((found, parked, polled) == (0, 0, False)
+               for _, found, parked, polled in results), results
 
 
 def _report(proc: subprocess.Popen[str], key: str) -> dict[str, Any]:
