@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 from ..errors import ProtocolError
 from .tcp_records import (
     END, LARGEST, MAX_FRAMES, TOKEN_BYTES, Record, RecordReader, Tokens, encode_record,
-    record_size,
+    encode_sized, record_size,
 )
 
 if TYPE_CHECKING:
@@ -119,12 +119,11 @@ class TcpLaneOut:
         """Send one record of ``frames``, keeping room for ``spare`` bytes after it; False
         (nothing sent) if it does not fit now. Never blocks. On a lane that broke meanwhile
         the record is lost with the peer (True: the peer is being named lost)."""
-        need = record_size(frames)
+        pieces, need = encode_sized(frames)
         if need > self.largest or self.pending + need + spare > PENDING_BYTES:
             return False
         if self.closed:
             return True
-        pieces = encode_record(frames)
         if self._pending:
             self._keep(pieces, 0)
             return True

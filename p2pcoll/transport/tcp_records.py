@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 __all__ = ["END", "LARGEST", "MAX_FRAMES", "TOKEN_BYTES", "Record", "RecordReader", "Tokens",
-           "encode_record", "record_size"]
+           "encode_record", "encode_sized", "record_size"]
 
 # Bytes of the largest record a lane carries: a 64 KiB piece and its header. Larger messages
 # go over the ZeroMQ link, zero-copy, and striped where the path wants it (.stripes).
@@ -41,11 +41,18 @@ def record_size(frames: Sequence[Buffer]) -> int:
 
 def encode_record(frames: Sequence[Buffer]) -> list[memoryview]:
     """The pieces of one record of ``frames`` (bytes-like, C-contiguous), head first."""
+    return encode_sized(frames)[0]
+
+
+def encode_sized(frames: Sequence[Buffer]) -> tuple[list[memoryview], int]:
+    """:func:`encode_record`'s pieces and the record's size in bytes (one pass)."""
     views = [memoryview(f).cast("B") for f in frames]
+    count = len(views)
     lengths = [v.nbytes for v in views]
-    head = _HEAD.pack(8 + 4 * len(views) + sum(lengths), len(views))
-    head += struct.pack(f"<{len(views)}I", *lengths)
-    return [memoryview(head), *views]
+    size = 8 + 4 * count + sum(lengths)
+    tail = _LENGTHS[count].pack(*lengths) if count <= 4 else \
+        struct.pack(f"<{count}I", *lengths)
+    return [memoryview(_HEAD.pack(size, count) + tail), *views], size
 
 
 class RecordReader:
