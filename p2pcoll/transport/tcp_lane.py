@@ -44,7 +44,7 @@ read as the loop's callback, :meth:`TcpLaneIn.poll`), and then polls its peer's 
 budget learned per peer, capped by ``P2PCOLL_SPIN`` (:mod:`.lane_poll`,
 :mod:`p2pcoll.engine.polling`): an answer that comes within tens of microseconds is read
 without a turn of the event loop or a wake-up of a sleeping process. Peers of one process
-(:attr:`TcpLanes.in_process`) are never polled for: they share the loop that would poll.
+(:meth:`TcpLanes.polled`) are never polled for: they share the loop that would poll.
 
 The record codec and the tokens (:mod:`.tcp_records`) have no sockets and are tested
 alone; :class:`TcpLanes` holds one peer's listener, its lanes and the callbacks that tell
@@ -217,6 +217,10 @@ class TcpLaneIn:
             carries garbage; records that came whole before stay readable.
     """
 
+    #: Whether its sender runs in this process (then no receive polls it); None: not
+    #: looked at yet (see :meth:`TcpLanes.polled`).
+    near: bool | None = None
+
     def __init__(self, sock: socket.socket, peer: int, arrived: Callable[[int], None],
                  broken: Callable[[int, ProtocolError], None]) -> None:
         self.sock, self.peer = sock, peer
@@ -294,6 +298,16 @@ class TcpLaneIn:
         self.sock.close()
 
 
+def _listening_here(sock: socket.socket) -> bool:
+    """Whether ``sock`` is connected to a lane port of this process."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return False
+    return any(lanes.port == port and lanes.host == host and not lanes._closed
+               for lanes in _IN_PROCESS)
+
+
 def _host_of(endpoint: str) -> str:
     """The host of ``tcp://HOST:PORT`` (brackets of an IPv6 address removed)."""
     return endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
@@ -330,8 +344,6 @@ class TcpLanes:
         self.into: dict[int, TcpLaneIn] = {}
         self._announced: dict[int, dict[str, str]] = {}
         self._connecting: dict[int, asyncio.Task[None]] = {}
-        #: Peers whose lane port is in this process (see :meth:`polled`).
-        self.in_process: set[int] = set()
         self._handshakes: dict[socket.socket, tuple[bytearray, asyncio.TimerHandle]] = {}
         self._closed = False
         host = _host_of(bind)
@@ -438,9 +450,6 @@ class TcpLanes:
         if peer in self.into or peer in self._connecting or self._closed:
             return
         port, token = int(match[1]), bytes.fromhex(match[2])
-        if any(lanes.port == port and lanes.host == self.far[peer] and not lanes._closed
-               for lanes in _IN_PROCESS):
-            self.in_process.add(peer)
         task = self._loop.create_task(self._connect(peer, port, token))
         self._connecting[peer] = task
         task.add_done_callback(lambda _: self._connecting.pop(peer, None))
@@ -478,7 +487,11 @@ class TcpLanes:
         """Whether a receive may poll for ``peer``'s records: its lane to this peer is
         open and it runs in another process."""
         lane = self.into.get(peer)
-        return lane is not None and not lane.closed and peer not in self.in_process
+        if lane is None or lane.closed:
+            return False
+        if lane.near is None:
+            lane.near = _listening_here(lane.sock)
+        return not lane.near
 
     def poll(self, peer: int | None = None) -> None:
         """Read what the kernel holds now on ``peer``'s lane to this one, or on every
@@ -494,7 +507,6 @@ class TcpLanes:
     def forget(self, peer: int) -> None:
         """``peer`` has gone: close its lanes (without telling the mesh)."""
         self.tokens.revoke(peer)
-        self.in_process.discard(peer)
         for lanes in (self.out, self.into):
             lane = lanes.pop(peer, None)
             if lane is not None:
