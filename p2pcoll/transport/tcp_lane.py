@@ -89,6 +89,16 @@ _IN_PROCESS: weakref.WeakSet[TcpLanes] = weakref.WeakSet()
 _ANNOUNCED = re.compile(r"([1-9][0-9]{0,4}):([0-9a-f]{32})")  # port:token (TOKEN_BYTES hex)
 
 
+def _listening_here(sock: socket.socket) -> bool:
+    """Whether ``sock`` is connected to a lane port of this process."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return False
+    return any(lanes.port == port and lanes.host == host and not lanes._closed
+               for lanes in _IN_PROCESS)
+
+
 class TcpLaneOut:
     """The sending end of a TCP lane: whole records, what the kernel does not take kept.
 
@@ -296,16 +306,6 @@ class TcpLaneIn:
                 pass
         self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
-
-
-def _listening_here(sock: socket.socket) -> bool:
-    """Whether ``sock`` is connected to a lane port of this process."""
-    try:
-        host, port = sock.getpeername()[:2]
-    except OSError:
-        return False
-    return any(lanes.port == port and lanes.host == host and not lanes._closed
-               for lanes in _IN_PROCESS)
 
 
 def _host_of(endpoint: str) -> str:
