@@ -41,8 +41,8 @@ variable                       meaning (default)
                                (:mod:`p2pcoll.transport.tcp_lane`; 1)
 ``P2PCOLL_SPIN``               the most microseconds a small collective on the shared-
                                memory board polls for its peers before it sleeps (the
-                               budget within it learned from how late they came), 0..10000;
-                               0 never polls (50)
+                               budget within it learned from how late they came), and a
+                               receive its peer's TCP lane, 0..10000; 0 never polls (50)
 ``P2PCOLL_TUNE_MALLOC``        raise glibc's mmap/trim thresholds once (1)
 ``P2PCOLL_HEARTBEAT_TIMEOUT``  seconds of silence after which a peer is lost, > 0 (5)
 ``P2PCOLL_MAX_LINKS``          links a peer keeps open to others, the least recently
@@ -181,7 +181,8 @@ class Settings:
             default until they measure faster: see benchmarks/README.md).
         spin_us: the most (microseconds) a collective on the shared-memory board polls
             its peers' slots before it sleeps; the budget within it is learned from how
-            late they recently came (hybrid waiting: :mod:`p2pcoll.engine.waiting`).
+            late they recently came (hybrid waiting: :mod:`p2pcoll.engine.waiting`); a
+            receive polls its peer's TCP lane likewise (:mod:`p2pcoll.engine.polling`).
         tune_malloc: whether to raise glibc's mmap and trim thresholds.
         heartbeat_timeout: seconds without a sign of life after which a peer (or the
             rendezvous host) counts as lost, while joining and after.

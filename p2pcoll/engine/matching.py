@@ -32,6 +32,7 @@ from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
 from ..transport.base import Piece
 from ..types import Membership, OpKey
 from ..wire import Header, Signature
+from .polling import MessageWait
 
 Key = tuple[OpKey, int, int, int]  # (op, segment, src, index)
 Message = tuple[Header, list[Piece]]
@@ -96,6 +97,9 @@ class Matcher:
         # returns): a receive calls it before it parks, so a message already there costs
         # no event-loop turn.
         self.poll: Callable[[], None] = _nothing
+        # Polls for a peer's message before a receive parks, where the transport can
+        # (see .polling); None: it parks at once.
+        self.waits: MessageWait | None = None
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
         self._first_header: dict[OpKey, Header] = {}  # op -> its first segment-0 header
@@ -225,13 +229,24 @@ class Matcher:
         msg = self._buffered.pop(key, None)
         if msg is not None:
             return msg
+        began = -1
+        if self.waits is not None:  # poll for it a while (the departures asked after)
+            buffered, failed = self._buffered, self._failed
+            began = self.waits.poll(src, lambda: key in buffered or op in failed)
+            if not began:
+                if op in failed:
+                    raise failed[op]
+                return buffered.pop(key)
         gone = self.departures.lost(src)
         if gone is not None:
             raise gone
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._waiting[key] = fut
         try:
-            return await fut
+            msg = await fut
+            if began > 0:
+                self.waits.parked_until(src, began)  # type: ignore[union-attr]
+            return msg
         except BaseException:
             self._stalled.setdefault(op, set()).add(src)  # for the error's message
             raise

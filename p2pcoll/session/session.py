@@ -19,6 +19,7 @@ from .activity import Activity
 from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
 from ..engine.matching import Matcher
+from ..engine.polling import MessageWait
 from ..errors import KILLED, UNRESPONSIVE, GroupBroken, PeerLost
 from ..settings import Settings
 from ..departures import (
@@ -38,6 +39,7 @@ from ..departures import (
 )
 from ..transport.base import LinkEvent, Transport
 from ..transport.endpoints import CHECKABLE, listening
+from ..transport.lane_poll import LanePoll
 from ..types import Membership, OpKey
 from ..wire import Header
 from . import control
@@ -141,8 +143,12 @@ class Session:
         """Connect the transport and watch the first successors; incoming messages are
         dispatched from now on (by :func:`.control.dispatch`, called by the transport
         itself), and its link events come to :meth:`on_link`."""
-        self.matcher.poll = self.transport.connect(
+        poll = self.transport.connect(
             self.membership, partial(control.dispatch, self), self.on_link)
+        self.matcher.poll = poll
+        if isinstance(poll, LanePoll) and self.settings.spin_us:  # TCP lanes: see .polling
+            self.matcher.waits = MessageWait(poll, self.settings.spin_us * 1e-6,
+                                             self.world_size)
         self._do(self.departures.start(self._now()))
 
     @property

@@ -32,6 +32,7 @@ from ..wire import Header, encode_header
 from . import board as boards
 from . import lane, shm, tcp_lane
 from .base import BytesPiece, Drops, Piece
+from .lane_poll import LanePoll
 from .ordering import LaneReceiver, LaneSender
 from .route import Route
 from .router import YIELD_EVERY
@@ -185,6 +186,13 @@ class SameHost:
 
     def _far_refused(self) -> None:
         self._drops.counters.links_refused += 1
+
+    def poller(self, router: Callable[[], None]) -> Callable[[], None]:
+        """What a receive calls before it parks: the ROUTER's poll, and this peer's TCP
+        lanes' if they are open (see .lane_poll)."""
+        if self.far is None:
+            return router
+        return LanePoll(router, lambda: self.far)
 
     def forget(self, peer: int) -> None:
         """``peer`` has gone: its TCP lanes close, and nothing is told of it. What comes

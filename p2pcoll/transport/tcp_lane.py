@@ -39,6 +39,13 @@ loaded lab read 24 ms against 0.8 ms (not yet explained), and a lane keeps its r
 link open, so a link budget (``max_links``) is not kept while lanes run (see
 ``benchmarks/README.md``, "TCP lanes").
 
+Polling. A receive whose message has not come reads the lanes before it parks (the same
+read as the loop's callback, :meth:`TcpLaneIn.poll`), and then polls its peer's lane for a
+budget learned per peer, capped by ``P2PCOLL_SPIN`` (:mod:`.lane_poll`,
+:mod:`p2pcoll.engine.polling`): an answer that comes within tens of microseconds is read
+without a turn of the event loop or a wake-up of a sleeping process. Peers of one process
+(:meth:`TcpLanes.polled`) are never polled for: they share the loop that would poll.
+
 The record codec and the tokens (:mod:`.tcp_records`) have no sockets and are tested
 alone; :class:`TcpLanes` holds one peer's listener, its lanes and the callbacks that tell
 the mesh about them.
@@ -50,6 +57,7 @@ import asyncio
 import logging
 import re
 import socket
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -57,7 +65,7 @@ from typing import TYPE_CHECKING
 from ..errors import ProtocolError
 from .tcp_records import (
     END, LARGEST, MAX_FRAMES, TOKEN_BYTES, Record, RecordReader, Tokens, encode_record,
-    record_size,
+    encode_sized, record_size,
 )
 
 if TYPE_CHECKING:
@@ -75,7 +83,20 @@ HANDSHAKE_S = 10.0  # a connection to the lane port presents its token within th
 MAX_HANDSHAKES = 64  # connections to the lane port still presenting at once
 RECV_BYTES = 1 << 18
 BYE = b"E"  # what a receiver that closes in good order writes
+# Every peer's lanes in this process (peers of one process poll none of each other's: a
+# poll there would only hold up the event loop they share).
+_IN_PROCESS: weakref.WeakSet[TcpLanes] = weakref.WeakSet()
 _ANNOUNCED = re.compile(r"([1-9][0-9]{0,4}):([0-9a-f]{32})")  # port:token (TOKEN_BYTES hex)
+
+
+def _listening_here(sock: socket.socket) -> bool:
+    """Whether ``sock`` is connected to a lane port of this process."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return False
+    return any(lanes.port == port and lanes.host == host and not lanes._closed
+               for lanes in _IN_PROCESS)
 
 
 class TcpLaneOut:
@@ -108,12 +129,11 @@ class TcpLaneOut:
         """Send one record of ``frames``, keeping room for ``spare`` bytes after it; False
         (nothing sent) if it does not fit now. Never blocks. On a lane that broke meanwhile
         the record is lost with the peer (True: the peer is being named lost)."""
-        need = record_size(frames)
+        pieces, need = encode_sized(frames)
         if need > self.largest or self.pending + need + spare > PENDING_BYTES:
             return False
         if self.closed:
             return True
-        pieces = encode_record(frames)
         if self._pending:
             self._keep(pieces, 0)
             return True
@@ -207,6 +227,10 @@ class TcpLaneIn:
             carries garbage; records that came whole before stay readable.
     """
 
+    #: Whether its sender runs in this process (then no receive polls it); None: not
+    #: looked at yet (see :meth:`TcpLanes.polled`).
+    near: bool | None = None
+
     def __init__(self, sock: socket.socket, peer: int, arrived: Callable[[int], None],
                  broken: Callable[[int, ProtocolError], None]) -> None:
         self.sock, self.peer = sock, peer
@@ -217,6 +241,13 @@ class TcpLaneIn:
         self._paused = False
         self._scratch = bytearray(RECV_BYTES)  # received into, then fed to the reader
         self._loop.add_reader(sock.fileno(), self._on_readable)
+
+    def poll(self) -> None:
+        """Read what the kernel holds now, without waiting (a receive's poll before it
+        parks, see :class:`~.lane_poll.LanePoll`): the same read as the loop's callback,
+        so records are handed on in the same order. Never raises."""
+        if not self._paused and not self.closed:
+            self._on_readable()
 
     def read(self) -> Record | None:
         """The next whole record, or None (see :class:`~.ordering.LaneReader`)."""
@@ -326,6 +357,8 @@ class TcpLanes:
             self._listener.close()
             raise
         self.port = self._listener.getsockname()[1]
+        self.host = host
+        _IN_PROCESS.add(self)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._listener.fileno(), self._on_connection)
 
@@ -447,6 +480,29 @@ class TcpLanes:
         if sent != len(MAGIC) + TOKEN_BYTES:
             lane.close()
             log.info("rank %d: no TCP lane from rank %d (%s)", self.rank, peer, why)
+
+    # Polling: a receive reads its lanes before it parks (see .lane_poll).
+
+    def polled(self, peer: int) -> bool:
+        """Whether a receive may poll for ``peer``'s records: its lane to this peer is
+        open and it runs in another process."""
+        lane = self.into.get(peer)
+        if lane is None or lane.closed:
+            return False
+        if lane.near is None:
+            lane.near = _listening_here(lane.sock)
+        return not lane.near
+
+    def poll(self, peer: int | None = None) -> None:
+        """Read what the kernel holds now on ``peer``'s lane to this one, or on every
+        lane (None); never waits, never raises."""
+        if peer is not None:
+            lane = self.into.get(peer)
+            if lane is not None:
+                lane.poll()
+            return
+        for lane in list(self.into.values()):
+            lane.poll()
 
     def forget(self, peer: int) -> None:
         """``peer`` has gone: close its lanes (without telling the mesh)."""

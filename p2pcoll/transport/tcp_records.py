@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 __all__ = ["END", "LARGEST", "MAX_FRAMES", "TOKEN_BYTES", "Record", "RecordReader", "Tokens",
-           "encode_record", "record_size"]
+           "encode_record", "encode_sized", "record_size"]
 
 # Bytes of the largest record a lane carries: a 64 KiB piece and its header. Larger messages
 # go over the ZeroMQ link, zero-copy, and striped where the path wants it (.stripes).
@@ -31,6 +31,7 @@ LARGEST = (64 << 10) + (4 << 10)
 TOKEN_BYTES = 16
 _HEAD = struct.Struct("<II")
 END = _HEAD.pack(8, 0)  # the record a lane closed in good order ends with
+_LENGTHS = [struct.Struct(f"<{n}I") for n in range(5)]  # a record's lengths, 0-4 frames
 
 
 def record_size(frames: Sequence[Buffer]) -> int:
@@ -40,11 +41,18 @@ def record_size(frames: Sequence[Buffer]) -> int:
 
 def encode_record(frames: Sequence[Buffer]) -> list[memoryview]:
     """The pieces of one record of ``frames`` (bytes-like, C-contiguous), head first."""
+    return encode_sized(frames)[0]
+
+
+def encode_sized(frames: Sequence[Buffer]) -> tuple[list[memoryview], int]:
+    """:func:`encode_record`'s pieces and the record's size in bytes (one pass)."""
     views = [memoryview(f).cast("B") for f in frames]
+    count = len(views)
     lengths = [v.nbytes for v in views]
-    head = _HEAD.pack(8 + 4 * len(views) + sum(lengths), len(views))
-    head += struct.pack(f"<{len(views)}I", *lengths)
-    return [memoryview(head), *views]
+    size = 8 + 4 * count + sum(lengths)
+    tail = _LENGTHS[count].pack(*lengths) if count <= 4 else \
+        struct.pack(f"<{count}I", *lengths)
+    return [memoryview(_HEAD.pack(size, count) + tail), *views], size
 
 
 class RecordReader:
@@ -74,39 +82,51 @@ class RecordReader:
                 record is kept, and the reader must not be fed again.
         """
         buf = self._buf
-        buf += data
-        at, end = 0, len(buf)
-        view = memoryview(buf)
         try:
-            while end - at >= 8:
-                size, count = _HEAD.unpack_from(view, at)
-                if self.ended:
-                    raise self._corrupt("bytes after the end")
-                if size == 8 and count == 0:
-                    self.ended = True
-                    at += 8
-                    continue
-                if (count < 1 or count > MAX_FRAMES or size < 8 + 4 * count
-                        or size > self.largest + 8 + 4 * MAX_FRAMES):
-                    raise self._corrupt(f"a record of {size} bytes with {count} frames")
-                if end - at < size:
-                    break
-                lengths = struct.unpack_from(f"<{count}I", view, at + 8)
-                if 8 + 4 * count + sum(lengths) != size:
-                    raise self._corrupt(f"frames of {sum(lengths)} bytes in a record of "
-                                        f"{size}")
-                first, rest = frames_of(view, at + 8 + 4 * count, lengths)
-                # The first frame copied too: the buffer moves on as bytes come.
-                self.records.append((memoryview(bytes(first)), rest))
-                first.release()
-                self.held += size
-                at += size
+            if buf:  # the rest of a record that came in part: after it
+                buf += data
+                with memoryview(buf) as view:
+                    at = self._parse(view)
+                del buf[:at]
+                return
+            # Nothing held (as nearly always): records are read from ``data`` itself, and
+            # only a record that came in part is kept.
+            with memoryview(data) as given, given.cast("B") as view:
+                at = self._parse(view)
+                if at < len(view):
+                    buf += view[at:]
         except ProtocolError:
-            view.release()
             buf.clear()
             raise
-        view.release()
-        del buf[:at]
+
+    def _parse(self, view: memoryview) -> int:
+        """Whole records of ``view`` to :attr:`records` (copied); bytes read."""
+        at, end = 0, len(view)
+        while end - at >= 8:
+            size, count = _HEAD.unpack_from(view, at)
+            if self.ended:
+                raise self._corrupt("bytes after the end")
+            if size == 8 and count == 0:
+                self.ended = True
+                at += 8
+                continue
+            if (count < 1 or count > MAX_FRAMES or size < 8 + 4 * count
+                    or size > self.largest + 8 + 4 * MAX_FRAMES):
+                raise self._corrupt(f"a record of {size} bytes with {count} frames")
+            if end - at < size:
+                break
+            lengths = _LENGTHS[count].unpack_from(view, at + 8) if count <= 4 else \
+                struct.unpack_from(f"<{count}I", view, at + 8)
+            if 8 + 4 * count + sum(lengths) != size:
+                raise self._corrupt(f"frames of {sum(lengths)} bytes in a record of "
+                                    f"{size}")
+            first, rest = frames_of(view, at + 8 + 4 * count, lengths)
+            # The first frame copied too: the bytes it is in are reused as more come.
+            self.records.append((memoryview(bytes(first)), rest))
+            first.release()
+            self.held += size
+            at += size
+        return at
 
     def take(self) -> Record | None:
         """The oldest whole record not yet taken, or None."""

@@ -237,7 +237,7 @@ class ZmqMesh:
             members = size - 1 + len(overlay.watchers(rank, size))
             self._tasks.append(asyncio.create_task(
                 self._router.census(members, lambda: len(self._gone))))
-        return self._router.poll
+        return self._local.poller(self._router.poll)
 
     @property
     def board(self) -> boards.Board | None:
