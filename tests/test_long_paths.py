@@ -222,3 +222,18 @@ def test_price_hands_the_model_the_long_paths(streams: Any) -> None:
     assert registry.auto_name("allreduce", 64 * MiB, p, model) == "direct"
     figures = replace(model, links=matrix(p, 2e6), rtts=(), window=0)  # the model before
     assert registry.auto_name("allreduce", 64 * MiB, p, figures) == "rabenseifner"
+
+
+def test_a_slow_pair_of_short_paths_keeps_its_picks() -> None:
+    # benchmarks/slow_pair.py's matrix (1 Gbit/s and 10 ms, pair 0-1 at 100 Mbit/s, the
+    # measured ring around it): the windows do not bind, the round trip adds 4.4 ms a step
+    # to every strategy, and auto's picks are those before (commit 37482f6).
+    p = 4
+    links = tuple(tuple(0.0 if i == j else (12e6 if {i, j} == {0, 1} else 125e6)
+                        for j in range(p)) for i in range(p))
+    model = CostModel(TCP, links=links, ring=(0, 2, 1, 3), rtts=matrix(p, 0.01),
+                      window=WINDOW)
+    picks = {n: registry.auto_name("allreduce", n, p, model)
+             for n in (4096, MiB, 16 * MiB, 64 * MiB)}
+    assert picks == {4096: "recursive_doubling", MiB: "ring", 16 * MiB: "ring",
+                     64 * MiB: "ring"}
