@@ -192,15 +192,20 @@ def test_chunk_bytes_must_be_positive() -> None:
     run_virtual(main())
 
 
-class Routes:
-    """A transport's paths as :func:`topology.price` sees them: 0 -> 1 and 0 -> 3 of
-    10 ms, 0 -> 2 of 100 ms; what it is told, kept."""
+class FakePaths:
+    """A transport's paths (:class:`p2pcoll.transport.base.Paths`) as :func:`topology.price`
+    sees them: 0 -> 1 and 0 -> 3 of 10 ms, 0 -> 2 of 100 ms; what it is told, kept."""
+
+    window = 0
 
     def __init__(self) -> None:
         self.told: list[tuple[int, float | None, float | None]] = []
 
-    def path(self, peer: int) -> tuple[float | None, float | None]:
+    def __getitem__(self, peer: int) -> tuple[float | None, float | None]:
         return {1: 0.01, 2: 0.1, 3: 0.01}[peer], None
+
+    def drive(self, peers: frozenset[int]) -> None:
+        pass
 
     def measure(self, peer: int, rtt_s: float | None = None,
                 bandwidth_Bps: float | None = None) -> None:
@@ -208,17 +213,17 @@ class Routes:
 
 
 def told_and_links(rows: np.ndarray) -> tuple[list[Any], tuple[Any, ...]]:
-    """What :func:`topology.price` tells rank 0's :class:`Routes` of ``rows``, and the
+    """What :func:`topology.price` tells rank 0's :class:`FakePaths` of ``rows``, and the
     links its cost model takes."""
 
     async def main() -> tuple[list[Any], tuple[Any, ...]]:
         groups = await memory_groups(4, probe=False)
         try:
             g = groups[0]
-            routes = Routes()
-            g.session.transport.routes = routes  # type: ignore[attr-defined]
+            paths = FakePaths()
+            g.session.transport.paths = paths
             topology.price(g, Topology.from_rows(rows))
-            return routes.told, g.session.runner.costs().links
+            return paths.told, g.session.runner.costs().links
         finally:
             await asyncio.gather(*(g.close() for g in groups))
     return run_virtual(main())

@@ -208,7 +208,7 @@ def test_probe_is_bounded_under_a_silent_peer() -> None:
         started = loop.time()
         if g.rank == 2:
             await asyncio.sleep(seconds + 1)  # silent through the others' deadline
-            rows = await g.allgather(np.full(2 * g.world_size + 1, np.nan))
+            rows = await g.allgather(np.full(2 * g.world_size + 2, np.nan))
             top = Topology.from_rows(np.stack(rows))
         else:
             top = await measure(g, nbytes=nbytes, seconds=seconds)

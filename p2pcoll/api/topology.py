@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..engine.window import pipeline_depth
+from ..transport.paths import DEFAULT_BANDWIDTH_BPS
 from ..types import OpKey, ReduceOp
 
 if TYPE_CHECKING:
@@ -120,6 +122,9 @@ class Topology:
         ring: the ring order the ring strategies run along (rank order when nothing was
             measured, when a link is unknown, or when reordering does not pay).
         measured_at: the Unix time of the measurement, or None.
+        window_bytes: the bytes one connection keeps in flight, the least any rank's
+            transport reported (:attr:`p2pcoll.transport.base.Paths.window`; None: not
+            reported, or 0: no window binds). Not in :meth:`as_dict`.
     """
 
     ranks: tuple[int, ...]
@@ -127,6 +132,7 @@ class Topology:
     bandwidth_Bps: tuple[tuple[float | None, ...], ...]
     ring: tuple[int, ...]
     measured_at: float | None
+    window_bytes: int | None = None
 
     @classmethod
     def unmeasured(cls, size: int) -> Topology:
@@ -138,15 +144,20 @@ class Topology:
     @classmethod
     def from_rows(cls, rows: np.ndarray) -> Topology:
         """The topology from every rank's row of ``[rtt to 0..p-1, bandwidth to
-        0..p-1, its clock]`` (NaN: not measured): the same value on every rank that has
-        the rows (the time is rank 0's)."""
+        0..p-1, its clock, its window]`` (NaN: not measured; a row without the window, as
+        from an older peer, says none): the same value on every rank that has the rows (the
+        time is rank 0's, the window the least reported)."""
         p = rows.shape[0]
+        windows = [float(w) for w in rows[:, 2 * p + 1]] if rows.shape[1] > 2 * p + 1 else []
+        window = (int(min(windows)) if windows and all(math.isfinite(w) and w >= 0
+                                                       for w in windows) else None)
         measured_at = _known(rows[0, 2 * p], math.inf)
         rtt = tuple(tuple(0.0 if i == j else _known(rows[i, j], math.inf)
                           for j in range(p)) for i in range(p))
         bandwidth = tuple(tuple(0.0 if i == j else _known(rows[i, p + j], MAX_BANDWIDTH)
                                 for j in range(p)) for i in range(p))
-        return cls(tuple(range(p)), rtt, bandwidth, choose_ring(bandwidth), measured_at)
+        return cls(tuple(range(p)), rtt, bandwidth, choose_ring(bandwidth), measured_at,
+                   window)
 
     def as_dict(self) -> dict[str, Any]:
         """The value of :meth:`p2pcoll.Group.topology`."""
@@ -183,20 +194,42 @@ def price(group: Group, topology: Topology) -> None:
     a link takes under ``streams=auto``, how deep the pipeline runs;
     :mod:`p2pcoll.transport.paths`), and its cost model the measured links, so that
     ``auto`` sees a slow pair (:mod:`p2pcoll.engine.costs`, "Measured links"; nothing
-    when a link is unknown)."""
-    bandwidth = topology.bandwidth_Bps
-    routes = getattr(group.session.transport, "routes", None)
-    if routes is not None and hasattr(routes, "measure"):  # a transport with paths
-        for peer, b in enumerate(bandwidth[group.rank]):
-            rtt = routes.path(peer)[0] if peer != group.rank else None
-            if (b is not None and rtt is not None and rtt <= SHORT_RTT_S
-                    and b * rtt <= SHORT_PATH_BYTES):
-                routes.measure(peer, None, b)  # the handshakes' round trip stays
+    when a link is unknown), with the round trips, the connections' window and the
+    streams setting, so that it sees a long path (:mod:`p2pcoll.engine.long_paths`): a
+    long path's figure is taken as the transport takes it, not measured (the train timed
+    TCP's start-up), and the pipeline's depth as the executor sets it from the paths."""
+    bandwidth, rtt = topology.bandwidth_Bps, topology.rtt_s
+    paths = group.session.transport.paths
+    for peer, b in enumerate(bandwidth[group.rank]):
+        if peer != group.rank and b is not None and _short(paths[peer][0], b):
+            paths.measure(peer, None, b)  # the handshakes' round trip stays
     if any(b is None for i, row in enumerate(bandwidth) for j, b in enumerate(row) if i != j):
         return
-    links = tuple(tuple(float(b or 0.0) for b in row) for row in bandwidth)
+    p = len(bandwidth)
+    # As the transport and the executor see each path (the same on every rank: the
+    # matrix is agreed): the figure of a short path, else the assumed bandwidth.
+    seen = [[(rtt[i][j], b if _short(rtt[i][j], b) else None)
+             for j, b in enumerate(row)] for i, row in enumerate(bandwidth)]
+    links = tuple(tuple(0.0 if i == j else float(b if b is not None else DEFAULT_BANDWIDTH_BPS)
+                        for j, (_, b) in enumerate(row)) for i, row in enumerate(seen))
+    rtts = tuple(tuple(0.0 if i == j or rtt[i][j] is None else float(rtt[i][j] or 0.0)
+                       for j in range(p)) for i in range(p))
     runner = group.session.runner
-    runner.use_costs(replace(runner.costs(), links=links, ring=topology.ring))
+    model = runner.costs()
+    depth = model.depth
+    if group.settings.pipeline_depth is None:  # the executor's window follows the paths
+        depth = pipeline_depth([f for row in seen for f in row], model.segment_bytes,
+                               floor=model.depth)
+    streams = group.settings.streams
+    runner.use_costs(replace(model, links=links, ring=topology.ring, rtts=rtts,
+                             window=topology.window_bytes or 0, depth=depth,
+                             streams=0 if streams == "auto" else streams))
+
+
+def _short(rtt_s: float | None, bandwidth_Bps: float | None) -> bool:
+    """Whether a probe's figure of a path is taken (see :data:`SHORT_PATH_BYTES`)."""
+    return (rtt_s is not None and bandwidth_Bps is not None and rtt_s <= SHORT_RTT_S
+            and bandwidth_Bps * rtt_s <= SHORT_PATH_BYTES)
 
 
 def wanted(group: Group) -> bool:
@@ -232,7 +265,8 @@ async def measure(group: Group, *, nbytes: int = PROBE_BYTES,
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
     p, r = group.world_size, group.rank
-    row = np.full(2 * p + 1, np.nan)
+    row = np.full(2 * p + 2, np.nan)
+    row[2 * p + 1] = group.session.transport.paths.window
     loop = asyncio.get_running_loop()
     start = loop.time()
     chunk = max(1, min(chunk_bytes, nbytes))

@@ -41,6 +41,15 @@ bytes over it; the ring along a ring other than rank order is priced as the carr
 ring (:class:`~p2pcoll.engine.ordered_ring.OrderedRing`, more bytes) over the slowest hop
 of that ring, and the ring allgather as the ring along it. This is how ``auto`` sees a slow pair.
 
+Long paths. With the measured round trips (:attr:`CostModel.rtts`), the window of one
+connection (:attr:`CostModel.window`) and the connections per link
+(:attr:`CostModel.streams`, 0 for ``auto``), two more terms (:mod:`.long_paths`): every
+step of the schedule waits for half its slowest pair's round trip beyond alpha
+(:func:`~.long_paths.wire_seconds`), and each message moves at most at its connections'
+windows over the round trip, ``k * window / rtt`` (:func:`~.long_paths.window_rates`: the
+ring's 6 connections fill a 1 Gbit/s, 100 ms path, Rabenseifner's 3 half of it). On a LAN
+neither binds and the prediction is the one above.
+
 One term is not the textbook's: when more ranks share a host than it has cores, they queue
 for the CPU, and then what all of them do counts, not only the critical path. With
 ``overhead`` the CPU seconds of one message, a host of ``cores`` cores running ``local`` of
@@ -88,6 +97,7 @@ from ..errors import SettingsError
 from ..settings_env import DEFAULT_PIPELINE_DEPTH
 from ..strategy import ALL, Context, Cost, Recv, Reduce, Send, Strategy, Workload, host_numbers
 from .layout import Extent, Layout
+from .long_paths import window_rates, wire_seconds
 
 TRANSPORTS = ("ipc", "tcp")
 FIELDS = ("alpha", "beta", "gamma", "overhead", "repeat")
@@ -191,6 +201,12 @@ class CostModel:
     # along (empty: not measured; see "Measured links" above).
     links: tuple[tuple[float, ...], ...] = ()
     ring: tuple[int, ...] = ()
+    # The measured round trip of every directed pair (seconds; empty: not measured), the
+    # bytes one connection keeps in flight (0: no window binds) and the connections per
+    # link (0: auto): the long-path terms (see "Long paths" above).
+    rtts: tuple[tuple[float, ...], ...] = ()
+    window: int = 0
+    streams: int = 0
 
     @property
     def levels(self) -> int:
@@ -284,16 +300,33 @@ class CostModel:
             carried = OrderedRing(ring, (max(nbytes // work.itemsize, 1),), 0).cost(work)
             slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
             return (carried.rounds * constants.alpha + carried.sent / max(slowest, 1.0)
-                    + carried.reduced * constants.gamma)
+                    + carried.reduced * constants.gamma + self._wire(strategy, work,
+                                                                     constants.alpha))
         if (strategy.collective == "allgather" and strategy.name == "ring"
                 and ring != tuple(range(size))):
             slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
-            return cost.rounds * constants.alpha + cost.sent / max(slowest, 1.0)
+            return (cost.rounds * constants.alpha + cost.sent / max(slowest, 1.0)
+                    + self._wire(strategy, work, constants.alpha))
         even = even_rate(self.links)
-        seconds = (cost.sent / even if even is not None
-                   else link_seconds(strategy, size, self.links) * nbytes)
-        return (cost.rounds * constants.alpha + seconds + cost.reduced * constants.gamma
-                + self.contention(strategy, work))
+        lines = (self.links if even is None
+                 else tuple((even,) * size for _ in range(size)))
+        hosts = self.hosts if len(self.hosts) == size else ()
+        caps = window_rates(strategy, size, self.rtts, lines, self.window, self.streams,
+                            hosts)
+        if caps is not None:  # a window binds below its line: per message, in lockstep
+            seconds = link_seconds(strategy, size, lines, caps) * nbytes
+        elif even is not None:
+            seconds = cost.sent / even
+        else:
+            seconds = link_seconds(strategy, size, self.links) * nbytes
+        return (cost.rounds * constants.alpha + self._wire(strategy, work, constants.alpha)
+                + seconds + cost.reduced * constants.gamma + self.contention(strategy, work))
+
+    def _wire(self, strategy: Strategy, work: Workload, alpha: float) -> float:
+        """The paths' latency beyond alpha, per wave of segments (see "Long paths")."""
+        if len(self.rtts) != work.size:
+            return 0.0
+        return wire_seconds(strategy, work.size, self.rtts, alpha) * work.waves
 
     def split(self, strategy: Strategy, cost: Cost, size: int) -> tuple[Cost, Cost]:
         """``cost`` as (the part inside hosts, the part between hosts): as the strategy
@@ -417,7 +450,8 @@ def even_rate(links: tuple[tuple[float, ...], ...]) -> float | None:
 
 
 @lru_cache(maxsize=256)
-def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], ...]) -> float:
+def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], ...],
+                 caps: tuple[tuple[float, ...], ...] | None = None) -> float:
     """Seconds per byte of data that ``strategy`` spends on the measured ``links`` (bytes/s
     of every directed pair), its schedules (root 0) read in lockstep: each step takes its
     slowest rank's time. A message of u of the c chunks takes ``u / c / links[i][j]`` per
@@ -427,7 +461,9 @@ def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], 
     of their times (exact where the host's line binds, an upper bound where the pair's
     path does). So a direct exchange, p - 1 messages at once, moves no faster than a ring.
     The first :data:`SCANNED` steps of every rank are read, the rest taken as alike;
-    cached."""
+    cached. With ``caps`` (bytes/s each pair's connections carry at most: their windows,
+    :func:`~.long_paths.window_rates`), a message also takes at least its bytes over its
+    pair's cap, alone: a rank's step takes the larger of its line's sum and that."""
     nchunks = size if strategy.collective in PARTS else strategy.chunks(size)
     schedules = []
     for rank in range(size):
@@ -438,6 +474,7 @@ def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], 
     for i in range(max((len(s) for s in schedules), default=0)):
         sending = [0.0] * size  # each rank's seconds per byte of data in this step, out
         taking = [0.0] * size  # and in
+        windowed = [0.0] * size  # its slowest message through its connections' windows
         for rank, steps in enumerate(schedules):
             if i >= len(steps):
                 continue
@@ -448,7 +485,11 @@ def link_seconds(strategy: Strategy, size: int, links: tuple[tuple[float, ...], 
                     seconds = u / nchunks / max(links[rank][op.to], 1.0)
                     sending[rank] += seconds
                     taking[op.to] += seconds
-        total += max(max(sending), max(taking))
+                    if caps is not None:
+                        alone = u / nchunks / max(caps[rank][op.to], 1.0)
+                        windowed[rank] = max(windowed[rank], alone)
+                        windowed[op.to] = max(windowed[op.to], alone)
+        total += max(max(sending), max(taking), max(windowed))
     return total
 
 

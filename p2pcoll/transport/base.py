@@ -99,29 +99,52 @@ class Paths(Protocol):
     the ranks its program sends to, at once as far as the transport can tell (a ring's one
     neighbour, a direct exchange's p - 1). A transport whose links share a host's line
     splits the line among them (the stripes per pair: :mod:`p2pcoll.transport.paths`); a
-    hint, never an error, ignored where nothing is shared."""
+    hint, never an error, ignored where nothing is shared.
+
+    And what a measurement of the group's links hands in (:func:`p2pcoll.api.topology.price`):
+    ``measure(peer, rtt_s, bandwidth_Bps)``, None for what it did not measure; and
+    ``window``, the bytes one connection keeps in flight (the socket buffers' bound; 0 where
+    no window binds, as in memory), which with the round trip bounds a path's rate."""
+
+    @property
+    def window(self) -> int: ...
 
     def __getitem__(self, peer: int) -> PathFacts: ...
 
     def drive(self, peers: frozenset[int]) -> None: ...
+
+    def measure(self, peer: int, rtt_s: float | None = None,
+                bandwidth_Bps: float | None = None) -> None: ...
 
 
 def _unshared(peers: frozenset[int]) -> None:
     """Nothing to split (a transport whose paths share no line)."""
 
 
+def _unmeasurable(peer: int, rtt_s: float | None = None,
+                  bandwidth_Bps: float | None = None) -> None:
+    """Nothing to record (a transport whose paths follow no measurement)."""
+
+
 @dataclass(frozen=True)
 class PathsOf:
-    """The :class:`Paths` that ``of(peer)`` answers, told what runs by ``driving(peers)``."""
+    """The :class:`Paths` that ``of(peer)`` answers, told what runs by ``driving(peers)``
+    and what was measured by ``measuring(peer, rtt_s, bandwidth_Bps)``."""
 
     of: Callable[[int], PathFacts]
     driving: Callable[[frozenset[int]], None] = _unshared
+    measuring: Callable[[int, float | None, float | None], None] = _unmeasurable
+    window: int = 0
 
     def __getitem__(self, peer: int) -> PathFacts:
         return self.of(peer)
 
     def drive(self, peers: frozenset[int]) -> None:
         self.driving(peers)
+
+    def measure(self, peer: int, rtt_s: float | None = None,
+                bandwidth_Bps: float | None = None) -> None:
+        self.measuring(peer, rtt_s, bandwidth_Bps)
 
 
 @dataclass

@@ -152,7 +152,8 @@ class ZmqMesh:
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back,
                              on_link=self._link_event, streams=settings.streams)
-        self.paths: Paths = PathsOf(self.routes.path, self.routes.drive)  # Transport.paths
+        self.paths: Paths = PathsOf(self.routes.path, self.routes.drive,  # Transport.paths
+                                    self.routes.measure, self.routes.paths.buffers.window)
         # Heartbeat-only links to the watched peers (see .liveness); a probe down: a link's.
         self._probes = Probes(self.sockets, lambda peer: self._link_event(
             peer, LinkEvent.DOWN), self._bye_on_probe)
