@@ -32,7 +32,7 @@ HOSTS = ["host-a", "host-b", "host-c"]  # peers that reach each other over tcp o
 
 @pytest.fixture(autouse=True)
 def tcp_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TCP lanes on (they are off by default)."""
+    """TCP lanes on (the default; set here so that the environment cannot turn them off)."""
     monkeypatch.setenv("P2PCOLL_TCP_LANES", "1")
 
 

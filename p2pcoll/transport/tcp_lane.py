@@ -33,11 +33,14 @@ not, is the same: a partial record is never handed on.
 Security: a lane is plaintext. Lanes are opened only in groups without a job key
 (``--insecure``); a keyed group's messages all go over its CurveZMQ links.
 
-Lanes are off by default (``P2PCOLL_TCP_LANES=1`` turns them on). On a quiet host they
-take a 4 KiB cross-host allreduce at p = 2 from 300-460 us to 90-160 us, but a heavily
-loaded lab read 24 ms against 0.8 ms (not yet explained), and a lane keeps its route's
-link open, so a link budget (``max_links``) is not kept while lanes run (see
-``benchmarks/README.md``, "TCP lanes").
+Lanes are on by default (``P2PCOLL_TCP_LANES=0`` turns them off): on a quiet host they
+take a 4 KiB cross-host allreduce at p = 2 from 300-460 us to 90-160 us (see
+``benchmarks/README.md``, "TCP lanes"). A lane goes with its link: when the link budget
+(``max_links``, see :mod:`.route`) closes the route's link, the sender moves off the lane
+(``lane off``, read before the link's end) and retires it (:meth:`TcpLanes.retire`: its
+:data:`END` after what it keeps, then the lane closes once the receiver has read it); the
+next link's hello names a new lane with a new token, and the receiver, which reads that
+hello only after the old link's end, retires the old lane and connects to the new one.
 
 The record codec and the tokens (:mod:`.tcp_records`) have no sockets and are tested
 alone; :class:`TcpLanes` holds one peer's listener, its lanes and the callbacks that tell
