@@ -7,12 +7,14 @@ or lanes than its budget."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 import p2pcoll
 from p2pcoll.testing import run_ranks
+from p2pcoll.transport import tcp_lane
 
 BUDGET = 4
 
@@ -134,3 +136,58 @@ async def test_a_root_sending_in_turn_keeps_order_across_lanes_that_close_and_re
     assert root["closed"] >= rounds * (n - 1 - BUDGET), root
     assert root["late"] > 0, root  # lanes opened again after their links had closed
     assert all(r["dropped"] == 0 for r in results), results
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("not within 5 s")
+
+
+async def test_a_retired_lane_ends_quietly_after_its_records_and_a_new_token_opens_another(
+) -> None:
+    """Two peers' TcpLanes over real sockets: a lane named and retired before its receiver
+    connected ends at once, quietly; the next token gives a working lane; a lane retired
+    with records in it hands them all on before it ends; no side is told of a failure or
+    counts a refusal, whichever closes first."""
+    told: list[object] = []
+    got: list[bytes] = []
+    a = tcp_lane.TcpLanes(0, {1: "tcp://127.0.0.1:1"}, "tcp://127.0.0.1:0",
+                          arrived=told.append, broken=lambda *w: told.append(w),
+                          inbound=lambda *_: None, refused=lambda: told.append("refused"))
+
+    def arrived(peer: int) -> None:
+        while (record := b.into[peer].read()) is not None:
+            got.append(bytes(record[0]))
+
+    b = tcp_lane.TcpLanes(1, {0: "tcp://127.0.0.1:1"}, "tcp://127.0.0.1:0",
+                          arrived=arrived, broken=lambda *w: told.append(w),
+                          inbound=lambda *_: None, refused=lambda: told.append("refused"))
+    try:
+        stale = a.announce(1)["tcp_lane"]
+        a.retire(1)  # before b connected: the lane its token gets ends at once
+        b.accept(0, stale)
+        await _until(lambda: 0 in b.into and b.into[0].closed)
+        assert a.ready(1) is None
+        fresh = a.announce(1)["tcp_lane"]
+        assert fresh != stale
+        b.accept(0, fresh)
+        b.accept(0, fresh)  # the same hello again: nothing new
+        await _until(lambda: a.ready(1) is not None)
+        out = a.ready(1)
+        assert out is not None
+        for i in range(50):
+            assert out.write([b"m%d" % i])
+        a.retire(1)  # its records are read before it ends
+        assert a.ready(1) is None and not out.write([b"late"])
+        await _until(lambda: out.closed and b.into[0].closed)
+        assert got == [b"m%d" % i for i in range(50)]
+        again = a.announce(1)["tcp_lane"]
+        b.accept(0, again)
+        await _until(lambda: a.ready(1) is not None)
+        assert told == [], told
+    finally:
+        a.close()
+        b.close()
