@@ -509,8 +509,8 @@ class TcpLanes:
     async def _connect_newest(self, peer: int) -> None:
         """Connect to the lane ``peer`` named last; one it named before and that connects
         after a newer one was named is retired as it connects."""
-        connected = ""
-        while (announced := self._heard.get(peer, "")) != connected and not self._closed:
+        connected = ""  # (a peer forgotten meanwhile has named none)
+        while (announced := self._heard.get(peer, connected)) != connected and not self._closed:
             connected = announced
             port, token = announced.split(":")
             lane = await self._connect(peer, int(port), bytes.fromhex(token))
