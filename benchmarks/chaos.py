@@ -120,7 +120,8 @@ async def trial(args: argparse.Namespace, n: int, tmp: Path) -> dict[str, Any]:
         with err.open("wb") as fh:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, __file__, "--worker", url, str(rank), str(args.peers),
-                env=env, stdout=asyncio.subprocess.PIPE, stderr=fh,
+                env={**env, "P2PCOLL_HOST_ID": f"chaos-{rank}"} if args.own_hosts else env,
+                stdout=asyncio.subprocess.PIPE, stderr=fh,
                 stdin=asyncio.subprocess.DEVNULL)
         peers.append(Peer(rank, proc, err))
     result: dict[str, Any] = Counter()
@@ -167,6 +168,9 @@ async def trial(args: argparse.Namespace, n: int, tmp: Path) -> dict[str, Any]:
                 result["malformed"] += stats["dropped"].get("malformed", 0)
             text = p.stderr.read_text(errors="replace")
             result["unretrieved"] += text.count("exception was never retrieved")
+            if "exception was never retrieved" in text:
+                at = text.index("exception was never retrieved")
+                result["unretrieved_text"] = text[at:at + 1500]
             killed_by_us = p is victim and result.get("action") == "kill"
             if (code < 0 and not killed_by_us and code != -signal.SIGKILL) or (
                     "Assertion failed" in text):
@@ -184,7 +188,7 @@ async def drive(args: argparse.Namespace) -> None:
                                                      "abort", "unnamed", "malformed",
                                                      "unretrieved") if k in r)
             print(f"trial {n + 1:3d}: {line}")
-            for key in ("sample", "resumed", "abort_text"):
+            for key in ("sample", "resumed", "abort_text", "unretrieved_text"):
                 if r.get(key):
                     print(f"    {key}: {r[key]}")
             for key in ("hang", "wrong", "abort", "unnamed", "malformed", "unretrieved",
@@ -210,6 +214,9 @@ def main() -> None:
                         help="seconds a survivor may take to raise before it counts as a hang")
     parser.add_argument("--nofile", type=int, default=0, help="soft limit of open files")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--own-hosts", action="store_true",
+                        help="each peer a host of its own (P2PCOLL_HOST_ID): tcp links and "
+                             "TCP lanes between all")
     args = parser.parse_args()
     random.seed(args.seed)
     if args.nofile:

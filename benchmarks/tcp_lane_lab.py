@@ -97,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                 load = open("/proc/loadavg", encoding="ascii").read().split()[0]
                 started = time.monotonic()
                 rows = run_peers(lab, args.hosts, config, lanes, Path(scratch) / "rows.json")
+                times = []
                 for row in (summarize(raw, config) for raw in rows):
                     found.setdefault((lanes, row["size"]), []).append(
                         (row["time_us"], row["cpu_us"]))
+                    times.append(f"{row['size'] >> 10} KiB {row['time_us']:.0f} us")
                 print(f"# round {round_ + 1}, lanes {'on' if lanes else 'off'}: load {load}, "
-                      f"{time.monotonic() - started:.0f} s", flush=True)
+                      f"{time.monotonic() - started:.0f} s: {', '.join(times)}", flush=True)
     print("| p | size | TCP lanes: time (cpu) us | ZeroMQ links: time (cpu) us | ratio |")
     print("|---|---|---|---|---|")
     for nbytes in sizes:

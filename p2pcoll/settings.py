@@ -177,8 +177,8 @@ class Settings:
         shm: whether peers of one host use shared-memory rings.
         shm_bytes: the size of each peer's ring.
         tcp_lanes: whether small messages to peers reached over tcp go on plain TCP lanes
-            (:mod:`p2pcoll.transport.tcp_lane`) in groups without a job key (off by
-            default until they measure faster: see benchmarks/README.md).
+            (:mod:`p2pcoll.transport.tcp_lane`) in groups without a job key and without
+            a relay (on by default; ``P2PCOLL_TCP_LANES=0`` turns them off).
         spin_us: the most (microseconds) a collective on the shared-memory board polls
             its peers' slots before it sleeps; the budget within it is learned from how
             late they recently came (hybrid waiting: :mod:`p2pcoll.engine.waiting`); a
@@ -236,7 +236,7 @@ class Settings:
     flight_dir: str = ""
     shm: bool = True
     shm_bytes: int = 16 << 20
-    tcp_lanes: bool = False
+    tcp_lanes: bool = True
     spin_us: int = 50
     tune_malloc: bool = True
     heartbeat_timeout: float = 5.0

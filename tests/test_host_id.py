@@ -74,6 +74,8 @@ async def peer() -> None:
             "bytes_sent": stats["bytes_sent"],
             "bytes_sent_shm": stats["bytes_sent_shm"],
             "messages_sent_lane": stats["messages_sent_lane"],
+            # shared-memory lanes opened (messages on TCP lanes count as on a lane too)
+            "shm_lanes": g.session.transport._lanes is not None,
             "strategies": stats["collectives_by_strategy"],
             "mapped": mapped,
         }), flush=True)
@@ -117,7 +119,7 @@ def test_different_hosts_never_share_memory(world: int) -> None:
         others = [e for q, e in enumerate(rep["endpoints"]) if q != rep["rank"]]
         assert others and all(e.startswith("tcp://") for e in others), rep["endpoints"]
         assert rep["bytes_sent_shm"] == 0
-        assert rep["messages_sent_lane"] == 0
+        assert not rep["shm_lanes"]  # (small messages go on TCP lanes: on by default)
         assert _board_calls(rep) == 0, rep["strategies"]
         assert rep["mapped"] == []
         # The 1 MiB allreduce went over the sockets: at least its share of the ring.
@@ -260,7 +262,7 @@ def test_namespaces_with_their_own_host_ids_use_their_cables() -> None:
     for rep, b, a in zip(reports, before, after, strict=True):
         others = [e for q, e in enumerate(rep["endpoints"]) if q != rep["rank"]]
         assert all(e.startswith("tcp://198.18.") for e in others), rep["endpoints"]
-        assert rep["bytes_sent_shm"] == 0 and rep["messages_sent_lane"] == 0
+        assert rep["bytes_sent_shm"] == 0 and not rep["shm_lanes"]  # (TCP lanes: on)
         assert _board_calls(rep) == 0 and rep["mapped"] == []
         assert a[0] - b[0] >= rep["bytes_sent"]  # sent over its own cable (frames: more)
 

@@ -32,7 +32,7 @@ HOSTS = ["host-a", "host-b", "host-c"]  # peers that reach each other over tcp o
 
 @pytest.fixture(autouse=True)
 def tcp_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TCP lanes on (they are off by default)."""
+    """TCP lanes on (the default; set here so that the environment cannot turn them off)."""
     monkeypatch.setenv("P2PCOLL_TCP_LANES", "1")
 
 
@@ -161,13 +161,23 @@ async def test_small_messages_take_the_tcp_lanes_and_large_ones_the_link() -> No
         assert dropped == 0 and sent - 8 <= on_lane < sent, results
 
 
-@pytest.mark.parametrize("why", ["default", "setting", "key"])
+async def test_tcp_lanes_are_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("P2PCOLL_TCP_LANES")
+
+    async def fn(g: p2pcoll.Group) -> int:
+        for _ in range(20):  # the first messages go before the lane is connected
+            await g.allreduce(np.ones(16, np.float32))
+        assert g.session.transport._local.far is not None
+        return int(_counters(g).messages_sent_lane)
+
+    assert all(on_lane > 0 for on_lane in await run_ranks(2, fn, host_ids=HOSTS[:2]))
+
+
+@pytest.mark.parametrize("why", ["setting", "key"])
 async def test_no_tcp_lanes_when_turned_off_or_with_a_job_key(
         why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kwargs: dict[str, Any] = {}
-    if why == "default":
-        monkeypatch.delenv("P2PCOLL_TCP_LANES")
-    elif why == "setting":
+    if why == "setting":
         monkeypatch.setenv("P2PCOLL_TCP_LANES", "0")
     else:
         kwargs["key_file"] = tmp_path / "job.key"

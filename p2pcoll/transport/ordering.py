@@ -127,6 +127,19 @@ class LaneSender(Generic[F]):
         self.on_lane = False
         return False
 
+    def leave(self) -> None:
+        """Move back to the socket now (``lane off`` on the lane, if on it): what goes
+        on the socket next is read after everything on the lane (the link closes, say).
+
+        Raises:
+            RuntimeError: as :meth:`put`.
+        """
+        if self.on_lane:
+            if not self.lane.write(self.marker_off):
+                raise RuntimeError("the lane's room kept for the 'lane off' marker was taken")
+            self.wake()
+            self.on_lane = False
+
 
 class LaneReceiver(Generic[M, R]):
     """Hands on one sender's messages, from its socket and its lane, in the order sent.

@@ -10,7 +10,10 @@ through this peer's shared-memory ring, which all its readers share: see :mod:`.
 when a send needs a link this peer does not have and it holds ``budget`` links already, the
 least recently used link that may go is closed first. A link may go when nothing waits for
 room in its queue, it leads to no peer this one watches on the overlay (departures.overlay),
-and it carries no lane (whose order rests on the link's markers). Its last message is an
+and it carries no shared-memory lane (whose order rests on the link's markers). A TCP lane
+(:mod:`.tcp_lane`) goes with its link: ``lane off`` on the lane, then the link's end, so the
+receiver reads the lane's tail before the end; the next link's hello names a new lane
+(``lane_off``, ``lane_gone``). Its last message is an
 ``end``, and the next link to that peer is the next *generation* (its identity says so, see
 :mod:`.links`), which the receiver reads only after that ``end``: the peer's messages stay in
 the order they were sent. When every link must stay, the budget is exceeded rather than
@@ -131,8 +134,8 @@ class Routes:
         sockets: makes the links.
         counters: ``links_opened`` and ``links_closed`` are counted here.
         budget: the most links kept open (0: no bound), draining ones included.
-        opened: called with each route whose first link has just opened (this peer's
-            hello goes first on it).
+        opened: called with each route whose link has just opened (this peer's hello
+            goes first on a peer's first link; on a later one, if it names a new lane).
         heard: called with a route and a message that came back on its link other than
             the answer to its end, once it is read (see :meth:`listen`).
         on_link: told when a link opens, when one is closed for the budget, and when every
@@ -140,12 +143,18 @@ class Routes:
             striped route, when one of its connections goes down (see :mod:`.stripes`).
         streams: the connections a route to a peer over tcp spreads its large messages
             over: an int, or ``"auto"`` (from the path's round trip, see :mod:`.paths`).
+        lane_off: called with a route whose link is about to close for the budget: moves
+            its messages off its lane, or says False (the lane keeps the link).
+        lane_gone: called with a route whose link has closed for the budget (its lane
+            goes too).
     """
 
     def __init__(self, sockets: SocketFactory, counters: Counters, budget: int,
                  opened: Callable[[Route], None],
                  heard: Callable[[Route, list[zmq.Frame]], None],
-                 on_link: LinkHandler, streams: int | Literal["auto"] = 1) -> None:
+                 on_link: LinkHandler, streams: int | Literal["auto"] = 1,
+                 lane_off: Callable[[Route], bool] = lambda route: route.lane is None,
+                 lane_gone: Callable[[Route], None] = lambda route: None) -> None:
         if budget and budget < MIN_LINKS:
             raise ValueError(f"a link budget of {budget} is below {MIN_LINKS}")
         self.sockets = sockets
@@ -155,6 +164,7 @@ class Routes:
         self.heard = heard
         self.on_link = on_link
         self.streams = streams
+        self.lane_off, self.lane_gone = lane_off, lane_gone
         self.paths = Paths()  # round trips measured as links open; bandwidths fed in
         self.routes: dict[int, Route] = {}
         # Links closed for the budget whose end the peer has not answered yet, each with
@@ -418,15 +428,14 @@ class Routes:
         self._generations[dst] = generation + 1
         self.counters.links_opened += 1
         self.on_link(dst, LinkEvent.OPENED)
-        if generation == 0:
-            self.opened(route)
+        self.opened(route)
         return route
 
     def _make_room(self) -> None:
         """Close the least recently used link that may go; none may: keep them all."""
         pinned = self._pinned
         for route in sorted(self.routes.values(), key=lambda r: r.used):
-            if route.peer in pinned or route.lane is not None or route.busy:
+            if route.peer in pinned or route.busy or not self.lane_off(route):
                 continue
             if route.peer in self._gone:
                 # Its peer will answer no end: the link closes now (what it queues gets
@@ -436,11 +445,13 @@ class Routes:
                 if route.reader is not None:
                     route.reader.cancel()
                 route.close()
+                self.lane_gone(route)
                 self.counters.links_closed += 1
                 return
             if not route.send_now(self._end):  # its queue is full: it is busy
                 continue
             del self.routes[route.peer]
+            self.lane_gone(route)
             key = (route.peer, route.generation)
             self.listen(route)
             assert route.reader is not None

@@ -166,7 +166,9 @@ class SameHost:
                                                  partial(self._drops.drop, peer))
 
     def _far_inbound(self, peer: int, inbound: tcp_lane.TcpLaneIn) -> None:
-        self._receivers[peer].lane = inbound
+        receiver = self._receivers.get(peer)
+        if receiver is not None:  # (not gone meanwhile)
+            receiver.lane = inbound
 
     def _far_arrived(self, peer: int) -> None:
         receiver = self._receivers.get(peer)
@@ -210,8 +212,11 @@ class SameHost:
         """The descriptor of this peer's wake-up pipe (read with :meth:`on_wake`), if any."""
         return self.lanes.wakeup.fd if self.lanes is not None else None
 
-    def hello_meta(self, peer: int) -> dict[str, str]:
-        """What this peer's hello to ``peer`` names: its ring, its lane, the board."""
+    def hello_meta(self, peer: int, again: bool = False) -> dict[str, str]:
+        """What this peer's hello to ``peer`` names: its ring, its lane, the board; on a
+        link opened ``again`` (after one closed for the budget), only its new TCP lane."""
+        if again:
+            return self.far.announce(peer) if self.far is not None else {}
         outbox = self.rings.outbox if self.rings is not None else None
         lanes = self.lanes
         meta: dict[str, str] = {}
@@ -265,6 +270,25 @@ class SameHost:
             if sender is None:
                 return False
         return sender.put(cast("Sequence[Buffer]", frames))  # arrays are, to Python 3.12
+
+    def lane_off(self, route: Route) -> bool:
+        """The route's link is about to close for the budget: a TCP lane's messages move
+        off it (``lane off``, read before the link's end); False for a shared-memory
+        lane, which keeps its link (see .route)."""
+        sender = route.lane
+        if sender is None:
+            return True
+        if not isinstance(sender.lane, tcp_lane.TcpLaneOut):
+            return False
+        sender.leave()
+        return True
+
+    def lane_gone(self, route: Route) -> None:
+        """The route's link has closed for the budget: its TCP lane goes too, and the
+        next link's hello names a new one (see :meth:`.tcp_lane.TcpLanes.retire`)."""
+        route.lane = None
+        if self.far is not None and route.peer in self.far.far:
+            self.far.retire(route.peer)
 
     def _lane_sender(self, route: Route) -> LaneSender[Sequence[Buffer]] | None:
         """A sender for the route's lane, shared-memory or TCP, if one is ready."""

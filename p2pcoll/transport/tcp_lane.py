@@ -33,11 +33,14 @@ not, is the same: a partial record is never handed on.
 Security: a lane is plaintext. Lanes are opened only in groups without a job key
 (``--insecure``); a keyed group's messages all go over its CurveZMQ links.
 
-Lanes are off by default (``P2PCOLL_TCP_LANES=1`` turns them on). On a quiet host they
-take a 4 KiB cross-host allreduce at p = 2 from 300-460 us to 90-160 us, but a heavily
-loaded lab read 24 ms against 0.8 ms (not yet explained), and a lane keeps its route's
-link open, so a link budget (``max_links``) is not kept while lanes run (see
-``benchmarks/README.md``, "TCP lanes").
+Lanes are on by default (``P2PCOLL_TCP_LANES=0`` turns them off): on a quiet host they
+take a 4 KiB cross-host allreduce at p = 2 from 300-460 us to 90-160 us (see
+``benchmarks/README.md``, "TCP lanes"). A lane goes with its link: when the link budget
+(``max_links``, see :mod:`.route`) closes the route's link, the sender moves off the lane
+(``lane off``, read before the link's end) and retires it (:meth:`TcpLanes.retire`: its
+:data:`END` after what it keeps, then the lane closes once the receiver has read it); the
+next link's hello names a new lane with a new token, and the receiver, which reads that
+hello only after the old link's end, retires the old lane and connects to the new one.
 
 Polling. A receive whose message has not come reads the lanes before it parks (the same
 read as the loop's callback, :meth:`TcpLaneIn.poll`), and then polls its peer's lane for a
@@ -113,6 +116,7 @@ class TcpLaneOut:
         self.sock, self.peer = sock, peer
         self.largest = LARGEST + 8 + 4 * MAX_FRAMES
         self.closed = False
+        self.retiring = False  # its END is sent or kept (see retire)
         self._broken = broken
         self._pending: deque[memoryview] = deque()
         self.pending = 0  # bytes kept for the kernel
@@ -179,8 +183,13 @@ class TcpLaneOut:
                 sent = 0
         if not pending:
             self._loop.remove_writer(self.sock.fileno())
+            if self.retiring:
+                self._shut()
 
     def _on_readable(self) -> None:
+        if self.retiring and not self._pending:  # all sent: the receiver closes its end
+            self.close(graceful=False)
+            return
         try:
             data = self.sock.recv(1)
         except BlockingIOError:
@@ -192,6 +201,38 @@ class TcpLaneOut:
             self.close(graceful=False)
             return
         self._fail("closed by the receiver" if not data else "the receiver wrote to it")
+
+    def retire(self) -> None:
+        """No more records on this lane (its route's link closes for the budget): the
+        :data:`END` goes after what is kept, then this end shuts for writing, and the lane
+        closes once the receiver, having read everything, closes its end. Never waits;
+        nothing fits any more. Records lost on the way still name the peer lost."""
+        if self.closed or self.retiring:
+            return
+        self.retiring = True
+        self.largest = -1
+        if self._pending:
+            self._pending.append(memoryview(END))
+            self.pending += len(END)
+            return
+        try:
+            sent = self.sock.send(END)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._fail(f"cannot write: {exc}")
+            return
+        if sent < len(END):
+            self._keep([memoryview(END)], sent)
+            self._loop.add_writer(self.sock.fileno(), self._on_writable)
+        else:
+            self._shut()
+
+    def _shut(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the receiver has gone already: nothing of it is kept
+            self.close(graceful=False)
 
     def _fail(self, why: str) -> None:
         if not self.closed:
@@ -206,7 +247,7 @@ class TcpLaneOut:
         self.closed = True
         if graceful:
             try:
-                self.sock.sendmsg([*self._pending, END])
+                self.sock.sendmsg([*self._pending, *([] if self.retiring else [END])])
             except OSError:
                 pass
         self._loop.remove_reader(self.sock.fileno())
@@ -294,6 +335,13 @@ class TcpLaneIn:
             self.close(graceful=False)
             self._broken(self.peer, exc)
 
+    def retire(self) -> None:
+        """This lane is no longer read: its sender has named a newer one, after the end of
+        the link this one served, so nothing on it is wanted any more. It closes when the
+        sender's end comes (or at once if it has); nothing of it is told."""
+        self._arrived = _ignore
+        self._broken = _ignore
+
     def close(self, graceful: bool = True) -> None:
         """Close the lane; ``graceful``: with a :data:`BYE` first (never waiting)."""
         if self.closed:
@@ -306,6 +354,10 @@ class TcpLaneIn:
                 pass
         self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
+
+
+def _ignore(*_: object) -> None:
+    pass
 
 
 def _host_of(endpoint: str) -> str:
@@ -343,6 +395,9 @@ class TcpLanes:
         self.out: dict[int, TcpLaneOut] = {}
         self.into: dict[int, TcpLaneIn] = {}
         self._announced: dict[int, dict[str, str]] = {}
+        self._current: dict[int, bytes] = {}  # peer -> the token its lane presents now
+        self._retiring: list[TcpLaneOut | TcpLaneIn] = []  # retired, not closed yet
+        self._heard: dict[int, str] = {}  # peer -> the lane it named last ("port:token")
         self._connecting: dict[int, asyncio.Task[None]] = {}
         self._handshakes: dict[socket.socket, tuple[bytearray, asyncio.TimerHandle]] = {}
         self._closed = False
@@ -366,14 +421,31 @@ class TcpLanes:
 
     def announce(self, peer: int) -> dict[str, str]:
         """What the hello to ``peer`` names: this peer's lane port and ``peer``'s token
-        (the same each time: a token is made once per peer)."""
+        (the same each time until the lane is retired: then a new one)."""
         if peer not in self.far or self._closed:
             return {}
         meta = self._announced.get(peer)
         if meta is None:
-            token = self.tokens.issue(peer)
+            token = self._current[peer] = self.tokens.issue(peer)
             meta = self._announced[peer] = {"tcp_lane": f"{self.port}:{token.hex()}"}
         return meta
+
+    def retire(self, peer: int) -> None:
+        """The link to ``peer`` closes for the budget: my lane to it goes with it (see
+        :meth:`TcpLaneOut.retire`; what it carries is read before the link's end), and
+        the next hello names a new one. A token named before and presented later gets a
+        lane that ends at once."""
+        self._announced.pop(peer, None)
+        self._current.pop(peer, None)
+        out = self.out.pop(peer, None)
+        if out is not None:
+            self._retire(out)
+
+    def _retire(self, lane: TcpLaneOut | TcpLaneIn) -> None:
+        lane.retire()
+        self._retiring = [kept for kept in self._retiring if not kept.closed]
+        if not lane.closed:
+            self._retiring.append(lane)
 
     def ready(self, peer: int) -> TcpLaneOut | None:
         """My lane to ``peer`` if it may carry messages (the peer presented its token)."""
@@ -408,13 +480,19 @@ class TcpLanes:
         got += data
         if len(got) < len(MAGIC) + TOKEN_BYTES:
             return
-        peer = self.tokens.redeem(bytes(got[len(MAGIC):])) if got.startswith(MAGIC) else None
-        if peer is None or peer in self.out:
+        token = bytes(got[len(MAGIC):])
+        peer = self.tokens.redeem(token) if got.startswith(MAGIC) else None
+        current = peer is not None and self._current.get(peer) == token
+        if peer is None or (current and peer in self.out):
             self._refuse(sock)
             return
         self._end_handshake(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.out[peer] = TcpLaneOut(sock, peer, self._out_broken)
+        out = TcpLaneOut(sock, peer, self._out_broken)
+        if current:
+            self.out[peer] = out
+        else:  # named in a hello before its link closed: it ends at once
+            self._retire(out)
 
     def _refuse(self, sock: socket.socket) -> None:
         """Close a connection to the lane port that presented no valid token (counted)."""
@@ -435,8 +513,10 @@ class TcpLanes:
 
     def accept(self, peer: int, announced: object) -> None:
         """Connect to the lane ``peer`` named in its hello (in the background); nothing if
-        this peer has one from it or is connecting already. If connecting fails, the peer
-        keeps sending over the ZeroMQ link.
+        it names the lane it named before. A new one (its hello on a link opened again
+        after one closed for its budget, read after that link's end) retires the lane
+        from it: nothing on that one is wanted after the end. If connecting fails, the
+        peer keeps sending over the ZeroMQ link.
 
         Raises:
             ProtocolError: ``peer`` is not of another host, or ``announced`` is not
@@ -447,14 +527,32 @@ class TcpLanes:
         match = _ANNOUNCED.fullmatch(announced) if isinstance(announced, str) else None
         if match is None:
             raise ProtocolError(f"TCP lane {announced!r} is not '<port>:<token>'")
-        if peer in self.into or peer in self._connecting or self._closed:
+        if self._heard.get(peer) == announced or self._closed:
             return
-        port, token = int(match[1]), bytes.fromhex(match[2])
-        task = self._loop.create_task(self._connect(peer, port, token))
+        self._heard[peer] = match[0]
+        old = self.into.pop(peer, None)
+        if old is not None:
+            self._retire(old)
+        if peer in self._connecting:  # it connects to the newest lane named once done
+            return
+        task = self._loop.create_task(self._connect_newest(peer))
         self._connecting[peer] = task
         task.add_done_callback(lambda _: self._connecting.pop(peer, None))
 
-    async def _connect(self, peer: int, port: int, token: bytes) -> None:
+    async def _connect_newest(self, peer: int) -> None:
+        """Connect to the lane ``peer`` named last; one it named before and that connects
+        after a newer one was named is retired as it connects."""
+        connected = ""  # (a peer forgotten meanwhile has named none)
+        while (announced := self._heard.get(peer, connected)) != connected and not self._closed:
+            connected = announced
+            port, token = announced.split(":")
+            lane = await self._connect(peer, int(port), bytes.fromhex(token))
+            if lane is not None and self._heard.get(peer) != announced:
+                if self.into.get(peer) is lane:
+                    del self.into[peer]
+                self._retire(lane)
+
+    async def _connect(self, peer: int, port: int, token: bytes) -> TcpLaneIn | None:
         host = self.far[peer]
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -465,7 +563,7 @@ class TcpLanes:
         except (OSError, TimeoutError) as exc:
             sock.close()
             log.info("rank %d: no TCP lane from rank %d (%s)", self.rank, peer, exc)
-            return
+            return None
         except BaseException:
             sock.close()
             raise
@@ -480,6 +578,7 @@ class TcpLanes:
         if sent != len(MAGIC) + TOKEN_BYTES:
             lane.close()
             log.info("rank %d: no TCP lane from rank %d (%s)", self.rank, peer, why)
+        return lane
 
     # Polling: a receive reads its lanes before it parks (see .lane_poll).
 
@@ -507,6 +606,9 @@ class TcpLanes:
     def forget(self, peer: int) -> None:
         """``peer`` has gone: close its lanes (without telling the mesh)."""
         self.tokens.revoke(peer)
+        self._heard.pop(peer, None)
+        for retiring in [lane for lane in self._retiring if lane.peer == peer]:
+            retiring.close()
         for lanes in (self.out, self.into):
             lane = lanes.pop(peer, None)
             if lane is not None:
@@ -525,7 +627,8 @@ class TcpLanes:
         for sock in list(self._handshakes):
             self._end_handshake(sock)
             sock.close()
-        lanes: list[TcpLaneOut | TcpLaneIn] = [*self.out.values(), *self.into.values()]
+        lanes: list[TcpLaneOut | TcpLaneIn] = [*self.out.values(), *self.into.values(),
+                                               *self._retiring]
         for lane in lanes:
             lane.close()
         self.out.clear()

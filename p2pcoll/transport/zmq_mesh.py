@@ -151,7 +151,8 @@ class ZmqMesh:
         # The routes to the peers this one sends to (links on demand, within the budget).
         self.routes = Routes(self.sockets, self.counters, settings.max_links,
                              opened=self._opened, heard=self._heard_back,
-                             on_link=self._link_event, streams=settings.streams)
+                             on_link=self._link_event, streams=settings.streams,
+                             lane_off=local.lane_off, lane_gone=local.lane_gone)
         self.paths: Paths = PathsOf(self.routes.path, self.routes.drive,  # Transport.paths
                                     self.routes.measure, self.routes.paths.buffers.window)
         # Heartbeat-only links to the watched peers (see .liveness); a probe down: a link's.
@@ -319,10 +320,10 @@ class ZmqMesh:
             log.debug("rank %d: removed %d files rank %d left", self.rank, len(removed), rank)
 
     def _opened(self, route: Route) -> None:
-        """A route's first link has opened: its first message is the hello once the group
-        is greeted (the peer keeps what it names when the link is later opened again)."""
+        """A route's link has opened: its first message is the hello once the group is
+        greeted (on a link opened again, only to name a new TCP lane)."""
         if self._hello is not None:
-            self._post_hello(route.peer)
+            self._post_hello(route.peer, again=route.generation > 0)
 
     async def send(
         self, dst: int, header: Header, payload: Sequence[np.ndarray] = (), *, copy: bool = False
@@ -565,10 +566,11 @@ class ZmqMesh:
             else:
                 self._link(peer)  # opening it posts the hello
 
-    def _post_hello(self, peer: int) -> None:
+    def _post_hello(self, peer: int, again: bool = False) -> None:
         assert self._hello is not None
-        meta = self._local.hello_meta(peer)
-        self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
+        meta = self._local.hello_meta(peer, again)  # again: the peer keeps the rest
+        if meta or not again:
+            self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
 
     def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if
