@@ -18,6 +18,7 @@ from p2pcoll.engine.matching import Key, Matcher
 from p2pcoll.errors import P2PCollError, PeerLost
 from p2pcoll.testing import run_ranks
 from p2pcoll.transport.base import BytesPiece, Piece
+from p2pcoll.transport.lane_poll import LanePoll
 from p2pcoll.types import Membership, OpKey
 from p2pcoll.wire import Header
 
@@ -140,5 +141,8 @@ async def test_over_tcp_messages_keep_their_order_and_results_stay_exact() -> No
         for rank in range(2):
             np.testing.assert_array_equal(results[rank][1][i], expected)
     for _, _, poll in results:
-        assert type(poll.__self__).__name__ == "Router"  # the ROUTER's, not a stand-in
+        # Lanes are on (no job key, two hosts): the ROUTER's poll and the lanes' together,
+        # not a stand-in.
+        assert isinstance(poll, LanePoll)
+        assert type(poll._router.__self__).__name__ == "Router"  # type: ignore[attr-defined]
         assert poll() is None  # the group has closed: nothing to read, nothing raised

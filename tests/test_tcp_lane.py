@@ -24,7 +24,7 @@ import p2pcoll
 from p2pcoll.errors import ProtocolError
 from p2pcoll.security import write_key_file
 from p2pcoll.testing import free_port, run_ranks
-from p2pcoll.transport import tcp_lane
+from p2pcoll.transport import tcp_lane, tcp_lane_ends
 from p2pcoll.transport.tcp_records import END, RecordReader, Tokens, encode_record
 
 HOSTS = ["host-a", "host-b", "host-c"]  # peers that reach each other over tcp only
@@ -109,7 +109,7 @@ def test_a_token_is_redeemed_once_and_only_by_its_bytes() -> None:
 
 async def test_a_sender_keeps_what_the_kernel_does_not_take_and_room_for_a_marker(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tcp_lane, "PENDING_BYTES", 64 << 10)
+    monkeypatch.setattr(tcp_lane_ends, "PENDING_BYTES", 64 << 10)
     near, far = socket.socketpair()
     near.setblocking(False)
     near.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

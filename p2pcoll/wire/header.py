@@ -126,10 +126,11 @@ import numpy as np
 from ..strategy import COLLECTIVES
 
 WIRE_VERSION = 15  # 15 (0.21): a probe's row carries the rank's window; 14: a hello may
-# name a TCP lane (meta "tcp_lane"), which a peer of 13 would refuse; 13 (0.18): a board line says what its sleeper waits for (board version
-# 3: WANTS, NAP, WOKEN); 12 (0.17): the shared-memory board keeps four buffers per rank (board
-# version 2), so peers of one host must agree on its layout; 11 (0.14): a striped link's
-# turn frames and stripe identities ("#i");
+# name a TCP lane (meta "tcp_lane"), which a peer of 13 would refuse; 13 (0.18): a board
+# line says what its sleeper waits for (board version 3: WANTS, NAP, WOKEN); 12 (0.17):
+# the shared-memory board keeps four buffers per rank (board version 2), so peers of one
+# host must agree on its layout; 11 (0.14): a striped link's turn frames and stripe
+# identities ("#i");
 # board publishes carry a time stamp; a join may ask to be checked for reachability; 10
 # (0.13): the alltoall collective's code; news, aborts and a goodbye's cause say how a lost
 # peer went (meta "how": killed, unresponsive); 9 (0.11): links closed
