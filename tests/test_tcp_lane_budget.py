@@ -7,6 +7,7 @@ or lanes than its budget."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 import numpy as np
@@ -191,3 +192,29 @@ async def test_a_retired_lane_ends_quietly_after_its_records_and_a_new_token_ope
     finally:
         a.close()
         b.close()
+
+
+async def test_a_retired_lane_whose_receiver_never_closes_is_closed_after_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver that keeps its end of a retired lane open (never reads its end, never
+    closes) does not hold the sender's socket for ever: it goes after RETIRED_S."""
+    monkeypatch.setattr(tcp_lane, "RETIRED_S", 0.2)
+    told: list[object] = []
+    a = tcp_lane.TcpLanes(0, {1: "tcp://127.0.0.1:1"}, "tcp://127.0.0.1:0",
+                          arrived=told.append, broken=lambda *w: told.append(w),
+                          inbound=lambda *_: None, refused=lambda: told.append("refused"))
+    port, token = a.announce(1)["tcp_lane"].split(":")
+    raw = socket.create_connection(("127.0.0.1", int(port)))
+    try:
+        raw.sendall(tcp_lane.MAGIC + bytes.fromhex(token))
+        await _until(lambda: a.ready(1) is not None)
+        out = a.ready(1)
+        assert out is not None and out.write([b"never read"])
+        a.retire(1)
+        await asyncio.sleep(0.05)
+        assert not out.closed  # it waits for the receiver's end for a while
+        await _until(lambda: out.closed)
+        assert a._retiring == [] and told == [], told
+    finally:
+        raw.close()
+        a.close()

@@ -76,6 +76,10 @@ __all__ = ["END", "LARGEST", "MAGIC", "Record", "RecordReader", "TcpLaneIn", "Tc
 
 MAGIC = b"P2PL"
 HANDSHAKE_S = 10.0  # a connection to the lane port presents its token within this
+# A retired lane whose other end has not closed within this is closed here (a peer that
+# keeps its ends open would otherwise hold a socket per retirement); what it still kept
+# for the peer is then cut, and the peer, if it is still reading, names this one lost.
+RETIRED_S = 30.0
 MAX_HANDSHAKES = 64  # connections to the lane port still presenting at once
 # Every peer's lanes in this process (peers of one process poll none of each other's: a
 # poll there would only hold up the event loop they share).
@@ -179,6 +183,15 @@ class TcpLanes:
         self._retiring = [kept for kept in self._retiring if not kept.closed]
         if not lane.closed:
             self._retiring.append(lane)
+            self._loop.call_later(RETIRED_S, self._expire, lane)
+
+    def _expire(self, lane: TcpLaneOut | TcpLaneIn) -> None:
+        """A retired lane's other end has not closed within :data:`RETIRED_S`: close it."""
+        if not lane.closed:
+            log.info("rank %d: a retired TCP lane with rank %d closed after %g s",
+                     self.rank, lane.peer, RETIRED_S)
+            lane.close(graceful=False)
+        self._retiring = [kept for kept in self._retiring if not kept.closed]
 
     def ready(self, peer: int) -> TcpLaneOut | None:
         """My lane to ``peer`` if it may carry messages (the peer presented its token)."""
