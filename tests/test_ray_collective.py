@@ -340,7 +340,7 @@ def test_a_killed_rank_is_a_peer_lost_naming_it() -> None:
 def test_a_rank_killed_mid_stream_on_hosts_of_their_own_is_named_over_tcp_lanes() -> None:
     """The default path between hosts: each actor on a host of its own (P2PCOLL_HOST_ID),
     a stream of small allreduces on TCP lanes; rank 2 is killed in the middle of it."""
-    actors = [Worker.options(runtime_env={"env_vars": {  # type: ignore[attr-defined]
+    actors = [Worker.options(runtime_env={"env_vars": {
         "P2PCOLL_HOST_ID": f"host-{r}", "P2PCOLL_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
         "P2PCOLL_JOIN_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}}).remote() for r in range(3)]
     _group(actors, "hosts")
