@@ -11,7 +11,8 @@ Every rank prints ``STEP <n>`` after each step. The test kills one rank; each su
 must catch the error torch's DDP/FSDP2 raise (``torch.distributed.DistBackendError``, or
 the RuntimeError torch makes of it inside a Python communication hook), print ``CAUGHT
 <unix time> <classes> | <message>``, save its parameters to CHECKPOINT_DIR/rank<r>.pt,
-print ``SAVED``, destroy the process group and exit 0. Anything else escapes and fails
+print ``SAVED``, destroy the process group and exit 0. On the "p2pcoll" backend it prints
+``ON LANE <n>`` after CAUGHT: how many messages it sent on TCP lanes. Anything else escapes and fails
 the rank.
 """
 
@@ -76,6 +77,11 @@ def main() -> None:
                          if c.__module__.startswith(("torch", "p2pcoll")))
         message = " ".join(str(exc).split())
         say(f"CAUGHT {caught:.6f} {type(exc).__name__}[{kinds}] | {message}")
+        if args.backend == "p2pcoll":
+            from p2pcoll.integrations.torch.hooks import p2pcoll_group
+
+            counters = p2pcoll_group().group.session.transport.counters
+            say(f"ON LANE {counters.messages_sent_lane}")
         args.checkpoints.mkdir(parents=True, exist_ok=True)
         torch.save({"step": step, "params": [local(p) for p in model.parameters()]},
                    args.checkpoints / f"rank{rank}.pt")

@@ -15,6 +15,10 @@ future in C++, which turns any error of a Python backend or a Python hook into a
 RuntimeError (the class DistBackendError derives from; Gloo raises a plain RuntimeError
 in all four modes) whose message carries "PeerLost: ... rank 2 ...".
 
+A "hosts" world is the default path between hosts: every rank has a host id of its own
+(``P2PCOLL_HOST_ID``) and no job key, so that the small buckets of the model go on TCP
+lanes (each survivor says how many messages it sent on them).
+
 The worlds run two at a time (a module fixture starts them), so the tests together take
 about as long as three worlds.
 """
@@ -67,13 +71,15 @@ class World:
     checkpoints: Path
 
 
-def run_world(mode: str, sig: signal.Signals, checkpoints: Path) -> World:
-    """Start a world of ``mode``, signal rank VICTIM mid-training, wait for the others."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+def run_world(mode: str, sig: signal.Signals, hosts: bool, checkpoints: Path) -> World:
+    """Start a world of ``mode``, signal rank VICTIM mid-training, wait for the others;
+    ``hosts``: each rank on a host of its own."""
+    env = {**{k: v for k, v in os.environ.items() if k != "P2PCOLL_KEY_FILE"}, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(SIZE), "P2PCOLL_HEARTBEAT_TIMEOUT": str(HEARTBEAT[sig]),
            "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(checkpoints)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r),
+                                   **({"P2PCOLL_HOST_ID": f"host-{r}"} if hosts else {})},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(SIZE)]
     lines: list[list[str]] = [[] for _ in range(SIZE)]
@@ -116,18 +122,20 @@ def run_world(mode: str, sig: signal.Signals, checkpoints: Path) -> World:
                  checkpoints)
 
 
-CASES = [(mode, signal.SIGKILL) for mode in MODES] + [("plain", signal.SIGSTOP)]
+CASES = [(mode, signal.SIGKILL, False) for mode in MODES] + [
+    ("plain", signal.SIGSTOP, False), ("plain", signal.SIGKILL, True)]
 
 
-Worlds = dict[tuple[str, signal.Signals], Future[World]]
+Worlds = dict[tuple[str, signal.Signals, bool], Future[World]]
 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worlds]:
     with ThreadPoolExecutor(WORLDS_AT_ONCE) as pool:
-        yield {(mode, sig): pool.submit(run_world, mode, sig,
-                                        tmp_path_factory.mktemp(f"{mode}-{sig.name}"))
-               for mode, sig in CASES}
+        yield {(mode, sig, hosts): pool.submit(
+            run_world, mode, sig, hosts,
+            tmp_path_factory.mktemp(f"{mode}-{sig.name}{'-hosts' * hosts}"))
+            for mode, sig, hosts in CASES}
 
 
 def check_survivors(world: World, mode: str, sig: signal.Signals) -> None:
@@ -162,7 +170,7 @@ def check_survivors(world: World, mode: str, sig: signal.Signals) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_survivors_of_a_killed_rank_catch_the_error_and_checkpoint(
         worlds: Worlds, mode: str) -> None:
-    world = worlds[(mode, signal.SIGKILL)].result(timeout=START_TIMEOUT + EXIT_TIMEOUT + 60)
+    world = worlds[(mode, signal.SIGKILL, False)].result(timeout=START_TIMEOUT + EXIT_TIMEOUT + 60)
     check_survivors(world, mode, signal.SIGKILL)
 
 
@@ -170,8 +178,20 @@ def test_survivors_of_a_killed_rank_catch_the_error_and_checkpoint(
 def test_survivors_of_a_stopped_rank_catch_the_error_after_the_heartbeat(
         worlds: Worlds) -> None:
     # A stopped peer keeps its sockets open: only the heartbeat timeout tells it is gone.
-    world = worlds[("plain", signal.SIGSTOP)].result(timeout=START_TIMEOUT + EXIT_TIMEOUT + 60)
+    world = worlds[("plain", signal.SIGSTOP, False)].result(timeout=START_TIMEOUT + EXIT_TIMEOUT + 60)
     check_survivors(world, "plain", signal.SIGSTOP)
+
+
+@pytest.mark.timeout(600)
+def test_ranks_on_hosts_of_their_own_catch_the_error_over_tcp_lanes(worlds: Worlds) -> None:
+    # The default path between hosts: DDP's small buckets on TCP lanes, read by the loop.
+    world = worlds[("plain", signal.SIGKILL, True)].result(
+        timeout=START_TIMEOUT + EXIT_TIMEOUT + 60)
+    check_survivors(world, "plain", signal.SIGKILL)
+    for rank in range(SIZE):
+        if rank != VICTIM:
+            m = re.search(r"^ON LANE (\d+)$", world.outputs[rank], re.M)
+            assert m and int(m.group(1)) > STEPS_BEFORE, world.outputs[rank][-3000:]
 
 
 def test_errors_reach_torch_as_its_backend_error_and_stay_p2pcolls() -> None:

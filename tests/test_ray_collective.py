@@ -14,6 +14,7 @@ import asyncio
 import importlib.util
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -166,6 +167,19 @@ class Worker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def stream(self, group: str, count: int) -> dict[str, Any]:
+        """``count`` small allreduces, or fewer if one fails: what failed, when, and how
+        many messages this rank sent on TCP lanes."""
+        out: dict[str, Any] = {"error": None}
+        try:
+            for _ in range(count):
+                col.allreduce(np.ones(256), group_name=group)
+        except Exception as exc:
+            out = {"error": type(exc).__name__, "message": str(exc),
+                   "rank": getattr(exc, "rank", None)}
+        counters = col.get_group_handle(group)._group.aio.session.transport.counters
+        return {**out, "failed_at": time.time(), "on_lane": counters.messages_sent_lane}
 
 
 @ray.remote(num_cpus=0)
@@ -320,3 +334,23 @@ def test_a_killed_rank_is_a_peer_lost_naming_it() -> None:
         assert "PeerLost" in type(caught.value).__name__ or "PeerLost" in str(caught.value), \
             str(caught.value)
         assert "rank 2" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_stream_on_hosts_of_their_own_is_named_over_tcp_lanes() -> None:
+    """The default path between hosts: each actor on a host of its own (P2PCOLL_HOST_ID),
+    a stream of small allreduces on TCP lanes; rank 2 is killed in the middle of it."""
+    actors = [Worker.options(runtime_env={"env_vars": {
+        "P2PCOLL_HOST_ID": f"host-{r}", "P2PCOLL_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
+        "P2PCOLL_JOIN_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}}).remote() for r in range(3)]
+    _group(actors, "hosts")
+    ray.get([a.stream.remote("hosts", 20) for a in actors], timeout=60)  # lanes connected
+    streams = [a.stream.remote("hosts", 10**9) for a in actors]
+    time.sleep(1.0)
+    killed_at = time.time()
+    ray.kill(actors[2])
+    for rank, out in enumerate(ray.get(streams[:2], timeout=60)):
+        assert out["on_lane"] > 0, (rank, out)
+        assert (out["error"], out["rank"]) == ("PeerLost", 2), (rank, out)
+        assert "rank 2" in out["message"], (rank, out)
+        assert out["failed_at"] - killed_at < HEARTBEAT + 10, (rank, out)

@@ -6,6 +6,11 @@ receivers of the same peer failed at once. Here the peers are processes over tcp
 and over same-host lanes; one is killed (SIGKILL) or stopped (SIGSTOP) while the others
 loop the operation, and every survivor must fail with PeerLost naming it within the
 heartbeat bound (never the deadline, which is set far beyond it).
+
+"hosts" is the default path between hosts (0.21.0): every peer claims a host of its own
+(``P2PCOLL_HOST_ID``), no job key, and the operations are small, so that they go on TCP
+lanes read by the event loop; the tests check that they did, through the async API and
+the blocking one.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from p2pcoll.transport.endpoints import free_port
 from p2pcoll.transport.memory import MemoryNetwork
 
 from conftest import stop
+from sender_loss_peer import WARM_UP
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "sender_loss_peer.py"
@@ -39,13 +45,16 @@ TRANSPORTS = {
     "tcp": {"P2PCOLL_TRANSPORT": "tcp"},
     "ipc": {"P2PCOLL_TRANSPORT": "ipc", "P2PCOLL_SHM": "0"},
     "lanes": {"P2PCOLL_TRANSPORT": "ipc", "P2PCOLL_SHM": "1"},
+    "hosts": {"P2PCOLL_TRANSPORT": "tcp"},  # and a P2PCOLL_HOST_ID per rank (run_case)
 }
+SMALL = 8 << 10  # bytes per operation on the hosts path: well under a TCP lane's largest
 # scenario -> (world size, the rank that dies, bytes per operation)
 SCENARIOS = {
     "send": (2, 1, 1 << 20),  # rank 0 sends to rank 1
     "recv": (2, 0, 1 << 20),  # rank 1 receives from rank 0: the receivers' figure
     "broadcast": (3, 2, 1 << 20),  # root 0 broadcasts to ranks 1 and 2
     "gather": (3, 0, 1 << 20),  # ranks 1 and 2 gather to root 0
+    "allreduce": (3, 1, SMALL),  # a stream of small allreduces among 3
 }
 HEARTBEAT_S = 2.0  # a stopped peer is lost after this (the default is 5 s)
 DEADLINE_S = 120.0  # every operation's deadline: far beyond any bound a loss should take
@@ -54,20 +63,25 @@ DEADLINE_S = 120.0  # every operation's deadline: far beyond any bound a loss sh
 def run_case(
     scenario: str, transport: str, signum: int, *, heartbeat: float = HEARTBEAT_S,
     deadline: float = DEADLINE_S, victim: int | None = None, wait: float = 1.0,
-    patience: float | None = None,
+    patience: float | None = None, api: str = "async",
 ) -> tuple[dict[int, dict[str, Any]], int]:
     """Start the scenario's peers, let them loop for ``wait`` seconds, send ``signum`` to
     the victim (the scenario's unless given), and return each survivor's JSON line, with
     ``elapsed``: seconds from the signal to its failure; and the victim's rank. A survivor
-    still running after ``patience`` seconds (default half the deadline) fails the test."""
+    still running after ``patience`` seconds (default half the deadline) fails the test.
+    Over "hosts" every rank has a host id of its own and the operations are SMALL."""
     world, default_victim, size = SCENARIOS[scenario]
     victim = default_victim if victim is None else victim
+    hosts = transport == "hosts"
+    size = SMALL if hosts else size
     url = f"tcp://127.0.0.1:{free_port()}"
-    env = {**os.environ, **TRANSPORTS[transport],
-           "P2PCOLL_HEARTBEAT_TIMEOUT": str(heartbeat), "P2PCOLL_TIMEOUT": str(deadline)}
+    env = {k: v for k, v in os.environ.items() if k != "P2PCOLL_KEY_FILE"}
+    env.update(TRANSPORTS[transport], P2PCOLL_HEARTBEAT_TIMEOUT=str(heartbeat),
+               P2PCOLL_TIMEOUT=str(deadline))
     procs = [subprocess.Popen(
-        [sys.executable, str(PEER), url, str(rank), str(world), scenario, str(size)],
-        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [sys.executable, str(PEER), url, str(rank), str(world), scenario, str(size), api],
+        cwd=ROOT, env={**env, "P2PCOLL_HOST_ID": f"host-{rank}"} if hosts else env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     ) for rank in range(world)]
     stopped = False
     try:
@@ -102,7 +116,7 @@ def run_case(
 CASES = [
     pytest.param(s, t, sig, id=f"{s}-{t}-{sig.name}")
     for s in ("send", "broadcast", "gather")
-    for t in TRANSPORTS
+    for t in TRANSPORTS if t != "hosts"  # the hosts path has tests of its own, below
     for sig in (signal.SIGKILL, signal.SIGSTOP)
 ]
 
@@ -118,6 +132,37 @@ def test_senders_fail_naming_the_lost_peer(scenario: str, transport: str,
         assert f"rank {victim}" in out["message"], (rank, out)
         # The heartbeat bound and slack for a busy machine, nowhere near the deadline.
         assert out["elapsed"] < HEARTBEAT_S + 20, (rank, out)
+
+
+# The default path between hosts: small operations on TCP lanes, receivers and senders,
+# through the async API and the blocking one.
+HOST_CASES = [
+    pytest.param(s, api, sig, id=f"{s}-{api}-{sig.name}")
+    for s, api, sig in [
+        ("send", "async", signal.SIGKILL), ("recv", "async", signal.SIGKILL),
+        ("allreduce", "async", signal.SIGKILL), ("broadcast", "async", signal.SIGKILL),
+        ("send", "async", signal.SIGSTOP),
+        ("send", "blocking", signal.SIGKILL), ("recv", "blocking", signal.SIGKILL),
+        ("allreduce", "blocking", signal.SIGKILL),
+    ]
+]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("scenario", "api", "signum"), HOST_CASES)
+def test_peers_on_hosts_of_their_own_fail_naming_the_lost_peer_over_tcp_lanes(
+        scenario: str, api: str, signum: signal.Signals) -> None:
+    results, victim = run_case(scenario, "hosts", signum, api=api, wait=0.5)
+    for rank, out in results.items():
+        # More than the warm-up's: the scenario's own small messages took the TCP lanes.
+        assert out["on_lane"] > (WARM_UP if scenario != "recv" else 0), (rank, out)
+        assert out["error"] == "PeerLost", (rank, out)
+        assert out["rank"] == victim, (rank, out)
+        assert f"rank {victim}" in out["message"], (rank, out)
+        # A killed peer's lanes and links close at once; a stopped one is lost after the
+        # heartbeat. Slack for a busy machine, nowhere near the deadline.
+        bound = (0.5 if signum == signal.SIGKILL else HEARTBEAT_S) + 10
+        assert out["elapsed"] < bound, (rank, out)
 
 
 # The same over the in-memory transport, whose queues are bounded as a link's: one per
