@@ -35,9 +35,7 @@ from typing import Any
 import p2pcoll
 import p2pcoll.blocking
 
-# Small allreduces before "ready": the first messages go before a TCP lane is connected,
-# so that a peer that only receives in its scenario has sent on its lanes too.
-WARM_UP = 20
+from lanes_up import warm_up, warm_up_blocking  # beside this script
 
 
 def step(g: Any, scenario: str, data: np.ndarray) -> Any:
@@ -55,8 +53,8 @@ def step(g: Any, scenario: str, data: np.ndarray) -> Any:
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 
-def result(g: p2pcoll.Group, out: dict[str, Any], done: int) -> str:
-    out.update(failed_at=time.time(), done=done,
+def result(g: p2pcoll.Group, out: dict[str, Any], done: int, warm: int) -> str:
+    out.update(failed_at=time.time(), done=done, warm_lane=warm,
                on_lane=int(g.session.transport.counters.messages_sent_lane))
     return json.dumps(out)
 
@@ -64,8 +62,8 @@ def result(g: p2pcoll.Group, out: dict[str, Any], done: int) -> str:
 def main_blocking(url: str, rank: int, world: int, scenario: str, data: np.ndarray) -> None:
     g = p2pcoll.blocking.join(url, world_size=world, rank=rank, timeout=60)
     g.barrier(timeout=60)
-    for _ in range(WARM_UP):
-        g.allreduce(np.ones(8))
+    warm_up_blocking(g)  # small allreduces until every rank has sent on its TCP lanes
+    warm = int(g.aio.session.transport.counters.messages_sent_lane)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         g.close()
@@ -78,7 +76,7 @@ def main_blocking(url: str, rank: int, world: int, scenario: str, data: np.ndarr
     except p2pcoll.P2PCollError as exc:
         out = {"error": type(exc).__name__, "message": str(exc),
                "rank": getattr(exc, "rank", None)}
-    print(result(g.aio, out, done), flush=True)
+    print(result(g.aio, out, done, warm), flush=True)
     g.close()
 
 
@@ -87,8 +85,8 @@ async def main() -> None:
                                           sys.argv[4], int(sys.argv[5]))
     g = await p2pcoll.join(url, world_size=world, rank=rank, timeout=60)
     await g.barrier(timeout=60)  # every link is up
-    for _ in range(WARM_UP):
-        await g.allreduce(np.ones(8))
+    await warm_up(g)  # small allreduces until every rank has sent on its TCP lanes
+    warm = int(g.session.transport.counters.messages_sent_lane)
     print("ready", flush=True)
     loop = asyncio.get_running_loop()
     # A thread reads stdin, so the event loop runs meanwhile (and answers peers).
@@ -105,7 +103,7 @@ async def main() -> None:
     except p2pcoll.P2PCollError as exc:
         out = {"error": type(exc).__name__, "message": str(exc),
                "rank": getattr(exc, "rank", None)}
-    print(result(g, out, done), flush=True)
+    print(result(g, out, done, warm), flush=True)
     await g.close()
 
 

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import p2pcoll
+from lanes_up import warm_up  # beside this script
 
 
 async def main() -> None:
@@ -24,8 +25,7 @@ async def main() -> None:
     async with p2pcoll.join(url, world_size=2, rank=rank, transport="tcp", timeout=60,
                             collective_timeout=60) as g:
         x = np.ones(1024, np.float32)
-        for _ in range(20):
-            await g.allreduce(x)
+        await warm_up(g)  # small allreduces until both have sent on their TCP lanes
         on_lane = g.session.transport.counters.messages_sent_lane
         print(json.dumps({"ready": {"rank": rank, "on_lane": on_lane}}), flush=True)
         if rank == 0:

@@ -34,7 +34,6 @@ from p2pcoll.transport.endpoints import free_port
 from p2pcoll.transport.memory import MemoryNetwork
 
 from conftest import stop
-from sender_loss_peer import WARM_UP
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "sender_loss_peer.py"
@@ -154,8 +153,7 @@ def test_peers_on_hosts_of_their_own_fail_naming_the_lost_peer_over_tcp_lanes(
         scenario: str, api: str, signum: signal.Signals) -> None:
     results, victim = run_case(scenario, "hosts", signum, api=api, wait=0.5)
     for rank, out in results.items():
-        # More than the warm-up's: the scenario's own small messages took the TCP lanes.
-        assert out["on_lane"] > (WARM_UP if scenario != "recv" else 0), (rank, out)
+        assert out["warm_lane"] > 0, (rank, out)  # every rank sent on its lanes
         assert out["error"] == "PeerLost", (rank, out)
         assert out["rank"] == victim, (rank, out)
         assert f"rank {victim}" in out["message"], (rank, out)
@@ -163,6 +161,10 @@ def test_peers_on_hosts_of_their_own_fail_naming_the_lost_peer_over_tcp_lanes(
         # heartbeat. Slack for a busy machine, nowhere near the deadline.
         bound = (0.5 if signum == signal.SIGKILL else HEARTBEAT_S) + 10
         assert out["elapsed"] < bound, (rank, out)
+    # The scenario's own small messages took the lanes too (a surviving sender's), unless
+    # every survivor only receives.
+    assert scenario == "recv" or any(
+        out["on_lane"] > out["warm_lane"] for out in results.values()), results
 
 
 # The same over the in-memory transport, whose queues are bounded as a link's: one per
