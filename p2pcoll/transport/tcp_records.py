@@ -32,6 +32,7 @@ TOKEN_BYTES = 16
 _HEAD = struct.Struct("<II")
 END = _HEAD.pack(8, 0)  # the record a lane closed in good order ends with
 _LENGTHS = [struct.Struct(f"<{n}I") for n in range(5)]  # a record's lengths, 0-4 frames
+_PREFIXES = [struct.Struct(f"<II{n}I") for n in range(5)]  # its size, count and lengths
 
 
 def record_size(frames: Sequence[Buffer]) -> int:
@@ -50,9 +51,9 @@ def encode_sized(frames: Sequence[Buffer]) -> tuple[list[memoryview], int]:
     count = len(views)
     lengths = [v.nbytes for v in views]
     size = 8 + 4 * count + sum(lengths)
-    tail = _LENGTHS[count].pack(*lengths) if count <= 4 else \
-        struct.pack(f"<{count}I", *lengths)
-    return [memoryview(_HEAD.pack(size, count) + tail), *views], size
+    prefix = _PREFIXES[count].pack(size, count, *lengths) if count <= 4 else \
+        struct.pack(f"<II{count}I", size, count, *lengths)
+    return [memoryview(prefix), *views], size
 
 
 class RecordReader:
