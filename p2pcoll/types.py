@@ -153,11 +153,19 @@ def check_op_dtype(op: ReduceOp | CustomOp, dtype: np.dtype[Any]) -> None:
 
 def check_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """Return the native-endian form of an allowed dtype, else raise TypeError."""
+    native = _NATIVE.get(dtype)  # (every call checks its dtypes: a dict look-up, usually)
+    if native is not None:
+        return native
     native = dtype.newbyteorder("=") if dtype.byteorder not in "=|" else dtype
     if native.str not in ALLOWED_DTYPES:
         allowed = ", ".join(sorted(np.dtype(s).name for s in ALLOWED_DTYPES))
         raise TypeError(f"dtype {dtype} cannot be communicated; allowed: {allowed}")
+    if len(_NATIVE) < 64:  # the allowed dtypes in either byte order, a few times over
+        _NATIVE[dtype] = native
     return native
+
+
+_NATIVE: dict[np.dtype[Any], np.dtype[Any]] = {}  # allowed dtypes checked: their native form
 
 
 @dataclass(frozen=True)

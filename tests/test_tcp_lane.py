@@ -138,6 +138,32 @@ async def test_a_sender_keeps_what_the_kernel_does_not_take_and_room_for_a_marke
         far.close()
 
 
+async def test_a_receivers_poll_reads_what_waits_and_nothing_else_and_sees_the_end() -> None:
+    near, far = socket.socketpair()
+    far.setblocking(False)
+    arrived: list[int] = []
+    broken: list[str] = []
+    into = tcp_lane_ends.TcpLaneIn(far, 3, arrived.append,
+                                   lambda peer, why: broken.append(why.reason))
+    try:
+        into.poll()  # nothing waits: nothing read, nothing told
+        assert arrived == [] and broken == [] and into.read() is None
+        near.sendall(_wire([b"head", b"piece"]) + _wire([b"next"]))
+        into.poll()  # read at once, without a turn of the loop
+        assert arrived == [3]
+        assert _frames(into.reader) == [[b"head", b"piece"], [b"next"]]
+        near.sendall(_wire([b"cut"])[:6])
+        near.close()  # mid-record: the polls read the part, then the end, and tell it
+        into.poll()
+        into.poll()
+        assert broken == ["malformed"] and into.closed
+        into.poll()  # closed: a no-op
+        assert broken == ["malformed"]
+    finally:
+        into.close()
+        near.close()
+
+
 # Real peers over real sockets (in this process: peers on "different hosts" over tcp).
 
 def _counters(g: p2pcoll.Group) -> Any:

@@ -99,7 +99,7 @@ class Inbound:
             if self.limits is None:
                 raise ProtocolError("message before this peer joined a group",
                                     reason="stranger")
-            header = validate(source, head, [len(f) for f in frames], self.limits)
+            header = validate(source, head, list(map(len, frames)), self.limits)
             kind = header.kind
             if self.kinds is not None and kind not in self.kinds:
                 raise ProtocolError(f"a {kind!r} message where only {sorted(self.kinds)} "

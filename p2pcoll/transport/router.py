@@ -47,7 +47,9 @@ log = logging.getLogger("p2pcoll.transport")
 __all__ = ["YIELD_EVERY", "Router"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+# ZMQ_EVENTS as pyzmq's own constant, not an int: given an int, getsockopt first looks it up
+# in the SocketOption enum (a third of the call); it is asked once or twice per message.
+_EVENTS, _POLLIN = zmq.EVENTS, int(zmq.POLLIN)
 YIELD_EVERY = 64  # messages a reader takes in a row before it lets other tasks run
 
 # A message on a member's current link, handed on in its sender's order (see .same_host).

@@ -348,7 +348,7 @@ class SameHost:
         assert isinstance(message, tuple)
         first, rest = message
         try:
-            return self._accept(src, first, [BytesPiece(b) for b in rest])
+            return self._accept(src, first, list(map(BytesPiece, rest)))
         finally:
             first.release()
             if self.lanes is not None and src in self.lanes.into:

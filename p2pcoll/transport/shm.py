@@ -49,6 +49,7 @@ import mmap
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -363,5 +364,26 @@ class SharedRings:
 
 
 # NAME, PAGE, SHM_DIR, available and sweep are shmfile's, named here as they were before.
+def split(dst: int, payload: Sequence[np.ndarray],
+          placed: Sequence[tuple[int, list[int]] | None], near: list[int], ring: str,
+          ) -> tuple[Sequence[np.ndarray], list[Any] | None, int]:
+    """How one message goes to ``dst``: its pieces not in the ring (``placed[i]``: where
+    piece i went in the ring and at which reader index each of ``near`` finds it, or None),
+    the header's ``shm`` part (None if ``dst`` reads none of them) and the ring's bytes."""
+    reader = near.index(dst) if dst in near else -1
+    inline: list[np.ndarray] = []
+    offsets, indices, ringed = [], [], 0
+    for piece, spot in zip(payload, placed, strict=True):
+        if spot is not None and reader >= 0:
+            offsets.append(spot[0])
+            indices.append(spot[1][reader])
+            ringed += piece.nbytes
+            continue
+        offsets.append(-1)
+        indices.append(-1)
+        inline.append(piece)
+    return inline, [ring, offsets, indices] if ringed else None, ringed
+
+
 __all__ = ["NAME", "PAGE", "SHM_DIR", "Inbox", "Outbox", "SharedRings", "ShmFrame", "available",
-           "sweep"]
+           "split", "sweep"]

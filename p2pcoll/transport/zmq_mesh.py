@@ -372,23 +372,13 @@ class ZmqMesh:
             placed.append(spot)
         tracked: list[zmq.Frame] = []
         snapshot = copy or self._snapshot_all
+        in_ring, total, c = any(placed), sum(nbytes), self.counters
         for dst, header in zip(dsts, headers, strict=True):
             header.nbytes = nbytes
-            inline: list[np.ndarray] = []  # the pieces not in the ring
-            reader = near.index(dst) if dst in near else -1
-            offsets, indices = [], []
-            for piece, spot in zip(payload, placed, strict=True):
-                if spot is not None and reader >= 0:
-                    offsets.append(spot[0])
-                    indices.append(spot[1][reader])
-                    continue
-                offsets.append(-1)
-                indices.append(-1)
-                inline.append(piece)
-            if outbox is not None and any(at >= 0 for at in offsets):
-                header.shm = [outbox.name, offsets, indices]
+            inline, ringed = payload, 0  # (across hosts nothing is in a ring)
+            if in_ring and outbox is not None:
+                inline, header.shm, ringed = shm.split(dst, payload, placed, near, outbox.name)
             head = encode_header(header)
-            c = self.counters
             if dst not in self.routes.routes:
                 await self.routes.room()  # the budget full of draining links: one drains
             # No await between taking the route and queueing on it (see .route's budget).
@@ -411,10 +401,10 @@ class ZmqMesh:
                 await self.routes.put(route, frames, size)
             if header.kind == "data":
                 c.messages_sent += 1
-                c.bytes_sent += sum(nbytes)
-                c.bytes_sent_shm += sum(n for n, at in zip(nbytes, offsets, strict=True) if at >= 0)
+                c.bytes_sent += total
+                c.bytes_sent_shm += ringed
                 if self.sent is not None:
-                    self.sent(dst, header, sum(nbytes))
+                    self.sent(dst, header, total)
         return zmq.MessageTracker(*tracked) if tracked else None
 
     def _link(self, dst: int) -> Route:
