@@ -65,21 +65,27 @@ class TcpLaneOut:
         pieces, need = encode_sized(frames)
         if need > self.largest or self.pending + need + spare > PENDING_BYTES:
             return False
-        if self.closed:
-            return True
+        if not self.closed:
+            self._send(pieces, need)
+        return True
+
+    def _send(self, pieces: list[memoryview], need: int) -> bool:
+        """Send ``pieces`` (``need`` bytes) after what is kept: what the kernel does not
+        take now is kept and written when the socket has room. True if all went now."""
         if self._pending:
             self._keep(pieces, 0)
-            return True
+            return False
         try:
             sent = self.sock.sendmsg(pieces)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             self._fail(f"cannot write: {exc}")
-            return True
+            return False
         if sent < need:
             self._keep(pieces, sent)
             self._loop.add_writer(self.sock.fileno(), self._on_writable)
+            return False
         return True
 
     def _keep(self, pieces: list[memoryview], sent: int) -> None:
@@ -140,22 +146,8 @@ class TcpLaneOut:
             return
         self.retiring = True
         self.largest = -1
-        if self._pending:
-            self._pending.append(memoryview(END))
-            self.pending += len(END)
-            return
-        try:
-            sent = self.sock.send(END)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            self._fail(f"cannot write: {exc}")
-            return
-        if sent < len(END):
-            self._keep([memoryview(END)], sent)
-            self._loop.add_writer(self.sock.fileno(), self._on_writable)
-        else:
-            self._shut()
+        if self._send([memoryview(END)], len(END)):
+            self._shut()  # else the writer shuts it once END has gone
 
     def _shut(self) -> None:
         try:
