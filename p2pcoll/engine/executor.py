@@ -22,6 +22,7 @@ its own in ``executor.wire``; with neither, nothing is wrapped.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,8 @@ if TYPE_CHECKING:  # imported with a timeline (P2PCOLL_TIMELINE): most groups ha
 
 Ufunc = Callable[..., Any]
 MAX_TOLD = 4096  # (peer, digest) pairs remembered as described
+# The most a run of collectives that never suspend holds the event loop (see Executor.run).
+TURN_S = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,7 @@ class Executor:
         self.timeline = timeline  # None: nothing recorded (one check per collective)
         self.wire = wire or Wire.direct(transport, matcher)
         self._told: set[tuple[int, bytes]] = set()  # (peer, digest) described to it
+        self._turned = time.perf_counter()  # when a collective last gave the loop a turn
 
     async def run(
         self,
@@ -112,6 +116,14 @@ class Executor:
             PeerLost, P2PCollError: a peer is gone or reported a failure (abort).
         Cancellation: leaves the data partly updated; the caller must break the group.
         """
+        # A collective whose sends the kernel takes at once and whose messages have come
+        # never suspends its task: a loop of them (a broadcast root's, a sender's over TCP
+        # lanes) would hold the event loop for ever, and with it the timers and readers
+        # that learn of a lost peer. So the loop gets a turn at least every TURN_S.
+        now = time.perf_counter()
+        if now - self._turned > TURN_S:
+            self._turned = now
+            await asyncio.sleep(0)
         if self.timeline is None:
             await self._run(op, program, arrays, ufunc, sig, meta)
             return
