@@ -363,7 +363,6 @@ class SharedRings:
         self._in.clear()
 
 
-# NAME, PAGE, SHM_DIR, available and sweep are shmfile's, named here as they were before.
 def split(dst: int, payload: Sequence[np.ndarray],
           placed: Sequence[tuple[int, list[int]] | None], near: list[int], ring: str,
           ) -> tuple[Sequence[np.ndarray], list[Any] | None, int]:
@@ -385,5 +384,6 @@ def split(dst: int, payload: Sequence[np.ndarray],
     return inline, [ring, offsets, indices] if ringed else None, ringed
 
 
+# NAME, PAGE, SHM_DIR, available and sweep are shmfile's, named here as they were before.
 __all__ = ["NAME", "PAGE", "SHM_DIR", "Inbox", "Outbox", "SharedRings", "ShmFrame", "available",
            "split", "sweep"]
