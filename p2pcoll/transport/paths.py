@@ -7,8 +7,9 @@ bandwidth-delay product: 12.5 MB at 1 Gbit/s and 100 ms). One TCP connection kee
 its window in flight, so it moves at most ``window / RTT`` whatever the line rate, and the
 kernel bounds the window by the socket's buffers: autotuned up to the last field of
 ``net.ipv4.tcp_wmem`` / ``tcp_rmem``, or set (``SO_SNDBUF``) up to ``net.core.wmem_max``.
-About half of a buffer holds data in flight (the rest is the kernel's bookkeeping,
-``net.ipv4.tcp_adv_win_scale``). So:
+Part of a buffer holds data in flight (the rest is the kernel's bookkeeping): half of a
+receive buffer (``net.ipv4.tcp_adv_win_scale``), and of a send buffer
+:data:`SEND_BUFFER_SHARE` (measured). So:
 
 - :func:`choose_streams` (``streams=auto``): enough connections that their windows fill
   the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`
@@ -16,9 +17,9 @@ About half of a buffer holds data in flight (the rest is the kernel's bookkeepin
   at once, one (a ring's neighbour) to all of them (a direct exchange), so each of those
   pairs takes its share of the product and of the cap: the collective's program says how
   many (:meth:`.route.Routes.drive`; two where one window falls short);
-- :func:`send_buffer`: each connection's send buffer, its share of the product (twice
-  that, for the kernel's half), set only where autotuning would stop short of it, and
-  capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
+- :func:`send_buffer`: each connection's send buffer, its share of the product (over
+  :data:`SEND_BUFFER_SHARE`, what of a buffer is in flight), set only where autotuning
+  would stop short of it, and capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
   The receiving side cannot be sized per path (a peer's one ROUTER is bound before any
   path is measured): it autotunes up to ``tcp_rmem``'s maximum, and a warning says so when
   that is below a stripe's share.
@@ -43,8 +44,8 @@ from ..settings_env import MAX_STREAMS
 log = logging.getLogger("p2pcoll.transport")
 
 __all__ = [
-    "DEFAULT_BANDWIDTH_BPS", "HANDSHAKE_TRIPS", "MAX_AUTO_STREAMS", "Buffers", "Paths",
-    "choose_streams", "send_buffer",
+    "DEFAULT_BANDWIDTH_BPS", "HANDSHAKE_TRIPS", "MAX_AUTO_STREAMS", "SEND_BUFFER_SHARE",
+    "Buffers", "Paths", "choose_streams", "send_buffer",
 ]
 
 DEFAULT_BANDWIDTH_BPS = 1.25e9
@@ -57,6 +58,11 @@ be asked for): a 1 Gbit/s line at 100 ms over autotuned 4 MiB buffers (2.9 MB in
 each). Measured on the lab's packet delayer (4 hosts, 50 ms one way, 64 MiB, a ring: one
 peer at a time): 4 or 6 per pair reached 70-88 %, 8 per pair 18-78 %, below both in each of
 four labs (more connections, more packets, on a busy CPU), so 8 no longer."""
+SEND_BUFFER_SHARE = 0.7
+"""What of its send buffer one connection keeps in flight (the kernel counts each packet's
+bookkeeping against the buffer too). Measured on the lab's packet delayer
+(``benchmarks/lab_delay.py``, 100 ms): an autotuned 4 MiB send buffer held 2.9 MB in flight
+(231 Mbit/s), not the half (2 MiB) that the receive side's window would be."""
 # Round trips of a handshake, by CURVE or not: TCP's (1), the greetings and READY (2), CURVE's
 # HELLO/WELCOME and INITIATE/READY (2 more). Measured over the lab's packet delay at 100 ms:
 # 3.02 and 5.5 (2 and 4 before counted no TCP handshake: the old lab's delay relay answered
@@ -88,11 +94,18 @@ class Buffers:
 
     @property
     def window(self) -> int:
-        """The most one connection keeps in flight: half its largest buffer, the smaller
-        of what the sending and the receiving side can have."""
+        """The most one connection keeps in flight, the smaller of what the sending side
+        (:data:`SEND_BUFFER_SHARE` of its largest buffer) and the receiving side (half of
+        its largest, the window it advertises) can have.
+
+        >>> Buffers(tcp_wmem_max=4 << 20, tcp_rmem_max=32 << 20).window  # the lab's: 2.9 MB
+        2936012
+        >>> Buffers(tcp_rmem_max=4 << 20).window  # the receiver binds: half its 4 MiB
+        2097152
+        """
         send = max(self.tcp_wmem_max, self.wmem_max)
         receive = max(self.tcp_rmem_max, self.rmem_max)
-        return max(1, min(send, receive) // 2)
+        return max(1, min(int(send * SEND_BUFFER_SHARE), receive // 2))
 
 
 def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
@@ -145,8 +158,8 @@ def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
         ``wmem_max``; ``capped``: the need is beyond both.
 
     >>> b = Buffers(wmem_max=16 << 20, tcp_wmem_max=4 << 20)
-    >>> send_buffer(0.1, 125e6, 4, b)  # 12.5 MB over 4: 3.1 MB each, twice that wanted
-    (6250000, False)
+    >>> send_buffer(0.1, 125e6, 4, b)  # 12.5 MB over 4: 3.1 MB each, in 0.7 of a buffer
+    (4464286, False)
     >>> send_buffer(0.001, 125e6, 1, b)  # 125 kB: autotuning does it
     (0, False)
     >>> send_buffer(0.1, 125e6, 4, Buffers(wmem_max=4 << 20, tcp_wmem_max=4 << 20))
@@ -158,7 +171,7 @@ def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
     if not rtt_s > 0:
         return 0, False
     bandwidth = DEFAULT_BANDWIDTH_BPS if bandwidth_Bps is None else bandwidth_Bps
-    need = 2 * math.ceil(rtt_s * bandwidth / max(1, streams))
+    need = math.ceil(rtt_s * bandwidth / max(1, streams) / SEND_BUFFER_SHARE)
     if need <= buffers.tcp_wmem_max:
         return 0, False
     if buffers.wmem_max <= buffers.tcp_wmem_max:  # setting it would only lose autotuning

@@ -121,6 +121,29 @@ class Route:
         return [t for t in tasks if t is not None]
 
 
+def least_queued(route: Route) -> int:
+    """The connection of ``route`` (0: its link, i: its stripe i) that the next large
+    message goes on: the one with the fewest bytes not yet acknowledged
+    (:meth:`.stripes.Stripe.queued`; a stripe not opened yet has none), the first of them
+    from ``route.turn`` on, so that connections alike are taken in turn. A connection that
+    its congestion control holds back (BBR's round-trip probe keeps a few packets in
+    flight for 200 ms) or whose window is smaller takes fewer messages than the others
+    rather than an equal share, which its peer would wait for in order."""
+    width = max(1, route.width)
+    stripes = route.stripes
+    best, least = route.turn % width, -1
+    for k in range(width):
+        i = (route.turn + k) % width
+        if i > len(stripes):
+            return len(stripes) + 1  # the next to open: nothing queued (they open in order)
+        queued = (route.conn if i == 0 else stripes[i - 1]).queued()
+        if least < 0 or queued < least:
+            best, least = i, queued
+            if not queued:
+                break
+    return best
+
+
 def _connections(route: Route) -> int:
     """The connections of ``route`` that count against the budget: its link, its stripes,
     and those it has decided to open."""
@@ -293,17 +316,19 @@ class Routes:
         if route.width == 0 or route.sharing != self.sharing:
             self._widen(route)
         stripes = route.stripes
-        i = route.turn
+        i = least_queued(route)
         route.turn = (i + 1) % max(1, route.width)
         if i == 0:
-            await route.put(frames)
+            sending = route.conn.enqueue(frames, nbytes)
+            if sending is not None:
+                await sending
             return
         if i > len(stripes):
             self._open_stripe(route)
         # The turn on the link and the message on the stripe each take their place in
         # their connection's order now, before anything is awaited (see Stripe.enqueue).
         announced = route.conn.enqueue([turn(i)])
-        sending = stripes[i - 1].enqueue(frames)
+        sending = stripes[i - 1].enqueue(frames, nbytes)
         if announced is not None:
             await announced
         if sending is not None:
