@@ -19,7 +19,8 @@ receive buffer (``net.ipv4.tcp_adv_win_scale``), and of a send buffer
   many (:meth:`.route.Routes.drive`; two where one window falls short);
 - :func:`send_buffer`: each connection's send buffer, its share of the product (over
   :data:`SEND_BUFFER_SHARE`, what of a buffer is in flight), set only where autotuning
-  would stop short of it, and capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
+  would stop short of it, and capped by ``wmem_max``, which is then said
+  (``socket_buffers_capped`` and a warning).
   The receiving side cannot be sized per path (a peer's one ROUTER is bound before any
   path is measured): it autotunes up to ``tcp_rmem``'s maximum, and a warning says so when
   that is below a stripe's share.
