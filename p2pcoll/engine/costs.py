@@ -300,14 +300,12 @@ class CostModel:
                 and ring != tuple(range(size))):
             from .ordered_ring import OrderedRing  # the ring the group runs instead
             carried = OrderedRing(ring, (max(nbytes // work.itemsize, 1),), 0).cost(work)
-            slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
-            data = carried.sent / max(slowest, 1.0)
+            data = carried.sent / max(self._slowest_hop(strategy, ring), 1.0)
             return (carried.rounds * constants.alpha + data + carried.reduced * constants.gamma
                     + self._wire(strategy, work, constants.alpha, data))
         if (strategy.collective == "allgather" and strategy.name == "ring"
                 and ring != tuple(range(size))):
-            slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
-            data = cost.sent / max(slowest, 1.0)
+            data = cost.sent / max(self._slowest_hop(strategy, ring), 1.0)
             return (cost.rounds * constants.alpha + data
                     + self._wire(strategy, work, constants.alpha, data))
         even = even_rate(self.links)
@@ -325,6 +323,17 @@ class CostModel:
         return (cost.rounds * constants.alpha + self._wire(strategy, work, constants.alpha,
                                                            seconds)
                 + seconds + cost.reduced * constants.gamma + self.contention(strategy, work))
+
+    def _slowest_hop(self, strategy: Strategy, ring: tuple[int, ...]) -> float:
+        """Bytes/s of the slowest hop of ``ring``: its pair's link, or less where the
+        connections' windows bind it (:func:`~.long_paths.window_rates`; a ring sends to
+        one peer at a time, whatever its order)."""
+        size = len(ring)
+        caps = window_rates(strategy, size, self.rtts, self.links, self.window, self.streams,
+                            self.hosts if len(self.hosts) == size else ())
+        hops = [(ring[k], ring[(k + 1) % size]) for k in range(size)]
+        return min(min(self.links[a][b], caps[a][b] if caps is not None else self.links[a][b])
+                   for a, b in hops)
 
     def _wire(self, strategy: Strategy, work: Workload, alpha: float, data_s: float) -> float:
         """The paths' latency beyond alpha that the segments in flight do not hide, with
