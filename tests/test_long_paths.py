@@ -2,7 +2,7 @@
 connections' windows let through, as pure functions of measured matrices (no sockets).
 
 - the windows bound each pair at ``k * window / rtt``, ``k`` what ``streams=auto`` takes for
-  the program (the ring 6, Rabenseifner 3, the direct exchange 2 per pair) or ``streams=k``;
+  the program (the ring 4, Rabenseifner 2, the direct exchange 1 per pair) or ``streams=k``;
 - the latency: half a round trip beyond alpha per step (the ring 2(p - 1), Rabenseifner
   2 lg p, the direct exchange 2), of which the segments in flight hide all but one step's
   when their data covers the chain;
@@ -59,7 +59,7 @@ def long_model(p: int = 4, *, streams: int = 0, rate: float = DEFAULT_BANDWIDTH_
 
 
 @pytest.mark.parametrize(("name", "width", "peers"), [
-    ("ring", 6, {1}), ("rabenseifner", 3, {1, 2}), ("direct", 2, {1, 2, 3})])
+    ("ring", 4, {1}), ("rabenseifner", 2, {1, 2}), ("direct", 1, {1, 2, 3})])
 def test_the_windows_bound_each_pair_by_the_programs_width(
         name: str, width: int, peers: set[int]) -> None:
     strategy = registry.get("allreduce", name)
@@ -141,19 +141,18 @@ def test_a_long_path_with_one_connection_per_pair_takes_the_direct_exchange() ->
     assert registry.auto_name("allreduce", n, 4, before) == "rabenseifner"
 
 
-def test_a_long_path_with_auto_streams_leaves_rabenseifner() -> None:
-    """``streams=auto``: Rabenseifner's 3 connections per pair hold 6 MB of a 12.5 MB
-    product, the ring's 6 and the direct exchange's 3 x 2 fill it; and the 16 segments in
-    flight hide the ring's 6 half round trips as they hide the direct exchange's 2, so the
-    two tie and auto takes the first, the ring (the lab had them within its noise, ring
-    80-82 % and direct 77-82 % quiet; benchmarks/README.md)."""
+def test_a_long_path_with_auto_streams_takes_the_ring() -> None:
+    """``streams=auto`` keeps 4 connections from a host (MAX_AUTO_STREAMS): the ring's 4 to
+    its one neighbour, Rabenseifner's 2 to each of two partners, the direct exchange's 1 to
+    each of three peers; and the 16 segments in flight hide the ring's 6 half round trips
+    as they hide the direct exchange's 2, so the ring's fuller windows win (the lab: the
+    ring at 4 per pair 74-80 %, the direct exchange 54-61 %; benchmarks/README.md)."""
     n = 64 * MiB
     for rate in (DEFAULT_BANDWIDTH_BPS, 125e6):  # assumed (price's), or measured
         model = long_model(rate=rate)
         times = {name: model.predict(registry.get("allreduce", name), n, 4)
                  for name in ("direct", "rabenseifner", "ring")}
-        assert times["ring"] == pytest.approx(times["direct"], rel=1e-3)
-        assert times["direct"] < times["rabenseifner"]  # type: ignore[operator]
+        assert times["ring"] < times["direct"] < times["rabenseifner"]  # type: ignore[operator]
         assert registry.auto_name("allreduce", n, 4, model) == "ring"
     # Small data on the same paths: the fewest steps (recursive doubling's lg p).
     assert registry.auto_name("allreduce", 4096, 4, long_model()) == "recursive_doubling"
@@ -163,15 +162,17 @@ def test_a_long_path_with_auto_streams_leaves_rabenseifner() -> None:
 def test_a_ring_in_measured_order_is_bound_by_its_windows(streams: int) -> None:
     """The probe may order the ring otherwise than by rank (the lab's, with ``streams=1``:
     [0, 3, 2, 1]); that ring is priced over its slowest hop, which the windows bound as
-    they bound the ring in rank order. (They did not: with one connection per pair auto
+    they bound the ring in rank order (its carried bytes, more than the ring's, through
+    them). (They did not: with one connection per pair auto
     took that ring, 20 % of the line in the lab, against the direct exchange's 61 %.)"""
     n = 64 * MiB
     model = replace(long_model(streams=streams), ring=(0, 3, 2, 1))
     ring = registry.get("allreduce", "ring")
-    width = 1 if streams else 6
+    width = 1 if streams else 4
     floor = 2 * 3 / 4 * n / (width * WINDOW / 0.1)  # its bytes through its windows
     assert model.predict(ring, n, 4) >= floor  # type: ignore[operator]
-    assert registry.auto_name("allreduce", n, 4, model) == "direct"
+    # One connection a pair: the direct exchange's three windows at once; four: the ring's.
+    assert registry.auto_name("allreduce", n, 4, model) == ("direct" if streams else "ring")
 
 
 # auto's picks on LAN matrices before the long-path terms (commit 37482f6), which must not

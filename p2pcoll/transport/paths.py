@@ -16,7 +16,7 @@ receive buffer (``net.ipv4.tcp_adv_win_scale``), and of a send buffer
   per host: a host's line carries its links to all the remote peers a collective sends to
   at once, one (a ring's neighbour) to all of them (a direct exchange), so each of those
   pairs takes its share of the product and of the cap: the collective's program says how
-  many (:meth:`.route.Routes.drive`; two where one window falls short);
+  many (:meth:`.route.Routes.drive`);
 - :func:`send_buffer`: each connection's send buffer, its share of the product (over
   :data:`SEND_BUFFER_SHARE`, what of a buffer is in flight), set only where autotuning
   would stop short of it, and capped by ``wmem_max``, which is then said
@@ -53,12 +53,15 @@ DEFAULT_BANDWIDTH_BPS = 1.25e9
 """Bytes per second assumed of a path whose bandwidth nobody measured (10 Gbit/s): an upper
 bound for most paths between hosts, so ``auto`` errs towards a few connections too many
 (cheap), not too few (a long link at a fraction of its rate)."""
-MAX_AUTO_STREAMS = 6
+MAX_AUTO_STREAMS = 4
 """The connections ``auto`` keeps sending at once from one host, at most (``MAX_STREAMS`` may
-be asked for): a 1 Gbit/s line at 100 ms over autotuned 4 MiB buffers (2.9 MB in flight
-each). Measured on the lab's packet delayer (4 hosts, 50 ms one way, 64 MiB, a ring: one
-peer at a time): 4 or 6 per pair reached 70-88 %, 8 per pair 18-78 %, below both in each of
-four labs (more connections, more packets, on a busy CPU), so 8 no longer."""
+be asked for): four hold 11.7 MB in flight at 2.9 MB each (autotuned 4 MiB send buffers),
+about a 1 Gbit/s line at 100 ms. Measured on the lab's packet delayer (4 hosts, 50 ms one
+way, 64 MiB): the ring at 4 per pair led the ring at 6 in 7 labs of 8 (74-87 % against
+43-80 %; benchmarks/README.md), and the direct exchange at 2 per pair (6 from the host)
+trailed both; 8 per pair fell below all. Plain TCP through the same lab moves a rank's bytes
+as fast over 4 connections as over 6: more connections only send more, smaller packets,
+and each message crosses at a smaller share of the line."""
 SEND_BUFFER_SHARE = 0.7
 """What of its send buffer one connection keeps in flight (the kernel counts each packet's
 bookkeeping against the buffer too). Measured on the lab's packet delayer
@@ -121,20 +124,20 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
             :attr:`Buffers.window`).
         sharing: the remote peers the running collective sends to at once, whose links
             share this host's line (at least 1): each pair fills its share of the
-            product, and the host's connections stay within :data:`MAX_AUTO_STREAMS`,
-            except that a pair whose product one window cannot fill keeps two.
+            product, and the host's connections stay within :data:`MAX_AUTO_STREAMS`
+            (one each, at least, when more peers than that share it).
 
     Returns:
-        From 1 to ``max(2, MAX_AUTO_STREAMS // sharing)``.
+        From 1 to ``max(1, MAX_AUTO_STREAMS // sharing)``.
 
     >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20)  # 1 Gbit/s, 100 ms: 12.5 MB
-    6
+    4
     >>> choose_streams(0.2e-3, 125e6, window_bytes=2 << 20)  # the same, 0.2 ms: one
     1
     >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20, sharing=3)  # 3 peers at once
-    2
+    1
     >>> choose_streams(100e-3, None, window_bytes=2 << 20, sharing=2)  # 10 Gbit/s assumed
-    3
+    2
     """
     if not rtt_s > 0:
         return 1
@@ -142,10 +145,9 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
     window = Buffers.read().window if window_bytes is None else window_bytes
     sharing = max(1, sharing)
     product = rtt_s * max(bandwidth, 1.0)
-    alone = math.ceil(product / max(window, 1))  # the pair's own need
     shared = math.ceil(product / (max(window, 1) * sharing))
-    top = max(2, MAX_AUTO_STREAMS // sharing)
-    return max(1, min(top, MAX_AUTO_STREAMS, MAX_STREAMS, max(shared, min(2, alone))))
+    top = max(1, MAX_AUTO_STREAMS // sharing)
+    return max(1, min(top, MAX_STREAMS, shared))
 
 
 def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,

@@ -310,11 +310,11 @@ class Routes:
         Cancellation: as :meth:`Route.put`; a message may be queued on a stripe and its
         turn not, or the reverse (the caller breaks the group on cancellation anyway).
         """
-        if nbytes < STRIPE_BYTES or route.width == 1:
+        if nbytes >= STRIPE_BYTES and (route.width == 0 or route.sharing != self.sharing):
+            self._widen(route)
+        if nbytes < STRIPE_BYTES or route.width <= 1:
             await route.put(frames)
             return
-        if route.width == 0 or route.sharing != self.sharing:
-            self._widen(route)
         stripes = route.stripes
         i = least_queued(route)
         route.turn = (i + 1) % max(1, route.width)
@@ -337,8 +337,8 @@ class Routes:
     def _widen(self, route: Route) -> None:
         """Decide how many connections ``route`` has (see :meth:`put`), again whenever the
         collective that runs drives another number of remote peers (:meth:`drive`); under
-        ``auto`` with the round trip still unknown, decide later. (Width 1 stays: a path
-        that one connection fills alone needs no more however many share it.)"""
+        ``auto`` with the round trip still unknown, decide later. (A route at width 1 for
+        a program of many peers, the direct exchange's, widens again for a ring's one.)"""
         peer = route.peer
         route.sharing = self.sharing
         if not self._striped[peer]:
