@@ -48,9 +48,9 @@ step of the schedule waits for half its slowest pair's round trip beyond alpha
 (:func:`~.long_paths.wire_seconds`), of which the segments in flight hide all but what
 :func:`~.long_paths.exposed_seconds` leaves (one step's, when they keep the links busy),
 and each message moves at most at its connections' windows over the round trip,
-``k * window / rtt`` (:func:`~.long_paths.window_rates`: the ring's 6 connections fill
-a 1 Gbit/s, 100 ms path, Rabenseifner's 3 half of it). On a LAN neither binds and the
-prediction is the one above.
+``k * window / rtt`` (:func:`~.long_paths.window_rates`: the ring's 4 connections nearly
+fill a 1 Gbit/s, 100 ms path, Rabenseifner's 2 per pair less than half of it). On a LAN
+neither binds and the prediction is the one above.
 
 One term is not the textbook's: when more ranks share a host than it has cores, they queue
 for the CPU, and then what all of them do counts, not only the critical path. With

@@ -24,11 +24,11 @@ that a LAN never shows:
   ``window / r`` whatever the line (:mod:`p2pcoll.transport.paths`); a link striped over
   ``k`` connections, ``k`` windows. How many a link takes under ``streams=auto`` follows the
   collective's program (:func:`p2pcoll.transport.paths.choose_streams` with the remote peers
-  it sends to: a ring's one neighbour takes the host's 6, Rabenseifner's two partners 3
-  each, a direct exchange's p - 1 peers 2 each; ``streams=k``: k). So a pair's rate is
-  ``min(line, k * window / r)`` (:func:`window_rates`): on the lab's path (2 MiB windows)
-  the ring's 6 fill the line, Rabenseifner's 3 half of it, and its fewer rounds do not
-  make that up.
+  it sends to: a ring's one neighbour takes the host's 4, Rabenseifner's two partners 2
+  each, a direct exchange's p - 1 peers 1 each; ``streams=k``: k). So a pair's rate is
+  ``min(line, k * window / r)`` (:func:`window_rates`): on the lab's path (2.9 MB windows)
+  the ring's 4 nearly fill the line, the direct exchange's 3 (one per pair) three quarters
+  of it, Rabenseifner's 2 per pair less than half, and fewer rounds do not make that up.
 
 A rank's messages of one step share its host's line (the sum of their times over their
 pairs' rates, as :func:`p2pcoll.engine.costs.link_seconds` reads them), but each has its own

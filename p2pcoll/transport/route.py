@@ -348,8 +348,7 @@ class Routes:
         # the collective drives at once (drive): a ring one, a direct exchange all of them,
         # so each pair takes its share of the product and of the cap (see
         # paths.choose_streams). Before any collective says, two of them. Measured at p = 4,
-        # 1 Gbit/s, 100 ms, per pair: the ring 4-6 (70-88 %) over 8 (18-78 %); the direct
-        # exchange 2 and 4 alike (55-80 % and 39-83 %).
+        # 1 Gbit/s, 100 ms: the ring at 4 per pair over 6 and 8 (paths.MAX_AUTO_STREAMS).
         sharing = self.sharing or max(1, min(2, len(self._remote)))
         width = (self.paths.streams(peer, sharing) if self.streams == "auto"
                  else self.streams)
