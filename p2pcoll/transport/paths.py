@@ -59,9 +59,10 @@ be asked for): four hold 11.7 MB in flight at 2.9 MB each (autotuned 4 MiB send 
 about a 1 Gbit/s line at 100 ms. Measured on the lab's packet delayer (4 hosts, 50 ms one
 way, 64 MiB, a crowded machine): the ring at 4 per pair led the ring at 6 in 9 labs of 13
 (74-87 % against 43-80 % where it led by most; benchmarks/README.md), and the direct
-exchange at 2 per pair (6 from the host) trailed the ring at 4; 8 per pair fell below all. Plain TCP through the same lab moves a rank's bytes
-as fast over 4 connections as over 6: more connections only send more, smaller packets,
-and each message crosses at a smaller share of the line."""
+exchange at 2 per pair (6 from the host) trailed the ring at 4; 8 per pair fell below
+all. Plain TCP through the same lab moves a rank's bytes as fast over 4 connections as over
+6: more connections send more, smaller packets, and each message crosses at a smaller share
+of the line."""
 SEND_BUFFER_SHARE = 0.7
 """What of its send buffer one connection keeps in flight (the kernel counts each packet's
 bookkeeping against the buffer too). Measured on the lab's packet delayer
