@@ -190,7 +190,7 @@ async def test_error_feedback_sends_over_rounds_what_one_round_held_back() -> No
     """A constant pseudo-gradient: what was sent over R exchanges plus what is still held
     equals R times the input (the accumulator loses nothing), and most of it got through."""
     n, rounds, shape = 2, 40, (CHUNK,)
-    compressor = TopK2Bit(0.05)
+    compressor = TopK2Bit(0.05, decay=1.0)  # keeps all it held
     rng = np.random.default_rng(7)
     deltas = [[rng.standard_normal(shape).astype(np.float32)] for _ in range(n)]
     residuals = [[np.zeros(shape, np.float32)] for _ in range(n)]
@@ -314,9 +314,9 @@ async def test_nan_in_a_pseudo_gradient_is_reported_by_name_and_not_applied() ->
 # --- off the event loop ---------------------------------------------------------------------
 
 # Digests of the average and of every rank's residuals after one exchange of the fixed inputs
-# below, as topk2bit computed them on the event loop's thread (with the levels of 0.22: the
-# levels changed the bits, not where they are computed): moving the work to a worker thread
-# changed no bit. (n, density, residuals kept, seed, average, residuals)
+# below (decay 1), as topk2bit computed them on the event loop's thread (with the levels of
+# 0.22, which changed the bits, not where they are computed): moving the work to a worker
+# thread changed no bit. (n, density, residuals kept, seed, average, residuals)
 SHAPES = [(2 * CHUNK + 904,), (5, 7), (1,), (3, CHUNK)]
 AS_ON_THE_LOOP = [
     (3, 0.015, True, 11, "b8f25cc783cf8781b8211ed52abcab4c", "5b937863276493447e7244bbefdeaab3"),
@@ -333,7 +333,7 @@ async def test_the_results_are_the_bits_topk2bit_gave_when_it_computed_on_the_lo
     """The sparse way (0.015, 0.05), the dense way (0.9; 0.3 at p = 4), one rank, and no
     residuals."""
     deltas, residuals = inputs(n, SHAPES, seed)
-    compressor = TopK2Bit(density)
+    compressor = TopK2Bit(density, decay=1.0)
     assert compressor.dense([int(np.prod(s)) for s in SHAPES], n) == (density >= 0.3)
 
     async def rank(group: p2pcoll.Group) -> list[np.ndarray]:

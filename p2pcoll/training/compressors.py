@@ -12,14 +12,15 @@ plugins, each a Compressor subclass named in its distribution's metadata::
 
 ``topk2bit`` (:class:`TopK2Bit`, after SparseLoCo: Sarfi et al. 2025) sends, of each chunk
 of ``CHUNK`` consecutive elements of each tensor, the ``k = ceil(density * chunk)`` entries
-of largest magnitude, each as a 2-bit code against a step agreed by the group. One
+of largest magnitude, each as a 2-bit code against two levels agreed by the group. One
 exchange, on every rank::
 
-    a      = delta + e                     the pseudo-gradient with what was held back
+    a      = delta + beta * e              the pseudo-gradient with what was held back
+                                           (beta: ``decay``, SparseLoCo's 0.95; 1 keeps all)
     idx    = per chunk, the k entries of a of largest magnitude
-    M      = max over ranks of max |a[idx]|    per chunk: one allreduce("max") of float32
-    s      = M / 2                         the chunk's step (as int8 agrees its block scale)
-    q      = sign(a[idx]) * clip(rint(|a[idx]| / s), 1, 2)     in {-2, -1, 1, 2}: 2 bits
+    mu, sd = max over ranks of the mean and std of |a[idx]|   per chunk: one allreduce("max")
+    m, s   = the levels m s, (m + 1) s straddling mu, about 2 sd apart (.sparse_codes)
+    q      = sign(a[idx]) * clip(rint(|a[idx]| / s), m, m + 1)   2 bits: sign, which level
     e      = a; e[idx] = a[idx] - q * s    what was not sent, kept for the next exchange
     Q      = sum over ranks of q at idx    integers: exact, in any order
     out    = Q * s / p                     the average, the same bits on every rank
@@ -28,7 +29,7 @@ exchange, on every rank::
 the same: the *sparse* way, an allgather of each rank's indices (12 bits within the chunk)
 and packed codes, summed by every rank in rank order; or, when p ranks' entries could
 cover as many bytes as the dense chunk (the union is dense), the *dense* way, an allreduce
-of the codes laid out densely (int8; int16 beyond 63 ranks), which the strategies run as a
+of the codes laid out densely (int8; int16 beyond 15 ranks), which the strategies run as a
 reduce-scatter and an allgather. Both give the same ``Q``, exactly.
 
 Where it runs: the selection, the coding and the decoding (the time an exchange takes
@@ -39,19 +40,21 @@ of the inner steps the exchange overlaps. The two collectives of one exchange ho
 of the group (:mod:`p2pcoll.session.turns`), as a coded reduction's do.
 
 What the accumulator keeps: where an entry was not sent, ``e`` is ``a`` bit for bit; where
-it was, ``e`` is ``a - q * s`` rounded once to the tensor's dtype (exact when ``a`` and
-``q * s`` are within a factor of two of each other; ``q * s`` itself is exact: ``s`` is
-half a float32). So what was sent plus what was kept is what there was, to half a unit in
-the last place of the kept value.
+it was, ``e`` is ``a - q * s`` (in float64) rounded once to the tensor's dtype. So what was
+sent plus what was kept is what there was, to half a unit in the last place of the kept
+value. With ``decay`` below 1 the accumulator forgets a share of what it holds each
+exchange (SparseLoCo: the decayed accumulator then plays the outer momentum's part; pair it
+with DiLoCo's ``outer_momentum=0``).
 
 Bytes: each rank hands ``k`` times (1.5 + 0.25) bytes per chunk to the allgather (12-bit
-indices, 2-bit codes), plus 4 bytes of its chunk maxima: at density 1.5 % about 0.027
-bytes per float32 element, 150x fewer than the element's 4; DiLoCo with H = 50 makes that
-about 7,300x fewer than a per-step float32 allreduce hands over. On the wire an allgather
+indices, 2-bit codes), plus 8 bytes of its chunk statistics: at density 1.5 % about 0.028
+bytes per float32 element, 140x fewer than the element's 4; DiLoCo with H = 50 makes that
+about 7,100x fewer than a per-step float32 allreduce hands over. On the wire an allgather
 delivers every rank's message to every other, ``(p - 1) m`` bytes sent per rank, where a
 ring allreduce of n floats sends ``2 (p - 1) / p * 4 n``: the advantage over the dense
-allreduce shrinks as p grows, about ``300 H / p`` at 1.5 %, and past
-``p m >= 2 n`` (p about 75 at 1.5 %) the dense int8 codes are the cheaper way.
+allreduce shrinks as p grows, about ``280 H / p`` at 1.5 %, and past ``p m >= 2 d`` (d the
+dense codes' bytes: int16 beyond 15 ranks, so p about 140 at 1.5 %) the dense codes are the
+cheaper way.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ if TYPE_CHECKING:
 __all__ = ["CHUNK", "COMPRESSORS", "ENTRY_POINT_GROUP", "Compressor", "TopK2Bit",
            "compressor_table", "make_compressor", "validate"]
 
-DECAY = 1.0
+DECAY = 0.95
 """``topk2bit``'s default decay of the error-feedback accumulator (see :class:`TopK2Bit`)."""
 
 CHUNK = 4096
@@ -138,15 +141,17 @@ class Compressor(ABC):
 
 
 class TopK2Bit(Compressor):
-    """Chunk-wise top-k with 2-bit codes against a per-chunk step agreed by the group
+    """Chunk-wise top-k with 2-bit codes against per-chunk levels agreed by the group
     (module docstring).
 
     Args:
         density: the share of each chunk's entries sent per exchange, in (0, 1] (at least
             one per chunk).
+        decay: beta, the share of the error-feedback accumulator kept into the next
+            exchange, in [0, 1] (1: all of it; SparseLoCo: 0.95).
 
     Raises:
-        ValueError: ``density`` is not a number in (0, 1].
+        ValueError: ``density`` is not a number in (0, 1], ``decay`` not one in [0, 1].
     """
 
     name = "topk2bit"
