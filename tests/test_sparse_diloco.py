@@ -244,6 +244,12 @@ async def test_bytes_are_thousands_of_times_fewer_than_per_step_fp32() -> None:
 # --- bad input and disagreement ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("decay", [-0.1, 1.5, float("nan"), "0.9", True])
+def test_a_bad_decay_is_refused_naming_it(decay: Any) -> None:
+    with pytest.raises(ValueError, match="decay"):
+        TopK2Bit(0.015, decay=decay)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"compressor": "topk2bit", "density": 0}, "density"),
     ({"compressor": "topk2bit", "density": 1.5}, "density"),
@@ -269,6 +275,8 @@ async def test_bad_arguments_are_refused_when_diloco_is_made(kwargs: dict[str, A
                                                       "density": 0.03}],
      "density is 0.015 on rank 0 but 0.03 on rank 1"),
     ([{}, {"compressor": "topk2bit"}], "compressor is None on rank 0 but 'topk2bit' on rank 1"),
+    ([{"compressor": TopK2Bit(0.015, decay=0.9)}, {"compressor": "topk2bit"}],
+     "compressor_decay is 0.9 on rank 0 but 0.95 on rank 1"),
 ])
 async def test_ranks_that_disagree_are_told_before_anything_moves(
         settings: list[dict[str, Any]], words: str) -> None:
