@@ -3,6 +3,7 @@
     python benchmarks/ddp_step.py                      # -n 2,4, 3 alternating runs each
     python benchmarks/ddp_step.py -n 2 --runs 5 --steps 20
     python benchmarks/ddp_step.py --base /tmp/old-tree   # also p2pcoll from another tree
+    python benchmarks/ddp_step.py --floor               # also the step with no allreduce
 
 Not a test: it prints a markdown table. Every run is one ``torchrun`` world on this host
 (OMP_NUM_THREADS=1 per rank, as torchrun sets it, for every backend alike: each rank
