@@ -269,6 +269,8 @@ class Receipts:
         """``n`` more bytes of ``src``'s finished: ``[src]`` if a report to it is due."""
         pending = self._pending.get(src, 0) + n
         self._pending[src] = pending
+        if not self._asked:  # (nearly always: senders ask only when they wait)
+            return [src] if self.half and pending >= self.half else []
         return [src] if self._due(src, pending) else []
 
     def _due(self, src: int, pending: int) -> bool:

@@ -160,41 +160,36 @@ class Executor:
             wire = Wire(tracer.send_many, tracer.get, tracer.combine)
         flow = self.matcher.flow
         ledger = flow.ledger if flow is not None else None
-        if ledger is not None and op.tag is not None and op.src == rank:
-            ledger.begin(op, op.dst)  # what its messages may wait for (see .credit)
-            try:
-                await self._segments(wire, op, program, arrays, ufunc, sig, meta, rank)
-            finally:
-                ledger.end(op, op.dst)
-            return
-        await self._segments(wire, op, program, arrays, ufunc, sig, meta, rank)
-
-    async def _segments(
-        self, wire: Wire, op: OpKey, program: Program, arrays: Sequence[np.ndarray],
-        ufunc: Ufunc | None, sig: Signature, meta: dict[str, Any] | None, rank: int,
-    ) -> None:
+        # A transfer this rank sends: what its messages may wait for (see .credit).
+        sends = ledger is not None and op.tag is not None and op.src == rank
+        if sends:
+            ledger.begin(op, op.dst)  # type: ignore[union-attr]
         nseg = program.nseg
         # Zero-copy sends whose segment has finished: the caller may reuse the data only
         # once libzmq has let go of them, so they are awaited once, at the very end.
         pending: list[Tracker] = []
         run = self._segment
-        if nseg == 1:
-            await run(wire, op, 0, program, arrays, ufunc, sig, meta, rank, pending)
-        else:
-            window = asyncio.Semaphore(self.depth_for(program))
+        try:
+            if nseg == 1:
+                await run(wire, op, 0, program, arrays, ufunc, sig, meta, rank, pending)
+            else:
+                window = asyncio.Semaphore(self.depth_for(program))
 
-            async def one(seg: int) -> None:
-                async with window:
-                    await run(wire, op, seg, program, arrays, ufunc, sig, meta, rank,
-                              pending)
+                async def one(seg: int) -> None:
+                    async with window:
+                        await run(wire, op, seg, program, arrays, ufunc, sig, meta, rank,
+                                  pending)
 
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    for seg in range(nseg):
-                        tg.create_task(one(seg))
-            except BaseExceptionGroup as group:
-                # The first segment to fail cancels the others; report its error.
-                raise _root_error(group) from None
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        for seg in range(nseg):
+                            tg.create_task(one(seg))
+                except BaseExceptionGroup as group:
+                    # The first segment to fail cancels the others; report its error.
+                    raise _root_error(group) from None
+        finally:
+            if sends:
+                ledger.end(op, op.dst)  # type: ignore[union-attr]
         if pending:
             await _released(pending)
 

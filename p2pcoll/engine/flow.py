@@ -58,10 +58,13 @@ class Flow:
         self.waits += 1
         loop = asyncio.get_running_loop()
         asked = False
-        while not ledger.may_send(op, peer):
+        while True:
+            # First: a lost peer's account is forgotten, which would let the send go.
             for error in (self._closed, self._lost(peer), self._failure(op)):
                 if error is not None:
                     raise error
+            if ledger.may_send(op, peer):
+                return
             if not asked:  # once per wait: the peer reports by our half window from now
                 self._ask(peer, ledger.window)
                 asked = True
