@@ -25,6 +25,9 @@ variable                       meaning (default)
 ``P2PCOLL_PIPELINE_DEPTH``     segments in flight per collective, 1..64 (unset: enough
                                to fill the path, at least 4: :mod:`p2pcoll.engine.window`)
 ``P2PCOLL_MAX_MESSAGE_BYTES``  larger incoming messages are dropped, >= 4K (256M)
+``P2PCOLL_EAGER_WINDOW``       bytes a sender may leave unreceived at a peer from earlier
+                               operations before its sends wait; 0: unbounded (64M;
+                               :mod:`p2pcoll.engine.credit`)
 ``P2PCOLL_COST_MODEL``         JSON file of alpha, beta, gamma per transport for "auto"
                                (:mod:`p2pcoll.engine.costs`; built-in constants)
 ``P2PCOLL_TIMELINE``           write every collective's sends, receives and reductions
@@ -122,6 +125,7 @@ KNOWN_VARS = frozenset(
         "P2PCOLL_RENDEZVOUS", "P2PCOLL_HOST", "P2PCOLL_HOST_ID", "P2PCOLL_TRANSPORT",
         "P2PCOLL_TIMEOUT",
         "P2PCOLL_JOIN_TIMEOUT", "P2PCOLL_SEGMENT_BYTES", "P2PCOLL_PIPELINE_DEPTH",
+        "P2PCOLL_EAGER_WINDOW",
         "P2PCOLL_MAX_MESSAGE_BYTES", "P2PCOLL_COST_MODEL", "P2PCOLL_TIMELINE", "P2PCOLL_SHM",
         "P2PCOLL_FLIGHT_RECORD", "P2PCOLL_FLIGHT_DIR", "P2PCOLL_TCP_LANES",
         "P2PCOLL_SHM_BYTES", "P2PCOLL_SPIN", "P2PCOLL_TUNE_MALLOC", "P2PCOLL_MAX_LINKS",
@@ -164,6 +168,9 @@ class Settings:
         segment_bytes: pipeline segment size.
         pipeline_depth: segments of one collective in flight at once; None: as many as
             fill the paths to its peers, at least 4 (see :mod:`p2pcoll.engine.window`).
+        eager_window: the bytes this rank may leave unreceived at a peer from earlier
+            operations before its sends wait for credit; 0: no bound (see
+            :mod:`p2pcoll.engine.credit`).
         max_message_bytes: no message is larger: outgoing data is cut to fit, incoming
             messages larger than this are dropped (and libzmq refuses far larger frames).
         cost_model: path of the JSON file of cost-model constants "auto" uses, or "" for
@@ -229,6 +236,7 @@ class Settings:
     strategies: Mapping[str, str] = field(default_factory=dict)
     segment_bytes: int = 1 << 20
     pipeline_depth: int | None = None
+    eager_window: int = 64 << 20
     max_message_bytes: int = 256 << 20
     cost_model: str = ""
     timeline: str = ""
@@ -287,6 +295,7 @@ class Settings:
             "strategies": reader.strategies(),
             "segment_bytes": reader.size("P2PCOLL_SEGMENT_BYTES", minimum=1 << 10),
             "pipeline_depth": reader.integer("P2PCOLL_PIPELINE_DEPTH", 1, MAX_PIPELINE_DEPTH),
+            "eager_window": reader.size("P2PCOLL_EAGER_WINDOW", minimum=0),
             "max_message_bytes": reader.size("P2PCOLL_MAX_MESSAGE_BYTES", minimum=4 << 10),
             "cost_model": reader.raw("P2PCOLL_COST_MODEL"),
             "timeline": reader.path("P2PCOLL_TIMELINE"),
@@ -344,7 +353,7 @@ class Settings:
                 "transport=", given["transport"], f"one of {', '.join(TRANSPORT_NAMES)}"
             )
         for name, low in (("segment_bytes", 1 << 10), ("max_message_bytes", 4 << 10),
-                          ("shm_bytes", 64 << 10)):
+                          ("shm_bytes", 64 << 10), ("eager_window", 0)):
             if name in given:
                 check_int(given[name], f"{name}=", low)
         if "pipeline_depth" in given:

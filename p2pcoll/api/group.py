@@ -458,7 +458,8 @@ class Group(PointToPoint):
         TCP connections opened beside links to spread large messages over (``P2PCOLL_STREAMS``, see
         :mod:`p2pcoll.transport.stripes`); ``socket_buffers_capped``: striped links whose
         send buffers ``net.core.wmem_max`` held below what their path needs, as measured (see
-        :mod:`p2pcoll.transport.paths`).
+        :mod:`p2pcoll.transport.paths`). The eager window's figures (``eager_held_peak``,
+        ``eager_outstanding``, ``eager_waits``, ``eager_reports``): :mod:`p2pcoll.engine.flow`.
         Counted from join, for this group only."""
         session = self.session
         c = session.transport.counters
@@ -483,6 +484,7 @@ class Group(PointToPoint):
             "stripes_opened": c.stripes_opened,
             "socket_buffers_capped": c.socket_buffers_capped,
             "collectives": session.seq,
+            **session.matcher.flow_stats(),
             **self._activity.report(),
         }
     flight_record = _flight_record  # this rank's last calls (see p2pcoll.session.flight)

@@ -58,6 +58,11 @@ class PointToPoint:
         are received in the order they were sent; other tags are independent of them. It
         returns once the data is handed to the transport (``value`` may then be changed);
         it does not wait for the receive to be posted: the message waits at the receiver.
+        As MPI's standard-mode send, it may wait until ``dst`` has received enough of what
+        this rank sent it before (in earlier sends, any tag): at most the eager window
+        (``P2PCOLL_EAGER_WINDOW``, 64 MiB; :mod:`p2pcoll.engine.credit`) waits unreceived.
+        So two ranks that each send the other more than that before either receives wait
+        until their deadline: post the receives first, or concurrently.
 
         Args:
             value: an ndarray (any shape) or a pytree of them.
@@ -69,7 +74,8 @@ class PointToPoint:
             ValueError, TypeError: ``dst`` or ``tag`` is out of range, or a dtype is not
                 allowed (raised before anything is sent; the group stays usable).
             PeerLost: ``dst`` has gone.
-            CollectiveTimeout: the data could not be handed over in time.
+            CollectiveTimeout: the data could not be handed over in time (or ``dst``
+                did not receive enough of this rank's earlier sends in time).
             GroupBroken: an earlier failure.
         Cancellation: breaks the group (the ranks' counts of messages would disagree).
 

@@ -158,28 +158,38 @@ class Executor:
             from .timeline import Tracer
             tracer = Tracer(self.timeline, wire, program.steps, rank)
             wire = Wire(tracer.send_many, tracer.get, tracer.combine)
+        flow = self.matcher.flow
+        ledger = flow.ledger if flow is not None else None
+        # A transfer this rank sends: what its messages may wait for (see .credit).
+        sends = ledger is not None and op.tag is not None and op.src == rank
+        if sends:
+            ledger.begin(op, op.dst)  # type: ignore[union-attr]
         nseg = program.nseg
         # Zero-copy sends whose segment has finished: the caller may reuse the data only
         # once libzmq has let go of them, so they are awaited once, at the very end.
         pending: list[Tracker] = []
         run = self._segment
-        if nseg == 1:
-            await run(wire, op, 0, program, arrays, ufunc, sig, meta, rank, pending)
-        else:
-            window = asyncio.Semaphore(self.depth_for(program))
+        try:
+            if nseg == 1:
+                await run(wire, op, 0, program, arrays, ufunc, sig, meta, rank, pending)
+            else:
+                window = asyncio.Semaphore(self.depth_for(program))
 
-            async def one(seg: int) -> None:
-                async with window:
-                    await run(wire, op, seg, program, arrays, ufunc, sig, meta, rank,
-                              pending)
+                async def one(seg: int) -> None:
+                    async with window:
+                        await run(wire, op, seg, program, arrays, ufunc, sig, meta, rank,
+                                  pending)
 
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    for seg in range(nseg):
-                        tg.create_task(one(seg))
-            except BaseExceptionGroup as group:
-                # The first segment to fail cancels the others; report its error.
-                raise _root_error(group) from None
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        for seg in range(nseg):
+                            tg.create_task(one(seg))
+                except BaseExceptionGroup as group:
+                    # The first segment to fail cancels the others; report its error.
+                    raise _root_error(group) from None
+        finally:
+            if sends:
+                ledger.end(op, op.dst)  # type: ignore[union-attr]
         if pending:
             await _released(pending)
 
@@ -209,6 +219,8 @@ class Executor:
         seg_meta = meta if seg == 0 else None
         digest, group_id, lost = sig.digest, self.group_id, self.departures.lost
         told = self._told
+        flow = self.matcher.flow
+        ledger = flow.ledger if flow is not None else None
         # What the data headers say the collective is (a transfer's is its sender's call).
         seq, tag = op.number, op.tag
         collective = sig.collective if tag is None else "send"
@@ -231,9 +243,15 @@ class Executor:
                 dsts.append(peer)
                 if not kind & LAST:
                     continue
+                if ledger is not None:  # eager credits: see .credit for the rule
+                    for to in dsts:
+                        if not ledger.may_send(op, to):
+                            await self._admit(op, to)
                 tracker = await wire.send_many(
                     dsts, headers, [arrays[i][a:b] for i, a, b in where[w].ranges],
                     copy=kind & copy_bit != 0)
+                if ledger is not None:
+                    ledger.sent(op, dsts, sum(where[w].nbytes))
                 if tracker is not None:
                     pending.append(tracker)
                 for h, to in zip(headers, dsts, strict=True):
@@ -253,6 +271,15 @@ class Executor:
             wire.combine(header, [arrays[i][a:b] for i, a, b in into.ranges], frames,
                          ufunc if kind & REDUCE else None)
             del frames  # release the sender's buffer now (inproc shares it)
+
+    async def _admit(self, op: OpKey, peer: int) -> None:
+        """Wait for credit to send ``peer`` a message of ``op``; meanwhile the deadline's
+        inquiry hears that ``op`` waits for ``peer``."""
+        self.matcher.note_waiting(op, [peer])
+        try:
+            await self.matcher.flow.admit(op, peer)  # type: ignore[union-attr]
+        finally:
+            self.matcher.note_waiting(op, ())
 
     def _tell(self, peer: int, digest: bytes) -> None:
         """Note that ``peer`` has been sent the readable signature of ``digest``."""

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CollectiveMismatch, P2PCollError, PeerLost, ProtocolError
 from ..transport.base import Piece
 from ..types import Membership, OpKey
 from ..wire import Header, Signature
 from .polling import MessageWait
+
+if TYPE_CHECKING:  # made by the session (see .flow)
+    from .flow import Flow
 
 Key = tuple[OpKey, int, int, int]  # (op, segment, src, index)
 Message = tuple[Header, list[Piece]]
@@ -100,6 +103,8 @@ class Matcher:
         # Polls for a peer's message before a receive parks, where the transport can
         # (see .polling); None: it parks at once.
         self.waits: MessageWait | None = None
+        # The eager credits (see .credit): told what arrives and finishes; None: none.
+        self.flow: Flow | None = None
         self._buffered: dict[Key, Message] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
         self._first_header: dict[OpKey, Header] = {}  # op -> its first segment-0 header
@@ -142,15 +147,22 @@ class Matcher:
         else:
             op = OpKey(header.seq, tag, header.src, self.departures.membership.rank)
             done = self._finished.get(op.channel)
+        flow = self.flow
         if op in self._failed:
+            if flow is not None:  # credited when the failed operation finishes here
+                flow.receipts.arrived(op, header.src, sum(header.nbytes))
             return True  # that collective already failed here: late traffic is expected
         if done is not None and op.number in done:
+            if flow is not None:
+                flow.dropped(op, header.src, sum(header.nbytes))
             return False
         key = (op, header.seg, header.src, header.step)
         buffered = self._buffered
         if key in buffered:
             raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)",
                                 reason="duplicate")
+        if flow is not None:
+            flow.receipts.arrived(op, header.src, sum(header.nbytes))
         if self._watched:
             watcher = self._watched.get(op)
             if watcher is not None:
@@ -385,6 +397,8 @@ class Matcher:
         for key, fut in list(self._waiting.items()):
             if key[0] == op and not fut.done():
                 fut.set_exception(exc)
+        if self.flow is not None:  # a send of it waiting for credit
+            self.flow.failed()
         first = self._first.get(op)
         if first is not None and not first.done():
             first.set_exception(exc)
@@ -396,6 +410,8 @@ class Matcher:
         exc = self.departures.lost(rank)
         if exc is None:
             return
+        if self.flow is not None:
+            self.flow.departed(rank)
         for waiter in self._any_waiters:  # first_of_any() looks again at who is left
             if not waiter.done():
                 waiter.set_result(None)
@@ -416,6 +432,8 @@ class Matcher:
         if done is None:
             done = self._finished[chan] = _Finished()
         done.add(op.number)
+        if self.flow is not None:
+            self.flow.finished(op, done.watermark)
         # Each table looked at only if it holds anything (a board collective's are empty,
         # but for the board's note of whom it waited for): a pop hashes the key every time.
         for table in self._per_op:
@@ -431,6 +449,8 @@ class Matcher:
 
     def close(self, exc: P2PCollError) -> None:
         """Fail everything pending."""
+        if self.flow is not None:
+            self.flow.close(exc)
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(exc)
@@ -444,3 +464,7 @@ class Matcher:
 
     def stats(self) -> dict[str, Any]:
         return {"buffered": len(self._buffered), "waiting": len(self._waiting)}
+
+    def flow_stats(self) -> dict[str, int]:
+        """The eager credits' figures (see :meth:`.flow.Flow.stats`), if there are any."""
+        return {} if self.flow is None else self.flow.stats()

@@ -49,3 +49,7 @@ def dispatch(session: Receiver, header: Header, pieces: list[Piece]) -> None:
         session.failures.answer(header)
     elif kind == "waiting":
         session.failures.on_answer(header)
+    elif kind == "credit":
+        flow = session.matcher.flow  # (see p2pcoll.engine.flow)
+        if flow is not None and header.meta is not None:
+            flow.on_credit(header.src, header.meta, header.seq)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .activity import Activity
 from ..engine.costs import DEFAULT_CONSTANTS, Constants
 from ..engine.executor import Executor
+from ..engine.flow import Flow
 from ..engine.matching import Matcher
 from ..engine.polling import MessageWait
 from ..errors import KILLED, UNRESPONSIVE, GroupBroken, PeerLost
@@ -78,6 +79,8 @@ class Session:
         self.contacts = Contacts()  # what the transport's link events say (see on_link)
         self.peers = Record(self)
         self.matcher = Matcher(self.peers)
+        self.matcher.flow = Flow(settings.eager_window, self._credit, self._ask_credit,
+                                 self.peers.lost, self.matcher.failure)
         self.failures = FailureModel(membership.rank, membership.group_id, self.matcher,
                                      transport, self)
         timeline = None
@@ -275,6 +278,16 @@ class Session:
         self.contacts.forget(rank)
         self.peers.departed()
         self._progress.set()
+
+    def _credit(self, peer: int, watermark: int, credited: int) -> None:
+        """Tell ``peer`` what of its sends has finished here (see p2pcoll.engine.flow)."""
+        self.transport.post(peer, Header("credit", self.membership.group_id, self.rank,
+                                         seq=watermark, meta={"b": credited}))
+
+    def _ask_credit(self, peer: int, window: int) -> None:
+        """Ask ``peer`` for credit: this rank's sends to it wait."""
+        self.transport.post(peer, Header("credit", self.membership.group_id, self.rank,
+                                         meta={"ask": window}))
 
     def header(self, kind: str) -> Header:
         return Header(kind, self.membership.group_id, self.membership.rank)

@@ -16,6 +16,7 @@ The msgpack map (control messages)::
                                                    | "gone" (news of a departure)
                                                    | "end" (a link's last message, see
                                                      p2pcoll.transport.links)
+                                                   | "credit" (eager credits, below)
     g    group id                             r    source rank
     q    collective sequence number (bye:     meta optional extras (abort and waiting:
          how many the peer had started)            see below)
@@ -95,6 +96,9 @@ A ``hello`` may name the sender's shared-memory ring (meta
 ``wake``: see :mod:`p2pcoll.transport.lane`) and the shared-memory board (``board``), and
 to a peer of another host its TCP lane's port and token (``tcp_lane``: see
 :mod:`p2pcoll.transport.tcp_lane`).
+``credit`` returns eager credit (:mod:`p2pcoll.engine.credit`): a report, ``q`` the
+receiver's collective watermark and meta ``{b}`` the bytes of the sender's transfers it has
+finished (cumulative); or a sender's request for one, meta ``{ask}``: its window in bytes.
 ``lane`` (meta ``{on: bool}``) says that the sender's next messages come on its lane
 (``on``, sent on the socket) or on the socket again (sent on the lane): the receiver
 follows it to keep the sender's order.
@@ -125,7 +129,8 @@ import numpy as np
 
 from ..strategy import COLLECTIVES
 
-WIRE_VERSION = 15  # 15 (0.21): a probe's row carries the rank's window; 14: a hello may
+WIRE_VERSION = 16  # 16: eager credits ("credit", see p2pcoll.engine.credit), which a peer
+# of 15 would refuse; 15 (0.21): a probe's row carries the rank's window; 14: a hello may
 # name a TCP lane (meta "tcp_lane"), which a peer of 13 would refuse; 13 (0.18): a board
 # line says what its sleeper waits for (board version 3: WANTS, NAP, WOKEN); 12 (0.17):
 # the shared-memory board keeps four buffers per rank (board version 2), so peers of one
@@ -142,8 +147,9 @@ WIRE_VERSION = 15  # 15 (0.21): a probe's row carries the rank's window; 14: a h
 # may name the shared-memory board (6: link identities with the group secret and a nonce;
 # rosters in two frames)
 KINDS = frozenset({"data", "abort", "hello", "bye", "farewell", "why", "waiting", "lane",
-                   "gone", "end"})
-WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting", "gone"})  # kinds that carry "q"
+                   "gone", "end", "credit"})
+WITH_SEQ = frozenset({"data", "abort", "bye", "why", "waiting", "gone",
+                      "credit"})  # kinds that carry "q"
 # What a peer answers about a collective, in a "waiting" message.
 WAITING, FINISHED, NOT_STARTED, FAILED = "waiting", "finished", "not started", "failed"
 STATES = frozenset({WAITING, FINISHED, NOT_STARTED, FAILED})

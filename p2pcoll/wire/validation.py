@@ -403,6 +403,11 @@ def _check_meta(kind: str, meta: dict[str, Any]) -> None:
             raise ProtocolError(f"waiting meta is {_short(meta)}, expected {{'state': one of "
                                 f"{sorted(STATES)}, 'waiting_on': [rank, ...]}}")
         _ranks(meta.get("waiting_on", []), "waiting_on")
+    elif kind == "credit":  # a report {b} or a request {ask} (see p2pcoll.engine.credit)
+        if len(meta) != 1 or not set(meta) <= {"b", "ask"}:
+            raise ProtocolError(f"credit meta is {_short(meta)}, expected {{'b': bytes}} or "
+                                f"{{'ask': window}}")
+        _int(meta, "b" if "b" in meta else "ask", 0 if "b" in meta else 1, MAX_SEQ)
     elif kind == "data":
         check_layout(meta)
     else:
