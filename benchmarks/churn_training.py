@@ -58,7 +58,7 @@ END_GRACE_S = 5.0  # seconds the others get to finish once peer 0 has
 sys.path.insert(0, str(ROOT / "tests"))
 
 WORKER = '''
-import asyncio, hashlib, json, logging, os, sys, time
+import asyncio, concurrent.futures, hashlib, json, logging, os, sys, time
 import numpy as np
 from p2pcoll import training
 
@@ -136,18 +136,29 @@ async def main() -> None:
     async def step(group, r, state):
         return await rounds.step(group, r, state)
 
+    # The digest of each round's state is hashed in a thread beside the next round's
+    # steps (hashlib lets go of the GIL), not on the round's path; of a copy, which a
+    # heal at the next formation cannot change meanwhile.
+    hashing = concurrent.futures.ThreadPoolExecutor(1)
+
+    def digest(r, leaves, fields):
+        h = hashlib.blake2b(digest_size=8)
+        for leaf in leaves:
+            h.update(leaf.data)
+        sys.stdout.write("APPLIED " + json.dumps({"round": r, "digest": h.hexdigest(),
+                                                  **fields}) + "\\n")
+        sys.stdout.flush()
+
     def apply(state, deltas, r):
         rounds.apply(state, deltas, r)
-        h = hashlib.blake2b(digest_size=8)
-        for name, leaf in training.named_leaves(state):
-            h.update(np.ascontiguousarray(leaf).tobytes())
-        print("APPLIED " + json.dumps({"round": r, "digest": h.hexdigest(),
-                                       "t": time.time(), "computed": sum(inner_times),
-                                       "inner": statistics_median(inner_times)}), flush=True)
+        leaves = [np.array(leaf, order="C") for _, leaf in training.named_leaves(state)]
+        hashing.submit(digest, r, leaves, {"t": time.time(), "computed": sum(inner_times),
+                                           "inner": statistics_median(inner_times)})
 
     result = await training.train_elastic(step, apply, rounds.state, rounds=ROUNDS,
                                           poll_every=0.2, delay=1,
                                           settings=rounds.settings)
+    hashing.shutdown(wait=True)  # the last round's digest printed
     print("DONE " + json.dumps({"applied": result.applied, "joined_at": result.joined_at}),
           flush=True)
 

@@ -68,6 +68,7 @@ import hashlib
 import inspect
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -420,6 +421,7 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
     hops = 0.0  # seconds between handing an inner step to its thread and it starting, and
     # between its end and the loop going on
     last_eval = 0
+    cpu_start, loop_start = _cpu(), time.thread_time()
     start = time.perf_counter()
     ran = 0  # the last inner step the thread ran (the local modes)
     for step in range(1, args.steps + 1):
@@ -450,6 +452,8 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
         await update.finish()
     finishing = time.perf_counter() - t_finish
     wall = time.perf_counter() - start - paused
+    cpu = _cpu() - cpu_start  # every thread of the worker, evaluations included
+    loop_cpu = time.thread_time() - loop_start  # the event loop's thread: the exchanges
     final = accuracy()
     if last_eval != args.steps:
         curve.append((wall, args.steps, final))
@@ -458,8 +462,14 @@ async def train(args: argparse.Namespace, update: Update, group: Any, model: Any
         h.update(p.detach().contiguous().numpy().tobytes())
     return {"rank": rank, "wall": wall, "final": final, "curve": curve,
             "digest": h.hexdigest(), "computing": computing, "stepping": stepping,
-            "hops": hops, "finishing": finishing, **_contention(step_times, update.every),
+            "hops": hops, "finishing": finishing, "cpu": cpu, "loop_cpu": loop_cpu, **_contention(step_times, update.every),
             **update.stats()}
+
+
+def _cpu() -> float:
+    """The CPU seconds this process has used (user and system, all its threads)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 def _contention(step_times: dict[int, float], every: int | None) -> dict[str, float]:
@@ -780,10 +790,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"wall {x['wall']:.1f}, inner steps {x['computing']:.1f}, exchanges on the "
                 f"loop {x['stepping']:.2f}, final flush {x['finishing']:.2f}, thread hops "
                 f"{x.get('hops', 0):.2f}, other {_other(x):.2f}"
+                + (f", CPU {x['cpu']:.1f} (the loop's thread {x['loop_cpu']:.2f})"
+                   if "cpu" in x else "")
                 + (f", median inner step {1e3 * x['step_early']:.1f} ms in a round's first "
                    f"tenth (exchange in flight) against {1e3 * x['step_late']:.1f} ms"
                    if "step_early" in x else "")
                 for x in r.reports))
+            used = {json.dumps(x.get("strategies"), sort_keys=True) for x in r.reports}
+            print(f"{r.mode}: strategies {'; '.join(sorted(used))}")
     checks = targets(results, args)
     if checks:
         print("\nThe issue's targets (at 100 Mbit/s):\n" + "\n".join(checks))

@@ -684,3 +684,43 @@ async def test_diloco_rounds_with_delay_1_follows_the_same_rule_as_diloco() -> N
         assert int(state["applied"][0]) == n_rounds
         for key in ("params", "velocity"):
             np.testing.assert_allclose(state[key]["w"], want[key]["w"], rtol=1e-12)
+
+
+async def test_elastic_delay_1_starts_the_next_rounds_step_before_the_rounds_reduction(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At each round boundary the step of round r + 1 begins (its inner steps handed on)
+    before round r's reduction issues anything: the compute does not wait for the
+    reduction's first slice (the agreement, the buckets)."""
+    from p2pcoll.testing import free_port
+    from p2pcoll.training import elastic_delayed
+
+    log: contextvars.ContextVar[list[tuple[str, int]]] = contextvars.ContextVar("log")
+    reduce_round = elastic_delayed.reduce_round
+
+    async def recorded(group: p2pcoll.Group, grads: Any, **kwargs: Any) -> Any:
+        log.get().append(("reduce", kwargs["r"]))  # the peer's task's context
+        return await reduce_round(group, grads, **kwargs)
+
+    monkeypatch.setattr(elastic_delayed, "reduce_round", recorded)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    n_rounds = 5
+
+    async def peer() -> list[tuple[str, int]]:
+        mine: list[tuple[str, int]] = []
+        log.set(mine)
+        params = {"w": np.zeros(3)}
+        rounds = training.DiLoCoRounds(params, lambda g, r, i: None, inner_steps=2,
+                                       delay=1)
+
+        async def step(group: p2pcoll.Group, r: int, state: Any) -> dict[str, np.ndarray]:
+            mine.append(("step", r))
+            return await rounds.step(group, r, state)
+
+        await training.train_elastic(step, rounds.apply, rounds.state, rounds=n_rounds,
+                                     min_world_size=2, max_world_size=2, rendezvous=url,
+                                     timeout=10, delay=1, settings=rounds.settings)
+        return mine
+
+    for events in await asyncio.gather(peer(), peer()):
+        for r in range(n_rounds - 1):
+            assert events.index(("step", r + 1)) < events.index(("reduce", r)), events

@@ -211,19 +211,23 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
         if mine is None:
             mine = run.zeros
         assert mine is not None  # the formation made zeros for a member that holds none
-        flag = ask()
-        reduction = asyncio.ensure_future(reduce_round(
-            group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
-        retrieve_later(reduction)
         # Round r + 1's step, unless some computed it before the formation: then the
         # others add zeros for it (elastic's rule) and nobody waits for a late step. A
         # step started before the formation that is still running (run.computing) is
-        # this reduction's overlap, as a step started here would be.
+        # this reduction's overlap, as a step started here would be. It is scheduled
+        # before the reduction, so its first slice (the inner steps handed to a thread)
+        # runs before the reduction's (the agreement, the buckets): the round's compute
+        # starts at once. The step runs no collective, so the order on the wire is
+        # the reductions' alone, the same on every rank.
         step = None
         if (r + 1 < run.rounds and r + 1 not in run.held and not run.next_holders
                 and run.computing is None):
             step = asyncio.ensure_future(run.compute(group, r + 1))
             retrieve_later(step)
+        flag = ask()
+        reduction = asyncio.ensure_future(reduce_round(
+            group, mine, holding=r in run.held, admit=flag, r=r, reduce=run.reduce))
+        retrieve_later(reduction)
         try:
             reduced, admit = await reduction
         except BaseException:
