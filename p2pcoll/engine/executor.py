@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -282,16 +283,40 @@ def combine(
     header: Header, targets: Sequence[np.ndarray], frames: Sequence[Piece], ufunc: Ufunc | None
 ) -> None:
     """Fold the pieces ``frames`` of a received message into ``targets`` with ``ufunc``
-    (``ufunc(dst, src, out=dst)``), or copy them there (``ufunc`` None)."""
-    with np.errstate(all="ignore"):
-        for dst, frame in zip(targets, frames, strict=True):
-            if dst.size == 0:
-                continue
-            src = np.frombuffer(frame.buffer, dtype=dst.dtype)
-            if ufunc is None:
-                np.copyto(dst, src)
-            else:
-                ufunc(dst, src, out=dst)
+    (``ufunc(dst, src, out=dst)``), or copy them there (``ufunc`` None), with numpy's
+    floating-point errors ignored (an overflow to inf is the sum, not a warning)."""
+    if _ERRORS is None:  # another numpy: its public errstate
+        with np.errstate(all="ignore"):
+            _fold(targets, frames, ufunc)
+        return
+    token = _ERRORS.set(_IGNORE)  # np.errstate(all="ignore") without its object
+    try:
+        _fold(targets, frames, ufunc)
+    finally:
+        _ERRORS.reset(token)
+
+
+def _fold(targets: Sequence[np.ndarray], frames: Sequence[Piece], ufunc: Ufunc | None) -> None:
+    for dst, frame in zip(targets, frames, strict=True):
+        if dst.size == 0:
+            continue
+        src = np.frombuffer(frame.buffer, dtype=dst.dtype)
+        if ufunc is None:
+            np.copyto(dst, src)
+        else:
+            ufunc(dst, src, out=dst)
+
+
+# What np.errstate(all="ignore") sets, set directly: the errstate object costs 2-4 us a
+# receive (built, its state made, entered and left), the context variable 0.4 us. numpy 2
+# keeps ufuncs' error handling in that variable; another numpy takes the public errstate.
+_ERRORS: ContextVar[Any] | None
+try:
+    from numpy._core._ufunc_config import _extobj_contextvar as _ERRORS
+    from numpy._core._ufunc_config import _make_extobj
+    _IGNORE = _make_extobj(all="ignore")
+except (ImportError, AttributeError, TypeError):  # pragma: no cover - numpy < 2
+    _ERRORS = None
 
 
 async def _released(trackers: list[Tracker]) -> None:
