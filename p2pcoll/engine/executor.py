@@ -233,8 +233,7 @@ class Executor:
                 if not kind & LAST:
                     continue
                 tracker = await wire.send_many(
-                    dsts, headers, [arrays[i][a:b] for i, a, b in where[w].ranges],
-                    copy=kind & copy_bit != 0)
+                    dsts, headers, _views(arrays, where[w].ranges), copy=kind & copy_bit != 0)
                 if tracker is not None:
                     pending.append(tracker)
                 for h, to in zip(headers, dsts, strict=True):
@@ -251,7 +250,7 @@ class Executor:
                     f"{header.nbytes} bytes for chunk {into.chunk!r}, rank {rank} "
                     f"expected {into.nbytes}"
                 )
-            wire.combine(header, [arrays[i][a:b] for i, a, b in into.ranges], frames,
+            wire.combine(header, _views(arrays, into.ranges), frames,
                          ufunc if kind & REDUCE else None)
             del frames  # release the sender's buffer now (inproc shares it)
 
@@ -261,6 +260,17 @@ class Executor:
         if len(told) >= MAX_TOLD:
             told.clear()  # telling again costs a few bytes; forgetting never a wrong answer
         told.add((peer, digest))
+
+
+def _views(arrays: Sequence[np.ndarray], ranges: Sequence[tuple[int, int, int]]
+           ) -> list[np.ndarray]:
+    """The pieces of a message: element ranges ``(array, start, stop)`` of the call's flat
+    arrays (a whole array itself, the usual small message's one piece: no view made)."""
+    if len(ranges) == 1:
+        i, a, b = ranges[0]
+        arr = arrays[i]
+        return [arr if a == 0 and b == len(arr) else arr[a:b]]
+    return [arrays[i][a:b] for i, a, b in ranges]
 
 
 def _root_error(group: BaseExceptionGroup) -> BaseException:
