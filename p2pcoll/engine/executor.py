@@ -320,13 +320,17 @@ def _fold(targets: Sequence[np.ndarray], frames: Sequence[Piece], ufunc: Ufunc |
 # What np.errstate(all="ignore") sets, set directly: the errstate object costs 2-4 us a
 # receive (built, its state made, entered and left), the context variable 0.4 us. numpy 2
 # keeps ufuncs' error handling in that variable; another numpy takes the public errstate.
-_ERRORS: ContextVar[Any] | None
-try:
-    from numpy._core._ufunc_config import _extobj_contextvar as _ERRORS
-    from numpy._core._ufunc_config import _make_extobj
-    _IGNORE = _make_extobj(all="ignore")
-except (ImportError, AttributeError, TypeError):  # pragma: no cover - numpy < 2
-    _ERRORS = None
+def _numpy_errors() -> tuple[ContextVar[Any] | None, object]:
+    """numpy's context variable of ufunc error handling and its value for "ignore all",
+    or None where numpy keeps them otherwise."""
+    try:
+        from numpy._core import _ufunc_config as config
+        return vars(config)["_extobj_contextvar"], vars(config)["_make_extobj"](all="ignore")
+    except (ImportError, KeyError, TypeError):  # pragma: no cover - numpy < 2
+        return None, None
+
+
+_ERRORS, _IGNORE = _numpy_errors()
 
 
 async def _released(trackers: list[Tracker]) -> None:

@@ -14,7 +14,7 @@ import secrets
 import struct
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -51,7 +51,7 @@ def encode_record(frames: Sequence[Buffer]) -> list[Buffer]:
 def encode_sized(frames: Sequence[Buffer]) -> tuple[list[Buffer], int]:
     """:func:`encode_record`'s pieces and the record's size in bytes (one pass)."""
     lengths = []
-    for f in frames:  # no view made of a header (bytes) or an array: their sizes as they say
+    for f in cast("Sequence[Any]", frames):  # a header's bytes or an array: no view made
         if type(f) is bytes:
             lengths.append(len(f))
         elif type(f) is np.ndarray:
