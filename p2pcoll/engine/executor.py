@@ -126,7 +126,15 @@ class Executor:
             self._turned = now
             await asyncio.sleep(0)
         if self.timeline is None:
-            await self._run(op, program, arrays, ufunc, sig, meta)
+            if program.nseg == 1:  # the usual small call: its one segment, here
+                rank = self._begin(op, program, sig)
+                pending: list[Tracker] = []
+                await self._segment(self.wire, op, 0, program, arrays, ufunc, sig, meta, rank,
+                                    pending)
+                if pending:
+                    await _released(pending)
+            else:
+                await self._run(op, program, arrays, ufunc, sig, meta)
             return
         from .timeline import COLLECTIVE
         timeline, started, error = self.timeline, self.timeline.now(), None
@@ -146,14 +154,19 @@ class Executor:
                 args["error"] = error
             timeline.span(COLLECTIVE, f"{strategy.collective} #{op.number}", started, args)
 
-    async def _run(
-        self, op: OpKey, program: Program, arrays: Sequence[np.ndarray],
-        ufunc: Ufunc | None, sig: Signature, meta: dict[str, Any] | None,
-    ) -> None:
+    def _begin(self, op: OpKey, program: Program, sig: Signature) -> int:
+        """What every run does first; returns this rank."""
         rank = self.departures.membership.rank
         self.transport.paths.drive(program.destinations)  # its links share the line
         if op.tag is None or program.sources:  # a send expects nothing, a receive op.src
             self.matcher.expect(op, sig, rank)
+        return rank
+
+    async def _run(
+        self, op: OpKey, program: Program, arrays: Sequence[np.ndarray],
+        ufunc: Ufunc | None, sig: Signature, meta: dict[str, Any] | None,
+    ) -> None:
+        rank = self._begin(op, program, sig)
         wire = self.wire
         if self.timeline is not None:  # a send, receive and fold of each step on its track
             from .timeline import Tracer
