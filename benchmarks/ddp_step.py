@@ -3,6 +3,7 @@
     python benchmarks/ddp_step.py                      # -n 2,4, 3 alternating runs each
     python benchmarks/ddp_step.py -n 2 --runs 5 --steps 20
     python benchmarks/ddp_step.py --base /tmp/old-tree   # also p2pcoll from another tree
+    python benchmarks/ddp_step.py --floor               # also the step with no allreduce
 
 Not a test: it prints a markdown table. Every run is one ``torchrun`` world on this host
 (OMP_NUM_THREADS=1 per rank, as torchrun sets it, for every backend alike: each rank
@@ -44,6 +45,13 @@ def worker(args: argparse.Namespace) -> None:
         torch.nn.Linear(2 * width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width)))
+    if args.floor:  # the compute alone: DDP hands every bucket to a hook that sends nothing
+        def nothing(state, bucket):  # type: ignore[no-untyped-def]  # torch reads annotations
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        model.register_comm_hook(None, nothing)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, width)
@@ -66,13 +74,14 @@ def worker(args: argparse.Namespace) -> None:
     del model, opt
 
 
-def run(backend: str, p: int, args: argparse.Namespace, tree: str | None = None) -> dict[str, Any]:
+def run(backend: str, p: int, args: argparse.Namespace, tree: str | None = None,
+        floor: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(p),
                "--master-port", str(_port()), __file__, "--worker", "--backend", backend,
                "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--batch", str(args.batch), "--out", str(out)]
+               "--batch", str(args.batch), "--out", str(out)] + (["--floor"] if floor else [])
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         if tree is not None:  # p2pcoll imported from that tree
             env["PYTHONPATH"] = os.pathsep.join([tree, *filter(None, [env.get("PYTHONPATH")])])
@@ -99,6 +108,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank")
     parser.add_argument("--base", help="also run p2pcoll from this source tree (the old code)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the step with no allreduce (Gloo world, DDP with a "
+                             "comm hook that sends nothing): the compute's floor")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="p2pcoll", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -107,7 +119,8 @@ def main() -> None:
         worker(args)
         return
 
-    names = ["gloo", "p2pcoll"] + (["base"] if args.base else [])
+    names = (["gloo", "p2pcoll"] + (["base"] if args.base else [])
+             + (["floor"] if args.floor else []))
     rows = []
     params = threads = 0
     print(f"load before: {_load()}", file=sys.stderr, flush=True)
@@ -119,7 +132,8 @@ def main() -> None:
                 order.reverse()
             for name in order:
                 backend, tree = ("p2pcoll", args.base) if name == "base" else (name, None)
-                result = run(backend, p, args, tree)
+                result = run("gloo" if name == "floor" else backend, p, args, tree,
+                             floor=name == "floor")
                 params, threads = result["params"], result["threads"]
                 medians[name].append(result["median"])
                 print(f"p={p} run {i} {name}: {result['median'] * 1e3:.1f} ms",
@@ -129,8 +143,10 @@ def main() -> None:
           f"{threads} torch thread(s) per rank, {args.runs} alternating runs of {args.steps} "
           f"steps per backend; load after: {_load()}\n")
     base = " base step (ms) | base / Gloo |" if args.base else ""
-    print(f"| ranks | Gloo step (ms) | p2pcoll step (ms) | p2pcoll / Gloo |{base} runs |")
-    print("|---|---|---|---|" + ("---|---|" if args.base else "") + "---|")
+    floor = " compute floor (ms) | floor / Gloo |" if args.floor else ""
+    print(f"| ranks | Gloo step (ms) | p2pcoll step (ms) | p2pcoll / Gloo |{base}{floor} runs |")
+    print("|---|---|---|---|" + ("---|---|" if args.base else "")
+          + ("---|---|" if args.floor else "") + "---|")
     for p, med, m in rows:
         each = "; ".join(f"{k} " + " ".join(f"{v * 1e3:.0f}" for v in vs)
                          for k, vs in m.items())
@@ -138,6 +154,8 @@ def main() -> None:
         cells = [f"{g * 1e3:.1f}", f"{med['p2pcoll'] * 1e3:.1f}", f"{med['p2pcoll'] / g:.2f}"]
         if args.base:
             cells += [f"{med['base'] * 1e3:.1f}", f"{med['base'] / g:.2f}"]
+        if args.floor:
+            cells += [f"{med['floor'] * 1e3:.1f}", f"{med['floor'] / g:.2f}"]
         print(f"| {p} | " + " | ".join(cells) + f" | {each} |")
 
 

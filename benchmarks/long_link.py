@@ -6,6 +6,7 @@
     python benchmarks/long_link.py --loopback               # job key against plain sockets
     python benchmarks/long_link.py --strategy auto,ring,direct,auto:1 --streams auto
                                   # several strategies in one lab; NAME:K with K streams only
+    python benchmarks/long_link.py --raw ring:6,direct:2   # and the lab's own ceiling
 
 Not a test: it prints tables. Needs root, ``ip``/``tc`` and (where the kernel has no
 netem) a C compiler and ``iptables``. Four hosts of their own (network namespaces,
@@ -16,7 +17,8 @@ stream relay, which it does not, only where neither can run). In one run, each i
 pass over the sizes (a change in the machine's load falls on all alike): p2pcoll with
 ``P2PCOLL_STREAMS`` of each ``--streams`` value (and ``P2PCOLL_PIPELINE_DEPTH`` of each
 ``--depths`` value; ``link``: unset, the pipeline's window follows the path), then Gloo
-(torch.distributed over tcp).
+(torch.distributed over tcp), and with ``--raw`` the lab's ceiling: plain TCP connections
+moving each rank's bytes of the allreduce with no p2pcoll at all (``raw_streams.py``).
 Times are the slowest rank's, medians over ``--iterations`` after a warm-up; bus bandwidth
 as nccl-tests counts it (``2(p-1)/p * size / time``) and as a share of the cable's payload
 rate (1448 bytes of 1514 per frame). The notes give, per run, the CPU the peers used (in
@@ -191,6 +193,26 @@ def process_cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def raw(args: argparse.Namespace, lab: netns.Lab, world: int, pattern: str, k: str
+        ) -> list[dict[str, Any]]:
+    """The lab's ceiling (``raw_streams.py``): plain TCP moving a rank's bytes of the
+    allreduce of the first size, ``k`` connections per pair, ``pattern`` ring or direct."""
+    nbytes = 2 * (world - 1) * args.sizes[0] // world
+    period = max(1.0, 4 * nbytes / 100e6)  # room for a pass at a quarter of 1 Gbit/s
+    argv = ["nice", "-n", str(args.nice)] if args.nice else []
+    argv += [sys.executable, "-c", "import sys, raw_streams; "
+             "sys.exit(raw_streams.main(sys.argv[1:]))"]
+    addresses = ",".join(netns.address(r) for r in range(world))
+    start = time.time() + 5
+    commands = [lab.command(rank, [*argv, str(rank), k, str(nbytes), str(args.iterations),
+                                   pattern, addresses, str(start), str(period)])
+                for rank in range(world)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent))
+    reports = run_to_end(commands, [env] * world, args.timeout, cwd=ROOT, name="raw")
+    reports[0]["cpu"] = f"load {os.getloadavg()[0]:.1f}"
+    return reports
+
+
 def medians(reports: list[dict[str, Any]]) -> dict[int, float]:
     """Per size, the median over iterations of the slowest rank's time."""
     out = {}
@@ -225,7 +247,10 @@ def table(results: dict[str, dict[int, float]], world: int, line_Bps: float | No
     for n in sorted(next(iter(results.values()))):
         cells = []
         for name in names:
-            t = results[name][n]
+            t = results[name].get(n)
+            if t is None:
+                cells.append("-")
+                continue
             bw = busbw(n, world, t)
             share = f", {bw / line_Bps:.0%}" if line_Bps else ""
             cells.append(f"{t * 1e3:.0f} ms ({bw / 1e6:.1f} MB/s{share})")
@@ -255,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key", action="store_true", help="with a job key (CurveZMQ)")
     parser.add_argument("--loopback", action="store_true",
                         help="two peers on loopback, job key against plain sockets")
+    parser.add_argument("--raw", default="",
+                        help="the lab's ceiling too: plain TCP moving each rank's bytes of "
+                        "the allreduce of the first size, PATTERN:K comma-separated "
+                        "(ring:6,direct:2: K connections to the ring's next host or to "
+                        "every peer; raw_streams.py)")
     parser.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE",
                         help="a variable for every p2pcoll peer (repeatable)")
@@ -339,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{reports[0].get('window', '')}, "
                                  f"{reports[0].get('probe', '')}, "
                                  f"strategies {reports[0]['picked']}; {reports[0]['cpu']}")
+                for item in (r.strip() for r in args.raw.split(",") if r.strip()):
+                    pattern, _, k = item.partition(":")
+                    reports = raw(args, lab, world, pattern, k or "1")
+                    results[f"raw {pattern}:{k or 1}"] = {args.sizes[0]: statistics.median(
+                        [max(r["times"][i] for r in reports)
+                         for i in range(args.iterations)])}
+                    notes.append(f"raw {pattern}:{k or 1}: {reports[0]['cpu']}")
                 if not args.no_gloo:
                     reports = run(args, "gloo", world, port, {}, lab)
                     results["gloo"] = medians(reports)

@@ -194,12 +194,12 @@ async def test_a_measurement_fed_in_changes_the_width() -> None:
         return widths
 
     for widths in await run_ranks(2, fn, streams="auto"):
-        assert widths == [6, 1, 6]  # MAX_AUTO_STREAMS for its one peer
+        assert widths == [4, 1, 4]  # MAX_AUTO_STREAMS for its one peer
 
 
 async def test_auto_shares_the_hosts_line_between_its_peers() -> None:
     """Under ``auto`` a pair's links share the host's line with its other peers': with two
-    remote peers sent to at once each pair takes half of the cap (3 of 6), not 6 each, and
+    remote peers sent to at once each pair takes half of the cap (2 of 4), not 4 each, and
     the result is the one a single connection gives."""
     x = np.arange(60_000, dtype=np.float32)
 
@@ -215,7 +215,7 @@ async def test_auto_shares_the_hosts_line_between_its_peers() -> None:
     expected = sum(x + r for r in range(PEERS))
     for out, widths in results:
         assert np.array_equal(out, expected)
-        assert widths == [3, 3]
+        assert widths == [2, 2]
 
 
 @pytest.mark.parametrize("value", ["0", "17", "two", "-1", "1.5"])
@@ -278,19 +278,19 @@ def test_identities_and_turns() -> None:
 
 def test_auto_fills_the_bandwidth_delay_product() -> None:
     window = 2 << 20
-    assert choose_streams(0.1, 125e6, window_bytes=window) == 6  # 12.5 MB over 2 MiB
+    assert choose_streams(0.1, 125e6, window_bytes=window) == 4  # 12.5 MB: the cap
     assert choose_streams(0.0002, 125e6, window_bytes=window) == 1
-    assert choose_streams(1.0, 125e6, window_bytes=window) == 6  # at most MAX_AUTO_STREAMS
+    assert choose_streams(1.0, 125e6, window_bytes=window) == 4  # at most MAX_AUTO_STREAMS
     assert choose_streams(0.0, None, window_bytes=window) == 1
-    # Three remote peers at once share the host's line: each pair its share of the
-    # product (12.5 MB over 3 x 2 MiB: 2) and of the cap (6 // 3), but two wherever one
-    # window cannot fill the pair's own product, and one where it can.
-    assert choose_streams(0.1, 125e6, window_bytes=window, sharing=3) == 2
-    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=3) == 2
-    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=2) == 3
-    assert choose_streams(0.05, 125e6, window_bytes=window, sharing=3) == 2
-    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=12) == 2
-    assert choose_streams(0.01, 125e6, window_bytes=window, sharing=3) == 1
+    # Remote peers at once share the host's line: each pair its share of the product and
+    # of the cap (4 // 2, 4 // 3), one each at least; the host's connections stay within
+    # the cap wherever its peers are fewer than it.
+    assert choose_streams(0.1, 125e6, window_bytes=window, sharing=3) == 1
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=3) == 1
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=2) == 2
+    assert choose_streams(0.05, 125e6, window_bytes=window, sharing=2) == 2
+    assert choose_streams(1.0, 125e6, window_bytes=window, sharing=12) == 1
+    assert choose_streams(0.01, 125e6, window_bytes=window, sharing=2) == 1
     paths = Paths(Buffers(wmem_max=4 << 20, rmem_max=4 << 20, tcp_wmem_max=4 << 20,
                           tcp_rmem_max=4 << 20))
     assert paths.streams(1) is None  # not measured yet
@@ -301,15 +301,18 @@ def test_auto_fills_the_bandwidth_delay_product() -> None:
     paths.measure(2, rtt_s=0.1)  # a measurement replaces, and handshakes no longer count
     paths.handshake(2, 0.01)
     assert paths.rtt(2) == 0.1
-    assert paths.streams(1) == 6  # the default bandwidth, 10 Gbit/s: the cap
+    assert paths.streams(1) == 4  # the default bandwidth, 10 Gbit/s: the cap
     paths.measure(1, bandwidth_Bps=125e6)  # a measured bandwidth is taken from now on
-    assert paths.streams(1) == 6
-    assert paths.streams(1, sharing=3) == 2
+    assert paths.streams(1) == 4
+    assert paths.streams(1, sharing=2) == 2
+    paths.measure(1, bandwidth_Bps=20e6)  # 2 MB in flight: one window (2 MiB) holds it
+    assert paths.streams(1) == 1
 
 
 def test_send_buffers_within_the_system_maxima(caplog: pytest.LogCaptureFixture) -> None:
     roomy = Buffers(wmem_max=64 << 20, tcp_wmem_max=4 << 20)
-    assert send_buffer(0.1, 125e6, 2, roomy) == (12_500_000, False)
+    # 12.5 MB over 2, each share held in 0.7 of its buffer (SEND_BUFFER_SHARE)
+    assert send_buffer(0.1, 125e6, 2, roomy) == (8_928_572, False)
     assert send_buffer(0.001, 125e6, 1, roomy) == (0, False)  # autotuning does it
     tight = Buffers(wmem_max=1 << 20, tcp_wmem_max=4 << 20)
     assert send_buffer(0.1, 125e6, 2, tight) == (0, True)  # a set size would be smaller

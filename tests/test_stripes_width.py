@@ -10,7 +10,7 @@ direct exchange is priced as the ring, not a third of it.
 - the width for a program of k concurrent peers, and what a compiled program says it drives;
 - ``Routes.drive`` counts only the remote peers (tcp, another host);
 - four real peers over loopback tcp, each its own host, paths made long: a ring opens the
-  host's share of stripes to its one neighbour, a direct exchange two per pair to all
+  host's share of stripes to its one neighbour, a direct exchange one per pair to all
   three, counted through ``stats()``, every result bit-identical;
 - the measured-links price of the direct exchange, the ring and a root's broadcast, and
   even links read as one rate, whatever the probe's noise.
@@ -41,12 +41,12 @@ WINDOW = 2 << 20  # autotuned 4 MiB buffers: 2 MiB in flight per connection
 
 def test_the_width_for_a_program_of_k_concurrent_peers() -> None:
     # 100 ms, bandwidth not measured (10 Gbit/s assumed: the cap decides): the host's
-    # connections split among the peers sent to at once, two each at least.
+    # connections split among the peers sent to at once, one each at least.
     long = [choose_streams(0.1, None, window_bytes=WINDOW, sharing=k) for k in (1, 2, 3, 7)]
-    assert long == [MAX_AUTO_STREAMS, 3, 2, 2] == [6, 3, 2, 2]
-    # 1 Gbit/s measured: 12.5 MB over 2 MiB windows is 6 for the host.
+    assert long == [MAX_AUTO_STREAMS, 2, 1, 1] == [4, 2, 1, 1]
+    # 1 Gbit/s measured: 12.5 MB over 2 MiB windows would be 6; the host keeps to 4.
     measured = [choose_streams(0.1, 125e6, window_bytes=WINDOW, sharing=k) for k in (1, 3)]
-    assert measured == [6, 2]
+    assert measured == [4, 1]
     # A short path: one connection, however many peers.
     assert choose_streams(0.001, None, window_bytes=WINDOW, sharing=1) == 1
 
@@ -101,8 +101,8 @@ def small_stripes(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("small_stripes")
 async def test_the_stripes_follow_the_strategy_that_runs() -> None:
     """Four peers, each its own host, every path told 100 ms (bandwidth unmeasured): the
-    ring opens its whole share (6 connections) to its one neighbour, the direct exchange
-    then takes two to each of its three peers, and the ring again widens back; the
+    ring opens its whole share (4 connections) to its one neighbour, the direct exchange
+    then takes one to each of its three peers (the link), and the ring again widens back; the
     stripes opened, counted by stats(), are those and no more."""
     peers = 4
     x = np.arange(60_000, dtype=np.float32)
@@ -129,9 +129,9 @@ async def test_the_stripes_follow_the_strategy_that_runs() -> None:
     for right, seen in await asyncio.gather(*(rank(r) for r in range(peers))):
         (ring, ring_stripes), (direct, direct_stripes), (again, again_stripes) = seen
         assert ring[right] == MAX_AUTO_STREAMS and ring_stripes == MAX_AUTO_STREAMS - 1
-        assert sorted(direct.values()) == [2, 2, 2]  # 3 peers at once: two each
-        # The neighbour's stripes were open already; one more to each of the other two.
-        assert direct_stripes == ring_stripes + 2
+        assert sorted(direct.values()) == [1, 1, 1]  # 3 peers at once: one each
+        # The neighbour's stripes were open already; the others need none.
+        assert direct_stripes == ring_stripes
         assert again[right] == MAX_AUTO_STREAMS and again_stripes == direct_stripes
 
 

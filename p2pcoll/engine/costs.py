@@ -45,9 +45,11 @@ Long paths. With the measured round trips (:attr:`CostModel.rtts`), the window o
 connection (:attr:`CostModel.window`) and the connections per link
 (:attr:`CostModel.streams`, 0 for ``auto``), two more terms (:mod:`.long_paths`): every
 step of the schedule waits for half its slowest pair's round trip beyond alpha
-(:func:`~.long_paths.wire_seconds`), and each message moves at most at its connections'
-windows over the round trip, ``k * window / rtt`` (:func:`~.long_paths.window_rates`: the
-ring's 6 connections fill a 1 Gbit/s, 100 ms path, Rabenseifner's 3 half of it). On a LAN
+(:func:`~.long_paths.wire_seconds`), of which the segments in flight hide all but what
+:func:`~.long_paths.exposed_seconds` leaves (one step's, when they keep the links busy),
+and each message moves at most at its connections' windows over the round trip,
+``k * window / rtt`` (:func:`~.long_paths.window_rates`: the ring's 4 connections nearly
+fill a 1 Gbit/s, 100 ms path, Rabenseifner's 2 per pair less than half of it). On a LAN
 neither binds and the prediction is the one above.
 
 One term is not the textbook's: when more ranks share a host than it has cores, they queue
@@ -97,7 +99,7 @@ from ..errors import SettingsError
 from ..settings_env import DEFAULT_PIPELINE_DEPTH
 from ..strategy import ALL, Context, Cost, Recv, Reduce, Send, Strategy, Workload, host_numbers
 from .layout import Extent, Layout
-from .long_paths import window_rates, wire_seconds
+from .long_paths import exposed_seconds, step_seconds, window_rates
 
 TRANSPORTS = ("ipc", "tcp")
 FIELDS = ("alpha", "beta", "gamma", "overhead", "repeat")
@@ -298,15 +300,14 @@ class CostModel:
                 and ring != tuple(range(size))):
             from .ordered_ring import OrderedRing  # the ring the group runs instead
             carried = OrderedRing(ring, (max(nbytes // work.itemsize, 1),), 0).cost(work)
-            slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
-            return (carried.rounds * constants.alpha + carried.sent / max(slowest, 1.0)
-                    + carried.reduced * constants.gamma + self._wire(strategy, work,
-                                                                     constants.alpha))
+            data = carried.sent / max(self._slowest_hop(strategy, ring), 1.0)
+            return (carried.rounds * constants.alpha + data + carried.reduced * constants.gamma
+                    + self._wire(strategy, work, constants.alpha, data))
         if (strategy.collective == "allgather" and strategy.name == "ring"
                 and ring != tuple(range(size))):
-            slowest = min(self.links[ring[k]][ring[(k + 1) % size]] for k in range(size))
-            return (cost.rounds * constants.alpha + cost.sent / max(slowest, 1.0)
-                    + self._wire(strategy, work, constants.alpha))
+            data = cost.sent / max(self._slowest_hop(strategy, ring), 1.0)
+            return (cost.rounds * constants.alpha + data
+                    + self._wire(strategy, work, constants.alpha, data))
         even = even_rate(self.links)
         lines = (self.links if even is None
                  else tuple((even,) * size for _ in range(size)))
@@ -319,14 +320,28 @@ class CostModel:
             seconds = cost.sent / even
         else:
             seconds = link_seconds(strategy, size, self.links) * nbytes
-        return (cost.rounds * constants.alpha + self._wire(strategy, work, constants.alpha)
+        return (cost.rounds * constants.alpha + self._wire(strategy, work, constants.alpha,
+                                                           seconds)
                 + seconds + cost.reduced * constants.gamma + self.contention(strategy, work))
 
-    def _wire(self, strategy: Strategy, work: Workload, alpha: float) -> float:
-        """The paths' latency beyond alpha, per wave of segments (see "Long paths")."""
+    def _slowest_hop(self, strategy: Strategy, ring: tuple[int, ...]) -> float:
+        """Bytes/s of the slowest hop of ``ring``: its pair's link, or less where the
+        connections' windows bind it (:func:`~.long_paths.window_rates`; a ring sends to
+        one peer at a time, whatever its order)."""
+        size = len(ring)
+        caps = window_rates(strategy, size, self.rtts, self.links, self.window, self.streams,
+                            self.hosts if len(self.hosts) == size else ())
+        hops = [(ring[k], ring[(k + 1) % size]) for k in range(size)]
+        return min(min(self.links[a][b], caps[a][b] if caps is not None else self.links[a][b])
+                   for a, b in hops)
+
+    def _wire(self, strategy: Strategy, work: Workload, alpha: float, data_s: float) -> float:
+        """The paths' latency beyond alpha that the segments in flight do not hide, with
+        ``data_s`` the seconds of the data (see "Long paths")."""
         if len(self.rtts) != work.size:
             return 0.0
-        return wire_seconds(strategy, work.size, self.rtts, alpha) * work.waves
+        return exposed_seconds(step_seconds(strategy, work.size, self.rtts, alpha), data_s,
+                               min(work.segments, work.depth), work.waves)
 
     def split(self, strategy: Strategy, cost: Cost, size: int) -> tuple[Cost, Cost]:
         """``cost`` as (the part inside hosts, the part between hosts): as the strategy

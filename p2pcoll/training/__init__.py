@@ -82,7 +82,7 @@ Round), ``nonfinite`` (NaN/Inf reports), ``state`` (round numbers per group), ``
 ``heal`` (heal, HealProgress, HealReport, HealFailed: a joiner's state striped over every
 survivor), ``local_sgd`` (LocalSGD, DiLoCo, DiLoCoRounds), ``outer`` (OuterSGD), ``fragments``
 (streaming DiLoCo's fragments), ``compressors`` (DiLoCo's ``compressor=``: TopK2Bit),
-``modes`` (what those share), ``errors``.
+``sparse_codes`` (its levels and wire packing), ``modes`` (what those share), ``errors``.
 """
 
 from __future__ import annotations

@@ -12,14 +12,15 @@ plugins, each a Compressor subclass named in its distribution's metadata::
 
 ``topk2bit`` (:class:`TopK2Bit`, after SparseLoCo: Sarfi et al. 2025) sends, of each chunk
 of ``CHUNK`` consecutive elements of each tensor, the ``k = ceil(density * chunk)`` entries
-of largest magnitude, each as a 2-bit code against a step agreed by the group. One
+of largest magnitude, each as a 2-bit code against two levels agreed by the group. One
 exchange, on every rank::
 
-    a      = delta + e                     the pseudo-gradient with what was held back
+    a      = delta + beta * e              the pseudo-gradient with what was held back
+                                           (beta: ``decay``, SparseLoCo's 0.95; 1 keeps all)
     idx    = per chunk, the k entries of a of largest magnitude
-    M      = max over ranks of max |a[idx]|    per chunk: one allreduce("max") of float32
-    s      = M / 2                         the chunk's step (as int8 agrees its block scale)
-    q      = sign(a[idx]) * clip(rint(|a[idx]| / s), 1, 2)     in {-2, -1, 1, 2}: 2 bits
+    mu, sd = max over ranks of the mean and std of |a[idx]|   per chunk: one allreduce("max")
+    m, s   = the levels m s, (m + 1) s straddling mu, about 2 sd apart (.sparse_codes)
+    q      = sign(a[idx]) * clip(rint(|a[idx]| / s), m, m + 1)   2 bits: sign, which level
     e      = a; e[idx] = a[idx] - q * s    what was not sent, kept for the next exchange
     Q      = sum over ranks of q at idx    integers: exact, in any order
     out    = Q * s / p                     the average, the same bits on every rank
@@ -28,7 +29,7 @@ exchange, on every rank::
 the same: the *sparse* way, an allgather of each rank's indices (12 bits within the chunk)
 and packed codes, summed by every rank in rank order; or, when p ranks' entries could
 cover as many bytes as the dense chunk (the union is dense), the *dense* way, an allreduce
-of the codes laid out densely (int8; int16 beyond 63 ranks), which the strategies run as a
+of the codes laid out densely (int8; int16 beyond 15 ranks), which the strategies run as a
 reduce-scatter and an allgather. Both give the same ``Q``, exactly.
 
 Where it runs: the selection, the coding and the decoding (the time an exchange takes
@@ -39,19 +40,21 @@ of the inner steps the exchange overlaps. The two collectives of one exchange ho
 of the group (:mod:`p2pcoll.session.turns`), as a coded reduction's do.
 
 What the accumulator keeps: where an entry was not sent, ``e`` is ``a`` bit for bit; where
-it was, ``e`` is ``a - q * s`` rounded once to the tensor's dtype (exact when ``a`` and
-``q * s`` are within a factor of two of each other; ``q * s`` itself is exact: ``s`` is
-half a float32). So what was sent plus what was kept is what there was, to half a unit in
-the last place of the kept value.
+it was, ``e`` is ``a - q * s`` (in float64) rounded once to the tensor's dtype. So what was
+sent plus what was kept is what there was, to half a unit in the last place of the kept
+value. With ``decay`` below 1 the accumulator forgets a share of what it holds each
+exchange (SparseLoCo: the decayed accumulator then plays the outer momentum's part; pair it
+with DiLoCo's ``outer_momentum=0``).
 
 Bytes: each rank hands ``k`` times (1.5 + 0.25) bytes per chunk to the allgather (12-bit
-indices, 2-bit codes), plus 4 bytes of its chunk maxima: at density 1.5 % about 0.027
-bytes per float32 element, 150x fewer than the element's 4; DiLoCo with H = 50 makes that
-about 7,300x fewer than a per-step float32 allreduce hands over. On the wire an allgather
+indices, 2-bit codes), plus 8 bytes of its chunk statistics: at density 1.5 % about 0.028
+bytes per float32 element, 140x fewer than the element's 4; DiLoCo with H = 50 makes that
+about 7,100x fewer than a per-step float32 allreduce hands over. On the wire an allgather
 delivers every rank's message to every other, ``(p - 1) m`` bytes sent per rank, where a
 ring allreduce of n floats sends ``2 (p - 1) / p * 4 n``: the advantage over the dense
-allreduce shrinks as p grows, about ``300 H / p`` at 1.5 %, and past
-``p m >= 2 n`` (p about 75 at 1.5 %) the dense int8 codes are the cheaper way.
+allreduce shrinks as p grows, about ``280 H / p`` at 1.5 %, and past ``p m >= 2 d`` (d the
+dense codes' bytes: int16 beyond 15 ranks, so p about 140 at 1.5 %) the dense codes are the
+cheaper way.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ import numpy as np
 from ..errors import PluginValidationError, ProtocolError
 from ..plugin_table import PluginTable, named_class
 from .errors import NonFiniteGradients
+from .sparse_codes import (code_dtype, index_bytes, levels, pack_codes, pack_indices,
+                           quantise, sparse_bytes, statistics, unpack_codes, unpack_indices)
 
 if TYPE_CHECKING:
     from .. import Group
@@ -77,12 +82,19 @@ if TYPE_CHECKING:
 __all__ = ["CHUNK", "COMPRESSORS", "ENTRY_POINT_GROUP", "Compressor", "TopK2Bit",
            "compressor_table", "make_compressor", "validate"]
 
+DECAY = 0.95
+"""``topk2bit``'s default decay of the error-feedback accumulator (see :class:`TopK2Bit`)."""
+
 CHUNK = 4096
 """Elements per chunk of ``topk2bit``: one agreed step each; an index within it fits in
 12 bits."""
 
 Pick = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""One tensor's selection (:meth:`TopK2Bit._pick`): indices, chunk starts, chunk maxima."""
+"""One tensor's selection (:meth:`TopK2Bit._pick`): indices, chunk starts, and each chunk's
+(mean, standard deviation) of the selected magnitudes (:func:`.sparse_codes.statistics`)."""
+
+Levels = tuple[np.ndarray, np.ndarray]
+"""One tensor's agreed levels per chunk: the step (float64) and the lower level m (int64)."""
 
 T = TypeVar("T")
 
@@ -129,30 +141,36 @@ class Compressor(ABC):
 
 
 class TopK2Bit(Compressor):
-    """Chunk-wise top-k with 2-bit codes against a per-chunk step agreed by the group
+    """Chunk-wise top-k with 2-bit codes against per-chunk levels agreed by the group
     (module docstring).
 
     Args:
         density: the share of each chunk's entries sent per exchange, in (0, 1] (at least
             one per chunk).
+        decay: beta, the share of the error-feedback accumulator kept into the next
+            exchange, in [0, 1] (1: all of it; SparseLoCo: 0.95).
 
     Raises:
-        ValueError: ``density`` is not a number in (0, 1].
+        ValueError: ``density`` is not a number in (0, 1], ``decay`` not one in [0, 1].
     """
 
     name = "topk2bit"
 
-    def __init__(self, density: float = 0.015) -> None:
+    def __init__(self, density: float = 0.015, *, decay: float = DECAY) -> None:
         if (not isinstance(density, (int, float)) or isinstance(density, bool)
                 or not 0 < density <= 1):
             raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+        if (not isinstance(decay, (int, float)) or isinstance(decay, bool)
+                or not 0 <= decay <= 1):
+            raise ValueError(f"decay must be a number in [0, 1], got {decay!r}")
         self.density = float(density)
+        self.decay = float(decay)
         self.chunk = CHUNK
 
     @property
     def settings(self) -> dict[str, Any]:
         return {"compressor": self.name, "compressor_chunk": self.chunk,
-                "density": self.density}
+                "compressor_decay": self.decay, "density": self.density}
 
     def k_of(self, length: int) -> int:
         """Entries sent of a chunk of ``length`` elements."""
@@ -174,14 +192,14 @@ class TopK2Bit(Compressor):
         """Whether the codes travel densely: each rank would send as many bytes in the
         allgather of p sparse messages, (p - 1) m, as in an allreduce of the dense codes,
         2 (p - 1) / p n (the union of the indices is dense)."""
-        dense_bytes = sum(sizes) * _code_dtype(world_size).itemsize
-        return world_size * _sparse_bytes(self._selected(sizes)) >= 2 * dense_bytes
+        dense_bytes = sum(sizes) * code_dtype(world_size).itemsize
+        return world_size * sparse_bytes(self._selected(sizes)) >= 2 * dense_bytes
 
     def message_bytes(self, sizes: Sequence[int], world_size: int) -> int:
-        scales = 4 * self._chunks(sizes)
+        scales = 8 * self._chunks(sizes)  # two float32 statistics per chunk
         if self.dense(sizes, world_size):
-            return scales + sum(sizes) * _code_dtype(world_size).itemsize
-        return scales + _sparse_bytes(self._selected(sizes))
+            return scales + sum(sizes) * code_dtype(world_size).itemsize
+        return scales + sparse_bytes(self._selected(sizes))
 
     async def average(self, group: Group, deltas: Sequence[np.ndarray],
                       residuals: Sequence[np.ndarray] | None, *, names: Sequence[str],
@@ -195,14 +213,15 @@ class TopK2Bit(Compressor):
         # different moments on different ranks: a turn keeps calls started meanwhile after
         # them, on every rank (p2pcoll.session.turns).
         async with group.turns.hold() as turn:  # taken before the first await
-            accs, picks, local_max = await _in_thread(self._select, deltas, residuals)
+            accs, picks, local = await _in_thread(self._select, deltas, residuals)
 
-            # The step of each chunk: the largest selected magnitude over the ranks, halved.
-            agreed = (local_max if p == 1 else await group.allreduce(
-                local_max, "max", strategy=strategy, timeout=timeout))
-            bounds = np.cumsum([0, *(starts.size for _, starts, _ in picks)])
-            steps = [agreed[a:b].astype(np.float64) / 2 for a, b in itertools.pairwise(bounds)]
-            bad = [names[i] for i, s in enumerate(steps) if not np.isfinite(s).all()]
+            # Each chunk's levels, from the largest over the ranks of their statistics of
+            # what they selected (max: exact, the same bits under every strategy).
+            agreed = (local if p == 1 else await group.allreduce(
+                local, "max", strategy=strategy, timeout=timeout))
+            bounds = 2 * np.cumsum([0, *(starts.size for _, starts, _ in picks)])
+            steps = [levels(agreed[a:b]) for a, b in itertools.pairwise(bounds)]
+            bad = [names[i] for i, (s, _) in enumerate(steps) if not np.isfinite(s).all()]
             if bad and nonfinite == "raise":
                 raise NonFiniteGradients(
                     f"NaN or Inf in the pseudo-gradient of some rank (round {round_no}), "
@@ -230,28 +249,30 @@ class TopK2Bit(Compressor):
 
     def _select(self, deltas: Sequence[np.ndarray], residuals: Sequence[np.ndarray] | None
                 ) -> tuple[list[np.ndarray], list[Pick], np.ndarray]:
-        """Each tensor's accumulator (a new flat array: delta plus residual), its selected
-        entries (:meth:`_pick`), and the chunks' largest selected magnitudes, all tensors'
-        in one float32 array."""
-        accs = [d.reshape(-1).copy() if residuals is None
-                else d.reshape(-1) + r.reshape(-1) for d, r in zip(
+        """Each tensor's accumulator (a new flat array: delta plus the residual times the
+        decay), its selected entries (:meth:`_pick`), and the chunks' statistics of them,
+        all tensors' in one float32 array of (mean, standard deviation) pairs."""
+        accs = [d.reshape(-1).copy() if residuals is None else d.reshape(-1) + (
+                    r.reshape(-1) if self.decay == 1 else r.reshape(-1) * r.dtype.type(
+                        self.decay)) for d, r in zip(
                     deltas, residuals if residuals is not None else deltas, strict=True)]
         picks = [self._pick(a) for a in accs]
-        local_max = np.concatenate([m for _, _, m in picks] or [np.empty(0, np.float32)])
-        return accs, picks, local_max
+        local = np.concatenate([m.reshape(-1) for _, _, m in picks]
+                               or [np.empty(0, np.float32)])
+        return accs, picks, local
 
     def _encode(self, sizes: list[int], accs: list[np.ndarray], picks: list[Pick],
-                steps: list[np.ndarray], p: int) -> tuple[list[np.ndarray], np.ndarray]:
+                steps: list[Levels], p: int) -> tuple[list[np.ndarray], np.ndarray]:
         """Each tensor's codes (int8, one per selected entry), and what this rank hands to
         the codes' collective: the dense codes of every tensor end to end, or (the sparse
         way) its chunk-local indices and packed codes."""
-        codes = [_quantise(a, idx, _per_entry(s, self._layout(a.size)[1]))
-                 for a, (idx, _, _), s in zip(accs, picks, steps, strict=True)]
+        codes = [quantise(a[idx], *self._per_entry(a.size, lv))
+                 for a, (idx, _, _), lv in zip(accs, picks, steps, strict=True)]
         indices = [idx for idx, _, _ in picks]
         if p == 1:
             return codes, np.empty(0, np.uint8)
         if self.dense(sizes, p):
-            dense = np.zeros(sum(sizes), _code_dtype(p))
+            dense = np.zeros(sum(sizes), code_dtype(p))
             offset = 0
             for n, idx, q in zip(sizes, indices, codes, strict=True):
                 dense[offset + idx] = q
@@ -259,58 +280,66 @@ class TopK2Bit(Compressor):
             return codes, dense
         local = [idx - np.repeat(*self._layout(n)) for n, idx in zip(sizes, indices, strict=True)]
         message = np.concatenate([
-            _pack_indices(np.concatenate(local or [np.empty(0, np.int64)])),
-            _pack(np.concatenate(codes or [np.empty(0, np.int8)]))])
+            pack_indices(np.concatenate(local or [np.empty(0, np.int64)])),
+            pack_codes(np.concatenate(codes or [np.empty(0, np.int8)]), np.concatenate(
+                [self._per_entry(n, lv)[1] for n, lv in zip(sizes, steps, strict=True)]
+                or [np.empty(0, np.int64)]))])
         return codes, message
 
     def _decode(self, deltas: Sequence[np.ndarray], accs: list[np.ndarray], picks: list[Pick],
-                codes: list[np.ndarray], steps: list[np.ndarray],
+                codes: list[np.ndarray], steps: list[Levels],
                 gathered: np.ndarray | list[np.ndarray] | None, p: int, keep: bool
                 ) -> list[np.ndarray]:
         """The averages (new arrays of the deltas' shapes and dtypes) from what the codes'
         collective returned; with ``keep``, each accumulator (this call's own) made what
         was not sent."""
         totals = self._sum_codes([a.size for a in accs], [idx for idx, _, _ in picks], codes,
-                                 gathered, p)
+                                 steps, gathered, p)
         results = []
-        for d, total, s, a in zip(deltas, totals, steps, accs, strict=True):
+        for d, total, (s, _), a in zip(deltas, totals, steps, accs, strict=True):
             step = np.repeat(s / p, np.minimum(self.chunk, a.size - np.arange(
                 0, a.size, self.chunk)))
             with np.errstate(invalid="ignore"):  # 0 * NaN in a chunk that was refused
                 results.append((total * step).astype(d.dtype).reshape(d.shape))
         if keep:
-            for a, (idx, _, _), q, s in zip(accs, picks, codes, steps, strict=True):
-                a[idx] -= (q * _per_entry(s, self._layout(a.size)[1])).astype(a.dtype)
+            for a, (idx, _, _), q, lv in zip(accs, picks, codes, steps, strict=True):
+                # sent: q s exactly (in float64); kept: a - q s, rounded once
+                sent = q * self._per_entry(a.size, lv)[0]
+                a[idx] = (a[idx].astype(np.float64) - sent).astype(a.dtype)
         return results
 
     def _pick(self, a: np.ndarray) -> Pick:
         """The selected entries of flat ``a`` (global indices, chunk by chunk, ascending
-        within a chunk), the chunks' starts and each chunk's largest selected magnitude
-        (float32, rounded up so it is never below a selected value)."""
+        within a chunk), the chunks' starts and each chunk's (mean, standard deviation) of
+        the selected magnitudes (float32 pairs)."""
         starts, ks = self._layout(a.size)
-        index_parts, maxima = [], np.empty(starts.size, np.float64)
+        index_parts, stats = [], []
         full = a.size // self.chunk
         if full:
             rows = np.abs(a[:full * self.chunk].reshape(full, self.chunk))
             k = int(ks[0])
             chosen = np.sort(np.argpartition(rows, self.chunk - k, axis=1)[:, self.chunk - k:],
                              axis=1)
-            maxima[:full] = np.take_along_axis(rows, chosen, axis=1).max(axis=1)
+            stats.append(statistics(np.take_along_axis(rows, chosen, axis=1).astype(
+                np.float64)))
             index_parts.append((chosen + starts[:full, None]).reshape(-1))
         if full < starts.size:
             tail = np.abs(a[full * self.chunk:])
             k = int(ks[-1])
             chosen_tail = np.sort(np.argpartition(tail, tail.size - k)[tail.size - k:])
-            maxima[full] = tail[chosen_tail].max()
+            stats.append(statistics(tail[chosen_tail].astype(np.float64)[None, :]))
             index_parts.append(chosen_tail + starts[full])
         idx = np.concatenate(index_parts) if index_parts else np.empty(0, np.int64)
-        with np.errstate(over="ignore"):
-            narrow = maxima.astype(np.float32)
-        narrow = np.where(narrow < maxima, np.nextafter(narrow, np.float32(np.inf)), narrow)
-        return idx, starts, narrow
+        return idx, starts, (np.concatenate(stats) if stats else np.empty((0, 2), np.float32))
+
+    def _per_entry(self, size: int, lv: Levels) -> Levels:
+        """Each selected entry's step and lower level (its chunk's), of a tensor of
+        ``size`` elements."""
+        ks = self._layout(size)[1]
+        return np.repeat(lv[0], ks), np.repeat(lv[1], ks)
 
     def _sum_codes(self, sizes: list[int], picks: list[np.ndarray], codes: list[np.ndarray],
-                   gathered: np.ndarray | list[np.ndarray] | None, p: int
+                   steps: list[Levels], gathered: np.ndarray | list[np.ndarray] | None, p: int
                    ) -> list[np.ndarray]:
         """Q per tensor (int64, flat): the sum over ranks of each rank's codes, from what
         the codes' collective returned (None for one rank: this rank's codes)."""
@@ -324,15 +353,17 @@ class TopK2Bit(Compressor):
             return [gathered[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
         # The sparse way: each rank's chunk-local indices and packed codes.
         selected = sum(idx.size for idx in picks)
+        lows = np.concatenate([self._per_entry(n, lv)[1] for n, lv in zip(
+            sizes, steps, strict=True)] or [np.empty(0, np.int64)])
         out = [np.zeros(n, np.int64) for n in sizes]
         for got in gathered:  # rank order; integer sums are exact in any order anyway
             got = np.asarray(got, np.uint8)
-            if got.size != _sparse_bytes(selected):
+            if got.size != sparse_bytes(selected):
                 raise ProtocolError(f"topk2bit: a rank sent {got.size} bytes, expected "
-                                    f"{_sparse_bytes(selected)}")
-            split = _index_bytes(selected)
-            indices = _unpack_indices(got[:split], selected)
-            qs = _unpack(got[split:], selected)
+                                    f"{sparse_bytes(selected)}")
+            split = index_bytes(selected)
+            indices = unpack_indices(got[:split], selected)
+            qs = unpack_codes(got[split:], lows)
             at = 0
             for o, n in zip(out, sizes, strict=True):
                 starts, ks = self._layout(n)
@@ -448,65 +479,3 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
 
 def _known() -> str:
     return ", ".join(repr(n) for n in sorted(COMPRESSORS.entries()))
-
-
-def _code_dtype(world_size: int) -> np.dtype[Any]:
-    """The dense codes' dtype: sums of p codes in [-2, 2] must fit."""
-    return np.dtype(np.int8 if 2 * world_size <= 127 else np.int16)
-
-
-def _sparse_bytes(selected: int) -> int:
-    """A rank's sparse message: a 12-bit index and a 2-bit code per selected entry."""
-    return _index_bytes(selected) + -(-selected // 4)
-
-
-def _index_bytes(selected: int) -> int:
-    return 3 * -(-selected // 2)
-
-
-def _pack_indices(indices: np.ndarray) -> np.ndarray:
-    """Indices in [0, 4096) as 12 bits each, two to three bytes (little-endian nibbles)."""
-    pairs = np.concatenate([indices, np.zeros(indices.size % 2, np.int64)]).reshape(-1, 2)
-    a, b = pairs[:, 0], pairs[:, 1]
-    packed = np.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=1)
-    out: np.ndarray = packed.astype(np.uint8).reshape(-1)
-    return out
-
-
-def _unpack_indices(packed: np.ndarray, count: int) -> np.ndarray:
-    triples = packed.reshape(-1, 3).astype(np.int64)
-    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
-    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
-    indices: np.ndarray = np.stack([a, b], axis=1).reshape(-1)[:count]
-    return indices
-
-
-def _per_entry(steps: np.ndarray, ks: np.ndarray) -> np.ndarray:
-    """Each selected entry's step (its chunk's)."""
-    return np.repeat(steps, ks)
-
-
-def _quantise(a: np.ndarray, idx: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """The 2-bit codes (as int8 in {-2, -1, 1, 2}) of ``a[idx]`` against ``step``."""
-    values = a[idx].astype(np.float64)
-    safe = np.where((step > 0) & np.isfinite(step), step, 1.0)
-    with np.errstate(invalid="ignore"):
-        magnitude = np.clip(np.rint(np.abs(values) / safe), 1, 2)
-        magnitude = np.where(np.isfinite(magnitude), magnitude, 1)
-    return np.where(values < 0, -magnitude, magnitude).astype(np.int8)
-
-
-def _pack(q: np.ndarray) -> np.ndarray:
-    """Codes {-2, -1, 1, 2} as 2 bits each {0, 1, 2, 3}, four to a byte, low bits first."""
-    bits = np.where(q < 0, q + 2, q + 1).astype(np.uint8)
-    bits = np.concatenate([bits, np.zeros(-bits.size % 4, np.uint8)]).reshape(-1, 4)
-    packed: np.ndarray = (bits[:, 0] | bits[:, 1] << 2 | bits[:, 2] << 4
-                          | bits[:, 3] << 6).astype(np.uint8)
-    return packed
-
-
-def _unpack(packed: np.ndarray, count: int) -> np.ndarray:
-    bits = (packed[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
-    flat = bits.reshape(-1)[:count].astype(np.int64)
-    unpacked: np.ndarray = np.where(flat < 2, flat - 2, flat - 1)
-    return unpacked

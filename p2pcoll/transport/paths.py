@@ -7,18 +7,20 @@ bandwidth-delay product: 12.5 MB at 1 Gbit/s and 100 ms). One TCP connection kee
 its window in flight, so it moves at most ``window / RTT`` whatever the line rate, and the
 kernel bounds the window by the socket's buffers: autotuned up to the last field of
 ``net.ipv4.tcp_wmem`` / ``tcp_rmem``, or set (``SO_SNDBUF``) up to ``net.core.wmem_max``.
-About half of a buffer holds data in flight (the rest is the kernel's bookkeeping,
-``net.ipv4.tcp_adv_win_scale``). So:
+Part of a buffer holds data in flight (the rest is the kernel's bookkeeping): half of a
+receive buffer (``net.ipv4.tcp_adv_win_scale``), and of a send buffer
+:data:`SEND_BUFFER_SHARE` (measured). So:
 
 - :func:`choose_streams` (``streams=auto``): enough connections that their windows fill
   the bandwidth-delay product, ``ceil(B * RTT / window)``, from 1 to :data:`MAX_AUTO_STREAMS`
   per host: a host's line carries its links to all the remote peers a collective sends to
   at once, one (a ring's neighbour) to all of them (a direct exchange), so each of those
   pairs takes its share of the product and of the cap: the collective's program says how
-  many (:meth:`.route.Routes.drive`; two where one window falls short);
-- :func:`send_buffer`: each connection's send buffer, its share of the product (twice
-  that, for the kernel's half), set only where autotuning would stop short of it, and
-  capped by ``wmem_max``, which is then said (``socket_buffers_capped`` and a warning).
+  many (:meth:`.route.Routes.drive`);
+- :func:`send_buffer`: each connection's send buffer, its share of the product (over
+  :data:`SEND_BUFFER_SHARE`, what of a buffer is in flight), set only where autotuning
+  would stop short of it, and capped by ``wmem_max``, which is then said
+  (``socket_buffers_capped`` and a warning).
   The receiving side cannot be sized per path (a peer's one ROUTER is bound before any
   path is measured): it autotunes up to ``tcp_rmem``'s maximum, and a warning says so when
   that is below a stripe's share.
@@ -43,20 +45,29 @@ from ..settings_env import MAX_STREAMS
 log = logging.getLogger("p2pcoll.transport")
 
 __all__ = [
-    "DEFAULT_BANDWIDTH_BPS", "HANDSHAKE_TRIPS", "MAX_AUTO_STREAMS", "Buffers", "Paths",
-    "choose_streams", "send_buffer",
+    "DEFAULT_BANDWIDTH_BPS", "HANDSHAKE_TRIPS", "MAX_AUTO_STREAMS", "SEND_BUFFER_SHARE",
+    "Buffers", "Paths", "choose_streams", "send_buffer",
 ]
 
 DEFAULT_BANDWIDTH_BPS = 1.25e9
 """Bytes per second assumed of a path whose bandwidth nobody measured (10 Gbit/s): an upper
 bound for most paths between hosts, so ``auto`` errs towards a few connections too many
 (cheap), not too few (a long link at a fraction of its rate)."""
-MAX_AUTO_STREAMS = 6
+MAX_AUTO_STREAMS = 4
 """The connections ``auto`` keeps sending at once from one host, at most (``MAX_STREAMS`` may
-be asked for): a 1 Gbit/s line at 100 ms over autotuned 4 MiB buffers (2.9 MB in flight
-each). Measured on the lab's packet delayer (4 hosts, 50 ms one way, 64 MiB, a ring: one
-peer at a time): 4 or 6 per pair reached 70-88 %, 8 per pair 18-78 %, below both in each of
-four labs (more connections, more packets, on a busy CPU), so 8 no longer."""
+be asked for): four hold 11.7 MB in flight at 2.9 MB each (autotuned 4 MiB send buffers),
+about a 1 Gbit/s line at 100 ms. Measured on the lab's packet delayer (4 hosts, 50 ms one
+way, 64 MiB, a crowded machine): the ring at 4 per pair led the ring at 6 in 9 labs of 13
+(74-87 % against 43-80 % where it led by most; benchmarks/README.md), and the direct
+exchange at 2 per pair (6 from the host) trailed the ring at 4; 8 per pair fell below
+all. Plain TCP through the same lab moves a rank's bytes as fast over 4 connections as over
+6: more connections send more, smaller packets, and each message crosses at a smaller share
+of the line."""
+SEND_BUFFER_SHARE = 0.7
+"""What of its send buffer one connection keeps in flight (the kernel counts each packet's
+bookkeeping against the buffer too). Measured on the lab's packet delayer
+(``benchmarks/lab_delay.py``, 100 ms): an autotuned 4 MiB send buffer held 2.9 MB in flight
+(231 Mbit/s), not the half (2 MiB) that the receive side's window would be."""
 # Round trips of a handshake, by CURVE or not: TCP's (1), the greetings and READY (2), CURVE's
 # HELLO/WELCOME and INITIATE/READY (2 more). Measured over the lab's packet delay at 100 ms:
 # 3.02 and 5.5 (2 and 4 before counted no TCP handshake: the old lab's delay relay answered
@@ -88,11 +99,18 @@ class Buffers:
 
     @property
     def window(self) -> int:
-        """The most one connection keeps in flight: half its largest buffer, the smaller
-        of what the sending and the receiving side can have."""
+        """The most one connection keeps in flight, the smaller of what the sending side
+        (:data:`SEND_BUFFER_SHARE` of its largest buffer) and the receiving side (half of
+        its largest, the window it advertises) can have.
+
+        >>> Buffers(tcp_wmem_max=4 << 20, tcp_rmem_max=32 << 20).window  # the lab's: 2.9 MB
+        2936012
+        >>> Buffers(tcp_rmem_max=4 << 20).window  # the receiver binds: half its 4 MiB
+        2097152
+        """
         send = max(self.tcp_wmem_max, self.wmem_max)
         receive = max(self.tcp_rmem_max, self.rmem_max)
-        return max(1, min(send, receive) // 2)
+        return max(1, min(int(send * SEND_BUFFER_SHARE), receive // 2))
 
 
 def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
@@ -107,20 +125,20 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
             :attr:`Buffers.window`).
         sharing: the remote peers the running collective sends to at once, whose links
             share this host's line (at least 1): each pair fills its share of the
-            product, and the host's connections stay within :data:`MAX_AUTO_STREAMS`,
-            except that a pair whose product one window cannot fill keeps two.
+            product, and the host's connections stay within :data:`MAX_AUTO_STREAMS`
+            (one each, at least, when more peers than that share it).
 
     Returns:
-        From 1 to ``max(2, MAX_AUTO_STREAMS // sharing)``.
+        From 1 to ``max(1, MAX_AUTO_STREAMS // sharing)``.
 
     >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20)  # 1 Gbit/s, 100 ms: 12.5 MB
-    6
+    4
     >>> choose_streams(0.2e-3, 125e6, window_bytes=2 << 20)  # the same, 0.2 ms: one
     1
     >>> choose_streams(100e-3, 125e6, window_bytes=2 << 20, sharing=3)  # 3 peers at once
-    2
+    1
     >>> choose_streams(100e-3, None, window_bytes=2 << 20, sharing=2)  # 10 Gbit/s assumed
-    3
+    2
     """
     if not rtt_s > 0:
         return 1
@@ -128,10 +146,9 @@ def choose_streams(rtt_s: float, bandwidth_Bps: float | None = None, *,
     window = Buffers.read().window if window_bytes is None else window_bytes
     sharing = max(1, sharing)
     product = rtt_s * max(bandwidth, 1.0)
-    alone = math.ceil(product / max(window, 1))  # the pair's own need
     shared = math.ceil(product / (max(window, 1) * sharing))
-    top = max(2, MAX_AUTO_STREAMS // sharing)
-    return max(1, min(top, MAX_AUTO_STREAMS, MAX_STREAMS, max(shared, min(2, alone))))
+    top = max(1, MAX_AUTO_STREAMS // sharing)
+    return max(1, min(top, MAX_STREAMS, shared))
 
 
 def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
@@ -145,8 +162,8 @@ def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
         ``wmem_max``; ``capped``: the need is beyond both.
 
     >>> b = Buffers(wmem_max=16 << 20, tcp_wmem_max=4 << 20)
-    >>> send_buffer(0.1, 125e6, 4, b)  # 12.5 MB over 4: 3.1 MB each, twice that wanted
-    (6250000, False)
+    >>> send_buffer(0.1, 125e6, 4, b)  # 12.5 MB over 4: 3.1 MB each, in 0.7 of a buffer
+    (4464286, False)
     >>> send_buffer(0.001, 125e6, 1, b)  # 125 kB: autotuning does it
     (0, False)
     >>> send_buffer(0.1, 125e6, 4, Buffers(wmem_max=4 << 20, tcp_wmem_max=4 << 20))
@@ -158,7 +175,7 @@ def send_buffer(rtt_s: float, bandwidth_Bps: float | None, streams: int,
     if not rtt_s > 0:
         return 0, False
     bandwidth = DEFAULT_BANDWIDTH_BPS if bandwidth_Bps is None else bandwidth_Bps
-    need = 2 * math.ceil(rtt_s * bandwidth / max(1, streams))
+    need = math.ceil(rtt_s * bandwidth / max(1, streams) / SEND_BUFFER_SHARE)
     if need <= buffers.tcp_wmem_max:
         return 0, False
     if buffers.wmem_max <= buffers.tcp_wmem_max:  # setting it would only lose autotuning

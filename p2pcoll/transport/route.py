@@ -121,6 +121,29 @@ class Route:
         return [t for t in tasks if t is not None]
 
 
+def least_queued(route: Route) -> int:
+    """The connection of ``route`` (0: its link, i: its stripe i) that the next large
+    message goes on: the one with the fewest bytes not yet acknowledged
+    (:meth:`.stripes.Stripe.queued`; a stripe not opened yet has none), the first of them
+    from ``route.turn`` on, so that connections alike are taken in turn. A connection that
+    its congestion control holds back (BBR's round-trip probe keeps a few packets in
+    flight for 200 ms) or whose window is smaller takes fewer messages than the others
+    rather than an equal share, which its peer would wait for in order."""
+    width = max(1, route.width)
+    stripes = route.stripes
+    best, least = route.turn % width, -1
+    for k in range(width):
+        i = (route.turn + k) % width
+        if i > len(stripes):
+            return len(stripes) + 1  # the next to open: nothing queued (they open in order)
+        queued = (route.conn if i == 0 else stripes[i - 1]).queued()
+        if least < 0 or queued < least:
+            best, least = i, queued
+            if not queued:
+                break
+    return best
+
+
 def _connections(route: Route) -> int:
     """The connections of ``route`` that count against the budget: its link, its stripes,
     and those it has decided to open."""
@@ -287,23 +310,25 @@ class Routes:
         Cancellation: as :meth:`Route.put`; a message may be queued on a stripe and its
         turn not, or the reverse (the caller breaks the group on cancellation anyway).
         """
-        if nbytes < STRIPE_BYTES or route.width == 1:
+        if nbytes >= STRIPE_BYTES and (route.width == 0 or route.sharing != self.sharing):
+            self._widen(route)
+        if nbytes < STRIPE_BYTES or route.width <= 1:
             await route.put(frames)
             return
-        if route.width == 0 or route.sharing != self.sharing:
-            self._widen(route)
         stripes = route.stripes
-        i = route.turn
+        i = least_queued(route)
         route.turn = (i + 1) % max(1, route.width)
         if i == 0:
-            await route.put(frames)
+            sending = route.conn.enqueue(frames, nbytes)
+            if sending is not None:
+                await sending
             return
         if i > len(stripes):
             self._open_stripe(route)
         # The turn on the link and the message on the stripe each take their place in
         # their connection's order now, before anything is awaited (see Stripe.enqueue).
         announced = route.conn.enqueue([turn(i)])
-        sending = stripes[i - 1].enqueue(frames)
+        sending = stripes[i - 1].enqueue(frames, nbytes)
         if announced is not None:
             await announced
         if sending is not None:
@@ -312,8 +337,8 @@ class Routes:
     def _widen(self, route: Route) -> None:
         """Decide how many connections ``route`` has (see :meth:`put`), again whenever the
         collective that runs drives another number of remote peers (:meth:`drive`); under
-        ``auto`` with the round trip still unknown, decide later. (Width 1 stays: a path
-        that one connection fills alone needs no more however many share it.)"""
+        ``auto`` with the round trip still unknown, decide later. (A route at width 1 for
+        a program of many peers, the direct exchange's, widens again for a ring's one.)"""
         peer = route.peer
         route.sharing = self.sharing
         if not self._striped[peer]:
@@ -323,8 +348,7 @@ class Routes:
         # the collective drives at once (drive): a ring one, a direct exchange all of them,
         # so each pair takes its share of the product and of the cap (see
         # paths.choose_streams). Before any collective says, two of them. Measured at p = 4,
-        # 1 Gbit/s, 100 ms, per pair: the ring 4-6 (70-88 %) over 8 (18-78 %); the direct
-        # exchange 2 and 4 alike (55-80 % and 39-83 %).
+        # 1 Gbit/s, 100 ms: the ring at 4 per pair over 6 and 8 (paths.MAX_AUTO_STREAMS).
         sharing = self.sharing or max(1, min(2, len(self._remote)))
         width = (self.paths.streams(peer, sharing) if self.streams == "auto"
                  else self.streams)

@@ -25,6 +25,8 @@ has been read too and all of them close.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,6 +49,34 @@ ones go on its link (a stripe's turn costs a frame on the link)."""
 _TURN = b"\x00s"  # no header begins so (see p2pcoll.wire.header): a turn, never a message
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 MAX_HELD_BYTES = 256 << 20  # what a join holds of stripes ahead of their turns, at most
+FRAMING_BYTES = 64  # what a message costs on the wire beyond its payload, about (ZMTP, CURVE)
+_TCP_INFO = getattr(socket, "TCP_INFO", 11)
+# struct tcp_info (linux/tcp.h): tcpi_unacked, tcpi_bytes_acked, tcpi_notsent_bytes
+_UNACKED, _ACKED, _NOTSENT, _INFO_BYTES = 24, 120, 144, 148
+
+
+def acknowledged(fd: int) -> tuple[int, bool] | None:
+    """``(bytes the peer has acknowledged, whether nothing is left to send or acknowledge)``
+    of the TCP connection ``fd``, from the kernel (TCP_INFO); None where it cannot say
+    (no such socket, another kernel)."""
+    if fd < 0:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _INFO_BYTES)
+    except OSError:
+        return None
+    finally:
+        sock.detach()  # the descriptor stays libzmq's
+    if len(raw) < _INFO_BYTES:
+        return None
+    unacked, = struct.unpack_from("I", raw, _UNACKED)
+    acked, = struct.unpack_from("Q", raw, _ACKED)
+    notsent, = struct.unpack_from("I", raw, _NOTSENT)
+    return acked, unacked == 0 and notsent == 0
 
 
 def turn(stripe: int) -> bytes:
@@ -87,7 +117,8 @@ class Stripe:
         on_down: called once if its connection goes down while watched (see :meth:`watch`).
     """
 
-    __slots__ = ("events", "fd", "handshake_s", "plain", "socket", "task", "waiting")
+    __slots__ = ("base", "events", "fd", "given", "handshake_s", "plain", "seen", "socket",
+                 "task", "waiting")
 
     def __init__(self, socket: zmq.asyncio.Socket) -> None:
         self.socket = socket
@@ -98,16 +129,40 @@ class Stripe:
         self.task: asyncio.Task[None] | None = None
         self.fd = -1  # its connection's descriptor, once connected (for diagnostics)
         self.handshake_s: float | None = None
+        # What it was given to send (large messages, see queued()), and what of that the
+        # kernel's count of acknowledged bytes does not cover (the small messages between)
+        self.given = 0
+        self.base = 0
+        self.seen = -1  # ``given`` when last found drained
 
-    def enqueue(self, frames: list[Any]) -> asyncio.Future[object] | None:
+    def queued(self) -> int:
+        """Bytes given to this connection that its peer has not acknowledged yet, about:
+        what waits in libzmq's queue, in the kernel's and on the wire. The large messages
+        given count (:meth:`enqueue`'s ``nbytes``), the small ones do not: each time the
+        connection is found drained with nothing given since the last look, the count starts
+        again from what the kernel says. 0 when the kernel cannot say."""
+        progress = acknowledged(self.fd)
+        if progress is None:
+            return 0
+        acked, drained = progress
+        if drained and self.seen == self.given:
+            self.base = self.given - acked
+        self.seen = self.given
+        return max(0, self.given - acked - self.base)
+
+    def enqueue(self, frames: list[Any], nbytes: int = 0) -> asyncio.Future[object] | None:
         """Queue one message: sent now when the queue has room (None), else through the
         asyncio socket (the future, done once it is queued). Later messages queue behind
         a waiting one, so they stay in order; the place in the order is taken here, before
         anything is awaited.
 
+        ``nbytes``: its payload, counted in :meth:`queued` (0: a small message, not counted).
+
         Raises:
             zmq.ZMQError: the connection is closed (ENOTSOCK), or the send failed.
         """
+        if nbytes:
+            self.given += nbytes + FRAMING_BYTES
         if not self.waiting:
             if self.socket._closed:  # the plain handle must not outlive it (see sockets.Socket)
                 raise zmq.ZMQError(zmq.ENOTSOCK)
