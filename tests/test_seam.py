@@ -161,3 +161,26 @@ def test_floors_script_prints_its_table() -> None:
     for floor in ("pyzmq blocking", "pyzmq asyncio", "p2pcoll lane", "p2pcoll board",
                   "numpy copy", "numpy add"):
         assert f"| {floor}" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("fold", [np.add, None])
+def test_a_fold_ignores_floating_point_errors_and_leaves_numpys_state_as_it_was(
+        fold: np.ufunc | None) -> None:
+    # An overflow to inf is the sum (no warning, which the tests turn into an error), and
+    # the error state set for the fold is the caller's again after it, also after a
+    # mismatch it raises.
+    class Piece:
+        def __init__(self, data: bytes) -> None:
+            self.buffer = memoryview(data)
+
+    before = np.geterr()
+    with np.errstate(over="raise", invalid="raise"):
+        dst = np.full(4, 3e38, np.float32)
+        combine(Header("data", "g", 0), [dst], [Piece(dst.tobytes())], fold)
+        assert np.isinf(dst).all() if fold is not None else (dst == np.float32(3e38)).all()
+        with pytest.raises(FloatingPointError):  # the caller's state again
+            np.multiply(np.full(4, 3e38, np.float32), 10)
+        with pytest.raises(ValueError):  # two targets, one piece
+            combine(Header("data", "g", 0), [dst, dst], [Piece(dst.tobytes())], fold)
+        assert np.geterr()["over"] == "raise"
+    assert np.geterr() == before

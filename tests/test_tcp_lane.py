@@ -107,8 +107,9 @@ def test_a_token_is_redeemed_once_and_only_by_its_bytes() -> None:
     assert tokens.redeem(one) is None
 
 
+@pytest.mark.parametrize("kind", ["bytes", "array"])
 async def test_a_sender_keeps_what_the_kernel_does_not_take_and_room_for_a_marker(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     monkeypatch.setattr(tcp_lane_ends, "PENDING_BYTES", 64 << 10)
     near, far = socket.socketpair()
     near.setblocking(False)
@@ -117,11 +118,15 @@ async def test_a_sender_keeps_what_the_kernel_does_not_take_and_room_for_a_marke
     out = tcp_lane.TcpLaneOut(near, 1, lambda peer, why: broken.append(peer))
     try:
         piece = bytes(range(256)) * 16  # 4 KiB
+        # A message's frames as the transport writes them: a header's bytes, and the
+        # data as an array of wider items (kept, in part, by its bytes).
+        frames: list[Any] = [piece] if kind == "bytes" else [
+            b"head", np.frombuffer(piece, np.float32)]
         sent = 0
-        while out.fits_now([piece], spare=100):
-            assert out.write([piece], spare=100)
+        while out.fits_now(frames, spare=100):
+            assert out.write(frames, spare=100)
             sent += 1
-        assert out.pending > 0 and not out.write([piece], spare=100)
+        assert out.pending > 0 and not out.write(frames, spare=100)
         assert out.write([b"marker"])  # the room kept for it
         reader = RecordReader()
         far.setblocking(False)
@@ -132,7 +137,8 @@ async def test_a_sender_keeps_what_the_kernel_does_not_take_and_room_for_a_marke
             except BlockingIOError:
                 await asyncio.sleep(0.001)  # the loop writes what was kept
             got.extend(_frames(reader))
-        assert got == [[piece]] * sent + [[b"marker"]] and not broken
+        whole = [piece] if kind == "bytes" else [b"head", piece]
+        assert got == [whole] * sent + [[b"marker"]] and not broken
     finally:
         out.close()
         far.close()

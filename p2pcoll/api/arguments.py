@@ -86,7 +86,7 @@ def reduction_call(
                 np.copyto(targets[i], arr)
             work.append(targets[i])
     call = Call(collective, work, treedef, red, root, strategy, timeout,
-                flat=[w.reshape(-1) for w in work])
+                flat=[w if w.ndim == 1 else w.reshape(-1) for w in work])
     return call, given, average
 
 

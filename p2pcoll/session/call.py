@@ -19,7 +19,9 @@ from ..types import CustomOp, ReduceOp
 from ..errors import CollectiveMismatch
 
 Spec = tuple[str, tuple[int, ...]]  # a leaf's dtype string and shape
-_spec = attrgetter("dtype.str", "shape")  # an array's Spec (in C: on every call's path)
+# An array's dtype and shape, as a program's key holds them (in C: on every call's path;
+# the dtype itself, whose hash numpy keeps, rather than its ``str``, built on each call).
+_spec = attrgetter("dtype", "shape")
 
 
 def describe_data(arrays: Sequence[np.ndarray], treedef: TreeDef = None) -> str:

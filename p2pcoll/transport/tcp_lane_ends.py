@@ -69,7 +69,7 @@ class TcpLaneOut:
             self._send(pieces, need)
         return True
 
-    def _send(self, pieces: list[memoryview], need: int) -> bool:
+    def _send(self, pieces: list[Buffer], need: int) -> bool:
         """Send ``pieces`` (``need`` bytes) after what is kept: what the kernel does not
         take now is kept and written when the socket has room. True if all went now."""
         if self._pending:
@@ -88,12 +88,13 @@ class TcpLaneOut:
             return False
         return True
 
-    def _keep(self, pieces: list[memoryview], sent: int) -> None:
+    def _keep(self, pieces: list[Buffer], sent: int) -> None:
         for piece in pieces:
-            if sent >= piece.nbytes:
-                sent -= piece.nbytes
+            view = memoryview(piece).cast("B")  # (an array's items may be wider than bytes)
+            if sent >= view.nbytes:
+                sent -= view.nbytes
                 continue
-            kept = bytes(piece[sent:])  # the caller may reuse its buffers once we return
+            kept = bytes(view[sent:])  # the caller may reuse its buffers once we return
             self._pending.append(memoryview(kept))
             self.pending += len(kept)
             sent = 0

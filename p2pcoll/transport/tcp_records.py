@@ -14,7 +14,9 @@ import secrets
 import struct
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
 
 from ..errors import ProtocolError
 from .lane import MAX_FRAMES, Record
@@ -40,20 +42,27 @@ def record_size(frames: Sequence[Buffer]) -> int:
     return 8 + 4 * len(frames) + sum(memoryview(f).nbytes for f in frames)
 
 
-def encode_record(frames: Sequence[Buffer]) -> list[memoryview]:
-    """The pieces of one record of ``frames`` (bytes-like, C-contiguous), head first."""
+def encode_record(frames: Sequence[Buffer]) -> list[Buffer]:
+    """The pieces of one record of ``frames`` (bytes-like, C-contiguous), head first: the
+    prefix, then the frames themselves (what ``sendmsg`` takes as they are)."""
     return encode_sized(frames)[0]
 
 
-def encode_sized(frames: Sequence[Buffer]) -> tuple[list[memoryview], int]:
+def encode_sized(frames: Sequence[Buffer]) -> tuple[list[Buffer], int]:
     """:func:`encode_record`'s pieces and the record's size in bytes (one pass)."""
-    views = [memoryview(f).cast("B") for f in frames]
-    count = len(views)
-    lengths = [v.nbytes for v in views]
+    lengths = []
+    for f in cast("Sequence[Any]", frames):  # a header's bytes or an array: no view made
+        if type(f) is bytes:
+            lengths.append(len(f))
+        elif type(f) is np.ndarray:
+            lengths.append(f.nbytes)
+        else:
+            lengths.append(memoryview(f).nbytes)
+    count = len(lengths)
     size = 8 + 4 * count + sum(lengths)
     prefix = _PREFIXES[count].pack(size, count, *lengths) if count <= 4 else \
         struct.pack(f"<II{count}I", size, count, *lengths)
-    return [memoryview(prefix), *views], size
+    return [prefix, *frames], size
 
 
 class RecordReader:
