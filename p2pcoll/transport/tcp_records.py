@@ -39,7 +39,20 @@ _PREFIXES = [struct.Struct(f"<II{n}I") for n in range(5)]  # its size, count and
 
 def record_size(frames: Sequence[Buffer]) -> int:
     """Bytes a record of ``frames`` takes on the lane."""
-    return 8 + 4 * len(frames) + sum(memoryview(f).nbytes for f in frames)
+    return 8 + 4 * len(frames) + sum(_lengths(frames))
+
+
+def _lengths(frames: Sequence[Buffer]) -> list[int]:
+    """Each frame's bytes (a header's bytes or an array: no view made)."""
+    lengths = []
+    for f in cast("Sequence[Any]", frames):
+        if type(f) is bytes:
+            lengths.append(len(f))
+        elif type(f) is np.ndarray:
+            lengths.append(f.nbytes)
+        else:
+            lengths.append(memoryview(f).nbytes)
+    return lengths
 
 
 def encode_record(frames: Sequence[Buffer]) -> list[Buffer]:
@@ -50,14 +63,7 @@ def encode_record(frames: Sequence[Buffer]) -> list[Buffer]:
 
 def encode_sized(frames: Sequence[Buffer]) -> tuple[list[Buffer], int]:
     """:func:`encode_record`'s pieces and the record's size in bytes (one pass)."""
-    lengths = []
-    for f in cast("Sequence[Any]", frames):  # a header's bytes or an array: no view made
-        if type(f) is bytes:
-            lengths.append(len(f))
-        elif type(f) is np.ndarray:
-            lengths.append(f.nbytes)
-        else:
-            lengths.append(memoryview(f).nbytes)
+    lengths = _lengths(frames)
     count = len(lengths)
     size = 8 + 4 * count + sum(lengths)
     prefix = _PREFIXES[count].pack(size, count, *lengths) if count <= 4 else \
