@@ -225,6 +225,10 @@ VALID: dict[str, dict[str, Any]] = {
                         "err": ["CollectiveMismatch", "shapes differ"],
                         "meta": {"origin": 2, "told": [0, 3]}},
     "bye": {"v": WIRE_VERSION, "k": "bye", "g": GROUP, "r": LINK, "q": 9},
+    "credit report": {"v": WIRE_VERSION, "k": "credit", "g": GROUP, "r": LINK, "q": 7,
+                      "meta": {"b": 1 << 40}},
+    "credit request": {"v": WIRE_VERSION, "k": "credit", "g": GROUP, "r": LINK, "q": 0,
+                       "meta": {"ask": 64 << 20}},
     "bye after a failure": {
         "v": WIRE_VERSION, "k": "bye", "g": GROUP, "r": LINK, "q": 9,
         "meta": {"told": [0, 2], "lost": 3,
@@ -716,3 +720,14 @@ def test_an_aborts_origin_and_told_are_checked(meta: dict[str, Any], match: str)
 def test_an_aborts_origin_and_told_set_to_anything(origin: Any, told: Any) -> None:
     check_frame(pack({"v": WIRE_VERSION, "k": "abort", "g": GROUP, "r": LINK, "q": 3,
                       "err": ["PeerLost", "x"], "meta": {"origin": origin, "told": told}}))
+
+
+@pytest.mark.parametrize("meta", [
+    {}, {"b": 1, "ask": 2}, {"b": -1}, {"ask": 0}, {"b": "7"}, {"ask": 1.5}, {"x": 1},
+    {"b": 1 << 63}])
+def test_a_malformed_credit_is_a_protocol_error(meta: dict[str, Any]) -> None:
+    """The eager credits' message (p2pcoll.engine.credit): a report {b} or a request {ask},
+    nothing else, integers in range; anything else is refused before it reaches a ledger."""
+    d = {**VALID["credit report"], "meta": meta}
+    with pytest.raises(ProtocolError):
+        validate(LINK, pack(d), [], LIMITS)
