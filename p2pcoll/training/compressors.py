@@ -229,7 +229,8 @@ class TopK2Bit(Compressor):
                     round=round_no, tensors=bad)
 
             sizes = [a.size for a in accs]
-            codes, message = await _in_thread(self._encode, sizes, accs, picks, steps, p)
+            codes, entries, message = await _in_thread(self._encode, sizes, accs, picks,
+                                                       steps, p)
             # Passing the turn on only schedules the next one's wake-up: the collective
             # below, started before any await, takes its number first.
             turn.release()
@@ -240,8 +241,8 @@ class TopK2Bit(Compressor):
                                                  timeout=timeout)
             else:
                 gathered = await group.allgather(message, strategy=strategy, timeout=timeout)
-        results = await _in_thread(self._decode, deltas, accs, picks, codes, steps, gathered,
-                                   p, residuals is not None)
+        results = await _in_thread(self._decode, deltas, accs, picks, codes, steps, entries,
+                                   gathered, p, residuals is not None)
         if residuals is not None:  # the exchange is complete: keep what was not sent
             for r, a in zip(residuals, accs, strict=True):
                 np.copyto(r, a.reshape(r.shape))  # r may be a view that cannot be flattened
@@ -262,39 +263,40 @@ class TopK2Bit(Compressor):
         return accs, picks, local
 
     def _encode(self, sizes: list[int], accs: list[np.ndarray], picks: list[Pick],
-                steps: list[Levels], p: int) -> tuple[list[np.ndarray], np.ndarray]:
-        """Each tensor's codes (int8, one per selected entry), and what this rank hands to
-        the codes' collective: the dense codes of every tensor end to end, or (the sparse
-        way) its chunk-local indices and packed codes."""
-        codes = [quantise(a[idx], *self._per_entry(a.size, lv))
-                 for a, (idx, _, _), lv in zip(accs, picks, steps, strict=True)]
+                steps: list[Levels], p: int
+                ) -> tuple[list[np.ndarray], list[Levels], np.ndarray]:
+        """Each tensor's codes (int8, one per selected entry), each selected entry's step and
+        lower level (:meth:`_per_entry`, which decoding needs again), and what this rank
+        hands to the codes' collective: the dense codes of every tensor end to end, or (the
+        sparse way) its chunk-local indices and packed codes."""
+        entries = [self._per_entry(a.size, lv) for a, lv in zip(accs, steps, strict=True)]
+        codes = [quantise(a[idx], *per)
+                 for a, (idx, _, _), per in zip(accs, picks, entries, strict=True)]
         indices = [idx for idx, _, _ in picks]
         if p == 1:
-            return codes, np.empty(0, np.uint8)
+            return codes, entries, np.empty(0, np.uint8)
         if self.dense(sizes, p):
             dense = np.zeros(sum(sizes), code_dtype(p))
             offset = 0
             for n, idx, q in zip(sizes, indices, codes, strict=True):
                 dense[offset + idx] = q
                 offset += n
-            return codes, dense
+            return codes, entries, dense
         local = [idx - np.repeat(*self._layout(n)) for n, idx in zip(sizes, indices, strict=True)]
         message = np.concatenate([
             pack_indices(np.concatenate(local or [np.empty(0, np.int64)])),
-            pack_codes(np.concatenate(codes or [np.empty(0, np.int8)]), np.concatenate(
-                [self._per_entry(n, lv)[1] for n, lv in zip(sizes, steps, strict=True)]
-                or [np.empty(0, np.int64)]))])
-        return codes, message
+            pack_codes(np.concatenate(codes or [np.empty(0, np.int8)]), _lows(entries))])
+        return codes, entries, message
 
     def _decode(self, deltas: Sequence[np.ndarray], accs: list[np.ndarray], picks: list[Pick],
-                codes: list[np.ndarray], steps: list[Levels],
+                codes: list[np.ndarray], steps: list[Levels], entries: list[Levels],
                 gathered: np.ndarray | list[np.ndarray] | None, p: int, keep: bool
                 ) -> list[np.ndarray]:
         """The averages (new arrays of the deltas' shapes and dtypes) from what the codes'
         collective returned; with ``keep``, each accumulator (this call's own) made what
         was not sent."""
         totals = self._sum_codes([a.size for a in accs], [idx for idx, _, _ in picks], codes,
-                                 steps, gathered, p)
+                                 entries, gathered, p)
         results = []
         for d, total, (s, _), a in zip(deltas, totals, steps, accs, strict=True):
             step = np.repeat(s / p, np.minimum(self.chunk, a.size - np.arange(
@@ -302,9 +304,9 @@ class TopK2Bit(Compressor):
             with np.errstate(invalid="ignore"):  # 0 * NaN in a chunk that was refused
                 results.append((total * step).astype(d.dtype).reshape(d.shape))
         if keep:
-            for a, (idx, _, _), q, lv in zip(accs, picks, codes, steps, strict=True):
+            for a, (idx, _, _), q, (step, _) in zip(accs, picks, codes, entries, strict=True):
                 # sent: q s exactly (in float64); kept: a - q s, rounded once
-                sent = q * self._per_entry(a.size, lv)[0]
+                sent = q * step
                 a[idx] = (a[idx].astype(np.float64) - sent).astype(a.dtype)
         return results
 
@@ -339,7 +341,8 @@ class TopK2Bit(Compressor):
         return np.repeat(lv[0], ks), np.repeat(lv[1], ks)
 
     def _sum_codes(self, sizes: list[int], picks: list[np.ndarray], codes: list[np.ndarray],
-                   steps: list[Levels], gathered: np.ndarray | list[np.ndarray] | None, p: int
+                   entries: list[Levels], gathered: np.ndarray | list[np.ndarray] | None,
+                   p: int
                    ) -> list[np.ndarray]:
         """Q per tensor (int64, flat): the sum over ranks of each rank's codes, from what
         the codes' collective returned (None for one rank: this rank's codes)."""
@@ -353,8 +356,7 @@ class TopK2Bit(Compressor):
             return [gathered[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
         # The sparse way: each rank's chunk-local indices and packed codes.
         selected = sum(idx.size for idx in picks)
-        lows = np.concatenate([self._per_entry(n, lv)[1] for n, lv in zip(
-            sizes, steps, strict=True)] or [np.empty(0, np.int64)])
+        lows = _lows(entries)
         out = [np.zeros(n, np.int64) for n in sizes]
         for got in gathered:  # rank order; integer sums are exact in any order anyway
             got = np.asarray(got, np.uint8)
@@ -475,6 +477,11 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     finally:
         if held and task is not None:
             task.cancel()
+
+
+def _lows(entries: list[Levels]) -> np.ndarray:
+    """Every tensor's selected entries' lower levels, end to end (as the message packs them)."""
+    return np.concatenate([low for _, low in entries] or [np.empty(0, np.int64)])
 
 
 def _known() -> str:
