@@ -160,9 +160,9 @@ def test_peers_on_hosts_of_their_own_fail_naming_the_lost_peer_over_tcp_lanes(
         # A killed peer's lanes and links close at once; a stopped one is lost after the
         # heartbeat. Slack for a busy machine, nowhere near the deadline. A receiver first
         # takes, in order, what its sender sent before it died: at most the sender's eager
-        # window (p2pcoll.engine.credit; unbounded, a fast sender's backlog took a receiver
-        # 10 s and more at times).
-        bound = (0.5 if signum == signal.SIGKILL else HEARTBEAT_S) + 10
+        # window (p2pcoll.engine.credit), 8,000 of these messages, in 0.1-0.2 s here (while
+        # each receive scanned the whole backlog, 9-11 s; tests/test_matcher_backlog.py).
+        bound = (0.5 if signum == signal.SIGKILL else HEARTBEAT_S) + 5
         assert out["elapsed"] < bound, (rank, out)
     # The scenario's own small messages took the lanes too (a surviving sender's), unless
     # every survivor only receives.

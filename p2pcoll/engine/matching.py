@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # made by the session (see .flow)
     from .flow import Flow
 
 Key = tuple[OpKey, int, int, int]  # (op, segment, src, index)
+Slot = tuple[int, int, int]  # (segment, src, index): a message's place within its op
 Message = tuple[Header, list[Piece]]
 Channel = tuple[int, int, int] | None  # None: the collectives; (src, dst, tag): transfers
 MAX_SIGNATURES = 8192  # readable signatures kept, by (src, digest)
@@ -105,7 +106,10 @@ class Matcher:
         self.waits: MessageWait | None = None
         # The eager credits (see .credit): told what arrives and finishes; None: none.
         self.flow: Flow | None = None
-        self._buffered: dict[Key, Message] = {}
+        # Early messages by operation, then by slot: a backlog of many operations' messages
+        # (a fast sender's eager window: thousands of small transfers) costs each operation
+        # only its own messages, never a scan of everyone's.
+        self._buffered: dict[OpKey, dict[Slot, Message]] = {}
         self._waiting: dict[Key, asyncio.Future[Message]] = {}
         self._first_header: dict[OpKey, Header] = {}  # op -> its first segment-0 header
         self._first: dict[OpKey, asyncio.Future[Header]] = {}  # op -> a first() waiting for it
@@ -156,10 +160,10 @@ class Matcher:
             if flow is not None:
                 flow.dropped(op, header.src, sum(header.nbytes))
             return False
-        key = (op, header.seg, header.src, header.step)
-        buffered = self._buffered
-        if key in buffered:
-            raise ProtocolError(f"duplicate message {key} (seq, segment, src, index)",
+        slot = (header.seg, header.src, header.step)
+        early = self._buffered.get(op)
+        if early is not None and slot in early:
+            raise ProtocolError(f"duplicate message {(op, *slot)} (seq, segment, src, index)",
                                 reason="duplicate")
         if flow is not None:
             flow.receipts.arrived(op, header.src, sum(header.nbytes))
@@ -177,11 +181,13 @@ class Matcher:
             first = self._first.get(op)
             if first is not None and not first.done():
                 first.set_result(header)
-        waiter = self._waiting.pop(key, None)
+        waiter = self._waiting.pop((op, *slot), None) if self._waiting else None
         if waiter is not None and not waiter.done():
             waiter.set_result((header, frames))
+        elif early is not None:
+            early[slot] = (header, frames)
         else:
-            buffered[key] = (header, frames)
+            self._buffered[op] = {slot: (header, frames)}
         return True
 
     def op_of(self, header: Header) -> OpKey:
@@ -193,9 +199,11 @@ class Matcher:
     def expect(self, op: OpKey, sig: Signature, rank: int) -> None:
         """Declare this rank's signature of collective ``op`` and check what already came."""
         self._expected[op] = (sig, rank)
-        for key, (header, _) in list(self._buffered.items()):
-            if key[0] == op and not self._check(header):
-                return
+        early = self._buffered.get(op)
+        if early:
+            for header, _ in list(early.values()):
+                if not self._check(header):
+                    return
 
     def _check(self, header: Header) -> bool:
         op = self.op_of(header)
@@ -210,9 +218,8 @@ class Matcher:
 
     def leftover(self, op: OpKey) -> list[int]:
         """Source ranks of messages of ``op`` that arrived but were never received."""
-        if not self._buffered:
-            return []
-        return sorted({k[2] for k in self._buffered if k[0] == op})
+        early = self._buffered.get(op)
+        return sorted({src for _, src, _ in early}) if early else []
 
     def described(self, header: Header) -> list[Any] | None:
         """The readable signature of a data message's sender for its digest, if it has
@@ -225,12 +232,21 @@ class Matcher:
         """A header of a message of ``op`` that arrived but was never received (one
         whose readable signature is known, if there is one), or None."""
         found = None
-        for key, (header, _) in self._buffered.items():
-            if key[0] == op:
-                if self.described(header) is not None:
-                    return header
-                found = found or header
+        for header, _ in self._buffered.get(op, {}).values():
+            if self.described(header) is not None:
+                return header
+            found = found or header
         return found
+
+    def _take(self, op: OpKey, slot: Slot) -> Message | None:
+        """Remove and return the early message of ``op`` in ``slot``, if it has come."""
+        early = self._buffered.get(op)
+        if early is None:
+            return None
+        msg = early.pop(slot, None)
+        if not early:
+            del self._buffered[op]
+        return msg
 
     async def get(self, key: Key) -> Message:
         """Wait for the message with this key.
@@ -239,26 +255,27 @@ class Matcher:
             P2PCollError: the collective was aborted, or the source rank is gone.
         Cancellation: consumes nothing; a message that arrives later is buffered.
         """
-        op, _, src, _ = key
+        op, seg, src, index = key
+        slot = (seg, src, index)
         if op in self._failed:
             raise self._failed[op]
-        msg = self._buffered.pop(key, None)
+        msg = self._take(op, slot)
         if msg is not None:
             return msg
         self.poll()  # what has come meanwhile, now (it may be an abort or a departure)
         if op in self._failed:
             raise self._failed[op]
-        msg = self._buffered.pop(key, None)
+        msg = self._take(op, slot)
         if msg is not None:
             return msg
         began = -1
         if self.waits is not None:  # poll for it a while (the departures asked after)
             buffered, failed = self._buffered, self._failed
-            began = self.waits.poll(src, lambda: key in buffered or op in failed)
+            began = self.waits.poll(src, lambda: op in failed or slot in buffered.get(op, ()))
             if not began:
                 if op in failed:
                     raise failed[op]
-                return buffered.pop(key)
+                return self._take(op, slot)  # type: ignore[return-value]
         gone = self.departures.lost(src)
         if gone is not None:
             raise gone
@@ -444,8 +461,7 @@ class Matcher:
             if first is not None and not first.done():
                 first.cancel()
         if self._buffered:
-            for key in [k for k in self._buffered if k[0] == op]:
-                del self._buffered[key]
+            self._buffered.pop(op, None)
 
     def close(self, exc: P2PCollError) -> None:
         """Fail everything pending."""
@@ -463,7 +479,8 @@ class Matcher:
         self._watched.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {"buffered": len(self._buffered), "waiting": len(self._waiting)}
+        return {"buffered": sum(map(len, self._buffered.values())),
+                "waiting": len(self._waiting)}
 
     def flow_stats(self) -> dict[str, int]:
         """The eager credits' figures (see :meth:`.flow.Flow.stats`), if there are any."""
