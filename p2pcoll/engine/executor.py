@@ -253,13 +253,16 @@ class Executor:
                 # The signature itself, readable, goes to each peer once per digest, so
                 # that a mismatch can be described field by field (the matcher keeps it).
                 described = None if (peer, digest) in told else list(sig.fields)
-                headers.append(Header(
-                    "data", group_id, rank, seq, seg, n, digest, meta=seg_meta,
-                    described=described, tag=tag, collective=collective))
+                # Header's fields in order: kind, group, src, seq, seg, step, sig, nbytes
+                # (the transport's to fill), meta, err, shm, described, tag, collective.
+                headers.append(Header("data", group_id, rank, seq, seg, n, digest, [],
+                                      seg_meta, None, None, described, tag, collective))
                 dsts.append(peer)
                 if not kind & LAST:
                     continue
-                if ledger is not None:  # eager credits: see .credit for the rule
+                # Eager credits (see .credit for the rule): while what no peer has credited
+                # is within the window, summed, every message may go.
+                if ledger is not None and ledger.total > ledger.window:
                     for to in dsts:
                         if not ledger.may_send(op, to):
                             await self._admit(op, to)

@@ -65,7 +65,7 @@ class Inbound:
         host: Host,
         limits: Limits | None = None,
         *,
-        keep: Mapping[str, Callable[[Header], object]] | None = None,
+        keep: Mapping[str, Callable[[Header], bool | None]] | None = None,
         watch: Mapping[str, Callable[[Header], None]] | None = None,
         resolve: Resolve | None = None,
         kinds: Collection[str] | None = None,
@@ -80,7 +80,7 @@ class Inbound:
         self.kinds = None if kinds is None else frozenset(kinds)
 
     def accept(self, source: int, head: bytes | memoryview | None,
-               frames: Sequence[Piece] = ()) -> object:
+               frames: Sequence[Piece] = (), sizes: list[int] | None = None) -> bool | None:
         """Take one message that came on the link of member ``source`` (-1: no member's).
 
         Args:
@@ -88,6 +88,7 @@ class Inbound:
                 source against); -1 for a link that is no member's.
             head: the header frame; None if the message had none.
             frames: the payload frames.
+            sizes: each frame's byte length, if the caller knows them (None: asked).
 
         Returns:
             What the handler of a kept kind returned; else None (handed on or dropped).
@@ -99,7 +100,9 @@ class Inbound:
             if self.limits is None:
                 raise ProtocolError("message before this peer joined a group",
                                     reason="stranger")
-            header = validate(source, head, list(map(len, frames)), self.limits)
+            if sizes is None:
+                sizes = list(map(len, frames))
+            header = validate(source, head, sizes, self.limits)
             kind = header.kind
             if self.kinds is not None and kind not in self.kinds:
                 raise ProtocolError(f"a {kind!r} message where only {sorted(self.kinds)} "

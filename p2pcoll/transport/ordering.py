@@ -80,7 +80,8 @@ class LaneSender(Generic[F]):
         send_marker: sends ``marker_on`` on the socket now, without waiting; False if the
             socket cannot take it now (its queue is full, or it is closed).
         socket_waiting: whether an earlier send on the socket still waits for room.
-        wake: tells the peer that its lane has a new record.
+        wake: tells the peer that its lane has a new record (None: the lane itself does,
+            as a TCP lane's kernel wakes its reader).
     """
 
     def __init__(
@@ -92,7 +93,7 @@ class LaneSender(Generic[F]):
         marker_room: int,
         send_marker: Callable[[object], bool],
         socket_waiting: Callable[[], bool],
-        wake: Callable[[], None],
+        wake: Callable[[], None] | None,
     ) -> None:
         self.lane = lane
         self.marker_on = marker_on
@@ -118,12 +119,14 @@ class LaneSender(Generic[F]):
                 return False
             self.on_lane = True
         if self.lane.write(frames, spare):
-            self.wake()
+            if self.wake is not None:
+                self.wake()
             return True
         # It does not fit: back to the socket, with the marker in the room kept for it.
         if not self.lane.write(self.marker_off):
             raise RuntimeError("the lane's room kept for the 'lane off' marker was taken")
-        self.wake()
+        if self.wake is not None:
+            self.wake()
         self.on_lane = False
         return False
 
@@ -137,7 +140,8 @@ class LaneSender(Generic[F]):
         if self.on_lane:
             if not self.lane.write(self.marker_off):
                 raise RuntimeError("the lane's room kept for the 'lane off' marker was taken")
-            self.wake()
+            if self.wake is not None:
+                self.wake()
             self.on_lane = False
 
 

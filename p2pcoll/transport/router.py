@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -207,7 +206,8 @@ class Router:
         if reading is None:
             return
         try:
-            waiting = cast(int, reading[0].getsockopt(_EVENTS)) & _POLLIN
+            events: int = reading[0].getsockopt(_EVENTS)  # type: ignore[assignment]
+            waiting = events & _POLLIN
         except zmq.ZMQError:  # closed meanwhile: the reader's drain sees to its ending
             return
         if waiting:
@@ -233,7 +233,8 @@ class Router:
                 # Let go of the frames before the next: over inproc a zero-copy send is
                 # complete only when the receiver frees its frame.
                 del frames
-                if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
+                events: int = router.getsockopt(_EVENTS)  # type: ignore[assignment]
+                if not events & _POLLIN:
                     self._behind = False
                     return
         except zmq.Again:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import zmq
@@ -51,13 +51,15 @@ __all__ = ["RING_WAIT_S", "SameHost", "ring_put"]
 # costs one wait, not one per piece.
 RING_WAIT_S = 0.005
 
-# The inbound path of the mesh (see .inbound): validates one message of a member and hands
-# it on, or drops it; a lane marker's value (True: "lane on") if it was one.
-Accept = Callable[[int, "bytes | memoryview", Sequence[Piece]], "bool | None"]
 
 
-def _no_wake() -> None:  # a TCP lane's receiver is woken by the kernel
-    pass
+class Accept(Protocol):
+    """The inbound path of the mesh (see .inbound): validates one message of a member and
+    hands it on, or drops it; a lane marker's value (True: "lane on") if it was one.
+    ``sizes``: the frames' byte lengths where the caller knows them."""
+
+    def __call__(self, source: int, head: bytes | memoryview, frames: Sequence[Piece],
+                 sizes: list[int] | None = None, /) -> bool | None: ...
 
 
 async def ring_put(
@@ -86,13 +88,13 @@ class SameHost:
 
     Args:
         drops: the mesh's drop counter.
-        accept: the mesh's inbound path (see :data:`Accept`).
+        accept: the mesh's inbound path (see :class:`Accept`).
         link_down: called with a peer whose lane is corrupt (what it sent is lost).
     """
 
     def __init__(self, drops: Drops, accept: Accept, link_down: Callable[[int], None]) -> None:
         self._drops = drops
-        self._accept = accept
+        self.accept = accept  # (the mesh sets its inbound path's own once it has one)
         self._link_down = link_down
         self.rank = -1
         self._world_size = 0
@@ -171,9 +173,18 @@ class SameHost:
             receiver.lane = inbound
 
     def _far_arrived(self, peer: int) -> None:
+        """Records came on ``peer``'s TCP lane: handed on if the lane is current (as
+        :meth:`_pump`, inline: once a message)."""
         receiver = self._receivers.get(peer)
-        if receiver is not None and receiver.lane_current and not self._closed:
-            self._pump(peer)
+        if receiver is None or not receiver.lane_current or self._closed:
+            return
+        try:
+            more = receiver.pump(YIELD_EVERY)
+        except ProtocolError as exc:
+            self._corrupt(peer, exc)
+            return
+        if more:
+            asyncio.get_running_loop().call_soon(self._pump, peer)
 
     def _far_broken(self, peer: int, exc: ProtocolError) -> None:
         """A TCP lane with ``peer`` failed, ended or carried garbage: what came whole is
@@ -269,7 +280,7 @@ class SameHost:
             sender = self._lane_sender(route)
             if sender is None:
                 return False
-        return sender.put(cast("Sequence[Buffer]", frames))  # arrays are, to Python 3.12
+        return sender.put(frames)  # type: ignore[arg-type]  # (arrays are Buffers from 3.12)
 
     def lane_off(self, route: Route) -> bool:
         """The route's link is about to close for the budget: a TCP lane's messages move
@@ -294,11 +305,11 @@ class SameHost:
         """A sender for the route's lane, shared-memory or TCP, if one is ready."""
         lanes, far, peer = self.lanes, self.far, route.peer
         out: tcp_lane.TcpLaneOut | lane.LaneOut | None = None
-        wake: Callable[[], None]
+        wake: Callable[[], None] | None
         if lanes is not None and (out := lanes.ready(peer)) is not None:
             room, wake = lanes.marker_room, partial(lanes.wake, peer)
         elif far is not None and (out := far.ready(peer)) is not None:
-            room, wake = tcp_lane.record_size([self._marker_off]), _no_wake
+            room, wake = tcp_lane.record_size([self._marker_off]), None  # the kernel wakes
         else:
             return None
         route.lane = LaneSender(
@@ -312,7 +323,7 @@ class SameHost:
         if source in self._receivers:  # a peer of this host: in its order (see .ordering)
             self._pump(source, frames)
         else:
-            marker = self._accept(source, frames[1].buffer, frames[2:])
+            marker = self.accept(source, frames[1].buffer, frames[2:])
             if marker is not None:  # it has no lane to this peer
                 self._drops.drop(source, ProtocolError(
                     f"rank {source} moved {'to' if marker else 'off'} a lane out of turn"))
@@ -330,13 +341,17 @@ class SameHost:
                 more = receiver.pump(YIELD_EVERY)
             else:
                 more = receiver.from_socket(frames, YIELD_EVERY)
-        except ProtocolError as exc:  # its lane is corrupt: what it sent is lost
-            self._drops.drop(src, exc)
-            log.error("rank %d: %s", self.rank, exc)
-            self._link_down(src)
+        except ProtocolError as exc:
+            self._corrupt(src, exc)
             return
         if more:
             asyncio.get_running_loop().call_soon(self._pump, src)
+
+    def _corrupt(self, src: int, exc: ProtocolError) -> None:
+        """``src``'s lane is corrupt: what it sent is lost, and so is its link."""
+        self._drops.drop(src, exc)
+        log.error("rank %d: %s", self.rank, exc)
+        self._link_down(src)
 
     def _take(self, src: int, message: list[zmq.Frame] | lane.Record, on_lane: bool
               ) -> bool | None:
@@ -344,11 +359,11 @@ class SameHost:
         validated and handed on, or dropped; a marker's value if it was one."""
         if not on_lane:
             assert isinstance(message, list)
-            return self._accept(src, message[1].buffer, message[2:])
+            return self.accept(src, message[1].buffer, message[2:])
         assert isinstance(message, tuple)
         first, rest = message
         try:
-            return self._accept(src, first, list(map(BytesPiece, rest)))
+            return self.accept(src, first, list(map(BytesPiece, rest)), list(map(len, rest)))
         finally:
             first.release()
             if self.lanes is not None and src in self.lanes.into:

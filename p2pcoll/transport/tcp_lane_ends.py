@@ -65,8 +65,21 @@ class TcpLaneOut:
         pieces, need = encode_sized(frames)
         if need > self.largest or self.pending + need + spare > PENDING_BYTES:
             return False
-        if not self.closed:
-            self._send(pieces, need)
+        if self.closed:
+            return True
+        if self._pending:
+            self._keep(pieces, 0)
+            return True
+        try:  # (_send, inline: once a message)
+            sent = self.sock.sendmsg(pieces)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._fail(f"cannot write: {exc}")
+            return True
+        if sent < need:
+            self._keep(pieces, sent)
+            self._loop.add_writer(self.sock.fileno(), self._on_writable)
         return True
 
     def _send(self, pieces: list[Buffer], need: int) -> bool:

@@ -14,7 +14,7 @@ import secrets
 import struct
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,7 +45,8 @@ def record_size(frames: Sequence[Buffer]) -> int:
 def _lengths(frames: Sequence[Buffer]) -> list[int]:
     """Each frame's bytes (a header's bytes or an array: no view made)."""
     lengths = []
-    for f in cast("Sequence[Any]", frames):
+    items: Sequence[Any] = frames  # (typing.cast would be a call)
+    for f in items:
         if type(f) is bytes:
             lengths.append(len(f))
         elif type(f) is np.ndarray:
@@ -63,7 +64,15 @@ def encode_record(frames: Sequence[Buffer]) -> list[Buffer]:
 
 def encode_sized(frames: Sequence[Buffer]) -> tuple[list[Buffer], int]:
     """:func:`encode_record`'s pieces and the record's size in bytes (one pass)."""
-    lengths = _lengths(frames)
+    lengths = []  # (_lengths, inline: once a message)
+    items: Sequence[Any] = frames
+    for f in items:
+        if type(f) is bytes:
+            lengths.append(len(f))
+        elif type(f) is np.ndarray:
+            lengths.append(f.nbytes)
+        else:
+            lengths.append(memoryview(f).nbytes)
     count = len(lengths)
     size = 8 + 4 * count + sum(lengths)
     prefix = _PREFIXES[count].pack(size, count, *lengths) if count <= 4 else \

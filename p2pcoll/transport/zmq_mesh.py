@@ -143,6 +143,7 @@ class ZmqMesh:
         self._inbound = Inbound(self, keep={"lane": _marker, "end": self._router.on_end,
                                             "farewell": _misplaced},
                                 watch={"hello": local.on_hello}, resolve=local.pieces)
+        local.accept = self._inbound.accept  # (what _accept calls, without its frame)
         self._leaving = False  # no link opens any more (see leaving)
         self._bye_on_link: set[int] = set()  # whose goodbye came back on this peer's link
         self._nonce = secrets.token_hex(8)  # this peer's nonce (see .links)
@@ -562,12 +563,14 @@ class ZmqMesh:
         if meta or not again:
             self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
 
-    def _accept(self, source: int, head: memoryview, frames: Sequence[Piece]) -> bool | None:
+    def _accept(self, source: int, head: memoryview, frames: Sequence[Piece],
+                sizes: list[int] | None = None) -> bool | None:
         """Validate one message of member ``source`` and hand it on; drop and count it if
         anything fails (see :mod:`.inbound`). A lane marker is not handed on: its value
-        is returned (True: "lane on"), for the ordering to follow."""
-        marker = self._inbound.accept(source, head, frames)
-        return None if marker is None else bool(marker)
+        is returned (True: "lane on"), for the ordering to follow. (Once connected, the
+        same host's paths call the inbound path's own ``accept``: one frame less a
+        message.)"""
+        return self._inbound.accept(source, head, frames, sizes)
 
     async def aclose(self) -> None:
         """Stop reading and close every socket; queued outgoing messages get LINGER_MS."""

@@ -521,7 +521,14 @@ def validate(link: int, header_frame: bytes | memoryview, payload_sizes: Sequenc
     if total > limits.max_message_bytes:
         raise ProtocolError(f"message of {total} bytes exceeds the "
                             f"{limits.max_message_bytes}-byte cap", reason="oversize")
-    header, digest = _decode(header_frame)
+    # (_decode, inline: once a message)
+    if len(header_frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(header_frame)} bytes exceeds {MAX_HEADER_BYTES}",
+                            reason="oversize")
+    if header_frame and header_frame[0] == DATA_MAGIC:
+        header, digest = _decode_data(header_frame)
+    else:
+        header, digest = _decode_map(header_frame), None
     nbytes = header.nbytes
     if header.shm is None:
         # All pieces are frames, whose sizes were within the cap above.
