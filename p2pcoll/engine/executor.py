@@ -98,13 +98,12 @@ class Executor:
 
     async def run(
         self,
-        *,
         op: OpKey,
         program: Program,
         arrays: Sequence[np.ndarray],
         ufunc: Ufunc | None,
         sig: Signature,
-        meta: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None,
         strategy: Strategy,
     ) -> None:
         """Run ``program`` (this rank's compiled part of operation ``op`` with
@@ -128,7 +127,7 @@ class Executor:
         if self.timeline is None:
             # The usual small collective: its one segment, here. (A transfer takes _run:
             # its sender's eager-credit mark is set and cleared there.)
-            if program.nseg == 1 and op.tag is None:
+            if program.cuts.nseg == 1 and op.tag is None:
                 rank = self._begin(op, program, sig)
                 pending: list[Tracker] = []
                 await self._segment(self.wire, op, 0, program, arrays, ufunc, sig, meta, rank,
@@ -239,11 +238,12 @@ class Executor:
         ledger = flow.ledger if flow is not None else None
         # What the data headers say the collective is (a transfer's is its sender's call).
         seq, tag = op.number, op.tag
-        collective = sig.collective if tag is None else "send"
+        collective = sig.fields[0] if tag is None else "send"  # (Signature.collective)
         where = program.cuts.where[seg]
         copy_bit = LATE if seg >= program.first_late else EARLY
         dsts: list[int] = []  # the send group being gathered, and its headers
         headers: list[Header] = []
+        describing = False  # one of them carries the readable signature
         messages = zip(program.kind, program.peer, program.index, program.where, strict=True)
         for kind, peer, n, w in messages:
             if kind & SEND:
@@ -252,7 +252,9 @@ class Executor:
                     raise gone
                 # The signature itself, readable, goes to each peer once per digest, so
                 # that a mismatch can be described field by field (the matcher keeps it).
-                described = None if (peer, digest) in told else list(sig.fields)
+                described = None
+                if (peer, digest) not in told:
+                    described, describing = list(sig.fields), True
                 # Header's fields in order: kind, group, src, seq, seg, step, sig, nbytes
                 # (the transport's to fill), meta, err, shm, described, tag, collective.
                 headers.append(Header("data", group_id, rank, seq, seg, n, digest, [],
@@ -266,20 +268,22 @@ class Executor:
                     for to in dsts:
                         if not ledger.may_send(op, to):
                             await self._admit(op, to)
+                into = where[w]
                 tracker = await wire.send_many(
-                    dsts, headers, _views(arrays, where[w].ranges), copy=kind & copy_bit != 0)
+                    dsts, headers, _views(arrays, into.ranges), copy=kind & copy_bit != 0)
                 if ledger is not None:
-                    ledger.sent(op, dsts, sum(where[w].nbytes))
+                    ledger.sent(op, dsts, sum(into.nbytes))
                 if tracker is not None:
                     pending.append(tracker)
-                for h, to in zip(headers, dsts, strict=True):
-                    if h.described is not None:
-                        self._tell(to, digest)
+                if describing:
+                    for h, to in zip(headers, dsts, strict=True):
+                        if h.described is not None:
+                            self._tell(to, digest)
+                    describing = False
                 dsts, headers = [], []
                 continue
             into = where[w]
-            key: Key = (op, seg, peer, n)
-            header, frames = await wire.get(key)  # signature checked there
+            header, frames = await wire.get((op, seg, peer, n))  # signature checked there
             if header.nbytes != into.nbytes:
                 raise CollectiveMismatch(
                     f"collective #{seq} {sig.collective}: rank {peer} sent pieces of "
@@ -345,8 +349,15 @@ def combine(
             _fold(targets, frames, ufunc)
         return
     token = _ERRORS.set(_IGNORE)  # np.errstate(all="ignore") without its object
-    try:
-        _fold(targets, frames, ufunc)
+    try:  # (_fold, inline: once a receive)
+        for dst, frame in zip(targets, frames, strict=True):
+            if dst.size == 0:
+                continue
+            src = np.frombuffer(frame.buffer, dtype=dst.dtype)
+            if ufunc is None:
+                np.copyto(dst, src)
+            else:
+                ufunc(dst, src, out=dst)
     finally:
         _ERRORS.reset(token)
 

@@ -259,9 +259,13 @@ class Matcher:
         slot = (seg, src, index)
         if op in self._failed:
             raise self._failed[op]
-        msg = self._take(op, slot)
-        if msg is not None:
-            return msg
+        early = self._buffered.get(op)  # (_take, inline: the usual receive's one look)
+        if early is not None:
+            msg = early.pop(slot, None)
+            if msg is not None:
+                if not early:
+                    del self._buffered[op]
+                return msg
         self.poll()  # what has come meanwhile, now (it may be an abort or a departure)
         if op in self._failed:
             raise self._failed[op]

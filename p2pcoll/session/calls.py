@@ -415,8 +415,8 @@ class Runner:
         if header is not None and call.tag is None:
             meta = header.meta  # forward the layout too: this rank may be someone's first sender
         ufunc = program.ufunc or (fold_of(call.op) if call.op is not None else None)
-        await session.executor.run(op=op, program=compiled, arrays=call.flat, ufunc=ufunc,
-                                   sig=program.sig, meta=meta, strategy=program.strategy)
+        await session.executor.run(op, compiled, call.flat, ufunc, program.sig, meta,
+                                   program.strategy)  # (positional: every call)
 
     def _remember(self, seq: int, sig: Signature) -> None:
         recent = self._recent
