@@ -156,8 +156,8 @@ class Matcher:
             if flow is not None:  # credited when the failed operation finishes here
                 flow.receipts.arrived(op, header.src, sum(header.nbytes))
             return True  # that collective already failed here: late traffic is expected
-        if done is not None and op.number in done:
-            if flow is not None:
+        if done is not None and (op.number < done.watermark or op.number in done.above):
+            if flow is not None:  # (finished: _Finished.__contains__ inline)
                 flow.dropped(op, header.src, sum(header.nbytes))
             return False
         slot = (header.seg, header.src, header.step)
@@ -452,7 +452,10 @@ class Matcher:
         done = self._finished.get(chan)
         if done is None:
             done = self._finished[chan] = _Finished()
-        done.add(op.number)
+        if op.number == done.watermark and not done.above:  # (add's usual case, inline)
+            done.watermark += 1
+        else:
+            done.add(op.number)
         if self.flow is not None:
             self.flow.finished(op, done.watermark)
         # Each table looked at only if it holds anything (a board collective's are empty,

@@ -213,13 +213,18 @@ class LaneReceiver(Generic[M, R]):
                 raise
             if record is None:
                 return False
-            self._take(record, on_lane=True)
+            marker = self.accept(record, True)  # (_take, inline: once a lane message)
+            if marker is not None:
+                self._marker(marker, on_lane=True)
         return bool(held) or self.lane_current
 
     def _take(self, message: M | R, *, on_lane: bool) -> None:
         marker = self.accept(message, on_lane)
-        if marker is None:
-            return
+        if marker is not None:
+            self._marker(marker, on_lane=on_lane)
+
+    def _marker(self, marker: bool, *, on_lane: bool) -> None:
+        """A lane marker came (on the lane, or on the socket): follow it, if in turn."""
         if marker == on_lane or (marker and self.lane is None):
             self.reject(ProtocolError(f"moved {'to' if marker else 'off'} a lane out of turn"))
             return

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -54,7 +55,30 @@ from .stripes import STRIPE_BYTES, Stripe, stripe_identity, turn
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["ENDED", "Route", "Routes"]
+__all__ = ["ENDED", "ZERO_COPY_BYTES", "Route", "Routes", "link_frames"]
+
+# Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
+ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
+
+
+def link_frames(head: bytes, pieces: Sequence[np.ndarray], snapshot: bool,
+                tracked: list[zmq.Frame]) -> tuple[list[object], int]:
+    """A message's frames for its link, and its payload bytes on the wire (what
+    :meth:`Routes.put` takes): small pieces copied, large ones as snapshots (``snapshot``)
+    or zero-copy, their frames added to ``tracked``."""
+    frames: list[object] = [head]
+    size = 0
+    for piece in pieces:
+        if piece.nbytes < ZERO_COPY_BYTES:
+            frames.append(piece.tobytes() if piece.nbytes else b"")
+        elif snapshot:
+            frames.append(zmq.Frame(piece, copy=True))
+        else:
+            frame = zmq.Frame(piece, copy=False, track=True)
+            tracked.append(frame)
+            frames.append(frame)
+        size += piece.nbytes
+    return frames, size
 
 log = logging.getLogger("p2pcoll.transport")
 

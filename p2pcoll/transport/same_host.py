@@ -53,6 +53,10 @@ RING_WAIT_S = 0.005
 
 
 
+def _unset(*_: object) -> None:  # SameHost.accept until the mesh sets it (at once)
+    return None
+
+
 class Accept(Protocol):
     """The inbound path of the mesh (see .inbound): validates one message of a member and
     hands it on, or drops it; a lane marker's value (True: "lane on") if it was one.
@@ -88,13 +92,14 @@ class SameHost:
 
     Args:
         drops: the mesh's drop counter.
-        accept: the mesh's inbound path (see :class:`Accept`).
         link_down: called with a peer whose lane is corrupt (what it sent is lost).
+
+    The mesh sets :attr:`accept`, its inbound path (see :class:`Accept`), as it makes it.
     """
 
-    def __init__(self, drops: Drops, accept: Accept, link_down: Callable[[int], None]) -> None:
+    def __init__(self, drops: Drops, link_down: Callable[[int], None]) -> None:
         self._drops = drops
-        self.accept = accept  # (the mesh sets its inbound path's own once it has one)
+        self.accept: Accept = _unset
         self._link_down = link_down
         self.rank = -1
         self._world_size = 0

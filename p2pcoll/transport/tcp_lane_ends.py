@@ -232,7 +232,12 @@ class TcpLaneIn:
 
     def read(self) -> Record | None:
         """The next whole record, or None (see :class:`~.ordering.LaneReader`)."""
-        record = self.reader.take()
+        reader = self.reader
+        if not reader.records:  # (RecordReader.take, inline: once a record)
+            record = None
+        else:
+            reader.held -= reader.sizes.popleft()
+            record = reader.records.popleft()
         if self._paused and self.reader.held < INBOUND_BYTES // 2 and not self.closed:
             self._paused = False
             self._loop.add_reader(self.sock.fileno(), self._on_readable)

@@ -90,7 +90,7 @@ class RecordReader:
     def __init__(self, largest: int = LARGEST) -> None:
         self.largest = largest
         self.records: deque[Record] = deque()
-        self._sizes: deque[int] = deque()  # the size of each, for held
+        self.sizes: deque[int] = deque()  # the size of each, for held
         self.held = 0  # bytes of the records not yet taken
         self.ended = False  # the sender's END came
         self._buf = bytearray()
@@ -155,7 +155,7 @@ class RecordReader:
                 rest.append(view[stop:stop + n].tobytes())
                 stop += n
             self.records.append((memoryview(view[start:start + lengths[0]].tobytes()), rest))
-            self._sizes.append(size)
+            self.sizes.append(size)
             self.held += size
             at += size
         return at
@@ -164,7 +164,7 @@ class RecordReader:
         """The oldest whole record not yet taken, or None."""
         if not self.records:
             return None
-        self.held -= self._sizes.popleft()
+        self.held -= self.sizes.popleft()
         return self.records.popleft()
 
     def _corrupt(self, what: str) -> ProtocolError:

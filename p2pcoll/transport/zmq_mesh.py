@@ -62,7 +62,7 @@ from . import board as boards
 from . import lane, shm, shmfile
 from .base import (
     Counters, Drops, Follow, LinkEvent, LinkHandler, MessageHandler, MessageHook, Paths, PathsOf,
-    Piece, Poll,
+    Poll,
 )
 from .endpoints import EndpointPolicy, sweep_peer
 from .inbound import Inbound
@@ -70,7 +70,7 @@ from .links import link_identity
 from .liveness import Probes
 from .malloc import tune_malloc
 from .ordering import marker_value as _marker
-from .route import Route, Routes
+from .route import ZERO_COPY_BYTES, Route, Routes, link_frames
 from .router import Router
 from .same_host import RING_WAIT_S as RING_WAIT_S  # (tests take it and _put from here)
 from .same_host import SameHost, ring_put as _put
@@ -81,9 +81,6 @@ if TYPE_CHECKING:  # both imported where a roster names a relay: most groups hav
     from .relayed import RelayPaths
 
 log = logging.getLogger("p2pcoll.transport")
-
-# Payload pieces at least this large are sent zero-copy and tracked until libzmq lets go.
-ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
 
 
 def _misplaced(header: Header) -> None:
@@ -121,7 +118,7 @@ class ZmqMesh:
         self.rank = -1
         self._limits: Limits | None = None
         # The paths to the peers of this host: rings, lanes, the board (see .same_host).
-        local = self._local = SameHost(self.drops, self._accept,
+        local = self._local = SameHost(self.drops,
                                        lambda peer: self.on_link(peer, LinkEvent.DOWN))
         self._lane_put = local.lane_put  # bound once: every send tries the lane first
         # A goodbye is answered on the connection it came on (see _answer): the farewells
@@ -143,7 +140,7 @@ class ZmqMesh:
         self._inbound = Inbound(self, keep={"lane": _marker, "end": self._router.on_end,
                                             "farewell": _misplaced},
                                 watch={"hello": local.on_hello}, resolve=local.pieces)
-        local.accept = self._inbound.accept  # (what _accept calls, without its frame)
+        local.accept = self._inbound.accept  # what the same host's paths hand messages to
         self._leaving = False  # no link opens any more (see leaving)
         self._bye_on_link: set[int] = set()  # whose goodbye came back on this peer's link
         self._nonce = secrets.token_hex(8)  # this peer's nonce (see .links)
@@ -354,6 +351,28 @@ class ZmqMesh:
         caller breaks the group on cancellation anyway).
         """
         table = self.routes.routes
+        if len(dsts) == 1:
+            # The usual small message: one destination whose lane is open (a peer of
+            # another host, or of this one without its ring): no ring to place pieces in,
+            # no loop over destinations.
+            dst = dsts[0]
+            route = table.get(dst)
+            rings = self._local.rings
+            if (route is not None and route.lane is not None
+                    and (rings is None or dst not in rings.peers)):
+                header = headers[0]
+                header.nbytes = nbytes = [a.nbytes for a in payload]
+                head = encode_header(header)
+                route.used = next(self.routes.clock)  # (as _link does)
+                tracked: list[zmq.Frame] = []
+                if not self._lane_put(route, [head, *payload]):
+                    frames, size = link_frames(head, payload, copy or self._snapshot_all,
+                                               tracked)
+                    await self.routes.put(route, frames, size)
+                elif header.kind == "data":
+                    self.counters.messages_sent_lane += 1
+                self._count(dst, header, sum(nbytes), 0)
+                return zmq.MessageTracker(*tracked) if tracked else None
         for dst in dsts:  # a bad rank fails before anything is sent (and opens nothing)
             if dst not in table:
                 self.routes.check(dst)
@@ -371,7 +390,7 @@ class ZmqMesh:
             if outbox is not None and piece.nbytes >= ZERO_COPY_BYTES:
                 spot = await _put(outbox, piece, near)  # None: the ring stayed full
             placed.append(spot)
-        tracked: list[zmq.Frame] = []
+        tracked = []
         snapshot = copy or self._snapshot_all
         in_ring, total, c = any(placed), sum(nbytes), self.counters
         for dst, header in zip(dsts, headers, strict=True):
@@ -387,26 +406,20 @@ class ZmqMesh:
             if self._lane_put(route, [head, *inline]):
                 c.messages_sent_lane += header.kind == "data"
             else:
-                frames: list[object] = [head]
-                size = 0  # payload bytes on the wire (a large message may be striped)
-                for piece in inline:
-                    if piece.nbytes < ZERO_COPY_BYTES:
-                        frames.append(piece.tobytes() if piece.nbytes else b"")
-                    elif snapshot:
-                        frames.append(zmq.Frame(piece, copy=True))
-                    else:
-                        frame = zmq.Frame(piece, copy=False, track=True)
-                        tracked.append(frame)
-                        frames.append(frame)
-                    size += piece.nbytes
+                frames, size = link_frames(head, inline, snapshot, tracked)
                 await self.routes.put(route, frames, size)
-            if header.kind == "data":
-                c.messages_sent += 1
-                c.bytes_sent += total
-                c.bytes_sent_shm += ringed
-                if self.sent is not None:
-                    self.sent(dst, header, total)
+            self._count(dst, header, total, ringed)
         return zmq.MessageTracker(*tracked) if tracked else None
+
+    def _count(self, dst: int, header: Header, total: int, ringed: int) -> None:
+        """Count one message sent (a data message's, and tell the ``sent`` hook)."""
+        if header.kind == "data":
+            c = self.counters
+            c.messages_sent += 1
+            c.bytes_sent += total
+            c.bytes_sent_shm += ringed
+            if self.sent is not None:
+                self.sent(dst, header, total)
 
     def _link(self, dst: int) -> Route:
         """The route to ``dst``, its link opened if need be.
@@ -562,15 +575,6 @@ class ZmqMesh:
         meta = self._local.hello_meta(peer, again)  # again: the peer keeps the rest
         if meta or not again:
             self.post(peer, dataclasses.replace(self._hello, meta=meta or None))
-
-    def _accept(self, source: int, head: memoryview, frames: Sequence[Piece],
-                sizes: list[int] | None = None) -> bool | None:
-        """Validate one message of member ``source`` and hand it on; drop and count it if
-        anything fails (see :mod:`.inbound`). A lane marker is not handed on: its value
-        is returned (True: "lane on"), for the ordering to follow. (Once connected, the
-        same host's paths call the inbound path's own ``accept``: one frame less a
-        message.)"""
-        return self._inbound.accept(source, head, frames, sizes)
 
     async def aclose(self) -> None:
         """Stop reading and close every socket; queued outgoing messages get LINGER_MS."""
