@@ -255,12 +255,19 @@ class Receipts:
         else:
             seqs = [s for s in coll if s < watermark]
         due: list[int] = []
+        held, pending, half = self._held, self._pending, self.half
         for seq in seqs:
             per = coll.pop(seq, None)
             if per is not None:
                 for src, n in per.items():
-                    self._held[src] = self._held.get(src, n) - n
-                    due += self._finished(src, n)
+                    held[src] = held.get(src, n) - n
+                    if self._asked:
+                        due += self._finished(src, n)
+                        continue
+                    # (_finished's usual case, inline: nobody asked)
+                    now = pending[src] = pending.get(src, 0) + n
+                    if half and now >= half:
+                        due.append(src)
         return list(dict.fromkeys(due)) if len(due) > 1 else due
 
     def transfer_finished(self, op: OpKey) -> list[int]:

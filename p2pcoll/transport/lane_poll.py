@@ -14,10 +14,17 @@ peer alone (:meth:`LanePoll.poll_from`) for a hybrid wait (:mod:`p2pcoll.engine.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from .tcp_lane import TcpLanes
 
 __all__ = ["LanePoll"]
+
+
+class Far(Protocol):
+    """Where a peer's TCP lanes are: its ``far`` (None once closed, or if none are open)."""
+
+    far: TcpLanes | None
 
 
 class LanePoll:
@@ -25,19 +32,18 @@ class LanePoll:
 
     Args:
         router: the ROUTER's poll (never raises).
-        far: the peer's TCP lanes now (None once closed, or if none are open).
+        paths: what holds the peer's TCP lanes now (read at each poll).
     """
 
-    def __init__(self, router: Callable[[], None],
-                 far: Callable[[], TcpLanes | None]) -> None:
-        self._router, self._far = router, far
+    def __init__(self, router: Callable[[], None], paths: Far) -> None:
+        self._router, self._paths = router, paths
         #: Polls that read a lane (for tests: the poll path was taken).
         self.lane_polls = 0
 
     def __call__(self) -> None:
         """Read whatever waits in the ROUTER and on every TCP lane; never raises."""
         self._router()
-        far = self._far()
+        far = self._paths.far
         if far is not None and far.into:
             self.lane_polls += 1
             far.poll()
@@ -45,13 +51,13 @@ class LanePoll:
     def polled(self, peer: int) -> bool:
         """Whether :meth:`poll_from` reads what ``peer`` sends (it has a lane here and
         runs in another process): a receive may poll for it."""
-        far = self._far()
+        far = self._paths.far
         return far is not None and far.polled(peer)
 
     def poll_from(self, peer: int) -> None:
         """Read whatever waits in the ROUTER and on ``peer``'s TCP lane; never raises."""
         self._router()
-        far = self._far()
+        far = self._paths.far
         if far is not None:
             self.lane_polls += 1
             far.poll(peer)

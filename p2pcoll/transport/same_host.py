@@ -210,7 +210,7 @@ class SameHost:
         lanes' if they are open (see .lane_poll)."""
         if self.far is None:
             return router
-        return LanePoll(router, lambda: self.far)
+        return LanePoll(router, self)
 
     def forget(self, peer: int) -> None:
         """``peer`` has gone: its TCP lanes close, and nothing is told of it. What comes
