@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -143,7 +144,8 @@ _ledger_events = st.lists(st.one_of(
 
 @given(events=_ledger_events)
 @settings(max_examples=200, deadline=None)
-def test_the_ledgers_total_is_every_peers_outstanding_summed(events: list[tuple]) -> None:
+def test_the_ledgers_total_is_every_peers_outstanding_summed(
+        events: list[tuple[Any, ...]]) -> None:
     # The executor lets every message go while the total is within the window: that holds
     # only if no peer's outstanding is ever above the total (none below zero), whatever
     # comes: reports out of order, twice, crediting more than was sent, peers forgotten.
