@@ -94,8 +94,10 @@ class SendLedger:
             raise ValueError(f"an eager window is > 0 bytes (0: no ledger at all), not {window}")
         self.window = window
         self._accounts: dict[int, _Account] = {}
-        # What every peer has not credited, summed: no peer's is larger, so while this is
-        # within the window every message may go (one compare a send, no account read).
+        # What each peer has not credited, summed over the peers that owe something (a
+        # peer's may dip below zero while its report overtakes our own count of a send,
+        # as a collective's may, see sent): no peer's is larger, so while this is within
+        # the window every message may go (one compare a send, no account read).
         self.total = 0
 
     def _account(self, peer: int) -> _Account:
@@ -139,16 +141,16 @@ class SendLedger:
         cost = nbytes + MESSAGE_COST
         for peer in peers:
             a = self._accounts.get(peer) or self._account(peer)
+            before = a.coll_bytes + a.p2p_sent - a.p2p_credited
             if op.tag is not None:
                 a.p2p_sent += cost
-                self.total += cost
-                continue
-            seq = op.number
-            if seq < a.floor:  # credited already (the report overtook this record)
-                continue
-            a.coll[seq] = a.coll.get(seq, 0) + cost
-            a.coll_bytes += cost
-            self.total += cost
+            else:
+                seq = op.number
+                if seq < a.floor:  # credited already (the report overtook this record)
+                    continue
+                a.coll[seq] = a.coll.get(seq, 0) + cost
+                a.coll_bytes += cost
+            self.total += max(before + cost, 0) - max(before, 0)
 
     def credit(self, peer: int, floor: int, p2p_credited: int) -> None:
         """``peer`` reports: every collective below ``floor`` finished there, and
@@ -156,19 +158,20 @@ class SendLedger:
         of order or twice: only what is new counts."""
         a = self._account(peer)
         before = a.coll_bytes + a.p2p_sent - a.p2p_credited
-        if p2p_credited > a.p2p_credited:  # (never more than was sent: a bad report's
-            a.p2p_credited = min(p2p_credited, a.p2p_sent)  # excess would hide another's)
+        if p2p_credited > a.p2p_credited:
+            a.p2p_credited = p2p_credited
         if floor > a.floor:
             a.floor = floor
             if a.coll:
                 done = [s for s in a.coll if s < floor]
                 for s in done:
                     a.coll_bytes -= a.coll.pop(s)
-        self.total -= before - (a.coll_bytes + a.p2p_sent - a.p2p_credited)
+        after = a.coll_bytes + a.p2p_sent - a.p2p_credited
+        self.total += max(after, 0) - max(before, 0)
 
     def forget(self, peer: int) -> None:
         """``peer`` has gone: nothing is owed to it any more."""
-        self.total -= self.outstanding(peer)
+        self.total -= max(self.outstanding(peer), 0)
         self._accounts.pop(peer, None)
 
     def most_outstanding(self) -> int:
