@@ -52,7 +52,6 @@ __all__ = ["RING_WAIT_S", "SameHost", "ring_put"]
 RING_WAIT_S = 0.005
 
 
-
 def _unset(*_: object) -> None:  # SameHost.accept until the mesh sets it (at once)
     return None
 
