@@ -301,13 +301,6 @@ class DiLoCo:
         self._origin = [a.copy() for a in self.anchor] if self.delay else None
         # delay=1: the outer step of the round in flight, taken aside (step_aside).
         self._prepared: asyncio.Task[tuple[list[np.ndarray], list[np.ndarray]]] | None = None
-        # delay=1: two buffers for the rounds' pseudo-gradients, taken in turn (the one of
-        # the round before last is free: its exchange was awaited at the last round's end),
-        # and the thread that writes the next origin beside the next round's steps.
-        self._owns = ([[np.empty_like(a) for a in self.anchor] for _ in range(2)]
-                      if self.delay else [])
-        self._turn = 0  # the buffer of the next round's pseudo-gradient
-        self._origin_written: asyncio.Future[None] | None = None
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -399,11 +392,7 @@ class DiLoCo:
         The next round's inner steps wait for this, so it does the least it can: the
         pseudo-gradient is computed once, for the exchange and the new start alike, and
         the outer step was taken on copies of the global state in a thread as soon as the
-        reduction landed (:func:`.delayed.step_aside`), so here it is only swapped in. Two
-        passes over the parameters remain, into buffers allocated once (a fresh array's
-        page faults cost as much as a pass): the pseudo-gradient, and the next start
-        written over the parameters; the next origin, the same bits as that start, is
-        written in a thread beside the next round's steps (:meth:`_write_origin`)."""
+        reduction landed (:func:`.delayed.step_aside`), so here it is only swapped in."""
         pending = self._in_flight.get(0)
         if self.step % self.inner_steps:
             if pending is not None and pending[1].done() and not pending[1].cancelled() \
@@ -412,30 +401,18 @@ class DiLoCo:
                 await self._outcome(pending[1])  # raises its error, ends the others
             return False
         assert self._origin is not None
-        await self._origin_ready()
-        own = self._owns[self._turn]
-        self._turn ^= 1
-        for o, a, mine in zip(self._origin, self.model.arrays, own, strict=True):
-            np.subtract(o, a, out=mine)
+        own = [np.subtract(o, a) for o, a in zip(self._origin, self.model.arrays, strict=True)]
         task = self._start(0, own)  # from where the round started
         retrieve_later(task)
         self._in_flight[0] = (self.step + self.inner_steps, task)
         if pending is not None:
             await self._take_prepared(pending[1])
-        for local, anchor, mine in zip(self.model.arrays, self.anchor, own, strict=True):
+        for local, origin, anchor, mine in zip(self.model.arrays, self._origin, self.anchor,
+                                               own, strict=True):
             np.subtract(anchor, mine, out=local)
-        self._origin_written = asyncio.ensure_future(asyncio.to_thread(
-            _subtract_into, self._origin, list(self.anchor), own))
+            np.copyto(origin, local)
         self._prepared = step_aside(self.outer, self.anchor, self.velocity, task)
         return pending is not None
-
-    async def _origin_ready(self) -> None:
-        """Wait for the thread that writes the origin of the round under way, if one runs
-        (cancelled, the thread still finishes its write: the next call waits again)."""
-        written = self._origin_written
-        if written is not None:
-            await asyncio.shield(written)
-            self._origin_written = None
 
     async def _take_prepared(self, exchange: asyncio.Task[list[np.ndarray]]) -> None:
         """Swap in the outer step of ``exchange``'s round (waiting for it if need be); its
@@ -470,7 +447,6 @@ class DiLoCo:
                 await self._take_prepared(task)
             done += 1
         if self._origin is not None:  # every round applied: the next starts from the anchor
-            await self._origin_ready()
             for local, origin, anchor in zip(self.model.arrays, self._origin, self.anchor,
                                              strict=True):
                 np.copyto(local, anchor)
@@ -585,12 +561,6 @@ class DiLoCo:
                 alpha = local.dtype.type(self.mix)
                 np.copyto(local, alpha * local + (local.dtype.type(1) - alpha) * anchor)
         self.outer_steps += 1
-
-
-def _subtract_into(out: list[np.ndarray], a: list[np.ndarray], b: list[np.ndarray]) -> None:
-    """``out[i] = a[i] - b[i]`` for each i (in a thread: numpy lets go of the GIL)."""
-    for target, x, y in zip(out, a, b, strict=True):
-        np.subtract(x, y, out=target)
 
 
 def _bucket_bytes(bucket_bytes: int | None) -> int:
