@@ -64,7 +64,9 @@ its own: no extra message per round, and every rank that completes the round lea
 decision with the round itself. A full group (``max_world_size`` members) does not ask.
 The members then join expecting themselves and the peers counted, and keep the old group
 open meanwhile: a member lost on the way lowers that count (:mod:`.admitting`), so the
-group forms without it at once.
+group forms without it at once. With ``delay=1`` each member starts that join as soon as the
+reduction tells it, beside its step of the next round, so the members arrive together and a
+newcomer who came after the count does not take a slow member's place.
 
 Pipelined rounds (``delay=1``, :mod:`.elastic_delayed`): round r's reduction runs while
 round r + 1's step computes; each rank also holds the contributions it computed and has
