@@ -4,6 +4,7 @@
     python benchmarks/churn_training.py --rounds 20 --every 4 --params 500000
     python benchmarks/churn_training.py --min-world-size 2 --logs /tmp/churn
     python benchmarks/churn_training.py --rendezvous peer    # a peer hosts the rendezvous
+    python benchmarks/churn_training.py --standby            # a spare started ahead
 
 Not a test: it prints one markdown table and a verdict. Peers run on this host over loopback
 (``P2PCOLL_HOST_ID`` differs per peer, so nothing goes through shared memory), each
@@ -36,6 +37,13 @@ The rendezvous runs as a standalone ``p2pcoll rendezvous`` process by default, a
 whose peers come and go runs it (``--rendezvous peer``: the first peer hosts it, and the
 kill of that peer sends the survivors through a new host). ``--min-world-size`` (default
 peers - 1): survivors fewer than it wait at the rendezvous for a replacement.
+
+Two ways to hold the issue's scenario (a kill and a new peer every ``--every`` rounds) to
+its bound, since survivors below their minimum wait at the rendezvous by definition and a
+newcomer's interpreter takes seconds to start on a loaded machine: ``--standby`` keeps one
+replacement started ahead (a spare waits at the rendezvous from the first round on; each
+kill starts the next spare, and only peers that applied a round are killed), as a job with
+hot spares runs; or ``--min-world-size`` low enough that a kill never leaves too few.
 """
 
 from __future__ import annotations
@@ -215,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                              "kills and every peer's applied rounds (events.json), on one clock")
     parser.add_argument("--min-world-size", type=int, default=None,
                         help="the elastic minimum (default: peers - 1)")
+    parser.add_argument("--standby", action="store_true",
+                        help="keep one replacement started ahead: a spare waits at the "
+                             "rendezvous from the first round on, each kill starts the next "
+                             "spare, and only peers that applied a round are killed")
     parser.add_argument("--tree", default=None,
                         help="run the peers and the rendezvous with the p2pcoll of this "
                              "checkout (the old code of a side-by-side run)")
@@ -298,9 +310,13 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.1)  # its last lines
                     done.add(i)
             applied = max((e["round"] + 1 for log in logs for e in log), default=0)
+            if args.standby and len(procs) == args.peers and applied >= 1:
+                start()  # the spare, once the first group formed without it
             if applied >= next_kill and applied < args.rounds - 1:
-                # kill the youngest-but-one live peer other than peer 0, the one measured
-                live = [i for i in range(1, len(procs)) if i not in done and i not in killed]
+                # kill the oldest live peer other than peer 0, the one measured (with a
+                # spare: the oldest that applied a round, so a member of the group)
+                live = [i for i in range(1, len(procs)) if i not in done and i not in killed
+                        and (logs[i] or not args.standby)]
                 if live:
                     victim = live[0]
                     procs[victim].send_signal(signal.SIGKILL)
@@ -350,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.peers} peers on loopback, {args.rounds} rounds of H = {args.inner}, "
           f"{args.params / 1e6:.2g} M float32 parameters, one peer killed and one started every "
           f"{args.every} rounds ({len(killed)} kills), min_world_size {low}, rendezvous "
-          f"{args.rendezvous}; load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} CPUs\n")
+          f"{args.rendezvous}{', a spare started ahead' if args.standby else ''}; "
+          f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
     waits = [e["wait"] for e in measured]
     group_waits = [e["group_wait"] for e in measured]
     print("| rounds measured (peer 0) | median wait ms | median on kill rounds ms "

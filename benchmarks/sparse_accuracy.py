@@ -17,6 +17,8 @@ the replicas' global parameters ended bit-identical.
 - ``fp32``: per step, the four workers' gradients averaged (in torch) before each Adam step;
 - ``diloco``: ``DiLoCo(inner_steps=50, codec="int8")``, the outer step DiLoCo's (lr 0.7,
   Nesterov momentum 0.9);
+- ``diloco_async``: the same with ``delay=1`` (asynchronous DiLoCo: each round's average
+  applied one round late);
 - ``diloco_topk2bit``: as ``slow_training.py``'s: ``compressor="topk2bit", density=0.015``
   with ``outer_lr=2.0, outer_momentum=0.0``;
 - ``diloco_topk2bit_nesterov``: the same compressor with DiLoCo's outer step.
@@ -49,6 +51,7 @@ def _diloco(**kwargs: Any) -> Callable[[Any, dict[str, Any]], Any]:
 # Each DiLoCo mode: how its object is made on a group, from the parameters.
 DILOCO: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "diloco": _diloco(codec="int8"),
+    "diloco_async": _diloco(codec="int8", delay=1),
     "diloco_topk2bit": _diloco(compressor="topk2bit", density=0.015, outer_lr=2.0,
                                outer_momentum=0.0),
     "diloco_topk2bit_nesterov": _diloco(compressor="topk2bit", density=0.015),

@@ -64,7 +64,9 @@ its own: no extra message per round, and every rank that completes the round lea
 decision with the round itself. A full group (``max_world_size`` members) does not ask.
 The members then join expecting themselves and the peers counted, and keep the old group
 open meanwhile: a member lost on the way lowers that count (:mod:`.admitting`), so the
-group forms without it at once.
+group forms without it at once. With ``delay=1`` each member starts that join as soon as the
+reduction tells it, beside its step of the next round, so the members arrive together and a
+newcomer who came after the count does not take a slow member's place.
 
 Pipelined rounds (``delay=1``, :mod:`.elastic_delayed`): round r's reduction runs while
 round r + 1's step computes; each rank also holds the contributions it computed and has
@@ -284,6 +286,7 @@ class _Run:
         self.computing: tuple[int, asyncio.Task[dict[str, Any]]] | None = None
         self.stale: Group | None = None  # the group ``computing``'s step runs in
         self.healing = HealProgress()  # what this rank holds of a heal a loss cut short
+        self.early: asyncio.Task[Group] | None = None  # the join after an admission
 
     async def run(self) -> ElasticResult:
         try:
@@ -303,6 +306,7 @@ class _Run:
                         formation.ended = why
                     log.warning("elastic: rank %d of %d at round %d: %s; forming a new group",
                                 group.rank, group.world_size, self.round, why)
+                    await self._drop_early()
                     census = Census(self.settings, CENSUS_S)
                     try:
                         following = await shrunk(group, self.settings.min_world_size or 1,
@@ -333,17 +337,38 @@ class _Run:
                     group = await self._join()
                 else:  # the old group stays open while its members join: it tells a loss
                     old = group
-                    self.expect = len(live(old)) + self.admitted
                     try:
-                        group = await self._join(old)
+                        group = await self.join_early(old)
                     finally:
+                        self.early = None
                         if old is not self.stale:
                             await old.close()
         finally:
+            await self._drop_early()
             if self.computing is not None:  # not taken into a formation: nobody needs it
                 self.computing[1].cancel()
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await self._computed()
+
+    def join_early(self, old: Group) -> asyncio.Task[Group]:
+        """The join after an admission, started (once) as soon as the members learn of it
+        (delay=1: before the step of the next round ends; :func:`train_delayed`), so
+        that they reach the rendezvous together, not each when its own step ends: a
+        newcomer who came after the count is then not formed in place of a slow member."""
+        if self.early is None:
+            self.expect = len(live(old)) + self.admitted
+            self.early = asyncio.ensure_future(self._join(old))
+        return self.early
+
+    async def _drop_early(self) -> None:
+        """End an early join nobody took (a failure came first); close its group."""
+        early, self.early = self.early, None
+        if early is not None and not early.done():
+            early.cancel()
+        if early is not None:
+            await asyncio.wait([early])
+            if not early.cancelled() and early.exception() is None:
+                await early.result().close()
 
     async def take_step(self) -> None:
         """The step that ran while the group re-formed, if one did, into ``held``."""

@@ -114,6 +114,8 @@ class Pipeline(Protocol):
 
     async def take_step(self) -> None: ...
 
+    def join_early(self, old: Group) -> asyncio.Task[Group]: ...
+
     async def compute(self, group: Group, r: int) -> dict[str, Any]: ...
 
 
@@ -234,6 +236,12 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
             if step is not None:  # goes on while the group re-forms (the caller's)
                 run.computing = (r + 1, step)
             raise
+        if admit and r + 1 < run.rounds:
+            # Peers wait to join: the members go to the rendezvous now, together, while
+            # their steps end (each its own time), and round r is applied meanwhile.
+            run.admitted = admit
+            log.info("elastic: peers wait to join; forming a new group after round %d", r)
+            run.join_early(group)
         if step is not None:
             run.held[r + 1] = await step
         await run.take_step()  # the step from before the formation, if one runs
@@ -246,8 +254,6 @@ async def train_delayed(run: Pipeline, group: Group, applied: list[int],
         run.next_holders = 0
         applied.append(r)
         if admit and run.round < run.rounds:
-            run.admitted = admit
-            log.info("elastic: peers wait to join; forming a new group after round %d", r)
             if run.round + 1 < run.rounds:  # computes while the group re-forms
                 step = asyncio.ensure_future(run.compute(group, run.round + 1))
                 retrieve_later(step)
