@@ -1,0 +1,73 @@
+"""Suspects: the peers whose link or probe went down, and what becomes of each.
+
+A heartbeat that stops is not a death. libzmq answers a probe's heartbeats on its own I/O
+thread, so a peer whose event loop is held (a long synchronous compute step, a call that
+holds the GIL) keeps its probes up; but a peer starved of the CPU for longer than the
+heartbeat timeout, or a watcher that was itself not scheduled while its heartbeat's timer
+ran out, loses a probe though both processes are alive. So a suspect's address is asked
+(the session's check) and :func:`verdict` decides, from what it found and from this
+peer's own clock:
+
+- :data:`~p2pcoll.errors.KILLED`: nothing listens at its address: lost.
+- :data:`~p2pcoll.errors.UNRESPONSIVE`: its kernel accepts a connection, but nothing greets
+  on it (the process is stopped, or frozen): lost.
+- :data:`ALIVE`: its ZeroMQ I/O thread greets a new connection: the process runs. A
+  suspect that only lost its probe (:attr:`Suspect.probe_only`) is kept and watched anew:
+  it was busy or starved, not gone. One whose data link went down too is not (what it sent
+  there is lost): lost once its grace is over, unless it said goodbye.
+- ``""`` (could not be asked: an endpoint not of tcp or ipc) or no answer yet: lost once
+  its grace is over (held up to ``CHECK_WAIT`` for the answer).
+
+A suspect that this peer's own clock saw right after a gap (this peer's events stopped for
+longer than the heartbeat timeout: :attr:`Suspect.after_gap`) and that is found alive, or
+could not be asked, was lost by this peer's own stop: its heartbeats' timers ran out while
+its process did not run. Its watchers have lost it likewise, so it declares itself lost
+(verdict ``"self"``). A suspect found killed or unresponsive after a gap is a real loss all the
+same: a peer may die while this one is busy. A goodbye within the grace always wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import KILLED, UNRESPONSIVE
+
+__all__ = ["ALIVE", "Suspect", "Verdict", "verdict"]
+
+# What a suspect's check found: its process answers a new connection (see module docstring)
+ALIVE = "alive"
+
+# "wait": its grace, or the wait for its check, is not over; "lost": declare it lost;
+# "kept": not lost, watch it anew; "self": this peer's own stop made it a suspect (this
+# peer is the lost one)
+Verdict = Literal["wait", "lost", "kept", "self"]
+
+
+@dataclass(slots=True)
+class Suspect:
+    """A peer whose link or probe went down, until :func:`verdict` decides."""
+
+    due: float  # when its grace is over (seconds, the machine's clock)
+    how: str | None  # what its check found (KILLED, UNRESPONSIVE, ALIVE, ""); None: asking
+    probe_only: bool  # only its probe went down (a heartbeat timeout): no data was lost
+    after_gap: float | None = None  # suspected right after a gap this long in this peer's clock
+
+    def lost_how(self) -> str:
+        """How its loss says it went (see :data:`~p2pcoll.departures.words.LOST`)."""
+        return self.how if self.how in (KILLED, UNRESPONSIVE) else ""
+
+
+def verdict(suspect: Suspect, now: float, check_wait: float) -> Verdict:
+    """What becomes of ``suspect`` at ``now``; ``check_wait``: how long past its grace a
+    loss waits for its check's answer. A kept one is kept at once; a loss waits for the
+    grace (a goodbye may still come)."""
+    if suspect.how == ALIVE and suspect.probe_only:
+        return "self" if suspect.after_gap is not None else "kept"
+    if suspect.how is None and now < suspect.due + check_wait:
+        return "wait"
+    if now < suspect.due:
+        return "wait"
+    if suspect.after_gap is not None and suspect.how not in (KILLED, UNRESPONSIVE):
+        return "self"
+    return "lost"
