@@ -23,8 +23,8 @@ from .actions import (
     Via,
     Watch,
 )
-from .machine import CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE, Departure, Departures
-from .suspects import ALIVE
+from .machine import Departure, Departures
+from .suspects import ALIVE, CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE
 
 __all__ = ["ALIVE", "CHECK_WAIT", "KILLED_WAIT", "LINK_LOSS_GRACE", "Aborted", "Action",
            "DeclaredLost", "Degrade", "Departure", "Departures", "Fail", "Forget", "Leave",

@@ -58,6 +58,7 @@ The protocol, in the order things happen:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,18 +67,13 @@ from ..errors import KILLED, UNRESPONSIVE, PeerLost
 from ..wire.header import OWN, Header
 from . import overlay
 from .actions import Aborted, Action, DeclaredLost, Degrade, Fail, Forget, Post, Unwatch, Watch
-from .suspects import Suspect, verdict
+from .suspects import CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE, Suspect, verdict
 from .words import LOST, left
 
 __all__ = ["KILLED_WAIT", "LINK_LOSS_GRACE", "Departure", "Departures", "Running"]
 
 log = logging.getLogger("p2pcoll")
 
-LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
-CHECK_WAIT = 2.0  # seconds more a loss waits for what became of its peer (classified)
-# Seconds from finding a suspect's process gone (classified KILLED) to declaring it lost: time
-# for this peer's reader to take a goodbye that came before the port closed.
-KILLED_WAIT = 0.05
 MAX_ABORTS_KEPT = 1024  # aborts remembered: far more than a failing group sends
 _TIMEOUT = "CollectiveTimeout"  # the error class name of a deadline, as aborts carry it
 
@@ -119,7 +115,7 @@ class Departures:
         killed_wait: how long, once a suspect is found killed, it may still (be read to)
             say goodbye, if that ends before ``grace``.
         stall: a gap between two events longer than this may be this peer's own stop
-            (see :mod:`.suspects`; None: never); the caller then ticks every ``stall / 2``.
+            (see :mod:`.suspects`; None: never); the caller then ticks every ``stall / 4``.
         running: the operations running at this peer (see :data:`Running`; none by
             default), read when a peer goes or this peer is declared lost.
     Raises:
@@ -134,6 +130,8 @@ class Departures:
         self.rank, self.size, self.group = rank, size, group
         self.endpoints = tuple(endpoints)
         self.grace, self.stall = grace, stall
+        # a gap this long: the watchers' probe and check have surely run out (.suspects)
+        self.stopped_past = math.inf if stall is None else stall * 1.25 + CHECK_WAIT
         self.killed_wait = min(killed_wait, grace)
         self._gone: dict[int, Departure] = {}
         self._suspects: dict[int, Suspect] = {}  # see .suspects
@@ -195,7 +193,7 @@ class Departures:
         times = [s.due + CHECK_WAIT if s.how is None else s.due
                  for s in self._suspects.values()]
         if self.stall is not None and self._last is not None:
-            times.append(self._last + self.stall / 2)
+            times.append(self._last + self.stall / 4)  # a gap is then measured within that
         return min(times, default=None)
 
     # -- events ----------------------------------------------------------------------
@@ -257,7 +255,7 @@ class Departures:
         """Time has passed: declare the suspects whose grace is over."""
         actions = self._clock(now)
         for peer, suspect in sorted(self._suspects.items()):
-            decided = verdict(suspect, now, CHECK_WAIT)
+            decided = verdict(suspect, now, self.stopped_past)
             if decided == "wait" or peer not in self._suspects:
                 continue
             del self._suspects[peer]

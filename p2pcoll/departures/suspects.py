@@ -19,11 +19,16 @@ peer's own clock:
   its grace is over (held up to ``CHECK_WAIT`` for the answer).
 
 A suspect that this peer's own clock saw right after a gap (this peer's events stopped for
-longer than the heartbeat timeout: :attr:`Suspect.after_gap`) and that is found alive, or
-could not be asked, was lost by this peer's own stop: its heartbeats' timers ran out while
-its process did not run. Its watchers have lost it likewise, so it declares itself lost
-(verdict ``"self"``). A suspect found killed or unresponsive after a gap is a real loss all the
-same: a peer may die while this one is busy. A goodbye within the grace always wins.
+longer than the heartbeat timeout: :attr:`Suspect.after_gap`) and that is found alive was
+lost by this peer's own stop: its heartbeats' timers ran out while its process did not
+run. Its watchers lost it likewise, but they too ask its address, and keep it if it
+answered by then: so it declares itself lost (verdict ``"self"``) only after a gap longer
+than their probe and their check together (``stopped_past``), when they have surely found
+it silent; after a shorter one it keeps the suspect, as they kept it. A suspect that could
+not be asked, or whose data link a live peer closed, after any gap is its own loss too
+(as before there were checks). One found killed or unresponsive after a gap is a real
+loss all the same: a peer may die while this one is busy. A goodbye within the grace
+always wins.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from typing import Literal
 
 from ..errors import KILLED, UNRESPONSIVE
 
-__all__ = ["ALIVE", "Suspect", "Verdict", "verdict"]
+__all__ = ["ALIVE", "CHECK_WAIT", "KILLED_WAIT", "LINK_LOSS_GRACE", "Suspect", "Verdict",
+           "verdict"]
+
+LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
+CHECK_WAIT = 2.0  # seconds more a loss waits for what became of its peer (its check)
+# Seconds from finding a suspect's process gone (classified KILLED) to declaring it lost: time
+# for this peer's reader to take a goodbye that came before the port closed.
+KILLED_WAIT = 0.05
 
 # What a suspect's check found: its process answers a new connection (see module docstring)
 ALIVE = "alive"
@@ -58,16 +70,18 @@ class Suspect:
         return self.how if self.how in (KILLED, UNRESPONSIVE) else ""
 
 
-def verdict(suspect: Suspect, now: float, check_wait: float) -> Verdict:
-    """What becomes of ``suspect`` at ``now``; ``check_wait``: how long past its grace a
-    loss waits for its check's answer. A kept one is kept at once; a loss waits for the
-    grace (a goodbye may still come)."""
+def verdict(suspect: Suspect, now: float, stopped_past: float) -> Verdict:
+    """What becomes of ``suspect`` at ``now``; ``stopped_past``: a gap in this peer's clock
+    longer than this means its watchers have declared it lost. A kept one is kept at once;
+    a loss waits for its grace (a goodbye may still come), and up to :data:`CHECK_WAIT`
+    more for its check's answer."""
+    gap = suspect.after_gap
     if suspect.how == ALIVE and suspect.probe_only:
-        return "self" if suspect.after_gap is not None else "kept"
-    if suspect.how is None and now < suspect.due + check_wait:
+        return "self" if gap is not None and gap > stopped_past else "kept"
+    if suspect.how is None and now < suspect.due + CHECK_WAIT:
         return "wait"
     if now < suspect.due:
         return "wait"
-    if suspect.after_gap is not None and suspect.how not in (KILLED, UNRESPONSIVE):
+    if gap is not None and suspect.how not in (KILLED, UNRESPONSIVE):
         return "self"
     return "lost"
