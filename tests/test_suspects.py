@@ -1,0 +1,175 @@
+"""What becomes of a peer whose link or probe went down, without processes: the verdict
+over every combination of what its check found, what went down, this peer's own gap and the
+time (p2pcoll.departures.suspects), and the departures machine wired to it (busy peers kept,
+a held peer's neighbour that leaves or dies named, a stopped peer told it is the lost one).
+The same with real processes: tests/test_busy_peers.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from p2pcoll.departures import (
+    ALIVE,
+    CHECK_WAIT,
+    LINK_LOSS_GRACE,
+    DeclaredLost,
+    Departures,
+    Unwatch,
+    Watch,
+)
+from p2pcoll.departures.suspects import Suspect, verdict
+from p2pcoll.errors import KILLED, UNRESPONSIVE
+from p2pcoll.wire import Header
+
+from test_departures import GROUP, Net
+
+STALL = 5.0
+STOPPED_PAST = STALL * 1.25 + CHECK_WAIT  # as Departures(stall=STALL) has it
+DUE = 10.0
+HOWS = (None, "", KILLED, UNRESPONSIVE, ALIVE)
+GAPS = (None, STALL + 0.5, STOPPED_PAST + 0.5)  # none, short (ambiguous), long
+TIMES = (DUE - 0.2, DUE + 0.1, DUE + CHECK_WAIT + 0.1)
+
+
+@pytest.mark.parametrize(("how", "probe_only", "gap", "now"),
+                         list(itertools.product(HOWS, (True, False), GAPS, TIMES)))
+def test_the_verdict_over_every_case(how: str | None, probe_only: bool, gap: float | None,
+                                     now: float) -> None:
+    got = verdict(Suspect(DUE, how, probe_only, gap), now, STOPPED_PAST)
+    if how == ALIVE and probe_only:
+        # its process answers: kept at once, unless this peer's own long stop lost it
+        assert got == ("self" if gap is not None and gap > STOPPED_PAST else "kept")
+    elif now < DUE or (how is None and now < DUE + CHECK_WAIT):
+        assert got == "wait"  # a goodbye may still come, or the check's answer
+    elif how in (KILLED, UNRESPONSIVE):
+        assert got == "lost"  # gone, even right after this peer was busy
+    else:  # not found out, or a live peer closed its data link
+        assert got == ("self" if gap is not None else "lost")
+
+
+def test_a_stopped_peer_is_lost_only_past_the_watchers_probe_and_check() -> None:
+    p = Departures(0, 4, GROUP, stall=STALL)
+    assert p.stopped_past == STOPPED_PAST
+    assert p.deadline() is None
+    p.start(0.0)
+    assert p.deadline() == STALL / 4  # ticks often enough that a gap measures a stop
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def test_a_watched_peer_whose_process_answers_is_kept_and_watched_anew() -> None:
+    net = Net(6)
+    p1 = net.peers[1]
+    net.apply(1, p1.probe_lost(2, net.now, checking=True), 0)
+    actions = p1.classified(2, ALIVE, net.now + 0.1)
+    assert actions == [Unwatch(2), Watch(2, late=True)]
+    net.tick(LINK_LOSS_GRACE + CHECK_WAIT)
+    assert p1.lost(2) is None and not p1.suspects(2) and not net.queue  # no news
+    # the same peer killed later is still found
+    net.apply(1, p1.probe_lost(2, net.now, checking=True), 0)
+    net.apply(1, p1.classified(2, KILLED, net.now), 0)
+    net.tick(LINK_LOSS_GRACE)
+    assert p1.lost(2) is not None and p1.lost(2).how == KILLED
+
+
+@pytest.mark.parametrize("how", [KILLED, UNRESPONSIVE, ALIVE, ""])
+def test_a_suspect_whose_data_link_went_down_is_lost_whatever_its_check(how: str) -> None:
+    # what it sent on that link is lost: a peer that answers is no better
+    p = Departures(1, 6, GROUP)
+    p.start(0.0)
+    p.probe_lost(2, 0.0, checking=True)
+    p.link_closed(2, 0.01)
+    p.classified(2, how, 0.1)
+    p.tick(LINK_LOSS_GRACE + 0.01)
+    err = p.lost(2)
+    assert err is not None and err.how == (how if how in (KILLED, UNRESPONSIVE) else "")
+
+
+def held(net: Net, r: int, seconds: float) -> None:
+    """``r``'s loop is held for ``seconds`` (its probes stay up); the others go on."""
+    end = net.now + seconds
+    while net.now < end:
+        net.now += 0.5
+        for q in net.survivors():
+            if q != r:
+                net.apply(q, net.peers[q].tick(net.now), 0)
+        while net.queue and net.queue[0].dst != r:
+            net.deliver()
+
+
+def test_a_held_peer_whose_neighbour_left_meanwhile_takes_the_goodbye() -> None:
+    net = Net(6, stall=STALL)
+    p2 = net.peers[2]
+    net.start(2, "allreduce#3", needs=None, seq=3)
+    net.close(3, seq=4)  # 3 leaves (having started #0..#3) while 2's loop is held
+    held(net, 2, 2 * STALL)
+    net.now += 0.01
+    # 2 resumes: its probe of 3 went down (the port closed) before it reads the goodbye
+    net.apply(2, p2.probe_lost(3, net.now, checking=True), 0)
+    net.apply(2, p2.classified(3, KILLED, net.now + 0.01), 0)
+    net.settle()
+    assert 2 not in net.declared
+    assert p2.said_goodbye(3)
+    assert net.fails[(2, "allreduce#3")] == 0  # 3 had started #3: it took part
+
+
+@pytest.mark.parametrize("how", [KILLED, UNRESPONSIVE])
+def test_a_held_peer_whose_neighbour_died_meanwhile_names_it(how: str) -> None:
+    net = Net(6, stall=STALL)
+    p2 = net.peers[2]
+    net.start(2, "allreduce#0", needs=None, seq=0)
+    net.kill(3)  # its other watcher (1) finds it; 2 is held
+    held(net, 2, 2 * STALL)
+    net.now += 0.01
+    net.apply(2, p2.probe_lost(3, net.now, checking=True), 0)
+    net.apply(2, p2.classified(3, how, net.now + 0.01), 0)
+    net.settle()
+    assert 2 not in net.declared
+    err = p2.lost(3)
+    assert err is not None and err.rank == 3
+    assert net.fails[(2, "allreduce#0")] == 1
+
+
+@pytest.mark.parametrize(("stopped", "declared"), [(STALL + 1.0, False), (3 * STALL, True)])
+def test_a_peer_stopped_past_the_heartbeat_finds_its_neighbours_alive(stopped: float,
+                                                                      declared: bool) -> None:
+    # Its own probes' timers ran out as it resumed; its neighbours answer. After a stop
+    # longer than its watchers' probe and check together it is the lost one (they found it
+    # silent); after a shorter one they found it alive too, and it keeps its neighbours.
+    net = Net(6, stall=STALL)
+    p3 = net.peers[3]
+    net.start(3, "allreduce#0", needs=None, seq=0)
+    net.now += stopped
+    for q in (4, 5):
+        net.apply(3, p3.probe_lost(q, net.now, checking=True), 0)
+    for q in (4, 5):
+        net.apply(3, p3.classified(q, ALIVE, net.now + 0.05), 0)
+    net.tick(LINK_LOSS_GRACE + CHECK_WAIT)
+    assert (3 in net.declared) == declared
+    assert p3.lost(4) is None and p3.lost(5) is None  # its neighbours are never blamed
+    if declared:
+        assert isinstance(net.declared[3], DeclaredLost) and net.declared[3].error.rank == 3
+        assert f"was stopped for {stopped:.1f} s" in str(net.declared[3].error)
+        assert net.fails[(3, "allreduce#0")] == 1
+    else:
+        assert net.fails[(3, "allreduce#0")] == 0
+    assert not [m for m in net.queue if m.src == 3]  # no news of a healthy neighbour
+
+
+def test_a_peer_that_cannot_check_and_resumes_to_a_loss_is_the_lost_one() -> None:
+    # No check (an endpoint that cannot be asked): a loss right after its own gap is its
+    # own, as before the checks; after its grace, so that a goodbye still wins.
+    net = Net(6, stall=STALL)
+    p3 = net.peers[3]
+    net.now += 2 * STALL
+    net.apply(3, p3.probe_lost(4, net.now), 0)
+    assert 3 not in net.declared  # not at once: the grace first
+    bye = Header("bye", GROUP, 5, 0, meta={"told": [3]})
+    net.apply(3, p3.probe_lost(5, net.now), 0)
+    net.apply(3, p3.received(bye, net.now + 0.01), 0)
+    assert p3.said_goodbye(5)
+    net.tick(LINK_LOSS_GRACE + 0.01)
+    assert net.declared[3].error.rank == 3 and p3.lost(4) is None
