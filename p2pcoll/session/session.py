@@ -237,6 +237,8 @@ class Session:
                 await asyncio.sleep(min(RECHECK_S, max(0.0, until - loop.time())))
             if found is False:
                 how = KILLED
+            elif found is None:  # no answer at all (a cut network, say)
+                how = UNRESPONSIVE
             else:
                 how = ALIVE if await answers(endpoint, CHECK_WAIT / 2) else UNRESPONSIVE
         except ValueError:  # an address it cannot check: the loss says it cannot tell
