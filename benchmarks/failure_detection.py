@@ -262,14 +262,16 @@ async def pause_trial(heartbeat: float, mib: int, factor: float = 1.25) -> Trial
         for p in procs:
             await p.wait_for("round")
         os.kill(procs[VICTIM].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
         await asyncio.sleep(factor * heartbeat)
         os.kill(procs[VICTIM].pid, signal.SIGCONT)
         resumed = time.monotonic()
         trial, times = Trial(), []
         for p in procs:
             deadline = resumed + 4 * heartbeat + 5
-            while True:  # its next round after the SIGCONT, or its error
-                later = [e for e in p.events if e.get("t", 0) > resumed]
+            while True:  # its next round after the SIGCONT, or its error since the SIGSTOP
+                later = [e for e in p.events if e.get("t", 0) > resumed
+                         or (e["event"] == "raised" and e["t"] > stopped)]
                 if later or time.monotonic() > deadline:
                     break
                 p.changed.clear()

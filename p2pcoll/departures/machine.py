@@ -46,10 +46,11 @@ The protocol, in the order things happen:
   about an operation as it starts (:meth:`Departures.starting`) only once a peer has gone,
   so a call while everyone is there costs it nothing.
 - **A stalled peer.** The clock passed in also tells a peer that it was itself stopped: a
-  gap between events longer than ``stall`` (the heartbeat timeout), followed within the
-  grace by a suspect found alive or not found out (its own probes' timers ran out as it
-  resumed; a loop that was only blocked keeps its probes, which libzmq answers on its own
-  thread, and a peer that died meanwhile is found killed). It fails everything it runs
+  gap between events longer than ``stall`` (the heartbeat timeout) followed within the
+  grace by a suspect not found out, or after a gap past its watchers' probe and check
+  (``stopped_past``) by one found alive (its own probes' timers ran out as it resumed; a
+  loop that was only blocked keeps its probes, which libzmq answers on its own thread,
+  and a peer that died meanwhile is found killed). It fails everything it runs
   with that (:class:`~.actions.DeclaredLost`), not with the loss of its healthy
   neighbours. A survivor that hears news from a peer it declared lost does not believe
   it, and answers that peer that it was declared lost (should its clock not have seen it).
