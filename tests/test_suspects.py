@@ -133,30 +133,52 @@ def test_a_held_peer_whose_neighbour_died_meanwhile_names_it(how: str) -> None:
     assert net.fails[(2, "allreduce#0")] == 1
 
 
-@pytest.mark.parametrize(("stopped", "declared"), [(STALL + 1.0, False), (3 * STALL, True)])
-def test_a_peer_stopped_past_the_heartbeat_finds_its_neighbours_alive(stopped: float,
-                                                                      declared: bool) -> None:
-    # Its own probes' timers ran out as it resumed; its neighbours answer. After a stop
-    # longer than its watchers' probe and check together it is the lost one (they found it
-    # silent); after a shorter one they found it alive too, and it keeps its neighbours.
+@pytest.mark.parametrize(("stopped", "found_silent"), [
+    (STALL + 1.0, False),  # starved just past the heartbeat: its watchers found it alive
+    (STALL + 1.0, True),  # stopped as long, but its watchers' checks found it silent
+    (3 * STALL, True),  # past their probe and check together: surely found silent
+])
+def test_a_peer_stopped_past_the_heartbeat_finds_its_neighbours_alive(
+        stopped: float, found_silent: bool) -> None:
+    # Its own probes' timers ran out as it resumed; its neighbours answer, and are never
+    # blamed. After a stop longer than its watchers' probe and check together it is the
+    # lost one at once; after a shorter one it keeps its neighbours and asks its watchers,
+    # which answer only if they declared it lost.
     net = Net(6, stall=STALL)
     p3 = net.peers[3]
     net.start(3, "allreduce#0", needs=None, seq=0)
-    net.now += stopped
+    net.killed.add(3)  # stopped: reads nothing
+    net.now += STALL
+    if found_silent:
+        for w in (1, 2):
+            net.apply(w, net.peers[w].probe_lost(3, net.now, checking=True), 0)
+            net.apply(w, net.peers[w].classified(3, UNRESPONSIVE, net.now + 0.1), 0)
+        net.tick(LINK_LOSS_GRACE)
+        while net.queue:
+            net.deliver()
+        assert all(net.peers[r].lost(3) for r in (0, 1, 2, 4, 5))
+    net.now += stopped - STALL - (LINK_LOSS_GRACE + 0.01 if found_silent else 0)
+    net.killed.discard(3)  # resumes
     for q in (4, 5):
         net.apply(3, p3.probe_lost(q, net.now, checking=True), 0)
     for q in (4, 5):
         net.apply(3, p3.classified(q, ALIVE, net.now + 0.05), 0)
-    net.tick(LINK_LOSS_GRACE + CHECK_WAIT)
-    assert (3 in net.declared) == declared
-    assert p3.lost(4) is None and p3.lost(5) is None  # its neighbours are never blamed
-    if declared:
+    net.settle()
+    assert (3 in net.declared) == found_silent
+    assert p3.lost(4) is None and p3.lost(5) is None
+    for r in (0, 1, 2, 4, 5):
+        assert (net.peers[r].lost(3) is not None) == found_silent  # the ask changes nothing
+    if found_silent:
         assert isinstance(net.declared[3], DeclaredLost) and net.declared[3].error.rank == 3
-        assert f"was stopped for {stopped:.1f} s" in str(net.declared[3].error)
         assert net.fails[(3, "allreduce#0")] == 1
+        if stopped > STOPPED_PAST:  # its own clock said so; else a watcher answered
+            assert f"was stopped for {stopped:.1f} s" in str(net.declared[3].error)
+        else:
+            assert net.declared[3].by in (1, 2)
     else:
         assert net.fails[(3, "allreduce#0")] == 0
-    assert not [m for m in net.queue if m.src == 3]  # no news of a healthy neighbour
+        assert net.sent[3] == 2  # it asked its two watchers, once
+        assert sum(net.sent.values()) == 2  # and nothing answered
 
 
 def test_a_peer_that_cannot_check_and_resumes_to_a_loss_is_the_lost_one() -> None:

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import KILLED, UNRESPONSIVE, PeerLost
-from ..wire.header import OWN, Header
-from . import overlay
+from ..wire.header import Header
+from . import aborts, overlay
 from .actions import Aborted, Action, DeclaredLost, Degrade, Fail, Forget, Post, Unwatch, Watch
 from .suspects import CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE, Suspect, verdict
 from .words import LOST, left
@@ -75,8 +75,6 @@ __all__ = ["KILLED_WAIT", "LINK_LOSS_GRACE", "Departure", "Departures", "Running
 
 log = logging.getLogger("p2pcoll")
 
-MAX_ABORTS_KEPT = 1024  # aborts remembered: far more than a failing group sends
-_TIMEOUT = "CollectiveTimeout"  # the error class name of a deadline, as aborts carry it
 
 
 @dataclass(frozen=True)
@@ -139,6 +137,7 @@ class Departures:
         self._watched: list[int] = []
         self._last: float | None = None  # the time of the last event
         self._resumed: tuple[float, float] | None = None  # after a gap: (when, how long)
+        self._asked: float | None = None  # the gap after which the watchers were asked
         self._closing = False  # said goodbye: passes on no news, opens no link
         self._muted = False  # closed: nothing happens any more
         self._declared: PeerLost | None = None  # the others declared this peer lost
@@ -266,6 +265,8 @@ class Departures:
                 log.info("rank %d: rank %d missed its heartbeats but its process answers: "
                          "kept (busy or starved of CPU, not lost)", self.rank, peer)
                 actions += [Unwatch(peer), Watch(peer, late=True)] * (peer in self._watched)
+                if suspect.after_gap is not None:
+                    actions += self._ask_if_lost()
             else:
                 actions += self._lose(peer, by=self.rank, how=suspect.lost_how())
         return self._out(actions)
@@ -546,7 +547,7 @@ class Departures:
         key = (origin, header.seq, header.tag)
         if key in self._seen:
             return []
-        _remember(self._seen, key, 1)
+        aborts.remember(self._seen, key, 1)
         what = (f"collective #{header.seq}" if header.tag is None
                 else f"a point-to-point transfer (tag {header.tag})")
         message = f"rank {origin} failed {what}: {header.err[1]}"
@@ -555,10 +556,10 @@ class Departures:
     def _pass_on(self, abort: Header, origin: int, skip: Collection[int] = ()) -> list[Action]:
         """Forward ``origin``'s abort to this peer's fingers, the first time it learns that
         the operation failed, or when it learns whom a timeout of it blames."""
-        op, level = (abort.seq, abort.tag), _level(abort)
+        op, level = (abort.seq, abort.tag), aborts.level(abort)
         if self._passed_on.get(op, 0) >= level:
             return []
-        _remember(self._passed_on, op, level)
+        aborts.remember(self._passed_on, op, level)
         meta = dict(abort.meta or ())
         meta.setdefault("told", [])
         if origin != self.rank:
@@ -577,22 +578,21 @@ class Departures:
     def _posts(self, peers: Collection[int], header: Header) -> list[Action]:
         return [Post(p, header) for p in peers if p not in self._gone and p != self.rank]
 
+    def _ask_if_lost(self) -> list[Action]:
+        """After a gap too short to be sure (see .suspects), ask the watchers, once, whether
+        they declared this peer lost: news of itself, said goodbye and told them, which a
+        peer that has it takes for nothing (it waits for the goodbye itself) and one that
+        declared it lost answers, as any news from it (see :meth:`_news_from`)."""
+        if self._resumed is None or self._asked == self._resumed[0]:
+            return []
+        self._asked = self._resumed[0]
+        actions: list[Action] = []
+        for w in self.watchers():
+            ask = self._header("gone")
+            ask.meta = {"rank": self.rank, "graceful": True, "told": [w]}
+            actions += self._posts([w], ask)
+        return actions
+
     def _header(self, kind: str) -> Header:
         return Header(kind, self.group, self.rank)
 
-
-def _level(abort: Header) -> int:
-    """How much an abort says, for passing it on: 2 for a timeout that found the ranks to
-    blame (the peers then name the same ones), else 1."""
-    meta = abort.meta or {}
-    found = (abort.err is not None and abort.err[0] == _TIMEOUT
-             and meta.get("blame", OWN) != OWN)
-    return 2 if found else 1
-
-
-def _remember(memory: dict[Any, int], key: Any, value: int) -> None:
-    """Keep ``key`` in a bounded memory, forgetting the oldest beyond MAX_ABORTS_KEPT."""
-    memory.pop(key, None)
-    memory[key] = value
-    if len(memory) > MAX_ABORTS_KEPT:
-        del memory[next(iter(memory))]
