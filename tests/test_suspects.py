@@ -195,3 +195,34 @@ def test_a_peer_that_cannot_check_and_resumes_to_a_loss_is_the_lost_one() -> Non
     assert p3.said_goodbye(5)
     net.tick(LINK_LOSS_GRACE + 0.01)
     assert net.declared[3].error.rank == 3 and p3.lost(4) is None
+
+
+def test_a_stopped_peer_whose_neighbours_left_meanwhile_is_told_it_was_the_lost_one() -> None:
+    # Stopped just past the heartbeat (a gap too short to be sure), its watchers declared it
+    # lost and its neighbours closed (they said no goodbye to a peer they had lost): it
+    # resumes to its probes down on ports that are gone, asks its watchers, and their
+    # answer comes within the grace, before it would name a neighbour.
+    net = Net(6, stall=STALL)
+    p3 = net.peers[3]
+    net.start(3, "allreduce#0", needs=None, seq=0)
+    net.killed.add(3)
+    net.now += STALL
+    for w in (1, 2):
+        net.apply(w, net.peers[w].probe_lost(3, net.now, checking=True), 0)
+        net.apply(w, net.peers[w].classified(3, UNRESPONSIVE, net.now + 0.1), 0)
+    net.tick(LINK_LOSS_GRACE)
+    while net.queue:
+        net.deliver()
+    net.now += 1.0
+    net.killed.discard(3)
+    net.killed |= {4, 5}  # gone, as far as 3 can tell: nothing listens there any more
+    for q in (4, 5):
+        net.apply(3, p3.probe_lost(q, net.now, checking=True), 0)
+        net.apply(3, p3.classified(q, KILLED, net.now + 0.05), 0)
+    net.now += 0.1
+    net.deliver()  # the question reaches watcher 1 or 2, which answers
+    while net.queue:
+        net.deliver()
+    assert net.declared[3].by in (1, 2) and net.declared[3].error.rank == 3
+    assert p3.lost(4) is None and p3.lost(5) is None
+    assert net.fails[(3, "allreduce#0")] == 1

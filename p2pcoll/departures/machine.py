@@ -226,7 +226,7 @@ class Departures:
         resumed = self._resumed  # right after this peer's own gap? (see .suspects)
         gap = resumed[1] if resumed is not None and now - resumed[0] <= self.grace else None
         self._suspects[peer] = Suspect(now + self.grace, None if checking else "", probe, gap)
-        return actions
+        return actions + (self._ask_if_lost() if gap is not None else [])
 
     def suspects(self, peer: int) -> bool:
         """Whether ``peer`` is a suspect (its link or probe went down; see .suspects)."""
@@ -242,7 +242,7 @@ class Departures:
         suspect = self._suspects.get(peer)
         if suspect is not None:
             suspect.how = how
-            if how == KILLED:
+            if how == KILLED and suspect.after_gap is None:  # (after one: the ask's answer)
                 suspect.due = min(suspect.due, now + self.killed_wait)
         return actions + self.tick(now)
 
@@ -265,8 +265,6 @@ class Departures:
                 log.info("rank %d: rank %d missed its heartbeats but its process answers: "
                          "kept (busy or starved of CPU, not lost)", self.rank, peer)
                 actions += [Unwatch(peer), Watch(peer, late=True)] * (peer in self._watched)
-                if suspect.after_gap is not None:
-                    actions += self._ask_if_lost()
             else:
                 actions += self._lose(peer, by=self.rank, how=suspect.lost_how())
         return self._out(actions)
@@ -579,10 +577,11 @@ class Departures:
         return [Post(p, header) for p in peers if p not in self._gone and p != self.rank]
 
     def _ask_if_lost(self) -> list[Action]:
-        """After a gap too short to be sure (see .suspects), ask the watchers, once, whether
-        they declared this peer lost: news of itself, said goodbye and told them, which a
-        peer that has it takes for nothing (it waits for the goodbye itself) and one that
-        declared it lost answers, as any news from it (see :meth:`_news_from`)."""
+        """A suspect right after a gap (see .suspects): ask the watchers, once a gap, whether
+        they declared this peer lost (the answer comes within the suspect's grace): news of
+        itself, said goodbye and told them, which a peer that has it takes for nothing (it
+        waits for the goodbye itself) and one that declared it lost answers, as any news
+        from it (see :meth:`_news_from`)."""
         if self._resumed is None or self._asked == self._resumed[0]:
             return []
         self._asked = self._resumed[0]

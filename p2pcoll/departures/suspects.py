@@ -24,9 +24,10 @@ lost by this peer's own stop: its heartbeats' timers ran out while its process d
 run. Its watchers lost it likewise, but they too ask its address, and keep it if it
 answered by then: so it declares itself lost (verdict ``"self"``) only after a gap longer
 than their probe and their check together (``stopped_past``), when they have surely found
-it silent. After a shorter one it keeps the suspect, as they most likely kept it, and asks
-them once whether they declared it lost (one that did answers so, and it is the lost one
-then: see ``Departures._ask_if_lost``). A suspect that could not be asked, or whose data
+it silent. After a shorter one it keeps the suspect, as they most likely kept it. After
+any gap it asks them, once, whether they declared it lost (one that did answers so, within
+the suspect's grace, and it is the lost one then: see ``Departures._ask_if_lost``): it may
+have been stopped while they dropped it and left. A suspect that could not be asked, or whose data
 link a live peer closed, after any gap is its own loss too (as before there were checks).
 One found killed or unresponsive after a gap is a real loss all the same: a peer may die
 while this one is busy. A goodbye within the grace always wins.
