@@ -19,7 +19,7 @@ from p2pcoll.departures import (
     Unwatch,
     Watch,
 )
-from p2pcoll.departures.suspects import Suspect, verdict
+from p2pcoll.departures.suspects import Suspect, dropped, verdict
 from p2pcoll.errors import KILLED, UNRESPONSIVE
 from p2pcoll.wire import Header
 
@@ -226,3 +226,31 @@ def test_a_stopped_peer_whose_neighbours_left_meanwhile_is_told_it_was_the_lost_
     assert net.declared[3].by in (1, 2) and net.declared[3].error.rank == 3
     assert p3.lost(4) is None and p3.lost(5) is None
     assert net.fails[(3, "allreduce#0")] == 1
+
+
+def test_a_stopped_peer_whose_group_closed_meanwhile_is_the_lost_one() -> None:
+    # As above, but its watchers have closed too: nobody answers. Every peer it watches is
+    # found gone right after its gap: it was dropped (two neighbours seldom die at once
+    # while one is held), not they.
+    net = Net(6, stall=STALL)
+    p3 = net.peers[3]
+    net.start(3, "allreduce#0", needs=None, seq=0)
+    net.now += STALL + 1.0
+    net.killed |= {0, 1, 2, 4, 5}
+    for q in (4, 5):
+        net.apply(3, p3.probe_lost(q, net.now, checking=True), 0)
+        net.apply(3, p3.classified(q, KILLED, net.now + 0.05), 0)
+    net.tick(LINK_LOSS_GRACE + 0.1)
+    assert net.declared[3].error.rank == 3 and "was stopped for" in str(net.declared[3].error)
+    assert p3.lost(4) is None and p3.lost(5) is None
+    assert net.fails[(3, "allreduce#0")] == 1
+
+
+def test_dropped_needs_every_watched_peer_found_gone_after_a_gap() -> None:
+    gone, alive = Suspect(1.0, KILLED, True, 6.0), Suspect(1.0, ALIVE, True, 6.0)
+    assert dropped([4, 5], {4: gone, 5: gone})
+    assert not dropped([4, 5], {4: gone})  # 5 is fine: 4 died while this peer was held
+    assert not dropped([4, 5], {4: gone, 5: alive})
+    assert not dropped([4, 5], {4: gone, 5: Suspect(1.0, None, True, 6.0)})  # still asked
+    assert not dropped([4, 5], {4: Suspect(1.0, KILLED, True, None)} | {5: gone})  # no gap
+    assert not dropped([], {})

@@ -68,7 +68,7 @@ from ..errors import KILLED, UNRESPONSIVE, PeerLost
 from ..wire.header import Header
 from . import aborts, overlay
 from .actions import Aborted, Action, DeclaredLost, Degrade, Fail, Forget, Post, Unwatch, Watch
-from .suspects import CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE, Suspect, verdict
+from .suspects import CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE, Suspect, dropped, verdict
 from .words import LOST, left
 
 __all__ = ["KILLED_WAIT", "LINK_LOSS_GRACE", "Departure", "Departures", "Running"]
@@ -254,10 +254,12 @@ class Departures:
     def tick(self, now: float) -> list[Action]:
         """Time has passed: declare the suspects whose grace is over."""
         actions = self._clock(now)
+        alone = dropped(self._watched, self._suspects)  # (see .suspects)
         for peer, suspect in sorted(self._suspects.items()):
             decided = verdict(suspect, now, self.stopped_past)
             if decided == "wait" or peer not in self._suspects:
                 continue
+            decided = "self" if alone and decided == "lost" else decided
             del self._suspects[peer]
             if decided == "self":  # its own stop made it a suspect
                 actions += self._declared_lost(None, suspect.after_gap or 0.0)

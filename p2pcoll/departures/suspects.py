@@ -26,22 +26,25 @@ answered by then: so it declares itself lost (verdict ``"self"``) only after a g
 than their probe and their check together (``stopped_past``), when they have surely found
 it silent. After a shorter one it keeps the suspect, as they most likely kept it. After
 any gap it asks them, once, whether they declared it lost (one that did answers so, within
-the suspect's grace, and it is the lost one then: see ``Departures._ask_if_lost``): it may
-have been stopped while they dropped it and left. A suspect that could not be asked, or whose data
-link a live peer closed, after any gap is its own loss too (as before there were checks).
-One found killed or unresponsive after a gap is a real loss all the same: a peer may die
-while this one is busy. A goodbye within the grace always wins.
+the suspect's grace, and it is the lost one then: see ``Departures._ask_if_lost``); and if
+every peer it watches is found gone right after a gap (:func:`dropped`), it is the lost one
+too: its group dropped it while it was stopped, and closed (two neighbours seldom die while
+one is held). A suspect that could not be asked, or whose data link a live peer closed,
+after any gap is its own loss too (as before there were checks). One found killed or
+unresponsive after a gap is a real loss all the same: a peer may die while this one is
+busy. A goodbye within the grace always wins.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import KILLED, UNRESPONSIVE
 
 __all__ = ["ALIVE", "CHECK_WAIT", "KILLED_WAIT", "LINK_LOSS_GRACE", "Suspect", "Verdict",
-           "verdict"]
+           "dropped", "verdict"]
 
 LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
 CHECK_WAIT = 2.0  # seconds more a loss waits for what became of its peer (its check)
@@ -87,3 +90,12 @@ def verdict(suspect: Suspect, now: float, stopped_past: float) -> Verdict:
     if gap is not None and suspect.how not in (KILLED, UNRESPONSIVE):
         return "self"
     return "lost"
+
+
+def dropped(watched: Collection[int], suspects: Mapping[int, Suspect]) -> bool:
+    """Whether every peer this one watches is a suspect right after a gap in its clock,
+    found gone (killed or unresponsive): this peer was stopped while its group dropped it
+    (and closed, or went on without it)."""
+    return bool(watched) and all(
+        (s := suspects.get(w)) is not None and s.after_gap is not None
+        and s.how in (KILLED, UNRESPONSIVE) for w in watched)
