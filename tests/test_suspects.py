@@ -33,14 +33,16 @@ GAPS = (None, STALL + 0.5, STOPPED_PAST + 0.5)  # none, short (ambiguous), long
 TIMES = (DUE - 0.2, DUE + 0.1, DUE + CHECK_WAIT + 0.1)
 
 
-@pytest.mark.parametrize(("how", "probe_only", "gap", "now"),
-                         list(itertools.product(HOWS, (True, False), GAPS, TIMES)))
+@pytest.mark.parametrize(("how", "probe_only", "gap", "late", "now"),
+                         list(itertools.product(HOWS, (True, False), GAPS, (True, False),
+                                                TIMES)))
 def test_the_verdict_over_every_case(how: str | None, probe_only: bool, gap: float | None,
-                                     now: float) -> None:
-    got = verdict(Suspect(DUE, how, probe_only, gap), now, STOPPED_PAST)
-    if how == ALIVE and probe_only:
-        # its process answers: kept at once, unless this peer's own long stop lost it
-        assert got == ("self" if gap is not None and gap > STOPPED_PAST else "kept")
+                                     late: bool, now: float) -> None:
+    got = verdict(Suspect(DUE, how, probe_only, gap, late), now, STOPPED_PAST)
+    if how == ALIVE and probe_only and gap is not None and gap > STOPPED_PAST:
+        assert got == "self"  # this peer's own long stop lost it
+    elif how == ALIVE and probe_only and late:
+        assert got == "kept"  # its process answers and this peer ran late: kept at once
     elif now < DUE or (how is None and now < DUE + CHECK_WAIT):
         assert got == "wait"  # a goodbye may still come, or the check's answer
     elif how in (KILLED, UNRESPONSIVE):
@@ -60,9 +62,12 @@ def test_a_stopped_peer_is_lost_only_past_the_watchers_probe_and_check() -> None
 # -- the machine ------------------------------------------------------------------------------
 
 
-def test_a_watched_peer_whose_process_answers_is_kept_and_watched_anew() -> None:
-    net = Net(6)
+def test_a_watched_peer_whose_process_answers_is_kept_if_this_one_ran_late() -> None:
+    # Both starved (a crowded host): the watcher's ticks came late, and its probe's timer
+    # may have run out before it read the answer; the peer answers: kept.
+    net = Net(6, stall=STALL)
     p1 = net.peers[1]
+    net.now += 0.6 * STALL  # no event meanwhile: late (its ticks are due every STALL / 4)
     net.apply(1, p1.probe_lost(2, net.now, checking=True), 0)
     actions = p1.classified(2, ALIVE, net.now + 0.1)
     assert actions == [Unwatch(2), Watch(2, late=True)]
@@ -254,3 +259,16 @@ def test_dropped_needs_every_watched_peer_found_gone_after_a_gap() -> None:
     assert not dropped([4, 5], {4: gone, 5: Suspect(1.0, None, True, 6.0)})  # still asked
     assert not dropped([4, 5], {4: Suspect(1.0, KILLED, True, None)} | {5: gone})  # no gap
     assert not dropped([], {})
+
+
+def test_a_peer_that_answers_after_missing_its_heartbeats_is_lost_if_this_one_ran_on() -> None:
+    # Nothing says this watcher was starved: the peer missed its heartbeats (stopped for a
+    # moment, or its connections reset) and what it sent meanwhile may be lost with them.
+    p = Departures(1, 6, GROUP, stall=STALL)
+    p.start(0.0)
+    p.tick(STALL / 4)
+    p.probe_lost(2, STALL / 4 + 0.1, checking=True)
+    assert p.classified(2, ALIVE, STALL / 4 + 0.2) == []
+    p.tick(STALL / 4 + LINK_LOSS_GRACE + 0.2)
+    err = p.lost(2)
+    assert err is not None and err.how == UNRESPONSIVE

@@ -137,6 +137,7 @@ class Departures:
         self._watched: list[int] = []
         self._last: float | None = None  # the time of the last event
         self._resumed: tuple[float, float] | None = None  # after a gap: (when, how long)
+        self._late_at = -math.inf  # when an event last came late (see .suspects)
         self._asked: float | None = None  # the gap after which the watchers were asked
         self._closing = False  # said goodbye: passes on no news, opens no link
         self._muted = False  # closed: nothing happens any more
@@ -164,8 +165,7 @@ class Departures:
         return gone.error if gone else None
 
     def said_goodbye(self, rank: int) -> bool:
-        gone = self._gone.get(rank)
-        return gone is not None and gone.graceful
+        return (gone := self._gone.get(rank)) is not None and gone.graceful
 
     def abandoned(self, rank: int, seq: int) -> bool:
         """Whether ``rank`` is gone without taking its part in collective ``seq``: lost, or
@@ -205,8 +205,7 @@ class Departures:
         return actions + [Watch(peer) for peer in self._watched]
 
     def probe_lost(self, peer: int, now: float, *, checking: bool = False) -> list[Action]:
-        """A probe of ``peer`` went down (or a late one could not connect): see
-        :meth:`link_closed`."""
+        """A probe of ``peer`` went down (or a late one could not connect)."""
         return self.link_closed(peer, now, checking=checking, probe=True)
 
     def link_closed(self, peer: int, now: float, *, checking: bool = False,
@@ -225,7 +224,8 @@ class Departures:
             return actions
         resumed = self._resumed  # right after this peer's own gap? (see .suspects)
         gap = resumed[1] if resumed is not None and now - resumed[0] <= self.grace else None
-        self._suspects[peer] = Suspect(now + self.grace, None if checking else "", probe, gap)
+        self._suspects[peer] = Suspect(now + self.grace, None if checking else "", probe, gap,
+                                       now - self._late_at <= self.grace)
         return actions + (self._ask_if_lost() if gap is not None else [])
 
     def suspects(self, peer: int) -> bool:
@@ -359,12 +359,16 @@ class Departures:
         """Note the time of an event, and a gap longer than ``stall`` before it (see
         :mod:`.suspects`). Returns no action (one day, maybe: hence the list)."""
         last, self._last = self._last, now
-        if (self.stall is not None and last is not None and now - last > self.stall
-                and not self._closing):
-            self._resumed = (now, now - last)
-            # what it suspected before the gap may have been its own loss too
-            for suspect in self._suspects.values():
-                suspect.due, suspect.after_gap = now + self.grace, now - last
+        stall = math.inf if self.stall is None else self.stall
+        gap = 0.0 if last is None or self._closing else now - last
+        if gap > stall / 2:  # its ticks ran late: its probes' timers may have too
+            self._late_at = now
+        for suspect in self._suspects.values() if gap > stall / 2 else ():
+            suspect.late = True  # what it suspected before a gap may be its own loss too
+            if gap > stall:
+                suspect.due, suspect.after_gap = now + self.grace, gap
+        if gap > stall:
+            self._resumed = (now, gap)
         return []
 
     def _lose(self, peer: int, by: int, how: str = "") -> list[Action]:
@@ -580,19 +584,15 @@ class Departures:
 
     def _ask_if_lost(self) -> list[Action]:
         """A suspect right after a gap (see .suspects): ask the watchers, once a gap, whether
-        they declared this peer lost (the answer comes within the suspect's grace): news of
-        itself, said goodbye and told them, which a peer that has it takes for nothing (it
-        waits for the goodbye itself) and one that declared it lost answers, as any news
-        from it (see :meth:`_news_from`)."""
-        if self._resumed is None or self._asked == self._resumed[0]:
+        they declared this peer lost: news of itself, said goodbye and told them, which a
+        peer that has it takes for nothing (it waits for that goodbye) and one that
+        declared it lost answers, as any news from it (see :meth:`_news_from`)."""
+        if self._resumed is None or self._asked == (asked := self._resumed[0]):
             return []
-        self._asked = self._resumed[0]
-        actions: list[Action] = []
-        for w in self.watchers():
-            ask = self._header("gone")
-            ask.meta = {"rank": self.rank, "graceful": True, "told": [w]}
-            actions += self._posts([w], ask)
-        return actions
+        self._asked = asked
+        return [a for w in self.watchers() for a in self._posts([w], Header(
+            "gone", self.group, self.rank, meta={"rank": self.rank, "graceful": True,
+                                                 "told": [w]}))]
 
     def _header(self, kind: str) -> Header:
         return Header(kind, self.group, self.rank)

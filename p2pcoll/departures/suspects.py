@@ -69,9 +69,12 @@ class Suspect:
     how: str | None  # what its check found (KILLED, UNRESPONSIVE, ALIVE, ""); None: asking
     probe_only: bool  # only its probe went down (a heartbeat timeout): no data was lost
     after_gap: float | None = None  # suspected right after a gap this long in this peer's clock
+    late: bool = False  # right after this peer's own clock ran late (a gap > half the stall)
 
     def lost_how(self) -> str:
         """How its loss says it went (see :data:`~p2pcoll.departures.words.LOST`)."""
+        if self.how == ALIVE and self.probe_only:
+            return UNRESPONSIVE  # it missed its heartbeats, and answers now
         return self.how if self.how in (KILLED, UNRESPONSIVE) else ""
 
 
@@ -82,7 +85,10 @@ def verdict(suspect: Suspect, now: float, stopped_past: float) -> Verdict:
     more for its check's answer."""
     gap = suspect.after_gap
     if suspect.how == ALIVE and suspect.probe_only:
-        return "self" if gap is not None and gap > stopped_past else "kept"
+        if gap is not None and gap > stopped_past:
+            return "self"
+        if suspect.late:
+            return "kept"
     if suspect.how is None and now < suspect.due + CHECK_WAIT:
         return "wait"
     if now < suspect.due:
