@@ -17,11 +17,11 @@ The cases (``--cases``, comma-separated; all by default):
     kill      SIGKILL of rank 2 while 4 peers run 64 MiB allreduces back to back
     stop      SIGSTOP of rank 2 there, default heartbeat (P2PCOLL_HEARTBEAT_TIMEOUT unset: 5 s)
     stop2     the same with P2PCOLL_HEARTBEAT_TIMEOUT=2
-    pause2    SIGSTOP of rank 2 for 1.25 x the heartbeat (P2PCOLL_HEARTBEAT_TIMEOUT=2), then
-              SIGCONT: a process not scheduled just past the heartbeat (a starved one) that
-              its watchers find alive; "first"/"all" are then the seconds from the SIGCONT
-              to each peer's next allreduce, and "named" counts the trials in which no peer
-              raised (kept, not lost)
+    pause2    SIGSTOP of every peer for 1.25 x the heartbeat (P2PCOLL_HEARTBEAT_TIMEOUT=2),
+              then SIGCONT: a crowded host that did not run the job's processes just past
+              the heartbeat; "first"/"all" are then the seconds from the SIGCONT to each
+              peer's next allreduce, and "named" counts the trials in which no peer raised
+              (kept, not lost)
     join      SIGKILL of rank 1 once ranks 0-2 of 4 have registered (rank 0 hosts the
               rendezvous): the others fail, "registered and then stopped answering"
     join2     the same with P2PCOLL_HEARTBEAT_TIMEOUT=2
@@ -251,8 +251,8 @@ async def mesh_trial(sig: signal.Signals, heartbeat: float | None, mib: int) -> 
 
 
 async def pause_trial(heartbeat: float, mib: int, factor: float = 1.25) -> Trial:
-    """4 peers in allreduces; rank VICTIM stopped for ``factor`` x the heartbeat, then
-    continued: every peer, the victim too, should go on without an error."""
+    """4 peers in allreduces; every one stopped for ``factor`` x the heartbeat, then
+    continued: every peer should go on without an error."""
     from p2pcoll.testing import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -261,10 +261,12 @@ async def pause_trial(heartbeat: float, mib: int, factor: float = 1.25) -> Trial
     try:
         for p in procs:
             await p.wait_for("round")
-        os.kill(procs[VICTIM].pid, signal.SIGSTOP)
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         await asyncio.sleep(factor * heartbeat)
-        os.kill(procs[VICTIM].pid, signal.SIGCONT)
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
         resumed = time.monotonic()
         trial, times = Trial(), []
         for p in procs:
@@ -355,7 +357,7 @@ CASES: dict[str, tuple[str, Callable[[argparse.Namespace], Any]]] = {
              lambda a: mesh_trial(signal.SIGSTOP, None, a.mib)),
     "stop2": ("SIGSTOP mid-allreduce, P2PCOLL_HEARTBEAT_TIMEOUT=2",
               lambda a: mesh_trial(signal.SIGSTOP, 2.0, a.mib)),
-    "pause2": ("SIGSTOP for 1.25 x heartbeat 2 s, then SIGCONT (kept: next round)",
+    "pause2": ("SIGSTOP of all for 1.25 x heartbeat 2 s, SIGCONT (kept: next round)",
                lambda a: pause_trial(2.0, a.mib)),
     "join": ("SIGKILL of a registered peer, group incomplete",
              lambda a: join_trial("join", None)),

@@ -2,9 +2,9 @@
 
 A heartbeat that stops is not a death. libzmq answers a probe's heartbeats on its own I/O
 thread, so a peer whose event loop is held (a long synchronous compute step, a call that
-holds the GIL) keeps its probes up; but a peer starved of the CPU for longer than the
-heartbeat timeout, or a watcher that was itself not scheduled while its heartbeat's timer
-ran out, loses a probe though both processes are alive. So a suspect's address is asked
+holds the GIL) keeps its probes up; but on a host so crowded that a watcher is not
+scheduled while its heartbeat's timer runs out, it loses a probe though both processes
+are alive. So a suspect's address is asked
 (the session's check) and :func:`verdict` decides, from what it found and from this
 peer's own clock:
 
@@ -12,9 +12,13 @@ peer's own clock:
 - :data:`~p2pcoll.errors.UNRESPONSIVE`: its kernel accepts a connection, but nothing greets
   on it (the process is stopped, or frozen): lost.
 - :data:`ALIVE`: its ZeroMQ I/O thread greets a new connection: the process runs. A
-  suspect that only lost its probe (:attr:`Suspect.probe_only`) is kept and watched anew:
-  it was busy or starved, not gone. One whose data link went down too is not (what it sent
-  there is lost): lost once its grace is over, unless it said goodbye.
+  suspect that only lost its probe (:attr:`Suspect.probe_only`) right after this peer's
+  own clock ran late (:attr:`Suspect.late`: its ticks came more than half the stall apart,
+  so it was starved too, and its probe's timer may have run out before it read the
+  answer) is kept and watched anew: a crowded host, not a death. Otherwise it is lost
+  (as unresponsive: it did miss its heartbeats while this peer ran, and what its
+  connections carried may be lost with them, as in a reset), once its grace is over,
+  unless it said goodbye; so is one whose data link went down too.
 - ``""`` (could not be asked: an endpoint not of tcp or ipc) or no answer yet: lost once
   its grace is over (held up to ``CHECK_WAIT`` for the answer).
 
