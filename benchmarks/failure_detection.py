@@ -17,6 +17,11 @@ The cases (``--cases``, comma-separated; all by default):
     kill      SIGKILL of rank 2 while 4 peers run 64 MiB allreduces back to back
     stop      SIGSTOP of rank 2 there, default heartbeat (P2PCOLL_HEARTBEAT_TIMEOUT unset: 5 s)
     stop2     the same with P2PCOLL_HEARTBEAT_TIMEOUT=2
+    pause2    SIGSTOP of every peer for 1.25 x the heartbeat (P2PCOLL_HEARTBEAT_TIMEOUT=2),
+              then SIGCONT: a crowded host that did not run the job's processes just past
+              the heartbeat; "first"/"all" are then the seconds from the SIGCONT to each
+              peer's next allreduce, and "named" counts the trials in which no peer raised
+              (kept, not lost)
     join      SIGKILL of rank 1 once ranks 0-2 of 4 have registered (rank 0 hosts the
               rendezvous): the others fail, "registered and then stopped answering"
     join2     the same with P2PCOLL_HEARTBEAT_TIMEOUT=2
@@ -88,8 +93,7 @@ async def mesh_worker(url: str, rank: int, mib: int) -> None:
         while True:
             await g.allreduce(data, out=out)
             rounds += 1
-            if rounds <= 3:
-                _say(event="round", rank=rank, rounds=rounds)
+            _say(event="round", rank=rank, rounds=rounds, t=time.monotonic())
     except p2pcoll.P2PCollError as exc:
         await _raised(exc)
 
@@ -246,6 +250,52 @@ async def mesh_trial(sig: signal.Signals, heartbeat: float | None, mib: int) -> 
             await p.kill()
 
 
+async def pause_trial(heartbeat: float, mib: int, factor: float = 1.25) -> Trial:
+    """4 peers in allreduces; every one stopped for ``factor`` x the heartbeat, then
+    continued: every peer should go on without an error."""
+    from p2pcoll.testing import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [await Proc.start(f"rank {r}", "--worker", "mesh", "--rank", str(r), "--url", url,
+                              "--mib", str(mib), env=_env(heartbeat)) for r in range(WORLD)]
+    try:
+        for p in procs:
+            await p.wait_for("round")
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        await asyncio.sleep(factor * heartbeat)
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        trial, times = Trial(), []
+        for p in procs:
+            deadline = resumed + 4 * heartbeat + 5
+            while True:  # its next round after the SIGCONT, or its error since the SIGSTOP
+                later = [e for e in p.events if e.get("t", 0) > resumed
+                         or (e["event"] == "raised" and e["t"] > stopped)]
+                if later or time.monotonic() > deadline:
+                    break
+                p.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(p.changed.wait(), 0.2)
+            raised = [e for e in later if e["event"] == "raised"]
+            if raised or not later:
+                trial.errors.add(raised[0]["type"] if raised else "stuck")
+                trial.problem += f"{p.name}: {raised[0]['message'] if raised else 'stuck'}; "
+            else:
+                times.append(later[0]["t"] - resumed)
+        trial.named = not trial.errors
+        trial.errors = trial.errors or {"none"}
+        if times:
+            trial.first, trial.last = min(times), max(times)
+        trial.sample = trial.problem or "every peer went on"
+        return trial
+    finally:
+        for p in procs:
+            await p.kill()
+
+
 async def join_trial(case: str, heartbeat: float | None) -> Trial:
     """Three of 4 peers register (one never comes), then the victim is SIGKILLed: rank 1
     (``join``; rank 0 hosts), rank 0, the host (``host``), or a standalone server, with
@@ -307,6 +357,8 @@ CASES: dict[str, tuple[str, Callable[[argparse.Namespace], Any]]] = {
              lambda a: mesh_trial(signal.SIGSTOP, None, a.mib)),
     "stop2": ("SIGSTOP mid-allreduce, P2PCOLL_HEARTBEAT_TIMEOUT=2",
               lambda a: mesh_trial(signal.SIGSTOP, 2.0, a.mib)),
+    "pause2": ("SIGSTOP of all for 1.25 x heartbeat 2 s, SIGCONT (kept: next round)",
+               lambda a: pause_trial(2.0, a.mib)),
     "join": ("SIGKILL of a registered peer, group incomplete",
              lambda a: join_trial("join", None)),
     "join2": ("the same, P2PCOLL_HEARTBEAT_TIMEOUT=2", lambda a: join_trial("join", 2.0)),

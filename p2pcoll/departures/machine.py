@@ -11,19 +11,17 @@ The protocol, in the order things happen:
 
 - **Watching.** Each peer watches its :data:`~.overlay.WATCHED` live ring successors (see
   :mod:`.overlay`) with a probe. A probe or a link that goes down makes its peer a
-  *suspect*; unless the peer says goodbye within :data:`LINK_LOSS_GRACE` (its port closes
-  right after its goodbye, which may come second), the next tick declares it lost. The
-  caller may find out meanwhile what became of it (:meth:`Departures.classified`: its
-  process is gone, ``killed``, or is there but silent, ``unresponsive``), which its loss
-  then names (a loss is held up to :data:`CHECK_WAIT` for that answer). A suspect found
-  ``killed`` is declared lost :data:`KILLED_WAIT` after that, if its grace is not over
-  first: nothing listens at its address, so it can send nothing more, and a goodbye it
-  sent came before its port closed (a told peer's farewell is what lets a leaver close;
-  the others' goodbye is on the connection whose close made the suspect); only the
-  reading of one may still be under way. When a
-  watched peer goes, the next live successor is watched instead (a ``late`` probe, which
-  also calls the peer lost if it cannot connect at all), so a run of consecutive losses is
-  found one after the other.
+  *suspect* (:mod:`.suspects`): unless it says goodbye within :data:`LINK_LOSS_GRACE` (its
+  port closes right after its goodbye, which may come second), or only its probe went down
+  and its process is found to answer (busy or starved, not gone: watched anew), it is
+  declared lost. The caller finds out meanwhile what became of it
+  (:meth:`Departures.classified`: ``killed``, ``unresponsive`` or ``alive``), which its
+  loss then names (held up to :data:`CHECK_WAIT` for that answer). One found ``killed`` is
+  declared lost :data:`KILLED_WAIT` after that, if its grace is not over first: it can
+  send nothing more, and a goodbye it sent came before its port closed; only the reading
+  of one may still be under way. When a watched peer goes, the next live successor is
+  watched instead (a ``late`` probe, which also calls the peer lost if it cannot connect
+  at all), so a run of consecutive losses is found one after the other.
 - **News.** A peer that learns of a departure first-hand or from another tells its
   :func:`~.overlay.fingers` once (``gone``), so every survivor knows within about log2 p
   hops. A goodbye's news carries the peers it went to (``told``): those wait for the
@@ -48,40 +46,35 @@ The protocol, in the order things happen:
   about an operation as it starts (:meth:`Departures.starting`) only once a peer has gone,
   so a call while everyone is there costs it nothing.
 - **A stalled peer.** The clock passed in also tells a peer that it was itself stopped: a
-  gap between events longer than ``stall`` (the heartbeat timeout: its watchers have
-  declared it lost by then), followed within the grace by the loss of a peer it watches
-  (its own probes' heartbeats timed out as it resumed; a loop that was only blocked keeps
-  its probes, which libzmq answers on its own thread). It fails everything it runs with
-  that (:class:`~.actions.DeclaredLost`), not with the loss of the healthy neighbours its
-  probes report (those losses were its own, and are ignored from then on).
-  A survivor that hears news from a peer it declared lost does not believe it, and answers
-  that peer that it was declared lost (the same end, should its clock not have seen it).
+  gap between events longer than ``stall`` (the heartbeat timeout) followed within the
+  grace by a suspect not found out, or after a gap past its watchers' probe and check
+  (``stopped_past``) by one found alive (its own probes' timers ran out as it resumed; a
+  loop that was only blocked keeps its probes, which libzmq answers on its own thread,
+  and a peer that died meanwhile is found killed). It fails everything it runs
+  with that (:class:`~.actions.DeclaredLost`), not with the loss of its healthy
+  neighbours. A survivor that hears news from a peer it declared lost does not believe
+  it, and answers that peer that it was declared lost (should its clock not have seen it).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import KILLED, UNRESPONSIVE, PeerLost
-from ..wire.header import OWN, Header
-from . import overlay
+from ..wire.header import Header
+from . import aborts, overlay
 from .actions import Aborted, Action, DeclaredLost, Degrade, Fail, Forget, Post, Unwatch, Watch
+from .suspects import CHECK_WAIT, KILLED_WAIT, LINK_LOSS_GRACE, Suspect, dropped, verdict
 from .words import LOST, left
 
 __all__ = ["KILLED_WAIT", "LINK_LOSS_GRACE", "Departure", "Departures", "Running"]
 
 log = logging.getLogger("p2pcoll")
 
-LINK_LOSS_GRACE = 0.3  # seconds between a link's disconnect and declaring its peer lost
-CHECK_WAIT = 2.0  # seconds more a loss waits for what became of its peer (classified)
-# Seconds from finding a suspect's process gone (classified KILLED) to declaring it lost: time
-# for this peer's reader to take a goodbye that came before the port closed.
-KILLED_WAIT = 0.05
-MAX_ABORTS_KEPT = 1024  # aborts remembered: far more than a failing group sends
-_TIMEOUT = "CollectiveTimeout"  # the error class name of a deadline, as aborts carry it
 
 
 @dataclass(frozen=True)
@@ -120,9 +113,8 @@ class Departures:
         grace: how long a suspect may still say goodbye before it is declared lost.
         killed_wait: how long, once a suspect is found killed, it may still (be read to)
             say goodbye, if that ends before ``grace``.
-        stall: a gap between two events longer than this, with a loss right after it,
-            means this peer was stopped for longer than its watchers wait (None: never
-            so); the caller then ticks at least every ``stall / 2``.
+        stall: a gap between two events longer than this may be this peer's own stop
+            (see :mod:`.suspects`; None: never); the caller then ticks every ``stall / 4``.
         running: the operations running at this peer (see :data:`Running`; none by
             default), read when a peer goes or this peer is declared lost.
     Raises:
@@ -137,13 +129,16 @@ class Departures:
         self.rank, self.size, self.group = rank, size, group
         self.endpoints = tuple(endpoints)
         self.grace, self.stall = grace, stall
+        # a gap this long: the watchers' probe and check have surely run out (.suspects)
+        self.stopped_past = math.inf if stall is None else stall * 1.25 + CHECK_WAIT
         self.killed_wait = min(killed_wait, grace)
         self._gone: dict[int, Departure] = {}
-        self._suspects: dict[int, float] = {}  # rank -> when it is declared lost
-        self._how: dict[int, str | None] = {}  # suspect -> how it went (None: being found)
+        self._suspects: dict[int, Suspect] = {}  # see .suspects
         self._watched: list[int] = []
         self._last: float | None = None  # the time of the last event
         self._resumed: tuple[float, float] | None = None  # after a gap: (when, how long)
+        self._late_at = -math.inf  # when an event last came late (see .suspects)
+        self._asked: float | None = None  # the gap after which the watchers were asked
         self._closing = False  # said goodbye: passes on no news, opens no link
         self._muted = False  # closed: nothing happens any more
         self._declared: PeerLost | None = None  # the others declared this peer lost
@@ -170,8 +165,7 @@ class Departures:
         return gone.error if gone else None
 
     def said_goodbye(self, rank: int) -> bool:
-        gone = self._gone.get(rank)
-        return gone is not None and gone.graceful
+        return (gone := self._gone.get(rank)) is not None and gone.graceful
 
     def abandoned(self, rank: int, seq: int) -> bool:
         """Whether ``rank`` is gone without taking its part in collective ``seq``: lost, or
@@ -196,10 +190,10 @@ class Departures:
         """When the next :meth:`tick` is due (None: no need)."""
         if self._muted:
             return None
-        times = [due + CHECK_WAIT if self._how.get(p, "") is None else due
-                 for p, due in self._suspects.items()]
+        times = [s.due + CHECK_WAIT if s.how is None else s.due
+                 for s in self._suspects.values()]
         if self.stall is not None and self._last is not None:
-            times.append(self._last + self.stall / 2)
+            times.append(self._last + self.stall / 4)  # a gap is then measured within that
         return min(times, default=None)
 
     # -- events ----------------------------------------------------------------------
@@ -210,42 +204,46 @@ class Departures:
         self._watched = overlay.watched(self.rank, self.size, gone=self._gone)
         return actions + [Watch(peer) for peer in self._watched]
 
-    def probe_lost(self, peer: int, now: float) -> list[Action]:
+    def probe_lost(self, peer: int, now: float, *, checking: bool = False) -> list[Action]:
         """A probe of ``peer`` went down (or a late one could not connect)."""
-        return self.link_closed(peer, now)
+        return self.link_closed(peer, now, checking=checking, probe=True)
 
-    def link_closed(self, peer: int, now: float, *, checking: bool = False) -> list[Action]:
-        """A connection to ``peer`` went down: it is lost unless it says goodbye within the
-        grace period. Once this peer knows it was declared lost, the losses it sees are its
-        own, and ignored. ``checking``: the caller finds out how it went, and says so
-        with :meth:`classified` (a new suspect's loss waits for that, see
-        :data:`CHECK_WAIT`)."""
+    def link_closed(self, peer: int, now: float, *, checking: bool = False,
+                    probe: bool = False) -> list[Action]:
+        """A connection to ``peer`` went down (``probe``: its probe): a suspect (see
+        :mod:`.suspects`). Once this peer knows it was declared lost, the losses it sees
+        are its own, and ignored. ``checking``: the caller finds out how it went, and says
+        so with :meth:`classified` (its loss waits for that, see :data:`CHECK_WAIT`)."""
         actions = self._clock(now)
         if (self._muted or self._declared is not None or peer in self._gone
-                or peer == self.rank or peer in self._suspects):
+                or peer == self.rank):
             return actions
-        if self._resumed is not None and now - self._resumed[0] <= self.grace:
-            return actions + self._declared_lost(None, self._resumed[1])
-        self._suspects[peer] = now + self.grace
-        self._how[peer] = None if checking else ""
-        return actions
+        suspect = self._suspects.get(peer)
+        if suspect is not None:  # a data link down too: what it sent there is lost
+            suspect.probe_only &= probe
+            return actions
+        resumed = self._resumed  # right after this peer's own gap? (see .suspects)
+        gap = resumed[1] if resumed is not None and now - resumed[0] <= self.grace else None
+        self._suspects[peer] = Suspect(now + self.grace, None if checking else "", probe, gap,
+                                       now - self._late_at <= self.grace)
+        return actions + (self._ask_if_lost() if gap is not None else [])
 
     def suspects(self, peer: int) -> bool:
-        """Whether ``peer``'s link went down and it has neither said goodbye nor been
-        declared lost yet."""
+        """Whether ``peer`` is a suspect (its link or probe went down; see .suspects)."""
         return peer in self._suspects
 
     def classified(self, peer: int, how: str, now: float) -> list[Action]:
         """What became of suspect ``peer``, as the caller found out after its
-        :meth:`link_closed`: :data:`~p2pcoll.errors.KILLED` (its process is gone) or
-        :data:`~p2pcoll.errors.UNRESPONSIVE` (it is there, silent), or "" (unknown); its
-        loss says so. A goodbye that comes still wins; a suspect found killed has
+        :meth:`link_closed`: :data:`~p2pcoll.errors.KILLED`,
+        :data:`~p2pcoll.errors.UNRESPONSIVE`, :data:`.suspects.ALIVE` or "" (unknown; see
+        :mod:`.suspects`). A goodbye that comes still wins; one found killed has
         :data:`KILLED_WAIT` for it, if that ends before its grace (module docstring)."""
         actions = self._clock(now)
-        if peer in self._suspects:
-            self._how[peer] = how
-            if how == KILLED:
-                self._suspects[peer] = min(self._suspects[peer], now + self.killed_wait)
+        suspect = self._suspects.get(peer)
+        if suspect is not None:
+            suspect.how = how
+            if how == KILLED and suspect.after_gap is None:  # (after one: the ask's answer)
+                suspect.due = min(suspect.due, now + self.killed_wait)
         return actions + self.tick(now)
 
     def unreachable(self, peer: int, now: float) -> list[Action]:
@@ -256,13 +254,21 @@ class Departures:
     def tick(self, now: float) -> list[Action]:
         """Time has passed: declare the suspects whose grace is over."""
         actions = self._clock(now)
-        for peer, due in sorted(self._suspects.items()):
-            how = self._how.get(peer, "")
-            if how is None and now < due + CHECK_WAIT:
-                continue  # what became of it is still being found out
-            if due <= now and peer in self._suspects:
-                del self._suspects[peer]
-                actions += self._lose(peer, by=self.rank, how=how or "")
+        alone = dropped(self._watched, self._suspects)  # (see .suspects)
+        for peer, suspect in sorted(self._suspects.items()):
+            decided = verdict(suspect, now, self.stopped_past)
+            if decided == "wait" or peer not in self._suspects:
+                continue
+            decided = "self" if alone and decided == "lost" else decided
+            del self._suspects[peer]
+            if decided == "self":  # its own stop made it a suspect
+                actions += self._declared_lost(None, suspect.after_gap or 0.0)
+            elif decided == "kept":  # busy or starved: watched anew (a late probe)
+                log.info("rank %d: rank %d missed its heartbeats but its process answers: "
+                         "kept (busy or starved of CPU, not lost)", self.rank, peer)
+                actions += [Unwatch(peer), Watch(peer, late=True)] * (peer in self._watched)
+            else:
+                actions += self._lose(peer, by=self.rank, how=suspect.lost_how())
         return self._out(actions)
 
     def received(self, header: Header, now: float) -> list[Action]:
@@ -326,9 +332,7 @@ class Departures:
 
     def closed(self) -> None:
         """This peer has closed: nothing happens any more."""
-        self._muted = True
-        self._suspects.clear()
-        self._how.clear()
+        self._muted, self._suspects = True, {}
 
     def starting(self, op: Hashable, needs: Collection[int] | None,
                  seq: int | None = None) -> list[Action]:
@@ -353,13 +357,18 @@ class Departures:
 
     def _clock(self, now: float) -> list[Action]:
         """Note the time of an event, and a gap longer than ``stall`` before it (see
-        :meth:`link_closed`). Returns no action (one day, maybe: hence the list)."""
+        :mod:`.suspects`). Returns no action (one day, maybe: hence the list)."""
         last, self._last = self._last, now
-        if (self.stall is not None and last is not None and now - last > self.stall
-                and not self._closing):
-            self._resumed = (now, now - last)
-            # what it suspected before the gap was its own loss too
-            self._suspects = {p: now + self.grace for p in self._suspects}
+        stall = math.inf if self.stall is None else self.stall
+        gap = 0.0 if last is None or self._closing else now - last
+        if gap > stall / 2:  # its ticks ran late: its probes' timers may have too
+            self._late_at = now
+        for suspect in self._suspects.values() if gap > stall / 2 else ():
+            suspect.late = True  # what it suspected before a gap may be its own loss too
+            if gap > stall:
+                suspect.due, suspect.after_gap = now + self.grace, gap
+        if gap > stall:
+            self._resumed = (now, gap)
         return []
 
     def _lose(self, peer: int, by: int, how: str = "") -> list[Action]:
@@ -394,7 +403,6 @@ class Departures:
             return []
         self._gone[rank] = departure
         self._suspects.pop(rank, None)
-        self._how.pop(rank, None)
         actions: list[Action] = [Forget(rank, departure.graceful)]
         for op, needs, seq in self._still_running():
             if (needs is None or rank in needs) and (not departure.graceful or (
@@ -490,7 +498,6 @@ class Departures:
         log.warning("rank %d: %s", self.rank, text)
         self._declared = PeerLost(text, self.rank)
         self._suspects.clear()
-        self._how.clear()
         actions: list[Action] = []
         for op, _, _ in self._still_running():
             actions += self._fail(op, self._declared)
@@ -544,7 +551,7 @@ class Departures:
         key = (origin, header.seq, header.tag)
         if key in self._seen:
             return []
-        _remember(self._seen, key, 1)
+        aborts.remember(self._seen, key, 1)
         what = (f"collective #{header.seq}" if header.tag is None
                 else f"a point-to-point transfer (tag {header.tag})")
         message = f"rank {origin} failed {what}: {header.err[1]}"
@@ -553,10 +560,10 @@ class Departures:
     def _pass_on(self, abort: Header, origin: int, skip: Collection[int] = ()) -> list[Action]:
         """Forward ``origin``'s abort to this peer's fingers, the first time it learns that
         the operation failed, or when it learns whom a timeout of it blames."""
-        op, level = (abort.seq, abort.tag), _level(abort)
+        op, level = (abort.seq, abort.tag), aborts.level(abort)
         if self._passed_on.get(op, 0) >= level:
             return []
-        _remember(self._passed_on, op, level)
+        aborts.remember(self._passed_on, op, level)
         meta = dict(abort.meta or ())
         meta.setdefault("told", [])
         if origin != self.rank:
@@ -575,22 +582,18 @@ class Departures:
     def _posts(self, peers: Collection[int], header: Header) -> list[Action]:
         return [Post(p, header) for p in peers if p not in self._gone and p != self.rank]
 
+    def _ask_if_lost(self) -> list[Action]:
+        """A suspect right after a gap (see .suspects): ask the watchers, once a gap, whether
+        they declared this peer lost: news of itself, said goodbye and told them, which a
+        peer that has it takes for nothing (it waits for that goodbye) and one that
+        declared it lost answers, as any news from it (see :meth:`_news_from`)."""
+        if self._resumed is None or self._asked == (asked := self._resumed[0]):
+            return []
+        self._asked = asked
+        return [a for w in self.watchers() for a in self._posts([w], Header(
+            "gone", self.group, self.rank, meta={"rank": self.rank, "graceful": True,
+                                                 "told": [w]}))]
+
     def _header(self, kind: str) -> Header:
         return Header(kind, self.group, self.rank)
 
-
-def _level(abort: Header) -> int:
-    """How much an abort says, for passing it on: 2 for a timeout that found the ranks to
-    blame (the peers then name the same ones), else 1."""
-    meta = abort.meta or {}
-    found = (abort.err is not None and abort.err[0] == _TIMEOUT
-             and meta.get("blame", OWN) != OWN)
-    return 2 if found else 1
-
-
-def _remember(memory: dict[Any, int], key: Any, value: int) -> None:
-    """Keep ``key`` in a bounded memory, forgetting the oldest beyond MAX_ABORTS_KEPT."""
-    memory.pop(key, None)
-    memory[key] = value
-    if len(memory) > MAX_ABORTS_KEPT:
-        del memory[next(iter(memory))]

@@ -24,6 +24,7 @@ from ..engine.polling import MessageWait
 from ..errors import KILLED, UNRESPONSIVE, GroupBroken, PeerLost
 from ..settings import Settings
 from ..departures import (
+    ALIVE,
     CHECK_WAIT,
     Aborted,
     Action,
@@ -39,7 +40,7 @@ from ..departures import (
     Watch,
 )
 from ..transport.base import LinkEvent, Transport
-from ..transport.endpoints import CHECKABLE, listening
+from ..transport.endpoints import CHECKABLE, answers, listening
 from ..transport.lane_poll import LanePoll
 from ..types import Membership, OpKey
 from ..wire import Header
@@ -199,28 +200,32 @@ class Session:
     def on_link(self, peer: int, event: LinkEvent) -> None:
         """What the transport saw of its connections to ``peer``: a link or probe that went
         down goes to the departures machine, the rest to :attr:`contacts`."""
-        if event is LinkEvent.DOWN:
-            self.link_down(peer)
+        if event is LinkEvent.DOWN or event is LinkEvent.PROBE_DOWN:
+            self.link_down(peer, probe=event is LinkEvent.PROBE_DOWN)
         else:
             self.contacts.on_link(peer, event)
 
-    def link_down(self, rank: int) -> None:
-        """A link or probe to ``rank`` went down. A new suspect's address is checked, so
-        that its loss says whether it was killed or stopped answering."""
+    def link_down(self, rank: int, probe: bool = False) -> None:
+        """A link (``probe``: the probe) to ``rank`` went down. A new suspect's address is
+        checked, so that its loss says whether it was killed or stopped answering, and a
+        suspect whose process still answers is kept (see p2pcoll.departures.suspects)."""
         endpoint = self.membership.endpoints[rank]
         checking = (endpoint.startswith(CHECKABLE) and not self.departures.suspects(rank)
                     and rank not in self._checks)
-        self._do(self.departures.link_closed(rank, self._now(), checking=checking))
+        self._do(self.departures.link_closed(rank, self._now(), checking=checking,
+                                             probe=probe))
         if checking and self.departures.suspects(rank):
             self._checks[rank] = asyncio.create_task(self._check(rank, endpoint))
 
     async def _check(self, rank: int, endpoint: str) -> None:
         """What became of suspect ``rank``: nothing listens at its address any more (its
-        process is gone: killed), or something does (it is there, silent: unresponsive).
-        Asked at once, and again every :data:`RECHECK_S` until half a grace after the link
-        went down: a process being killed closes its connections a moment before its
-        listening sockets. A suspect found killed is declared lost soon after (see
-        :data:`~p2pcoll.departures.KILLED_WAIT`), not at the end of its grace."""
+        process is gone: killed), or something does, and then either its ZeroMQ I/O thread
+        greets a new connection (its process runs: alive, only busy or starved) or not (it
+        is there, silent: unresponsive). Asked at once, and again every :data:`RECHECK_S`
+        until half a grace after the link went down: a process being killed closes its
+        connections a moment before its listening sockets. A suspect found killed is
+        declared lost soon after (see :data:`~p2pcoll.departures.KILLED_WAIT`), not at the
+        end of its grace; a greeting is waited for up to half :data:`CHECK_WAIT`."""
         how = ""
         loop = asyncio.get_running_loop()
         until = loop.time() + self.departures.grace / 2
@@ -230,7 +235,12 @@ class Session:
                 if found is False or loop.time() >= until:
                     break
                 await asyncio.sleep(min(RECHECK_S, max(0.0, until - loop.time())))
-            how = KILLED if found is False else UNRESPONSIVE
+            if found is False:
+                how = KILLED
+            elif found is None:  # no answer at all (a cut network, say)
+                how = UNRESPONSIVE
+            else:
+                how = ALIVE if await answers(endpoint, CHECK_WAIT / 2) else UNRESPONSIVE
         except ValueError:  # an address it cannot check: the loss says it cannot tell
             pass
         finally:

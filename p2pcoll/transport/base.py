@@ -70,8 +70,8 @@ MessageHook = Callable[[int, Header, int], None]  # (dst or src, header, payload
 class LinkEvent(StrEnum):
     """A fact about this peer's connections to another, as a transport reports it (see
     :class:`Transport`); the session keeps what follows from them (who may not have read
-    all this peer sent, whom an answer reaches) and feeds ``DOWN`` to the departures
-    machine."""
+    all this peer sent, whom an answer reaches) and feeds ``DOWN`` and ``PROBE_DOWN`` to
+    the departures machine."""
 
     OPENED = "opened"  # a link to the peer opened: what goes on it may not be read yet
     CLOSED = "closed"  # a link to the peer was closed for the budget: it drains
@@ -80,7 +80,10 @@ class LinkEvent(StrEnum):
     # and if the peer watches this one, a goodbye reaches it over its probe (not over inproc,
     # which has no probes)
     PROBE_KNOWN = "probe known"
-    DOWN = "down"  # a link or probe to the peer went down (lost, unless it says goodbye)
+    DOWN = "down"  # a link to the peer went down (lost, unless it says goodbye)
+    # its probe went down (its heartbeats stopped): lost, unless it says goodbye or its
+    # process still answers (busy, not gone: see p2pcoll.departures.suspects)
+    PROBE_DOWN = "probe down"
 
 
 LinkHandler = Callable[[int, LinkEvent], None]  # (peer, what happened)

@@ -294,6 +294,23 @@ def endpoint_policy(name: str) -> EndpointPolicy:
 CHECKABLE = ("tcp://", "ipc://")
 
 
+def _address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
+    """The socket family and address of a :data:`CHECKABLE` endpoint.
+
+    Raises:
+        ValueError: ``endpoint`` is not one of :data:`CHECKABLE`.
+    """
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"cannot check {endpoint!r}: no port number")
+        family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+        return family, (host.strip("[]"), int(port))
+    if endpoint.startswith("ipc://"):
+        return socket.AF_UNIX, endpoint.removeprefix("ipc://")
+    raise ValueError(f"cannot check {endpoint!r}: expected one of {CHECKABLE}")
+
+
 async def listening(endpoint: str, timeout: float) -> bool | None:
     """Whether something still listens at a peer's ``endpoint`` (one of :data:`CHECKABLE`):
     a process that is gone has no listening socket (a connection is refused, or the socket
@@ -304,17 +321,7 @@ async def listening(endpoint: str, timeout: float) -> bool | None:
     Raises:
         ValueError: ``endpoint`` is not one of :data:`CHECKABLE`.
     """
-    address: str | tuple[str, int]
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
-        if not port.isdigit():
-            raise ValueError(f"cannot check {endpoint!r}: no port number")
-        address = (host.strip("[]"), int(port))
-    elif endpoint.startswith("ipc://"):
-        family, address = socket.AF_UNIX, endpoint.removeprefix("ipc://")
-    else:
-        raise ValueError(f"cannot check {endpoint!r}: expected one of {CHECKABLE}")
+    family, address = _address(endpoint)
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setblocking(False)
         try:
@@ -325,3 +332,31 @@ async def listening(endpoint: str, timeout: float) -> bool | None:
         except (OSError, TimeoutError):
             return None
     return True
+
+
+async def answers(endpoint: str, timeout: float) -> bool | None:
+    """Whether the process at a peer's ``endpoint`` (one of :data:`CHECKABLE`) still runs:
+    its ZeroMQ I/O thread greets a new connection within ``timeout`` (ZMTP's signature, whose
+    first byte is 0xFF, is the first thing libzmq sends). A process whose event loop is
+    only busy (a long compute step, a call that holds the GIL) greets, since libzmq does
+    on its own thread; one that is stopped or frozen does not, though its kernel accepts the
+    connection. False: nothing listens, or the connection closed without a greeting (the
+    process is going); None: accepted, and silent for ``timeout``. Closed by this end
+    after the first byte: the peer's ROUTER never counts it (no handshake completes).
+
+    Raises:
+        ValueError: ``endpoint`` is not one of :data:`CHECKABLE`.
+    """
+    family, address = _address(endpoint)
+    loop = asyncio.get_running_loop()
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, address)
+                first = await loop.sock_recv(sock, 1)
+        except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError):
+            return False
+        except (OSError, TimeoutError):
+            return None
+    return first == b"\xff" if first else False

@@ -153,9 +153,9 @@ class ZmqMesh:
                              lane_off=local.lane_off, lane_gone=local.lane_gone)
         self.paths: Paths = PathsOf(self.routes.path, self.routes.drive,  # Transport.paths
                                     self.routes.measure, self.routes.paths.buffers.window)
-        # Heartbeat-only links to the watched peers (see .liveness); a probe down: a link's.
+        # Heartbeat-only links to the watched peers (see .liveness).
         self._probes = Probes(self.sockets, lambda peer: self._link_event(
-            peer, LinkEvent.DOWN), self._bye_on_probe)
+            peer, LinkEvent.PROBE_DOWN), self._bye_on_probe)
         self._gone: set[int] = set()  # peers the session has told this one are gone
         self._watched: set[int] = set()  # the peers this one watches (see follow)
         self._peer_endpoints: tuple[str, ...] = ()
