@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .settings import Settings
     from .types import CustomOp, Membership, ReduceOp
 
-__version__ = "0.22.0"
+__version__ = "0.23.0"
 
 __all__ = [
     "CollectiveMismatch",
