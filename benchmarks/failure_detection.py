@@ -221,13 +221,18 @@ async def _outcome(survivors: list[Proc], sent_at: float, expect: Callable[[dict
     return trial
 
 
-async def mesh_trial(sig: signal.Signals, heartbeat: float | None, mib: int) -> Trial:
-    """4 peers in allreduces of ``mib`` MiB; ``sig`` to rank VICTIM mid-allreduce."""
+async def _mesh(heartbeat: float | None, mib: int) -> list[Proc]:
+    """WORLD mesh workers (allreduces of ``mib`` MiB) on a new rendezvous, started."""
     from p2pcoll.testing import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [await Proc.start(f"rank {r}", "--worker", "mesh", "--rank", str(r), "--url", url,
-                              "--mib", str(mib), env=_env(heartbeat)) for r in range(WORLD)]
+    return [await Proc.start(f"rank {r}", "--worker", "mesh", "--rank", str(r), "--url", url,
+                             "--mib", str(mib), env=_env(heartbeat)) for r in range(WORLD)]
+
+
+async def mesh_trial(sig: signal.Signals, heartbeat: float | None, mib: int) -> Trial:
+    """4 peers in allreduces of ``mib`` MiB; ``sig`` to rank VICTIM mid-allreduce."""
+    procs = await _mesh(heartbeat, mib)
     try:
         for p in procs:
             await p.wait_for("ready")
@@ -253,11 +258,7 @@ async def mesh_trial(sig: signal.Signals, heartbeat: float | None, mib: int) -> 
 async def pause_trial(heartbeat: float, mib: int, factor: float = 1.25) -> Trial:
     """4 peers in allreduces; every one stopped for ``factor`` x the heartbeat, then
     continued: every peer should go on without an error."""
-    from p2pcoll.testing import free_port
-
-    url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [await Proc.start(f"rank {r}", "--worker", "mesh", "--rank", str(r), "--url", url,
-                              "--mib", str(mib), env=_env(heartbeat)) for r in range(WORLD)]
+    procs = await _mesh(heartbeat, mib)
     try:
         for p in procs:
             await p.wait_for("round")

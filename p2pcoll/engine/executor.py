@@ -349,15 +349,8 @@ def combine(
             _fold(targets, frames, ufunc)
         return
     token = _ERRORS.set(_IGNORE)  # np.errstate(all="ignore") without its object
-    try:  # (_fold, inline: once a receive)
-        for dst, frame in zip(targets, frames, strict=True):
-            if dst.size == 0:
-                continue
-            src = np.frombuffer(frame.buffer, dtype=dst.dtype)
-            if ufunc is None:
-                np.copyto(dst, src)
-            else:
-                ufunc(dst, src, out=dst)
+    try:
+        _fold(targets, frames, ufunc)
     finally:
         _ERRORS.reset(token)
 

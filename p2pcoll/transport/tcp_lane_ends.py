@@ -67,19 +67,7 @@ class TcpLaneOut:
             return False
         if self.closed:
             return True
-        if self._pending:
-            self._keep(pieces, 0)
-            return True
-        try:  # (_send, inline: once a message)
-            sent = self.sock.sendmsg(pieces)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            self._fail(f"cannot write: {exc}")
-            return True
-        if sent < need:
-            self._keep(pieces, sent)
-            self._loop.add_writer(self.sock.fileno(), self._on_writable)
+        self._send(pieces, need)  # what the kernel does not take now is kept
         return True
 
     def _send(self, pieces: list[Buffer], need: int) -> bool:

@@ -64,15 +64,7 @@ def encode_record(frames: Sequence[Buffer]) -> list[Buffer]:
 
 def encode_sized(frames: Sequence[Buffer]) -> tuple[list[Buffer], int]:
     """:func:`encode_record`'s pieces and the record's size in bytes (one pass)."""
-    lengths = []  # (_lengths, inline: once a message)
-    items: Sequence[Any] = frames
-    for f in items:
-        if type(f) is bytes:
-            lengths.append(len(f))
-        elif type(f) is np.ndarray:
-            lengths.append(f.nbytes)
-        else:
-            lengths.append(memoryview(f).nbytes)
+    lengths = _lengths(frames)
     count = len(lengths)
     size = 8 + 4 * count + sum(lengths)
     prefix = _PREFIXES[count].pack(size, count, *lengths) if count <= 4 else \
