@@ -10,12 +10,16 @@ import logging
 from typing import Any
 
 import numpy as np
+import pytest
 
 import p2pcoll
 from p2pcoll import training
 from conftest import newcomer_arrives
 from peer_processes import port_held
 from test_async_diloco import digest, replayed
+
+# Real sockets and real seconds (about 7 s): the processes tier, not the default one.
+pytestmark = pytest.mark.processes
 
 H, ROUNDS, POLL = 3, 10, 0.2
 SLOW_S = 0.5  # the slow member's inner step while the newcomer waits: its step ends late
